@@ -1,0 +1,1 @@
+"""Checkpoint save/load: atomic, committed checkpoint directories."""

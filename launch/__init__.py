@@ -1,0 +1,1 @@
+"""Command line and launchers: `strata` CLI, torchrun and Slurm."""

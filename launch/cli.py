@@ -1,0 +1,142 @@
+"""The `strata` command: train, launch (torchrun / Slurm), config show/explain, data prepare, plot.
+User errors (StrataError) print one clear message and exit 2, without a traceback."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trainer.errors import StrataError
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from parallel import runtime
+    from trainer import config
+    from trainer.loop import run
+
+    cfg = config.load(args.config, args.overrides, world_size=runtime.world_size_from_env())
+    rt = runtime.start(cfg.parallel.backend, cfg.parallel.timeout_s)
+    try:
+        run(cfg, rt, Path(args.resume) if args.resume else None)
+    finally:
+        runtime.stop()
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from launch import slurm, torchrun
+    from trainer import config
+
+    if args.slurm:
+        cfg = config.load(args.config, args.overrides, world_size=args.nodes * args.gpus_per_node)
+        job = slurm.SlurmJob(name=cfg.run_name(), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                             partition=args.partition, account=args.account, time=args.time)
+        script = slurm.sbatch_script(job, str(Path(args.config).resolve()), args.overrides, args.resume,
+                                     workdir=str(Path.cwd()))
+        path = Path(args.script or cfg.run_dir() / "job.sbatch")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(script)
+        print(f"strata launch: wrote {path}")
+        return 0 if args.no_submit else slurm.submit(path)
+    config.load(args.config, args.overrides, world_size=args.nproc * args.nnodes)  # fail before starting workers
+    plan = torchrun.LaunchPlan(nproc_per_node=args.nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
+    return torchrun.run_local(plan, args.config, args.overrides, args.resume)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from trainer import config
+
+    if args.action == "show":
+        print(config.dump(config.load(args.target, args.overrides, world_size=args.world_size)), end="")
+    else:
+        print(config.explain(args.target))
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    import sysconfig
+
+    from trainer import data
+
+    if args.stdlib:
+        files, root = data.stdlib_corpus_files(), Path(sysconfig.get_paths()["stdlib"])
+    else:
+        if not args.inputs:
+            raise StrataError("strata data prepare: give input files/directories, or --stdlib for the built-in corpus")
+        files, root = data.expand_inputs(args.inputs, args.glob)
+    meta = data.prepare(files, Path(args.out), args.val_fraction, root=root)
+    print(f"wrote {args.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
+          f"from {meta['documents']} files ({meta['dtype']}, vocab {meta['vocab_size']})")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from trainer.plots import plot_run
+
+    print(f"wrote {plot_run(Path(args.run_dir), Path(args.out) if args.out else None)}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="strata", description="Train transformer models from one YAML experiment.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train in this process (or as one torchrun worker)")
+    t.add_argument("config", help="YAML experiment, e.g. configs/tiny.yaml")
+    t.add_argument("overrides", nargs="*", help="group.key=value overrides, e.g. train.steps=100")
+    t.add_argument("--resume", help="checkpoint directory (a step_* dir, or a checkpoints dir: latest committed)")
+    t.set_defaults(func=cmd_train)
+
+    la = sub.add_parser("launch", help="start N processes with torchrun, or write/submit a Slurm job")
+    la.add_argument("config")
+    la.add_argument("overrides", nargs="*")
+    la.add_argument("--resume")
+    la.add_argument("--nproc", type=int, default=1, help="processes per node (local torchrun)")
+    la.add_argument("--nnodes", type=int, default=1, help="nodes taking part in the local rendezvous")
+    la.add_argument("--rdzv-endpoint", default="", help="host:port of the c10d rendezvous (default: a free local port)")
+    la.add_argument("--slurm", action="store_true", help="write an sbatch script (and submit it if sbatch exists)")
+    la.add_argument("--nodes", type=int, default=1, help="Slurm nodes")
+    la.add_argument("--gpus-per-node", type=int, default=8, help="Slurm GPUs (= processes) per node")
+    la.add_argument("--partition", default="")
+    la.add_argument("--account", default="")
+    la.add_argument("--time", default="01:00:00")
+    la.add_argument("--script", help="where to write the sbatch script (default: <run dir>/job.sbatch)")
+    la.add_argument("--no-submit", action="store_true", help="only write the script")
+    la.set_defaults(func=cmd_launch)
+
+    c = sub.add_parser("config", help="show a resolved config or explain a key")
+    c.add_argument("action", choices=["show", "explain"])
+    c.add_argument("target", help="config file (show) or key such as optim.lr (explain)")
+    c.add_argument("overrides", nargs="*")
+    c.add_argument("--world-size", type=int, help="also check the layout against this many processes")
+    c.set_defaults(func=cmd_config)
+
+    d = sub.add_parser("data", help="prepare token files")
+    d.add_argument("action", choices=["prepare"])
+    d.add_argument("inputs", nargs="*", help="text files or directories")
+    d.add_argument("--out", required=True, help="output directory (train.bin, val.bin, meta.json)")
+    d.add_argument("--glob", default="*", help="file pattern inside input directories (e.g. '*.txt')")
+    d.add_argument("--val-fraction", type=float, default=0.05)
+    d.add_argument("--stdlib", action="store_true", help="use the Python standard library sources as the corpus")
+    d.set_defaults(func=cmd_data)
+
+    pl = sub.add_parser("plot", help="PNG of a run's loss and throughput curves")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out")
+    pl.set_defaults(func=cmd_plot)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except StrataError as e:
+        print(f"strata: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Slurm launch: write an sbatch script that runs one torchrun per node under srun, with c10d
+rendezvous on the job's first node, and submit it when sbatch exists."""
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from launch.torchrun import worker_args
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """The sbatch request. Empty strings leave a setting to the cluster's defaults."""
+    name: str
+    nodes: int
+    gpus_per_node: int
+    partition: str = ""
+    account: str = ""
+    time: str = "01:00:00"
+    cpus_per_task: int = 0
+    rdzv_port: int = 29500
+
+
+def sbatch_script(job: SlurmJob, config_path: str, overrides: list[str], resume: str | None,
+                  workdir: str) -> str:
+    directives = [f"--job-name={job.name}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
+                  f"--gpus-per-node={job.gpus_per_node}", f"--time={job.time}",
+                  f"--output={job.name}-%j.out", "--exclusive"]
+    if job.partition:
+        directives.append(f"--partition={job.partition}")
+    if job.account:
+        directives.append(f"--account={job.account}")
+    if job.cpus_per_task:
+        directives.append(f"--cpus-per-task={job.cpus_per_task}")
+    worker = shlex.join(["python", *worker_args(config_path, overrides, resume)])
+    lines = ["#!/bin/bash", *[f"#SBATCH {d}" for d in directives], "",
+             "set -euo pipefail",
+             f"cd {shlex.quote(workdir)}",
+             "# Rendezvous on the first node of the allocation (c10d store hosted by that node's torchrun).",
+             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             'head_addr=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk \'{print $1}\')',
+             f"export RDZV_ENDPOINT=\"$head_addr:{job.rdzv_port}\"",
+             'echo "strata: $SLURM_JOB_NUM_NODES nodes, rendezvous at $RDZV_ENDPOINT"',
+             "",
+             "srun --kill-on-bad-exit=1 python -m torch.distributed.run \\",
+             f"  --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} \\",
+             '  --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$SLURM_JOB_ID" \\',
+             f"  {worker}",
+             ""]
+    return "\n".join(lines)
+
+
+def submit(script_path: Path) -> int:
+    """sbatch the script if Slurm is installed; otherwise say where it is. Returns an exit code."""
+    if shutil.which("sbatch") is None:
+        print(f"strata launch: sbatch not found; wrote {script_path} (submit it with: sbatch {script_path})")
+        return 0
+    out = subprocess.run(["sbatch", str(script_path)], capture_output=True, text=True)
+    print(out.stdout.strip() or out.stderr.strip())
+    return out.returncode

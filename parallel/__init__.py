@@ -1,0 +1,1 @@
+"""Parallelism: topology and process groups, collectives that count bytes, data parallel."""

@@ -1,0 +1,31 @@
+"""Collectives through one door: thin wrappers over torch.distributed that count the bytes each
+parallel dimension moves (benchmarks and tests read `bytes_moved`)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+bytes_moved: Counter = Counter()
+
+
+def _count(dim: str, op: str, tensor: torch.Tensor) -> None:
+    bytes_moved[(dim, op)] += tensor.numel() * tensor.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, group, dim: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of `tensor` over `group` (no-op without one)."""
+    if group is not None:
+        _count(dim, "all_reduce", tensor)
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def reset_counters() -> None:
+    bytes_moved.clear()

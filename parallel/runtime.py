@@ -1,0 +1,46 @@
+"""Process start-up: join the torch.distributed world that torchrun (or srun) describes in the
+environment, pick the device, and leave cleanly."""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def start(backend: str = "auto", timeout_s: int = 600) -> Runtime:
+    """Initialise the default process group if the environment names a world of > 1 process."""
+    world = world_size_from_env()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        chosen = ("nccl" if use_cuda else "gloo") if backend == "auto" else backend
+        dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
+    return Runtime(rank, world, local_rank, device)
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,1 @@
+"""Training side of Strata: config schema, model, data, the training loop and metrics."""

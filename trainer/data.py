@@ -1,0 +1,224 @@
+"""Token data: preparing text into memory-mapped token files, and the deterministic, resumable,
+data-parallel batch loader that reads them.
+
+On disk (nanoGPT's layout plus a JSON header): DIR/train.bin and DIR/val.bin are flat arrays of
+token ids (uint16, or uint32 for vocabularies over 65535), DIR/meta.json says dtype, vocabulary
+and tokenizer. A training sample i is the window tokens[i·L : i·L + L + 1] (L = sequence length).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from checkpoint.atomic import atomic_directory
+from trainer.errors import DataError
+
+FORMAT_VERSION = 1
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, plus an end-of-document token 256."""
+    name = "byte"
+    vocab_size = 257
+    eot = 256
+
+    def encode(self, data: bytes) -> np.ndarray:
+        return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+
+    def decode(self, tokens: Iterable[int]) -> str:
+        return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+
+
+# --- preparing token files ------------------------------------------------------------------
+
+def stdlib_corpus_files() -> list[Path]:
+    """The Python standard library's own .py sources (no tests, no site-packages), sorted:
+    a real text corpus present on every machine with Python."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
+    files = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts[:-1])]
+    return sorted(files, key=lambda p: str(p.relative_to(root)))
+
+
+def _is_val(name: str, val_fraction: float) -> bool:
+    """Deterministic per-document split by a hash of its name (stable across machines)."""
+    h = int.from_bytes(hashlib.sha1(name.encode()).digest()[:8], "little")
+    return h / 2**64 < val_fraction
+
+
+def prepare(files: list[Path], out_dir: Path, val_fraction: float = 0.05, root: Path | None = None) -> dict:
+    """Tokenize `files` (byte-level, documents separated by EOT) into out_dir/{train,val}.bin and
+    meta.json. Each file goes wholly to train or val by a hash of its path relative to `root`;
+    if that leaves val empty (e.g. one file), val is the last val_fraction of the token stream.
+    Written atomically: out_dir is either the old complete version or the new one."""
+    if not files:
+        raise DataError("data prepare: no input files; give text files or directories that contain them")
+    tok = ByteTokenizer()
+    parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    eot = np.array([tok.eot], dtype=np.uint16)
+    for f in files:
+        name = str(f.relative_to(root)) if root else f.name
+        split = "val" if _is_val(name, val_fraction) else "train"
+        parts[split] += [tok.encode(Path(f).read_bytes()), eot]
+    train = np.concatenate(parts["train"]) if parts["train"] else np.zeros(0, np.uint16)
+    val = np.concatenate(parts["val"]) if parts["val"] else np.zeros(0, np.uint16)
+    if val_fraction > 0 and (len(val) == 0 or len(train) == 0):
+        stream = np.concatenate([train, val])
+        cut = int(len(stream) * (1 - val_fraction))
+        train, val = stream[:cut], stream[cut:]
+    meta = {"format": FORMAT_VERSION, "dtype": "uint16", "vocab_size": tok.vocab_size, "tokenizer": tok.name,
+            "eot": tok.eot, "train_tokens": int(len(train)), "val_tokens": int(len(val)), "documents": len(files)}
+    with atomic_directory(Path(out_dir)) as tmp:
+        train.tofile(tmp / "train.bin")
+        val.tofile(tmp / "val.bin")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def expand_inputs(inputs: list[str], pattern: str = "*") -> tuple[list[Path], Path | None]:
+    """Files named directly, plus files matching `pattern` under named directories, sorted."""
+    files: list[Path] = []
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            files += sorted(q for q in p.rglob(pattern) if q.is_file())
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise DataError(f"data prepare: input {item!r} does not exist")
+    common = Path(os.path.commonpath([str(f.resolve()) for f in files])) if files else None
+    if common is not None and common.is_file():
+        common = common.parent
+    return files, common
+
+
+def default_corpus_dir(cache_dir: str | None) -> Path:
+    base = Path(cache_dir or os.environ.get("STRATA_CACHE") or Path.home() / ".cache" / "strata")
+    return base / "stdlib-byte"
+
+
+def ensure_default_corpus(cache_dir: str | None, val_fraction: float) -> Path:
+    """The built-in corpus directory, preparing it on first use (a few seconds)."""
+    out = default_corpus_dir(cache_dir)
+    if not (out / "meta.json").is_file():
+        root = Path(sysconfig.get_paths()["stdlib"])
+        prepare(stdlib_corpus_files(), out, val_fraction, root=root)
+    return out
+
+
+# --- reading --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TokenMeta:
+    dtype: str
+    vocab_size: int
+    tokenizer: str
+
+
+def read_meta(data_dir: Path) -> TokenMeta:
+    path = Path(data_dir) / "meta.json"
+    if not path.is_file():
+        raise DataError(f"data.path={str(data_dir)!r}: no meta.json there; make the directory with "
+                        "`strata data prepare`, or add meta.json with {\"dtype\": \"uint16\", \"vocab_size\": N}")
+    meta = json.loads(path.read_text())
+    if meta.get("dtype") not in ("uint16", "uint32") or not isinstance(meta.get("vocab_size"), int):
+        raise DataError(f"{path}: needs \"dtype\" (uint16 or uint32) and an integer \"vocab_size\"")
+    return TokenMeta(meta["dtype"], meta["vocab_size"], meta.get("tokenizer", "unknown"))
+
+
+class TokenDataset:
+    """Non-overlapping (seq_len+1)-token windows of one split, read from a memory map."""
+
+    def __init__(self, data_dir: Path, split: str, seq_len: int):
+        meta = read_meta(data_dir)
+        path = Path(data_dir) / f"{split}.bin"
+        if not path.is_file():
+            raise DataError(f"data.path={str(data_dir)!r}: missing {split}.bin")
+        self.tokens = np.memmap(path, dtype=np.dtype(meta.dtype), mode="r")
+        self.seq_len = seq_len
+        self.vocab_size = meta.vocab_size
+        self.n_samples = (len(self.tokens) - 1) // seq_len
+        if self.n_samples < 1:
+            raise DataError(f"{path}: {len(self.tokens)} tokens is too few for one sequence of "
+                            f"model.seq_len={seq_len}+1; use more data or a shorter seq_len")
+
+    def __len__(self) -> int:
+        return self.n_samples
+
+    def window(self, i: int) -> np.ndarray:
+        start = i * self.seq_len
+        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+
+    def batch(self, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both (len(indices), seq_len) int64."""
+        rows = torch.from_numpy(np.stack([self.window(i) for i in indices]))
+        return rows[:, :-1], rows[:, 1:]
+
+
+class BatchLoader:
+    """Deterministic, resumable data-parallel batches (Megatron's consumed-samples scheme).
+
+    The global sample stream is epoch after epoch of a permutation seeded by (seed, epoch). Each
+    optimizer step takes the next `global_batch` positions; data-parallel rank r reads the r-th
+    contiguous slice of them, in micro-batches. The only state is `consumed_samples`, global, so a
+    run resumes exactly, even with another dp size, and each sample is read once per epoch.
+    """
+
+    def __init__(self, dataset: TokenDataset, seed: int, global_batch: int, micro_batch: int,
+                 dp_rank: int = 0, dp_size: int = 1, shuffle: bool = True):
+        if global_batch % (micro_batch * dp_size):
+            raise DataError(f"global batch {global_batch} is not a multiple of micro_batch·dp = {micro_batch}·{dp_size}")
+        self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.consumed_samples = 0
+        self._perm_epoch, self._perm = -1, None
+
+    def _sample_at(self, position: int) -> int:
+        n = len(self.dataset)
+        epoch, offset = divmod(position, n)
+        if not self.shuffle:
+            return offset
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(n)
+            self._perm_epoch = epoch
+        return int(self._perm[offset])
+
+    def step_indices(self) -> list[list[int]]:
+        """This rank's sample indices for the next optimizer step, as micro-batches; advances."""
+        per_rank = self.global_batch // self.dp_size
+        start = self.consumed_samples + self.dp_rank * per_rank
+        indices = [self._sample_at(start + k) for k in range(per_rank)]
+        self.consumed_samples += self.global_batch
+        return [indices[k:k + self.micro_batch] for k in range(0, per_rank, self.micro_batch)]
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.dataset.batch(mb) for mb in self.step_indices()]
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "n_samples": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n_samples"] != len(self.dataset) or state["seed"] != self.seed:
+            raise DataError(f"cannot resume the data position: the checkpoint was taken with seed {state['seed']} over "
+                            f"{state['n_samples']} samples, this run has seed {self.seed} over {len(self.dataset)}; "
+                            "resume with the same data, model.seq_len and train.seed")
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+def eval_batches(dataset: TokenDataset, n_batches: int, micro_batch: int, dp_rank: int,
+                 dp_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The same validation micro-batches at every evaluation: the first n_batches·micro_batch·dp
+    windows in order (wrapping if the split is small), rank r taking every dp-th micro-batch."""
+    n = len(dataset)
+    for b in range(n_batches):
+        first = (b * dp_size + dp_rank) * micro_batch
+        yield dataset.batch([(first + k) % n for k in range(micro_batch)])

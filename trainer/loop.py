@@ -1,0 +1,224 @@
+"""The training loop: one Trainer with small steps (set up, train a step, evaluate, save, resume).
+
+It asks the data loader for this rank's micro-batches, accumulates gradients, averages them over
+the data-parallel group, clips, steps AdamW under a warmup+cosine schedule, and reports.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import store
+from parallel import comm
+from parallel.data_parallel import GradientBuckets, unique_params
+from parallel.runtime import Runtime
+from parallel.topology import Layout, Topology, build_topology
+from trainer import config as config_mod
+from trainer.config import Config, OptimConfig
+from trainer.data import BatchLoader, TokenDataset, ensure_default_corpus, eval_batches
+from trainer.errors import CheckpointError
+from trainer.metrics import MetricsLogger
+from trainer.model import GPT, build_model, flops_per_token, lm_loss
+
+
+def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then decay to min_lr."""
+    if step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return optim.lr
+    decay_steps = max(1, total_steps - optim.warmup_steps)
+    progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1 - progress
+    min_lr = optim.lr * optim.min_lr_ratio
+    return min_lr + (optim.lr - min_lr) * shape
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only; torch's fused kernel where available."""
+    params = unique_params(model)
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    kernel = {"fused": True} if optim.impl in ("fused", "auto") else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel)
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports (rank 0's view; losses are dp-averaged)."""
+    losses: dict[int, float] = field(default_factory=dict)     # step (1-based) -> train loss
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    tokens_per_s: float = 0.0
+    final_step: int = 0
+
+
+class Trainer:
+    def __init__(self, cfg: Config, runtime: Runtime):
+        self.cfg, self.rt = cfg, runtime
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        dp = cfg.dp_size(runtime.world_size)
+        self.topo: Topology = build_topology(Layout(cfg.parallel.tp, cfg.parallel.pp, dp), runtime.rank)
+        self.dp_group = self.topo.groups.get("dp")
+        data_dir = Path(cfg.data.path) if cfg.data.path else self._default_corpus()
+        self.train_set = TokenDataset(data_dir, "train", cfg.model.seq_len)
+        self.val_set = TokenDataset(data_dir, "val", cfg.model.seq_len)
+        self.model: GPT = build_model(cfg.model, self.train_set.vocab_size, cfg.train.seed).to(runtime.device)
+        self.params = unique_params(self.model)
+        self.buckets = GradientBuckets(self.params, int(cfg.parallel.bucket_mb * 2**20))
+        self.optimizer = build_optimizer(self.model, cfg.optim, runtime.device)
+        self.loader = BatchLoader(self.train_set, cfg.train.seed, cfg.train.global_batch_size,
+                                  cfg.train.micro_batch_size, self.topo.dp_rank, dp)
+        self.step = 0
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+        self.flops_per_token = flops_per_token(cfg.model, self.model.vocab_size)
+
+    def _default_corpus(self) -> Path:
+        """Rank 0 prepares the built-in corpus once; the others wait, then read it."""
+        if self.rt.rank == 0:
+            ensure_default_corpus(self.cfg.data.cache_dir, self.cfg.data.val_fraction)
+        comm.barrier()
+        return ensure_default_corpus(self.cfg.data.cache_dir, self.cfg.data.val_fraction)
+
+    # --- one step -------------------------------------------------------------------------
+    def autocast(self):
+        if self.cfg.train.precision == "bf16":
+            return torch.autocast(self.rt.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self) -> tuple[float, float]:
+        """Forward/backward over this rank's micro-batches, sync, clip, step. Returns the
+        dp-averaged loss and the gradient norm before clipping."""
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
+        micro_batches = self.loader.next_step()
+        loss_sum = torch.zeros((), device=self.rt.device)
+        for inputs, targets in micro_batches:
+            inputs, targets = inputs.to(self.rt.device), targets.to(self.rt.device)
+            with self.autocast():
+                loss = lm_loss(self.model(inputs), targets) / len(micro_batches)
+            loss.backward()
+            loss_sum += loss.detach()
+        if self.dp_group is not None:
+            self.buckets.all_reduce_mean(self.dp_group, self.topo.dp_size)
+            comm.all_reduce(loss_sum, self.dp_group, dim="dp")
+            loss_sum /= self.topo.dp_size
+        clip = self.cfg.optim.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return loss_sum.item(), grad_norm.item()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over the fixed evaluation batches of all dp ranks."""
+        self.model.eval()
+        total = torch.zeros((), device=self.rt.device)
+        n = self.cfg.train.eval_batches
+        for inputs, targets in eval_batches(self.val_set, n, self.cfg.train.micro_batch_size,
+                                            self.topo.dp_rank, self.topo.dp_size):
+            with self.autocast():
+                total += lm_loss(self.model(inputs.to(self.rt.device)), targets.to(self.rt.device))
+        self.model.train()
+        if self.dp_group is not None:
+            comm.all_reduce(total, self.dp_group, dim="dp")
+        return total.item() / (n * self.topo.dp_size)
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def save(self) -> None:
+        """Every dp replica holds the same state: rank 0 writes it, the others wait for the commit."""
+        if self.rt.rank == 0:
+            trainer_state = {"step": self.step, "data": self.loader.state_dict(),
+                             "rng_cpu": torch.get_rng_state()}
+            store.save(self.cfg.checkpoint_dir(), self.step, self.model.state_dict(), self.optimizer.state_dict(),
+                       trainer_state, config_mod.dump(self.cfg), self.cfg.checkpoint.keep_last)
+        comm.barrier()
+
+    def resume(self, path: Path) -> Path:
+        ckpt = store.load(path)
+        try:
+            self.model.load_state_dict(ckpt["model"])
+            self.optimizer.load_state_dict(ckpt["optim"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{ckpt['path']} does not fit this model/optimizer ({e}); resume with the "
+                                  "model config it was saved with (see its config.yaml)") from e
+        state = ckpt["trainer"]
+        self.loader.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng_cpu"])
+        self.step = int(state["step"])
+        return ckpt["path"]
+
+    # --- the run --------------------------------------------------------------------------
+    def fit(self, log: MetricsLogger) -> RunResult:
+        cfg, result = self.cfg, RunResult()
+        interval_start, interval_steps = time.perf_counter(), 0
+        train_start, start_step = time.perf_counter(), self.step
+        while self.step < cfg.train.steps:
+            loss, grad_norm = self.train_step()
+            result.losses[self.step] = loss
+            interval_steps += 1
+            record = {}
+            if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
+                elapsed = time.perf_counter() - interval_start
+                record = self._throughput(interval_steps, elapsed)
+                record.update(loss=loss, grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"])
+                interval_start, interval_steps = time.perf_counter(), 0
+            log.step(self.step, record)
+            if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 and self.step < cfg.train.steps:
+                result.eval_losses[self.step] = self._eval_and_log(log)
+            if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+                self.save()
+        result.eval_losses[self.step] = self._eval_and_log(log)
+        if cfg.checkpoint.save_final and not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
+            self.save()
+        elapsed = time.perf_counter() - train_start
+        result.final_step = self.step
+        result.tokens_per_s = (self.step - start_step) * self.tokens_per_step / max(elapsed, 1e-9)
+        return result
+
+    def _eval_and_log(self, log: MetricsLogger) -> float:
+        loss = self.evaluate()
+        log.write({"step": self.step, "eval_loss": loss})
+        return loss
+
+    def _throughput(self, steps: int, seconds: float) -> dict:
+        tokens_per_s = steps * self.tokens_per_step / max(seconds, 1e-9)
+        tflops = tokens_per_s * self.flops_per_token / 1e12 / self.rt.world_size
+        record = {"tokens_per_s": tokens_per_s, "tflops_per_rank": tflops, "step_time_s": seconds / steps}
+        if self.cfg.log.peak_tflops:
+            record["mfu"] = tflops / self.cfg.log.peak_tflops
+        return record
+
+
+def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
+    """Train `cfg` in this process (one rank of the world `runtime` describes) and print a summary."""
+    trainer = Trainer(cfg, runtime)
+    main = runtime.rank == 0
+    resumed_from = trainer.resume(resume) if resume else None
+    log = MetricsLogger(cfg.run_dir(), cfg.train.steps, trainer.step, enabled=main, progress=cfg.log.progress,
+                        wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
+                        config=config_mod.to_dict(cfg))
+    n_params = sum(p.numel() for p in trainer.params)
+    log.print(f"strata: {n_params / 1e6:.2f}M parameters, world {runtime.world_size} (dp {trainer.topo.dp_size}), "
+              f"{cfg.train.global_batch_size}×{cfg.model.seq_len} tokens/step, run dir {cfg.run_dir()}"
+              + (f", resumed from {resumed_from}" if resumed_from else ""))
+    try:
+        result = trainer.fit(log)
+    finally:
+        log.close()
+    if main:
+        summary = {"final_step": result.final_step, "train_loss": result.losses.get(result.final_step),
+                   "eval_loss": result.eval_losses.get(result.final_step), "tokens_per_s": result.tokens_per_s}
+        (cfg.run_dir() / "summary.json").write_text(json.dumps(summary, indent=1))
+        train_loss = f"{summary['train_loss']:.4f}" if summary["train_loss"] is not None else "n/a"
+        print(f"done: step {result.final_step}  train loss {train_loss}  eval loss {summary['eval_loss']:.4f}  "
+              f"throughput {result.tokens_per_s:,.0f} tokens/s")
+    return result

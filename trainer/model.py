@@ -1,0 +1,172 @@
+"""The decoder-only transformer (Llama-style: RoPE, RMSNorm, SwiGLU, causal SDPA), as plain torch
+modules with no parallel code inside. Parallelism is applied to it from outside (parallel/).
+
+Attention reads its head count from its weight shapes, not from the config, so a tensor-parallel
+transformation can swap its linears for sharded ones without touching this file.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ModelConfig
+
+
+def ffn_hidden_size(cfg: ModelConfig) -> int:
+    """SwiGLU inner width: Llama's 2/3 · 4·d rounded up to a multiple of 32, unless set."""
+    if cfg.ffn_hidden:
+        return cfg.ffn_hidden
+    return 32 * math.ceil(int(8 * cfg.d_model / 3) / 32)
+
+
+def padded_vocab_size(cfg: ModelConfig, data_vocab_size: int) -> int:
+    """The model's vocabulary: config's if set (must cover the data), else the data's padded up."""
+    if cfg.vocab_size:
+        return cfg.vocab_size
+    m = cfg.pad_vocab_multiple
+    return m * math.ceil(data_vocab_size / m)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, head_dim/2) for rotary position embedding."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x: (batch, heads, seq, head_dim)."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.d_model // cfg.n_heads
+        kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = ffn_hidden_size(cfg)
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.tok_embeddings = nn.Embedding(vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(x))
+
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from `seed`: normal(0, init_std) for matrices, with residual output
+        projections (wo, w2) scaled by 1/sqrt(2·n_layers) as in GPT-2/Megatron; norms to one."""
+        gen = torch.Generator().manual_seed(seed)
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.ndim == 1:
+                    p.fill_(1.0)
+                else:
+                    scaled = name.endswith(("attn.wo.weight", "mlp.w2.weight"))
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(out_std if scaled else std))
+
+
+def build_model(cfg: ModelConfig, data_vocab_size: int, seed: int) -> GPT:
+    model = GPT(cfg, padded_vocab_size(cfg, data_vocab_size))
+    model.init_weights(seed)
+    return model
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def count_params(cfg: ModelConfig, vocab_size: int) -> int:
+    """Parameters of the model built from cfg with this (padded) vocabulary."""
+    d, h = cfg.d_model, cfg.d_model // cfg.n_heads
+    kv = (cfg.n_kv_heads or cfg.n_heads) * h
+    per_layer = d * d + 2 * d * kv + d * d + 3 * d * ffn_hidden_size(cfg) + 2 * d
+    embed = vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    return cfg.n_layers * per_layer + embed + d
+
+
+def flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
+    """Training FLOPs per token (forward + backward = 3 × forward), counting matmuls only.
+
+    Forward matmul FLOPs per token: 2·(weights touched) for every linear including the output
+    projection (the embedding lookup is free), plus attention scores and weighted sum: 2·2·s·d per
+    layer for full (non-causal-skipping) attention, as Megatron's MFU formula counts it.
+    """
+    d, s, L = cfg.d_model, cfg.seq_len, cfg.n_layers
+    kv = (cfg.n_kv_heads or cfg.n_heads) * (d // cfg.n_heads)
+    linear = L * (2 * d * d + 2 * d * kv + 3 * d * ffn_hidden_size(cfg)) + d * vocab_size
+    attention = L * 2 * s * d
+    return 3.0 * 2.0 * (linear + attention)
