@@ -1,0 +1,49 @@
+"""Shared test fixtures: a small prepared token directory, tiny configs, and an isolated cache."""
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from trainer import config
+from trainer.data import prepare
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+# A handful of real stdlib sources: enough tokens for tiny runs, prepared in well under a second.
+SMALL_CORPUS = ["argparse.py", "dataclasses.py", "functools.py", "textwrap.py", "json/decoder.py",
+                "json/encoder.py", "difflib.py", "shlex.py"]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path_factory, monkeypatch):
+    """Keep caches and torchrun's scratch files out of the user's home and /tmp root."""
+    scratch = tmp_path_factory.getbasetemp()
+    monkeypatch.setenv("STRATA_CACHE", str(scratch / "strata-cache"))
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def small_data_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "small"
+    prepare([STDLIB / f for f in SMALL_CORPUS], out, val_fraction=0.2, root=STDLIB)
+    return out
+
+
+def tiny_overrides(data_dir: Path, run_root: Path, **extra) -> list[str]:
+    """Overrides for a model small enough that a step takes milliseconds."""
+    base = {
+        "data.path": str(data_dir), "log.dir": str(run_root), "log.progress": False, "log.name": "t",
+        "model.n_layers": 2, "model.d_model": 32, "model.n_heads": 4, "model.seq_len": 32,
+        "train.steps": 6, "train.global_batch_size": 8, "train.micro_batch_size": 2,
+        "train.eval_interval": 0, "train.eval_batches": 2, "optim.warmup_steps": 2, "optim.lr": 1e-2,
+        "checkpoint.save_final": False,
+    }
+    base.update(extra)
+    return [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}" for k, v in base.items()]
+
+
+def tiny_config(data_dir: Path, run_root: Path, world_size: int | None = 1, **extra) -> config.Config:
+    return config.load(None, tiny_overrides(data_dir, run_root, **extra), world_size=world_size)
