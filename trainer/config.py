@@ -397,7 +397,8 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
         p.append(f"train.micro_batch_size={tr.micro_batch_size} must divide "
                  f"train.global_batch_size={tr.global_batch_size}")
     if cfg.optim.warmup_steps > tr.steps:
-        p.append(f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps={tr.steps}")
+        p.append(f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps={tr.steps}; lower it "
+                 "or train longer")
     if world_size is not None:
         model_par = par.tp * par.pp
         if world_size % model_par:
@@ -411,3 +412,28 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
                 p.append(f"train.global_batch_size={tr.global_batch_size} must be a multiple of "
                          f"micro_batch_size·dp = {tr.micro_batch_size}·{dp}")
     return p
+
+
+def reference_markdown() -> str:
+    """The config reference page (docs/CONFIG.md), generated from the schema so it cannot drift."""
+    out = ["# Config reference", "",
+           "Generated from `trainer/config.py` by `python -m trainer.config > docs/CONFIG.md`; "
+           "`strata config explain KEY` prints the same for one key.", ""]
+    for group, cls in GROUPS.items():
+        out += [f"## `{group}`", "", cls.__doc__ or "", ""]
+        fields = dataclasses.fields(cls)
+        if not fields:
+            out += ["(no keys yet)", ""]
+            continue
+        out += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        hints = typing.get_type_hints(cls)
+        for f in fields:
+            doc = f.metadata["doc"] + (f" ({', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else "")
+            default = yaml.safe_dump(f.default, default_flow_style=True).strip().removesuffix("...").strip()
+            out.append(f"| `{group}.{f.name}` | {_type_name(hints[f.name])} | `{default}` | {doc} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

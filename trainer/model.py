@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import ModelConfig
+from trainer.errors import ConfigError
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
@@ -25,6 +26,9 @@ def ffn_hidden_size(cfg: ModelConfig) -> int:
 def padded_vocab_size(cfg: ModelConfig, data_vocab_size: int) -> int:
     """The model's vocabulary: config's if set (must cover the data), else the data's padded up."""
     if cfg.vocab_size:
+        if cfg.vocab_size < data_vocab_size:
+            raise ConfigError([f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary "
+                               f"({data_vocab_size}); set it >= {data_vocab_size} or leave it null"])
         return cfg.vocab_size
     m = cfg.pad_vocab_multiple
     return m * math.ceil(data_vocab_size / m)

@@ -1,0 +1,103 @@
+"""The training loop in one process: learning, accumulation, schedule, checkpoint/resume."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from checkpoint import store
+from conftest import tiny_config
+from parallel.runtime import start
+from trainer.config import OptimConfig
+from trainer.errors import CheckpointError
+from trainer.loop import Trainer, lr_at, run
+
+
+def test_loss_decreases_on_demo_corpus(tmp_path):
+    """The built-in corpus (stdlib sources, prepared on first use) is learnable: eval loss falls
+    well below the uniform-guess loss ln(257) and below the first evaluation."""
+    cfg = tiny_config(None, tmp_path, **{"data.path": None, "train.steps": 40, "train.eval_interval": 10,
+                                          "optim.warmup_steps": 5})
+    result = run(cfg, start())
+    evals = [result.eval_losses[s] for s in sorted(result.eval_losses)]
+    assert evals[-1] < evals[0] - 0.1
+    assert evals[-1] < math.log(257) - 1.5
+    assert result.losses[40] < result.losses[1] - 1.5
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert {"loss", "tokens_per_s", "lr", "grad_norm"} <= set(next(r for r in lines if "loss" in r))
+
+
+def test_grad_accumulation_matches_one_big_batch(small_data_dir, tmp_path):
+    """4 micro-batches of 2 = 1 micro-batch of 8 (same global batch), up to fp32 summation order."""
+    accum = run(tiny_config(small_data_dir, tmp_path / "a", **{"train.micro_batch_size": 2}), start())
+    whole = run(tiny_config(small_data_dir, tmp_path / "b", **{"train.micro_batch_size": 8}), start())
+    for step in accum.losses:
+        assert accum.losses[step] == pytest.approx(whole.losses[step], rel=1e-5)
+
+
+def test_lr_schedule_warmup_then_cosine_to_min():
+    o = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, schedule="cosine")
+    assert lr_at(0, o, 110) == pytest.approx(0.1)
+    assert lr_at(9, o, 110) == pytest.approx(1.0)
+    assert lr_at(60, o, 110) == pytest.approx(0.1 + 0.9 * 0.5)       # half way through decay
+    assert lr_at(110, o, 110) == pytest.approx(0.1)
+    lin = OptimConfig(lr=1.0, warmup_steps=0, min_lr_ratio=0.0, schedule="linear")
+    assert lr_at(25, lin, 100) == pytest.approx(0.75)
+
+
+def test_resume_reproduces_losses_bit_for_bit(small_data_dir, tmp_path):
+    """Run 8 steps checkpointing at 4; a fresh trainer resumed from step 4 gives steps 5..8 with
+    exactly the same losses and ends with exactly the same parameters."""
+    extra = {"train.steps": 8, "checkpoint.interval": 4, "checkpoint.keep_last": 0}
+    full_cfg = tiny_config(small_data_dir, tmp_path / "full", **extra)
+    full = run(full_cfg, start())
+    ckpt_root = full_cfg.checkpoint_dir()
+    assert [p.name for p in store.committed(ckpt_root)] == ["step_00000004", "step_00000008"]
+
+    resumed_cfg = tiny_config(small_data_dir, tmp_path / "resumed", **extra)
+    resumed = run(resumed_cfg, start(), resume=store.step_dir(ckpt_root, 4))
+    assert sorted(resumed.losses) == [5, 6, 7, 8]
+    for step in resumed.losses:
+        assert resumed.losses[step] == full.losses[step]       # exact, not approx
+    a = torch.load(store.step_dir(ckpt_root, 8) / "model.pt", weights_only=True)
+    b = torch.load(store.step_dir(resumed_cfg.checkpoint_dir(), 8) / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_picks_latest_committed_and_ignores_partial(small_data_dir, tmp_path):
+    cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 4, "checkpoint.interval": 2,
+                                                  "checkpoint.keep_last": 0})
+    run(cfg, start())
+    root = cfg.checkpoint_dir()
+    (store.step_dir(root, 4) / store.MARKER).unlink()          # as if the step-4 save had died
+    assert store.resolve(root) == store.step_dir(root, 2)
+    with pytest.raises(CheckpointError, match="COMMITTED"):
+        store.resolve(store.step_dir(root, 4))
+    with pytest.raises(CheckpointError, match="no committed checkpoint"):
+        store.resolve(tmp_path / "nowhere")
+
+
+def test_resume_into_other_model_is_a_clear_error(small_data_dir, tmp_path):
+    cfg = tiny_config(small_data_dir, tmp_path / "a", **{"train.steps": 2})
+    cfg_saved = tiny_config(small_data_dir, tmp_path / "a", **{"train.steps": 2, "checkpoint.save_final": True})
+    run(cfg_saved, start())
+    other = tiny_config(small_data_dir, tmp_path / "b", **{"model.d_model": 64})
+    with pytest.raises(CheckpointError, match="does not fit"):
+        Trainer(other, start()).resume(cfg.checkpoint_dir())
+
+
+def test_keep_last_prunes_old_checkpoints(small_data_dir, tmp_path):
+    cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 6, "checkpoint.interval": 1,
+                                                  "checkpoint.keep_last": 2})
+    run(cfg, start())
+    assert [p.name for p in store.committed(cfg.checkpoint_dir())] == ["step_00000005", "step_00000006"]
+    assert not list(cfg.checkpoint_dir().glob(".*tmp*"))
+
+
+def test_bf16_autocast_trains_close_to_fp32(small_data_dir, tmp_path):
+    fp32 = run(tiny_config(small_data_dir, tmp_path / "a"), start())
+    bf16 = run(tiny_config(small_data_dir, tmp_path / "b", **{"train.precision": "bf16"}), start())
+    assert bf16.losses[1] == pytest.approx(fp32.losses[1], rel=0.02)
+    assert bf16.losses[6] < bf16.losses[1]
