@@ -101,3 +101,20 @@ def test_bf16_autocast_trains_close_to_fp32(small_data_dir, tmp_path):
     bf16 = run(tiny_config(small_data_dir, tmp_path / "b", **{"train.precision": "bf16"}), start())
     assert bf16.losses[1] == pytest.approx(fp32.losses[1], rel=0.02)
     assert bf16.losses[6] < bf16.losses[1]
+
+
+def test_wandb_offline_logs_without_network(small_data_dir, tmp_path, monkeypatch):
+    """log.wandb=true with WANDB_MODE=offline: the run finishes and wandb wrote an offline run
+    holding our metrics under the run directory."""
+    import wandb  # installed by the test extra
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = tiny_config(small_data_dir, tmp_path, **{"log.wandb": True, "log.interval": 2})
+    result = run(cfg, start())
+    assert result.final_step == 6
+    runs = list((tmp_path / "t" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    history = list(runs[0].glob("*.wandb"))
+    assert history and history[0].stat().st_size > 0
+    assert wandb.run is None                                # finished, not left open
