@@ -218,7 +218,7 @@ def explain(key: str) -> str:
     """The doc, type and default of `group` or `group.key`."""
     group, _, name = key.partition(".")
     if group not in GROUPS:
-        raise ConfigError([_unknown(key, list(GROUPS))])
+        raise ConfigError([_unknown(key, all_keys() if name else list(GROUPS))])
     cls = GROUPS[group]
     if not name:
         lines = [f"{group}: {cls.__doc__}"]
@@ -265,7 +265,11 @@ def _apply_override(raw: dict, item: str, problems: list[str]) -> None:
         problems.append(f"override {item!r}: write it as group.key=value, e.g. train.steps=100")
         return
     group, name = key.strip().split(".", 1)
-    value = yaml.safe_load(text) if text.strip() else None
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as e:
+        problems.append(f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]}); quote it")
+        return
     target = raw.setdefault(group, {})
     if not isinstance(target, dict):
         problems.append(f"override {item!r}: {group} is not a mapping in the config file")
@@ -410,7 +414,7 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
             dp = cfg.dp_size(world_size)
             if tr.global_batch_size % (tr.micro_batch_size * dp):
                 p.append(f"train.global_batch_size={tr.global_batch_size} must be a multiple of "
-                         f"micro_batch_size·dp = {tr.micro_batch_size}·{dp}")
+                         f"train.micro_batch_size·dp = {tr.micro_batch_size}·{dp}")
     return p
 
 

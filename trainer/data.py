@@ -89,12 +89,12 @@ def expand_inputs(inputs: list[str], pattern: str = "*") -> tuple[list[Path], Pa
     for item in inputs:
         p = Path(item)
         if p.is_dir():
-            files += sorted(q for q in p.rglob(pattern) if q.is_file())
+            files += sorted(q.resolve() for q in p.rglob(pattern) if q.is_file())
         elif p.is_file():
-            files.append(p)
+            files.append(p.resolve())
         else:
             raise DataError(f"data prepare: input {item!r} does not exist")
-    common = Path(os.path.commonpath([str(f.resolve()) for f in files])) if files else None
+    common = Path(os.path.commonpath([str(f) for f in files])) if files else None
     if common is not None and common.is_file():
         common = common.parent
     return files, common

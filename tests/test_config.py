@@ -1,0 +1,431 @@
+"""The experiment schema: combined validation errors, overrides, round trips, docs, safe YAML."""
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer import config
+from trainer.config import Config, ModelConfig, OptimConfig, TrainConfig
+from trainer.errors import ConfigError, StrataError
+
+
+def write_yaml(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def header_count(err: ConfigError) -> int:
+    m = re.match(r"invalid config \((\d+) problems?\):", str(err))
+    assert m, f"no 'invalid config (N problems)' header in {str(err)!r}"
+    return int(m.group(1))
+
+
+def listed_problems(err: ConfigError) -> list[str]:
+    return [line[4:] for line in str(err).splitlines()[1:] if line.startswith("  - ")]
+
+
+def load_error(*args, **kwargs) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        config.load(*args, **kwargs)
+    err = info.value
+    # The header count, the listed lines and the problems attribute always agree.
+    assert header_count(err) == len(err.problems) == len(listed_problems(err))
+    for p in err.problems:
+        assert f"  - {p}" in str(err)
+    return err
+
+
+# --- one combined error ---------------------------------------------------------------------
+
+def test_every_problem_is_reported_in_one_error(tmp_path):
+    path = write_yaml(tmp_path / "bad.yaml", """
+trian:
+  steps: 5
+model:
+  n_head: 4
+  d_model: 130
+  n_layers: true
+train:
+  precision: fp8
+  eval_batches: many
+log:
+  progress: 1
+optim:
+  lr: -0.1
+  warmup_steps: 500
+""")
+    err = load_error(path, ["train.steps", "steps=5"])
+    msg = str(err)
+    expected = [
+        "trian: unknown key; did you mean 'train'?",                       # unknown group
+        "model.n_head: unknown key; did you mean 'model.n_heads'?",        # unknown key
+        "model.n_layers: expected int, got True",                          # bool for int
+        "train.precision: 'fp8' is not one of: fp32, bf16",                # choices
+        "train.eval_batches: expected int, got 'many'",                    # string for int
+        "log.progress: expected bool, got 1",                              # number for bool
+        "optim.lr: -0.1 must be >= 0",                                     # out of range
+        "model.n_heads=4 must divide model.d_model=130",                   # cross-key
+        "optim.warmup_steps=500 exceeds train.steps=300",                  # cross-key
+        "override 'train.steps': write it as group.key=value",             # no '='
+        "override 'steps=5': write it as group.key=value",                 # no dot
+    ]
+    for text in expected:
+        assert text in msg, f"missing {text!r} in:\n{msg}"
+    assert header_count(err) == len(expected) == 11
+    assert msg.startswith("invalid config (11 problems):\n")
+
+
+def test_single_problem_header_is_singular():
+    err = load_error(None, ["optim.lr=-1"])
+    assert str(err).startswith("invalid config (1 problem):\n  - optim.lr: -1.0 must be >= 0")
+
+
+@pytest.mark.parametrize("raw_key, suggestion", [
+    ("model.n_head", "model.n_heads"),
+    ("model.nheads", "model.n_heads"),
+    ("optim.lrr", "optim.lr"),
+    ("train.step", "train.steps"),
+])
+def test_unknown_key_suggests_the_closest(raw_key, suggestion):
+    err = load_error(None, [f"{raw_key}=1"])
+    assert err.problems == [f"{raw_key}: unknown key; did you mean {suggestion!r}?"]
+
+
+def test_unknown_group_suggests_the_closest(tmp_path):
+    err = load_error(write_yaml(tmp_path / "x.yaml", "trian:\n  steps: 5\nmodle: {}\n"))
+    assert "trian: unknown key; did you mean 'train'?" in err.problems
+    assert "modle: unknown key; did you mean 'model'?" in err.problems
+    assert header_count(err) == 2
+
+
+def test_unknown_key_without_close_match_lists_valid_keys():
+    err = load_error(None, ["train.zzzzzzzz=1"])
+    (p,) = err.problems
+    assert p.startswith("train.zzzzzzzz: unknown key; valid: ")
+    assert "did you mean" not in p
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.steps=ten", "train.steps: expected int, got 'ten' (use a whole number)"),
+    ("train.steps=true", "train.steps: expected int, got True (use a whole number)"),
+    ("train.steps=3.5", "train.steps: expected int, got 3.5 (use a whole number)"),
+    ("model.n_kv_heads=false", "model.n_kv_heads: expected int or null, got False"),
+    ("log.progress=1", "log.progress: expected bool, got 1 (use true or false)"),
+    ("model.tie_embeddings=0.0", "model.tie_embeddings: expected bool, got 0.0"),
+    ("optim.lr=fast", "optim.lr: expected float, got 'fast' (use a number)"),
+    ("optim.lr=true", "optim.lr: expected float, got True"),
+    ("train.precision=16", "train.precision: expected str, got 16"),
+])
+def test_wrong_types_are_rejected(override, expected):
+    err = load_error(None, [override])
+    assert len(err.problems) == 1
+    assert err.problems[0].startswith(expected), err.problems
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("optim.lr=-0.001", "optim.lr: -0.001 must be >= 0"),
+    ("optim.beta2=1.5", "optim.beta2: 1.5 must be <= 1"),
+    ("model.rope_theta=0", "model.rope_theta: 0.0 must be > 0"),
+    ("model.n_layers=0", "model.n_layers: 0 must be >= 1"),
+    ("optim.lr=.nan", "optim.lr: nan must be finite"),
+    ("optim.lr=.inf", "optim.lr: inf must be finite"),
+    ("train.precision=fp8", "train.precision: 'fp8' is not one of: fp32, bf16"),
+    ("optim.schedule=step", "optim.schedule: 'step' is not one of: cosine, linear, constant"),
+    ("parallel.backend=mpi", "parallel.backend: 'mpi' is not one of: auto, gloo, nccl"),
+])
+def test_out_of_range_values_are_rejected(override, expected):
+    err = load_error(None, [override])
+    assert len(err.problems) == 1 and err.problems[0].startswith(expected), err.problems
+
+
+def test_range_limits_are_inclusive_where_documented():
+    cfg = config.load(None, ["optim.lr=0", "optim.beta1=1", "optim.min_lr_ratio=0", "optim.warmup_steps=0"])
+    assert (cfg.optim.lr, cfg.optim.beta1, cfg.optim.min_lr_ratio, cfg.optim.warmup_steps) == (0.0, 1.0, 0.0, 0)
+
+
+@pytest.mark.parametrize("overrides, world_size, expected", [
+    (["model.d_model=130"], None, "model.n_heads=4 must divide model.d_model=130"),
+    (["model.n_kv_heads=3"], None, "model.n_kv_heads=3 must divide model.n_heads=4"),
+    (["model.d_model=12"], None, "head size d_model/n_heads=3 must be even for RoPE"),
+    (["train.micro_batch_size=5"], None, "train.micro_batch_size=5 must divide train.global_batch_size=16"),
+    (["optim.warmup_steps=301"], None, "optim.warmup_steps=301 exceeds train.steps=300"),
+    (["parallel.dp=3"], 4, "parallel: tp·pp·dp = 1·1·3 = 3 but the world size is 4"),
+    ([], 4, "train.global_batch_size=16 must be a multiple of train.micro_batch_size·dp = 8·4"),
+    (["train.global_batch_size=24"], 2, "train.global_batch_size=24 must be a multiple of train.micro_batch_size·dp = 8·2"),
+])
+def test_cross_key_constraints(overrides, world_size, expected):
+    err = load_error(None, overrides, world_size=world_size)
+    assert len(err.problems) == 1, err.problems
+    assert err.problems[0].startswith(expected), err.problems
+
+
+def test_tensor_parallel_must_divide_heads():
+    err = load_error(None, ["parallel.tp=3"])
+    assert "parallel.tp=3 must divide model.n_heads=4" in err.problems
+    # tp that divides the heads is not reported as a divisibility problem
+    err2 = load_error(None, ["parallel.tp=2"])
+    assert not any("must divide model.n_heads" in p for p in err2.problems)
+
+
+def test_world_size_not_divisible_by_model_parallel():
+    err = load_error(None, ["parallel.pp=3", "model.n_layers=6"], world_size=4)
+    assert any(p.startswith("world size 4 is not divisible by tp·pp = 1·3") for p in err.problems)
+
+
+def test_valid_layouts_pass():
+    cfg = config.load(None, [], world_size=2)
+    assert cfg.dp_size(2) == 2 and cfg.grad_accum_steps(2) == 1
+    cfg = config.load(None, ["parallel.dp=4", "train.global_batch_size=64"], world_size=4)
+    assert cfg.dp_size(4) == 4 and cfg.grad_accum_steps(4) == 2
+    cfg = config.load(None, ["model.n_kv_heads=2"], world_size=1)
+    assert cfg.model.n_kv_heads == 2 and cfg.grad_accum_steps(1) == 2
+
+
+def test_cross_check_naming_a_rejected_key_is_dropped():
+    # train.steps is rejected (keeps its default 300), so "warmup 400 exceeds train.steps=300" would mislead.
+    err = load_error(None, ["train.steps=abc", "optim.warmup_steps=400"])
+    assert len(err.problems) == 1
+    assert err.problems[0].startswith("train.steps: expected int")
+
+
+def test_cross_check_does_not_report_the_default_of_a_rejected_micro_batch():
+    """A rejected train.micro_batch_size holds its default (8): no cross-check may report that 8,
+    which the user never wrote (the batch-vs-dp message spells the key 'micro_batch_size' without
+    its group, so the filter for rejected keys misses it)."""
+    err = load_error(None, ["train.micro_batch_size=0", "train.global_batch_size=4"], world_size=4)
+    assert err.problems[0] == "train.micro_batch_size: 0 must be >= 1"
+    assert "8·4" not in str(err), str(err)
+    assert len(err.problems) == 1, err.problems
+
+
+# --- overrides and typed parsing --------------------------------------------------------------
+
+def test_overrides_are_typed_and_beat_the_file(tmp_path):
+    path = write_yaml(tmp_path / "exp.yaml", """
+model:
+  d_model: 64
+  n_kv_heads: 2
+train:
+  steps: 100
+  seed: 7
+optim:
+  lr: 3e-4
+  eps: "1e-6"
+  warmup_steps: 10
+log:
+  progress: true
+""")
+    cfg = config.load(path)
+    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)  # 3e-4 is a YAML string
+    assert cfg.optim.eps == pytest.approx(1e-6) and isinstance(cfg.optim.eps, float)
+    assert cfg.train.steps == 100 and cfg.model.n_kv_heads == 2 and cfg.log.progress is True
+
+    cfg = config.load(path, ["train.steps=50", "optim.lr=1e-2", "log.progress=false", "model.n_kv_heads=null",
+                             "train.threads=3", "optim.grad_clip=2", "data.path=/some/where", "log.name="])
+    assert cfg.train.steps == 50 and type(cfg.train.steps) is int
+    assert cfg.optim.lr == pytest.approx(0.01) and isinstance(cfg.optim.lr, float)
+    assert cfg.log.progress is False
+    assert cfg.model.n_kv_heads is None
+    assert cfg.train.threads == 3
+    assert cfg.optim.grad_clip == 2.0 and isinstance(cfg.optim.grad_clip, float)  # int widens to float
+    assert cfg.data.path == "/some/where"
+    # values of the file that were not overridden survive
+    assert cfg.model.d_model == 64 and cfg.train.seed == 7 and cfg.optim.warmup_steps == 10
+    assert cfg.optim.eps == pytest.approx(1e-6)
+    # keys in neither keep their defaults
+    assert cfg.model.n_layers == ModelConfig().n_layers and cfg.train.precision == TrainConfig().precision
+    # an empty override value is null, and a null name falls back to the file's stem
+    assert cfg.log.name == "exp"
+
+
+def test_later_override_wins_and_spaces_around_key_are_ignored():
+    cfg = config.load(None, ["train.steps=100", " train.steps =200"])
+    assert cfg.train.steps == 200
+
+
+def test_override_into_a_non_mapping_group_is_reported(tmp_path):
+    path = write_yaml(tmp_path / "x.yaml", "train: 5\n")
+    err = load_error(path, ["train.steps=3"])
+    assert any("override 'train.steps=3': train is not a mapping" in p for p in err.problems), err.problems
+
+
+def test_override_value_that_is_not_valid_yaml_is_a_config_error():
+    """`log.name=[oops` cannot be parsed as a YAML value; it must be reported like every other bad
+    input (a ConfigError listing it), not escape as a raw yaml exception."""
+    try:
+        config.load(None, ["log.name=[oops", "optim.lr=-1"])
+    except ConfigError as e:
+        assert any("log.name" in p for p in e.problems), e.problems
+        assert any(p.startswith("optim.lr:") for p in e.problems), e.problems
+    except Exception as e:  # noqa: BLE001 - the bug: a yaml.YAMLError escapes
+        pytest.fail(f"malformed override value raised {type(e).__name__} instead of ConfigError: {e}")
+    else:
+        pytest.fail("malformed override value was accepted")
+
+
+# --- round trips and defaults -----------------------------------------------------------------
+
+def test_default_config_equals_load_of_nothing():
+    assert config.load(None) == Config()
+    assert config.load(None, []) == Config()
+    assert config.from_dict({}) == Config()
+
+
+def test_dump_of_defaults_round_trips_through_a_file(tmp_path):
+    text = config.dump(Config())
+    raw = yaml.safe_load(text)
+    assert list(raw) == list(config.GROUPS)
+    path = tmp_path / "defaults.yaml"
+    path.write_text(text)
+    loaded = config.load(path)
+    # log.name is null in the defaults, so it becomes the file's stem; everything else is equal.
+    assert loaded.log.name == "defaults"
+    assert loaded == config.replace(Config(), "log.name", "defaults")
+
+
+def test_dump_of_a_custom_config_round_trips(tmp_path):
+    cfg = config.load(None, ["model.n_kv_heads=2", "model.norm_eps=1e-6", "optim.lr=3e-4", "optim.eps=1e-10",
+                             "train.precision=bf16", "data.path=/data/tokens", "log.name=my run",
+                             "log.peak_tflops=312.5", "checkpoint.keep_last=0", "parallel.bucket_mb=0.5",
+                             "model.tie_embeddings=true", "optim.schedule=linear"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(config.dump(cfg))
+    again = config.load(path)
+    assert again == cfg
+    assert again.optim.lr == 3e-4 and again.model.norm_eps == 1e-6 and again.optim.eps == 1e-10
+    assert config.from_dict(config.to_dict(cfg)) == cfg
+
+
+def test_replace_changes_one_key_only():
+    cfg = config.replace(Config(), "optim.lr", 0.5)
+    assert cfg.optim.lr == 0.5
+    assert dataclasses.replace(cfg.optim, lr=OptimConfig().lr) == OptimConfig()
+    assert cfg.model == ModelConfig() and Config().optim.lr == OptimConfig().lr
+
+
+# --- docs and explain -------------------------------------------------------------------------
+
+def _field(key: str) -> dataclasses.Field:
+    group, name = key.split(".")
+    return {f.name: f for f in dataclasses.fields(config.GROUPS[group])}[name]
+
+
+def test_every_key_has_a_doc():
+    keys = config.all_keys()
+    expected = [f"{g}.{f.name}" for g, cls in config.GROUPS.items() for f in dataclasses.fields(cls)]
+    assert keys == expected and len(keys) == len(set(keys)) > 30
+    for key in keys:
+        doc = _field(key).metadata.get("doc")
+        assert isinstance(doc, str) and doc.strip(), f"{key} has no doc"
+    for f in dataclasses.fields(Config):
+        assert f.metadata.get("doc"), f"group {f.name} has no doc"
+
+
+def test_explain_key_mentions_doc_type_and_default():
+    text = config.explain("optim.lr")
+    assert text.startswith("optim.lr: ")
+    assert _field("optim.lr").metadata["doc"] in text
+    assert "type: float" in text
+    assert f"default: {OptimConfig().lr!r}" in text
+
+    text = config.explain("train.precision")
+    assert "type: str" in text and "default: 'fp32'" in text and "choices: fp32, bf16" in text
+    assert "type: int or null" in config.explain("model.n_kv_heads")
+    assert "default: None" in config.explain("model.n_kv_heads")
+
+
+def test_explain_every_key_and_group():
+    for key in config.all_keys():
+        text = config.explain(key)
+        assert _field(key).metadata["doc"] in text
+        assert f"default: {_field(key).default!r}" in text
+    for group, cls in config.GROUPS.items():
+        text = config.explain(group)
+        assert text.startswith(f"{group}: {cls.__doc__}")
+        for f in dataclasses.fields(cls):
+            assert f"{group}.{f.name} = {f.default!r}" in text
+
+
+@pytest.mark.parametrize("key, suggestion", [("optim.lrr", "optim.lr"), ("model.n_head", "model.n_heads"),
+                                             ("trian", "train")])
+def test_explain_unknown_key_suggests(key, suggestion):
+    with pytest.raises(ConfigError) as info:
+        config.explain(key)
+    assert isinstance(info.value, StrataError)
+    assert f"did you mean {suggestion!r}" in str(info.value)
+
+
+def test_explain_key_with_misspelt_group_suggests_the_full_key():
+    """`strata config explain trian.steps` should point at 'train.steps', as the same typo in a
+    YAML file points at 'train'; it lists the group names instead."""
+    with pytest.raises(ConfigError) as info:
+        config.explain("trian.steps")
+    assert "did you mean 'train.steps'" in str(info.value), str(info.value)
+
+
+# --- YAML handling ----------------------------------------------------------------------------
+
+def test_python_object_tags_are_rejected_not_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    path = write_yaml(tmp_path / "evil.yaml",
+                      f'log:\n  name: !!python/object/apply:os.system ["touch {marker}"]\n')
+    err = load_error(path)
+    assert not marker.exists(), "the YAML file ran a command"
+    assert any(str(path) in p for p in err.problems)
+
+    path2 = write_yaml(tmp_path / "evil2.yaml", f'!!python/object/apply:os.system ["touch {marker}"]\n')
+    load_error(path2)
+    assert not marker.exists()
+
+
+def test_override_values_are_parsed_safely(tmp_path):
+    marker = tmp_path / "pwned"
+    with pytest.raises(Exception):
+        config.load(None, [f'log.name=!!python/object/apply:os.system ["touch {marker}"]'])
+    assert not marker.exists()
+
+
+def test_missing_file_and_non_mapping_file_are_config_errors(tmp_path):
+    err = load_error(tmp_path / "nope.yaml")
+    assert "does not exist" in err.problems[0] and "nope.yaml" in err.problems[0]
+    err = load_error(write_yaml(tmp_path / "list.yaml", "- 1\n- 2\n"))
+    assert "top level must be a mapping" in err.problems[0]
+    err = load_error(write_yaml(tmp_path / "grp.yaml", "model: 3\n"))
+    assert err.problems == ["model: must be a mapping of keys, got int 3"]
+
+
+def test_empty_file_and_empty_group_give_defaults(tmp_path):
+    cfg = config.load(write_yaml(tmp_path / "empty.yaml", ""))
+    assert cfg == config.replace(Config(), "log.name", "empty")
+    cfg = config.load(write_yaml(tmp_path / "g.yaml", "model:\ntrain: {}\n"))
+    assert cfg == config.replace(Config(), "log.name", "g")
+
+
+# --- log.name ---------------------------------------------------------------------------------
+
+def test_log_name_defaults_to_config_stem(tmp_path):
+    path = write_yaml(tmp_path / "my_experiment.v2.yaml", "train:\n  steps: 40\n")
+    cfg = config.load(path)
+    assert cfg.log.name == Path(path).stem == "my_experiment.v2"
+    assert cfg.run_name() == "my_experiment.v2"
+    assert cfg.run_dir() == Path(cfg.log.dir) / "my_experiment.v2"
+    assert cfg.checkpoint_dir() == cfg.run_dir() / "checkpoints"
+
+    named = write_yaml(tmp_path / "other.yaml", "log:\n  name: explicit\n")
+    assert config.load(named).log.name == "explicit"
+    assert config.load(named, ["log.name=cli"]).log.name == "cli"
+    assert config.load(None).log.name is None and config.load(None).run_name() == "run"
+
+
+def test_field_type_hints_are_supported_by_the_loader():
+    """Every field's type is one the loader can coerce (so no key is unsettable)."""
+    for group, cls in config.GROUPS.items():
+        for name, hint in typing.get_type_hints(cls).items():
+            default = getattr(cls(), name)
+            ok, value, why = config._coerce(default, hint)
+            assert ok and value == default, f"{group}.{name}: {why}"
