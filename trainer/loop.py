@@ -93,9 +93,10 @@ class Trainer:
             return torch.autocast(self.rt.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train_step(self) -> tuple[float, float]:
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over this rank's micro-batches, sync, clip, step. Returns the
-        dp-averaged loss and the gradient norm before clipping."""
+        dp-averaged loss and the gradient norm before clipping, as 0-d tensors on the device (no
+        host sync here, so a GPU can run ahead; callers read them with .item() when they log)."""
         for g in self.optimizer.param_groups:
             g["lr"] = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
         micro_batches = self.loader.next_step()
@@ -115,7 +116,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return loss_sum.item(), grad_norm.item()
+        return loss_sum, grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -159,17 +160,18 @@ class Trainer:
     # --- the run --------------------------------------------------------------------------
     def fit(self, log: MetricsLogger) -> RunResult:
         cfg, result = self.cfg, RunResult()
+        losses: dict[int, torch.Tensor] = {}
         interval_start, interval_steps = time.perf_counter(), 0
         train_start, start_step = time.perf_counter(), self.step
         while self.step < cfg.train.steps:
             loss, grad_norm = self.train_step()
-            result.losses[self.step] = loss
+            losses[self.step] = loss
             interval_steps += 1
             record = {}
             if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
                 elapsed = time.perf_counter() - interval_start
                 record = self._throughput(interval_steps, elapsed)
-                record.update(loss=loss, grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"])
+                record.update(loss=loss.item(), grad_norm=grad_norm.item(), lr=self.optimizer.param_groups[0]["lr"])
                 interval_start, interval_steps = time.perf_counter(), 0
             log.step(self.step, record)
             if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 and self.step < cfg.train.steps:
@@ -181,6 +183,7 @@ class Trainer:
             self.save()
         elapsed = time.perf_counter() - train_start
         result.final_step = self.step
+        result.losses = {step: loss.item() for step, loss in losses.items()}
         result.tokens_per_s = (self.step - start_step) * self.tokens_per_step / max(elapsed, 1e-9)
         return result
 
