@@ -25,7 +25,3 @@ def all_reduce(tensor: torch.Tensor, group, dim: str, op: dist.ReduceOp = dist.R
 def barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
-
-
-def reset_counters() -> None:
-    bytes_moved.clear()

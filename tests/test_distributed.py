@@ -41,6 +41,13 @@ def test_two_process_dp_matches_single_process(small_data_dir, tmp_path, micro_b
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "world 2 (dp 2)" in proc.stdout
 
+    # The bucketed all-reduce moved every gradient once per step (fp32), plus one scalar loss per
+    # step and one scalar per evaluation (steps 3 and 6).
+    n_params = sum(t.numel() for t in torch.load(store.step_dir(reference_cfg.checkpoint_dir(), 6) / "model.pt",
+                                                 weights_only=True).values())
+    summary = json.loads((tmp_path / "dp2" / "t" / "summary.json").read_text())
+    assert summary["comm_bytes"]["dp/all_reduce"] == 6 * (4 * n_params + 4) + 2 * 4
+
     dp_losses = losses_from(tmp_path / "dp2" / "t")
     assert sorted(dp_losses) == sorted(reference.losses)
     for step, loss in reference.losses.items():

@@ -219,7 +219,8 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
         log.close()
     if main:
         summary = {"final_step": result.final_step, "train_loss": result.losses.get(result.final_step),
-                   "eval_loss": result.eval_losses.get(result.final_step), "tokens_per_s": result.tokens_per_s}
+                   "eval_loss": result.eval_losses.get(result.final_step), "tokens_per_s": result.tokens_per_s,
+                   "comm_bytes": {f"{dim}/{op}": n for (dim, op), n in sorted(comm.bytes_moved.items())}}
         (cfg.run_dir() / "summary.json").write_text(json.dumps(summary, indent=1))
         train_loss = f"{summary['train_loss']:.4f}" if summary["train_loss"] is not None else "n/a"
         print(f"done: step {result.final_step}  train loss {train_loss}  eval loss {summary['eval_loss']:.4f}  "
