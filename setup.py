@@ -17,7 +17,7 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "test": ["pytest>=7", "wandb"],
+        "test": ["pytest>=7", "wandb", "megatron-core==0.16.1"],
         "wandb": ["wandb"],
     },
     entry_points={"console_scripts": ["strata=launch.cli:main"]},

@@ -40,7 +40,9 @@ def sbatch_script(job: SlurmJob, config_path: str, overrides: list[str], resume:
              "set -euo pipefail",
              f"cd {shlex.quote(workdir)}",
              "# Rendezvous on the first node of the allocation (c10d store hosted by that node's torchrun).",
-             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             # an array, not `| head -n 1`: under pipefail head's early exit SIGPIPEs scontrol
+             'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
+             'head_node=${nodes[0]}',
              'head_addr=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk \'{print $1}\')',
              f"export RDZV_ENDPOINT=\"$head_addr:{job.rdzv_port}\"",
              'echo "strata: $SLURM_JOB_NUM_NODES nodes, rendezvous at $RDZV_ENDPOINT"',

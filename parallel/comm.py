@@ -22,6 +22,16 @@ def all_reduce(tensor: torch.Tensor, group, dim: str, op: dist.ReduceOp = dist.R
     return tensor
 
 
+def all_gather(tensor: torch.Tensor, group, dim: str) -> list[torch.Tensor]:
+    """Every group member's `tensor` (same shape on all), in group-rank order."""
+    if group is None:
+        return [tensor]
+    _count(dim, "all_gather", tensor)
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
 def barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)

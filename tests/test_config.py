@@ -167,9 +167,28 @@ def test_cross_key_constraints(overrides, world_size, expected):
 def test_tensor_parallel_must_divide_heads():
     err = load_error(None, ["parallel.tp=3"])
     assert "parallel.tp=3 must divide model.n_heads=4" in err.problems
-    # tp that divides the heads is not reported as a divisibility problem
-    err2 = load_error(None, ["parallel.tp=2"])
-    assert not any("must divide model.n_heads" in p for p in err2.problems)
+    # tp that divides the heads (and everything else) is a valid layout
+    assert config.load(None, ["parallel.tp=2"]).parallel.tp == 2
+
+
+def test_pipeline_layout_errors_name_the_fix():
+    err = load_error(None, ["parallel.pp=2", "parallel.virtual_stages=2", "model.n_layers=6"])
+    assert any("pp·virtual_stages = 2·2 = 4 pipeline stages must divide model.n_layers=6" in p for p in err.problems)
+    err = load_error(None, ["parallel.pp=2", "parallel.virtual_stages=2", "parallel.schedule=1f1b"])
+    assert any("schedule=1f1b runs one stage per rank" in p for p in err.problems)
+    err = load_error(None, ["parallel.pp=2", "parallel.schedule=zbv_zero_bubble"])
+    assert any("exactly two stages per rank" in p for p in err.problems)
+    err = load_error(None, ["parallel.virtual_stages=2"])
+    assert any("needs pipeline parallelism" in p for p in err.problems)
+    # M = 16 / (8·1) = 2 micro-batches cannot fill 4 pipeline stages
+    err = load_error(None, ["parallel.pp=4"], world_size=4)
+    assert any("at least pp=4 micro-batches per step but gets 2" in p for p in err.problems)
+    err = load_error(None, ["parallel.pp=2", "parallel.microbatches=4"], world_size=2)
+    assert any("set train.micro_batch_size=4" in p for p in err.problems)
+    err = load_error(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=33"])
+    assert any("model.seq_len=33 must be a multiple of tp" in p for p in err.problems)
+    cfg = config.load(None, ["parallel.pp=2", "parallel.virtual_stages=2", "train.micro_batch_size=4"], world_size=2)
+    assert cfg.grad_accum_steps(2) == 4 and cfg.parallel.schedule == "auto"
 
 
 def test_world_size_not_divisible_by_model_parallel():

@@ -1,5 +1,6 @@
-"""Data parallelism in a real 2-process gloo world started by `strata launch` (torchrun, c10d
-rendezvous), checked against the 1-process run with the same global batch."""
+"""Parallel layouts in real gloo worlds started by `strata launch` (torchrun, c10d rendezvous),
+each checked against the 1-process run with the same global batch after 6 optimizer steps:
+every step's loss, and every parameter of the final checkpoint (saved in the global layout)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,15 @@ from parallel.runtime import start
 from trainer.loop import run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMON = {"log.interval": 1, "checkpoint.save_final": True, "train.eval_interval": 3}
+
+# name: (processes, parallel settings, model/batch settings shared with the reference)
+LAYOUTS = {
+    "dp2-accumulate": (2, {}, {"train.micro_batch_size": 2}),
+    "dp2": (2, {}, {"train.micro_batch_size": 4}),
+    "tp2-gqa-tied": (2, {"parallel.tp": 2}, {"model.n_kv_heads": 2, "model.tie_embeddings": True}),
+    "tp2-dp2": (4, {"parallel.tp": 2}, {}),
+}
 
 
 def strata(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -28,31 +38,39 @@ def losses_from(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-@pytest.mark.parametrize("micro_batch", [2, 4])
-def test_two_process_dp_matches_single_process(small_data_dir, tmp_path, micro_batch):
-    extra = {"train.micro_batch_size": micro_batch, "log.interval": 1, "checkpoint.save_final": True,
-             "train.eval_interval": 3}
-    reference_cfg = tiny_config(small_data_dir, tmp_path / "ref", **extra)
+def final_params(ckpt_root) -> dict[str, torch.Tensor]:
+    return torch.load(store.step_dir(ckpt_root, 6) / "model.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_parallel_layout_matches_single_process(small_data_dir, tmp_path, name):
+    nproc, parallel, shared = LAYOUTS[name]
+    reference_cfg = tiny_config(small_data_dir, tmp_path / "ref", **COMMON, **shared)
     reference = run(reference_cfg, start())
 
-    empty = tmp_path / "experiment.yaml"
-    empty.write_text("{}\n")
-    proc = strata("launch", str(empty), *tiny_overrides(small_data_dir, tmp_path / "dp2", **extra), "--nproc", "2")
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text("{}\n")
+    overrides = tiny_overrides(small_data_dir, tmp_path / "par", **COMMON, **shared, **parallel)
+    proc = strata("launch", str(experiment), *overrides, "--nproc", str(nproc))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "world 2 (dp 2)" in proc.stdout
+    tp = parallel.get("parallel.tp", 1)
+    assert f"world {nproc} (tp {tp}, dp {nproc // tp})" in proc.stdout
 
-    # The bucketed all-reduce moved every gradient once per step (fp32), plus one scalar loss per
-    # step and one scalar per evaluation (steps 3 and 6).
-    n_params = sum(t.numel() for t in torch.load(store.step_dir(reference_cfg.checkpoint_dir(), 6) / "model.pt",
-                                                 weights_only=True).values())
-    summary = json.loads((tmp_path / "dp2" / "t" / "summary.json").read_text())
-    assert summary["comm_bytes"]["dp/all_reduce"] == 6 * (4 * n_params + 4) + 2 * 4
-
-    dp_losses = losses_from(tmp_path / "dp2" / "t")
-    assert sorted(dp_losses) == sorted(reference.losses)
+    par_losses = losses_from(tmp_path / "par" / "t")
+    assert sorted(par_losses) == sorted(reference.losses)
     for step, loss in reference.losses.items():
-        assert dp_losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6)
-    ref_params = torch.load(store.step_dir(reference_cfg.checkpoint_dir(), 6) / "model.pt", weights_only=True)
-    dp_params = torch.load(store.step_dir(tmp_path / "dp2" / "t" / "checkpoints", 6) / "model.pt", weights_only=True)
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(dp_params[name], ref, rtol=1e-4, atol=1e-6, msg=name)
+        assert par_losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    ref_params = final_params(reference_cfg.checkpoint_dir())
+    par_params = final_params(tmp_path / "par" / "t" / "checkpoints")
+    assert par_params.keys() == ref_params.keys()
+    # Summation order differs between layouts; Adam divides by sqrt(v), which turns that fp32
+    # noise in near-zero gradients into parameter differences of up to ~1e-3·lr (lr = 1e-2).
+    for key, ref in ref_params.items():
+        torch.testing.assert_close(par_params[key], ref, rtol=1e-4, atol=2e-5, msg=lambda m: f"{key}: {m}")
+
+    if tp == 1:
+        # The bucketed all-reduce moved every gradient once per step (fp32), plus one scalar
+        # loss per step and one scalar per evaluation (steps 3 and 6).
+        n_params = sum(t.numel() for t in ref_params.values())
+        summary = json.loads((tmp_path / "par" / "t" / "summary.json").read_text())
+        assert summary["comm_bytes"]["dp/all_reduce"] == 6 * (4 * n_params + 4) + 2 * 4

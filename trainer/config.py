@@ -82,12 +82,30 @@ class OptimConfig:
                     choices=("auto", "fused", "foreach"))
 
 
+# Schedules of torch.distributed.pipelining; the first two run one stage per rank.
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+V_SHAPED_SCHEDULES = ("zbv_zero_bubble", "dualpipev")  # exactly two stages per rank, in a V
+PIPELINE_SCHEDULES = ("auto", *SINGLE_STAGE_SCHEDULES, "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                      *V_SHAPED_SCHEDULES)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How ranks are combined. world size = tp · pp · dp."""
     tp: int = opt(1, "tensor-parallel degree", min=1)
     pp: int = opt(1, "pipeline-parallel degree", min=1)
     dp: Optional[int] = opt(None, "data-parallel degree (null: world size / (tp·pp))", min=1)
+    virtual_stages: int = opt(1, "model chunks per pipeline rank (V): layers split into pp·V stages; V > 1 interleaves",
+                              min=1)
+    microbatches: Optional[int] = opt(None, "micro-batches per step on each data-parallel replica (null: "
+                                      "global_batch_size/(micro_batch_size·dp), Megatron's rule; if set it must agree)",
+                                      min=1)
+    schedule: str = opt("auto", "pipeline schedule (auto: 1f1b, or interleaved_1f1b when virtual_stages > 1)",
+                        choices=PIPELINE_SCHEDULES)
+    sequence_parallel: bool = opt(False, "with tp > 1, shard norms/residuals along the sequence (Megatron SP); "
+                                  "ignored when tp = 1")
+    ranks_per_node: Optional[int] = opt(None, "ranks on one node (null: the launcher's LOCAL_WORLD_SIZE)", min=1)
+    ranks_per_gpu: int = opt(1, "ranks sharing one physical GPU (2 for the GCDs of a Frontier MI250X)", min=1)
     backend: str = opt("auto", "torch.distributed backend (auto: nccl with GPUs, gloo on CPU)",
                        choices=("auto", "gloo", "nccl"))
     bucket_mb: float = opt(25.0, "gradient all-reduce bucket size in MiB", min=0.0, min_exclusive=True)
@@ -390,13 +408,25 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
         p.append(f"parallel.tp={par.tp} must divide model.n_heads={m.n_heads}")
     elif kv % par.tp:
         p.append(f"parallel.tp={par.tp} must divide model.n_kv_heads={kv}")
-    if m.n_layers % par.pp:
-        p.append(f"parallel.pp={par.pp} must divide model.n_layers={m.n_layers}")
-    # Tensor and pipeline parallelism are validated above so real-size configs check out, but
-    # this version trains data-parallel only.
-    if par.tp > 1 or par.pp > 1:
-        p.append(f"parallel.tp={par.tp}, parallel.pp={par.pp}: tensor/pipeline parallelism is not available in this "
-                 "version; set both to 1 (data parallelism uses all ranks)")
+    stages = par.pp * par.virtual_stages
+    if m.n_layers % stages:
+        p.append(f"parallel.pp·virtual_stages = {par.pp}·{par.virtual_stages} = {stages} pipeline stages must divide "
+                 f"model.n_layers={m.n_layers} (stages are balanced by layers)")
+    p += _schedule_checks(par)
+    if par.sequence_parallel and par.tp > 1 and m.seq_len % par.tp:
+        p.append(f"parallel.sequence_parallel splits the sequence over tp={par.tp} ranks: model.seq_len={m.seq_len} "
+                 "must be a multiple of tp")
+    if par.ranks_per_node and par.ranks_per_node % par.ranks_per_gpu:
+        p.append(f"parallel.ranks_per_gpu={par.ranks_per_gpu} must divide parallel.ranks_per_node={par.ranks_per_node}")
+    if m.ffn_hidden and m.ffn_hidden % par.tp:
+        p.append(f"parallel.tp={par.tp} must divide model.ffn_hidden={m.ffn_hidden}")
+    # The vocabulary never depends on the layout (unlike Megatron, which pads to a multiple of
+    # 128·tp), so a checkpoint loads into any tp degree: the padding multiple must suit every tp.
+    if m.vocab_size and m.vocab_size % par.tp:
+        p.append(f"parallel.tp={par.tp} must divide model.vocab_size={m.vocab_size}")
+    if not m.vocab_size and m.pad_vocab_multiple % par.tp:
+        p.append(f"parallel.tp={par.tp} must divide model.pad_vocab_multiple={m.pad_vocab_multiple} (the vocabulary "
+                 "is padded to a multiple of it and split over tp ranks); use a multiple of tp such as 128")
     if tr.global_batch_size % tr.micro_batch_size:
         p.append(f"train.micro_batch_size={tr.micro_batch_size} must divide "
                  f"train.global_batch_size={tr.global_batch_size}")
@@ -415,6 +445,42 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
             if tr.global_batch_size % (tr.micro_batch_size * dp):
                 p.append(f"train.global_batch_size={tr.global_batch_size} must be a multiple of "
                          f"train.micro_batch_size·dp = {tr.micro_batch_size}·{dp}")
+            else:
+                p += _microbatch_checks(cfg, cfg.grad_accum_steps(world_size))
+        if par.ranks_per_node and world_size % par.ranks_per_node:
+            p.append(f"world size {world_size} is not a multiple of parallel.ranks_per_node={par.ranks_per_node}")
+    return p
+
+
+def _schedule_checks(par: ParallelConfig) -> list[str]:
+    p: list[str] = []
+    v, name = par.virtual_stages, par.schedule
+    if v > 1 and par.pp == 1:
+        p.append(f"parallel.virtual_stages={v} needs pipeline parallelism: set parallel.pp > 1 or virtual_stages=1")
+    if name in SINGLE_STAGE_SCHEDULES and v > 1:
+        p.append(f"parallel.schedule={name} runs one stage per rank but virtual_stages={v}; use interleaved_1f1b, "
+                 "looped_bfs or interleaved_zero_bubble, or set virtual_stages=1")
+    if name in V_SHAPED_SCHEDULES and v != 2:
+        p.append(f"parallel.schedule={name} needs exactly two stages per rank: set parallel.virtual_stages=2")
+    return p
+
+
+def _microbatch_checks(cfg: Config, derived: int) -> list[str]:
+    """`derived` = global_batch_size / (micro_batch_size·dp): the micro-batches one replica runs."""
+    par, tr = cfg.parallel, cfg.train
+    p: list[str] = []
+    if par.microbatches is not None and par.microbatches != derived:
+        mbs = tr.global_batch_size / (par.microbatches * (tr.global_batch_size // (tr.micro_batch_size * derived)))
+        fix = f"set train.micro_batch_size={int(mbs)}" if mbs == int(mbs) and mbs >= 1 else "change global_batch_size"
+        p.append(f"parallel.microbatches={par.microbatches} disagrees with global_batch_size/(micro_batch_size·dp) = "
+                 f"{derived}; {fix} or leave parallel.microbatches null")
+        return p
+    if par.pp > 1 and derived < par.pp:
+        p.append(f"pipeline needs at least pp={par.pp} micro-batches per step but gets {derived} (global_batch_size/"
+                 f"(micro_batch_size·dp)); lower train.micro_batch_size or raise train.global_batch_size")
+    elif par.pp > 1 and par.virtual_stages > 1 and derived % max(1, derived // par.pp):
+        p.append(f"interleaved schedules run micro-batches in rounds of about pp={par.pp}: {derived} micro-batches "
+                 f"must be a multiple of {derived // par.pp}; use a multiple of pp")
     return p
 
 

@@ -19,13 +19,15 @@ from checkpoint import store
 from parallel import comm
 from parallel.data_parallel import GradientBuckets, unique_params
 from parallel.runtime import Runtime
+from parallel.tensor import (apply_tensor_parallel, clip_grad_norm, full_model_state, full_optimizer_state,
+                             load_full_model_state, load_full_optimizer_state)
 from parallel.topology import Layout, Topology, build_topology
 from trainer import config as config_mod
 from trainer.config import Config, OptimConfig
 from trainer.data import BatchLoader, TokenDataset, ensure_default_corpus, eval_batches
 from trainer.errors import CheckpointError
 from trainer.metrics import MetricsLogger
-from trainer.model import GPT, build_model, flops_per_token, lm_loss
+from trainer.model import GPT, build_model, count_params, flops_per_token, lm_loss
 
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -70,7 +72,13 @@ class Trainer:
         data_dir = Path(cfg.data.path) if cfg.data.path else self._default_corpus()
         self.train_set = TokenDataset(data_dir, "train", cfg.model.seq_len)
         self.val_set = TokenDataset(data_dir, "val", cfg.model.seq_len)
-        self.model: GPT = build_model(cfg.model, self.train_set.vocab_size, cfg.train.seed).to(runtime.device)
+        tp = cfg.parallel.tp
+        self.tp_group = self.topo.groups.get("tp")
+        self.model: GPT = build_model(cfg.model, self.train_set.vocab_size, cfg.train.seed)
+        self.loss_fn = lm_loss
+        if tp > 1:
+            self.loss_fn = apply_tensor_parallel(self.model, self.tp_group, self.topo.coords["tp"], tp)
+        self.model.to(runtime.device)
         self.params = unique_params(self.model)
         self.buckets = GradientBuckets(self.params, int(cfg.parallel.bucket_mb * 2**20))
         self.optimizer = build_optimizer(self.model, cfg.optim, runtime.device)
@@ -104,15 +112,18 @@ class Trainer:
         for inputs, targets in micro_batches:
             inputs, targets = inputs.to(self.rt.device), targets.to(self.rt.device)
             with self.autocast():
-                loss = lm_loss(self.model(inputs), targets) / len(micro_batches)
+                loss = self.loss_fn(self.model(inputs), targets) / len(micro_batches)
             loss.backward()
             loss_sum += loss.detach()
         if self.dp_group is not None:
             self.buckets.all_reduce_mean(self.dp_group, self.topo.dp_size)
             comm.all_reduce(loss_sum, self.dp_group, dim="dp")
             loss_sum /= self.topo.dp_size
-        clip = self.cfg.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else float("inf"))
+        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        if self.tp_group is None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+        else:
+            grad_norm = clip_grad_norm(self.params, clip, self.tp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -127,7 +138,7 @@ class Trainer:
         for inputs, targets in eval_batches(self.val_set, n, self.cfg.train.micro_batch_size,
                                             self.topo.dp_rank, self.topo.dp_size):
             with self.autocast():
-                total += lm_loss(self.model(inputs.to(self.rt.device)), targets.to(self.rt.device))
+                total += self.loss_fn(self.model(inputs.to(self.rt.device)), targets.to(self.rt.device))
         self.model.train()
         if self.dp_group is not None:
             comm.all_reduce(total, self.dp_group, dim="dp")
@@ -135,19 +146,22 @@ class Trainer:
 
     # --- checkpoints ----------------------------------------------------------------------
     def save(self) -> None:
-        """Every dp replica holds the same state: rank 0 writes it, the others wait for the commit."""
+        """Saved in the global layout: tp shards are gathered into whole tensors, and since every
+        dp replica holds the same state, rank 0 writes it while the others wait for the commit."""
+        model_state = full_model_state(self.model, self.tp_group)
+        optim_state = full_optimizer_state(self.optimizer, self.tp_group)
         if self.rt.rank == 0:
             trainer_state = {"step": self.step, "data": self.loader.state_dict(),
                              "rng_cpu": torch.get_rng_state()}
-            store.save(self.cfg.checkpoint_dir(), self.step, self.model.state_dict(), self.optimizer.state_dict(),
+            store.save(self.cfg.checkpoint_dir(), self.step, model_state, optim_state,
                        trainer_state, config_mod.dump(self.cfg), self.cfg.checkpoint.keep_last)
         comm.barrier()
 
     def resume(self, path: Path) -> Path:
         ckpt = store.load(path)
         try:
-            self.model.load_state_dict(ckpt["model"])
-            self.optimizer.load_state_dict(ckpt["optim"])
+            load_full_model_state(self.model, ckpt["model"])
+            load_full_optimizer_state(self.optimizer, ckpt["optim"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise CheckpointError(f"{ckpt['path']} does not fit this model/optimizer ({e}); resume with the "
                                   "model config it was saved with (see its config.yaml)") from e
@@ -209,8 +223,10 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
     log = MetricsLogger(cfg.run_dir(), cfg.train.steps, trainer.step, enabled=main, progress=cfg.log.progress,
                         wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
                         config=config_mod.to_dict(cfg))
-    n_params = sum(p.numel() for p in trainer.params)
-    log.print(f"strata: {n_params / 1e6:.2f}M parameters, world {runtime.world_size} (dp {trainer.topo.dp_size}), "
+    n_params = count_params(cfg.model, trainer.model.vocab_size)
+    layout = trainer.topo.layout
+    log.print(f"strata: {n_params / 1e6:.2f}M parameters, world {runtime.world_size} "
+              f"(tp {layout.tp}, dp {layout.dp}), "
               f"{cfg.train.global_batch_size}×{cfg.model.seq_len} tokens/step, run dir {cfg.run_dir()}"
               + (f", resumed from {resumed_from}" if resumed_from else ""))
     try:

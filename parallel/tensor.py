@@ -1,0 +1,240 @@
+"""Tensor parallelism (Megatron's scheme) applied to a plain GPT from outside.
+
+Attention heads and the MLP's inner width are split column-wise (wq/wk/wv, w1/w3) and their
+output projections row-wise (wo, w2); the embedding and the output layer are split over the
+vocabulary, and the loss is a vocab-parallel cross-entropy, so no rank ever holds full-vocab
+logits. Shards are plain local tensors (not DTensors) so the optimizer, ZeRO and checkpoints
+treat them as ordinary parameters; each records its `Placement` in the global tensor.
+
+Written here rather than with torch's DTensor `parallelize_module` because the issue requires
+plain local shards and Megatron's vocab-parallel loss, which DTensor's loss_parallel only gives
+inside its own tensor subclass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parallel import comm
+from trainer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a local tensor sits in its global tensor: split evenly along `shard_dim` into
+    `num_shards` pieces of which this is number `shard_index`; shard_dim None = replicated."""
+    global_shape: tuple[int, ...]
+    shard_dim: int | None = None
+    shard_index: int = 0
+    num_shards: int = 1
+
+    def local_slice(self, full: torch.Tensor) -> torch.Tensor:
+        if self.shard_dim is None:
+            return full
+        return full.chunk(self.num_shards, dim=self.shard_dim)[self.shard_index]
+
+
+def placement_of(p: torch.Tensor) -> Placement:
+    return getattr(p, "placement", None) or Placement(tuple(p.shape))
+
+
+# --- communication with autograd (Megatron's f / g operators) ------------------------------
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient backward (the input feeds every shard)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce(grad.contiguous().clone(), ctx.group, dim="tp"), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """All-reduce forward (sum the shards' partial outputs); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return comm.all_reduce(x.contiguous().clone(), group, dim="tp")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of vocab-sharded logits (N, V/tp) against global targets (N,)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group):
+        logits = logits.float()
+        logits_max = comm.all_reduce(logits.max(dim=-1).values, group, dim="tp", op=dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+        outside = (targets < vocab_start) | (targets >= vocab_start + logits.shape[-1])
+        local_targets = (targets - vocab_start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        comm.all_reduce(target_logit, group, dim="tp")
+        exp = shifted.exp()
+        sum_exp = comm.all_reduce(exp.sum(dim=-1), group, dim="tp")
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, outside, local_targets)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, outside, local_targets = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
+        grad_logits[rows, local_targets] -= (~outside).to(grad_logits.dtype)
+        return grad_logits * grad.unsqueeze(-1), None, None, None
+
+
+# --- sharded layers ------------------------------------------------------------------------
+
+def _shard_parameter(full: torch.Tensor, dim: int, rank: int, size: int) -> nn.Parameter:
+    if full.shape[dim] % size:
+        raise ConfigError([f"parallel.tp={size} must divide a weight's dimension {dim} of size {full.shape[dim]} "
+                           f"(shape {tuple(full.shape)}); choose model sizes divisible by tp"])
+    placement = Placement(tuple(full.shape), dim, rank, size)
+    p = nn.Parameter(placement.local_slice(full.detach()).clone())
+    p.placement = placement
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_localᵀ with W split by output rows; the output stays split."""
+
+    def __init__(self, linear: nn.Linear, group, rank: int, size: int):
+        super().__init__()
+        self.group = group
+        self.weight = _shard_parameter(linear.weight, 0, rank, size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_CopyToGroup.apply(x, self.group), self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_ranks x_local W_localᵀ with W split by input columns; input arrives split."""
+
+    def __init__(self, linear: nn.Linear, group, rank: int, size: int):
+        super().__init__()
+        self.group = group
+        self.weight = _shard_parameter(linear.weight, 1, rank, size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ReduceFromGroup.apply(F.linear(x, self.weight), self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over ranks; each looks up the ids it owns, the rest are summed in."""
+
+    def __init__(self, embedding: nn.Embedding, group, rank: int, size: int):
+        super().__init__()
+        self.group = group
+        self.weight = _shard_parameter(embedding.weight, 0, rank, size)
+        self.vocab_start = rank * self.weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_start + self.weight.shape[0])
+        local = F.embedding((tokens - self.vocab_start).masked_fill(outside, 0), self.weight)
+        return _ReduceFromGroup.apply(local.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+
+class VocabParallelLoss:
+    """Mean next-token cross-entropy over vocab-sharded logits (batch, seq, V/tp)."""
+
+    def __init__(self, group, rank: int):
+        self.group, self.rank = group, rank
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        start = self.rank * logits.shape[-1]
+        per_token = _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), start, self.group)
+        return per_token.mean()
+
+
+# --- the transformation ----------------------------------------------------------------------
+
+def apply_tensor_parallel(model: nn.Module, group, rank: int, size: int) -> VocabParallelLoss:
+    """Shard a GPT in place over the tp group (slicing its full, already-initialised weights, so
+    the sharded model computes what the unsharded one would). Returns the loss to train it with."""
+    for block in model.layers:
+        attn, mlp = block.attn, block.mlp
+        attn.wq, attn.wk, attn.wv = (ColumnParallelLinear(m, group, rank, size) for m in (attn.wq, attn.wk, attn.wv))
+        attn.wo = RowParallelLinear(attn.wo, group, rank, size)
+        mlp.w1, mlp.w3 = ColumnParallelLinear(mlp.w1, group, rank, size), ColumnParallelLinear(mlp.w3, group, rank, size)
+        mlp.w2 = RowParallelLinear(mlp.w2, group, rank, size)
+    tied = model.output.weight is model.tok_embeddings.weight
+    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, rank, size)
+    output = ColumnParallelLinear(model.output, group, rank, size)
+    if tied:
+        output.weight = model.tok_embeddings.weight
+    model.output = output
+    return VocabParallelLoss(group, rank)
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, group) -> torch.Tensor:
+    """Clip by the norm of the *global* gradient: squared norms of shards are summed over the tp
+    group, replicated parameters are counted once. Same rule as torch.nn.utils.clip_grad_norm_."""
+    sharded = [p.grad for p in params if p.grad is not None and placement_of(p).shard_dim is not None]
+    replicated = [p.grad for p in params if p.grad is not None and placement_of(p).shard_dim is None]
+    zero = torch.zeros((), dtype=torch.float32, device=params[0].device)
+    sq_sharded = sum((g.float().pow(2).sum() for g in sharded), zero.clone())
+    comm.all_reduce(sq_sharded, group, dim="tp")
+    total = (sq_sharded + sum((g.float().pow(2).sum() for g in replicated), zero.clone())).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in sharded + replicated:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+# --- global layout for checkpoints ------------------------------------------------------------
+
+def gather_full(t: torch.Tensor, placement: Placement, group) -> torch.Tensor:
+    """The global tensor from every tp rank's shard (a collective: all tp ranks must call it)."""
+    if placement.shard_dim is None or group is None:
+        return t
+    return torch.cat(comm.all_gather(t, group, dim="tp"), dim=placement.shard_dim)
+
+
+def full_model_state(model: nn.Module, group) -> dict[str, torch.Tensor]:
+    placements = {name: placement_of(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    return {k: gather_full(v, placements.get(k, Placement(tuple(v.shape))), group)
+            for k, v in model.state_dict().items()}
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    placements = {name: placement_of(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    model.load_state_dict({k: placements[k].local_slice(v) if k in placements else v for k, v in state.items()})
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer, group) -> dict:
+    """optimizer.state_dict() with every per-parameter tensor (exp_avg, …) in global shape."""
+    sd = optimizer.state_dict()
+    params = _optimizer_params(optimizer)
+    # state_dict() shares each entry dict with the live optimizer: build new ones.
+    sd["state"] = {idx: {key: gather_full(value, placement_of(params[idx]), group)
+                         if torch.is_tensor(value) and value.ndim > 0 and value.shape == params[idx].shape else value
+                         for key, value in entry.items()}
+                   for idx, entry in sd["state"].items()}
+    return sd
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict) -> None:
+    params = _optimizer_params(optimizer)
+    for idx, entry in sd["state"].items():
+        pl = placement_of(params[idx])
+        for key, value in entry.items():
+            if torch.is_tensor(value) and tuple(value.shape) == pl.global_shape and value.ndim > 0:
+                entry[key] = pl.local_slice(value).clone()
+    optimizer.load_state_dict(sd)
