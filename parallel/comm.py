@@ -32,6 +32,16 @@ def all_gather(tensor: torch.Tensor, group, dim: str) -> list[torch.Tensor]:
     return parts
 
 
+def gather_objects(obj, group, dst: int) -> list | None:
+    """Every group member's picklable `obj` at global rank `dst` (None elsewhere). In-process
+    control data only (pickled over the wire by torch); not counted, not for hot paths."""
+    if group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
 def barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)

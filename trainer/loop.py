@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import store
+from checkpoint.layout import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state
 from parallel import comm
 from parallel.data_parallel import GradientBuckets, unique_params
 from parallel.runtime import Runtime
-from parallel.tensor import (apply_tensor_parallel, clip_grad_norm, full_model_state, full_optimizer_state,
-                             load_full_model_state, load_full_optimizer_state)
+from parallel.clipping import clip_grad_norm
+from parallel.tensor import apply_tensor_parallel
 from parallel.topology import Layout, Topology, build_topology
 from trainer import config as config_mod
 from trainer.config import Config, OptimConfig
@@ -148,8 +149,8 @@ class Trainer:
     def save(self) -> None:
         """Saved in the global layout: tp shards are gathered into whole tensors, and since every
         dp replica holds the same state, rank 0 writes it while the others wait for the commit."""
-        model_state = full_model_state(self.model, self.tp_group)
-        optim_state = full_optimizer_state(self.optimizer, self.tp_group)
+        model_state = full_model_state([self.model], self.tp_group)
+        optim_state = full_optimizer_state(self.optimizer, [self.model], self.tp_group)
         if self.rt.rank == 0:
             trainer_state = {"step": self.step, "data": self.loader.state_dict(),
                              "rng_cpu": torch.get_rng_state()}
@@ -160,8 +161,8 @@ class Trainer:
     def resume(self, path: Path) -> Path:
         ckpt = store.load(path)
         try:
-            load_full_model_state(self.model, ckpt["model"])
-            load_full_optimizer_state(self.optimizer, ckpt["optim"])
+            load_full_model_state([self.model], ckpt["model"])
+            load_full_optimizer_state(self.optimizer, [self.model], ckpt["optim"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise CheckpointError(f"{ckpt['path']} does not fit this model/optimizer ({e}); resume with the "
                                   "model config it was saved with (see its config.yaml)") from e

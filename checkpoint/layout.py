@@ -1,0 +1,94 @@
+"""The global layout of training state: whole tensors keyed by their name in the unsharded model,
+whatever tensor/pipeline layout produced them. Saving gathers tp shards and pipeline stages into
+it; loading slices each rank's part back out, so a checkpoint loads into any (tp, pp, dp).
+
+Optimizer state is keyed by parameter name too (not by torch's per-rank parameter index), which
+is what lets it move between pipeline layouts.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallel import comm
+from parallel.tensor import Placement, placement_of
+
+
+def gather_full(t: torch.Tensor, placement: Placement, tp_group) -> torch.Tensor:
+    """The global tensor from every tp rank's shard (a collective: all tp ranks must call it)."""
+    if placement.shard_dim is None or tp_group is None:
+        return t
+    return torch.cat(comm.all_gather(t, tp_group, dim="tp"), dim=placement.shard_dim)
+
+
+def _named_params(parts: list[nn.Module]) -> dict[str, nn.Parameter]:
+    """Parameters by name over every model part on this rank (tied names included)."""
+    return {name: p for part in parts for name, p in part.named_parameters(remove_duplicate=False)}
+
+
+def _merge_stages(local: dict, pp_group, dst: int) -> dict:
+    """Union of every pipeline rank's dict at global rank `dst` (empty elsewhere)."""
+    if pp_group is None:
+        return local
+    parts = comm.gather_objects(local, pp_group, dst)
+    return {k: v for part in parts for k, v in part.items()} if parts is not None else {}
+
+
+def full_model_state(parts: list[nn.Module], tp_group=None, pp_group=None, dst: int = 0) -> dict[str, torch.Tensor]:
+    """The whole model's state dict at rank `dst` (every rank of the tp and pp groups must call)."""
+    placements = {name: placement_of(p) for name, p in _named_params(parts).items()}
+    local = {}
+    for part in parts:
+        for key, value in part.state_dict().items():
+            local[key] = gather_full(value, placements.get(key, Placement(tuple(value.shape))), tp_group)
+    return _merge_stages(local, pp_group, dst)
+
+
+def load_full_model_state(parts: list[nn.Module], state: dict[str, torch.Tensor]) -> None:
+    """Load each part's slice of a whole-model state dict (strict: every key of a part must be there)."""
+    placements = {name: placement_of(p) for name, p in _named_params(parts).items()}
+    for part in parts:
+        keys = part.state_dict().keys()
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise KeyError(f"checkpoint lacks {missing[:3]}{' …' if len(missing) > 3 else ''}")
+        part.load_state_dict({k: placements[k].local_slice(state[k]) if k in placements else state[k] for k in keys})
+
+
+def _param_names(optimizer: torch.optim.Optimizer, parts: list[nn.Module]) -> list[str]:
+    """The name of each optimizer parameter, in torch's index order."""
+    name_of = {id(p): name for part in parts for name, p in part.named_parameters()}
+    return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer, parts: list[nn.Module], tp_group=None, pp_group=None,
+                         dst: int = 0) -> dict:
+    """{"param_groups": hyper-parameters, "state": {param name: {exp_avg: whole tensor, …}}}."""
+    sd = optimizer.state_dict()
+    names = _param_names(optimizer, parts)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for idx, entry in sd["state"].items():
+        pl = placement_of(params[idx])
+        state[names[idx]] = {k: gather_full(v, pl, tp_group) if torch.is_tensor(v) and v.shape == params[idx].shape
+                             else v for k, v in entry.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+    return {"param_groups": groups, "state": _merge_stages(state, pp_group, dst)}
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, parts: list[nn.Module], full: dict) -> None:
+    names = _param_names(optimizer, parts)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for idx, (name, p) in enumerate(zip(names, params)):
+        if name not in full["state"]:
+            continue  # no step taken yet for this parameter when it was saved
+        pl = placement_of(p)
+        state[idx] = {k: pl.local_slice(v).clone() if torch.is_tensor(v) and tuple(v.shape) == pl.global_shape
+                      and v.ndim > 0 else v for k, v in full["state"][name].items()}
+    sd = optimizer.state_dict()
+    if len(full["param_groups"]) != len(sd["param_groups"]):
+        raise ValueError(f"checkpoint has {len(full['param_groups'])} parameter groups, the optimizer "
+                         f"{len(sd['param_groups'])}")
+    groups = [{**saved, "params": g["params"]} for saved, g in zip(full["param_groups"], sd["param_groups"])]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
