@@ -8,6 +8,7 @@ is what lets it move between pipeline layouts.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from parallel import comm
@@ -26,22 +27,23 @@ def _named_params(parts: list[nn.Module]) -> dict[str, nn.Parameter]:
     return {name: p for part in parts for name, p in part.named_parameters(remove_duplicate=False)}
 
 
-def _merge_stages(local: dict, pp_group, dst: int) -> dict:
-    """Union of every pipeline rank's dict at global rank `dst` (empty elsewhere)."""
+def _merge_stages(local: dict, pp_group) -> dict:
+    """Union of every pipeline rank's dict at the group's first rank (empty elsewhere)."""
     if pp_group is None:
         return local
-    parts = comm.gather_objects(local, pp_group, dst)
+    parts = comm.gather_objects(local, pp_group, dist.get_global_rank(pp_group, 0))
     return {k: v for part in parts for k, v in part.items()} if parts is not None else {}
 
 
-def full_model_state(parts: list[nn.Module], tp_group=None, pp_group=None, dst: int = 0) -> dict[str, torch.Tensor]:
-    """The whole model's state dict at rank `dst` (every rank of the tp and pp groups must call)."""
+def full_model_state(parts: list[nn.Module], tp_group=None, pp_group=None) -> dict[str, torch.Tensor]:
+    """The whole model's state dict at the first rank of the pp group (every rank of the tp and
+    pp groups must call)."""
     placements = {name: placement_of(p) for name, p in _named_params(parts).items()}
     local = {}
     for part in parts:
         for key, value in part.state_dict().items():
             local[key] = gather_full(value, placements.get(key, Placement(tuple(value.shape))), tp_group)
-    return _merge_stages(local, pp_group, dst)
+    return _merge_stages(local, pp_group)
 
 
 def load_full_model_state(parts: list[nn.Module], state: dict[str, torch.Tensor]) -> None:
@@ -55,37 +57,43 @@ def load_full_model_state(parts: list[nn.Module], state: dict[str, torch.Tensor]
         part.load_state_dict({k: placements[k].local_slice(state[k]) if k in placements else state[k] for k in keys})
 
 
-def _param_names(optimizer: torch.optim.Optimizer, parts: list[nn.Module]) -> list[str]:
-    """The name of each optimizer parameter, in torch's index order."""
-    name_of = {id(p): name for part in parts for name, p in part.named_parameters()}
-    return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+def _param_aliases(optimizer: torch.optim.Optimizer, parts: list[nn.Module]) -> list[list[str]]:
+    """Every name of each optimizer parameter, in torch's index order (a tied embedding has two:
+    saved under both, it loads into a layout that holds either copy)."""
+    names: dict[int, list[str]] = {}
+    for part in parts:
+        for name, p in part.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer, parts: list[nn.Module], tp_group=None, pp_group=None,
-                         dst: int = 0) -> dict:
+def full_optimizer_state(optimizer: torch.optim.Optimizer, parts: list[nn.Module], tp_group=None,
+                         pp_group=None) -> dict:
     """{"param_groups": hyper-parameters, "state": {param name: {exp_avg: whole tensor, …}}}."""
     sd = optimizer.state_dict()
-    names = _param_names(optimizer, parts)
+    aliases = _param_aliases(optimizer, parts)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {}
     for idx, entry in sd["state"].items():
         pl = placement_of(params[idx])
-        state[names[idx]] = {k: gather_full(v, pl, tp_group) if torch.is_tensor(v) and v.shape == params[idx].shape
-                             else v for k, v in entry.items()}
+        full = {k: gather_full(v, pl, tp_group) if torch.is_tensor(v) and v.shape == params[idx].shape else v
+                for k, v in entry.items()}
+        state.update({name: full for name in aliases[idx]})
     groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
-    return {"param_groups": groups, "state": _merge_stages(state, pp_group, dst)}
+    return {"param_groups": groups, "state": _merge_stages(state, pp_group)}
 
 
 def load_full_optimizer_state(optimizer: torch.optim.Optimizer, parts: list[nn.Module], full: dict) -> None:
-    names = _param_names(optimizer, parts)
+    aliases = _param_aliases(optimizer, parts)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {}
-    for idx, (name, p) in enumerate(zip(names, params)):
-        if name not in full["state"]:
+    for idx, (names, p) in enumerate(zip(aliases, params)):
+        saved = next((full["state"][n] for n in names if n in full["state"]), None)
+        if saved is None:
             continue  # no step taken yet for this parameter when it was saved
         pl = placement_of(p)
         state[idx] = {k: pl.local_slice(v).clone() if torch.is_tensor(v) and tuple(v.shape) == pl.global_shape
-                      and v.ndim > 0 else v for k, v in full["state"][name].items()}
+                      and v.ndim > 0 else v for k, v in saved.items()}
     sd = optimizer.state_dict()
     if len(full["param_groups"]) != len(sd["param_groups"]):
         raise ValueError(f"checkpoint has {len(full['param_groups'])} parameter groups, the optimizer "

@@ -32,6 +32,70 @@ def all_gather(tensor: torch.Tensor, group, dim: str) -> list[torch.Tensor]:
     return parts
 
 
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+
+
+def send_tensor(tensor: torch.Tensor, dst: int, dim: str) -> None:
+    """Blocking send of a tensor of any shape to global rank `dst`: a header (dtype, ndim,
+    shape), then the data. Pair with `recv_tensor`."""
+    header = torch.tensor([_DTYPES.index(tensor.dtype), tensor.ndim, *tensor.shape], dtype=torch.int64,
+                          device=tensor.device)  # on the data's device: NCCL sends only GPU tensors
+    dist.send(torch.tensor([len(header)], dtype=torch.int64, device=tensor.device), dst)
+    dist.send(header, dst)
+    _count(dim, "send", tensor)
+    dist.send(tensor.contiguous(), dst)
+
+
+def recv_tensor(src: int, device: torch.device, dim: str) -> torch.Tensor:
+    n = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(n, src)
+    header = torch.empty(int(n), dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+    out = torch.empty([int(d) for d in header[2:2 + ndim]], dtype=dtype, device=device)
+    dist.recv(out, src)
+    _count(dim, "recv", out)
+    return out
+
+
+# torch renamed the single-tensor collectives (2.13 deprecates the old names); take whichever
+# this torch has, so both >= 2.6 and the newest work without warnings.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_along(tensor: torch.Tensor, group, dim: str, axis: int) -> torch.Tensor:
+    """Every group member's `tensor` (same shape on all) concatenated along tensor axis `axis`,
+    in group-rank order; returns `tensor` itself without a group. Counts the bytes of the local
+    input, as `all_gather` does."""
+    if group is None:
+        return tensor
+    _count(dim, "all_gather", tensor)
+    size = dist.get_world_size(group)
+    front = tensor.movedim(axis, 0).contiguous()  # collectives split/concatenate along dim 0
+    out = front.new_empty((size * front.shape[0], *front.shape[1:]))
+    _all_gather_single(out, front, group=group)
+    return out.movedim(0, axis).contiguous()
+
+
+def reduce_scatter_along(tensor: torch.Tensor, group, dim: str, axis: int,
+                         op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """This member's chunk of the group-wide reduction of `tensor`: the reduced tensor split
+    evenly along tensor axis `axis` into group-size chunks, chunk i to group rank i. Returns
+    `tensor` itself without a group. Counts the bytes of the (full) input."""
+    if group is None:
+        return tensor
+    size = dist.get_world_size(group)
+    if tensor.shape[axis] % size:
+        raise ValueError(f"reduce_scatter_along: axis {axis} of shape {tuple(tensor.shape)} is not divisible "
+                         f"by the group size {size}")
+    _count(dim, "reduce_scatter", tensor)
+    front = tensor.movedim(axis, 0).contiguous()
+    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
+    _reduce_scatter_single(out, front, op=op, group=group)
+    return out.movedim(0, axis).contiguous()
+
+
 def gather_objects(obj, group, dst: int) -> list | None:
     """Every group member's picklable `obj` at global rank `dst` (None elsewhere). In-process
     control data only (pickled over the wire by torch); not counted, not for hot paths."""

@@ -25,6 +25,17 @@ LAYOUTS = {
     "dp2": (2, {}, {"train.micro_batch_size": 4}),
     "tp2-gqa-tied": (2, {"parallel.tp": 2}, {"model.n_kv_heads": 2, "model.tie_embeddings": True}),
     "tp2-dp2": (4, {"parallel.tp": 2}, {}),
+    "pp2": (2, {"parallel.pp": 2}, {}),
+    "pp2-v2": (2, {"parallel.pp": 2, "parallel.virtual_stages": 2}, {"model.n_layers": 4}),
+    "pp4-v2": (4, {"parallel.pp": 4, "parallel.virtual_stages": 2}, {"model.n_layers": 8}),
+    "pp2-gpipe-tied": (2, {"parallel.pp": 2, "parallel.schedule": "gpipe"}, {"model.tie_embeddings": True}),
+    "pp2-zbv-tied": (2, {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "zbv_zero_bubble"},
+                     {"model.n_layers": 4, "model.tie_embeddings": True}),
+    "pp2-zbv": (2, {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "zbv_zero_bubble"},
+                     {"model.n_layers": 4}),
+    "tp2-pp2": (4, {"parallel.tp": 2, "parallel.pp": 2}, {}),
+    "pp2-dp2": (4, {"parallel.pp": 2}, {}),
+    "tp2-pp2-dp2": (8, {"parallel.tp": 2, "parallel.pp": 2}, {}),
 }
 
 
@@ -53,8 +64,8 @@ def test_parallel_layout_matches_single_process(small_data_dir, tmp_path, name):
     overrides = tiny_overrides(small_data_dir, tmp_path / "par", **COMMON, **shared, **parallel)
     proc = strata("launch", str(experiment), *overrides, "--nproc", str(nproc))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    tp = parallel.get("parallel.tp", 1)
-    assert f"world {nproc} (tp {tp}, dp {nproc // tp})" in proc.stdout
+    tp, pp = parallel.get("parallel.tp", 1), parallel.get("parallel.pp", 1)
+    assert f"world {nproc} (tp {tp}, pp {pp}, dp {nproc // (tp * pp)})" in proc.stdout
 
     par_losses = losses_from(tmp_path / "par" / "t")
     assert sorted(par_losses) == sorted(reference.losses)
@@ -68,7 +79,7 @@ def test_parallel_layout_matches_single_process(small_data_dir, tmp_path, name):
     for key, ref in ref_params.items():
         torch.testing.assert_close(par_params[key], ref, rtol=1e-4, atol=2e-5, msg=lambda m: f"{key}: {m}")
 
-    if tp == 1:
+    if tp == 1 and pp == 1:
         # The bucketed all-reduce moved every gradient once per step (fp32), plus one scalar
         # loss per step and one scalar per evaluation (steps 3 and 6).
         n_params = sum(t.numel() for t in ref_params.values())

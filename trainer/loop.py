@@ -21,6 +21,7 @@ from parallel import comm
 from parallel.data_parallel import GradientBuckets, unique_params
 from parallel.runtime import Runtime
 from parallel.clipping import clip_grad_norm
+from parallel.pipeline import Pipeline, tied_embedding_groups
 from parallel.tensor import apply_tensor_parallel
 from parallel.topology import Layout, Topology, build_topology
 from trainer import config as config_mod
@@ -28,7 +29,7 @@ from trainer.config import Config, OptimConfig
 from trainer.data import BatchLoader, TokenDataset, ensure_default_corpus, eval_batches
 from trainer.errors import CheckpointError
 from trainer.metrics import MetricsLogger
-from trainer.model import GPT, build_model, count_params, flops_per_token, lm_loss
+from trainer.model import build_model, count_params, flops_per_token, lm_loss
 
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -44,9 +45,8 @@ def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
     return min_lr + (optim.lr - min_lr) * shape
 
 
-def build_optimizer(model: torch.nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(params: list[torch.nn.Parameter], optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only; torch's fused kernel where available."""
-    params = unique_params(model)
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     kernel = {"fused": True} if optim.impl in ("fused", "auto") else {"foreach": True}
@@ -68,26 +68,42 @@ class Trainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         dp = cfg.dp_size(runtime.world_size)
-        self.topo: Topology = build_topology(Layout(cfg.parallel.tp, cfg.parallel.pp, dp), runtime.rank)
-        self.dp_group = self.topo.groups.get("dp")
+        par = cfg.parallel
+        self.topo: Topology = build_topology(Layout(par.tp, par.pp, dp), runtime.rank)
+        self.dp_group, self.tp_group, self.pp_group = (self._group(d) for d in ("dp", "tp", "pp"))
         data_dir = Path(cfg.data.path) if cfg.data.path else self._default_corpus()
         self.train_set = TokenDataset(data_dir, "train", cfg.model.seq_len)
         self.val_set = TokenDataset(data_dir, "val", cfg.model.seq_len)
-        tp = cfg.parallel.tp
-        self.tp_group = self.topo.groups.get("tp")
-        self.model: GPT = build_model(cfg.model, self.train_set.vocab_size, cfg.train.seed)
-        self.loss_fn = lm_loss
-        if tp > 1:
-            self.loss_fn = apply_tensor_parallel(self.model, self.tp_group, self.topo.coords["tp"], tp)
-        self.model.to(runtime.device)
-        self.params = unique_params(self.model)
-        self.buckets = GradientBuckets(self.params, int(cfg.parallel.bucket_mb * 2**20))
-        self.optimizer = build_optimizer(self.model, cfg.optim, runtime.device)
+        self.parts, self.pipeline = self._build_model()
+        self.params = list({id(p): p for part in self.parts for p in unique_params(part)}.values())
+        self.buckets = GradientBuckets(self.params, int(par.bucket_mb * 2**20))
+        self.optimizer = build_optimizer(self.params, cfg.optim, runtime.device)
         self.loader = BatchLoader(self.train_set, cfg.train.seed, cfg.train.global_batch_size,
                                   cfg.train.micro_batch_size, self.topo.dp_rank, dp)
         self.step = 0
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
-        self.flops_per_token = flops_per_token(cfg.model, self.model.vocab_size)
+        self.flops_per_token = flops_per_token(cfg.model, self.vocab_size)
+
+    def _group(self, dim: str):
+        """The process group along `dim`, or None when that dimension has a single rank."""
+        return self.topo.groups.get(dim) if getattr(self.topo.layout, dim) > 1 else None
+
+    def _build_model(self) -> tuple[list[torch.nn.Module], Pipeline | None]:
+        """The plain model, initialised whole (so every layout starts from the same weights), then
+        transformed: tensor parallel, then split into this rank's pipeline stages."""
+        cfg, par = self.cfg, self.cfg.parallel
+        model = build_model(cfg.model, self.train_set.vocab_size, cfg.train.seed)
+        self.vocab_size = model.vocab_size
+        self.loss_fn = lm_loss
+        if par.tp > 1:
+            self.loss_fn = apply_tensor_parallel(model, self.tp_group, self.topo.coords["tp"], par.tp)
+        if par.pp == 1:
+            return [model.to(self.rt.device)], None
+        tied_group = (tied_embedding_groups(self.topo.layout.group_ranks("pp"), self.rt.rank)
+                      if cfg.model.tie_embeddings else None)
+        pipeline = Pipeline(model, self.loss_fn, self.pp_group, self.topo.coords["pp"], par.pp, par.virtual_stages,
+                            par.schedule, cfg.grad_accum_steps(self.rt.world_size), self.rt.device, tied_group)
+        return pipeline.parts, pipeline
 
     def _default_corpus(self) -> Path:
         """Rank 0 prepares the built-in corpus once; the others wait, then read it."""
@@ -108,39 +124,50 @@ class Trainer:
         host sync here, so a GPU can run ahead; callers read them with .item() when they log)."""
         for g in self.optimizer.param_groups:
             g["lr"] = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
-        micro_batches = self.loader.next_step()
-        loss_sum = torch.zeros((), device=self.rt.device)
-        for inputs, targets in micro_batches:
-            inputs, targets = inputs.to(self.rt.device), targets.to(self.rt.device)
-            with self.autocast():
-                loss = self.loss_fn(self.model(inputs), targets) / len(micro_batches)
-            loss.backward()
-            loss_sum += loss.detach()
+        with self.autocast():
+            loss = self.forward_backward(self.loader.next_step())
         if self.dp_group is not None:
             self.buckets.all_reduce_mean(self.dp_group, self.topo.dp_size)
-            comm.all_reduce(loss_sum, self.dp_group, dim="dp")
-            loss_sum /= self.topo.dp_size
+            comm.all_reduce(loss, self.dp_group, dim="dp")
+            loss /= self.topo.dp_size
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        if self.tp_group is None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
-        else:
-            grad_norm = clip_grad_norm(self.params, clip, self.tp_group)
+        counted_elsewhere = [self.pipeline.tied_weight] if self.pipeline and not self.pipeline.has_first else []
+        grad_norm = clip_grad_norm(self.params, clip, self.tp_group, self.pp_group, counted_elsewhere)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return loss_sum, grad_norm
+        return loss, grad_norm
+
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Gradients of the mean loss over this replica's micro-batches; returns that loss."""
+        inputs = [i.to(self.rt.device) for i, _ in micro_batches]
+        targets = [t.to(self.rt.device) for _, t in micro_batches]
+        if self.pipeline:
+            return self.pipeline.forward_backward(torch.cat(inputs), torch.cat(targets))
+        model, loss_sum = self.parts[0], torch.zeros((), device=self.rt.device)
+        for x, y in zip(inputs, targets):
+            loss = self.loss_fn(model(x), y) / len(micro_batches)
+            loss.backward()
+            loss_sum += loss.detach()
+        return loss_sum
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over the fixed evaluation batches of all dp ranks."""
-        self.model.eval()
+        for part in self.parts:
+            part.eval()
         total = torch.zeros((), device=self.rt.device)
         n = self.cfg.train.eval_batches
         for inputs, targets in eval_batches(self.val_set, n, self.cfg.train.micro_batch_size,
                                             self.topo.dp_rank, self.topo.dp_size):
+            inputs, targets = inputs.to(self.rt.device), targets.to(self.rt.device)
             with self.autocast():
-                total += self.loss_fn(self.model(inputs.to(self.rt.device)), targets.to(self.rt.device))
-        self.model.train()
+                if self.pipeline:
+                    total += self.pipeline.evaluate(inputs, targets)
+                else:
+                    total += self.loss_fn(self.parts[0](inputs), targets)
+        for part in self.parts:
+            part.train()
         if self.dp_group is not None:
             comm.all_reduce(total, self.dp_group, dim="dp")
         return total.item() / (n * self.topo.dp_size)
@@ -149,8 +176,8 @@ class Trainer:
     def save(self) -> None:
         """Saved in the global layout: tp shards are gathered into whole tensors, and since every
         dp replica holds the same state, rank 0 writes it while the others wait for the commit."""
-        model_state = full_model_state([self.model], self.tp_group)
-        optim_state = full_optimizer_state(self.optimizer, [self.model], self.tp_group)
+        model_state = full_model_state(self.parts, self.tp_group, self.pp_group)
+        optim_state = full_optimizer_state(self.optimizer, self.parts, self.tp_group, self.pp_group)
         if self.rt.rank == 0:
             trainer_state = {"step": self.step, "data": self.loader.state_dict(),
                              "rng_cpu": torch.get_rng_state()}
@@ -161,8 +188,8 @@ class Trainer:
     def resume(self, path: Path) -> Path:
         ckpt = store.load(path)
         try:
-            load_full_model_state([self.model], ckpt["model"])
-            load_full_optimizer_state(self.optimizer, [self.model], ckpt["optim"])
+            load_full_model_state(self.parts, ckpt["model"])
+            load_full_optimizer_state(self.optimizer, self.parts, ckpt["optim"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise CheckpointError(f"{ckpt['path']} does not fit this model/optimizer ({e}); resume with the "
                                   "model config it was saved with (see its config.yaml)") from e
@@ -224,10 +251,10 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
     log = MetricsLogger(cfg.run_dir(), cfg.train.steps, trainer.step, enabled=main, progress=cfg.log.progress,
                         wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
                         config=config_mod.to_dict(cfg))
-    n_params = count_params(cfg.model, trainer.model.vocab_size)
+    n_params = count_params(cfg.model, trainer.vocab_size)
     layout = trainer.topo.layout
     log.print(f"strata: {n_params / 1e6:.2f}M parameters, world {runtime.world_size} "
-              f"(tp {layout.tp}, dp {layout.dp}), "
+              f"(tp {layout.tp}, pp {layout.pp}, dp {layout.dp}), "
               f"{cfg.train.global_batch_size}×{cfg.model.seq_len} tokens/step, run dir {cfg.run_dir()}"
               + (f", resumed from {resumed_from}" if resumed_from else ""))
     try:

@@ -1,0 +1,173 @@
+"""Pipeline parallelism: the GPT's layer stack cut into pp·V stages, balanced by layers (the
+embedding rides on the first stage, the final norm, output layer and loss on the last), run by a
+`torch.distributed.pipelining` schedule. Each rank holds V stages: stages r, r+P, … for the
+looped/interleaved schedules, or r and 2P−1−r for the V-shaped zero-bubble ones.
+
+Stages hold the model's own modules under their original names, so a stage's state_dict keys are
+the unsharded model's and checkpoints stay in the global layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import pipelining
+
+from parallel import comm
+from trainer.config import SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES
+from trainer.model import GPT
+
+SCHEDULES = {
+    "gpipe": pipelining.ScheduleGPipe,
+    "1f1b": pipelining.Schedule1F1B,
+    "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
+    "looped_bfs": pipelining.ScheduleLoopedBFS,
+    "interleaved_zero_bubble": pipelining.ScheduleInterleavedZeroBubble,
+    "zbv_zero_bubble": pipelining.ScheduleZBVZeroBubble,
+    "dualpipev": pipelining.ScheduleDualPipeV,
+}
+
+
+def schedule_name(requested: str, virtual_stages: int) -> str:
+    if requested != "auto":
+        return requested
+    return "1f1b" if virtual_stages == 1 else "interleaved_1f1b"
+
+
+def stage_indices(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
+    """The global stage indices this pipeline rank runs, in execution order."""
+    if schedule in V_SHAPED_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(virtual_stages)]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Stage `index` of `num_stages` runs layers [first_layer, first_layer + n_layers)."""
+    index: int
+    num_stages: int
+    first_layer: int
+    n_layers: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.first_layer + self.n_layers)
+
+
+def plan_stages(n_layers: int, num_stages: int, indices: list[int]) -> list[StagePlan]:
+    """Equal layer counts per stage (config validation guarantees divisibility)."""
+    per = n_layers // num_stages
+    return [StagePlan(i, num_stages, i * per, per) for i in indices]
+
+
+class Stage(nn.Module):
+    """One pipeline stage of a GPT, holding the model's own modules under their original names."""
+
+    def __init__(self, model: GPT, plan: StagePlan):
+        super().__init__()
+        self.plan = plan
+        if plan.is_first:
+            self.tok_embeddings = model.tok_embeddings
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in plan.layers})
+        if plan.is_last:
+            self.norm, self.output = model.norm, model.output
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plan.is_first:
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x, self.rope_cos, self.rope_sin)
+        if self.plan.is_last:
+            x = self.output(self.norm(x))
+        return x
+
+
+class Pipeline:
+    """This rank's stages of the model and the schedule that runs one step over them."""
+
+    def __init__(self, model: GPT, loss_fn, group, pp_rank: int, pp: int, virtual_stages: int, schedule: str,
+                 microbatches: int, device: torch.device, tied_group=None):
+        self.group, self.microbatches = group, microbatches
+        self.name = schedule_name(schedule, virtual_stages)
+        num_stages = pp * virtual_stages
+        plans = plan_stages(model.cfg.n_layers, num_stages, stage_indices(pp_rank, pp, virtual_stages, self.name))
+        self.parts = [Stage(model, plan).to(device) for plan in plans]
+        self.has_first = any(p.plan.is_first for p in self.parts)
+        self.has_last = any(p.plan.is_last for p in self.parts)
+        # A tied embedding lives on the first and the last stage; when those are different ranks,
+        # each holds a copy whose gradients are summed over `tied_group` (Megatron's embedding group).
+        self.tied_weight = model.tok_embeddings.weight if (
+            model.output.weight is model.tok_embeddings.weight and self.has_first != self.has_last) else None
+        self.tied_group = tied_group
+        stages = [pipelining.PipelineStage(part, part.plan.index, num_stages, device, group=group)
+                  for part in self.parts]
+        # Gradients are averaged over micro-batches here, not by the schedule: its scale_grads
+        # divides per stage, so a tied embedding held by two local stages would be divided twice.
+        self.params = list({id(p): p for part in self.parts for p in part.parameters()}.values())
+        cls = SCHEDULES[self.name]
+        self.schedule = cls(stages[0] if self.name in SINGLE_STAGE_SCHEDULES else stages,
+                            n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+        self._loss_fn = loss_fn
+        self._stage_owner = {s: dist.get_global_rank(group, r)
+                             for r in range(pp) for s in stage_indices(r, pp, virtual_stages, self.name)}
+        self._num_stages = num_stages
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One step over `microbatches` equal chunks of the batch; gradients (averaged over
+        micro-batches by the schedule) land in the stages' parameters. Returns the mean
+        micro-batch loss, on every pipeline rank."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        self.schedule.step(*args, **kwargs)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.div_(self.microbatches)
+        if self.tied_weight is not None and self.tied_weight.grad is not None:
+            comm.all_reduce(self.tied_weight.grad, self.tied_group, dim="pp")
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=inputs.device)
+        return comm.all_reduce(loss.float(), self.group, dim="pp")
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Loss of one micro-batch, forward only, on every pipeline rank. Runs the stages in
+        order with plain send/recv (every rank walks the same stage sequence, so it cannot
+        deadlock): evaluation needs no schedule, and its micro-batch count need not be M."""
+        x, loss = inputs, torch.zeros((), device=inputs.device)
+        for s in range(self._num_stages):
+            me = self._stage_owner[s] == dist.get_rank()
+            prev = self._stage_owner.get(s - 1)
+            if me and s > 0 and prev != dist.get_rank():
+                x = comm.recv_tensor(prev, inputs.device, dim="pp")
+            if me:
+                x = next(p for p in self.parts if p.plan.index == s)(x)
+                nxt = self._stage_owner.get(s + 1)
+                if s == self._num_stages - 1:
+                    loss = self._loss_fn(x, targets).float()
+                elif nxt != dist.get_rank():
+                    comm.send_tensor(x, nxt, dim="pp")
+        return comm.all_reduce(loss, self.group, dim="pp")
+
+
+def tied_embedding_groups(pp_groups: list[list[int]], rank: int):
+    """Megatron's embedding group: for every pipeline, its first and last rank. All ranks must
+    call this (new_group is collective); returns the group this rank belongs to, if any."""
+    mine = None
+    for ranks in pp_groups:
+        pair = sorted({ranks[0], ranks[-1]})
+        group = dist.new_group(pair) if len(pair) > 1 else None
+        if rank in pair:
+            mine = group
+    return mine
