@@ -7,7 +7,10 @@ import stat
 import subprocess
 import sys
 
+import pytest
 from conftest import STDLIB
+
+from trainer.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,6 +145,13 @@ def test_shipped_configs_validate_and_docs_match_schema():
 
     for path in sorted(Path(REPO, "configs").glob("*.yaml")):
         config.load(path)
-    config.load(Path(REPO, "configs/tiny.yaml"), world_size=2)
-    config.load(Path(REPO, "configs/llama-1b.yaml"), world_size=32)
+    # (config, world size it is written for, expected tp/pp/V/dp)
+    for name, world, (tp, pp, v, dp) in [("tiny.yaml", 2, (1, 1, 1, 2)), ("llama-1b.yaml", 32, (1, 1, 1, 32)),
+                                         ("llama2-7b-3d.yaml", 32, (8, 4, 2, 1)),
+                                         ("llama2-70b-3d.yaml", 128, (8, 8, 5, 2))]:
+        cfg = config.load(Path(REPO, "configs", name), world_size=world)
+        par = cfg.parallel
+        assert (par.tp, par.pp, par.virtual_stages, cfg.dp_size(world)) == (tp, pp, v, dp), name
+        with pytest.raises(ConfigError):  # a world it does not fit is refused
+            config.load(Path(REPO, "configs", name), world_size=world + 1)
     assert Path(REPO, "docs/CONFIG.md").read_text() == config.reference_markdown()
