@@ -16,6 +16,7 @@ class Runtime:
     world_size: int
     local_rank: int
     device: torch.device
+    local_world_size: int | None = None  # ranks on this node, as the launcher says (None: not launched)
 
     @property
     def distributed(self) -> bool:
@@ -38,7 +39,8 @@ def start(backend: str = "auto", timeout_s: int = 600) -> Runtime:
     if world > 1 and not dist.is_initialized():
         chosen = ("nccl" if use_cuda else "gloo") if backend == "auto" else backend
         dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
-    return Runtime(rank, world, local_rank, device)
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    return Runtime(rank, world, local_rank, device, int(local_world) if local_world else None)
 
 
 def stop() -> None:

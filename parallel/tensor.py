@@ -6,6 +6,16 @@ vocabulary, and the loss is a vocab-parallel cross-entropy, so no rank ever hold
 logits. Shards are plain local tensors (not DTensors) so the optimizer, ZeRO and checkpoints
 treat them as ordinary parameters; each records its `Placement` in the global tensor.
 
+Optional sequence parallelism (Korthikanti et al. 2022, Megatron's `sequence_parallel`): between
+the tensor-parallel regions the residual stream is split along the sequence (dim 1 of the
+batch-first (batch, seq, d) activations), so each rank holds and normalises s/tp positions. The
+embedding's partial sums and the row-parallel outputs are reduce-scattered along the sequence
+instead of all-reduced; the normed shard is all-gathered along the sequence on its way into the
+column-parallel linears. Per block that is, forward, 2 all-gathers + 2 reduce-scatters (instead of
+2 all-reduces) and the same in backward, moving the same bytes as plain TP. The norm weights,
+replicated but seeing only part of the sequence, have their gradients all-reduced over tp inside
+autograd (see `TensorParallelRMSNorm`), so the training loop needs no SP-specific step.
+
 Written here rather than with torch's DTensor `parallelize_module` because the issue requires
 plain local shards and Megatron's vocab-parallel loss, which DTensor's loss_parallel only gives
 inside its own tensor subclass.
@@ -69,6 +79,39 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
+SEQ_DIM = 1  # activations are batch-first: (batch, seq, d)
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """All-gather along the sequence forward; reduce-scatter of the gradient backward (each rank's
+    TP region computes a partial gradient of the whole sequence; the owner of a shard needs the
+    sum). Sequence-parallel counterpart of `_CopyToGroup`."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_gather_along(x, group, dim="tp", axis=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.reduce_scatter_along(grad, ctx.group, dim="tp", axis=SEQ_DIM), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Reduce-scatter along the sequence forward (sum the shards' partial outputs, keep this rank's
+    positions); all-gather of the gradient backward. Sequence-parallel counterpart of
+    `_ReduceFromGroup`."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.reduce_scatter_along(x, group, dim="tp", axis=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather_along(grad, ctx.group, dim="tp", axis=SEQ_DIM), None
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of vocab-sharded logits (N, V/tp) against global targets (N,)."""
 
@@ -108,43 +151,95 @@ def _shard_parameter(full: torch.Tensor, dim: int, rank: int, size: int) -> nn.P
     return p
 
 
-class ColumnParallelLinear(nn.Module):
-    """y_local = x W_localᵀ with W split by output rows; the output stays split."""
+_COLUMN_ENTRIES = ("copy", "gather", "ready")
 
-    def __init__(self, linear: nn.Linear, group, rank: int, size: int):
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_localᵀ with W split by output rows; the output stays split.
+
+    `entry` says how x enters the tensor-parallel region: "copy" (x is replicated over tp: identity
+    forward, all-reduce of its gradient backward), "gather" (x is sequence-sharded: all-gather
+    along the sequence forward, reduce-scatter backward) or "ready" (an upstream module already
+    did one of those, e.g. a norm whose output feeds several linears, so they share one gather)."""
+
+    def __init__(self, linear: nn.Linear, group, rank: int, size: int, entry: str = "copy"):
         super().__init__()
-        self.group = group
+        if entry not in _COLUMN_ENTRIES:
+            raise ValueError(f"ColumnParallelLinear entry={entry!r}; expected one of {_COLUMN_ENTRIES}")
+        self.group, self.entry = group, entry
         self.weight = _shard_parameter(linear.weight, 0, rank, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_CopyToGroup.apply(x, self.group), self.weight)
+        if self.entry == "copy":
+            x = _CopyToGroup.apply(x, self.group)
+        elif self.entry == "gather":
+            x = _GatherFromSequence.apply(x, self.group)
+        return F.linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
-    """y = Σ_ranks x_local W_localᵀ with W split by input columns; input arrives split."""
+    """y = Σ_ranks x_local W_localᵀ with W split by input columns; input arrives split. The sum is
+    an all-reduce, or with `sequence_parallel` a reduce-scatter along the sequence (each rank
+    keeps the summed output of its s/tp positions)."""
 
-    def __init__(self, linear: nn.Linear, group, rank: int, size: int):
+    def __init__(self, linear: nn.Linear, group, rank: int, size: int, sequence_parallel: bool = False):
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _shard_parameter(linear.weight, 1, rank, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ReduceFromGroup.apply(F.linear(x, self.weight), self.group)
+        reduce = _ReduceScatterToSequence if self.sequence_parallel else _ReduceFromGroup
+        return reduce.apply(F.linear(x, self.weight), self.group)
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding rows split over ranks; each looks up the ids it owns, the rest are summed in."""
+    """Embedding rows split over ranks; each looks up the ids it owns, the rest are summed in (with
+    `sequence_parallel`, reduce-scattered along the sequence: each rank gets its s/tp positions)."""
 
-    def __init__(self, embedding: nn.Embedding, group, rank: int, size: int):
+    def __init__(self, embedding: nn.Embedding, group, rank: int, size: int, sequence_parallel: bool = False):
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _shard_parameter(embedding.weight, 0, rank, size)
         self.vocab_start = rank * self.weight.shape[0]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_start + self.weight.shape[0])
         local = F.embedding((tokens - self.vocab_start).masked_fill(outside, 0), self.weight)
-        return _ReduceFromGroup.apply(local.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        reduce = _ReduceScatterToSequence if self.sequence_parallel else _ReduceFromGroup
+        return reduce.apply(local.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+
+class TensorParallelRMSNorm(nn.Module):
+    """The model's RMSNorm (same `weight` Parameter object, so names, init and checkpoints are
+    unchanged) at the entry of a tensor-parallel region: its output is handed to every
+    column-parallel linear that reads it (wq, wk, wv after attn_norm; w1, w3 after mlp_norm; they
+    take entry="ready"), so the region is entered once — one gradient all-reduce in backward
+    instead of one per linear (Megatron gets the same from its fused QKV linear).
+
+    With `sequence_parallel` the norm runs on this rank's sequence shard (batch, s/tp, d) and the
+    entry is an all-gather along the sequence (reduce-scatter backward). The weight is replicated
+    over tp but each rank's backward only sees s/tp of the positions, so the true gradient is the
+    sum of the ranks' partial ones. Megatron sums them after backward (the trainer all-reduces
+    grads of params marked `sequence_parallel`). Here the weight goes through `_CopyToGroup`
+    (identity forward, all-reduce over tp of its gradient backward) before use: the reduction is
+    part of the autograd graph, so every backward leaves `.grad` complete and equal on all tp
+    ranks, with no step added to the loop, and accumulation over micro-batches stays exact. The
+    price is one all-reduce of d floats per norm per backward instead of one coalesced per step.
+
+    `enter=False` (the final norm under SP) only normalises the shard: the output layer gathers."""
+
+    def __init__(self, norm: nn.Module, group, sequence_parallel: bool, enter: bool = True):
+        super().__init__()
+        self.group, self.sequence_parallel, self.enter, self.eps = group, sequence_parallel, enter, norm.eps
+        self.weight = norm.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same computation as trainer.model.RMSNorm.forward.
+        weight = _CopyToGroup.apply(self.weight, self.group) if self.sequence_parallel else self.weight
+        y = F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        if not self.enter:
+            return y
+        return (_GatherFromSequence if self.sequence_parallel else _CopyToGroup).apply(y, self.group)
 
 
 class VocabParallelLoss:
@@ -161,18 +256,32 @@ class VocabParallelLoss:
 
 # --- the transformation ----------------------------------------------------------------------
 
-def apply_tensor_parallel(model: nn.Module, group, rank: int, size: int) -> VocabParallelLoss:
+def apply_tensor_parallel(model: nn.Module, group, rank: int, size: int,
+                          sequence_parallel: bool = False) -> VocabParallelLoss:
     """Shard a GPT in place over the tp group (slicing its full, already-initialised weights, so
-    the sharded model computes what the unsharded one would). Returns the loss to train it with."""
-    for block in model.layers:
+    the sharded model computes what the unsharded one would). Returns the loss to train it with.
+
+    With `sequence_parallel` (and size > 1) the activations between the tensor-parallel regions
+    (embedding output, residual stream, norms) hold seq_len/size positions per rank; the logits
+    are still (batch, seq, vocab/size) over the whole sequence, so the loss is unchanged."""
+    sp = sequence_parallel and size > 1
+    if sp and model.cfg.seq_len % size:
+        raise ConfigError([f"parallel.sequence_parallel splits the sequence over tp={size} ranks: "
+                           f"model.seq_len={model.cfg.seq_len} must be divisible by {size}"])
+    for block in model.layers:  # the norms enter each region once; the linears after them share it
         attn, mlp = block.attn, block.mlp
-        attn.wq, attn.wk, attn.wv = (ColumnParallelLinear(m, group, rank, size) for m in (attn.wq, attn.wk, attn.wv))
-        attn.wo = RowParallelLinear(attn.wo, group, rank, size)
-        mlp.w1, mlp.w3 = ColumnParallelLinear(mlp.w1, group, rank, size), ColumnParallelLinear(mlp.w3, group, rank, size)
-        mlp.w2 = RowParallelLinear(mlp.w2, group, rank, size)
+        block.attn_norm = TensorParallelRMSNorm(block.attn_norm, group, sp)
+        block.mlp_norm = TensorParallelRMSNorm(block.mlp_norm, group, sp)
+        attn.wq, attn.wk, attn.wv = (ColumnParallelLinear(m, group, rank, size, entry="ready")
+                                     for m in (attn.wq, attn.wk, attn.wv))
+        attn.wo = RowParallelLinear(attn.wo, group, rank, size, sequence_parallel=sp)
+        mlp.w1, mlp.w3 = (ColumnParallelLinear(m, group, rank, size, entry="ready") for m in (mlp.w1, mlp.w3))
+        mlp.w2 = RowParallelLinear(mlp.w2, group, rank, size, sequence_parallel=sp)
+    if sp:
+        model.norm = TensorParallelRMSNorm(model.norm, group, sp, enter=False)
     tied = model.output.weight is model.tok_embeddings.weight
-    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, rank, size)
-    output = ColumnParallelLinear(model.output, group, rank, size)
+    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, rank, size, sequence_parallel=sp)
+    output = ColumnParallelLinear(model.output, group, rank, size, entry="gather" if sp else "copy")
     if tied:
         output.weight = model.tok_embeddings.weight
     model.output = output

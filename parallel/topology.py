@@ -1,6 +1,37 @@
-"""Rank arithmetic: the only place that maps a global rank to its (pp, dp, tp) coordinates and
-builds the named process groups. Order follows Megatron: tp innermost and contiguous, then dp,
-then pp, i.e. rank = tp_rank + tp·(dp_rank + dp·pp_rank)."""
+"""Rank arithmetic: the only place that maps a global rank to its coordinates and builds the named
+process groups.
+
+Parallel coordinates follow Megatron: tp innermost and contiguous, then dp, then pp,
+
+    rank = tp_rank + tp·(dp_rank + dp·pp_rank).
+
+Hardware coordinates follow the launchers (torchrun, srun): node n runs the contiguous ranks
+[n·R, (n+1)·R), R = ranks_per_node, and local ranks fill the GPUs in order, G = ranks_per_gpu at a
+time (G = 2 on a Frontier MI250X, whose two GCDs are two devices, one rank each):
+
+    rank = gcd + G·(gpu + (R/G)·node).
+
+A hierarchy *level* names the hardware unit whose ranks form one group (finest to coarsest):
+
+    none    each rank alone: nothing is shared
+    gcd     the ranks on one GCD (one device). Every rank drives its own device, so these are
+            single ranks too — the same groups as "none"; the name exists so that settings can
+            be written in hardware terms on any machine
+    gpu     the ranks on one physical GPU: ranks_per_gpu of them (the GCD pair of an MI250X)
+    node    the ranks on one node
+    global  every rank
+
+ZeRO-style partitioning happens inside data-parallel replicas (ranks with equal pp and tp
+coordinates), so a level's *shard groups* are the dp groups cut by that unit
+(`level_groups(level, within_dp=True)`), and its *replica groups* join the ranks that hold the
+same shard in different units (`replica_groups(level)`): reduce-scatter in the former, all-reduce
+across the latter, and together they span the dp group.
+
+Placement rule for tp (checked by `layout_from_config`): tp must divide ranks_per_node or be a
+multiple of it, so every tp group lies inside one node (Megatron's practice) or spans whole nodes;
+never straddles a node boundary partway. tp is not checked against ranks_per_gpu: a tp group
+that splits a GPU's GCDs is slower but correct.
+"""
 from __future__ import annotations
 
 import itertools
@@ -8,22 +39,47 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-DIMS = ("pp", "dp", "tp")  # outermost to innermost
+from trainer.errors import ConfigError
+
+DIMS = ("pp", "dp", "tp")  # parallel dimensions, outermost to innermost
+HARDWARE = ("node", "gpu", "gcd")  # hardware coordinates, outermost to innermost
+LEVELS = ("none", "gcd", "gpu", "node", "global")  # hierarchy levels, finest to coarsest
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees of each parallel dimension; their product is the world size."""
+    """Degrees of each parallel dimension (their product is the world size) and how ranks sit on
+    the hardware. `ranks_per_node=None` means one node holds every rank."""
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ranks_per_node: int | None = None
+    ranks_per_gpu: int = 1
+
+    def __post_init__(self):
+        # Programmer errors only: layout_from_config reports user mistakes before we get here.
+        degrees = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ranks_per_gpu": self.ranks_per_gpu,
+                   "ranks_per_node": self.node_size}
+        bad = {k: v for k, v in degrees.items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise ValueError(f"Layout: {bad} must be positive integers")
+        if self.world_size % self.node_size or self.node_size % self.ranks_per_gpu:
+            raise ValueError(f"Layout: need ranks_per_gpu={self.ranks_per_gpu} | ranks_per_node={self.node_size} "
+                             f"| world size {self.world_size}")
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def node_size(self) -> int:
+        """Ranks per node (the whole world when ranks_per_node is None)."""
+        return self.world_size if self.ranks_per_node is None else self.ranks_per_node
+
+    # --- parallel dimensions -------------------------------------------------------------
+
     def coords(self, rank: int) -> dict[str, int]:
-        """{'pp': i, 'dp': j, 'tp': k} of a global rank."""
+        """{'pp': i, 'dp': j, 'tp': k} of a global rank (the inverse of `rank_of`)."""
         tp_rank = rank % self.tp
         dp_rank = (rank // self.tp) % self.dp
         pp_rank = rank // (self.tp * self.dp)
@@ -33,7 +89,8 @@ class Layout:
         return tp + self.tp * (dp + self.dp * pp)
 
     def group_ranks(self, dim: str) -> list[list[int]]:
-        """All groups along `dim`: each list holds the ranks that differ only in that coordinate."""
+        """All groups along `dim`: each list holds the ranks that differ only in that coordinate,
+        ordered by it."""
         sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
         others = [d for d in DIMS if d != dim]
         groups = []
@@ -42,11 +99,118 @@ class Layout:
             groups.append([self.rank_of(**{**where, dim: i}) for i in range(sizes[dim])])
         return groups
 
+    # --- hardware and hierarchy levels ---------------------------------------------------
+
+    def hardware_coords(self, rank: int) -> dict[str, int]:
+        """{'node': n, 'gpu': g, 'gcd': c}: the node, the GPU's index within the node and the
+        GCD's index within the GPU (0 unless ranks_per_gpu > 1)."""
+        g = self.ranks_per_gpu
+        return {"node": rank // self.node_size, "gpu": (rank % self.node_size) // g, "gcd": rank % g}
+
+    def level_size(self, level: str) -> int:
+        """Ranks in one unit of `level`."""
+        sizes = {"none": 1, "gcd": 1, "gpu": self.ranks_per_gpu, "node": self.node_size, "global": self.world_size}
+        if level not in sizes:
+            raise ValueError(f"unknown hierarchy level {level!r}; expected one of {LEVELS}")
+        return sizes[level]
+
+    def level_groups(self, level: str, within_dp: bool = False) -> list[list[int]]:
+        """The ranks that share one unit of `level`, a partition of the world into contiguous
+        blocks. With `within_dp`, each dp group (in `group_ranks('dp')` order) cut by those units
+        instead: the ranks that are data-parallel replicas of each other *and* share the unit,
+        ordered by dp rank. Those pieces need not be equally large (see `replica_groups`)."""
+        size = self.level_size(level)
+        if not within_dp:
+            return [list(range(start, start + size)) for start in range(0, self.world_size, size)]
+        return [list(piece) for group in self.group_ranks("dp")
+                for _, piece in itertools.groupby(group, key=lambda r: r // size)]
+
+    def replica_groups(self, level: str) -> list[list[int]]:
+        """For each dp group, the ranks at the same position of their `within_dp` shard groups: the
+        copies of one shard when state is partitioned inside each unit of `level` and replicated
+        across units. Needs those shard groups to be equally large; ConfigError otherwise."""
+        out = []
+        for group in self.group_ranks("dp"):
+            pieces = [list(p) for _, p in itertools.groupby(group, key=lambda r: r // self.level_size(level))]
+            sizes = sorted({len(p) for p in pieces})
+            if len(sizes) > 1:
+                raise ConfigError([
+                    f"partitioning within each {level} needs every {level} to hold equally many ranks of a "
+                    f"data-parallel group, but with parallel.tp={self.tp}, pp={self.pp}, dp={self.dp}, "
+                    f"ranks_per_node={self.node_size}, ranks_per_gpu={self.ranks_per_gpu} the dp group {group} "
+                    f"is split into pieces of {sizes} ranks; make a pipeline stage's tp·dp = {self.tp * self.dp} "
+                    f"ranks a multiple or a divisor of the {self.level_size(level)} ranks of a {level}"])
+            out += [group[j::sizes[0]] for j in range(sizes[0])]
+        return out
+
+
+def layout_from_config(par, world_size: int, local_world_size: int | None = None) -> Layout:
+    """The Layout that `par` (a trainer.config.ParallelConfig) describes in a world of
+    `world_size` ranks. `local_world_size` is the launcher's LOCAL_WORLD_SIZE, used when
+    par.ranks_per_node is null (and without either, the world is one node). A set
+    ranks_per_node wins over the launcher's count, so one machine can stand in for several
+    nodes. Raises ConfigError listing every problem."""
+    layout, problems = _layout_and_problems(par, world_size, local_world_size)
+    if problems:
+        raise ConfigError(problems)
+    return layout
+
+
+def layout_problems(par, world_size: int, local_world_size: int | None = None) -> list[str]:
+    """What `layout_from_config` would object to (config validation reports these with the rest)."""
+    return _layout_and_problems(par, world_size, local_world_size)[1]
+
+
+def _layout_and_problems(par, world_size: int, local_world_size: int | None) -> tuple[Layout | None, list[str]]:
+    tp, pp, g = par.tp, par.pp, par.ranks_per_gpu
+    if par.ranks_per_node is not None:
+        per_node, source = par.ranks_per_node, f"parallel.ranks_per_node={par.ranks_per_node}"
+    elif local_world_size is not None:
+        per_node, source = local_world_size, (f"parallel.ranks_per_node (null: the launcher's LOCAL_WORLD_SIZE="
+                                              f"{local_world_size})")
+    else:
+        per_node, source = world_size, f"parallel.ranks_per_node (null, no launcher: the world size {world_size})"
+    problems = []
+    if world_size % (tp * pp):
+        problems.append(f"world size {world_size} is not divisible by parallel.tp·pp = {tp}·{pp} = {tp * pp}; "
+                        f"choose tp and pp whose product divides the number of ranks")
+        dp = par.dp or 1
+    else:
+        dp = par.dp or world_size // (tp * pp)
+        if tp * pp * dp != world_size:
+            problems.append(f"parallel: tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} but the world size is "
+                            f"{world_size}; set parallel.dp={world_size // (tp * pp)} or leave it null")
+    if world_size % per_node:
+        problems.append(f"world size {world_size} is not a multiple of {source}: every node must run the same "
+                        f"number of ranks; set parallel.ranks_per_node to a divisor of {world_size}")
+    if per_node % g:
+        problems.append(f"parallel.ranks_per_gpu={g} must divide {source}: a node holds whole GPUs")
+    if tp % per_node and per_node % tp:
+        fits = [d for d in range(1, per_node + 1) if per_node % d == 0]
+        problems.append(f"parallel.tp={tp} would straddle node boundaries unevenly: with {source}, tp must divide "
+                        f"it ({', '.join(map(str, fits))}) or be a multiple of it, so each tensor-parallel group "
+                        f"stays inside one node (as Megatron does) or spans whole nodes")
+    if problems:
+        return None, problems
+    return Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=per_node, ranks_per_gpu=g), []
+
+
+def level_key(level: str, within_dp: bool = False, replica: bool = False) -> str:
+    """The `Topology.groups` key of a hierarchy level's group: 'node', 'dp_node' (within dp),
+    'dp_node_replica' (its replica group)."""
+    return f"dp_{level}_replica" if replica else f"dp_{level}" if within_dp else level
+
 
 @dataclass
 class Topology:
-    """This process's place in the layout, with a process group per dimension (None when the
-    world is a single process)."""
+    """This process's place in the layout, with the process groups it belongs to (empty when
+    the world is a single process).
+
+    groups['pp'|'dp'|'tp'] always exist in a distributed world. For every level of LEVELS there
+    are `level_key(level)` (the unit's ranks), `level_key(level, within_dp=True)` (its dp shard
+    group) and `level_key(level, replica=True)` (the replica group), but only where this rank's
+    group has more than one member: a missing key means collectives over it are no-ops (comm's
+    wrappers take None for that). `level_group` looks them up."""
     layout: Layout
     rank: int
     groups: dict[str, object] = field(default_factory=dict)
@@ -54,6 +218,10 @@ class Topology:
     @property
     def coords(self) -> dict[str, int]:
         return self.layout.coords(self.rank)
+
+    @property
+    def hardware_coords(self) -> dict[str, int]:
+        return self.layout.hardware_coords(self.rank)
 
     @property
     def dp_rank(self) -> int:
@@ -67,16 +235,44 @@ class Topology:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def level_group(self, level: str, within_dp: bool = False, replica: bool = False):
+        """This rank's group at a hierarchy level (see the class doc); None for a single rank."""
+        self.layout.level_size(level)  # rejects unknown levels
+        return self.groups.get(level_key(level, within_dp, replica))
+
+
+def _named_group_ranks(layout: Layout) -> list[tuple[str, list[list[int]]]]:
+    """Every group build_topology creates, by name, in creation order: the parallel dimensions
+    (all of them, as before), then each hierarchy level's units, dp shard groups and replica
+    groups (for a single-rank level the replica groups are the dp groups: reused, not remade)."""
+    named = [(dim, layout.group_ranks(dim)) for dim in DIMS]
+    for level in LEVELS:
+        named.append((level_key(level), layout.level_groups(level)))
+        named.append((level_key(level, within_dp=True), layout.level_groups(level, within_dp=True)))
+        try:
+            named.append((level_key(level, replica=True), layout.replica_groups(level)))
+        except ConfigError:
+            pass  # uneven shard groups: partitioning at this level is impossible, so no replicas
+    return named
+
 
 def build_topology(layout: Layout, rank: int) -> Topology:
-    """Create every dimension's process groups (all ranks must call this, in the same order, as
-    torch.distributed.new_group requires) and keep the ones this rank belongs to."""
+    """Create every named group (all ranks must call this, in the same order, as
+    torch.distributed.new_group requires) and keep the ones this rank belongs to. A membership
+    that recurs (e.g. 'dp_node' equal to 'dp' when dp stays in a node) reuses the first group
+    made for it, and the whole world is WORLD, so layouts without a hierarchy create no extra
+    groups (and no extra NCCL communicators). Two names sharing one group share its queue: as
+    for any collective, every member must issue the operations on it in the same order."""
     topo = Topology(layout, rank)
     if not dist.is_initialized() or layout.world_size == 1:
         return topo
-    for dim in DIMS:
-        for ranks in layout.group_ranks(dim):
-            group = dist.group.WORLD if len(ranks) == layout.world_size else dist.new_group(ranks)
+    made = {tuple(range(layout.world_size)): dist.group.WORLD}
+    for name, groups in _named_group_ranks(layout):
+        for ranks in groups:
+            if len(ranks) == 1 and name not in DIMS:
+                continue  # a hierarchy group of one rank: no group, collectives over it are no-ops
+            if tuple(ranks) not in made:
+                made[tuple(ranks)] = dist.new_group(ranks)
             if rank in ranks:
-                topo.groups[dim] = group
+                topo.groups[name] = made[tuple(ranks)]
     return topo

@@ -193,7 +193,7 @@ def test_pipeline_layout_errors_name_the_fix():
 
 def test_world_size_not_divisible_by_model_parallel():
     err = load_error(None, ["parallel.pp=3", "model.n_layers=6"], world_size=4)
-    assert any(p.startswith("world size 4 is not divisible by tp·pp = 1·3") for p in err.problems)
+    assert any(p.startswith("world size 4 is not divisible by parallel.tp·pp = 1·3") for p in err.problems)
 
 
 def test_valid_layouts_pass():

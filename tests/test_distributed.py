@@ -17,7 +17,9 @@ from parallel.runtime import start
 from trainer.loop import run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMON = {"log.interval": 1, "checkpoint.save_final": True, "train.eval_interval": 3}
+COMMON = {"log.interval": 1, "checkpoint.save_final": True, "checkpoint.interval": 3, "train.eval_interval": 3}
+# Layouts whose step-3 checkpoint is also resumed by one process (a different layout) for steps 4–6.
+RESUMED_ELSEWHERE = {"tp2-pp2-sp-tied", "pp2-zbv-tied"}
 
 # name: (processes, parallel settings, model/batch settings shared with the reference)
 LAYOUTS = {
@@ -33,7 +35,8 @@ LAYOUTS = {
                      {"model.n_layers": 4, "model.tie_embeddings": True}),
     "pp2-zbv": (2, {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "zbv_zero_bubble"},
                      {"model.n_layers": 4}),
-    "tp2-pp2": (4, {"parallel.tp": 2, "parallel.pp": 2}, {}),
+    "tp2-pp2-sp-tied": (4, {"parallel.tp": 2, "parallel.pp": 2, "parallel.sequence_parallel": True},
+                        {"model.tie_embeddings": True}),
     "pp2-dp2": (4, {"parallel.pp": 2}, {}),
     "tp2-pp2-dp2": (8, {"parallel.tp": 2, "parallel.pp": 2}, {}),
 }
@@ -51,6 +54,15 @@ def losses_from(run_dir) -> dict[int, float]:
 
 def final_params(ckpt_root) -> dict[str, torch.Tensor]:
     return torch.load(store.step_dir(ckpt_root, 6) / "model.pt", weights_only=True)
+
+
+def assert_same_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    # Summation order differs between layouts; Adam divides by sqrt(v), which turns that fp32
+    # noise in near-zero gradients into parameter differences of up to a few 1e-3·lr (lr = 1e-2;
+    # a wrong gradient moves a parameter by ~lr per step).
+    for key, ref in want.items():
+        torch.testing.assert_close(got[key], ref, rtol=1e-4, atol=5e-5, msg=lambda m: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -72,12 +84,15 @@ def test_parallel_layout_matches_single_process(small_data_dir, tmp_path, name):
     for step, loss in reference.losses.items():
         assert par_losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
     ref_params = final_params(reference_cfg.checkpoint_dir())
-    par_params = final_params(tmp_path / "par" / "t" / "checkpoints")
-    assert par_params.keys() == ref_params.keys()
-    # Summation order differs between layouts; Adam divides by sqrt(v), which turns that fp32
-    # noise in near-zero gradients into parameter differences of up to ~1e-3·lr (lr = 1e-2).
-    for key, ref in ref_params.items():
-        torch.testing.assert_close(par_params[key], ref, rtol=1e-4, atol=2e-5, msg=lambda m: f"{key}: {m}")
+    assert_same_params(final_params(tmp_path / "par" / "t" / "checkpoints"), ref_params)
+
+    if name in RESUMED_ELSEWHERE:  # the global-layout checkpoint of step 3 continues on 1 process
+        resumed_cfg = tiny_config(small_data_dir, tmp_path / "resumed", **COMMON, **shared)
+        resumed = run(resumed_cfg, start(), resume=store.step_dir(tmp_path / "par" / "t" / "checkpoints", 3))
+        assert sorted(resumed.losses) == [4, 5, 6]
+        for step, loss in resumed.losses.items():
+            assert loss == pytest.approx(reference.losses[step], rel=1e-5, abs=1e-6), step
+        assert_same_params(final_params(resumed_cfg.checkpoint_dir()), ref_params)
 
     if tp == 1 and pp == 1:
         # The bucketed all-reduce moved every gradient once per step (fp32), plus one scalar

@@ -11,14 +11,21 @@ host a gloo subgroup, and they duplicate the membership of the groups compared h
 from __future__ import annotations
 
 import importlib.util
+import datetime
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from parallel.topology import DIMS, Layout
+from parallel.topology import DIMS, HARDWARE, LEVELS, Layout, Topology, build_topology, layout_from_config, \
+    level_key
+from trainer.config import ParallelConfig
+from trainer.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,6 +91,269 @@ def test_layout_tp_groups_are_contiguous(tp, pp, dp):
 
 
 # ---------------------------------------------------------------------------------------------
+# Hardware hierarchy (pure properties): node ⊃ gpu ⊃ gcd, and their cuts of the dp groups
+# ---------------------------------------------------------------------------------------------
+
+# (tp, pp, dp, ranks_per_node, ranks_per_gpu)
+HW_LAYOUTS = [(1, 1, 8, 4, 2), (2, 2, 4, 4, 2), (2, 1, 4, 2, 2), (4, 2, 2, 8, 2), (1, 2, 4, 2, 1), (2, 2, 2, 2, 2),
+              (8, 1, 2, 4, 2), (2, 3, 2, 4, 2), (1, 1, 16, 8, 2), (2, 1, 8, 8, 2), (1, 4, 2, 4, 4), (2, 2, 2, 8, 1)]
+HW_IDS = [f"tp{a}-pp{b}-dp{c}-rpn{d}-rpg{e}" for a, b, c, d, e in HW_LAYOUTS]
+
+
+def hw_layout(tp, pp, dp, rpn, rpg) -> Layout:
+    return Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=rpn, ranks_per_gpu=rpg)
+
+
+def _is_partition(groups, n):
+    return sorted(r for g in groups for r in g) == list(range(n))
+
+
+@pytest.mark.parametrize("tp,pp,dp,rpn,rpg", HW_LAYOUTS, ids=HW_IDS)
+def test_hardware_coords_follow_the_launcher(tp, pp, dp, rpn, rpg):
+    layout = hw_layout(tp, pp, dp, rpn, rpg)
+    seen = set()
+    for r in range(layout.world_size):
+        hw = layout.hardware_coords(r)
+        assert tuple(hw) == HARDWARE
+        assert 0 <= hw["gcd"] < rpg and 0 <= hw["gpu"] < rpn // rpg and 0 <= hw["node"] < layout.world_size // rpn
+        # torchrun/srun: node n holds ranks [n·rpn, (n+1)·rpn); local ranks fill GPUs rpg at a time
+        assert r == hw["gcd"] + rpg * (hw["gpu"] + (rpn // rpg) * hw["node"]), (r, hw)
+        seen.add((hw["node"], hw["gpu"], hw["gcd"]))
+        assert set(layout.coords(r)) == set(DIMS)  # parallel coords are unchanged by the hardware
+    assert len(seen) == layout.world_size
+
+
+@pytest.mark.parametrize("tp,pp,dp,rpn,rpg", HW_LAYOUTS, ids=HW_IDS)
+def test_level_groups_are_contiguous_nested_units(tp, pp, dp, rpn, rpg):
+    layout = hw_layout(tp, pp, dp, rpn, rpg)
+    n = layout.world_size
+    expected_size = {"none": 1, "gcd": 1, "gpu": rpg, "node": rpn, "global": n}
+    shared = {"none": HARDWARE + ("rank",), "gcd": HARDWARE, "gpu": ("node", "gpu"), "node": ("node",), "global": ()}
+    for level in LEVELS:
+        groups = layout.level_groups(level)
+        size = expected_size[level]
+        assert layout.level_size(level) == size
+        assert groups == [list(range(s, s + size)) for s in range(0, n, size)], level  # contiguous blocks
+        for g in groups:  # a unit's ranks share exactly the coordinates above that unit
+            hw = [{**layout.hardware_coords(r), "rank": r} for r in g]
+            assert all(len({h[k] for h in hw}) == 1 for k in shared[level]), (level, g)
+    for finer, coarser in zip(LEVELS, LEVELS[1:]):  # every unit lies inside one unit of the next level
+        outer = layout.level_groups(coarser)
+        assert all(any(set(g) <= set(o) for o in outer) for g in layout.level_groups(finer)), (finer, coarser)
+    for r in range(n):  # tp placement rule holds for these layouts: a tp group in one node or whole nodes
+        tp_group = next(g for g in layout.group_ranks("tp") if r in g)
+        nodes = {layout.hardware_coords(x)["node"] for x in tp_group}
+        assert len(nodes) == 1 or len(tp_group) == len(nodes) * rpn
+
+
+@pytest.mark.parametrize("tp,pp,dp,rpn,rpg", HW_LAYOUTS, ids=HW_IDS)
+def test_level_groups_within_dp_are_the_intersections(tp, pp, dp, rpn, rpg):
+    layout = hw_layout(tp, pp, dp, rpn, rpg)
+    n = layout.world_size
+    dp_groups = layout.group_ranks("dp")
+    for level in LEVELS:
+        pieces = layout.level_groups(level, within_dp=True)
+        assert _is_partition(pieces, n), level
+        # brute force: every non-empty dp-group ∩ unit, members in dp order
+        brute = [[r for r in g if r in set(u)] for g in dp_groups for u in layout.level_groups(level)]
+        assert sorted(pieces) == sorted(b for b in brute if b), level
+        for piece in pieces:
+            assert [layout.coords(r)["dp"] for r in piece] == sorted(layout.coords(r)["dp"] for r in piece)
+        replicas = layout.replica_groups(level)
+        assert _is_partition(replicas, n), level
+        for g in dp_groups:  # within a dp group, shard pieces × replica groups form a grid
+            mine_p = [p for p in pieces if set(p) <= set(g)]
+            mine_r = [q for q in replicas if set(q) <= set(g)]
+            assert sorted(r for p in mine_p for r in p) == g
+            assert sorted(r for q in mine_r for r in q) == g
+            assert all(len(set(p) & set(q)) == 1 for p in mine_p for q in mine_r), (level, mine_p, mine_r)
+            for q in mine_r:  # a replica group has one member per unit, at the same position in each
+                assert len({tuple(layout.level_groups(level)[r // layout.level_size(level)]) for r in q}) == len(q)
+                assert len({next(p for p in mine_p if r in p).index(r) for r in q}) == 1
+    # the levels ZeRO cares about, spelled out
+    assert layout.level_groups("global", within_dp=True) == dp_groups
+    assert layout.level_groups("none", within_dp=True) == [[r] for g in dp_groups for r in g]
+    assert sorted(layout.replica_groups("none")) == sorted(dp_groups)
+
+
+def test_frontier_example():
+    """Frontier: 8 ranks per node, 2 per MI250X. tp=2 on a GCD pair, dp across the rest."""
+    layout = hw_layout(2, 1, 8, 8, 2)
+    assert layout.level_groups("gpu")[:2] == [[0, 1], [2, 3]]
+    assert layout.level_groups("node") == [list(range(8)), list(range(8, 16))]
+    assert layout.group_ranks("dp")[0] == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert layout.level_groups("node", within_dp=True)[:2] == [[0, 2, 4, 6], [8, 10, 12, 14]]
+    assert layout.replica_groups("node")[:4] == [[0, 8], [2, 10], [4, 12], [6, 14]]
+    assert layout.level_groups("gpu", within_dp=True)[:2] == [[0], [2]]  # tp uses the GCD pair
+    assert layout.hardware_coords(11) == {"node": 1, "gpu": 1, "gcd": 1}
+
+
+def test_without_hardware_description_the_world_is_one_node():
+    layout = Layout(tp=2, pp=2, dp=2)
+    assert layout.node_size == 8 and layout.level_groups("node") == [list(range(8))]
+    assert layout.level_groups("gpu") == [[r] for r in range(8)]
+    assert layout.level_groups("node", within_dp=True) == layout.group_ranks("dp")
+    assert all(layout.hardware_coords(r) == {"node": 0, "gpu": r, "gcd": 0} for r in range(8))
+
+
+def test_uneven_level_has_no_replica_groups():
+    # a pipeline stage of tp·dp = 6 ranks on nodes of 4: node 0 holds dp ranks 0,1 of stage 0's dp
+    # groups and node 1 holds only dp rank 2 of them
+    layout = hw_layout(2, 2, 3, 4, 1)
+    assert sorted(map(len, layout.level_groups("node", within_dp=True))) == [1] * 4 + [2] * 4
+    with pytest.raises(ConfigError, match=r"within each node.*pieces of \[1, 2\] ranks.*tp·dp = 6"):
+        layout.replica_groups("node")
+    assert "dp_node_replica" not in _expected_groups(layout)[0]
+    assert layout.replica_groups("global") == [[r] for g in layout.group_ranks("dp") for r in g]
+
+
+def test_layout_rejects_impossible_hardware_and_unknown_levels():
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        Layout(dp=6, ranks_per_node=4)
+    with pytest.raises(ValueError, match="ranks_per_gpu"):
+        Layout(dp=6, ranks_per_node=3, ranks_per_gpu=2)
+    with pytest.raises(ValueError, match="unknown hierarchy level 'rack'"):
+        Layout(dp=2).level_groups("rack")
+
+
+def test_topology_level_group_lookup():
+    topo = Topology(Layout(dp=4, ranks_per_node=2), 2, {"dp_node": "shard", "dp_node_replica": "replica"})
+    assert topo.hardware_coords == {"node": 1, "gpu": 0, "gcd": 0}
+    assert topo.level_group("node", within_dp=True) == "shard"
+    assert topo.level_group("node", replica=True) == "replica"
+    assert topo.level_group("gpu") is None  # a single-rank group: collectives are no-ops
+    with pytest.raises(ValueError, match="unknown hierarchy level"):
+        topo.level_group("socket")
+
+
+# ---------------------------------------------------------------------------------------------
+# layout_from_config: every user mistake is a ConfigError naming key, value and fix
+# ---------------------------------------------------------------------------------------------
+
+def test_layout_from_config_valid():
+    par = ParallelConfig(tp=2, pp=2, ranks_per_node=4, ranks_per_gpu=2)
+    assert layout_from_config(par, 16, None) == Layout(tp=2, pp=2, dp=4, ranks_per_node=4, ranks_per_gpu=2)
+    # ranks_per_node null: the launcher's LOCAL_WORLD_SIZE; without a launcher, one node
+    assert layout_from_config(ParallelConfig(tp=2), 8, 4).ranks_per_node == 4
+    assert layout_from_config(ParallelConfig(tp=2), 8, None).ranks_per_node == 8
+    # a set ranks_per_node wins (one machine standing in for two nodes)
+    assert layout_from_config(ParallelConfig(ranks_per_node=2), 4, 4).ranks_per_node == 2
+    # tp spanning whole nodes is allowed; explicit dp that fits is kept
+    assert layout_from_config(ParallelConfig(tp=8, dp=2), 16, 4) == Layout(tp=8, dp=2, ranks_per_node=4)
+
+
+@pytest.mark.parametrize("par,world,local,expected", [
+    (dict(tp=2, pp=2, dp=3), 8, None, [r"tp·pp·dp = 2·2·3 = 12 but the world size is 8; set parallel.dp=2"]),
+    (dict(tp=2, pp=3), 8, None, [r"world size 8 is not divisible by parallel.tp·pp = 2·3 = 6"]),
+    (dict(ranks_per_node=3), 8, None, [r"world size 8 is not a multiple of parallel.ranks_per_node=3.*divisor of 8"]),
+    (dict(), 8, 3, [r"world size 8 is not a multiple of parallel.ranks_per_node \(null: the launcher's "
+                    r"LOCAL_WORLD_SIZE=3\)"]),
+    (dict(ranks_per_node=4, ranks_per_gpu=3), 8, None, [r"parallel.ranks_per_gpu=3 must divide "
+                                                        r"parallel.ranks_per_node=4"]),
+    (dict(tp=4), 24, 6, [r"parallel.tp=4 would straddle node boundaries.*LOCAL_WORLD_SIZE=6\), tp must divide it "
+                         r"\(1, 2, 3, 6\) or be a multiple of it"]),
+    (dict(tp=4, pp=2, dp=3, ranks_per_node=6, ranks_per_gpu=4), 20, 8,
+     [r"not divisible by parallel.tp·pp", r"not a multiple of parallel.ranks_per_node=6",
+      r"ranks_per_gpu=4 must divide", r"parallel.tp=4 would straddle"]),
+], ids=["product", "tp-pp-divide", "per-node", "local-world", "per-gpu", "tp-straddles", "all-at-once"])
+def test_layout_from_config_errors(par, world, local, expected):
+    with pytest.raises(ConfigError) as err:
+        layout_from_config(ParallelConfig(**par), world, local)
+    problems = err.value.problems
+    assert len(problems) == len(expected), problems
+    for pattern, problem in zip(expected, problems):
+        assert __import__("re").search(pattern, problem), (pattern, problem)
+
+
+# ---------------------------------------------------------------------------------------------
+# build_topology in a real gloo world: creation order agrees on every rank, groups communicate.
+# Worlds run in a child process (this file run as a script, `mode` picks the body).
+# ---------------------------------------------------------------------------------------------
+
+def _run_child(mode: str, layouts: list) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+           "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), mode, json.dumps(layouts)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _real_world_worker(rank: int, world: int, port: int, layout: Layout, results):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        topo = build_topology(layout, rank)
+        sums = {}
+        for name in sorted(topo.groups):  # same order everywhere: a mismatched group would hang or mis-sum
+            t = torch.tensor([float(rank)])
+            dist.all_reduce(t, group=topo.groups[name])
+            sums[name] = (dist.get_process_group_ranks(topo.groups[name]), t.item())
+        results[rank] = sums
+    finally:
+        dist.destroy_process_group()
+
+
+def _real_world(layouts: list[tuple[int, int, int, int, int]]) -> dict:
+    """Child-process body: one gloo world per layout, its ranks forked from this fresh process
+    (spawning them would re-import torch in each: 4× slower on two cores)."""
+    import socket
+    out = {}
+    for key in layouts:
+        layout = hw_layout(*key)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with mp.Manager() as manager:
+            results = manager.dict()
+            mp.start_processes(_real_world_worker, args=(layout.world_size, port, layout, results),
+                               nprocs=layout.world_size, start_method="fork")
+            out[",".join(map(str, key))] = [results[r] for r in range(layout.world_size)]
+    return out
+
+
+REAL_WORLDS = [(1, 1, 4, 2, 2), (2, 1, 4, 4, 2)]  # 4 ranks: units coincide; 8 ranks: tp on a GCD pair
+
+
+def test_build_topology_real_gloo_world():
+    built = _run_child("gloo", REAL_WORLDS)
+    for key in REAL_WORLDS:
+        expected = _expected_groups(hw_layout(*key))
+        for r, got in enumerate(built[",".join(map(str, key))]):
+            assert set(got) == set(expected[r]), (key, r, sorted(got), sorted(expected[r]))
+            for name, (members, total) in got.items():
+                assert members == expected[r][name], (key, r, name)
+                assert total == sum(members), (key, r, name, total)  # the group really communicates
+    small, frontier = (_expected_groups(hw_layout(*k)) for k in REAL_WORLDS)
+    assert small[0]["node"] == small[0]["gpu"] == [0, 1] and small[0]["dp_node_replica"] == [0, 2]
+    assert frontier[2]["dp_node"] == [0, 2] and frontier[2]["dp_node_replica"] == [2, 6]
+    assert frontier[5]["gpu"] == [4, 5] and frontier[5]["node"] == [4, 5, 6, 7]
+
+
+def _expected_groups(layout: Layout) -> list[dict[str, list[int]]]:
+    """Per rank, the groups build_topology should keep, from Layout's public methods: every
+    parallel dimension's, and each hierarchy level's unit / dp shard / replica group where it has
+    more than one member (no replica groups for a level that cuts dp groups unevenly)."""
+    named = [(dim, layout.group_ranks(dim)) for dim in DIMS]
+    for level in LEVELS:
+        named += [(level_key(level), layout.level_groups(level)),
+                  (level_key(level, within_dp=True), layout.level_groups(level, within_dp=True))]
+        try:
+            named.append((level_key(level, replica=True), layout.replica_groups(level)))
+        except ConfigError:
+            pass
+    out = []
+    for r in range(layout.world_size):
+        mine = {}
+        for name, groups in named:
+            g = next(g for g in groups if r in g)
+            if name in DIMS or len(g) > 1:
+                mine[name] = g
+        out.append(mine)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Reference: megatron-core parallel_state in a fake world, one child process for all layouts
 # ---------------------------------------------------------------------------------------------
 
@@ -131,12 +401,7 @@ def _megatron_reference(layouts: list[tuple[int, int, int]]) -> dict:
 def megatron_reference() -> dict:
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         pytest.skip("megatron-core not installed (pip install -e '.[test]' installs megatron-core==0.16.1)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-           "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(LAYOUTS)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _run_child("megatron", LAYOUTS)
 
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=IDS)
@@ -165,10 +430,59 @@ def test_build_topology_groups_match_megatron(megatron_reference, tp, pp, dp):
     """The process groups build_topology actually creates (not just the rank arithmetic)."""
     for r, rec in enumerate(megatron_reference[f"{tp},{pp},{dp}"]):
         built, mg = rec["build_topology"], rec["megatron"]["groups"]
-        assert set(built) == set(DIMS), f"rank {r}: build_topology made groups for {sorted(built)}"
         for dim in DIMS:
             assert built[dim] == mg[dim], f"rank {r} {dim}: build_topology {built[dim]} megatron {mg[dim]}"
+        # without a hardware description the world is one node: its level groups are the world
+        # (and dp for the within-dp cuts), all reused, never new groups
+        assert built == _expected_groups(layout_of(tp, pp, dp))[r], f"rank {r}: {sorted(built)}"
 
 
-if __name__ == "__main__":  # child process of the megatron_reference fixture
-    print(json.dumps(_megatron_reference([tuple(x) for x in json.loads(sys.argv[1])])))
+# ---------------------------------------------------------------------------------------------
+# build_topology's hierarchy groups for every hardware layout, in fake worlds (child process)
+# ---------------------------------------------------------------------------------------------
+
+UNEVEN = (2, 2, 3, 4, 1)  # pipeline stages of 6 ranks on nodes of 4: no node replica groups
+
+
+def _fake_world_builds(layouts: list[tuple[int, int, int, int, int]]) -> dict:
+    """Child-process body: for each layout and rank, the groups build_topology keeps."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    out = {}
+    for key in layouts:
+        layout = hw_layout(*key)
+        per_rank = []
+        for r in range(layout.world_size):
+            dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=layout.world_size)
+            try:
+                topo = build_topology(layout, r)
+                per_rank.append({name: dist.get_process_group_ranks(g) for name, g in topo.groups.items()})
+            finally:
+                dist.destroy_process_group()
+        out[",".join(map(str, key))] = per_rank
+    return out
+
+
+@pytest.fixture(scope="module")
+def fake_world_builds() -> dict:
+    return _run_child("hardware", HW_LAYOUTS + [UNEVEN])
+
+
+@pytest.mark.parametrize("tp,pp,dp,rpn,rpg", HW_LAYOUTS + [UNEVEN], ids=HW_IDS + ["uneven"])
+def test_build_topology_hierarchy_groups(fake_world_builds, tp, pp, dp, rpn, rpg):
+    layout = hw_layout(tp, pp, dp, rpn, rpg)
+    expected = _expected_groups(layout)
+    for r, built in enumerate(fake_world_builds[f"{tp},{pp},{dp},{rpn},{rpg}"]):
+        assert built == expected[r], f"rank {r}: built {built} expected {expected[r]}"
+        for level in ("gpu", "node"):  # a rank's unit group is its hardware unit
+            if layout.level_size(level) > 1:
+                assert r in built[level_key(level)]
+                assert {layout.hardware_coords(x)["node"] for x in built[level_key(level)]} == \
+                    {layout.hardware_coords(r)["node"]}
+    if (tp, pp, dp, rpn, rpg) == UNEVEN:
+        assert all("dp_node_replica" not in b for b in fake_world_builds["2,2,3,4,1"])
+
+
+if __name__ == "__main__":  # child process of the megatron_reference / fake_world_builds fixtures
+    mode, arg = sys.argv[1], [tuple(x) for x in json.loads(sys.argv[2])]
+    body = {"megatron": _megatron_reference, "hardware": _fake_world_builds, "gloo": _real_world}[mode]
+    print(json.dumps(body(arg)))

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
+from parallel.topology import layout_problems
 from trainer.errors import ConfigError
 
 
@@ -416,8 +417,6 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
     if par.sequence_parallel and par.tp > 1 and m.seq_len % par.tp:
         p.append(f"parallel.sequence_parallel splits the sequence over tp={par.tp} ranks: model.seq_len={m.seq_len} "
                  "must be a multiple of tp")
-    if par.ranks_per_node and par.ranks_per_node % par.ranks_per_gpu:
-        p.append(f"parallel.ranks_per_gpu={par.ranks_per_gpu} must divide parallel.ranks_per_node={par.ranks_per_node}")
     if m.ffn_hidden and m.ffn_hidden % par.tp:
         p.append(f"parallel.tp={par.tp} must divide model.ffn_hidden={m.ffn_hidden}")
     # The vocabulary never depends on the layout (unlike Megatron, which pads to a multiple of
@@ -434,21 +433,15 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
         p.append(f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps={tr.steps}; lower it "
                  "or train longer")
     if world_size is not None:
-        model_par = par.tp * par.pp
-        if world_size % model_par:
-            p.append(f"world size {world_size} is not divisible by tp·pp = {par.tp}·{par.pp}")
-        elif par.dp is not None and par.tp * par.pp * par.dp != world_size:
-            p.append(f"parallel: tp·pp·dp = {par.tp}·{par.pp}·{par.dp} = {par.tp * par.pp * par.dp} but the world "
-                     f"size is {world_size}; set parallel.dp={world_size // model_par} or leave it null")
-        else:
+        layout_issues = layout_problems(par, world_size)
+        p += layout_issues
+        if not layout_issues:
             dp = cfg.dp_size(world_size)
             if tr.global_batch_size % (tr.micro_batch_size * dp):
                 p.append(f"train.global_batch_size={tr.global_batch_size} must be a multiple of "
                          f"train.micro_batch_size·dp = {tr.micro_batch_size}·{dp}")
             else:
                 p += _microbatch_checks(cfg, cfg.grad_accum_steps(world_size))
-        if par.ranks_per_node and world_size % par.ranks_per_node:
-            p.append(f"world size {world_size} is not a multiple of parallel.ranks_per_node={par.ranks_per_node}")
     return p
 
 

@@ -23,7 +23,7 @@ from parallel.runtime import Runtime
 from parallel.clipping import clip_grad_norm
 from parallel.pipeline import Pipeline, tied_embedding_groups
 from parallel.tensor import apply_tensor_parallel
-from parallel.topology import Layout, Topology, build_topology
+from parallel.topology import Topology, build_topology, layout_from_config
 from trainer import config as config_mod
 from trainer.config import Config, OptimConfig
 from trainer.data import BatchLoader, TokenDataset, ensure_default_corpus, eval_batches
@@ -67,9 +67,9 @@ class Trainer:
         self.cfg, self.rt = cfg, runtime
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        dp = cfg.dp_size(runtime.world_size)
         par = cfg.parallel
-        self.topo: Topology = build_topology(Layout(par.tp, par.pp, dp), runtime.rank)
+        layout = layout_from_config(par, runtime.world_size, runtime.local_world_size)
+        self.topo: Topology = build_topology(layout, runtime.rank)
         self.dp_group, self.tp_group, self.pp_group = (self._group(d) for d in ("dp", "tp", "pp"))
         data_dir = Path(cfg.data.path) if cfg.data.path else self._default_corpus()
         self.train_set = TokenDataset(data_dir, "train", cfg.model.seq_len)
@@ -79,7 +79,7 @@ class Trainer:
         self.buckets = GradientBuckets(self.params, int(par.bucket_mb * 2**20))
         self.optimizer = build_optimizer(self.params, cfg.optim, runtime.device)
         self.loader = BatchLoader(self.train_set, cfg.train.seed, cfg.train.global_batch_size,
-                                  cfg.train.micro_batch_size, self.topo.dp_rank, dp)
+                                  cfg.train.micro_batch_size, self.topo.dp_rank, layout.dp)
         self.step = 0
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.flops_per_token = flops_per_token(cfg.model, self.vocab_size)
@@ -96,7 +96,8 @@ class Trainer:
         self.vocab_size = model.vocab_size
         self.loss_fn = lm_loss
         if par.tp > 1:
-            self.loss_fn = apply_tensor_parallel(model, self.tp_group, self.topo.coords["tp"], par.tp)
+            self.loss_fn = apply_tensor_parallel(model, self.tp_group, self.topo.coords["tp"], par.tp,
+                                                 sequence_parallel=par.sequence_parallel)
         if par.pp == 1:
             return [model.to(self.rt.device)], None
         tied_group = (tied_embedding_groups(self.topo.layout.group_ranks("pp"), self.rt.rank)
