@@ -1,4 +1,5 @@
-"""The `strata` command: train, launch (torchrun / Slurm), config show/explain, data prepare, plot.
+"""The `strata` command: train, launch (torchrun / Slurm), config show/explain, data prepare, plot (run curves
+or a pipeline schedule timeline).
 User errors (StrataError) print one clear message and exit 2, without a traceback."""
 from __future__ import annotations
 
@@ -71,9 +72,16 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from trainer.plots import plot_run
+    from trainer.plots import plot_run, plot_schedule
 
-    print(f"wrote {plot_run(Path(args.run_dir), Path(args.out) if args.out else None)}")
+    out = Path(args.out) if args.out else None
+    if args.record is None:      # strata plot RUN_DIR
+        print(f"wrote {plot_run(Path(args.run_dir), out)}")
+    elif args.run_dir == "schedule":      # strata plot schedule RECORD.json
+        print(f"wrote {plot_schedule(Path(args.record), out)}")
+    else:
+        raise StrataError(f"strata plot: unexpected second argument {args.record!r}; use `strata plot RUN_DIR` "
+                          "or `strata plot schedule RECORD.json`")
     return 0
 
 
@@ -120,9 +128,14 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--stdlib", action="store_true", help="use the Python standard library sources as the corpus")
     d.set_defaults(func=cmd_data)
 
-    pl = sub.add_parser("plot", help="PNG of a run's loss and throughput curves")
-    pl.add_argument("run_dir")
-    pl.add_argument("--out")
+    pl = sub.add_parser("plot", help="PNG of a run's loss and throughput curves, or of a pipeline schedule record",
+                        usage="strata plot RUN_DIR [--out PNG]\n       strata plot schedule RECORD.json [--out PNG]")
+    pl.add_argument("run_dir", metavar="RUN_DIR | schedule",
+                    help="run directory (writes curves.png there), or the word `schedule`")
+    pl.add_argument("record", nargs="?", metavar="RECORD.json",
+                    help="with `schedule`: a step record from bench/pipeline_schedule.py --record-dir "
+                         "(writes RECORD.png next to it)")
+    pl.add_argument("--out", help="PNG path (default: next to the input)")
     pl.set_defaults(func=cmd_plot)
     return p
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,13 @@ def start(backend: str = "auto", timeout_s: int = 600) -> Runtime:
         dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
     local_world = os.environ.get("LOCAL_WORLD_SIZE")
     return Runtime(rank, world, local_rank, device, int(local_world) if local_world else None)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a local world's rendezvous (tests, benchmarks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def stop() -> None:

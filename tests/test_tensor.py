@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import socket
 import time
 from collections import Counter
 
@@ -22,6 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from parallel import comm
+from parallel.runtime import free_port
 from parallel.tensor import VocabParallelLoss, apply_tensor_parallel, placement_of
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
@@ -134,14 +134,8 @@ def _worker(rank: int, size: int, port: int, cases: list[str], out_dir: str) -> 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(size: int, cases: list[str], out_dir) -> list[dict]:
-    ctx = mp.start_processes(_worker, args=(size, _free_port(), cases, str(out_dir)), nprocs=size, join=False,
+    ctx = mp.start_processes(_worker, args=(size, free_port(), cases, str(out_dir)), nprocs=size, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + WORLD_TIMEOUT_S
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):  # raises if a rank failed

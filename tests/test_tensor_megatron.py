@@ -21,11 +21,12 @@ import datetime
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from parallel.runtime import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TP = 2
@@ -165,9 +166,7 @@ def _child_main() -> None:
     import torch.multiprocessing as mp
     import megatron.core.tensor_parallel  # noqa: F401  (slow; done once, before forking)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with mp.Manager() as manager:
         results = manager.dict()
         mp.start_processes(_worker, args=(port, results), nprocs=TP, start_method="fork")

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from parallel.runtime import free_port
 from parallel.topology import DIMS, HARDWARE, LEVELS, Layout, Topology, build_topology, layout_from_config, \
     level_key
 from trainer.config import ParallelConfig
@@ -297,13 +298,10 @@ def _real_world_worker(rank: int, world: int, port: int, layout: Layout, results
 def _real_world(layouts: list[tuple[int, int, int, int, int]]) -> dict:
     """Child-process body: one gloo world per layout, its ranks forked from this fresh process
     (spawning them would re-import torch in each: 4× slower on two cores)."""
-    import socket
     out = {}
     for key in layouts:
         layout = hw_layout(*key)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         with mp.Manager() as manager:
             results = manager.dict()
             mp.start_processes(_real_world_worker, args=(layout.world_size, port, layout, results),

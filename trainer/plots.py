@@ -1,6 +1,8 @@
-"""Pictures of a run: loss and throughput curves from a run directory's metrics.jsonl."""
+"""Pictures: a run's loss and throughput curves (from its metrics.jsonl), and the per-rank timeline of
+one recorded pipeline step (a schedule record written by bench/pipeline_schedule.py)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from trainer.errors import StrataError
@@ -31,5 +33,58 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     fig.tight_layout()
     out = Path(out) if out else Path(run_dir) / "curves.png"
     fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+SCHEDULE_COLORS = {"F": ("#1f5fa8", "#7fb0e6"), "B": ("#2e8b3a", "#93d69b"), "W": ("#c0701a", "#f2b877")}
+
+
+def plot_schedule(record_path: Path, out: Path | None = None) -> Path:
+    """Write a per-rank timeline PNG of one recorded pipeline step (a JSON record written by
+    bench/pipeline_schedule.py: {"schedule", "pp", "virtual_stages", "microbatches", "ranks":
+    [[{"kind", "stage", "mb", "start", "end"}, ...] per rank], "step_time"}); returns its path.
+    One row per rank; F/B/W boxes labelled stage.micro-batch, darker for a rank's first chunk
+    (stage < pp) and lighter for later chunks."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    record_path = Path(record_path)
+    try:
+        record = json.loads(record_path.read_text())
+        ranks, step_time, pp = record["ranks"], float(record["step_time"]), int(record["pp"])
+        actions = [(r, a["kind"], int(a["stage"]), int(a["mb"]), float(a["start"]), float(a["end"]))
+                   for r, rank_actions in enumerate(ranks) for a in rank_actions]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise StrataError(f"strata plot schedule: {record_path} is not a schedule record ({e!r}); pass a JSON "
+                          "file written by `python bench/pipeline_schedule.py --record-dir DIR`") from e
+    unknown = sorted({kind for _, kind, *_ in actions} - set(SCHEDULE_COLORS))
+    if unknown:
+        raise StrataError(f"strata plot schedule: {record_path} has action kinds {unknown}; valid: F, B, W")
+
+    fig, ax = plt.subplots(figsize=(14, 0.7 * len(ranks) + 1.6))
+    for rank, kind, stage, mb, start, end in actions:
+        color = SCHEDULE_COLORS[kind][0 if stage < pp else 1]
+        ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (rank - 0.4, 0.8), facecolors=color,
+                       edgecolors="black", linewidth=0.4)
+        if end - start > 0.012 * step_time:   # label boxes wide enough to hold it
+            ax.text((start + end) / 2 * 1e3, rank, f"{stage}.{mb}", ha="center", va="center", fontsize=6,
+                    color="white" if stage < pp else "black", clip_on=True)
+    for rank, idle in enumerate(record.get("idle_fraction", [])):
+        ax.text(step_time * 1e3, rank, f" idle {idle:.0%}", ha="left", va="center", fontsize=8)
+    ax.set_ylim(len(ranks) - 0.5, -0.5)
+    ax.set_xlim(0, step_time * 1e3 * 1.07)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
+    ax.set_xlabel("time in step (ms)   —   box label: stage.micro-batch")
+    ax.legend(handles=[Patch(color=SCHEDULE_COLORS[k][0], label=label) for k, label in
+                       (("F", "F forward"), ("B", "B backward (dI, or full)"), ("W", "W weight grad"))],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 4 else -0.12), ncol=3, fontsize=8)
+    ax.set_title(f"{record.get('schedule', '?')}: P={pp}, V={record.get('virtual_stages', '?')}, "
+                 f"M={record.get('microbatches', '?')}, step {step_time * 1e3:.0f} ms")
+    fig.tight_layout()
+    out = Path(out) if out else record_path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
