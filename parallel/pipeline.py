@@ -94,28 +94,35 @@ class Stage(nn.Module):
         return x
 
 
+def split_stages(model: GPT, pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[Stage]:
+    """This pipeline rank's stages of `model`, in execution order (on the model's device, which
+    may be meta: materialise them before building the `Pipeline`)."""
+    plans = plan_stages(model.cfg.n_layers, pp * virtual_stages,
+                        stage_indices(pp_rank, pp, virtual_stages, schedule_name(schedule, virtual_stages)))
+    return [Stage(model, plan) for plan in plans]
+
+
 class Pipeline:
     """This rank's stages of the model and the schedule that runs one step over them."""
 
-    def __init__(self, model: GPT, loss_fn, group, pp_rank: int, pp: int, virtual_stages: int, schedule: str,
+    def __init__(self, parts: list[Stage], loss_fn, group, pp: int, virtual_stages: int, schedule: str,
                  microbatches: int, device: torch.device, tied_group=None):
-        self.group, self.microbatches = group, microbatches
+        self.group, self.microbatches, self.parts = group, microbatches, parts
         self.name = schedule_name(schedule, virtual_stages)
         num_stages = pp * virtual_stages
-        plans = plan_stages(model.cfg.n_layers, num_stages, stage_indices(pp_rank, pp, virtual_stages, self.name))
-        self.parts = [Stage(model, plan).to(device) for plan in plans]
-        self.has_first = any(p.plan.is_first for p in self.parts)
-        self.has_last = any(p.plan.is_last for p in self.parts)
+        self.has_first = any(p.plan.is_first for p in parts)
+        self.has_last = any(p.plan.is_last for p in parts)
         # A tied embedding lives on the first and the last stage; when those are different ranks,
         # each holds a copy whose gradients are summed over `tied_group` (Megatron's embedding group).
-        self.tied_weight = model.tok_embeddings.weight if (
-            model.output.weight is model.tok_embeddings.weight and self.has_first != self.has_last) else None
+        self.tied_weight = None
+        if tied_group is not None and self.has_first != self.has_last:
+            edge = next(p for p in parts if p.plan.is_first or p.plan.is_last)
+            self.tied_weight = edge.tok_embeddings.weight if self.has_first else edge.output.weight
         self.tied_group = tied_group
-        stages = [pipelining.PipelineStage(part, part.plan.index, num_stages, device, group=group)
-                  for part in self.parts]
+        stages = [pipelining.PipelineStage(part, part.plan.index, num_stages, device, group=group) for part in parts]
         # Gradients are averaged over micro-batches here, not by the schedule: its scale_grads
         # divides per stage, so a tied embedding held by two local stages would be divided twice.
-        self.params = list({id(p): p for part in self.parts for p in part.parameters()}.values())
+        self.params = list({id(p): p for part in parts for p in part.parameters()}.values())
         cls = SCHEDULES[self.name]
         self.schedule = cls(stages[0] if self.name in SINGLE_STAGE_SCHEDULES else stages,
                             n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)

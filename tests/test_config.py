@@ -183,6 +183,9 @@ def test_pipeline_layout_errors_name_the_fix():
     # M = 16 / (8·1) = 2 micro-batches cannot fill 4 pipeline stages
     err = load_error(None, ["parallel.pp=4"], world_size=4)
     assert any("at least pp=4 micro-batches per step but gets 2" in p for p in err.problems)
+    err = load_error(None, ["parallel.pp=2", "parallel.virtual_stages=2", "parallel.schedule=dualpipev"], world_size=2)
+    assert any("dualpipev needs at least as many micro-batches as stages (2·pp = 4) but gets 2" in p
+               for p in err.problems)
     err = load_error(None, ["parallel.pp=2", "parallel.microbatches=4"], world_size=2)
     assert any("set train.micro_batch_size=4" in p for p in err.problems)
     err = load_error(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=33"])

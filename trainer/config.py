@@ -468,7 +468,10 @@ def _microbatch_checks(cfg: Config, derived: int) -> list[str]:
         p.append(f"parallel.microbatches={par.microbatches} disagrees with global_batch_size/(micro_batch_size·dp) = "
                  f"{derived}; {fix} or leave parallel.microbatches null")
         return p
-    if par.pp > 1 and derived < par.pp:
+    if par.pp > 1 and par.schedule == "dualpipev" and derived < 2 * par.pp:
+        p.append(f"parallel.schedule=dualpipev needs at least as many micro-batches as stages (2·pp = {2 * par.pp}) "
+                 f"but gets {derived}; lower train.micro_batch_size or raise train.global_batch_size")
+    elif par.pp > 1 and derived < par.pp:
         p.append(f"pipeline needs at least pp={par.pp} micro-batches per step but gets {derived} (global_batch_size/"
                  f"(micro_batch_size·dp)); lower train.micro_batch_size or raise train.global_batch_size")
     elif par.pp > 1 and par.virtual_stages > 1 and derived % max(1, derived // par.pp):

@@ -21,15 +21,16 @@ from parallel import comm
 from parallel.data_parallel import GradientBuckets, unique_params
 from parallel.runtime import Runtime
 from parallel.clipping import clip_grad_norm
-from parallel.pipeline import Pipeline, tied_embedding_groups
-from parallel.tensor import apply_tensor_parallel
+from parallel.pipeline import Pipeline, split_stages, tied_embedding_groups
+from parallel.tensor import apply_tensor_parallel, placement_of
 from parallel.topology import Topology, build_topology, layout_from_config
 from trainer import config as config_mod
-from trainer.config import Config, OptimConfig
+from trainer.config import Config, ModelConfig, OptimConfig
 from trainer.data import BatchLoader, TokenDataset, ensure_default_corpus, eval_batches
 from trainer.errors import CheckpointError
 from trainer.metrics import MetricsLogger
-from trainer.model import build_model, count_params, flops_per_token, lm_loss
+from trainer.model import (GPT, count_params, flops_per_token, initial_value, lm_loss, padded_vocab_size,
+                           set_rope_buffers)
 
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -43,6 +44,28 @@ def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
     shape = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1 - progress
     min_lr = optim.lr * optim.min_lr_ratio
     return min_lr + (optim.lr - min_lr) * shape
+
+
+def materialize(parts: list[torch.nn.Module], cfg: ModelConfig, seed: int, device: torch.device) -> None:
+    """Give meta-device modules real parameters on `device`, each filled with its slice (its
+    `placement`) of the whole initial value. One Parameter per meta Parameter, registered
+    everywhere the old one was, with its attributes: tying survives, also across the parts."""
+    names = {id(p): n for part in parts for n, p in part.named_parameters()}
+    fresh: dict[int, torch.nn.Parameter] = {}
+    for part in parts:
+        for module in part.modules():
+            for key, p in module._parameters.items():
+                if p is None or not p.is_meta:
+                    continue
+                if id(p) not in fresh:
+                    pl = placement_of(p)
+                    whole = initial_value(cfg, names[id(p)], pl.global_shape, seed)
+                    q = torch.nn.Parameter(torch.empty(p.shape, device=device).copy_(pl.local_slice(whole)),
+                                           requires_grad=p.requires_grad)
+                    q.__dict__.update(p.__dict__)  # placement
+                    fresh[id(p)] = q
+                module._parameters[key] = fresh[id(p)]
+        set_rope_buffers(part, cfg, device)
 
 
 def build_optimizer(params: list[torch.nn.Parameter], optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
@@ -89,22 +112,28 @@ class Trainer:
         return self.topo.groups.get(dim) if getattr(self.topo.layout, dim) > 1 else None
 
     def _build_model(self) -> tuple[list[torch.nn.Module], Pipeline | None]:
-        """The plain model, initialised whole (so every layout starts from the same weights), then
-        transformed: tensor parallel, then split into this rank's pipeline stages."""
+        """The plain model, built on the meta device (no memory), transformed — tensor parallel,
+        then split into this rank's pipeline stages — and only then materialised: each rank
+        allocates and initialises just its own slices, with the values one process would give
+        them (`initial_value` depends on the parameter's name, not on the layout)."""
         cfg, par = self.cfg, self.cfg.parallel
-        model = build_model(cfg.model, self.train_set.vocab_size, cfg.train.seed)
+        with torch.device("meta"):
+            model = GPT(cfg.model, padded_vocab_size(cfg.model, self.train_set.vocab_size))
         self.vocab_size = model.vocab_size
         self.loss_fn = lm_loss
         if par.tp > 1:
             self.loss_fn = apply_tensor_parallel(model, self.tp_group, self.topo.coords["tp"], par.tp,
                                                  sequence_parallel=par.sequence_parallel)
         if par.pp == 1:
-            return [model.to(self.rt.device)], None
+            materialize([model], cfg.model, cfg.train.seed, self.rt.device)
+            return [model], None
+        parts = split_stages(model, self.topo.coords["pp"], par.pp, par.virtual_stages, par.schedule)
+        materialize(parts, cfg.model, cfg.train.seed, self.rt.device)
         tied_group = (tied_embedding_groups(self.topo.layout.group_ranks("pp"), self.rt.rank)
                       if cfg.model.tie_embeddings else None)
-        pipeline = Pipeline(model, self.loss_fn, self.pp_group, self.topo.coords["pp"], par.pp, par.virtual_stages,
-                            par.schedule, cfg.grad_accum_steps(self.rt.world_size), self.rt.device, tied_group)
-        return pipeline.parts, pipeline
+        pipeline = Pipeline(parts, self.loss_fn, self.pp_group, par.pp, par.virtual_stages, par.schedule,
+                            cfg.grad_accum_steps(self.rt.world_size), self.rt.device, tied_group)
+        return parts, pipeline
 
     def _default_corpus(self) -> Path:
         """Rank 0 prepares the built-in corpus once; the others wait, then read it."""

@@ -6,6 +6,7 @@ transformation can swap its linears for sharded ones without touching this file.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -129,18 +130,32 @@ class GPT(nn.Module):
         return self.output(self.norm(x))
 
     def init_weights(self, seed: int) -> None:
-        """Deterministic init from `seed`: normal(0, init_std) for matrices, with residual output
-        projections (wo, w2) scaled by 1/sqrt(2·n_layers) as in GPT-2/Megatron; norms to one."""
-        gen = torch.Generator().manual_seed(seed)
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        """Deterministic init from `seed` (see `initial_value`)."""
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if p.ndim == 1:
-                    p.fill_(1.0)
-                else:
-                    scaled = name.endswith(("attn.wo.weight", "mlp.w2.weight"))
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(out_std if scaled else std))
+                p.copy_(initial_value(self.cfg, name, tuple(p.shape), seed))
+
+def set_rope_buffers(module: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
+    """Set `module`'s rope_cos/rope_sin buffers to the tables for cfg, on `device`."""
+    cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
+    module.rope_cos, module.rope_sin = cos.to(device), sin.to(device)
+
+
+def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The initial value of parameter `name` (its whole, unsharded tensor): normal(0, init_std)
+    for matrices, with residual output projections (wo, w2) scaled by 1/sqrt(2·n_layers) as in
+    GPT-2/Megatron; norms to one. Each parameter draws from its own generator, seeded by the run
+    seed and its name, so any rank can build any parameter (or slice) without the others — the
+    value never depends on which parameters a rank holds."""
+    if len(shape) == 1:
+        return torch.ones(shape)
+    if cfg.tie_embeddings and name == "output.weight":
+        name = "tok_embeddings.weight"  # one tensor under two names
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    scaled = name.endswith(("attn.wo.weight", "mlp.w2.weight"))
+    std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if scaled else cfg.init_std
+    return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(std)
 
 
 def build_model(cfg: ModelConfig, data_vocab_size: int, seed: int) -> GPT:
