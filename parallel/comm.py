@@ -1,5 +1,7 @@
 """Collectives through one door: thin wrappers over torch.distributed that count the bytes each
-parallel dimension moves (benchmarks and tests read `bytes_moved`)."""
+parallel dimension moves (`bytes_moved`: payload per (dim, op)) and the bytes each rank puts on
+the wire per hardware link level (`bytes_by_link`: intra-gpu / intra-node / inter-node, ring
+algorithm estimates), which benchmarks, tests and the run summary read."""
 from __future__ import annotations
 
 from collections import Counter
@@ -8,16 +10,46 @@ import torch
 import torch.distributed as dist
 
 bytes_moved: Counter = Counter()
+bytes_by_link: Counter = Counter()
+_link_of_group: dict = {}  # process group -> the link level its members span (see register_group)
+
+# Bytes one rank sends for a collective over n ranks whose local input is `size` bytes, with
+# ring algorithms (NCCL's and gloo's defaults): all-reduce = reduce-scatter + all-gather.
+_WIRE = {
+    "all_reduce": lambda size, n: 2 * (n - 1) * size / n,
+    "reduce_scatter": lambda size, n: (n - 1) * size / n,
+    "all_gather": lambda size, n: (n - 1) * size,
+}
 
 
-def _count(dim: str, op: str, tensor: torch.Tensor) -> None:
-    bytes_moved[(dim, op)] += tensor.numel() * tensor.element_size()
+_link_between = None  # (global rank, global rank) -> link level, for point-to-point sends
+
+
+def register_group(group, link: str) -> None:
+    """Record which link level (`parallel.topology.Layout.link_level`) `group` spans."""
+    _link_of_group[group] = link
+
+
+def register_link_resolver(resolver) -> None:
+    """How to tell the link level between two global ranks (for send/recv accounting)."""
+    global _link_between
+    _link_between = resolver
+
+
+def _count(dim: str, op: str, tensor: torch.Tensor, group=None) -> None:
+    size = tensor.numel() * tensor.element_size()
+    bytes_moved[(dim, op)] += size
+    link = _link_of_group.get(group)
+    if link is None:
+        return
+    wire = _WIRE.get(op)
+    bytes_by_link[link] += int(wire(size, dist.get_world_size(group))) if wire else size
 
 
 def all_reduce(tensor: torch.Tensor, group, dim: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of `tensor` over `group` (no-op without one)."""
     if group is not None:
-        _count(dim, "all_reduce", tensor)
+        _count(dim, "all_reduce", tensor, group)
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
@@ -26,7 +58,7 @@ def all_gather(tensor: torch.Tensor, group, dim: str) -> list[torch.Tensor]:
     """Every group member's `tensor` (same shape on all), in group-rank order."""
     if group is None:
         return [tensor]
-    _count(dim, "all_gather", tensor)
+    _count(dim, "all_gather", tensor, group)
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return parts
@@ -43,6 +75,8 @@ def send_tensor(tensor: torch.Tensor, dst: int, dim: str) -> None:
     dist.send(torch.tensor([len(header)], dtype=torch.int64, device=tensor.device), dst)
     dist.send(header, dst)
     _count(dim, "send", tensor)
+    if _link_between is not None:
+        bytes_by_link[_link_between(dist.get_rank(), dst)] += tensor.numel() * tensor.element_size()
     dist.send(tensor.contiguous(), dst)
 
 
@@ -70,7 +104,7 @@ def all_gather_along(tensor: torch.Tensor, group, dim: str, axis: int) -> torch.
     input, as `all_gather` does."""
     if group is None:
         return tensor
-    _count(dim, "all_gather", tensor)
+    _count(dim, "all_gather", tensor, group)
     size = dist.get_world_size(group)
     front = tensor.movedim(axis, 0).contiguous()  # collectives split/concatenate along dim 0
     out = front.new_empty((size * front.shape[0], *front.shape[1:]))
@@ -89,7 +123,7 @@ def reduce_scatter_along(tensor: torch.Tensor, group, dim: str, axis: int,
     if tensor.shape[axis] % size:
         raise ValueError(f"reduce_scatter_along: axis {axis} of shape {tuple(tensor.shape)} is not divisible "
                          f"by the group size {size}")
-    _count(dim, "reduce_scatter", tensor)
+    _count(dim, "reduce_scatter", tensor, group)
     front = tensor.movedim(axis, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
     _reduce_scatter_single(out, front, op=op, group=group)

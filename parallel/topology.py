@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from parallel import comm
+
 from trainer.errors import ConfigError
 
 DIMS = ("pp", "dp", "tp")  # parallel dimensions, outermost to innermost
@@ -106,6 +108,14 @@ class Layout:
         GCD's index within the GPU (0 unless ranks_per_gpu > 1)."""
         g = self.ranks_per_gpu
         return {"node": rank // self.node_size, "gpu": (rank % self.node_size) // g, "gcd": rank % g}
+
+    def link_level(self, ranks: list[int]) -> str:
+        """The slowest link a group of ranks communicates over: 'intra-gpu' (the GCDs of one
+        GPU), 'intra-node' or 'inter-node'."""
+        coords = [self.hardware_coords(r) for r in ranks]
+        if len({c["node"] for c in coords}) > 1:
+            return "inter-node"
+        return "intra-gpu" if len({c["gpu"] for c in coords}) == 1 else "intra-node"
 
     def level_size(self, level: str) -> int:
         """Ranks in one unit of `level`."""
@@ -275,4 +285,8 @@ def build_topology(layout: Layout, rank: int) -> Topology:
                 made[tuple(ranks)] = dist.new_group(ranks)
             if rank in ranks:
                 topo.groups[name] = made[tuple(ranks)]
+    for ranks, group in made.items():  # byte accounting per link level
+        if rank in ranks and len(ranks) > 1:
+            comm.register_group(group, layout.link_level(list(ranks)))
+    comm.register_link_resolver(lambda a, b: layout.link_level([a, b]))
     return topo

@@ -25,6 +25,7 @@ RESUMED_ELSEWHERE = {"tp2-pp2-sp-tied", "pp2-zbv-tied"}
 LAYOUTS = {
     "dp2-accumulate": (2, {}, {"train.micro_batch_size": 2}),
     "dp2": (2, {}, {"train.micro_batch_size": 4}),
+    "dp2-two-nodes": (2, {"parallel.ranks_per_node": 1}, {"train.micro_batch_size": 4}),
     "tp2-gqa-tied": (2, {"parallel.tp": 2}, {"model.n_kv_heads": 2, "model.tie_embeddings": True}),
     "tp2-dp2": (4, {"parallel.tp": 2}, {}),
     "pp2": (2, {"parallel.pp": 2}, {}),
@@ -105,4 +106,10 @@ def test_parallel_layout_matches_single_process(small_data_dir, tmp_path, name):
         # loss per step and one scalar per evaluation (steps 3 and 6).
         n_params = sum(t.numel() for t in ref_params.values())
         summary = json.loads((tmp_path / "par" / "t" / "summary.json").read_text())
-        assert summary["comm_bytes"]["dp/all_reduce"] == 6 * (4 * n_params + 4) + 2 * 4
+        payload = 6 * (4 * n_params + 4) + 2 * 4
+        assert summary["comm_bytes"]["dp/all_reduce"] == payload
+        # On the wire a 2-rank ring all-reduce sends 2·(n−1)/n = 1× the payload, over the link the
+        # dp group spans: one node by default (torchrun's LOCAL_WORLD_SIZE = 2), two nodes when
+        # the topology says one rank per node.
+        link = "inter-node" if parallel.get("parallel.ranks_per_node") == 1 else "intra-node"
+        assert summary["wire_bytes"] == {link: payload}

@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -234,6 +235,7 @@ class Trainer:
         cfg, result = self.cfg, RunResult()
         losses: dict[int, torch.Tensor] = {}
         interval_start, interval_steps = time.perf_counter(), 0
+        link_bytes_before = Counter(comm.bytes_by_link)
         train_start, start_step = time.perf_counter(), self.step
         while self.step < cfg.train.steps:
             loss, grad_norm = self.train_step()
@@ -243,6 +245,9 @@ class Trainer:
             if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
                 elapsed = time.perf_counter() - interval_start
                 record = self._throughput(interval_steps, elapsed)
+                moved = Counter(comm.bytes_by_link) - link_bytes_before
+                record["wire_bytes_per_step"] = {link: n / interval_steps for link, n in sorted(moved.items())}
+                link_bytes_before = Counter(comm.bytes_by_link)
                 record.update(loss=loss.item(), grad_norm=grad_norm.item(), lr=self.optimizer.param_groups[0]["lr"])
                 interval_start, interval_steps = time.perf_counter(), 0
             log.step(self.step, record)
@@ -294,7 +299,8 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
     if main:
         summary = {"final_step": result.final_step, "train_loss": result.losses.get(result.final_step),
                    "eval_loss": result.eval_losses.get(result.final_step), "tokens_per_s": result.tokens_per_s,
-                   "comm_bytes": {f"{dim}/{op}": n for (dim, op), n in sorted(comm.bytes_moved.items())}}
+                   "comm_bytes": {f"{dim}/{op}": n for (dim, op), n in sorted(comm.bytes_moved.items())},
+                   "wire_bytes": dict(sorted(comm.bytes_by_link.items()))}
         (cfg.run_dir() / "summary.json").write_text(json.dumps(summary, indent=1))
         train_loss = f"{summary['train_loss']:.4f}" if summary["train_loss"] is not None else "n/a"
         print(f"done: step {result.final_step}  train loss {train_loss}  eval loss {summary['eval_loss']:.4f}  "
