@@ -245,6 +245,12 @@ class Topology:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def shard_position(self, level: str) -> tuple[int, int]:
+        """This rank's index in its dp shard group at `level` (the ranks that split state
+        partitioned at that level) and the group's size."""
+        group = next(g for g in self.layout.level_groups(level, within_dp=True) if self.rank in g)
+        return group.index(self.rank), len(group)
+
     def level_group(self, level: str, within_dp: bool = False, replica: bool = False):
         """This rank's group at a hierarchy level (see the class doc); None for a single rank."""
         self.layout.level_size(level)  # rejects unknown levels
