@@ -4,6 +4,7 @@ the wire per hardware link level (`bytes_by_link`: intra-gpu / intra-node / inte
 algorithm estimates), which benchmarks, tests and the run summary read."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import torch
@@ -51,7 +52,60 @@ def all_reduce(tensor: torch.Tensor, group, dim: str, op: dist.ReduceOp = dist.R
     if group is not None:
         _count(dim, "all_reduce", tensor, group)
         dist.all_reduce(tensor, op=op, group=group)
+        if _link_delay_s_per_byte:
+            time.sleep(_simulated_delay("all_reduce", tensor, group))
     return tensor
+
+
+# --- simulated slow links (benchmarks, tests): opt-in, off by default --------------------------
+
+_link_delay_s_per_byte: dict[str, float] = {}  # link level -> seconds per wire byte; empty: no delay
+
+
+def set_link_delay(link: str, seconds_per_byte: float) -> None:
+    """Make collectives over groups spanning `link` ('inter-node', ...) take an extra
+    seconds_per_byte · (ring wire bytes) of wall time, as a slow network would; 0 removes it.
+    Off by default; while no link has a delay the wrappers do one dict truth test, nothing more."""
+    if seconds_per_byte > 0:
+        _link_delay_s_per_byte[link] = seconds_per_byte
+    else:
+        _link_delay_s_per_byte.pop(link, None)
+
+
+def _simulated_delay(op: str, tensor: torch.Tensor, group) -> float:
+    per_byte = _link_delay_s_per_byte.get(_link_of_group.get(group), 0.0)
+    if not per_byte:
+        return 0.0
+    return per_byte * _WIRE[op](tensor.numel() * tensor.element_size(), dist.get_world_size(group))
+
+
+class AsyncWork:
+    """A collective in flight. `wait()` blocks until its result is in the tensor (and, under a
+    simulated slow link, until the link would have delivered it); `is_completed()` asks without
+    blocking. Without a group the work is complete at once."""
+
+    def __init__(self, work, ready_at: float):
+        self._work, self._ready_at = work, ready_at
+
+    def is_completed(self) -> bool:
+        return (self._work is None or self._work.is_completed()) and time.monotonic() >= self._ready_at
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+        remaining = self._ready_at - time.monotonic()
+        if remaining > 0:
+            time.sleep(remaining)
+
+
+def all_reduce_async(tensor: torch.Tensor, group, dim: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> AsyncWork:
+    """Start an in-place all-reduce of `tensor` over `group` and return at once; the caller must
+    not touch `tensor` until `wait()` returns. Counted like `all_reduce`."""
+    if group is None:
+        return AsyncWork(None, 0.0)
+    _count(dim, "all_reduce", tensor, group)
+    ready_at = time.monotonic() + (_simulated_delay("all_reduce", tensor, group) if _link_delay_s_per_byte else 0.0)
+    return AsyncWork(dist.all_reduce(tensor, op=op, group=group, async_op=True), ready_at)
 
 
 def all_gather(tensor: torch.Tensor, group, dim: str) -> list[torch.Tensor]:

@@ -1,7 +1,6 @@
 """Shared test fixtures: a small prepared token directory, tiny configs, and an isolated cache."""
 from __future__ import annotations
 
-import os
 import sysconfig
 from pathlib import Path
 

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import time
 from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from parallel import comm
-from parallel.runtime import free_port
+from worlds import run_world
 from parallel.tensor import VocabParallelLoss, apply_tensor_parallel, placement_of
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
@@ -122,7 +120,7 @@ def _loss_case(rank: int, size: int) -> dict:
     return {"loss": loss.item(), "grad": shard.grad}
 
 
-def _worker(rank: int, size: int, port: int, cases: list[str], out_dir: str) -> None:
+def _worker(rank: int, size: int, port: int, out_dir: str, cases: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=60))
@@ -134,25 +132,14 @@ def _worker(rank: int, size: int, port: int, cases: list[str], out_dir: str) -> 
         dist.destroy_process_group()
 
 
-def run_world(size: int, cases: list[str], out_dir) -> list[dict]:
-    ctx = mp.start_processes(_worker, args=(size, free_port(), cases, str(out_dir)), nprocs=size, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + WORLD_TIMEOUT_S
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):  # raises if a rank failed
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"world of {size} did not finish within {WORLD_TIMEOUT_S}s")
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(size)]
-
-
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory) -> dict[int, list[dict]]:
     """Per world size, every rank's results (one world per size for all its cases)."""
     out = {}
     for size in sorted({c[0] for c in CASES.values()}):
         out_dir = tmp_path_factory.mktemp(f"tp{size}")
-        out[size] = run_world(size, [n for n, c in CASES.items() if c[0] == size], out_dir)
+        out[size] = run_world(_worker, size, out_dir, [n for n, c in CASES.items() if c[0] == size],
+                              timeout_s=WORLD_TIMEOUT_S)
     return out
 
 

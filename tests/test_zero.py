@@ -6,15 +6,13 @@ state (measured from the tensors it holds)."""
 from __future__ import annotations
 
 import datetime
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from parallel import comm
-from parallel.runtime import free_port
+from worlds import run_world
 from parallel.topology import Layout, build_topology
 from parallel.zero import ZeroOptimizer, shard_groups
 from trainer.config import ModelConfig
@@ -52,7 +50,7 @@ def reference() -> tuple[dict[str, torch.Tensor], int]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}, state
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, size: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
@@ -80,15 +78,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("zero")
-    ctx = mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the ZeRO world did not finish in time")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_world(_worker, WORLD, tmp_path_factory.mktemp("zero"), timeout_s=240)
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from checkpoint import store
 from checkpoint.layout import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state

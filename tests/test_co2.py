@@ -1,0 +1,248 @@
+"""CO2 (parallel/co2.py) in real gloo worlds of 2 and 4 forked processes: synchronous CO2 with one
+local step is data parallelism (checked against a single-process reference), the asynchronous
+outer all-reduce overlaps the next round's steps (a simulated slow link makes it measurable), its
+average reaches the anchor one round late while each replica keeps its own progress, shrunk by
+the staleness gap penalty (checked against the deltas each rank reported), and the momentum clip
+really clips.
+
+Each world runs all its cases once (process start-up dominates) and each rank saves what it saw.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel import comm
+from parallel.co2 import CO2
+from worlds import run_world
+from parallel.topology import Layout, build_topology
+
+SEED = 3
+BATCH = 4            # samples per rank per step
+STEPS = 6
+LR, MOMENTUM, WD = 0.1, 0.9, 0.01
+DELAY_S = 0.6        # simulated inter-node time of the overlap case's outer all-reduce
+WORLD_TIMEOUT_S = 60
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(SEED)
+    return nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 1))
+
+
+def global_batch(step: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(SEED * 1000 + step)
+    return torch.randn(replicas * BATCH, 8, generator=gen), torch.randn(replicas * BATCH, 1, generator=gen)
+
+
+def local_grads(model: nn.Module, step: int, rank: int, replicas: int) -> None:
+    x, y = global_batch(step, replicas)
+    rows = slice(rank * BATCH, (rank + 1) * BATCH)
+    model.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+
+
+def sgd(model: nn.Module) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+# --- what each rank runs ---------------------------------------------------------------------------
+
+def _sync_case(rank: int, size: int, inner_group, outer_group) -> torch.Tensor:
+    """Synchronous CO2, H = 1, α = 1, β = 0 around SGD; grads averaged over inner_group first."""
+    model = make_model()
+    opt = sgd(model)
+    co2 = CO2(list(model.parameters()), outer_group, outer_every=1, outer_lr=1.0, outer_momentum=0.0,
+              staleness_penalty=0.0, clip=None, synchronous=True)
+    inner = 1 if inner_group is None else dist.get_world_size(inner_group)
+    for step in range(STEPS):
+        local_grads(model, step, rank, size)
+        for p in model.parameters():
+            comm.all_reduce(p.grad, inner_group, dim="dp")
+            p.grad.div_(inner)
+        opt.step()
+        co2.after_local_step()
+    return flat(model)
+
+
+def _late_case(rank: int, size: int, group, penalty: float) -> dict:
+    """Asynchronous CO2, H = 2: each round's local progress, and the anchor and the parameters
+    after each round."""
+    model = make_model()
+    opt = sgd(model)
+    co2 = CO2(list(model.parameters()), group, outer_every=2, outer_lr=1.0, outer_momentum=0.0,
+              staleness_penalty=penalty, clip=None)
+    x0, deltas, anchors, after = flat(model), [], [], []
+    for step in range(STEPS):
+        local_grads(model, step, rank, size)
+        opt.step()
+        if (step + 1) % co2.every == 0:
+            deltas.append(co2.start - flat(model))
+        co2.after_local_step()
+        if (step + 1) % co2.every == 0:
+            anchors.append(co2.anchor.clone())
+            after.append(flat(model))
+    return {"x0": x0, "deltas": deltas, "anchors": anchors, "after": after}
+
+
+def _overlap_case(rank: int, size: int, synchronous: bool) -> dict:
+    """Round ends under a slow outer link: how long each takes and whether work is in flight."""
+    group = dist.new_group(list(range(size)))
+    comm.register_group(group, "inter-node")
+    model = make_model()
+    n_bytes = 4 * sum(p.numel() for p in model.parameters())
+    comm.set_link_delay("inter-node", DELAY_S / (2 * (size - 1) / size * n_bytes))
+    opt = sgd(model)
+    co2 = CO2(list(model.parameters()), group, outer_every=3, synchronous=synchronous)
+    out = {"round_s": [], "in_flight_after": [], "completed_after": [], "steps_in_flight": 0}
+    try:
+        for step in range(9):
+            if co2.in_flight and not co2.pending[0].is_completed():
+                out["steps_in_flight"] += 1
+            local_grads(model, step, rank, size)
+            opt.step()
+            t = time.monotonic()
+            co2.after_local_step()
+            if (step + 1) % 3 == 0:
+                out["round_s"].append(time.monotonic() - t)
+                out["in_flight_after"].append(co2.in_flight)
+                out["completed_after"].append(co2.pending[0].is_completed() if co2.in_flight else None)
+        co2.finish()
+    finally:
+        comm.set_link_delay("inter-node", 0)
+    return out
+
+
+def _worker(rank: int, size: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=WORLD_TIMEOUT_S))
+    try:
+        res: dict = {}
+        if size == 4:  # two nodes of two ranks: dp inside a node, CO2 across nodes
+            topo = build_topology(Layout(dp=4, ranks_per_node=2), rank)
+            res["sync"] = _sync_case(rank, size, topo.level_group("node", within_dp=True),
+                                     topo.level_group("node", replica=True))
+        else:
+            res["sync"] = _sync_case(rank, size, None, dist.group.WORLD)
+            res["late"] = _late_case(rank, size, dist.group.WORLD, penalty=0.0)
+            res["late-penalty"] = _late_case(rank, size, dist.group.WORLD, penalty=0.5)
+            res["overlap-async"] = _overlap_case(rank, size, synchronous=False)
+            res["overlap-sync"] = _overlap_case(rank, size, synchronous=True)
+        torch.save(res, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict[int, list[dict]]:
+    return {size: run_world(_worker, size, tmp_path_factory.mktemp(f"co2-{size}"), timeout_s=WORLD_TIMEOUT_S,
+                            start_method="fork") for size in (2, 4)}
+
+
+# --- the tests -----------------------------------------------------------------------------------------
+
+def dp_reference(replicas: int) -> torch.Tensor:
+    """Synchronous data parallelism in one process: SGD on the gradient of the mean loss over
+    every replica's batch (equal shards, so the mean of the replicas' gradients)."""
+    model = make_model()
+    opt = sgd(model)
+    for step in range(STEPS):
+        x, y = global_batch(step, replicas)
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return flat(model)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_synchronous_one_step_co2_is_data_parallel(worlds, size):
+    ref = dp_reference(size)
+    assert not torch.equal(ref, flat(make_model()))  # training moved the parameters
+    for r in worlds[size]:
+        torch.testing.assert_close(r["sync"], ref, rtol=1e-5, atol=1e-6)
+
+
+def penalized(gap: torch.Tensor, penalty: float) -> torch.Tensor:
+    return gap / (1 + penalty * gap.abs() / (gap.norm() / gap.numel() ** 0.5)) if penalty else gap
+
+
+@pytest.mark.parametrize("case", ["late", "late-penalty"])
+def test_round_average_reaches_parameters_one_round_late(worlds, case):
+    ranks = [r[case] for r in worlds[2]]
+    penalty = 0.5 if case == "late-penalty" else 0.0
+    rounds = len(ranks[0]["after"])
+    avg = [torch.stack([r["deltas"][k] for r in ranks]).mean(0) for k in range(rounds)]
+    assert not torch.allclose(ranks[0]["deltas"][0], ranks[1]["deltas"][0])  # replicas saw different data
+    # The anchor: round k's average enters it at the end of round k+1, not before.
+    expected = [ranks[0]["x0"]]                       # after round 0: nothing applied yet
+    for k in range(rounds - 1):
+        expected.append(expected[-1] - avg[k])        # after round k+1: round k's average
+    for r in ranks:
+        for k in range(rounds):
+            torch.testing.assert_close(r["anchors"][k], expected[k], rtol=1e-6, atol=1e-7)
+    # Each replica continues from the anchor plus its own, penalised, not-yet-averaged progress.
+    for r in ranks:
+        for k in range(rounds):
+            torch.testing.assert_close(r["after"][k], expected[k] + penalized(-r["deltas"][k], penalty),
+                                       rtol=1e-6, atol=1e-7)
+    # So after round 0 a replica's parameters hold none of the other replica's progress.
+    torch.testing.assert_close(ranks[0]["after"][0], ranks[0]["x0"] + penalized(-ranks[0]["deltas"][0], penalty))
+    if penalty:
+        gap = -ranks[0]["deltas"][1]
+        assert not torch.allclose(penalized(gap, penalty), gap, rtol=1e-3, atol=1e-6)
+
+
+def test_async_reduction_overlaps_local_steps(worlds):
+    for r in worlds[2]:
+        a, s = r["overlap-async"], r["overlap-sync"]
+        # Starting the exchange returns at once, with the reduction still in flight...
+        assert a["in_flight_after"] == [True, True, True]
+        assert a["completed_after"][0] is False
+        assert a["round_s"][0] < DELAY_S / 3
+        # ...and the next round's local steps run while it is in flight.
+        assert a["steps_in_flight"] >= 2
+        # The synchronous mode waits the whole simulated link time at every round end.
+        assert all(t >= DELAY_S * 0.95 for t in s["round_s"]), s["round_s"]
+        assert s["in_flight_after"] == [False, False, False] and s["steps_in_flight"] == 0
+
+
+def _clip_run(clip: float | None, delta: torch.Tensor, beta: float = 0.0, rounds: int = 1) -> list[torch.Tensor]:
+    """Single replica (no group), synchronous, H = 1: each round the local step moves the
+    parameters by -delta; the anchor after each round."""
+    p = nn.Parameter(torch.zeros_like(delta))
+    co2 = CO2([p], None, outer_every=1, outer_lr=1.0, outer_momentum=beta, clip=clip, synchronous=True)
+    out = []
+    for _ in range(rounds):
+        with torch.no_grad():
+            p.sub_(delta)
+        co2.after_local_step()
+        out.append(p.detach().clone())
+    return out
+
+
+def test_momentum_clip_changes_the_update_only_above_the_threshold():
+    delta = torch.tensor([3.0, -4.0])  # norm 5
+    unclipped = _clip_run(None, delta)[0]
+    torch.testing.assert_close(unclipped, -delta)
+    torch.testing.assert_close(_clip_run(10.0, delta)[0], unclipped)  # below the threshold: untouched
+    clipped = _clip_run(2.0, delta)[0]
+    torch.testing.assert_close(clipped, -delta * 2.0 / 5.0)  # above: the step has norm exactly 2
+    assert clipped.norm().item() == pytest.approx(2.0)
+    # The stored momentum is the clipped one: next round m = 0.5·(clipped m) + delta, clipped again.
+    two = _clip_run(100.0 / 9, delta, beta=0.5, rounds=2)  # 2nd m = 0.5·delta + delta, norm 7.5 < 11.1
+    torch.testing.assert_close(two[1], -delta - 1.5 * delta)
+    two = _clip_run(2.0, delta, beta=0.5, rounds=2)
+    m1 = delta * 2.0 / 5.0
+    m2 = 0.5 * m1 + delta
+    m2 = m2 * 2.0 / m2.norm()
+    torch.testing.assert_close(two[1], -m1 - m2)
