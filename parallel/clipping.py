@@ -9,22 +9,36 @@ from parallel import comm
 from parallel.tensor import placement_of
 
 
+def global_grad_norm(tp_sharded: list[torch.Tensor], replicated: list[torch.Tensor], tp_group=None,
+                     pp_group=None, partition_group=None) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient from this rank's pieces: squares of tp shards are
+    summed over tp (replicated tensors counted once), then over `partition_group` (ranks that
+    each hold a different part of the same gradients: ZeRO shards), then over the pipeline
+    stages. A collective over each group given."""
+    zero = torch.zeros((), dtype=torch.float32, device=(tp_sharded or replicated)[0].device)
+    sharded_sq = sum((g.float().pow(2).sum() for g in tp_sharded), zero.clone())
+    replicated_sq = sum((g.float().pow(2).sum() for g in replicated), zero.clone())
+    total_sq = comm.all_reduce(sharded_sq, tp_group, dim="tp") + replicated_sq
+    comm.all_reduce(total_sq, partition_group, dim="dp")
+    return comm.all_reduce(total_sq, pp_group, dim="pp").sqrt()
+
+
+def scale_to_norm(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scale gradients in place so that a total norm `total` becomes at most `max_norm`."""
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+
+
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, tp_group=None, pp_group=None,
                    counted_elsewhere: list[nn.Parameter] = ()) -> torch.Tensor:
-    """Squared norms of tp shards are summed over the tp group (replicated parameters counted
-    once); each pipeline rank holds different layers, so totals are summed over pp. Parameters in
-    `counted_elsewhere` (a tied embedding's second copy) are clipped but not counted again."""
+    """Clip parameters' gradients by the global norm. Parameters in `counted_elsewhere` (a tied
+    embedding's second copy) are clipped but not counted again."""
     if tp_group is None and pp_group is None and not counted_elsewhere:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)  # one rank holds everything
     skip = {id(p) for p in counted_elsewhere}
     counted = [p for p in params if p.grad is not None and id(p) not in skip]
-    zero = torch.zeros((), dtype=torch.float32, device=params[0].device)
-    sharded = sum((p.grad.float().pow(2).sum() for p in counted if placement_of(p).shard_dim is not None), zero.clone())
-    replicated = sum((p.grad.float().pow(2).sum() for p in counted if placement_of(p).shard_dim is None), zero.clone())
-    comm.all_reduce(sharded, tp_group, dim="tp")
-    total = comm.all_reduce(sharded + replicated, pp_group, dim="pp").sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
+    total = global_grad_norm([p.grad for p in counted if placement_of(p).shard_dim is not None],
+                             [p.grad for p in counted if placement_of(p).shard_dim is None], tp_group, pp_group)
+    scale_to_norm([p.grad for p in params if p.grad is not None], max_norm, total)
     return total

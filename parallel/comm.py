@@ -37,46 +37,51 @@ def register_link_resolver(resolver) -> None:
     _link_between = resolver
 
 
-def _count(dim: str, op: str, tensor: torch.Tensor, group=None) -> None:
-    size = tensor.numel() * tensor.element_size()
-    bytes_moved[(dim, op)] += size
-    link = _link_of_group.get(group)
-    if link is None:
-        return
-    wire = _WIRE.get(op)
-    bytes_by_link[link] += int(wire(size, dist.get_world_size(group))) if wire else size
-
-
-def all_reduce(tensor: torch.Tensor, group, dim: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of `tensor` over `group` (no-op without one)."""
-    if group is not None:
-        _count(dim, "all_reduce", tensor, group)
-        dist.all_reduce(tensor, op=op, group=group)
-        if _link_delay_s_per_byte:
-            time.sleep(_simulated_delay("all_reduce", tensor, group))
-    return tensor
-
-
 # --- simulated slow links (benchmarks, tests): opt-in, off by default --------------------------
 
 _link_delay_s_per_byte: dict[str, float] = {}  # link level -> seconds per wire byte; empty: no delay
 
 
 def set_link_delay(link: str, seconds_per_byte: float) -> None:
-    """Make collectives over groups spanning `link` ('inter-node', ...) take an extra
-    seconds_per_byte · (ring wire bytes) of wall time, as a slow network would; 0 removes it.
-    Off by default; while no link has a delay the wrappers do one dict truth test, nothing more."""
+    """Make collectives and sends over `link` ('inter-node', ...) take an extra
+    seconds_per_byte · (wire bytes) of wall time, as a slow network would; 0 removes it."""
     if seconds_per_byte > 0:
         _link_delay_s_per_byte[link] = seconds_per_byte
     else:
         _link_delay_s_per_byte.pop(link, None)
 
 
-def _simulated_delay(op: str, tensor: torch.Tensor, group) -> float:
-    per_byte = _link_delay_s_per_byte.get(_link_of_group.get(group), 0.0)
-    if not per_byte:
+def _count(dim: str, op: str, tensor: torch.Tensor, group=None, peer: int | None = None) -> float:
+    """Count an operation's bytes: the payload per (dim, op), and the wire bytes on the link
+    level that `group` (or the point-to-point `peer`) spans. Returns the simulated delay, in
+    seconds, that the operation should add (0 unless `set_link_delay` was called)."""
+    size = tensor.numel() * tensor.element_size()
+    bytes_moved[(dim, op)] += size
+    if group is not None:
+        link, n = _link_of_group.get(group), dist.get_world_size(group)
+    elif peer is not None and _link_between is not None:
+        link, n = _link_between(dist.get_rank(), peer), 2
+    else:
         return 0.0
-    return per_byte * _WIRE[op](tensor.numel() * tensor.element_size(), dist.get_world_size(group))
+    if link is None:
+        return 0.0
+    wire = int(_WIRE[op](size, n)) if op in _WIRE else size
+    bytes_by_link[link] += wire
+    return wire * _link_delay_s_per_byte.get(link, 0.0)
+
+
+def _hold(seconds: float) -> None:
+    if seconds:
+        time.sleep(seconds)
+
+
+def all_reduce(tensor: torch.Tensor, group, dim: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of `tensor` over `group` (no-op without one)."""
+    if group is not None:
+        delay = _count(dim, "all_reduce", tensor, group)
+        dist.all_reduce(tensor, op=op, group=group)
+        _hold(delay)
+    return tensor
 
 
 class AsyncWork:
@@ -103,8 +108,7 @@ def all_reduce_async(tensor: torch.Tensor, group, dim: str, op: dist.ReduceOp = 
     not touch `tensor` until `wait()` returns. Counted like `all_reduce`."""
     if group is None:
         return AsyncWork(None, 0.0)
-    _count(dim, "all_reduce", tensor, group)
-    ready_at = time.monotonic() + (_simulated_delay("all_reduce", tensor, group) if _link_delay_s_per_byte else 0.0)
+    ready_at = time.monotonic() + _count(dim, "all_reduce", tensor, group)
     return AsyncWork(dist.all_reduce(tensor, op=op, group=group, async_op=True), ready_at)
 
 
@@ -112,9 +116,10 @@ def all_gather(tensor: torch.Tensor, group, dim: str) -> list[torch.Tensor]:
     """Every group member's `tensor` (same shape on all), in group-rank order."""
     if group is None:
         return [tensor]
-    _count(dim, "all_gather", tensor, group)
+    delay = _count(dim, "all_gather", tensor, group)
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
+    _hold(delay)
     return parts
 
 
@@ -128,10 +133,9 @@ def send_tensor(tensor: torch.Tensor, dst: int, dim: str) -> None:
                           device=tensor.device)  # on the data's device: NCCL sends only GPU tensors
     dist.send(torch.tensor([len(header)], dtype=torch.int64, device=tensor.device), dst)
     dist.send(header, dst)
-    _count(dim, "send", tensor)
-    if _link_between is not None:
-        bytes_by_link[_link_between(dist.get_rank(), dst)] += tensor.numel() * tensor.element_size()
+    delay = _count(dim, "send", tensor, peer=dst)
     dist.send(tensor.contiguous(), dst)
+    _hold(delay)
 
 
 def recv_tensor(src: int, device: torch.device, dim: str) -> torch.Tensor:
@@ -158,11 +162,12 @@ def all_gather_along(tensor: torch.Tensor, group, dim: str, axis: int) -> torch.
     input, as `all_gather` does."""
     if group is None:
         return tensor
-    _count(dim, "all_gather", tensor, group)
+    delay = _count(dim, "all_gather", tensor, group)
     size = dist.get_world_size(group)
     front = tensor.movedim(axis, 0).contiguous()  # collectives split/concatenate along dim 0
     out = front.new_empty((size * front.shape[0], *front.shape[1:]))
     _all_gather_single(out, front, group=group)
+    _hold(delay)
     return out.movedim(0, axis).contiguous()
 
 
@@ -177,10 +182,11 @@ def reduce_scatter_along(tensor: torch.Tensor, group, dim: str, axis: int,
     if tensor.shape[axis] % size:
         raise ValueError(f"reduce_scatter_along: axis {axis} of shape {tuple(tensor.shape)} is not divisible "
                          f"by the group size {size}")
-    _count(dim, "reduce_scatter", tensor, group)
+    delay = _count(dim, "reduce_scatter", tensor, group)
     front = tensor.movedim(axis, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
     _reduce_scatter_single(out, front, op=op, group=group)
+    _hold(delay)
     return out.movedim(0, axis).contiguous()
 
 

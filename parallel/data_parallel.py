@@ -38,6 +38,6 @@ class GradientBuckets:
                 offset += n
 
 
-def unique_params(model: nn.Module) -> list[nn.Parameter]:
-    """Trainable parameters once each (tied weights appear once)."""
-    return [p for p in model.parameters() if p.requires_grad]
+def unique_params(*modules: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters of the modules, once each (tied weights, also across modules, once)."""
+    return list({id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values())

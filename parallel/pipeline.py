@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed import pipelining
 
 from parallel import comm
+from parallel.data_parallel import unique_params
 from trainer.config import SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES
 from trainer.model import GPT
 
@@ -122,7 +123,7 @@ class Pipeline:
         stages = [pipelining.PipelineStage(part, part.plan.index, num_stages, device, group=group) for part in parts]
         # Gradients are averaged over micro-batches here, not by the schedule: its scale_grads
         # divides per stage, so a tied embedding held by two local stages would be divided twice.
-        self.params = list({id(p): p for part in parts for p in part.parameters()}.values())
+        self.params = unique_params(*parts)
         cls = SCHEDULES[self.name]
         self.schedule = cls(stages[0] if self.name in SINGLE_STAGE_SCHEDULES else stages,
                             n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -132,9 +133,8 @@ class Pipeline:
         self._num_stages = num_stages
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One step over `microbatches` equal chunks of the batch; gradients (averaged over
-        micro-batches by the schedule) land in the stages' parameters. Returns the mean
-        micro-batch loss, on every pipeline rank."""
+        """One step over `microbatches` equal chunks of the batch; the gradient of the mean
+        micro-batch loss lands in the stages' parameters. Returns that loss, on every pipeline rank."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
@@ -166,15 +166,3 @@ class Pipeline:
                 elif nxt != dist.get_rank():
                     comm.send_tensor(x, nxt, dim="pp")
         return comm.all_reduce(loss, self.group, dim="pp")
-
-
-def tied_embedding_groups(pp_groups: list[list[int]], rank: int):
-    """Megatron's embedding group: for every pipeline, its first and last rank. All ranks must
-    call this (new_group is collective); returns the group this rank belongs to, if any."""
-    mine = None
-    for ranks in pp_groups:
-        pair = sorted({ranks[0], ranks[-1]})
-        group = dist.new_group(pair) if len(pair) > 1 else None
-        if rank in pair:
-            mine = group
-    return mine

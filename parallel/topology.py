@@ -109,6 +109,11 @@ class Layout:
         g = self.ranks_per_gpu
         return {"node": rank // self.node_size, "gpu": (rank % self.node_size) // g, "gcd": rank % g}
 
+    def pipeline_end_ranks(self) -> list[list[int]]:
+        """For every pipeline, its first and last rank: the two holders of a tied embedding
+        (Megatron's embedding group). Empty without pipeline parallelism."""
+        return [[g[0], g[-1]] for g in self.group_ranks("pp") if len(g) > 1]
+
     def link_level(self, ranks: list[int]) -> str:
         """The slowest link a group of ranks communicates over: 'intra-gpu' (the GCDs of one
         GPU), 'intra-node' or 'inter-node'."""
@@ -186,7 +191,7 @@ def _layout_and_problems(par, world_size: int, local_world_size: int | None) -> 
                         f"choose tp and pp whose product divides the number of ranks")
         dp = par.dp or 1
     else:
-        dp = par.dp or world_size // (tp * pp)
+        dp = par.dp_size(world_size)
         if tp * pp * dp != world_size:
             problems.append(f"parallel: tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} but the world size is "
                             f"{world_size}; set parallel.dp={world_size // (tp * pp)} or leave it null")
@@ -245,6 +250,13 @@ class Topology:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def group(self, name: str):
+        """This rank's process group `name` ('tp', 'dp', 'pp', 'pp_ends', a level key); None when
+        it would hold this rank alone, so collectives over it are no-ops."""
+        if name in DIMS and getattr(self.layout, name) == 1:
+            return None
+        return self.groups.get(name)
+
     def shard_position(self, level: str) -> tuple[int, int]:
         """This rank's index in its dp shard group at `level` (the ranks that split state
         partitioned at that level) and the group's size."""
@@ -269,6 +281,7 @@ def _named_group_ranks(layout: Layout) -> list[tuple[str, list[list[int]]]]:
             named.append((level_key(level, replica=True), layout.replica_groups(level)))
         except ConfigError:
             pass  # uneven shard groups: partitioning at this level is impossible, so no replicas
+    named.append(("pp_ends", layout.pipeline_end_ranks()))
     return named
 
 

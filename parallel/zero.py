@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from parallel import comm
+from parallel.clipping import global_grad_norm, scale_to_norm
 from parallel.flat import FlatBuffer
 from parallel.tensor import placement_of
 from parallel.topology import Topology
@@ -102,19 +103,12 @@ class ZeroOptimizer:
             b.shard.grad = shard.div_(g.dp_size)
 
     def clip_grad_norm(self, max_norm: float, tp_group=None, pp_group=None) -> torch.Tensor:
-        """Clip the reduced shard gradients by the norm of the whole model's gradient: shards are
-        summed over the shard group, tp shards over tp, stages over pp (each element once)."""
-        zero = torch.zeros((), dtype=torch.float32, device=self.buckets[0].grads.device)
-        sharded = sum((b.shard.grad.float().pow(2).sum() for b in self.buckets if b.tp_sharded), zero.clone())
-        replicated = sum((b.shard.grad.float().pow(2).sum() for b in self.buckets if not b.tp_sharded),
-                         zero.clone())
-        comm.all_reduce(sharded, tp_group, dim="tp")
-        total_sq = comm.all_reduce(sharded + replicated, self.groups.shard, dim="dp")
-        total = comm.all_reduce(total_sq, pp_group, dim="pp").sqrt()
+        """Clip the reduced shard gradients by the norm of the whole model's gradient."""
+        total = global_grad_norm([b.shard.grad for b in self.buckets if b.tp_sharded],
+                                 [b.shard.grad for b in self.buckets if not b.tp_sharded],
+                                 tp_group, pp_group, partition_group=self.groups.shard)
         if math.isfinite(max_norm):
-            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            for b in self.buckets:
-                b.shard.grad.mul_(coef)
+            scale_to_norm([b.shard.grad for b in self.buckets], max_norm, total)
         return total
 
     def step(self) -> None:

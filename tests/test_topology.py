@@ -340,12 +340,13 @@ def _expected_groups(layout: Layout) -> list[dict[str, list[int]]]:
             named.append((level_key(level, replica=True), layout.replica_groups(level)))
         except ConfigError:
             pass
+    named.append(("pp_ends", layout.pipeline_end_ranks()))  # only the pipelines' end ranks are members
     out = []
     for r in range(layout.world_size):
         mine = {}
         for name, groups in named:
-            g = next(g for g in groups if r in g)
-            if name in DIMS or len(g) > 1:
+            g = next((g for g in groups if r in g), None)
+            if g is not None and (name in DIMS or len(g) > 1):
                 mine[name] = g
         out.append(mine)
     return out

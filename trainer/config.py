@@ -107,6 +107,10 @@ class ParallelConfig:
                                   "ignored when tp = 1")
     ranks_per_node: Optional[int] = opt(None, "ranks on one node (null: the launcher's LOCAL_WORLD_SIZE)", min=1)
     ranks_per_gpu: int = opt(1, "ranks sharing one physical GPU (2 for the GCDs of a Frontier MI250X)", min=1)
+
+    def dp_size(self, world_size: int) -> int:
+        """Data-parallel degree: `dp`, or what tp·pp leaves of the world."""
+        return self.dp or world_size // (self.tp * self.pp)
     backend: str = opt("auto", "torch.distributed backend (auto: nccl with GPUs, gloo on CPU)",
                        choices=("auto", "gloo", "nccl"))
     bucket_mb: float = opt(25.0, "gradient all-reduce bucket size in MiB", min=0.0, min_exclusive=True)
@@ -160,7 +164,7 @@ class Config:
 
     # --- values derived from the config (and the world size) -------------------------------
     def dp_size(self, world_size: int) -> int:
-        return self.parallel.dp or world_size // (self.parallel.tp * self.parallel.pp)
+        return self.parallel.dp_size(world_size)
 
     def grad_accum_steps(self, world_size: int) -> int:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.dp_size(world_size))
@@ -441,7 +445,7 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
                 p.append(f"train.global_batch_size={tr.global_batch_size} must be a multiple of "
                          f"train.micro_batch_size·dp = {tr.micro_batch_size}·{dp}")
             else:
-                p += _microbatch_checks(cfg, cfg.grad_accum_steps(world_size))
+                p += _microbatch_checks(cfg, cfg.grad_accum_steps(world_size), dp)
     return p
 
 
@@ -458,12 +462,12 @@ def _schedule_checks(par: ParallelConfig) -> list[str]:
     return p
 
 
-def _microbatch_checks(cfg: Config, derived: int) -> list[str]:
+def _microbatch_checks(cfg: Config, derived: int, dp: int) -> list[str]:
     """`derived` = global_batch_size / (micro_batch_size·dp): the micro-batches one replica runs."""
     par, tr = cfg.parallel, cfg.train
     p: list[str] = []
     if par.microbatches is not None and par.microbatches != derived:
-        mbs = tr.global_batch_size / (par.microbatches * (tr.global_batch_size // (tr.micro_batch_size * derived)))
+        mbs = tr.global_batch_size / (par.microbatches * dp)
         fix = f"set train.micro_batch_size={int(mbs)}" if mbs == int(mbs) and mbs >= 1 else "change global_batch_size"
         p.append(f"parallel.microbatches={par.microbatches} disagrees with global_batch_size/(micro_batch_size·dp) = "
                  f"{derived}; {fix} or leave parallel.microbatches null")

@@ -21,7 +21,7 @@ from parallel import comm
 from parallel.data_parallel import GradientBuckets, unique_params
 from parallel.runtime import Runtime
 from parallel.clipping import clip_grad_norm
-from parallel.pipeline import Pipeline, split_stages, tied_embedding_groups
+from parallel.pipeline import Pipeline, split_stages
 from parallel.tensor import apply_tensor_parallel, placement_of
 from parallel.topology import Topology, build_topology, layout_from_config
 from trainer import config as config_mod
@@ -93,12 +93,12 @@ class Trainer:
         par = cfg.parallel
         layout = layout_from_config(par, runtime.world_size, runtime.local_world_size)
         self.topo: Topology = build_topology(layout, runtime.rank)
-        self.dp_group, self.tp_group, self.pp_group = (self._group(d) for d in ("dp", "tp", "pp"))
+        self.dp_group, self.tp_group, self.pp_group = (self.topo.group(d) for d in ("dp", "tp", "pp"))
         data_dir = Path(cfg.data.path) if cfg.data.path else self._default_corpus()
         self.train_set = TokenDataset(data_dir, "train", cfg.model.seq_len)
         self.val_set = TokenDataset(data_dir, "val", cfg.model.seq_len)
         self.parts, self.pipeline = self._build_model()
-        self.params = list({id(p): p for part in self.parts for p in unique_params(part)}.values())
+        self.params = unique_params(*self.parts)
         self.buckets = GradientBuckets(self.params, int(par.bucket_mb * 2**20))
         self.optimizer = build_optimizer(self.params, cfg.optim, runtime.device)
         self.loader = BatchLoader(self.train_set, cfg.train.seed, cfg.train.global_batch_size,
@@ -106,10 +106,6 @@ class Trainer:
         self.step = 0
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.flops_per_token = flops_per_token(cfg.model, self.vocab_size)
-
-    def _group(self, dim: str):
-        """The process group along `dim`, or None when that dimension has a single rank."""
-        return self.topo.groups.get(dim) if getattr(self.topo.layout, dim) > 1 else None
 
     def _build_model(self) -> tuple[list[torch.nn.Module], Pipeline | None]:
         """The plain model, built on the meta device (no memory), transformed — tensor parallel,
@@ -129,8 +125,7 @@ class Trainer:
             return [model], None
         parts = split_stages(model, self.topo.coords["pp"], par.pp, par.virtual_stages, par.schedule)
         materialize(parts, cfg.model, cfg.train.seed, self.rt.device)
-        tied_group = (tied_embedding_groups(self.topo.layout.group_ranks("pp"), self.rt.rank)
-                      if cfg.model.tie_embeddings else None)
+        tied_group = self.topo.group("pp_ends") if cfg.model.tie_embeddings else None
         pipeline = Pipeline(parts, self.loss_fn, self.pp_group, par.pp, par.virtual_stages, par.schedule,
                             cfg.grad_accum_steps(self.rt.world_size), self.rt.device, tied_group)
         return parts, pipeline
