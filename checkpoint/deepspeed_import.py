@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import store
+from checkpoint.manager import write_whole
 from trainer.errors import CheckpointError
 
 
@@ -122,9 +122,14 @@ def import_checkpoint(path: Path, out_root: Path, config_yaml: str, aliases: dic
     for the same tensor ({'output.weight': 'tok_embeddings.weight'} for a tied embedding, which
     DeepSpeed saves once)."""
     weights, states, meta = read(path)
-    for alias, name in (aliases or {}).items():
-        weights[alias], states[alias] = weights[name], states[name]
+    tensors = {f"model.{name}": w for name, w in weights.items()}
+    for name, entry in states.items():
+        for kind, value in entry.items():
+            tensors[f"optim.state.{name}.{kind}"] = torch.as_tensor(value, dtype=torch.float32) \
+                if not torch.is_tensor(value) or value.ndim == 0 else value
     trainer_state = {"step": meta["global_steps"], "data": {"consumed_samples": meta["global_samples"]},
-                     "rng_cpu": torch.get_rng_state(), "imported_from": f"deepspeed ZeRO-{meta['stage']} dp{meta['dp']}"}
-    return store.save(out_root, meta["global_steps"], weights, {"param_groups": meta["param_groups"], "state": states},
-                      trainer_state, config_yaml)
+                     "imported_from": f"deepspeed ZeRO-{meta['stage']} dp{meta['dp']}"}
+    return write_whole(out_root, meta["global_steps"], tensors,
+                       {"trainer": trainer_state, "optim.param_groups": meta["param_groups"]},
+                       {f"model.{a}": f"model.{n}" for a, n in (aliases or {}).items()}, config_yaml,
+                       {"imported_from": trainer_state["imported_from"]})

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from safetensors.torch import save as safetensors_bytes
 
-from checkpoint import store
+from checkpoint.reader import Checkpoint
 from checkpoint.atomic import write_file_atomic
 
 FORMATS = ("safetensors",)
@@ -19,12 +19,14 @@ def export(path: Path, out: Path, fmt: str = "safetensors") -> Path:
     that gets model.safetensors and config.yaml); returns the weights file."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; supported: {', '.join(FORMATS)}")
-    ckpt = store.load(path)
+    ckpt = Checkpoint(path)
+    try:
+        tensors = ckpt.tensors("model.")  # a tied weight's names are separate copies (safetensors wants that)
+    finally:
+        ckpt.close()
     out = Path(out)
     target = out if out.suffix == ".safetensors" else out / "model.safetensors"
-    # Own, contiguous copies: safetensors refuses tensors sharing memory (a tied embedding's two names).
-    tensors = {name: t.detach().contiguous().clone() for name, t in ckpt["model"].items()}
-    metadata = {"format": "pt", "strata_step": str(ckpt["trainer"]["step"]), "strata_checkpoint": str(ckpt["path"])}
+    metadata = {"format": "pt", "strata_step": str(ckpt.step), "strata_checkpoint": str(ckpt.path)}
     write_file_atomic(target, safetensors_bytes(tensors, metadata=metadata))
-    shutil.copyfile(ckpt["path"] / "config.yaml", target.with_name("config.yaml"))
+    shutil.copyfile(ckpt.path / "config.yaml", target.with_name("config.yaml"))
     return target

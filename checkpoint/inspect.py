@@ -1,13 +1,16 @@
 """What a checkpoint holds, for `strata ckpt inspect` and `strata ckpt verify`: its step, the
 parallel layout it was saved from, its files with their integrity, and every tensor with its
-global shape and size."""
+global shape, size and number of saved boxes."""
 from __future__ import annotations
 
+import math
+import pickle
 from pathlib import Path
 
-from checkpoint import store
-from trainer import config
-from trainer.errors import CheckpointError, StrataError
+from checkpoint import dcp_meta, store
+from checkpoint.plan import torch_dtype
+from checkpoint.reader import Checkpoint
+from trainer.errors import CheckpointError
 
 
 def _size(n: float) -> str:
@@ -18,58 +21,74 @@ def _size(n: float) -> str:
     return f"{n} B"
 
 
-def _layout(ckpt: Path) -> str:
-    """The parallel layout from the checkpoint's resolved config."""
-    try:
-        cfg = config.load(ckpt / "config.yaml")
-    except StrataError as e:
-        return f"unknown ({ckpt / 'config.yaml'} does not load: {e})"
-    par, zero = cfg.parallel, cfg.zero
-    text = f"tp {par.tp}, pp {par.pp}, virtual stages {par.virtual_stages}, dp {par.dp or 'auto (world / tp·pp)'}"
-    if zero.enabled:
-        text += f"; zero params {zero.params.shard_over}, grads {zero.grads.shard_over}, optim {zero.optim.shard_over}"
+def _layout(layout: dict) -> str:
+    if "imported_from" in layout:
+        return f"imported from {layout['imported_from']}"
+    text = (f"world {layout.get('world')}: tp {layout.get('tp')}, pp {layout.get('pp')}, virtual stages "
+            f"{layout.get('virtual_stages')}, dp {layout.get('dp')}")
+    if layout.get("zero"):
+        z = layout["zero"]
+        text += f"; zero params {z['params']}, grads {z['grads']}, optim {z['optim']}"
     return text
 
 
+def _metadata_problems(ckpt: Path, index: dict) -> list[str]:
+    """DCP's `.metadata` must unpickle with only DCP's classes and list the index's entries."""
+    try:
+        meta = dcp_meta.read_safely(ckpt / ".metadata")
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as e:
+        return [f"{ckpt / '.metadata'}: unreadable ({e})"]
+    want = {*index["tensors"], *index.get("aliases", {}), *index.get("objects", {})}
+    if set(meta.state_dict_metadata) != want:
+        return [f"{ckpt / '.metadata'}: does not list the same entries as index.json"]
+    return []
+
+
 def verify_report(path: Path) -> tuple[bool, str]:
-    """(ok, report) for `strata ckpt verify`."""
+    """(ok, report) for `strata ckpt verify`: every file's size and block checksums, and DCP's
+    `.metadata` against the index."""
     ckpt, problems = store.verify(path)
+    if not problems:
+        problems = _metadata_problems(ckpt, Checkpoint(ckpt).index)
     if problems:
         return False, f"{ckpt}: DAMAGED\n  " + "\n  ".join(problems)
     files = store.marker(ckpt).get("files", {})
-    if isinstance(files, list):
-        return True, f"{ckpt}: ok as far as can be told ({len(files)} files present; saved without checksums)"
     return True, f"{ckpt}: ok ({len(files)} files match their sizes and CRC-32 checksums)"
 
 
 def describe(path: Path) -> str:
-    """The `strata ckpt inspect` report (reads the checkpoint's tensors only if it is intact)."""
+    """The `strata ckpt inspect` report (reads only the index, the commit marker and the trainer state)."""
     ok, integrity = verify_report(path)
-    ckpt = store.resolve(path)
-    marker = store.marker(ckpt)
-    lines = [f"checkpoint {ckpt}", f"step {marker.get('step')}, saved from layout: {_layout(ckpt)}",
+    ckpt = Checkpoint(path)
+    index = ckpt.index
+    lines = [f"checkpoint {ckpt.path}", f"step {ckpt.step}, saved from layout: {_layout(index.get('layout', {}))}",
              f"integrity: {integrity}", "files:"]
-    files = marker.get("files", {})
-    for name, entry in (files.items() if isinstance(files, dict) else ((n, None) for n in files)):
-        detail = f"{_size(entry['bytes'])}, crc32 {entry['crc32']}" if entry else "no checksum recorded"
-        lines.append(f"  {name:12s} {detail}")
+    for name, entry in ckpt.files.items():
+        check = f"{len(entry['block_crc32'])} block crc32s" if "block_crc32" in entry else f"crc32 {entry['crc32']}"
+        lines.append(f"  {name:22s} {_size(entry['bytes']):>10s}  {check}")
     if not ok:
         return "\n".join(lines)
+    tensors, aliases = index["tensors"], index.get("aliases", {})
+    model = {k: v for k, v in tensors.items() if k.startswith("model.")}
+
+    def nbytes(entry: dict) -> int:
+        return math.prod(entry["shape"]) * torch_dtype(entry["dtype"]).itemsize
+    lines.append(f"model: {len(model)} tensors, {sum(math.prod(e['shape']) for e in model.values()):,} elements "
+                 f"({_size(sum(nbytes(e) for e in model.values()))}), global shapes:")
+    lines += [f"  {key[6:]:40s} {str(tuple(e['shape'])):18s} {e['dtype']:9s} {_size(nbytes(e)):>10s}  "
+              f"{len(e['chunks'])} box(es)" for key, e in model.items()]
+    lines += [f"  {alias[6:]:40s} same tensor as {key[6:]}" for alias, key in aliases.items()]
+    optim = [k[len("optim.state."):] for k in tensors if k.startswith("optim.state.")]
+    kinds = sorted({k.rsplit(".", 1)[1] for k in optim})
+    lines.append(f"optimizer: state for {len({k.rsplit('.', 1)[0] for k in optim})} parameter names "
+                 f"({', '.join(kinds)}), {_size(sum(nbytes(tensors['optim.state.' + k]) for k in optim))}")
     try:
-        state = store.load(ckpt)
+        trainer = ckpt.object("trainer")
+        groups = ckpt.object("optim.param_groups")
     except CheckpointError as e:
         return "\n".join(lines + [f"cannot read: {e}"])
-    model = state["model"]
-    total = sum(t.numel() for t in model.values())
-    lines.append(f"model: {len(model)} tensors, {total:,} elements "
-                 f"({_size(sum(t.numel() * t.element_size() for t in model.values()))}), global shapes:")
-    lines += [f"  {name:40s} {str(tuple(t.shape)):18s} {str(t.dtype).removeprefix('torch.'):9s} "
-              f"{_size(t.numel() * t.element_size())}" for name, t in model.items()]
-    optim = state["optim"]
-    keys = sorted({k for entry in optim["state"].values() for k in entry})
-    lines.append(f"optimizer: state for {len(optim['state'])} parameter names ({', '.join(keys)}); "
-                 f"{len(optim['param_groups'])} parameter groups, lr {optim['param_groups'][0].get('lr')}")
-    trainer = state["trainer"]
+    finally:
+        ckpt.close()
+    lines.append(f"{len(groups)} parameter groups, lr {groups[0].get('lr')}")
     lines.append(f"trainer: step {trainer['step']}, data position {trainer['data']}")
     return "\n".join(lines)
-

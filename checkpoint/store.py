@@ -1,48 +1,35 @@
-"""Synchronous checkpoints: one directory per step, written atomically and marked COMMITTED last.
+"""Checkpoint directories: one per step under a root, complete only once its COMMITTED marker exists.
 
-Layout of ROOT/step_00000100/: model.pt, optim.pt, trainer.pt (step, data position, RNG states),
-config.yaml (for humans), COMMITTED (JSON: step, and each file's size and CRC-32). A directory
-without COMMITTED is never loaded, and a file that is missing, truncated or altered is reported
-(all of them, by path) before anything is read. All loads use torch.load(weights_only=True).
+Layout of ROOT/step_00000100/ (torch.distributed.checkpoint's, so DCP can read it):
+`__{rank}_0.distcp` (each rank's boxes of the global tensors, as torch.save blobs), `__0_1.distcp`
+(trainer state and optimizer hyper-parameters), `.metadata` (DCP's index), `index.json` (Strata's
+index, the same content as JSON), `config.yaml`, and COMMITTED (JSON: step, each file's size and
+CRC-32s), written last. A directory without COMMITTED is never loaded.
 """
 from __future__ import annotations
 
 import json
 import re
 import shutil
-import time
 from pathlib import Path
 
-import torch
-
 from checkpoint import integrity
-from checkpoint.atomic import atomic_directory, write_file_atomic
 from trainer.errors import CheckpointError
 
 MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-STATE_FILES = ("model.pt", "optim.pt", "trainer.pt")
 
 
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
-def save(root: Path, step: int, model: dict, optim: dict, trainer: dict, config_yaml: str = "",
-         keep_last: int = 0) -> Path:
-    """Write a complete checkpoint for `step` and commit it; then prune to `keep_last`."""
-    final = step_dir(root, step)
-    with atomic_directory(final) as tmp:
-        torch.save(model, tmp / "model.pt")
-        torch.save(optim, tmp / "optim.pt")
-        torch.save(trainer, tmp / "trainer.pt")
-        (tmp / "config.yaml").write_text(config_yaml)
-    files = integrity.manifest(final, [*STATE_FILES, "config.yaml"])
-    write_file_atomic(final / MARKER, json.dumps({"step": step, "files": files, "time": time.time()}).encode())
+def prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` committed checkpoints (0: keep all); directories
+    without a commit marker (a save in progress or interrupted) are never touched."""
     if keep_last:
         for old in committed(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def committed(root: Path) -> list[Path]:
@@ -81,25 +68,4 @@ def marker(ckpt: Path) -> dict:
 def verify(path: Path) -> tuple[Path, list[str]]:
     """The committed checkpoint `path` resolves to, and every integrity problem of its files."""
     ckpt = resolve(path)
-    files = marker(ckpt).get("files", {})
-    if isinstance(files, list):  # written before checksums existed: presence only
-        files = {name: None for name in files}
-        return ckpt, [f"{ckpt / n}: missing" for n in files if not (ckpt / n).is_file()]
-    return ckpt, integrity.problems(ckpt, files)
-
-
-def load(path: Path) -> dict:
-    """{'model', 'optim', 'trainer', 'path'} of a committed checkpoint (or the latest under a root),
-    after checking every file against the manifest."""
-    ckpt, bad = verify(path)
-    if bad:
-        raise CheckpointError(f"checkpoint {ckpt} is damaged, nothing was loaded:\n  " + "\n  ".join(bad)
-                              + "\nresume from another checkpoint (`strata ckpt verify DIR` checks one)")
-    out = {"path": ckpt}
-    for name in STATE_FILES:
-        try:
-            out[name[:-3]] = torch.load(ckpt / name, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError) as e:
-            raise CheckpointError(f"{ckpt / name}: cannot read ({e}); the checkpoint is damaged, resume from "
-                                  "another one") from e
-    return out
+    return ckpt, integrity.problems(ckpt, marker(ckpt).get("files", {}))

@@ -13,12 +13,17 @@ from trainer.errors import StrataError
 def cmd_train(args: argparse.Namespace) -> int:
     from parallel import runtime
     from trainer import config
-    from trainer.loop import run
+    from trainer.loop import rewrite_checkpoint, run
 
     cfg = config.load(args.config, args.overrides, world_size=runtime.world_size_from_env())
     rt = runtime.start(cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
-        run(cfg, rt, Path(args.resume) if args.resume else None)
+        if args.save_to:
+            if not args.resume:
+                raise StrataError("strata train --save-to OUT needs --resume DIR (the checkpoint to rewrite)")
+            rewrite_checkpoint(cfg, rt, Path(args.resume), Path(args.save_to))
+        else:
+            run(cfg, rt, Path(args.resume) if args.resume else None)
     except BaseException:
         runtime.stop(wait_for_peers=False)  # they may never arrive: fail fast, torchrun stops the rest
         raise
@@ -88,6 +93,13 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         path = deepspeed_import.import_checkpoint(Path(args.path), Path(args.out), config.dump(cfg), aliases)
         print(f"wrote {path}; continue with: strata train {args.config} ... --resume {path}")
         return 0
+    if args.action == "reshard":
+        from checkpoint import reshard
+
+        if not args.out or not args.to:
+            raise StrataError("strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..: give OUT (a checkpoints directory) "
+                              "and the target layout")
+        return reshard.reshard(Path(args.path), Path(args.out), args.to, args.overrides)
     if args.action == "export":
         if not args.out:
             raise StrataError("strata ckpt export DIR OUT: give OUT, a .safetensors file or a directory")
@@ -123,6 +135,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="YAML experiment, e.g. configs/tiny.yaml")
     t.add_argument("overrides", nargs="*", help="group.key=value overrides, e.g. train.steps=100")
     t.add_argument("--resume", help="checkpoint directory (a step_* dir, or a checkpoints dir: latest committed)")
+    t.add_argument("--save-to", metavar="OUT", help="do not train: load --resume into this layout and save it under "
+                                                   "OUT (what `strata ckpt reshard` runs)")
     t.set_defaults(func=cmd_train)
 
     la = sub.add_parser("launch", help="start N processes with torchrun, or write/submit a Slurm job")
@@ -158,15 +172,18 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--stdlib", action="store_true", help="use the Python standard library sources as the corpus")
     d.set_defaults(func=cmd_data)
 
-    ck = sub.add_parser("ckpt", help="inspect, verify, export or import a checkpoint",
+    ck = sub.add_parser("ckpt", help="inspect, verify, reshard, export or import a checkpoint",
                         usage="strata ckpt inspect DIR\n       strata ckpt verify DIR\n"
+                              "       strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..[,vs=..] [key=value ...]\n"
                               "       strata ckpt export DIR OUT [--format safetensors]\n"
                               "       strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG")
-    ck.add_argument("action", choices=["inspect", "verify", "export", "import-deepspeed"])
+    ck.add_argument("action", choices=["inspect", "verify", "reshard", "export", "import-deepspeed"])
     ck.add_argument("path", metavar="DIR", help="a step_* directory, or a checkpoints directory (latest committed)")
-    ck.add_argument("out", nargs="?", metavar="OUT", help="export: a .safetensors file, or a directory for "
+    ck.add_argument("out", nargs="?", metavar="OUT", help="reshard: a checkpoints directory; export: a .safetensors file, or a directory for "
                                                           "model.safetensors and config.yaml")
-    ck.add_argument("overrides", nargs="*", help="import-deepspeed: overrides of --config")
+    ck.add_argument("overrides", nargs="*", help="reshard: overrides of the saved config (e.g. zero settings); "
+                                                 "import-deepspeed: overrides of --config")
+    ck.add_argument("--to", help="reshard: the target layout, tp=..,pp=..,dp=.. (and vs=.. for virtual stages)")
     ck.add_argument("--format", default="safetensors", choices=["safetensors"], help="export format")
     ck.add_argument("--config", help="import-deepspeed: the Strata experiment the imported state continues in")
     ck.set_defaults(func=cmd_ckpt)

@@ -34,20 +34,22 @@ def torchrun_args(plan: LaunchPlan) -> list[str]:
             "--max-restarts", str(plan.max_restarts)]
 
 
-def worker_args(config_path: str, overrides: list[str], resume: str | None) -> list[str]:
+def worker_args(config_path: str, overrides: list[str], resume: str | None, extra: tuple[str, ...] = ()) -> list[str]:
     """The `strata train` arguments each worker runs with (as a module, so no console script is needed)."""
     args = ["-m", "launch.cli", "train", config_path, *overrides]
-    return args + (["--resume", resume] if resume else [])
+    return args + (["--resume", resume] if resume else []) + list(extra)
 
 
-def torchrun_command(plan: LaunchPlan, config_path: str, overrides: list[str], resume: str | None) -> list[str]:
+def torchrun_command(plan: LaunchPlan, config_path: str, overrides: list[str], resume: str | None,
+                     extra: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(plan),
-            *worker_args(config_path, overrides, resume)]
+            *worker_args(config_path, overrides, resume, extra)]
 
 
-def run_local(plan: LaunchPlan, config_path: str, overrides: list[str], resume: str | None) -> int:
-    """Run torchrun in the foreground; returns its exit code."""
-    cmd = torchrun_command(plan, config_path, overrides, resume)
+def run_local(plan: LaunchPlan, config_path: str, overrides: list[str], resume: str | None,
+              extra: tuple[str, ...] = ()) -> int:
+    """Run torchrun in the foreground; returns its exit code. `extra`: more `strata train` flags."""
+    cmd = torchrun_command(plan, config_path, overrides, resume, extra)
     print("strata launch:", shlex.join(cmd), flush=True)
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -241,6 +241,12 @@ def gather_objects(obj, group, dst: int) -> list | None:
     return out
 
 
+def new_gloo_group():
+    """A gloo group over the whole world for control messages (a background save's status) kept
+    apart from training's collectives. Every rank must call it, in the same order as other groups."""
+    return dist.new_group(backend="gloo")
+
+
 def barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)

@@ -441,44 +441,7 @@ class ZeroEngine:
                     g.secondary_valid = False
                 g.free()
 
-    def optimizer_state_by_name(self) -> dict[str, dict]:
-        """{parameter name: {state key: whole (tp-local) tensor or scalar}}, assembled from the
-        optimizer chunks at the first rank of each optim-level shard group (empty elsewhere;
-        replica 0 of the optim level contributes). A collective over the dp ranks."""
-        state = self.optimizer.state
-        local = []
+    def invalidate_secondary(self) -> None:
+        """The parameter shards were written from outside (a checkpoint load): hpZ copies are stale."""
         for g in self.groups:
-            for slot, piece, a, b in g.segments:
-                if piece in state:
-                    local.append((slot.aliases, slot.segment.shape, a, b,
-                                  {k: v.clone() if torch.is_tensor(v) and v.ndim > 0 else v for k, v in state[piece].items()}))
-        group, members = self.topo.digit_group("none", self.plan.optim)
-        _, copies = self.topo.digit_group(self.plan.optim, "global")  # this chunk's holders, in dp order
-        first_replica = copies[0] == self.topo.rank
-        pieces = comm.gather_objects(local if first_replica else [], group, members[0])
-        if pieces is None:
-            return {}
-        out: dict[str, dict] = {}
-        for aliases, shape, a, b, entry in (x for rank_pieces in pieces for x in rank_pieces):
-            whole = out.setdefault(aliases[0], {})
-            for k, v in entry.items():
-                if torch.is_tensor(v) and v.ndim > 0:
-                    whole.setdefault(k, v.new_zeros(shape)).view(-1)[a:b] = v
-                else:
-                    whole[k] = v
-            for alias in aliases[1:]:
-                out[alias] = whole
-        return out
-
-    def optimizer_state_from_names(self, state: dict[str, dict]) -> dict[int, dict]:
-        """torch optimizer state (by parameter index) holding each segment's slice of whole
-        (tp-local) per-name optimizer-state tensors; segments with no saved state are left out."""
-        by_piece = {}
-        index = {id(p): i for i, p in enumerate(p for grp in self.optimizer.param_groups for p in grp["params"])}
-        for g in self.groups:
-            for slot, piece, a, b in g.segments:
-                saved = next((state[n] for n in slot.aliases if n in state), None)
-                if saved is not None:
-                    by_piece[index[id(piece)]] = {k: v.reshape(-1)[a:b].clone() if torch.is_tensor(v) and v.ndim > 0
-                                                  else v for k, v in saved.items()}
-        return by_piece
+            g.secondary_valid = False

@@ -1,13 +1,20 @@
-"""Checkpoint integrity and bad input: every file is checked against the size and CRC-32 in the
-commit marker before anything is read; a missing, truncated or corrupted file, or a checkpoint of
-another model (missing / unexpected keys, other shapes), is one clear error naming the files and
-keys — raised before any training state is modified. `strata ckpt inspect|verify` report it."""
+"""Checkpoint integrity and bad input: every file's size is checked against the commit marker before
+anything is read, and every block read against its CRC-32; a missing, truncated or corrupted file,
+or a checkpoint of another model (missing / unexpected keys, other shapes), is one clear error
+naming the files and keys — raised before any training state is modified. `strata ckpt
+inspect|verify` report it. The format is DCP's: torch.distributed.checkpoint alone reads it."""
 from __future__ import annotations
+
+import json
+import os
+import pickle
+import zlib
 
 import pytest
 import torch
 
 from checkpoint import store
+from checkpoint.reader import Checkpoint
 from conftest import tiny_config
 from launch.cli import main as strata_main
 from parallel.runtime import start
@@ -38,17 +45,18 @@ def assert_untouched(trainer: Trainer, before: dict[str, torch.Tensor]) -> None:
 
 def test_intact_checkpoint_verifies_and_inspects(saved, capsys):
     assert strata_main(["ckpt", "verify", str(saved)]) == 0
-    assert "ok (4 files match" in capsys.readouterr().out
+    assert "ok (5 files match" in capsys.readouterr().out
     assert strata_main(["ckpt", "inspect", str(saved.parent)]) == 0  # a checkpoints dir: the latest
     report = capsys.readouterr().out
-    assert "step 2, saved from layout: tp 1, pp 1" in report
+    assert "step 2, saved from layout: world 1: tp 1, pp 1" in report
     assert "tok_embeddings.weight" in report and "(32,)" in report  # names with global shapes
 
 
-@pytest.mark.parametrize("damage, words", [
-    ("truncate", "truncated"), ("flip", "corrupted"), ("delete", "missing")])
-def test_damaged_file_is_named_and_nothing_is_loaded(saved, small_data_dir, tmp_path, capsys, damage, words):
-    target = saved / "optim.pt"
+@pytest.mark.parametrize("name, damage, words", [
+    ("__0_0.distcp", "truncate", "truncated"), ("__0_0.distcp", "flip", "corrupted"),
+    ("__0_0.distcp", "delete", "missing"), ("index.json", "flip", "corrupted"), ("__0_1.distcp", "flip", "corrupted")])
+def test_damaged_file_is_named_and_nothing_is_loaded(saved, small_data_dir, tmp_path, capsys, name, damage, words):
+    target = saved / name
     data = bytearray(target.read_bytes())
     if damage == "truncate":
         target.write_bytes(data[: len(data) // 2])
@@ -79,7 +87,7 @@ def test_checkpoint_of_another_model_is_one_clear_error_before_any_change(saved,
     before = snapshot(trainer)
     with pytest.raises(CheckpointError, match=words) as err:
         trainer.resume(saved)
-    assert str(saved / "model.pt") in str(err.value)
+    assert str(saved) in str(err.value)
     assert_untouched(trainer, before)
 
 
@@ -94,5 +102,16 @@ def test_export_gives_weights_a_plain_model_loads(saved, small_data_dir, tmp_pat
     cfg = load(tmp_path / "hf" / "config.yaml")
     model = GPT(cfg.model, weights["tok_embeddings.weight"].shape[0])
     model.load_state_dict(weights)  # strict: every key, every shape
-    for name, t in store.load(saved)["model"].items():
+    for name, t in Checkpoint(saved).tensors("model.").items():
         assert torch.equal(model.state_dict()[name], t), name
+
+
+def test_damaged_dcp_metadata_fails_verify(saved, capsys):
+    """.metadata is a pickle DCP loads blindly: verify unpickles it with DCP's classes only."""
+    marker = store.marker(saved)
+    evil = pickle.dumps(os.system)
+    (saved / ".metadata").write_bytes(evil)
+    marker["files"][".metadata"] = {"bytes": len(evil), "crc32": f"{zlib.crc32(evil):08x}"}
+    (saved / store.MARKER).write_text(json.dumps(marker))
+    assert strata_main(["ckpt", "verify", str(saved)]) == 1
+    assert "posix.system is not allowed" in capsys.readouterr().out

@@ -342,16 +342,30 @@ def _field(key: str) -> dataclasses.Field:
     """The dataclass field of a dotted key, found by walking the classes (not through config's walker)."""
     cls, f = Config, None
     for name in key.split("."):
-        f = {f.name: f for f in dataclasses.fields(cls)}[name]
-        cls = typing.get_type_hints(cls)[name]
+        f = {f.metadata.get("key") or f.name: f for f in dataclasses.fields(cls)}[name]
+        cls = typing.get_type_hints(cls)[f.name]
     return f
 
 
 def _leaves(cls: type, prefix: str) -> list[str]:
     out = []
-    for name, hint in typing.get_type_hints(cls).items():
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name, hint = f.metadata.get("key") or f.name, hints[f.name]
         out += _leaves(hint, f"{prefix}.{name}") if dataclasses.is_dataclass(hint) else [f"{prefix}.{name}"]
     return out
+
+
+def test_a_key_named_by_a_python_keyword_reads_writes_and_overrides_under_its_yaml_name(tmp_path):
+    """checkpoint.async (the field is async_save: `async` is a keyword)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("checkpoint:\n  async: true\n")
+    cfg = config.load(path)
+    assert cfg.checkpoint.async_save is True
+    assert "async: true" in config.dump(cfg) and "async_save" not in config.dump(cfg)
+    assert config.load(path, ["checkpoint.async=false"]).checkpoint.async_save is False
+    with pytest.raises(ConfigError, match="checkpoint.async_save"):
+        config.load(path, ["checkpoint.async_save=true"])
 
 
 def test_every_key_has_a_doc():
@@ -484,8 +498,9 @@ def test_log_name_defaults_to_config_stem(tmp_path):
 def test_field_type_hints_are_supported_by_the_loader():
     """Every key's type is one the loader can coerce (so no key is unsettable)."""
     for key in config.all_keys():
-        parent, _, name = key.rpartition(".")
+        parent, _, _ = key.rpartition(".")
         cls = type(_value(Config(), parent))
+        name = _field(key).name
         default = getattr(cls(), name)
         ok, value, why = config._coerce(default, typing.get_type_hints(cls)[name])
         assert ok and value == default, f"{key}: {why}"

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from checkpoint import store
+from checkpoint.reader import Checkpoint
 from conftest import tiny_config, tiny_overrides
 from parallel.runtime import start
 from trainer.loop import run
@@ -82,7 +83,7 @@ def losses_from(run_dir) -> dict[int, float]:
 
 
 def final_params(ckpt_root) -> dict[str, torch.Tensor]:
-    return torch.load(store.step_dir(ckpt_root, 6) / "model.pt", weights_only=True)
+    return Checkpoint(store.step_dir(ckpt_root, 6)).tensors("model.")
 
 
 def assert_same_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

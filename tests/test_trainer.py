@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from checkpoint import store
+from checkpoint.reader import Checkpoint
 from conftest import tiny_config
 from parallel.runtime import start
 from trainer.config import OptimConfig
@@ -61,8 +62,8 @@ def test_resume_reproduces_losses_bit_for_bit(small_data_dir, tmp_path):
     assert sorted(resumed.losses) == [5, 6, 7, 8]
     for step in resumed.losses:
         assert resumed.losses[step] == full.losses[step]       # exact, not approx
-    a = torch.load(store.step_dir(ckpt_root, 8) / "model.pt", weights_only=True)
-    b = torch.load(store.step_dir(resumed_cfg.checkpoint_dir(), 8) / "model.pt", weights_only=True)
+    a = Checkpoint(store.step_dir(ckpt_root, 8)).tensors("")  # parameters and optimizer states
+    b = Checkpoint(store.step_dir(resumed_cfg.checkpoint_dir(), 8)).tensors("")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

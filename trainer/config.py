@@ -22,11 +22,18 @@ from trainer.errors import ConfigError
 
 
 def opt(default: Any, doc: str, *, choices: tuple | None = None, min: float | None = None,
-        max: float | None = None, min_exclusive: bool = False, max_exclusive: bool = False) -> Any:
-    """A config key: its default, one-line doc and the range checks `load` applies."""
+        max: float | None = None, min_exclusive: bool = False, max_exclusive: bool = False,
+        key: str | None = None) -> Any:
+    """A config key: its default, one-line doc and the range checks `load` applies; `key` is its
+    name in YAML when that cannot be the field's (`checkpoint.async`: a Python keyword)."""
     meta = {"doc": doc, "choices": choices, "min": min, "max": max, "min_exclusive": min_exclusive,
-            "max_exclusive": max_exclusive}
+            "max_exclusive": max_exclusive, "key": key}
     return field(default=default, metadata=meta)
+
+
+def _key_of(f: dataclasses.Field) -> str:
+    """A field's name in YAML."""
+    return f.metadata.get("key") or f.name
 
 
 def nested(cls: type, doc: str | None = None) -> Any:
@@ -185,6 +192,10 @@ class CheckpointConfig:
     interval: int = opt(0, "save every N steps (0: only at the end when `save_final`)", min=0)
     save_final: bool = opt(True, "save a checkpoint after the last step")
     keep_last: int = opt(2, "committed checkpoints to keep (0: keep all)", min=0)
+    async_save: bool = opt(False, "save in the background: the step pays only for copying this rank's state into a "
+                           "shared-memory staging buffer, a writer process persists it while training goes on",
+                           key="async")
+    verify_on_load: bool = opt(True, "check the CRC-32 of every block a resume reads")
 
 
 @dataclass(frozen=True)
@@ -280,8 +291,10 @@ def _check_and_raise(cfg: Config, problems: list[str], world_size: int | None) -
         raise ConfigError(problems)
 
 
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+def to_dict(cfg: Any) -> dict:
+    """The config as nested plain values, under the YAML names of its keys."""
+    return {_key_of(f): to_dict(getattr(cfg, f.name)) if dataclasses.is_dataclass(getattr(cfg, f.name))
+            else getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
 def dump(cfg: Config) -> str:
@@ -292,6 +305,7 @@ def dump(cfg: Config) -> str:
 def replace(cfg: Any, key: str, value: Any) -> Any:
     """A copy of cfg with one dotted key (`optim.lr`, `zero.params.shard_over`) changed (no validation)."""
     name, _, rest = key.partition(".")
+    name = next((f.name for f in dataclasses.fields(cfg) if _key_of(f) == name), name)
     return dataclasses.replace(cfg, **{name: replace(getattr(cfg, name), rest, value) if rest else value})
 
 
@@ -330,7 +344,7 @@ def _walk(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field,
     declaration order; a group comes just before its keys."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        key = f"{prefix}.{f.name}" if prefix else f.name
+        key = f"{prefix}.{_key_of(f)}" if prefix else _key_of(f)
         yield key, f, hints[f.name]
         if _is_group(hints[f.name]):
             yield from _walk(hints[f.name], key)
@@ -393,18 +407,19 @@ def _build_group(prefix: str, cls: type, values: dict, problems: list[str]) -> A
     """The dataclass `cls` (the keys below the dotted `prefix`) from a mapping: groups recurse,
     values are coerced and range-checked; a rejected key keeps its default."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_key_of(f): f for f in dataclasses.fields(cls)}
     kwargs = {}
     for name, value in values.items():
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in fields:
             problems.append(_unknown(key))
             continue
-        hint = hints[name]
+        attr = fields[name].name
+        hint = hints[attr]
         if _is_group(hint):
             value = {} if value is None else value
             if isinstance(value, dict):
-                kwargs[name] = _build_group(key, hint, value, problems)
+                kwargs[attr] = _build_group(key, hint, value, problems)
             else:
                 problems.append(f"{key}: must be a mapping of keys, got {type(value).__name__} {value!r}")
             continue
@@ -420,7 +435,7 @@ def _build_group(prefix: str, cls: type, values: dict, problems: list[str]) -> A
         if err:
             problems.append(f"{key}: {converted!r} {err}")
             continue
-        kwargs[name] = converted
+        kwargs[attr] = converted
     return cls(**kwargs)
 
 

@@ -15,15 +15,18 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import store
-from checkpoint.layout import (full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state,
-                               load_zero_optimizer_state, model_state_problems, zero_optimizer_state)
+from checkpoint.layout import hyperparameters, load_optimizer, model_state_problems
+from checkpoint.manager import CheckpointManager
+from checkpoint.pieces import (Piece, canonical_names, model_pieces, optimizer_entries, optimizer_pieces, rng_piece,
+                               state_pieces)
+from checkpoint.reader import Checkpoint
 from parallel import comm
 from parallel.data_parallel import GradientBuckets, unique_params
 from parallel.runtime import Runtime
 from parallel.clipping import clip_grad_norm
 from parallel.co2 import CO2
 from parallel.pipeline import Pipeline, StageShapes, split_stages
+from parallel.flat import Box
 from parallel.tensor import apply_tensor_parallel, placement_of
 from parallel.topology import Topology, build_topology, layout_from_config
 from parallel.zero import ZeroEngine, ZeroPlan, held_bytes
@@ -118,6 +121,9 @@ class Trainer:
         self.held_bytes: dict[str, int] = {}
         self.loader = BatchLoader(self.train_set, cfg.train.seed, cfg.train.global_batch_size,
                                   cfg.train.micro_batch_size, self.topo.dp_rank, layout.dp)
+        self.checkpoints = CheckpointManager(cfg.checkpoint_dir(), runtime.rank, runtime.world_size,
+                                             cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+                                             comm.new_gloo_group() if runtime.distributed else None)
         self.step = 0
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.flops_per_token = flops_per_token(cfg.model, self.vocab_size)
@@ -133,6 +139,7 @@ class Trainer:
         self.vocab_size = model.vocab_size
         # every persistent state-dict entry of the whole model, before any sharding (resume checks)
         self.global_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        self.canonical = canonical_names(model)
         self.loss_fn = lm_loss
         if par.tp > 1:
             self.loss_fn = apply_tensor_parallel(model, self.tp_group, self.topo.coords["tp"], par.tp,
@@ -221,6 +228,7 @@ class Trainer:
             self.held_bytes = held_bytes(self.params, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.checkpoints.poll()  # a background save's failure surfaces here, on every rank
         return loss, grad_norm
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -259,14 +267,14 @@ class Trainer:
 
     # --- checkpoints ----------------------------------------------------------------------
     def save(self) -> None:
-        """Saved in the global layout: tp shards are gathered into whole tensors, and since every
-        dp replica holds the same state, rank 0 writes it while the others wait for the commit.
-        Under CO2 a save closes the round first (`_close_co2_round`), and the outer momentum is
-        saved per parameter beside its optimizer state."""
+        """Saved in the global layout without gathering: every rank writes its own boxes of the global
+        tensors (a box several ranks hold is split among them), in the background with
+        `checkpoint.async`. Under CO2 a save closes the round first (`_close_co2_round`), and the
+        outer momentum is saved per parameter beside its optimizer state."""
         if self.co2:
             self._close_co2_round()
             for p, m in zip(self.params, self.co2.momentum_views()):
-                self.optimizer.state[p]["co2_momentum"] = m.clone()
+                self.optimizer.state[p]["co2_momentum"] = m.clone()  # staged (copied) before save returns
         try:
             self._write_checkpoint()
         finally:
@@ -282,45 +290,87 @@ class Trainer:
             self.engine.rebuild()
 
     def _write_checkpoint(self) -> None:
-        if self.engine:
-            with self.engine.gathered():
-                model_state = full_model_state(self.parts, self.tp_group, self.pp_group)
-            optim_state = zero_optimizer_state(self.engine, self.parts, self.tp_group, self.pp_group)
-        else:
-            model_state = full_model_state(self.parts, self.tp_group, self.pp_group)
-            optim_state = full_optimizer_state(self.optimizer, self.parts, self.tp_group, self.pp_group)
-        if self.rt.rank == 0:
-            trainer_state = {"step": self.step, "data": self.loader.state_dict(),
-                             "rng_cpu": torch.get_rng_state()}
-            store.save(self.cfg.checkpoint_dir(), self.step, model_state, optim_state,
-                       trainer_state, config_mod.dump(self.cfg), self.cfg.checkpoint.keep_last)
-        comm.barrier()
+        pieces = (model_pieces(self.parts, self.engine, self.canonical)
+                  + optimizer_pieces(self.optimizer, optimizer_entries(self.parts, self.engine, self.canonical))
+                  + [rng_piece(self.rt.rank)])
+        objects = {"trainer": {"step": self.step, "data": self.loader.state_dict()},
+                   "optim.param_groups": hyperparameters(self.optimizer)} if self.rt.rank == 0 else {}
+        aliases = {f"model.{name}": f"model.{first}" for name, first in self.canonical.items() if name != first}
+        self.checkpoints.save(self.step, pieces, objects, aliases, config_mod.dump(self.cfg), self._layout_summary())
+
+    def _layout_summary(self) -> dict:
+        layout, zero = self.topo.layout, self.cfg.zero
+        return {"world": self.rt.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                "virtual_stages": self.cfg.parallel.virtual_stages,
+                "zero": {"params": zero.params.shard_over, "grads": zero.grads.shard_over,
+                         "optim": zero.optim.shard_over} if zero.enabled else None}
 
     def resume(self, path: Path) -> Path:
-        ckpt = store.load(path)
-        problems = model_state_problems(self.global_shapes, ckpt["model"])
-        if problems:  # before any state is touched
-            raise CheckpointError(f"{ckpt['path'] / 'model.pt'} does not fit this model:\n  " + "\n  ".join(problems)
-                                  + "\nresume with the model config it was saved with (see its config.yaml)")
+        """Load a checkpoint saved from any layout into this one. Every check and every read (into
+        fresh tensors) happens first, and all ranks agree on the verdict, before any state changes."""
+        ckpt = Checkpoint(path)
+        misfit: list[str] = []
         try:
-            if self.engine:
-                with self.engine.gathered(write_back=True):
-                    load_full_model_state(self.parts, ckpt["model"])
-                load_zero_optimizer_state(self.engine, self.parts, ckpt["optim"])
-            else:
-                load_full_model_state(self.parts, ckpt["model"])
-                load_full_optimizer_state(self.optimizer, self.parts, ckpt["optim"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{ckpt['path']} does not fit this model/optimizer ({e}); resume with the "
-                                  "model config it was saved with (see its config.yaml)") from e
-        state = ckpt["trainer"]
+            problems = ckpt.problems or model_state_problems(self.global_shapes, ckpt.shapes("model."))
+            misfit = [] if ckpt.problems else problems
+            live = model_pieces(self.parts, self.engine, self.canonical)
+            fresh = [Piece(p.key, p.global_shape, p.box, torch.empty_like(p.tensor)) for p in live]
+            optim_state, optim_targets = self._fresh_optimizer_state(ckpt)
+            rng = self._rng_target(ckpt)
+            objects = {}
+            if not problems:
+                problems = ckpt.read(fresh + optim_targets + rng, self.cfg.checkpoint.verify_on_load)
+                objects = {k: ckpt.object(k) for k in ("trainer", "optim.param_groups")}
+        except CheckpointError as e:
+            problems = [str(e)]
+        finally:
+            ckpt.close()
+        self.checkpoints.agree(problems, f"{ckpt.path} does not fit this model, nothing was loaded; resume with the "
+                               "model config it was saved with (see its config.yaml)" if misfit else
+                               f"{ckpt.path} is damaged, nothing was loaded; resume from another checkpoint "
+                               "(`strata ckpt verify DIR` checks one)")
+        with torch.no_grad():
+            for dst, src in zip(live, fresh):
+                dst.tensor.copy_(src.tensor)
+        if self.engine:
+            self.engine.invalidate_secondary()
+        try:
+            load_optimizer(self.optimizer, optim_state, objects["optim.param_groups"])
+        except ValueError as e:
+            raise CheckpointError(f"{ckpt.path} does not fit this optimizer ({e})") from e
+        state = objects["trainer"]
         self.loader.load_state_dict(state["data"])
-        torch.set_rng_state(state["rng_cpu"])
+        for piece in rng:
+            torch.set_rng_state(piece.tensor)
         self.step = int(state["step"])
         momentum = [self.optimizer.state[p].pop("co2_momentum", None) for p in self.params]
         if self.co2:
             self.co2.restart(self.step, None if any(m is None for m in momentum) else momentum)
-        return ckpt["path"]
+        return ckpt.path
+
+    def _rng_target(self, ckpt: Checkpoint) -> list[Piece]:
+        """This rank's saved RNG state, or rank 0's when the saving world was smaller, or none (an
+        imported checkpoint: the RNG stays as initialisation left it)."""
+        state = torch.get_rng_state()
+        keys = [k for k in (f"rng.cpu.rank{self.rt.rank}", "rng.cpu.rank0") if ckpt.has(k)]
+        return [Piece(keys[0], tuple(state.shape), Box((0,), tuple(state.shape)), state)] if keys else []
+
+    def _fresh_optimizer_state(self, ckpt: Checkpoint) -> tuple[dict[int, dict], list[Piece]]:
+        """New optimizer-state tensors for every kind the checkpoint holds (torch index → entry),
+        and the pieces that read into them."""
+        saved: dict[str, dict[str, tuple]] = {}
+        for key, shape in ckpt.shapes("optim.state.").items():
+            fqn, kind = key.rsplit(".", 1)
+            saved.setdefault(fqn, {})[kind] = shape
+        index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        state, targets = {}, []
+        for param, fqn, placement, shape, start in optimizer_entries(self.parts, self.engine, self.canonical):
+            if fqn in saved:
+                entry = {kind: torch.zeros((), dtype=torch.float32) if not s else torch.zeros_like(param.data)
+                         for kind, s in saved[fqn].items()}
+                state[index[id(param)]] = entry
+                targets += state_pieces(fqn, entry, placement, shape, start)
+        return state, targets
 
     # --- the run --------------------------------------------------------------------------
     def fit(self, log: MetricsLogger) -> RunResult:
@@ -352,6 +402,7 @@ class Trainer:
         result.eval_losses[self.step] = self._eval_and_log(log)
         if cfg.checkpoint.save_final and not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
             self.save()
+        self.checkpoints.close()  # the last save is committed before the run reports done
         elapsed = time.perf_counter() - train_start
         result.final_step = self.step
         result.losses = {step: loss.item() for step, loss in losses.items()}
@@ -370,6 +421,15 @@ class Trainer:
         if self.cfg.log.peak_tflops:
             record["mfu"] = tflops / self.cfg.log.peak_tflops
         return record
+
+
+def rewrite_checkpoint(cfg: Config, runtime: Runtime, source: Path, out: Path) -> None:
+    """Load checkpoint `source` into this layout and save it under `out`, without training (the
+    workers of `strata ckpt reshard`)."""
+    trainer = Trainer(config_mod.replace(cfg, "checkpoint.dir", str(out)), runtime)
+    trainer.resume(source)
+    trainer.save()
+    trainer.checkpoints.close()
 
 
 def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:

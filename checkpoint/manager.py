@@ -1,0 +1,265 @@
+"""Saving and loading checkpoints from a training job: each rank stages its own pieces of the state
+(no gather) into a reusable shared-memory image of its file, and a writer — inline, or a process of
+its own with `checkpoint.async` — persists it while training goes on. While a save is in flight,
+every step ends with one small all-reduce of the writers' status, so every rank learns together
+that the save is written (then rank 0 commits it) or that a writer failed (then every rank raises).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from checkpoint import store, writer
+from checkpoint.blob import object_bytes, template
+from checkpoint.pieces import Piece
+from parallel.flat import Box
+from checkpoint.plan import Descriptor, Item, assign, dtype_name, place, tensor_index, torch_dtype
+from trainer.errors import CheckpointError
+
+WRITING, WRITTEN, DONE = 0, 1, 2
+OBJECTS_FILE = "__0_1.distcp"
+
+
+@dataclass
+class _Save:
+    """A save in flight."""
+    step: int
+    step_dir: Path
+    commit_args: tuple = ()
+    state: int = WRITING
+    commit_sent: bool = False
+    error: str | None = None
+
+
+class _Image:
+    """A page-aligned shared-memory buffer (a memfd) a writer process can map by descriptor."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.fd = os.memfd_create("strata-ckpt-staging") if hasattr(os, "memfd_create") else \
+            os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)
+        os.ftruncate(self.fd, max(nbytes, 1))
+        self.map = mmap.mmap(self.fd, max(nbytes, 1))
+        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)[:nbytes]
+        self.tensor.zero_()  # fault the pages in now, not during the first save's copy
+
+    def close(self) -> None:
+        self.tensor = None
+        try:
+            self.map.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+            pass
+        os.close(self.fd)
+
+
+@dataclass
+class _Staging:
+    """This rank's file image for one save plan: templates written once, data copied in per save."""
+    descs: list
+    items: list[Item]
+    nbytes: int
+    tensors: dict
+    image: _Image = field(repr=False)
+
+
+class CheckpointManager:
+    """Checkpoints under `root` for one rank of a `world` (collective calls: every rank makes them)."""
+
+    def __init__(self, root: Path, rank: int, world: int, keep_last: int = 0, async_save: bool = False, group=None):
+        self.root, self.rank, self.world = Path(root), rank, world
+        self.keep_last, self.async_save, self.group = keep_last, async_save, group
+        self._staging: _Staging | None = None
+        self._inflight: _Save | None = None
+        self._proc = self._conn = None
+
+    # --- collectives (no-ops in a world of one) --------------------------------------------
+    def _all_gather(self, obj) -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def agree(self, problems: list[str], what: str) -> None:
+        """Raise the same CheckpointError on every rank if any rank has problems."""
+        every = self._all_gather(problems)
+        found = [f"rank {r}: {p}" if self.world > 1 else p for r, ps in enumerate(every) for p in ps]
+        if found:
+            raise CheckpointError(f"{what}:\n  " + "\n  ".join(found[:20])
+                                  + (f"\n  … {len(found) - 20} more" if len(found) > 20 else ""))
+
+    # --- saving ----------------------------------------------------------------------------
+    def save(self, step: int, pieces: list[Piece], objects: dict, aliases: dict[str, str], config_yaml: str,
+             layout: dict) -> None:
+        """Save `pieces` (this rank's state) as checkpoint `step`; `objects` (rank 0's: trainer
+        state, optimizer hyper-parameters) are stored as DCP byte entries. Returns once the data is
+        staged (async) or committed (sync)."""
+        self.wait()
+        step_dir = store.step_dir(self.root, step)
+        if (step_dir / store.MARKER).is_file():
+            return  # this step is saved already (a run resumed from it)
+        staging = self._stage(pieces)
+        for it in staging.items:
+            n = it.box.numel
+            dst = staging.image.tensor[it.data_offset:it.data_offset + n * torch_dtype(it.dtype).itemsize]
+            dst.view(torch_dtype(it.dtype)).copy_(pieces[it.piece].tensor.reshape(-1)[it.start:it.start + n])
+        extra, commit_args = {}, ()
+        if self.rank == 0:
+            blobs, where, pos = [], {}, 0
+            for key, obj in objects.items():
+                blobs.append(object_bytes(obj))
+                where[key] = {"file": OBJECTS_FILE, "offset": pos, "length": len(blobs[-1])}
+                pos += len(blobs[-1])
+            extra = {OBJECTS_FILE: b"".join(blobs)}
+            index = {"step": step, "layout": layout, "tensors": staging.tensors, "objects": where,
+                     "aliases": {a: k for a, k in aliases.items() if k in staging.tensors}}
+            commit_args = (step_dir, step, self.world, index, config_yaml, self.keep_last)
+        if self.async_save:
+            self._start_writer()
+            self._conn.send(("write", step_dir, self.rank, staging.nbytes, extra))
+            self._inflight = _Save(step, step_dir, commit_args)
+            return
+        self._write_inline(step_dir, staging, extra, commit_args)
+
+    def _stage(self, pieces: list[Piece]) -> _Staging:
+        """The staging image for these pieces: reused while the plan is unchanged (the usual case:
+        shapes and layout are fixed for a run), else planned again from every rank's pieces."""
+        descs = [Descriptor(p.key, tuple(p.global_shape), dtype_name(p.dtype), p.box) for p in pieces]
+        every = self._all_gather(descs)
+        if self._staging is not None and self._staging.descs == every:
+            return self._staging
+        placed = [place(items) for items in assign(every)]
+        items, nbytes = placed[self.rank]
+        self._stop_writer()  # a writer maps the old image
+        if self._staging is not None:
+            self._staging.image.close()
+        image = _Image(nbytes)
+        if torch.cuda.is_available():  # pinned, so copies from the GPU run at full speed
+            torch.cuda.cudart().cudaHostRegister(image.tensor.data_ptr(), nbytes, 0)
+        arr = image.tensor.numpy()
+        for it in items:
+            head, tail = template(it.box.sizes, torch_dtype(it.dtype))
+            arr[it.offset:it.offset + len(head)] = np.frombuffer(head, np.uint8)
+            end = it.offset + it.length
+            arr[end - len(tail):end] = np.frombuffer(tail, np.uint8)
+        self._staging = _Staging(every, items, nbytes, tensor_index([p for p, _ in placed]), image)
+        return self._staging
+
+    def _write_inline(self, step_dir: Path, staging: _Staging, extra: dict, commit_args: tuple) -> None:
+        problems = []
+        try:
+            writer.write_rank(step_dir, self.rank, memoryview(staging.image.map), staging.nbytes, extra)
+        except OSError as e:
+            problems.append(f"writing {step_dir}: {e}")
+        self.agree(problems, f"checkpoint {step_dir} was not saved")
+        if self.rank == 0:
+            try:
+                writer.commit(*commit_args)
+            except OSError as e:
+                problems.append(f"committing {step_dir}: {e}")
+        self.agree(problems, f"checkpoint {step_dir} was not committed")
+
+    # --- the writer process ----------------------------------------------------------------
+    @property
+    def writer_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _start_writer(self) -> None:
+        """A writer process of our own (not multiprocessing's spawn, which re-runs the user's main
+        module): it inherits the image's memfd and one end of a socket pair, and imports no torch."""
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        ours, theirs = socket.socketpair()
+        fds = (self._staging.image.fd, theirs.fileno())
+        package_root = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        self._proc = subprocess.Popen([sys.executable, "-m", "checkpoint.writer", str(fds[0]),
+                                       str(max(self._staging.nbytes, 1)), str(fds[1])], pass_fds=fds, env=env)
+        theirs.close()  # else a dead writer's end stays open here and recv() never sees EOF
+        self._conn = Connection(ours.detach())
+
+    def _stop_writer(self) -> None:
+        if self._proc is None:
+            return
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+        self._conn.close()
+        self._proc = self._conn = None
+
+    def _check_writer(self, save: _Save) -> None:
+        """Take the writer's replies; a dead writer is a failure."""
+        try:
+            while save.error is None and self._conn.poll():
+                status, kind, *text = self._conn.recv()
+                if status == "error":
+                    save.error = f"{kind} failed: {text[0]}"
+                elif kind == "write":
+                    save.state = WRITTEN if self.rank == 0 else DONE
+                else:
+                    save.state = DONE
+        except (EOFError, OSError):
+            pass
+        if save.error is None and save.state != DONE and self._proc.poll() is not None:
+            save.error = f"the checkpoint writer (pid {self._proc.pid}) died (exit code {self._proc.returncode})"
+
+    def poll(self) -> None:
+        """Once per training step while a save is in flight (collective): commit it when every
+        rank's part is written; raise on every rank if any writer failed."""
+        save = self._inflight
+        if save is None:
+            return
+        self._check_writer(save)
+        flags = torch.tensor([int(save.error is not None), -save.state])
+        if self.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        if flags[0]:
+            self._inflight = None
+            self.agree([save.error] if save.error else [], f"checkpoint {save.step_dir} was not saved (the last "
+                       f"complete checkpoint under {self.root} is intact)")
+        lowest = -int(flags[1])
+        if self.rank == 0 and lowest >= WRITTEN and not save.commit_sent:
+            self._conn.send(("commit", *save.commit_args))
+            save.commit_sent = True
+        if lowest == DONE:
+            self._inflight = None
+
+    def wait(self) -> None:
+        """Until no save is in flight (collective: every rank leaves at the same poll)."""
+        while self._inflight is not None:
+            self.poll()
+            if self._inflight is not None:
+                time.sleep(0.005)
+
+    def close(self) -> None:
+        """Finish the save in flight, then stop the writer."""
+        try:
+            self.wait()
+        finally:
+            self._stop_writer()
+
+
+def write_whole(root: Path, step: int, tensors: dict[str, torch.Tensor], objects: dict, aliases: dict[str, str],
+                config_yaml: str, layout: dict) -> Path:
+    """A checkpoint of whole tensors (by DCP key), written from one process (imports, offline
+    tools); the same format a training job writes."""
+    pieces = [Piece(key, tuple(t.shape), Box((0,) * t.ndim, tuple(t.shape)), t.detach().contiguous())
+              for key, t in tensors.items()]
+    CheckpointManager(root, 0, 1).save(step, pieces, objects, aliases, config_yaml, layout)
+    return store.step_dir(root, step)

@@ -1,0 +1,132 @@
+"""What this rank holds of the global training state, as boxes of globally named tensors: each
+`Piece` is a live, contiguous view of a parameter, a ZeRO shard or an optimizer state, with the box
+(offsets, sizes) it covers in the tensor the unsharded model would have. Saving copies pieces out,
+loading copies into them, so neither needs a gather and any layout can read any other's boxes.
+
+Keys follow torch.distributed.checkpoint's flattened state dict: `model.{fqn}`,
+`optim.state.{fqn}.{exp_avg|exp_avg_sq|step|…}`; a tied weight is keyed by its first name in the
+plain model (its other names are aliases), `rng.cpu.rank{r}` is each rank's RNG state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from parallel.flat import Box, range_to_boxes
+from parallel.tensor import Placement, placement_of
+
+if TYPE_CHECKING:
+    from parallel.zero import ZeroEngine
+
+
+@dataclass
+class Piece:
+    key: str
+    global_shape: tuple[int, ...]
+    box: Box
+    tensor: torch.Tensor   # contiguous, shape box.sizes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """{every parameter name of the plain model: the first name of that parameter} (a tied
+    embedding's output name maps to the embedding's)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+def tp_box(placement: Placement, local_shape: tuple[int, ...]) -> Box:
+    """The box a tensor-parallel shard covers in its global tensor."""
+    offsets = [0] * len(local_shape)
+    if placement.shard_dim is not None:
+        offsets[placement.shard_dim] = placement.shard_index * local_shape[placement.shard_dim]
+    return Box(tuple(offsets), tuple(local_shape))
+
+
+def _range_pieces(key: str, placement: Placement, local_shape: tuple[int, ...], start: int, flat: torch.Tensor
+                  ) -> list[Piece]:
+    """Pieces of the flat range [start, start + flat.numel()) of a tp-local tensor (`flat` holds it)."""
+    outer = tp_box(placement, local_shape)
+    out, pos = [], 0
+    for box in range_to_boxes(local_shape, start, start + flat.numel()):
+        shifted = Box(tuple(o + b for o, b in zip(outer.offsets, box.offsets)), box.sizes)
+        out.append(Piece(key, placement.global_shape, shifted, flat[pos:pos + box.numel].view(box.sizes)))
+        pos += box.numel
+    return out
+
+
+def state_pieces(fqn: str, entry: dict, placement: Placement, local_shape: tuple[int, ...], start: int
+                  ) -> list[Piece]:
+    """Pieces of one parameter's optimizer state (its tensors cover the same flat range as the
+    parameter piece; 0-d values such as `step` are whole)."""
+    out = []
+    for kind, value in entry.items():
+        if not torch.is_tensor(value):
+            raise TypeError(f"optimizer state {fqn}.{kind} is a {type(value).__name__}; checkpoints hold tensors")
+        key = f"optim.state.{fqn}.{kind}"
+        if value.ndim == 0:
+            out.append(Piece(key, (), Box((), ()), value.view(())))
+        else:
+            out += _range_pieces(key, placement, local_shape, start, value.view(-1))
+    return out
+
+
+def model_pieces(parts: list[nn.Module], engine: "ZeroEngine | None", canonical: dict[str, str]) -> list[Piece]:
+    """This rank's parameters: whole tp-local tensors, or under ZeRO the slices of its flat
+    parameter shards (never gathered)."""
+    if engine is not None:
+        out = []
+        for g in engine.groups:
+            lo, hi = g.param_start, g.param_start + g.shard.numel()
+            for slot in g.slots:
+                a, b = max(lo, slot.range[0]), min(hi, slot.range[1])
+                if a < b:
+                    out += _range_pieces(f"model.{canonical[slot.aliases[0]]}", placement_of(slot.param),
+                                         slot.segment.shape, a - slot.range[0], g.shard[a - lo:b - lo])
+        return out
+    seen, out = set(), []
+    for part in parts:
+        for name, p in part.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out += _range_pieces(f"model.{canonical[name]}", placement_of(p), tuple(p.shape), 0, p.data.view(-1))
+    return out
+
+
+def optimizer_entries(parts: list[nn.Module], engine: "ZeroEngine | None", canonical: dict[str, str]
+                      ) -> list[tuple[nn.Parameter, str, Placement, tuple[int, ...], int]]:
+    """(optimizer parameter, canonical name, placement, tp-local shape, start of its flat range)
+    for every parameter this rank's optimizer steps (ZeRO: one per segment of its chunk)."""
+    if engine is not None:
+        return [(piece, canonical[slot.aliases[0]], placement_of(slot.param), slot.segment.shape, a)
+                for g in engine.groups for slot, piece, a, _ in g.segments]
+    seen, out = set(), []
+    for part in parts:
+        for name, p in part.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((p, canonical[name], placement_of(p), tuple(p.shape), 0))
+    return out
+
+
+def optimizer_pieces(optimizer: torch.optim.Optimizer, entries) -> list[Piece]:
+    """The optimizer state this rank holds (parameters not yet stepped have none)."""
+    out = []
+    for param, fqn, placement, shape, start in entries:
+        if optimizer.state.get(param):
+            out += state_pieces(fqn, optimizer.state[param], placement, shape, start)
+    return out
+
+
+def rng_piece(rank: int) -> Piece:
+    state = torch.get_rng_state()
+    return Piece(f"rng.cpu.rank{rank}", tuple(state.shape), Box((0,), tuple(state.shape)), state)

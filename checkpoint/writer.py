@@ -1,0 +1,127 @@
+"""Persisting a rank's staged checkpoint file, and committing a checkpoint. Runs inline (synchronous
+saves) or in a writer process per rank (`python -m checkpoint.writer`, for `checkpoint.async`),
+which maps the staging image (a memfd) and persists it while training goes on.
+
+Data files are written with O_DIRECT where the file system allows it (on this class of disk a
+buffered write plus fsync was 2–4× slower, docs/design/checkpoint.md §3.3), fsynced, and their
+8 MiB-block CRCs recorded in a per-rank manifest; the commit (rank 0) merges the manifests into the
+COMMITTED marker, written last, after `index.json` and DCP's `.metadata`.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from checkpoint import integrity, store
+from checkpoint.atomic import fsync_path, write_file_atomic
+
+CHUNK = 16 << 20
+DELAY_ENV = "STRATA_CKPT_TEST_WRITE_DELAY_S"   # tests: a slow writer, to kill it mid-save
+
+
+def rank_manifest(step_dir: Path, rank: int) -> Path:
+    return Path(step_dir) / f".rank{rank}.manifest.json"
+
+
+def _open_direct(path: Path) -> tuple[int, bool]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        return os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644), hasattr(os, "O_DIRECT")
+    except OSError:  # EINVAL: the file system does not support O_DIRECT
+        return os.open(path, flags, 0o644), False
+
+
+def write_data(path: Path, image: memoryview, nbytes: int) -> dict:
+    """Write image[:nbytes] (page-aligned, nbytes a multiple of 4096) to `path` and fsync it;
+    returns its manifest entry. O_DIRECT when possible, else buffered."""
+    view = image[:nbytes]
+    delay = float(os.environ.get(DELAY_ENV, 0))
+    fd, direct = _open_direct(path)
+    try:
+        if delay:
+            time.sleep(delay)
+        pos = 0
+        while pos < nbytes:
+            n = min(CHUNK, nbytes - pos)
+            try:
+                written = os.pwrite(fd, view[pos:pos + n], pos)
+            except OSError as e:
+                if not direct or e.errno != 22:
+                    raise OSError(e.errno, f"writing {n} bytes at offset {pos} of {path}: {e.strerror}") from e
+                os.close(fd)  # O_DIRECT refused this buffer: go on buffered
+                fd, direct = os.open(path, os.O_WRONLY), False
+                continue
+            pos += written
+            if delay:
+                time.sleep(delay)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return integrity.entry(view, blocks=True)
+
+
+def write_rank(step_dir: Path, rank: int, image: memoryview, nbytes: int, extra: dict[str, bytes]) -> None:
+    """One rank's part of a save: its data file, any extra small files, then its manifest."""
+    step_dir = Path(step_dir)
+    step_dir.mkdir(parents=True, exist_ok=True)
+    files = {f"__{rank}_0.distcp": write_data(step_dir / f"__{rank}_0.distcp", image, nbytes)}
+    for name, data in extra.items():
+        write_file_atomic(step_dir / name, data)
+        files[name] = integrity.entry(data)
+    write_file_atomic(rank_manifest(step_dir, rank), json.dumps(files).encode())
+
+
+def commit(step_dir: Path, step: int, world: int, index: dict, config_yaml: str, keep_last: int) -> None:
+    """Rank 0, once every rank's part is on disk: index.json, .metadata, config.yaml, then COMMITTED
+    (with every file's checksums), then retention of older committed checkpoints."""
+    from checkpoint import dcp_meta  # imports torch: only rank 0's writer pays for it
+    step_dir = Path(step_dir)
+    files: dict[str, dict] = {}
+    for rank in range(world):
+        files.update(json.loads(rank_manifest(step_dir, rank).read_text()))
+    small = {"index.json": json.dumps(index).encode(), "config.yaml": config_yaml.encode(),
+             ".metadata": dcp_meta.to_bytes(dcp_meta.build(index, str(step_dir)))}
+    for name, data in small.items():
+        write_file_atomic(step_dir / name, data)
+        files[name] = integrity.entry(data)
+    write_file_atomic(step_dir / store.MARKER, json.dumps({"step": step, "files": files, "time": time.time()}).encode())
+    fsync_path(step_dir.parent)
+    store.prune(step_dir.parent, keep_last)
+
+
+def serve(image: memoryview, conn: Connection) -> None:
+    """The writer loop: ("write", step_dir, rank, nbytes, extra) and ("commit", step_dir, step,
+    world, index, config_yaml, keep_last) jobs from the trainer, answered ("ok", kind) or
+    ("error", kind, message); None or a closed connection stops it."""
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        kind, args = job[0], job[1:]
+        try:
+            if kind == "write":
+                write_rank(*args[:2], image, *args[2:])
+            else:
+                commit(*args)
+            conn.send(("ok", kind))
+        except Exception as e:  # reported to the trainer, which raises it at its next step
+            conn.send(("error", kind, f"{type(e).__name__}: {e}"))
+
+
+def main(argv: list[str]) -> None:
+    """Entry of the writer process: IMAGE_FD NBYTES CONN_FD, both descriptors inherited."""
+    image_fd, nbytes, conn_fd = (int(a) for a in argv)
+    with mmap.mmap(image_fd, nbytes) as image:
+        serve(memoryview(image), Connection(conn_fd))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
