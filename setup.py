@@ -16,6 +16,7 @@ setup(
         "tqdm>=4.60",
         "matplotlib>=3.7",
         "safetensors>=0.4",
+        "crc32c>=2.3",
     ],
     extras_require={
         # deepspeed: tests/test_deepspeed_import.py has DeepSpeed write a ZeRO checkpoint (CPU, needs g++).

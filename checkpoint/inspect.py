@@ -4,7 +4,6 @@ global shape, size and number of saved boxes."""
 from __future__ import annotations
 
 import math
-import pickle
 from pathlib import Path
 
 from checkpoint import dcp_meta, store
@@ -36,7 +35,7 @@ def _metadata_problems(ckpt: Path, index: dict) -> list[str]:
     """DCP's `.metadata` must unpickle with only DCP's classes and list the index's entries."""
     try:
         meta = dcp_meta.read_safely(ckpt / ".metadata")
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as e:
+    except Exception as e:  # whatever a damaged pickle raises, the file is damaged
         return [f"{ckpt / '.metadata'}: unreadable ({e})"]
     want = {*index["tensors"], *index.get("aliases", {}), *index.get("objects", {})}
     if set(meta.state_dict_metadata) != want:
@@ -53,18 +52,18 @@ def verify_report(path: Path) -> tuple[bool, str]:
     if problems:
         return False, f"{ckpt}: DAMAGED\n  " + "\n  ".join(problems)
     files = store.marker(ckpt).get("files", {})
-    return True, f"{ckpt}: ok ({len(files)} files match their sizes and CRC-32 checksums)"
+    return True, f"{ckpt}: ok ({len(files)} files match their sizes and CRC-32C checksums)"
 
 
 def describe(path: Path) -> str:
-    """The `strata ckpt inspect` report (reads only the index, the commit marker and the trainer state)."""
+    """The `strata ckpt inspect` report: `verify_report`, then the index and the trainer state."""
     ok, integrity = verify_report(path)
     ckpt = Checkpoint(path)
     index = ckpt.index
     lines = [f"checkpoint {ckpt.path}", f"step {ckpt.step}, saved from layout: {_layout(index.get('layout', {}))}",
              f"integrity: {integrity}", "files:"]
     for name, entry in ckpt.files.items():
-        check = f"{len(entry['block_crc32'])} block crc32s" if "block_crc32" in entry else f"crc32 {entry['crc32']}"
+        check = f"{len(entry['block_crc32c'])} block crc32cs" if "block_crc32c" in entry else f"crc32c {entry['crc32c']}"
         lines.append(f"  {name:22s} {_size(entry['bytes']):>10s}  {check}")
     if not ok:
         return "\n".join(lines)

@@ -20,12 +20,17 @@ def model_state_problems(expected: dict[str, tuple[int, ...]], saved: dict[str, 
            ([f"shape mismatches: {listed(shapes)}"] if shapes else [])
 
 
+def optimizer_problems(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> list[str]:
+    if len(saved_groups) != len(optimizer.param_groups):
+        return [f"the checkpoint has {len(saved_groups)} optimizer parameter groups, this optimizer "
+                f"{len(optimizer.param_groups)}"]
+    return []
+
+
 def load_optimizer(optimizer: torch.optim.Optimizer, state: dict[int, dict], saved_groups: list[dict]) -> None:
-    """Load per-index state with the saved hyper-parameters of each parameter group."""
+    """Load per-index state with the saved hyper-parameters of each parameter group (checked
+    with `optimizer_problems` first; the saved groups' `params` name parameters, not indices)."""
     sd = optimizer.state_dict()
-    if len(saved_groups) != len(sd["param_groups"]):
-        raise ValueError(f"checkpoint has {len(saved_groups)} parameter groups, the optimizer "
-                         f"{len(sd['param_groups'])}")
     groups = [{**saved, "params": g["params"]} for saved, g in zip(saved_groups, sd["param_groups"])]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,7 +36,6 @@ OBJECTS_FILE = "__0_1.distcp"
 class _Save:
     """A save in flight."""
     step: int
-    step_dir: Path
     commit_args: tuple = ()
     state: int = WRITING
     commit_sent: bool = False
@@ -55,6 +55,8 @@ class _Image:
         self.tensor.zero_()  # fault the pages in now, not during the first save's copy
 
     def close(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
         self.tensor = None
         try:
             self.map.close()
@@ -91,6 +93,13 @@ class CheckpointManager:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def _all_true(self, flag: bool) -> bool:
+        if self.world == 1:
+            return flag
+        t = torch.tensor(int(flag))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t)
+
     def agree(self, problems: list[str], what: str) -> None:
         """Raise the same CheckpointError on every rank if any rank has problems."""
         every = self._all_gather(problems)
@@ -106,9 +115,9 @@ class CheckpointManager:
         state, optimizer hyper-parameters) are stored as DCP byte entries. Returns once the data is
         staged (async) or committed (sync)."""
         self.wait()
-        step_dir = store.step_dir(self.root, step)
-        if (step_dir / store.MARKER).is_file():
-            return  # this step is saved already (a run resumed from it)
+        step_dir = store.partial_dir(self.root, step)
+        if self.rank == 0:  # files of an interrupted earlier attempt; the others write after _stage's gather
+            shutil.rmtree(step_dir, ignore_errors=True)
         staging = self._stage(pieces)
         for it in staging.items:
             n = it.box.numel
@@ -128,17 +137,17 @@ class CheckpointManager:
         if self.async_save:
             self._start_writer()
             self._conn.send(("write", step_dir, self.rank, staging.nbytes, extra))
-            self._inflight = _Save(step, step_dir, commit_args)
+            self._inflight = _Save(step, commit_args)
             return
-        self._write_inline(step_dir, staging, extra, commit_args)
+        self._write_inline(step, step_dir, staging, extra, commit_args)
 
     def _stage(self, pieces: list[Piece]) -> _Staging:
         """The staging image for these pieces: reused while the plan is unchanged (the usual case:
         shapes and layout are fixed for a run), else planned again from every rank's pieces."""
         descs = [Descriptor(p.key, tuple(p.global_shape), dtype_name(p.dtype), p.box) for p in pieces]
+        if self._staging is not None and self._all_true(self._staging.descs[self.rank] == descs):
+            return self._staging  # every rank holds what it held at the last save: same plan
         every = self._all_gather(descs)
-        if self._staging is not None and self._staging.descs == every:
-            return self._staging
         placed = [place(items) for items in assign(every)]
         items, nbytes = placed[self.rank]
         self._stop_writer()  # a writer maps the old image
@@ -153,22 +162,26 @@ class CheckpointManager:
             arr[it.offset:it.offset + len(head)] = np.frombuffer(head, np.uint8)
             end = it.offset + it.length
             arr[end - len(tail):end] = np.frombuffer(tail, np.uint8)
-        self._staging = _Staging(every, items, nbytes, tensor_index([p for p, _ in placed]), image)
+        self._staging = _Staging(every, items, nbytes, tensor_index([p for p, _ in placed], every), image)
         return self._staging
 
-    def _write_inline(self, step_dir: Path, staging: _Staging, extra: dict, commit_args: tuple) -> None:
+    def _write_inline(self, step: int, step_dir: Path, staging: _Staging, extra: dict, commit_args: tuple) -> None:
         problems = []
         try:
             writer.write_rank(step_dir, self.rank, memoryview(staging.image.map), staging.nbytes, extra)
-        except OSError as e:
-            problems.append(f"writing {step_dir}: {e}")
-        self.agree(problems, f"checkpoint {step_dir} was not saved")
+        except Exception as e:  # every rank must reach agree(), whatever went wrong
+            problems.append(f"writing {step_dir}: {type(e).__name__}: {e}")
+        self.agree(problems, self._failed(step))
         if self.rank == 0:
             try:
                 writer.commit(*commit_args)
-            except OSError as e:
-                problems.append(f"committing {step_dir}: {e}")
-        self.agree(problems, f"checkpoint {step_dir} was not committed")
+            except Exception as e:
+                problems.append(f"committing {step_dir}: {type(e).__name__}: {e}")
+        self.agree(problems, self._failed(step))
+
+    def _failed(self, step: int) -> str:
+        return (f"checkpoint step {step} was not saved under {self.root}; the checkpoints committed before it are intact "
+                "(`strata ckpt verify` checks one)")
 
     # --- the writer process ----------------------------------------------------------------
     @property
@@ -189,17 +202,20 @@ class CheckpointManager:
         theirs.close()  # else a dead writer's end stays open here and recv() never sees EOF
         self._conn = Connection(ours.detach())
 
-    def _stop_writer(self) -> None:
+    def _stop_writer(self, kill: bool = False) -> None:
         if self._proc is None:
             return
         try:
             self._conn.send(None)
         except OSError:
             pass
+        if kill:
+            self._proc.kill()
         try:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._proc.kill()
+            self._proc.wait()
         self._conn.close()
         self._proc = self._conn = None
 
@@ -231,8 +247,8 @@ class CheckpointManager:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         if flags[0]:
             self._inflight = None
-            self.agree([save.error] if save.error else [], f"checkpoint {save.step_dir} was not saved (the last "
-                       f"complete checkpoint under {self.root} is intact)")
+            self._stop_writer(kill=True)  # it may still be writing this save: a new one starts for the next
+            self.agree([save.error] if save.error else [], self._failed(save.step))
         lowest = -int(flags[1])
         if self.rank == 0 and lowest >= WRITTEN and not save.commit_sent:
             self._conn.send(("commit", *save.commit_args))
@@ -248,11 +264,14 @@ class CheckpointManager:
                 time.sleep(0.005)
 
     def close(self) -> None:
-        """Finish the save in flight, then stop the writer."""
+        """Finish the save in flight, then stop the writer and free the staging image."""
         try:
             self.wait()
         finally:
             self._stop_writer()
+            if self._staging is not None:
+                self._staging.image.close()
+                self._staging = None
 
 
 def write_whole(root: Path, step: int, tensors: dict[str, torch.Tensor], objects: dict, aliases: dict[str, str],

@@ -58,8 +58,8 @@ def _range_pieces(key: str, placement: Placement, local_shape: tuple[int, ...], 
     outer = tp_box(placement, local_shape)
     out, pos = [], 0
     for box in range_to_boxes(local_shape, start, start + flat.numel()):
-        shifted = Box(tuple(o + b for o, b in zip(outer.offsets, box.offsets)), box.sizes)
-        out.append(Piece(key, placement.global_shape, shifted, flat[pos:pos + box.numel].view(box.sizes)))
+        out.append(Piece(key, placement.global_shape, box.shifted(outer.offsets),
+                         flat[pos:pos + box.numel].view(box.sizes)))
         pos += box.numel
     return out
 
@@ -93,13 +93,17 @@ def model_pieces(parts: list[nn.Module], engine: "ZeroEngine | None", canonical:
                     out += _range_pieces(f"model.{canonical[slot.aliases[0]]}", placement_of(slot.param),
                                          slot.segment.shape, a - slot.range[0], g.shard[a - lo:b - lo])
         return out
-    seen, out = set(), []
+    return [piece for name, p in _unique_params(parts)
+            for piece in _range_pieces(f"model.{canonical[name]}", placement_of(p), tuple(p.shape), 0, p.data.view(-1))]
+
+
+def _unique_params(parts: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """(first name, parameter) of every parameter over this rank's model parts, each once."""
+    seen: dict[int, tuple[str, nn.Parameter]] = {}
     for part in parts:
         for name, p in part.named_parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out += _range_pieces(f"model.{canonical[name]}", placement_of(p), tuple(p.shape), 0, p.data.view(-1))
-    return out
+            seen.setdefault(id(p), (name, p))
+    return list(seen.values())
 
 
 def optimizer_entries(parts: list[nn.Module], engine: "ZeroEngine | None", canonical: dict[str, str]
@@ -109,13 +113,7 @@ def optimizer_entries(parts: list[nn.Module], engine: "ZeroEngine | None", canon
     if engine is not None:
         return [(piece, canonical[slot.aliases[0]], placement_of(slot.param), slot.segment.shape, a)
                 for g in engine.groups for slot, piece, a, _ in g.segments]
-    seen, out = set(), []
-    for part in parts:
-        for name, p in part.named_parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append((p, canonical[name], placement_of(p), tuple(p.shape), 0))
-    return out
+    return [(p, canonical[name], placement_of(p), tuple(p.shape), 0) for name, p in _unique_params(parts)]
 
 
 def optimizer_pieces(optimizer: torch.optim.Optimizer, entries) -> list[Piece]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from checkpoint import store
 from checkpoint.blob import template
 from parallel.flat import Box, range_to_boxes
 from trainer.errors import CheckpointError
@@ -57,12 +58,22 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _shifted(box: Box, by: tuple[int, ...]) -> Box:
-    return Box(tuple(o + b for o, b in zip(by, box.offsets)), box.sizes)
-
-
 def _overlap(a: Box, b: Box) -> bool:
     return all(x < y + m and y < x + n for x, n, y, m in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+
+
+def _any_overlap(boxes: list[Box]) -> bool:
+    """Whether two boxes overlap: a sweep along dim 0, comparing each box only with those whose
+    dim-0 range it starts inside (boxes from flat ranges are mostly disjoint in rows)."""
+    if not boxes or not boxes[0].sizes:
+        return len(boxes) > 1
+    active: list[Box] = []
+    for box in sorted(boxes, key=lambda b: b.offsets[0]):
+        active = [a for a in active if a.offsets[0] + a.sizes[0] > box.offsets[0]]
+        if any(_overlap(a, box) for a in active):
+            return True
+        active.append(box)
+    return False
 
 
 def assign(descs: list[list[Descriptor]]) -> list[list[Item]]:
@@ -79,7 +90,7 @@ def assign(descs: list[list[Descriptor]]) -> list[list[Item]]:
         for j, (rank, i) in enumerate(group):
             lo, hi = j * n // m, (j + 1) * n // m
             for sub in (range_to_boxes(d.box.sizes, lo, hi) if hi > lo else []):
-                out[rank].append(Item(d.key, d.global_shape, d.dtype, _shifted(sub, d.box.offsets), i, lo))
+                out[rank].append(Item(d.key, d.global_shape, d.dtype, sub.shifted(d.box.offsets), i, lo))
                 lo += sub.numel
     return out
 
@@ -99,7 +110,7 @@ def _check_tiling(holders: dict[Descriptor, list]) -> None:
         covered = sum(math.prod(d.box.sizes) for d in ds)
         if covered != math.prod(ds[0].global_shape):
             problems.append(f"{key}: the ranks' boxes cover {covered} of {math.prod(ds[0].global_shape)} elements")
-        elif any(_overlap(a.box, b.box) for i, a in enumerate(ds) for b in ds[i + 1:]):
+        elif _any_overlap([d.box for d in ds]):
             problems.append(f"{key}: two ranks hold overlapping, different boxes")
     if problems:
         raise CheckpointError("cannot save: the training state does not tile the global tensors (a bug in the "
@@ -119,18 +130,15 @@ def place(items: list[Item]) -> tuple[list[Item], int]:
     return out, -(-pos // FILE_ALIGN) * FILE_ALIGN
 
 
-def data_file(rank: int) -> str:
-    """DCP's file naming (FileSystemWriter: prefix __{rank}_, one file per rank)."""
-    return f"__{rank}_0.distcp"
-
-
-def tensor_index(placed: list[list[Item]]) -> dict[str, dict]:
-    """{key: {"shape", "dtype", "chunks": [{offsets, sizes, file, offset, length, data_offset}]}}."""
-    out: dict[str, dict] = {}
+def tensor_index(placed: list[list[Item]], descs: list[list[Descriptor]]) -> dict[str, dict]:
+    """{key: {"shape", "dtype", "chunks": [{offsets, sizes, file, offset, length, data_offset}]}};
+    a tensor with no elements has no chunks."""
+    out: dict[str, dict] = {d.key: {"shape": list(d.global_shape), "dtype": d.dtype, "chunks": []}
+                            for rank_descs in descs for d in rank_descs if not math.prod(d.global_shape)}
     for rank, items in enumerate(placed):
         for it in items:
             entry = out.setdefault(it.key, {"shape": list(it.global_shape), "dtype": it.dtype, "chunks": []})
             entry["chunks"].append({"offsets": list(it.box.offsets), "sizes": list(it.box.sizes),
-                                    "file": data_file(rank), "offset": it.offset, "length": it.length,
+                                    "file": store.data_file(rank), "offset": it.offset, "length": it.length,
                                     "data_offset": it.data_offset})
     return out

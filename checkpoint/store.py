@@ -3,17 +3,20 @@
 Layout of ROOT/step_00000100/ (torch.distributed.checkpoint's, so DCP can read it):
 `__{rank}_0.distcp` (each rank's boxes of the global tensors, as torch.save blobs), `__0_1.distcp`
 (trainer state and optimizer hyper-parameters), `.metadata` (DCP's index), `index.json` (Strata's
-index, the same content as JSON), `config.yaml`, and COMMITTED (JSON: step, each file's size and
-CRC-32s), written last. A directory without COMMITTED is never loaded.
+index, the same content as JSON), `config.yaml`, and COMMITTED (JSON: step, time, each file's size
+and CRC-32s), written last. The ranks write into ROOT/.step_00000100.partial, which is renamed into
+place once committed; a directory without COMMITTED is never loaded.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
 
 from checkpoint import integrity
+from checkpoint.atomic import fsync_path
 from trainer.errors import CheckpointError
 
 MARKER = "COMMITTED"
@@ -24,21 +27,65 @@ def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
-def prune(root: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` committed checkpoints (0: keep all); directories
-    without a commit marker (a save in progress or interrupted) are never touched."""
+def partial_dir(root: Path, step: int) -> Path:
+    """Where the ranks write checkpoint `step` until it is committed and renamed to `step_dir`."""
+    return Path(root) / f".step_{step:08d}.partial"
+
+
+def data_file(rank: int) -> str:
+    """A rank's data file (DCP's FileSystemWriter naming: prefix __{rank}_, one file per rank)."""
+    return f"__{rank}_0.distcp"
+
+
+def publish(partial: Path, final: Path) -> None:
+    """Rename a committed partial directory into place; a committed checkpoint of the same step
+    already there (from a run resumed from an earlier step) is replaced."""
+    old = final.with_name(f".{final.name}.replaced")
+    if final.exists():
+        _remove(old)
+        os.rename(final, old)
+    os.rename(partial, final)
+    fsync_path(final.parent)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory, its commit marker first, so a crash halfway leaves a directory
+    that is not taken for a committed checkpoint."""
+    if not path.exists():
+        return
+    try:
+        (path / MARKER).unlink()
+        fsync_path(path)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def prune(root: Path, keep_last: int, newest: Path) -> None:
+    """Delete the least recently committed checkpoints until `keep_last` remain (0: keep all),
+    never `newest` (the one just committed); directories without a marker are never touched."""
     if keep_last:
-        for old in committed(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        others = [p for p in committed(root) if p != newest]
+        for old in others[:max(0, len(others) - (keep_last - 1))]:
+            _remove(old)
+
+
+def commit_time(ckpt: Path) -> float:
+    try:
+        return float(json.loads((Path(ckpt) / MARKER).read_text()).get("time", 0.0))
+    except (OSError, ValueError):
+        return 0.0
 
 
 def committed(root: Path) -> list[Path]:
-    """Committed checkpoint directories under root, oldest first."""
+    """Committed checkpoint directories under root, least recently committed first (a run resumed
+    from step 3 that commits step 5 makes step 5 the latest, not an older run's step 6)."""
     root = Path(root)
     if not root.is_dir():
         return []
     dirs = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MARKER).is_file()]
-    return sorted(dirs, key=lambda p: p.name)
+    return sorted(dirs, key=lambda p: (commit_time(p), p.name))
 
 
 def resolve(path: Path) -> Path:
@@ -68,4 +115,8 @@ def marker(ckpt: Path) -> dict:
 def verify(path: Path) -> tuple[Path, list[str]]:
     """The committed checkpoint `path` resolves to, and every integrity problem of its files."""
     ckpt = resolve(path)
-    return ckpt, integrity.problems(ckpt, marker(ckpt).get("files", {}))
+    files = marker(ckpt).get("files", {})
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{ckpt} was written by an older Strata (no checksums in its commit marker); this "
+                              "version cannot check or load it")
+    return ckpt, integrity.problems(ckpt, files)

@@ -4,23 +4,25 @@ which maps the staging image (a memfd) and persists it while training goes on.
 
 Data files are written with O_DIRECT where the file system allows it (on this class of disk a
 buffered write plus fsync was 2–4× slower, docs/design/checkpoint.md §3.3), fsynced, and their
-8 MiB-block CRCs recorded in a per-rank manifest; the commit (rank 0) merges the manifests into the
+256 KiB-block CRC-32Cs recorded in a per-rank manifest; the commit (rank 0) merges the manifests into the
 COMMITTED marker, written last, after `index.json` and DCP's `.metadata`.
 """
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from checkpoint import integrity, store
-from checkpoint.atomic import fsync_path, write_file_atomic
+from checkpoint.atomic import write_file_atomic
 
-CHUNK = 16 << 20
+CHUNK = 16 * integrity.BLOCK  # a whole number of checksum blocks, so chunks' block CRCs line up
 DELAY_ENV = "STRATA_CKPT_TEST_WRITE_DELAY_S"   # tests: a slow writer, to kill it mid-save
 
 
@@ -36,40 +38,51 @@ def _open_direct(path: Path) -> tuple[int, bool]:
         return os.open(path, flags, 0o644), False
 
 
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
 def write_data(path: Path, image: memoryview, nbytes: int) -> dict:
     """Write image[:nbytes] (page-aligned, nbytes a multiple of 4096) to `path` and fsync it;
-    returns its manifest entry. O_DIRECT when possible, else buffered."""
+    returns its manifest entry. O_DIRECT when possible, else buffered; each chunk's block CRCs are
+    computed on a second thread while the next chunk is written (both release the GIL)."""
     view = image[:nbytes]
     delay = float(os.environ.get(DELAY_ENV, 0))
     fd, direct = _open_direct(path)
+    crcs = []
     try:
-        if delay:
-            time.sleep(delay)
-        pos = 0
-        while pos < nbytes:
-            n = min(CHUNK, nbytes - pos)
-            try:
-                written = os.pwrite(fd, view[pos:pos + n], pos)
-            except OSError as e:
-                if not direct or e.errno != 22:
-                    raise OSError(e.errno, f"writing {n} bytes at offset {pos} of {path}: {e.strerror}") from e
-                os.close(fd)  # O_DIRECT refused this buffer: go on buffered
-                fd, direct = os.open(path, os.O_WRONLY), False
-                continue
-            pos += written
+        with ThreadPoolExecutor(1) as checksums:
             if delay:
                 time.sleep(delay)
-        os.fsync(fd)
+            pos = 0
+            while pos < nbytes:
+                n = min(CHUNK, nbytes - pos)
+                try:
+                    _pwrite_all(fd, view[pos:pos + n], pos)
+                except OSError as e:
+                    if not direct or e.errno != errno.EINVAL:
+                        raise OSError(e.errno, f"writing {n} bytes at offset {pos} of {path}: {e.strerror}") from e
+                    os.close(fd)  # O_DIRECT refused this buffer: go on buffered
+                    fd, direct = os.open(path, os.O_WRONLY), False
+                    continue
+                crcs.append(checksums.submit(integrity.block_checksums, view[pos:pos + n]))
+                pos += n
+                if delay:
+                    time.sleep(delay)
+            os.fsync(fd)
+            block_crcs = [crc for f in crcs for crc in f.result()]
     finally:
         os.close(fd)
-    return integrity.entry(view, blocks=True)
+    return {"bytes": nbytes, "block": integrity.BLOCK, "block_crc32c": block_crcs}
 
 
 def write_rank(step_dir: Path, rank: int, image: memoryview, nbytes: int, extra: dict[str, bytes]) -> None:
     """One rank's part of a save: its data file, any extra small files, then its manifest."""
     step_dir = Path(step_dir)
     step_dir.mkdir(parents=True, exist_ok=True)
-    files = {f"__{rank}_0.distcp": write_data(step_dir / f"__{rank}_0.distcp", image, nbytes)}
+    files = {store.data_file(rank): write_data(step_dir / store.data_file(rank), image, nbytes)}
     for name, data in extra.items():
         write_file_atomic(step_dir / name, data)
         files[name] = integrity.entry(data)
@@ -77,8 +90,9 @@ def write_rank(step_dir: Path, rank: int, image: memoryview, nbytes: int, extra:
 
 
 def commit(step_dir: Path, step: int, world: int, index: dict, config_yaml: str, keep_last: int) -> None:
-    """Rank 0, once every rank's part is on disk: index.json, .metadata, config.yaml, then COMMITTED
-    (with every file's checksums), then retention of older committed checkpoints."""
+    """Rank 0, once every rank's part is in the partial directory `step_dir`: index.json, .metadata,
+    config.yaml, then COMMITTED (with every file's checksums), then the rename into place, then
+    retention of older committed checkpoints."""
     from checkpoint import dcp_meta  # imports torch: only rank 0's writer pays for it
     step_dir = Path(step_dir)
     files: dict[str, dict] = {}
@@ -90,8 +104,9 @@ def commit(step_dir: Path, step: int, world: int, index: dict, config_yaml: str,
         write_file_atomic(step_dir / name, data)
         files[name] = integrity.entry(data)
     write_file_atomic(step_dir / store.MARKER, json.dumps({"step": step, "files": files, "time": time.time()}).encode())
-    fsync_path(step_dir.parent)
-    store.prune(step_dir.parent, keep_last)
+    final = store.step_dir(step_dir.parent, step)
+    store.publish(step_dir, final)
+    store.prune(step_dir.parent, keep_last, final)
 
 
 def serve(image: memoryview, conn: Connection) -> None:

@@ -22,6 +22,10 @@ class Box:
     def index(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
 
+    def shifted(self, by: tuple[int, ...]) -> "Box":
+        """This box inside a box at `by` (offsets added)."""
+        return Box(tuple(o + b for o, b in zip(by, self.offsets)), self.sizes)
+
 
 def range_to_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
     """The row-major flat range [start, end) of a tensor of `shape` as boxes, in order. A range

@@ -427,18 +427,14 @@ class ZeroEngine:
         return out
 
     @contextlib.contextmanager
-    def gathered(self, write_back: bool = False) -> Iterator[None]:
-        """Every group's parameters whole inside the block (for saving, loading, inspection); with
-        `write_back`, values written to them meanwhile become the partitioned state."""
+    def gathered(self) -> Iterator[None]:
+        """Every group's parameters whole inside the block (for inspection)."""
         for g in self.groups:
             g.gather()
         try:
             yield
         finally:
             for g in self.groups:
-                if write_back:
-                    g.shard.copy_(g.full[g.param_start:g.param_start + g.shard.numel()])
-                    g.secondary_valid = False
                 g.free()
 
     def invalidate_secondary(self) -> None:

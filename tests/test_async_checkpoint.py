@@ -82,9 +82,9 @@ def test_killed_writer_is_reported_at_the_next_step_and_the_previous_checkpoint_
     save(mgr, 2)
     os.kill(mgr.writer_pid, signal.SIGKILL)  # mid-save: the writer is in its delay, then its writes
     wait_for(lambda: mgr._proc.poll() is not None)
-    with pytest.raises(CheckpointError, match=r"step_00000002 was not saved.*\n.*writer .* died \(exit code -9\)"):
+    with pytest.raises(CheckpointError, match=r"step 2 was not saved.*\n.*writer .* died \(exit code -9\)"):
         mgr.poll()
-    assert not (store.step_dir(tmp_path, 2) / store.MARKER).exists()
+    assert not store.step_dir(tmp_path, 2).exists()
     assert store.resolve(tmp_path) == store.step_dir(tmp_path, 1)
     assert store.verify(tmp_path)[1] == []
     assert_loads(tmp_path, 1)
@@ -95,30 +95,37 @@ def test_killed_writer_is_reported_at_the_next_step_and_the_previous_checkpoint_
 
 def test_writer_error_names_the_problem_at_the_next_step(tmp_path):
     mgr = CheckpointManager(tmp_path, 0, 1, async_save=True)
-    store.step_dir(tmp_path, 5).write_text("not a directory")
+    store.partial_dir(tmp_path, 5).write_text("not a directory")
     save(mgr, 5)
-    with pytest.raises(CheckpointError, match="step_00000005"):
+    with pytest.raises(CheckpointError, match=r"step 5 was not saved(.|\n)*step_00000005.partial"):
         mgr.wait()
     mgr.close()
 
 
 def test_keep_last_deletes_only_older_committed_checkpoints(tmp_path):
     mgr = CheckpointManager(tmp_path, 0, 1, keep_last=2, async_save=True)
-    crashed = store.step_dir(tmp_path, 0)
+    crashed = store.partial_dir(tmp_path, 0)
     crashed.mkdir(parents=True)  # an interrupted save: no marker, never deleted
     for step in (1, 2, 3, 4):
         save(mgr, step)
     mgr.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000000", "step_00000003", "step_00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [crashed.name, "step_00000003", "step_00000004"]
 
 
-def test_resaving_a_committed_step_leaves_it_alone(tmp_path):
+def test_a_run_resumed_from_an_earlier_step_replaces_and_outlives_the_old_timeline(tmp_path):
+    """Checkpoints 3 and 6 exist; a run resumed from 3 saves 5 (keep_last 1): 5 is the latest and
+    the one kept. Saving 6 again replaces the old 6 with the new state."""
     mgr = CheckpointManager(tmp_path, 0, 1)
-    save(mgr, 1)
-    before = (store.step_dir(tmp_path, 1) / store.MARKER).read_bytes()
-    mgr.save(1, pieces(7), {"trainer": {"step": 7}}, {}, "", {})
-    assert (store.step_dir(tmp_path, 1) / store.MARKER).read_bytes() == before
-    assert_loads(tmp_path, 1)
+    save(mgr, 3)
+    save(mgr, 6)
+    resumed = CheckpointManager(tmp_path, 0, 1, keep_last=1)
+    save(resumed, 5)
+    assert [p.name for p in store.committed(tmp_path)] == ["step_00000005"]
+    assert store.resolve(tmp_path) == store.step_dir(tmp_path, 5)
+    resumed.save(6, pieces(60), {"trainer": {"step": 6}}, {}, "", {})
+    got = Checkpoint(tmp_path).tensors("")
+    assert all(torch.equal(got[p.key], p.tensor) for p in pieces(60))
+    assert [p.name for p in store.committed(tmp_path)] == ["step_00000006"]
 
 
 def holder_of(path: Path) -> int | None:
@@ -151,7 +158,7 @@ def test_two_rank_run_killed_mid_save_fails_on_every_rank_and_resumes_from_the_l
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": REPO, writer.DELAY_ENV: "1.0"})
     ckpts = tmp_path / "killed" / "t" / "checkpoints"
-    target = store.step_dir(ckpts, 4) / "__1_0.distcp"
+    target = store.partial_dir(ckpts, 4) / "__1_0.distcp"
     try:
         wait_for(lambda: holder_of(target) is not None or proc.poll() is not None, timeout_s=120)
         pid = holder_of(target)
@@ -161,7 +168,7 @@ def test_two_rank_run_killed_mid_save_fails_on_every_rank_and_resumes_from_the_l
     finally:
         proc.kill()
     assert proc.returncode != 0, out[-3000:]
-    assert "step_00000004 was not saved" in out and "died (exit code -9)" in out, out[-3000:]
+    assert "checkpoint step 4 was not saved" in out and "died (exit code -9)" in out, out[-3000:]
     assert store.resolve(ckpts) == store.step_dir(ckpts, 2)
     assert strata_main(["ckpt", "verify", str(ckpts)]) == 0
 

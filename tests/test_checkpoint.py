@@ -1,19 +1,20 @@
 """Checkpoint integrity and bad input: every file's size is checked against the commit marker before
-anything is read, and every block read against its CRC-32; a missing, truncated or corrupted file,
+anything is read, and every block read against its CRC-32C; a missing, truncated or corrupted file,
 or a checkpoint of another model (missing / unexpected keys, other shapes), is one clear error
 naming the files and keys — raised before any training state is modified. `strata ckpt
 inspect|verify` report it. The format is DCP's: torch.distributed.checkpoint alone reads it."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
-import zlib
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-from checkpoint import store
+from checkpoint import integrity, store
 from checkpoint.reader import Checkpoint
 from conftest import tiny_config
 from launch.cli import main as strata_main
@@ -111,7 +112,33 @@ def test_damaged_dcp_metadata_fails_verify(saved, capsys):
     marker = store.marker(saved)
     evil = pickle.dumps(os.system)
     (saved / ".metadata").write_bytes(evil)
-    marker["files"][".metadata"] = {"bytes": len(evil), "crc32": f"{zlib.crc32(evil):08x}"}
+    marker["files"][".metadata"] = integrity.entry(evil)  # a checksum that matches: only the unpickler stands
     (saved / store.MARKER).write_text(json.dumps(marker))
     assert strata_main(["ckpt", "verify", str(saved)]) == 1
     assert "posix.system is not allowed" in capsys.readouterr().out
+
+
+def test_dcp_alone_loads_weights_and_optimizer_into_plain_torch(saved):
+    """torch.distributed.checkpoint's own state_dict helpers and load, a plain GPT and a torch AdamW:
+    the weights and every Adam moment equal what Strata saved; the hyper-parameters come along."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
+    from trainer.config import load
+    from trainer.loop import build_optimizer, lr_at
+    from trainer.model import GPT
+
+    cfg = load(saved / "config.yaml")
+    want = Checkpoint(saved).tensors("")
+    model = GPT(cfg.model, want["model.tok_embeddings.weight"].shape[0])
+    opt = build_optimizer(list(model.parameters()), dataclasses.replace(cfg.optim, lr=123.0), torch.device("cpu"))
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=str(saved))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    named = dict(model.named_parameters())
+    for key, t in want.items():
+        if key.startswith("model."):
+            assert torch.equal(named[key[6:]], t), key
+        elif key.startswith("optim.state."):
+            fqn, kind = key[len("optim.state."):].rsplit(".", 1)
+            assert torch.equal(opt.state[named[fqn]][kind], t), key
+    last_lr = lr_at(1, cfg.optim, cfg.train.steps)  # the schedule's lr at the saved run's last step (step 2)
+    assert opt.param_groups[1]["weight_decay"] == 0.0 and opt.param_groups[0]["lr"] == pytest.approx(last_lr)

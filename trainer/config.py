@@ -187,7 +187,7 @@ class OffloadConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Periodic checkpoints (atomic directories with a COMMITTED marker)."""
+    """Periodic checkpoints: every rank writes its own part (DCP's format), committed last with checksums."""
     dir: Optional[str] = opt(None, "where checkpoints go (null: <run dir>/checkpoints)")
     interval: int = opt(0, "save every N steps (0: only at the end when `save_final`)", min=0)
     save_final: bool = opt(True, "save a checkpoint after the last step")
@@ -195,7 +195,7 @@ class CheckpointConfig:
     async_save: bool = opt(False, "save in the background: the step pays only for copying this rank's state into a "
                            "shared-memory staging buffer, a writer process persists it while training goes on",
                            key="async")
-    verify_on_load: bool = opt(True, "check the CRC-32 of every block a resume reads")
+    verify_on_load: bool = opt(True, "check the CRC-32C of every block a resume reads")
 
 
 @dataclass(frozen=True)

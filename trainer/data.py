@@ -206,13 +206,20 @@ class BatchLoader:
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed, "n_samples": len(self.dataset)}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the position. A state without seed/n_samples (imported from another framework,
-        which counts only consumed samples) is taken as this run's."""
+    def state_problems(self, state: dict) -> list[str]:
+        """Why a saved position does not fit this loader (nothing: it does). A state without
+        seed/n_samples (imported from another framework, which counts only consumed samples) fits."""
         if state.get("n_samples", len(self.dataset)) != len(self.dataset) or state.get("seed", self.seed) != self.seed:
-            raise DataError(f"cannot resume the data position: the checkpoint was taken with seed {state['seed']} over "
-                            f"{state['n_samples']} samples, this run has seed {self.seed} over {len(self.dataset)}; "
-                            "resume with the same data, model.seq_len and train.seed")
+            return [f"cannot resume the data position: the checkpoint was taken with seed {state['seed']} over "
+                    f"{state['n_samples']} samples, this run has seed {self.seed} over {len(self.dataset)}; "
+                    "resume with the same data, model.seq_len and train.seed"]
+        return []
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the position (see `state_problems`)."""
+        problems = self.state_problems(state)
+        if problems:
+            raise DataError(problems[0])
         self.consumed_samples = int(state["consumed_samples"])
 
 

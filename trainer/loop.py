@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint.layout import hyperparameters, load_optimizer, model_state_problems
+from checkpoint.layout import hyperparameters, load_optimizer, model_state_problems, optimizer_problems
 from checkpoint.manager import CheckpointManager
 from checkpoint.pieces import (Piece, canonical_names, model_pieces, optimizer_entries, optimizer_pieces, rng_piece,
                                state_pieces)
@@ -121,6 +121,7 @@ class Trainer:
         self.held_bytes: dict[str, int] = {}
         self.loader = BatchLoader(self.train_set, cfg.train.seed, cfg.train.global_batch_size,
                                   cfg.train.micro_batch_size, self.topo.dp_rank, layout.dp)
+        self._config_yaml = config_mod.dump(cfg)  # saved with every checkpoint
         self.checkpoints = CheckpointManager(cfg.checkpoint_dir(), runtime.rank, runtime.world_size,
                                              cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                              comm.new_gloo_group() if runtime.distributed else None)
@@ -294,9 +295,18 @@ class Trainer:
                   + optimizer_pieces(self.optimizer, optimizer_entries(self.parts, self.engine, self.canonical))
                   + [rng_piece(self.rt.rank)])
         objects = {"trainer": {"step": self.step, "data": self.loader.state_dict()},
-                   "optim.param_groups": hyperparameters(self.optimizer)} if self.rt.rank == 0 else {}
+                   "optim.param_groups": self._param_groups()} if self.rt.rank == 0 else {}
         aliases = {f"model.{name}": f"model.{first}" for name, first in self.canonical.items() if name != first}
-        self.checkpoints.save(self.step, pieces, objects, aliases, config_mod.dump(self.cfg), self._layout_summary())
+        self.checkpoints.save(self.step, pieces, objects, aliases, self._config_yaml, self._layout_summary())
+
+    def _param_groups(self) -> list[dict]:
+        """The optimizer's hyper-parameters with each group's parameters named as in the plain model,
+        as torch.distributed.checkpoint.state_dict names them (build_optimizer's grouping: matrices
+        decay), so a plain torch AdamW can load the state with DCP alone."""
+        names = list(dict.fromkeys(self.canonical.values()))
+        matrix = [n for n in names if len(self.global_shapes[n]) >= 2]
+        other = [n for n in names if len(self.global_shapes[n]) < 2]
+        return [{**h, "params": group} for h, group in zip(hyperparameters(self.optimizer), (matrix, other))]
 
     def _layout_summary(self) -> dict:
         layout, zero = self.topo.layout, self.cfg.zero
@@ -321,12 +331,15 @@ class Trainer:
             if not problems:
                 problems = ckpt.read(fresh + optim_targets + rng, self.cfg.checkpoint.verify_on_load)
                 objects = {k: ckpt.object(k) for k in ("trainer", "optim.param_groups")}
+                misfit = self.loader.state_problems(objects["trainer"]["data"]) + \
+                    optimizer_problems(self.optimizer, objects["optim.param_groups"])
+                problems += misfit
         except CheckpointError as e:
             problems = [str(e)]
         finally:
             ckpt.close()
-        self.checkpoints.agree(problems, f"{ckpt.path} does not fit this model, nothing was loaded; resume with the "
-                               "model config it was saved with (see its config.yaml)" if misfit else
+        self.checkpoints.agree(problems, f"{ckpt.path} does not fit this run, nothing was loaded; resume with the "
+                               "config it was saved with (see its config.yaml)" if misfit else
                                f"{ckpt.path} is damaged, nothing was loaded; resume from another checkpoint "
                                "(`strata ckpt verify DIR` checks one)")
         with torch.no_grad():
@@ -334,10 +347,7 @@ class Trainer:
                 dst.tensor.copy_(src.tensor)
         if self.engine:
             self.engine.invalidate_secondary()
-        try:
-            load_optimizer(self.optimizer, optim_state, objects["optim.param_groups"])
-        except ValueError as e:
-            raise CheckpointError(f"{ckpt.path} does not fit this optimizer ({e})") from e
+        load_optimizer(self.optimizer, optim_state, objects["optim.param_groups"])
         state = objects["trainer"]
         self.loader.load_state_dict(state["data"])
         for piece in rng:
@@ -366,7 +376,7 @@ class Trainer:
         state, targets = {}, []
         for param, fqn, placement, shape, start in optimizer_entries(self.parts, self.engine, self.canonical):
             if fqn in saved:
-                entry = {kind: torch.zeros((), dtype=torch.float32) if not s else torch.zeros_like(param.data)
+                entry = {kind: torch.empty((), dtype=torch.float32) if not s else torch.empty_like(param.data)
                          for kind, s in saved[fqn].items()}
                 state[index[id(param)]] = entry
                 targets += state_pieces(fqn, entry, placement, shape, start)
