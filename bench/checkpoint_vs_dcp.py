@@ -1,0 +1,309 @@
+"""Strata checkpoints against torch.distributed.checkpoint (DCP) on the same state, same run (CPU, gloo).
+
+A real Strata Trainer (GPT, ~330M parameters by default, ZeRO-3 over 4 ranks, AdamW state after one
+step) is saved by Strata (`checkpoint.async`) and by DCP from the very same boxes (each rank's
+pieces, deduplicated as Strata writes them, wrapped as ShardedTensors), then loaded into another
+layout (tp2·dp2, ZeRO-3) by both. Printed, each the slowest rank's, median over rounds:
+
+* stall per save: the time `trainer.save()` blocks training (Strata async) against `dcp.save`
+  (sync, whole save) and `dcp.async_save` (time until it returns);
+* end-to-end save time: call to COMMITTED (Strata) / to `.metadata` (DCP);
+* load with resharding, page cache dropped for the checkpoint's files first (posix_fadvise):
+  Strata's reader (with and without block CRC checks) against `dcp.load` into ShardedTensors of the
+  target boxes; the two results are compared element for element;
+* write bandwidth: checkpoint bytes over Strata's write time, against the disk's raw sequential
+  write bandwidth measured in the same run (`dd oflag=direct conv=fsync`, one writer per rank
+  writing as many bytes as its checkpoint file, before and after the Strata saves).
+
+    python bench/checkpoint_vs_dcp.py                    # 4 ranks, ~330M params: ~5 min on 2 cores
+    python bench/checkpoint_vs_dcp.py --layers 2 --rounds 1   # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import warnings
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+GiB = 2**30
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=3, help="saves of each kind (medians reported)")
+    p.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default: a temp dir on /tmp's disk)")
+    p.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def launch(args: argparse.Namespace) -> int:
+    from launch.torchrun import LaunchPlan, torchrun_args
+    from trainer.data import ensure_default_corpus
+    from trainer.config import DataConfig
+
+    ensure_default_corpus(DataConfig().cache_dir, DataConfig().val_fraction)  # once, before the ranks start
+    work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(LaunchPlan(args.nproc)), __file__, "--worker",
+           "--d-model", str(args.d_model), "--layers", str(args.layers), "--rounds", str(args.rounds),
+           "--dir", str(work)] + (["--out", str(args.out)] if args.out else [])
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    try:
+        return subprocess.call(cmd, env=env, cwd=REPO)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# --- the worker (one per rank) ----------------------------------------------------------------
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from parallel import runtime
+    from trainer import config
+    from trainer.loop import Trainer
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # DCP: "use DTensor" (it cannot shard flat ranges)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    rt = runtime.start("gloo", 1800)
+    rank, world = rt.rank, rt.world_size
+    work = args.dir
+    group = dist.new_group(backend="gloo")  # DCP's collectives, apart from training's
+    zero3 = [f"zero.{k}.shard_over=global" for k in ("params", "grads", "optim")]
+    common = [f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", "model.n_heads=16",
+              "model.seq_len=32", "train.micro_batch_size=1", f"train.global_batch_size={world}",
+              "train.steps=1000", "log.progress=false", f"log.dir={work / 'runs'}", "checkpoint.keep_last=0",
+              "checkpoint.async=true", *zero3]
+    cfg = config.load(REPO / "configs" / "tiny.yaml", [*common, f"checkpoint.dir={work / 'strata'}"], world)
+    trainer = Trainer(cfg, rt)
+    trainer.train_step()  # the optimizer state exists from here
+
+    def timed(fn) -> tuple[float, object]:
+        """fn's time on the slowest rank (these collectives use the default group: `group` may be
+        busy in DCP's async-save thread)."""
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return elapsed.item(), out
+
+    figures: dict = {"ranks": world, "cores": os.cpu_count(), "d_model": args.d_model, "layers": args.layers,
+                     "params": sum(math_numel(s) for s in trainer.global_shapes.values())}
+
+    # --- Strata async saves ------------------------------------------------------------------
+    def save() -> tuple[float, float]:
+        trainer.step += 1
+        stall, _ = timed(trainer.save)
+        total, _ = timed(trainer.checkpoints.wait)
+        return stall, stall + total
+
+    figures["strata_first_save_stall_s"] = save()[0]  # also plans and allocates the staging image
+    from checkpoint import store
+    first = store.committed(work / "strata")[-1]
+    saved_bytes = sum(p.stat().st_size for p in first.glob("__*_0.distcp"))
+    raw_before = raw_bandwidth(work, rank, (first / store.data_file(rank)).stat().st_size)
+    stalls, e2e = zip(*[save() for _ in range(args.rounds)])
+    raw_after = raw_bandwidth(work, rank, (first / store.data_file(rank)).stat().st_size)
+    figures.update(strata_stall_s=list(stalls), strata_save_s=list(e2e), checkpoint_bytes=saved_bytes,
+                   strata_write_gbps=[saved_bytes / (t - s) / 1e9 for t, s in zip(e2e, stalls)],
+                   raw_write_gbps=[raw_before, raw_after])
+    strata_dir = sorted((work / "strata").glob("step_*"))[-1]
+
+    # --- DCP, same boxes ---------------------------------------------------------------------
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    state, _ = dcp_state(trainer, group, rank)
+    sync, asyn, asyn_stall = [], [], []
+    for i in range(args.rounds):
+        path = work / f"dcp_sync{i}"
+        t, _ = timed(lambda: dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=2, sync_files=True),
+                                      process_group=group))
+        sync.append(t)
+        if i < args.rounds - 1:
+            shutil.rmtree(path, ignore_errors=True) if rank == 0 else None
+        path = work / f"dcp_async{i}"
+        stall, fut = timed(lambda: dcp.async_save(state, storage_writer=FileSystemWriter(path, thread_count=2,
+                                                                                        sync_files=True),
+                                                  process_group=group))
+        total, _ = timed(fut.result)
+        asyn_stall.append(stall)
+        asyn.append(stall + total)
+        dist.barrier()
+        shutil.rmtree(path, ignore_errors=True) if rank == 0 else None
+    figures.update(dcp_save_s=sync, dcp_async_stall_s=asyn_stall, dcp_async_save_s=asyn)
+    dcp_dir = work / f"dcp_sync{args.rounds - 1}"
+    state = trainer = None  # free them before the second trainer is built
+    gc.collect()
+
+    # --- load into tp2·dp2 ------------------------------------------------------------------------
+    target = config.load(REPO / "configs" / "tiny.yaml", [*common, "parallel.tp=2", f"checkpoint.dir={work / 'x'}"],
+                         world)
+    loader = Trainer(target, rt)
+    loads = {}
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def dcp_load() -> list:
+        """DCP needs its destinations built first (ShardedTensors of the target boxes): timed too,
+        as Strata's load allocates its new optimizer state inside the timed call."""
+        target_state, pairs = dcp_state(loader, group, rank, fresh=True)
+        dcp.load(target_state, storage_reader=FileSystemReader(dcp_dir), process_group=group)
+        return pairs
+
+    for cache in ("cold", "warm"):
+        for verify in (True, False):
+            loader.cfg = config.replace(target, "checkpoint.verify_on_load", verify)
+            if cache == "cold":
+                drop_cache(strata_dir, rank)
+            loads[f"strata_load_{cache}_{'crc' if verify else 'nocrc'}_s"], _ = timed(lambda: loader.resume(strata_dir))
+        if cache == "cold":
+            drop_cache(dcp_dir, rank)
+        loads[f"dcp_load_{cache}_s"], pairs = timed(dcp_load)
+    bad = torch.tensor(sum(not torch.equal(strata, by_dcp) for strata, by_dcp in pairs))
+    dist.all_reduce(bad, group=group)
+    figures.update(loads, load_mismatches=int(bad))
+
+    if rank == 0:
+        report(figures)
+        if args.out:
+            args.out.write_text(json.dumps(figures, indent=1))
+    loader.checkpoints.close()
+    runtime.stop()
+
+
+def math_numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _all_pieces(trainer):
+    from checkpoint.pieces import model_pieces, optimizer_entries, optimizer_pieces
+    return (model_pieces(trainer.parts, trainer.engine, trainer.canonical)
+            + optimizer_pieces(trainer.optimizer, optimizer_entries(trainer.parts, trainer.engine, trainer.canonical)))
+
+
+def dcp_state(trainer, group, rank: int, fresh: bool = False) -> tuple[dict, list]:
+    """The trainer's pieces as DCP wants them: a ShardedTensor per tensor over the boxes the ranks
+    hold, a box several ranks hold split among them exactly as Strata writes it (ShardedTensor
+    shards may not overlap), plain tensors for 0-d entries. With `fresh`, new tensors to load into
+    (the trainer's are left alone). Also returns (the trainer's view, the state's tensor) pairs."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    from checkpoint.plan import Descriptor, assign, dtype_name
+
+    pieces = _all_pieces(trainer)
+    descs = [Descriptor(p.key, tuple(p.global_shape), dtype_name(p.dtype), p.box) for p in pieces]
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, descs, group=group)
+    by_key: dict[str, list] = {}
+    for r, rank_items in enumerate(assign(every)):
+        for it in rank_items:
+            by_key.setdefault(it.key, []).append((r, it))
+    state, pairs = {}, []
+
+    def view(it):
+        n = math_numel(it.box.sizes)
+        live = pieces[it.piece].tensor.reshape(-1)[it.start:it.start + n].view(it.box.sizes)
+        pairs.append((live, live.clone() if fresh else live))
+        return pairs[-1][1]
+    for key, holders in by_key.items():
+        shape = holders[0][1].global_shape
+        mine = [it for r, it in holders if r == rank]
+        if not shape:
+            if mine:
+                state[key] = view(mine[0])
+            continue
+        local = [Shard(view(it), ShardMetadata(list(it.box.offsets), list(it.box.sizes), f"rank:{rank}/cpu"))
+                 for it in mine]
+        meta = ShardedTensorMetadata([ShardMetadata(list(it.box.offsets), list(it.box.sizes), f"rank:{r}/cpu")
+                                      for r, it in holders], torch.Size(shape),
+                                     TensorProperties(dtype=getattr(torch, holders[0][1].dtype)))
+        state[key] = ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=group)
+    return state, pairs
+
+
+def drop_cache(directory: Path, rank: int) -> None:
+    """Evict a checkpoint's files from the page cache (they are fsynced, so clean): a cold read."""
+    import torch.distributed as dist
+    if rank == 0:
+        for path in Path(directory).rglob("*"):
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    dist.barrier()
+
+
+def raw_bandwidth(work: Path, rank: int, file_bytes: int) -> float:
+    """GB/s of `dd oflag=direct conv=fsync` with every rank writing as many bytes as its
+    checkpoint data file at once (random bytes from /dev/shm, so nothing is compressible or cached)."""
+    import torch
+    import torch.distributed as dist
+    blocks = -(-file_bytes // 2**24)
+    src = Path(f"/dev/shm/ckpt-bench-raw-{rank}")
+    with open(src, "wb") as f:
+        for _ in range(blocks):
+            f.write(os.urandom(2**24))
+    dist.barrier()
+    t0 = time.perf_counter()
+    subprocess.run(["dd", f"if={src}", f"of={work / f'raw-{rank}'}", "bs=16M", f"count={blocks}", "oflag=direct",
+                    "conv=fsync"], check=True, capture_output=True)
+    elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    nbytes = torch.tensor(blocks * 2**24, dtype=torch.float64)
+    dist.all_reduce(nbytes)
+    os.unlink(work / f"raw-{rank}")
+    src.unlink()
+    return nbytes.item() / elapsed.item() / 1e9
+
+
+def report(f: dict) -> None:
+    med = statistics.median
+    print(f"\n{f['ranks']} ranks on {f['cores']} cores, GPT d_model {f['d_model']} × {f['layers']} layers "
+          f"({f['params'] / 1e6:.0f}M parameters), ZeRO-3 + AdamW; "
+          f"checkpoint {f['checkpoint_bytes'] / GiB:.2f} GiB of data files")
+    print(f"stall per save     Strata async {med(f['strata_stall_s']):7.3f} s   dcp.save {med(f['dcp_save_s']):7.3f} s   "
+          f"dcp.async_save {med(f['dcp_async_stall_s']):7.3f} s   ratio dcp.save/Strata "
+          f"{med(f['dcp_save_s']) / med(f['strata_stall_s']):.1f}x (goal >= 20x)")
+    print(f"  (Strata's first save, which also plans and allocates the staging image: "
+          f"{f['strata_first_save_stall_s']:.3f} s)")
+    print(f"save end to end    Strata {med(f['strata_save_s']):7.3f} s   dcp.save {med(f['dcp_save_s']):7.3f} s   "
+          f"dcp.async_save {med(f['dcp_async_save_s']):7.3f} s   ratio DCP/Strata "
+          f"{med(f['dcp_save_s']) / med(f['strata_save_s']):.2f}x (goal > 1)")
+    for cache in ("cold", "warm"):
+        crc, nocrc, ref = (f[f"strata_load_{cache}_crc_s"], f[f"strata_load_{cache}_nocrc_s"], f[f"dcp_load_{cache}_s"])
+        print(f"load {cache}, dp4 ZeRO-3 -> tp2·dp2 ZeRO-3: Strata {crc:.3f} s (CRCs checked), {nocrc:.3f} s (not)   "
+              f"dcp.load {ref:.3f} s   ratio DCP/Strata {ref / crc:.2f}x checked, {ref / nocrc:.2f}x not (goal > 1)")
+    print(f"  boxes loaded differently by Strata and DCP: {f['load_mismatches']}")
+    raw = med(f["raw_write_gbps"])
+    print(f"write bandwidth    Strata {med(f['strata_write_gbps']):.2f} GB/s   raw dd {raw:.2f} GB/s "
+          f"(before {f['raw_write_gbps'][0]:.2f}, after {f['raw_write_gbps'][1]:.2f})   ratio "
+          f"{med(f['strata_write_gbps']) / raw:.2f} (goal >= 0.8)")
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    sys.exit(worker(arguments) or 0 if arguments.worker else launch(arguments))
