@@ -46,10 +46,13 @@ class Handle:
 
 class IOEngine:
     """Aligned reads and writes of whole files or file ranges, `threads` requests at a time, each
-    request at most `chunk_bytes`. `direct=False`, or a file system refusing O_DIRECT, uses the
-    page cache instead (said once, in `self.buffered_paths`)."""
+    request at most `chunk_bytes` (defaults: 4 threads of 4 MiB, the kernel's largest request
+    here, which matched DeepSpeed's libaio op on this disk: docs/design/offload.md §2.1).
+    `direct=False`, or a file system refusing O_DIRECT, goes through the page cache instead
+    (recorded in `self.buffered_paths`), dropping each chunk from it after use so swapped data
+    does not silently fill host memory."""
 
-    def __init__(self, threads: int = 2, chunk_bytes: int = 8 << 20, direct: bool = True):
+    def __init__(self, threads: int = 4, chunk_bytes: int = 4 << 20, direct: bool = True):
         if chunk_bytes % ALIGN:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be a multiple of {ALIGN}")
         self.chunk_bytes, self.direct = chunk_bytes, direct and hasattr(os, "O_DIRECT")
@@ -94,6 +97,10 @@ class IOEngine:
                     if n == 0:
                         raise OSError(errno_names.ENODATA, "end of file before the requested bytes")
                 done += n
+            if path in self.buffered_paths:
+                if op == "write":
+                    os.fdatasync(fd)  # DONTNEED drops only clean pages
+                os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
         except OSError as e:
             raise SwapIOError(_describe(op, path, offset + done, len(view) - done, e)) from e
         with self._lock:
