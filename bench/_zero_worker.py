@@ -89,7 +89,7 @@ class DeepSpeedSide:
         # Strata's AdamW and weight-decay groups; a partitioned parameter's own shape is empty, its
         # ds_shape is the real one.
         params = list(model.parameters())
-        self.opt = build_optimizer(params, cfg.optim, torch.device("cpu"), is_matrix=lambda p: len(p.ds_shape) >= 2)
+        self.opt = build_optimizer(params, cfg.optim, torch.device("cpu"), shape_of=lambda p: tuple(p.ds_shape))
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.opt, config=ds)
         self.loader = BatchLoader(train_set, cfg.train.seed, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                   self.rank, self.world)

@@ -24,6 +24,7 @@ import argparse
 import warnings
 import gc
 import json
+import math
 import os
 import shutil
 import statistics
@@ -103,7 +104,7 @@ def worker(args: argparse.Namespace) -> None:
         return elapsed.item(), out
 
     figures: dict = {"ranks": world, "cores": os.cpu_count(), "d_model": args.d_model, "layers": args.layers,
-                     "params": sum(math_numel(s) for s in trainer.global_shapes.values())}
+                     "params": sum(math.prod(s) for s in trainer.global_shapes.values())}
 
     # --- Strata async saves ------------------------------------------------------------------
     def save() -> tuple[float, float]:
@@ -186,19 +187,6 @@ def worker(args: argparse.Namespace) -> None:
     runtime.stop()
 
 
-def math_numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _all_pieces(trainer):
-    from checkpoint.pieces import model_pieces, optimizer_entries, optimizer_pieces
-    return (model_pieces(trainer.parts, trainer.engine, trainer.canonical)
-            + optimizer_pieces(trainer.optimizer, optimizer_entries(trainer.parts, trainer.engine, trainer.canonical)))
-
-
 def dcp_state(trainer, group, rank: int, fresh: bool = False) -> tuple[dict, list]:
     """The trainer's pieces as DCP wants them: a ShardedTensor per tensor over the boxes the ranks
     hold, a box several ranks hold split among them exactly as Strata writes it (ShardedTensor
@@ -212,7 +200,7 @@ def dcp_state(trainer, group, rank: int, fresh: bool = False) -> tuple[dict, lis
 
     from checkpoint.plan import Descriptor, assign, dtype_name
 
-    pieces = _all_pieces(trainer)
+    pieces = trainer.checkpoint_pieces()
     descs = [Descriptor(p.key, tuple(p.global_shape), dtype_name(p.dtype), p.box) for p in pieces]
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, descs, group=group)
@@ -223,7 +211,7 @@ def dcp_state(trainer, group, rank: int, fresh: bool = False) -> tuple[dict, lis
     state, pairs = {}, []
 
     def view(it):
-        n = math_numel(it.box.sizes)
+        n = math.prod(it.box.sizes)
         live = pieces[it.piece].tensor.reshape(-1)[it.start:it.start + n].view(it.box.sizes)
         pairs.append((live, live.clone() if fresh else live))
         return pairs[-1][1]

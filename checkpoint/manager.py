@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import store, writer
+from parallel import comm
+from parallel.runtime import pin_host, unpin_host
 from checkpoint.blob import object_bytes, template
-from checkpoint.pieces import Piece
-from parallel.flat import Box
+from checkpoint.pieces import Piece, whole_piece
 from checkpoint.plan import Descriptor, Item, assign, dtype_name, place, tensor_index, torch_dtype
 from trainer.errors import CheckpointError
 
@@ -53,10 +54,11 @@ class _Image:
         self.map = mmap.mmap(self.fd, max(nbytes, 1))
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)[:nbytes]
         self.tensor.zero_()  # fault the pages in now, not during the first save's copy
+        self.pinned = pin_host(self.tensor)  # copies from a GPU then run at full speed
 
     def close(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+        if self.pinned:
+            unpin_host(self.tensor)
         self.tensor = None
         try:
             self.map.close()
@@ -76,7 +78,8 @@ class _Staging:
 
 
 class CheckpointManager:
-    """Checkpoints under `root` for one rank of a `world` (collective calls: every rank makes them)."""
+    """Checkpoints under `root` for one rank of a `world` (collective calls over `group`, None in a
+    world of one: every rank makes them)."""
 
     def __init__(self, root: Path, rank: int, world: int, keep_last: int = 0, async_save: bool = False, group=None):
         self.root, self.rank, self.world = Path(root), rank, world
@@ -86,23 +89,14 @@ class CheckpointManager:
         self._proc = self._conn = None
 
     # --- collectives (no-ops in a world of one) --------------------------------------------
-    def _all_gather(self, obj) -> list:
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
     def _all_true(self, flag: bool) -> bool:
-        if self.world == 1:
-            return flag
         t = torch.tensor(int(flag))
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        comm.all_reduce(t, self.group, dim="checkpoint", op=dist.ReduceOp.MIN)
         return bool(t)
 
     def agree(self, problems: list[str], what: str) -> None:
         """Raise the same CheckpointError on every rank if any rank has problems."""
-        every = self._all_gather(problems)
+        every = comm.all_gather_objects(problems, self.group)
         found = [f"rank {r}: {p}" if self.world > 1 else p for r, ps in enumerate(every) for p in ps]
         if found:
             raise CheckpointError(f"{what}:\n  " + "\n  ".join(found[:20])
@@ -147,15 +141,13 @@ class CheckpointManager:
         descs = [Descriptor(p.key, tuple(p.global_shape), dtype_name(p.dtype), p.box) for p in pieces]
         if self._staging is not None and self._all_true(self._staging.descs[self.rank] == descs):
             return self._staging  # every rank holds what it held at the last save: same plan
-        every = self._all_gather(descs)
+        every = comm.all_gather_objects(descs, self.group)
         placed = [place(items) for items in assign(every)]
         items, nbytes = placed[self.rank]
         self._stop_writer()  # a writer maps the old image
         if self._staging is not None:
             self._staging.image.close()
         image = _Image(nbytes)
-        if torch.cuda.is_available():  # pinned, so copies from the GPU run at full speed
-            torch.cuda.cudart().cudaHostRegister(image.tensor.data_ptr(), nbytes, 0)
         arr = image.tensor.numpy()
         for it in items:
             head, tail = template(it.box.sizes, torch_dtype(it.dtype))
@@ -243,8 +235,7 @@ class CheckpointManager:
             return
         self._check_writer(save)
         flags = torch.tensor([int(save.error is not None), -save.state])
-        if self.world > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        comm.all_reduce(flags, self.group, dim="checkpoint", op=dist.ReduceOp.MAX)
         if flags[0]:
             self._inflight = None
             self._stop_writer(kill=True)  # it may still be writing this save: a new one starts for the next
@@ -278,7 +269,6 @@ def write_whole(root: Path, step: int, tensors: dict[str, torch.Tensor], objects
                 config_yaml: str, layout: dict) -> Path:
     """A checkpoint of whole tensors (by DCP key), written from one process (imports, offline
     tools); the same format a training job writes."""
-    pieces = [Piece(key, tuple(t.shape), Box((0,) * t.ndim, tuple(t.shape)), t.detach().contiguous())
-              for key, t in tensors.items()]
+    pieces = [whole_piece(key, t.detach().contiguous()) for key, t in tensors.items()]
     CheckpointManager(root, 0, 1).save(step, pieces, objects, aliases, config_yaml, layout)
     return store.step_dir(root, step)

@@ -44,18 +44,15 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def tp_box(placement: Placement, local_shape: tuple[int, ...]) -> Box:
-    """The box a tensor-parallel shard covers in its global tensor."""
-    offsets = [0] * len(local_shape)
-    if placement.shard_dim is not None:
-        offsets[placement.shard_dim] = placement.shard_index * local_shape[placement.shard_dim]
-    return Box(tuple(offsets), tuple(local_shape))
+def whole_piece(key: str, tensor: torch.Tensor) -> Piece:
+    """A tensor that is its whole global tensor (one process's state, an RNG state, a read target)."""
+    return Piece(key, tuple(tensor.shape), Box((0,) * tensor.ndim, tuple(tensor.shape)), tensor)
 
 
 def _range_pieces(key: str, placement: Placement, local_shape: tuple[int, ...], start: int, flat: torch.Tensor
                   ) -> list[Piece]:
     """Pieces of the flat range [start, start + flat.numel()) of a tp-local tensor (`flat` holds it)."""
-    outer = tp_box(placement, local_shape)
+    outer = placement.box(local_shape)
     out, pos = [], 0
     for box in range_to_boxes(local_shape, start, start + flat.numel()):
         out.append(Piece(key, placement.global_shape, box.shifted(outer.offsets),
@@ -126,5 +123,4 @@ def optimizer_pieces(optimizer: torch.optim.Optimizer, entries) -> list[Piece]:
 
 
 def rng_piece(rank: int) -> Piece:
-    state = torch.get_rng_state()
-    return Piece(f"rng.cpu.rank{rank}", tuple(state.shape), Box((0,), tuple(state.shape)), state)
+    return whole_piece(f"rng.cpu.rank{rank}", torch.get_rng_state())

@@ -58,10 +58,6 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _overlap(a: Box, b: Box) -> bool:
-    return all(x < y + m and y < x + n for x, n, y, m in zip(a.offsets, a.sizes, b.offsets, b.sizes))
-
-
 def _any_overlap(boxes: list[Box]) -> bool:
     """Whether two boxes overlap: a sweep along dim 0, comparing each box only with those whose
     dim-0 range it starts inside (boxes from flat ranges are mostly disjoint in rows)."""
@@ -70,7 +66,7 @@ def _any_overlap(boxes: list[Box]) -> bool:
     active: list[Box] = []
     for box in sorted(boxes, key=lambda b: b.offsets[0]):
         active = [a for a in active if a.offsets[0] + a.sizes[0] > box.offsets[0]]
-        if any(_overlap(a, box) for a in active):
+        if any(a.intersect(box) for a in active):
             return True
         active.append(box)
     return False

@@ -20,18 +20,10 @@ from pathlib import Path
 import torch
 
 from checkpoint import integrity, store
-from checkpoint.pieces import Piece
+from checkpoint.pieces import Piece, whole_piece
 from checkpoint.plan import torch_dtype
 from parallel.flat import Box
 from trainer.errors import CheckpointError
-
-
-def _intersect(a_off, a_size, b_off, b_size) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    lo = [max(x, y) for x, y in zip(a_off, b_off)]
-    hi = [min(x + n, y + m) for x, n, y, m in zip(a_off, a_size, b_off, b_size)]
-    if any(h <= l for l, h in zip(lo, hi)):
-        return None
-    return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
 
 
 def _strides(sizes) -> list[int]:
@@ -123,7 +115,7 @@ class Checkpoint:
         for key in names:
             entry = self.index["tensors"][self.index.get("aliases", {}).get(key, key)]
             shape = tuple(entry["shape"])
-            out[key] = Piece(key, shape, Box((0,) * len(shape), shape), torch.empty(shape, dtype=torch_dtype(entry["dtype"])))
+            out[key] = whole_piece(key, torch.empty(shape, dtype=torch_dtype(entry["dtype"])))
         problems = self.read(list(out.values()))
         if problems:
             raise CheckpointError(f"checkpoint {self.path} is damaged:\n  " + "\n  ".join(problems))
@@ -146,10 +138,10 @@ class Checkpoint:
                 continue
             covered = 0
             for chunk in entry["chunks"]:
-                found = _intersect(t.box.offsets, t.box.sizes, chunk["offsets"], chunk["sizes"])
+                found = t.box.intersect(Box(tuple(chunk["offsets"]), tuple(chunk["sizes"])))
                 if found is not None:
-                    reads.append(_Read(t, key, torch_dtype(entry["dtype"]), chunk, *found))
-                    covered += math.prod(found[1])
+                    reads.append(_Read(t, key, torch_dtype(entry["dtype"]), chunk, found.offsets, found.sizes))
+                    covered += found.numel
             if covered != math.prod(t.box.sizes):
                 problems.append(f"{self.path}: {t.key} box at {t.box.offsets} of size {t.box.sizes} is only partly "
                                 "saved")

@@ -73,8 +73,8 @@ def prune(root: Path, keep_last: int, newest: Path) -> None:
 
 def commit_time(ckpt: Path) -> float:
     try:
-        return float(json.loads((Path(ckpt) / MARKER).read_text()).get("time", 0.0))
-    except (OSError, ValueError):
+        return float(marker(ckpt).get("time", 0.0))
+    except CheckpointError:  # an unreadable marker sorts first; loading it reports the damage
         return 0.0
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.io_engine import ALIGN
+from parallel.runtime import pin_host, unpin_host
 from trainer.errors import ConfigError, StrataError
 
 
@@ -57,7 +58,7 @@ class HostPool:
         total = self.resident_bytes + self.n_slabs * slab_bytes
         self._arena = mmap.mmap(-1, total)  # page-aligned; lives as long as the pool (views keep it)
         self.arena = torch.frombuffer(self._arena, dtype=torch.uint8)
-        self.pinned = self._pin()
+        self.pinned = pin_host(self.arena)
         self._resident_used = 0
         self._free = list(range(self.n_slabs))
         self._held: dict[str, int] = {}
@@ -123,16 +124,7 @@ class HostPool:
     def peak_staging_bytes(self) -> int:
         return self.peak_slabs * self.slab_bytes
 
-    # --- pinning ---------------------------------------------------------------------------------
-    def _pin(self) -> bool:
-        """Register the whole arena with CUDA once, so copies to and from the GPU are DMA; False
-        (and unpinned, which works, only slower) without CUDA or if registration fails."""
-        if not torch.cuda.is_available():
-            return False
-        code = torch.cuda.cudart().cudaHostRegister(self.arena.data_ptr(), self.arena.numel(), 0)
-        return int(code) == 0
-
     def close(self) -> None:
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
+            unpin_host(self.arena)
             self.pinned = False

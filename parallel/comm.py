@@ -241,6 +241,16 @@ def gather_objects(obj, group, dst: int) -> list | None:
     return out
 
 
+def all_gather_objects(obj, group) -> list:
+    """Every group member's picklable `obj`, on every member ([obj] without a group). Control data
+    only, like gather_objects: not counted."""
+    if group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def new_gloo_group():
     """A gloo group over the whole world for control messages (a background save's status) kept
     apart from training's collectives. Every rank must call it, in the same order as other groups."""

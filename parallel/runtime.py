@@ -62,3 +62,18 @@ def stop(wait_for_peers: bool = True) -> None:
             dist.barrier()
         comm.forget_groups()
         dist.destroy_process_group()
+
+
+def pin_host(buffer: torch.Tensor) -> bool:
+    """Page-lock a whole host buffer for CUDA once (cudaHostRegister), so copies between it and
+    the GPU are DMA; False, leaving it pageable (it still works, only slower), without CUDA or if
+    CUDA refuses. Not `tensor.pin_memory()`: that copies, rounds up to a power of two and keeps
+    the block cached for the rest of the process."""
+    if not torch.cuda.is_available() or buffer.numel() == 0:
+        return False
+    return int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)) == 0
+
+
+def unpin_host(buffer: torch.Tensor) -> None:
+    """Undo `pin_host` (call only when it returned True)."""
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel import comm
+from parallel.flat import Box
 from trainer.errors import ConfigError
 
 
@@ -41,6 +42,13 @@ class Placement:
     shard_dim: int | None = None
     shard_index: int = 0
     num_shards: int = 1
+
+    def box(self, local_shape: tuple[int, ...]) -> "Box":
+        """The box (offsets, sizes) a local shard of `local_shape` covers in the global tensor."""
+        offsets = [0] * len(local_shape)
+        if self.shard_dim is not None:
+            offsets[self.shard_dim] = self.shard_index * local_shape[self.shard_dim]
+        return Box(tuple(offsets), tuple(local_shape))
 
     def local_slice(self, full: torch.Tensor) -> torch.Tensor:
         if self.shard_dim is None:

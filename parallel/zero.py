@@ -278,9 +278,9 @@ def units_of(part: nn.Module) -> list[tuple[str, list[nn.Module]]]:
 class ZeroEngine:
     """Partitioned training state for this rank's model parts (see the module docstring).
 
-    `make_optimizer(params, is_matrix)` builds the inner optimizer (Strata's AdamW, decaying
-    matrices only) from per-parameter segment Parameters (1-D pieces: `is_matrix(piece)` tells
-    whether the parameter a piece belongs to is a matrix); `tied_copies` are parameters that are another
+    `make_optimizer(params, shape_of)` builds the inner optimizer (Strata's AdamW, decaying
+    matrices only) from per-parameter segment Parameters (1-D pieces: `shape_of(piece)` is
+    the shape of the parameter a piece belongs to); `tied_copies` are parameters that are another
     rank's parameter too (a pipeline's two embedding copies): their reduced gradients are summed
     over `tied_group`, and the gradient norm counts them on the rank where `count_tied` is True
     (the first stage's) only. `sync_level` is how far gradients
@@ -296,8 +296,8 @@ class ZeroEngine:
         self.groups: list[FlatGroup] = []
         self._plan_groups(parts, {id(p) for p in tied_copies or []})
         self.params = [piece for g in self.groups for _, piece, _, _ in g.segments]
-        ndim = {id(piece): slot.param.ndim for g in self.groups for slot, piece, _, _ in g.segments}
-        self.optimizer = make_optimizer(self.params, lambda piece: ndim[id(piece)] >= 2)
+        shapes = {id(piece): tuple(slot.param.shape) for g in self.groups for slot, piece, _, _ in g.segments}
+        self.optimizer = make_optimizer(self.params, lambda piece: shapes[id(piece)])
         self._install_hooks(parts)
 
     # --- set-up ----------------------------------------------------------------------------

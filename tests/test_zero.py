@@ -46,7 +46,8 @@ def batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def adamw(params, is_matrix) -> torch.optim.AdamW:
+def adamw(params, shape_of) -> torch.optim.AdamW:
+    is_matrix = lambda p: len(shape_of(p)) >= 2  # noqa: E731
     return torch.optim.AdamW([{"params": [p for p in params if is_matrix(p)], "weight_decay": WD},
                               {"params": [p for p in params if not is_matrix(p)], "weight_decay": 0.0}],
                              lr=LR, betas=(0.9, 0.95), foreach=False)
@@ -57,7 +58,7 @@ def reference() -> dict[str, torch.Tensor]:
     """One process, the mean gradient of every rank's micro-batches."""
     model = build_model(CFG, CFG.vocab_size, seed=0)
     params = list(model.parameters())
-    opt = adamw(params, lambda p: p.ndim >= 2)
+    opt = adamw(params, lambda p: tuple(p.shape))
     for step in range(STEPS):
         for r in range(WORLD):
             for m in range(MICRO):

@@ -18,7 +18,7 @@ import torch
 from checkpoint.layout import hyperparameters, load_optimizer, model_state_problems, optimizer_problems
 from checkpoint.manager import CheckpointManager
 from checkpoint.pieces import (Piece, canonical_names, model_pieces, optimizer_entries, optimizer_pieces, rng_piece,
-                               state_pieces)
+                               state_pieces, whole_piece)
 from checkpoint.reader import Checkpoint
 from parallel import comm
 from parallel.data_parallel import GradientBuckets, unique_params
@@ -26,7 +26,6 @@ from parallel.runtime import Runtime
 from parallel.clipping import clip_grad_norm
 from parallel.co2 import CO2
 from parallel.pipeline import Pipeline, StageShapes, split_stages
-from parallel.flat import Box
 from parallel.tensor import apply_tensor_parallel, placement_of
 from parallel.topology import Topology, build_topology, layout_from_config
 from parallel.zero import ZeroEngine, ZeroPlan, held_bytes
@@ -74,12 +73,17 @@ def materialize(parts: list[torch.nn.Module], cfg: ModelConfig, seed: int, devic
         set_rope_buffers(part, cfg, device)
 
 
+def decays(shape: tuple[int, ...]) -> bool:
+    """Whether a parameter of this shape gets weight decay, i.e. is in AdamW's group 0: matrices."""
+    return len(shape) >= 2
+
+
 def build_optimizer(params: list[torch.nn.Parameter], optim: OptimConfig, device: torch.device,
-                    is_matrix=lambda p: p.ndim >= 2) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (`is_matrix`: for ZeRO's flat pieces, whether
-    the parameter a piece belongs to is one); torch's fused kernel where available."""
-    groups = [{"params": [p for p in params if is_matrix(p)], "weight_decay": optim.weight_decay},
-              {"params": [p for p in params if not is_matrix(p)], "weight_decay": 0.0}]
+                    shape_of=lambda p: tuple(p.shape)) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (`shape_of`: for ZeRO's flat pieces, the shape of
+    the parameter a piece belongs to); torch's fused kernel where available."""
+    groups = [{"params": [p for p in params if decays(shape_of(p))], "weight_decay": optim.weight_decay},
+              {"params": [p for p in params if not decays(shape_of(p))], "weight_decay": 0.0}]
     kernel = {"fused": True} if optim.impl in ("fused", "auto") else {"foreach": True}
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel)
 
@@ -170,7 +174,7 @@ class Trainer:
         """The ZeRO engine over this rank's model parts (after tp and pp, as DESIGN.md orders them)."""
         tied = [self.pipeline.tied_weight] if self.pipeline and self.pipeline.tied_weight is not None else []
         return ZeroEngine(self.parts, self.topo, ZeroPlan.from_config(self.cfg.zero),
-                          lambda params, is_matrix: build_optimizer(params, self.cfg.optim, self.rt.device, is_matrix),
+                          lambda params, shape_of: build_optimizer(params, self.cfg.optim, self.rt.device, shape_of),
                           tied, self.topo.group("pp_ends") if tied else None,
                           count_tied=not self.pipeline or self.pipeline.has_first, sync_level=self.sync_level)
 
@@ -290,10 +294,13 @@ class Trainer:
         if self.engine:
             self.engine.rebuild()
 
+    def checkpoint_pieces(self) -> list[Piece]:
+        """This rank's parameters and optimizer state as boxes of the global tensors (live views)."""
+        return (model_pieces(self.parts, self.engine, self.canonical)
+                + optimizer_pieces(self.optimizer, optimizer_entries(self.parts, self.engine, self.canonical)))
+
     def _write_checkpoint(self) -> None:
-        pieces = (model_pieces(self.parts, self.engine, self.canonical)
-                  + optimizer_pieces(self.optimizer, optimizer_entries(self.parts, self.engine, self.canonical))
-                  + [rng_piece(self.rt.rank)])
+        pieces = self.checkpoint_pieces() + [rng_piece(self.rt.rank)]
         objects = {"trainer": {"step": self.step, "data": self.loader.state_dict()},
                    "optim.param_groups": self._param_groups()} if self.rt.rank == 0 else {}
         aliases = {f"model.{name}": f"model.{first}" for name, first in self.canonical.items() if name != first}
@@ -304,8 +311,8 @@ class Trainer:
         as torch.distributed.checkpoint.state_dict names them (build_optimizer's grouping: matrices
         decay), so a plain torch AdamW can load the state with DCP alone."""
         names = list(dict.fromkeys(self.canonical.values()))
-        matrix = [n for n in names if len(self.global_shapes[n]) >= 2]
-        other = [n for n in names if len(self.global_shapes[n]) < 2]
+        matrix = [n for n in names if decays(self.global_shapes[n])]
+        other = [n for n in names if not decays(self.global_shapes[n])]
         return [{**h, "params": group} for h, group in zip(hyperparameters(self.optimizer), (matrix, other))]
 
     def _layout_summary(self) -> dict:
@@ -361,9 +368,8 @@ class Trainer:
     def _rng_target(self, ckpt: Checkpoint) -> list[Piece]:
         """This rank's saved RNG state, or rank 0's when the saving world was smaller, or none (an
         imported checkpoint: the RNG stays as initialisation left it)."""
-        state = torch.get_rng_state()
         keys = [k for k in (f"rng.cpu.rank{self.rt.rank}", "rng.cpu.rank0") if ckpt.has(k)]
-        return [Piece(keys[0], tuple(state.shape), Box((0,), tuple(state.shape)), state)] if keys else []
+        return [whole_piece(keys[0], torch.get_rng_state())] if keys else []
 
     def _fresh_optimizer_state(self, ckpt: Checkpoint) -> tuple[dict[int, dict], list[Piece]]:
         """New optimizer-state tensors for every kind the checkpoint holds (torch index → entry),
