@@ -93,11 +93,22 @@ class HostPool:
             if waited:
                 self.waits += 1
                 self.wait_s += time.perf_counter() - start
-            index = self._free.pop()
-            self._held[stream] = self._held.get(stream, 0) + 1
-            self.peak_slabs = max(self.peak_slabs, self.n_slabs - len(self._free))
+            return self._take(stream)
+
+    def _take(self, stream: str) -> Slab:
+        index = self._free.pop()
+        self._held[stream] = self._held.get(stream, 0) + 1
+        self.peak_slabs = max(self.peak_slabs, self.n_slabs - len(self._free))
         base = self.resident_bytes + index * self.slab_bytes
         return Slab(index, stream, self.arena[base:base + self.slab_bytes])
+
+    def try_borrow(self, stream: str) -> Slab | None:
+        """A free slab for `stream` if one may be taken now, else None (never waits): a transfer
+        holding slabs of its own finishes one of those instead of waiting on the budget."""
+        with self._cond:
+            if not self._may_take(stream):
+                return None
+            return self._take(stream)
 
     def give_back(self, slab: Slab) -> None:
         with self._cond:

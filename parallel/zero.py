@@ -127,6 +127,7 @@ class FlatGroup:
         self.optim_start, self.optim_size = routes.span(plan.optim, self.padded)
         self.segments = self._optimizer_segments()
         self.reduced: torch.Tensor | None = None
+        self.tier = None  # offload.params.ParamTier when the shard lives in host memory or on NVMe
         if plan.shards_params:
             self.free()
 
@@ -151,7 +152,11 @@ class FlatGroup:
         use_secondary = self.secondary_valid
         source = self.secondary if use_secondary else self.shard
         level = self.plan.secondary if use_secondary else self.plan.params
+        if self.tier is not None and not use_secondary:
+            self.tier.ensure(self)
         self._pending_gather = self.routes.gather(source, "none", level, self.full, self.padded, async_op)
+        if self.tier is not None:
+            self.tier.release(self)  # the gather has its own copy of the shard by now
         if not async_op:
             self.wait()
 
@@ -298,7 +303,13 @@ class ZeroEngine:
         self.params = [piece for g in self.groups for _, piece, _, _ in g.segments]
         shapes = {id(piece): tuple(slot.param.shape) for g in self.groups for slot, piece, _, _ in g.segments}
         self.optimizer = make_optimizer(self.params, lambda piece: shapes[id(piece)])
+        self.param_tier = self.optim_tier = None  # memory tiers (offload/), attached by `use_tiers`
         self._install_hooks(parts)
+
+    def use_tiers(self, param_tier, optim_tier) -> None:
+        """Offload (offload.tiers): parameter shards read ahead of their gathers, and the optimizer
+        step taken by `optim_tier` sub-group by sub-group instead of `optimizer.step()`."""
+        self.param_tier, self.optim_tier = param_tier, optim_tier
 
     # --- set-up ----------------------------------------------------------------------------
     def _plan_groups(self, parts: list[nn.Module], tied_ids: set[int]) -> None:
@@ -360,7 +371,10 @@ class ZeroEngine:
     def _pre_forward(self, order: list[list[FlatGroup]], u: int) -> None:
         for g in order[u]:
             g.wait()
-        self._prefetch(order, range(u + 1, min(len(order), u + 1 + self.plan.prefetch_blocks)))
+        ahead = self.plan.prefetch_blocks
+        self._prefetch(order, range(u + 1, min(len(order), u + 1 + ahead)))
+        if self.param_tier is not None:  # shards read one step further ahead than the gathers
+            self._read_ahead(order[u + 1 + ahead:u + 1 + ahead + self.param_tier.read_ahead_groups])
 
     def _post_forward(self, order: list[list[FlatGroup]], u: int, out):
         later = {id(g) for groups in order[u + 1:] for g in groups}
@@ -374,7 +388,14 @@ class ZeroEngine:
     def _pre_backward(self, order: list[list[FlatGroup]], u: int) -> None:
         for g in order[u]:
             g.wait()
-        self._prefetch(order, range(u - 1, max(-1, u - 1 - self.plan.prefetch_blocks), -1))
+        ahead = self.plan.prefetch_blocks
+        self._prefetch(order, range(u - 1, max(-1, u - 1 - ahead), -1))
+        if self.param_tier is not None:
+            start = u - 1 - ahead
+            self._read_ahead(order[max(0, start - self.param_tier.read_ahead_groups + 1):max(0, start + 1)][::-1])
+
+    def _read_ahead(self, units: list[list[FlatGroup]]) -> None:
+        self.param_tier.read_ahead([g for groups in units for g in groups if not (g.gathered or g.secondary_valid)])
 
     # --- the step --------------------------------------------------------------------------
     def finish_grads(self, scale: float) -> None:
@@ -400,7 +421,10 @@ class ZeroEngine:
     def step(self, after_update: Callable[[], None] | None = None) -> None:
         """Step the optimizer on the local chunks (then `after_update`, which may change them:
         CO2's outer update), then rebuild the parameter partition."""
-        self.optimizer.step()
+        if self.optim_tier is not None:
+            self.optim_tier.step()
+        else:
+            self.optimizer.step()
         if after_update is not None:
             after_update()
         self.rebuild()
@@ -423,7 +447,8 @@ class ZeroEngine:
         for g in self.groups:
             for k, v in g.held_bytes().items():
                 out[k] += v
-        out["optim"] = optimizer_state_bytes(self.optimizer)
+        out["optim"] = (self.optim_tier.device_bytes() if self.optim_tier is not None
+                        else optimizer_state_bytes(self.optimizer))
         return out
 
     @contextlib.contextmanager

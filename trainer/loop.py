@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from trainer.errors import CheckpointError, ConfigError
 from trainer.metrics import MetricsLogger
 from trainer.model import (GPT, count_params, flops_per_token, initial_value, lm_loss, padded_vocab_size,
                            set_rope_buffers)
+
+if TYPE_CHECKING:
+    from offload.tiers import Tiers
 
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -115,6 +119,7 @@ class Trainer:
         self.sync_size = len(sync_members)
         self.parts, self.pipeline = self._build_model()
         self.engine = self._partition() if cfg.zero.enabled else None
+        self.tiers = self._memory_tiers() if cfg.offload.enabled else None
         if self.engine:
             self.params, self.optimizer = self.engine.params, self.engine.optimizer
         else:
@@ -177,6 +182,15 @@ class Trainer:
                           lambda params, shape_of: build_optimizer(params, self.cfg.optim, self.rt.device, shape_of),
                           tied, self.topo.group("pp_ends") if tied else None,
                           count_tied=not self.pipeline or self.pipeline.has_first, sync_level=self.sync_level)
+
+    def _memory_tiers(self) -> "Tiers":
+        """ZeRO state in host memory or NVMe (offload.*), over the engine's flat groups."""
+        from offload.tiers import Tiers  # offload's modules load only when a run uses them
+        return Tiers(self.cfg, self.engine, self.rt.rank, self.rt.device)
+
+    def offloaded_state_in_memory(self, changed: bool = False):
+        """Offloaded shards and moments brought into memory for a checkpoint (a no-op without offload)."""
+        return self.tiers.resident(changed) if self.tiers else contextlib.nullcontext()
 
     def _outer_updates(self) -> CO2:
         """CO2 across nodes over what this rank's optimizer steps (its ZeRO chunk, or the whole
@@ -281,7 +295,8 @@ class Trainer:
             for p, m in zip(self.params, self.co2.momentum_views()):
                 self.optimizer.state[p]["co2_momentum"] = m.clone()  # staged (copied) before save returns
         try:
-            self._write_checkpoint()
+            with self.offloaded_state_in_memory():
+                self._write_checkpoint()
         finally:
             for p in self.params:
                 self.optimizer.state[p].pop("co2_momentum", None)
@@ -324,7 +339,12 @@ class Trainer:
 
     def resume(self, path: Path) -> Path:
         """Load a checkpoint saved from any layout into this one. Every check and every read (into
-        fresh tensors) happens first, and all ranks agree on the verdict, before any state changes."""
+        fresh tensors) happens first, and all ranks agree on the verdict, before any state changes.
+        Offloaded shards and moments are in memory meanwhile, and go back to their tiers after."""
+        with self.offloaded_state_in_memory(changed=True):
+            return self._resume(path)
+
+    def _resume(self, path: Path) -> Path:
         ckpt = Checkpoint(path)
         misfit: list[str] = []
         try:
@@ -352,9 +372,9 @@ class Trainer:
         with torch.no_grad():
             for dst, src in zip(live, fresh):
                 dst.tensor.copy_(src.tensor)
+        load_optimizer(self.optimizer, optim_state, objects["optim.param_groups"])
         if self.engine:
             self.engine.invalidate_secondary()
-        load_optimizer(self.optimizer, optim_state, objects["optim.param_groups"])
         state = objects["trainer"]
         self.loader.load_state_dict(state["data"])
         for piece in rng:
@@ -407,6 +427,8 @@ class Trainer:
                 record["wire_bytes_per_step"] = {link: n / interval_steps for link, n in sorted(moved.items())}
                 link_bytes_before = Counter(comm.bytes_by_link)
                 record.update(loss=loss.item(), grad_norm=grad_norm.item(), lr=self.optimizer.param_groups[0]["lr"])
+                if self.tiers:
+                    record["offload"] = self.tiers.metrics()
                 interval_start, interval_steps = time.perf_counter(), 0
             log.step(self.step, record)
             if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 and self.step < cfg.train.steps:
@@ -419,6 +441,8 @@ class Trainer:
         if cfg.checkpoint.save_final and not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
             self.save()
         self.checkpoints.close()  # the last save is committed before the run reports done
+        if self.tiers:
+            self.tiers.close()
         elapsed = time.perf_counter() - train_start
         result.final_step = self.step
         result.losses = {step: loss.item() for step, loss in losses.items()}
@@ -462,6 +486,10 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
               f"(tp {layout.tp}, pp {layout.pp}, dp {layout.dp}), "
               f"{cfg.train.global_batch_size}×{cfg.model.seq_len} tokens/step, run dir {cfg.run_dir()}"
               + (f", resumed from {resumed_from}" if resumed_from else ""))
+    if trainer.tiers:
+        log.write({"step": trainer.step, **trainer.tiers.startup_record()})
+        if trainer.tiers.placement is not None:
+            log.print(f"offload: {trainer.tiers.placement.reason}")
     try:
         result = trainer.fit(log)
     finally:
@@ -470,7 +498,8 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
         summary = {"final_step": result.final_step, "train_loss": result.losses.get(result.final_step),
                    "eval_loss": result.eval_losses.get(result.final_step), "tokens_per_s": result.tokens_per_s,
                    "comm_bytes": {f"{dim}/{op}": n for (dim, op), n in sorted(comm.bytes_moved.items())},
-                   "wire_bytes": dict(sorted(comm.bytes_by_link.items())), "held_bytes": trainer.held_bytes}
+                   "wire_bytes": dict(sorted(comm.bytes_by_link.items())), "held_bytes": trainer.held_bytes,
+                   "offload": trainer.tiers.metrics() if trainer.tiers else None}
         (cfg.run_dir() / "summary.json").write_text(json.dumps(summary, indent=1))
         train_loss = f"{summary['train_loss']:.4f}" if summary["train_loss"] is not None else "n/a"
         print(f"done: step {result.final_step}  train loss {train_loss}  eval loss {summary['eval_loss']:.4f}  "

@@ -1,0 +1,334 @@
+"""The optimizer tier: AdamW's moments for this rank's ZeRO optimizer partition kept on the device,
+in host memory or in a swap file, and the step taken in sub-groups of one slab — read next, update
+current, write previous — each updated on the CPU or the GPU as `offload.placement` decided.
+
+The update is torch's fused AdamW kernel (`torch._fused_adamw_`, what `torch.optim.AdamW(fused=True)`
+runs), called on sub-ranges: it is elementwise, so any split gives the unsplit step's bits. The
+`torch.optim.AdamW` object stays the holder of hyper-parameters and of `state` as the checkpoint
+code reads it: views into the tier's buffers, or (nvme) filled only inside `materialized()`.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+from torch import nn
+
+from offload.files import SwapFile, aligned
+from offload.io_engine import IOEngine
+from offload.pool import HostPool, Slab
+from offload.swap import FileRegion
+
+if TYPE_CHECKING:
+    from offload.params import ParamTier
+    from parallel.zero import FlatGroup
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class _Span:
+    """A piece's elements [piece_lo, piece_lo + size) at `offset` in a sub-group."""
+    piece: nn.Parameter
+    piece_lo: int
+    offset: int
+    size: int
+
+
+@dataclass
+class SubGroup:
+    """Elements [start, start + size) of one flat group's optimizer chunk."""
+    group: "FlatGroup"
+    start: int
+    size: int
+    spans: list[_Span]
+    regions: tuple[FileRegion, ...] = ()   # nvme: where exp_avg and exp_avg_sq live
+    on_gpu: bool = False
+
+    def params(self) -> torch.Tensor:
+        g = self.group
+        lo = g.optim_start - g.param_start + self.start
+        return g.shard[lo:lo + self.size]
+
+    def grads(self) -> torch.Tensor:
+        return self.group.reduced[self.start:self.start + self.size]
+
+
+def split(groups: list["FlatGroup"], elems: int) -> list[SubGroup]:
+    """Each group's optimizer chunk cut into sub-groups of at most `elems` elements, with the
+    optimizer pieces (one per parameter the chunk touches) that each covers."""
+    out = []
+    for g in groups:
+        pieces = [(slot.range[0] + a - g.optim_start, piece) for slot, piece, a, _ in g.segments]
+        for start in range(0, g.optim_size, elems):
+            size = min(elems, g.optim_size - start)
+            spans = []
+            for at, piece in pieces:
+                lo, hi = max(start, at), min(start + size, at + piece.numel())
+                if lo < hi:
+                    spans.append(_Span(piece, lo - at, lo - start, hi - lo))
+            out.append(SubGroup(g, start, size, spans))
+    return out
+
+
+class OptimTier:
+    """See the module docstring. `kind`: "device" (moments beside the parameters: only the
+    parameters are offloaded), "host" (the pool's resident region) or "nvme" (`swap_file`,
+    streamed through slabs of the pool's "optim" stream by `io`)."""
+
+    def __init__(self, groups: list["FlatGroup"], optimizer: torch.optim.Optimizer, kind: str, pool: HostPool,
+                 io: IOEngine | None = None, swap_file: SwapFile | None = None, params: "ParamTier | None" = None,
+                 read_ahead: int = 2):
+        self.groups, self.optimizer, self.kind = groups, optimizer, kind
+        self.pool, self.io, self.file, self.param_tier = pool, io, swap_file, params
+        self.read_ahead = read_ahead
+        self.device = groups[0].shard.device
+        elems = pool.slab_bytes // 4
+        self.subgroups = split(groups, elems)
+        self._moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for g in groups:
+            if g.shard.dtype != torch.float32:
+                raise ValueError(f"optimizer offload steps fp32 master parameters; group {g.name} is {g.shard.dtype}")
+            if kind == "device":
+                self._moments[g.name] = (torch.zeros(g.optim_size, device=self.device),
+                                         torch.zeros(g.optim_size, device=self.device))
+            elif kind == "host":  # the arena is fresh anonymous memory: zeros
+                self._moments[g.name] = tuple(pool.resident(g.optim_size * 4, torch.float32) for _ in MOMENTS)
+        if kind == "nvme":
+            for sg in self.subgroups:
+                sg.regions = tuple(FileRegion(swap_file, swap_file.region(sg.size * 4), sg.size * 4) for _ in MOMENTS)
+        self._scratch = {n: torch.empty(elems, device=self.device) for n in MOMENTS}  # gpu updates of host moments
+        self._state_init()
+        self.cpu_update_s = self.gpu_update_s = 0.0
+
+    @staticmethod
+    def needs_resident_bytes(groups: list["FlatGroup"]) -> int:
+        """Host bytes the "host" kind takes from the pool's resident region."""
+        return sum(2 * aligned(g.optim_size * 4) for g in groups)
+
+    def place(self, on_gpu: list[bool]) -> None:
+        for sg, gpu in zip(self.subgroups, on_gpu):
+            sg.on_gpu = gpu
+
+    # --- optimizer.state as the checkpoint code sees it ----------------------------------------
+    def _pieces(self) -> list[tuple["FlatGroup", int, nn.Parameter]]:
+        """(group, offset in its optimizer chunk, piece) for every optimizer piece."""
+        return [(g, slot.range[0] + a - g.optim_start, piece) for g in self.groups for slot, piece, a, _ in g.segments]
+
+    def _state_init(self) -> None:
+        fused = self.optimizer.param_groups[0].get("fused")
+        for g, at, piece in self._pieces():
+            step = torch.zeros((), dtype=torch.float32, device=piece.device if fused else "cpu")
+            self.optimizer.state[piece] = {"step": step, **self._moment_views(g, at, piece)}
+
+    def _moment_views(self, g: "FlatGroup", at: int, piece: nn.Parameter) -> dict[str, torch.Tensor]:
+        if g.name not in self._moments:
+            return {}
+        return {k: m[at:at + piece.numel()] for k, m in zip(MOMENTS, self._moments[g.name])}
+
+    @contextlib.contextmanager
+    def materialized(self) -> Iterator[None]:
+        """`optimizer.state` complete inside the block (swapped moments read into temporary tensors)."""
+        if self.kind != "nvme":
+            yield
+            return
+        flat = {g.name: tuple(torch.empty(g.optim_size) for _ in MOMENTS) for g in self.groups}
+        for sg in self.subgroups:
+            for region, dst in zip(sg.regions, flat[sg.group.name]):
+                self._read_region(region, dst[sg.start:sg.start + sg.size])
+        for g, at, piece in self._pieces():
+            self.optimizer.state[piece].update({k: m[at:at + piece.numel()] for k, m in zip(MOMENTS, flat[g.name])})
+        try:
+            yield
+        finally:
+            for _, _, piece in self._pieces():
+                for k in MOMENTS:
+                    self.optimizer.state[piece].pop(k, None)
+
+    def adopt(self) -> None:
+        """Take over the moments `optimizer.load_state_dict` left in `optimizer.state` (a resume)."""
+        flat = {g.name: tuple(torch.zeros(g.optim_size, device=self.device) for _ in MOMENTS) for g in self.groups}
+        for g, at, piece in self._pieces():
+            state = self.optimizer.state[piece]
+            for k, m in zip(MOMENTS, flat[g.name]):
+                if k in state:
+                    m[at:at + piece.numel()].copy_(state[k])
+            state["step"] = state.get("step", torch.zeros((), dtype=torch.float32))
+        if self.kind == "nvme":
+            for sg in self.subgroups:
+                for region, src in zip(sg.regions, flat[sg.group.name]):
+                    self._write_region(region, src[sg.start:sg.start + sg.size])
+        else:
+            for g in self.groups:
+                for dst, src in zip(self._moments[g.name], flat[g.name]):
+                    dst.copy_(src)
+        for g, at, piece in self._pieces():
+            self.optimizer.state[piece] = {"step": self.optimizer.state[piece]["step"],
+                                           **self._moment_views(g, at, piece)}
+
+    def device_bytes(self) -> int:
+        """Bytes of moments held on the training device (the "device" kind only; the others live
+        in host memory or on NVMe, counted by the pool and the swap files)."""
+        return sum(g.optim_size * 4 * len(MOMENTS) for g in self.groups) if self.kind == "device" else 0
+
+    # --- the step ------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One AdamW step of every piece (their `.grad` set by the engine), sub-group by sub-group."""
+        for _, _, piece in self._pieces():
+            self.optimizer.state[piece]["step"] += 1
+        hyper = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
+        loads = _Pipeline(self, self.subgroups)
+        last_group = None
+        try:
+            for i, sg in enumerate(self.subgroups):
+                if sg.group is not last_group:
+                    self._switch_group(last_group, sg.group, i)
+                    last_group = sg.group
+                moments = loads.take(i)
+                self._update(sg, moments, hyper)
+                loads.put_back(i, sg)
+        finally:
+            loads.close()
+        self._switch_group(last_group, None, len(self.subgroups))
+
+    def _switch_group(self, done: "FlatGroup | None", nxt: "FlatGroup | None", at: int) -> None:
+        """Parameters offloaded too: hold the next group's shard, write back the finished one."""
+        if self.param_tier is None:
+            return
+        if done is not None:
+            self.param_tier.write_back(done)
+        if nxt is not None:
+            self.param_tier.hold(nxt)
+            later = list(dict.fromkeys(sg.group for sg in self.subgroups[at:] if sg.group is not nxt))
+            self.param_tier.read_ahead(later[:1])
+        else:
+            self.param_tier.finish_writes(self.groups)
+
+    def _update(self, sg: SubGroup, moments: tuple[torch.Tensor, torch.Tensor], hyper: dict) -> None:
+        """The fused AdamW kernel over the sub-group's spans, where the placement says."""
+        params, grads = sg.params(), sg.grads()
+        if sg.on_gpu and self.kind != "device":
+            # the device path: moments copied to the parameters' device and back
+            work = tuple(self._scratch[k][:sg.size].copy_(m, non_blocking=True) for k, m in zip(MOMENTS, moments))
+            _fused_step(sg, params, grads, work, hyper, self.optimizer)
+            for m, w in zip(moments, work):
+                m.copy_(w)
+        elif self.device.type != "cpu" and self.kind != "device":
+            # the CPU path on a GPU machine: parameters and gradients come down, parameters go back
+            host_p, host_g = (t.to("cpu") for t in (params, grads))
+            _fused_step(sg, host_p, host_g, moments, hyper, self.optimizer)
+            params.copy_(host_p)
+        else:
+            _fused_step(sg, params, grads, moments, hyper, self.optimizer)
+
+    # --- swap-file moments --------------------------------------------------------------------
+    def _read_region(self, region: FileRegion, dst: torch.Tensor) -> None:
+        slab = self.pool.borrow("optim")
+        try:
+            self.io.read(region.file.path, slab.tensor[:aligned(region.nbytes)], region.offset).wait()
+            dst.copy_(slab.tensor[:region.nbytes].view(torch.float32))
+        finally:
+            self.pool.give_back(slab)
+
+    def _write_region(self, region: FileRegion, src: torch.Tensor) -> None:
+        slab = self.pool.borrow("optim")
+        try:
+            slab.tensor[:region.nbytes].view(torch.float32).copy_(src)
+            self.io.write(region.file.path, slab.tensor[:aligned(region.nbytes)], region.offset).wait()
+        finally:
+            self.pool.give_back(slab)
+
+
+class _Pipeline:
+    """The sub-groups' moments in order: resident views, or (nvme) slabs read `read_ahead`
+    sub-groups ahead and written back behind, each slab returned when its write is done."""
+
+    def __init__(self, tier: OptimTier, subgroups: list[SubGroup]):
+        self.tier, self.subgroups = tier, subgroups
+        self.reads: dict[int, tuple[list[Slab], list]] = {}
+        self.taken: dict[int, list[Slab]] = {}
+        self.writes: deque[tuple[list[Slab], list]] = deque()
+        self.next_read = 0
+
+    def take(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tier, sg = self.tier, self.subgroups[i]
+        if tier.kind != "nvme":
+            return tuple(m[sg.start:sg.start + sg.size] for m in tier._moments[sg.group.name])
+        while self.next_read <= i:
+            self._issue(self.next_read, blocking=True)
+        while self.next_read <= min(i + tier.read_ahead, len(self.subgroups) - 1) and self._issue(self.next_read):
+            pass
+        slabs, handles = self.reads.pop(i)
+        for h in handles:
+            h.wait()
+        self.taken[i] = slabs
+        return tuple(s.tensor[:sg.size * 4].view(torch.float32) for s in slabs)
+
+    def put_back(self, i: int, sg: SubGroup) -> None:
+        if self.tier.kind != "nvme":
+            return
+        slabs = self.taken.pop(i)
+        handles = [self.tier.io.write(r.file.path, s.tensor[:aligned(r.nbytes)], r.offset)
+                   for s, r in zip(slabs, sg.regions)]
+        self.writes.append((slabs, handles))
+        while self.writes and all(h.done() for h in self.writes[0][1]):
+            self._finish_write()
+
+    def close(self) -> None:
+        """Wait for every write, and return every slab (also those of reads an error left behind)."""
+        leftover = [(slabs, handles) for slabs, handles in self.reads.values()]
+        leftover += [(slabs, []) for slabs in self.taken.values()]
+        self.reads.clear()
+        self.taken.clear()
+        self.writes.extend(leftover)
+        while self.writes:
+            self._finish_write()
+
+    def _issue(self, i: int, blocking: bool = False) -> bool:
+        """Start reading sub-group i's moments into two slabs; without `blocking`, only if slabs
+        are free now. Our own finished writes give their slabs back before anyone waits."""
+        pool, sg = self.tier.pool, self.subgroups[i]
+        slabs = []
+        while len(slabs) < len(MOMENTS):
+            slab = pool.try_borrow("optim")
+            if slab is None and self.writes:
+                self._finish_write()
+                continue
+            if slab is None and not blocking:
+                for s in slabs:
+                    pool.give_back(s)
+                return False
+            slabs.append(slab or pool.borrow("optim"))
+        handles = [self.tier.io.read(r.file.path, s.tensor[:aligned(r.nbytes)], r.offset)
+                   for s, r in zip(slabs, sg.regions)]
+        self.reads[i] = (slabs, handles)
+        self.next_read = i + 1
+        return True
+
+    def _finish_write(self) -> None:
+        slabs, handles = self.writes.popleft()
+        try:
+            for h in handles:
+                h.wait()
+        finally:
+            for s in slabs:
+                self.tier.pool.give_back(s)
+
+
+def _fused_step(sg: SubGroup, params: torch.Tensor, grads: torch.Tensor, moments, hyper: dict,
+                optimizer: torch.optim.Optimizer) -> None:
+    """torch's fused AdamW on each span, one kernel call per parameter group (weight decay differs)."""
+    by_group: dict[int, list[_Span]] = {}
+    for span in sg.spans:
+        by_group.setdefault(id(hyper[id(span.piece)]), []).append(span)
+    device = params.device
+    for spans in by_group.values():
+        h = hyper[id(spans[0].piece)]
+        cut = lambda t: [t[s.offset:s.offset + s.size] for s in spans]  # noqa: E731
+        steps = [optimizer.state[s.piece]["step"].to(device) for s in spans]
+        torch._fused_adamw_(cut(params), cut(grads), cut(moments[0]), cut(moments[1]), [], steps, amsgrad=False,
+                            lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], weight_decay=h["weight_decay"],
+                            eps=h["eps"], maximize=False, grad_scale=None, found_inf=None)

@@ -1,0 +1,114 @@
+"""ZeRO-Infinity's parameter tier: each flat group's parameter shard (ZeRO-3's master copy on this
+rank) lives in host memory or a swap file between uses. It is read ahead of the gather that needs
+it, dropped as soon as the gather has taken its copy (clean: no write), and written back only
+after the optimizer changed it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterator
+
+from offload.swap import Mover, Transfer, Where
+
+if TYPE_CHECKING:
+    from parallel.zero import FlatGroup
+
+
+class ParamTier:
+    """`where[group.name]`: each group's shard's home (a swap-file region or a host tensor).
+    `start()` moves every shard there and frees it on the device."""
+
+    def __init__(self, groups: list["FlatGroup"], mover: Mover, where: dict[str, Where], read_ahead: int):
+        self.groups, self.mover, self.where, self.read_ahead_groups = groups, mover, where, read_ahead
+        self._reads: dict[str, Transfer] = {}
+        self._writes: dict[str, Transfer] = {}
+        self._resident: set[str] = {g.name for g in groups}
+        self._pinned: set[str] = set()  # kept resident for the step or a checkpoint
+
+    def start(self) -> None:
+        """Move every shard to its home (after the swap files are reserved) and take over the gathers."""
+        for g in self.groups:
+            g.tier = self
+            self._writes[g.name] = self.mover.write(g.shard, self.where[g.name])
+        self.finish_writes(self.groups)
+
+    # --- the hooks FlatGroup and ZeroEngine call ------------------------------------------------
+    def prefetch(self, group: "FlatGroup") -> None:
+        """Start reading the shard if it is not in memory or on its way."""
+        if group.name in self._resident or group.name in self._reads:
+            return
+        self._finish_write(group)
+        _allocate(group)
+        self._reads[group.name] = self.mover.read(group.shard, self.where[group.name])
+
+    def ensure(self, group: "FlatGroup") -> None:
+        """The shard is in memory when this returns (waiting for its read, or reading it now)."""
+        self.prefetch(group)
+        read = self._reads.pop(group.name, None)
+        if read is not None:
+            read.wait()
+            self._resident.add(group.name)
+
+    def release(self, group: "FlatGroup") -> None:
+        """The gather has copied the shard: drop it unless the step or a checkpoint holds it."""
+        if group.name in self._resident and group.name not in self._pinned:
+            _drop(group)
+            self._resident.discard(group.name)
+
+    def read_ahead(self, groups: list["FlatGroup"]) -> None:
+        for g in groups:
+            self.prefetch(g)
+
+    # --- around the optimizer step and checkpoints --------------------------------------------
+    def hold(self, group: "FlatGroup") -> None:
+        """Bring the shard in and keep it until `write_back`."""
+        self.ensure(group)
+        self._pinned.add(group.name)
+
+    def write_back(self, group: "FlatGroup", changed: bool = True) -> None:
+        """Let go of a held shard: written home first if `changed`, dropped when that is done."""
+        self._pinned.discard(group.name)
+        if changed:
+            self._writes[group.name] = self.mover.write(group.shard, self.where[group.name])
+        else:
+            self.release(group)
+
+    def finish_writes(self, groups: list["FlatGroup"]) -> None:
+        """Wait for the write-backs and drop what they wrote."""
+        for g in groups:
+            self._evict_after_write(g)
+
+    @contextlib.contextmanager
+    def held(self, groups: list["FlatGroup"], changed: bool) -> Iterator[None]:
+        """Every shard in memory inside the block (a checkpoint save, or a load when `changed`)."""
+        for g in groups:
+            self.hold(g)
+        try:
+            yield
+        finally:
+            for g in groups:
+                self.write_back(g, changed)
+            self.finish_writes(groups)
+
+    # --- internals -------------------------------------------------------------------------
+    def _finish_write(self, group: "FlatGroup") -> None:
+        write = self._writes.pop(group.name, None)
+        if write is not None:
+            write.wait()
+
+    def _evict_after_write(self, group: "FlatGroup") -> None:
+        if group.name in self._writes:
+            self._finish_write(group)
+            if group.name not in self._pinned:
+                _drop(group)
+                self._resident.discard(group.name)
+
+
+def _allocate(group: "FlatGroup") -> None:
+    storage = group.shard.untyped_storage()
+    storage.resize_(group.shard.numel() * group.shard.element_size())
+
+
+def _drop(group: "FlatGroup") -> None:
+    # resize, never rebind: the optimizer's pieces are views of this storage and must stay valid
+    group.shard.untyped_storage().resize_(0)

@@ -1,0 +1,148 @@
+"""The memory tiers a config asks for, built over a ZeRO engine in one place: the host pool, the swap
+directory and I/O engine, the parameter and optimizer tiers, the Deep Optimizer States placement,
+and the activation offloader — with every start-up check (paths, disk space, host memory) done
+before the first step.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from offload.files import SwapDir, aligned
+from offload.io_engine import IOEngine
+from offload.optim import OptimTier
+from offload.params import ParamTier
+from offload.placement import Measured, Placement, calibrate, plan
+from offload.pool import HostPool
+from offload.swap import FileRegion, Mover
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from parallel.zero import ZeroEngine
+    from trainer.config import Config
+
+_KEYS = {"params": "offload.params.device", "optim": "offload.optim.device", "activations": "activations.offload"}
+
+
+class Tiers:
+    """See the module docstring. `engine` may be None when only activations are offloaded."""
+
+    def __init__(self, cfg: "Config", engine: "ZeroEngine | None", rank: int, device: torch.device):
+        off, act = cfg.offload, cfg.activations
+        self.engine = engine
+        devices = {"params": off.params.device, "optim": off.optim.device, "activations": act.offload}
+        streams = [s for s, d in devices.items() if d == "nvme" or (s == "params" and d == "cpu")]
+        groups = engine.groups if engine is not None else []
+        resident = 0
+        if devices["params"] == "cpu":
+            resident += sum(aligned(g.shard.numel() * g.shard.element_size()) for g in groups)
+        if devices["optim"] == "cpu":
+            resident += OptimTier.needs_resident_bytes(groups)
+        _check_host_memory(resident)
+        slab = int(off.slab_mb * 2**20)
+        self.pool = HostPool(int(off.host_buffer_mb * 2**20), slab, resident, {s: 2 for s in streams})
+        self.swap = SwapDir(off.nvme_path, rank) if "nvme" in devices.values() else None
+        self.io = IOEngine(off.io_threads, slab, off.direct_io) if self.swap else None
+        self.movers = {s: Mover(self.pool, self.io, s) for s in streams}
+        self.placement: Placement | None = None
+        self.measured: Measured | None = None
+        self.param_tier = self.optim_tier = None
+        if engine is not None and (devices["params"] != "none" or devices["optim"] != "none"):
+            self._build_zero_tiers(engine, devices, off.params.read_ahead, off.optim.update_on, device)
+        if self.swap:
+            self.swap.preallocate({kind: _KEYS[kind] for kind in self.swap.files})
+        if self.param_tier is not None:
+            self.param_tier.start()
+        self.activations = None  # the activation offloader is attached by `attach_activations`
+
+    def _build_zero_tiers(self, engine: "ZeroEngine", devices: dict[str, str], read_ahead: int, update_on: str,
+                          device: torch.device) -> None:
+        groups = engine.groups
+        if devices["params"] != "none":
+            where = {}
+            for g in groups:
+                nbytes = g.shard.numel() * g.shard.element_size()
+                if devices["params"] == "nvme":
+                    f = self.swap.file("params")
+                    where[g.name] = FileRegion(f, f.region(nbytes), nbytes)
+                else:
+                    where[g.name] = self.pool.resident(nbytes, g.shard.dtype)
+            self.param_tier = ParamTier(groups, self.movers["params"], where, read_ahead)
+        kind = {"none": "device", "cpu": "host", "nvme": "nvme"}[devices["optim"]]
+        self.optim_tier = OptimTier(groups, engine.optimizer, kind, self.pool, self.io,
+                                    self.swap.file("optim") if kind == "nvme" else None, self.param_tier)
+        if kind != "device":
+            # a sample as large as the state (up to 16M elements): a cache-sized one overstates CPU Adam
+            total = sum(sg.size for sg in self.optim_tier.subgroups)
+            self.measured = calibrate(device, sample_elems=min(1 << 24, max(1 << 20, total)))
+            self.placement = plan([sg.size for sg in self.optim_tier.subgroups], self.measured, update_on)
+            self.optim_tier.place(list(self.placement.on_gpu))
+        engine.use_tiers(self.param_tier, self.optim_tier)
+
+    # --- checkpoints ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def resident(self, changed: bool = False) -> Iterator[None]:
+        """Every offloaded shard and moment in memory inside the block, for a checkpoint save
+        (or, with `changed`, a load: shards written back, moments taken over, on the way out)."""
+        groups = self.engine.groups if self.engine is not None else []
+        with contextlib.ExitStack() as stack:
+            if self.param_tier is not None:
+                stack.enter_context(self.param_tier.held(groups, changed))
+            if self.optim_tier is not None and not changed:
+                stack.enter_context(self.optim_tier.materialized())
+            yield
+        if changed and self.optim_tier is not None:
+            self.optim_tier.adopt()
+
+    # --- reporting --------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """Counters for metrics.jsonl: swap bytes moved, time compute waited on them, pool peaks."""
+        out = {"pool_peak_bytes": self.pool.peak_staging_bytes, "pool_resident_bytes": self.pool.resident_bytes,
+               "pool_waits": self.pool.waits, "host_peak_bytes": host_peak_bytes(),
+               "io_stall_s": sum(m.stalled_s for m in self.movers.values())}
+        if self.io is not None:
+            out.update(io_read_bytes=self.io.bytes_read, io_write_bytes=self.io.bytes_written,
+                       swap_file_bytes={k: f.size for k, f in self.swap.files.items()})
+        return out
+
+    def startup_record(self) -> dict:
+        """What was decided at start-up, logged once: the placement and the measurements behind it."""
+        record = {"offload_pool_bytes": self.pool.n_slabs * self.pool.slab_bytes,
+                  "offload_resident_bytes": self.pool.resident_bytes}
+        if self.placement is not None:
+            record["offload_placement"] = self.placement.as_record()
+            record["offload_calibration"] = self.measured.as_record()
+        return record
+
+    def close(self) -> None:
+        for m in self.movers.values():
+            m.close()
+        if self.io is not None:
+            self.io.close()
+        if self.swap is not None:
+            self.swap.close()
+        self.pool.close()
+
+
+def host_peak_bytes() -> int:
+    """This process's peak resident memory (VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _check_host_memory(nbytes: int) -> None:
+    """State kept in host memory is sized exactly at start-up: refuse it now if it cannot fit."""
+    if nbytes == 0:
+        return
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+    available = info.get("MemAvailable", 0)
+    if nbytes > 0.9 * available:
+        raise ConfigError([f"offload to cpu needs {nbytes / 2**30:.2f} GiB of host memory on this rank, but only "
+                           f"{available / 2**30:.2f} GiB is available; offload to nvme instead (offload.nvme_path), "
+                           "or use more ranks"])

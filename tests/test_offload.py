@@ -1,0 +1,189 @@
+"""Memory tiers in the trainer (offload.*): every combination trains exactly as without offload
+(fp32, ZeRO-3; losses, parameters and Adam moments bit for bit), the swap files are really
+written and read, the host budget holds, bad swap paths fail at start-up, checkpoints taken with
+offload resume anywhere, and a 2-rank world through `strata launch` matches one process."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from checkpoint import store
+from checkpoint.reader import Checkpoint
+from conftest import tiny_config
+from parallel.runtime import start
+from test_distributed import COMMON, ZERO3, assert_same_params, final_params, launch_run, losses_from
+from trainer.errors import ConfigError, StrataError
+from trainer.loop import Trainer, run
+
+MODEL = {"model.n_layers": 3, "model.d_model": 64, **ZERO3}
+SMALL_SLABS = {"offload.slab_mb": 0.0625, "offload.host_buffer_mb": 0.25}  # 4 slabs of 64 KiB: the minimum
+
+
+def train(cfg, steps: int = 4):
+    """Losses of `steps` steps, then every parameter shard and Adam moment (in memory), and the tiers' counters."""
+    trainer = Trainer(cfg, start())
+    losses = [trainer.train_step()[0].item() for _ in range(steps)]
+    with trainer.offloaded_state_in_memory():
+        shards = [g.shard.clone() for g in trainer.engine.groups]
+        moments = [t.clone() for group in trainer.optimizer.param_groups for p in group["params"]
+                   for _, t in sorted(trainer.optimizer.state[p].items())]
+    held = trainer.engine.held_bytes()
+    metrics = trainer.tiers.metrics() if trainer.tiers else {}
+    files = {k: f.path.stat().st_size for k, f in trainer.tiers.swap.files.items()} if trainer.tiers and \
+        trainer.tiers.swap else {}
+    if trainer.tiers:
+        trainer.tiers.close()
+    return losses, shards, moments, held, metrics, files
+
+
+@pytest.fixture(scope="module")
+def reference(small_data_dir, tmp_path_factory):
+    return train(tiny_config(small_data_dir, tmp_path_factory.mktemp("ref"), **MODEL))
+
+
+VARIANTS = {
+    "params-nvme": {"offload.params.device": "nvme"},
+    "params-cpu": {"offload.params.device": "cpu"},
+    "optim-nvme-subgroups": {"offload.optim.device": "nvme", **SMALL_SLABS},
+    "optim-cpu": {"offload.optim.device": "cpu"},
+    "optim-cpu-updated-on-device-path": {"offload.optim.device": "cpu", "offload.optim.update_on": "gpu"},
+    "all-nvme-minimum-budget": {"offload.params.device": "nvme", "offload.optim.device": "nvme", **SMALL_SLABS},
+    "all-nvme-buffered-io": {"offload.params.device": "nvme", "offload.optim.device": "nvme",
+                             "offload.direct_io": False},
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_offload_trains_exactly_as_without(small_data_dir, tmp_path, reference, name):
+    settings = {**MODEL, **VARIANTS[name], "offload.nvme_path": str(tmp_path / "swap")}
+    losses, shards, moments, held, metrics, files = train(tiny_config(small_data_dir, tmp_path, **settings))
+    ref_losses, ref_shards, ref_moments, ref_held, _, _ = reference
+    assert losses == ref_losses
+    assert len(shards) == len(ref_shards) and all(torch.equal(a, b) for a, b in zip(shards, ref_shards))
+    assert len(moments) == len(ref_moments) and all(torch.equal(a, b) for a, b in zip(moments, ref_moments))
+    if "offload.params.device" in VARIANTS[name]:
+        assert held["params"] < ref_held["params"]  # shards dropped after the step
+    if "offload.optim.device" in VARIANTS[name]:
+        assert held["optim"] == 0 < ref_held["optim"]
+    if "nvme" in VARIANTS[name].values():
+        assert metrics["io_write_bytes"] > 0 and metrics["io_read_bytes"] > 0
+        assert files and all(size > 0 for size in files.values())
+        if "offload.optim.device" in VARIANTS[name]:  # two moments of every parameter element, 4-KiB aligned
+            n_elems = sum(s.numel() for s in ref_shards)
+            assert 2 * 4 * n_elems <= files["optim"] < 2 * 4 * n_elems + 2 * 4096 * 64
+        if "offload.params.device" in VARIANTS[name]:
+            assert sum(4 * s.numel() for s in ref_shards) <= files["params"]
+    assert metrics["pool_peak_bytes"] <= 0.25 * 2**20 if "offload.slab_mb" in VARIANTS[name] else True
+
+
+def test_offload_swap_traffic_is_zero_infinity_s(small_data_dir, tmp_path):
+    """Per step each shard is read once per forward and once per backward of every micro-batch
+    (4 here) and once for the update, and written once after it."""
+    settings = {**MODEL, "offload.params.device": "nvme", "offload.nvme_path": str(tmp_path / "swap")}
+    cfg = tiny_config(small_data_dir, tmp_path, **settings)
+    trainer = Trainer(cfg, start())
+    shard_bytes = sum(-(-4 * g.shard.numel() // 4096) * 4096 for g in trainer.engine.groups)  # O_DIRECT pads to 4 KiB
+    written0 = trainer.tiers.io.bytes_written
+    assert written0 == shard_bytes  # the initial move
+    trainer.train_step()
+    micro = cfg.grad_accum_steps(1)
+    assert trainer.tiers.io.bytes_read == (2 * micro + 1) * shard_bytes
+    assert trainer.tiers.io.bytes_written - written0 == shard_bytes
+    trainer.tiers.close()
+
+
+def test_offloaded_checkpoint_resumes_with_and_without_offload(small_data_dir, tmp_path):
+    """A run offloading everything to NVMe saves at step 3; resumed without offload and with it,
+    both finish steps 4-6 on the uninterrupted run's losses and parameters."""
+    extra = {**MODEL, **COMMON, "train.steps": 6, "checkpoint.interval": 3, "checkpoint.keep_last": 0}
+    offload = {"offload.params.device": "nvme", "offload.optim.device": "nvme",
+               "offload.nvme_path": str(tmp_path / "swap"), **SMALL_SLABS}
+    full_cfg = tiny_config(small_data_dir, tmp_path / "full", **extra, **offload)
+    full = run(full_cfg, start())
+    saved = store.step_dir(full_cfg.checkpoint_dir(), 3)
+    plain_ref = run(tiny_config(small_data_dir, tmp_path / "plain", **extra), start())
+    assert full.losses == plain_ref.losses
+    for name, settings in {"plain": {}, "offloaded": offload}.items():
+        cfg = tiny_config(small_data_dir, tmp_path / name / "resumed", **extra, **settings)
+        resumed = run(cfg, start(), resume=saved)
+        assert resumed.losses == {s: full.losses[s] for s in (4, 5, 6)}, name
+        a = Checkpoint(store.step_dir(full_cfg.checkpoint_dir(), 6)).tensors("")
+        b = Checkpoint(store.step_dir(cfg.checkpoint_dir(), 6)).tensors("")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_swap_dir_problems_fail_at_start_up(small_data_dir, tmp_path):
+    settings = {**MODEL, "offload.params.device": "nvme"}
+    with pytest.raises(StrataError, match=r"offload.nvme_path /sys/.*cannot create"):
+        Trainer(tiny_config(small_data_dir, tmp_path, **settings, **{"offload.nvme_path": "/sys/strata-swap"}),
+                start())
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    with pytest.raises(StrataError, match="offload.nvme_path"):
+        Trainer(tiny_config(small_data_dir, tmp_path, **settings, **{"offload.nvme_path": str(a_file / "sub")}),
+                start())
+
+
+def test_full_disk_fails_at_start_up_naming_the_key(small_data_dir, tmp_path):
+    """RLIMIT_FSIZE makes the file system 'full' for this process: preallocation fails with EFBIG
+    before the first step, naming the config key and the bytes needed (root ignores chmod, so a
+    read-only directory cannot be simulated with permissions)."""
+    script = f"""
+import resource, signal, sys
+sys.path.insert(0, {os.path.join(os.path.dirname(__file__))!r})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+from conftest import tiny_config
+from parallel.runtime import start
+from trainer.loop import Trainer
+from pathlib import Path
+cfg = tiny_config(Path({str(small_data_dir)!r}), Path({str(tmp_path)!r}), **{dict(MODEL, **{
+        "offload.optim.device": "nvme", "offload.nvme_path": str(tmp_path / "swap")})!r})
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+try:
+    Trainer(cfg, start())
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert "SwapIOError" in out.stdout, out.stdout + out.stderr
+    assert "offload.optim.device" in out.stdout and "EFBIG" in out.stdout and "MiB" in out.stdout
+
+
+@pytest.mark.parametrize("settings, problem", [
+    ({"offload.params.device": "nvme"}, "need.* offload.nvme_path"),
+    ({"offload.params.device": "cpu", "zero.params.shard_over": "none", "zero.grads.shard_over": "none"},
+     "set zero.params.shard_over"),
+    ({"offload.optim.device": "cpu", "zero.optim.shard_over": "none", "zero.params.shard_over": "none",
+      "zero.grads.shard_over": "none"}, "set zero.optim.shard_over"),
+    ({"offload.optim.device": "cpu", "optim.impl": "foreach"}, "optim.impl=auto or fused"),
+    ({"offload.slab_mb": 0.001}, "multiple of 4 KiB"),
+    ({"offload.host_buffer_mb": 4}, "at least 16"),
+])
+def test_offload_config_errors_say_what_to_set(small_data_dir, tmp_path, settings, problem):
+    with pytest.raises(ConfigError, match=problem):
+        tiny_config(small_data_dir, tmp_path, **{**MODEL, **settings})
+
+
+def test_offload_dp2_through_launch_matches_one_process(small_data_dir, tmp_path):
+    """ZeRO-3 over 2 ranks with parameters and optimizer states on NVMe: the losses and final
+    parameters of the 1-process run without offload; the metrics report the swap traffic."""
+    shared = {**COMMON, "train.micro_batch_size": 2}
+    reference_cfg = tiny_config(small_data_dir, tmp_path / "ref", **shared)
+    reference = run(reference_cfg, start())
+    offload = {**ZERO3, "offload.params.device": "nvme", "offload.optim.device": "nvme",
+               "offload.nvme_path": str(tmp_path / "swap"), **SMALL_SLABS}
+    launch_run(small_data_dir, tmp_path / "par", 2, **shared, **offload)
+    losses = losses_from(tmp_path / "par" / "t")
+    assert sorted(losses) == sorted(reference.losses)
+    for step, loss in reference.losses.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    assert_same_params(final_params(tmp_path / "par" / "t" / "checkpoints"), final_params(reference_cfg.checkpoint_dir()))
+    summary = json.loads((tmp_path / "par" / "t" / "summary.json").read_text())
+    assert summary["offload"]["io_read_bytes"] > 0 and summary["offload"]["io_write_bytes"] > 0
+    assert not list((tmp_path / "swap").glob("strata-*/*"))  # swap files removed at the end
