@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from parallel.zero import FlatGroup
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# Bytes per element each update path moves, for the placement model (placement.Measured.traffic).
+# The device keeps fp32 parameters, so the CPU path brings parameter and gradient down and the
+# parameter up; the GPU path takes both moments up and back.
+TRAFFIC = (8, 4, 8, 8)
 
 
 @dataclass
@@ -101,8 +105,9 @@ class OptimTier:
             for sg in self.subgroups:
                 sg.regions = tuple(FileRegion(swap_file, swap_file.region(sg.size * 4), sg.size * 4) for _ in MOMENTS)
         self._scratch = {n: torch.empty(elems, device=self.device) for n in MOMENTS}  # gpu updates of host moments
+        self._side = None
+        self._uploads: deque = deque()  # CPU-updated parameters on their way up: (event, slabs)
         self._state_init()
-        self.cpu_update_s = self.gpu_update_s = 0.0
 
     @staticmethod
     def needs_resident_bytes(groups: list["FlatGroup"]) -> int:
@@ -176,10 +181,16 @@ class OptimTier:
 
     # --- the step ------------------------------------------------------------------------------
     def step(self) -> None:
-        """One AdamW step of every piece (their `.grad` set by the engine), sub-group by sub-group."""
+        """One AdamW step of every piece (their `.grad` set by the engine), sub-group by sub-group.
+        On a GPU, device-placed sub-groups are queued on a side stream and run while the CPU
+        updates its own; the step ends when both are done."""
         for _, _, piece in self._pieces():
             self.optimizer.state[piece]["step"] += 1
         hyper = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
+        self._steps = {"here": {id(p): self.optimizer.state[p]["step"] for _, _, p in self._pieces()}}
+        if self.device.type != "cpu":  # the CPU path's kernel needs the counts on the CPU: copied once
+            self._steps["cpu"] = {k: t.cpu() for k, t in self._steps["here"].items()}
+        side = self._side_stream()
         loads = _Pipeline(self, self.subgroups)
         last_group = None
         try:
@@ -188,11 +199,30 @@ class OptimTier:
                     self._switch_group(last_group, sg.group, i)
                     last_group = sg.group
                 moments = loads.take(i)
-                self._update(sg, moments, hyper)
+                if sg.on_gpu and self.kind != "device":
+                    done = self._update_on_device(sg, moments, hyper, side)
+                    if self.kind == "nvme" and done is not None:
+                        done.synchronize()  # the slabs go to disk next: their copies must have landed
+                else:
+                    self._update_here(sg, moments, hyper)
                 loads.put_back(i, sg)
+            if side is not None:
+                side.synchronize()
+                torch.cuda.current_stream(self.device).wait_stream(side)
         finally:
+            while self._uploads:
+                self._finish_upload()
             loads.close()
         self._switch_group(last_group, None, len(self.subgroups))
+
+    def _side_stream(self):
+        """The stream device-placed updates run on (CUDA only), after the gradients are ready."""
+        if self.device.type != "cuda" or not any(sg.on_gpu for sg in self.subgroups):
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        return self._side
 
     def _switch_group(self, done: "FlatGroup | None", nxt: "FlatGroup | None", at: int) -> None:
         """Parameters offloaded too: hold the next group's shard, write back the finished one."""
@@ -207,22 +237,40 @@ class OptimTier:
         else:
             self.param_tier.finish_writes(self.groups)
 
-    def _update(self, sg: SubGroup, moments: tuple[torch.Tensor, torch.Tensor], hyper: dict) -> None:
-        """The fused AdamW kernel over the sub-group's spans, where the placement says."""
-        params, grads = sg.params(), sg.grads()
-        if sg.on_gpu and self.kind != "device":
-            # the device path: moments copied to the parameters' device and back
+    def _update_on_device(self, sg: SubGroup, moments, hyper: dict, side):
+        """Deep Optimizer States' GPU path: the moments go up, the fused kernel runs beside the
+        parameters and gradients, the moments come back. Returns the CUDA event that marks the
+        copies back (None off CUDA, where it is synchronous: the same copies and the same kernel)."""
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             work = tuple(self._scratch[k][:sg.size].copy_(m, non_blocking=True) for k, m in zip(MOMENTS, moments))
-            _fused_step(sg, params, grads, work, hyper, self.optimizer)
+            _fused_step(sg, sg.params(), sg.grads(), work, hyper, self._steps["here"])
             for m, w in zip(moments, work):
-                m.copy_(w)
-        elif self.device.type != "cpu" and self.kind != "device":
-            # the CPU path on a GPU machine: parameters and gradients come down, parameters go back
-            host_p, host_g = (t.to("cpu") for t in (params, grads))
-            _fused_step(sg, host_p, host_g, moments, hyper, self.optimizer)
-            params.copy_(host_p)
-        else:
-            _fused_step(sg, params, grads, moments, hyper, self.optimizer)
+                m.copy_(w, non_blocking=side is not None)
+            return side.record_event() if side is not None else None
+
+    def _update_here(self, sg: SubGroup, moments, hyper: dict) -> None:
+        """The update where the moments are: on the device ("device" kind), or on the CPU — which,
+        on a GPU machine, brings the parameters and gradients down and the parameters back."""
+        params, grads = sg.params(), sg.grads()
+        if self.device.type == "cpu" or self.kind == "device":
+            _fused_step(sg, params, grads, moments, hyper, self._steps["here"])
+            return
+        slabs = [self.pool.borrow("optim") for _ in range(2)]  # pinned: the copies are DMA
+        host_p, host_g = (s.tensor[:sg.size * 4].view(torch.float32) for s in slabs)
+        host_p.copy_(params, non_blocking=True)
+        host_g.copy_(grads, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        _fused_step(sg, host_p, host_g, moments, hyper, self._steps["cpu"])
+        params.copy_(host_p, non_blocking=True)
+        self._uploads.append((torch.cuda.current_stream(self.device).record_event(), slabs))
+        while self._uploads and self._uploads[0][0].query():
+            self._finish_upload()
+
+    def _finish_upload(self) -> None:
+        event, slabs = self._uploads.popleft()
+        event.synchronize()
+        for s in slabs:
+            self.pool.give_back(s)
 
     # --- swap-file moments --------------------------------------------------------------------
     def _read_region(self, region: FileRegion, dst: torch.Tensor) -> None:
@@ -319,16 +367,16 @@ class _Pipeline:
 
 
 def _fused_step(sg: SubGroup, params: torch.Tensor, grads: torch.Tensor, moments, hyper: dict,
-                optimizer: torch.optim.Optimizer) -> None:
-    """torch's fused AdamW on each span, one kernel call per parameter group (weight decay differs)."""
+                steps: dict[int, torch.Tensor]) -> None:
+    """torch's fused AdamW on each span, one kernel call per parameter group (weight decay differs);
+    `steps`: each piece's step count, already advanced, on the kernel's device."""
     by_group: dict[int, list[_Span]] = {}
     for span in sg.spans:
         by_group.setdefault(id(hyper[id(span.piece)]), []).append(span)
-    device = params.device
     for spans in by_group.values():
         h = hyper[id(spans[0].piece)]
         cut = lambda t: [t[s.offset:s.offset + s.size] for s in spans]  # noqa: E731
-        steps = [optimizer.state[s.piece]["step"].to(device) for s in spans]
-        torch._fused_adamw_(cut(params), cut(grads), cut(moments[0]), cut(moments[1]), [], steps, amsgrad=False,
+        torch._fused_adamw_(cut(params), cut(grads), cut(moments[0]), cut(moments[1]), [],
+                            [steps[id(s.piece)] for s in spans], amsgrad=False,
                             lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], weight_decay=h["weight_decay"],
                             eps=h["eps"], maximize=False, grad_scale=None, found_inf=None)

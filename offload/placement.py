@@ -32,6 +32,10 @@ class Measured:
     r_gpu: float = 0.0         # fused AdamW on the GPU
     kappa: float = 1.0         # CPU Adam slowdown while a copy streams (0 < kappa <= 1)
     m_free: int = 0            # GPU bytes the update may use
+    # bytes moved per element: CPU path down, up; GPU path up, down (the paper's: the gradient
+    # down and the parameter up; parameter and both moments each way). An engine whose device
+    # already holds fp32 parameters moves other amounts and says so here.
+    traffic: tuple[int, int, int, int] = (4, 4, 12, 12)
 
     def __post_init__(self):
         if not 0.0 < self.kappa <= 1.0:
@@ -42,7 +46,8 @@ class Measured:
             raise ValueError(f"with CUDA every bandwidth and throughput must be positive: {self}")
 
     def as_record(self) -> dict:
-        return {k: (v if isinstance(v, bool) else int(v) if k == "m_free" else float(v))
+        return {k: (v if isinstance(v, bool) else list(v) if isinstance(v, tuple) else int(v) if k == "m_free"
+                    else float(v))
                 for k, v in asdict(self).items()}
 
 
@@ -111,23 +116,25 @@ class _Schedule:
         self.in_flight: list[tuple[float, int]] = []   # GPU sub-groups: (write-back end, bytes), sorted
 
     def cpu_path(self, n: int) -> dict[str, list[tuple[float, float]]]:
-        grad = self.d2h.slot(0.0, 4 * n)
+        down, up = self.m.traffic[:2]
+        grad = self.d2h.slot(0.0, down * n)
         start = max(self.cpu, grad[-1][1])
         adam = [(start, start + n / (self.m.r_cpu * self.m.kappa))]
-        return {"d2h": grad, "cpu": adam, "h2d": self.h2d.slot(adam[-1][1], 4 * n)}
+        return {"d2h": grad, "cpu": adam, "h2d": self.h2d.slot(adam[-1][1], up * n)}
 
     def gpu_path(self, n: int) -> dict[str, list[tuple[float, float]]]:
-        up = self.h2d.slot(self._memory_free_at(12 * n), 12 * n)
+        up_bytes, down_bytes = self.m.traffic[2:]
+        up = self.h2d.slot(self._memory_free_at(up_bytes * n), up_bytes * n)
         start = max(self.gpu, up[-1][1])
         adam = [(start, start + n / self.m.r_gpu)]
-        return {"h2d": up, "gpu": adam, "d2h": self.d2h.slot(adam[-1][1], 12 * n)}
+        return {"h2d": up, "gpu": adam, "d2h": self.d2h.slot(adam[-1][1], down_bytes * n)}
 
     def take(self, path: dict[str, list[tuple[float, float]]], n: int) -> None:
         self.h2d.take(path["h2d"])
         self.d2h.take(path["d2h"])
         if "gpu" in path:
             self.gpu = path["gpu"][-1][1]
-            bisect.insort(self.in_flight, (path["d2h"][-1][1], 12 * n))
+            bisect.insort(self.in_flight, (path["d2h"][-1][1], self.m.traffic[2] * n))
         else:
             self.cpu = path["cpu"][-1][1]
 
@@ -153,7 +160,7 @@ def _schedule(sizes: list[int], m: Measured, mode: str) -> tuple[tuple[bool, ...
         cpu = schedule.cpu_path(n)
         if mode == "gpu":
             use_gpu = True
-        elif mode == "cpu" or 12 * n > m.m_free:
+        elif mode == "cpu" or m.traffic[2] * n > m.m_free:
             use_gpu = False
         else:  # a path finishes with its last copy; a tie stays on the CPU (no GPU memory)
             use_gpu = schedule.gpu_path(n)["d2h"][-1][1] < cpu["h2d"][-1][1]
@@ -197,7 +204,7 @@ def plan(sizes: list[int], m: Measured, force: str = "auto") -> Placement:
         return Placement((False,) * count, all_cpu_s, all_cpu_s, f"model: all {count} sub-groups on the CPU, "
                          f"predicted {all_cpu_s:.3g} s (the greedy mix of {sum(on_gpu)} on the GPU: {t:.3g} s)")
     head = f"forced: all {count}" if force == "gpu" else f"model: {sum(on_gpu)} of {count}"
-    too_big = sum(12 * n > m.m_free for n in sizes)
+    too_big = sum(m.traffic[2] * n > m.m_free for n in sizes)
     tail = (f"; {too_big} {'need more than' if force == 'gpu' else 'too large for'} the {m.m_free / 2**30:.3g} GiB "
             "of free GPU memory") if too_big else ""
     return Placement(on_gpu, t, all_cpu_s, f"{head} sub-groups on the GPU, predicted {t:.3g} s vs "

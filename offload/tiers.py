@@ -6,13 +6,14 @@ before the first step.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from offload.files import SwapDir, aligned
 from offload.io_engine import IOEngine
-from offload.optim import OptimTier
+from offload.optim import TRAFFIC, OptimTier
 from offload.params import ParamTier
 from offload.placement import Measured, Placement, calibrate, plan
 from offload.pool import HostPool
@@ -33,7 +34,9 @@ class Tiers:
         off, act = cfg.offload, cfg.activations
         self.engine = engine
         devices = {"params": off.params.device, "optim": off.optim.device, "activations": act.offload}
-        streams = [s for s, d in devices.items() if d == "nvme" or (s == "params" and d == "cpu")]
+        # pool streams: every swap, host-resident parameters (copied through slabs), and the
+        # optimizer's CPU path on a GPU (parameters and gradients come down into slabs)
+        streams = [s for s, d in devices.items() if d == "nvme" or (s != "activations" and d == "cpu")]
         groups = engine.groups if engine is not None else []
         resident = 0
         if devices["params"] == "cpu":
@@ -76,7 +79,8 @@ class Tiers:
         if kind != "device":
             # a sample as large as the state (up to 16M elements): a cache-sized one overstates CPU Adam
             total = sum(sg.size for sg in self.optim_tier.subgroups)
-            self.measured = calibrate(device, sample_elems=min(1 << 24, max(1 << 20, total)))
+            self.measured = replace(calibrate(device, sample_elems=min(1 << 24, max(1 << 20, total))),
+                                    traffic=TRAFFIC)
             self.placement = plan([sg.size for sg in self.optim_tier.subgroups], self.measured, update_on)
             self.optim_tier.place(list(self.placement.on_gpu))
         engine.use_tiers(self.param_tier, self.optim_tier)

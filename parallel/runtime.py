@@ -2,9 +2,11 @@
 environment, pick the device, and leave cleanly."""
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +73,21 @@ def pin_host(buffer: torch.Tensor) -> bool:
     the block cached for the rest of the process."""
     if not torch.cuda.is_available() or buffer.numel() == 0:
         return False
-    return int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)) == 0
+    cudart = torch.cuda.cudart()
+    nbytes = buffer.numel() * buffer.element_size()
+    err = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+    if int(err) == 0:
+        return True
+    # Clear the error, or the CUDA runtime reports it again at the next unrelated kernel launch,
+    # which torch then raises (seen: cudaErrorHostMemoryAlreadyRegistered). torch binds no
+    # cudaGetLastError, but libcudart's symbols are global in a process that loaded torch's CUDA.
+    try:
+        ctypes.CDLL(None).cudaGetLastError()
+    except (AttributeError, OSError):
+        pass
+    warnings.warn(f"cudaHostRegister of a {nbytes}-byte host buffer failed ({cudart.cudaGetErrorString(err)}); it "
+                  "stays pageable: host-device copies through it will be slower")
+    return False
 
 
 def unpin_host(buffer: torch.Tensor) -> None:
