@@ -104,8 +104,9 @@ class OptimTier:
         if kind == "nvme":
             for sg in self.subgroups:
                 sg.regions = tuple(FileRegion(swap_file, swap_file.region(sg.size * 4), sg.size * 4) for _ in MOMENTS)
-        self._scratch = {n: torch.empty(elems, device=self.device) for n in MOMENTS}  # gpu updates of host moments
-        self._side = None
+        self._elems = elems
+        self._scratch: list[dict[str, torch.Tensor]] = []  # per side stream: the moments of a device update
+        self._sides: list = []
         self._uploads: deque = deque()  # CPU-updated parameters on their way up: (event, slabs)
         self._state_init()
 
@@ -190,7 +191,8 @@ class OptimTier:
         self._steps = {"here": {id(p): self.optimizer.state[p]["step"] for _, _, p in self._pieces()}}
         if self.device.type != "cpu":  # the CPU path's kernel needs the counts on the CPU: copied once
             self._steps["cpu"] = {k: t.cpu() for k, t in self._steps["here"].items()}
-        side = self._side_stream()
+        sides = self._side_streams()
+        on_device = 0
         loads = _Pipeline(self, self.subgroups)
         last_group = None
         try:
@@ -200,13 +202,14 @@ class OptimTier:
                     last_group = sg.group
                 moments = loads.take(i)
                 if sg.on_gpu and self.kind != "device":
-                    done = self._update_on_device(sg, moments, hyper, side)
+                    done = self._update_on_device(sg, moments, hyper, on_device % 2, sides)
+                    on_device += 1
                     if self.kind == "nvme" and done is not None:
                         done.synchronize()  # the slabs go to disk next: their copies must have landed
                 else:
                     self._update_here(sg, moments, hyper)
                 loads.put_back(i, sg)
-            if side is not None:
+            for side in sides:
                 side.synchronize()
                 torch.cuda.current_stream(self.device).wait_stream(side)
         finally:
@@ -215,14 +218,17 @@ class OptimTier:
             loads.close()
         self._switch_group(last_group, None, len(self.subgroups))
 
-    def _side_stream(self):
-        """The stream device-placed updates run on (CUDA only), after the gradients are ready."""
+    def _side_streams(self) -> list:
+        """The two streams device-placed updates alternate on (CUDA only), after the gradients are
+        ready: one sub-group's moments come back while the next one's go up (one stream would
+        serialise the two directions of the link)."""
         if self.device.type != "cuda" or not any(sg.on_gpu for sg in self.subgroups):
-            return None
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        return self._side
+            return []
+        if not self._sides:
+            self._sides = [torch.cuda.Stream(self.device) for _ in range(2)]
+        for side in self._sides:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+        return self._sides
 
     def _switch_group(self, done: "FlatGroup | None", nxt: "FlatGroup | None", at: int) -> None:
         """Parameters offloaded too: hold the next group's shard, write back the finished one."""
@@ -237,12 +243,17 @@ class OptimTier:
         else:
             self.param_tier.finish_writes(self.groups)
 
-    def _update_on_device(self, sg: SubGroup, moments, hyper: dict, side):
+    def _update_on_device(self, sg: SubGroup, moments, hyper: dict, lane: int, sides: list):
         """Deep Optimizer States' GPU path: the moments go up, the fused kernel runs beside the
-        parameters and gradients, the moments come back. Returns the CUDA event that marks the
-        copies back (None off CUDA, where it is synchronous: the same copies and the same kernel)."""
+        parameters and gradients, the moments come back, on side stream `lane`. Returns the CUDA
+        event that marks the copies back (None off CUDA, where it is synchronous: the same copies
+        and the same kernel)."""
+        side = sides[lane] if sides else None
+        while len(self._scratch) <= lane:
+            self._scratch.append({k: torch.empty(self._elems, device=self.device) for k in MOMENTS})
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            work = tuple(self._scratch[k][:sg.size].copy_(m, non_blocking=True) for k, m in zip(MOMENTS, moments))
+            scratch = self._scratch[lane]
+            work = tuple(scratch[k][:sg.size].copy_(m, non_blocking=True) for k, m in zip(MOMENTS, moments))
             _fused_step(sg, sg.params(), sg.grads(), work, hyper, self._steps["here"])
             for m, w in zip(moments, work):
                 m.copy_(w, non_blocking=side is not None)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+from offload.activations import ActivationOffloader
 from offload.files import SwapDir, aligned
 from offload.io_engine import IOEngine
 from offload.optim import TRAFFIC, OptimTier
@@ -34,6 +35,13 @@ class Tiers:
         off, act = cfg.offload, cfg.activations
         self.engine = engine
         devices = {"params": off.params.device, "optim": off.optim.device, "activations": act.offload}
+        self.notes: list[str] = []
+        if device.type == "cpu" and devices["params"] == "cpu":
+            # the shards already live in host memory: moving them to other host memory costs two
+            # copies per use and saves nothing (the tier's copy path runs on GPU machines)
+            devices["params"] = "none"
+            self.notes.append("offload.params.device=cpu: the parameters already live in host memory (no GPU), "
+                              "nothing to move")
         # pool streams: every swap, host-resident parameters (copied through slabs), and the
         # optimizer's CPU path on a GPU (parameters and gradients come down into slabs)
         streams = [s for s, d in devices.items() if d == "nvme" or (s != "activations" and d == "cpu")]
@@ -58,7 +66,12 @@ class Tiers:
             self.swap.preallocate({kind: _KEYS[kind] for kind in self.swap.files})
         if self.param_tier is not None:
             self.param_tier.start()
-        self.activations = None  # the activation offloader is attached by `attach_activations`
+        self.activations = None
+        if act.offload != "none":
+            nvme = act.offload == "nvme"
+            inflight = None if act.max_inflight_mb is None else int(act.max_inflight_mb * 2**20)
+            self.activations = ActivationOffloader(act.offload, act.min_bytes, self.movers.get("activations"),
+                                                   self.swap.file("activations") if nvme else None, inflight)
 
     def _build_zero_tiers(self, engine: "ZeroEngine", devices: dict[str, str], read_ahead: int, update_on: str,
                           device: torch.device) -> None:
@@ -108,7 +121,11 @@ class Tiers:
                "io_stall_s": sum(m.stalled_s for m in self.movers.values())}
         if self.io is not None:
             out.update(io_read_bytes=self.io.bytes_read, io_write_bytes=self.io.bytes_written,
-                       swap_file_bytes={k: f.size for k, f in self.swap.files.items()})
+                       swap_file_bytes={k: max(f.size, f.allocated) for k, f in self.swap.files.items()})
+        if self.activations is not None:
+            stats = self.activations.stats
+            out["activations"] = {k: stats[k] for k in ("packed", "deduplicated", "bytes_offloaded", "reads",
+                                                        "forwarded", "peak_live_saved_bytes")}
         return out
 
     def startup_record(self) -> dict:
@@ -121,6 +138,8 @@ class Tiers:
         return record
 
     def close(self) -> None:
+        if self.activations is not None:
+            self.activations.close()
         for m in self.movers.values():
             m.close()
         if self.io is not None:

@@ -78,16 +78,23 @@ def pin_host(buffer: torch.Tensor) -> bool:
     err = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
     if int(err) == 0:
         return True
-    # Clear the error, or the CUDA runtime reports it again at the next unrelated kernel launch,
-    # which torch then raises (seen: cudaErrorHostMemoryAlreadyRegistered). torch binds no
-    # cudaGetLastError, but libcudart's symbols are global in a process that loaded torch's CUDA.
-    try:
-        ctypes.CDLL(None).cudaGetLastError()
-    except (AttributeError, OSError):
-        pass
+    _clear_cuda_error()
     warnings.warn(f"cudaHostRegister of a {nbytes}-byte host buffer failed ({cudart.cudaGetErrorString(err)}); it "
                   "stays pageable: host-device copies through it will be slower")
     return False
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error, or it is reported again at the next unrelated kernel
+    launch, which torch then raises (seen on an H100: cudaErrorHostMemoryAlreadyRegistered). torch
+    binds no cudaGetLastError, so call it in the libcudart this process has loaded."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libcudart" in line), None)
+        if path is not None:
+            ctypes.CDLL(path).cudaGetLastError()
+    except (AttributeError, OSError):
+        pass
 
 
 def unpin_host(buffer: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Memory tiers in the trainer (offload.*): every combination trains exactly as without offload
+"""Memory tiers in the trainer (offload.*, activations.*): every combination trains exactly as without offload
 (fp32, ZeRO-3; losses, parameters and Adam moments bit for bit), the swap files are really
 written and read, the host budget holds, bad swap paths fail at start-up, checkpoints taken with
 offload resume anywhere, and a 2-rank world through `strata launch` matches one process."""
@@ -13,6 +13,10 @@ import pytest
 import torch
 
 from checkpoint import store
+from offload.files import SwapDir
+from offload.io_engine import IOEngine
+from offload.pool import HostPool
+from offload.swap import FileRegion, Mover
 from checkpoint.reader import Checkpoint
 from conftest import tiny_config
 from parallel.runtime import start
@@ -21,7 +25,7 @@ from trainer.errors import ConfigError, StrataError
 from trainer.loop import Trainer, run
 
 MODEL = {"model.n_layers": 3, "model.d_model": 64, **ZERO3}
-SMALL_SLABS = {"offload.slab_mb": 0.0625, "offload.host_buffer_mb": 0.25}  # 4 slabs of 64 KiB: the minimum
+SMALL_SLABS = {"offload.slab_mb": 0.0625, "offload.host_buffer_mb": 0.25}  # 4 slabs of 64 KiB: 2 streams' minimum
 
 
 def train(cfg, steps: int = 4):
@@ -55,6 +59,14 @@ VARIANTS = {
     "all-nvme-minimum-budget": {"offload.params.device": "nvme", "offload.optim.device": "nvme", **SMALL_SLABS},
     "all-nvme-buffered-io": {"offload.params.device": "nvme", "offload.optim.device": "nvme",
                              "offload.direct_io": False},
+    "activations-nvme": {"activations.offload": "nvme", "activations.min_bytes": 4096},
+    "activations-nvme-bounded-inflight": {"activations.offload": "nvme", "activations.min_bytes": 4096,
+                                          "activations.max_inflight_mb": 0.1},
+    "activations-cpu-recompute": {"activations.offload": "cpu", "activations.recompute": "full",
+                                  "activations.min_bytes": 4096},
+    "everything-nvme-minimum-budget": {"offload.params.device": "nvme", "offload.optim.device": "nvme",
+                                       "activations.offload": "nvme", "activations.min_bytes": 4096,
+                                       **SMALL_SLABS, "offload.host_buffer_mb": 0.375},  # 3 streams' minimum
 }
 
 
@@ -70,8 +82,10 @@ def test_offload_trains_exactly_as_without(small_data_dir, tmp_path, reference, 
     assert losses == ref_losses
     assert len(shards) == len(ref_shards) and all(torch.equal(a, b) for a, b in zip(shards, ref_shards))
     assert len(moments) == len(ref_moments) and all(torch.equal(a, b) for a, b in zip(moments, ref_moments))
-    if "offload.params.device" in VARIANTS[name]:
+    if VARIANTS[name].get("offload.params.device") == "nvme":
         assert held["params"] < ref_held["params"]  # shards dropped after the step
+    if VARIANTS[name].get("offload.params.device") == "cpu":  # on a CPU the shards are in host memory already
+        assert held["params"] == ref_held["params"]
     if "offload.optim.device" in VARIANTS[name]:
         assert held["optim"] == 0 < ref_held["optim"]
     if "nvme" in VARIANTS[name].values():
@@ -82,7 +96,45 @@ def test_offload_trains_exactly_as_without(small_data_dir, tmp_path, reference, 
             assert 2 * 4 * n_elems <= files["optim"] < 2 * 4 * n_elems + 2 * 4096 * 64
         if "offload.params.device" in VARIANTS[name]:
             assert sum(4 * s.numel() for s in ref_shards) <= files["params"]
-    assert metrics["pool_peak_bytes"] <= 0.25 * 2**20 if "offload.slab_mb" in VARIANTS[name] else True
+    if VARIANTS[name].get("activations.offload") == "nvme":
+        acts = metrics["activations"]
+        assert acts["deduplicated"] > 0 and acts["bytes_offloaded"] > 0 and acts["reads"] > 0
+        assert files["activations"] >= acts["bytes_offloaded"] / 4  # one step's worth (of 4) at a time
+    if "offload.host_buffer_mb" in VARIANTS[name]:
+        assert 0 < metrics["pool_peak_bytes"] <= VARIANTS[name]["offload.host_buffer_mb"] * 2**20
+
+
+def test_mover_round_trips_through_slabs_files_and_host_tensors(tmp_path):
+    """Tensors of odd sizes go to swap-file regions through 2 slabs of 64 KiB (several chunks in
+    flight, the budget never exceeded) and to host tensors, and come back exactly."""
+    swap = SwapDir(tmp_path / "swap", 0)
+    f = swap.file("params")
+    sizes = [1, 1025, 70_000, 300_000]  # fp32 elements: under a page, a page and a bit, several slabs
+    regions = [FileRegion(f, f.region(4 * n), 4 * n) for n in sizes]
+    swap.preallocate({})
+    pool = HostPool(2 * 65536, 65536, 0, {"params": 2})
+    io = IOEngine(threads=2, chunk_bytes=65536)
+    mover = Mover(pool, io, "params")
+    src = [torch.randn(n) for n in sizes]
+    for transfer in [mover.write(t, r) for t, r in zip(src, regions)]:
+        transfer.wait()
+    back = [torch.empty(n) for n in sizes]
+    for transfer in [mover.read(t, r) for t, r in zip(back, regions)]:
+        transfer.wait()
+    assert all(torch.equal(a, b) for a, b in zip(src, back))
+    assert io.bytes_written == io.bytes_read == sum(-(-4 * n // 4096) * 4096 for n in sizes)
+    assert pool.peak_staging_bytes == 2 * 65536
+    host = torch.empty(1025)
+    mover.write(src[1], host).wait()
+    again = torch.zeros(1025)
+    mover.read(again, host).wait()
+    assert torch.equal(host, src[1]) and torch.equal(again, src[1])
+    with pytest.raises(ValueError, match="do not fit"):
+        mover.write(torch.zeros(2), regions[0]).wait()
+    mover.close()
+    io.close()
+    swap.close()
+    assert not swap.path.exists()
 
 
 def test_offload_swap_traffic_is_zero_infinity_s(small_data_dir, tmp_path):
@@ -167,7 +219,9 @@ except Exception as e:
       "zero.grads.shard_over": "none"}, "set zero.optim.shard_over"),
     ({"offload.optim.device": "cpu", "optim.impl": "foreach"}, "optim.impl=auto or fused"),
     ({"offload.slab_mb": 0.001}, "multiple of 4 KiB"),
-    ({"offload.host_buffer_mb": 4}, "at least 16"),
+    ({"offload.host_buffer_mb": 4, "offload.params.device": "cpu"}, "at least 8"),
+    ({"offload.host_buffer_mb": 8, "offload.params.device": "nvme", "offload.optim.device": "cpu",
+      "activations.offload": "nvme", "offload.nvme_path": "/tmp"}, "6 slabs .* 3 offload streams .* at least 24"),
 ])
 def test_offload_config_errors_say_what_to_set(small_data_dir, tmp_path, settings, problem):
     with pytest.raises(ConfigError, match=problem):
@@ -175,13 +229,14 @@ def test_offload_config_errors_say_what_to_set(small_data_dir, tmp_path, setting
 
 
 def test_offload_dp2_through_launch_matches_one_process(small_data_dir, tmp_path):
-    """ZeRO-3 over 2 ranks with parameters and optimizer states on NVMe: the losses and final
+    """ZeRO-3 over 2 ranks with parameters, optimizer states and activations on NVMe: the losses and final
     parameters of the 1-process run without offload; the metrics report the swap traffic."""
     shared = {**COMMON, "train.micro_batch_size": 2}
     reference_cfg = tiny_config(small_data_dir, tmp_path / "ref", **shared)
     reference = run(reference_cfg, start())
     offload = {**ZERO3, "offload.params.device": "nvme", "offload.optim.device": "nvme",
-               "offload.nvme_path": str(tmp_path / "swap"), **SMALL_SLABS}
+               "activations.offload": "nvme", "activations.min_bytes": 4096,
+               "offload.nvme_path": str(tmp_path / "swap"), **SMALL_SLABS, "offload.host_buffer_mb": 0.375}
     launch_run(small_data_dir, tmp_path / "par", 2, **shared, **offload)
     losses = losses_from(tmp_path / "par" / "t")
     assert sorted(losses) == sorted(reference.losses)

@@ -233,6 +233,10 @@ class ActivationsConfig:
                        choices=OFFLOAD_DEVICES)
     min_bytes: int = opt(1 << 20, "never offload a saved tensor whose storage is smaller than this (parameters "
                          "never are)", min=0)
+    max_inflight_mb: Optional[float] = opt(None, "bound on the saved tensors kept in memory while their offload "
+                                           "writes are in flight: forward waits for the disk beyond it, which "
+                                           "guarantees the saving (null: never wait; a fast GPU then serves most "
+                                           "from memory and saves little)", min=0.0)
     recompute: str = opt("none", "full: recompute each transformer block's forward in backward instead of saving "
                          "its activations (torch.utils.checkpoint)", choices=("none", "full"))
 
@@ -627,13 +631,16 @@ def _offload_checks(cfg: Config) -> list[str]:
     p: list[str] = []
     off, z, act = cfg.offload, cfg.zero, cfg.activations
     slab = off.slab_mb * 2**20
-    if slab % 4096:
-        p.append(f"offload.slab_mb={off.slab_mb:g} is not a multiple of 4 KiB (O_DIRECT transfers); use e.g. 4")
-    elif off.host_buffer_mb * 2**20 < 4 * slab:
-        p.append(f"offload.host_buffer_mb={off.host_buffer_mb:g} holds fewer than 4 slabs of offload.slab_mb="
-                 f"{off.slab_mb:g}; set it to at least {4 * off.slab_mb:g}")
     devices = {"offload.params.device": off.params.device, "offload.optim.device": off.optim.device,
                "activations.offload": act.offload}
+    # streams of the host pool, each guaranteed 2 slabs (offload.tiers): swaps and host-resident ZeRO state
+    streams = sum(d == "nvme" or (d == "cpu" and k != "activations.offload") for k, d in devices.items())
+    if slab % 4096:
+        p.append(f"offload.slab_mb={off.slab_mb:g} is not a multiple of 4 KiB (O_DIRECT transfers); use e.g. 4")
+    elif streams and off.host_buffer_mb * 2**20 < 2 * streams * slab:
+        p.append(f"offload.host_buffer_mb={off.host_buffer_mb:g} holds fewer than the {2 * streams} slabs of "
+                 f"offload.slab_mb={off.slab_mb:g} that {streams} offload streams need (2 each); set it to at least "
+                 f"{2 * streams * off.slab_mb:g}")
     nvme = [k for k, v in devices.items() if v == "nvme"]
     if nvme and not off.nvme_path:
         p.append(f"{' and '.join(nvme)}=nvme need{'s' if len(nvme) == 1 else ''} offload.nvme_path: a directory on a local SSD for the swap files")

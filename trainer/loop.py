@@ -119,7 +119,8 @@ class Trainer:
         self.sync_size = len(sync_members)
         self.parts, self.pipeline = self._build_model()
         self.engine = self._partition() if cfg.zero.enabled else None
-        self.tiers = self._memory_tiers() if cfg.offload.enabled else None
+        self.tiers = self._memory_tiers() if cfg.offload.enabled or cfg.activations.offload != "none" else None
+        self._activation_policy()
         if self.engine:
             self.params, self.optimizer = self.engine.params, self.engine.optimizer
         else:
@@ -188,6 +189,19 @@ class Trainer:
         from offload.tiers import Tiers  # offload's modules load only when a run uses them
         return Tiers(self.cfg, self.engine, self.rt.rank, self.rt.device)
 
+    def _activation_policy(self) -> None:
+        """activations.*: blocks that recompute their forward in backward, and saved tensors
+        offloaded by hooks keyed by block (those of recomputed blocks are only their inputs)."""
+        if self.cfg.activations.recompute == "full":
+            from offload.activations import apply_recompute
+            apply_recompute(self.parts)
+        if self.tiers and self.tiers.activations:
+            self.tiers.activations.attach(self.parts)
+
+    def _saving_activations(self):
+        offloader = self.tiers.activations if self.tiers else None
+        return offloader.saving() if offloader else contextlib.nullcontext()
+
     def offloaded_state_in_memory(self, changed: bool = False):
         """Offloaded shards and moments brought into memory for a checkpoint (a no-op without offload)."""
         return self.tiers.resident(changed) if self.tiers else contextlib.nullcontext()
@@ -254,13 +268,17 @@ class Trainer:
         """Gradients of the mean loss over this replica's micro-batches; returns that loss."""
         inputs = [i.to(self.rt.device) for i, _ in micro_batches]
         targets = [t.to(self.rt.device) for _, t in micro_batches]
-        if self.pipeline:
-            return self.pipeline.forward_backward(torch.cat(inputs), torch.cat(targets))
-        model, loss_sum = self.parts[0], torch.zeros((), device=self.rt.device)
-        for x, y in zip(inputs, targets):
-            loss = self.loss_fn(model(x), y) / len(micro_batches)
-            loss.backward()
-            loss_sum += loss.detach()
+        with self._saving_activations():
+            if self.pipeline:
+                loss_sum = self.pipeline.forward_backward(torch.cat(inputs), torch.cat(targets))
+            else:
+                model, loss_sum = self.parts[0], torch.zeros((), device=self.rt.device)
+                for x, y in zip(inputs, targets):
+                    loss = self.loss_fn(model(x), y) / len(micro_batches)
+                    loss.backward()
+                    loss_sum += loss.detach()
+        if self.tiers and self.tiers.activations:
+            self.tiers.activations.end_step()
         return loss_sum
 
     @torch.no_grad()
@@ -488,6 +506,8 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
               + (f", resumed from {resumed_from}" if resumed_from else ""))
     if trainer.tiers:
         log.write({"step": trainer.step, **trainer.tiers.startup_record()})
+        for note in trainer.tiers.notes:
+            log.print(f"offload: {note}")
         if trainer.tiers.placement is not None:
             log.print(f"offload: {trainer.tiers.placement.reason}")
     try:
