@@ -1,11 +1,13 @@
 """ZeRO-Infinity's parameter tier: each flat group's parameter shard (ZeRO-3's master copy on this
 rank) lives in host memory or a swap file between uses. It is read ahead of the gather that needs
-it, dropped as soon as the gather has taken its copy (clean: no write), and written back only
-after the optimizer changed it.
+it, dropped once the gather has taken its copy (clean: no write) — except the `keep_groups` used
+last, which are reused at the turns (forward to backward, backward to the update) — and
+written back only after the optimizer changed it.
 """
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Iterator
 
 from offload.swap import Mover, Transfer, Where
@@ -18,8 +20,11 @@ class ParamTier:
     """`where[group.name]`: each group's shard's home (a swap-file region or a host tensor).
     `start()` moves every shard there and frees it on the device."""
 
-    def __init__(self, groups: list["FlatGroup"], mover: Mover, where: dict[str, Where], read_ahead: int):
+    def __init__(self, groups: list["FlatGroup"], mover: Mover, where: dict[str, Where], read_ahead: int,
+                 keep_groups: int = 0):
         self.groups, self.mover, self.where, self.read_ahead_groups = groups, mover, where, read_ahead
+        self.keep_groups = keep_groups
+        self._kept: OrderedDict[str, "FlatGroup"] = OrderedDict()  # clean, unused, resident: least recent first
         self._reads: dict[str, Transfer] = {}
         self._writes: dict[str, Transfer] = {}
         self._resident: set[str] = {g.name for g in groups}
@@ -43,6 +48,7 @@ class ParamTier:
 
     def ensure(self, group: "FlatGroup") -> None:
         """The shard is in memory when this returns (waiting for its read, or reading it now)."""
+        self._kept.pop(group.name, None)  # in use: not to be dropped for room meanwhile
         self.prefetch(group)
         read = self._reads.pop(group.name, None)
         if read is not None:
@@ -50,10 +56,16 @@ class ParamTier:
             self._resident.add(group.name)
 
     def release(self, group: "FlatGroup") -> None:
-        """The gather has copied the shard: drop it unless the step or a checkpoint holds it."""
-        if group.name in self._resident and group.name not in self._pinned:
-            _drop(group)
-            self._resident.discard(group.name)
+        """The gather has copied the shard: keep it among the last used, or drop it (unless the step
+        or a checkpoint holds it)."""
+        if group.name not in self._resident or group.name in self._pinned:
+            return
+        self._kept[group.name] = group
+        self._kept.move_to_end(group.name)
+        while len(self._kept) > self.keep_groups:
+            _, oldest = self._kept.popitem(last=False)
+            _drop(oldest)
+            self._resident.discard(oldest.name)
 
     def read_ahead(self, groups: list["FlatGroup"]) -> None:
         for g in groups:
@@ -99,9 +111,7 @@ class ParamTier:
     def _evict_after_write(self, group: "FlatGroup") -> None:
         if group.name in self._writes:
             self._finish_write(group)
-            if group.name not in self._pinned:
-                _drop(group)
-                self._resident.discard(group.name)
+            self.release(group)  # clean again
 
 
 def _allocate(group: "FlatGroup") -> None:

@@ -23,7 +23,7 @@ from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
     from parallel.zero import ZeroEngine
-    from trainer.config import Config
+    from trainer.config import Config, ParamOffloadConfig
 
 _KEYS = {"params": "offload.params.device", "optim": "offload.optim.device", "activations": "activations.offload"}
 
@@ -61,7 +61,7 @@ class Tiers:
         self.measured: Measured | None = None
         self.param_tier = self.optim_tier = None
         if engine is not None and (devices["params"] != "none" or devices["optim"] != "none"):
-            self._build_zero_tiers(engine, devices, off.params.read_ahead, off.optim.update_on, device)
+            self._build_zero_tiers(engine, devices, off.params, off.optim.update_on, device)
         if self.swap:
             self.swap.preallocate({kind: _KEYS[kind] for kind in self.swap.files})
         if self.param_tier is not None:
@@ -73,8 +73,8 @@ class Tiers:
             self.activations = ActivationOffloader(act.offload, act.min_bytes, self.movers.get("activations"),
                                                    self.swap.file("activations") if nvme else None, inflight)
 
-    def _build_zero_tiers(self, engine: "ZeroEngine", devices: dict[str, str], read_ahead: int, update_on: str,
-                          device: torch.device) -> None:
+    def _build_zero_tiers(self, engine: "ZeroEngine", devices: dict[str, str], params: "ParamOffloadConfig",
+                          update_on: str, device: torch.device) -> None:
         groups = engine.groups
         if devices["params"] != "none":
             where = {}
@@ -85,7 +85,7 @@ class Tiers:
                     where[g.name] = FileRegion(f, f.region(nbytes), nbytes)
                 else:
                     where[g.name] = self.pool.resident(nbytes, g.shard.dtype)
-            self.param_tier = ParamTier(groups, self.movers["params"], where, read_ahead)
+            self.param_tier = ParamTier(groups, self.movers["params"], where, params.read_ahead, params.keep_groups)
         kind = {"none": "device", "cpu": "host", "nvme": "nvme"}[devices["optim"]]
         self.optim_tier = OptimTier(groups, engine.optimizer, kind, self.pool, self.io,
                                     self.swap.file("optim") if kind == "nvme" else None, self.param_tier)

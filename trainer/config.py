@@ -189,6 +189,9 @@ class ParamOffloadConfig:
     device: str = opt("none", "none: on the training device; cpu: host memory; nvme: swap files under "
                       "offload.nvme_path (read ahead of use, written back after the step)", choices=OFFLOAD_DEVICES)
     read_ahead: int = opt(1, "flat groups whose shards are read ahead of the gather prefetch", min=0)
+    keep_groups: int = opt(2, "shards kept in memory after their last use, most recent first, so the turns "
+                           "(forward to backward, backward to the update) read nothing (0: drop every shard once "
+                           "gathered)", min=0)
 
 
 @dataclass(frozen=True)
