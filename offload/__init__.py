@@ -1,2 +1,2 @@
-"""Memory tiers (CPU / NVMe offload, issue 6). So far the swap-file I/O engine (`io_engine`) and the host
-buffer pool (`pool`); the `offload` config group stays empty until the tiers use them."""
+"""Memory tiers (issue 6; docs/OFFLOAD.md): ZeRO state and activations in host memory or NVMe swap
+files, moved through one budgeted host buffer pool. `tiers.Tiers` builds what a config asks for."""
