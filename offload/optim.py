@@ -107,13 +107,21 @@ class OptimTier:
         self._elems = elems
         self._scratch: list[dict[str, torch.Tensor]] = []  # per side stream: the moments of a device update
         self._sides: list = []
-        self._uploads: deque = deque()  # CPU-updated parameters on their way up: (event, slabs)
+        # The CPU path on a GPU: parameters and gradients come down into these two pinned buffers
+        # (the pool's resident region, planned by `needs_resident_bytes`); never borrowed slabs,
+        # which the moments' read-ahead may all hold. Reused in stream order: the next sub-group's
+        # copies down queue behind the previous one's copy up.
+        self._host_scratch = ([pool.resident(elems * 4, torch.float32) for _ in range(2)]
+                              if self.device.type == "cuda" and kind != "device" else None)
         self._state_init()
 
     @staticmethod
-    def needs_resident_bytes(groups: list["FlatGroup"]) -> int:
-        """Host bytes the "host" kind takes from the pool's resident region."""
-        return sum(2 * aligned(g.optim_size * 4) for g in groups)
+    def needs_resident_bytes(groups: list["FlatGroup"], kind: str, device: torch.device, slab_bytes: int) -> int:
+        """Host bytes this tier takes from the pool's resident region: the moments ("host" kind)
+        and, on a GPU, the CPU path's two buffers."""
+        moments = sum(2 * aligned(g.optim_size * 4) for g in groups) if kind == "host" else 0
+        scratch = 2 * aligned(slab_bytes) if device.type == "cuda" and kind != "device" else 0
+        return moments + scratch
 
     def place(self, on_gpu: list[bool]) -> None:
         for sg, gpu in zip(self.subgroups, on_gpu):
@@ -213,8 +221,6 @@ class OptimTier:
                 side.synchronize()
                 torch.cuda.current_stream(self.device).wait_stream(side)
         finally:
-            while self._uploads:
-                self._finish_upload()
             loads.close()
         self._switch_group(last_group, None, len(self.subgroups))
 
@@ -266,22 +272,12 @@ class OptimTier:
         if self.device.type == "cpu" or self.kind == "device":
             _fused_step(sg, params, grads, moments, hyper, self._steps["here"])
             return
-        slabs = [self.pool.borrow("optim") for _ in range(2)]  # pinned: the copies are DMA
-        host_p, host_g = (s.tensor[:sg.size * 4].view(torch.float32) for s in slabs)
+        host_p, host_g = (t[:sg.size] for t in self._host_scratch)
         host_p.copy_(params, non_blocking=True)
         host_g.copy_(grads, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
+        torch.cuda.current_stream(self.device).synchronize()  # also the previous sub-group's copy up
         _fused_step(sg, host_p, host_g, moments, hyper, self._steps["cpu"])
         params.copy_(host_p, non_blocking=True)
-        self._uploads.append((torch.cuda.current_stream(self.device).record_event(), slabs))
-        while self._uploads and self._uploads[0][0].query():
-            self._finish_upload()
-
-    def _finish_upload(self) -> None:
-        event, slabs = self._uploads.popleft()
-        event.synchronize()
-        for s in slabs:
-            self.pool.give_back(s)
 
     # --- swap-file moments --------------------------------------------------------------------
     def _read_region(self, region: FileRegion, dst: torch.Tensor) -> None:

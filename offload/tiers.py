@@ -42,17 +42,18 @@ class Tiers:
             devices["params"] = "none"
             self.notes.append("offload.params.device=cpu: the parameters already live in host memory (no GPU), "
                               "nothing to move")
-        # pool streams: every swap, host-resident parameters (copied through slabs), and the
-        # optimizer's CPU path on a GPU (parameters and gradients come down into slabs)
+        # pool streams: every swap, and host-resident ZeRO state (the optimizer's moments, or
+        # parameters copied through slabs on a GPU)
         streams = [s for s, d in devices.items() if d == "nvme" or (s != "activations" and d == "cpu")]
         groups = engine.groups if engine is not None else []
         resident = 0
         if devices["params"] == "cpu":
             resident += sum(aligned(g.shard.numel() * g.shard.element_size()) for g in groups)
-        if devices["optim"] == "cpu":
-            resident += OptimTier.needs_resident_bytes(groups)
-        _check_host_memory(resident)
         slab = int(off.slab_mb * 2**20)
+        if devices["optim"] != "none":
+            kind = {"cpu": "host", "nvme": "nvme"}[devices["optim"]]
+            resident += OptimTier.needs_resident_bytes(groups, kind, device, slab)
+        _check_host_memory(resident)
         self.pool = HostPool(int(off.host_buffer_mb * 2**20), slab, resident, {s: 2 for s in streams})
         self.swap = SwapDir(off.nvme_path, rank) if "nvme" in devices.values() else None
         self.io = IOEngine(off.io_threads, slab, off.direct_io) if self.swap else None
