@@ -1,6 +1,6 @@
 """Deep Optimizer States (arXiv 2410.21316): where each sub-group of the offloaded optimizer state
 is updated, CPU or GPU, chosen by a pure performance model (`plan`) over numbers measured once at
-start-up (`calibrate`) and optionally refreshed from step times (`Replanner`); docs/design/offload.md §5.
+start-up (`calibrate`); docs/design/offload.md §5.
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import bisect
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
@@ -17,7 +17,6 @@ from parallel.runtime import pin_host, unpin_host
 
 FORCES = ("auto", "cpu", "gpu")
 MEMORY_MARGIN = 0.10   # of the free GPU memory, left to the allocator and everything else
-EMA_WEIGHT = 0.3       # of the newest observation in `Replanner`
 # Adam's hyper-parameters do not change its speed; these only keep the synthetic state finite.
 _ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
 
@@ -310,32 +309,3 @@ def _measure_cuda(device: torch.device, host: torch.Tensor, cpu_state: list[list
     torch.cuda.synchronize(device)
     kappa = min(1.0, statistics.median(alone) / statistics.median(contended))
     return b_h2d, b_d2h, t_gpu, kappa
-
-
-class Replanner:
-    """Refreshes r_cpu and r_gpu by an exponential moving average of the throughput seen in the
-    steps, and says when to plan again (`every` steps; 0: never)."""
-
-    def __init__(self, measured: Measured, every: int):
-        if every < 0:
-            raise ValueError(f"replan every {every} steps: must be >= 0")
-        self.measured, self.every = measured, every
-
-    def observe(self, cpu_elems: int, cpu_s: float, gpu_elems: int, gpu_s: float) -> None:
-        """Elements updated and seconds spent by CPU Adam and by GPU Adam in one step (a side with
-        no elements or no time is left as it was). The CPU ran while copies streamed, so its rate
-        is r_cpu·κ: divided by κ to keep r_cpu on the model's footing."""
-        m, changes = self.measured, {}
-        if cpu_elems > 0 and cpu_s > 0:
-            changes["r_cpu"] = self._ema(m.r_cpu, cpu_elems / cpu_s / m.kappa)
-        if gpu_elems > 0 and gpu_s > 0:
-            changes["r_gpu"] = self._ema(m.r_gpu, gpu_elems / gpu_s)
-        if changes:
-            self.measured = replace(m, **changes)
-
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step > 0 and step % self.every == 0
-
-    @staticmethod
-    def _ema(old: float, new: float) -> float:
-        return new if old <= 0 else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new

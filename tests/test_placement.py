@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from offload.placement import Measured, Placement, Replanner, calibrate, plan
+from offload.placement import Measured, Placement, calibrate, plan
 
 AMPLE = 1 << 40  # GPU memory that never binds
 
@@ -164,20 +164,6 @@ def test_measured_rejects_nonsense():
         Measured(cuda=True, r_cpu=1.0, r_gpu=1.0, b_h2d=0.0, b_d2h=1.0)
     with pytest.raises(ValueError, match="non-negative"):
         plan([1, -1], gpu_box())
-
-
-def test_replanner():
-    never = Replanner(gpu_box(), every=0)
-    assert not any(never.due(s) for s in range(10))
-    r = Replanner(gpu_box(r_cpu=1e9, r_gpu=1e11, kappa=0.5), every=3)
-    assert [s for s in range(10) if r.due(s)] == [3, 6, 9]
-    # 1e9 elements in 1 s while copies streamed = 2e9/s unhindered (κ = 0.5); the GPU side is untouched
-    r.observe(cpu_elems=10**9, cpu_s=1.0, gpu_elems=0, gpu_s=0.0)
-    assert 1e9 < r.measured.r_cpu < 2e9 and r.measured.r_gpu == 1e11
-    for _ in range(100):
-        r.observe(cpu_elems=10**9, cpu_s=1.0, gpu_elems=10**9, gpu_s=0.02)
-    assert r.measured.r_cpu == pytest.approx(2e9) and r.measured.r_gpu == pytest.approx(5e10)
-    assert r.measured.kappa == 0.5 and r.measured.b_h2d == 12.0
 
 
 def test_calibrate_on_the_cpu():

@@ -202,8 +202,6 @@ class OptimOffloadConfig:
     update_on: str = opt("auto", "where offloaded sub-groups are updated: cpu, gpu, or auto (Deep Optimizer States: "
                          "per sub-group, by a performance model calibrated at start-up; all-CPU without CUDA)",
                          choices=("auto", "cpu", "gpu"))
-    replan_every: int = opt(0, "recompute the auto placement every N steps from measured times (0: plan once)",
-                            min=0)
 
 
 @dataclass(frozen=True)
