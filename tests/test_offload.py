@@ -257,3 +257,17 @@ def test_offload_dp2_through_launch_matches_one_process(small_data_dir, tmp_path
     summary = json.loads((tmp_path / "par" / "t" / "summary.json").read_text())
     assert summary["offload"]["io_read_bytes"] > 0 and summary["offload"]["io_write_bytes"] > 0
     assert not list((tmp_path / "swap").glob("strata-*/*"))  # swap files removed at the end
+
+
+def test_activation_policy_under_interleaved_pipeline_through_launch(small_data_dir, tmp_path):
+    """pp2 with 2 virtual stages (interleaved 1F1B: micro-batches of two stages in flight per rank),
+    every block recomputed and the saved block inputs offloaded to NVMe: the 1-process losses."""
+    shared = {"model.n_layers": 4, "log.interval": 1}
+    reference = run(tiny_config(small_data_dir, tmp_path / "ref", **shared), start())
+    launch_run(small_data_dir, tmp_path / "par", 2, **shared, **{
+        "parallel.pp": 2, "parallel.virtual_stages": 2, "activations.offload": "nvme", "activations.min_bytes": 4096,
+        "activations.recompute": "full", "offload.nvme_path": str(tmp_path / "swap")})
+    losses = losses_from(tmp_path / "par" / "t")
+    assert sorted(losses) == sorted(reference.losses)
+    for step, loss in reference.losses.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
