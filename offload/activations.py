@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from offload.files import SwapFile, aligned
+from offload.files import SwapFile
+from offload.io_engine import aligned
 from offload.swap import FileRegion, Mover, Transfer
 from parallel.runtime import pin_host, unpin_host
 

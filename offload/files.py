@@ -9,12 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
-from offload.io_engine import ALIGN, SwapIOError, check_swap_dir
-
-
-def aligned(nbytes: int) -> int:
-    """`nbytes` rounded up to the O_DIRECT alignment."""
-    return -(-nbytes // ALIGN) * ALIGN
+from offload.io_engine import SwapIOError, aligned, check_swap_dir
 
 
 class SwapFile:

@@ -21,6 +21,11 @@ from trainer.errors import StrataError
 ALIGN = 4096  # O_DIRECT: address, offset and length all multiples of the logical block size
 
 
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to the O_DIRECT alignment."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 class SwapIOError(StrataError):
     """A swap file read or write failed; the message names the file, offset, size and errno."""
 

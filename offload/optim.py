@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import nn
 
-from offload.files import SwapFile, aligned
-from offload.io_engine import IOEngine
+from offload.files import SwapFile
+from offload.io_engine import IOEngine, aligned
 from offload.pool import HostPool, Slab
 from offload.swap import FileRegion
 
@@ -87,7 +87,7 @@ class OptimTier:
                  io: IOEngine | None = None, swap_file: SwapFile | None = None, params: "ParamTier | None" = None,
                  read_ahead: int = 2):
         self.groups, self.optimizer, self.kind = groups, optimizer, kind
-        self.pool, self.io, self.file, self.param_tier = pool, io, swap_file, params
+        self.pool, self.io, self.param_tier = pool, io, params
         self.read_ahead = read_ahead
         self.device = groups[0].shard.device
         elems = pool.slab_bytes // 4

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.io_engine import ALIGN
+from offload.io_engine import ALIGN, aligned
 from parallel.runtime import pin_host, unpin_host
 from trainer.errors import ConfigError, StrataError
 
@@ -54,7 +54,7 @@ class HostPool:
             raise ConfigError([f"offload.host_buffer_mb={staging_bytes / 2**20:g} holds {self.n_slabs} slabs of "
                                f"{slab_bytes / 2**20:g} MiB, fewer than the {max(reserved, 1)} the streams need at "
                                f"least ({self.min_slabs}); set it to at least {need:g}"])
-        self.resident_bytes = -(-resident_bytes // ALIGN) * ALIGN
+        self.resident_bytes = aligned(resident_bytes)
         total = self.resident_bytes + self.n_slabs * slab_bytes
         self._arena = mmap.mmap(-1, total)  # page-aligned; lives as long as the pool (views keep it)
         self.arena = torch.frombuffer(self._arena, dtype=torch.uint8)
@@ -69,7 +69,7 @@ class HostPool:
     # --- resident region (set-up time) ---------------------------------------------------------
     def resident(self, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A page-aligned tensor of `nbytes` (rounded up to 4 KiB) from the resident region."""
-        size = -(-nbytes // ALIGN) * ALIGN
+        size = aligned(nbytes)
         if self._resident_used + size > self.resident_bytes:
             raise OffloadBudgetError(f"the offload pool's resident region ({self.resident_bytes} bytes) is planned "
                                      f"too small: {self._resident_used} used, {size} more asked for (a bug in "

@@ -8,12 +8,12 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Union
+from typing import Iterator, Union
 
 import torch
 
-from offload.files import SwapFile, aligned
-from offload.io_engine import IOEngine
+from offload.files import SwapFile
+from offload.io_engine import IOEngine, aligned
 from offload.pool import HostPool, Slab
 
 
@@ -100,9 +100,7 @@ class Mover:
             return
         _check_fits(data, where)
         with _InFlight(self) as flight:
-            for pos in range(0, data.numel(), self.pool.slab_bytes):
-                n = min(self.pool.slab_bytes, data.numel() - pos)
-                slab = flight.borrow()
+            for pos, n, slab in flight.chunks(data.numel()):
                 self._copy(slab.tensor[:n], data[pos:pos + n], ready)
                 flight.add(self.engine.write(where.file.path, slab.tensor[:aligned(n)], where.offset + pos), slab)
 
@@ -113,9 +111,7 @@ class Mover:
             return
         _check_fits(data, where)
         with _InFlight(self) as flight:
-            for pos in range(0, data.numel(), self.pool.slab_bytes):
-                n = min(self.pool.slab_bytes, data.numel() - pos)
-                slab = flight.borrow()
+            for pos, n, slab in flight.chunks(data.numel()):
                 handle = self.engine.read(where.file.path, slab.tensor[:aligned(n)], where.offset + pos)
                 flight.add(handle, slab, lambda s=slab, p=pos, n=n: self._copy(data[p:p + n], s.tensor[:n], ready))
 
@@ -130,6 +126,12 @@ class _InFlight:
 
     def __enter__(self) -> "_InFlight":
         return self
+
+    def chunks(self, nbytes: int) -> Iterator[tuple[int, int, Slab]]:
+        """(offset, length, slab to carry it) for each slab-sized chunk of a transfer of `nbytes`."""
+        step = self.mover.pool.slab_bytes
+        for pos in range(0, nbytes, step):
+            yield pos, min(step, nbytes - pos), self.borrow()
 
     def borrow(self) -> Slab:
         pool, stream = self.mover.pool, self.mover.stream

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from offload.activations import ActivationOffloader
-from offload.files import SwapDir, aligned
-from offload.io_engine import IOEngine
+from offload.files import SwapDir
+from offload.io_engine import IOEngine, aligned
 from offload.optim import TRAFFIC, OptimTier
 from offload.params import ParamTier
 from offload.placement import Measured, Placement, calibrate, plan
