@@ -31,6 +31,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 # The device keeps fp32 parameters, so the CPU path brings parameter and gradient down and the
 # parameter up; the GPU path takes both moments up and back.
 TRAFFIC = (8, 4, 8, 8)
+KIND_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}  # offload.optim.device -> where the moments live
 
 
 @dataclass

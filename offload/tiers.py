@@ -14,18 +14,17 @@ import torch
 from offload.activations import ActivationOffloader
 from offload.files import SwapDir
 from offload.io_engine import IOEngine, aligned
-from offload.optim import TRAFFIC, OptimTier
+from offload.optim import KIND_OF, TRAFFIC, OptimTier
 from offload.params import ParamTier
 from offload.placement import Measured, Placement, calibrate, plan
 from offload.pool import HostPool
 from offload.swap import FileRegion, Mover
+from trainer.config import OFFLOAD_STREAM_KEYS, SLABS_PER_STREAM, offload_devices, pool_streams
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
     from parallel.zero import ZeroEngine
     from trainer.config import Config, ParamOffloadConfig
-
-_KEYS = {"params": "offload.params.device", "optim": "offload.optim.device", "activations": "activations.offload"}
 
 
 class Tiers:
@@ -34,7 +33,7 @@ class Tiers:
     def __init__(self, cfg: "Config", engine: "ZeroEngine | None", rank: int, device: torch.device):
         off, act = cfg.offload, cfg.activations
         self.engine = engine
-        devices = {"params": off.params.device, "optim": off.optim.device, "activations": act.offload}
+        devices = offload_devices(cfg)
         self.notes: list[str] = []
         if device.type == "cpu" and devices["params"] == "cpu":
             # the shards already live in host memory: moving them to other host memory costs two
@@ -42,19 +41,16 @@ class Tiers:
             devices["params"] = "none"
             self.notes.append("offload.params.device=cpu: the parameters already live in host memory (no GPU), "
                               "nothing to move")
-        # pool streams: every swap, and host-resident ZeRO state (the optimizer's moments, or
-        # parameters copied through slabs on a GPU)
-        streams = [s for s, d in devices.items() if d == "nvme" or (s != "activations" and d == "cpu")]
+        streams = pool_streams(devices)
         groups = engine.groups if engine is not None else []
         resident = 0
         if devices["params"] == "cpu":
             resident += sum(aligned(g.shard.numel() * g.shard.element_size()) for g in groups)
         slab = int(off.slab_mb * 2**20)
         if devices["optim"] != "none":
-            kind = {"cpu": "host", "nvme": "nvme"}[devices["optim"]]
-            resident += OptimTier.needs_resident_bytes(groups, kind, device, slab)
+            resident += OptimTier.needs_resident_bytes(groups, KIND_OF[devices["optim"]], device, slab)
         _check_host_memory(resident)
-        self.pool = HostPool(int(off.host_buffer_mb * 2**20), slab, resident, {s: 2 for s in streams})
+        self.pool = HostPool(int(off.host_buffer_mb * 2**20), slab, resident, {s: SLABS_PER_STREAM for s in streams})
         self.swap = SwapDir(off.nvme_path, rank) if "nvme" in devices.values() else None
         self.io = IOEngine(off.io_threads, slab, off.direct_io) if self.swap else None
         self.movers = {s: Mover(self.pool, self.io, s) for s in streams}
@@ -64,7 +60,7 @@ class Tiers:
         if engine is not None and (devices["params"] != "none" or devices["optim"] != "none"):
             self._build_zero_tiers(engine, devices, off.params, off.optim.update_on, device)
         if self.swap:
-            self.swap.preallocate({kind: _KEYS[kind] for kind in self.swap.files})
+            self.swap.preallocate({kind: OFFLOAD_STREAM_KEYS[kind] for kind in self.swap.files})
         if self.param_tier is not None:
             self.param_tier.start()
         self.activations = None
@@ -87,7 +83,7 @@ class Tiers:
                 else:
                     where[g.name] = self.pool.resident(nbytes, g.shard.dtype)
             self.param_tier = ParamTier(groups, self.movers["params"], where, params.read_ahead, params.keep_groups)
-        kind = {"none": "device", "cpu": "host", "nvme": "nvme"}[devices["optim"]]
+        kind = KIND_OF[devices["optim"]]
         self.optim_tier = OptimTier(groups, engine.optimizer, kind, self.pool, self.io,
                                     self.swap.file("optim") if kind == "nvme" else None, self.param_tier)
         if kind != "device":

@@ -627,22 +627,38 @@ def _schedule_checks(par: ParallelConfig) -> list[str]:
     return p
 
 
+# What moves between memory tiers (offload.tiers), and the key that says where each lives.
+OFFLOAD_STREAM_KEYS = {"params": "offload.params.device", "optim": "offload.optim.device",
+                       "activations": "activations.offload"}
+SLABS_PER_STREAM = 2  # of the host pool, guaranteed to each stream that uses it
+
+
+def offload_devices(cfg: Config) -> dict[str, str]:
+    """Where each offload stream lives (none, cpu or nvme), by stream name."""
+    return {"params": cfg.offload.params.device, "optim": cfg.offload.optim.device,
+            "activations": cfg.activations.offload}
+
+
+def pool_streams(devices: dict[str, str]) -> list[str]:
+    """The streams that move through the host pool's slabs: every swap to NVMe, and ZeRO state kept
+    in host memory (activations kept on the host have buffers of their own)."""
+    return [s for s, d in devices.items() if d == "nvme" or (s != "activations" and d == "cpu")]
+
+
 def _offload_checks(cfg: Config) -> list[str]:
     """Memory tiers hang off the ZeRO engine's flat groups; what the first version supports."""
     p: list[str] = []
-    off, z, act = cfg.offload, cfg.zero, cfg.activations
+    off, z = cfg.offload, cfg.zero
     slab = off.slab_mb * 2**20
-    devices = {"offload.params.device": off.params.device, "offload.optim.device": off.optim.device,
-               "activations.offload": act.offload}
-    # streams of the host pool, each guaranteed 2 slabs (offload.tiers): swaps and host-resident ZeRO state
-    streams = sum(d == "nvme" or (d == "cpu" and k != "activations.offload") for k, d in devices.items())
+    devices = offload_devices(cfg)
+    needed = SLABS_PER_STREAM * len(pool_streams(devices))
     if slab % 4096:
         p.append(f"offload.slab_mb={off.slab_mb:g} is not a multiple of 4 KiB (O_DIRECT transfers); use e.g. 4")
-    elif streams and off.host_buffer_mb * 2**20 < 2 * streams * slab:
-        p.append(f"offload.host_buffer_mb={off.host_buffer_mb:g} holds fewer than the {2 * streams} slabs of "
-                 f"offload.slab_mb={off.slab_mb:g} that {streams} offload streams need (2 each); set it to at least "
-                 f"{2 * streams * off.slab_mb:g}")
-    nvme = [k for k, v in devices.items() if v == "nvme"]
+    elif needed and off.host_buffer_mb * 2**20 < needed * slab:
+        p.append(f"offload.host_buffer_mb={off.host_buffer_mb:g} holds fewer than the {needed} slabs of "
+                 f"offload.slab_mb={off.slab_mb:g} that {needed // SLABS_PER_STREAM} offload streams need "
+                 f"({SLABS_PER_STREAM} each); set it to at least {needed * off.slab_mb:g}")
+    nvme = [OFFLOAD_STREAM_KEYS[s] for s, d in devices.items() if d == "nvme"]
     if nvme and not off.nvme_path:
         p.append(f"{' and '.join(nvme)}=nvme need{'s' if len(nvme) == 1 else ''} offload.nvme_path: a directory on a local SSD for the swap files")
     if off.params.device != "none":
