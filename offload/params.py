@@ -27,7 +27,6 @@ class ParamTier:
         self._kept: OrderedDict[str, "FlatGroup"] = OrderedDict()  # clean, unused, resident: least recent first
         self._reads: dict[str, Transfer] = {}
         self._writes: dict[str, Transfer] = {}
-        self._resident: set[str] = {g.name for g in groups}
         self._pinned: set[str] = set()  # kept resident for the step or a checkpoint
 
     def start(self) -> None:
@@ -39,10 +38,9 @@ class ParamTier:
 
     # --- the hooks FlatGroup and ZeroEngine call ------------------------------------------------
     def prefetch(self, group: "FlatGroup") -> None:
-        """Start reading the shard if it is not in memory or on its way."""
-        if group.name in self._resident or group.name in self._reads:
+        """Start reading the shard if it is not in memory or on its way (storage allocated: either)."""
+        if _allocated(group):
             return
-        self._finish_write(group)
         _allocate(group)
         self._reads[group.name] = self.mover.read(group.shard, self.where[group.name])
 
@@ -53,19 +51,16 @@ class ParamTier:
         read = self._reads.pop(group.name, None)
         if read is not None:
             read.wait()
-            self._resident.add(group.name)
 
     def release(self, group: "FlatGroup") -> None:
         """The gather has copied the shard: keep it among the last used, or drop it (unless the step
         or a checkpoint holds it)."""
-        if group.name not in self._resident or group.name in self._pinned:
+        if not _allocated(group) or group.name in self._pinned:
             return
         self._kept[group.name] = group
         self._kept.move_to_end(group.name)
         while len(self._kept) > self.keep_groups:
-            _, oldest = self._kept.popitem(last=False)
-            _drop(oldest)
-            self._resident.discard(oldest.name)
+            _drop(self._kept.popitem(last=False)[1])
 
     def read_ahead(self, groups: list["FlatGroup"]) -> None:
         for g in groups:
@@ -112,6 +107,10 @@ class ParamTier:
         if group.name in self._writes:
             self._finish_write(group)
             self.release(group)  # clean again
+
+
+def _allocated(group: "FlatGroup") -> bool:
+    return group.shard.untyped_storage().nbytes() > 0
 
 
 def _allocate(group: "FlatGroup") -> None:
