@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from offload.files import SwapFile
 from offload.io_engine import aligned
 from offload.swap import FileRegion, Mover, Transfer
+from trainer.model import named_blocks
 from parallel.runtime import pin_host, unpin_host
 
 MODES = ("none", "cpu", "nvme")  # none: nothing moves, saved bytes are only counted (the bench's "keep")
@@ -32,9 +33,8 @@ Key = tuple[int, int, int]  # (part, micro-batch, layer)
 
 
 def blocks_of(part: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a GPT or a pipeline stage (whose `layers` is an nn.ModuleDict)."""
-    layers = part.layers
-    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    """The transformer blocks of a GPT or a pipeline stage, in forward order."""
+    return [block for _, block in named_blocks(part)]
 
 
 @dataclass(eq=False)

@@ -44,6 +44,7 @@ from parallel.flat import Segment
 from parallel.tensor import placement_of
 from parallel.routes import Routes
 from parallel.topology import CHAIN, Topology, chain_level
+from trainer.model import named_blocks
 
 if TYPE_CHECKING:
     from trainer.config import ZeroConfig
@@ -273,8 +274,7 @@ def units_of(part: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     units = []
     if hasattr(part, "tok_embeddings"):
         units.append(("tok_embeddings", [part.tok_embeddings]))
-    layers = part.layers.items() if isinstance(part.layers, nn.ModuleDict) else enumerate(part.layers)
-    units += [(f"layers.{i}", [layer]) for i, layer in layers]
+    units += [(f"layers.{key}", [block]) for key, block in named_blocks(part)]
     if hasattr(part, "output"):
         units.append(("head", [part.norm, part.output]))
     return units

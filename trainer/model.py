@@ -135,6 +135,13 @@ class GPT(nn.Module):
             for name, p in self.named_parameters():
                 p.copy_(initial_value(self.cfg, name, tuple(p.shape), seed))
 
+def named_blocks(part: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The transformer blocks of a GPT, or of a pipeline stage (whose `layers` is an nn.ModuleDict
+    keyed by the block's index in the whole model), with those keys, in forward order."""
+    layers = part.layers.items() if isinstance(part.layers, nn.ModuleDict) else enumerate(part.layers)
+    return [(str(key), block) for key, block in layers]
+
+
 def set_rope_buffers(module: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
     """Set `module`'s rope_cos/rope_sin buffers to the tables for cfg, on `device`."""
     cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
