@@ -41,6 +41,7 @@ import torch.distributed as dist
 from trainer import config as config_mod
 from trainer.data import BatchLoader, TokenDataset
 from trainer.loop import build_optimizer, lr_at
+from trainer.metrics import proc_status_bytes, reset_peak_rss
 from trainer.model import GPT, count_params, initial_value, lm_loss, padded_vocab_size, set_rope_buffers
 
 
@@ -53,27 +54,10 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _proc_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def reset_hwm() -> bool:
-    """Resets VmHWM (the RSS high-water mark) to the current RSS. False where the kernel refuses
-    (no /proc/self/clear_refs, or a value that does not drop): then `hwm()` is the lifetime peak."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return _proc_kb("VmHWM") <= _proc_kb("VmRSS") + 2**20  # a reset HWM is within pages of RSS
-    except (OSError, KeyError):
-        return False
-
-
 def hwm() -> int:
-    """The RSS high-water mark since the last `reset_hwm()` (VmHWM), else the lifetime ru_maxrss."""
+    """The RSS high-water mark since the last `reset_peak_rss()` (VmHWM), else the lifetime ru_maxrss."""
     try:
-        return _proc_kb("VmHWM")
+        return proc_status_bytes("VmHWM")
     except (OSError, KeyError):
         return peak_rss()
 
@@ -353,7 +337,7 @@ def main() -> None:
 
     side = (DeepSpeedSide if args.side == "deepspeed" else StrataSide)(cfg, data_dir, args)
     baseline = rss()
-    hwm_reset = reset_hwm()
+    hwm_reset = reset_peak_rss()
     hwm_start, io0 = hwm(), io_bytes()
     t0 = time.perf_counter()
     side.build()
@@ -362,7 +346,7 @@ def main() -> None:
     after_init, hwm_init, io1 = rss(), hwm(), io_bytes()
     swap_after_init = dir_bytes(cfg.offload.nvme_path) if side.rank == 0 else None
     metrics_after_init = side.offload_metrics()
-    hwm_reset &= reset_hwm()
+    hwm_reset &= reset_peak_rss()
 
     step_s, rss_after_step, losses = [], [], []
     for _ in range(args.stop_after or cfg.train.steps):

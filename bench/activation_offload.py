@@ -32,26 +32,18 @@ from offload.io_engine import IOEngine  # noqa: E402
 from offload.pool import HostPool  # noqa: E402
 from offload.swap import Mover  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
+from trainer.metrics import proc_status_bytes, reset_peak_rss  # noqa: E402
 from trainer.model import GPT, lm_loss  # noqa: E402
 
 VARIANTS = ("keep", "cpu", "nvme", "recompute")
 MiB = 2**20
 
 
-def proc_status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def reset_hwm() -> int:
     """Reset VmHWM to the current RSS and return that RSS (the baseline of what follows)."""
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return proc_status("VmRSS")
+    reset_peak_rss()
+    return proc_status_bytes("VmRSS")
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -116,7 +108,7 @@ def worker(args: argparse.Namespace) -> dict:
                 torch.cuda.reset_peak_memory_stats(device)
                 cuda_base = torch.cuda.memory_allocated(device)
             times.append(step())
-            above.append(proc_status("VmHWM") - base)
+            above.append(proc_status_bytes("VmHWM") - base)
             if device.type == "cuda":
                 cuda_above.append(torch.cuda.max_memory_allocated(device) - cuda_base)
             if i == 0:

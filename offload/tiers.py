@@ -21,6 +21,7 @@ from offload.pool import HostPool
 from offload.swap import FileRegion, Mover
 from trainer.config import OFFLOAD_STREAM_KEYS, SLABS_PER_STREAM, offload_devices, pool_streams
 from trainer.errors import ConfigError
+from trainer.metrics import proc_status_bytes
 
 if TYPE_CHECKING:
     from parallel.zero import ZeroEngine
@@ -114,7 +115,7 @@ class Tiers:
     def metrics(self) -> dict:
         """Counters for metrics.jsonl: swap bytes moved, time compute waited on them, pool peaks."""
         out = {"pool_peak_bytes": self.pool.peak_staging_bytes, "pool_resident_bytes": self.pool.resident_bytes,
-               "pool_waits": self.pool.waits, "host_peak_bytes": host_peak_bytes(),
+               "pool_waits": self.pool.waits, "host_peak_bytes": proc_status_bytes("VmHWM"),
                "io_stall_s": sum(m.stalled_s for m in self.movers.values())}
         if self.io is not None:
             out.update(io_read_bytes=self.io.bytes_read, io_write_bytes=self.io.bytes_written,
@@ -144,15 +145,6 @@ class Tiers:
         if self.swap is not None:
             self.swap.close()
         self.pool.close()
-
-
-def host_peak_bytes() -> int:
-    """This process's peak resident memory (VmHWM), in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _check_host_memory(nbytes: int) -> None:
