@@ -5,6 +5,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainer import config
 from trainer.data import prepare
@@ -22,6 +23,15 @@ def _isolated(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("STRATA_CACHE", str(scratch / "strata-cache"))
     monkeypatch.setenv("TMPDIR", str(scratch))
     monkeypatch.setenv("WANDB_MODE", "disabled")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread is fastest and immune to CPU contention; restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

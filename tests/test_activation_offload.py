@@ -28,12 +28,7 @@ MIN_BYTES = 16 << 10   # (4, 64, 64) fp32 activations are 64 KiB: offloaded; nor
 SLAB = 256 << 10
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def micro_batches(n: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:

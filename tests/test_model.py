@@ -14,13 +14,7 @@ from trainer.model import (GPT, Attention, RMSNorm, SwiGLU, build_model, count_p
                            flops_per_token, lm_loss, padded_vocab_size, rope_tables)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is fastest and immune to CPU contention; restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(**kw) -> ModelConfig:
