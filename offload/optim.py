@@ -20,7 +20,7 @@ from torch import nn
 from offload.files import SwapFile
 from offload.io_engine import IOEngine, aligned
 from offload.pool import HostPool, Slab
-from offload.swap import FileRegion
+from offload.swap import FileRegion, Mover
 
 if TYPE_CHECKING:
     from offload.params import ParamTier
@@ -86,9 +86,9 @@ class OptimTier:
 
     def __init__(self, groups: list["FlatGroup"], optimizer: torch.optim.Optimizer, kind: str, pool: HostPool,
                  io: IOEngine | None = None, swap_file: SwapFile | None = None, params: "ParamTier | None" = None,
-                 read_ahead: int = 2):
+                 read_ahead: int = 2, mover: Mover | None = None):
         self.groups, self.optimizer, self.kind = groups, optimizer, kind
-        self.pool, self.io, self.param_tier = pool, io, params
+        self.pool, self.io, self.param_tier, self.mover = pool, io, params, mover
         self.read_ahead = read_ahead
         self.device = groups[0].shard.device
         elems = pool.slab_bytes // 4
@@ -151,9 +151,7 @@ class OptimTier:
             yield
             return
         flat = {g.name: tuple(torch.empty(g.optim_size) for _ in MOMENTS) for g in self.groups}
-        for sg in self.subgroups:
-            for region, dst in zip(sg.regions, flat[sg.group.name]):
-                self._read_region(region, dst[sg.start:sg.start + sg.size])
+        self._swap(self.mover.read, flat)
         for g, at, piece in self._pieces():
             self.optimizer.state[piece].update({k: m[at:at + piece.numel()] for k, m in zip(MOMENTS, flat[g.name])})
         try:
@@ -173,9 +171,7 @@ class OptimTier:
                     m[at:at + piece.numel()].copy_(state[k])
             state["step"] = state.get("step", torch.zeros((), dtype=torch.float32))
         if self.kind == "nvme":
-            for sg in self.subgroups:
-                for region, src in zip(sg.regions, flat[sg.group.name]):
-                    self._write_region(region, src[sg.start:sg.start + sg.size])
+            self._swap(self.mover.write, flat)
         else:
             for g in self.groups:
                 for dst, src in zip(self._moments[g.name], flat[g.name]):
@@ -280,22 +276,12 @@ class OptimTier:
         _fused_step(sg, host_p, host_g, moments, hyper, self._steps["cpu"])
         params.copy_(host_p, non_blocking=True)
 
-    # --- swap-file moments --------------------------------------------------------------------
-    def _read_region(self, region: FileRegion, dst: torch.Tensor) -> None:
-        slab = self.pool.borrow("optim")
-        try:
-            self.io.read(region.file.path, slab.tensor[:aligned(region.nbytes)], region.offset).wait()
-            dst.copy_(slab.tensor[:region.nbytes].view(torch.float32))
-        finally:
-            self.pool.give_back(slab)
-
-    def _write_region(self, region: FileRegion, src: torch.Tensor) -> None:
-        slab = self.pool.borrow("optim")
-        try:
-            slab.tensor[:region.nbytes].view(torch.float32).copy_(src)
-            self.io.write(region.file.path, slab.tensor[:aligned(region.nbytes)], region.offset).wait()
-        finally:
-            self.pool.give_back(slab)
+    def _swap(self, transfer, flat: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Every sub-group's moments between the swap file and `flat` (whole-group tensors), by
+        `transfer` (the mover's read or write), all in flight at once."""
+        for t in [transfer(m[sg.start:sg.start + sg.size], region) for sg in self.subgroups
+                  for region, m in zip(sg.regions, flat[sg.group.name])]:
+            t.wait()
 
 
 class _Pipeline:

@@ -86,7 +86,8 @@ class Tiers:
             self.param_tier = ParamTier(groups, self.movers["params"], where, params.read_ahead, params.keep_groups)
         kind = KIND_OF[devices["optim"]]
         self.optim_tier = OptimTier(groups, engine.optimizer, kind, self.pool, self.io,
-                                    self.swap.file("optim") if kind == "nvme" else None, self.param_tier)
+                                    self.swap.file("optim") if kind == "nvme" else None, self.param_tier,
+                                    mover=self.movers.get("optim"))
         if kind != "device":
             # a sample as large as the state (up to 16M elements): a cache-sized one overstates CPU Adam
             total = sum(sg.size for sg in self.optim_tier.subgroups)
