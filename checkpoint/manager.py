@@ -6,31 +6,27 @@ that the save is written (then rank 0 commits it) or that a writer failed (then 
 """
 from __future__ import annotations
 
-import mmap
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from checkpoint import store, writer
 from parallel import comm
-from parallel.runtime import pin_host, unpin_host
-from checkpoint.blob import object_bytes, template
 from checkpoint.pieces import Piece, whole_piece
-from checkpoint.plan import Descriptor, Item, assign, dtype_name, place, tensor_index, torch_dtype
+from checkpoint.stage import (OBJECTS_FILE, SharedImage, Staging, copy_pieces, gather_plan, index_of, objects_blob,
+                              write_templates)
 from trainer.errors import CheckpointError
 
 WRITING, WRITTEN, DONE = 0, 1, 2
-OBJECTS_FILE = "__0_1.distcp"
 
 
 @dataclass
@@ -43,40 +39,6 @@ class _Save:
     error: str | None = None
 
 
-class _Image:
-    """A page-aligned shared-memory buffer (a memfd) a writer process can map by descriptor."""
-
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
-        self.fd = os.memfd_create("strata-ckpt-staging") if hasattr(os, "memfd_create") else \
-            os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)
-        os.ftruncate(self.fd, max(nbytes, 1))
-        self.map = mmap.mmap(self.fd, max(nbytes, 1))
-        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)[:nbytes]
-        self.tensor.zero_()  # fault the pages in now, not during the first save's copy
-        self.pinned = pin_host(self.tensor)  # copies from a GPU then run at full speed
-
-    def close(self) -> None:
-        if self.pinned:
-            unpin_host(self.tensor)
-        self.tensor = None
-        try:
-            self.map.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
-            pass
-        os.close(self.fd)
-
-
-@dataclass
-class _Staging:
-    """This rank's file image for one save plan: templates written once, data copied in per save."""
-    descs: list
-    items: list[Item]
-    nbytes: int
-    tensors: dict
-    image: _Image = field(repr=False)
-
-
 class CheckpointManager:
     """Checkpoints under `root` for one rank of a `world` (collective calls over `group`, None in a
     world of one: every rank makes them)."""
@@ -84,16 +46,11 @@ class CheckpointManager:
     def __init__(self, root: Path, rank: int, world: int, keep_last: int = 0, async_save: bool = False, group=None):
         self.root, self.rank, self.world = Path(root), rank, world
         self.keep_last, self.async_save, self.group = keep_last, async_save, group
-        self._staging: _Staging | None = None
+        self._staging: Staging | None = None
         self._inflight: _Save | None = None
         self._proc = self._conn = None
 
     # --- collectives (no-ops in a world of one) --------------------------------------------
-    def _all_true(self, flag: bool) -> bool:
-        t = torch.tensor(int(flag))
-        comm.all_reduce(t, self.group, dim="checkpoint", op=dist.ReduceOp.MIN)
-        return bool(t)
-
     def agree(self, problems: list[str], what: str) -> None:
         """Raise the same CheckpointError on every rank if any rank has problems."""
         every = comm.all_gather_objects(problems, self.group)
@@ -113,20 +70,12 @@ class CheckpointManager:
         if self.rank == 0:  # files of an interrupted earlier attempt; the others write after _stage's gather
             shutil.rmtree(step_dir, ignore_errors=True)
         staging = self._stage(pieces)
-        for it in staging.items:
-            n = it.box.numel
-            dst = staging.image.tensor[it.data_offset:it.data_offset + n * torch_dtype(it.dtype).itemsize]
-            dst.view(torch_dtype(it.dtype)).copy_(pieces[it.piece].tensor.reshape(-1)[it.start:it.start + n])
+        copy_pieces(staging.image.tensor, staging.items, pieces)
         extra, commit_args = {}, ()
         if self.rank == 0:
-            blobs, where, pos = [], {}, 0
-            for key, obj in objects.items():
-                blobs.append(object_bytes(obj))
-                where[key] = {"file": OBJECTS_FILE, "offset": pos, "length": len(blobs[-1])}
-                pos += len(blobs[-1])
-            extra = {OBJECTS_FILE: b"".join(blobs)}
-            index = {"step": step, "layout": layout, "tensors": staging.tensors, "objects": where,
-                     "aliases": {a: k for a, k in aliases.items() if k in staging.tensors}}
+            blob, where = objects_blob(objects)
+            extra = {OBJECTS_FILE: blob}
+            index = index_of(step, layout, staging, where, aliases)
             commit_args = (step_dir, step, self.world, index, config_yaml, self.keep_last)
         if self.async_save:
             self._start_writer()
@@ -135,29 +84,20 @@ class CheckpointManager:
             return
         self._write_inline(step, step_dir, staging, extra, commit_args)
 
-    def _stage(self, pieces: list[Piece]) -> _Staging:
-        """The staging image for these pieces: reused while the plan is unchanged (the usual case:
-        shapes and layout are fixed for a run), else planned again from every rank's pieces."""
-        descs = [Descriptor(p.key, tuple(p.global_shape), dtype_name(p.dtype), p.box) for p in pieces]
-        if self._staging is not None and self._all_true(self._staging.descs[self.rank] == descs):
-            return self._staging  # every rank holds what it held at the last save: same plan
-        every = comm.all_gather_objects(descs, self.group)
-        placed = [place(items) for items in assign(every)]
-        items, nbytes = placed[self.rank]
+    def _stage(self, pieces: list[Piece]) -> Staging:
+        """The staging image for these pieces: reused while the plan is unchanged."""
+        staging, new = gather_plan(self._staging, pieces, self.rank, self.group)
+        if not new:
+            return staging
         self._stop_writer()  # a writer maps the old image
         if self._staging is not None:
             self._staging.image.close()
-        image = _Image(nbytes)
-        arr = image.tensor.numpy()
-        for it in items:
-            head, tail = template(it.box.sizes, torch_dtype(it.dtype))
-            arr[it.offset:it.offset + len(head)] = np.frombuffer(head, np.uint8)
-            end = it.offset + it.length
-            arr[end - len(tail):end] = np.frombuffer(tail, np.uint8)
-        self._staging = _Staging(every, items, nbytes, tensor_index([p for p, _ in placed], every), image)
-        return self._staging
+        staging.image = SharedImage(staging.nbytes)
+        write_templates(staging.image.tensor, staging.items)
+        self._staging = staging
+        return staging
 
-    def _write_inline(self, step: int, step_dir: Path, staging: _Staging, extra: dict, commit_args: tuple) -> None:
+    def _write_inline(self, step: int, step_dir: Path, staging: Staging, extra: dict, commit_args: tuple) -> None:
         problems = []
         try:
             writer.write_rank(step_dir, self.rank, memoryview(staging.image.map), staging.nbytes, extra)

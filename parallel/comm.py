@@ -98,6 +98,13 @@ def all_reduce(tensor: torch.Tensor, group, dim: str, op: dist.ReduceOp = dist.R
     return tensor
 
 
+def all_true(flag: bool, group, dim: str) -> bool:
+    """Whether `flag` holds on every member of `group` (one small MIN all-reduce)."""
+    t = torch.tensor(int(flag))
+    all_reduce(t, group, dim, op=dist.ReduceOp.MIN)
+    return bool(t)
+
+
 class AsyncWork:
     """A collective in flight. `wait()` blocks until its result is in the tensor (and, under a
     simulated slow link, until the link would have delivered it); `is_completed()` asks without
