@@ -17,6 +17,7 @@ setup(
         "matplotlib>=3.7",
         "safetensors>=0.4",
         "crc32c>=2.3",
+        "pyeclib==1.8.0",  # its wheel bundles ISA-L, which checkpoint/erasure.py calls for Reed–Solomon coding
     ],
     extras_require={
         # deepspeed: tests/test_deepspeed_import.py has DeepSpeed write a ZeRO checkpoint (CPU, needs g++).

@@ -1,5 +1,5 @@
-"""The `strata` command: train, launch (torchrun / Slurm), config show/explain, data prepare, plot (run curves
-or a pipeline schedule timeline).
+"""The `strata` command: train, launch (torchrun / Slurm), store (a standalone rendezvous store), config
+show/explain, data prepare, plot (run curves or a pipeline schedule timeline).
 User errors (StrataError) print one clear message and exit 2, without a traceback."""
 from __future__ import annotations
 
@@ -46,9 +46,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
         path.write_text(script)
         print(f"strata launch: wrote {path}")
         return 0 if args.no_submit else slurm.submit(path)
-    config.load(args.config, args.overrides, world_size=args.nproc * args.nnodes)  # fail before starting workers
-    plan = torchrun.LaunchPlan(nproc_per_node=args.nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
+    cfg = config.load(args.config, args.overrides, world_size=args.nproc * args.nnodes)  # fail before starting workers
+    plan = torchrun.LaunchPlan(nproc_per_node=args.nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+                               rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
+                               external_store=args.rdzv_store == "external", join_timeout_s=args.join_timeout,
+                               snapshots=cfg.snapshot.every_steps > 0)
     return torchrun.run_local(plan, args.config, args.overrides, args.resume)
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    from launch.torchrun import serve_store
+
+    serve_store(args.host, args.port)
+    return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -146,6 +156,15 @@ def parser() -> argparse.ArgumentParser:
     la.add_argument("--nproc", type=int, default=1, help="processes per node (local torchrun)")
     la.add_argument("--nnodes", type=int, default=1, help="nodes taking part in the local rendezvous")
     la.add_argument("--rdzv-endpoint", default="", help="host:port of the c10d rendezvous (default: a free local port)")
+    la.add_argument("--rdzv-id", default="strata", help="rendezvous id: the same on every node of one job")
+    la.add_argument("--rdzv-store", choices=["torchrun", "external"], default="torchrun",
+                    help="who hosts the rendezvous store: the first torchrun (losing that node ends the job), or "
+                         "`strata store` at --rdzv-endpoint (any node can be lost and replaced)")
+    la.add_argument("--max-restarts", type=int, default=0,
+                    help="times torchrun restarts the workers after a failure (they resume from the newest "
+                         "in-memory snapshot with snapshot.every_steps, else the newest checkpoint)")
+    la.add_argument("--join-timeout", type=int, default=600,
+                    help="seconds a rendezvous waits for every node (after a loss: for the replacement)")
     la.add_argument("--slurm", action="store_true", help="write an sbatch script (and submit it if sbatch exists)")
     la.add_argument("--nodes", type=int, default=1, help="Slurm nodes")
     la.add_argument("--gpus-per-node", type=int, default=8, help="Slurm GPUs (= processes) per node")
@@ -155,6 +174,11 @@ def parser() -> argparse.ArgumentParser:
     la.add_argument("--script", help="where to write the sbatch script (default: <run dir>/job.sbatch)")
     la.add_argument("--no-submit", action="store_true", help="only write the script")
     la.set_defaults(func=cmd_launch)
+
+    st = sub.add_parser("store", help="host the c10d rendezvous store of a multi-node job outside every torchrun")
+    st.add_argument("--host", default="0.0.0.0")
+    st.add_argument("--port", type=int, required=True)
+    st.set_defaults(func=cmd_store)
 
     c = sub.add_parser("config", help="show a resolved config or explain a key")
     c.add_argument("action", choices=["show", "explain"])

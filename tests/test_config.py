@@ -614,6 +614,10 @@ def test_nested_groups_round_trip_through_dump_and_load(tmp_path):
     # ZeRO-1 too: the split-backward schedules set weight gradients past the engine's hooks
     (["zero.optim.shard_over=global", "parallel.pp=2", "parallel.schedule=interleaved_zero_bubble"], None,
      "parallel.schedule=interleaved_zero_bubble"),
+    # snapshots copy the state the checkpoint layer sees: not with CO2's open round or tiered state
+    (["snapshot.every_steps=1", "co2.enabled=true"], None, "co2.enabled"),
+    (["snapshot.every_steps=1", "offload.optim.device=cpu", "zero.optim.shard_over=global"], None,
+     "offload.optim.device"),
 ])
 def test_zero_and_co2_cross_checks(overrides, world_size, key):
     err = load_error(None, overrides, world_size=world_size)

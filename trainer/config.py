@@ -257,7 +257,15 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class SnapshotConfig:
-    """In-memory snapshots. No keys yet: snapshots are not implemented in this version."""
+    """In-memory snapshots kept by one agent process per node, erasure-coded across nodes; a restarted
+    job resumes from the newest step every rank can restore, else from the newest disk checkpoint."""
+    every_steps: int = opt(0, "snapshot the training state into host memory every N steps (0: off); needs the "
+                           "snapshot agents `strata launch` starts", min=0)
+    k: int = opt(1, "data fragments each rank's snapshot is cut into (Reed-Solomon)", min=1)
+    m: int = opt(1, "parity fragments: the loss of up to m whole nodes is survivable; k + m fragments go to "
+                 "k + m different nodes (0: local snapshots only, surviving worker crashes)", min=0)
+    agent_timeout_s: float = opt(60.0, "how long a worker waits for its agent's reply before giving up",
+                                 min=0.0, min_exclusive=True)
 
 
 @dataclass(frozen=True)
@@ -561,6 +569,20 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
+def _snapshot_checks(cfg: Config) -> list[str]:
+    """Snapshots copy the state as the checkpoint layer sees it; two features change that state."""
+    if not cfg.snapshot.every_steps:
+        return []
+    p = []
+    if cfg.co2.enabled:
+        p.append("snapshot.every_steps with co2.enabled: a snapshot would have to close CO2's round (as a "
+                 "checkpoint does), which changes the training; use checkpoint.interval, or set co2.enabled=false")
+    if cfg.offload.enabled:
+        p.append("snapshot.every_steps with offload.params.device or offload.optim.device: every snapshot would read "
+                 "the offloaded state back into memory; use checkpoint.interval, or set both devices to none")
+    return p
+
+
 def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
     """Constraints between keys (and against the world size, when known)."""
     p: list[str] = []
@@ -583,6 +605,7 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
     p += _schedule_checks(par)
     p += _zero_checks(cfg, world_size)
     p += _offload_checks(cfg)
+    p += _snapshot_checks(cfg)
     if par.sequence_parallel and par.tp > 1 and m.seq_len % par.tp:
         p.append(f"parallel.sequence_parallel splits the sequence over tp={par.tp} ranks: model.seq_len={m.seq_len} "
                  "must be a multiple of tp")

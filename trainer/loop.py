@@ -20,6 +20,7 @@ from checkpoint.layout import hyperparameters, load_optimizer, model_state_probl
 from checkpoint.manager import CheckpointManager
 from checkpoint.pieces import (Piece, canonical_names, model_pieces, optimizer_entries, optimizer_pieces, rng_piece,
                                state_pieces, whole_piece)
+from checkpoint import store
 from checkpoint.reader import Checkpoint
 from parallel import comm
 from parallel.data_parallel import GradientBuckets, unique_params
@@ -39,6 +40,7 @@ from trainer.model import (GPT, count_params, flops_per_token, initial_value, lm
                            set_rope_buffers)
 
 if TYPE_CHECKING:
+    from checkpoint.snapshot import SnapshotManager
     from offload.tiers import Tiers
 
 
@@ -132,9 +134,10 @@ class Trainer:
         self.loader = BatchLoader(self.train_set, cfg.train.seed, cfg.train.global_batch_size,
                                   cfg.train.micro_batch_size, self.topo.dp_rank, layout.dp)
         self._config_yaml = config_mod.dump(cfg)  # saved with every checkpoint
+        control = comm.new_gloo_group() if runtime.distributed else None  # saves' and snapshots' collectives
         self.checkpoints = CheckpointManager(cfg.checkpoint_dir(), runtime.rank, runtime.world_size,
-                                             cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
-                                             comm.new_gloo_group() if runtime.distributed else None)
+                                             cfg.checkpoint.keep_last, cfg.checkpoint.async_save, control)
+        self.snapshots = self._snapshot_manager(control) if cfg.snapshot.every_steps else None
         self.step = 0
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.flops_per_token = flops_per_token(cfg.model, self.vocab_size)
@@ -188,6 +191,10 @@ class Trainer:
         """ZeRO state in host memory or NVMe (offload.*), over the engine's flat groups."""
         from offload.tiers import Tiers  # offload's modules load only when a run uses them
         return Tiers(self.cfg, self.engine, self.rt.rank, self.rt.device)
+
+    def _snapshot_manager(self, group) -> "SnapshotManager":
+        from checkpoint.snapshot import SnapshotManager  # loads the agent protocol only when snapshots are on
+        return SnapshotManager(self.cfg.snapshot, self.rt.rank, self.rt.world_size, group)
 
     def _activation_policy(self) -> None:
         """activations.*: blocks that recompute their forward in backward, and saved tensors
@@ -332,12 +339,21 @@ class Trainer:
         return (model_pieces(self.parts, self.engine, self.canonical)
                 + optimizer_pieces(self.optimizer, optimizer_entries(self.parts, self.engine, self.canonical)))
 
-    def _write_checkpoint(self) -> None:
+    def _state_to_save(self) -> tuple[list[Piece], dict, dict[str, str]]:
+        """What a checkpoint or a snapshot holds: this rank's pieces and RNG, rank 0's trainer state
+        and optimizer hyper-parameters, and the tied weights' other names."""
         pieces = self.checkpoint_pieces() + [rng_piece(self.rt.rank)]
         objects = {"trainer": {"step": self.step, "data": self.loader.state_dict()},
                    "optim.param_groups": self._param_groups()} if self.rt.rank == 0 else {}
         aliases = {f"model.{name}": f"model.{first}" for name, first in self.canonical.items() if name != first}
-        self.checkpoints.save(self.step, pieces, objects, aliases, self._config_yaml, self._layout_summary())
+        return pieces, objects, aliases
+
+    def _write_checkpoint(self) -> None:
+        self.checkpoints.save(self.step, *self._state_to_save(), self._config_yaml, self._layout_summary())
+
+    def snapshot(self) -> bool:
+        """An in-memory snapshot of this step through the node's agent (collective); False if skipped."""
+        return self.snapshots.save(self.step, *self._state_to_save(), self._layout_summary())
 
     def _param_groups(self) -> list[dict]:
         """The optimizer's hyper-parameters with each group's parameters named as in the plain model,
@@ -363,7 +379,25 @@ class Trainer:
             return self._resume(path)
 
     def _resume(self, path: Path) -> Path:
-        ckpt = Checkpoint(path)
+        return self._resume_from(Checkpoint(path))
+
+    def restore_on_start(self, resume: Path | None) -> str:
+        """With snapshots on, where this run starts from (collective): the newest in-memory snapshot
+        every rank can restore; else `resume`, or the newest committed checkpoint under
+        checkpoint.dir (a job whose every node was lost is simply launched again); else step 0.
+        Returns the sentence saying which, and why ("" for a first start)."""
+        found = self.snapshots.recover()
+        if found.checkpoint is not None:
+            self._resume_from(found.checkpoint)
+            return f"snapshot: resumed from {found.message}"
+        disk = resume or (self.cfg.checkpoint_dir() if store.committed(self.cfg.checkpoint_dir()) else None)
+        lead = f"snapshot: no in-memory snapshot every rank can restore ({found.message})"
+        if disk is None:
+            return "" if not found.restarted else \
+                f"{lead}; no committed checkpoint under {self.cfg.checkpoint_dir()} either: starting from step 0"
+        return f"{lead}; resumed from disk checkpoint {self.resume(disk)}"
+
+    def _resume_from(self, ckpt: Checkpoint) -> Path:
         misfit: list[str] = []
         try:
             problems = ckpt.problems or model_state_problems(self.global_shapes, ckpt.shapes("model."))
@@ -447,18 +481,24 @@ class Trainer:
                 record.update(loss=loss.item(), grad_norm=grad_norm.item(), lr=self.optimizer.param_groups[0]["lr"])
                 if self.tiers:
                     record["offload"] = self.tiers.metrics()
+                if self.snapshots:
+                    record["snapshot"] = self.snapshots.stats()
                 interval_start, interval_steps = time.perf_counter(), 0
             log.step(self.step, record)
             if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 and self.step < cfg.train.steps:
                 result.eval_losses[self.step] = self._eval_and_log(log)
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 self.save()
+            if self.snapshots and self.step % cfg.snapshot.every_steps == 0 and self.step < cfg.train.steps:
+                self.snapshot()
         if self.co2:  # the last round's exchange: every node ends on the same parameters
             self._close_co2_round()
         result.eval_losses[self.step] = self._eval_and_log(log)
         if cfg.checkpoint.save_final and not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
             self.save()
         self.checkpoints.close()  # the last save is committed before the run reports done
+        if self.snapshots:
+            self.snapshots.close()
         if self.tiers:
             self.tiers.close()
         elapsed = time.perf_counter() - train_start
@@ -494,7 +534,11 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
     """Train `cfg` in this process (one rank of the world `runtime` describes) and print a summary."""
     trainer = Trainer(cfg, runtime)
     main = runtime.rank == 0
-    resumed_from = trainer.resume(resume) if resume else None
+    start = time.time()
+    if trainer.snapshots:
+        resumed_from, restore_note = None, trainer.restore_on_start(resume)
+    else:
+        resumed_from, restore_note = trainer.resume(resume) if resume else None, ""
     log = MetricsLogger(cfg.run_dir(), cfg.train.steps, trainer.step, enabled=main, progress=cfg.log.progress,
                         wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
                         config=config_mod.to_dict(cfg))
@@ -504,6 +548,10 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
               f"(tp {layout.tp}, pp {layout.pp}, dp {layout.dp}), "
               f"{cfg.train.global_batch_size}×{cfg.model.seq_len} tokens/step, run dir {cfg.run_dir()}"
               + (f", resumed from {resumed_from}" if resumed_from else ""))
+    if restore_note:
+        log.print(restore_note)
+        log.write({"step": trainer.step, "resumed": restore_note, "restore_s": time.time() - start,
+                   "wall_time": time.time()})
     if trainer.tiers:
         log.write({"step": trainer.step, **trainer.tiers.startup_record()})
         for note in trainer.tiers.notes:

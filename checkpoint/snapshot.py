@@ -1,0 +1,237 @@
+"""A worker's side of in-memory snapshots: stage this rank's state, as the image of its checkpoint
+file, into a memory slot its node's snapshot agent (`launch.snapshot_agent`) owns; and, after a
+restart, find the newest step every rank can restore from the agents and open it as a checkpoint.
+
+Every call is collective over the world, so all ranks snapshot the same steps and restore the same one.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from checkpoint.pieces import Piece
+from checkpoint.reader import Checkpoint
+from checkpoint.stage import OBJECTS_FILE, Staging, copy_pieces, gather_plan, index_of, objects_blob, write_templates
+from checkpoint.store import data_file
+from launch.snapshot_agent import SOCKET_ENV, connect, request
+from parallel import comm
+from trainer.config import SnapshotConfig
+from trainer.errors import StrataError
+
+
+@dataclass
+class _Mapped:
+    """A slot of the agent mapped into this process."""
+    map: mmap.mmap
+    tensor: torch.Tensor
+    plan: int = -1  # the staging plan whose templates the slot holds
+
+
+@dataclass
+class Recovery:
+    """What `SnapshotManager.recover` found: the checkpoint to resume from (None: nothing every rank
+    can restore) and a sentence saying what happened."""
+    checkpoint: Checkpoint | None
+    message: str
+    restarted: bool
+    details: dict = field(default_factory=dict)
+
+
+class SnapshotManager:
+    """Snapshots of this rank through the node's agent (collective calls over `group`)."""
+
+    def __init__(self, cfg: SnapshotConfig, rank: int, world: int, group, env=os.environ):
+        self.cfg, self.rank, self.world, self.group = cfg, rank, world, group
+        path = env.get(SOCKET_ENV)
+        if not path:
+            raise StrataError(f"snapshot.every_steps={cfg.every_steps} needs the node's snapshot agent, which `strata "
+                              f"launch` starts; set {SOCKET_ENV} if you start torchrun yourself, or set "
+                              "snapshot.every_steps=0")
+        try:
+            self.sock = connect(path, cfg.agent_timeout_s)
+            hello, _ = request(self.sock, {"op": "hello", "rank": rank})
+        except OSError as e:
+            raise StrataError(f"cannot reach the snapshot agent at {path} ({e}); is `strata launch` running it?") from e
+        every = comm.all_gather_objects((hello["agent"], hello["host"], hello["port"]), group)
+        self.agent_of_rank = [a for a, _, _ in every]
+        self.nodes = list(dict.fromkeys(self.agent_of_rank))  # node order: by the lowest rank on each
+        if cfg.k + cfg.m > len(self.nodes):
+            raise StrataError(f"snapshot.k + snapshot.m = {cfg.k} + {cfg.m} fragments per rank need that many nodes "
+                              f"to be placed on, but this job has {len(self.nodes)}; lower snapshot.m (0: local "
+                              "snapshots only, which survive worker crashes but not the loss of a node)")
+        request(self.sock, {"op": "peers", "agents": sorted(set(every)), "nodes": self.nodes, "k": cfg.k,
+                            "m": cfg.m})
+        self._staging: Staging | None = None
+        self._plan = 0
+        self._slots: dict[int, _Mapped] = {}
+        self.stalls: list[float] = []
+        self.skipped = 0
+
+    # --- saving ------------------------------------------------------------------------------
+    def save(self, step: int, pieces: list[Piece], objects: dict, aliases: dict[str, str], layout: dict) -> bool:
+        """Snapshot `pieces` as step `step` (collective). Returns False when it was skipped because
+        some rank's agent was still placing the previous one (or is unreachable)."""
+        start = time.perf_counter()
+        staging, new = gather_plan(self._staging, pieces, self.rank, self.group)
+        if new:
+            self._staging, self._plan = staging, self._plan + 1
+        trailer = self._trailer(step, staging, objects, aliases, layout)
+        nbytes = staging.nbytes + len(trailer)
+        lease = self._lease(nbytes)
+        if not comm.all_true(lease is not None, self.group, dim="checkpoint"):
+            if lease is not None:
+                request(self.sock, {"op": "release", "slot": lease})
+            self.skipped += 1
+            return False
+        slot = self._slots[lease]
+        if slot.plan != self._plan:
+            write_templates(slot.tensor, staging.items)
+            slot.plan = self._plan
+        copy_pieces(slot.tensor, staging.items, pieces)
+        slot.map[staging.nbytes:nbytes] = trailer
+        meta = {"rank": self.rank, "step": step, "world": self.world, "nbytes": nbytes, "data": staging.nbytes,
+                "trailer": len(trailer)}
+        reply, _ = request(self.sock, {"op": "commit", "slot": lease, "meta": meta})
+        if not reply["ok"]:
+            raise StrataError(f"the snapshot agent refused step {step}: {reply['error']}")
+        self.stalls.append(time.perf_counter() - start)
+        return True
+
+    def _trailer(self, step: int, staging: Staging, objects: dict, aliases: dict, layout: dict) -> bytes:
+        """What follows the file image in a rank's slot: on rank 0 the objects file and the index
+        (so both are protected like the data), elsewhere nothing."""
+        if self.rank != 0:
+            return b""
+        blob, where = objects_blob(objects)
+        index = json.dumps(index_of(step, layout, staging, where, aliases)).encode()
+        return len(blob).to_bytes(8, "little") + blob + index
+
+    def _lease(self, nbytes: int) -> int | None:
+        try:
+            reply, fds = request(self.sock, {"op": "lease", "rank": self.rank, "nbytes": nbytes})
+        except OSError as e:
+            if not self.skipped:
+                print(f"strata: rank {self.rank}: snapshot agent unreachable ({e}); snapshots are skipped",
+                      flush=True)
+            return None
+        if not reply["ok"]:
+            return None
+        if fds:
+            mapped = mmap.mmap(fds[0], reply["size"], flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            os.close(fds[0])
+            self._slots[reply["slot"]] = _Mapped(mapped, torch.frombuffer(mapped, dtype=torch.uint8))
+        return reply["slot"]
+
+    def stats(self) -> dict:
+        """Stall per snapshot (ms) since the last call, and snapshots skipped so far."""
+        stalls, self.stalls = self.stalls, []
+        return {"stall_ms": 1e3 * sum(stalls) / len(stalls) if stalls else None, "skipped": self.skipped}
+
+    # --- restoring ---------------------------------------------------------------------------
+    def recover(self) -> Recovery:
+        """The newest step every rank of the saving world can restore (collective): each agent's
+        holdings are gathered, the step chosen, and the images assembled by this rank's agent."""
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        holdings, _ = request(self.sock, {"op": "holdings"})
+        every = comm.all_gather_objects((restarted, holdings), self.group)
+        restarted = any(r for r, _ in every)
+        sources = _sources({h["agent"]: h for _, h in every})
+        step, why = _newest_complete(sources)
+        if step is None:
+            return Recovery(None, why, restarted or bool(sources))
+        ranks = sorted(sources[step])
+        reply, fds = request(self.sock, {"op": "fetch", "step": step, "ranks": ranks,
+                                         "sources": {str(r): sources[step][r] for r in ranks}})
+        ok = comm.all_true(reply["ok"], self.group, dim="checkpoint")
+        if not ok:
+            for fd in fds:
+                os.close(fd)
+            failures = [e for e in comm.all_gather_objects(reply.get("error"), self.group) if e]
+            return Recovery(None, f"step {step} could not be assembled ({failures[0]})", True)
+        images = dict(zip(ranks, fds))
+        metas = {r: reply["metas"][str(r)] for r in ranks}
+        how = {r: reply["how"][str(r)] for r in ranks}
+        return Recovery(_open(step, images, metas), f"in-memory step {step} ({_describe(how)})", True,
+                        {"step": step, "how": how})
+
+    def close(self) -> None:
+        self._slots.clear()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _sources(holdings: dict[str, dict]) -> dict[int, dict[int, dict]]:
+    """{step: {rank: {"meta", "full": [agent…], "frags": {j: agent}}}} over every agent's holdings.
+    A whole image counts once it is checksummed (the agent does that as it places it)."""
+    out: dict[int, dict[int, dict]] = {}
+    for agent, h in holdings.items():
+        for rank, step, meta in h["full"]:
+            if "crc" in meta:
+                entry = out.setdefault(step, {}).setdefault(rank, {"meta": meta, "full": [], "frags": {}})
+                entry["full"].append(agent)
+        for rank, step, j, meta in h["frags"]:
+            entry = out.setdefault(step, {}).setdefault(rank, {"meta": meta, "full": [], "frags": {}})
+            entry["frags"][str(j)] = agent
+    return out
+
+
+def _newest_complete(sources: dict[int, dict[int, dict]]) -> tuple[int | None, str]:
+    """The newest step at which every rank of the saving world has a whole image or k fragments on
+    live agents, or (None, why not)."""
+    why = "no snapshot in any agent's memory"
+    for step in sorted(sources, reverse=True):
+        ranks = sources[step]
+        world = next(iter(ranks.values()))["meta"]["world"]
+        short = []
+        for r in range(world):
+            e = ranks.get(r)
+            k = e["meta"]["k"] if e else None
+            if e is None or not (e["full"] or len(e["frags"]) >= k):
+                short.append(f"rank {r}: " + ("nothing" if e is None else f"{len(e['frags'])} of k={k} fragments"))
+        if not short:
+            return step, ""
+        if why.startswith("no snapshot"):
+            why = f"the newest, step {step}, is incomplete on live agents ({'; '.join(short[:4])})"
+    return None, why
+
+
+def _open(step: int, images: dict[int, int], metas: dict[int, dict]) -> Checkpoint:
+    """The assembled images as a checkpoint: rank r's data file is the start of its image; rank 0's
+    trailer holds the objects file and the index."""
+    files = {data_file(r): (fd, 0, metas[r]["data"]) for r, fd in images.items()}
+    fd0, data0 = images[0], metas[0]["data"]
+    blob_len = int.from_bytes(os.pread(fd0, 8, data0), "little")
+    files[OBJECTS_FILE] = (os.dup(fd0), data0 + 8, blob_len)
+    index_at = data0 + 8 + blob_len
+    index = json.loads(os.pread(fd0, metas[0]["nbytes"] - index_at, index_at))
+    return Checkpoint.from_images(f"in-memory snapshot step {step}", step, index, files)
+
+
+def _describe(how: dict[int, str]) -> str:
+    """'ranks 0–1 local, ranks 2–3 rebuilt from fragments [1]' from {rank: how}."""
+    groups: dict[str, list[int]] = {}
+    for r, via in sorted(how.items()):
+        groups.setdefault(via, []).append(r)
+    return ", ".join(f"ranks {_span(rs)} {via}" for via, rs in groups.items())
+
+
+def _span(ranks: list[int]) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else (f"{ranks[0]}–{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1))
+                                                   else ",".join(map(str, ranks)))
+
+
+def agent_stats(path: str, timeout: float = 5.0) -> dict:
+    """An agent's encode throughput and newest placed step (benchmarks and tests)."""
+    sock = connect(path, timeout)
+    try:
+        return request(sock, {"op": "stats"})[0]
+    finally:
+        sock.close()
+
