@@ -13,10 +13,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from checkpoint.pieces import Piece
 from checkpoint.reader import Checkpoint
-from checkpoint.stage import OBJECTS_FILE, Staging, copy_pieces, gather_plan, index_of, objects_blob, write_templates
+from checkpoint.stage import (OBJECTS_FILE, Staging, copy_pieces, descriptors, index_of, objects_blob, plan_staging,
+                              write_templates)
 from checkpoint.store import data_file
 from launch.snapshot_agent import SOCKET_ENV, connect, request
 from parallel import comm
@@ -68,6 +70,8 @@ class SnapshotManager:
                             "m": cfg.m})
         self._staging: Staging | None = None
         self._plan = 0
+        self._index_json: str | None = None
+        self._trailer_bytes = b""
         self._slots: dict[int, _Mapped] = {}
         self.stalls: list[float] = []
         self.skipped = 0
@@ -77,17 +81,12 @@ class SnapshotManager:
         """Snapshot `pieces` as step `step` (collective). Returns False when it was skipped because
         some rank's agent was still placing the previous one (or is unreachable)."""
         start = time.perf_counter()
-        staging, new = gather_plan(self._staging, pieces, self.rank, self.group)
-        if new:
-            self._staging, self._plan = staging, self._plan + 1
-        trailer = self._trailer(step, staging, objects, aliases, layout)
-        nbytes = staging.nbytes + len(trailer)
-        lease = self._lease(nbytes)
-        if not comm.all_true(lease is not None, self.group, dim="checkpoint"):
-            if lease is not None:
-                request(self.sock, {"op": "release", "slot": lease})
+        staging, lease = self._plan_and_lease(step, pieces, objects, aliases, layout)
+        if lease is None:
             self.skipped += 1
             return False
+        trailer = self._trailer_bytes
+        nbytes = staging.nbytes + len(trailer)
         slot = self._slots[lease]
         if slot.plan != self._plan:
             write_templates(slot.tensor, staging.items)
@@ -102,14 +101,44 @@ class SnapshotManager:
         self.stalls.append(time.perf_counter() - start)
         return True
 
+    def _plan_and_lease(self, step: int, pieces: list[Piece], objects: dict, aliases: dict, layout: dict
+                        ) -> tuple[Staging, int | None]:
+        """The staging plan and a leased slot, agreed by every rank in one all-reduce in the usual
+        case (every rank's pieces as at the last snapshot, so the same plan and image size): [plan
+        unchanged here, slot leased here], MIN over ranks. A slot some rank could not get (its agent
+        is still placing the previous snapshot) means every rank skips this one."""
+        for attempt in (0, 1):
+            same = self._staging is not None and self._staging.descs[self.rank] == descriptors(pieces)
+            staging = self._staging if same or attempt else None
+            if staging is None:  # a first snapshot, or this rank's pieces changed: one more round
+                flag = torch.tensor([0, 1])
+            else:
+                self._trailer_bytes = self._trailer(step, staging, objects, aliases, layout)
+                lease = self._lease(staging.nbytes + len(self._trailer_bytes))
+                flag = torch.tensor([int(same or attempt), int(lease is not None)])
+            comm.all_reduce(flag, self.group, dim="checkpoint", op=dist.ReduceOp.MIN)
+            if flag[0]:
+                if not flag[1] and lease is not None:
+                    request(self.sock, {"op": "release", "slot": lease})
+                return staging, lease if flag[1] else None
+            if staging is not None and lease is not None:
+                request(self.sock, {"op": "release", "slot": lease})
+            self._staging = plan_staging(comm.all_gather_objects(descriptors(pieces), self.group), self.rank)
+            self._plan += 1
+            self._index_json = None
+        raise AssertionError("unreachable: the second round always agrees on the new plan")
+
     def _trailer(self, step: int, staging: Staging, objects: dict, aliases: dict, layout: dict) -> bytes:
         """What follows the file image in a rank's slot: on rank 0 the objects file and the index
         (so both are protected like the data), elsewhere nothing."""
         if self.rank != 0:
             return b""
         blob, where = objects_blob(objects)
-        index = json.dumps(index_of(step, layout, staging, where, aliases)).encode()
-        return len(blob).to_bytes(8, "little") + blob + index
+        if self._index_json is None:  # the tensors' chunks, by far the largest part, change with the plan only
+            fixed = {k: v for k, v in index_of(step, layout, staging, {}, aliases).items() if k not in ("step", "objects")}
+            self._index_json = json.dumps(fixed)
+        index = self._index_json[:-1] + f', "step": {step}, "objects": {json.dumps(where)}}}'
+        return len(blob).to_bytes(8, "little") + blob + index.encode()
 
     def _lease(self, nbytes: int) -> int | None:
         try:
