@@ -38,7 +38,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.slurm:
         cfg = config.load(args.config, args.overrides, world_size=args.nodes * args.gpus_per_node)
         job = slurm.SlurmJob(name=cfg.run_name(), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                             partition=args.partition, account=args.account, time=args.time)
+                             partition=args.partition, account=args.account, time=args.time,
+                             max_restarts=args.max_restarts, snapshots=cfg.snapshot.every_steps > 0)
         script = slurm.sbatch_script(job, str(Path(args.config).resolve()), args.overrides, args.resume,
                                      workdir=str(Path.cwd()))
         path = Path(args.script or cfg.run_dir() / "job.sbatch")

@@ -1,5 +1,6 @@
-"""Slurm launch: write an sbatch script that runs one torchrun per node under srun, with c10d
-rendezvous on the job's first node, and submit it when sbatch exists."""
+"""Slurm launch: write an sbatch script that runs one torchrun per node under srun (and, with
+snapshots on, that node's snapshot agent beside it), with c10d rendezvous on the job's first node,
+and submit it when sbatch exists."""
 from __future__ import annotations
 
 import shlex
@@ -22,6 +23,8 @@ class SlurmJob:
     time: str = "01:00:00"
     cpus_per_task: int = 0
     rdzv_port: int = 29500
+    max_restarts: int = 0
+    snapshots: bool = False   # start each node's snapshot agent beside its torchrun
 
 
 def sbatch_script(job: SlurmJob, config_path: str, overrides: list[str], resume: str | None,
@@ -36,6 +39,9 @@ def sbatch_script(job: SlurmJob, config_path: str, overrides: list[str], resume:
     if job.cpus_per_task:
         directives.append(f"--cpus-per-task={job.cpus_per_task}")
     worker = shlex.join(["python", *worker_args(config_path, overrides, resume)])
+    torchrun = (f"python -m torch.distributed.run --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} "
+                '--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$SLURM_JOB_ID" '
+                f"--max-restarts={job.max_restarts} {worker}")
     lines = ["#!/bin/bash", *[f"#SBATCH {d}" for d in directives], "",
              "set -euo pipefail",
              f"cd {shlex.quote(workdir)}",
@@ -45,13 +51,22 @@ def sbatch_script(job: SlurmJob, config_path: str, overrides: list[str], resume:
              'head_node=${nodes[0]}',
              'head_addr=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk \'{print $1}\')',
              f"export RDZV_ENDPOINT=\"$head_addr:{job.rdzv_port}\"",
+             "# torch <= 2.13 restarts only with a fresh store per attempt (pytorch/pytorch#135712)",
+             "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
              'echo "strata: $SLURM_JOB_NUM_NODES nodes, rendezvous at $RDZV_ENDPOINT"',
-             "",
-             "srun --kill-on-bad-exit=1 python -m torch.distributed.run \\",
-             f"  --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} \\",
-             '  --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$SLURM_JOB_ID" \\',
-             f"  {worker}",
              ""]
+    if job.snapshots:
+        # One secret for every node's snapshot agent, made here so it is never written to a file;
+        # srun passes the environment on. Each node starts its agent, then becomes its torchrun
+        # (exec keeps the pid the agent watches).
+        node = ('dir=$(mktemp -d); sock="$dir/agent.sock"; '
+                'python -m launch.snapshot_agent --socket "$sock" --advertise "$(hostname)" --parent $$ & '
+                'while [ ! -S "$sock" ]; do sleep 0.1; done; export STRATA_SNAPSHOT_SOCKET="$sock"; '
+                f"exec {torchrun}")
+        lines += ["export STRATA_SNAPSHOT_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')",
+                  f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(node)}", ""]
+    else:
+        lines += [f"srun --kill-on-bad-exit=1 {torchrun}", ""]
     return "\n".join(lines)
 
 

@@ -127,6 +127,32 @@ def test_slurm_script_is_valid_and_rendezvous_on_head_node(tmp_path):
     assert "launch.cli train" in launch and "train.global_batch_size=256" in launch
 
 
+def test_slurm_script_with_snapshots_starts_an_agent_per_node(tmp_path):
+    script = tmp_path / "job.sbatch"
+    log = tmp_path / "calls.log"
+    _fake_slurm_tools(tmp_path / "bin", log)
+    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    proc = strata("launch", "configs/tiny.yaml", "train.global_batch_size=256", "snapshot.every_steps=5",
+                  "--slurm", "--nodes", "4", "--gpus-per-node", "8", "--max-restarts", "3", "--script", str(script),
+                  "--no-submit", env=env)
+    assert proc.returncode == 0, proc.stderr
+    text = script.read_text()
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert "export STRATA_SNAPSHOT_SECRET=$(python" in text and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, **env, "SLURM_JOB_NODELIST": "node-[a-d]", "SLURM_JOB_ID": "42",
+                               "SLURM_JOB_NUM_NODES": "4"})
+    assert done.returncode == 0, done.stderr
+    node = next(c for c in log.read_text().splitlines() if "torch.distributed.run" in c)
+    # srun runs, on every node, a shell that starts the agent on a private socket, then becomes torchrun
+    assert node.startswith("srun --kill-on-bad-exit=1 bash -c ")
+    inner = node.split("bash -c ", 1)[1]
+    assert subprocess.run(["bash", "-n", "-c", inner]).returncode == 0
+    assert "launch.snapshot_agent --socket" in inner and "--parent $$" in inner
+    assert inner.index("STRATA_SNAPSHOT_SOCKET") < inner.index("exec python -m torch.distributed.run")
+    assert "--max-restarts=3" in inner and "snapshot.every_steps=5" in inner
+
+
 def test_slurm_without_sbatch_writes_script_and_says_where(tmp_path):
     script = tmp_path / "job.sbatch"
     env = {"PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin"}
@@ -155,3 +181,18 @@ def test_shipped_configs_validate_and_docs_match_schema():
         with pytest.raises(ConfigError):  # a world it does not fit is refused
             config.load(Path(REPO, "configs", name), world_size=world + 1)
     assert Path(REPO, "docs/CONFIG.md").read_text() == config.reference_markdown()
+
+
+def test_launch_env_makes_restarts_work_and_multi_node_snapshots_need_one_secret(monkeypatch):
+    from launch.torchrun import LaunchPlan, launch_env, torchrun_args
+    from trainer.errors import StrataError
+
+    monkeypatch.delenv("STRATA_SNAPSHOT_SECRET", raising=False)
+    env = launch_env(LaunchPlan(2, snapshots=True))
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and len(bytes.fromhex(env["STRATA_SNAPSHOT_SECRET"])) == 32
+    with pytest.raises(StrataError, match="export STRATA_SNAPSHOT_SECRET="):
+        launch_env(LaunchPlan(2, nnodes=2, snapshots=True))
+    args = torchrun_args(LaunchPlan(2, nnodes=2, rdzv_endpoint="h:1", external_store=True, join_timeout_s=30,
+                                    max_restarts=3))
+    conf = args[args.index("--rdzv-conf") + 1]
+    assert "is_host=false" in conf and "join_timeout=30" in conf and args[args.index("--max-restarts") + 1] == "3"
