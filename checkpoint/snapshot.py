@@ -22,7 +22,7 @@ from checkpoint.stage import (OBJECTS_FILE, Staging, copy_pieces, descriptors, i
 from checkpoint.store import data_file
 from launch.snapshot_agent import SOCKET_ENV, connect, request
 from parallel import comm
-from trainer.config import SnapshotConfig
+from trainer.config import SnapshotConfig, snapshot_nodes_problem
 from trainer.errors import StrataError
 
 
@@ -62,10 +62,9 @@ class SnapshotManager:
         every = comm.all_gather_objects((hello["agent"], hello["host"], hello["port"]), group)
         self.agent_of_rank = [a for a, _, _ in every]
         self.nodes = list(dict.fromkeys(self.agent_of_rank))  # node order: by the lowest rank on each
-        if cfg.k + cfg.m > len(self.nodes):
-            raise StrataError(f"snapshot.k + snapshot.m = {cfg.k} + {cfg.m} fragments per rank need that many nodes "
-                              f"to be placed on, but this job has {len(self.nodes)}; lower snapshot.m (0: local "
-                              "snapshots only, which survive worker crashes but not the loss of a node)")
+        problem = snapshot_nodes_problem(cfg, len(self.nodes))
+        if problem:
+            raise StrataError(problem)
         request(self.sock, {"op": "peers", "agents": sorted(set(every)), "nodes": self.nodes, "k": cfg.k,
                             "m": cfg.m})
         self._staging: Staging | None = None

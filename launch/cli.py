@@ -48,6 +48,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(f"strata launch: wrote {path}")
         return 0 if args.no_submit else slurm.submit(path)
     cfg = config.load(args.config, args.overrides, world_size=args.nproc * args.nnodes)  # fail before starting workers
+    problem = config.snapshot_nodes_problem(cfg.snapshot, args.nnodes)
+    if problem:
+        raise StrataError(problem)
     plan = torchrun.LaunchPlan(nproc_per_node=args.nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                                rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
                                external_store=args.rdzv_store == "external", join_timeout_s=args.join_timeout,

@@ -569,6 +569,15 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
+def snapshot_nodes_problem(snap: SnapshotConfig, nodes: int) -> str | None:
+    """Why `nodes` nodes cannot hold the k + m fragments of every rank's snapshot (one per node), or None."""
+    if not snap.every_steps or snap.k + snap.m <= nodes:
+        return None
+    return (f"snapshot.k + snapshot.m = {snap.k} + {snap.m} fragments of each rank's snapshot go to as many nodes, but "
+            f"this job has {nodes}; set snapshot.m={max(nodes - snap.k, 0)} (m=0: local snapshots, which survive worker "
+            "crashes but not the loss of a node)")
+
+
 def _snapshot_checks(cfg: Config) -> list[str]:
     """Snapshots copy the state as the checkpoint layer sees it; two features change that state."""
     if not cfg.snapshot.every_steps:
