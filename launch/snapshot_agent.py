@@ -194,7 +194,9 @@ class Agent:
             if newest[0] is not None and not newest[0].placed.is_set():
                 return {"ok": False, "busy": True, "error": f"step {newest[0].step} is still being placed"}, []
             keep = {id(s) for s in self._committed(rank)[-KEEP:]}
-            free = [s for s in self.slots.values() if s.state == "free" and s.size >= nbytes and id(s) not in keep]
+            # A slot keeps its rank: the worker wrote its blob headers there once and only rewrites the data.
+            free = [s for s in self.slots.values() if s.state == "free" and s.size >= nbytes and id(s) not in keep
+                    and s.rank in (rank, -1)]
             slot = free[0] if free else None
             if slot is None:
                 fd, mapped = _memfd(_capacity(nbytes, self.k))
@@ -229,7 +231,10 @@ class Agent:
             slot.placed.clear()
             for old in self._committed(slot.rank)[:-KEEP]:
                 old.state = "free"
-            self.restored = {key: v for key, v in self.restored.items() if key[1] < meta["step"]}
+            for fd, mapped, _, _ in self.restored.values():  # every worker has restored before it trains
+                mapped.close()
+                os.close(fd)
+            self.restored.clear()
         self.placements.put(slot)
         return {"ok": True}, []
 

@@ -173,3 +173,21 @@ def test_worker_side_errors_name_the_fix(agents):
         SnapshotManager(SnapshotConfig(every_steps=1, k=1, m=1), 0, 1, None, env={"STRATA_SNAPSHOT_SOCKET": a.paths[0]})
     manager = SnapshotManager(SnapshotConfig(every_steps=1, m=0), 0, 1, None, env={"STRATA_SNAPSHOT_SOCKET": a.paths[0]})
     manager.close()
+
+
+def test_a_slot_stays_with_its_rank(agents):
+    """A worker writes its blob headers into a slot once; a slot must never go to another rank."""
+    a = agents(1, 1, 0)
+    workers = {0: a.socks[0], 1: connect(a.paths[0], 10)}
+    slots: dict[int, set] = {0: set(), 1: set()}
+    for step in range(1, 6):
+        for rank, sock in workers.items():
+            reply, fds = request(sock, {"op": "lease", "rank": rank, "nbytes": 10_000})
+            for fd in fds:
+                os.close(fd)
+            slots[rank].add(reply["slot"])
+            meta = {"rank": rank, "step": step, "world": 2, "nbytes": 10_000, "data": 10_000, "trailer": 0}
+            assert request(sock, {"op": "commit", "slot": reply["slot"], "meta": meta})[0]["ok"]
+        a.wait_placed(step)
+    assert len(slots[0]) == 3 and not slots[0] & slots[1]  # 2 kept + 1 being written, per rank
+    workers[1].close()
