@@ -120,7 +120,7 @@ def worker(args: argparse.Namespace) -> dict:
 
 
 def compare(grads: Path, reference: Path) -> tuple[bool, float]:
-    a, b = torch.load(grads), torch.load(reference)
+    a, b = torch.load(grads, weights_only=True), torch.load(reference, weights_only=True)
     equal = all(torch.equal(a[n], b[n]) for n in b)
     worst = max(((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30)).item() for n in b)
     return equal, worst

@@ -74,7 +74,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from checkpoint.erasure import Code  # noqa: E402
-from launch.snapshot_agent import SOCKET_ENV, connect, request  # noqa: E402
+from launch.snapshot_agent import SOCKET_ENV, agent_stats  # noqa: E402
 from launch.torchrun import SECRET_ENV, free_port  # noqa: E402
 from trainer.data import ensure_default_corpus  # noqa: E402
 
@@ -395,17 +395,13 @@ class Job:
         return out
 
 
-def agent_stats(marker: str, job: str) -> list[dict]:
+def agents_stats(marker: str, job: str) -> list[dict]:
     """Every agent of the job's op "stats", reached through the socket its workers were given."""
     sockets = sorted({e[SOCKET_ENV] for e in processes(marker, STRATA_BENCH_JOB=job).values() if SOCKET_ENV in e})
     out = []
     for path in sockets:
         try:
-            sock = connect(path, 5.0)
-            try:
-                out.append(request(sock, {"op": "stats"})[0])
-            finally:
-                sock.close()
+            out.append(agent_stats(path))
         except OSError as e:
             out.append({"error": str(e)})
     return out
@@ -568,7 +564,7 @@ def run_variant(args, marker: str, root: Path, variant: str, i: int) -> dict:
             job.wait(until=lambda: logged() >= at)
             samples.append((logged(), time.time(), cpu_by_role(marker, job.name)))
         if variant == "snap":  # the agents' own counters, late in the run
-            stats = agent_stats(marker, job.name)
+            stats = agents_stats(marker, job.name)
         job.wait()
     finally:
         job.close()

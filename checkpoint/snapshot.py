@@ -10,7 +10,7 @@ import json
 import mmap
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,6 @@ class Recovery:
     checkpoint: Checkpoint | None
     message: str
     restarted: bool
-    details: dict = field(default_factory=dict)
 
 
 class SnapshotManager:
@@ -184,8 +183,7 @@ class SnapshotManager:
         images = dict(zip(ranks, fds))
         metas = {r: reply["metas"][str(r)] for r in ranks}
         how = {r: reply["how"][str(r)] for r in ranks}
-        return Recovery(_open(step, images, metas), f"in-memory step {step} ({_describe(how)})", True,
-                        {"step": step, "how": how})
+        return Recovery(_open(step, images, metas), f"in-memory step {step} ({_describe(how)})", True)
 
     def close(self) -> None:
         self._slots.clear()
@@ -253,13 +251,3 @@ def _describe(how: dict[int, str]) -> str:
 def _span(ranks: list[int]) -> str:
     return str(ranks[0]) if len(ranks) == 1 else (f"{ranks[0]}–{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1))
                                                    else ",".join(map(str, ranks)))
-
-
-def agent_stats(path: str, timeout: float = 5.0) -> dict:
-    """An agent's encode throughput and newest placed step (benchmarks and tests)."""
-    sock = connect(path, timeout)
-    try:
-        return request(sock, {"op": "stats"})[0]
-    finally:
-        sock.close()
-

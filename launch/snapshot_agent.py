@@ -64,6 +64,15 @@ def connect(path: str, timeout: float) -> socket.socket:
     return sock
 
 
+def agent_stats(path: str, timeout: float = 5.0) -> dict:
+    """An agent's encode throughput and newest placed step (benchmarks and tests)."""
+    sock = connect(path, timeout)
+    try:
+        return request(sock, {"op": "stats"})[0]
+    finally:
+        sock.close()
+
+
 # --- state ----------------------------------------------------------------------------------
 
 @dataclass
@@ -80,13 +89,6 @@ class Slot:
     meta: dict = field(default_factory=dict)
     placed: threading.Event = field(default_factory=threading.Event)
     seq: int = 0                  # commit order
-
-    def close(self) -> None:
-        try:
-            self.map.close()
-        except BufferError:
-            pass
-        os.close(self.fd)
 
 
 def _memfd(size: int) -> tuple[int, mmap.mmap]:
@@ -125,7 +127,6 @@ class Agent:
         finally:
             os.umask(old)
         self.unix.listen(64)
-        self.socket_path = socket_path
 
     # --- serving ------------------------------------------------------------------------------
     def serve(self) -> None:
