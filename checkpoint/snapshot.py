@@ -69,7 +69,6 @@ class SnapshotManager:
         self._staging: Staging | None = None
         self._plan = 0
         self._index_json: str | None = None
-        self._trailer_bytes = b""
         self._slots: dict[int, _Mapped] = {}
         self.stalls: list[float] = []
         self.skipped = 0
@@ -79,11 +78,10 @@ class SnapshotManager:
         """Snapshot `pieces` as step `step` (collective). Returns False when it was skipped because
         some rank's agent was still placing the previous one (or is unreachable)."""
         start = time.perf_counter()
-        staging, lease = self._plan_and_lease(step, pieces, objects, aliases, layout)
+        staging, lease, trailer = self._plan_and_lease(step, pieces, objects, aliases, layout)
         if lease is None:
             self.skipped += 1
             return False
-        trailer = self._trailer_bytes
         nbytes = staging.nbytes + len(trailer)
         slot = self._slots[lease]
         if slot.plan != self._plan:
@@ -100,31 +98,34 @@ class SnapshotManager:
         return True
 
     def _plan_and_lease(self, step: int, pieces: list[Piece], objects: dict, aliases: dict, layout: dict
-                        ) -> tuple[Staging, int | None]:
-        """The staging plan and a leased slot, agreed by every rank in one all-reduce in the usual
-        case (every rank's pieces as at the last snapshot, so the same plan and image size): [plan
-        unchanged here, slot leased here], MIN over ranks. A slot some rank could not get (its agent
-        is still placing the previous snapshot) means every rank skips this one."""
-        for attempt in (0, 1):
-            same = self._staging is not None and self._staging.descs[self.rank] == descriptors(pieces)
-            staging = self._staging if same or attempt else None
-            if staging is None:  # a first snapshot, or this rank's pieces changed: one more round
-                flag = torch.tensor([0, 1])
-            else:
-                self._trailer_bytes = self._trailer(step, staging, objects, aliases, layout)
-                lease = self._lease(staging.nbytes + len(self._trailer_bytes))
-                flag = torch.tensor([int(same or attempt), int(lease is not None)])
-            comm.all_reduce(flag, self.group, dim="checkpoint", op=dist.ReduceOp.MIN)
-            if flag[0]:
-                if not flag[1] and lease is not None:
-                    request(self.sock, {"op": "release", "slot": lease})
-                return staging, lease if flag[1] else None
-            if staging is not None and lease is not None:
-                request(self.sock, {"op": "release", "slot": lease})
-            self._staging = plan_staging(comm.all_gather_objects(descriptors(pieces), self.group), self.rank)
-            self._plan += 1
-            self._index_json = None
-        raise AssertionError("unreachable: the second round always agrees on the new plan")
+                        ) -> tuple[Staging, int | None, bytes]:
+        """The staging plan, a leased slot (None: every rank skips this snapshot, because some
+        rank's agent is still placing the previous one) and the slot's trailer. Usually one
+        all-reduce of [plan unchanged here, slot leased here] (MIN over ranks); a first snapshot,
+        or pieces that changed on some rank, cost a second round."""
+        descs = descriptors(pieces)
+        same = self._staging is not None and self._staging.descs[self.rank] == descs
+        trailer, lease = self._lease_for(step, objects, aliases, layout) if same else (b"", None)
+        agreed = torch.tensor([int(same), int(lease is not None)])
+        comm.all_reduce(agreed, self.group, dim="checkpoint", op=dist.ReduceOp.MIN)
+        if not agreed[0]:  # plan again from every rank's pieces
+            self._release(lease)
+            self._staging = plan_staging(comm.all_gather_objects(descs, self.group), self.rank)
+            self._plan, self._index_json = self._plan + 1, None
+            trailer, lease = self._lease_for(step, objects, aliases, layout)
+            agreed[1] = comm.all_true(lease is not None, self.group, dim="checkpoint")
+        if not agreed[1]:
+            self._release(lease)
+            lease = None
+        return self._staging, lease, trailer
+
+    def _lease_for(self, step: int, objects: dict, aliases: dict, layout: dict) -> tuple[bytes, int | None]:
+        trailer = self._trailer(step, self._staging, objects, aliases, layout)
+        return trailer, self._lease(self._staging.nbytes + len(trailer))
+
+    def _release(self, lease: int | None) -> None:
+        if lease is not None:
+            request(self.sock, {"op": "release", "slot": lease})
 
     def _trailer(self, step: int, staging: Staging, objects: dict, aliases: dict, layout: dict) -> bytes:
         """What follows the file image in a rank's slot: on rank 0 the objects file and the index
