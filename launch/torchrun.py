@@ -86,9 +86,7 @@ def start_agent(plan: LaunchPlan, env: dict[str, str]) -> tuple[subprocess.Popen
     local = host in ("127.0.0.1", "localhost", "::1")
     cmd = [sys.executable, "-m", "launch.snapshot_agent", "--socket", path, "--parent", str(os.getpid()),
            "--advertise", "127.0.0.1" if local else socket.getfqdn(), "--bind", "127.0.0.1" if local else "0.0.0.0"]
-    package_root = str(Path(__file__).resolve().parents[1])
-    agent_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(cmd, env=agent_env, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # finds the package as the workers do
     deadline = time.monotonic() + 30
     while not os.path.exists(path):
         if proc.poll() is not None or time.monotonic() > deadline:
