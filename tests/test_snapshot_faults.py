@@ -135,6 +135,18 @@ def cluster(tmp_path, small_data_dir):
         c.close()
 
 
+@pytest.fixture
+def running(cluster):
+    """A 2-node job past step 12: its step-10 checkpoint committed and snapshots in the agents."""
+    def start() -> Cluster:
+        c = cluster()
+        c.start_node("A")
+        c.start_node("B")
+        c.wait_for_step(12)
+        return c
+    return start
+
+
 def final_state(tmp: Path) -> dict[str, torch.Tensor]:
     ckpt = Checkpoint(store.step_dir(tmp / "runs" / "t" / "checkpoints", STEPS))
     try:
@@ -170,11 +182,8 @@ def assert_identical(c: Cluster, reference) -> None:
         assert torch.equal(final[key], want), key
 
 
-def test_worker_kill_recovers_from_memory(cluster, reference):
-    c = cluster()
-    c.start_node("A")
-    c.start_node("B")
-    c.wait_for_step(12)
+def test_worker_kill_recovers_from_memory(running, reference):
+    c = running()
     c.kill_worker(rank=1)
     c.wait(["A", "B"])
     log = c.log("A") + c.log("B")
@@ -183,11 +192,8 @@ def test_worker_kill_recovers_from_memory(cluster, reference):
     assert_identical(c, reference)
 
 
-def test_node_kill_rebuilds_from_fragments_on_a_fresh_node(cluster, reference):
-    c = cluster()
-    c.start_node("A")
-    c.start_node("B")
-    c.wait_for_step(12)
+def test_node_kill_rebuilds_from_fragments_on_a_fresh_node(running, reference):
+    c = running()
     c.kill_node("B")
     c.start_node("C")
     c.wait(["A", "C"])
@@ -197,11 +203,8 @@ def test_node_kill_rebuilds_from_fragments_on_a_fresh_node(cluster, reference):
     assert_identical(c, reference)
 
 
-def test_losing_more_nodes_than_m_falls_back_to_the_disk_checkpoint(cluster, reference):
-    c = cluster()
-    c.start_node("A")
-    c.start_node("B")
-    c.wait_for_step(12)
+def test_losing_more_nodes_than_m_falls_back_to_the_disk_checkpoint(running, reference):
+    c = running()
     c.kill_node("A")
     c.kill_node("B")
     c.start_node("C")
