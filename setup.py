@@ -1,12 +1,22 @@
-"""Strata: train large transformers with composed parallelism, memory tiers and resharding checkpoints."""
+"""Strata: train large transformers with composed parallelism, memory tiers and resharding checkpoints.
+
+The repository keeps the product's top-level folders; they install as one namespace, `strata`:
+the base modules (trainer/base/: errors, config, model, atomic writes) are the package `strata`
+itself, and each folder is a subpackage, `strata.trainer`, `strata.parallel`, `strata.offload`,
+`strata.checkpoint` and `strata.launch`. Build settings are in pyproject.toml.
+"""
 from setuptools import setup
 
+LAYERS = ("parallel", "offload", "checkpoint", "trainer", "launch")
+
 setup(
-    name="strata",
-    version="0.1.0",
+    name="strata-train",
+    version="0.2.0",
     description="YAML-driven trainer for large transformer models (TP/PP/DP, ZeRO, offload, checkpoints)",
     python_requires=">=3.10",
-    packages=["trainer", "parallel", "offload", "checkpoint", "launch"],
+    packages=["strata", *(f"strata.{name}" for name in LAYERS)],
+    package_dir={"strata": "trainer/base", **{f"strata.{name}": name for name in LAYERS}},
+    package_data={"strata": ["py.typed"]},
     # torch is pinned by the installer (CPU build on CI: `pip install torch==2.13.0` first);
     # a range that the pinned build satisfies keeps pip from fetching a CUDA build.
     install_requires=[
@@ -22,8 +32,9 @@ setup(
     extras_require={
         # deepspeed: tests/test_deepspeed_import.py has DeepSpeed write a ZeRO checkpoint (CPU, needs g++).
         # Install with torch pinned (pip install -c .ci/constraints.txt ...): it must not replace torch.
-        "test": ["pytest>=7", "wandb", "megatron-core==0.16.1", "deepspeed==0.19.8"],
+        "test": ["pytest>=7", "pytest-timeout>=2.3", "wandb", "megatron-core==0.16.1", "deepspeed==0.19.8"],
+        "dev": ["ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17", "build"],
         "wandb": ["wandb"],
     },
-    entry_points={"console_scripts": ["strata=launch.cli:main"]},
+    entry_points={"console_scripts": ["strata=strata.launch.cli:main"]},
 )

@@ -38,11 +38,11 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from trainer import config as config_mod
-from trainer.data import BatchLoader, TokenDataset
-from trainer.loop import build_optimizer, lr_at
-from trainer.metrics import proc_status_bytes, reset_peak_rss
-from trainer.model import GPT, count_params, initial_value, lm_loss, padded_vocab_size, set_rope_buffers
+from strata import config as config_mod
+from strata.trainer.data import BatchLoader, TokenDataset
+from strata.trainer.loop import build_optimizer, lr_at
+from strata.parallel.runtime import proc_status_bytes, reset_peak_rss
+from strata.model import GPT, count_params, initial_value, lm_loss, padded_vocab_size, set_rope_buffers
 
 
 def rss() -> int:
@@ -212,7 +212,7 @@ class DeepSpeedSide:
     def held(self) -> dict:
         """Bytes this rank holds after the run, measured like Strata's `held_bytes`: parameter
         partitions, the partitioned gradient buffer, optimizer state."""
-        from parallel.zero import optimizer_state_bytes, storage_bytes
+        from strata.parallel.zero import optimizer_state_bytes, storage_bytes
         zero = self.engine.optimizer
         return {"params": storage_bytes([p.ds_tensor for p in self.engine.module.parameters()]),
                 "grads": storage_bytes([getattr(zero, "grad_partitions_flat_buffer", None)]),
@@ -243,7 +243,7 @@ class DeepSpeedSide:
 
 class StrataSide:
     def __init__(self, cfg: config_mod.Config, data_dir: Path, args: argparse.Namespace):
-        from parallel import runtime
+        from strata.parallel import runtime
         self.rt = runtime.start(cfg.parallel.backend, cfg.parallel.timeout_s)
         self.rank, self.world = self.rt.rank, self.rt.world_size
         self.cfg, self.args = cfg, args
@@ -251,7 +251,7 @@ class StrataSide:
                         if v != "none"}
 
     def build(self) -> None:
-        from trainer.loop import Trainer
+        from strata.trainer.loop import Trainer
         self.trainer = Trainer(self.cfg, self.rt)
         self.n_params = count_params(self.cfg.model, self.trainer.vocab_size)
         if self.offload and self.tiers() is None and not self.args.allow_inactive_offload:

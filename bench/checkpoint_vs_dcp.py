@@ -52,9 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def launch(args: argparse.Namespace) -> int:
-    from launch.torchrun import LaunchPlan, torchrun_args
-    from trainer.data import ensure_default_corpus
-    from trainer.config import DataConfig
+    from strata.launch.torchrun import LaunchPlan, torchrun_args
+    from strata.trainer.data import ensure_default_corpus
+    from strata.config import DataConfig
 
     ensure_default_corpus(DataConfig().cache_dir, DataConfig().val_fraction)  # once, before the ranks start
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
@@ -74,9 +74,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from parallel import runtime
-    from trainer import config
-    from trainer.loop import Trainer
+    from strata.parallel import runtime
+    from strata import config
+    from strata.trainer.loop import Trainer
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # DCP: "use DTensor" (it cannot shard flat ranges)
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -114,7 +114,7 @@ def worker(args: argparse.Namespace) -> None:
         return stall, stall + total
 
     figures["strata_first_save_stall_s"] = save()[0]  # also plans and allocates the staging image
-    from checkpoint import store
+    from strata.checkpoint import store
     first = store.committed(work / "strata")[-1]
     saved_bytes = sum(p.stat().st_size for p in first.glob("__*_0.distcp"))
     raw_before = raw_bandwidth(work, rank, (first / store.data_file(rank)).stat().st_size)
@@ -198,7 +198,7 @@ def dcp_state(trainer, group, rank: int, fresh: bool = False) -> tuple[dict, lis
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-    from checkpoint.plan import Descriptor, assign, dtype_name
+    from strata.checkpoint.plan import Descriptor, assign, dtype_name
 
     pieces = trainer.checkpoint_pieces()
     descs = [Descriptor(p.key, tuple(p.global_shape), dtype_name(p.dtype), p.box) for p in pieces]

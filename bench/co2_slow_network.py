@@ -46,14 +46,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from parallel import comm
-from parallel.co2 import CO2
-from parallel.data_parallel import GradientBuckets
-from parallel.runtime import free_port
-from parallel.topology import Layout, build_topology
-from trainer.config import ModelConfig
-from trainer.data import BatchLoader, TokenDataset, eval_batches, prepare
-from trainer.model import build_model, lm_loss
+from strata.parallel import comm
+from strata.parallel.co2 import CO2
+from strata.parallel.data_parallel import GradientBuckets
+from strata.parallel.runtime import free_port
+from strata.parallel.topology import Layout, build_topology
+from strata.config import ModelConfig
+from strata.trainer.data import BatchLoader, TokenDataset, eval_batches, prepare
+from strata.model import build_model, lm_loss
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CORPUS = ["argparse.py", "dataclasses.py", "functools.py", "textwrap.py", "json/decoder.py",

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from parallel import runtime as runtime_mod
-from trainer import config as config_mod
-from trainer.loop import Trainer
+from strata.parallel import runtime as runtime_mod
+from strata import config as config_mod
+from strata.trainer.loop import Trainer
 
 VARIANTS = ("cpu", "auto", "gpu")
 

@@ -24,9 +24,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainer import config as config_mod  # noqa: E402
-from trainer.data import ensure_default_corpus, read_meta  # noqa: E402
-from trainer.model import count_params, padded_vocab_size  # noqa: E402
+from strata.trainer import config as config_mod  # noqa: E402
+from strata.trainer.data import ensure_default_corpus, read_meta  # noqa: E402
+from strata.model import count_params, padded_vocab_size  # noqa: E402
 
 G = "global"
 SCHEMES = {
@@ -54,7 +54,7 @@ def overrides(scheme: dict, micro: int, run_root: Path, name: str) -> list[str]:
 def run(scheme: dict, micro: int, run_root: Path, name: str) -> dict[str, float]:
     experiment = run_root / "experiment.yaml"
     experiment.write_text("{}\n")
-    proc = subprocess.run([sys.executable, "-m", "launch.cli", "launch", str(experiment),
+    proc = subprocess.run([sys.executable, "-m", "strata.launch.cli", "launch", str(experiment),
                            *overrides(scheme, micro, run_root, name), "--nproc", "8"],
                           cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     if proc.returncode:

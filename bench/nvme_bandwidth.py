@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from offload.io_engine import IOEngine  # noqa: E402
+from strata.offload.io_engine import IOEngine  # noqa: E402
 
 BS = 4 << 20  # dd/fio request size: the engine's chunk size by default
 

@@ -64,8 +64,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed import pipelining
 
-from parallel import comm
-from parallel.runtime import free_port
+from strata.parallel import comm
+from strata.parallel.runtime import free_port
 
 WIDTH = 16          # elements per micro-batch row: tiny, so communication is negligible
 ABS_TOL, REL_TOL = 0.05, 0.25

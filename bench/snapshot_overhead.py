@@ -73,10 +73,10 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from checkpoint.erasure import Code  # noqa: E402
-from launch.snapshot_agent import SOCKET_ENV, agent_stats  # noqa: E402
-from launch.torchrun import SECRET_ENV, free_port  # noqa: E402
-from trainer.data import ensure_default_corpus  # noqa: E402
+from strata.checkpoint.erasure import Code  # noqa: E402
+from strata.checkpoint.agent_protocol import SOCKET_ENV, agent_stats  # noqa: E402
+from strata.launch.torchrun import SECRET_ENV, free_port  # noqa: E402
+from strata.trainer.data import ensure_default_corpus  # noqa: E402
 
 MARKER = "STRATA_BENCH_ID"
 STALL_GOAL = 0.05
@@ -150,8 +150,8 @@ def _manager(mod):
 def _runtime(mod):
     mod.start = _timed("runtime_start", mod.start, events=True)
 
-_PATCH = {"checkpoint.snapshot": _snapshot, "trainer.loop": _loop, "parallel.runtime": _runtime,
-          "checkpoint.manager": _manager}
+_PATCH = {"strata.checkpoint.snapshot": _snapshot, "strata.trainer.loop": _loop, "strata.parallel.runtime": _runtime,
+          "strata.checkpoint.manager": _manager}
 
 class _Finder(importlib.abc.MetaPathFinder):
     busy = set()
@@ -245,7 +245,7 @@ def start_time(pid: int) -> float | None:
     return btime + ticks / os.sysconf("SC_CLK_TCK")
 
 
-ROLES = (("agent", "launch.snapshot_agent"), ("writer", "checkpoint.writer"), ("torchrun", "torch.distributed.run"),
+ROLES = (("agent", "strata.launch.snapshot_agent"), ("writer", "strata.checkpoint.writer"), ("torchrun", "torch.distributed.run"),
          ("worker", "launch.cli train"), ("launcher", "launch.cli launch"), ("store", "launch.cli store"))
 
 
@@ -292,7 +292,7 @@ class Job:
         self._lock = threading.Lock()
 
     def _spawn(self, node: str, args: list[str]) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], cwd=REPO, env={**self.env,
+        proc = subprocess.Popen([sys.executable, "-m", "strata.launch.cli", *args], cwd=REPO, env={**self.env,
                                 "STRATA_BENCH_NODE": node}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         log = open(self.dir / f"{node}.log", "w")
 
@@ -478,11 +478,11 @@ def pieces_bench(args, root: Path) -> list[dict]:
     world (every rank holds the same replicated pieces, so the plan splits each among the ranks)."""
     import json as json_mod
 
-    from checkpoint.plan import torch_dtype
-    from checkpoint.stage import copy_pieces, descriptors, index_of, objects_blob, plan_staging
-    from parallel import runtime as runtime_mod
-    from trainer import config as config_mod
-    from trainer.loop import Trainer
+    from strata.checkpoint.plan import torch_dtype
+    from strata.checkpoint.stage import copy_pieces, descriptors, index_of, objects_blob, plan_staging
+    from strata.parallel import runtime as runtime_mod
+    from strata import config as config_mod
+    from strata.trainer.loop import Trainer
 
     world = args.nodes * args.nproc
     threads = torch.get_num_threads()

@@ -42,9 +42,9 @@ from pathlib import Path
 
 import torch
 
-from launch.torchrun import LaunchPlan, torchrun_args
-from trainer import config as config_mod
-from trainer.data import ensure_default_corpus
+from strata.launch.torchrun import LaunchPlan, torchrun_args
+from strata import config as config_mod
+from strata.trainer.data import ensure_default_corpus
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent

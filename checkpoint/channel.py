@@ -26,7 +26,7 @@ from typing import Callable, Mapping
 
 import crc32c
 
-from trainer.errors import StrataError
+from strata.errors import StrataError
 
 SECRET_ENV = "STRATA_SNAPSHOT_SECRET"
 MAX_HEADER = 1 << 20           # a longer header is refused before anything is allocated for it

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    StorageMeta, TensorProperties, TensorStorageMetadata)
 
-from checkpoint.plan import torch_dtype
+from strata.checkpoint.plan import torch_dtype
 
 DCP_VERSION = "1.0.0"   # torch 2.13's CURRENT_DCP_VERSION
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoint.manager import write_whole
-from trainer.errors import CheckpointError
+from strata.checkpoint.manager import write_whole
+from strata.errors import CheckpointError
 
 
 class _ZeroStageEnum(int):   # deepspeed.runtime.zero.config.ZeroStageEnum (an int enum)

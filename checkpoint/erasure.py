@@ -18,7 +18,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Mapping, Sequence
 
-from trainer.errors import StrataError
+from strata.errors import StrataError
 
 ALIGN = 64  # fragment length multiple (some ISA-L SIMD kernels need >= 64)
 PIECE = 1 << 20  # column piece per ISA-L call when a fragment is long enough to share out

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from safetensors.torch import save as safetensors_bytes
 
-from checkpoint.reader import Checkpoint
-from checkpoint.atomic import write_file_atomic
+from strata.checkpoint.reader import Checkpoint
+from strata.atomic import write_file_atomic
 
 FORMATS = ("safetensors",)
 

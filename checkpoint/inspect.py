@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from checkpoint import dcp_meta, store
-from checkpoint.plan import torch_dtype
-from checkpoint.reader import Checkpoint
-from trainer.errors import CheckpointError
+from strata.checkpoint import dcp_meta, store
+from strata.checkpoint.plan import torch_dtype
+from strata.checkpoint.reader import Checkpoint
+from strata.errors import CheckpointError
 
 
 def _size(n: float) -> str:

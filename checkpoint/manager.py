@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint import store, writer
-from parallel import comm
-from checkpoint.pieces import Piece, whole_piece
-from checkpoint.stage import (OBJECTS_FILE, SharedImage, Staging, copy_pieces, gather_plan, index_of, objects_blob,
+from strata.checkpoint import store, writer
+from strata.parallel import comm
+from strata.checkpoint.pieces import Piece, whole_piece
+from strata.checkpoint.stage import (OBJECTS_FILE, SharedImage, Staging, copy_pieces, gather_plan, index_of, objects_blob,
                               write_templates)
-from trainer.errors import CheckpointError
+from strata.errors import CheckpointError
 
 WRITING, WRITTEN, DONE = 0, 1, 2
 
@@ -127,10 +127,8 @@ class CheckpointManager:
             return
         ours, theirs = socket.socketpair()
         fds = (self._staging.image.fd, theirs.fileno())
-        package_root = str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-        self._proc = subprocess.Popen([sys.executable, "-m", "checkpoint.writer", str(fds[0]),
-                                       str(max(self._staging.nbytes, 1)), str(fds[1])], pass_fds=fds, env=env)
+        self._proc = subprocess.Popen([sys.executable, "-m", "strata.checkpoint.writer", str(fds[0]),
+                                       str(max(self._staging.nbytes, 1)), str(fds[1])], pass_fds=fds)
         theirs.close()  # else a dead writer's end stays open here and recv() never sees EOF
         self._conn = Connection(ours.detach())
 

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from parallel.flat import Box, range_to_boxes
-from parallel.tensor import Placement, placement_of
+from strata.parallel.flat import Box, range_to_boxes
+from strata.parallel.tensor import Placement, placement_of
 
 if TYPE_CHECKING:
-    from parallel.zero import ZeroEngine
+    from strata.parallel.zero import ZeroEngine
 
 
 @dataclass

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import integrity, store
-from checkpoint.pieces import Piece, whole_piece
-from checkpoint.plan import torch_dtype
-from parallel.flat import Box
-from trainer.errors import CheckpointError
+from strata.checkpoint import integrity, store
+from strata.checkpoint.pieces import Piece, whole_piece
+from strata.checkpoint.plan import torch_dtype
+from strata.parallel.flat import Box
+from strata.errors import CheckpointError
 
 
 def _strides(sizes) -> list[int]:

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint.pieces import Piece
-from checkpoint.reader import Checkpoint
-from checkpoint.stage import (OBJECTS_FILE, Staging, copy_pieces, descriptors, index_of, objects_blob, plan_staging,
+from strata.checkpoint.pieces import Piece
+from strata.checkpoint.reader import Checkpoint
+from strata.checkpoint.stage import (OBJECTS_FILE, Staging, copy_pieces, descriptors, index_of, objects_blob, plan_staging,
                               write_templates)
-from checkpoint.store import data_file
-from launch.snapshot_agent import SOCKET_ENV, connect, request
-from parallel import comm
-from trainer.config import SnapshotConfig, snapshot_nodes_problem
-from trainer.errors import StrataError
+from strata.checkpoint.store import data_file
+from strata.checkpoint.agent_protocol import SOCKET_ENV, connect, request
+from strata.parallel import comm
+from strata.config import SnapshotConfig, snapshot_nodes_problem
+from strata.errors import StrataError
 
 
 @dataclass

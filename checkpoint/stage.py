@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from checkpoint.blob import object_bytes, template
-from checkpoint.pieces import Piece
-from checkpoint.plan import Descriptor, Item, assign, dtype_name, place, tensor_index, torch_dtype
-from parallel import comm
-from parallel.runtime import pin_host, unpin_host
+from strata.checkpoint.blob import object_bytes, template
+from strata.checkpoint.pieces import Piece
+from strata.checkpoint.plan import Descriptor, Item, assign, dtype_name, place, tensor_index, torch_dtype
+from strata.parallel import comm
+from strata.parallel.runtime import pin_host, unpin_host
 
 OBJECTS_FILE = "__0_1.distcp"
 

@@ -15,9 +15,9 @@ import re
 import shutil
 from pathlib import Path
 
-from checkpoint import integrity
-from checkpoint.atomic import fsync_path
-from trainer.errors import CheckpointError
+from strata.checkpoint import integrity
+from strata.atomic import fsync_path
+from strata.errors import CheckpointError
 
 MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")

@@ -1,5 +1,5 @@
 """Persisting a rank's staged checkpoint file, and committing a checkpoint. Runs inline (synchronous
-saves) or in a writer process per rank (`python -m checkpoint.writer`, for `checkpoint.async`),
+saves) or in a writer process per rank (`python -m strata.checkpoint.writer`, for `checkpoint.async`),
 which maps the staging image (a memfd) and persists it while training goes on.
 
 Data files are written with O_DIRECT where the file system allows it (on this class of disk a
@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from checkpoint import integrity, store
-from checkpoint.atomic import write_file_atomic
+from strata.checkpoint import integrity, store
+from strata.atomic import write_file_atomic
 
 CHUNK = 16 * integrity.BLOCK  # a whole number of checksum blocks, so chunks' block CRCs line up
 DELAY_ENV = "STRATA_CKPT_TEST_WRITE_DELAY_S"   # tests: a slow writer, to kill it mid-save
@@ -93,7 +93,7 @@ def commit(step_dir: Path, step: int, world: int, index: dict, config_yaml: str,
     """Rank 0, once every rank's part is in the partial directory `step_dir`: index.json, .metadata,
     config.yaml, then COMMITTED (with every file's checksums), then the rename into place, then
     retention of older committed checkpoints."""
-    from checkpoint import dcp_meta  # imports torch: only rank 0's writer pays for it
+    from strata.checkpoint import dcp_meta  # imports torch: only rank 0's writer pays for it
     step_dir = Path(step_dir)
     files: dict[str, dict] = {}
     for rank in range(world):

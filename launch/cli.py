@@ -7,13 +7,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainer.errors import StrataError
+from strata.errors import StrataError
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from parallel import runtime
-    from trainer import config
-    from trainer.loop import rewrite_checkpoint, run
+    from strata.parallel import runtime
+    from strata import config
+    from strata.trainer.loop import rewrite_checkpoint, run
 
     cfg = config.load(args.config, args.overrides, world_size=runtime.world_size_from_env())
     rt = runtime.start(cfg.parallel.backend, cfg.parallel.timeout_s)
@@ -32,8 +32,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from launch import slurm, torchrun
-    from trainer import config
+    from strata.launch import slurm, torchrun
+    from strata import config
 
     if args.slurm:
         cfg = config.load(args.config, args.overrides, world_size=args.nodes * args.gpus_per_node)
@@ -59,14 +59,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_store(args: argparse.Namespace) -> int:
-    from launch.torchrun import serve_store
+    from strata.launch.torchrun import serve_store
 
     serve_store(args.host, args.port)
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from trainer import config
+    from strata import config
 
     if args.action == "show":
         print(config.dump(config.load(args.target, args.overrides, world_size=args.world_size)), end="")
@@ -78,7 +78,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_data(args: argparse.Namespace) -> int:
     import sysconfig
 
-    from trainer import data
+    from strata.trainer import data
 
     if args.stdlib:
         files, root = data.stdlib_corpus_files(), Path(sysconfig.get_paths()["stdlib"])
@@ -93,11 +93,11 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
-    from checkpoint import export, inspect
+    from strata.checkpoint import export, inspect
 
     if args.action == "import-deepspeed":
-        from checkpoint import deepspeed_import
-        from trainer import config
+        from strata.checkpoint import deepspeed_import
+        from strata import config
 
         if not args.out or not args.config:
             raise StrataError("strata ckpt import-deepspeed DS_DIR OUT --config CFG: give OUT (a checkpoints "
@@ -108,7 +108,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         print(f"wrote {path}; continue with: strata train {args.config} ... --resume {path}")
         return 0
     if args.action == "reshard":
-        from checkpoint import reshard
+        from strata.launch import reshard
 
         if not args.out or not args.to:
             raise StrataError("strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..: give OUT (a checkpoints directory) "
@@ -128,7 +128,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from trainer.plots import plot_run, plot_schedule
+    from strata.trainer.plots import plot_run, plot_schedule
 
     out = Path(args.out) if args.out else None
     if args.record is None:      # strata plot RUN_DIR

@@ -9,7 +9,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch.torchrun import worker_args
+from strata.launch.torchrun import worker_args
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def sbatch_script(job: SlurmJob, config_path: str, overrides: list[str], resume:
         # srun passes the environment on. Each node starts its agent, then becomes its torchrun
         # (exec keeps the pid the agent watches).
         node = ('dir=$(mktemp -d); sock="$dir/agent.sock"; '
-                'python -m launch.snapshot_agent --socket "$sock" --advertise "$(hostname)" --parent $$ & '
+                'python -m strata.launch.snapshot_agent --socket "$sock" --advertise "$(hostname)" --parent $$ & '
                 'while [ ! -S "$sock" ]; do sleep 0.1; done; export STRATA_SNAPSHOT_SOCKET="$sock"; '
                 f"exec {torchrun}")
         lines += ["export STRATA_SNAPSHOT_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')",

@@ -5,12 +5,11 @@ other nodes' ranks, and rebuilds any rank's image for a restarted worker.
 Workers reach it over a Unix socket (0600, in a 0700 directory, peer uid checked); snapshot images
 live in memfd slots the agent owns, mapped by the workers, so a snapshot is one copy and one small
 message. Agents reach each other over TCP authenticated with the job's secret (`checkpoint.channel`).
-Imports no torch, so it starts in a fraction of a second. Run as `python -m launch.snapshot_agent`.
+Imports no torch, so it starts in a fraction of a second. Run as `python -m strata.launch.snapshot_agent`.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import queue
@@ -24,53 +23,12 @@ from dataclasses import dataclass, field
 
 import crc32c
 
-from checkpoint.channel import Channel, ChannelError, secret_from_env
-from checkpoint.erasure import Code, self_test
+from strata.checkpoint.channel import Channel, ChannelError, secret_from_env
+from strata.checkpoint.agent_protocol import recv_msg, send_msg
+from strata.checkpoint.erasure import Code, self_test
 
-SOCKET_ENV = "STRATA_SNAPSHOT_SOCKET"
-MAX_MESSAGE = 1 << 20
 KEEP = 2  # committed versions kept per rank (local images and fragments); see `Agent.commit`
 FULL = -1  # fragment index meaning "the whole image"
-
-
-# --- messages over the local socket: one JSON object per SOCK_SEQPACKET record, descriptors attached
-
-def send_msg(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:
-    socket.send_fds(sock, [json.dumps(msg).encode()], list(fds))
-
-
-def recv_msg(sock: socket.socket) -> tuple[dict | None, list[int]]:
-    """The next message and its descriptors; (None, []) when the peer has gone."""
-    data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 256)
-    if not data:
-        for fd in fds:
-            os.close(fd)
-        return None, []
-    return json.loads(data), fds
-
-
-def request(sock: socket.socket, msg: dict) -> tuple[dict, list[int]]:
-    send_msg(sock, msg)
-    reply, fds = recv_msg(sock)
-    if reply is None:
-        raise ConnectionError("the snapshot agent closed the connection")
-    return reply, fds
-
-
-def connect(path: str, timeout: float) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    sock.settimeout(timeout)
-    sock.connect(path)
-    return sock
-
-
-def agent_stats(path: str, timeout: float = 5.0) -> dict:
-    """An agent's encode throughput and newest placed step (benchmarks and tests)."""
-    sock = connect(path, timeout)
-    try:
-        return request(sock, {"op": "stats"})[0]
-    finally:
-        sock.close()
 
 
 # --- state ----------------------------------------------------------------------------------
@@ -433,7 +391,7 @@ class Agent:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.snapshot_agent", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m strata.launch.snapshot_agent", description=__doc__.splitlines()[0])
     p.add_argument("--socket", required=True, help="path of the workers' Unix socket (in a 0700 directory)")
     p.add_argument("--advertise", default=socket.getfqdn(), help="host name other nodes' agents reach this one at")
     p.add_argument("--bind", default="0.0.0.0", help="address the peer listener binds")

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.errors import StrataError
+from strata.checkpoint.agent_protocol import SOCKET_ENV
+from strata.errors import StrataError
 
 SECRET_ENV = "STRATA_SNAPSHOT_SECRET"
 
@@ -52,7 +53,7 @@ def torchrun_args(plan: LaunchPlan) -> list[str]:
 
 def worker_args(config_path: str, overrides: list[str], resume: str | None, extra: tuple[str, ...] = ()) -> list[str]:
     """The `strata train` arguments each worker runs with (as a module, so no console script is needed)."""
-    args = ["-m", "launch.cli", "train", config_path, *overrides]
+    args = ["-m", "strata.launch.cli", "train", config_path, *overrides]
     return args + (["--resume", resume] if resume else []) + list(extra)
 
 
@@ -84,7 +85,7 @@ def start_agent(plan: LaunchPlan, env: dict[str, str]) -> tuple[subprocess.Popen
     path = os.path.join(directory, "agent.sock")
     host = (plan.rdzv_endpoint or "127.0.0.1").rsplit(":", 1)[0]
     local = host in ("127.0.0.1", "localhost", "::1")
-    cmd = [sys.executable, "-m", "launch.snapshot_agent", "--socket", path, "--parent", str(os.getpid()),
+    cmd = [sys.executable, "-m", "strata.launch.snapshot_agent", "--socket", path, "--parent", str(os.getpid()),
            "--advertise", "127.0.0.1" if local else socket.getfqdn(), "--bind", "127.0.0.1" if local else "0.0.0.0"]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # finds the package as the workers do
     deadline = time.monotonic() + 30
@@ -103,7 +104,7 @@ def run_local(plan: LaunchPlan, config_path: str, overrides: list[str], resume: 
     env = launch_env(plan)
     agent = None
     if plan.snapshots:
-        agent, env["STRATA_SNAPSHOT_SOCKET"] = start_agent(plan, env)
+        agent, env[SOCKET_ENV] = start_agent(plan, env)
     cmd = torchrun_command(plan, config_path, overrides, resume, extra)
     print("strata launch:", shlex.join(cmd), flush=True)
     try:
@@ -112,8 +113,8 @@ def run_local(plan: LaunchPlan, config_path: str, overrides: list[str], resume: 
         if agent is not None:
             agent.terminate()
             agent.wait()
-            Path(env["STRATA_SNAPSHOT_SOCKET"]).unlink(missing_ok=True)
-            Path(env["STRATA_SNAPSHOT_SOCKET"]).parent.rmdir()
+            Path(env[SOCKET_ENV]).unlink(missing_ok=True)
+            Path(env[SOCKET_ENV]).parent.rmdir()
 
 
 def serve_store(host: str, port: int) -> None:

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from offload.files import SwapFile
-from offload.io_engine import aligned
-from offload.swap import FileRegion, Mover, Transfer
-from trainer.model import named_blocks
-from parallel.runtime import pin_host, unpin_host
+from strata.offload.files import SwapFile
+from strata.offload.io_engine import aligned
+from strata.offload.swap import FileRegion, Mover, Transfer
+from strata.model import named_blocks
+from strata.parallel.runtime import pin_host, unpin_host
 
 MODES = ("none", "cpu", "nvme")  # none: nothing moves, saved bytes are only counted (the bench's "keep")
 GROW_MIN = 64 << 20  # the swap file grows in steps of at least this, so a first step grows it a few times only

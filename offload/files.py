@@ -9,7 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
-from offload.io_engine import SwapIOError, aligned, check_swap_dir
+from strata.offload.io_engine import SwapIOError, aligned, check_swap_dir
 
 
 class SwapFile:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.errors import StrataError
+from strata.errors import StrataError
 
 ALIGN = 4096  # O_DIRECT: address, offset and length all multiples of the logical block size
 

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import nn
 
-from offload.files import SwapFile
-from offload.io_engine import IOEngine, aligned
-from offload.pool import HostPool, Slab
-from offload.swap import FileRegion, Mover
+from strata.offload.files import SwapFile
+from strata.offload.io_engine import IOEngine, aligned
+from strata.offload.pool import HostPool, Slab
+from strata.offload.swap import FileRegion, Mover
 
 if TYPE_CHECKING:
-    from offload.params import ParamTier
-    from parallel.zero import FlatGroup
+    from strata.offload.params import ParamTier
+    from strata.parallel.zero import FlatGroup
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # Bytes per element each update path moves, for the placement model (placement.Measured.traffic).

@@ -10,10 +10,10 @@ import contextlib
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Iterator
 
-from offload.swap import Mover, Transfer, Where
+from strata.offload.swap import Mover, Transfer, Where
 
 if TYPE_CHECKING:
-    from parallel.zero import FlatGroup
+    from strata.parallel.zero import FlatGroup
 
 
 class ParamTier:

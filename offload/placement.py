@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from parallel.runtime import pin_host, unpin_host
+from strata.parallel.runtime import pin_host, unpin_host
 
 FORCES = ("auto", "cpu", "gpu")
 MEMORY_MARGIN = 0.10   # of the free GPU memory, left to the allocator and everything else

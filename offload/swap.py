@@ -12,9 +12,9 @@ from typing import Iterator, Union
 
 import torch
 
-from offload.files import SwapFile
-from offload.io_engine import IOEngine, aligned
-from offload.pool import HostPool, Slab
+from strata.offload.files import SwapFile
+from strata.offload.io_engine import IOEngine, aligned
+from strata.offload.pool import HostPool, Slab
 
 
 @dataclass(frozen=True)

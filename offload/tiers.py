@@ -11,21 +11,21 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from offload.activations import ActivationOffloader
-from offload.files import SwapDir
-from offload.io_engine import IOEngine, aligned
-from offload.optim import KIND_OF, TRAFFIC, OptimTier
-from offload.params import ParamTier
-from offload.placement import Measured, Placement, calibrate, plan
-from offload.pool import HostPool
-from offload.swap import FileRegion, Mover
-from trainer.config import OFFLOAD_STREAM_KEYS, SLABS_PER_STREAM, offload_devices, pool_streams
-from trainer.errors import ConfigError
-from trainer.metrics import proc_status_bytes
+from strata.offload.activations import ActivationOffloader
+from strata.offload.files import SwapDir
+from strata.offload.io_engine import IOEngine, aligned
+from strata.offload.optim import KIND_OF, TRAFFIC, OptimTier
+from strata.offload.params import ParamTier
+from strata.offload.placement import Measured, Placement, calibrate, plan
+from strata.offload.pool import HostPool
+from strata.offload.swap import FileRegion, Mover
+from strata.config import OFFLOAD_STREAM_KEYS, SLABS_PER_STREAM, offload_devices, pool_streams
+from strata.errors import ConfigError
+from strata.parallel.runtime import proc_status_bytes
 
 if TYPE_CHECKING:
-    from parallel.zero import ZeroEngine
-    from trainer.config import Config, ParamOffloadConfig
+    from strata.parallel.zero import ZeroEngine
+    from strata.config import Config, ParamOffloadConfig
 
 
 class Tiers:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel import comm
-from parallel.tensor import placement_of
+from strata.parallel import comm
+from strata.parallel.tensor import placement_of
 
 
 def global_grad_norm(tp_sharded: list[torch.Tensor], replicated: list[torch.Tensor], tp_group=None,

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel import comm
+from strata.parallel import comm
 
 
 class CO2:

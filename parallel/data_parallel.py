@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel import comm
+from strata.parallel import comm
 
 
 class GradientBuckets:

@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 
-from parallel import comm
-from parallel.data_parallel import unique_params
-from trainer.config import SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES
-from trainer.model import GPT
+from strata.parallel import comm
+from strata.parallel.data_parallel import unique_params
+from strata.config import SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES
+from strata.model import GPT
 
 SCHEDULES = {
     "gpipe": pipelining.ScheduleGPipe,

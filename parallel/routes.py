@@ -8,8 +8,8 @@ from typing import Callable
 
 import torch
 
-from parallel import comm
-from parallel.topology import CHAIN, Topology
+from strata.parallel import comm
+from strata.parallel.topology import CHAIN, Topology
 
 
 class Routes:

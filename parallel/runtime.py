@@ -8,11 +8,12 @@ import os
 import socket
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from parallel import comm
+from strata.parallel import comm
 
 
 @dataclass(frozen=True)
@@ -100,3 +101,24 @@ def _clear_cuda_error() -> None:
 def unpin_host(buffer: torch.Tensor) -> None:
     """Undo `pin_host` (call only when it returned True)."""
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+# --- this process's host memory ------------------------------------------------------------
+
+def proc_status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM: the peak), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(f"{field} is not in /proc/self/status")
+
+
+def reset_peak_rss() -> bool:
+    """Restart VmHWM from the current RSS (writing 5 to /proc/self/clear_refs); False where the
+    kernel refuses or the peak does not drop, so VmHWM stays the lifetime peak."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return proc_status_bytes("VmHWM") <= proc_status_bytes("VmRSS") + 2**20  # within pages of RSS
+    except (OSError, KeyError):
+        return False

@@ -29,9 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parallel import comm
-from parallel.flat import Box
-from trainer.errors import ConfigError
+from strata.parallel import comm
+from strata.parallel.flat import Box
+from strata.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -39,23 +39,13 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from parallel import comm
+from strata.parallel import comm
 
-from trainer.errors import ConfigError
+from strata.config import CHAIN, LEVELS, chain_level, layout_problems, ranks_per_node
+from strata.errors import ConfigError
 
 DIMS = ("pp", "dp", "tp")  # parallel dimensions, outermost to innermost
 HARDWARE = ("node", "gpu", "gcd")  # hardware coordinates, outermost to innermost
-LEVELS = ("none", "gcd", "gpu", "node", "global")  # hierarchy levels, finest to coarsest
-CHAIN = ("none", "gpu", "node", "global")  # the levels partitioning tells apart ("gcd" is "none")
-
-
-def chain_level(level: str) -> str:
-    """`level` as a step of CHAIN: one rank drives one GCD, so partitioning "within a GCD" is none."""
-    if level not in LEVELS:
-        raise ValueError(f"unknown hierarchy level {level!r}; expected one of {LEVELS}")
-    return "none" if level == "gcd" else level
-
-
 @dataclass(frozen=True)
 class Layout:
     """Degrees of each parallel dimension (their product is the world size) and how ranks sit on
@@ -212,49 +202,12 @@ def layout_from_config(par, world_size: int, local_world_size: int | None = None
     par.ranks_per_node is null (and without either, the world is one node). A set
     ranks_per_node wins over the launcher's count, so one machine can stand in for several
     nodes. Raises ConfigError listing every problem."""
-    layout, problems = _layout_and_problems(par, world_size, local_world_size)
+    problems = layout_problems(par, world_size, local_world_size)
     if problems:
         raise ConfigError(problems)
-    return layout
-
-
-def layout_problems(par, world_size: int, local_world_size: int | None = None) -> list[str]:
-    """What `layout_from_config` would object to (config validation reports these with the rest)."""
-    return _layout_and_problems(par, world_size, local_world_size)[1]
-
-
-def _layout_and_problems(par, world_size: int, local_world_size: int | None) -> tuple[Layout | None, list[str]]:
-    tp, pp, g = par.tp, par.pp, par.ranks_per_gpu
-    if par.ranks_per_node is not None:
-        per_node, source = par.ranks_per_node, f"parallel.ranks_per_node={par.ranks_per_node}"
-    elif local_world_size is not None:
-        per_node, source = local_world_size, (f"parallel.ranks_per_node (null: the launcher's LOCAL_WORLD_SIZE="
-                                              f"{local_world_size})")
-    else:
-        per_node, source = world_size, f"parallel.ranks_per_node (null, no launcher: the world size {world_size})"
-    problems = []
-    if world_size % (tp * pp):
-        problems.append(f"world size {world_size} is not divisible by parallel.tp·pp = {tp}·{pp} = {tp * pp}; "
-                        f"choose tp and pp whose product divides the number of ranks")
-        dp = par.dp or 1
-    else:
-        dp = par.dp_size(world_size)
-        if tp * pp * dp != world_size:
-            problems.append(f"parallel: tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} but the world size is "
-                            f"{world_size}; set parallel.dp={world_size // (tp * pp)} or leave it null")
-    if world_size % per_node:
-        problems.append(f"world size {world_size} is not a multiple of {source}: every node must run the same "
-                        f"number of ranks; set parallel.ranks_per_node to a divisor of {world_size}")
-    if per_node % g:
-        problems.append(f"parallel.ranks_per_gpu={g} must divide {source}: a node holds whole GPUs")
-    if tp % per_node and per_node % tp:
-        fits = [d for d in range(1, per_node + 1) if per_node % d == 0]
-        problems.append(f"parallel.tp={tp} would straddle node boundaries unevenly: with {source}, tp must divide "
-                        f"it ({', '.join(map(str, fits))}) or be a multiple of it, so each tensor-parallel group "
-                        f"stays inside one node (as Megatron does) or spans whole nodes")
-    if problems:
-        return None, problems
-    return Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=per_node, ranks_per_gpu=g), []
+    per_node, _ = ranks_per_node(par, world_size, local_world_size)
+    return Layout(tp=par.tp, pp=par.pp, dp=par.dp_size(world_size), ranks_per_node=per_node,
+                  ranks_per_gpu=par.ranks_per_gpu)
 
 
 def level_key(level: str, within_dp: bool = False, replica: bool = False) -> str:

@@ -38,16 +38,16 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from torch import nn
 
-from parallel import comm
-from parallel.clipping import global_grad_norm, scale_to_norm
-from parallel.flat import Segment
-from parallel.tensor import placement_of
-from parallel.routes import Routes
-from parallel.topology import CHAIN, Topology, chain_level
-from trainer.model import named_blocks
+from strata.parallel import comm
+from strata.parallel.clipping import global_grad_norm, scale_to_norm
+from strata.parallel.flat import Segment
+from strata.parallel.tensor import placement_of
+from strata.parallel.routes import Routes
+from strata.parallel.topology import CHAIN, Topology, chain_level
+from strata.model import named_blocks
 
 if TYPE_CHECKING:
-    from trainer.config import ZeroConfig
+    from strata.config import ZeroConfig
 
 
 @dataclass(frozen=True)

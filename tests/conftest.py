@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import config
-from trainer.data import prepare
+from strata import config
+from strata.trainer.data import prepare
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # A handful of real stdlib sources: enough tokens for tiny runs, prepared in well under a second.

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import store, writer
-from checkpoint.manager import CheckpointManager
-from checkpoint.pieces import Piece
-from checkpoint.reader import Checkpoint
+from strata.checkpoint import store, writer
+from strata.checkpoint.manager import CheckpointManager
+from strata.checkpoint.pieces import Piece
+from strata.checkpoint.reader import Checkpoint
 from conftest import tiny_overrides
-from parallel.flat import Box
-from trainer.errors import CheckpointError
+from strata.parallel.flat import Box
+from strata.errors import CheckpointError
 
 STATE = {"model.w": (64, 48), "model.b": (48,), "optim.state.w.exp_avg": (64, 48)}
 
@@ -144,16 +144,16 @@ def test_two_rank_run_killed_mid_save_fails_on_every_rank_and_resumes_from_the_l
     """Two ranks, ZeRO-3 (each saves its own shard), background saves every 2 steps; rank 1's writer
     is killed with SIGKILL while it writes step 4. Both ranks stop with the error; step 2 verifies,
     and one process resumed from the checkpoints directory runs steps 3–6 as an uninterrupted run."""
-    from launch.cli import main as strata_main
-    from parallel.runtime import start
+    from strata.launch.cli import main as strata_main
+    from strata.parallel.runtime import start
     from conftest import tiny_config
     from test_distributed import REPO, ZERO3, losses_from
-    from trainer.loop import run
+    from strata.trainer.loop import run
 
     settings = {"log.interval": 1, "checkpoint.interval": 2, "checkpoint.async": True, "train.micro_batch_size": 2}
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
-    cmd = [sys.executable, "-m", "launch.cli", "launch", str(experiment),
+    cmd = [sys.executable, "-m", "strata.launch.cli", "launch", str(experiment),
            *tiny_overrides(small_data_dir, tmp_path / "killed", **settings, **ZERO3), "--nproc", "2"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": REPO, writer.DELAY_ENV: "1.0"})

@@ -11,8 +11,8 @@ import tracemalloc
 
 import pytest
 
-from checkpoint.channel import MAX_HEADER, SECRET_ENV, AuthError, Channel, ChannelError, secret_from_env
-from trainer.errors import StrataError
+from strata.checkpoint.channel import MAX_HEADER, SECRET_ENV, AuthError, Channel, ChannelError, secret_from_env
+from strata.errors import StrataError
 
 SECRET = bytes(range(32))
 TIMEOUT = 5.0

@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from checkpoint import integrity, store
-from checkpoint.reader import Checkpoint
+from strata.checkpoint import integrity, store
+from strata.checkpoint.reader import Checkpoint
 from conftest import tiny_config
-from launch.cli import main as strata_main
-from parallel.runtime import start
-from trainer.errors import CheckpointError
-from trainer.loop import Trainer, run
+from strata.launch.cli import main as strata_main
+from strata.parallel.runtime import start
+from strata.errors import CheckpointError
+from strata.trainer.loop import Trainer, run
 
 
 @pytest.fixture
@@ -95,8 +95,8 @@ def test_checkpoint_of_another_model_is_one_clear_error_before_any_change(saved,
 def test_export_gives_weights_a_plain_model_loads(saved, small_data_dir, tmp_path, capsys):
     """Tied embeddings too: both names are written, as a plain GPT's state_dict has them."""
     from safetensors.torch import load_file
-    from trainer.config import load
-    from trainer.model import GPT
+    from strata.config import load
+    from strata.model import GPT
 
     assert strata_main(["ckpt", "export", str(saved), str(tmp_path / "hf")]) == 0
     weights = load_file(tmp_path / "hf" / "model.safetensors")
@@ -122,9 +122,9 @@ def test_dcp_alone_loads_weights_and_optimizer_into_plain_torch(saved):
     """torch.distributed.checkpoint's own state_dict helpers and load, a plain GPT and a torch AdamW:
     the weights and every Adam moment equal what Strata saved; the hyper-parameters come along."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
-    from trainer.config import load
-    from trainer.loop import build_optimizer, lr_at
-    from trainer.model import GPT
+    from strata.config import load
+    from strata.trainer.loop import build_optimizer, lr_at
+    from strata.model import GPT
 
     cfg = load(saved / "config.yaml")
     want = Checkpoint(saved).tensors("")

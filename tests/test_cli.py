@@ -10,13 +10,13 @@ import sys
 import pytest
 from conftest import STDLIB
 
-from trainer.errors import ConfigError
+from strata.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def strata(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "strata.launch.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONPATH": REPO, **(env or {})})
 
 
@@ -167,7 +167,7 @@ def test_shipped_configs_validate_and_docs_match_schema():
     """Every config in configs/ validates; docs/CONFIG.md is the schema's current reference."""
     from pathlib import Path
 
-    from trainer import config
+    from strata import config
 
     for path in sorted(Path(REPO, "configs").glob("*.yaml")):
         config.load(path)
@@ -184,8 +184,8 @@ def test_shipped_configs_validate_and_docs_match_schema():
 
 
 def test_launch_env_makes_restarts_work_and_multi_node_snapshots_need_one_secret(monkeypatch):
-    from launch.torchrun import LaunchPlan, launch_env, torchrun_args
-    from trainer.errors import StrataError
+    from strata.launch.torchrun import LaunchPlan, launch_env, torchrun_args
+    from strata.errors import StrataError
 
     monkeypatch.delenv("STRATA_SNAPSHOT_SECRET", raising=False)
     env = launch_env(LaunchPlan(2, snapshots=True))

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel import comm
-from parallel.co2 import CO2
+from strata.parallel import comm
+from strata.parallel.co2 import CO2
 from worlds import run_world
-from parallel.topology import Layout, build_topology
+from strata.parallel.topology import Layout, build_topology
 
 SEED = 3
 BATCH = 4            # samples per rank per step

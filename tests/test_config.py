@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer import config
-from parallel.topology import LEVELS
-from trainer.config import CO2Config, Config, ModelConfig, OptimConfig, ShardSpec, TrainConfig, ZeroConfig
-from trainer.errors import ConfigError, StrataError
+from strata import config
+from strata.parallel.topology import LEVELS
+from strata.config import CO2Config, Config, ModelConfig, OptimConfig, ShardSpec, TrainConfig, ZeroConfig
+from strata.errors import ConfigError, StrataError
 
 
 def write_yaml(path: Path, text: str) -> Path:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import (BatchLoader, ByteTokenizer, TokenDataset, eval_batches, expand_inputs, prepare,
+from strata.trainer.data import (BatchLoader, ByteTokenizer, TokenDataset, eval_batches, expand_inputs, prepare,
                           read_meta)
-from trainer.errors import DataError
+from strata.errors import DataError
 
 EOT = 256
 

@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from conftest import tiny_config, tiny_overrides
-from launch.cli import main as strata_main
-from parallel.runtime import free_port, start
+from strata.launch.cli import main as strata_main
+from strata.parallel.runtime import free_port, start
 from test_distributed import REPO, assert_same_params, final_params
-from trainer.loop import run
+from strata.trainer.loop import run
 
 SETTINGS = {"train.steps": 6, "checkpoint.save_final": True, "log.interval": 1}
 

@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-from checkpoint import store
-from checkpoint.reader import Checkpoint
+from strata.checkpoint import store
+from strata.checkpoint.reader import Checkpoint
 from conftest import tiny_config, tiny_overrides
-from parallel.runtime import start
-from trainer.loop import run
+from strata.parallel.runtime import start
+from strata.trainer.loop import run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = {"log.interval": 1, "checkpoint.save_final": True, "checkpoint.interval": 3, "train.eval_interval": 3}
@@ -61,7 +61,7 @@ LAYOUTS = {
 
 
 def strata(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "strata.launch.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONPATH": REPO})
 
 

@@ -11,9 +11,9 @@ import random
 import numpy as np
 import pytest
 
-from checkpoint import erasure
-from checkpoint.erasure import ALIGN, Code
-from trainer.errors import StrataError
+from strata.checkpoint import erasure
+from strata.checkpoint.erasure import ALIGN, Code
+from strata.errors import StrataError
 
 
 def split(code: Code, image: bytes) -> list[memoryview]:

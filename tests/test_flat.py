@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from parallel.flat import range_to_boxes
+from strata.parallel.flat import range_to_boxes
 
 SHAPES = [(7,), (3, 5), (4, 1), (1, 6), (2, 3, 4), (3, 2, 2, 2), ()]
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from offload.io_engine import ALIGN, IOEngine, SwapIOError, check_swap_dir
+from strata.offload.io_engine import ALIGN, IOEngine, SwapIOError, check_swap_dir
 
 
 def aligned(nbytes: int) -> torch.Tensor:

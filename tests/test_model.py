@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.config import ModelConfig
-from trainer.errors import StrataError
-from trainer.model import (GPT, Attention, RMSNorm, SwiGLU, build_model, count_params, ffn_hidden_size,
+from strata.config import ModelConfig
+from strata.errors import StrataError
+from strata.model import (GPT, Attention, RMSNorm, SwiGLU, build_model, count_params, ffn_hidden_size,
                            flops_per_token, lm_loss, padded_vocab_size, rope_tables)
 
 

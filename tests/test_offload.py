@@ -12,17 +12,17 @@ import sys
 import pytest
 import torch
 
-from checkpoint import store
-from offload.files import SwapDir
-from offload.io_engine import IOEngine
-from offload.pool import HostPool
-from offload.swap import FileRegion, Mover
-from checkpoint.reader import Checkpoint
+from strata.checkpoint import store
+from strata.offload.files import SwapDir
+from strata.offload.io_engine import IOEngine
+from strata.offload.pool import HostPool
+from strata.offload.swap import FileRegion, Mover
+from strata.checkpoint.reader import Checkpoint
 from conftest import tiny_config
-from parallel.runtime import start
+from strata.parallel.runtime import start
 from test_distributed import COMMON, ZERO3, assert_same_params, final_params, launch_run, losses_from
-from trainer.errors import ConfigError, StrataError
-from trainer.loop import Trainer, run
+from strata.errors import ConfigError, StrataError
+from strata.trainer.loop import Trainer, run
 
 MODEL = {"model.n_layers": 3, "model.d_model": 64, **ZERO3}
 SMALL_SLABS = {"offload.slab_mb": 0.0625, "offload.host_buffer_mb": 0.25}  # 4 slabs of 64 KiB: 2 streams' minimum
@@ -205,8 +205,8 @@ import resource, signal, sys
 sys.path.insert(0, {os.path.join(os.path.dirname(__file__))!r})
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 from conftest import tiny_config
-from parallel.runtime import start
-from trainer.loop import Trainer
+from strata.parallel.runtime import start
+from strata.trainer.loop import Trainer
 from pathlib import Path
 cfg = tiny_config(Path({str(small_data_dir)!r}), Path({str(tmp_path)!r}), **{dict(MODEL, **{
         "offload.optim.device": "nvme", "offload.nvme_path": str(tmp_path / "swap")})!r})

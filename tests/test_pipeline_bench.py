@@ -95,14 +95,14 @@ def test_plot_schedule_writes_png_and_plain_plot_still_takes_a_run_dir(records, 
     record = tmp_path / "zbv.json"
     record.write_text(json.dumps(records["ZBVZeroBubble"]))
     png = tmp_path / "timeline.png"
-    proc = run("-m", "launch.cli", "plot", "schedule", str(record), "--out", str(png))
+    proc = run("-m", "strata.launch.cli", "plot", "schedule", str(record), "--out", str(png))
     assert proc.returncode == 0, proc.stderr
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
     bad = tmp_path / "bad.json"
     bad.write_text('{"schedule": "x"}')
-    proc = run("-m", "launch.cli", "plot", "schedule", str(bad))
+    proc = run("-m", "strata.launch.cli", "plot", "schedule", str(bad))
     assert proc.returncode == 2 and "not a schedule record" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run("-m", "launch.cli", "plot", str(tmp_path / "no-such-run"))   # the run-curves form
+    proc = run("-m", "strata.launch.cli", "plot", str(tmp_path / "no-such-run"))   # the run-curves form
     assert proc.returncode == 2 and "no metrics" in proc.stderr

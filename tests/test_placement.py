@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from offload.placement import Measured, Placement, calibrate, plan
+from strata.offload.placement import Measured, Placement, calibrate, plan
 
 AMPLE = 1 << 40  # GPU memory that never binds
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.channel import AuthError, Channel
-from checkpoint.snapshot import _newest_complete, _sources
-from launch.snapshot_agent import connect, request
+from strata.checkpoint.channel import AuthError, Channel
+from strata.checkpoint.snapshot import _newest_complete, _sources
+from strata.checkpoint.agent_protocol import connect, request
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "ab" * 32
@@ -32,7 +32,7 @@ class Agents:
         env = {**os.environ, "PYTHONPATH": str(REPO), "STRATA_SNAPSHOT_SECRET": SECRET}
         for g in range(n):
             path = str(directory / f"agent{g}.sock")
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "launch.snapshot_agent", "--socket", path,
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "strata.launch.snapshot_agent", "--socket", path,
                                                 "--advertise", "127.0.0.1", "--bind", "127.0.0.1"], env=env,
                                                stdout=subprocess.DEVNULL))
             self.info.append(path)
@@ -162,9 +162,9 @@ def test_socket_is_private_and_peers_need_the_secret(agents):
 
 
 def test_worker_side_errors_name_the_fix(agents):
-    from checkpoint.snapshot import SnapshotManager
-    from trainer.config import SnapshotConfig
-    from trainer.errors import StrataError
+    from strata.checkpoint.snapshot import SnapshotManager
+    from strata.config import SnapshotConfig
+    from strata.errors import StrataError
 
     with pytest.raises(StrataError, match="STRATA_SNAPSHOT_SOCKET"):
         SnapshotManager(SnapshotConfig(every_steps=1), 0, 1, None, env={})

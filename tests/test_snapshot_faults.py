@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import store
-from checkpoint.reader import Checkpoint
+from strata.checkpoint import store
+from strata.checkpoint.reader import Checkpoint
 from conftest import tiny_overrides
-from launch.torchrun import free_port
+from strata.launch.torchrun import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -71,7 +71,7 @@ class Cluster:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "ab")
-        return subprocess.Popen([sys.executable, "-m", "launch.cli", *args], cwd=REPO, stdout=log,
+        return subprocess.Popen([sys.executable, "-m", "strata.launch.cli", *args], cwd=REPO, stdout=log,
                                 stderr=subprocess.STDOUT, env={**self.env, "STRATA_TEST_NODE": name})
 
     def start_node(self, name: str) -> None:

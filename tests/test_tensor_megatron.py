@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-from parallel.runtime import free_port
+from strata.parallel.runtime import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TP = 2
@@ -56,7 +56,7 @@ def _rank_body(rank: int) -> dict[str, float]:
     from megatron.core.model_parallel_config import ModelParallelConfig
     from torch import nn
 
-    from parallel import tensor as ours
+    from strata.parallel import tensor as ours
 
     ps.initialize_model_parallel(tensor_model_parallel_size=TP, create_gloo_process_groups=False)
     group = ps.get_tensor_model_parallel_group()

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from parallel.runtime import free_port
-from parallel.topology import CHAIN, DIMS, HARDWARE, LEVELS, Layout, Topology, build_topology, digit_key, \
+from strata.parallel.runtime import free_port
+from strata.parallel.topology import CHAIN, DIMS, HARDWARE, LEVELS, Layout, Topology, build_topology, digit_key, \
     layout_from_config, level_key
-from trainer.config import ParallelConfig
-from trainer.errors import ConfigError
+from strata.config import ParallelConfig
+from strata.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -396,7 +396,7 @@ def _megatron_reference(layouts: list[tuple[int, int, int]]) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from megatron.core import parallel_state as ps
 
-    from parallel.topology import build_topology
+    from strata.parallel.topology import build_topology
 
     members = dist.get_process_group_ranks
     out = {}

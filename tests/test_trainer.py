@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from checkpoint import store
-from checkpoint.reader import Checkpoint
+from strata.checkpoint import store
+from strata.checkpoint.reader import Checkpoint
 from conftest import tiny_config
-from parallel.runtime import start
-from trainer.config import OptimConfig
-from trainer.errors import CheckpointError
-from trainer.loop import Trainer, lr_at, run
+from strata.parallel.runtime import start
+from strata.config import OptimConfig
+from strata.errors import CheckpointError
+from strata.trainer.loop import Trainer, lr_at, run
 
 
 def test_loss_decreases_on_demo_corpus(tmp_path):

@@ -18,8 +18,8 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from checkpoint.atomic import atomic_directory
-from trainer.errors import DataError
+from strata.atomic import atomic_directory
+from strata.errors import DataError
 
 FORMAT_VERSION = 1
 

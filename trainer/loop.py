@@ -16,32 +16,32 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from checkpoint.layout import hyperparameters, load_optimizer, model_state_problems, optimizer_problems
-from checkpoint.manager import CheckpointManager
-from checkpoint.pieces import (Piece, canonical_names, model_pieces, optimizer_entries, optimizer_pieces, rng_piece,
+from strata.checkpoint.layout import hyperparameters, load_optimizer, model_state_problems, optimizer_problems
+from strata.checkpoint.manager import CheckpointManager
+from strata.checkpoint.pieces import (Piece, canonical_names, model_pieces, optimizer_entries, optimizer_pieces, rng_piece,
                                state_pieces, whole_piece)
-from checkpoint import store
-from checkpoint.reader import Checkpoint
-from parallel import comm
-from parallel.data_parallel import GradientBuckets, unique_params
-from parallel.runtime import Runtime
-from parallel.clipping import clip_grad_norm
-from parallel.co2 import CO2
-from parallel.pipeline import Pipeline, StageShapes, split_stages
-from parallel.tensor import apply_tensor_parallel, placement_of
-from parallel.topology import Topology, build_topology, layout_from_config
-from parallel.zero import ZeroEngine, ZeroPlan, held_bytes
-from trainer import config as config_mod
-from trainer.config import Config, ModelConfig, OptimConfig
-from trainer.data import BatchLoader, TokenDataset, ensure_default_corpus, eval_batches
-from trainer.errors import CheckpointError, ConfigError
-from trainer.metrics import MetricsLogger
-from trainer.model import (GPT, count_params, flops_per_token, initial_value, lm_loss, padded_vocab_size,
+from strata.checkpoint import store
+from strata.checkpoint.reader import Checkpoint
+from strata.parallel import comm
+from strata.parallel.data_parallel import GradientBuckets, unique_params
+from strata.parallel.runtime import Runtime
+from strata.parallel.clipping import clip_grad_norm
+from strata.parallel.co2 import CO2
+from strata.parallel.pipeline import Pipeline, StageShapes, split_stages
+from strata.parallel.tensor import apply_tensor_parallel, placement_of
+from strata.parallel.topology import Topology, build_topology, layout_from_config
+from strata.parallel.zero import ZeroEngine, ZeroPlan, held_bytes
+from strata import config as config_mod
+from strata.config import Config, ModelConfig, OptimConfig
+from strata.trainer.data import BatchLoader, TokenDataset, ensure_default_corpus, eval_batches
+from strata.errors import CheckpointError, ConfigError
+from strata.trainer.metrics import MetricsLogger
+from strata.model import (GPT, count_params, flops_per_token, initial_value, lm_loss, padded_vocab_size,
                            set_rope_buffers)
 
 if TYPE_CHECKING:
-    from checkpoint.snapshot import SnapshotManager
-    from offload.tiers import Tiers
+    from strata.checkpoint.snapshot import SnapshotManager
+    from strata.offload.tiers import Tiers
 
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -189,18 +189,18 @@ class Trainer:
 
     def _memory_tiers(self) -> "Tiers":
         """ZeRO state in host memory or NVMe (offload.*), over the engine's flat groups."""
-        from offload.tiers import Tiers  # offload's modules load only when a run uses them
+        from strata.offload.tiers import Tiers  # offload's modules load only when a run uses them
         return Tiers(self.cfg, self.engine, self.rt.rank, self.rt.device)
 
     def _snapshot_manager(self, group) -> "SnapshotManager":
-        from checkpoint.snapshot import SnapshotManager  # loads the agent protocol only when snapshots are on
+        from strata.checkpoint.snapshot import SnapshotManager  # loads the agent protocol only when snapshots are on
         return SnapshotManager(self.cfg.snapshot, self.rt.rank, self.rt.world_size, group)
 
     def _activation_policy(self) -> None:
         """activations.*: blocks that recompute their forward in backward, and saved tensors
         offloaded by hooks keyed by block (those of recomputed blocks are only their inputs)."""
         if self.cfg.activations.recompute == "full":
-            from offload.activations import apply_recompute
+            from strata.offload.activations import apply_recompute
             apply_recompute(self.parts)
         if self.tiers and self.tiers.activations:
             self.tiers.activations.attach(self.parts)

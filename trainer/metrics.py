@@ -10,25 +10,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 
-def proc_status_bytes(field: str) -> int:
-    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM: the peak), in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(f"{field} is not in /proc/self/status")
-
-
-def reset_peak_rss() -> bool:
-    """Restart VmHWM from the current RSS (writing 5 to /proc/self/clear_refs); False where the
-    kernel refuses or the peak does not drop, so VmHWM stays the lifetime peak."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return proc_status_bytes("VmHWM") <= proc_status_bytes("VmRSS") + 2**20  # within pages of RSS
-    except (OSError, KeyError):
-        return False
-
-
 class MetricsLogger:
     """Rank-0 sink for step metrics. Other ranks get a logger whose methods do nothing."""
 

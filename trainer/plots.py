@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainer.errors import StrataError
-from trainer.metrics import read_metrics
+from strata.errors import StrataError
+from strata.trainer.metrics import read_metrics
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:

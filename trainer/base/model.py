@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ModelConfig
-from trainer.errors import ConfigError
+from strata.config import ModelConfig
+from strata.errors import ConfigError
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:

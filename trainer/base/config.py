@@ -17,8 +17,58 @@ from typing import Any, Iterator, Optional
 
 import yaml
 
-from parallel.topology import CHAIN, LEVELS, chain_level, layout_problems
-from trainer.errors import ConfigError
+from strata.errors import ConfigError
+
+
+# --- the hierarchy vocabulary (parallel.topology maps ranks onto these levels) ---------------
+LEVELS = ("none", "gcd", "gpu", "node", "global")  # hierarchy levels, finest to coarsest
+CHAIN = ("none", "gpu", "node", "global")  # the levels partitioning tells apart ("gcd" is "none")
+
+
+def chain_level(level: str) -> str:
+    """`level` as a step of CHAIN: one rank drives one GCD, so partitioning "within a GCD" is none."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown hierarchy level {level!r}; expected one of {LEVELS}")
+    return "none" if level == "gcd" else level
+
+
+def ranks_per_node(par: "ParallelConfig", world_size: int, local_world_size: int | None) -> tuple[int, str]:
+    """How many ranks one node runs, and where that number came from (for messages): a set
+    parallel.ranks_per_node wins over the launcher's LOCAL_WORLD_SIZE, so one machine can stand in
+    for several nodes; with neither, the world is one node."""
+    if par.ranks_per_node is not None:
+        return par.ranks_per_node, f"parallel.ranks_per_node={par.ranks_per_node}"
+    if local_world_size is not None:
+        return local_world_size, f"parallel.ranks_per_node (null: the launcher's LOCAL_WORLD_SIZE={local_world_size})"
+    return world_size, f"parallel.ranks_per_node (null, no launcher: the world size {world_size})"
+
+
+def layout_problems(par: "ParallelConfig", world_size: int, local_world_size: int | None = None) -> list[str]:
+    """Why `par` cannot lay out a world of `world_size` ranks: the degrees must multiply to it, nodes
+    must hold whole GPUs and equal rank counts, and tp groups may not straddle nodes partway
+    (`parallel.topology.layout_from_config` builds the layout once these pass)."""
+    tp, pp, g = par.tp, par.pp, par.ranks_per_gpu
+    per_node, source = ranks_per_node(par, world_size, local_world_size)
+    problems = []
+    if world_size % (tp * pp):
+        problems.append(f"world size {world_size} is not divisible by parallel.tp·pp = {tp}·{pp} = {tp * pp}; "
+                        f"choose tp and pp whose product divides the number of ranks")
+    else:
+        dp = par.dp_size(world_size)
+        if tp * pp * dp != world_size:
+            problems.append(f"parallel: tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} but the world size is "
+                            f"{world_size}; set parallel.dp={world_size // (tp * pp)} or leave it null")
+    if world_size % per_node:
+        problems.append(f"world size {world_size} is not a multiple of {source}: every node must run the same "
+                        f"number of ranks; set parallel.ranks_per_node to a divisor of {world_size}")
+    if per_node % g:
+        problems.append(f"parallel.ranks_per_gpu={g} must divide {source}: a node holds whole GPUs")
+    if tp % per_node and per_node % tp:
+        fits = [d for d in range(1, per_node + 1) if per_node % d == 0]
+        problems.append(f"parallel.tp={tp} would straddle node boundaries unevenly: with {source}, tp must divide "
+                        f"it ({', '.join(map(str, fits))}) or be a multiple of it, so each tensor-parallel group "
+                        f"stays inside one node (as Megatron does) or spans whole nodes")
+    return problems
 
 
 def opt(default: Any, doc: str, *, choices: tuple | None = None, min: float | None = None,
@@ -784,7 +834,7 @@ def _microbatch_checks(cfg: Config, derived: int, dp: int) -> list[str]:
 def reference_markdown() -> str:
     """The config reference page (docs/CONFIG.md), generated from the schema so it cannot drift."""
     out = ["# Config reference", "",
-           "Generated from `trainer/config.py` by `python -m trainer.config > docs/CONFIG.md`; "
+           "Generated from `trainer/base/config.py` by `python -m strata.config > docs/CONFIG.md`; "
            "`strata config explain KEY` prints the same for one key.", ""]
     for group, cls in GROUPS.items():
         out += [f"## `{group}`", "", cls.__doc__ or "", ""]

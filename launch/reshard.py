@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoint import store
-from trainer.errors import StrataError
+from strata import config
+from strata.checkpoint import store
+from strata.launch import torchrun
+from strata.errors import StrataError
 
 TARGET_KEYS = {"tp": "parallel.tp", "pp": "parallel.pp", "dp": "parallel.dp", "vs": "parallel.virtual_stages"}
 
@@ -34,9 +36,6 @@ def parse_target(spec: str) -> dict[str, int]:
 def reshard(src: Path, out: Path, spec: str, overrides: list[str]) -> int:
     """Rewrite the checkpoint `src` (a step dir, or a checkpoints dir: its latest) under `out`
     (a checkpoints directory) in the layout `spec`; returns the launcher's exit code."""
-    from launch import torchrun
-    from trainer import config
-
     ckpt = store.resolve(src)
     target = parse_target(spec)
     world = target["tp"] * target["pp"] * target["dp"]
