@@ -16,6 +16,7 @@ from pathlib import Path
 
 from strata.checkpoint.agent_protocol import SOCKET_ENV
 from strata.errors import StrataError
+from strata.parallel.runtime import free_port
 
 SECRET_ENV = "STRATA_SNAPSHOT_SECRET"
 
@@ -31,12 +32,6 @@ class LaunchPlan:
     external_store: bool = False   # the c10d store runs in `strata store`, not in the first torchrun
     join_timeout_s: int = 600      # how long a rendezvous waits for every node (a replacement, after a loss)
     snapshots: bool = False        # start this node's snapshot agent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_args(plan: LaunchPlan) -> list[str]:

@@ -19,7 +19,7 @@ import torch
 from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
 from conftest import tiny_overrides
-from strata.launch.torchrun import free_port
+from strata.parallel.runtime import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
