@@ -1,12 +1,17 @@
 """The `strata` command: train, launch (torchrun / Slurm), store (a standalone rendezvous store), config
-show/explain, data prepare, plot (run curves or a pipeline schedule timeline).
-User errors (StrataError) print one clear message and exit 2, without a traceback."""
+show/explain, data prepare, ckpt (inspect, verify, reshard, export, import), plot (run curves or a
+pipeline schedule timeline).
+
+A command's options and key=value overrides come in any order. Exit codes: 0 done; 2 a user error
+(StrataError, or argparse's usage error), printed as one message without a traceback; anything
+else a failure (1 when `ckpt verify` finds damage; `launch` passes on torchrun's code)."""
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
+from strata import __version__
 from strata.errors import StrataError
 
 
@@ -95,6 +100,11 @@ def cmd_data(args: argparse.Namespace) -> int:
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from strata.checkpoint import export, inspect
 
+    if args.action in ("inspect", "verify") and (args.out or args.overrides):
+        raise StrataError(f"strata ckpt {args.action} DIR takes one directory; "
+                          f"unexpected: {' '.join(filter(None, [args.out, *args.overrides]))}")
+    if args.out and "=" in args.out and not Path(args.out).exists():
+        raise StrataError(f"strata ckpt {args.action}: OUT comes before the overrides; {args.out!r} looks like one")
     if args.action == "import-deepspeed":
         from strata.checkpoint import deepspeed_import
         from strata import config
@@ -141,22 +151,63 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="strata", description="Train transformer models from one YAML experiment.")
-    sub = p.add_subparsers(dest="command", required=True)
+EXIT_CODES = """\
+exit codes:
+  0      done
+  2      user error: a bad config, override or argument (one message, no traceback)
+  other  failure: 1 e.g. when `strata ckpt verify` finds damage; `strata launch` exits with
+         torchrun's code, e.g. a crashed worker's; 130 when interrupted (Ctrl-C)"""
 
-    t = sub.add_parser("train", help="train in this process (or as one torchrun worker)")
+OVERRIDES = "key=value overrides of the config (e.g. train.steps=100), before or after the options"
+
+
+def _epilog(*examples: str, extra: str = "") -> str:
+    """The text under a command's options: examples, then what else it needs to say."""
+    text = "examples:\n" + "\n".join(f"  {e}" for e in examples)
+    return text + (f"\n\n{extra}" if extra else "")
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `strata` parser and its commands' parsers, by name."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="strata", formatter_class=fmt,
+        description="Train transformer models from one YAML experiment.\n\n"
+                    "Options and key=value overrides may come in any order after the command's\n"
+                    "positional arguments; `strata COMMAND --help` shows a command's options.",
+        epilog=_epilog("strata train configs/tiny.yaml train.steps=100",
+                       "strata launch configs/tiny.yaml --nproc 2",
+                       "strata config show configs/llama2-7b-3d.yaml --world-size 32",
+                       "strata ckpt verify runs/tiny/checkpoints", extra=EXIT_CODES))
+    p.add_argument("--version", action="version", version=f"strata {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train in this process (or as one torchrun worker)", formatter_class=fmt,
+                       description="Train in this process (or as one torchrun worker).",
+                       epilog=_epilog("strata train configs/tiny.yaml",
+                                      "strata train configs/tiny.yaml train.steps=100 log.name=short",
+                                      "strata train configs/tiny.yaml --resume runs/tiny/checkpoints train.steps=1000",
+                                      extra=EXIT_CODES))
     t.add_argument("config", help="YAML experiment, e.g. configs/tiny.yaml")
-    t.add_argument("overrides", nargs="*", help="group.key=value overrides, e.g. train.steps=100")
+    t.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
     t.add_argument("--resume", help="checkpoint directory (a step_* dir, or a checkpoints dir: latest committed)")
     t.add_argument("--save-to", metavar="OUT", help="do not train: load --resume into this layout and save it under "
                                                    "OUT (what `strata ckpt reshard` runs)")
     t.set_defaults(func=cmd_train)
 
-    la = sub.add_parser("launch", help="start N processes with torchrun, or write/submit a Slurm job")
-    la.add_argument("config")
-    la.add_argument("overrides", nargs="*")
-    la.add_argument("--resume")
+    la = sub.add_parser("launch", help="start N processes with torchrun, or write/submit a Slurm job",
+                        formatter_class=fmt, description="Start N processes with torchrun, or write (and submit) "
+                                                         "a Slurm job.",
+                        epilog=_epilog("strata launch configs/tiny.yaml --nproc 2",
+                                       "strata launch configs/tiny.yaml parallel.tp=2 parallel.pp=2 --nproc 4",
+                                       "strata launch configs/tiny.yaml --nproc 2 --max-restarts 3 "
+                                       "snapshot.every_steps=1 snapshot.m=0",
+                                       "strata launch configs/llama-1b.yaml --slurm --nodes 4 --gpus-per-node 8 "
+                                       "--partition gpu",
+                                       extra=EXIT_CODES))
+    la.add_argument("config", help="YAML experiment")
+    la.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
+    la.add_argument("--resume", help="checkpoint directory the workers resume from")
     la.add_argument("--nproc", type=int, default=1, help="processes per node (local torchrun)")
     la.add_argument("--nnodes", type=int, default=1, help="nodes taking part in the local rendezvous")
     la.add_argument("--rdzv-endpoint", default="", help="host:port of the c10d rendezvous (default: a free local port)")
@@ -172,52 +223,82 @@ def parser() -> argparse.ArgumentParser:
     la.add_argument("--slurm", action="store_true", help="write an sbatch script (and submit it if sbatch exists)")
     la.add_argument("--nodes", type=int, default=1, help="Slurm nodes")
     la.add_argument("--gpus-per-node", type=int, default=8, help="Slurm GPUs (= processes) per node")
-    la.add_argument("--partition", default="")
-    la.add_argument("--account", default="")
-    la.add_argument("--time", default="01:00:00")
+    la.add_argument("--partition", default="", help="Slurm partition")
+    la.add_argument("--account", default="", help="Slurm account")
+    la.add_argument("--time", default="01:00:00", help="Slurm time limit")
     la.add_argument("--script", help="where to write the sbatch script (default: <run dir>/job.sbatch)")
     la.add_argument("--no-submit", action="store_true", help="only write the script")
     la.set_defaults(func=cmd_launch)
 
-    st = sub.add_parser("store", help="host the c10d rendezvous store of a multi-node job outside every torchrun")
-    st.add_argument("--host", default="0.0.0.0")
-    st.add_argument("--port", type=int, required=True)
+    st = sub.add_parser("store", help="host the c10d rendezvous store of a multi-node job outside every torchrun",
+                        formatter_class=fmt,
+                        description="Host the c10d rendezvous store of a multi-node job outside every torchrun, "
+                                    "so any node can be lost\nand replaced; start each node with "
+                                    "`strata launch ... --rdzv-store external --rdzv-endpoint HOST:PORT`.",
+                        epilog=_epilog("strata store --port 29400",
+                                       "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --rdzv-store external "
+                                       "--rdzv-endpoint store-host:29400   # on each node"))
+    st.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    st.add_argument("--port", type=int, required=True, help="port to listen on")
     st.set_defaults(func=cmd_store)
 
-    c = sub.add_parser("config", help="show a resolved config or explain a key")
+    c = sub.add_parser("config", help="show a resolved config or explain a key", formatter_class=fmt,
+                       usage="strata config show CFG [key=value ...] [--world-size N]\n"
+                             "       strata config explain KEY",
+                       description="Show a resolved, validated config, or explain a key or group.",
+                       epilog=_epilog("strata config show configs/tiny.yaml optim.lr=1e-4",
+                                      "strata config show configs/llama2-7b-3d.yaml --world-size 32",
+                                      "strata config explain optim.lr",
+                                      "strata config explain optim"))
     c.add_argument("action", choices=["show", "explain"])
     c.add_argument("target", help="config file (show) or key such as optim.lr (explain)")
-    c.add_argument("overrides", nargs="*")
+    c.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="show: " + OVERRIDES)
     c.add_argument("--world-size", type=int, help="also check the layout against this many processes")
     c.set_defaults(func=cmd_config)
 
-    d = sub.add_parser("data", help="prepare token files")
+    d = sub.add_parser("data", help="prepare token files", formatter_class=fmt,
+                       description="Tokenize text (byte-level) into train.bin, val.bin and meta.json.",
+                       epilog=_epilog("strata data prepare ~/books --glob '*.txt' --out data/books",
+                                      "strata data prepare --stdlib --out data/stdlib",
+                                      "strata train configs/tiny.yaml data.path=data/books"))
     d.add_argument("action", choices=["prepare"])
     d.add_argument("inputs", nargs="*", help="text files or directories")
     d.add_argument("--out", required=True, help="output directory (train.bin, val.bin, meta.json)")
     d.add_argument("--glob", default="*", help="file pattern inside input directories (e.g. '*.txt')")
-    d.add_argument("--val-fraction", type=float, default=0.05)
+    d.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out for evaluation")
     d.add_argument("--stdlib", action="store_true", help="use the Python standard library sources as the corpus")
     d.set_defaults(func=cmd_data)
 
-    ck = sub.add_parser("ckpt", help="inspect, verify, reshard, export or import a checkpoint",
+    ck = sub.add_parser("ckpt", help="inspect, verify, reshard, export or import a checkpoint", formatter_class=fmt,
                         usage="strata ckpt inspect DIR\n       strata ckpt verify DIR\n"
                               "       strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..[,vs=..] [key=value ...]\n"
                               "       strata ckpt export DIR OUT [--format safetensors]\n"
-                              "       strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG")
+                              "       strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG",
+                        description="Inspect, verify, reshard, export or import a checkpoint.",
+                        epilog=_epilog("strata ckpt inspect runs/tiny/checkpoints",
+                                       "strata ckpt verify runs/tiny/checkpoints/step_00000500   # exit 1 if damaged",
+                                       "strata ckpt reshard runs/tiny/checkpoints resharded --to tp=2,pp=1,dp=1",
+                                       "strata ckpt export runs/tiny/checkpoints tiny.safetensors",
+                                       "strata ckpt import-deepspeed ds_ckpt/ imported/ --config configs/tiny.yaml",
+                                       extra=EXIT_CODES))
     ck.add_argument("action", choices=["inspect", "verify", "reshard", "export", "import-deepspeed"])
     ck.add_argument("path", metavar="DIR", help="a step_* directory, or a checkpoints directory (latest committed)")
     ck.add_argument("out", nargs="?", metavar="OUT", help="reshard: a checkpoints directory; export: a .safetensors file, or a directory for "
                                                           "model.safetensors and config.yaml")
-    ck.add_argument("overrides", nargs="*", help="reshard: overrides of the saved config (e.g. zero settings); "
-                                                 "import-deepspeed: overrides of --config")
+    ck.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                    help="reshard: overrides of the saved config (e.g. zero settings); "
+                         "import-deepspeed: overrides of --config")
     ck.add_argument("--to", help="reshard: the target layout, tp=..,pp=..,dp=.. (and vs=.. for virtual stages)")
     ck.add_argument("--format", default="safetensors", choices=["safetensors"], help="export format")
     ck.add_argument("--config", help="import-deepspeed: the Strata experiment the imported state continues in")
     ck.set_defaults(func=cmd_ckpt)
 
     pl = sub.add_parser("plot", help="PNG of a run's loss and throughput curves, or of a pipeline schedule record",
-                        usage="strata plot RUN_DIR [--out PNG]\n       strata plot schedule RECORD.json [--out PNG]")
+                        formatter_class=fmt,
+                        usage="strata plot RUN_DIR [--out PNG]\n       strata plot schedule RECORD.json [--out PNG]",
+                        description="PNG of a run's loss and throughput curves, or of a pipeline schedule record.",
+                        epilog=_epilog("strata plot runs/tiny                      # runs/tiny/curves.png",
+                                       "strata plot schedule records/step.json     # records/step.png"))
     pl.add_argument("run_dir", metavar="RUN_DIR | schedule",
                     help="run directory (writes curves.png there), or the word `schedule`")
     pl.add_argument("record", nargs="?", metavar="RECORD.json",
@@ -225,11 +306,28 @@ def parser() -> argparse.ArgumentParser:
                          "(writes RECORD.png next to it)")
     pl.add_argument("--out", help="PNG path (default: next to the input)")
     pl.set_defaults(func=cmd_plot)
-    return p
+    return p, dict(sub.choices)
+
+
+def parser() -> argparse.ArgumentParser:
+    return _parsers()[0]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """A command's positionals, options and key=value overrides, in any order after the command
+    (argparse's intermixed parsing, which cannot go through subparsers: the command's own parser
+    runs it). Usage errors exit 2, --help and --version 0."""
+    top, commands = _parsers()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in commands:
+        return top.parse_args(argv)  # --help, --version, or an error naming the commands
+    args = commands[argv[0]].parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.func(args)
     except StrataError as e:

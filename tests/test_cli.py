@@ -196,3 +196,115 @@ def test_launch_env_makes_restarts_work_and_multi_node_snapshots_need_one_secret
                                     max_restarts=3))
     conf = args[args.index("--rdzv-conf") + 1]
     assert "is_host=false" in conf and "join_timeout=30" in conf and args[args.index("--max-restarts") + 1] == "3"
+
+
+def test_options_and_overrides_come_in_any_order():
+    """A command's options and key=value overrides mix freely after its positional arguments."""
+    from strata.launch.cli import parse_args
+
+    def parsed(*argv):
+        args = vars(parse_args(list(argv)))
+        return {k: v for k, v in args.items() if k != "func"}
+
+    orders = [("launch", "c.yaml", "--nproc", "2", "train.steps=5", "optim.lr=1"),
+              ("launch", "c.yaml", "train.steps=5", "--nproc", "2", "optim.lr=1"),
+              ("launch", "--nproc", "2", "c.yaml", "train.steps=5", "optim.lr=1"),
+              ("launch", "c.yaml", "train.steps=5", "optim.lr=1", "--nproc=2")]
+    launches = [parsed(*o) for o in orders]
+    assert all(a == launches[0] for a in launches)
+    assert launches[0]["nproc"] == 2 and launches[0]["overrides"] == ["train.steps=5", "optim.lr=1"]
+
+    trains = [parsed("train", "c.yaml", "train.steps=5", "--resume", "ck"),
+              parsed("train", "c.yaml", "--resume", "ck", "train.steps=5"),
+              parsed("train", "--resume", "ck", "c.yaml", "train.steps=5")]
+    assert all(t == trains[0] for t in trains) and trains[0]["resume"] == "ck"
+    assert trains[0]["overrides"] == ["train.steps=5"] and trains[0]["command"] == "train"
+
+    # an option's value may itself hold '=' (--to); the overrides keep their order, later wins
+    reshards = [parsed("ckpt", "reshard", "in", "out", "--to", "tp=2,pp=1,dp=1", "zero.level=1", "a.b=2"),
+                parsed("ckpt", "reshard", "in", "out", "zero.level=1", "--to", "tp=2,pp=1,dp=1", "a.b=2"),
+                parsed("ckpt", "reshard", "--to", "tp=2,pp=1,dp=1", "in", "out", "zero.level=1", "a.b=2")]
+    assert all(r == reshards[0] for r in reshards)
+    assert (reshards[0]["to"], reshards[0]["out"], reshards[0]["overrides"]) == \
+        ("tp=2,pp=1,dp=1", "out", ["zero.level=1", "a.b=2"])
+
+
+def test_config_show_takes_overrides_before_or_after_options():
+    shown = [strata("config", "show", "configs/tiny.yaml", "optim.lr=1e-4", "train.global_batch_size=32",
+                    "--world-size", "2"),
+             strata("config", "show", "configs/tiny.yaml", "optim.lr=1e-4", "--world-size", "2",
+                    "train.global_batch_size=32"),
+             strata("config", "show", "--world-size", "2", "configs/tiny.yaml", "optim.lr=1e-4",
+                    "train.global_batch_size=32")]
+    assert [p.returncode for p in shown] == [0, 0, 0], shown[0].stderr
+    assert shown[0].stdout == shown[1].stdout == shown[2].stdout
+    assert "lr: 0.0001" in shown[0].stdout and "global_batch_size: 32" in shown[0].stdout
+    # the world size after an override still takes part in the check
+    bad = strata("config", "show", "configs/tiny.yaml", "parallel.dp=3", "--world-size", "2")
+    assert bad.returncode == 2 and "but the world size is 2" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_version():
+    import strata as package
+
+    proc = strata("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"strata {package.__version__}"
+
+
+def _commands():
+    from strata.launch import cli
+
+    return cli._parsers()[1]
+
+
+def test_every_command_shows_examples_that_parse_and_the_exit_codes(capsys):
+    """--help on `strata` and on each command shows examples (each one a command line that parses),
+    and the top-level help says what the exit codes mean."""
+    import shlex
+
+    from strata.launch.cli import main, parse_args
+
+    for argv in (["--help"], *([name, "--help"] for name in _commands())):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 0
+        text = capsys.readouterr().out
+        assert "examples:\n  strata " in text, argv
+        examples = text.split("examples:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+        for line in examples:
+            words = shlex.split(line, comments=True)
+            assert words[0] == "strata" and parse_args(words[1:]).command == words[1], line
+        if argv == ["--help"]:
+            top = text
+    codes = top.split("exit codes:", 1)[1]
+    assert "0      done" in codes and "2      user error" in codes and "no traceback" in codes
+    assert "1 e.g. when `strata ckpt verify` finds damage" in codes and "crashed worker" in codes
+
+
+@pytest.mark.parametrize("argv", [[], ["nope"], ["--nope"]] + [[name, "--no-such-option"] for name in
+                                                                ("train", "launch", "store", "config", "data",
+                                                                 "ckpt", "plot")])
+def test_usage_errors_exit_2(argv, capsys):
+    from strata.launch.cli import main
+
+    assert set(_commands()) == {"train", "launch", "store", "config", "data", "ckpt", "plot"}
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: strata" in err and "error:" in err
+
+
+def test_usage_error_in_a_subprocess_has_no_traceback():
+    for argv in (["launch", "configs/tiny.yaml", "--nproc", "two"], ["config", "show"],
+                 ["ckpt", "frobnicate", "x"], ["ckpt", "verify", "a", "b"]):
+        proc = strata(*argv)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (argv, proc.stderr)
+        assert "error:" in proc.stderr
+
+
+def test_ckpt_out_before_overrides(tmp_path, capsys):
+    from strata.launch.cli import main
+
+    assert main(["ckpt", "reshard", str(tmp_path), "zero.level=1", "--to", "tp=2,pp=1,dp=1"]) == 2
+    assert "OUT comes before the overrides" in capsys.readouterr().err
