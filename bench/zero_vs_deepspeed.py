@@ -8,8 +8,8 @@ with torchrun as its own worker (bench/_zero_worker.py) and measured the same wa
   `train_step()` per step (`--strata dp` runs plain data parallelism instead);
 * DeepSpeed ZeRO-3: the model built under `zero.Init` (partitioned from the start,
   `stage3_param_persistence_threshold: 0`, so every parameter is sharded), Strata's initial
-  values (`trainer.model.initial_value`) written through `GatheredParameters`, torch AdamW with
-  Strata's weight-decay groups, `trainer.loop.lr_at`, gradient clipping, and Strata's
+  values (`strata.model.initial_value`) written through `GatheredParameters`, torch AdamW with
+  Strata's weight-decay groups, `strata.trainer.loop.lr_at`, gradient clipping, and Strata's
   `BatchLoader` giving each rank the same samples as Strata's trainer does.
 
 Printed: the median step time over steps 3..N (a step's time is that of its slowest rank) and the

@@ -1,1 +1,15 @@
-"""Checkpoint save/load: atomic, committed checkpoint directories."""
+"""strata.checkpoint: sharded checkpoints in torch.distributed.checkpoint's format that save in
+the background and load into any layout, and the worker's side of in-memory snapshots.
+
+Saving: `pieces` (each rank's boxes of the globally named state), `plan` and `blob` (who writes
+which bytes, as torch.save blobs), `stage` (the rank's file image in shared memory), `writer`
+(persisting it, inline or in a writer process; the commit), `manager` (the training job's side),
+`store` (committed step directories), `integrity` (CRC-32C per block), `dcp_meta` (DCP's
+`.metadata`). Loading: `reader` (box intersection, reading only the bytes needed) and `layout`
+(matching keys and shapes). Tools behind `strata ckpt`: `inspect`, `export` (safetensors),
+`deepspeed_import`. Snapshots: `snapshot` (stage, hand to the node's agent, restore),
+`agent_protocol` (the worker–agent messages), `channel` (authenticated TCP between agents),
+`erasure` (ISA-L Reed–Solomon).
+
+It imports the base (`strata`) and `strata.parallel`.
+"""

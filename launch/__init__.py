@@ -1,1 +1,8 @@
-"""Command line and launchers: `strata` CLI, torchrun and Slurm."""
+"""strata.launch: the top layer, what a user starts.
+
+`cli` (the `strata` command), `torchrun` (local multi-process launch with c10d rendezvous, and a
+standalone rendezvous store), `slurm` (sbatch scripts), `reshard` (`strata ckpt reshard`: starts
+the target world) and `snapshot_agent` (one process per node keeping the in-memory snapshots).
+
+It may import every other layer; nothing imports it.
+"""

@@ -1,2 +1,10 @@
-"""Memory tiers (issue 6; docs/OFFLOAD.md): ZeRO state and activations in host memory or NVMe swap
-files, moved through one budgeted host buffer pool. `tiers.Tiers` builds what a config asks for."""
+"""strata.offload: memory tiers (docs/OFFLOAD.md). ZeRO state and activations live in host memory
+or NVMe swap files, moved through one budgeted host buffer pool.
+
+`pool` (the pinned host arena), `files`, `io_engine` and `swap` (preallocated swap files, the
+O_DIRECT thread pool, transfers in flight), `params` and `optim` (ZeRO-Infinity's parameter and
+optimizer tiers), `placement` (Deep Optimizer States: which sub-groups update on the CPU or the
+GPU), `activations` (activation offload and recompute); `tiers.Tiers` builds what a config asks for.
+
+It imports the base (`strata`) and `strata.parallel`.
+"""

@@ -1,6 +1,6 @@
-"""The activation policy (issue 6, SSDTrain-style): `ActivationOffloader` moves the tensors autograd
-saves for backward to host memory or an SSD swap file during forward and brings them back a layer
-ahead in backward, through `saved_tensors_hooks` (no model code changes); `apply_recompute` makes
+"""The activation policy (SSDTrain-style): `ActivationOffloader` moves the tensors autograd saves
+for backward to host memory or an SSD swap file during forward and brings them back a layer ahead
+in backward, through `saved_tensors_hooks` (no model code changes); `apply_recompute` makes
 every transformer block recompute its forward in backward instead (torch.utils.checkpoint).
 """
 from __future__ import annotations

@@ -1,1 +1,13 @@
-"""Parallelism: topology and process groups, collectives that count bytes, data parallel."""
+"""strata.parallel: how the model and its training state are laid out over the ranks.
+
+`topology` (the only rank arithmetic: named process groups and the hierarchy levels), `comm` (the
+only door to collectives, counting bytes per parallel dimension and link level), `runtime`
+(joining the world, the device, a free port for local worlds), `tensor` (Megatron's tensor and
+sequence parallelism), `pipeline` (stages and virtual chunks run by torch.distributed.pipelining
+schedules), the ZeRO engine in `zero` with `routes` and `flat` (ZeRO-1/2/3, hpZ and 3-level
+partitioning as settings of one engine; plain data parallelism is the engine with nothing
+partitioned), `co2` (asynchronous outer updates across nodes) and `clipping` (the global
+gradient norm).
+
+It imports only the base, the package `strata`.
+"""

@@ -16,9 +16,10 @@ column-parallel linears. Per block that is, forward, 2 all-gathers + 2 reduce-sc
 replicated but seeing only part of the sequence, have their gradients all-reduced over tp inside
 autograd (see `TensorParallelRMSNorm`), so the training loop needs no SP-specific step.
 
-Written here rather than with torch's DTensor `parallelize_module` because the issue requires
-plain local shards and Megatron's vocab-parallel loss, which DTensor's loss_parallel only gives
-inside its own tensor subclass.
+Written here rather than with torch's DTensor `parallelize_module` because Strata wants plain
+local shards (which the ZeRO engine, the memory tiers and the checkpoint format take as they are)
+and Megatron's vocab-parallel loss, which DTensor's loss_parallel only gives inside its own tensor
+subclass.
 """
 from __future__ import annotations
 
@@ -242,7 +243,7 @@ class TensorParallelRMSNorm(nn.Module):
         self.weight = norm.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same computation as trainer.model.RMSNorm.forward.
+        # Same computation as strata.model.RMSNorm.forward.
         weight = _CopyToGroup.apply(self.weight, self.group) if self.sequence_parallel else self.weight
         y = F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         if not self.enter:

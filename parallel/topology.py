@@ -197,7 +197,7 @@ class Layout:
 
 
 def layout_from_config(par, world_size: int, local_world_size: int | None = None) -> Layout:
-    """The Layout that `par` (a trainer.config.ParallelConfig) describes in a world of
+    """The Layout that `par` (a strata.config.ParallelConfig) describes in a world of
     `world_size` ranks. `local_world_size` is the launcher's LOCAL_WORLD_SIZE, used when
     par.ranks_per_node is null (and without either, the world is one node). A set
     ranks_per_node wins over the launcher's count, so one machine can stand in for several

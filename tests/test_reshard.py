@@ -1,7 +1,7 @@
-"""Resuming in another parallel layout (issue 5's required cases): a run saves at step 3 under one
-(tp, pp, virtual stages, dp, ZeRO) layout and continues from that checkpoint under another; its
-steps 4–6 must have the 1-process run's losses and end on its weights — the data loader going on
-at the same sample (no sample repeated or skipped when dp changes), optimizer states included."""
+"""Resuming in another parallel layout: a run saves at step 3 under one (tp, pp, virtual stages,
+dp, ZeRO) layout and continues from that checkpoint under another; its steps 4–6 must have the
+1-process run's losses and end on its weights — the data loader going on at the same sample (no
+sample repeated or skipped when dp changes), optimizer states included."""
 from __future__ import annotations
 
 import json
