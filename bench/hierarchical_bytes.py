@@ -24,9 +24,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from strata.model import count_params, padded_vocab_size  # noqa: E402
 from strata.trainer import config as config_mod  # noqa: E402
 from strata.trainer.data import ensure_default_corpus, read_meta  # noqa: E402
-from strata.model import count_params, padded_vocab_size  # noqa: E402
 
 G = "global"
 SCHEMES = {

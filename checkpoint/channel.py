@@ -22,7 +22,7 @@ import re
 import secrets
 import socket
 import struct
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import crc32c
 
@@ -145,7 +145,7 @@ class Channel:
         self._send_seq = self._recv_seq = 0
 
     @classmethod
-    def connect(cls, host: str, port: int, secret: bytes, timeout: float = 10.0) -> "Channel":
+    def connect(cls, host: str, port: int, secret: bytes, timeout: float = 10.0) -> Channel:
         """Connect to a peer agent and authenticate both ways; AuthError if the peer does not prove
         the secret or refuses ours."""
         _check_secret(secret)
@@ -153,7 +153,7 @@ class Channel:
         return cls._open(sock, secret, timeout, server=False)
 
     @classmethod
-    def accept(cls, sock: socket.socket, secret: bytes, timeout: float = 10.0) -> "Channel":
+    def accept(cls, sock: socket.socket, secret: bytes, timeout: float = 10.0) -> Channel:
         """The server side of a socket from `listener.accept()`. Raises AuthError, and closes the
         socket, if the peer does not prove the secret (a wrong proof, or it hangs up first); a
         TimeoutError (socket closed too) if it stays silent for `timeout`."""
@@ -164,7 +164,7 @@ class Channel:
             raise AuthError("peer closed the connection before proving the snapshot secret") from e
 
     @classmethod
-    def _open(cls, sock: socket.socket, secret: bytes, timeout: float, server: bool) -> "Channel":
+    def _open(cls, sock: socket.socket, secret: bytes, timeout: float, server: bool) -> Channel:
         try:
             sock.settimeout(timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -258,7 +258,7 @@ class Channel:
             pass
         self._sock.close()
 
-    def __enter__(self) -> "Channel":
+    def __enter__(self) -> Channel:
         return self
 
     def __exit__(self, *exc) -> None:

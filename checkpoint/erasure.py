@@ -15,8 +15,8 @@ import glob
 import importlib.util
 import os
 import threading
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Mapping, Sequence
 
 from strata.errors import StrataError
 
@@ -42,7 +42,7 @@ def library_path() -> str:
     raise StrataError("erasure coding needs ISA-L: pip install pyeclib==1.8.0 (its wheel bundles it)")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lib() -> ctypes.CDLL:
     path = library_path()
     try:
@@ -165,7 +165,7 @@ def _run(tables, k: int, rows: int, srcs: Sequence[int], dsts: Sequence[int], n:
 
 # --- the code -------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _matrix(k: int, m: int) -> bytes:
     """ISA-L's (k+m) x k Cauchy matrix, row-major: identity on top, a[i][j] = 1/(i ^ j) below."""
     a = (ctypes.c_ubyte * ((k + m) * k))()
@@ -181,7 +181,7 @@ def _tables(k: int, rows: bytes):
     return tables
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _encode_tables(k: int, m: int):
     return _tables(k, _matrix(k, m)[k * k:])
 

@@ -16,8 +16,8 @@ import torch
 
 from strata.checkpoint import store
 from strata.checkpoint.blob import template
-from strata.parallel.flat import Box, range_to_boxes
 from strata.errors import CheckpointError
+from strata.parallel.flat import Box, range_to_boxes
 
 BLOB_ALIGN = 64      # torch.save aligns data to 64 bytes from the blob start: keep that in the file
 FILE_ALIGN = 4096    # O_DIRECT writes whole pages

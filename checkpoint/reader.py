@@ -22,8 +22,8 @@ import torch
 from strata.checkpoint import integrity, store
 from strata.checkpoint.pieces import Piece, whole_piece
 from strata.checkpoint.plan import torch_dtype
-from strata.parallel.flat import Box
 from strata.errors import CheckpointError
+from strata.parallel.flat import Box
 
 
 def _strides(sizes) -> list[int]:
@@ -87,7 +87,7 @@ class Checkpoint:
         self._window: dict[str, tuple[int, int, torch.Tensor]] = {}  # the last bytes read, per file
 
     @classmethod
-    def from_images(cls, label: str, step: int, index: dict, files: dict[str, tuple[int, int, int]]) -> "Checkpoint":
+    def from_images(cls, label: str, step: int, index: dict, files: dict[str, tuple[int, int, int]]) -> Checkpoint:
         """A checkpoint held in memory (an in-memory snapshot): `files` maps each file name of the
         index to (descriptor, offset of the file in it, bytes). The images were checked as wholes
         when they were assembled, so reads are not verified per block."""
@@ -171,7 +171,7 @@ class Checkpoint:
         self._window.clear()
         return problems
 
-    def _copy(self, r: "_Read", verify: bool) -> None:
+    def _copy(self, r: _Read, verify: bool) -> None:
         dst = r.target.tensor[tuple(slice(o - b, o - b + n) for o, b, n in
                                     zip(r.offsets, r.target.box.offsets, r.sizes))]
         if r.contiguous and dst.is_contiguous() and dst.dtype == r.dtype:
@@ -184,7 +184,7 @@ class Checkpoint:
         src = data.view(r.dtype)
         dst.copy_(src.as_strided(r.sizes, r.strides) if r.sizes else src.view(()))
 
-    def _verify_in_place(self, r: "_Read", data: torch.Tensor) -> None:
+    def _verify_in_place(self, r: _Read, data: torch.Tensor) -> None:
         """Check the blocks under bytes [r.lo, r.hi) of the file just read into `data`: blocks wholly
         inside from `data` itself, the (at most two) partial ones at the ends by reading them."""
         name = r.chunk["file"]

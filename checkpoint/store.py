@@ -15,8 +15,8 @@ import re
 import shutil
 from pathlib import Path
 
-from strata.checkpoint import integrity
 from strata.atomic import fsync_path
+from strata.checkpoint import integrity
 from strata.errors import CheckpointError
 
 MARKER = "COMMITTED"

@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from strata.checkpoint import integrity, store
 from strata.atomic import write_file_atomic
+from strata.checkpoint import integrity, store
 
 CHUNK = 16 * integrity.BLOCK  # a whole number of checksum blocks, so chunks' block CRCs line up
 DELAY_ENV = "STRATA_CKPT_TEST_WRITE_DELAY_S"   # tests: a slow writer, to kill it mid-save

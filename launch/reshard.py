@@ -13,8 +13,8 @@ from pathlib import Path
 
 from strata import config
 from strata.checkpoint import store
-from strata.launch import torchrun
 from strata.errors import StrataError
+from strata.launch import torchrun
 
 TARGET_KEYS = {"tp": "parallel.tp", "pp": "parallel.pp", "dp": "parallel.dp", "vs": "parallel.virtual_stages"}
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import crc32c
 
-from strata.checkpoint.channel import Channel, ChannelError, secret_from_env
 from strata.checkpoint.agent_protocol import recv_msg, send_msg
+from strata.checkpoint.channel import Channel, ChannelError, secret_from_env
 from strata.checkpoint.erasure import Code, self_test
 
 KEEP = 2  # committed versions kept per rank (local images and fragments); see `Agent.commit`

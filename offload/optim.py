@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ class _Span:
 @dataclass
 class SubGroup:
     """Elements [start, start + size) of one flat group's optimizer chunk."""
-    group: "FlatGroup"
+    group: FlatGroup
     start: int
     size: int
     spans: list[_Span]
@@ -62,7 +63,7 @@ class SubGroup:
         return self.group.reduced[self.start:self.start + self.size]
 
 
-def split(groups: list["FlatGroup"], elems: int) -> list[SubGroup]:
+def split(groups: list[FlatGroup], elems: int) -> list[SubGroup]:
     """Each group's optimizer chunk cut into sub-groups of at most `elems` elements, with the
     optimizer pieces (one per parameter the chunk touches) that each covers."""
     out = []
@@ -84,8 +85,8 @@ class OptimTier:
     parameters are offloaded), "host" (the pool's resident region) or "nvme" (`swap_file`,
     streamed through slabs of the pool's "optim" stream by `io`)."""
 
-    def __init__(self, groups: list["FlatGroup"], optimizer: torch.optim.Optimizer, kind: str, pool: HostPool,
-                 io: IOEngine | None = None, swap_file: SwapFile | None = None, params: "ParamTier | None" = None,
+    def __init__(self, groups: list[FlatGroup], optimizer: torch.optim.Optimizer, kind: str, pool: HostPool,
+                 io: IOEngine | None = None, swap_file: SwapFile | None = None, params: ParamTier | None = None,
                  read_ahead: int = 2, mover: Mover | None = None):
         self.groups, self.optimizer, self.kind = groups, optimizer, kind
         self.pool, self.io, self.param_tier, self.mover = pool, io, params, mover
@@ -117,7 +118,7 @@ class OptimTier:
         self._state_init()
 
     @staticmethod
-    def needs_resident_bytes(groups: list["FlatGroup"], kind: str, device: torch.device, slab_bytes: int) -> int:
+    def needs_resident_bytes(groups: list[FlatGroup], kind: str, device: torch.device, slab_bytes: int) -> int:
         """Host bytes this tier takes from the pool's resident region: the moments ("host" kind)
         and, on a GPU, the CPU path's two buffers."""
         moments = sum(2 * aligned(g.optim_size * 4) for g in groups) if kind == "host" else 0
@@ -129,7 +130,7 @@ class OptimTier:
             sg.on_gpu = gpu
 
     # --- optimizer.state as the checkpoint code sees it ----------------------------------------
-    def _pieces(self) -> list[tuple["FlatGroup", int, nn.Parameter]]:
+    def _pieces(self) -> list[tuple[FlatGroup, int, nn.Parameter]]:
         """(group, offset in its optimizer chunk, piece) for every optimizer piece."""
         return [(g, slot.range[0] + a - g.optim_start, piece) for g in self.groups for slot, piece, a, _ in g.segments]
 
@@ -139,7 +140,7 @@ class OptimTier:
             step = torch.zeros((), dtype=torch.float32, device=piece.device if fused else "cpu")
             self.optimizer.state[piece] = {"step": step, **self._moment_views(g, at, piece)}
 
-    def _moment_views(self, g: "FlatGroup", at: int, piece: nn.Parameter) -> dict[str, torch.Tensor]:
+    def _moment_views(self, g: FlatGroup, at: int, piece: nn.Parameter) -> dict[str, torch.Tensor]:
         if g.name not in self._moments:
             return {}
         return {k: m[at:at + piece.numel()] for k, m in zip(MOMENTS, self._moments[g.name])}
@@ -233,7 +234,7 @@ class OptimTier:
             side.wait_stream(torch.cuda.current_stream(self.device))
         return self._sides
 
-    def _switch_group(self, done: "FlatGroup | None", nxt: "FlatGroup | None", at: int) -> None:
+    def _switch_group(self, done: FlatGroup | None, nxt: FlatGroup | None, at: int) -> None:
         """Parameters offloaded too: hold the next group's shard, write back the finished one."""
         if self.param_tier is None:
             return

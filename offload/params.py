@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from strata.offload.swap import Mover, Transfer, Where
 
@@ -20,11 +21,11 @@ class ParamTier:
     """`where[group.name]`: each group's shard's home (a swap-file region or a host tensor).
     `start()` moves every shard there and frees it on the device."""
 
-    def __init__(self, groups: list["FlatGroup"], mover: Mover, where: dict[str, Where], read_ahead: int,
+    def __init__(self, groups: list[FlatGroup], mover: Mover, where: dict[str, Where], read_ahead: int,
                  keep_groups: int = 0):
         self.groups, self.mover, self.where, self.read_ahead_groups = groups, mover, where, read_ahead
         self.keep_groups = keep_groups
-        self._kept: OrderedDict[str, "FlatGroup"] = OrderedDict()  # clean, unused, resident: least recent first
+        self._kept: OrderedDict[str, FlatGroup] = OrderedDict()  # clean, unused, resident: least recent first
         self._reads: dict[str, Transfer] = {}
         self._writes: dict[str, Transfer] = {}
         self._pinned: set[str] = set()  # kept resident for the step or a checkpoint
@@ -37,14 +38,14 @@ class ParamTier:
         self.finish_writes(self.groups)
 
     # --- the hooks FlatGroup and ZeroEngine call ------------------------------------------------
-    def prefetch(self, group: "FlatGroup") -> None:
+    def prefetch(self, group: FlatGroup) -> None:
         """Start reading the shard if it is not in memory or on its way (storage allocated: either)."""
         if _allocated(group):
             return
         _allocate(group)
         self._reads[group.name] = self.mover.read(group.shard, self.where[group.name])
 
-    def ensure(self, group: "FlatGroup") -> None:
+    def ensure(self, group: FlatGroup) -> None:
         """The shard is in memory when this returns (waiting for its read, or reading it now)."""
         self._kept.pop(group.name, None)  # in use: not to be dropped for room meanwhile
         self.prefetch(group)
@@ -52,7 +53,7 @@ class ParamTier:
         if read is not None:
             read.wait()
 
-    def release(self, group: "FlatGroup") -> None:
+    def release(self, group: FlatGroup) -> None:
         """The gather has copied the shard: keep it among the last used, or drop it (unless the step
         or a checkpoint holds it)."""
         if not _allocated(group) or group.name in self._pinned:
@@ -62,17 +63,17 @@ class ParamTier:
         while len(self._kept) > self.keep_groups:
             _drop(self._kept.popitem(last=False)[1])
 
-    def read_ahead(self, groups: list["FlatGroup"]) -> None:
+    def read_ahead(self, groups: list[FlatGroup]) -> None:
         for g in groups:
             self.prefetch(g)
 
     # --- around the optimizer step and checkpoints --------------------------------------------
-    def hold(self, group: "FlatGroup") -> None:
+    def hold(self, group: FlatGroup) -> None:
         """Bring the shard in and keep it until `write_back`."""
         self.ensure(group)
         self._pinned.add(group.name)
 
-    def write_back(self, group: "FlatGroup", changed: bool = True) -> None:
+    def write_back(self, group: FlatGroup, changed: bool = True) -> None:
         """Let go of a held shard: written home first if `changed`, dropped when that is done."""
         self._pinned.discard(group.name)
         if changed:
@@ -80,13 +81,13 @@ class ParamTier:
         else:
             self.release(group)
 
-    def finish_writes(self, groups: list["FlatGroup"]) -> None:
+    def finish_writes(self, groups: list[FlatGroup]) -> None:
         """Wait for the write-backs and drop what they wrote."""
         for g in groups:
             self._evict_after_write(g)
 
     @contextlib.contextmanager
-    def held(self, groups: list["FlatGroup"], changed: bool) -> Iterator[None]:
+    def held(self, groups: list[FlatGroup], changed: bool) -> Iterator[None]:
         """Every shard in memory inside the block (a checkpoint save, or a load when `changed`)."""
         for g in groups:
             self.hold(g)
@@ -98,26 +99,26 @@ class ParamTier:
             self.finish_writes(groups)
 
     # --- internals -------------------------------------------------------------------------
-    def _finish_write(self, group: "FlatGroup") -> None:
+    def _finish_write(self, group: FlatGroup) -> None:
         write = self._writes.pop(group.name, None)
         if write is not None:
             write.wait()
 
-    def _evict_after_write(self, group: "FlatGroup") -> None:
+    def _evict_after_write(self, group: FlatGroup) -> None:
         if group.name in self._writes:
             self._finish_write(group)
             self.release(group)  # clean again
 
 
-def _allocated(group: "FlatGroup") -> bool:
+def _allocated(group: FlatGroup) -> bool:
     return group.shard.untyped_storage().nbytes() > 0
 
 
-def _allocate(group: "FlatGroup") -> None:
+def _allocate(group: FlatGroup) -> None:
     storage = group.shard.untyped_storage()
     storage.resize_(group.shard.numel() * group.shard.element_size())
 
 
-def _drop(group: "FlatGroup") -> None:
+def _drop(group: FlatGroup) -> None:
     # resize, never rebind: the optimizer's pieces are views of this storage and must stay valid
     group.shard.untyped_storage().resize_(0)

@@ -8,8 +8,8 @@ import bisect
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 

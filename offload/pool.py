@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.errors import ConfigError, StrataError
 from strata.offload.io_engine import ALIGN, aligned
 from strata.parallel.runtime import pin_host, unpin_host
-from strata.errors import ConfigError, StrataError
 
 
 class OffloadBudgetError(StrataError):

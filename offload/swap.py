@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Union
+from typing import Union
 
 import torch
 
@@ -32,7 +33,7 @@ class Transfer:
     """A transfer in flight. `wait()` returns when it is done (raising its error) and counts the
     time the caller was blocked, the measure of how well I/O overlaps compute."""
 
-    def __init__(self, future: Future, mover: "Mover"):
+    def __init__(self, future: Future, mover: Mover):
         self._future, self._mover = future, mover
 
     def done(self) -> bool:
@@ -124,7 +125,7 @@ class _InFlight:
         self.mover = mover
         self.queue: deque[tuple] = deque()
 
-    def __enter__(self) -> "_InFlight":
+    def __enter__(self) -> _InFlight:
         return self
 
     def chunks(self, nbytes: int) -> Iterator[tuple[int, int, Slab]]:

@@ -6,11 +6,14 @@ before the first step.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
+from strata.config import OFFLOAD_STREAM_KEYS, SLABS_PER_STREAM, offload_devices, pool_streams
+from strata.errors import ConfigError
 from strata.offload.activations import ActivationOffloader
 from strata.offload.files import SwapDir
 from strata.offload.io_engine import IOEngine, aligned
@@ -19,19 +22,17 @@ from strata.offload.params import ParamTier
 from strata.offload.placement import Measured, Placement, calibrate, plan
 from strata.offload.pool import HostPool
 from strata.offload.swap import FileRegion, Mover
-from strata.config import OFFLOAD_STREAM_KEYS, SLABS_PER_STREAM, offload_devices, pool_streams
-from strata.errors import ConfigError
 from strata.parallel.runtime import proc_status_bytes
 
 if TYPE_CHECKING:
-    from strata.parallel.zero import ZeroEngine
     from strata.config import Config, ParamOffloadConfig
+    from strata.parallel.zero import ZeroEngine
 
 
 class Tiers:
     """See the module docstring. `engine` may be None when only activations are offloaded."""
 
-    def __init__(self, cfg: "Config", engine: "ZeroEngine | None", rank: int, device: torch.device):
+    def __init__(self, cfg: Config, engine: ZeroEngine | None, rank: int, device: torch.device):
         off, act = cfg.offload, cfg.activations
         self.engine = engine
         devices = offload_devices(cfg)
@@ -71,7 +72,7 @@ class Tiers:
             self.activations = ActivationOffloader(act.offload, act.min_bytes, self.movers.get("activations"),
                                                    self.swap.file("activations") if nvme else None, inflight)
 
-    def _build_zero_tiers(self, engine: "ZeroEngine", devices: dict[str, str], params: "ParamOffloadConfig",
+    def _build_zero_tiers(self, engine: ZeroEngine, devices: dict[str, str], params: ParamOffloadConfig,
                           update_on: str, device: torch.device) -> None:
         groups = engine.groups
         if devices["params"] != "none":

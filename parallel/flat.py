@@ -8,7 +8,6 @@ import math
 from dataclasses import dataclass
 
 
-
 @dataclass(frozen=True)
 class Box:
     """A dense sub-block of a tensor: index ranges [offsets[d], offsets[d] + sizes[d])."""
@@ -22,7 +21,7 @@ class Box:
     def index(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
 
-    def intersect(self, other: "Box") -> "Box | None":
+    def intersect(self, other: Box) -> Box | None:
         """The box both cover, or None if they are disjoint."""
         lo = [max(a, b) for a, b in zip(self.offsets, other.offsets)]
         hi = [min(a + n, b + m) for a, n, b, m in zip(self.offsets, self.sizes, other.offsets, other.sizes)]
@@ -30,7 +29,7 @@ class Box:
             return None
         return Box(tuple(lo), tuple(h - l for l, h in zip(lo, hi)))
 
-    def shifted(self, by: tuple[int, ...]) -> "Box":
+    def shifted(self, by: tuple[int, ...]) -> Box:
         """This box inside a box at `by` (offsets added)."""
         return Box(tuple(o + b for o, b in zip(by, self.offsets)), self.sizes)
 

@@ -4,7 +4,7 @@ over the whole span when not hierarchical). The ZeRO engine's only communication
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -59,7 +59,7 @@ class Routes:
         return buf
 
     def gather(self, chunk: torch.Tensor, fine: str, coarse: str, out: torch.Tensor, numel: int,
-               async_op: bool = False) -> "PendingGather":
+               async_op: bool = False) -> PendingGather:
         """Fill `out` (this rank's `fine` chunk) from every rank's `coarse` chunk, this rank's
         being `chunk`. With `async_op` the first collective is started and the rest run at
         `wait()` (each step needs the previous one's result)."""

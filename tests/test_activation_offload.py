@@ -14,13 +14,13 @@ import threading
 import pytest
 import torch
 
+from strata.config import ModelConfig
+from strata.model import GPT, lm_loss
 from strata.offload.activations import WRITE_WINDOW, ActivationOffloader, _Saved, apply_recompute, blocks_of
 from strata.offload.files import SwapDir
 from strata.offload.io_engine import IOEngine, SwapIOError
 from strata.offload.pool import HostPool
 from strata.offload.swap import Mover
-from strata.config import ModelConfig
-from strata.model import GPT, lm_loss
 
 CFG = ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=64)
 VOCAB = 128

@@ -48,7 +48,7 @@ class Server:
         except Exception as e:
             self.errors.append(e)
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -130,7 +130,7 @@ class Proxy:
             except OSError:
                 pass
 
-    def __enter__(self) -> "Proxy":
+    def __enter__(self) -> Proxy:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -20,8 +20,9 @@ from torch import nn
 
 from strata.parallel import comm
 from strata.parallel.co2 import CO2
-from worlds import run_world
 from strata.parallel.topology import Layout, build_topology
+
+from worlds import run_world
 
 SEED = 3
 BATCH = 4            # samples per rank per step

@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from strata import config
-from strata.parallel.topology import LEVELS
 from strata.config import CO2Config, Config, ModelConfig, OptimConfig, ShardSpec, TrainConfig, ZeroConfig
 from strata.errors import ConfigError, StrataError
+from strata.parallel.topology import LEVELS
 
 
 def write_yaml(path: Path, text: str) -> Path:

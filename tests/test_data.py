@@ -9,9 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from strata.trainer.data import (BatchLoader, ByteTokenizer, TokenDataset, eval_batches, expand_inputs, prepare,
-                          read_meta)
 from strata.errors import DataError
+from strata.trainer.data import (
+    BatchLoader,
+    ByteTokenizer,
+    TokenDataset,
+    eval_batches,
+    expand_inputs,
+    prepare,
+    read_meta,
+)
 
 EOT = 256
 

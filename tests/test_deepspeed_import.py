@@ -11,11 +11,12 @@ import sys
 
 import pytest
 
-from conftest import tiny_config, tiny_overrides
 from strata.launch.cli import main as strata_main
 from strata.parallel.runtime import free_port, start
-from test_distributed import REPO, assert_same_params, final_params
 from strata.trainer.loop import run
+
+from conftest import tiny_config, tiny_overrides
+from test_distributed import REPO, assert_same_params, final_params
 
 SETTINGS = {"train.steps": 6, "checkpoint.save_final": True, "log.interval": 1}
 

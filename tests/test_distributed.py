@@ -13,9 +13,10 @@ import torch
 
 from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
-from conftest import tiny_config, tiny_overrides
 from strata.parallel.runtime import start
 from strata.trainer.loop import run
+
+from conftest import tiny_config, tiny_overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = {"log.interval": 1, "checkpoint.save_final": True, "checkpoint.interval": 3, "train.eval_interval": 3}

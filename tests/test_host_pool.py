@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
+from strata.errors import ConfigError
 from strata.offload.io_engine import ALIGN
 from strata.offload.pool import HostPool, OffloadBudgetError
-from strata.errors import ConfigError
 
 SLAB = 4 * ALIGN
 

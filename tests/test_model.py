@@ -10,9 +10,19 @@ from torch import nn
 
 from strata.config import ModelConfig
 from strata.errors import StrataError
-from strata.model import (GPT, Attention, RMSNorm, SwiGLU, build_model, count_params, ffn_hidden_size,
-                           flops_per_token, lm_loss, padded_vocab_size, rope_tables)
-
+from strata.model import (
+    GPT,
+    Attention,
+    RMSNorm,
+    SwiGLU,
+    build_model,
+    count_params,
+    ffn_hidden_size,
+    flops_per_token,
+    lm_loss,
+    padded_vocab_size,
+    rope_tables,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

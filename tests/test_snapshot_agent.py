@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from strata.checkpoint.agent_protocol import connect, request
 from strata.checkpoint.channel import AuthError, Channel
 from strata.checkpoint.snapshot import _newest_complete, _sources
-from strata.checkpoint.agent_protocol import connect, request
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "ab" * 32

@@ -18,8 +18,9 @@ import torch
 
 from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
-from conftest import tiny_overrides
 from strata.parallel.runtime import free_port
+
+from conftest import tiny_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40

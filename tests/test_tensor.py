@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from strata.parallel import comm
-from worlds import run_world
-from strata.parallel.tensor import VocabParallelLoss, apply_tensor_parallel, placement_of
 from strata.config import ModelConfig
 from strata.errors import ConfigError
 from strata.model import RMSNorm, build_model, lm_loss
+from strata.parallel import comm
+from strata.parallel.tensor import VocabParallelLoss, apply_tensor_parallel, placement_of
+
+from worlds import run_world
 
 VOCAB = 128          # no other width of the tiny model equals it (d 32, ffn 96, q 32, kv 16)
 BATCH, SEQ = 2, 16

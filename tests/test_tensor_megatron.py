@@ -163,8 +163,8 @@ def _child_main() -> None:
     """Import megatron once, fork the ranks (they inherit the import), print their results."""
     import warnings
     warnings.simplefilter("ignore")
-    import torch.multiprocessing as mp
     import megatron.core.tensor_parallel  # noqa: F401  (slow; done once, before forking)
+    import torch.multiprocessing as mp
 
     port = free_port()
     with mp.Manager() as manager:

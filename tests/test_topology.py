@@ -10,8 +10,8 @@ gloo copies of its groups (`create_gloo_process_groups`) are turned off: the fak
 host a gloo subgroup, and they duplicate the membership of the groups compared here."""
 from __future__ import annotations
 
-import importlib.util
 import datetime
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,11 +22,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from strata.parallel.runtime import free_port
-from strata.parallel.topology import CHAIN, DIMS, HARDWARE, LEVELS, Layout, Topology, build_topology, digit_key, \
-    layout_from_config, level_key
 from strata.config import ParallelConfig
 from strata.errors import ConfigError
+from strata.parallel.runtime import free_port
+from strata.parallel.topology import (
+    CHAIN,
+    DIMS,
+    HARDWARE,
+    LEVELS,
+    Layout,
+    Topology,
+    build_topology,
+    digit_key,
+    layout_from_config,
+    level_key,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -393,8 +403,8 @@ def _megatron_reference(layouts: list[tuple[int, int, int]]) -> dict:
     import warnings
     warnings.simplefilter("ignore")
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from strata.parallel.topology import build_topology
 

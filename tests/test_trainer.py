@@ -9,11 +9,12 @@ import torch
 
 from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
-from conftest import tiny_config
-from strata.parallel.runtime import start
 from strata.config import OptimConfig
 from strata.errors import CheckpointError
+from strata.parallel.runtime import start
 from strata.trainer.loop import Trainer, lr_at, run
+
+from conftest import tiny_config
 
 
 def test_loss_decreases_on_demo_corpus(tmp_path):

@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from strata.config import ModelConfig
+from strata.model import build_model, lm_loss
 from strata.parallel import comm
 from strata.parallel.topology import Layout, build_topology
 from strata.parallel.zero import ZeroEngine, ZeroPlan
-from strata.config import ModelConfig
-from strata.model import build_model, lm_loss
+
 from worlds import run_world
 
 WORLD, STEPS, MICRO = 8, 2, 2

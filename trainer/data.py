@@ -11,9 +11,9 @@ import hashlib
 import json
 import os
 import sysconfig
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 import torch

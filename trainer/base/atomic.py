@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 def fsync_path(path: Path) -> None:
