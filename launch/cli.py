@@ -16,8 +16,8 @@ from strata.errors import StrataError
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from strata.parallel import runtime
     from strata import config
+    from strata.parallel import runtime
     from strata.trainer.loop import rewrite_checkpoint, run
 
     cfg = config.load(args.config, args.overrides, world_size=runtime.world_size_from_env())
@@ -37,8 +37,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from strata.launch import slurm, torchrun
     from strata import config
+    from strata.launch import slurm, torchrun
 
     if args.slurm:
         cfg = config.load(args.config, args.overrides, world_size=args.nodes * args.gpus_per_node)
@@ -106,8 +106,8 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     if args.out and "=" in args.out and not Path(args.out).exists():
         raise StrataError(f"strata ckpt {args.action}: OUT comes before the overrides; {args.out!r} looks like one")
     if args.action == "import-deepspeed":
-        from strata.checkpoint import deepspeed_import
         from strata import config
+        from strata.checkpoint import deepspeed_import
 
         if not args.out or not args.config:
             raise StrataError("strata ckpt import-deepspeed DS_DIR OUT --config CFG: give OUT (a checkpoints "
@@ -283,8 +283,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
                                        extra=EXIT_CODES))
     ck.add_argument("action", choices=["inspect", "verify", "reshard", "export", "import-deepspeed"])
     ck.add_argument("path", metavar="DIR", help="a step_* directory, or a checkpoints directory (latest committed)")
-    ck.add_argument("out", nargs="?", metavar="OUT", help="reshard: a checkpoints directory; export: a .safetensors file, or a directory for "
-                                                          "model.safetensors and config.yaml")
+    ck.add_argument("out", nargs="?", metavar="OUT",
+                    help="reshard: a checkpoints directory; export: a .safetensors file, or a directory for "
+                         "model.safetensors and config.yaml")
     ck.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                     help="reshard: overrides of the saved config (e.g. zero settings); "
                          "import-deepspeed: overrides of --config")

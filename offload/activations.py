@@ -12,17 +12,18 @@ import mmap
 import threading
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from strata.model import named_blocks
 from strata.offload.files import SwapFile
 from strata.offload.io_engine import aligned
 from strata.offload.swap import FileRegion, Mover, Transfer
-from strata.model import named_blocks
 from strata.parallel.runtime import pin_host, unpin_host
 
 MODES = ("none", "cpu", "nvme")  # none: nothing moves, saved bytes are only counted (the bench's "keep")
@@ -62,7 +63,7 @@ class _Saved:
     zero-bubble schedule is not the first unpack) — that, not unpacking, releases the entry."""
     __slots__ = ("owner", "entry", "dtype", "offset", "size", "stride", "tensor", "origin", "version")
 
-    def __init__(self, owner: "ActivationOffloader", entry: _Entry, t: torch.Tensor):
+    def __init__(self, owner: ActivationOffloader, entry: _Entry, t: torch.Tensor):
         self.owner, self.entry = owner, entry
         self.dtype, self.offset, self.size, self.stride = t.dtype, t.storage_offset(), t.size(), t.stride()
         # detached: holding an op's own output (with its grad_fn) from its node would be a cycle

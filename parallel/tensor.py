@@ -30,9 +30,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from strata.errors import ConfigError
 from strata.parallel import comm
 from strata.parallel.flat import Box
-from strata.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Placement:
     shard_index: int = 0
     num_shards: int = 1
 
-    def box(self, local_shape: tuple[int, ...]) -> "Box":
+    def box(self, local_shape: tuple[int, ...]) -> Box:
         """The box (offsets, sizes) a local shard of `local_shape` covers in the global tensor."""
         offsets = [0] * len(local_shape)
         if self.shard_dim is not None:

@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import STDLIB
 
 from strata.errors import ConfigError
+
+from conftest import STDLIB
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -184,8 +185,8 @@ def test_shipped_configs_validate_and_docs_match_schema():
 
 
 def test_launch_env_makes_restarts_work_and_multi_node_snapshots_need_one_secret(monkeypatch):
-    from strata.launch.torchrun import LaunchPlan, launch_env, torchrun_args
     from strata.errors import StrataError
+    from strata.launch.torchrun import LaunchPlan, launch_env, torchrun_args
 
     monkeypatch.delenv("STRATA_SNAPSHOT_SECRET", raising=False)
     env = launch_env(LaunchPlan(2, snapshots=True))
