@@ -25,15 +25,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from strata.config import ModelConfig  # noqa: E402
-from strata.model import GPT, lm_loss  # noqa: E402
-from strata.offload.activations import ActivationOffloader, apply_recompute  # noqa: E402
-from strata.offload.files import SwapDir  # noqa: E402
-from strata.offload.io_engine import IOEngine  # noqa: E402
-from strata.offload.pool import HostPool  # noqa: E402
-from strata.offload.swap import Mover  # noqa: E402
-from strata.parallel.runtime import proc_status_bytes, reset_peak_rss  # noqa: E402
+from strata.config import ModelConfig
+from strata.model import GPT, lm_loss
+from strata.offload.activations import ActivationOffloader, apply_recompute
+from strata.offload.files import SwapDir
+from strata.offload.io_engine import IOEngine
+from strata.offload.pool import HostPool
+from strata.offload.swap import Mover
+from strata.parallel.runtime import proc_status_bytes, reset_peak_rss
 
 VARIANTS = ("keep", "cpu", "nvme", "recompute")
 MiB = 2**20

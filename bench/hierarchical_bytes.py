@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from strata import config as config_mod
+from strata.model import count_params, padded_vocab_size
+from strata.trainer.data import ensure_default_corpus, read_meta
 
-from strata.model import count_params, padded_vocab_size  # noqa: E402
-from strata.trainer import config as config_mod  # noqa: E402
-from strata.trainer.data import ensure_default_corpus, read_meta  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 G = "global"
 SCHEMES = {
@@ -44,7 +42,8 @@ MODEL = {"model.n_layers": 4, "model.d_model": 64, "model.n_heads": 4, "model.se
 def overrides(scheme: dict, micro: int, run_root: Path, name: str) -> list[str]:
     zero = {f"zero.{k}.shard_over" if k in ("params", "grads", "optim", "secondary_params") else f"zero.{k}": v
             for k, v in scheme.items()}
-    settings = {**MODEL, **zero, "train.steps": 3, "optim.warmup_steps": 1, "train.micro_batch_size": 1, "train.global_batch_size": 8 * micro,
+    settings = {**MODEL, **zero, "train.steps": 3, "optim.warmup_steps": 1, "train.micro_batch_size": 1,
+                "train.global_batch_size": 8 * micro,
                 "train.eval_interval": 0, "train.eval_batches": 1, "checkpoint.save_final": False,
                 "log.interval": 1, "log.progress": False, "log.dir": str(run_root), "log.name": name,
                 "parallel.ranks_per_node": 4, "parallel.ranks_per_gpu": 2, "parallel.timeout_s": 120}
@@ -56,7 +55,7 @@ def run(scheme: dict, micro: int, run_root: Path, name: str) -> dict[str, float]
     experiment.write_text("{}\n")
     proc = subprocess.run([sys.executable, "-m", "strata.launch.cli", "launch", str(experiment),
                            *overrides(scheme, micro, run_root, name), "--nproc", "8"],
-                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          cwd=REPO, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_root / name / "metrics.jsonl").read_text().splitlines()]

@@ -1,8 +1,8 @@
 """Strata's swap I/O engine (offload/io_engine.py) against the disk's raw sequential bandwidth,
 measured in the same run: `dd` with O_DIRECT (and `fio`, when installed) writing and reading the
-same number of bytes in the same directory, with as many streams as the engine has threads. Rounds alternate which side goes first, because this
-kind of disk changes speed from minute to minute; medians are reported, with the ratio
-engine/raw (goal ≥ 0.9).
+same number of bytes in the same directory, with as many streams as the engine has threads. Rounds
+alternate which side goes first, because this kind of disk changes speed from minute to minute;
+medians are reported, with the ratio engine/raw (goal ≥ 0.9).
 
     python bench/nvme_bandwidth.py                       # 1 GiB, 5 rounds, in a temp dir under /tmp
     python bench/nvme_bandwidth.py --dir /nvme/scratch --gib 4 --threads 4 --chunk-mb 4
@@ -16,15 +16,13 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from strata.offload.io_engine import IOEngine  # noqa: E402
+from strata.offload.io_engine import IOEngine
 
 BS = 4 << 20  # dd/fio request size: the engine's chunk size by default
 

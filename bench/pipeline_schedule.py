@@ -334,7 +334,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, default=60, help="process-group timeout (s): a hang fails fast")
     p.add_argument("--check", action="store_true",
                    help=f"exit 1 unless interleaved beats 1F1B and each schedule's idle fraction is within "
-                        f"±{ABS_TOL} + {REL_TOL:.0%} of theory")
+                        f"±{ABS_TOL} + {REL_TOL * 100:.0f}%% of theory")  # argparse %-formats help
     args = p.parse_args(argv)
     args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     unknown = [s for s in args.schedules if s not in SCHEDULES]

@@ -42,8 +42,8 @@ from pathlib import Path
 
 import torch
 
-from strata.launch.torchrun import LaunchPlan, torchrun_args
 from strata import config as config_mod
+from strata.launch.torchrun import LaunchPlan, torchrun_args
 from strata.trainer.data import ensure_default_corpus
 
 BENCH = Path(__file__).resolve().parent
@@ -102,7 +102,8 @@ def run_worker(side: str, args, overrides: list[str], out: Path, tmp: Path) -> d
     log = tmp / f"{side}.log"
     with open(log, "w") as f:
         proc = subprocess.run(cmd, env=env, cwd=REPO, timeout=args.timeout, text=True,
-                              stdout=None if args.verbose else f, stderr=subprocess.STDOUT if not args.verbose else None)
+                              stdout=None if args.verbose else f,
+                              stderr=subprocess.STDOUT if not args.verbose else None)
     if proc.returncode != 0 or not out.is_file():
         tail = "" if args.verbose else "\n".join(log.read_text().splitlines()[-40:])
         raise SystemExit(f"{side} worker failed (exit {proc.returncode}):\n{tail}")
@@ -124,19 +125,20 @@ def summarize(runs: list[dict]) -> dict:
     losses = [run["ranks"][0]["losses"] for run in runs]
     return {"label": runs[0]["label"], "n_params": runs[0]["n_params"], "step_s": step_s,
             "median_step_s": statistics.median(timed),
-            "round_median_step_s": [statistics.median(run) for run in timed_by_round], "timed_steps": f"3..{steps}" if steps > 2 else f"1..{steps}",
+            "round_median_step_s": [statistics.median(run) for run in timed_by_round],
+            "timed_steps": f"3..{steps}" if steps > 2 else f"1..{steps}",
             "peak_rss_above_baseline": peak, "max_peak_rss_above_baseline": max(peak),
             "lifetime_peak_rss_above_baseline": per_rank(lambda r: r["peak_rss_lifetime"] - r["rss_baseline"]),
             "rss_after_init_above_baseline": per_rank(lambda r: r["rss_after_init"] - r["rss_baseline"]),
-            "held_bytes": [r["held"] for r in runs[0]["ranks"]], "init_s": max(r["init_s"] for run in runs for r in run["ranks"]),
+            "held_bytes": [r["held"] for r in runs[0]["ranks"]],
+            "init_s": max(r["init_s"] for run in runs for r in run["ranks"]),
             "threads_per_rank": runs[0]["ranks"][0]["threads"], "losses": losses[0],
-            "rounds_identical": all(l == losses[0] for l in losses)}
+            "rounds_identical": all(run == losses[0] for run in losses)}
 
 
 def reference_losses(cfg: config_mod.Config, data_dir: Path, steps: int) -> list[float]:
     """The same training in one process with plain torch: the whole global batch, accumulated."""
-    sys.path.insert(0, str(BENCH))
-    from overhead import PlainLoop
+    from overhead import PlainLoop  # bench/ is sys.path[0] when a bench runs as a script
     loop = PlainLoop(cfg, data_dir, torch.device("cpu"))
     return [loop.train_step() for _ in range(steps)]
 
@@ -168,8 +170,8 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for side in (sides if r % 2 == 0 else sides[::-1]):
                 load = os.getloadavg()[0]
-                print(f"round {r + 1}/{args.rounds}: {side} ({args.nproc} ranks, {args.steps} steps; load {load:.2f}) ...",
-                      flush=True)
+                print(f"round {r + 1}/{args.rounds}: {side} ({args.nproc} ranks, {args.steps} steps; "
+                      f"load {load:.2f}) ...", flush=True)
                 raw[side].append(run_worker(side, args, strata_overrides if side == "strata" else overrides,
                                             tmp / f"{side}-{r}.json", tmp))
                 raw[side][-1]["load_avg_before"] = load
@@ -188,8 +190,8 @@ def main(argv=None) -> int:
           f"load {load_start:.2f} -> {os.getloadavg()[0]:.2f}")
     for side, r in results.items():
         print(f"  {side:9s} = {r['label']}")
-    print(f"\n{'':10s} {'step ms':>9s} {'peak RSS MiB':>13s} {'per rank':>16s} {'held MiB (params/grads/optim, rank 0)':>40s}"
-          f" {'init s':>7s}")
+    print(f"\n{'':10s} {'step ms':>9s} {'peak RSS MiB':>13s} {'per rank':>16s} "
+          f"{'held MiB (params/grads/optim, rank 0)':>40s} {'init s':>7s}")
     for side, r in results.items():
         h = r["held_bytes"][0]
         held = "/".join(mib(h.get(k, 0)) for k in ("params", "grads", "optim")) if h else "n/a"
@@ -206,11 +208,13 @@ def main(argv=None) -> int:
               f"peak RSS above baseline {ratios['peak_rss']:.3f} (largest rank of each)")
         if args.rounds > 1:
             print("  per-round medians (ms): " + "; ".join(
-                f"{side} " + " ".join(f"{t * 1e3:.0f}" for t in r["round_median_step_s"]) for side, r in results.items())
+                f"{side} " + " ".join(f"{t * 1e3:.0f}" for t in r["round_median_step_s"])
+                for side, r in results.items())
                 + f"; ratio of each side's quietest round {ratios['step_time_best_rounds']:.3f}")
 
     print("\nloss per step" + (" (reference: single-process plain torch)" if reference else ""))
-    print(f"{'step':>4s} " + " ".join(f"{side:>10s}" for side in results) + (f" {'reference':>10s}" if reference else ""))
+    print(f"{'step':>4s} " + " ".join(f"{side:>10s}" for side in results)
+          + (f" {'reference':>10s}" if reference else ""))
     for i in range(args.steps):
         row = " ".join(f"{r['losses'][i]:10.6f}" for r in results.values())
         ref = f" {reference[i]:10.6f}" if reference and i < len(reference) else ""
@@ -219,7 +223,8 @@ def main(argv=None) -> int:
         if not r["rounds_identical"]:
             print(f"note: {side}'s losses differ between rounds (the first round's are shown)")
     if ratios:
-        print(f"max relative loss difference strata vs deepspeed over {args.steps} steps: {ratios['max_rel_loss_diff']:.2e}")
+        print(f"max relative loss difference strata vs deepspeed over {args.steps} steps: "
+              f"{ratios['max_rel_loss_diff']:.2e}")
     failed = False
     check = {}
     if reference:

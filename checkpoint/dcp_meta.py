@@ -45,7 +45,8 @@ def build(index: dict, checkpoint_id: str) -> Metadata:
     tensors = dict(index["tensors"])
     tensors.update({alias: index["tensors"][key] for alias, key in index.get("aliases", {}).items()})
     for key, entry in tensors.items():
-        sdm[key] = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(entry["dtype"])), torch.Size(entry["shape"]),
+        sdm[key] = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(entry["dtype"])),
+                                         torch.Size(entry["shape"]),
                                          [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"]))
                                           for c in entry["chunks"]])
         for c in entry["chunks"]:
@@ -56,7 +57,8 @@ def build(index: dict, checkpoint_id: str) -> Metadata:
         storage[MetadataIndex(key)] = _StorageInfo(where["file"], where["offset"], where["length"])
         planner[key] = _path(key)
     return Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage,
-                    storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=uuid.uuid4().hex), version=DCP_VERSION)
+                    storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=uuid.uuid4().hex),
+                    version=DCP_VERSION)
 
 
 def to_bytes(metadata: Metadata) -> bytes:

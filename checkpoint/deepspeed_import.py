@@ -101,7 +101,8 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict]:
                     if a < b:
                         s = a - lo
                         pieces = {"param": flat[gi][s:s + b - a]}
-                        pieces.update({k: v[s:s + b - a] for k, v in inner[gi].items() if torch.is_tensor(v) and v.ndim})
+                        pieces.update({k: v[s:s + b - a] for k, v in inner[gi].items()
+                                       if torch.is_tensor(v) and v.ndim})
                         put(name, a - start, b - start, pieces,
                             {k: v for k, v in inner[gi].items() if not (torch.is_tensor(v) and v.ndim)})
                     start += n + (padding[gi][pi] if padding else 0)

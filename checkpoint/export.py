@@ -8,8 +8,8 @@ from pathlib import Path
 
 from safetensors.torch import save as safetensors_bytes
 
-from strata.checkpoint.reader import Checkpoint
 from strata.atomic import write_file_atomic
+from strata.checkpoint.reader import Checkpoint
 
 FORMATS = ("safetensors",)
 

@@ -63,7 +63,8 @@ def describe(path: Path) -> str:
     lines = [f"checkpoint {ckpt.path}", f"step {ckpt.step}, saved from layout: {_layout(index.get('layout', {}))}",
              f"integrity: {integrity}", "files:"]
     for name, entry in ckpt.files.items():
-        check = f"{len(entry['block_crc32c'])} block crc32cs" if "block_crc32c" in entry else f"crc32c {entry['crc32c']}"
+        check = (f"{len(entry['block_crc32c'])} block crc32cs" if "block_crc32c" in entry
+                 else f"crc32c {entry['crc32c']}")
         lines.append(f"  {name:22s} {_size(entry['bytes']):>10s}  {check}")
     if not ok:
         return "\n".join(lines)

@@ -77,7 +77,8 @@ class Checkpoint:
         if not any("index.json" in p for p in self.problems):
             data = (self.path / "index.json").read_bytes()
             if integrity.checksum(data) != self.files["index.json"]["crc32c"]:
-                self.problems.append(f"{self.path / 'index.json'}: checksum does not match the commit marker (corrupted)")
+                self.problems.append(f"{self.path / 'index.json'}: checksum does not match the commit marker "
+                                     "(corrupted)")
             else:
                 self.index = json.loads(data)
         self._fds: dict[str, int] = {}

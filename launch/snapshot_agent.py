@@ -68,7 +68,8 @@ class Agent:
         self.lock = threading.Lock()
         self.slots: dict[int, Slot] = {}
         self.frags: dict[tuple[int, int, int], tuple[bytearray, dict]] = {}  # (rank, step, j) -> (bytes, meta)
-        self.restored: dict[tuple[int, int], tuple[int, mmap.mmap, dict, str]] = {}  # (rank, step) -> fd, map, meta, how
+        # (rank, step) -> fd, map, meta, how
+        self.restored: dict[tuple[int, int], tuple[int, mmap.mmap, dict, str]] = {}
         self.agents: dict[str, tuple[str, int]] = {}      # agent id -> (host, port)
         self.nodes: list[str] = [self.id]                  # agent ids in node order
         self.k, self.m = 1, 0
@@ -186,7 +187,8 @@ class Agent:
                 if old.step >= meta["step"]:
                     old.state = "free"
             self._commits += 1
-            slot.state, slot.owner, slot.step, slot.meta, slot.seq = "committed", None, meta["step"], meta, self._commits
+            slot.state, slot.owner, slot.step = "committed", None, meta["step"]
+            slot.meta, slot.seq = meta, self._commits
             slot.placed.clear()
             for old in self._committed(slot.rank)[:-KEEP]:
                 old.state = "free"
@@ -225,8 +227,8 @@ class Agent:
     def _image(self, rank: int, step: int, sources: dict) -> tuple[int, dict, str]:
         """A descriptor of (a copy of) rank's image at step, and how it was obtained."""
         with self.lock:
-            local = next((s for s in self.slots.values() if s.state == "committed" and (s.rank, s.step) == (rank, step)),
-                         None)
+            local = next((s for s in self.slots.values()
+                          if s.state == "committed" and (s.rank, s.step) == (rank, step)), None)
             if local is not None:
                 return os.dup(local.fd), local.meta, "local"
             if (rank, step) in self.restored:
@@ -382,7 +384,8 @@ class Agent:
                     return {"ok": True}, memoryview(slot.map)[:slot.meta["nbytes"]]
             elif (rank, step, j) in self.frags:
                 return {"ok": True}, self.frags[(rank, step, j)][0]
-        return {"ok": False, "error": f"no {'image' if j == FULL else f'fragment {j}'} of rank {rank} step {step}"}, None
+        what = "image" if j == FULL else f"fragment {j}"
+        return {"ok": False, "error": f"no {what} of rank {rank} step {step}"}, None
 
     def _committed(self, rank: int) -> list[Slot]:
         """The rank's committed slots, oldest commit first (callers hold the lock)."""

@@ -32,7 +32,8 @@ class SwapIOError(StrataError):
 
 def _describe(op: str, path: Path, offset: int, nbytes: int, err: OSError) -> str:
     name = errno_names.errorcode.get(err.errno, "?") if err.errno else "?"
-    return f"{op} of {nbytes} bytes at offset {offset} of {path} failed: {err.strerror or err} (errno {err.errno} {name})"
+    return (f"{op} of {nbytes} bytes at offset {offset} of {path} failed: {err.strerror or err} "
+            f"(errno {err.errno} {name})")
 
 
 class Handle:

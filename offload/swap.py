@@ -9,7 +9,6 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -26,7 +25,7 @@ class FileRegion:
     nbytes: int
 
 
-Where = Union[FileRegion, torch.Tensor]  # a swap-file region, or a host tensor of the same size
+Where = FileRegion | torch.Tensor  # a swap-file region, or a host tensor of the same size
 
 
 class Transfer:

@@ -25,9 +25,9 @@ class Box:
         """The box both cover, or None if they are disjoint."""
         lo = [max(a, b) for a, b in zip(self.offsets, other.offsets)]
         hi = [min(a + n, b + m) for a, n, b, m in zip(self.offsets, self.sizes, other.offsets, other.sizes)]
-        if any(h <= l for l, h in zip(lo, hi)):
+        if any(h <= low for low, h in zip(lo, hi)):
             return None
-        return Box(tuple(lo), tuple(h - l for l, h in zip(lo, hi)))
+        return Box(tuple(lo), tuple(h - low for low, h in zip(lo, hi)))
 
     def shifted(self, by: tuple[int, ...]) -> Box:
         """This box inside a box at `by` (offsets added)."""

@@ -39,10 +39,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from strata.parallel import comm
-
 from strata.config import CHAIN, LEVELS, chain_level, layout_problems, ranks_per_node
 from strata.errors import ConfigError
+from strata.parallel import comm
 
 DIMS = ("pp", "dp", "tp")  # parallel dimensions, outermost to innermost
 HARDWARE = ("node", "gpu", "gcd")  # hardware coordinates, outermost to innermost

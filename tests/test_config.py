@@ -162,7 +162,8 @@ def test_range_limits_are_inclusive_where_documented():
     (["optim.warmup_steps=301"], None, "optim.warmup_steps=301 exceeds train.steps=300"),
     (["parallel.dp=3"], 4, "parallel: tp·pp·dp = 1·1·3 = 3 but the world size is 4"),
     ([], 4, "train.global_batch_size=16 must be a multiple of train.micro_batch_size·dp = 8·4"),
-    (["train.global_batch_size=24"], 2, "train.global_batch_size=24 must be a multiple of train.micro_batch_size·dp = 8·2"),
+    (["train.global_batch_size=24"], 2,
+     "train.global_batch_size=24 must be a multiple of train.micro_batch_size·dp = 8·2"),
 ])
 def test_cross_key_constraints(overrides, world_size, expected):
     err = load_error(None, overrides, world_size=world_size)
@@ -418,7 +419,8 @@ def test_explain_nested_key_and_groups():
     assert "\n    zero.params.shard_over = 'none'  # " in text
     assert "\n  zero.prefetch_blocks = 1  # " in text
     text = config.explain("zero.secondary_params")
-    assert text.startswith("zero.secondary_params: hpZ (ZeRO++)") and "zero.secondary_params.shard_over = 'none'" in text
+    assert text.startswith("zero.secondary_params: hpZ (ZeRO++)")
+    assert "zero.secondary_params.shard_over = 'none'" in text
     with pytest.raises(ConfigError) as info:
         config.explain("zero.params.shard_ovr")
     assert "did you mean 'zero.params.shard_over'" in str(info.value)

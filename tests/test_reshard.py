@@ -10,14 +10,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from strata import config
 from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
-from strata import config
 from strata.model import GPT
-from conftest import tiny_config
 from strata.parallel.runtime import start
-from test_distributed import assert_same_params, final_params, launch_run, losses_from
 from strata.trainer.loop import run
+
+from conftest import tiny_config
+from test_distributed import assert_same_params, final_params, launch_run, losses_from
 
 SHARED = {"model.n_layers": 4, "log.interval": 1, "checkpoint.interval": 3, "checkpoint.save_final": True}
 ZERO3 = {f"zero.{k}.shard_over": "global" for k in ("params", "grads", "optim")}

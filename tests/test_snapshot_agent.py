@@ -171,7 +171,8 @@ def test_worker_side_errors_name_the_fix(agents):
     a = agents(1, 1, 0)
     with pytest.raises(StrataError, match=r"snapshot.k \+ snapshot.m = 1 \+ 1 .* this job has 1; set snapshot.m=0"):
         SnapshotManager(SnapshotConfig(every_steps=1, k=1, m=1), 0, 1, None, env={"STRATA_SNAPSHOT_SOCKET": a.paths[0]})
-    manager = SnapshotManager(SnapshotConfig(every_steps=1, m=0), 0, 1, None, env={"STRATA_SNAPSHOT_SOCKET": a.paths[0]})
+    manager = SnapshotManager(SnapshotConfig(every_steps=1, m=0), 0, 1, None,
+                              env={"STRATA_SNAPSHOT_SOCKET": a.paths[0]})
     manager.close()
 
 

@@ -175,7 +175,8 @@ class BatchLoader:
     def __init__(self, dataset: TokenDataset, seed: int, global_batch: int, micro_batch: int,
                  dp_rank: int = 0, dp_size: int = 1, shuffle: bool = True):
         if global_batch % (micro_batch * dp_size):
-            raise DataError(f"global batch {global_batch} is not a multiple of micro_batch·dp = {micro_batch}·{dp_size}")
+            raise DataError(f"global batch {global_batch} is not a multiple of micro_batch·dp = "
+                            f"{micro_batch}·{dp_size}")
         self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
