@@ -173,8 +173,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     p = argparse.ArgumentParser(
         prog="strata", formatter_class=fmt,
         description="Train transformer models from one YAML experiment.\n\n"
-                    "Options and key=value overrides may come in any order after the command's\n"
-                    "positional arguments; `strata COMMAND --help` shows a command's options.",
+                    "Options and key=value overrides mix freely: options anywhere after the command,\n"
+                    "overrides after its other positional arguments (such as the config file).\n"
+                    "`strata COMMAND --help` shows a command's options and examples.",
         epilog=_epilog("strata train configs/tiny.yaml train.steps=100",
                        "strata launch configs/tiny.yaml --nproc 2",
                        "strata config show configs/llama2-7b-3d.yaml --world-size 32",
