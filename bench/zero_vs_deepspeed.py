@@ -4,7 +4,7 @@ Both sides train the Strata config (configs/tiny.yaml widened to a few million p
 default) for `--steps` steps with the same global batch on `--nproc` ranks, each side launched
 with torchrun as its own worker (bench/_zero_worker.py) and measured the same way on every rank:
 
-* Strata: `trainer.loop.Trainer` with `zero.params/grads/optim.shard_over=global`, one
+* Strata: `strata.trainer.loop.Trainer` with `zero.params/grads/optim.shard_over=global`, one
   `train_step()` per step (`--strata dp` runs plain data parallelism instead);
 * DeepSpeed ZeRO-3: the model built under `zero.Init` (partitioned from the start,
   `stage3_param_persistence_threshold: 0`, so every parameter is sharded), Strata's initial
