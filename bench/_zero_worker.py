@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from strata import config as config_mod
 from strata.trainer.data import BatchLoader, TokenDataset
-from strata.trainer.loop import build_optimizer, lr_at
+from strata.trainer.loop import lr_at
+from strata.trainer.parallelize import build_optimizer
 from strata.parallel.runtime import proc_status_bytes, reset_peak_rss
 from strata.model import GPT, count_params, initial_value, lm_loss, padded_vocab_size, set_rope_buffers
 
@@ -253,17 +254,14 @@ class StrataSide:
     def build(self) -> None:
         from strata.trainer.loop import Trainer
         self.trainer = Trainer(self.cfg, self.rt)
-        self.n_params = count_params(self.cfg.model, self.trainer.vocab_size)
+        self.n_params = count_params(self.cfg.model, self.trainer.model.vocab_size)
         if self.offload and self.tiers() is None and not self.args.allow_inactive_offload:
-            raise SystemExit(f"strata: offload {self.offload} is configured but the trainer built no offload tiers "
-                             "(no trainer.tiers or trainer.engine.tiers): Strata's offload is not implemented in "
-                             "this tree. --allow-inactive-offload runs it anyway, as plain ZeRO-3")
+            raise SystemExit(f"strata: offload {self.offload} is configured but the trainer built no offload tiers; "
+                             "--allow-inactive-offload runs it anyway, as plain ZeRO-3")
 
     def tiers(self):
-        """The trainer's memory tiers (offload/tiers.py: `trainer.tiers`, or `trainer.engine.tiers`), None
-        where this tree has none."""
-        return (getattr(self.trainer, "tiers", None)
-                or getattr(getattr(self.trainer, "engine", None), "tiers", None))
+        """The trainer's memory tiers (offload/tiers.py), None without offload."""
+        return self.trainer.model.tiers
 
     def offload_metrics(self) -> dict:
         """The tiers' counters (io_read_bytes, io_write_bytes, host_peak_bytes, ...), {} without them."""
@@ -296,7 +294,7 @@ class StrataSide:
         return label
 
     def info(self) -> dict:
-        return {"offload_active": self.tiers() is not None, "optimizer": type(self.trainer.optimizer).__name__}
+        return {"offload_active": self.tiers() is not None, "optimizer": type(self.trainer.model.optimizer).__name__}
 
     def close(self) -> None:
         """The trainer's (or else its tiers') own clean-up, where this tree has one: swap files, I/O threads."""

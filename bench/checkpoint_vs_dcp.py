@@ -104,11 +104,11 @@ def worker(args: argparse.Namespace) -> None:
         return elapsed.item(), out
 
     figures: dict = {"ranks": world, "cores": os.cpu_count(), "d_model": args.d_model, "layers": args.layers,
-                     "params": sum(math.prod(s) for s in trainer.global_shapes.values())}
+                     "params": sum(math.prod(s) for s in trainer.model.global_shapes.values())}
 
     # --- Strata async saves ------------------------------------------------------------------
     def save() -> tuple[float, float]:
-        trainer.step += 1
+        trainer.state.step += 1
         stall, _ = timed(trainer.save)
         total, _ = timed(trainer.checkpoints.wait)
         return stall, stall + total

@@ -45,10 +45,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 from strata.parallel import comm
 from strata.parallel.co2 import CO2
-from strata.parallel.data_parallel import GradientBuckets
 from strata.parallel.runtime import free_port
 from strata.parallel.topology import Layout, build_topology
 from strata.config import ModelConfig
@@ -72,6 +72,37 @@ def val_loss(model: torch.nn.Module, data_dir: Path) -> float:
     with torch.no_grad():
         losses = [lm_loss(model(x), y).item() for x, y in eval_batches(val, EVAL_BATCHES, MICRO, 0, 1)]
     return sum(losses) / len(losses)
+
+
+class GradientBuckets:
+    """The synchronous arm's data parallelism, as plain as it gets: parameters grouped into buckets
+    of about `bucket_bytes`, each all-reduced (mean) after backward. (Strata's trainer does this
+    through its ZeRO engine with nothing partitioned.)"""
+
+    def __init__(self, params: list[nn.Parameter], bucket_bytes: int):
+        self.buckets: list[list[nn.Parameter]] = []
+        current, size = [], 0
+        for p in reversed(params):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                self.buckets.append(current)
+                current, size = [], 0
+        if current:
+            self.buckets.append(current)
+
+    def all_reduce_mean(self, group, world: int) -> None:
+        """Replace each gradient with its mean over the group."""
+        for bucket in self.buckets:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            comm.all_reduce(flat, group, dim="dp")
+            flat.div_(world)
+            offset = 0
+            for p, g in zip(bucket, grads):
+                n = g.numel()
+                p.grad = flat[offset:offset + n].view_as(p)
+                offset += n
 
 
 class Arm:

@@ -62,7 +62,7 @@ def build(args, update_on: str, run_root: Path) -> Trainer:
 
 def timed_optimizer(trainer: Trainer, times: list[float]) -> None:
     """Time every optimizer step of `trainer` (the tier's sub-group step), synchronised."""
-    tier = trainer.engine.optim_tier
+    tier = trainer.model.engine.optim_tier
     inner = tier.step
 
     def step():
@@ -93,14 +93,14 @@ def main(argv=None) -> int:
                 loss, _ = trainer.train_step()
                 losses.append(loss.item())
                 step_times.append(time.perf_counter() - start)
-            params = torch.cat([g.shard.float().cpu() for g in trainer.engine.groups])
-            record = trainer.tiers.startup_record()
+            params = torch.cat([g.shard.float().cpu() for g in trainer.model.engine.groups])
+            record = trainer.model.tiers.startup_record()
             results[name] = {"optimizer_step_s": statistics.median(opt_times[2:]),
                              "train_step_s": statistics.median(step_times[2:]), "losses": losses,
                              "placement": record.get("offload_placement"),
                              "calibration": record.get("offload_calibration"), "params": params}
             n_params = params.numel()
-            trainer.tiers.close()
+            trainer.model.tiers.close()
             del trainer
             torch.cuda.empty_cache()
     print(f"device: {torch.cuda.get_device_name()}, {n_params / 1e6:.0f}M parameters (ZeRO-3, 1 rank), "

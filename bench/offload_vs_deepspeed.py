@@ -10,7 +10,7 @@ by run. Both get the same `offload.*` overrides:
 * Strata: `trainer.loop.Trainer` with `zero.{params,grads,optim}.shard_over=global`,
   `offload.params.device=D offload.optim.device=D offload.nvme_path=DIR offload.host_buffer_mb=64
   offload.slab_mb=4`, one `train_step()` per step; the tiers' own counters come from
-  `trainer.tiers.metrics()` (or `trainer.engine.tiers.metrics()`: io_read_bytes, io_write_bytes,
+  `trainer.model.tiers.metrics()` (io_read_bytes, io_write_bytes,
   host_peak_bytes, ...) where the trainer has them. A trainer without tiers fails the Strata run
   (offload not active) unless `--allow-inactive-offload`.
 * DeepSpeed 0.19.8: the model built under `zero.Init(config_dict_or_path=ds)` (otherwise NVMe

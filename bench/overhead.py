@@ -201,7 +201,7 @@ def main(argv=None) -> int:
         plain = PlainLoop(cfg, data_dir, device, n_steps if args.plain_data == "prebuilt" else 0)
         torch.set_num_threads(args.threads)  # both sides see the same setting (Trainer also sets it)
 
-        n_params = sum(p.numel() for p in trainer.params)
+        n_params = sum(p.numel() for p in trainer.model.params)
         print(f"bench/overhead: {n_params / 1e6:.2f}M params (d_model {args.d_model}, {args.layers} layers, "
               f"seq {args.seq_len}), micro-batch {args.micro_batch} x accum {args.accum}, {args.precision}, "
               f"device {device}, threads {torch.get_num_threads()}, torch {torch.__version__}, "

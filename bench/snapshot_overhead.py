@@ -1,4 +1,4 @@
-"""In-memory snapshots (issue 7): what a snapshot every step costs, against disk checkpoints of the
+"""In-memory snapshots: what a snapshot every step costs, against disk checkpoints of the
 same state, how fast the erasure code is against a memcpy, and how long a worker crash takes to
 recover from (docs/design/snapshot.md §8). Goals: snapshot stall < 5 % of the step; a snapshot
 much cheaper to take than a checkpoint (the paper: > 14x faster saving than async checkpointing).
@@ -8,7 +8,8 @@ Every job is the demo model (configs/tiny.yaml, 0.89M parameters, 16x128 tokens 
 tests' set-up: a standalone `strata store`, c10d rendezvous, one snapshot agent per node, k=1, m=1;
 `--nodes 1` runs one node with m=0). Rank 0's metrics.jsonl gives the step time per log interval
 (`step_time_s`, which includes that interval's snapshots or saves) and the snapshot stall
-(`snapshot.stall_ms`: `SnapshotManager.save`, mean per interval); the first interval (start-up,
+(`snapshot.stall_ms`: `SnapshotManager.save`, which collects the pieces through `TrainState.contents`
+too, mean per interval); the first interval (start-up,
 first plan and lease) is dropped, each run is the median of its intervals, each variant the median
 of its runs. The variants, one job each, in alternating order (off, snap, sync, async, then the
 pairs reversed) so that drift of the shared machine's load falls on both sides:
@@ -136,9 +137,11 @@ def _loop(mod):
     T = mod.Trainer
     T.__init__ = _timed("trainer_init", T.__init__, events=True)
     T.snapshot = _timed("trainer_snapshot", T.snapshot, cpu=True)
-    T._state_to_save = _timed("state_to_save", T._state_to_save)
     T.save = _timed("trainer_save", T.save, cpu=True)
     T.train_step = _timed("train_step", T.train_step, cpu=True)
+
+def _state(mod):
+    mod.TrainState.contents = _timed("state_to_save", mod.TrainState.contents)
 
 def _manager(mod):
     M = mod.CheckpointManager
@@ -150,8 +153,8 @@ def _manager(mod):
 def _runtime(mod):
     mod.start = _timed("runtime_start", mod.start, events=True)
 
-_PATCH = {"strata.checkpoint.snapshot": _snapshot, "strata.trainer.loop": _loop, "strata.parallel.runtime": _runtime,
-          "strata.checkpoint.manager": _manager}
+_PATCH = {"strata.checkpoint.snapshot": _snapshot, "strata.trainer.loop": _loop, "strata.trainer.state": _state,
+          "strata.parallel.runtime": _runtime, "strata.checkpoint.manager": _manager}
 
 class _Finder(importlib.abc.MetaPathFinder):
     busy = set()
@@ -493,7 +496,8 @@ def pieces_bench(args, root: Path) -> list[dict]:
             f"log.dir={root / 'pieces'}", "log.progress=false"], world_size=1)
         trainer = Trainer(cfg, runtime_mod.start("gloo", 60))
         trainer.train_step()  # the optimizer state exists
-        pieces, objects, aliases = trainer._state_to_save()
+        contents = trainer.state.contents(trainer.step)
+        pieces, objects, aliases = contents.pieces, contents.objects, contents.aliases
         descs = descriptors(pieces)
         staging = plan_staging([descs] * world, 0)
         image = torch.empty(staging.nbytes, dtype=torch.uint8)
@@ -504,11 +508,11 @@ def pieces_bench(args, root: Path) -> list[dict]:
             pairs.append((dst, pieces[it.piece].tensor.reshape(-1)[it.start:it.start + n]))
         dsts, srcs = [d for d, _ in pairs], [s for _, s in pairs]
         flat_src = torch.empty(staging.nbytes, dtype=torch.uint8)
-        layout = trainer._layout_summary()
+        layout = contents.layout
         rows = []
         print(f"  rank 0 of world {world}: {len(pieces)} pieces, {len(staging.items)} items, "
               f"{staging.nbytes / 1e6:.2f} MB image", flush=True)
-        for what, fn in (("Trainer._state_to_save", trainer._state_to_save),
+        for what, fn in (("TrainState.contents", lambda: trainer.state.contents(trainer.step)),
                          ("descriptors(pieces)", lambda: descriptors(pieces)),
                          ("copy_pieces (as save does)", lambda: copy_pieces(image, staging.items, pieces)),
                          ("  the same copies, views made once", lambda: torch._foreach_copy_(dsts, srcs)),
@@ -793,7 +797,7 @@ def report_steps(args, runs: list[dict], result: dict) -> None:
               f"{', '.join(fmt(r['stall_ms']) for r in by['snap'])}) = {100 * s['stall_over_step']:.1f} % of the "
               f"{1e3 * step['snap']:.1f} ms step; snapshots skipped {s['skipped']}")
         if full is not None:
-            print("  the whole Trainer.snapshot call (adds collecting the pieces, _state_to_save), rank 0: "
+            print("  the whole Trainer.snapshot call, rank 0: "
                   f"{full:.2f} ms "
                   f"= {100 * s['call_over_step']:.1f} % of the step")
         if s["snap_over_off"] is not None:

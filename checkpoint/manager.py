@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from strata.checkpoint import store, writer
 from strata.parallel import comm
-from strata.checkpoint.pieces import Piece, whole_piece
+from strata.checkpoint.pieces import FixedState, Piece, SavableState, StateContents, whole_piece
 from strata.checkpoint.stage import (OBJECTS_FILE, SharedImage, Staging, copy_pieces, gather_plan, index_of, objects_blob,
                               write_templates)
 from strata.errors import CheckpointError
@@ -41,10 +41,11 @@ class _Save:
 
 class CheckpointManager:
     """Checkpoints under `root` for one rank of a `world` (collective calls over `group`, None in a
-    world of one: every rank makes them)."""
+    world of one: every rank makes them); `config_yaml` is the run's config, saved with each."""
 
-    def __init__(self, root: Path, rank: int, world: int, keep_last: int = 0, async_save: bool = False, group=None):
-        self.root, self.rank, self.world = Path(root), rank, world
+    def __init__(self, root: Path, rank: int, world: int, keep_last: int = 0, async_save: bool = False, group=None,
+                 config_yaml: str = ""):
+        self.root, self.rank, self.world, self.config_yaml = Path(root), rank, world, config_yaml
         self.keep_last, self.async_save, self.group = keep_last, async_save, group
         self._staging: Staging | None = None
         self._inflight: _Save | None = None
@@ -60,12 +61,13 @@ class CheckpointManager:
                                   + (f"\n  … {len(found) - 20} more" if len(found) > 20 else ""))
 
     # --- saving ----------------------------------------------------------------------------
-    def save(self, step: int, pieces: list[Piece], objects: dict, aliases: dict[str, str], config_yaml: str,
-             layout: dict) -> None:
-        """Save `pieces` (this rank's state) as checkpoint `step`; `objects` (rank 0's: trainer
-        state, optimizer hyper-parameters) are stored as DCP byte entries. Returns once the data is
-        staged (async) or committed (sync)."""
+    def save(self, step: int, state: SavableState) -> None:
+        """Save this rank's `state` as checkpoint `step`: its pieces, and rank 0's objects (trainer
+        state, optimizer hyper-parameters) as DCP byte entries. Returns once the data is staged
+        (async) or committed (sync)."""
         self.wait()
+        contents = state.contents(step)
+        pieces = contents.pieces
         step_dir = store.partial_dir(self.root, step)
         if self.rank == 0:  # files of an interrupted earlier attempt; the others write after _stage's gather
             shutil.rmtree(step_dir, ignore_errors=True)
@@ -73,10 +75,10 @@ class CheckpointManager:
         copy_pieces(staging.image.tensor, staging.items, pieces)
         extra, commit_args = {}, ()
         if self.rank == 0:
-            blob, where = objects_blob(objects)
+            blob, where = objects_blob(contents.objects)
             extra = {OBJECTS_FILE: blob}
-            index = index_of(step, layout, staging, where, aliases)
-            commit_args = (step_dir, step, self.world, index, config_yaml, self.keep_last)
+            index = index_of(step, contents.layout, staging, where, contents.aliases)
+            commit_args = (step_dir, step, self.world, index, self.config_yaml, self.keep_last)
         if self.async_save:
             self._start_writer()
             self._conn.send(("write", step_dir, self.rank, staging.nbytes, extra))
@@ -208,5 +210,6 @@ def write_whole(root: Path, step: int, tensors: dict[str, torch.Tensor], objects
     """A checkpoint of whole tensors (by DCP key), written from one process (imports, offline
     tools); the same format a training job writes."""
     pieces = [whole_piece(key, t.detach().contiguous()) for key, t in tensors.items()]
-    CheckpointManager(root, 0, 1).save(step, pieces, objects, aliases, config_yaml, layout)
+    CheckpointManager(root, 0, 1, config_yaml=config_yaml).save(
+        step, FixedState(StateContents(pieces, objects, aliases, layout)))
     return store.step_dir(root, step)

@@ -10,7 +10,7 @@ plain model (its other names are aliases), `rng.cpu.rank{r}` is each rank's RNG 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -77,40 +77,26 @@ def state_pieces(fqn: str, entry: dict, placement: Placement, local_shape: tuple
     return out
 
 
-def model_pieces(parts: list[nn.Module], engine: "ZeroEngine | None", canonical: dict[str, str]) -> list[Piece]:
-    """This rank's parameters: whole tp-local tensors, or under ZeRO the slices of its flat
-    parameter shards (never gathered)."""
-    if engine is not None:
-        out = []
-        for g in engine.groups:
-            lo, hi = g.param_start, g.param_start + g.shard.numel()
-            for slot in g.slots:
-                a, b = max(lo, slot.range[0]), min(hi, slot.range[1])
-                if a < b:
-                    out += _range_pieces(f"model.{canonical[slot.aliases[0]]}", placement_of(slot.param),
-                                         slot.segment.shape, a - slot.range[0], g.shard[a - lo:b - lo])
-        return out
-    return [piece for name, p in _unique_params(parts)
-            for piece in _range_pieces(f"model.{canonical[name]}", placement_of(p), tuple(p.shape), 0, p.data.view(-1))]
+def model_pieces(engine: "ZeroEngine", canonical: dict[str, str]) -> list[Piece]:
+    """This rank's parameters: the slices of its flat parameter shards (never gathered; whole
+    tp-local tensors when parameters are not partitioned)."""
+    out = []
+    for g in engine.groups:
+        lo, hi = g.param_start, g.param_start + g.shard.numel()
+        for slot in g.slots:
+            a, b = max(lo, slot.range[0]), min(hi, slot.range[1])
+            if a < b:
+                out += _range_pieces(f"model.{canonical[slot.aliases[0]]}", placement_of(slot.param),
+                                     slot.segment.shape, a - slot.range[0], g.shard[a - lo:b - lo])
+    return out
 
 
-def _unique_params(parts: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
-    """(first name, parameter) of every parameter over this rank's model parts, each once."""
-    seen: dict[int, tuple[str, nn.Parameter]] = {}
-    for part in parts:
-        for name, p in part.named_parameters():
-            seen.setdefault(id(p), (name, p))
-    return list(seen.values())
-
-
-def optimizer_entries(parts: list[nn.Module], engine: "ZeroEngine | None", canonical: dict[str, str]
+def optimizer_entries(engine: "ZeroEngine", canonical: dict[str, str]
                       ) -> list[tuple[nn.Parameter, str, Placement, tuple[int, ...], int]]:
     """(optimizer parameter, canonical name, placement, tp-local shape, start of its flat range)
-    for every parameter this rank's optimizer steps (ZeRO: one per segment of its chunk)."""
-    if engine is not None:
-        return [(piece, canonical[slot.aliases[0]], placement_of(slot.param), slot.segment.shape, a)
-                for g in engine.groups for slot, piece, a, _ in g.segments]
-    return [(p, canonical[name], placement_of(p), tuple(p.shape), 0) for name, p in _unique_params(parts)]
+    for every parameter segment this rank's optimizer steps."""
+    return [(piece, canonical[slot.aliases[0]], placement_of(slot.param), slot.segment.shape, a)
+            for g in engine.groups for slot, piece, a, _ in g.segments]
 
 
 def optimizer_pieces(optimizer: torch.optim.Optimizer, entries) -> list[Piece]:
@@ -124,3 +110,29 @@ def optimizer_pieces(optimizer: torch.optim.Optimizer, entries) -> list[Piece]:
 
 def rng_piece(rank: int) -> Piece:
     return whole_piece(f"rng.cpu.rank{rank}", torch.get_rng_state())
+
+
+@dataclass
+class StateContents:
+    """What one rank contributes to a checkpoint or snapshot: its pieces (RNG state included), the
+    objects only rank 0 stores (trainer state, optimizer hyper-parameters), the tied weights' other
+    names (alias → saved key) and the layout that saved it."""
+    pieces: list[Piece]
+    objects: dict
+    aliases: dict[str, str]
+    layout: dict
+
+
+class SavableState(Protocol):
+    """The training state a `CheckpointManager` saves and a `SnapshotManager` snapshots."""
+
+    def contents(self, step: int) -> StateContents: ...
+
+
+@dataclass
+class FixedState:
+    """Contents that do not change between saves (offline tools, tests)."""
+    fixed: StateContents
+
+    def contents(self, step: int) -> StateContents:
+        return self.fixed

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from strata.checkpoint.pieces import Piece
+from strata.checkpoint.pieces import Piece, SavableState
 from strata.checkpoint.reader import Checkpoint
 from strata.checkpoint.stage import (OBJECTS_FILE, Staging, copy_pieces, descriptors, index_of, objects_blob, plan_staging,
                               write_templates)
@@ -74,11 +74,14 @@ class SnapshotManager:
         self.skipped = 0
 
     # --- saving ------------------------------------------------------------------------------
-    def save(self, step: int, pieces: list[Piece], objects: dict, aliases: dict[str, str], layout: dict) -> bool:
-        """Snapshot `pieces` as step `step` (collective). Returns False when it was skipped because
-        some rank's agent was still placing the previous one (or is unreachable)."""
+    def save(self, step: int, state: SavableState) -> bool:
+        """Snapshot this rank's `state` as step `step` (collective). Returns False when it was skipped
+        because some rank's agent was still placing the previous one (or is unreachable)."""
         start = time.perf_counter()
-        staging, lease, trailer = self._plan_and_lease(step, pieces, objects, aliases, layout)
+        contents = state.contents(step)
+        pieces = contents.pieces
+        staging, lease, trailer = self._plan_and_lease(step, pieces, contents.objects, contents.aliases,
+                                                       contents.layout)
         if lease is None:
             self.skipped += 1
             return False

@@ -16,7 +16,6 @@ from torch import nn
 from torch.distributed import pipelining
 
 from strata.parallel import comm
-from strata.parallel.data_parallel import unique_params
 from strata.config import SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES
 from strata.model import GPT
 
@@ -123,30 +122,28 @@ class StageShapes:
 
 
 class Pipeline:
-    """This rank's stages of the model and the schedule that runs one step over them. With
-    `shapes`, the stages get static boundary metadata (needed under ZeRO: torch otherwise infers it
-    by running a real forward/backward)."""
+    """This rank's stages of the model and the schedule that runs one step over them. The stages get
+    static boundary metadata from `shapes` (torch would otherwise infer it by running a real
+    forward/backward, which the ZeRO engine's gradient hooks would take for a step)."""
 
     def __init__(self, parts: list[Stage], loss_fn, group, pp: int, virtual_stages: int, schedule: str,
-                 microbatches: int, device: torch.device, tied_group=None, shapes: StageShapes | None = None):
+                 microbatches: int, device: torch.device, tied_group, shapes: StageShapes):
         self.group, self.microbatches, self.parts = group, microbatches, parts
         self.name = schedule_name(schedule, virtual_stages)
         num_stages = pp * virtual_stages
         self.has_first = any(p.plan.is_first for p in parts)
         self.has_last = any(p.plan.is_last for p in parts)
         # A tied embedding lives on the first and the last stage; when those are different ranks,
-        # each holds a copy whose gradients are summed over `tied_group` (Megatron's embedding group).
+        # each holds a copy whose gradients the engine sums over `tied_group` (Megatron's embedding group).
         self.tied_weight = None
         if tied_group is not None and self.has_first != self.has_last:
             edge = next(p for p in parts if p.plan.is_first or p.plan.is_last)
             self.tied_weight = edge.tok_embeddings.weight if self.has_first else edge.output.weight
-        self.tied_group = tied_group
         stages = [pipelining.PipelineStage(part, part.plan.index, num_stages, device, group=group,
-                                           **(shapes.stage_args(part.plan, device) if shapes else {}))
+                                           **shapes.stage_args(part.plan, device))
                   for part in parts]
-        # Gradients are averaged over micro-batches here, not by the schedule: its scale_grads
+        # Gradients are averaged over micro-batches by the engine, not by the schedule: its scale_grads
         # divides per stage, so a tied embedding held by two local stages would be divided twice.
-        self.params = unique_params(*parts)
         cls = SCHEDULES[self.name]
         self.schedule = cls(stages[0] if self.name in SINGLE_STAGE_SCHEDULES else stages,
                             n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -156,19 +153,13 @@ class Pipeline:
         self._num_stages = num_stages
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One step over `microbatches` equal chunks of the batch; the gradient of the mean
-        micro-batch loss lands in the stages' parameters. Returns that loss, on every pipeline rank."""
+        """One step over `microbatches` equal chunks of the batch; the gradients of the summed
+        micro-batch losses go to the ZeRO engine's hooks (which apply the 1/M and sum the tied
+        copies). Returns the mean micro-batch loss, on every pipeline rank."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
         self.schedule.step(*args, **kwargs)
-        # Under a ZeRO engine the gradients have already moved into its flat buffers (.grad is
-        # None here): the engine applies the 1/M and sums the tied copies itself.
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.div_(self.microbatches)
-        if self.tied_weight is not None and self.tied_weight.grad is not None:
-            comm.all_reduce(self.tied_weight.grad, self.tied_group, dim="pp")
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=inputs.device)
         return comm.all_reduce(loss.float(), self.group, dim="pp")
 

@@ -188,14 +188,17 @@ class FlatGroup:
     def add_grad(self, slot: _Slot) -> None:
         """Move `slot`'s freshly accumulated .grad into the flat gradient buffer; reduce when the
         group's last one of this backward has arrived."""
+        self._take_grad(slot)
+        self.waiting -= 1
+        if self.waiting == 0:
+            self.end_backward()
+
+    def _take_grad(self, slot: _Slot) -> None:
         if self.grad_full is None:
             self.grad_full = self.full.new_zeros(self.padded)
         a, b = slot.range
         self.grad_full[a:b].add_(slot.param.grad.reshape(-1))
         slot.param.grad = None
-        self.waiting -= 1
-        if self.waiting == 0:
-            self.end_backward()
 
     def end_backward(self) -> None:
         """This micro-batch's gradients are all in: free the parameters again and, from ZeRO-2 on,
@@ -209,6 +212,14 @@ class FlatGroup:
     def finish_grads(self, scale: float, sync_level: str) -> torch.Tensor:
         """This rank's `optim` chunk of the gradients summed over the dp ranks within `sync_level`
         (all of them, or the node's under CO2), times `scale`."""
+        # Gradients set on the parameters directly, past the hooks (the weight pass of torch
+        # pipelining's split-backward schedules does that): whole-step sums, taken in here.
+        stray = [slot for slot in self.slots if slot.param.grad is not None]
+        if stray and self.plan.grads != "none":
+            raise RuntimeError(f"{stray[0].segment.name}: a gradient arrived past the hooks, but gradients are "
+                               f"partitioned per micro-batch (zero.grads.shard_over={self.plan.grads})")
+        for slot in stray:
+            self._take_grad(slot)
         if self.waiting != len(self.slots):
             self.end_backward()  # some parameters got no gradient this step: they count as zero
         plan = self.plan
@@ -260,12 +271,6 @@ def storage_bytes(tensors: list[torch.Tensor | None]) -> int:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return storage_bytes([t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.ndim > 0])
-
-
-def held_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """The same measurement as `ZeroEngine.held_bytes` for replicated (unpartitioned) training."""
-    return {"params": storage_bytes(params), "grads": storage_bytes([p.grad for p in params]),
-            "optim": optimizer_state_bytes(optimizer)}
 
 
 def units_of(part: nn.Module) -> list[tuple[str, list[nn.Module]]]:

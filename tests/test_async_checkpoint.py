@@ -17,7 +17,7 @@ import torch
 
 from strata.checkpoint import store, writer
 from strata.checkpoint.manager import CheckpointManager
-from strata.checkpoint.pieces import Piece
+from strata.checkpoint.pieces import FixedState, Piece, StateContents
 from strata.checkpoint.reader import Checkpoint
 from conftest import tiny_overrides
 from strata.parallel.flat import Box
@@ -36,7 +36,8 @@ def pieces(step: int) -> list[Piece]:
 
 
 def save(mgr: CheckpointManager, step: int) -> None:
-    mgr.save(step, pieces(step), {"trainer": {"step": step}}, {}, "model: {}\n", {"world": 1})
+    mgr.config_yaml = "model: {}\n"
+    mgr.save(step, FixedState(StateContents(pieces(step), {"trainer": {"step": step}}, {}, {"world": 1})))
 
 
 def assert_loads(path: Path, step: int) -> None:
@@ -122,7 +123,7 @@ def test_a_run_resumed_from_an_earlier_step_replaces_and_outlives_the_old_timeli
     save(resumed, 5)
     assert [p.name for p in store.committed(tmp_path)] == ["step_00000005"]
     assert store.resolve(tmp_path) == store.step_dir(tmp_path, 5)
-    resumed.save(6, pieces(60), {"trainer": {"step": 6}}, {}, "", {})
+    resumed.save(6, FixedState(StateContents(pieces(60), {"trainer": {"step": 6}}, {}, {})))
     got = Checkpoint(tmp_path).tensors("")
     assert all(torch.equal(got[p.key], p.tensor) for p in pieces(60))
     assert [p.name for p in store.committed(tmp_path)] == ["step_00000006"]

@@ -35,12 +35,12 @@ def fresh_trainer(small_data_dir, tmp_path, **model) -> Trainer:
 
 
 def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.parts[0].named_parameters()}
+    return {n: p.detach().clone() for n, p in trainer.model.parts[0].named_parameters()}
 
 
 def assert_untouched(trainer: Trainer, before: dict[str, torch.Tensor]) -> None:
-    assert trainer.step == 0 and not trainer.optimizer.state
-    for name, p in trainer.parts[0].named_parameters():
+    assert trainer.step == 0 and not trainer.model.optimizer.state
+    for name, p in trainer.model.parts[0].named_parameters():
         assert torch.equal(p, before[name]), name
 
 
@@ -123,7 +123,8 @@ def test_dcp_alone_loads_weights_and_optimizer_into_plain_torch(saved):
     the weights and every Adam moment equal what Strata saved; the hyper-parameters come along."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
     from strata.config import load
-    from strata.trainer.loop import build_optimizer, lr_at
+    from strata.trainer.loop import lr_at
+    from strata.trainer.parallelize import build_optimizer
     from strata.model import GPT
 
     cfg = load(saved / "config.yaml")

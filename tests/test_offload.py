@@ -32,16 +32,16 @@ def train(cfg, steps: int = 4):
     """Losses of `steps` steps, then every parameter shard and Adam moment (in memory), and the tiers' counters."""
     trainer = Trainer(cfg, start())
     losses = [trainer.train_step()[0].item() for _ in range(steps)]
-    with trainer.offloaded_state_in_memory():
-        shards = [g.shard.clone() for g in trainer.engine.groups]
-        moments = [t.clone() for group in trainer.optimizer.param_groups for p in group["params"]
-                   for _, t in sorted(trainer.optimizer.state[p].items())]
-    held = trainer.engine.held_bytes()
-    metrics = trainer.tiers.metrics() if trainer.tiers else {}
-    files = {k: f.path.stat().st_size for k, f in trainer.tiers.swap.files.items()} if trainer.tiers and \
-        trainer.tiers.swap else {}
-    if trainer.tiers:
-        trainer.tiers.close()
+    with trainer.model.state_in_memory():
+        shards = [g.shard.clone() for g in trainer.model.engine.groups]
+        moments = [t.clone() for group in trainer.model.optimizer.param_groups for p in group["params"]
+                   for _, t in sorted(trainer.model.optimizer.state[p].items())]
+    held = trainer.model.engine.held_bytes()
+    metrics = trainer.model.tiers.metrics() if trainer.model.tiers else {}
+    files = {k: f.path.stat().st_size for k, f in trainer.model.tiers.swap.files.items()} if trainer.model.tiers and \
+        trainer.model.tiers.swap else {}
+    if trainer.model.tiers:
+        trainer.model.tiers.close()
     return losses, shards, moments, held, metrics, files
 
 
@@ -147,19 +147,19 @@ def test_offload_swap_traffic_is_zero_infinity_s(small_data_dir, tmp_path):
                     "offload.params.keep_groups": keep}
         cfg = tiny_config(small_data_dir, tmp_path / str(keep), **settings)
         trainer = Trainer(cfg, start())
-        groups = trainer.engine.groups
+        groups = trainer.model.engine.groups
         shard_bytes = sum(-(-4 * g.shard.numel() // 4096) * 4096 for g in groups)  # O_DIRECT pads to 4 KiB
-        written0 = trainer.tiers.io.bytes_written
+        written0 = trainer.model.tiers.io.bytes_written
         assert written0 == shard_bytes  # the initial move
         losses[keep] = [trainer.train_step()[0].item() for _ in range(2)]
-        reads[keep] = trainer.tiers.io.bytes_read
-        assert trainer.tiers.io.bytes_written - written0 == 2 * shard_bytes  # one write-back per step
+        reads[keep] = trainer.model.tiers.io.bytes_read
+        assert trainer.model.tiers.io.bytes_written - written0 == 2 * shard_bytes  # one write-back per step
         if keep == 0:
             micro = cfg.grad_accum_steps(1)
             assert reads[0] == 2 * (2 * micro + 1) * shard_bytes
         else:  # resident now: the 2 shards the update used last, and nothing else
             assert sum(g.shard.untyped_storage().nbytes() > 0 for g in groups) == 2
-        trainer.tiers.close()
+        trainer.model.tiers.close()
     assert losses[2] == losses[0]
     assert reads[2] < 0.8 * reads[0]
 

@@ -180,7 +180,8 @@ class ParallelConfig:
         return self.dp or world_size // (self.tp * self.pp)
     backend: str = opt("auto", "torch.distributed backend (auto: nccl with GPUs, gloo on CPU)",
                        choices=("auto", "gloo", "nccl"))
-    bucket_mb: float = opt(25.0, "gradient all-reduce bucket size in MiB", min=0.0, min_exclusive=True)
+    bucket_mb: float = opt(25.0, "data parallel without zero: consecutive transformer blocks share one flat "
+                           "gradient buffer (one all-reduce) until it holds this many MiB", min=0.0, min_exclusive=True)
     timeout_s: int = opt(600, "process-group timeout in seconds", min=1)
 
 

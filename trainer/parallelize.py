@@ -1,0 +1,255 @@
+"""One function, `parallelize`, turns the plain model into this rank's trainable share of it, applying
+every parallelism and memory feature in one fixed order:
+
+    tensor parallel → pipeline split → materialise → ZeRO engine → memory tiers → activation policy → CO2
+
+It returns a `ParallelModel`, the one object the training loop drives: `forward_backward` over the
+step's micro-batches, `reduce_and_clip`, `step`. Plain data parallelism is the ZeRO engine with
+nothing partitioned (`shard_over: none` everywhere): gradients are all-reduced from the engine's flat
+groups, so every layout trains through the same step path.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ContextManager
+
+import torch
+from torch import nn
+
+from strata.checkpoint.pieces import canonical_names
+from strata.config import Config, ModelConfig, OptimConfig
+from strata.errors import ConfigError
+from strata.model import GPT, initial_value, lm_loss, padded_vocab_size, set_rope_buffers
+from strata.parallel.co2 import CO2
+from strata.parallel.pipeline import Pipeline, StageShapes, split_stages
+from strata.parallel.tensor import apply_tensor_parallel, placement_of
+from strata.parallel.topology import Topology
+from strata.parallel.zero import ZeroEngine, ZeroPlan
+
+if TYPE_CHECKING:
+    from strata.offload.tiers import Tiers
+
+
+def decays(shape: tuple[int, ...]) -> bool:
+    """Whether a parameter of this shape gets weight decay, i.e. is in AdamW's group 0: matrices."""
+    return len(shape) >= 2
+
+
+def build_optimizer(params: list[nn.Parameter], optim: OptimConfig, device: torch.device,
+                    shape_of: Callable[[nn.Parameter], tuple[int, ...]] = lambda p: tuple(p.shape)
+                    ) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (`shape_of`: for ZeRO's flat pieces, the shape of
+    the parameter a piece belongs to); torch's fused kernel where available."""
+    groups = [{"params": [p for p in params if decays(shape_of(p))], "weight_decay": optim.weight_decay},
+              {"params": [p for p in params if not decays(shape_of(p))], "weight_decay": 0.0}]
+    kernel = {"fused": True} if optim.impl in ("fused", "auto") else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel)
+
+
+def materialize(parts: list[nn.Module], cfg: ModelConfig, seed: int, device: torch.device) -> None:
+    """Give meta-device modules real parameters on `device`, each filled with its slice (its
+    `placement`) of the whole initial value. One Parameter per meta Parameter, registered
+    everywhere the old one was, with its attributes: tying survives, also across the parts."""
+    names = {id(p): n for part in parts for n, p in part.named_parameters()}
+    fresh: dict[int, nn.Parameter] = {}
+    for part in parts:
+        for module in part.modules():
+            for key, p in module._parameters.items():
+                if p is None or not p.is_meta:
+                    continue
+                if id(p) not in fresh:
+                    pl = placement_of(p)
+                    whole = initial_value(cfg, names[id(p)], pl.global_shape, seed)
+                    q = nn.Parameter(torch.empty(p.shape, device=device).copy_(pl.local_slice(whole)),
+                                     requires_grad=p.requires_grad)
+                    q.__dict__.update(p.__dict__)  # placement
+                    fresh[id(p)] = q
+                module._parameters[key] = fresh[id(p)]
+        set_rope_buffers(part, cfg, device)
+
+
+@dataclass
+class ParallelModel:
+    """This rank's share of the model after `parallelize`, and the one step path that trains it."""
+    parts: list[nn.Module]          # this rank's model parts: the whole (tp-sharded) model, or its pipeline stages
+    pipeline: Pipeline | None
+    engine: ZeroEngine              # flat parameter groups, gradient reduction and the optimizer step
+    tiers: Tiers | None             # offloaded ZeRO state and activations
+    co2: CO2 | None                 # asynchronous outer updates across nodes
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    topo: Topology
+    device: torch.device
+    precision: str
+    sync_size: int                  # data-parallel ranks a gradient is averaged over (a node's under CO2)
+    vocab_size: int                 # the padded vocabulary
+    global_shapes: dict[str, tuple[int, ...]]  # every state-dict entry of the unsharded model
+    canonical: dict[str, str]       # every parameter name of the plain model -> its first name (tying)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """What the optimizer steps: the engine's per-parameter segments of this rank's chunks."""
+        return self.engine.params
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    def autocast(self) -> ContextManager[None]:
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # --- the step --------------------------------------------------------------------------
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Gradients of this replica's micro-batches into the engine's flat buffers; returns their
+        mean loss (a 0-d tensor on the device)."""
+        inputs = [i.to(self.device) for i, _ in micro_batches]
+        targets = [t.to(self.device) for _, t in micro_batches]
+        offloader = self.tiers.activations if self.tiers else None
+        with self.autocast(), offloader.saving() if offloader else contextlib.nullcontext():
+            if self.pipeline:
+                loss_sum = self.pipeline.forward_backward(torch.cat(inputs), torch.cat(targets))
+            else:
+                model, loss_sum = self.parts[0], torch.zeros((), device=self.device)
+                for x, y in zip(inputs, targets):
+                    loss = self.loss_fn(model(x), y) / len(micro_batches)
+                    loss.backward()
+                    loss_sum += loss.detach()
+        if offloader:
+            offloader.end_step()
+        return loss_sum
+
+    def reduce_and_clip(self, max_norm: float) -> torch.Tensor:
+        """Average the gradients over the data-parallel ranks (the pipeline leaves the 1/M of its
+        micro-batch mean to the engine too) and clip them to `max_norm` (inf: measure only).
+        Returns the gradient norm before clipping."""
+        self.engine.finish_grads(1 / (self.sync_size * (self.pipeline.microbatches if self.pipeline else 1)))
+        return self.engine.clip_grad_norm(max_norm, self.topo.group("tp"), self.topo.group("pp"))
+
+    def step(self) -> None:
+        """The optimizer step (CO2's outer update after it, when on), then clear the gradients."""
+        self.engine.step(after_update=self.co2.after_local_step if self.co2 else None)
+        self.engine.zero_grad()
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Loss of one micro-batch, forward only (every pipeline rank gets it)."""
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        with self.autocast():
+            if self.pipeline:
+                return self.pipeline.evaluate(inputs, targets)
+            return self.loss_fn(self.parts[0](inputs), targets)
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+    # --- around saves and loads ------------------------------------------------------------
+    def state_in_memory(self, changed: bool = False) -> ContextManager[None]:
+        """Offloaded shards and moments in memory inside the block (`changed`: written back after);
+        a no-op without offload."""
+        return self.tiers.resident(changed) if self.tiers else contextlib.nullcontext()
+
+    def close_co2_round(self) -> None:
+        """End CO2's round early (a save, the end of training): every node takes the anchor and
+        the nodes' mean optimizer state, so one saved copy is every node's; spread the changed
+        chunks to the parameter partition."""
+        if self.co2:
+            self.co2.close_round(self.optimizer)
+            self.engine.rebuild()
+
+    def close(self) -> None:
+        if self.tiers:
+            self.tiers.close()
+
+
+def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_size: int) -> ParallelModel:
+    """The plain model, built on the meta device (no memory), transformed for this rank of `topo`
+    in the order of the module docstring. Each rank allocates and initialises only its own slices,
+    with the values one process would give them (`initial_value` depends on the parameter's name,
+    not on the layout)."""
+    par = cfg.parallel
+    with torch.device("meta"):
+        model = GPT(cfg.model, padded_vocab_size(cfg.model, data_vocab_size))
+    global_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    canonical = canonical_names(model)
+
+    loss_fn: Callable = lm_loss
+    if par.tp > 1:
+        loss_fn = apply_tensor_parallel(model, topo.group("tp"), topo.coords["tp"], par.tp,
+                                        sequence_parallel=par.sequence_parallel)
+
+    parts: list[nn.Module] = [model]
+    if par.pp > 1:
+        parts = list(split_stages(model, topo.coords["pp"], par.pp, par.virtual_stages, par.schedule))
+    materialize(parts, cfg.model, cfg.train.seed, device)
+    pipeline = None
+    if par.pp > 1:
+        tied_group = topo.group("pp_ends") if cfg.model.tie_embeddings else None
+        pipeline = Pipeline(parts, loss_fn, topo.group("pp"), par.pp, par.virtual_stages, par.schedule,
+                            cfg.grad_accum_steps(topo.layout.world_size), device, tied_group,
+                            stage_shapes(cfg, model.vocab_size))
+
+    # Under CO2 gradients are averaged inside the node only; CO2 joins the nodes every H steps.
+    sync_level = "node" if cfg.co2.enabled else "global"
+    engine = _zero_engine(cfg, topo, parts, pipeline, device, sync_level)
+    tiers = _memory_tiers(cfg, engine, topo.rank, device)
+    _activation_policy(cfg, parts, tiers)
+    co2 = _outer_updates(cfg, topo, engine) if cfg.co2.enabled else None
+    return ParallelModel(parts, pipeline, engine, tiers, co2, loss_fn, topo, device, cfg.train.precision,
+                         len(topo.digit_group("none", sync_level)[1]), model.vocab_size, global_shapes, canonical)
+
+
+def stage_shapes(cfg: Config, vocab_size: int) -> StageShapes:
+    """What crosses a stage boundary, declared up front: otherwise torch's pipelining infers it by
+    running a real forward and backward, which the engine's hooks would take for a step."""
+    par, mbs, seq = cfg.parallel, cfg.train.micro_batch_size, cfg.model.seq_len
+    local_seq = seq // par.tp if par.sequence_parallel and par.tp > 1 else seq
+    return StageShapes(tokens=(mbs, seq), hidden=(mbs, local_seq, cfg.model.d_model),
+                       logits=(mbs, seq, vocab_size // par.tp),
+                       logits_dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32)
+
+
+def _zero_engine(cfg: Config, topo: Topology, parts: list[nn.Module], pipeline: Pipeline | None,
+                 device: torch.device, sync_level: str) -> ZeroEngine:
+    """The engine over this rank's parts (after tp and pp). Without `zero:` nothing is partitioned
+    and consecutive blocks share a flat group up to parallel.bucket_mb (data parallel's buckets)."""
+    plan = (ZeroPlan.from_config(cfg.zero) if cfg.zero.enabled
+            else ZeroPlan(bucket_bytes=int(cfg.parallel.bucket_mb * 2**20)))
+    tied = [pipeline.tied_weight] if pipeline and pipeline.tied_weight is not None else []
+    return ZeroEngine(parts, topo, plan,
+                      lambda params, shape_of: build_optimizer(params, cfg.optim, device, shape_of),
+                      tied, topo.group("pp_ends") if tied else None,
+                      count_tied=not pipeline or pipeline.has_first, sync_level=sync_level)
+
+
+def _memory_tiers(cfg: Config, engine: ZeroEngine, rank: int, device: torch.device) -> Tiers | None:
+    """ZeRO state in host memory or NVMe and activation offload (offload.*, activations.offload)."""
+    if not (cfg.offload.enabled or cfg.activations.offload != "none"):
+        return None
+    from strata.offload.tiers import Tiers  # offload's modules load only when a run uses them
+    return Tiers(cfg, engine, rank, device)
+
+
+def _activation_policy(cfg: Config, parts: list[nn.Module], tiers: Tiers | None) -> None:
+    """activations.*: blocks that recompute their forward in backward, and saved tensors
+    offloaded by hooks keyed by block (those of recomputed blocks are only their inputs)."""
+    if cfg.activations.recompute == "full":
+        from strata.offload.activations import apply_recompute
+        apply_recompute(parts)
+    if tiers and tiers.activations:
+        tiers.activations.attach(parts)
+
+
+def _outer_updates(cfg: Config, topo: Topology, engine: ZeroEngine) -> CO2:
+    """CO2 across nodes over what this rank's optimizer steps (its chunk of the flat groups),
+    exchanged with the ranks holding the same in the other nodes on a group of its own."""
+    co2, layout = cfg.co2, topo.layout
+    if layout.nodes < 2:
+        raise ConfigError([f"co2.enabled needs at least 2 nodes, but the {layout.world_size} ranks are one node of "
+                           f"{layout.node_size}; run on more nodes, set parallel.ranks_per_node to simulate "
+                           "them, or set co2.enabled=false"])
+    norm_group = topo.digit_group("none", cfg.zero.optim.shard_over)[0]
+    return CO2(engine.params, topo.dedicated_digit_group("node", "global"), co2.outer_every, co2.outer_lr,
+               co2.outer_momentum, co2.staleness_penalty, co2.clip, co2.overlap, norm_group)
