@@ -33,7 +33,11 @@ def engine_pass(path: Path, buf: torch.Tensor, op: str, threads: int, chunk: int
         t0 = time.perf_counter()
         getattr(engine, op)(path, buf).wait()
         if op == "write":
-            os.fsync(engine._fd(path))  # as dd's conv=fsync
+            fd = os.open(path, os.O_RDONLY)  # fsync through any descriptor flushes the file, as dd's conv=fsync
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         return time.perf_counter() - t0
     finally:
         engine.close()

@@ -25,9 +25,9 @@ two metrics records): on 2 cores that CPU, not waiting, is what sets the step ti
 (default on) also times the pieces of every snapshot and save in every rank by wrapping functions
 from a generated sitecustomize.py on the workers' PYTHONPATH (no product file changes; a wrapper
 costs about a microsecond): the whole `Trainer.snapshot` / `Trainer.save` call (wall and process
-CPU), collecting the pieces, the all-reduce that agrees on the plan and the lease, the lease and
-commit round trips to the agent, the copy, rank 0's trailer; for checkpoints, the wait for the
-previous save. The headline stall ratio checkpoint / snapshot uses those timed calls.
+CPU), `SnapshotManager.save`, collecting the pieces (`TrainState.contents`), the all-reduce that
+agrees on the plan and the lease, the lease and commit round trips to the agent, the copy; for
+checkpoints, the wait for the previous save. The headline stall ratio checkpoint / snapshot uses those timed calls.
 
 In this process, before the jobs: ISA-L encode and decode (m data fragments dropped) GB/s of a
 `--codec-mib` image for Code(1,1), (2,1) and (4,2), against numpy.copyto and torch copy_ of the same
@@ -113,9 +113,7 @@ def _timed(name, fn, events=False, cpu=False):
     return wrapper
 
 def _snapshot(mod):
-    M = mod.SnapshotManager
-    for attr in ("save", "_plan_and_lease", "_lease", "_trailer"):
-        setattr(M, attr, _timed(attr, getattr(M, attr)))
+    mod.SnapshotManager.save = _timed("save", mod.SnapshotManager.save)
     mod.copy_pieces = _timed("copy_pieces", mod.copy_pieces)
     mod.descriptors = _timed("descriptors", mod.descriptors)
     req = mod.request
@@ -807,8 +805,7 @@ def report_steps(args, runs: list[dict], result: dict) -> None:
         if "snap" in bd:
             print("\n  snapshot pieces, per call, ms (every rank's calls; the first interval dropped)")
             names = ["trainer_snapshot", "trainer_snapshot (cpu)", "state_to_save", "save", "descriptors",
-                     "_plan_and_lease", "_trailer",
-                     "_lease", "rpc_lease", "all_reduce", "copy_pieces", "rpc_commit"]
+                     "rpc_lease", "all_reduce", "copy_pieces", "rpc_commit"]
             table([[n, fmt(bd["snap"][n]["median_ms"], ".3f"), fmt(bd["snap"][n]["p95_ms"], ".3f"),
                     fmt(bd["snap"][n]["worst_rank_median_ms"], ".3f"), fmt(bd["snap"][n]["rank0_median_ms"], ".3f"),
                     bd["snap"][n]["calls"]] for n in names if n in bd["snap"]],
