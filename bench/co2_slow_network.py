@@ -49,7 +49,7 @@ from torch import nn
 
 from strata.parallel import comm
 from strata.parallel.co2 import CO2
-from strata.parallel.runtime import free_port
+from strata.net import free_port
 from strata.parallel.topology import Layout, build_topology
 from strata.config import ModelConfig
 from strata.trainer.data import BatchLoader, TokenDataset, eval_batches, prepare

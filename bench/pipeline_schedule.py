@@ -65,7 +65,7 @@ from torch import nn
 from torch.distributed import pipelining
 
 from strata.parallel import comm
-from strata.parallel.runtime import free_port
+from strata.net import free_port
 
 WIDTH = 16          # elements per micro-batch row: tiny, so communication is negligible
 ABS_TOL, REL_TOL = 0.05, 0.25

@@ -76,7 +76,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from strata.checkpoint.erasure import Code  # noqa: E402
 from strata.checkpoint.agent_protocol import SOCKET_ENV, agent_stats  # noqa: E402
-from strata.launch.torchrun import SECRET_ENV, free_port  # noqa: E402
+from strata.launch.torchrun import SECRET_ENV  # noqa: E402
+from strata.net import free_port  # noqa: E402
 from strata.trainer.data import ensure_default_corpus  # noqa: E402
 
 MARKER = "STRATA_BENCH_ID"

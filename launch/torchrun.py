@@ -16,7 +16,7 @@ from pathlib import Path
 
 from strata.checkpoint.agent_protocol import SOCKET_ENV
 from strata.errors import StrataError
-from strata.parallel.runtime import free_port
+from strata.net import free_port
 
 SECRET_ENV = "STRATA_SNAPSHOT_SECRET"
 

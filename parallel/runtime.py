@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import datetime
 import os
-import socket
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,13 +46,6 @@ def start(backend: str = "auto", timeout_s: int = 600) -> Runtime:
         dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
     local_world = os.environ.get("LOCAL_WORLD_SIZE")
     return Runtime(rank, world, local_rank, device, int(local_world) if local_world else None)
-
-
-def free_port() -> int:
-    """A TCP port free on this host now, for a local world's rendezvous (tests, benchmarks)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop(wait_for_peers: bool = True) -> None:

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from strata.launch.cli import main as strata_main
-from strata.parallel.runtime import free_port, start
+from strata.net import free_port
+from strata.parallel.runtime import start
 from strata.trainer.loop import run
 
 from conftest import tiny_config, tiny_overrides
@@ -25,7 +26,7 @@ def test_deepspeed_zero3_checkpoint_continues_in_strata(small_data_dir, tmp_path
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
     overrides = tiny_overrides(small_data_dir, tmp_path / "ds", **SETTINGS)
-    env = {**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), "bench/_zero_worker.py", "--side", "deepspeed",
                            "--out", str(tmp_path / "ds.json"), "--stop-after", "3",

@@ -18,7 +18,7 @@ import torch
 
 from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
-from strata.parallel.runtime import free_port
+from strata.net import free_port
 
 from conftest import tiny_overrides
 
@@ -65,8 +65,7 @@ class Cluster:
         experiment = tmp / "experiment.yaml"
         experiment.write_text("{}\n")
         self.args = [str(experiment), *tiny_overrides(data_dir, tmp / "runs", **{**SETTINGS, **settings})]
-        self.env = {**os.environ, "PYTHONPATH": str(REPO), "STRATA_TEST_ID": self.marker,
-                    "STRATA_SNAPSHOT_SECRET": os.urandom(32).hex()}
+        self.env = {**os.environ, "STRATA_TEST_ID": self.marker, "STRATA_SNAPSHOT_SECRET": os.urandom(32).hex()}
         self.store = self._spawn("store", ["store", "--host", "127.0.0.1", "--port", str(self.port)])
         self.nodes: dict[str, subprocess.Popen] = {}
 

@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-from strata.parallel.runtime import free_port
+from strata.net import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TP = 2
@@ -181,8 +181,7 @@ def _child_main() -> None:
 def diffs() -> dict:
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         pytest.skip("megatron-core not installed (pip install -e '.[test]' installs megatron-core==0.16.1)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-           "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]

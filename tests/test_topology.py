@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from strata.config import ParallelConfig
 from strata.errors import ConfigError
-from strata.parallel.runtime import free_port
+from strata.net import free_port
 from strata.parallel.topology import (
     CHAIN,
     DIMS,
@@ -307,8 +307,7 @@ def test_layout_from_config_errors(par, world, local, expected):
 # ---------------------------------------------------------------------------------------------
 
 def _run_child(mode: str, layouts: list) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-           "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), mode, json.dumps(layouts)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]

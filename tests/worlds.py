@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from strata.parallel.runtime import free_port
+from strata.net import free_port
 
 
 def run_world(worker: Callable, size: int, out_dir: Path, *args, timeout_s: float = 120,
