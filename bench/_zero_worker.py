@@ -4,7 +4,7 @@
     --side deepspeed   DeepSpeed ZeRO-3 (zero.Init, stage3_param_persistence_threshold 0, torch
                        AdamW with Strata's weight-decay groups and lr_at schedule, Strata's
                        initial values set through GatheredParameters, Strata's BatchLoader)
-    --side strata      Strata's own trainer.loop.Trainer, one `train_step()` per step (ZeRO-3 when
+    --side strata      Strata's own strata.trainer.loop.Trainer, one `train_step()` per step (ZeRO-3 when
                        the config's `zero.*` keys say so)
 
 Each step is timed on every rank (wall clock around the whole step: data, forward/backward, the

@@ -7,7 +7,7 @@ world of `--nproc` ranks running bench/_zero_worker.py (the worker of bench/zero
 whose launch, summary and loss helpers this bench reuses); the side that goes first alternates run
 by run. Both get the same `offload.*` overrides:
 
-* Strata: `trainer.loop.Trainer` with `zero.{params,grads,optim}.shard_over=global`,
+* Strata: `strata.trainer.loop.Trainer` with `zero.{params,grads,optim}.shard_over=global`,
   `offload.params.device=D offload.optim.device=D offload.nvme_path=DIR offload.host_buffer_mb=64
   offload.slab_mb=4`, one `train_step()` per step; the tiers' own counters come from
   `trainer.model.tiers.metrics()` (io_read_bytes, io_write_bytes,

@@ -1,10 +1,10 @@
 """Strata's single-process step time against a plain hand-written PyTorch loop, side by side.
 
-Both sides train the same GPT (trainer.model.build_model, same seed) on the same batches with the
+Both sides train the same GPT (strata.model.build_model, same seed) on the same batches with the
 same AdamW (hyperparameters, fused setting and weight-decay param groups), the same warmup+cosine
 learning rate, the same gradient accumulation and the same gradient clipping:
 
-* strata: a real `trainer.loop.Trainer` built from `trainer.config.load(None, overrides,
+* strata: a real `strata.trainer.loop.Trainer` built from `strata.config.load(None, overrides,
   world_size=1)` and `parallel.runtime.start()`; each step is one `trainer.train_step()` call,
   which includes reading its micro-batches from the token memmap (that is Strata's cost to carry).
 * plain: a hand-written loop. It reads the same samples from the same train.bin with np.memmap

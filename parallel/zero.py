@@ -63,7 +63,7 @@ class ZeroPlan:
 
     @classmethod
     def from_config(cls, zero: "ZeroConfig") -> "ZeroPlan":
-        """The plan a trainer.config.ZeroConfig describes."""
+        """The plan a strata.config.ZeroConfig describes."""
         return cls(chain_level(zero.params.shard_over), chain_level(zero.grads.shard_over),
                    chain_level(zero.optim.shard_over), chain_level(zero.secondary_params.shard_over),
                    zero.prefetch_blocks, int(zero.bucket_mb * 2**20), zero.hierarchical)
