@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Sequence
 
 SOCKET_ENV = "STRATA_SNAPSHOT_SOCKET"
 MAX_MESSAGE = 1 << 20
 
 
-def send_msg(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:
+def send_msg(sock: socket.socket, msg: dict, fds: Sequence[int] = ()) -> None:
     socket.send_fds(sock, [json.dumps(msg).encode()], list(fds))
 
 

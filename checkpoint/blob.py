@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import io
+from typing import IO, cast
 
 import torch
 from torch.utils.serialization import config as serialization_config
@@ -50,7 +51,7 @@ def template(sizes: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, bytes]:
     config.compute_crc32, config.storage_alignment = False, 64
     try:
         sink = _DryRun(t.data_ptr(), nbytes)
-        torch.save(t, sink)
+        torch.save(t, cast(IO[bytes], sink))  # a RawIOBase; torch.save's annotation names IO[bytes]
     finally:
         config.compute_crc32, config.storage_alignment = saved
     if not nbytes:

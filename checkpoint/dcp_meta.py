@@ -10,6 +10,7 @@ import io
 import pickle
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -41,7 +42,9 @@ def _path(key: str) -> tuple[str, ...]:
 
 def build(index: dict, checkpoint_id: str) -> Metadata:
     """Metadata for an index: `tensors` (with `aliases` pointing at the same bytes) and `objects`."""
-    sdm, storage, planner = {}, {}, {}
+    sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    planner: dict[str, Any] = {}
     tensors = dict(index["tensors"])
     tensors.update({alias: index["tensors"][key] for alias, key in index.get("aliases", {}).items()})
     for key, entry in tensors.items():

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,9 +36,12 @@ class _FragmentAddress:      # deepspeed.utils.tensor_fragment.fragment_address 
     pass
 
 
-_STANDINS = [(_ZeroStageEnum, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-             (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-             (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address")]
+# (typed as torch.serialization.safe_globals takes them: classes are callables)
+_STANDINS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+    (_ZeroStageEnum, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+]
 
 
 def _load(path: Path) -> dict:

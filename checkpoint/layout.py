@@ -3,6 +3,8 @@ against the saved ones (every difference reported at once, before any state chan
 optimizer state loaded with the saved hyper-parameters of each parameter group."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -20,14 +22,15 @@ def model_state_problems(expected: dict[str, tuple[int, ...]], saved: dict[str, 
            ([f"shape mismatches: {listed(shapes)}"] if shapes else [])
 
 
-def optimizer_problems(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> list[str]:
+def optimizer_problems(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]]) -> list[str]:
     if len(saved_groups) != len(optimizer.param_groups):
         return [f"the checkpoint has {len(saved_groups)} optimizer parameter groups, this optimizer "
                 f"{len(optimizer.param_groups)}"]
     return []
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, state: dict[int, dict], saved_groups: list[dict]) -> None:
+def load_optimizer(optimizer: torch.optim.Optimizer, state: dict[int, dict[str, Any]],
+                   saved_groups: list[dict[str, Any]]) -> None:
     """Load per-index state with the saved hyper-parameters of each parameter group (checked
     with `optimizer_problems` first; the saved groups' `params` name parameters, not indices)."""
     sd = optimizer.state_dict()
@@ -35,5 +38,5 @@ def load_optimizer(optimizer: torch.optim.Optimizer, state: dict[int, dict], sav
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]

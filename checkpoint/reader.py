@@ -216,7 +216,7 @@ class Checkpoint:
         block = want.get("block") or max(want["bytes"], 1)  # a small file has one CRC for all of it
         blo, bhi = (lo // block * block, min(-(-hi // block) * block, want["bytes"])) if verify else (lo, hi)
         buf = into.reshape(-1).view(torch.uint8) if into is not None else torch.empty(bhi - blo, dtype=torch.uint8)
-        if bhi > blo and os.preadv(fd, [buf.numpy()], blo + self._bases.get(name, 0)) != bhi - blo:
+        if bhi > blo and os.preadv(fd, [buf.numpy().data], blo + self._bases.get(name, 0)) != bhi - blo:
             raise CheckpointError(f"{self.path / name}: short read at offset {blo} (truncated while loading?)")
         if verify:
             self._verify(name, want, buf, blo, block, key)
@@ -227,7 +227,7 @@ class Checkpoint:
         """Check the blocks of `buf` (file bytes from `start`, a block boundary) not checked before."""
         crcs = integrity.checksums_of(want)
         done = self._verified.setdefault(name, set())
-        data = memoryview(buf.numpy())
+        data = buf.numpy().data
         for i in range(start // block, start // block + -(-len(data) // block)):
             if i not in done:
                 piece = data[i * block - start:(i + 1) * block - start]

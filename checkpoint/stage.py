@@ -37,7 +37,7 @@ class SharedImage:
     def close(self) -> None:
         if self.pinned:
             unpin_host(self.tensor)
-        self.tensor = None
+        self.tensor = None  # type: ignore[assignment]  # no view of the mapping may outlive close()
         try:
             self.map.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with the process
@@ -74,6 +74,7 @@ def gather_plan(previous: Staging | None, pieces: list[Piece], rank: int, group)
     descs = descriptors(pieces)
     same = previous is not None and previous.descs[rank] == descs
     if comm.all_true(same, group, dim="checkpoint"):
+        assert previous is not None  # every rank, this one too, had the same plan
         return previous, False
     return plan_staging(comm.all_gather_objects(descs, group), rank), True
 

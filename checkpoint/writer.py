@@ -123,7 +123,8 @@ def serve(image: memoryview, conn: Connection) -> None:
         kind, args = job[0], job[1:]
         try:
             if kind == "write":
-                write_rank(*args[:2], image, *args[2:])
+                step_dir, rank, nbytes, extra = args
+                write_rank(step_dir, rank, image, nbytes, extra)
             else:
                 commit(*args)
             conn.send(("ok", kind))

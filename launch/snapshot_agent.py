@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import cast
 
 import crc32c
 
@@ -245,7 +246,7 @@ class Agent:
             self._get(holders[0], rank, step, FULL, view[:nbytes])
             via = f"copied from agent {holders[0]}"
         else:
-            have = {}
+            have: dict[int, memoryview | bytearray] = {}
             for j, agent in sorted(sources["frags"].items(), key=lambda kv: int(kv[0])):
                 if len(have) == k:
                     break
@@ -319,7 +320,7 @@ class Agent:
                 chan = self._peers[agent][1]
                 fresh = chan is None
                 try:
-                    if fresh:
+                    if chan is None:
                         chan = Channel.connect(host, port, self.secret)
                         self._peers[agent] = (lock, chan)
                     reply, data = chan.request(header, payload, into)
@@ -356,7 +357,7 @@ class Agent:
                 except TimeoutError:  # idle between snapshots: the connection stays
                     continue
                 if header["op"] == "put":
-                    self._store_fragment(header, payload)
+                    self._store_fragment(header, cast(bytearray, payload))  # recv without `into`
                     chan.send({"ok": True})
                 else:
                     chan.send(*self._serve_get(header))

@@ -141,7 +141,7 @@ def _aligned_bytes(buffer: torch.Tensor, offset: int) -> memoryview:
         raise ValueError(f"swap I/O needs {ALIGN}-byte alignment of the buffer address ({buffer.data_ptr() % ALIGN} "
                          f"off), its size ({nbytes}) and the file offset ({offset}); take buffers from the "
                          "offload buffer pool")
-    return memoryview(buffer.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return buffer.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def check_swap_dir(path: Path, needed_bytes: int) -> None:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from strata.parallel.zero import FlatGroup
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+Moments = tuple[torch.Tensor, ...]  # one tensor per name in MOMENTS
 # Bytes per element each update path moves, for the placement model (placement.Measured.traffic).
 # The device keeps fp32 parameters, so the CPU path brings parameter and gradient down and the
 # parameter up; the GPU path takes both moments up and back.
@@ -60,7 +61,9 @@ class SubGroup:
         return g.shard[lo:lo + self.size]
 
     def grads(self) -> torch.Tensor:
-        return self.group.reduced[self.start:self.start + self.size]
+        reduced = self.group.reduced
+        assert reduced is not None, "a sub-group's gradients exist after the engine's reduce-scatter"
+        return reduced[self.start:self.start + self.size]
 
 
 def split(groups: list[FlatGroup], elems: int) -> list[SubGroup]:
@@ -94,7 +97,7 @@ class OptimTier:
         self.device = groups[0].shard.device
         elems = pool.slab_bytes // 4
         self.subgroups = split(groups, elems)
-        self._moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._moments: dict[str, Moments] = {}
         for g in groups:
             if g.shard.dtype != torch.float32:
                 raise ValueError(f"optimizer offload steps fp32 master parameters; group {g.name} is {g.shard.dtype}")
@@ -104,6 +107,8 @@ class OptimTier:
             elif kind == "host":  # the arena is fresh anonymous memory: zeros
                 self._moments[g.name] = tuple(pool.resident(g.optim_size * 4, torch.float32) for _ in MOMENTS)
         if kind == "nvme":
+            if swap_file is None:
+                raise ValueError("optimizer moments on nvme need a swap file")
             for sg in self.subgroups:
                 sg.regions = tuple(FileRegion(swap_file, swap_file.region(sg.size * 4), sg.size * 4) for _ in MOMENTS)
         self._elems = elems
@@ -152,6 +157,7 @@ class OptimTier:
             yield
             return
         flat = {g.name: tuple(torch.empty(g.optim_size) for _ in MOMENTS) for g in self.groups}
+        assert self.mover is not None, "an nvme tier has a mover"
         self._swap(self.mover.read, flat)
         for g, at, piece in self._pieces():
             self.optimizer.state[piece].update({k: m[at:at + piece.numel()] for k, m in zip(MOMENTS, flat[g.name])})
@@ -172,6 +178,7 @@ class OptimTier:
                     m[at:at + piece.numel()].copy_(state[k])
             state["step"] = state.get("step", torch.zeros((), dtype=torch.float32))
         if self.kind == "nvme":
+            assert self.mover is not None, "an nvme tier has a mover"
             self._swap(self.mover.write, flat)
         else:
             for g in self.groups:
@@ -270,6 +277,7 @@ class OptimTier:
         if self.device.type == "cpu" or self.kind == "device":
             _fused_step(sg, params, grads, moments, hyper, self._steps["here"])
             return
+        assert self._host_scratch is not None, "made for the CPU path on a GPU"
         host_p, host_g = (t[:sg.size] for t in self._host_scratch)
         host_p.copy_(params, non_blocking=True)
         host_g.copy_(grads, non_blocking=True)
@@ -277,7 +285,7 @@ class OptimTier:
         _fused_step(sg, host_p, host_g, moments, hyper, self._steps["cpu"])
         params.copy_(host_p, non_blocking=True)
 
-    def _swap(self, transfer, flat: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _swap(self, transfer, flat: dict[str, Moments]) -> None:
         """Every sub-group's moments between the swap file and `flat` (whole-group tensors), by
         `transfer` (the mover's read or write), all in flight at once."""
         for t in [transfer(m[sg.start:sg.start + sg.size], region) for sg in self.subgroups
@@ -296,7 +304,7 @@ class _Pipeline:
         self.writes: deque[tuple[list[Slab], list]] = deque()
         self.next_read = 0
 
-    def take(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(self, i: int) -> Moments:
         tier, sg = self.tier, self.subgroups[i]
         if tier.kind != "nvme":
             return tuple(m[sg.start:sg.start + sg.size] for m in tier._moments[sg.group.name])
@@ -314,7 +322,9 @@ class _Pipeline:
         if self.tier.kind != "nvme":
             return
         slabs = self.taken.pop(i)
-        handles = [self.tier.io.write(r.file.path, s.tensor[:aligned(r.nbytes)], r.offset)
+        io = self.tier.io
+        assert io is not None, "an nvme tier has an I/O engine"
+        handles = [io.write(r.file.path, s.tensor[:aligned(r.nbytes)], r.offset)
                    for s, r in zip(slabs, sg.regions)]
         self.writes.append((slabs, handles))
         while self.writes and all(h.done() for h in self.writes[0][1]):
@@ -334,7 +344,7 @@ class _Pipeline:
         """Start reading sub-group i's moments into two slabs; without `blocking`, only if slabs
         are free now. Our own finished writes give their slabs back before anyone waits."""
         pool, sg = self.tier.pool, self.subgroups[i]
-        slabs = []
+        slabs: list[Slab] = []
         while len(slabs) < len(MOMENTS):
             slab = pool.try_borrow("optim")
             if slab is None and self.writes:
@@ -345,7 +355,9 @@ class _Pipeline:
                     pool.give_back(s)
                 return False
             slabs.append(slab or pool.borrow("optim"))
-        handles = [self.tier.io.read(r.file.path, s.tensor[:aligned(r.nbytes)], r.offset)
+        io = self.tier.io
+        assert io is not None, "an nvme tier has an I/O engine"
+        handles = [io.read(r.file.path, s.tensor[:aligned(r.nbytes)], r.offset)
                    for s, r in zip(slabs, sg.regions)]
         self.reads[i] = (slabs, handles)
         self.next_read = i + 1

@@ -238,7 +238,7 @@ def _wall_s(fn: Callable[[], None], repeats: int, warm_up_s: float = 0.05) -> fl
     return statistics.median(times)
 
 
-def _cuda_s(fn: Callable[[], None], repeats: int) -> float:
+def _cuda_s(fn: Callable[[], object], repeats: int) -> float:
     # Events on the stream, not wall time around a synchronize: a 4M-element Adam took 80 us on an
     # H100.
     fn()
@@ -296,7 +296,8 @@ def _measure_cuda(device: torch.device, host: torch.Tensor, cpu_state: list[list
     # compared with the back-to-back t_cpu, waking the idle CPU threads read as contention.
     side = torch.cuda.Stream(device)
     copies = min(16, math.ceil(2 * t_cpu * b_h2d / nbytes) + 1)
-    alone, contended = [], []
+    alone: list[float] = []
+    contended: list[float] = []
     for _ in range(repeats):
         for times, streaming in ((alone, 0), (contended, copies)):
             torch.cuda.synchronize(device)

@@ -36,7 +36,7 @@ class Slab:
 
     @property
     def view(self) -> memoryview:
-        return memoryview(self.tensor.numpy()).cast("B")
+        return self.tensor.numpy().data.cast("B")
 
 
 class HostPool:

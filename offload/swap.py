@@ -54,11 +54,12 @@ class Mover:
     transfer is one copy. CUDA tensors are copied on a side stream of their own, after the work
     queued so far on the caller's stream (so a write sees the values the caller computed)."""
 
-    def __init__(self, pool: HostPool, engine: IOEngine, stream: str, depth: int = 4, timeout_s: float = 120.0):
+    def __init__(self, pool: HostPool, engine: IOEngine | None, stream: str, depth: int = 4,
+                 timeout_s: float = 120.0):
         self.pool, self.engine, self.stream = pool, engine, stream
         self.depth, self.timeout_s = max(1, depth), timeout_s
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"strata-{stream}")
-        self._side = None
+        self._side: torch.cuda.Stream | None = None
         self.stalled_s = 0.0
 
     def write(self, src: torch.Tensor, where: Where) -> Transfer:
@@ -88,10 +89,17 @@ class Mover:
         if ready is None:
             dst.copy_(src)
             return
-        with torch.cuda.stream(self._side):
-            self._side.wait_event(ready)
+        side = self._side
+        assert side is not None, "made by _submit with the event"
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
             dst.copy_(src, non_blocking=True)
-        self._side.synchronize()
+        side.synchronize()
+
+    def _file_engine(self) -> IOEngine:
+        if self.engine is None:
+            raise ValueError(f"the {self.stream} mover has no I/O engine: it moves host tensors only")
+        return self.engine
 
     def _write(self, src: torch.Tensor, where: Where, ready) -> None:
         data = _bytes(src)
@@ -99,10 +107,11 @@ class Mover:
             self._copy(_bytes(where), data, ready)
             return
         _check_fits(data, where)
+        engine = self._file_engine()
         with _InFlight(self) as flight:
             for pos, n, slab in flight.chunks(data.numel()):
                 self._copy(slab.tensor[:n], data[pos:pos + n], ready)
-                flight.add(self.engine.write(where.file.path, slab.tensor[:aligned(n)], where.offset + pos), slab)
+                flight.add(engine.write(where.file.path, slab.tensor[:aligned(n)], where.offset + pos), slab)
 
     def _read(self, dst: torch.Tensor, where: Where, ready) -> None:
         data = _bytes(dst)
@@ -110,9 +119,10 @@ class Mover:
             self._copy(data, _bytes(where), ready)
             return
         _check_fits(data, where)
+        engine = self._file_engine()
         with _InFlight(self) as flight:
             for pos, n, slab in flight.chunks(data.numel()):
-                handle = self.engine.read(where.file.path, slab.tensor[:aligned(n)], where.offset + pos)
+                handle = engine.read(where.file.path, slab.tensor[:aligned(n)], where.offset + pos)
                 flight.add(handle, slab, lambda s=slab, p=pos, n=n: self._copy(data[p:p + n], s.tensor[:n], ready))
 
 

@@ -8,20 +8,20 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from strata.config import OFFLOAD_STREAM_KEYS, SLABS_PER_STREAM, offload_devices, pool_streams
 from strata.errors import ConfigError
 from strata.offload.activations import ActivationOffloader
-from strata.offload.files import SwapDir
+from strata.offload.files import SwapDir, SwapFile
 from strata.offload.io_engine import IOEngine, aligned
 from strata.offload.optim import KIND_OF, TRAFFIC, OptimTier
 from strata.offload.params import ParamTier
 from strata.offload.placement import Measured, Placement, calibrate, plan
 from strata.offload.pool import HostPool
-from strata.offload.swap import FileRegion, Mover
+from strata.offload.swap import FileRegion, Mover, Where
 from strata.parallel.runtime import proc_status_bytes
 
 if TYPE_CHECKING:
@@ -53,12 +53,16 @@ class Tiers:
             resident += OptimTier.needs_resident_bytes(groups, KIND_OF[devices["optim"]], device, slab)
         _check_host_memory(resident)
         self.pool = HostPool(int(off.host_buffer_mb * 2**20), slab, resident, {s: SLABS_PER_STREAM for s in streams})
-        self.swap = SwapDir(off.nvme_path, rank) if "nvme" in devices.values() else None
+        self.swap: SwapDir | None = None
+        if "nvme" in devices.values():
+            assert off.nvme_path is not None, "the config's checks require offload.nvme_path for nvme"
+            self.swap = SwapDir(off.nvme_path, rank)
         self.io = IOEngine(off.io_threads, slab, off.direct_io) if self.swap else None
         self.movers = {s: Mover(self.pool, self.io, s) for s in streams}
         self.placement: Placement | None = None
         self.measured: Measured | None = None
-        self.param_tier = self.optim_tier = None
+        self.param_tier: ParamTier | None = None
+        self.optim_tier: OptimTier | None = None
         if engine is not None and (devices["params"] != "none" or devices["optim"] != "none"):
             self._build_zero_tiers(engine, devices, off.params, off.optim.update_on, device)
         if self.swap:
@@ -70,33 +74,37 @@ class Tiers:
             nvme = act.offload == "nvme"
             inflight = None if act.max_inflight_mb is None else int(act.max_inflight_mb * 2**20)
             self.activations = ActivationOffloader(act.offload, act.min_bytes, self.movers.get("activations"),
-                                                   self.swap.file("activations") if nvme else None, inflight)
+                                                   self._swap_file("activations") if nvme else None, inflight)
 
     def _build_zero_tiers(self, engine: ZeroEngine, devices: dict[str, str], params: ParamOffloadConfig,
                           update_on: str, device: torch.device) -> None:
         groups = engine.groups
         if devices["params"] != "none":
-            where = {}
+            where: dict[str, Where] = {}
             for g in groups:
                 nbytes = g.shard.numel() * g.shard.element_size()
                 if devices["params"] == "nvme":
-                    f = self.swap.file("params")
+                    f = self._swap_file("params")
                     where[g.name] = FileRegion(f, f.region(nbytes), nbytes)
                 else:
                     where[g.name] = self.pool.resident(nbytes, g.shard.dtype)
             self.param_tier = ParamTier(groups, self.movers["params"], where, params.read_ahead, params.keep_groups)
         kind = KIND_OF[devices["optim"]]
-        self.optim_tier = OptimTier(groups, engine.optimizer, kind, self.pool, self.io,
-                                    self.swap.file("optim") if kind == "nvme" else None, self.param_tier,
-                                    mover=self.movers.get("optim"))
+        optim_tier = self.optim_tier = OptimTier(groups, engine.optimizer, kind, self.pool, self.io,
+                                                 self._swap_file("optim") if kind == "nvme" else None,
+                                                 self.param_tier, mover=self.movers.get("optim"))
         if kind != "device":
             # a sample as large as the state (up to 16M elements): a cache-sized one overstates CPU Adam
-            total = sum(sg.size for sg in self.optim_tier.subgroups)
+            total = sum(sg.size for sg in optim_tier.subgroups)
             self.measured = replace(calibrate(device, sample_elems=min(1 << 24, max(1 << 20, total))),
                                     traffic=TRAFFIC)
-            self.placement = plan([sg.size for sg in self.optim_tier.subgroups], self.measured, update_on)
-            self.optim_tier.place(list(self.placement.on_gpu))
+            self.placement = plan([sg.size for sg in optim_tier.subgroups], self.measured, update_on)
+            optim_tier.place(list(self.placement.on_gpu))
         engine.use_tiers(self.param_tier, self.optim_tier)
+
+    def _swap_file(self, kind: str) -> SwapFile:
+        assert self.swap is not None, "nvme offload has a swap directory"
+        return self.swap.file(kind)
 
     # --- checkpoints ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -116,10 +124,12 @@ class Tiers:
     # --- reporting --------------------------------------------------------------------------
     def metrics(self) -> dict:
         """Counters for metrics.jsonl: swap bytes moved, time compute waited on them, pool peaks."""
-        out = {"pool_peak_bytes": self.pool.peak_staging_bytes, "pool_resident_bytes": self.pool.resident_bytes,
-               "pool_waits": self.pool.waits, "host_peak_bytes": proc_status_bytes("VmHWM"),
-               "io_stall_s": sum(m.stalled_s for m in self.movers.values())}
+        out: dict[str, Any] = {
+            "pool_peak_bytes": self.pool.peak_staging_bytes, "pool_resident_bytes": self.pool.resident_bytes,
+            "pool_waits": self.pool.waits, "host_peak_bytes": proc_status_bytes("VmHWM"),
+            "io_stall_s": sum(m.stalled_s for m in self.movers.values())}
         if self.io is not None:
+            assert self.swap is not None, "an I/O engine comes with a swap directory"
             out.update(io_read_bytes=self.io.bytes_read, io_write_bytes=self.io.bytes_written,
                        swap_file_bytes={k: max(f.size, f.allocated) for k, f in self.swap.files.items()})
         if self.activations is not None:
@@ -130,9 +140,10 @@ class Tiers:
 
     def startup_record(self) -> dict:
         """What was decided at start-up, logged once: the placement and the measurements behind it."""
-        record = {"offload_pool_bytes": self.pool.n_slabs * self.pool.slab_bytes,
+        record: dict[str, Any] = {"offload_pool_bytes": self.pool.n_slabs * self.pool.slab_bytes,
                   "offload_resident_bytes": self.pool.resident_bytes}
         if self.placement is not None:
+            assert self.measured is not None, "a placement is planned from measurements"
             record["offload_placement"] = self.placement.as_record()
             record["offload_calibration"] = self.measured.as_record()
         return record

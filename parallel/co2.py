@@ -151,6 +151,7 @@ class CO2:
         else:
             self._apply_pending()
             self.pending = (work, delta)
+            assert gap is not None  # overlap
             self.start.copy_(self.anchor).add_(self._penalized(gap))
         self.rounds += 1
         self._load(self.start)

@@ -11,6 +11,8 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+RedOp = dist.ReduceOp.RedOpType  # what dist.ReduceOp.SUM, .MIN, ... are
+
 bytes_moved: Counter = Counter()
 bytes_by_link: Counter = Counter()
 _lock = threading.Lock()
@@ -89,7 +91,7 @@ def _hold(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def all_reduce(tensor: torch.Tensor, group, dim: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, group, dim: str, op: RedOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of `tensor` over `group` (no-op without one)."""
     if group is not None:
         delay = _count(dim, "all_reduce", tensor, group)
@@ -124,7 +126,7 @@ class AsyncWork:
             time.sleep(remaining)
 
 
-def all_reduce_async(tensor: torch.Tensor, group, dim: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> AsyncWork:
+def all_reduce_async(tensor: torch.Tensor, group, dim: str, op: RedOp = dist.ReduceOp.SUM) -> AsyncWork:
     """Start an in-place all-reduce of `tensor` over `group` and return at once; the caller must
     not touch `tensor` until `wait()` returns. Counted like `all_reduce`."""
     if group is None:
@@ -220,7 +222,7 @@ def all_gather_along(tensor: torch.Tensor, group, dim: str, axis: int) -> torch.
 
 
 def reduce_scatter_along(tensor: torch.Tensor, group, dim: str, axis: int,
-                         op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+                         op: RedOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """This member's chunk of the group-wide reduction of `tensor`: the reduced tensor split
     evenly along tensor axis `axis` into group-size chunks, chunk i to group rank i. Returns
     `tensor` itself without a group. Counts the bytes of the (full) input."""

@@ -330,8 +330,8 @@ def build_topology(layout: Layout, rank: int) -> Topology:
                 made[tuple(ranks)] = dist.new_group(ranks)
             if rank in ranks:
                 topo.groups[name] = made[tuple(ranks)]
-    for ranks, group in made.items():  # byte accounting per link level
-        if rank in ranks and len(ranks) > 1:
-            comm.register_group(group, layout.link_level(list(ranks)))
+    for members, group in made.items():  # byte accounting per link level
+        if rank in members and len(members) > 1:
+            comm.register_group(group, layout.link_level(list(members)))
     comm.register_link_resolver(lambda a, b: layout.link_level([a, b]))
     return topo

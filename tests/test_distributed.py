@@ -63,7 +63,7 @@ LAYOUTS = {
 
 def strata(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "strata.launch.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": REPO})
+                          timeout=timeout)
 
 
 def launch_run(data_dir, run_root, nproc: int, *extra: str, **settings) -> subprocess.CompletedProcess:

@@ -18,7 +18,6 @@ from strata.checkpoint.agent_protocol import connect, request
 from strata.checkpoint.channel import AuthError, Channel
 from strata.checkpoint.snapshot import _newest_complete, _sources
 
-REPO = Path(__file__).resolve().parents[1]
 SECRET = "ab" * 32
 
 
@@ -29,7 +28,7 @@ class Agents:
         self.procs, self.socks, self.info, self.maps = [], [], [], {}
         directory = tmp / "sockets"
         directory.mkdir(mode=0o700)
-        env = {**os.environ, "PYTHONPATH": str(REPO), "STRATA_SNAPSHOT_SECRET": SECRET}
+        env = {**os.environ, "STRATA_SNAPSHOT_SECRET": SECRET}
         for g in range(n):
             path = str(directory / f"agent{g}.sock")
             self.procs.append(subprocess.Popen([sys.executable, "-m", "strata.launch.snapshot_agent", "--socket", path,

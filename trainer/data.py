@@ -181,7 +181,8 @@ class BatchLoader:
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed_samples = 0
-        self._perm_epoch, self._perm = -1, None
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
 
     def _sample_at(self, position: int) -> int:
         n = len(self.dataset)
@@ -191,6 +192,7 @@ class BatchLoader:
         if epoch != self._perm_epoch:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(n)
             self._perm_epoch = epoch
+        assert self._perm is not None
         return int(self._perm[offset])
 
     def step_indices(self) -> list[list[int]]:

@@ -6,6 +6,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import IO
 
 from tqdm import tqdm
 
@@ -18,7 +19,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.bar = None
         self.wandb = None
-        self.file = None
+        self.file: IO[str] | None = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -44,6 +45,7 @@ class MetricsLogger:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
+        assert self.file is not None, "write after close"
         self.file.write(json.dumps({"time": time.time(), **record}) + "\n")
         self.file.flush()
         if self.wandb is not None:

@@ -10,15 +10,16 @@ import difflib
 import functools
 import math
 import re
+import types
 import typing
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import yaml
 
 from strata.errors import ConfigError
-
 
 # --- the hierarchy vocabulary (parallel.topology maps ranks onto these levels) ---------------
 LEVELS = ("none", "gcd", "gpu", "node", "global")  # hierarchy levels, finest to coarsest
@@ -32,7 +33,7 @@ def chain_level(level: str) -> str:
     return "none" if level == "gcd" else level
 
 
-def ranks_per_node(par: "ParallelConfig", world_size: int, local_world_size: int | None) -> tuple[int, str]:
+def ranks_per_node(par: ParallelConfig, world_size: int, local_world_size: int | None) -> tuple[int, str]:
     """How many ranks one node runs, and where that number came from (for messages): a set
     parallel.ranks_per_node wins over the launcher's LOCAL_WORLD_SIZE, so one machine can stand in
     for several nodes; with neither, the world is one node."""
@@ -43,7 +44,7 @@ def ranks_per_node(par: "ParallelConfig", world_size: int, local_world_size: int
     return world_size, f"parallel.ranks_per_node (null, no launcher: the world size {world_size})"
 
 
-def layout_problems(par: "ParallelConfig", world_size: int, local_world_size: int | None = None) -> list[str]:
+def layout_problems(par: ParallelConfig, world_size: int, local_world_size: int | None = None) -> list[str]:
     """Why `par` cannot lay out a world of `world_size` ranks: the degrees must multiply to it, nodes
     must hold whole GPUs and equal rank counts, and tp groups may not straddle nodes partway
     (`parallel.topology.layout_from_config` builds the layout once these pass)."""
@@ -71,7 +72,7 @@ def layout_problems(par: "ParallelConfig", world_size: int, local_world_size: in
     return problems
 
 
-def opt(default: Any, doc: str, *, choices: tuple | None = None, min: float | None = None,
+def opt(default: Any, doc: str, *, choices: tuple[Any, ...] | None = None, min: float | None = None,
         max: float | None = None, min_exclusive: bool = False, max_exclusive: bool = False,
         key: str | None = None) -> Any:
     """A config key: its default, one-line doc and the range checks `load` applies; `key` is its
@@ -81,7 +82,7 @@ def opt(default: Any, doc: str, *, choices: tuple | None = None, min: float | No
     return field(default=default, metadata=meta)
 
 
-def _key_of(f: dataclasses.Field) -> str:
+def _key_of(f: dataclasses.Field[Any]) -> str:
     """A field's name in YAML."""
     return f.metadata.get("key") or f.name
 
@@ -98,9 +99,9 @@ class ModelConfig:
     n_layers: int = opt(4, "number of transformer blocks", min=1)
     d_model: int = opt(128, "hidden size (width of the residual stream)", min=1)
     n_heads: int = opt(4, "attention heads; must divide d_model", min=1)
-    n_kv_heads: Optional[int] = opt(None, "key/value heads for grouped-query attention (null: = n_heads)", min=1)
-    ffn_hidden: Optional[int] = opt(None, "SwiGLU inner size (null: 8/3·d_model rounded up to a multiple of 32)", min=1)
-    vocab_size: Optional[int] = opt(None, "vocabulary size (null: the data's, padded to pad_vocab_multiple)", min=1)
+    n_kv_heads: int | None = opt(None, "key/value heads for grouped-query attention (null: = n_heads)", min=1)
+    ffn_hidden: int | None = opt(None, "SwiGLU inner size (null: 8/3·d_model rounded up to a multiple of 32)", min=1)
+    vocab_size: int | None = opt(None, "vocabulary size (null: the data's, padded to pad_vocab_multiple)", min=1)
     pad_vocab_multiple: int = opt(64, "pad a data-derived vocabulary up to a multiple of this", min=1)
     seq_len: int = opt(128, "tokens per training sequence (context length)", min=1)
     rope_theta: float = opt(10000.0, "RoPE base frequency", min=0.0, min_exclusive=True)
@@ -113,8 +114,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """Token data: a prepared directory (train.bin/val.bin + meta.json) or the built-in corpus."""
-    path: Optional[str] = opt(None, "directory made by `strata data prepare` (null: the Python stdlib corpus, prepared on first use)")
-    cache_dir: Optional[str] = opt(None, "where the built-in corpus is prepared (null: $STRATA_CACHE or ~/.cache/strata)")
+    path: str | None = opt(None, "directory made by `strata data prepare` (null: the Python stdlib corpus, "
+                                 "prepared on first use)")
+    cache_dir: str | None = opt(None, "where the built-in corpus is prepared (null: $STRATA_CACHE or ~/.cache/strata)")
     val_fraction: float = opt(0.05, "share of built-in corpus files held out for evaluation", min=0.0, max=0.5)
 
 
@@ -123,13 +125,14 @@ class TrainConfig:
     """The optimisation loop: batch sizes, steps, precision, evaluation."""
     steps: int = opt(300, "optimizer steps to train for", min=1)
     global_batch_size: int = opt(16, "sequences per optimizer step, over all data-parallel ranks", min=1)
-    micro_batch_size: int = opt(8, "sequences per forward/backward on one rank; accumulation = global/(micro·dp)", min=1)
+    micro_batch_size: int = opt(8, "sequences per forward/backward on one rank; accumulation = global/(micro·dp)",
+                                min=1)
     seed: int = opt(1234, "seed for init and data order (runs with equal seeds are identical)")
     precision: str = opt("fp32", "compute precision: fp32, or bf16 autocast (weights and optimizer stay fp32)",
                          choices=("fp32", "bf16"))
     eval_interval: int = opt(100, "evaluate every N steps and at the end (0: only at the end)", min=0)
     eval_batches: int = opt(8, "validation micro-batches per evaluation on each rank", min=1)
-    threads: Optional[int] = opt(None, "torch intra-op CPU threads (null: torch's default; torchrun sets 1)", min=1)
+    threads: int | None = opt(None, "torch intra-op CPU threads (null: torch's default; torchrun sets 1)", min=1)
 
 
 @dataclass(frozen=True)
@@ -162,17 +165,17 @@ class ParallelConfig:
     """How ranks are combined. world size = tp · pp · dp."""
     tp: int = opt(1, "tensor-parallel degree", min=1)
     pp: int = opt(1, "pipeline-parallel degree", min=1)
-    dp: Optional[int] = opt(None, "data-parallel degree (null: world size / (tp·pp))", min=1)
+    dp: int | None = opt(None, "data-parallel degree (null: world size / (tp·pp))", min=1)
     virtual_stages: int = opt(1, "model chunks per pipeline rank (V): layers split into pp·V stages; V > 1 interleaves",
                               min=1)
-    microbatches: Optional[int] = opt(None, "micro-batches per step on each data-parallel replica (null: "
+    microbatches: int | None = opt(None, "micro-batches per step on each data-parallel replica (null: "
                                       "global_batch_size/(micro_batch_size·dp), Megatron's rule; if set it must agree)",
                                       min=1)
     schedule: str = opt("auto", "pipeline schedule (auto: 1f1b, or interleaved_1f1b when virtual_stages > 1)",
                         choices=PIPELINE_SCHEDULES)
     sequence_parallel: bool = opt(False, "with tp > 1, shard norms/residuals along the sequence (Megatron SP); "
                                   "ignored when tp = 1")
-    ranks_per_node: Optional[int] = opt(None, "ranks on one node (null: the launcher's LOCAL_WORLD_SIZE)", min=1)
+    ranks_per_node: int | None = opt(None, "ranks on one node (null: the launcher's LOCAL_WORLD_SIZE)", min=1)
     ranks_per_gpu: int = opt(1, "ranks sharing one physical GPU (2 for the GCDs of a Frontier MI250X)", min=1)
 
     def dp_size(self, world_size: int) -> int:
@@ -258,7 +261,7 @@ class OptimOffloadConfig:
 @dataclass(frozen=True)
 class OffloadConfig:
     """Memory tiers: ZeRO state in host memory or NVMe swap files, through one budgeted host buffer pool."""
-    nvme_path: Optional[str] = opt(None, "directory for swap files on a local SSD (needed when a device is nvme); "
+    nvme_path: str | None = opt(None, "directory for swap files on a local SSD (needed when a device is nvme); "
                                    "checked and preallocated at start-up")
     host_buffer_mb: float = opt(64.0, "staging budget per rank: every transfer streams through slabs of this "
                                 "pool (pinned when CUDA exists); a transfer beyond it waits, then fails clearly",
@@ -285,7 +288,7 @@ class ActivationsConfig:
                        choices=OFFLOAD_DEVICES)
     min_bytes: int = opt(1 << 20, "never offload a saved tensor whose storage is smaller than this (parameters "
                          "never are)", min=0)
-    max_inflight_mb: Optional[float] = opt(None, "bound on the saved tensors kept in memory while their offload "
+    max_inflight_mb: float | None = opt(None, "bound on the saved tensors kept in memory while their offload "
                                            "writes are in flight: forward waits for the disk beyond it, which "
                                            "guarantees the saving (null: never wait; a fast GPU then serves most "
                                            "from memory and saves little)", min=0.0)
@@ -296,7 +299,7 @@ class ActivationsConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Periodic checkpoints: every rank writes its own part (DCP's format), committed last with checksums."""
-    dir: Optional[str] = opt(None, "where checkpoints go (null: <run dir>/checkpoints)")
+    dir: str | None = opt(None, "where checkpoints go (null: <run dir>/checkpoints)")
     interval: int = opt(0, "save every N steps (0: only at the end when `save_final`)", min=0)
     save_final: bool = opt(True, "save a checkpoint after the last step")
     keep_last: int = opt(2, "committed checkpoints to keep (0: keep all)", min=0)
@@ -323,12 +326,12 @@ class SnapshotConfig:
 class LogConfig:
     """Where a run writes and what it reports."""
     dir: str = opt("runs", "parent directory of run directories")
-    name: Optional[str] = opt(None, "run name (null: the config file's stem)")
+    name: str | None = opt(None, "run name (null: the config file's stem)")
     interval: int = opt(10, "write a metrics line every N steps", min=1)
     progress: bool = opt(True, "show a progress bar on rank 0")
     wandb: bool = opt(False, "also log to Weights & Biases (offline unless WANDB_MODE says otherwise)")
     wandb_project: str = opt("strata", "wandb project name")
-    peak_tflops: Optional[float] = opt(None, "per-device peak TFLOP/s for MFU (null: MFU not reported)",
+    peak_tflops: float | None = opt(None, "per-device peak TFLOP/s for MFU (null: MFU not reported)",
                                        min=0.0, min_exclusive=True)
 
 
@@ -378,7 +381,7 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     Raises ConfigError listing every problem found.
     """
     problems: list[str] = []
-    raw: dict = {}
+    raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(Path(path), problems)
     for item in overrides:
@@ -390,7 +393,7 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     return cfg
 
 
-def from_dict(raw: dict, world_size: int | None = None) -> Config:
+def from_dict(raw: dict[str, Any], world_size: int | None = None) -> Config:
     """Build and validate a Config from a nested dict (as YAML would give)."""
     problems: list[str] = []
     cfg = _build(raw, problems)
@@ -408,7 +411,7 @@ def _check_and_raise(cfg: Config, problems: list[str], world_size: int | None) -
         raise ConfigError(problems)
 
 
-def to_dict(cfg: Any) -> dict:
+def to_dict(cfg: Any) -> dict[str, Any]:
     """The config as nested plain values, under the YAML names of its keys."""
     return {_key_of(f): to_dict(getattr(cfg, f.name)) if dataclasses.is_dataclass(getattr(cfg, f.name))
             else getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
@@ -416,7 +419,8 @@ def to_dict(cfg: Any) -> dict:
 
 def dump(cfg: Config) -> str:
     """The resolved config as YAML (loadable again with `load`)."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    text: str = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return text
 
 
 def replace(cfg: Any, key: str, value: Any) -> Any:
@@ -456,7 +460,7 @@ def _is_group(hint: Any) -> bool:
     return isinstance(hint, type) and dataclasses.is_dataclass(hint)
 
 
-def _walk(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
+def _walk(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field[Any], Any]]:
     """(dotted key, field, type hint) of every field below the dataclass `cls`, depth first in
     declaration order; a group comes just before its keys."""
     hints = typing.get_type_hints(cls)
@@ -468,14 +472,14 @@ def _walk(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field,
 
 
 @functools.cache
-def _entries() -> dict[str, tuple[dataclasses.Field, Any]]:
+def _entries() -> dict[str, tuple[dataclasses.Field[Any], Any]]:
     """Every group and key of Config by dotted name."""
     return {key: (f, hint) for key, f, hint in _walk(Config)}
 
 
 # --- internals ------------------------------------------------------------------------------
 
-def _read_yaml(path: Path, problems: list[str]) -> dict:
+def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
     if not path.is_file():
         problems.append(f"config file {str(path)!r} does not exist; pass the path to a YAML experiment (see configs/)")
         return {}
@@ -487,12 +491,13 @@ def _read_yaml(path: Path, problems: list[str]) -> dict:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        problems.append(f"{path}: the top level must be a mapping of groups ({', '.join(GROUPS)}), got {type(raw).__name__}")
+        problems.append(f"{path}: the top level must be a mapping of groups ({', '.join(GROUPS)}), "
+                        f"got {type(raw).__name__}")
         return {}
     return raw
 
 
-def _apply_override(raw: dict, item: str, problems: list[str]) -> None:
+def _apply_override(raw: dict[str, Any], item: str, problems: list[str]) -> None:
     """`group.key=value` (or `group.sub.key=value`) into the nested mapping `raw`."""
     key, eq, text = item.partition("=")
     path = key.strip().split(".")
@@ -516,11 +521,12 @@ def _apply_override(raw: dict, item: str, problems: list[str]) -> None:
     target[path[-1]] = value
 
 
-def _build(raw: dict, problems: list[str]) -> Config:
-    return _build_group("", Config, raw, problems)
+def _build(raw: dict[str, Any], problems: list[str]) -> Config:
+    cfg: Config = _build_group("", Config, raw, problems)
+    return cfg
 
 
-def _build_group(prefix: str, cls: type, values: dict, problems: list[str]) -> Any:
+def _build_group(prefix: str, cls: type, values: dict[str, Any], problems: list[str]) -> Any:
     """The dataclass `cls` (the keys below the dotted `prefix`) from a mapping: groups recurse,
     values are coerced and range-checked; a rejected key keeps its default."""
     hints = typing.get_type_hints(cls)
@@ -556,13 +562,21 @@ def _build_group(prefix: str, cls: type, values: dict, problems: list[str]) -> A
     return cls(**kwargs)
 
 
+def _optional_of(hint: Any) -> Any:
+    """X for a hint `X | None` (or `Optional[X]`), else None."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        return next(a for a in args if a is not type(None))
+    return None
+
+
 def _coerce(value: Any, hint: Any) -> tuple[bool, Any, str]:
     """Check `value` against a type hint; ints widen to floats, numeric strings ("3e-4") to floats."""
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is typing.Union and type(None) in args:
+    inner = _optional_of(hint)
+    if inner is not None:
         if value is None:
             return True, None, ""
-        hint = next(a for a in args if a is not type(None))
+        hint = inner
     if hint is bool:
         return (True, value, "") if isinstance(value, bool) else (False, None, "use true or false")
     if hint is int:
@@ -583,7 +597,7 @@ def _coerce(value: Any, hint: Any) -> tuple[bool, Any, str]:
     return False, None, f"unsupported type {hint}"
 
 
-def _range_problem(value: Any, meta: dict) -> str | None:
+def _range_problem(value: Any, meta: Mapping[str, Any]) -> str | None:
     if value is None:
         return None
     if meta.get("choices") and value not in meta["choices"]:
@@ -613,9 +627,8 @@ def _unknown(key: str) -> str:
 
 
 def _type_name(hint: Any) -> str:
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is typing.Union and type(None) in args:
-        inner = next(a for a in args if a is not type(None))
+    inner = _optional_of(hint)
+    if inner is not None:
         return f"{inner.__name__} or null"
     return getattr(hint, "__name__", str(hint))
 
@@ -624,9 +637,9 @@ def snapshot_nodes_problem(snap: SnapshotConfig, nodes: int) -> str | None:
     """Why `nodes` nodes cannot hold the k + m fragments of every rank's snapshot (one per node), or None."""
     if not snap.every_steps or snap.k + snap.m <= nodes:
         return None
-    return (f"snapshot.k + snapshot.m = {snap.k} + {snap.m} fragments of each rank's snapshot go to as many nodes, but "
-            f"this job has {nodes}; set snapshot.m={max(nodes - snap.k, 0)} (m=0: local snapshots, which survive worker "
-            "crashes but not the loss of a node)")
+    return (f"snapshot.k + snapshot.m = {snap.k} + {snap.m} fragments of each rank's snapshot go to as many nodes, "
+            f"but this job has {nodes}; set snapshot.m={max(nodes - snap.k, 0)} (m=0: local snapshots, which survive "
+            "worker crashes but not the loss of a node)")
 
 
 def _snapshot_checks(cfg: Config) -> list[str]:
@@ -743,7 +756,8 @@ def _offload_checks(cfg: Config) -> list[str]:
                  f"({SLABS_PER_STREAM} each); set it to at least {needed * off.slab_mb:g}")
     nvme = [OFFLOAD_STREAM_KEYS[s] for s, d in devices.items() if d == "nvme"]
     if nvme and not off.nvme_path:
-        p.append(f"{' and '.join(nvme)}=nvme need{'s' if len(nvme) == 1 else ''} offload.nvme_path: a directory on a local SSD for the swap files")
+        p.append(f"{' and '.join(nvme)}=nvme need{'s' if len(nvme) == 1 else ''} offload.nvme_path: a directory on a "
+                 "local SSD for the swap files")
     if off.params.device != "none":
         if _coarseness(z.params.shard_over) <= _coarseness("none"):
             p.append(f"offload.params.device={off.params.device} offloads ZeRO-3 parameter shards: set "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -138,8 +139,9 @@ class GPT(nn.Module):
 def named_blocks(part: nn.Module) -> list[tuple[str, nn.Module]]:
     """The transformer blocks of a GPT, or of a pipeline stage (whose `layers` is an nn.ModuleDict
     keyed by the block's index in the whole model), with those keys, in forward order."""
-    layers = part.layers.items() if isinstance(part.layers, nn.ModuleDict) else enumerate(part.layers)
-    return [(str(key), block) for key, block in layers]
+    layers = part.layers
+    keyed = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(cast(nn.ModuleList, layers))
+    return [(str(key), block) for key, block in keyed]
 
 
 def set_rope_buffers(module: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
