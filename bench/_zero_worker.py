@@ -39,11 +39,11 @@ import torch
 import torch.distributed as dist
 
 from strata import config as config_mod
+from strata.model import GPT, count_params, initial_value, lm_loss, padded_vocab_size, set_rope_buffers
+from strata.parallel.runtime import proc_status_bytes, reset_peak_rss
 from strata.trainer.data import BatchLoader, TokenDataset
 from strata.trainer.loop import lr_at
 from strata.trainer.parallelize import build_optimizer
-from strata.parallel.runtime import proc_status_bytes, reset_peak_rss
-from strata.model import GPT, count_params, initial_value, lm_loss, padded_vocab_size, set_rope_buffers
 
 
 def rss() -> int:

@@ -21,7 +21,6 @@ layout (tp2·dp2, ZeRO-3) by both. Printed, each the slowest rank's, median over
 from __future__ import annotations
 
 import argparse
-import warnings
 import gc
 import json
 import math
@@ -32,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -52,9 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def launch(args: argparse.Namespace) -> int:
+    from strata.config import DataConfig
     from strata.launch.torchrun import LaunchPlan, torchrun_args
     from strata.trainer.data import ensure_default_corpus
-    from strata.config import DataConfig
 
     ensure_default_corpus(DataConfig().cache_dir, DataConfig().val_fraction)  # once, before the ranks start
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
@@ -74,8 +74,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from strata.parallel import runtime
     from strata import config
+    from strata.parallel import runtime
     from strata.trainer.loop import Trainer
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # DCP: "use DTensor" (it cannot shard flat ranges)
@@ -273,7 +273,8 @@ def report(f: dict) -> None:
     print(f"\n{f['ranks']} ranks on {f['cores']} cores, GPT d_model {f['d_model']} × {f['layers']} layers "
           f"({f['params'] / 1e6:.0f}M parameters), ZeRO-3 + AdamW; "
           f"checkpoint {f['checkpoint_bytes'] / GiB:.2f} GiB of data files")
-    print(f"stall per save     Strata async {med(f['strata_stall_s']):7.3f} s   dcp.save {med(f['dcp_save_s']):7.3f} s   "
+    print(f"stall per save     Strata async {med(f['strata_stall_s']):7.3f} s   "
+          f"dcp.save {med(f['dcp_save_s']):7.3f} s   "
           f"dcp.async_save {med(f['dcp_async_stall_s']):7.3f} s   ratio dcp.save/Strata "
           f"{med(f['dcp_save_s']) / med(f['strata_stall_s']):.1f}x (goal >= 20x)")
     print(f"  (Strata's first save, which also plans and allocates the staging image: "

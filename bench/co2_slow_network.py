@@ -47,13 +47,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from strata.config import ModelConfig
+from strata.model import build_model, lm_loss
+from strata.net import free_port
 from strata.parallel import comm
 from strata.parallel.co2 import CO2
-from strata.net import free_port
 from strata.parallel.topology import Layout, build_topology
-from strata.config import ModelConfig
 from strata.trainer.data import BatchLoader, TokenDataset, eval_batches, prepare
-from strata.model import build_model, lm_loss
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CORPUS = ["argparse.py", "dataclasses.py", "functools.py", "textwrap.py", "json/decoder.py",

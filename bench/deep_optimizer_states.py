@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from strata.parallel import runtime as runtime_mod
 from strata import config as config_mod
+from strata.parallel import runtime as runtime_mod
 from strata.trainer.loop import Trainer
 
 VARIANTS = ("cpu", "auto", "gpu")
@@ -110,7 +110,8 @@ def main(argv=None) -> int:
     print(f"{'update_on':10} {'optimizer step':>15} {'train step':>11} {'final loss':>11}")
     for name in VARIANTS:
         r = results[name]
-        print(f"{name:10} {r['optimizer_step_s'] * 1e3:12.1f} ms {r['train_step_s'] * 1e3:8.1f} ms {r['losses'][-1]:11.5f}")
+        print(f"{name:10} {r['optimizer_step_s'] * 1e3:12.1f} ms {r['train_step_s'] * 1e3:8.1f} ms "
+              f"{r['losses'][-1]:11.5f}")
     ratio = results["cpu"]["optimizer_step_s"] / results["auto"]["optimizer_step_s"]
     print(f"optimizer step, all-CPU / auto: {ratio:.2f}x (Deep Optimizer States reports 2.5x)")
     for name in ("auto", "gpu"):

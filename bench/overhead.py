@@ -45,11 +45,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from strata.parallel import runtime as runtime_mod
 from strata import config as config_mod
+from strata.model import build_model
+from strata.parallel import runtime as runtime_mod
 from strata.trainer.data import prepare, read_meta, stdlib_corpus_files
 from strata.trainer.loop import Trainer
-from strata.model import build_model
 
 GOAL = 1.05
 

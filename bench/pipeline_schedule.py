@@ -64,8 +64,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed import pipelining
 
-from strata.parallel import comm
 from strata.net import free_port
+from strata.parallel import comm
 
 WIDTH = 16          # elements per micro-batch row: tiny, so communication is negligible
 ABS_TOL, REL_TOL = 0.05, 0.25

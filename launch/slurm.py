@@ -38,7 +38,8 @@ def sbatch_script(job: SlurmJob, config_path: str, overrides: list[str], resume:
         directives.append(f"--account={job.account}")
     if job.cpus_per_task:
         directives.append(f"--cpus-per-task={job.cpus_per_task}")
-    worker = shlex.join(worker_args(config_path, overrides, resume))  # torchrun runs it as a module: -m strata.launch.cli
+    # torchrun runs it as a module: -m strata.launch.cli
+    worker = shlex.join(worker_args(config_path, overrides, resume))
     torchrun = (f"python -m torch.distributed.run --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} "
                 '--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$SLURM_JOB_ID" '
                 f"--max-restarts={job.max_restarts} {worker}")

@@ -19,9 +19,10 @@ from strata.checkpoint import store, writer
 from strata.checkpoint.manager import CheckpointManager
 from strata.checkpoint.pieces import FixedState, Piece, StateContents
 from strata.checkpoint.reader import Checkpoint
-from conftest import tiny_overrides
-from strata.parallel.flat import Box
 from strata.errors import CheckpointError
+from strata.parallel.flat import Box
+
+from conftest import tiny_overrides
 
 STATE = {"model.w": (64, 48), "model.b": (48,), "optim.state.w.exp_avg": (64, 48)}
 
@@ -147,9 +148,10 @@ def test_two_rank_run_killed_mid_save_fails_on_every_rank_and_resumes_from_the_l
     and one process resumed from the checkpoints directory runs steps 3–6 as an uninterrupted run."""
     from strata.launch.cli import main as strata_main
     from strata.parallel.runtime import start
+    from strata.trainer.loop import run
+
     from conftest import tiny_config
     from test_distributed import REPO, ZERO3, losses_from
-    from strata.trainer.loop import run
 
     settings = {"log.interval": 1, "checkpoint.interval": 2, "checkpoint.async": True, "train.micro_batch_size": 2}
     experiment = tmp_path / "experiment.yaml"

@@ -16,11 +16,12 @@ import torch.distributed.checkpoint as dcp
 
 from strata.checkpoint import integrity, store
 from strata.checkpoint.reader import Checkpoint
-from conftest import tiny_config
+from strata.errors import CheckpointError
 from strata.launch.cli import main as strata_main
 from strata.parallel.runtime import start
-from strata.errors import CheckpointError
 from strata.trainer.loop import Trainer, run
+
+from conftest import tiny_config
 
 
 @pytest.fixture
@@ -95,6 +96,7 @@ def test_checkpoint_of_another_model_is_one_clear_error_before_any_change(saved,
 def test_export_gives_weights_a_plain_model_loads(saved, small_data_dir, tmp_path, capsys):
     """Tied embeddings too: both names are written, as a plain GPT's state_dict has them."""
     from safetensors.torch import load_file
+
     from strata.config import load
     from strata.model import GPT
 
@@ -122,10 +124,11 @@ def test_dcp_alone_loads_weights_and_optimizer_into_plain_torch(saved):
     """torch.distributed.checkpoint's own state_dict helpers and load, a plain GPT and a torch AdamW:
     the weights and every Adam moment equal what Strata saved; the hyper-parameters come along."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
+
     from strata.config import load
+    from strata.model import GPT
     from strata.trainer.loop import lr_at
     from strata.trainer.parallelize import build_optimizer
-    from strata.model import GPT
 
     cfg = load(saved / "config.yaml")
     want = Checkpoint(saved).tensors("")

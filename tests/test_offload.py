@@ -13,16 +13,17 @@ import pytest
 import torch
 
 from strata.checkpoint import store
+from strata.checkpoint.reader import Checkpoint
+from strata.errors import ConfigError, StrataError
 from strata.offload.files import SwapDir
 from strata.offload.io_engine import IOEngine
 from strata.offload.pool import HostPool
 from strata.offload.swap import FileRegion, Mover
-from strata.checkpoint.reader import Checkpoint
-from conftest import tiny_config
 from strata.parallel.runtime import start
-from test_distributed import COMMON, ZERO3, assert_same_params, final_params, launch_run, losses_from
-from strata.errors import ConfigError, StrataError
 from strata.trainer.loop import Trainer, run
+
+from conftest import tiny_config
+from test_distributed import COMMON, ZERO3, assert_same_params, final_params, launch_run, losses_from
 
 MODEL = {"model.n_layers": 3, "model.d_model": 64, **ZERO3}
 SMALL_SLABS = {"offload.slab_mb": 0.0625, "offload.host_buffer_mb": 0.25}  # 4 slabs of 64 KiB: 2 streams' minimum
@@ -253,7 +254,8 @@ def test_offload_dp2_through_launch_matches_one_process(small_data_dir, tmp_path
     assert sorted(losses) == sorted(reference.losses)
     for step, loss in reference.losses.items():
         assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
-    assert_same_params(final_params(tmp_path / "par" / "t" / "checkpoints"), final_params(reference_cfg.checkpoint_dir()))
+    assert_same_params(final_params(tmp_path / "par" / "t" / "checkpoints"),
+                       final_params(reference_cfg.checkpoint_dir()))
     summary = json.loads((tmp_path / "par" / "t" / "summary.json").read_text())
     assert summary["offload"]["io_read_bytes"] > 0 and summary["offload"]["io_write_bytes"] > 0
     assert not list((tmp_path / "swap").glob("strata-*/*"))  # swap files removed at the end
