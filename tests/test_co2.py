@@ -222,6 +222,7 @@ def dp_reference(replicas: int) -> torch.Tensor:
     return flat(model)
 
 
+@pytest.mark.slow  # the `worlds` fixture: 2- and 4-process gloo worlds
 @pytest.mark.parametrize("size", [2, 4])
 def test_synchronous_one_step_co2_is_data_parallel(worlds, size):
     ref = dp_reference(size)
@@ -234,6 +235,7 @@ def penalized(gap: torch.Tensor, penalty: float) -> torch.Tensor:
     return gap / (1 + penalty * gap.abs() / (gap.norm() / gap.numel() ** 0.5)) if penalty else gap
 
 
+@pytest.mark.slow  # the `worlds` fixture: 2- and 4-process gloo worlds
 @pytest.mark.parametrize("case", ["late", "late-penalty"])
 def test_round_average_reaches_parameters_one_round_late(worlds, case):
     ranks = [r[case] for r in worlds[2]]
@@ -260,6 +262,7 @@ def test_round_average_reaches_parameters_one_round_late(worlds, case):
         assert not torch.allclose(penalized(gap, penalty), gap, rtol=1e-3, atol=1e-6)
 
 
+@pytest.mark.slow  # the `worlds` fixture: 2- and 4-process gloo worlds
 def test_async_reduction_overlaps_local_steps(worlds):
     for r in worlds[2]:
         a, s = r["overlap-async"], r["overlap-sync"]
@@ -306,6 +309,7 @@ def test_momentum_clip_changes_the_update_only_above_the_threshold():
     torch.testing.assert_close(two[1], -m1 - m2)
 
 
+@pytest.mark.slow  # the `worlds` fixture: 2- and 4-process gloo worlds
 def test_resume_mid_round_with_a_reduction_in_flight_is_exact(worlds):
     for r in (w["resume"] for w in worlds[2]):
         assert r["in_flight_at_save"] and r["pending_restored"]
@@ -365,6 +369,7 @@ def co2_run(small_data_dir, tmp_path_factory):
     return root, _train_launched(small_data_dir, root / "plain", **TWO_NODES)
 
 
+@pytest.mark.slow  # `strata launch` worlds of 4 processes
 def test_trainer_co2_over_zero_chunks_matches_co2_over_whole_replicas(small_data_dir, tmp_path, co2_run):
     """Each rank running CO2 on its node-level ZeRO chunk is the same algorithm, element by element."""
     _, (losses, params) = co2_run
@@ -374,6 +379,7 @@ def test_trainer_co2_over_zero_chunks_matches_co2_over_whole_replicas(small_data
         torch.testing.assert_close(zero_params[name], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # `strata launch` worlds of 4 processes
 def test_trainer_co2_resume_continues_as_the_saving_run(small_data_dir, tmp_path, co2_run):
     """The step-3 checkpoint (mid-round: H = 2) closes the round; a resume from it, here through the
     ZeRO engine, lands on the saving run's steps 4–6 and final weights."""

@@ -19,6 +19,8 @@ from strata.trainer.loop import run
 from conftest import tiny_config, tiny_overrides
 from test_distributed import REPO, assert_same_params, final_params
 
+pytestmark = pytest.mark.slow  # a 2-process DeepSpeed world under torchrun, then a Strata run
+
 SETTINGS = {"train.steps": 6, "checkpoint.save_final": True, "log.interval": 1}
 
 

@@ -18,6 +18,8 @@ from strata.trainer.loop import run
 
 from conftest import tiny_config, tiny_overrides
 
+pytestmark = pytest.mark.slow  # each case is a `strata launch` world of 2-8 processes
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = {"log.interval": 1, "checkpoint.save_final": True, "checkpoint.interval": 3, "train.eval_interval": 3}
 # Layouts whose step-3 checkpoint is also resumed by one process (a different layout) for steps 4–6.

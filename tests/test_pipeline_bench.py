@@ -12,6 +12,8 @@ from collections import Counter
 
 import pytest
 
+pytestmark = pytest.mark.slow  # one 4-process gloo world runs every schedule (module fixture)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # M = 4 keeps the run short and the interleaving gain large next to scheduling noise on a busy machine:
 # interleaving saves (P-1)(t_f+t_b)(1-1/V) whatever M is, while its extra actions and hops grow with M.

@@ -20,6 +20,8 @@ from strata.trainer.loop import run
 from conftest import tiny_config
 from test_distributed import assert_same_params, final_params, launch_run, losses_from
 
+pytestmark = pytest.mark.slow  # each case saves in one `strata launch` world and resumes in another
+
 SHARED = {"model.n_layers": 4, "log.interval": 1, "checkpoint.interval": 3, "checkpoint.save_final": True}
 ZERO3 = {f"zero.{k}.shard_over": "global" for k in ("params", "grads", "optim")}
 ONE = (1, {})

@@ -22,6 +22,8 @@ from strata.net import free_port
 
 from conftest import tiny_overrides
 
+pytestmark = pytest.mark.slow  # multi-node worlds with snapshot agents, killed and restarted
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
 SETTINGS = {"log.interval": 1, "train.steps": STEPS, "train.global_batch_size": 8, "train.micro_batch_size": 2,

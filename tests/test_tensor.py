@@ -176,6 +176,7 @@ def assemble(ranks: list[dict], name: str) -> dict[str, torch.Tensor]:
 
 # --- the tests ------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # the `worlds` fixture: 2- and 4-process gloo worlds
 @pytest.mark.parametrize("name", list(CASES))
 def test_loss_and_gradients_match_single_process(worlds, name):
     size, settings, sp = CASES[name]
@@ -188,6 +189,7 @@ def test_loss_and_gradients_match_single_process(worlds, name):
         torch.testing.assert_close(grads[key], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
 
 
+@pytest.mark.slow  # the `worlds` fixture: 2- and 4-process gloo worlds
 @pytest.mark.parametrize("name", list(CASES))
 def test_no_rank_materialises_full_vocab_logits(worlds, name):
     size = CASES[name][0]
@@ -196,6 +198,7 @@ def test_no_rank_materialises_full_vocab_logits(worlds, name):
         assert r[name]["widest"] < VOCAB  # no module's output anywhere is vocabulary-wide
 
 
+@pytest.mark.slow  # the `worlds` fixture: 2- and 4-process gloo worlds
 @pytest.mark.parametrize("name", list(CASES))
 def test_sequence_parallel_shards_activations_between_blocks(worlds, name):
     size, settings, sp = CASES[name]
@@ -209,6 +212,7 @@ def test_sequence_parallel_shards_activations_between_blocks(worlds, name):
         assert worlds[size][0][name]["saved_bytes"] < worlds[size][0][plain]["saved_bytes"]
 
 
+@pytest.mark.slow  # the `worlds` fixture: 2- and 4-process gloo worlds
 @pytest.mark.parametrize("name", list(CASES))
 def test_collectives_per_step(worlds, name):
     """Bytes by collective in the step's forwards and backwards (fp32, per rank). Plain tp
@@ -234,6 +238,7 @@ def test_collectives_per_step(worlds, name):
             assert bwd == {("tp", "all_reduce"): (2 * layers + 1) * act}
 
 
+@pytest.mark.slow  # the `worlds` fixture: 2- and 4-process gloo worlds
 @pytest.mark.parametrize("size", [2, 4])
 def test_vocab_parallel_loss_equals_cross_entropy(worlds, size):
     gen = torch.Generator().manual_seed(SEED + 3)

@@ -28,6 +28,8 @@ import pytest
 
 from strata.net import free_port
 
+pytestmark = pytest.mark.slow  # megatron-core's layers in a 2-process gloo world (module fixture)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TP = 2
 SEQ, BATCH, D_IN, D_FF, D_OUT = 5, 3, 12, 16, 10  # megatron activations are (seq, batch, hidden)

@@ -347,6 +347,7 @@ def _real_world(layouts: list[tuple[int, int, int, int, int]]) -> dict:
 REAL_WORLDS = [(1, 1, 4, 2, 2), (2, 1, 4, 4, 2)]  # 4 ranks: units coincide; 8 ranks: tp on a GCD pair
 
 
+@pytest.mark.slow  # a real gloo world, in a child process
 def test_build_topology_real_gloo_world():
     built = _run_child("gloo", REAL_WORLDS)
     for key in REAL_WORLDS:
@@ -443,6 +444,7 @@ def megatron_reference() -> dict:
     return _run_child("megatron", LAYOUTS)
 
 
+@pytest.mark.slow  # megatron-core's groups, built in a child process
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=IDS)
 def test_membership_and_coords_match_megatron(megatron_reference, tp, pp, dp):
     layout = layout_of(tp, pp, dp)
@@ -464,6 +466,7 @@ def test_membership_and_coords_match_megatron(megatron_reference, tp, pp, dp):
         assert {tuple(g) for g in ours_all[dim]} == theirs_all[dim], dim
 
 
+@pytest.mark.slow  # megatron-core's groups, built in a child process
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=IDS)
 def test_build_topology_groups_match_megatron(megatron_reference, tp, pp, dp):
     """The process groups build_topology actually creates (not just the rank arithmetic)."""

@@ -23,6 +23,8 @@ from strata.parallel.zero import ZeroEngine, ZeroPlan
 
 from worlds import run_world
 
+pytestmark = pytest.mark.slow  # an 8-process gloo world trains every scheme (module fixture)
+
 WORLD, STEPS, MICRO = 8, 2, 2
 LAYOUT = Layout(dp=WORLD, ranks_per_node=4, ranks_per_gpu=2)
 CFG = ModelConfig(n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=64)
