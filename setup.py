@@ -33,7 +33,8 @@ setup(
         # deepspeed: tests/test_deepspeed_import.py has DeepSpeed write a ZeRO checkpoint (CPU, needs g++).
         # Install with torch pinned (pip install -c .ci/constraints.txt ...): it must not replace torch.
         "test": ["pytest>=7", "pytest-timeout>=2.3", "wandb", "megatron-core==0.16.1", "deepspeed==0.19.8"],
-        "dev": ["ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17", "build"],
+        # dev: the tools .ci/package_check runs (lint, types, import layers, sdist/wheel build), pinned.
+        "dev": ["ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17", "build==1.6.1"],
         "wandb": ["wandb"],
     },
     entry_points={"console_scripts": ["strata=strata.launch.cli:main"]},
