@@ -62,6 +62,7 @@ def slow_writer(monkeypatch):
     monkeypatch.setenv(writer.DELAY_ENV, "1.0")
 
 
+@pytest.mark.slow  # the writer waits 1 s before and between writes: ~6 s
 def test_async_save_returns_before_the_write_and_the_next_waits_for_it(tmp_path, slow_writer):
     mgr = CheckpointManager(tmp_path, 0, 1, async_save=True)
     try:
@@ -77,6 +78,7 @@ def test_async_save_returns_before_the_write_and_the_next_waits_for_it(tmp_path,
         mgr.close()
 
 
+@pytest.mark.slow  # the writer waits 1 s before and between writes: ~8 s
 def test_killed_writer_is_reported_at_the_next_step_and_the_previous_checkpoint_loads(tmp_path, slow_writer):
     mgr = CheckpointManager(tmp_path, 0, 1, async_save=True)
     save(mgr, 1)
@@ -142,6 +144,7 @@ def holder_of(path: Path) -> int | None:
     return None
 
 
+@pytest.mark.slow  # a 2-process `strata launch` world
 def test_two_rank_run_killed_mid_save_fails_on_every_rank_and_resumes_from_the_last_commit(small_data_dir, tmp_path):
     """Two ranks, ZeRO-3 (each saves its own shard), background saves every 2 steps; rank 1's writer
     is killed with SIGKILL while it writes step 4. Both ranks stop with the error; step 2 verifies,

@@ -240,6 +240,7 @@ def test_offload_config_errors_say_what_to_set(small_data_dir, tmp_path, setting
         tiny_config(small_data_dir, tmp_path, **{**MODEL, **settings})
 
 
+@pytest.mark.slow  # a 2-process `strata launch` world
 def test_offload_dp2_through_launch_matches_one_process(small_data_dir, tmp_path):
     """ZeRO-3 over 2 ranks with parameters, optimizer states and activations on NVMe: the losses and final
     parameters of the 1-process run without offload; the metrics report the swap traffic."""
@@ -261,6 +262,7 @@ def test_offload_dp2_through_launch_matches_one_process(small_data_dir, tmp_path
     assert not list((tmp_path / "swap").glob("strata-*/*"))  # swap files removed at the end
 
 
+@pytest.mark.slow  # a 2-process `strata launch` world
 def test_activation_policy_under_interleaved_pipeline_through_launch(small_data_dir, tmp_path):
     """pp2 with 2 virtual stages (interleaved 1F1B: micro-batches of two stages in flight per rank),
     every block recomputed and the saved block inputs offloaded to NVMe: the 1-process losses."""

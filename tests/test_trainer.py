@@ -105,6 +105,7 @@ def test_bf16_autocast_trains_close_to_fp32(small_data_dir, tmp_path):
     assert bf16.losses[6] < bf16.losses[1]
 
 
+@pytest.mark.slow  # wandb starts its service process: ~15 s on 2 cores
 def test_wandb_offline_logs_without_network(small_data_dir, tmp_path, monkeypatch):
     """log.wandb=true with WANDB_MODE=offline: the run finishes and wandb wrote an offline run
     holding our metrics under the run directory."""
