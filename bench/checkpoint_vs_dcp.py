@@ -61,7 +61,7 @@ def launch(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(LaunchPlan(args.nproc)), __file__, "--worker",
            "--d-model", str(args.d_model), "--layers", str(args.layers), "--rounds", str(args.rounds),
            "--dir", str(work)] + (["--out", str(args.out)] if args.out else [])
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         return subprocess.call(cmd, env=env, cwd=REPO)
     finally:

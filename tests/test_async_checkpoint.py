@@ -162,7 +162,7 @@ def test_two_rank_run_killed_mid_save_fails_on_every_rank_and_resumes_from_the_l
     cmd = [sys.executable, "-m", "strata.launch.cli", "launch", str(experiment),
            *tiny_overrides(small_data_dir, tmp_path / "killed", **settings, **ZERO3), "--nproc", "2"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": REPO, writer.DELAY_ENV: "1.0"})
+                            env={**os.environ, writer.DELAY_ENV: "1.0"})
     ckpts = tmp_path / "killed" / "t" / "checkpoints"
     target = store.partial_dir(ckpts, 4) / "__1_0.distcp"
     try:
