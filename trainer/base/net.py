@@ -8,4 +8,5 @@ def free_port() -> int:
     """A TCP port free on this host now, for a local world's rendezvous (launches, tests, benchmarks)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
