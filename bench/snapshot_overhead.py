@@ -73,9 +73,8 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from strata.checkpoint.erasure import Code  # noqa: E402
 from strata.checkpoint.agent_protocol import SOCKET_ENV, agent_stats  # noqa: E402
+from strata.checkpoint.erasure import Code  # noqa: E402
 from strata.launch.torchrun import SECRET_ENV  # noqa: E402
 from strata.net import free_port  # noqa: E402
 from strata.trainer.data import ensure_default_corpus  # noqa: E402
@@ -247,8 +246,9 @@ def start_time(pid: int) -> float | None:
     return btime + ticks / os.sysconf("SC_CLK_TCK")
 
 
-ROLES = (("agent", "strata.launch.snapshot_agent"), ("writer", "strata.checkpoint.writer"), ("torchrun", "torch.distributed.run"),
-         ("worker", "launch.cli train"), ("launcher", "launch.cli launch"), ("store", "launch.cli store"))
+ROLES = (("agent", "strata.launch.snapshot_agent"), ("writer", "strata.checkpoint.writer"),
+         ("torchrun", "torch.distributed.run"), ("worker", "launch.cli train"), ("launcher", "launch.cli launch"),
+         ("store", "launch.cli store"))
 
 
 def cpu_by_role(marker: str, job: str) -> dict[str, float]:
@@ -283,7 +283,8 @@ class Job:
         self.metrics_path = self.dir / "runs" / "t" / "metrics.jsonl"
         pythonpath = [str(root / "site")] if breakdown else []
         self.env = {**os.environ, MARKER: marker, "STRATA_BENCH_JOB": name, "TMPDIR": str(self.dir / "tmp"),
-                    "PYTHONPATH": os.pathsep.join(pythonpath + [str(REPO), os.environ.get("PYTHONPATH", "")]),
+                    # the timing wrappers' sitecustomize only: the workers import the installed strata
+                    "PYTHONPATH": os.pathsep.join(pythonpath + [os.environ.get("PYTHONPATH", "")]),
                     "STRATA_BENCH_TIMINGS": str(self.dir / "timings"), SECRET_ENV: os.urandom(32).hex(),
                     "PYTHONUNBUFFERED": "1"}
         self.launch = ["launch", str(REPO / "configs" / "tiny.yaml"), *[f"{k}={v}" for k, v in overrides.items()],
@@ -324,9 +325,10 @@ class Job:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
-            except OSError:
+            except OSError as e:
                 if time.monotonic() > deadline or self.procs["store"].poll() is not None:
-                    raise RuntimeError(f"{self.name}: the rendezvous store did not start; see {self.dir}/store.log")
+                    raise RuntimeError(f"{self.name}: the rendezvous store did not start; see {self.dir}/store.log"
+                                       ) from e
                 time.sleep(0.1)
         for node in "ABCDEFGH"[:self.args.nodes]:
             self._spawn(node, self.launch + ["--nnodes", str(self.args.nodes), "--rdzv-endpoint", f"127.0.0.1:{port}",
@@ -480,10 +482,10 @@ def pieces_bench(args, root: Path) -> list[dict]:
     world (every rank holds the same replicated pieces, so the plan splits each among the ranks)."""
     import json as json_mod
 
+    from strata import config as config_mod
     from strata.checkpoint.plan import torch_dtype
     from strata.checkpoint.stage import copy_pieces, descriptors, index_of, objects_blob, plan_staging
     from strata.parallel import runtime as runtime_mod
-    from strata import config as config_mod
     from strata.trainer.loop import Trainer
 
     world = args.nodes * args.nproc

@@ -77,7 +77,7 @@ def state_pieces(fqn: str, entry: dict, placement: Placement, local_shape: tuple
     return out
 
 
-def model_pieces(engine: "ZeroEngine", canonical: dict[str, str]) -> list[Piece]:
+def model_pieces(engine: ZeroEngine, canonical: dict[str, str]) -> list[Piece]:
     """This rank's parameters: the slices of its flat parameter shards (never gathered; whole
     tp-local tensors when parameters are not partitioned)."""
     out = []
@@ -91,7 +91,7 @@ def model_pieces(engine: "ZeroEngine", canonical: dict[str, str]) -> list[Piece]
     return out
 
 
-def optimizer_entries(engine: "ZeroEngine", canonical: dict[str, str]
+def optimizer_entries(engine: ZeroEngine, canonical: dict[str, str]
                       ) -> list[tuple[nn.Parameter, str, Placement, tuple[int, ...], int]]:
     """(optimizer parameter, canonical name, placement, tp-local shape, start of its flat range)
     for every parameter segment this rank's optimizer steps."""

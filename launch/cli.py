@@ -85,6 +85,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     from strata.trainer import data
 
+    root: Path | None
     if args.stdlib:
         files, root = data.stdlib_corpus_files(), Path(sysconfig.get_paths()["stdlib"])
     else:

@@ -73,7 +73,7 @@ def pin_host(buffer: torch.Tensor) -> bool:
         return True
     _clear_cuda_error()
     warnings.warn(f"cudaHostRegister of a {nbytes}-byte host buffer failed ({cudart.cudaGetErrorString(err)}); it "
-                  "stays pageable: host-device copies through it will be slower")
+                  "stays pageable: host-device copies through it will be slower", stacklevel=2)
     return False
 
 

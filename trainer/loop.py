@@ -88,9 +88,14 @@ class Trainer:
         """Optimizer steps taken (the training state's)."""
         return self.state.step
 
-    def _snapshot_manager(self, group) -> "SnapshotManager":
+    def _snapshot_manager(self, group) -> SnapshotManager:
         from strata.checkpoint.snapshot import SnapshotManager  # loads the agent protocol only when snapshots are on
         return SnapshotManager(self.cfg.snapshot, self.rt.rank, self.rt.world_size, group)
+
+    def _active_snapshots(self) -> SnapshotManager:
+        if self.snapshots is None:
+            raise RuntimeError("snapshot.every_steps is 0: this run takes no snapshots")
+        return self.snapshots
 
     def _default_corpus(self) -> Path:
         """Rank 0 prepares the built-in corpus once; the others wait, then read it."""
@@ -113,14 +118,11 @@ class Trainer:
         self.held_bytes = model.engine.held_bytes()
         self.state.step += 1
         self.checkpoints.poll()  # a background save's failure surfaces here, on every rank
-        return self._dp_mean(loss), grad_norm
+        return self._dp_sum(loss) / self.topo.dp_size, grad_norm
 
-    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
-        group = self.topo.group("dp")
-        if group is not None:
-            comm.all_reduce(value, group, dim="dp")
-            value /= self.topo.dp_size
-        return value
+    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the data-parallel ranks (in place)."""
+        return comm.all_reduce(value, self.topo.group("dp"), dim="dp")
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -132,10 +134,7 @@ class Trainer:
                                             self.topo.dp_rank, self.topo.dp_size):
             total += self.model.eval_loss(inputs, targets)
         self.model.train(True)
-        group = self.topo.group("dp")
-        if group is not None:
-            comm.all_reduce(total, group, dim="dp")
-        return total.item() / (n * self.topo.dp_size)
+        return self._dp_sum(total).item() / (n * self.topo.dp_size)
 
     # --- saving and resuming ----------------------------------------------------------------
     def save(self) -> None:
@@ -147,7 +146,7 @@ class Trainer:
 
     def snapshot(self) -> bool:
         """An in-memory snapshot of this step through the node's agent (collective); False if skipped."""
-        return self.snapshots.save(self.step, self.state)
+        return self._active_snapshots().save(self.step, self.state)
 
     def resume(self, path: Path) -> Path:
         """Load a checkpoint saved from any layout into this one (see `TrainState.load`)."""
@@ -161,7 +160,7 @@ class Trainer:
         every rank can restore; else `resume`, or the newest committed checkpoint under
         checkpoint.dir (a job whose every node was lost is simply launched again); else step 0.
         Returns the sentence saying which, and why ("" for a first start)."""
-        found = self.snapshots.recover()
+        found = self._active_snapshots().recover()
         if found.checkpoint is not None:
             self._load(found.checkpoint)
             return f"snapshot: resumed from {found.message}"

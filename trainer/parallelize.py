@@ -11,8 +11,9 @@ groups, so every layout trains through the same step path.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ContextManager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -95,7 +96,7 @@ class ParallelModel:
     def optimizer(self) -> torch.optim.Optimizer:
         return self.engine.optimizer
 
-    def autocast(self) -> ContextManager[None]:
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
         if self.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
@@ -146,7 +147,7 @@ class ParallelModel:
             part.train(mode)
 
     # --- around saves and loads ------------------------------------------------------------
-    def state_in_memory(self, changed: bool = False) -> ContextManager[None]:
+    def state_in_memory(self, changed: bool = False) -> contextlib.AbstractContextManager[None]:
         """Offloaded shards and moments in memory inside the block (`changed`: written back after);
         a no-op without offload."""
         return self.tiers.resident(changed) if self.tiers else contextlib.nullcontext()
@@ -180,14 +181,13 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
         loss_fn = apply_tensor_parallel(model, topo.group("tp"), topo.coords["tp"], par.tp,
                                         sequence_parallel=par.sequence_parallel)
 
-    parts: list[nn.Module] = [model]
-    if par.pp > 1:
-        parts = list(split_stages(model, topo.coords["pp"], par.pp, par.virtual_stages, par.schedule))
+    stages = split_stages(model, topo.coords["pp"], par.pp, par.virtual_stages, par.schedule) if par.pp > 1 else []
+    parts: list[nn.Module] = list(stages) if stages else [model]
     materialize(parts, cfg.model, cfg.train.seed, device)
     pipeline = None
-    if par.pp > 1:
+    if stages:
         tied_group = topo.group("pp_ends") if cfg.model.tie_embeddings else None
-        pipeline = Pipeline(parts, loss_fn, topo.group("pp"), par.pp, par.virtual_stages, par.schedule,
+        pipeline = Pipeline(stages, loss_fn, topo.group("pp"), par.pp, par.virtual_stages, par.schedule,
                             cfg.grad_accum_steps(topo.layout.world_size), device, tied_group,
                             stage_shapes(cfg, model.vocab_size))
 
@@ -217,7 +217,8 @@ def _zero_engine(cfg: Config, topo: Topology, parts: list[nn.Module], pipeline: 
     and consecutive blocks share a flat group up to parallel.bucket_mb (data parallel's buckets)."""
     plan = (ZeroPlan.from_config(cfg.zero) if cfg.zero.enabled
             else ZeroPlan(bucket_bytes=int(cfg.parallel.bucket_mb * 2**20)))
-    tied = [pipeline.tied_weight] if pipeline and pipeline.tied_weight is not None else []
+    tied_weight = pipeline.tied_weight if pipeline else None
+    tied = [tied_weight] if isinstance(tied_weight, nn.Parameter) else []
     return ZeroEngine(parts, topo, plan,
                       lambda params, shape_of: build_optimizer(params, cfg.optim, device, shape_of),
                       tied, topo.group("pp_ends") if tied else None,
@@ -251,5 +252,6 @@ def _outer_updates(cfg: Config, topo: Topology, engine: ZeroEngine) -> CO2:
                            f"{layout.node_size}; run on more nodes, set parallel.ranks_per_node to simulate "
                            "them, or set co2.enabled=false"])
     norm_group = topo.digit_group("none", cfg.zero.optim.shard_over)[0]
-    return CO2(engine.params, topo.dedicated_digit_group("node", "global"), co2.outer_every, co2.outer_lr,
+    params: list[torch.Tensor] = list(engine.params)
+    return CO2(params, topo.dedicated_digit_group("node", "global"), co2.outer_every, co2.outer_lr,
                co2.outer_momentum, co2.staleness_penalty, co2.clip, co2.overlap, norm_group)

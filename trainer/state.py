@@ -6,14 +6,22 @@ into this layout. `CheckpointManager` and `SnapshotManager` both take it.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
 from strata.checkpoint.layout import hyperparameters, load_optimizer, model_state_problems, optimizer_problems
-from strata.checkpoint.pieces import (Piece, StateContents, model_pieces, optimizer_entries, optimizer_pieces,
-                                      rng_piece, state_pieces, whole_piece)
+from strata.checkpoint.pieces import (
+    Piece,
+    StateContents,
+    model_pieces,
+    optimizer_entries,
+    optimizer_pieces,
+    rng_piece,
+    state_pieces,
+    whole_piece,
+)
 from strata.checkpoint.reader import Checkpoint
 from strata.config import Config
 from strata.errors import CheckpointError
