@@ -6,7 +6,6 @@ that the save is written (then rank 0 commits it) or that a writer failed (then 
 """
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -20,11 +19,19 @@ import torch
 import torch.distributed as dist
 
 from strata.checkpoint import store, writer
-from strata.parallel import comm
 from strata.checkpoint.pieces import FixedState, Piece, SavableState, StateContents, whole_piece
-from strata.checkpoint.stage import (OBJECTS_FILE, SharedImage, Staging, copy_pieces, gather_plan, index_of, objects_blob,
-                              write_templates)
+from strata.checkpoint.stage import (
+    OBJECTS_FILE,
+    SharedImage,
+    Staging,
+    copy_pieces,
+    gather_plan,
+    index_of,
+    objects_blob,
+    write_templates,
+)
 from strata.errors import CheckpointError
+from strata.parallel import comm
 
 WRITING, WRITTEN, DONE = 0, 1, 2
 
@@ -49,7 +56,8 @@ class CheckpointManager:
         self.keep_last, self.async_save, self.group = keep_last, async_save, group
         self._staging: Staging | None = None
         self._inflight: _Save | None = None
-        self._proc = self._conn = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
 
     # --- collectives (no-ops in a world of one) --------------------------------------------
     def agree(self, problems: list[str], what: str) -> None:
@@ -72,16 +80,17 @@ class CheckpointManager:
         if self.rank == 0:  # files of an interrupted earlier attempt; the others write after _stage's gather
             shutil.rmtree(step_dir, ignore_errors=True)
         staging = self._stage(pieces)
-        copy_pieces(staging.image.tensor, staging.items, pieces)
-        extra, commit_args = {}, ()
+        copy_pieces(_image(staging).tensor, staging.items, pieces)
+        extra: dict[str, bytes] = {}
+        commit_args: tuple = ()
         if self.rank == 0:
             blob, where = objects_blob(contents.objects)
             extra = {OBJECTS_FILE: blob}
             index = index_of(step, contents.layout, staging, where, contents.aliases)
             commit_args = (step_dir, step, self.world, index, self.config_yaml, self.keep_last)
         if self.async_save:
-            self._start_writer()
-            self._conn.send(("write", step_dir, self.rank, staging.nbytes, extra))
+            conn = self._start_writer()
+            conn.send(("write", step_dir, self.rank, staging.nbytes, extra))
             self._inflight = _Save(step, commit_args)
             return
         self._write_inline(step, step_dir, staging, extra, commit_args)
@@ -93,16 +102,16 @@ class CheckpointManager:
             return staging
         self._stop_writer()  # a writer maps the old image
         if self._staging is not None:
-            self._staging.image.close()
-        staging.image = SharedImage(staging.nbytes)
-        write_templates(staging.image.tensor, staging.items)
+            _image(self._staging).close()
+        image = staging.image = SharedImage(staging.nbytes)
+        write_templates(image.tensor, staging.items)
         self._staging = staging
         return staging
 
     def _write_inline(self, step: int, step_dir: Path, staging: Staging, extra: dict, commit_args: tuple) -> None:
         problems = []
         try:
-            writer.write_rank(step_dir, self.rank, memoryview(staging.image.map), staging.nbytes, extra)
+            writer.write_rank(step_dir, self.rank, memoryview(_image(staging).map), staging.nbytes, extra)
         except Exception as e:  # every rank must reach agree(), whatever went wrong
             problems.append(f"writing {step_dir}: {type(e).__name__}: {e}")
         self.agree(problems, self._failed(step))
@@ -114,48 +123,57 @@ class CheckpointManager:
         self.agree(problems, self._failed(step))
 
     def _failed(self, step: int) -> str:
-        return (f"checkpoint step {step} was not saved under {self.root}; the checkpoints committed before it are intact "
-                "(`strata ckpt verify` checks one)")
+        return (f"checkpoint step {step} was not saved under {self.root}; the checkpoints committed before it are "
+                "intact (`strata ckpt verify` checks one)")
 
     # --- the writer process ----------------------------------------------------------------
     @property
     def writer_pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    def _start_writer(self) -> None:
+    def _start_writer(self) -> Connection:
         """A writer process of our own (not multiprocessing's spawn, which re-runs the user's main
-        module): it inherits the image's memfd and one end of a socket pair, and imports no torch."""
+        module): it inherits the image's memfd and one end of a socket pair, and imports no torch.
+        Returns our end of the pair."""
         if self._proc is not None and self._proc.poll() is None:
-            return
+            assert self._conn is not None  # made with the process
+            return self._conn
+        staging = self._staging
+        assert staging is not None  # save() stages before it starts a writer
         ours, theirs = socket.socketpair()
-        fds = (self._staging.image.fd, theirs.fileno())
+        fds = (_image(staging).fd, theirs.fileno())
         self._proc = subprocess.Popen([sys.executable, "-m", "strata.checkpoint.writer", str(fds[0]),
-                                       str(max(self._staging.nbytes, 1)), str(fds[1])], pass_fds=fds)
+                                       str(max(staging.nbytes, 1)), str(fds[1])], pass_fds=fds)
         theirs.close()  # else a dead writer's end stays open here and recv() never sees EOF
-        self._conn = Connection(ours.detach())
+        conn = self._conn = Connection(ours.detach())
+        return conn
 
     def _stop_writer(self, kill: bool = False) -> None:
-        if self._proc is None:
+        proc, conn = self._proc, self._conn
+        if proc is None:
             return
+        assert conn is not None  # made with the process
         try:
-            self._conn.send(None)
+            conn.send(None)
         except OSError:
             pass
         if kill:
-            self._proc.kill()
+            proc.kill()
         try:
-            self._proc.wait(timeout=30)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._conn.close()
+            proc.kill()
+            proc.wait()
+        conn.close()
         self._proc = self._conn = None
 
     def _check_writer(self, save: _Save) -> None:
         """Take the writer's replies; a dead writer is a failure."""
+        proc, conn = self._proc, self._conn
+        assert proc is not None and conn is not None  # a save in flight has its writer
         try:
-            while save.error is None and self._conn.poll():
-                status, kind, *text = self._conn.recv()
+            while save.error is None and conn.poll():
+                status, kind, *text = conn.recv()
                 if status == "error":
                     save.error = f"{kind} failed: {text[0]}"
                 elif kind == "write":
@@ -164,8 +182,8 @@ class CheckpointManager:
                     save.state = DONE
         except (EOFError, OSError):
             pass
-        if save.error is None and save.state != DONE and self._proc.poll() is not None:
-            save.error = f"the checkpoint writer (pid {self._proc.pid}) died (exit code {self._proc.returncode})"
+        if save.error is None and save.state != DONE and proc.poll() is not None:
+            save.error = f"the checkpoint writer (pid {proc.pid}) died (exit code {proc.returncode})"
 
     def poll(self) -> None:
         """Once per training step while a save is in flight (collective): commit it when every
@@ -182,6 +200,7 @@ class CheckpointManager:
             self.agree([save.error] if save.error else [], self._failed(save.step))
         lowest = -int(flags[1])
         if self.rank == 0 and lowest >= WRITTEN and not save.commit_sent:
+            assert self._conn is not None  # a save in flight has its writer
             self._conn.send(("commit", *save.commit_args))
             save.commit_sent = True
         if lowest == DONE:
@@ -201,8 +220,14 @@ class CheckpointManager:
         finally:
             self._stop_writer()
             if self._staging is not None:
-                self._staging.image.close()
+                _image(self._staging).close()
                 self._staging = None
+
+
+def _image(staging: Staging) -> SharedImage:
+    """The shared-memory image of a staging plan, which `CheckpointManager._stage` gives every plan."""
+    assert staging.image is not None
+    return staging.image
 
 
 def write_whole(root: Path, step: int, tensors: dict[str, torch.Tensor], objects: dict, aliases: dict[str, str],

@@ -15,15 +15,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from strata.checkpoint.agent_protocol import SOCKET_ENV, connect, request
 from strata.checkpoint.pieces import Piece, SavableState
 from strata.checkpoint.reader import Checkpoint
-from strata.checkpoint.stage import (OBJECTS_FILE, Staging, copy_pieces, descriptors, index_of, objects_blob, plan_staging,
-                              write_templates)
+from strata.checkpoint.stage import (
+    OBJECTS_FILE,
+    Staging,
+    copy_pieces,
+    descriptors,
+    index_of,
+    objects_blob,
+    plan_staging,
+    write_templates,
+)
 from strata.checkpoint.store import data_file
-from strata.checkpoint.agent_protocol import SOCKET_ENV, connect, request
-from strata.parallel import comm
 from strata.config import SnapshotConfig, snapshot_nodes_problem
 from strata.errors import StrataError
+from strata.parallel import comm
 
 
 @dataclass
@@ -120,11 +128,14 @@ class SnapshotManager:
         if not agreed[1]:
             self._release(lease)
             lease = None
+        assert self._staging is not None  # kept (the plan is the same) or planned just now
         return self._staging, lease, trailer
 
     def _lease_for(self, step: int, objects: dict, aliases: dict, layout: dict) -> tuple[bytes, int | None]:
-        trailer = self._trailer(step, self._staging, objects, aliases, layout)
-        return trailer, self._lease(self._staging.nbytes + len(trailer))
+        staging = self._staging
+        assert staging is not None  # called with a plan in place
+        trailer = self._trailer(step, staging, objects, aliases, layout)
+        return trailer, self._lease(staging.nbytes + len(trailer))
 
     def _release(self, lease: int | None) -> None:
         if lease is not None:
@@ -137,7 +148,8 @@ class SnapshotManager:
             return b""
         blob, where = objects_blob(objects)
         if self._index_json is None:  # the tensors' chunks, by far the largest part, change with the plan only
-            fixed = {k: v for k, v in index_of(step, layout, staging, {}, aliases).items() if k not in ("step", "objects")}
+            fixed = {k: v for k, v in index_of(step, layout, staging, {}, aliases).items()
+                     if k not in ("step", "objects")}
             self._index_json = json.dumps(fixed)
         index = self._index_json[:-1] + f', "step": {step}, "objects": {json.dumps(where)}}}'
         return len(blob).to_bytes(8, "little") + blob + index.encode()
@@ -222,9 +234,12 @@ def _newest_complete(sources: dict[int, dict[int, dict]]) -> tuple[int | None, s
         short = []
         for r in range(world):
             e = ranks.get(r)
-            k = e["meta"]["k"] if e else None
-            if e is None or not (e["full"] or len(e["frags"]) >= k):
-                short.append(f"rank {r}: " + ("nothing" if e is None else f"{len(e['frags'])} of k={k} fragments"))
+            if e is None:
+                short.append(f"rank {r}: nothing")
+                continue
+            k = e["meta"]["k"]
+            if not (e["full"] or len(e["frags"]) >= k):
+                short.append(f"rank {r}: {len(e['frags'])} of k={k} fragments")
         if not short:
             return step, ""
         if why.startswith("no snapshot"):
@@ -253,5 +268,6 @@ def _describe(how: dict[int, str]) -> str:
 
 
 def _span(ranks: list[int]) -> str:
-    return str(ranks[0]) if len(ranks) == 1 else (f"{ranks[0]}–{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1))
-                                                   else ",".join(map(str, ranks)))
+    if len(ranks) == 1:
+        return str(ranks[0])
+    return f"{ranks[0]}–{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else ",".join(map(str, ranks))

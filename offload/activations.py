@@ -56,6 +56,11 @@ class _Entry:
     released: bool = False
     held: tuple[int, int] = (0, 0)                # (device, host) bytes counted for it now
 
+    def in_flight(self) -> Transfer:
+        """The write of an entry in the offloader's `_pending` (set before it goes there, cleared as it leaves)."""
+        assert self.write is not None
+        return self.write
+
 
 class _Saved:
     """What autograd stores for one saved tensor: its entry and how to rebuild the view. Dropped by
@@ -188,7 +193,7 @@ class ActivationOffloader:
         with self._locked():
             self._pump(window=None)
             while self._pending:
-                self._pending[0].write.wait()
+                self._pending[0].in_flight().wait()
                 self._reap(window=None)
 
     def end_step(self) -> None:
@@ -331,7 +336,7 @@ class ActivationOffloader:
                 if not self._pending:
                     self._pump(window=1)
                 if self._pending:
-                    self._pending[0].write.wait()
+                    self._pending[0].in_flight().wait()
                 self._reap()
         else:
             self._pump()
@@ -339,6 +344,7 @@ class ActivationOffloader:
 
     def _copy_out(self, entry: _Entry) -> None:
         """Start (or, with no mover, do) the copy of `entry`'s storage to host memory or its region."""
+        assert entry.src is not None  # queued copies keep their original until written or skipped
         data = torch.empty(0, dtype=torch.uint8, device=entry.device).set_(entry.src)
         if self.mode == "cpu":
             entry.host = self._host.take(entry.nbytes, entry.device.type == "cuda")
@@ -347,6 +353,7 @@ class ActivationOffloader:
             else:
                 entry.write = self.mover.write(data, entry.host[:entry.nbytes])
         else:
+            assert self.mover is not None  # mode nvme: __init__ requires one
             entry.region = self._allocate(entry.nbytes)
             entry.write = self.mover.write(data, entry.region)
         self._count["writes"] += 1
@@ -369,9 +376,9 @@ class ActivationOffloader:
     def _reap(self, window: int | None = WRITE_WINDOW) -> None:
         """Drop the originals whose copies are written (in issue order: the mover keeps it), then
         hand the mover more."""
-        while self._pending and self._pending[0].write.done():
+        while self._pending and self._pending[0].in_flight().done():
             entry = self._pending.popleft()
-            write, entry.write = entry.write, None
+            write, entry.write = entry.in_flight(), None
             write.wait()  # raises a failed write here, in forward or backward
             self._drop_src(entry)
         self._pump(window)
@@ -394,11 +401,10 @@ class ActivationOffloader:
             return  # a CPU model rebuilds straight from the host copy
         dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
         entry.loaded = dst.untyped_storage()
-        where = entry.region if entry.region is not None else entry.host[:entry.nbytes]
-        if self.mover is None:
-            dst.copy_(where)
+        if self.mover is None:  # mode cpu, copied on this thread: the copy is in host memory
+            dst.copy_(_host_copy(entry))
         else:
-            entry.read = self.mover.read(dst, where)
+            entry.read = self.mover.read(dst, entry.region if entry.region is not None else _host_copy(entry))
             self._transfers.append(entry.read)
         self._count["reads"] += 1
         self._count["bytes_read"] += entry.nbytes
@@ -457,10 +463,12 @@ class ActivationOffloader:
         while self._queue:  # copies never handed to the mover: backward is over, none will be needed
             self._count["writes_skipped"] += 1
             self._drop_src(self._queue.popleft())
-        for entry in (e for group in self._groups.values() for e in group if e.host is not None and e.released):
-            self._host.give_back(entry.host)  # released while a transfer still used it
-            entry.host = None
-            self._account(entry)
+        for group in self._groups.values():
+            for entry in group:
+                if entry.host is not None and entry.released:
+                    self._host.give_back(entry.host)  # released while a transfer still used it
+                    entry.host = None
+                    self._account(entry)
 
     # --- swap file regions ----------------------------------------------------------------------
     def _allocate(self, nbytes: int) -> FileRegion:
@@ -470,6 +478,7 @@ class ActivationOffloader:
         self._cursor += size
         self._file_peak = max(self._file_peak, self._cursor)
         f = self.swap_file
+        assert f is not None  # mode nvme: __init__ requires one
         if self._cursor > f.allocated:
             target = aligned(max(self._cursor, f.allocated + max(GROW_MIN, f.allocated // 8)))
             if target > f.size:
@@ -490,6 +499,12 @@ class ActivationOffloader:
         self._transfers: list[Transfer] = []
         self._cursor = 0
         self._mb.clear()
+
+
+def _host_copy(entry: _Entry) -> torch.Tensor:
+    """The host buffer holding `entry`'s copy (mode cpu), trimmed to its size."""
+    assert entry.host is not None
+    return entry.host[:entry.nbytes]
 
 
 class _Recomputed:

@@ -33,7 +33,7 @@ class ParamTier:
     def start(self) -> None:
         """Move every shard to its home (after the swap files are reserved) and take over the gathers."""
         for g in self.groups:
-            g.tier = self  # type: ignore[assignment]  # FlatGroup.tier is declared as None (parallel/zero.py)
+            g.tier = self
             self._writes[g.name] = self.mover.write(g.shard, self.where[g.name])
         self.finish_writes(self.groups)
 

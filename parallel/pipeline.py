@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 
-from strata.parallel import comm
 from strata.config import SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES
 from strata.model import GPT
+from strata.parallel import comm
 
 SCHEDULES = {
     "gpipe": pipelining.ScheduleGPipe,
@@ -81,8 +81,10 @@ class Stage(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in plan.layers})
         if plan.is_last:
             self.norm, self.output = model.norm, model.output
-        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
-        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        rope_cos, rope_sin = model.rope_cos, model.rope_sin  # the GPT's buffers
+        assert isinstance(rope_cos, torch.Tensor) and isinstance(rope_sin, torch.Tensor)
+        self.register_buffer("rope_cos", rope_cos, persistent=False)
+        self.register_buffer("rope_sin", rope_sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plan.is_first:
@@ -171,14 +173,16 @@ class Pipeline:
         x, loss = inputs, torch.zeros((), device=inputs.device)
         for s in range(self._num_stages):
             me = self._stage_owner[s] == dist.get_rank()
-            prev = self._stage_owner.get(s - 1)
-            if me and s > 0 and prev != dist.get_rank():
-                x = comm.recv_tensor(prev, inputs.device, dim="pp")
+            if me and s > 0:
+                prev = self._stage_owner[s - 1]
+                if prev != dist.get_rank():
+                    x = comm.recv_tensor(prev, inputs.device, dim="pp")
             if me:
                 x = next(p for p in self.parts if p.plan.index == s)(x)
-                nxt = self._stage_owner.get(s + 1)
                 if s == self._num_stages - 1:
                     loss = self._loss_fn(x, targets).float()
-                elif nxt != dist.get_rank():
-                    comm.send_tensor(x, nxt, dim="pp")
+                else:
+                    nxt = self._stage_owner[s + 1]
+                    if nxt != dist.get_rank():
+                        comm.send_tensor(x, nxt, dim="pp")
         return comm.all_reduce(loss, self.group, dim="pp")

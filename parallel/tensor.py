@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.errors import ConfigError
+from strata.model import GPT, Block, RMSNorm
 from strata.parallel import comm
 from strata.parallel.flat import Box
 
@@ -57,8 +58,15 @@ class Placement:
         return full.chunk(self.num_shards, dim=self.shard_dim)[self.shard_index]
 
 
+_PLACEMENT = "placement"  # the attribute a shard carries its Placement in (torch.Tensor declares none)
+
+
 def placement_of(p: torch.Tensor) -> Placement:
-    return getattr(p, "placement", None) or Placement(tuple(p.shape))
+    return getattr(p, _PLACEMENT, None) or Placement(tuple(p.shape))
+
+
+def _set_placement(p: torch.Tensor, placement: Placement) -> None:
+    setattr(p, _PLACEMENT, placement)
 
 
 # --- communication with autograd (Megatron's f / g operators) ------------------------------
@@ -156,7 +164,7 @@ def _shard_parameter(full: torch.Tensor, dim: int, rank: int, size: int) -> nn.P
                            f"(shape {tuple(full.shape)}); choose model sizes divisible by tp"])
     placement = Placement(tuple(full.shape), dim, rank, size)
     p = nn.Parameter(placement.local_slice(full.detach()).clone())
-    p.placement = placement
+    _set_placement(p, placement)
     return p
 
 
@@ -237,7 +245,7 @@ class TensorParallelRMSNorm(nn.Module):
 
     `enter=False` (the final norm under SP) only normalises the shard: the output layer gathers."""
 
-    def __init__(self, norm: nn.Module, group, sequence_parallel: bool, enter: bool = True):
+    def __init__(self, norm: RMSNorm, group, sequence_parallel: bool, enter: bool = True):
         super().__init__()
         self.group, self.sequence_parallel, self.enter, self.eps = group, sequence_parallel, enter, norm.eps
         self.weight = norm.weight
@@ -265,7 +273,7 @@ class VocabParallelLoss:
 
 # --- the transformation ----------------------------------------------------------------------
 
-def apply_tensor_parallel(model: nn.Module, group, rank: int, size: int,
+def apply_tensor_parallel(model: GPT, group, rank: int, size: int,
                           sequence_parallel: bool = False) -> VocabParallelLoss:
     """Shard a GPT in place over the tp group (slicing its full, already-initialised weights, so
     the sharded model computes what the unsharded one would). Returns the loss to train it with.
@@ -278,20 +286,28 @@ def apply_tensor_parallel(model: nn.Module, group, rank: int, size: int,
         raise ConfigError([f"parallel.sequence_parallel splits the sequence over tp={size} ranks: "
                            f"model.seq_len={model.cfg.seq_len} must be divisible by {size}"])
     for block in model.layers:  # the norms enter each region once; the linears after them share it
+        assert isinstance(block, Block)
         attn, mlp = block.attn, block.mlp
-        block.attn_norm = TensorParallelRMSNorm(block.attn_norm, group, sp)
-        block.mlp_norm = TensorParallelRMSNorm(block.mlp_norm, group, sp)
-        attn.wq, attn.wk, attn.wv = (ColumnParallelLinear(m, group, rank, size, entry="ready")
-                                     for m in (attn.wq, attn.wk, attn.wv))
-        attn.wo = RowParallelLinear(attn.wo, group, rank, size, sequence_parallel=sp)
-        mlp.w1, mlp.w3 = (ColumnParallelLinear(m, group, rank, size, entry="ready") for m in (mlp.w1, mlp.w3))
-        mlp.w2 = RowParallelLinear(mlp.w2, group, rank, size, sequence_parallel=sp)
+        _swap(block, attn_norm=TensorParallelRMSNorm(block.attn_norm, group, sp),
+              mlp_norm=TensorParallelRMSNorm(block.mlp_norm, group, sp))
+        wq, wk, wv = (ColumnParallelLinear(m, group, rank, size, entry="ready") for m in (attn.wq, attn.wk, attn.wv))
+        _swap(attn, wq=wq, wk=wk, wv=wv, wo=RowParallelLinear(attn.wo, group, rank, size, sequence_parallel=sp))
+        w1, w3 = (ColumnParallelLinear(m, group, rank, size, entry="ready") for m in (mlp.w1, mlp.w3))
+        _swap(mlp, w1=w1, w3=w3, w2=RowParallelLinear(mlp.w2, group, rank, size, sequence_parallel=sp))
     if sp:
-        model.norm = TensorParallelRMSNorm(model.norm, group, sp, enter=False)
+        _swap(model, norm=TensorParallelRMSNorm(model.norm, group, sp, enter=False))
     tied = model.output.weight is model.tok_embeddings.weight
-    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, rank, size, sequence_parallel=sp)
+    embedding = VocabParallelEmbedding(model.tok_embeddings, group, rank, size, sequence_parallel=sp)
+    _swap(model, tok_embeddings=embedding)
     output = ColumnParallelLinear(model.output, group, rank, size, entry="gather" if sp else "copy")
     if tied:
-        output.weight = model.tok_embeddings.weight
-    model.output = output
+        output.weight = embedding.weight
+    _swap(model, output=output)
     return VocabParallelLoss(group, rank)
+
+
+def _swap(parent: nn.Module, **children: nn.Module) -> None:
+    """Replace `parent`'s submodules by name with their parallel counterparts (nn.Module's
+    __setattr__ registers them; the model's classes type those attributes as the plain modules)."""
+    for name, child in children.items():
+        setattr(parent, name, child)

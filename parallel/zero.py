@@ -32,19 +32,20 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
+from strata.model import named_blocks
 from strata.parallel import comm
 from strata.parallel.clipping import global_grad_norm, scale_to_norm
 from strata.parallel.flat import Segment
+from strata.parallel.routes import PendingGather, Routes
 from strata.parallel.tensor import placement_of
-from strata.parallel.routes import Routes
 from strata.parallel.topology import CHAIN, Topology, chain_level
-from strata.model import named_blocks
 
 if TYPE_CHECKING:
     from strata.config import ZeroConfig
@@ -62,7 +63,7 @@ class ZeroPlan:
     hierarchical: bool = True
 
     @classmethod
-    def from_config(cls, zero: "ZeroConfig") -> "ZeroPlan":
+    def from_config(cls, zero: ZeroConfig) -> ZeroPlan:
         """The plan a strata.config.ZeroConfig describes."""
         return cls(chain_level(zero.params.shard_over), chain_level(zero.grads.shard_over),
                    chain_level(zero.optim.shard_over), chain_level(zero.secondary_params.shard_over),
@@ -79,6 +80,31 @@ class ZeroPlan:
     @property
     def shards_params(self) -> bool:
         return self.params != "none"
+
+
+class ShardTier(Protocol):
+    """What the engine calls on the memory tier its parameter shards live in between uses
+    (offload.params.ParamTier; described here, as parallel/ sits below offload/ in the layers)."""
+    read_ahead_groups: int  # how many groups to read ahead of the gathers' prefetch
+
+    def ensure(self, group: FlatGroup) -> None:
+        """The group's shard is in memory when this returns."""
+
+    def release(self, group: FlatGroup) -> None:
+        """The gather has copied the shard: the tier may drop it."""
+
+    def read_ahead(self, groups: list[FlatGroup]) -> None:
+        """Start reading these groups' shards."""
+
+
+class StepTier(Protocol):
+    """What the engine calls on the tier that takes the optimizer step (offload.optim.OptimTier)."""
+
+    def step(self) -> None:
+        """The optimizer step, in place of `optimizer.step()`."""
+
+    def device_bytes(self) -> int:
+        """Bytes of optimizer state on the device now."""
 
 
 @dataclass
@@ -121,14 +147,18 @@ class FlatGroup:
         self.shard = self.full[self.param_start:self.param_start + size].clone() if plan.shards_params else self.full
         self.secondary: torch.Tensor | None = None
         self.secondary_valid = False
-        self.gathered, self._pending_gather = True, None
+        self.gathered = True
+        self._pending_gather: PendingGather | None = None
         self.grad_full: torch.Tensor | None = None
-        self.grad_shard = None if plan.grads == "none" else self.full.new_zeros(routes.span(plan.grads, self.padded)[1])
+        self.grad_shard: torch.Tensor | None = None
+        if plan.grads != "none":
+            self.grad_shard = self.full.new_zeros(routes.span(plan.grads, self.padded)[1])
         self.waiting = len(self.slots)  # gradients still to arrive in this micro-batch's backward
         self.optim_start, self.optim_size = routes.span(plan.optim, self.padded)
         self.segments = self._optimizer_segments()
         self.reduced: torch.Tensor | None = None
-        self.tier = None  # offload.params.ParamTier when the shard lives in host memory or on NVMe
+        # offload.params.ParamTier when the shard lives in host memory or on NVMe
+        self.tier: ShardTier | None = None
         if plan.shards_params:
             self.free()
 
@@ -152,6 +182,7 @@ class FlatGroup:
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
         use_secondary = self.secondary_valid
         source = self.secondary if use_secondary else self.shard
+        assert source is not None  # the hpZ copy is valid only once `wait` made it
         level = self.plan.secondary if use_secondary else self.plan.params
         if self.tier is not None and not use_secondary:
             self.tier.ensure(self)
@@ -197,7 +228,9 @@ class FlatGroup:
         if self.grad_full is None:
             self.grad_full = self.full.new_zeros(self.padded)
         a, b = slot.range
-        self.grad_full[a:b].add_(slot.param.grad.reshape(-1))
+        grad = slot.param.grad
+        assert grad is not None  # called for a parameter whose gradient has arrived
+        self.grad_full[a:b].add_(grad.reshape(-1))
         slot.param.grad = None
 
     def end_backward(self) -> None:
@@ -206,6 +239,7 @@ class FlatGroup:
         self.waiting = len(self.slots)
         self.free()
         if self.plan.grads != "none" and self.grad_full is not None:
+            assert self.grad_shard is not None  # gradients partitioned: allocated in __init__
             self.grad_shard.add_(self.routes.reduce_scatter(self.grad_full, "none", self.plan.grads, self.padded))
             self.grad_full = None
 
@@ -226,6 +260,7 @@ class FlatGroup:
         if plan.grads == "none":
             source = self.grad_full if self.grad_full is not None else self.full.new_zeros(self.padded)
         else:
+            assert self.grad_shard is not None  # gradients partitioned: allocated in __init__
             source = self.grad_shard
         reduced = self.routes.reduce_scatter(source, plan.grads, plan.optim, self.padded)
         if reduced is source and plan.grads == "none":  # nothing to scatter: the chunk is a view of the buffer
@@ -276,13 +311,23 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def units_of(part: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     """A GPT or pipeline Stage's units in forward order: the modules whose parameters are
     gathered together (embedding, each block, final norm + output layer)."""
-    units = []
+    units: list[tuple[str, list[nn.Module]]] = []
     if hasattr(part, "tok_embeddings"):
-        units.append(("tok_embeddings", [part.tok_embeddings]))
+        embedding = part.tok_embeddings
+        assert isinstance(embedding, nn.Module)
+        units.append(("tok_embeddings", [embedding]))
     units += [(f"layers.{key}", [block]) for key, block in named_blocks(part)]
     if hasattr(part, "output"):
-        units.append(("head", [part.norm, part.output]))
+        norm, output = part.norm, part.output
+        assert isinstance(norm, nn.Module) and isinstance(output, nn.Module)
+        units.append(("head", [norm, output]))
     return units
+
+
+def _grad(piece: nn.Parameter) -> torch.Tensor:
+    """An optimizer segment's gradient, which `FlatGroup.finish_grads` sets for every segment."""
+    assert piece.grad is not None  # clip_grad_norm runs after finish_grads
+    return piece.grad
 
 
 class ZeroEngine:
@@ -299,7 +344,7 @@ class ZeroEngine:
 
     def __init__(self, parts: list[nn.Module], topo: Topology, plan: ZeroPlan,
                  make_optimizer: Callable[[list[nn.Parameter], Callable], torch.optim.Optimizer],
-                 tied_copies: list[nn.Parameter] | None = None, tied_group=None, count_tied: bool = True,
+                 tied_copies: Sequence[torch.Tensor] | None = None, tied_group=None, count_tied: bool = True,
                  sync_level: str = "global"):
         self.plan, self.topo, self.tied_group, self.count_tied = plan, topo, tied_group, count_tied
         self.routes, self.sync_level = Routes(topo, plan.hierarchical), sync_level
@@ -308,10 +353,11 @@ class ZeroEngine:
         self.params = [piece for g in self.groups for _, piece, _, _ in g.segments]
         shapes = {id(piece): tuple(slot.param.shape) for g in self.groups for slot, piece, _, _ in g.segments}
         self.optimizer = make_optimizer(self.params, lambda piece: shapes[id(piece)])
-        self.param_tier = self.optim_tier = None  # memory tiers (offload/), attached by `use_tiers`
+        self.param_tier: ShardTier | None = None  # memory tiers (offload/), attached by `use_tiers`
+        self.optim_tier: StepTier | None = None
         self._install_hooks(parts)
 
-    def use_tiers(self, param_tier, optim_tier) -> None:
+    def use_tiers(self, param_tier: ShardTier | None, optim_tier: StepTier | None) -> None:
         """Offload (offload.tiers): parameter shards read ahead of their gathers, and the optimizer
         step taken by `optim_tier` sub-group by sub-group instead of `optimizer.step()`."""
         self.param_tier, self.optim_tier = param_tier, optim_tier
@@ -352,7 +398,8 @@ class ZeroEngine:
         self.groups = [FlatGroup(key, named, self.plan, self.routes, names,
                                  tied_copy=any(id(p) in tied_ids for _, p in named)) for key, named in merged]
         group_of = {id(slot.param): g for g in self.groups for slot in g.slots}
-        self.unit_groups = {k: list(dict.fromkeys(group_of[i] for i in ids if i in group_of)) for k, ids in used.items()}
+        self.unit_groups = {k: list(dict.fromkeys(group_of[i] for i in ids if i in group_of))
+                            for k, ids in used.items()}
 
     def _install_hooks(self, parts: list[nn.Module]) -> None:
         for slot_param, (group, slot) in ((s.param, (g, s)) for g in self.groups for s in g.slots):
@@ -400,6 +447,7 @@ class ZeroEngine:
             self._read_ahead(order[max(0, start - self.param_tier.read_ahead_groups + 1):max(0, start + 1)][::-1])
 
     def _read_ahead(self, units: list[list[FlatGroup]]) -> None:
+        assert self.param_tier is not None  # called only with a parameter tier
         self.param_tier.read_ahead([g for groups in units for g in groups if not (g.gathered or g.secondary_valid)])
 
     # --- the step --------------------------------------------------------------------------
@@ -414,8 +462,8 @@ class ZeroEngine:
         """Clip the segments' gradients by the norm of the whole model's gradient."""
         counted = [(slot, piece) for g in self.groups if self.count_tied or not g.tied_copy
                    for slot, piece, _, _ in g.segments]
-        sharded = [piece.grad for slot, piece in counted if placement_of(slot.param).shard_dim is not None]
-        replicated = [piece.grad for slot, piece in counted if placement_of(slot.param).shard_dim is None]
+        sharded = [_grad(piece) for slot, piece in counted if placement_of(slot.param).shard_dim is not None]
+        replicated = [_grad(piece) for slot, piece in counted if placement_of(slot.param).shard_dim is None]
         partition, _ = self.topo.digit_group("none", self.plan.optim)
         total = global_grad_norm(sharded, replicated, tp_group, pp_group, partition_group=partition,
                                  device=self.groups[0].full.device)
