@@ -5,6 +5,7 @@ the base modules (trainer/base/: errors, config, model, atomic writes) are the p
 itself, and each folder is a subpackage, `strata.trainer`, `strata.parallel`, `strata.offload`,
 `strata.checkpoint` and `strata.launch`. Build settings are in pyproject.toml.
 """
+
 from setuptools import setup
 
 LAYERS = ("parallel", "offload", "checkpoint", "trainer", "launch")

@@ -25,6 +25,7 @@ the steps, rank 0 records the bytes under `offload.nvme_path` (all ranks' swap f
     python -m torch.distributed.run --nproc-per-node 2 bench/_zero_worker.py --side deepspeed \
         --out ds.json configs/tiny.yaml model.d_model=256 train.steps=10
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,14 +94,21 @@ def dir_bytes(path: str | Path | None) -> dict[str, int] | None:
 
 # --- DeepSpeed ZeRO-3 ---------------------------------------------------------------------------
 
+
 def largest_param_numel(cfg: config_mod.Config, vocab_size: int) -> int:
     """The model's largest parameter, in elements (built on the meta device: no memory)."""
     with torch.device("meta"):
         return max(p.numel() for p in GPT(cfg.model, vocab_size).parameters())
 
 
-def deepspeed_config(cfg: config_mod.Config, world: int, largest_param: int | None = None,
-                     sub_group_size: int | None = None, param_buffers: int = 5, optim_buffers: int = 12) -> dict:
+def deepspeed_config(
+    cfg: config_mod.Config,
+    world: int,
+    largest_param: int | None = None,
+    sub_group_size: int | None = None,
+    param_buffers: int = 5,
+    optim_buffers: int = 12,
+) -> dict:
     """DeepSpeed's config for Strata's: ZeRO-3, and ZeRO-Infinity offload where the config's
     `offload.params.device` / `offload.optim.device` say cpu or nvme (swap files under
     `offload.nvme_path`; aio requests of `offload.slab_mb` on `offload.io_threads` threads, as
@@ -115,11 +123,15 @@ def deepspeed_config(cfg: config_mod.Config, world: int, largest_param: int | No
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum_steps(world),
         "gradient_clipping": cfg.optim.grad_clip,
-        "zero_optimization": {"stage": 3, "overlap_comm": False, "contiguous_gradients": True,
-                              "reduce_bucket_size": int(25 * 2**20 / 4),  # elements
-                              "stage3_prefetch_bucket_size": int(5e7),
-                              # the default (1e5 elements) would leave every parameter of a small model whole
-                              "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": False,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": int(25 * 2**20 / 4),  # elements
+            "stage3_prefetch_bucket_size": int(5e7),
+            # the default (1e5 elements) would leave every parameter of a small model whole
+            "stage3_param_persistence_threshold": 0,
+        },
         "zero_force_ds_cpu_optimizer": False,  # a torch optimizer, no cpu_adam build
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -130,14 +142,30 @@ def deepspeed_config(cfg: config_mod.Config, world: int, largest_param: int | No
     if off.params.device != "none":
         if largest_param is None:
             raise ValueError("offload_param needs largest_param: its swap buffers must hold the largest parameter")
-        zero["offload_param"] = {"device": off.params.device, "nvme_path": off.nvme_path, "pin_memory": True,
-                                 "buffer_count": param_buffers, "buffer_size": int(largest_param)}
+        zero["offload_param"] = {
+            "device": off.params.device,
+            "nvme_path": off.nvme_path,
+            "pin_memory": True,
+            "buffer_count": param_buffers,
+            "buffer_size": int(largest_param),
+        }
     if off.optim.device != "none":
-        zero["offload_optimizer"] = {"device": off.optim.device, "nvme_path": off.nvme_path, "pin_memory": True,
-                                     "pipeline_read": True, "pipeline_write": True, "buffer_count": optim_buffers}
+        zero["offload_optimizer"] = {
+            "device": off.optim.device,
+            "nvme_path": off.nvme_path,
+            "pin_memory": True,
+            "pipeline_read": True,
+            "pipeline_write": True,
+            "buffer_count": optim_buffers,
+        }
     if "nvme" in (off.params.device, off.optim.device):
-        ds["aio"] = {"block_size": int(off.slab_mb * 2**20), "queue_depth": 8,
-                     "intra_op_parallelism": off.io_threads, "single_submit": False, "overlap_events": True}
+        ds["aio"] = {
+            "block_size": int(off.slab_mb * 2**20),
+            "queue_depth": 8,
+            "intra_op_parallelism": off.io_threads,
+            "single_submit": False,
+            "overlap_events": True,
+        }
     return ds
 
 
@@ -145,22 +173,27 @@ def deepspeed_cpu_adam(opt: torch.optim.Optimizer):
     """DeepSpeedCPUAdam (AdamW mode) over `opt`'s parameter groups and hyperparameters (the
     cpu_adam op: a JIT build on first use, about 44 s on 2 cores)."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    groups = [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
-              for g in opt.param_groups]
+
+    groups = [
+        {k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")} for g in opt.param_groups
+    ]
     d = opt.defaults
-    return DeepSpeedCPUAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
-                            adamw_mode=True)
+    return DeepSpeedCPUAdam(
+        groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"], adamw_mode=True
+    )
 
 
 class DeepSpeedSide:
     def __init__(self, cfg: config_mod.Config, data_dir: Path, args: argparse.Namespace):
         import deepspeed
+
         self.deepspeed = deepspeed
         deepspeed.init_distributed(dist_backend="gloo")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cfg, self.data_dir, self.args = cfg, data_dir, args
-        self.offload = {k: v for k, v in (("params", cfg.offload.params.device), ("optim", cfg.offload.optim.device))
-                        if v != "none"}
+        self.offload = {
+            k: v for k, v in (("params", cfg.offload.params.device), ("optim", cfg.offload.optim.device)) if v != "none"
+        }
 
     def build(self) -> None:
         cfg, deepspeed = self.cfg, self.deepspeed
@@ -168,15 +201,23 @@ class DeepSpeedSide:
             torch.set_num_threads(cfg.train.threads)
         train_set = TokenDataset(self.data_dir, "train", cfg.model.seq_len)
         largest = largest_param_numel(cfg, padded_vocab_size(cfg.model, train_set.vocab_size))
-        ds = self.ds_config = deepspeed_config(cfg, self.world, largest, self.args.ds_sub_group_size,
-                                               self.args.ds_param_buffers, self.args.ds_optim_buffers)
+        ds = self.ds_config = deepspeed_config(
+            cfg,
+            self.world,
+            largest,
+            self.args.ds_sub_group_size,
+            self.args.ds_param_buffers,
+            self.args.ds_optim_buffers,
+        )
         # Built partitioned. No dtype argument: DeepSpeed 0.19.8 ignores it where the accelerator has
         # no fp16 (CPU) and builds bf16 parameters; with none, the config (no fp16/bf16 section) says fp32.
         with deepspeed.zero.Init(config_dict_or_path=ds):
             model = GPT(cfg.model, padded_vocab_size(cfg.model, train_set.vocab_size))
         # A partition swapped out to NVMe holds a placeholder (a half scalar); its swapper's dtype is the real one.
-        wrong = {str(p.nvme_swapper.dtype if getattr(p.ds_tensor, "final_location", None) == "nvme"
-                     else p.ds_tensor.dtype) for p in model.parameters()} - {"torch.float32"}
+        wrong = {
+            str(p.nvme_swapper.dtype if getattr(p.ds_tensor, "final_location", None) == "nvme" else p.ds_tensor.dtype)
+            for p in model.parameters()
+        } - {"torch.float32"}
         assert not wrong, f"DeepSpeed built {wrong} parameters; this bench compares fp32"
         set_rope_buffers(model, cfg.model, torch.device("cpu"))  # exact tables (zero.Init casts tensors it creates)
         for name, p in model.named_parameters():  # Strata's initial values, one whole parameter at a time
@@ -190,8 +231,9 @@ class DeepSpeedSide:
         if self.args.ds_optimizer == "cpu_adam":
             self.opt = deepspeed_cpu_adam(self.opt)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.opt, config=ds)
-        self.loader = BatchLoader(train_set, cfg.train.seed, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                  self.rank, self.world)
+        self.loader = BatchLoader(
+            train_set, cfg.train.seed, cfg.train.global_batch_size, cfg.train.micro_batch_size, self.rank, self.world
+        )
         self.step_index = 0
         self.n_params = sum(int(p.ds_numel) for p in params)
 
@@ -203,7 +245,7 @@ class DeepSpeedSide:
         for x, y in micro_batches:
             loss = lm_loss(self.engine(x), y)
             self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
-            self.engine.step()          # steps the optimizer only at the accumulation boundary
+            self.engine.step()  # steps the optimizer only at the accumulation boundary
             loss_sum += loss.detach()
         loss_sum /= len(micro_batches) * self.world
         dist.all_reduce(loss_sum)
@@ -214,10 +256,13 @@ class DeepSpeedSide:
         """Bytes this rank holds after the run, measured like Strata's `held_bytes`: parameter
         partitions, the partitioned gradient buffer, optimizer state."""
         from strata.parallel.zero import optimizer_state_bytes, storage_bytes
+
         zero = self.engine.optimizer
-        return {"params": storage_bytes([p.ds_tensor for p in self.engine.module.parameters()]),
-                "grads": storage_bytes([getattr(zero, "grad_partitions_flat_buffer", None)]),
-                "optim": optimizer_state_bytes(self.opt)}
+        return {
+            "params": storage_bytes([p.ds_tensor for p in self.engine.module.parameters()]),
+            "grads": storage_bytes([getattr(zero, "grad_partitions_flat_buffer", None)]),
+            "optim": optimizer_state_bytes(self.opt),
+        }
 
     def label(self) -> str:
         label = f"deepspeed {self.deepspeed.__version__} ZeRO-3"
@@ -235,29 +280,38 @@ class DeepSpeedSide:
     def info(self) -> dict:
         """What was run: the DeepSpeed config and the optimizer class DeepSpeed stepped."""
         inner = getattr(self.engine.optimizer, "optimizer", None)
-        return {"deepspeed_config": self.ds_config, "optimizer": type(self.opt).__name__,
-                "engine_optimizer": type(self.engine.optimizer).__name__,
-                "inner_optimizer": type(inner).__name__ if inner is not None else None}
+        return {
+            "deepspeed_config": self.ds_config,
+            "optimizer": type(self.opt).__name__,
+            "engine_optimizer": type(self.engine.optimizer).__name__,
+            "inner_optimizer": type(inner).__name__ if inner is not None else None,
+        }
 
 
 # --- Strata -------------------------------------------------------------------------------------
 
+
 class StrataSide:
     def __init__(self, cfg: config_mod.Config, data_dir: Path, args: argparse.Namespace):
         from strata.parallel import runtime
+
         self.rt = runtime.start(cfg.parallel.backend, cfg.parallel.timeout_s)
         self.rank, self.world = self.rt.rank, self.rt.world_size
         self.cfg, self.args = cfg, args
-        self.offload = {k: v for k, v in (("params", cfg.offload.params.device), ("optim", cfg.offload.optim.device))
-                        if v != "none"}
+        self.offload = {
+            k: v for k, v in (("params", cfg.offload.params.device), ("optim", cfg.offload.optim.device)) if v != "none"
+        }
 
     def build(self) -> None:
         from strata.trainer.loop import Trainer
+
         self.trainer = Trainer(self.cfg, self.rt)
         self.n_params = count_params(self.cfg.model, self.trainer.model.vocab_size)
         if self.offload and self.tiers() is None and not self.args.allow_inactive_offload:
-            raise SystemExit(f"strata: offload {self.offload} is configured but the trainer built no offload tiers; "
-                             "--allow-inactive-offload runs it anyway, as plain ZeRO-3")
+            raise SystemExit(
+                f"strata: offload {self.offload} is configured but the trainer built no offload tiers; "
+                "--allow-inactive-offload runs it anyway, as plain ZeRO-3"
+            )
 
     def tiers(self):
         """The trainer's memory tiers (offload/tiers.py), None without offload."""
@@ -283,12 +337,17 @@ class StrataSide:
         zero = self.cfg.zero
         if not zero.enabled:
             return "strata plain DP"
-        label = (f"strata ZeRO (params {zero.params.shard_over}, grads {zero.grads.shard_over}, "
-                 f"optim {zero.optim.shard_over})")
+        label = (
+            f"strata ZeRO (params {zero.params.shard_over}, grads {zero.grads.shard_over}, "
+            f"optim {zero.optim.shard_over})"
+        )
         if self.offload:
             off = self.cfg.offload
-            label += (" offload " + ", ".join(f"{k} {v}" for k, v in self.offload.items())
-                      + f" (host_buffer_mb {off.host_buffer_mb:g}, slab_mb {off.slab_mb:g})")
+            label += (
+                " offload "
+                + ", ".join(f"{k} {v}" for k, v in self.offload.items())
+                + f" (host_buffer_mb {off.host_buffer_mb:g}, slab_mb {off.slab_mb:g})"
+            )
             if self.tiers() is None:
                 label += " NOT ACTIVE: no tiers in this tree"
         return label
@@ -305,6 +364,7 @@ class StrataSide:
 
 # --- the measured run ---------------------------------------------------------------------------
 
+
 def barrier() -> None:
     """A barrier over the world; none needed in a world of one (Strata starts no process group then)."""
     if dist.is_initialized():
@@ -318,16 +378,30 @@ def main() -> None:
     ap.add_argument("config", help="Strata YAML config")
     ap.add_argument("overrides", nargs="*", help="key=value overrides (data.path must be set)")
     ap.add_argument("--stop-after", type=int, help="train only this many of the config's steps (same LR schedule)")
-    ap.add_argument("--save-dir", type=Path, help="deepspeed: engine.save_checkpoint(DIR) after the last step "
-                                                   "(tests/test_deepspeed_import.py reads it)")
-    ap.add_argument("--ds-optimizer", choices=("torch", "cpu_adam"), default="torch",
-                    help="deepspeed: Strata's torch AdamW (zero_force_ds_cpu_optimizer false) or DeepSpeedCPUAdam")
-    ap.add_argument("--ds-sub-group-size", type=float, default=None,
-                    help="deepspeed: zero_optimization.sub_group_size in elements (default: DeepSpeed's, 1e9)")
+    ap.add_argument(
+        "--save-dir",
+        type=Path,
+        help="deepspeed: engine.save_checkpoint(DIR) after the last step (tests/test_deepspeed_import.py reads it)",
+    )
+    ap.add_argument(
+        "--ds-optimizer",
+        choices=("torch", "cpu_adam"),
+        default="torch",
+        help="deepspeed: Strata's torch AdamW (zero_force_ds_cpu_optimizer false) or DeepSpeedCPUAdam",
+    )
+    ap.add_argument(
+        "--ds-sub-group-size",
+        type=float,
+        default=None,
+        help="deepspeed: zero_optimization.sub_group_size in elements (default: DeepSpeed's, 1e9)",
+    )
     ap.add_argument("--ds-param-buffers", type=int, default=5, help="deepspeed: offload_param.buffer_count")
     ap.add_argument("--ds-optim-buffers", type=int, default=12, help="deepspeed: offload_optimizer.buffer_count")
-    ap.add_argument("--allow-inactive-offload", action="store_true",
-                    help="strata: run even when offload is configured but the trainer has no offload tiers")
+    ap.add_argument(
+        "--allow-inactive-offload",
+        action="store_true",
+        help="strata: run even when offload is configured but the trainer has no offload tiers",
+    )
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = config_mod.load(args.config, args.overrides, world_size=world)
@@ -354,15 +428,29 @@ def main() -> None:
         rss_after_step.append(rss())
     hwm_steps, io2 = hwm(), io_bytes()
     metrics = side.offload_metrics()
-    record = {"rank": side.rank, "step_s": step_s, "rss_baseline": baseline, "rss_after_init": after_init,
-              "rss_after_step": rss_after_step, "peak_rss_lifetime": peak_rss(), "losses": losses,
-              "init_s": init_s, "held": side.held(), "threads": torch.get_num_threads(),
-              # VmHWM: the peak of the build and of the steps, each since a reset (hwm_reset: false ->
-              # both are the lifetime ru_maxrss and only their max means anything)
-              "hwm_reset": hwm_reset, "hwm_start": hwm_start, "hwm_init": hwm_init, "hwm_steps": hwm_steps,
-              "io_init": delta(io1, io0), "io_steps": delta(io2, io1),
-              "offload_metrics_after_init": metrics_after_init, "offload_metrics": metrics,
-              "offload_metrics_steps": delta(metrics, metrics_after_init)}
+    record = {
+        "rank": side.rank,
+        "step_s": step_s,
+        "rss_baseline": baseline,
+        "rss_after_init": after_init,
+        "rss_after_step": rss_after_step,
+        "peak_rss_lifetime": peak_rss(),
+        "losses": losses,
+        "init_s": init_s,
+        "held": side.held(),
+        "threads": torch.get_num_threads(),
+        # VmHWM: the peak of the build and of the steps, each since a reset (hwm_reset: false ->
+        # both are the lifetime ru_maxrss and only their max means anything)
+        "hwm_reset": hwm_reset,
+        "hwm_start": hwm_start,
+        "hwm_init": hwm_init,
+        "hwm_steps": hwm_steps,
+        "io_init": delta(io1, io0),
+        "io_steps": delta(io2, io1),
+        "offload_metrics_after_init": metrics_after_init,
+        "offload_metrics": metrics,
+        "offload_metrics_steps": delta(metrics, metrics_after_init),
+    }
     if args.save_dir is not None and args.side == "deepspeed":
         side.engine.save_checkpoint(str(args.save_dir))
     records = [None] * side.world
@@ -372,11 +460,21 @@ def main() -> None:
         records = [record]
     barrier()  # every rank's steps are done: its swap files are as large as they get
     if side.rank == 0:
-        args.out.write_text(json.dumps({"side": args.side, "label": side.label(), "world": side.world,
-                                        "n_params": side.n_params, "torch": torch.__version__,
-                                        "swap_after_init": swap_after_init,
-                                        "swap_after_steps": dir_bytes(cfg.offload.nvme_path),
-                                        "info": side.info(), "ranks": records}))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "side": args.side,
+                    "label": side.label(),
+                    "world": side.world,
+                    "n_params": side.n_params,
+                    "torch": torch.__version__,
+                    "swap_after_init": swap_after_init,
+                    "swap_after_steps": dir_bytes(cfg.offload.nvme_path),
+                    "info": side.info(),
+                    "ranks": records,
+                }
+            )
+        )
     barrier()
     if hasattr(side, "close"):
         side.close()

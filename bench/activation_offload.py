@@ -8,6 +8,7 @@ runs in a fresh process. SSDTrain's bar: a 47% lower activation peak at negligib
     python bench/activation_offload.py                     # d_model 512, 8 layers, seq 512
     python bench/activation_offload.py --device cuda --micro-batch 4 --steps 5 --dir /nvme/scratch
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,9 +59,13 @@ def worker(args: argparse.Namespace) -> dict:
     model = GPT(cfg, args.vocab).to(device)
     model.init_weights(0)
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=gen).to(device),
-                torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=gen).to(device))
-               for _ in range(args.micro_batches)]
+    batches = [
+        (
+            torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=gen).to(device),
+            torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=gen).to(device),
+        )
+        for _ in range(args.micro_batches)
+    ]
     with contextlib.ExitStack() as cleanup:
         mover = swap_file = None
         if args.variant in ("cpu", "nvme"):
@@ -113,9 +118,14 @@ def worker(args: argparse.Namespace) -> dict:
             if i == 0:
                 torch.save({n: p.grad.detach().cpu() for n, p in model.named_parameters()}, args.grads)
         stats = off.stats
-    return {"variant": args.variant, "step_s": statistics.median(times), "times": times,
-            "hwm_above_bytes": max(above), "cuda_peak_above_bytes": max(cuda_above) if cuda_above else None,
-            "stats": stats}
+    return {
+        "variant": args.variant,
+        "step_s": statistics.median(times),
+        "times": times,
+        "hwm_above_bytes": max(above),
+        "cuda_peak_above_bytes": max(cuda_above) if cuda_above else None,
+        "stats": stats,
+    }
 
 
 def compare(grads: Path, reference: Path) -> tuple[bool, float]:
@@ -139,12 +149,19 @@ def main() -> None:
     ap.add_argument("--min-bytes", type=int, default=1 << 20, help="activations.min_bytes")
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--host-buffer-mb", type=int, default=64)
-    ap.add_argument("--max-inflight-mb", type=float, default=None,
-                    help="bound the originals held for unfinished writes (default: unbounded)")
+    ap.add_argument(
+        "--max-inflight-mb",
+        type=float,
+        default=None,
+        help="bound the originals held for unfinished writes (default: unbounded)",
+    )
     ap.add_argument("--dir", default=None, help="swap directory for nvme (default: a temporary one under /tmp)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--deterministic", action="store_true",
-                    help="deterministic kernels, math attention on CUDA (so gradients compare bit for bit)")
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels, math attention on CUDA (so gradients compare bit for bit)",
+    )
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant in this process
     ap.add_argument("--grads", help=argparse.SUPPRESS)
@@ -158,23 +175,38 @@ def main() -> None:
     # Freed activations go back to the OS at once instead of staying in glibc's heap, so RSS
     # measures what is live (glibc otherwise raises its mmap threshold after the first frees).
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    shape = (f"GPT d_model {args.d_model}, {args.layers} layers, seq {args.seq}, vocab {args.vocab}, micro batch "
-             f"{args.micro_batch} x {args.micro_batches}, fp32, {args.device}, min_bytes {args.min_bytes}")
-    print(shape + f"; {args.steps} measured steps after 1 warm-up; torch threads {torch.get_num_threads()}, "
-          f"{os.cpu_count()} CPUs", flush=True)
+    shape = (
+        f"GPT d_model {args.d_model}, {args.layers} layers, seq {args.seq}, vocab {args.vocab}, micro batch "
+        f"{args.micro_batch} x {args.micro_batches}, fp32, {args.device}, min_bytes {args.min_bytes}"
+    )
+    print(
+        shape + f"; {args.steps} measured steps after 1 warm-up; torch threads {torch.get_num_threads()}, "
+        f"{os.cpu_count()} CPUs",
+        flush=True,
+    )
     results = {}
     try:
         for i, variant in enumerate(args.variants.split(",")):
             label = variant if variant not in results else f"{variant}#{i}"  # a repeat: run-to-run noise
-            cmd = [sys.executable, __file__, "--variant", variant, "--grads", str(scratch / f"{label}.pt"),
-                   "--dir", str(swap_root)] + sys.argv[1:]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--variant",
+                variant,
+                "--grads",
+                str(scratch / f"{label}.pt"),
+                "--dir",
+                str(swap_root),
+            ] + sys.argv[1:]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if out.returncode or line is None:
                 sys.exit(f"variant {variant} failed:\n{out.stdout}\n{out.stderr}")
-            results[label] = r = json.loads(line[len("RESULT "):])
-            print(f"  {label}: step {r['step_s']:.2f} s, saved peak {r['stats']['peak_live_saved_bytes'] / MiB:.0f} "
-                  f"MiB", flush=True)
+            results[label] = r = json.loads(line[len("RESULT ") :])
+            print(
+                f"  {label}: step {r['step_s']:.2f} s, saved peak {r['stats']['peak_live_saved_bytes'] / MiB:.0f} MiB",
+                flush=True,
+            )
         ref = results.get("keep")
         for label, r in results.items():
             if ref is not None:
@@ -194,44 +226,61 @@ def report(results: dict, args: argparse.Namespace) -> None:
         return f"{value / key:.2f}x" if ref and key and key >= floor else "-"  # under a MiB: noise, no ratio
 
     print()
-    head = (f"{'variant':<10} {'saved peak MiB':>14} {'vs keep':>8} {'VmHWM+ MiB':>11} {'vs keep':>8}"
-            + (f" {'CUDA+ MiB':>10} {'vs keep':>8}" if cuda else "")
-            + f" {'step s':>7} {'vs keep':>8} {'grads':>10}  I/O")
+    head = (
+        f"{'variant':<10} {'saved peak MiB':>14} {'vs keep':>8} {'VmHWM+ MiB':>11} {'vs keep':>8}"
+        + (f" {'CUDA+ MiB':>10} {'vs keep':>8}" if cuda else "")
+        + f" {'step s':>7} {'vs keep':>8} {'grads':>10}  I/O"
+    )
     print(head)
     for variant, r in results.items():
         s = r["stats"]
-        row = (f"{variant:<10} {s['peak_live_saved_bytes'] / MiB:>14.0f} "
-               f"{ratio(s['peak_live_saved_bytes'], ref and ref['stats']['peak_live_saved_bytes']):>8} "
-               f"{r['hwm_above_bytes'] / MiB:>11.0f} {ratio(r['hwm_above_bytes'], ref and ref['hwm_above_bytes']):>8}")
+        row = (
+            f"{variant:<10} {s['peak_live_saved_bytes'] / MiB:>14.0f} "
+            f"{ratio(s['peak_live_saved_bytes'], ref and ref['stats']['peak_live_saved_bytes']):>8} "
+            f"{r['hwm_above_bytes'] / MiB:>11.0f} {ratio(r['hwm_above_bytes'], ref and ref['hwm_above_bytes']):>8}"
+        )
         if cuda:
-            row += (f" {r['cuda_peak_above_bytes'] / MiB:>10.0f} "
-                    f"{ratio(r['cuda_peak_above_bytes'], ref and ref['cuda_peak_above_bytes']):>8}")
+            row += (
+                f" {r['cuda_peak_above_bytes'] / MiB:>10.0f} "
+                f"{ratio(r['cuda_peak_above_bytes'], ref and ref['cuda_peak_above_bytes']):>8}"
+            )
         grads = "identical" if r.get("grads_equal") else f"{r.get('grads_max_rel_diff', float('nan')):.1e}"
         row += f" {r['step_s']:>7.2f} {ratio(r['step_s'], ref and ref['step_s'], 0):>8} {grads:>10}"
         if s["writes"]:
-            row += (f"  {s['bytes_offloaded'] / 2**30 / (args.steps + 1):.2f} GiB/step out, {s['writes']} writes, "
-                    f"{s['reads']} reads, {s['forwarded']} forwarded, {s['deduplicated']} dedup, "
-                    f"stalled {s['io_stall_s']:.2f} s"
-                    + (f", host buffers {s['host_reserved_bytes'] / MiB:.0f} MiB" if s["host_reserved_bytes"] else ""))
+            row += (
+                f"  {s['bytes_offloaded'] / 2**30 / (args.steps + 1):.2f} GiB/step out, {s['writes']} writes, "
+                f"{s['reads']} reads, {s['forwarded']} forwarded, {s['deduplicated']} dedup, "
+                f"stalled {s['io_stall_s']:.2f} s"
+                + (f", host buffers {s['host_reserved_bytes'] / MiB:.0f} MiB" if s["host_reserved_bytes"] else "")
+            )
         print(row)
-    print("\nsaved peak: the most bytes of saved tensors held at once on the device by the hooks (host copies "
-          "count there when the device is the CPU); VmHWM+: the process's peak RSS above the pre-step baseline "
-          "(glibc told to return freed memory at once, in every variant); host buffers: reused across steps, so "
-          "inside the baseline.")
+    print(
+        "\nsaved peak: the most bytes of saved tensors held at once on the device by the hooks (host copies "
+        "count there when the device is the CPU); VmHWM+: the process's peak RSS above the pre-step baseline "
+        "(glibc told to return freed memory at once, in every variant); host buffers: reused across steps, so "
+        "inside the baseline."
+    )
     if ref:
-        best = min((r for v, r in results.items() if v in ("cpu", "nvme")), default=None,
-                   key=lambda r: r["stats"]["peak_live_saved_bytes"])
+        best = min(
+            (r for v, r in results.items() if v in ("cpu", "nvme")),
+            default=None,
+            key=lambda r: r["stats"]["peak_live_saved_bytes"],
+        )
         if best is not None:
             cut = 1 - best["stats"]["peak_live_saved_bytes"] / ref["stats"]["peak_live_saved_bytes"]
             cost = best["step_s"] / ref["step_s"] - 1
-            print(f"SSDTrain's bar: 47% lower activation peak at negligible throughput cost; here {best['variant']} "
-                  f"offload cuts the saved peak by {cut:.0%} at {cost:+.0%} step time.")
+            print(
+                f"SSDTrain's bar: 47% lower activation peak at negligible throughput cost; here {best['variant']} "
+                f"offload cuts the saved peak by {cut:.0%} at {cost:+.0%} step time."
+            )
     if args.device == "cpu":
-        print(f"On a CPU the copies and the {args.io_threads} I/O threads compete with the "
-              f"{torch.get_num_threads()} compute threads for {os.cpu_count()} cores, and compute is slow enough "
-              "for the disk to keep up; on a GPU the cost depends on whether PCIe and the disk move activations "
-              "as fast as they are made. Offload to 'cpu' only moves tensors within the same memory here, so it "
-              "cannot lower the peak (it is for GPU memory).")
+        print(
+            f"On a CPU the copies and the {args.io_threads} I/O threads compete with the "
+            f"{torch.get_num_threads()} compute threads for {os.cpu_count()} cores, and compute is slow enough "
+            "for the disk to keep up; on a GPU the cost depends on whether PCIe and the disk move activations "
+            "as fast as they are made. Offload to 'cpu' only moves tensors within the same memory here, so it "
+            "cannot lower the peak (it is for GPU memory)."
+        )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ layout (tp2·dp2, ZeRO-3) by both. Printed, each the slowest rank's, median over
     python bench/checkpoint_vs_dcp.py                    # 4 ranks, ~330M params: ~5 min on 2 cores
     python bench/checkpoint_vs_dcp.py --layers 2 --rounds 1   # a quick look
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,9 +59,22 @@ def launch(args: argparse.Namespace) -> int:
 
     ensure_default_corpus(DataConfig().cache_dir, DataConfig().val_fraction)  # once, before the ranks start
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(LaunchPlan(args.nproc)), __file__, "--worker",
-           "--d-model", str(args.d_model), "--layers", str(args.layers), "--rounds", str(args.rounds),
-           "--dir", str(work)] + (["--out", str(args.out)] if args.out else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *torchrun_args(LaunchPlan(args.nproc)),
+        __file__,
+        "--worker",
+        "--d-model",
+        str(args.d_model),
+        "--layers",
+        str(args.layers),
+        "--rounds",
+        str(args.rounds),
+        "--dir",
+        str(work),
+    ] + (["--out", str(args.out)] if args.out else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         return subprocess.call(cmd, env=env, cwd=REPO)
@@ -69,6 +83,7 @@ def launch(args: argparse.Namespace) -> int:
 
 
 # --- the worker (one per rank) ----------------------------------------------------------------
+
 
 def worker(args: argparse.Namespace) -> None:
     import torch
@@ -85,10 +100,20 @@ def worker(args: argparse.Namespace) -> None:
     work = args.dir
     group = dist.new_group(backend="gloo")  # DCP's collectives, apart from training's
     zero3 = [f"zero.{k}.shard_over=global" for k in ("params", "grads", "optim")]
-    common = [f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", "model.n_heads=16",
-              "model.seq_len=32", "train.micro_batch_size=1", f"train.global_batch_size={world}",
-              "train.steps=1000", "log.progress=false", f"log.dir={work / 'runs'}", "checkpoint.keep_last=0",
-              "checkpoint.async=true", *zero3]
+    common = [
+        f"model.d_model={args.d_model}",
+        f"model.n_layers={args.layers}",
+        "model.n_heads=16",
+        "model.seq_len=32",
+        "train.micro_batch_size=1",
+        f"train.global_batch_size={world}",
+        "train.steps=1000",
+        "log.progress=false",
+        f"log.dir={work / 'runs'}",
+        "checkpoint.keep_last=0",
+        "checkpoint.async=true",
+        *zero3,
+    ]
     cfg = config.load(REPO / "configs" / "tiny.yaml", [*common, f"checkpoint.dir={work / 'strata'}"], world)
     trainer = Trainer(cfg, rt)
     trainer.train_step()  # the optimizer state exists from here
@@ -103,8 +128,13 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return elapsed.item(), out
 
-    figures: dict = {"ranks": world, "cores": os.cpu_count(), "d_model": args.d_model, "layers": args.layers,
-                     "params": sum(math.prod(s) for s in trainer.model.global_shapes.values())}
+    figures: dict = {
+        "ranks": world,
+        "cores": os.cpu_count(),
+        "d_model": args.d_model,
+        "layers": args.layers,
+        "params": sum(math.prod(s) for s in trainer.model.global_shapes.values()),
+    }
 
     # --- Strata async saves ------------------------------------------------------------------
     def save() -> tuple[float, float]:
@@ -115,14 +145,19 @@ def worker(args: argparse.Namespace) -> None:
 
     figures["strata_first_save_stall_s"] = save()[0]  # also plans and allocates the staging image
     from strata.checkpoint import store
+
     first = store.committed(work / "strata")[-1]
     saved_bytes = sum(p.stat().st_size for p in first.glob("__*_0.distcp"))
     raw_before = raw_bandwidth(work, rank, (first / store.data_file(rank)).stat().st_size)
     stalls, e2e = zip(*[save() for _ in range(args.rounds)])
     raw_after = raw_bandwidth(work, rank, (first / store.data_file(rank)).stat().st_size)
-    figures.update(strata_stall_s=list(stalls), strata_save_s=list(e2e), checkpoint_bytes=saved_bytes,
-                   strata_write_gbps=[saved_bytes / (t - s) / 1e9 for t, s in zip(e2e, stalls)],
-                   raw_write_gbps=[raw_before, raw_after])
+    figures.update(
+        strata_stall_s=list(stalls),
+        strata_save_s=list(e2e),
+        checkpoint_bytes=saved_bytes,
+        strata_write_gbps=[saved_bytes / (t - s) / 1e9 for t, s in zip(e2e, stalls)],
+        raw_write_gbps=[raw_before, raw_after],
+    )
     strata_dir = sorted((work / "strata").glob("step_*"))[-1]
 
     # --- DCP, same boxes ---------------------------------------------------------------------
@@ -133,15 +168,20 @@ def worker(args: argparse.Namespace) -> None:
     sync, asyn, asyn_stall = [], [], []
     for i in range(args.rounds):
         path = work / f"dcp_sync{i}"
-        t, _ = timed(lambda: dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=2, sync_files=True),
-                                      process_group=group))
+        t, _ = timed(
+            lambda: dcp.save(
+                state, storage_writer=FileSystemWriter(path, thread_count=2, sync_files=True), process_group=group
+            )
+        )
         sync.append(t)
         if i < args.rounds - 1:
             shutil.rmtree(path, ignore_errors=True) if rank == 0 else None
         path = work / f"dcp_async{i}"
-        stall, fut = timed(lambda: dcp.async_save(state, storage_writer=FileSystemWriter(path, thread_count=2,
-                                                                                        sync_files=True),
-                                                  process_group=group))
+        stall, fut = timed(
+            lambda: dcp.async_save(
+                state, storage_writer=FileSystemWriter(path, thread_count=2, sync_files=True), process_group=group
+            )
+        )
         total, _ = timed(fut.result)
         asyn_stall.append(stall)
         asyn.append(stall + total)
@@ -153,8 +193,9 @@ def worker(args: argparse.Namespace) -> None:
     gc.collect()
 
     # --- load into tp2·dp2 ------------------------------------------------------------------------
-    target = config.load(REPO / "configs" / "tiny.yaml", [*common, "parallel.tp=2", f"checkpoint.dir={work / 'x'}"],
-                         world)
+    target = config.load(
+        REPO / "configs" / "tiny.yaml", [*common, "parallel.tp=2", f"checkpoint.dir={work / 'x'}"], world
+    )
     loader = Trainer(target, rt)
     loads = {}
     from torch.distributed.checkpoint import FileSystemReader
@@ -212,9 +253,10 @@ def dcp_state(trainer, group, rank: int, fresh: bool = False) -> tuple[dict, lis
 
     def view(it):
         n = math.prod(it.box.sizes)
-        live = pieces[it.piece].tensor.reshape(-1)[it.start:it.start + n].view(it.box.sizes)
+        live = pieces[it.piece].tensor.reshape(-1)[it.start : it.start + n].view(it.box.sizes)
         pairs.append((live, live.clone() if fresh else live))
         return pairs[-1][1]
+
     for key, holders in by_key.items():
         shape = holders[0][1].global_shape
         mine = [it for r, it in holders if r == rank]
@@ -222,11 +264,14 @@ def dcp_state(trainer, group, rank: int, fresh: bool = False) -> tuple[dict, lis
             if mine:
                 state[key] = view(mine[0])
             continue
-        local = [Shard(view(it), ShardMetadata(list(it.box.offsets), list(it.box.sizes), f"rank:{rank}/cpu"))
-                 for it in mine]
-        meta = ShardedTensorMetadata([ShardMetadata(list(it.box.offsets), list(it.box.sizes), f"rank:{r}/cpu")
-                                      for r, it in holders], torch.Size(shape),
-                                     TensorProperties(dtype=getattr(torch, holders[0][1].dtype)))
+        local = [
+            Shard(view(it), ShardMetadata(list(it.box.offsets), list(it.box.sizes), f"rank:{rank}/cpu")) for it in mine
+        ]
+        meta = ShardedTensorMetadata(
+            [ShardMetadata(list(it.box.offsets), list(it.box.sizes), f"rank:{r}/cpu") for r, it in holders],
+            torch.Size(shape),
+            TensorProperties(dtype=getattr(torch, holders[0][1].dtype)),
+        )
         state[key] = ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=group)
     return state, pairs
 
@@ -234,6 +279,7 @@ def dcp_state(trainer, group, rank: int, fresh: bool = False) -> tuple[dict, lis
 def drop_cache(directory: Path, rank: int) -> None:
     """Evict a checkpoint's files from the page cache (they are fsynced, so clean): a cold read."""
     import torch.distributed as dist
+
     if rank == 0:
         for path in Path(directory).rglob("*"):
             if path.is_file():
@@ -250,6 +296,7 @@ def raw_bandwidth(work: Path, rank: int, file_bytes: int) -> float:
     checkpoint data file at once (random bytes from /dev/shm, so nothing is compressible or cached)."""
     import torch
     import torch.distributed as dist
+
     blocks = -(-file_bytes // 2**24)
     src = Path(f"/dev/shm/ckpt-bench-raw-{rank}")
     with open(src, "wb") as f:
@@ -257,8 +304,11 @@ def raw_bandwidth(work: Path, rank: int, file_bytes: int) -> float:
             f.write(os.urandom(2**24))
     dist.barrier()
     t0 = time.perf_counter()
-    subprocess.run(["dd", f"if={src}", f"of={work / f'raw-{rank}'}", "bs=16M", f"count={blocks}", "oflag=direct",
-                    "conv=fsync"], check=True, capture_output=True)
+    subprocess.run(
+        ["dd", f"if={src}", f"of={work / f'raw-{rank}'}", "bs=16M", f"count={blocks}", "oflag=direct", "conv=fsync"],
+        check=True,
+        capture_output=True,
+    )
     elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     nbytes = torch.tensor(blocks * 2**24, dtype=torch.float64)
@@ -270,27 +320,39 @@ def raw_bandwidth(work: Path, rank: int, file_bytes: int) -> float:
 
 def report(f: dict) -> None:
     med = statistics.median
-    print(f"\n{f['ranks']} ranks on {f['cores']} cores, GPT d_model {f['d_model']} × {f['layers']} layers "
-          f"({f['params'] / 1e6:.0f}M parameters), ZeRO-3 + AdamW; "
-          f"checkpoint {f['checkpoint_bytes'] / GiB:.2f} GiB of data files")
-    print(f"stall per save     Strata async {med(f['strata_stall_s']):7.3f} s   "
-          f"dcp.save {med(f['dcp_save_s']):7.3f} s   "
-          f"dcp.async_save {med(f['dcp_async_stall_s']):7.3f} s   ratio dcp.save/Strata "
-          f"{med(f['dcp_save_s']) / med(f['strata_stall_s']):.1f}x (goal >= 20x)")
-    print(f"  (Strata's first save, which also plans and allocates the staging image: "
-          f"{f['strata_first_save_stall_s']:.3f} s)")
-    print(f"save end to end    Strata {med(f['strata_save_s']):7.3f} s   dcp.save {med(f['dcp_save_s']):7.3f} s   "
-          f"dcp.async_save {med(f['dcp_async_save_s']):7.3f} s   ratio DCP/Strata "
-          f"{med(f['dcp_save_s']) / med(f['strata_save_s']):.2f}x (goal > 1)")
+    print(
+        f"\n{f['ranks']} ranks on {f['cores']} cores, GPT d_model {f['d_model']} × {f['layers']} layers "
+        f"({f['params'] / 1e6:.0f}M parameters), ZeRO-3 + AdamW; "
+        f"checkpoint {f['checkpoint_bytes'] / GiB:.2f} GiB of data files"
+    )
+    print(
+        f"stall per save     Strata async {med(f['strata_stall_s']):7.3f} s   "
+        f"dcp.save {med(f['dcp_save_s']):7.3f} s   "
+        f"dcp.async_save {med(f['dcp_async_stall_s']):7.3f} s   ratio dcp.save/Strata "
+        f"{med(f['dcp_save_s']) / med(f['strata_stall_s']):.1f}x (goal >= 20x)"
+    )
+    print(
+        f"  (Strata's first save, which also plans and allocates the staging image: "
+        f"{f['strata_first_save_stall_s']:.3f} s)"
+    )
+    print(
+        f"save end to end    Strata {med(f['strata_save_s']):7.3f} s   dcp.save {med(f['dcp_save_s']):7.3f} s   "
+        f"dcp.async_save {med(f['dcp_async_save_s']):7.3f} s   ratio DCP/Strata "
+        f"{med(f['dcp_save_s']) / med(f['strata_save_s']):.2f}x (goal > 1)"
+    )
     for cache in ("cold", "warm"):
         crc, nocrc, ref = (f[f"strata_load_{cache}_crc_s"], f[f"strata_load_{cache}_nocrc_s"], f[f"dcp_load_{cache}_s"])
-        print(f"load {cache}, dp4 ZeRO-3 -> tp2·dp2 ZeRO-3: Strata {crc:.3f} s (CRCs checked), {nocrc:.3f} s (not)   "
-              f"dcp.load {ref:.3f} s   ratio DCP/Strata {ref / crc:.2f}x checked, {ref / nocrc:.2f}x not (goal > 1)")
+        print(
+            f"load {cache}, dp4 ZeRO-3 -> tp2·dp2 ZeRO-3: Strata {crc:.3f} s (CRCs checked), {nocrc:.3f} s (not)   "
+            f"dcp.load {ref:.3f} s   ratio DCP/Strata {ref / crc:.2f}x checked, {ref / nocrc:.2f}x not (goal > 1)"
+        )
     print(f"  boxes loaded differently by Strata and DCP: {f['load_mismatches']}")
     raw = med(f["raw_write_gbps"])
-    print(f"write bandwidth    Strata {med(f['strata_write_gbps']):.2f} GB/s   raw dd {raw:.2f} GB/s "
-          f"(before {f['raw_write_gbps'][0]:.2f}, after {f['raw_write_gbps'][1]:.2f})   ratio "
-          f"{med(f['strata_write_gbps']) / raw:.2f} (goal >= 0.8)")
+    print(
+        f"write bandwidth    Strata {med(f['strata_write_gbps']):.2f} GB/s   raw dd {raw:.2f} GB/s "
+        f"(before {f['raw_write_gbps'][0]:.2f}, after {f['raw_write_gbps'][1]:.2f})   ratio "
+        f"{med(f['strata_write_gbps']) / raw:.2f} (goal >= 0.8)"
+    )
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ depend on timing, so they repeat exactly; step times do depend on the load on th
 
     python bench/co2_slow_network.py [--steps 200] [--outer-every 2] [--outer-lr 0.8] [--link-x 2] [--seed 0]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,16 @@ from strata.parallel.topology import Layout, build_topology
 from strata.trainer.data import BatchLoader, TokenDataset, eval_batches, prepare
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-CORPUS = ["argparse.py", "dataclasses.py", "functools.py", "textwrap.py", "json/decoder.py",
-          "json/encoder.py", "difflib.py", "shlex.py"]
+CORPUS = [
+    "argparse.py",
+    "dataclasses.py",
+    "functools.py",
+    "textwrap.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "difflib.py",
+    "shlex.py",
+]
 SEQ, MICRO, SEED, LR = 64, 8, 0, 3e-3
 EVAL_BATCHES = 8
 
@@ -101,7 +110,7 @@ class GradientBuckets:
             offset = 0
             for p, g in zip(bucket, grads):
                 n = g.numel()
-                p.grad = flat[offset:offset + n].view_as(p)
+                p.grad = flat[offset : offset + n].view_as(p)
                 offset += n
 
 
@@ -115,9 +124,19 @@ class Arm:
         self.opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
         self.loader = BatchLoader(TokenDataset(data_dir, "train", SEQ), args.seed, 2 * MICRO, MICRO, rank, 2)
         self.buckets = GradientBuckets(params, bucket_bytes=1 << 30)
-        self.co2 = CO2(params, co2_group, outer_every=args.outer_every, outer_lr=args.outer_lr,
-                       outer_momentum=args.outer_momentum, staleness_penalty=args.staleness_penalty,
-                       clip=args.clip) if mode == "co2" else None
+        self.co2 = (
+            CO2(
+                params,
+                co2_group,
+                outer_every=args.outer_every,
+                outer_lr=args.outer_lr,
+                outer_momentum=args.outer_momentum,
+                staleness_penalty=args.staleness_penalty,
+                clip=args.clip,
+            )
+            if mode == "co2"
+            else None
+        )
 
     def run(self, n: int, last: bool) -> None:
         """Take n steps, timed (between barriers). A CO2 block ends by waiting for the reduction
@@ -126,7 +145,7 @@ class Arm:
         dist.barrier()
         start = time.monotonic()
         for _ in range(n):
-            (x, y), = self.loader.next_step()
+            ((x, y),) = self.loader.next_step()
             lm_loss(self.model(x), y).backward()
             if self.co2 is None:
                 self.buckets.all_reduce_mean(self.dp_group, 2)
@@ -155,8 +174,10 @@ def train_both(rank: int, args, data_dir: Path, dp_group, co2_group) -> dict:
         done += n
     sync, co2 = arms
     pair_ratios = sorted(s / c for (s, _), (c, _) in zip(sync.block_s, co2.block_s))
-    out = {arm.mode: {"step_s": sum(t for t, _ in arm.block_s) / args.steps, "val_loss": val_loss(arm.model, data_dir)}
-           for arm in arms}
+    out = {
+        arm.mode: {"step_s": sum(t for t, _ in arm.block_s) / args.steps, "val_loss": val_loss(arm.model, data_dir)}
+        for arm in arms
+    }
     out["median_pair_speedup"] = pair_ratios[len(pair_ratios) // 2]
     return out
 
@@ -168,7 +189,7 @@ def compute_step_s(data_dir: Path, n: int = 10) -> float:
     loader = BatchLoader(TokenDataset(data_dir, "train", SEQ), SEED, MICRO, MICRO)
     times = []
     for _ in range(n):
-        (x, y), = loader.next_step()
+        ((x, y),) = loader.next_step()
         t = time.monotonic()
         lm_loss(model(x), y).backward()
         opt.step()
@@ -179,8 +200,9 @@ def compute_step_s(data_dir: Path, n: int = 10) -> float:
 
 def worker(rank: int, port: int, args, data_dir: Path, out: dict) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300)
+    )
     try:
         topo = build_topology(Layout(dp=2, ranks_per_node=1), rank)  # registers dp as inter-node
         step = torch.tensor([compute_step_s(data_dir)])
@@ -217,15 +239,21 @@ def main() -> None:
             mp.start_processes(worker, args=(free_port(), args, data_dir, out), nprocs=2, start_method="fork")
             r = dict(out)
     sync, co2 = r["sync"], r["co2"]
-    print(f"model {r['n_bytes'] / 1e6:.2f} MB fp32; compute step {1e3 * r['compute_s']:.1f} ms; simulated "
-          f"inter-node all-reduce {1e3 * r['link_s']:.1f} ms; {args.steps} steps, seed {args.seed}")
-    print(f"CO2: H={args.outer_every}, outer lr {args.outer_lr}, outer momentum {args.outer_momentum}, "
-          f"staleness penalty {args.staleness_penalty}, clip {args.clip or 'off'}")
+    print(
+        f"model {r['n_bytes'] / 1e6:.2f} MB fp32; compute step {1e3 * r['compute_s']:.1f} ms; simulated "
+        f"inter-node all-reduce {1e3 * r['link_s']:.1f} ms; {args.steps} steps, seed {args.seed}"
+    )
+    print(
+        f"CO2: H={args.outer_every}, outer lr {args.outer_lr}, outer momentum {args.outer_momentum}, "
+        f"staleness penalty {args.staleness_penalty}, clip {args.clip or 'off'}"
+    )
     print(f"sync DP : {1e3 * sync['step_s']:.1f} ms/step, final val loss {sync['val_loss']:.4f}")
     print(f"CO2     : {1e3 * co2['step_s']:.1f} ms/step, final val loss {co2['val_loss']:.4f}")
-    print(f"speedup (sync/CO2 step time): {sync['step_s'] / co2['step_s']:.2f}x overall, "
-          f"{r['median_pair_speedup']:.2f}x median over adjacent block pairs; "
-          f"loss ratio (CO2/sync): {co2['val_loss'] / sync['val_loss']:.4f}")
+    print(
+        f"speedup (sync/CO2 step time): {sync['step_s'] / co2['step_s']:.2f}x overall, "
+        f"{r['median_pair_speedup']:.2f}x median over adjacent block pairs; "
+        f"loss ratio (CO2/sync): {co2['val_loss'] / sync['val_loss']:.4f}"
+    )
 
 
 if __name__ == "__main__":

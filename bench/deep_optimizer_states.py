@@ -13,6 +13,7 @@ auto/all-CPU (the paper reports 2.5x), and the largest parameter difference betw
 
 Without CUDA it says so and stops: on a CPU the model plans all-CPU (tests/test_placement.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ VARIANTS = ("cpu", "auto", "gpu")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
@@ -47,13 +49,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build(args, update_on: str, run_root: Path) -> Trainer:
     overrides = {
-        "model.n_layers": args.layers, "model.d_model": args.d_model, "model.n_heads": max(1, args.d_model // 128),
-        "model.seq_len": args.seq_len, "train.micro_batch_size": args.micro_batch,
-        "train.global_batch_size": args.micro_batch, "train.steps": args.steps, "train.eval_interval": 0,
-        "optim.warmup_steps": 1, "log.dir": str(run_root), "log.name": update_on, "log.progress": "false",
+        "model.n_layers": args.layers,
+        "model.d_model": args.d_model,
+        "model.n_heads": max(1, args.d_model // 128),
+        "model.seq_len": args.seq_len,
+        "train.micro_batch_size": args.micro_batch,
+        "train.global_batch_size": args.micro_batch,
+        "train.steps": args.steps,
+        "train.eval_interval": 0,
+        "optim.warmup_steps": 1,
+        "log.dir": str(run_root),
+        "log.name": update_on,
+        "log.progress": "false",
         "checkpoint.save_final": "false",
-        "zero.params.shard_over": "global", "zero.grads.shard_over": "global", "zero.optim.shard_over": "global",
-        "offload.optim.device": "cpu", "offload.optim.update_on": update_on, "offload.slab_mb": args.slab_mb,
+        "zero.params.shard_over": "global",
+        "zero.grads.shard_over": "global",
+        "zero.optim.shard_over": "global",
+        "offload.optim.device": "cpu",
+        "offload.optim.update_on": update_on,
+        "offload.slab_mb": args.slab_mb,
         "offload.host_buffer_mb": 8 * args.slab_mb,
     }
     cfg = config_mod.load(None, [f"{k}={v}" for k, v in overrides.items()], world_size=1)
@@ -71,14 +85,17 @@ def timed_optimizer(trainer: Trainer, times: list[float]) -> None:
         inner()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+
     tier.step = step
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("no CUDA device: Deep Optimizer States plans every sub-group on the CPU here (its decision logic "
-              "is tested in tests/test_placement.py); run this on a GPU machine")
+        print(
+            "no CUDA device: Deep Optimizer States plans every sub-group on the CPU here (its decision logic "
+            "is tested in tests/test_placement.py); run this on a GPU machine"
+        )
         return 0
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,31 +112,40 @@ def main(argv=None) -> int:
                 step_times.append(time.perf_counter() - start)
             params = torch.cat([g.shard.float().cpu() for g in trainer.model.engine.groups])
             record = trainer.model.tiers.startup_record()
-            results[name] = {"optimizer_step_s": statistics.median(opt_times[2:]),
-                             "train_step_s": statistics.median(step_times[2:]), "losses": losses,
-                             "placement": record.get("offload_placement"),
-                             "calibration": record.get("offload_calibration"), "params": params}
+            results[name] = {
+                "optimizer_step_s": statistics.median(opt_times[2:]),
+                "train_step_s": statistics.median(step_times[2:]),
+                "losses": losses,
+                "placement": record.get("offload_placement"),
+                "calibration": record.get("offload_calibration"),
+                "params": params,
+            }
             n_params = params.numel()
             trainer.model.tiers.close()
             del trainer
             torch.cuda.empty_cache()
-    print(f"device: {torch.cuda.get_device_name()}, {n_params / 1e6:.0f}M parameters (ZeRO-3, 1 rank), "
-          f"sub-groups of {args.slab_mb:g} MiB, moments in pinned host memory")
+    print(
+        f"device: {torch.cuda.get_device_name()}, {n_params / 1e6:.0f}M parameters (ZeRO-3, 1 rank), "
+        f"sub-groups of {args.slab_mb:g} MiB, moments in pinned host memory"
+    )
     print("calibration:", json.dumps(results["auto"]["calibration"]))
     print("plan (auto):", results["auto"]["placement"]["reason"])
     print(f"{'update_on':10} {'optimizer step':>15} {'train step':>11} {'final loss':>11}")
     for name in VARIANTS:
         r = results[name]
-        print(f"{name:10} {r['optimizer_step_s'] * 1e3:12.1f} ms {r['train_step_s'] * 1e3:8.1f} ms "
-              f"{r['losses'][-1]:11.5f}")
+        print(
+            f"{name:10} {r['optimizer_step_s'] * 1e3:12.1f} ms {r['train_step_s'] * 1e3:8.1f} ms "
+            f"{r['losses'][-1]:11.5f}"
+        )
     ratio = results["cpu"]["optimizer_step_s"] / results["auto"]["optimizer_step_s"]
     print(f"optimizer step, all-CPU / auto: {ratio:.2f}x (Deep Optimizer States reports 2.5x)")
     for name in ("auto", "gpu"):
         diff = (results[name]["params"] - results["cpu"]["params"]).abs().max().item()
         print(f"max |param({name}) - param(cpu)| after {args.steps} steps: {diff:.3g}")
     if args.out:
-        args.out.write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "params"}
-                                        for k, v in results.items()}, indent=1))
+        args.out.write_text(
+            json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "params"} for k, v in results.items()}, indent=1)
+        )
     return 0
 
 

@@ -7,6 +7,7 @@ medians are reported, with the ratio engine/raw (goal ≥ 0.9).
     python bench/nvme_bandwidth.py                       # 1 GiB, 5 rounds, in a temp dir under /tmp
     python bench/nvme_bandwidth.py --dir /nvme/scratch --gib 4 --threads 4 --chunk-mb 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,11 +51,23 @@ def dd_pass(path: Path, source: Path, nbytes: int, op: str, streams: int) -> flo
     procs = []
     t0 = time.perf_counter()
     for i in range(streams):
-        args = ([f"if={source}", f"of={path}", "oflag=direct", "conv=fsync,notrunc", f"seek={i * count}",
-                 f"skip={i * count}"] if op == "write"
-                else [f"if={path}", "of=/dev/null", "iflag=direct", f"skip={i * count}"])
-        procs.append(subprocess.Popen(["dd", *args, f"bs={BS}", f"count={count}"], stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))
+        args = (
+            [
+                f"if={source}",
+                f"of={path}",
+                "oflag=direct",
+                "conv=fsync,notrunc",
+                f"seek={i * count}",
+                f"skip={i * count}",
+            ]
+            if op == "write"
+            else [f"if={path}", "of=/dev/null", "iflag=direct", f"skip={i * count}"]
+        )
+        procs.append(
+            subprocess.Popen(
+                ["dd", *args, f"bs={BS}", f"count={count}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+        )
     if any(p.wait() for p in procs):
         raise RuntimeError(f"dd {op} failed")
     return time.perf_counter() - t0
@@ -65,10 +78,26 @@ def fio_pass(path: Path, nbytes: int, op: str, streams: int) -> float | None:
     if not shutil.which("fio"):
         return None
     part = nbytes // streams
-    out = subprocess.run(["fio", "--name=raw", f"--filename={path}", f"--rw={op}", f"--bs={BS}", f"--size={part}",
-                          f"--numjobs={streams}", f"--offset_increment={part}", "--group_reporting", "--direct=1",
-                          "--ioengine=psync", "--end_fsync=1", "--output-format=json"],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [
+            "fio",
+            "--name=raw",
+            f"--filename={path}",
+            f"--rw={op}",
+            f"--bs={BS}",
+            f"--size={part}",
+            f"--numjobs={streams}",
+            f"--offset_increment={part}",
+            "--group_reporting",
+            "--direct=1",
+            "--ioengine=psync",
+            "--end_fsync=1",
+            "--output-format=json",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     job = json.loads(out)["jobs"][0][op]
     return nbytes / (job["bw_bytes"] or 1)
 
@@ -108,14 +137,18 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
         source.unlink(missing_ok=True)
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
-    print(f"{nbytes / 2**30:.2f} GiB, {args.rounds} rounds alternating order, {args.threads} threads × "
-          f"{args.chunk_mb} MiB requests, in {work.parent}")
+    print(
+        f"{nbytes / 2**30:.2f} GiB, {args.rounds} rounds alternating order, {args.threads} threads × "
+        f"{args.chunk_mb} MiB requests, in {work.parent}"
+    )
     for op in ("write", "read"):
         raw = [gbps[f"{s}_{op}"] for s in ("dd", "fio") if f"{s}_{op}" in gbps]
         best = max(raw)
         line = "  ".join(f"{s} {gbps[f'{s}_{op}']:.2f}" for s in ("dd", "fio") if f"{s}_{op}" in gbps)
-        print(f"{op:5s}  engine {gbps[f'engine_{op}']:.2f} GB/s   raw: {line} GB/s   "
-              f"engine / best raw {gbps[f'engine_{op}'] / best:.2f} (goal >= 0.9)")
+        print(
+            f"{op:5s}  engine {gbps[f'engine_{op}']:.2f} GB/s   raw: {line} GB/s   "
+            f"engine / best raw {gbps[f'engine_{op}'] / best:.2f} (goal >= 0.9)"
+        )
     print(json.dumps({k: [round(x, 4) for x in v] for k, v in times.items()}))
 
 

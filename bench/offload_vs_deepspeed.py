@@ -46,6 +46,7 @@ is False, the builder's reason is printed and only the CPU-offload comparison ru
 directories go under `--swap-dir` (default: a new temp dir on the disk behind $TMPDIR, refused on
 tmpfs unless --allow-tmpfs) and are removed after each run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,15 +77,20 @@ DEVICES = ("nvme", "cpu")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides for both sides (applied last)")
     p.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
     p.add_argument("--nproc", type=int, default=1, help="ranks (world size) for both sides")
     p.add_argument("--devices", default="nvme,cpu", help="offload devices to compare, in this order")
     p.add_argument("--sides", default="deepspeed,strata", help="which workers to run (first run's order)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="runs of each side per device; which side goes first alternates run by run")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each side per device; which side goes first alternates run by run",
+    )
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per run (timed: steps 3..N)")
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
@@ -92,26 +98,48 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-4, help="optim.lr (configs/tiny.yaml's 3e-3 spikes at 100M)")
     p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per rank (default: CPUs / nproc; torchrun alone would give 1)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per rank (default: CPUs / nproc; torchrun alone would give 1)",
+    )
     p.add_argument("--host-buffer-mb", type=float, default=64, help="Strata: offload.host_buffer_mb")
-    p.add_argument("--slab-mb", type=float, default=4,
-                   help="Strata: offload.slab_mb (also DeepSpeed's aio block_size)")
-    p.add_argument("--ds-optimizer", choices=("torch", "cpu_adam"), default="torch",
-                   help="DeepSpeed's optimizer: Strata's torch AdamW, or DeepSpeedCPUAdam (a 44 s cpu_adam build)")
-    p.add_argument("--ds-sub-group-size", type=float, default=None,
-                   help="DeepSpeed zero_optimization.sub_group_size in elements, for both devices (default: 1e7 for "
-                        "nvme, its lowest-memory working setting here; DeepSpeed's own 1e9 for cpu, its fastest)")
+    p.add_argument("--slab-mb", type=float, default=4, help="Strata: offload.slab_mb (also DeepSpeed's aio block_size)")
+    p.add_argument(
+        "--ds-optimizer",
+        choices=("torch", "cpu_adam"),
+        default="torch",
+        help="DeepSpeed's optimizer: Strata's torch AdamW, or DeepSpeedCPUAdam (a 44 s cpu_adam build)",
+    )
+    p.add_argument(
+        "--ds-sub-group-size",
+        type=float,
+        default=None,
+        help="DeepSpeed zero_optimization.sub_group_size in elements, for both devices (default: 1e7 for "
+        "nvme, its lowest-memory working setting here; DeepSpeed's own 1e9 for cpu, its fastest)",
+    )
     p.add_argument("--ds-param-buffers", type=int, default=5, help="DeepSpeed offload_param.buffer_count")
-    p.add_argument("--ds-optim-buffers", type=int, default=12,
-                   help="DeepSpeed offload_optimizer.buffer_count, buffers of one sub-group each (its default 4, and "
-                        "8, run out with pipelined swapping of more than one sub-group)")
+    p.add_argument(
+        "--ds-optim-buffers",
+        type=int,
+        default=12,
+        help="DeepSpeed offload_optimizer.buffer_count, buffers of one sub-group each (its default 4, and "
+        "8, run out with pipelined swapping of more than one sub-group)",
+    )
     p.add_argument("--rtol", type=float, default=1e-5, help="losses must be allclose(strata, deepspeed, rtol, atol=0)")
-    p.add_argument("--swap-dir", type=Path, default=None,
-                   help="parent of the runs' nvme_path directories (default: a temp dir under $TMPDIR or /tmp)")
+    p.add_argument(
+        "--swap-dir",
+        type=Path,
+        default=None,
+        help="parent of the runs' nvme_path directories (default: a temp dir under $TMPDIR or /tmp)",
+    )
     p.add_argument("--allow-tmpfs", action="store_true", help="accept a --swap-dir on tmpfs (no real disk I/O)")
-    p.add_argument("--allow-inactive-offload", action="store_true",
-                   help="run Strata even when its trainer has no offload tiers (then it is plain ZeRO-3; labelled so)")
+    p.add_argument(
+        "--allow-inactive-offload",
+        action="store_true",
+        help="run Strata even when its trainer has no offload tiers (then it is plain ZeRO-3; labelled so)",
+    )
     p.add_argument("--timeout", type=int, default=600, help="seconds per worker run")
     p.add_argument("--out", type=Path, default=None, help="also write everything measured as JSON here")
     p.add_argument("--verbose", action="store_true", help="stream the workers' output")
@@ -119,6 +147,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # --- set-up -------------------------------------------------------------------------------------
+
 
 def fs_type(path: Path) -> str:
     """The file system type of the mount holding `path` (longest mount-point prefix)."""
@@ -138,16 +167,22 @@ def prepare_ops(devices: list[str], ds_optimizer: str, run_deepspeed: bool) -> t
     if not run_deepspeed:
         return devices, info
     from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+
     if "nvme" in devices:
         builder, said = AsyncIOBuilder(), io.StringIO()
         with contextlib.redirect_stdout(said):
             ok = builder.is_compatible(verbose=True)
         if not ok:
             said = re.sub(r"\x1b\[[0-9;]*m", "", said.getvalue())  # DeepSpeed's colours
-            reason = ("\n  ".join(line.strip() for line in said.splitlines() if line.strip())
-                      or getattr(builder, "error_log", None) or "no reason given")
-            print(f"DeepSpeed's async_io op is not compatible here, so NVMe offload is skipped:\n  {reason}\n"
-                  "  (apt-get install -y libaio-dev, then run again; the op's first build takes ~189 s)")
+            reason = (
+                "\n  ".join(line.strip() for line in said.splitlines() if line.strip())
+                or getattr(builder, "error_log", None)
+                or "no reason given"
+            )
+            print(
+                f"DeepSpeed's async_io op is not compatible here, so NVMe offload is skipped:\n  {reason}\n"
+                "  (apt-get install -y libaio-dev, then run again; the op's first build takes ~189 s)"
+            )
             info["async_io"] = {"compatible": False, "reason": reason}
             devices = [d for d in devices if d != "nvme"]
         else:
@@ -168,8 +203,14 @@ DS_SUB_GROUP = {"nvme": 1e7, "cpu": None}  # None: DeepSpeed's default (1e9)
 
 def worker_flags(args, device: str) -> list[str]:
     """Options for bench/_zero_worker.py, placed after its config overrides."""
-    flags = ["--ds-optimizer", args.ds_optimizer, "--ds-param-buffers", str(args.ds_param_buffers),
-             "--ds-optim-buffers", str(args.ds_optim_buffers)]
+    flags = [
+        "--ds-optimizer",
+        args.ds_optimizer,
+        "--ds-param-buffers",
+        str(args.ds_param_buffers),
+        "--ds-optim-buffers",
+        str(args.ds_optim_buffers),
+    ]
     sub_group = args.ds_sub_group_size or DS_SUB_GROUP[device]
     if sub_group:
         flags += ["--ds-sub-group-size", f"{sub_group:g}"]
@@ -179,12 +220,17 @@ def worker_flags(args, device: str) -> list[str]:
 
 
 def offload_overrides(args, device: str, nvme_path: Path | None) -> list[str]:
-    o = [f"offload.params.device={device}", f"offload.optim.device={device}",
-         f"offload.host_buffer_mb={args.host_buffer_mb:g}", f"offload.slab_mb={args.slab_mb:g}"]
+    o = [
+        f"offload.params.device={device}",
+        f"offload.optim.device={device}",
+        f"offload.host_buffer_mb={args.host_buffer_mb:g}",
+        f"offload.slab_mb={args.slab_mb:g}",
+    ]
     return o + ([f"offload.nvme_path={nvme_path}"] if nvme_path else [])
 
 
 # --- summary ------------------------------------------------------------------------------------
+
 
 def offload_summary(runs: list[dict]) -> dict:
     """The offload figures of one side on one device, from every rank of every round."""
@@ -211,14 +257,22 @@ def offload_summary(runs: list[dict]) -> dict:
     host_peaks = [r["offload_metrics"].get("host_peak_bytes") for r in first["ranks"] if r.get("offload_metrics")]
     if any(h is not None for h in host_peaks):
         tiers["host_peak_bytes"] = max(h for h in host_peaks if h is not None)
-    return {"hwm_reset": all(r["hwm_reset"] for run in runs for r in run["ranks"]),
-            "peak_init": peak_init, "peak_steps": peak_steps, "peak": peak_all, "max_peak": max(peak_all),
-            "sum_peak": sum(peak_all), "swap_after_init": first.get("swap_after_init"),
-            "swap": first.get("swap_after_steps"),
-            "disk_read_per_step": per_step("io_steps", "read"), "disk_write_per_step": per_step("io_steps", "write"),
-            "disk_write_init": sum(r["io_init"].get("write", 0) for r in first["ranks"]),
-            "tiers": tiers, "tier_metrics": [r.get("offload_metrics") for r in first["ranks"]],
-            "info": first.get("info", {})}
+    return {
+        "hwm_reset": all(r["hwm_reset"] for run in runs for r in run["ranks"]),
+        "peak_init": peak_init,
+        "peak_steps": peak_steps,
+        "peak": peak_all,
+        "max_peak": max(peak_all),
+        "sum_peak": sum(peak_all),
+        "swap_after_init": first.get("swap_after_init"),
+        "swap": first.get("swap_after_steps"),
+        "disk_read_per_step": per_step("io_steps", "read"),
+        "disk_write_per_step": per_step("io_steps", "write"),
+        "disk_write_init": sum(r["io_init"].get("write", 0) for r in first["ranks"]),
+        "tiers": tiers,
+        "tier_metrics": [r.get("offload_metrics") for r in first["ranks"]],
+        "info": first.get("info", {}),
+    }
 
 
 def losses_match(a: list[float], b: list[float], rtol: float) -> bool:
@@ -228,8 +282,12 @@ def losses_match(a: list[float], b: list[float], rtol: float) -> bool:
 def failure_reason(text: str) -> str:
     """The line of a failed worker's output that says why: rank 0's last line, else the last error."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    for pick in (lambda x: x.startswith("[rank") and "Error" in x, lambda x: x.startswith("strata:"),
-                 lambda x: "Error" in x or "error" in x, lambda x: True):
+    for pick in (
+        lambda x: x.startswith("[rank") and "Error" in x,
+        lambda x: x.startswith("strata:"),
+        lambda x: "Error" in x or "error" in x,
+        lambda x: True,
+    ):
         found = [line for line in lines if pick(line)]
         if found:
             return found[-1]
@@ -242,6 +300,7 @@ def fmt_bytes(n) -> str:
 
 # --- the runs -----------------------------------------------------------------------------------
 
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     command = shlex.join([sys.executable, "bench/offload_vs_deepspeed.py", *(sys.argv[1:] if argv is None else argv)])
@@ -251,15 +310,25 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"unknown device(s)/side(s) {unknown}: devices are {DEVICES}, sides deepspeed and strata")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
-    shared = argparse.Namespace(**{**vars(args), "overrides": [f"model.seq_len={args.seq_len}", f"optim.lr={args.lr:g}",
-                                                                f"train.threads={threads}", *args.overrides]})
+    shared = argparse.Namespace(
+        **{
+            **vars(args),
+            "overrides": [
+                f"model.seq_len={args.seq_len}",
+                f"optim.lr={args.lr:g}",
+                f"train.threads={threads}",
+                *args.overrides,
+            ],
+        }
+    )
     overrides = bench_overrides(shared) + ZERO3  # DeepSpeed is ZeRO-3 whatever the zero.* keys say
     cfg = config_mod.load(args.config, overrides, world_size=args.nproc)
     if not cfg.data.path:  # prepare the built-in corpus once, here, and point both sides at it
         overrides.append(f"data.path={ensure_default_corpus(cfg.data.cache_dir, cfg.data.val_fraction)}")
     for device in devices:  # fail here, not in a worker
-        config_mod.load(args.config, overrides + offload_overrides(args, device, Path("/nonexistent")),
-                        world_size=args.nproc)
+        config_mod.load(
+            args.config, overrides + offload_overrides(args, device, Path("/nonexistent")), world_size=args.nproc
+        )
     cfg = config_mod.load(args.config, overrides, world_size=args.nproc)
 
     print(f"command: {command}", flush=True)
@@ -271,31 +340,43 @@ def main(argv=None) -> int:
     swap_parent.mkdir(parents=True, exist_ok=True)
     kind = fs_type(swap_parent)
     if kind in ("tmpfs", "ramfs") and "nvme" in devices and not args.allow_tmpfs:
-        raise SystemExit(f"--swap-dir {swap_parent} is on {kind}: swap files there are memory, not disk; "
-                         "point --swap-dir at a directory on an SSD (or pass --allow-tmpfs)")
+        raise SystemExit(
+            f"--swap-dir {swap_parent} is on {kind}: swap files there are memory, not disk; "
+            "point --swap-dir at a directory on an SSD (or pass --allow-tmpfs)"
+        )
 
     load_start = os.getloadavg()[0]
     raw: dict[str, dict[str, list[dict]]] = {d: {s: [] for s in sides} for d in devices}
     errors: dict[str, dict[str, str]] = {d: {} for d in devices}
     wall = time.perf_counter()
     order = 0
-    with tempfile.TemporaryDirectory(prefix="strata-offload-vs-ds-") as tmp, \
-            tempfile.TemporaryDirectory(prefix="strata-offload-swap-", dir=swap_parent) as swap_root:
+    with (
+        tempfile.TemporaryDirectory(prefix="strata-offload-vs-ds-") as tmp,
+        tempfile.TemporaryDirectory(prefix="strata-offload-swap-", dir=swap_parent) as swap_root,
+    ):
         tmp, swap_root = Path(tmp), Path(swap_root)
         print(f"swap files under {swap_root} ({kind})", flush=True)
         for device in devices:
             for r in range(args.rounds):
-                for side in (sides if order % 2 == 0 else sides[::-1]):
+                for side in sides if order % 2 == 0 else sides[::-1]:
                     if side in errors[device]:
                         continue
                     nvme_path = swap_root / f"{device}-{side}-{r}" if device == "nvme" else None
                     load = os.getloadavg()[0]
-                    print(f"{device} round {r + 1}/{args.rounds}: {side} ({args.nproc} rank(s), {args.steps} steps; "
-                          f"load {load:.2f}) ...", flush=True)
+                    print(
+                        f"{device} round {r + 1}/{args.rounds}: {side} ({args.nproc} rank(s), {args.steps} steps; "
+                        f"load {load:.2f}) ...",
+                        flush=True,
+                    )
                     t = time.perf_counter()
                     try:
-                        run = run_worker(side, args, overrides + offload_overrides(args, device, nvme_path)
-                                         + worker_flags(args, device), tmp / f"{device}-{side}-{r}.json", tmp)
+                        run = run_worker(
+                            side,
+                            args,
+                            overrides + offload_overrides(args, device, nvme_path) + worker_flags(args, device),
+                            tmp / f"{device}-{side}-{r}.json",
+                            tmp,
+                        )
                     except (SystemExit, subprocess.TimeoutExpired) as e:
                         errors[device][side] = str(e.code if isinstance(e, SystemExit) else e)
                         print(f"  {side} FAILED: {failure_reason(errors[device][side])}", flush=True)
@@ -312,16 +393,21 @@ def main(argv=None) -> int:
     # --- report ------------------------------------------------------------------------------
     results: dict[str, dict[str, dict]] = {}
     for device in devices:
-        results[device] = {side: {**summarize(runs), **offload_summary(runs), "raw": runs}
-                           for side, runs in raw[device].items() if runs}
+        results[device] = {
+            side: {**summarize(runs), **offload_summary(runs), "raw": runs}
+            for side, runs in raw[device].items()
+            if runs
+        }
     any_run = next((r for d in results.values() for r in d.values()), None)
     print(f"\n{command}")
     n_params = f"{any_run['n_params'] / 1e6:.1f}M params" if any_run else "model"
-    print(f"{n_params} (d_model {cfg.model.d_model}, {cfg.model.n_layers} layers, seq {cfg.model.seq_len}), "
-          f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
-          f"{cfg.grad_accum_steps(args.nproc)} accum x {args.nproc} rank(s), {args.steps} steps, fp32, gloo, "
-          f"{threads} thread(s) per rank, torch {torch.__version__}; {os.cpu_count()} CPUs, "
-          f"load {load_start:.2f} -> {os.getloadavg()[0]:.2f}; {wall:.0f} s of runs")
+    print(
+        f"{n_params} (d_model {cfg.model.d_model}, {cfg.model.n_layers} layers, seq {cfg.model.seq_len}), "
+        f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
+        f"{cfg.grad_accum_steps(args.nproc)} accum x {args.nproc} rank(s), {args.steps} steps, fp32, gloo, "
+        f"{threads} thread(s) per rank, torch {torch.__version__}; {os.cpu_count()} CPUs, "
+        f"load {load_start:.2f} -> {os.getloadavg()[0]:.2f}; {wall:.0f} s of runs"
+    )
     ratios: dict[str, dict] = {}
     failed = False
     for device in devices:
@@ -333,60 +419,102 @@ def main(argv=None) -> int:
             print(f"  {side:9s} FAILED: {failure_reason(err)}")
         if not res:
             continue
-        print(f"{'':10s} {'step ms':>8s} {'peak RSS MiB':>12s} {'build':>7s} {'steps':>7s} {'swap MiB':>9s} "
-              f"{'files':>5s} {'disk R/W MiB per step':>22s} {'tiers R/W MiB per step':>23s} {'init s':>7s}")
+        print(
+            f"{'':10s} {'step ms':>8s} {'peak RSS MiB':>12s} {'build':>7s} {'steps':>7s} {'swap MiB':>9s} "
+            f"{'files':>5s} {'disk R/W MiB per step':>22s} {'tiers R/W MiB per step':>23s} {'init s':>7s}"
+        )
         for side, r in res.items():
             swap = r["swap"] or {}
             t = r["tiers"]
-            tiers = (f"{fmt_bytes(t.get('io_read_bytes_per_step'))}/{fmt_bytes(t.get('io_write_bytes_per_step'))}"
-                     if "io_read_bytes_per_step" in t or "io_write_bytes_per_step" in t else "-")
-            print(f"{side:10s} {r['median_step_s'] * 1e3:8.0f} {mib(r['max_peak']):>12s} "
-                  f"{mib(max(r['peak_init'])):>7s} {mib(max(r['peak_steps'])):>7s} "
-                  f"{fmt_bytes(swap.get('bytes')):>9s} {swap.get('files', '-'):>5} "
-                  f"{mib(r['disk_read_per_step']) + '/' + mib(r['disk_write_per_step']):>22s} {tiers:>23s} "
-                  f"{r['init_s']:7.1f}")
+            tiers = (
+                f"{fmt_bytes(t.get('io_read_bytes_per_step'))}/{fmt_bytes(t.get('io_write_bytes_per_step'))}"
+                if "io_read_bytes_per_step" in t or "io_write_bytes_per_step" in t
+                else "-"
+            )
+            print(
+                f"{side:10s} {r['median_step_s'] * 1e3:8.0f} {mib(r['max_peak']):>12s} "
+                f"{mib(max(r['peak_init'])):>7s} {mib(max(r['peak_steps'])):>7s} "
+                f"{fmt_bytes(swap.get('bytes')):>9s} {swap.get('files', '-'):>5} "
+                f"{mib(r['disk_read_per_step']) + '/' + mib(r['disk_write_per_step']):>22s} {tiers:>23s} "
+                f"{r['init_s']:7.1f}"
+            )
             if not r["hwm_reset"]:
                 print(f"  ({side}: VmHWM could not be reset; its peaks are the lifetime ru_maxrss)")
             if r["tiers"].get("host_peak_bytes") is not None:
-                print(f"  ({side}: the tiers' own host_peak_bytes {mib(r['tiers']['host_peak_bytes'])} MiB: VmHWM "
-                      "since the bench's last reset, not above the baseline)")
+                print(
+                    f"  ({side}: the tiers' own host_peak_bytes {mib(r['tiers']['host_peak_bytes'])} MiB: VmHWM "
+                    "since the bench's last reset, not above the baseline)"
+                )
         if args.nproc > 1:
-            print("  peak RSS above baseline per rank (MiB): " + "; ".join(
-                f"{side} " + " ".join(mib(x) for x in r["peak"]) + f" (sum {mib(r['sum_peak'])})"
-                for side, r in res.items()))
+            print(
+                "  peak RSS above baseline per rank (MiB): "
+                + "; ".join(
+                    f"{side} " + " ".join(mib(x) for x in r["peak"]) + f" (sum {mib(r['sum_peak'])})"
+                    for side, r in res.items()
+                )
+            )
         if args.rounds > 1:
-            print("  per-round median step ms: " + "; ".join(
-                f"{side} " + " ".join(f"{t * 1e3:.0f}" for t in r["round_median_step_s"]) for side, r in res.items()))
+            print(
+                "  per-round median step ms: "
+                + "; ".join(
+                    f"{side} " + " ".join(f"{t * 1e3:.0f}" for t in r["round_median_step_s"]) for side, r in res.items()
+                )
+            )
         if "deepspeed" in res:
-            print(f"  deepspeed optimizer: {res['deepspeed']['info'].get('optimizer')} "
-                  f"(inside {res['deepspeed']['info'].get('engine_optimizer')})")
+            print(
+                f"  deepspeed optimizer: {res['deepspeed']['info'].get('optimizer')} "
+                f"(inside {res['deepspeed']['info'].get('engine_optimizer')})"
+            )
         if "strata" in res and "deepspeed" in res:
             s, d = res["strata"], res["deepspeed"]
             match = losses_match(s["losses"], d["losses"], args.rtol)
-            ratios[device] = {"step_time": s["median_step_s"] / d["median_step_s"],
-                              "peak_rss": s["max_peak"] / d["max_peak"],
-                              "max_rel_loss_diff": rel_diff(s["losses"], d["losses"]), "losses_allclose": match,
-                              "strata_offload_active": s["info"].get("offload_active", False)}
+            ratios[device] = {
+                "step_time": s["median_step_s"] / d["median_step_s"],
+                "peak_rss": s["max_peak"] / d["max_peak"],
+                "max_rel_loss_diff": rel_diff(s["losses"], d["losses"]),
+                "losses_allclose": match,
+                "strata_offload_active": s["info"].get("offload_active", False),
+            }
             q = ratios[device]
             failed |= not match
-            print(f"strata/deepspeed ({device}): step time {q['step_time']:.3f} (goal <= 1.0), "
-                  f"peak RSS {q['peak_rss']:.3f} (goal <= 0.5); losses "
-                  f"{'allclose' if match else 'DIFFER'} (max rel diff {q['max_rel_loss_diff']:.1e}, rtol {args.rtol:g})"
-                  + ("" if q["strata_offload_active"] else "  [strata offload NOT active]"))
-        print("loss per step: " + "; ".join(
-            f"{side} " + " ".join(f"{x:.6f}" for x in r["losses"]) for side, r in res.items()))
+            print(
+                f"strata/deepspeed ({device}): step time {q['step_time']:.3f} (goal <= 1.0), "
+                f"peak RSS {q['peak_rss']:.3f} (goal <= 0.5); losses "
+                f"{'allclose' if match else 'DIFFER'} (max rel diff {q['max_rel_loss_diff']:.1e}, rtol {args.rtol:g})"
+                + ("" if q["strata_offload_active"] else "  [strata offload NOT active]")
+            )
+        print(
+            "loss per step: "
+            + "; ".join(f"{side} " + " ".join(f"{x:.6f}" for x in r["losses"]) for side, r in res.items())
+        )
         for side, r in res.items():
             if not r["rounds_identical"]:
                 print(f"note: {side}'s losses differ between rounds (the first round's are used)")
     print(f"\n{command}")
 
     if args.out:
-        args.out.write_text(json.dumps({
-            "command": command, "args": {k: str(v) for k, v in vars(args).items()}, "cpus": os.cpu_count(),
-            "load_avg_start": load_start, "ops": ops, "config": config_mod.to_dict(cfg), "overrides": overrides,
-            "deepspeed_config": {d: res["deepspeed"]["info"].get("deepspeed_config")  # as the worker ran it
-                                 for d, res in results.items() if "deepspeed" in res},
-            "sides": results, "errors": errors, "ratios": ratios}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "cpus": os.cpu_count(),
+                    "load_avg_start": load_start,
+                    "ops": ops,
+                    "config": config_mod.to_dict(cfg),
+                    "overrides": overrides,
+                    "deepspeed_config": {
+                        d: res["deepspeed"]["info"].get("deepspeed_config")  # as the worker ran it
+                        for d, res in results.items()
+                        if "deepspeed" in res
+                    },
+                    "sides": results,
+                    "errors": errors,
+                    "ratios": ratios,
+                },
+                indent=1,
+            )
+        )
         print(f"wrote {args.out}")
     return 1 if failed or any(errors[d] for d in devices) else 0
 

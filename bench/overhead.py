@@ -28,6 +28,7 @@ measurement on this machine (an A/A test), to read the real ratio against.
     python bench/overhead.py --check           # exit 1 if the ratio exceeds the goal (1.05)
     python bench/overhead.py --aa              # plain vs plain: the noise floor
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,9 @@ GOAL = 1.05
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -67,17 +69,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps of each side before the rounds")
-    p.add_argument("--check-steps", type=int, default=5,
-                   help="leading steps whose losses are printed side by side (all steps are compared)")
+    p.add_argument(
+        "--check-steps",
+        type=int,
+        default=5,
+        help="leading steps whose losses are printed side by side (all steps are compared)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both sides")
-    p.add_argument("--plain-data", choices=("memmap", "prebuilt"), default="memmap",
-                   help="memmap: the peer slices train.bin each step like Strata; prebuilt: its "
-                        "micro-batches are built before timing")
-    p.add_argument("--data", type=Path, default=None,
-                   help="a prepared token directory (default: prepare stdlib sources into a temp dir)")
-    p.add_argument("--aa", action="store_true",
-                   help="A/A run: a second plain loop, built where the Trainer would be, takes Strata's place; "
-                        "the ratio then shows the measurement's noise floor")
+    p.add_argument(
+        "--plain-data",
+        choices=("memmap", "prebuilt"),
+        default="memmap",
+        help="memmap: the peer slices train.bin each step like Strata; prebuilt: its "
+        "micro-batches are built before timing",
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="a prepared token directory (default: prepare stdlib sources into a temp dir)",
+    )
+    p.add_argument(
+        "--aa",
+        action="store_true",
+        help="A/A run: a second plain loop, built where the Trainer would be, takes Strata's place; "
+        "the ratio then shows the measurement's noise floor",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the raw per-step times and losses here")
     p.add_argument("--check", action="store_true", help=f"exit 1 if the ratio exceeds {GOAL}")
     return p.parse_args(argv)
@@ -93,11 +110,20 @@ def prepare_data(tmp: Path) -> Path:
 
 def strata_config(args, data_dir: Path, total_steps: int, run_root: Path) -> config_mod.Config:
     overrides = {
-        "data.path": str(data_dir), "log.dir": str(run_root), "log.progress": "false", "log.name": "overhead",
-        "model.d_model": args.d_model, "model.n_layers": args.layers, "model.n_heads": args.heads,
-        "model.seq_len": args.seq_len, "train.micro_batch_size": args.micro_batch,
-        "train.global_batch_size": args.micro_batch * args.accum, "train.steps": total_steps,
-        "train.precision": args.precision, "train.threads": args.threads, "train.eval_interval": 0,
+        "data.path": str(data_dir),
+        "log.dir": str(run_root),
+        "log.progress": "false",
+        "log.name": "overhead",
+        "model.d_model": args.d_model,
+        "model.n_layers": args.layers,
+        "model.n_heads": args.heads,
+        "model.seq_len": args.seq_len,
+        "train.micro_batch_size": args.micro_batch,
+        "train.global_batch_size": args.micro_batch * args.accum,
+        "train.steps": total_steps,
+        "train.precision": args.precision,
+        "train.threads": args.threads,
+        "train.eval_interval": 0,
         "checkpoint.save_final": "false",
     }
     return config_mod.load(None, [f"{k}={v}" for k, v in overrides.items()], world_size=1)
@@ -123,8 +149,10 @@ class PlainLoop:
 
         self.model = build_model(m, meta.vocab_size, t.seed).to(device)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
         kernel = {"fused": True} if o.impl in ("fused", "auto") else {"foreach": True}
         self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kernel)
         self.params = params
@@ -139,7 +167,7 @@ class PlainLoop:
                 self.perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_samples)
                 self.perm_epoch = epoch
             start = int(self.perm[offset]) * self.seq_len
-            rows.append(self.tokens[start:start + self.seq_len + 1])
+            rows.append(self.tokens[start : start + self.seq_len + 1])
         self.consumed += self.micro * self.accum
         block = torch.from_numpy(np.stack(rows).astype(np.int64))
         return [(mb[:, :-1], mb[:, 1:]) for mb in block.split(self.micro)]
@@ -202,14 +230,18 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)  # both sides see the same setting (Trainer also sets it)
 
         n_params = sum(p.numel() for p in trainer.model.params)
-        print(f"bench/overhead: {n_params / 1e6:.2f}M params (d_model {args.d_model}, {args.layers} layers, "
-              f"seq {args.seq_len}), micro-batch {args.micro_batch} x accum {args.accum}, {args.precision}, "
-              f"device {device}, threads {torch.get_num_threads()}, torch {torch.__version__}, "
-              f"AdamW {'fused' if cfg.optim.impl != 'foreach' else 'foreach'}, peer data: {args.plain_data}")
+        print(
+            f"bench/overhead: {n_params / 1e6:.2f}M params (d_model {args.d_model}, {args.layers} layers, "
+            f"seq {args.seq_len}), micro-batch {args.micro_batch} x accum {args.accum}, {args.precision}, "
+            f"device {device}, threads {torch.get_num_threads()}, torch {torch.__version__}, "
+            f"AdamW {'fused' if cfg.optim.impl != 'foreach' else 'foreach'}, peer data: {args.plain_data}"
+        )
         if args.aa:
             print("  A/A run: the 'strata' side is a second plain loop; the ratio is the noise floor")
-        print(f"  {args.check_steps} check + {args.warmup} warmup steps, then {args.rounds} rounds x {k} steps "
-              f"of each side, alternating which goes first")
+        print(
+            f"  {args.check_steps} check + {args.warmup} warmup steps, then {args.rounds} rounds x {k} steps "
+            f"of each side, alternating which goes first"
+        )
 
         sides = {"plain": plain.train_step, "strata": trainer.train_step}
         losses: dict[str, list[float]] = {"plain": [], "strata": []}
@@ -224,7 +256,7 @@ def main(argv=None) -> int:
                 losses[side].append(loss)
             return times
 
-        for side in ("plain", "strata"):   # check steps, then warmup (untimed)
+        for side in ("plain", "strata"):  # check steps, then warmup (untimed)
             run(side, args.check_steps + args.warmup)
             cpu_times[side].clear()
 
@@ -241,15 +273,25 @@ def main(argv=None) -> int:
     for i in range(min(args.check_steps, len(losses["plain"]))):
         print(f"  step {i + 1}: plain {losses['plain'][i]:.6f}  strata {losses['strata'][i]:.6f}")
     diffs = [abs(a - b) for a, b in zip(losses["plain"], losses["strata"])]
-    print(f"  max |loss difference| over all {len(diffs)} steps: {max(diffs):.3g}"
-          + ("  (bit-identical)" if max(diffs) == 0 else ""))
+    print(
+        f"  max |loss difference| over all {len(diffs)} steps: {max(diffs):.3g}"
+        + ("  (bit-identical)" if max(diffs) == 0 else "")
+    )
     if max(diffs) > 1e-6:
         print("  WARNING: the two loops diverge; the comparison is not like for like")
 
     if args.json:
-        args.json.write_text(json.dumps({"args": {name: str(value) for name, value in vars(args).items()},
-                                         "wall_s": step_times, "cpu_s": cpu_times, "round_ratios": round_ratios,
-                                         "losses": losses}))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {name: str(value) for name, value in vars(args).items()},
+                    "wall_s": step_times,
+                    "cpu_s": cpu_times,
+                    "round_ratios": round_ratios,
+                    "losses": losses,
+                }
+            )
+        )
     med = {side: statistics.median(ts) for side, ts in step_times.items()}
     ratio = med["strata"] / med["plain"]
     print(f"\nstep time, median of {len(step_times['plain'])} steps each:")
@@ -258,14 +300,21 @@ def main(argv=None) -> int:
         print(f"  {side:6s} {med[side] * 1e3:8.2f} ms   (min {min(ts) * 1e3:.2f}, max {max(ts) * 1e3:.2f})")
     print(f"  ratio of medians strata/plain: {ratio:.3f}")
     cpu_med = {side: statistics.median(ts) for side, ts in cpu_times.items()}
-    print(f"  process CPU time per step, median: plain {cpu_med['plain'] * 1e3:.2f} ms, strata "
-          f"{cpu_med['strata'] * 1e3:.2f} ms, ratio {cpu_med['strata'] / cpu_med['plain']:.3f}")
-    q1, q2, q3 = (statistics.quantiles(round_ratios, n=4, method="inclusive") if len(round_ratios) > 1
-                  else round_ratios * 3)
-    print(f"  per-round ratio over {args.rounds} rounds: median {q2:.3f}, interquartile {q1:.3f}-{q3:.3f}, "
-          f"min {min(round_ratios):.3f}, max {max(round_ratios):.3f}")
-    print(f"  load average (1 min) at start {load_start:.2f}, at end {os.getloadavg()[0]:.2f} on "
-          f"{os.cpu_count()} CPUs: other processes inflate absolute times, the interleaved ratio less so")
+    print(
+        f"  process CPU time per step, median: plain {cpu_med['plain'] * 1e3:.2f} ms, strata "
+        f"{cpu_med['strata'] * 1e3:.2f} ms, ratio {cpu_med['strata'] / cpu_med['plain']:.3f}"
+    )
+    q1, q2, q3 = (
+        statistics.quantiles(round_ratios, n=4, method="inclusive") if len(round_ratios) > 1 else round_ratios * 3
+    )
+    print(
+        f"  per-round ratio over {args.rounds} rounds: median {q2:.3f}, interquartile {q1:.3f}-{q3:.3f}, "
+        f"min {min(round_ratios):.3f}, max {max(round_ratios):.3f}"
+    )
+    print(
+        f"  load average (1 min) at start {load_start:.2f}, at end {os.getloadavg()[0]:.2f} on "
+        f"{os.cpu_count()} CPUs: other processes inflate absolute times, the interleaved ratio less so"
+    )
     print(f"\noverhead ratio strata/plain = {ratio:.3f} (goal <= {GOAL})")
     if args.check and ratio > GOAL:
         print(f"FAIL: ratio {ratio:.3f} exceeds the goal {GOAL}", file=sys.stderr)

@@ -44,6 +44,7 @@ Definitions (the Megatron paper's, so measured and theoretical figures compare l
                                                        # idle fraction is within ±0.05 + 25 % of theory
     python bench/pipeline_schedule.py --record-dir runs/pp-schedule
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,15 +68,15 @@ from torch.distributed import pipelining
 from strata.net import free_port
 from strata.parallel import comm
 
-WIDTH = 16          # elements per micro-batch row: tiny, so communication is negligible
+WIDTH = 16  # elements per micro-batch row: tiny, so communication is negligible
 ABS_TOL, REL_TOL = 0.05, 0.25
 
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    cls: str            # class name in torch.distributed.pipelining
-    virtual: int        # stages per rank (V)
-    style: str          # stage-to-rank map: "loop" (r, r+P, ...) or "v" (r, 2P-1-r)
+    cls: str  # class name in torch.distributed.pipelining
+    virtual: int  # stages per rank (V)
+    style: str  # stage-to-rank map: "loop" (r, r+P, ...) or "v" (r, 2P-1-r)
     split_backward: bool
 
 
@@ -140,7 +141,7 @@ class SyntheticStage(nn.Module):
         self.weight = nn.Parameter(torch.zeros(WIDTH))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.requires_grad:   # first stage: its layers still pass activation gradients down
+        if not x.requires_grad:  # first stage: its layers still pass activation gradients down
             x = x.detach().requires_grad_()
         return _Sleep.apply(x, self.t_f, self.t_bi) + _Sleep.apply(self.weight, 0.0, self.t_w)
 
@@ -155,8 +156,7 @@ class TimedStage(pipelining.PipelineStage):
     def _timed(self, kind: str, mb: int, fn, *args: Any, **kwargs: Any):
         start = time.perf_counter()
         out = fn(mb, *args, **kwargs)
-        self.log.append({"kind": kind, "stage": self.stage_index, "mb": mb, "start": start,
-                         "end": time.perf_counter()})
+        self.log.append({"kind": kind, "stage": self.stage_index, "mb": mb, "start": start, "end": time.perf_counter()})
         return out
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
@@ -183,8 +183,7 @@ class _Runner:
         t_f, t_b = cfg["t_forward"] / v, cfg["t_backward"] / v
         t_w = t_b * cfg["w_fraction"] if self.spec.split_backward else 0.0
         own = stages_of_rank(rank, pp, v, self.spec.style)
-        self.stages = [TimedStage(SyntheticStage(t_f, t_b - t_w, t_w), s, n_stages, torch.device("cpu"))
-                       for s in own]
+        self.stages = [TimedStage(SyntheticStage(t_f, t_b - t_w, t_w), s, n_stages, torch.device("cpu")) for s in own]
         cls = getattr(pipelining, self.spec.cls)
         self.schedule = cls(self.stages if v > 1 else self.stages[0], n_microbatches=m, loss_fn=_loss)
         x, target = torch.randn(m, WIDTH), torch.zeros(m, WIDTH)
@@ -199,21 +198,29 @@ class _Runner:
         t0 = time.perf_counter()
         self.schedule.step(*self.args, target=self.target)
         t1 = time.perf_counter()
-        mine = {"start": t0, "end": t1,
-                "actions": sorted((a for st in self.stages for a in st.log), key=lambda a: a["start"])}
+        mine = {
+            "start": t0,
+            "end": t1,
+            "actions": sorted((a for st in self.stages for a in st.log), key=lambda a: a["start"]),
+        }
         everyone = comm.gather_objects(mine, dist.group.WORLD, dst=0)
         if self.rank != 0:
             return None
         pp, v = self.cfg["pp"], self.spec.virtual
-        origin = min(r["start"] for r in everyone)   # perf_counter: one monotonic clock for the host
+        origin = min(r["start"] for r in everyone)  # perf_counter: one monotonic clock for the host
         return {
-            "schedule": self.name, "torch_class": self.spec.cls, "pp": pp, "virtual_stages": v,
+            "schedule": self.name,
+            "torch_class": self.spec.cls,
+            "pp": pp,
+            "virtual_stages": v,
             "microbatches": self.cfg["microbatches"],
             "stage_map": {str(s): r for r in range(pp) for s in stages_of_rank(r, pp, v, self.spec.style)},
-            "t_forward": self.cfg["t_forward"], "t_backward": self.cfg["t_backward"],
+            "t_forward": self.cfg["t_forward"],
+            "t_backward": self.cfg["t_backward"],
             "w_fraction": self.cfg["w_fraction"] if self.spec.split_backward else 0.0,
-            "ranks": [[{**a, "start": a["start"] - origin, "end": a["end"] - origin} for a in r["actions"]]
-                      for r in everyone],
+            "ranks": [
+                [{**a, "start": a["start"] - origin, "end": a["end"] - origin} for a in r["actions"]] for r in everyone
+            ],
             "step_time": max(r["end"] for r in everyone) - origin,
         }
 
@@ -224,8 +231,7 @@ def _worker(rank: int, cfg: dict[str, Any], port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    dist.init_process_group("gloo", rank=rank, world_size=cfg["pp"],
-                            timeout=datetime.timedelta(seconds=cfg["timeout"]))
+    dist.init_process_group("gloo", rank=rank, world_size=cfg["pp"], timeout=datetime.timedelta(seconds=cfg["timeout"]))
     try:
         names = list(cfg["schedules"])
         runners = {name: _Runner(name, rank, cfg) for name in names}
@@ -234,7 +240,7 @@ def _worker(rank: int, cfg: dict[str, Any], port: int, out_path: str) -> None:
                 runners[name].step()
         records: dict[str, list] = {name: [] for name in names}
         for i in range(cfg["steps"]):
-            for name in names[i % len(names):] + names[:i % len(names)]:
+            for name in names[i % len(names) :] + names[: i % len(names)]:
                 records[name].append(runners[name].step())
         if rank == 0:
             Path(out_path).write_text(json.dumps(records))
@@ -304,11 +310,18 @@ def summarize(records: list[dict[str, Any]], pp: int, m: int, t_f: float, t_b: f
     record = {**record, "idle_fraction": idle_fractions(record), "replay_step_time": replay}
     w = record["w_fraction"]
     theory = theory_bubble(record["schedule"], pp, m, t_f, t_b * (1 - w), t_b * w)
-    return {"schedule": record["schedule"], "V": record["virtual_stages"], "record": record,
-            "step_time": record["step_time"], "step_times": [r["step_time"] for r in records],
-            "idle": statistics.mean(record["idle_fraction"]), "bubble": bubble(record),
-            "replay_bubble": bubble(record, replay), "theory": theory,
-            "theory_idle": theory / (1 + theory)}
+    return {
+        "schedule": record["schedule"],
+        "V": record["virtual_stages"],
+        "record": record,
+        "step_time": record["step_time"],
+        "step_times": [r["step_time"] for r in records],
+        "idle": statistics.mean(record["idle_fraction"]),
+        "bubble": bubble(record),
+        "replay_bubble": bubble(record, replay),
+        "theory": theory,
+        "theory_idle": theory / (1 + theory),
+    }
 
 
 def within(measured: float, theory: float) -> bool:
@@ -317,24 +330,35 @@ def within(measured: float, theory: float) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks (processes), P")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step, M")
     p.add_argument("--t-forward", type=float, default=0.02, help="forward seconds per micro-batch per rank")
     p.add_argument("--t-backward", type=float, default=0.04, help="backward seconds per micro-batch per rank")
-    p.add_argument("--w-fraction", type=float, default=0.5,
-                   help="share of the backward that is weight-gradient work (deferred as W by zero-bubble schedules)")
-    p.add_argument("--steps", type=int, default=3,
-                   help="measured rounds, one step of each schedule per round (the median step is reported)")
+    p.add_argument(
+        "--w-fraction",
+        type=float,
+        default=0.5,
+        help="share of the backward that is weight-gradient work (deferred as W by zero-bubble schedules)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="measured rounds, one step of each schedule per round (the median step is reported)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per schedule first")
-    p.add_argument("--schedules", default=",".join(SCHEDULES),
-                   help=f"comma-separated subset of {', '.join(SCHEDULES)}")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated subset of {', '.join(SCHEDULES)}")
     p.add_argument("--record-dir", type=Path, help="write the median step's timeline per schedule here (JSON)")
     p.add_argument("--timeout", type=int, default=60, help="process-group timeout (s): a hang fails fast")
-    p.add_argument("--check", action="store_true",
-                   help=f"exit 1 unless interleaved beats 1F1B and each schedule's idle fraction is within "
-                        f"±{ABS_TOL} + {REL_TOL * 100:.0f}%% of theory")  # argparse %-formats help
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help=f"exit 1 unless interleaved beats 1F1B and each schedule's idle fraction is within "
+        f"±{ABS_TOL} + {REL_TOL * 100:.0f}%% of theory",
+    )  # argparse %-formats help
     args = p.parse_args(argv)
     args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     unknown = [s for s in args.schedules if s not in SCHEDULES]
@@ -348,38 +372,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     pp, m, t_f, t_b = args.pp, args.microbatches, args.t_forward, args.t_backward
-    cfg = {"pp": pp, "microbatches": m, "t_forward": t_f, "t_backward": t_b, "w_fraction": args.w_fraction,
-           "steps": args.steps, "warmup": args.warmup, "schedules": args.schedules, "timeout": args.timeout}
-    print(f"bench/pipeline_schedule: P={pp} ranks (gloo, spawn), M={m} micro-batches, per micro-batch and rank "
-          f"t_f={t_f * 1e3:g} ms, t_b={t_b * 1e3:g} ms (W share {args.w_fraction:g} in zero-bubble schedules); "
-          f"ideal compute M·(t_f+t_b) = {m * (t_f + t_b) * 1e3:.0f} ms; {args.warmup} warm-up step(s) each + "
-          f"{args.steps} measured rounds; torch {torch.__version__}")
+    cfg = {
+        "pp": pp,
+        "microbatches": m,
+        "t_forward": t_f,
+        "t_backward": t_b,
+        "w_fraction": args.w_fraction,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "schedules": args.schedules,
+        "timeout": args.timeout,
+    }
+    print(
+        f"bench/pipeline_schedule: P={pp} ranks (gloo, spawn), M={m} micro-batches, per micro-batch and rank "
+        f"t_f={t_f * 1e3:g} ms, t_b={t_b * 1e3:g} ms (W share {args.w_fraction:g} in zero-bubble schedules); "
+        f"ideal compute M·(t_f+t_b) = {m * (t_f + t_b) * 1e3:.0f} ms; {args.warmup} warm-up step(s) each + "
+        f"{args.steps} measured rounds; torch {torch.__version__}"
+    )
     load_start, t0 = os.getloadavg()[0], time.perf_counter()
     results = {name: summarize(recs, pp, m, t_f, t_b) for name, recs in measure(cfg).items()}
     elapsed = time.perf_counter() - t0
 
-    header = (f"{'schedule':<22} {'V':>2} {'step ms':>8} {'idle':>6} {'idle th':>7} "
-              f"{'bubble':>7} {'theory':>7} {'replay':>7}")
+    header = (
+        f"{'schedule':<22} {'V':>2} {'step ms':>8} {'idle':>6} {'idle th':>7} {'bubble':>7} {'theory':>7} {'replay':>7}"
+    )
     print(f"\n{header}\n{'-' * len(header)}")
     for r in results.values():
-        print(f"{r['schedule']:<22} {r['V']:>2} {r['step_time'] * 1e3:>8.1f} {r['idle']:>6.3f} "
-              f"{r['theory_idle']:>7.3f} {r['bubble']:>7.3f} {r['theory']:>7.3f} {r['replay_bubble']:>7.3f}")
-    print("  step: median of the measured steps; idle: mean over ranks of 1 - busy/step (idle th = theory/(1+theory))\n"
-          "  bubble: mean over ranks of idle/busy; theory: (P-1)/(V·M) for 1F1B and interleaved,\n"
-          "  ZB1P (P-1)(t_F+t_B-t_W)/(V·M·(t_F+t_B+t_W)), ZBV the pipeline fill (P-1)·t_F/(V·M·(t_F+t_B+t_W)) "
-          "(paper: 'zero')\n  replay: the bubble of torch's recorded action order with the recorded durations and "
-          "instant communication")
+        print(
+            f"{r['schedule']:<22} {r['V']:>2} {r['step_time'] * 1e3:>8.1f} {r['idle']:>6.3f} "
+            f"{r['theory_idle']:>7.3f} {r['bubble']:>7.3f} {r['theory']:>7.3f} {r['replay_bubble']:>7.3f}"
+        )
+    print(
+        "  step: median of the measured steps; idle: mean over ranks of 1 - busy/step (idle th = theory/(1+theory))\n"
+        "  bubble: mean over ranks of idle/busy; theory: (P-1)/(V·M) for 1F1B and interleaved,\n"
+        "  ZB1P (P-1)(t_F+t_B-t_W)/(V·M·(t_F+t_B+t_W)), ZBV the pipeline fill (P-1)·t_F/(V·M·(t_F+t_B+t_W)) "
+        "(paper: 'zero')\n  replay: the bubble of torch's recorded action order with the recorded durations and "
+        "instant communication"
+    )
 
     failures = []
     if "1F1B" in results and "Interleaved1F1B" in results:
         v = SCHEDULES["Interleaved1F1B"].virtual
         ratio = results["Interleaved1F1B"]["step_time"] / results["1F1B"]["step_time"]
-        rounds = [a / b for a, b in zip(results["Interleaved1F1B"]["step_times"],
-                                        results["1F1B"]["step_times"])]
+        rounds = [a / b for a, b in zip(results["Interleaved1F1B"]["step_times"], results["1F1B"]["step_times"])]
         expect = (1 + (pp - 1) / (v * m)) / (1 + (pp - 1) / m)
-        print(f"\ninterleaved/1F1B step-time ratio = {ratio:.3f} (theory {expect:.3f}; per round "
-              f"{min(rounds):.3f}-{max(rounds):.3f}); throughput gain {1 / ratio - 1:+.1%} "
-              f"(theory {1 / expect - 1:+.1%})")
+        print(
+            f"\ninterleaved/1F1B step-time ratio = {ratio:.3f} (theory {expect:.3f}; per round "
+            f"{min(rounds):.3f}-{max(rounds):.3f}); throughput gain {1 / ratio - 1:+.1%} "
+            f"(theory {1 / expect - 1:+.1%})"
+        )
         if ratio >= 1:
             failures.append(f"interleaved is not faster than 1F1B (ratio {ratio:.3f})")
     for r in results.values():

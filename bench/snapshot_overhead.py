@@ -52,6 +52,7 @@ at the end, whatever happens (torchrun starts each worker in a session of its ow
     python bench/snapshot_overhead.py --parts codec       # the codec table only, a few seconds
     python bench/snapshot_overhead.py --nodes 1 --repeats 3 --parts stall
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,7 +86,7 @@ PAPER_SAVE_RATIO = 14.0
 PARTS = ("codec", "pieces", "stall", "disk", "mttr")
 
 # Loaded by every Python process of the jobs (PYTHONPATH); patches only the workers' modules, on import.
-SITECUSTOMIZE = r'''
+SITECUSTOMIZE = r"""
 import atexit, importlib.abc, importlib.util, json, os, sys, time
 _OUT = os.environ.get("STRATA_BENCH_TIMINGS")
 _RANK = os.environ.get("RANK")
@@ -183,10 +184,11 @@ if _OUT and _RANK is not None and os.environ.get("LOCAL_RANK") is not None:  # t
     sys.meta_path.insert(0, _Finder())
     atexit.register(_dump)
     _event("process")
-'''
+"""
 
 
 # --- statistics ------------------------------------------------------------------------------
+
 
 def median(xs):
     xs = [x for x in xs if x is not None]
@@ -203,6 +205,7 @@ def fmt(x, spec=".2f", unit=""):
 
 
 # --- processes ---------------------------------------------------------------------------------
+
 
 def environ_of(pid: int) -> dict[str, str] | None:
     try:
@@ -241,14 +244,20 @@ def start_time(pid: int) -> float | None:
         ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return None
-    btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                 if line.startswith("btime"))
+    btime = next(
+        int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+    )
     return btime + ticks / os.sysconf("SC_CLK_TCK")
 
 
-ROLES = (("agent", "strata.launch.snapshot_agent"), ("writer", "strata.checkpoint.writer"),
-         ("torchrun", "torch.distributed.run"), ("worker", "launch.cli train"), ("launcher", "launch.cli launch"),
-         ("store", "launch.cli store"))
+ROLES = (
+    ("agent", "strata.launch.snapshot_agent"),
+    ("writer", "strata.checkpoint.writer"),
+    ("torchrun", "torch.distributed.run"),
+    ("worker", "launch.cli train"),
+    ("launcher", "launch.cli launch"),
+    ("store", "launch.cli store"),
+)
 
 
 def cpu_by_role(marker: str, job: str) -> dict[str, float]:
@@ -270,33 +279,62 @@ class Job:
     """One Strata job: a standalone store (2+ nodes) and `--nodes` `strata launch`es, their output
     time-stamped line by line into <dir>/<node>.log."""
 
-    def __init__(self, args, marker: str, name: str, root: Path, settings: dict, max_restarts: int = 0,
-                 breakdown: bool = True):
+    def __init__(
+        self, args, marker: str, name: str, root: Path, settings: dict, max_restarts: int = 0, breakdown: bool = True
+    ):
         self.args, self.name, self.marker = args, name, marker
         self.dir = root / name
         (self.dir / "timings").mkdir(parents=True)
         (self.dir / "tmp").mkdir()
-        overrides = {"train.steps": args.steps, "train.micro_batch_size": args.micro_batch, "optim.warmup_steps": 5,
-                     "train.eval_interval": 0, "checkpoint.save_final": "false", "log.progress": "false",
-                     "log.interval": args.log_interval, "log.dir": self.dir / "runs", "log.name": "t",
-                     "snapshot.every_steps": 0, "parallel.timeout_s": 60, **settings}
+        overrides = {
+            "train.steps": args.steps,
+            "train.micro_batch_size": args.micro_batch,
+            "optim.warmup_steps": 5,
+            "train.eval_interval": 0,
+            "checkpoint.save_final": "false",
+            "log.progress": "false",
+            "log.interval": args.log_interval,
+            "log.dir": self.dir / "runs",
+            "log.name": "t",
+            "snapshot.every_steps": 0,
+            "parallel.timeout_s": 60,
+            **settings,
+        }
         self.metrics_path = self.dir / "runs" / "t" / "metrics.jsonl"
         pythonpath = [str(root / "site")] if breakdown else []
-        self.env = {**os.environ, MARKER: marker, "STRATA_BENCH_JOB": name, "TMPDIR": str(self.dir / "tmp"),
-                    # the timing wrappers' sitecustomize only: the workers import the installed strata
-                    "PYTHONPATH": os.pathsep.join(pythonpath + [os.environ.get("PYTHONPATH", "")]),
-                    "STRATA_BENCH_TIMINGS": str(self.dir / "timings"), SECRET_ENV: os.urandom(32).hex(),
-                    "PYTHONUNBUFFERED": "1"}
-        self.launch = ["launch", str(REPO / "configs" / "tiny.yaml"), *[f"{k}={v}" for k, v in overrides.items()],
-                       "--nproc", str(args.nproc), "--max-restarts", str(max_restarts)]
+        self.env = {
+            **os.environ,
+            MARKER: marker,
+            "STRATA_BENCH_JOB": name,
+            "TMPDIR": str(self.dir / "tmp"),
+            # the timing wrappers' sitecustomize only: the workers import the installed strata
+            "PYTHONPATH": os.pathsep.join(pythonpath + [os.environ.get("PYTHONPATH", "")]),
+            "STRATA_BENCH_TIMINGS": str(self.dir / "timings"),
+            SECRET_ENV: os.urandom(32).hex(),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.launch = [
+            "launch",
+            str(REPO / "configs" / "tiny.yaml"),
+            *[f"{k}={v}" for k, v in overrides.items()],
+            "--nproc",
+            str(args.nproc),
+            "--max-restarts",
+            str(max_restarts),
+        ]
         self.procs: dict[str, subprocess.Popen] = {}
         self.lines: list[tuple[float, str, str]] = []  # (time, node, line) of every launcher's output
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def _spawn(self, node: str, args: list[str]) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "strata.launch.cli", *args], cwd=REPO, env={**self.env,
-                                "STRATA_BENCH_NODE": node}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "strata.launch.cli", *args],
+            cwd=REPO,
+            env={**self.env, "STRATA_BENCH_NODE": node},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         log = open(self.dir / f"{node}.log", "w")
 
         def pump():
@@ -307,6 +345,7 @@ class Job:
                         self.lines.append((now, node, line))
                     log.write(f"{now:.3f} {line}\n")
                     log.flush()
+
         t = threading.Thread(target=pump, daemon=True)
         t.start()
         self._threads.append(t)
@@ -327,13 +366,27 @@ class Job:
                 break
             except OSError as e:
                 if time.monotonic() > deadline or self.procs["store"].poll() is not None:
-                    raise RuntimeError(f"{self.name}: the rendezvous store did not start; see {self.dir}/store.log"
-                                       ) from e
+                    raise RuntimeError(
+                        f"{self.name}: the rendezvous store did not start; see {self.dir}/store.log"
+                    ) from e
                 time.sleep(0.1)
-        for node in "ABCDEFGH"[:self.args.nodes]:
-            self._spawn(node, self.launch + ["--nnodes", str(self.args.nodes), "--rdzv-endpoint", f"127.0.0.1:{port}",
-                                             "--rdzv-store", "external", "--rdzv-id", f"bench-{self.name}",
-                                             "--join-timeout", "30"])
+        for node in "ABCDEFGH"[: self.args.nodes]:
+            self._spawn(
+                node,
+                self.launch
+                + [
+                    "--nnodes",
+                    str(self.args.nodes),
+                    "--rdzv-endpoint",
+                    f"127.0.0.1:{port}",
+                    "--rdzv-store",
+                    "external",
+                    "--rdzv-id",
+                    f"bench-{self.name}",
+                    "--join-timeout",
+                    "30",
+                ],
+            )
 
     def nodes(self) -> list[str]:
         return [n for n in self.procs if n != "store"]
@@ -364,8 +417,10 @@ class Job:
                     t.join(timeout=5)
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name}: no {'end' if until is None else 'progress'} within the deadline; "
-                                   f"see {self.dir}/*.log:\n{self.tail()}")
+                raise RuntimeError(
+                    f"{self.name}: no {'end' if until is None else 'progress'} within the deadline; "
+                    f"see {self.dir}/*.log:\n{self.tail()}"
+                )
             time.sleep(0.05)
 
     def tail(self, n: int = 30) -> str:
@@ -413,6 +468,7 @@ def agents_stats(marker: str, job: str) -> list[dict]:
 
 # --- part 3: the codec, in this process ----------------------------------------------------------
 
+
 def best_and_median(fn, reps: int) -> tuple[float, float]:
     fn()  # warm: pages, tables, the thread pool
     times = []
@@ -448,7 +504,7 @@ def codec_bench(mib: int, reps: int, image_bytes: int) -> list[dict]:
         frag = code.fragment_len(n)
         image = np.zeros(frag * k, np.uint8)
         image[:n] = src
-        data = [image[i * frag:(i + 1) * frag] for i in range(k)]
+        data = [image[i * frag : (i + 1) * frag] for i in range(k)]
         parity = [np.empty(frag, np.uint8) for _ in range(m)]
         row(f"Code({k},{m}) encode", best_and_median(lambda: code.encode(data, parity), reps))
         lost = list(range(min(m, k)))  # m data fragments gone: decoding has to invert
@@ -459,15 +515,18 @@ def codec_bench(mib: int, reps: int, image_bytes: int) -> list[dict]:
             raise RuntimeError(f"Code({k},{m}) did not rebuild the dropped fragments")
     # The agent's placement path for one rank's image: a CRC-32C, then encode into a fresh bytearray.
     import crc32c
+
     small = image_bytes
     code = Code(1, 1)
     frag = code.fragment_len(small)
     img = np.zeros(frag, np.uint8)
     img[:small] = src[:small]
     pre = np.empty(frag, np.uint8)
-    for what, fn in ((f"crc32c, {small / 1e6:.1f} MB", lambda: crc32c.crc32c(img[:small])),
-                     (f"Code(1,1) encode, {small / 1e6:.1f} MB", lambda: code.encode([img], [pre])),
-                     ("  same, fresh bytearray parity", lambda: code.encode([img], [bytearray(frag)]))):
+    for what, fn in (
+        (f"crc32c, {small / 1e6:.1f} MB", lambda: crc32c.crc32c(img[:small])),
+        (f"Code(1,1) encode, {small / 1e6:.1f} MB", lambda: code.encode([img], [pre])),
+        ("  same, fresh bytearray parity", lambda: code.encode([img], [bytearray(frag)])),
+    ):
         best, med = best_and_median(fn, reps * 5)
         rows.append({"what": what, "best_gbps": small / best / 1e9, "median_gbps": small / med / 1e9})
         print(f"  {what:<28} best {small / best / 1e9:6.2f} GB/s   median {small / med / 1e9:6.2f} GB/s", flush=True)
@@ -475,6 +534,7 @@ def codec_bench(mib: int, reps: int, image_bytes: int) -> list[dict]:
 
 
 # --- the per-snapshot work of one rank, quiet, in this process --------------------------------------
+
 
 def pieces_bench(args, root: Path) -> list[dict]:
     """What a snapshot does on one rank besides waiting, timed in this process with nothing else
@@ -492,9 +552,17 @@ def pieces_bench(args, root: Path) -> list[dict]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each worker (torchrun sets OMP_NUM_THREADS=1)
     try:
-        cfg = config_mod.load(str(REPO / "configs" / "tiny.yaml"), [
-            f"train.micro_batch_size={args.micro_batch}", "train.eval_interval=0", "checkpoint.save_final=false",
-            f"log.dir={root / 'pieces'}", "log.progress=false"], world_size=1)
+        cfg = config_mod.load(
+            str(REPO / "configs" / "tiny.yaml"),
+            [
+                f"train.micro_batch_size={args.micro_batch}",
+                "train.eval_interval=0",
+                "checkpoint.save_final=false",
+                f"log.dir={root / 'pieces'}",
+                "log.progress=false",
+            ],
+            world_size=1,
+        )
         trainer = Trainer(cfg, runtime_mod.start("gloo", 60))
         trainer.train_step()  # the optimizer state exists
         contents = trainer.state.contents(trainer.step)
@@ -505,22 +573,28 @@ def pieces_bench(args, root: Path) -> list[dict]:
         pairs = []
         for it in staging.items:
             n = it.box.numel
-            dst = image[it.data_offset:it.data_offset + n * torch_dtype(it.dtype).itemsize].view(torch_dtype(it.dtype))
-            pairs.append((dst, pieces[it.piece].tensor.reshape(-1)[it.start:it.start + n]))
+            dst = image[it.data_offset : it.data_offset + n * torch_dtype(it.dtype).itemsize].view(
+                torch_dtype(it.dtype)
+            )
+            pairs.append((dst, pieces[it.piece].tensor.reshape(-1)[it.start : it.start + n]))
         dsts, srcs = [d for d, _ in pairs], [s for _, s in pairs]
         flat_src = torch.empty(staging.nbytes, dtype=torch.uint8)
         layout = contents.layout
         rows = []
-        print(f"  rank 0 of world {world}: {len(pieces)} pieces, {len(staging.items)} items, "
-              f"{staging.nbytes / 1e6:.2f} MB image", flush=True)
-        for what, fn in (("TrainState.contents", lambda: trainer.state.contents(trainer.step)),
-                         ("descriptors(pieces)", lambda: descriptors(pieces)),
-                         ("copy_pieces (as save does)", lambda: copy_pieces(image, staging.items, pieces)),
-                         ("  the same copies, views made once", lambda: torch._foreach_copy_(dsts, srcs)),
-                         ("  one memcpy of the image's bytes", lambda: image.copy_(flat_src)),
-                         ("rank 0's trailer, index cached", lambda: json_mod.dumps(objects_blob(objects)[1])),
-                         ("  the index, once per plan", lambda: json_mod.dumps(index_of(1, layout, staging, {},
-                                                                                            aliases)))):
+        print(
+            f"  rank 0 of world {world}: {len(pieces)} pieces, {len(staging.items)} items, "
+            f"{staging.nbytes / 1e6:.2f} MB image",
+            flush=True,
+        )
+        for what, fn in (
+            ("TrainState.contents", lambda: trainer.state.contents(trainer.step)),
+            ("descriptors(pieces)", lambda: descriptors(pieces)),
+            ("copy_pieces (as save does)", lambda: copy_pieces(image, staging.items, pieces)),
+            ("  the same copies, views made once", lambda: torch._foreach_copy_(dsts, srcs)),
+            ("  one memcpy of the image's bytes", lambda: image.copy_(flat_src)),
+            ("rank 0's trailer, index cached", lambda: json_mod.dumps(objects_blob(objects)[1])),
+            ("  the index, once per plan", lambda: json_mod.dumps(index_of(1, layout, staging, {}, aliases))),
+        ):
             best, med = best_and_median(fn, args.reps * 20)
             rows.append({"what": what, "best_ms": 1e3 * best, "median_ms": 1e3 * med})
             print(f"  {what:<36} best {1e3 * best:7.3f} ms   median {1e3 * med:7.3f} ms", flush=True)
@@ -579,17 +653,26 @@ def run_variant(args, marker: str, root: Path, variant: str, i: int) -> dict:
     measured = [r for r in recs if r["step"] > args.log_interval * args.skip_intervals]
     if not measured:
         raise RuntimeError(f"{job.name}: no step records past the skipped intervals in {job.metrics_path}")
-    out = {"name": job.name, "variant": variant, "wall_s": time.time() - job.t0,
-           "step_s": median([r["step_time_s"] for r in measured]),
-           "step_s_intervals": [r["step_time_s"] for r in measured],
-           "stall_ms": median([r["snapshot"]["stall_ms"] for r in measured if r.get("snapshot")]),
-           "stall_ms_intervals": [r["snapshot"]["stall_ms"] for r in measured if r.get("snapshot")],
-           "skipped": max([r["snapshot"]["skipped"] for r in recs if r.get("snapshot")], default=None),
-           "agents": stats, "timings": job.timings(), "cpu_ms_per_step": cpu,
-           "cpu_window": [s0, s1, (t1 - t0) / max(s1 - s0, 1)]}
-    print(f"  [{time.strftime('%H:%M:%S')}] {job.name}: step {fmt(1e3 * out['step_s'], '.1f', ' ms')}"
-          + (f", stall {fmt(out['stall_ms'], '.2f', ' ms')}, skipped {out['skipped']}" if variant == "snap" else "")
-          + f" ({out['wall_s']:.0f} s)", flush=True)
+    out = {
+        "name": job.name,
+        "variant": variant,
+        "wall_s": time.time() - job.t0,
+        "step_s": median([r["step_time_s"] for r in measured]),
+        "step_s_intervals": [r["step_time_s"] for r in measured],
+        "stall_ms": median([r["snapshot"]["stall_ms"] for r in measured if r.get("snapshot")]),
+        "stall_ms_intervals": [r["snapshot"]["stall_ms"] for r in measured if r.get("snapshot")],
+        "skipped": max([r["snapshot"]["skipped"] for r in recs if r.get("snapshot")], default=None),
+        "agents": stats,
+        "timings": job.timings(),
+        "cpu_ms_per_step": cpu,
+        "cpu_window": [s0, s1, (t1 - t0) / max(s1 - s0, 1)],
+    }
+    print(
+        f"  [{time.strftime('%H:%M:%S')}] {job.name}: step {fmt(1e3 * out['step_s'], '.1f', ' ms')}"
+        + (f", stall {fmt(out['stall_ms'], '.2f', ' ms')}, skipped {out['skipped']}" if variant == "snap" else "")
+        + f" ({out['wall_s']:.0f} s)",
+        flush=True,
+    )
     return out
 
 
@@ -604,14 +687,18 @@ def breakdown_of(runs: list[dict], per_step: int) -> dict:
     for name, ranks in per_rank.items():
         every = [d for ds in ranks.values() for d in ds[per_step:]]  # the first interval out, as above
         if every:
-            out[name] = {"median_ms": 1e3 * median(every), "p95_ms": 1e3 * pct(every, 0.95),
-                         "worst_rank_median_ms": 1e3 * max(median(ds[per_step:] or ds) for ds in ranks.values()),
-                         "rank0_median_ms": 1e3 * median(ranks[0][per_step:] or ranks[0]) if 0 in ranks else None,
-                         "calls": len(every)}
+            out[name] = {
+                "median_ms": 1e3 * median(every),
+                "p95_ms": 1e3 * pct(every, 0.95),
+                "worst_rank_median_ms": 1e3 * max(median(ds[per_step:] or ds) for ds in ranks.values()),
+                "rank0_median_ms": 1e3 * median(ranks[0][per_step:] or ranks[0]) if 0 in ranks else None,
+                "calls": len(every),
+            }
     return out
 
 
 # --- part 4: MTTR ---------------------------------------------------------------------------------
+
 
 def mttr(args, marker: str, root: Path) -> dict:
     settings = {"snapshot.every_steps": 1, "snapshot.k": 1, "snapshot.m": 1 if args.nodes > 1 else 0}
@@ -628,11 +715,17 @@ def mttr(args, marker: str, root: Path) -> dict:
         step_at_kill = max(r["step"] for r in job.records() if "loss" in r)
         t_kill = time.time()
         kill(victims)
-        print(f"  [{time.strftime('%H:%M:%S')}] mttr: SIGKILL worker RANK=1 (pid {next(iter(victims))}) "
-              f"after step {step_at_kill}", flush=True)
+        print(
+            f"  [{time.strftime('%H:%M:%S')}] mttr: SIGKILL worker RANK=1 (pid {next(iter(victims))}) "
+            f"after step {step_at_kill}",
+            flush=True,
+        )
         job.wait(until=lambda: any("resumed" in r for r in job.records()))
-        restarted = {pid: start_time(pid) for pid, e in processes(marker, STRATA_BENCH_JOB="mttr").items()
-                     if pid not in before and "LOCAL_RANK" in e}
+        restarted = {
+            pid: start_time(pid)
+            for pid, e in processes(marker, STRATA_BENCH_JOB="mttr").items()
+            if pid not in before and "LOCAL_RANK" in e
+        }
         job.wait()
         codes = {n: job.procs[n].returncode for n in job.nodes()}
     finally:
@@ -642,8 +735,15 @@ def mttr(args, marker: str, root: Path) -> dict:
     after = [r for r in recs if "loss" in r and r["time"] > resumed["wall_time"]]
     first_step = after[0] if after else None
     text = job.text()
-    later = [t for t, node, line in job.lines if t > t_kill and node != "store" and line.strip()
-             and not line.startswith("*") and "OMP_NUM_THREADS" not in line]
+    later = [
+        t
+        for t, node, line in job.lines
+        if t > t_kill
+        and node != "store"
+        and line.strip()
+        and not line.startswith("*")
+        and "OMP_NUM_THREADS" not in line
+    ]
     ev = [e for e in job.events() if e["restart"] > 0]
 
     def ev_time(name, pick=max):
@@ -651,24 +751,30 @@ def mttr(args, marker: str, root: Path) -> dict:
         return pick(ts) - t_kill if ts else None
 
     starts = [t for t in restarted.values() if t is not None]
-    out = {"step_at_kill": step_at_kill, "resumed_step": resumed["step"], "resumed": resumed["resumed"],
-           "restore_s": resumed["restore_s"],
-           "first_message_s": later[0] - t_kill if later else None,
-           "first_restart_process_s": min(starts) - t_kill if starts else None,
-           "last_restart_process_s": max(starts) - t_kill if starts else None,
-           "imports_done_s": ev_time("runtime_start:start"),
-           "process_group_s": ev_time("runtime_start:end"),
-           "restarted_workers": len(starts),
-           "trainer_built_s": ev_time("trainer_init:end"),
-           "resumed_s": resumed["wall_time"] - t_kill,
-           "first_step_s": first_step["time"] - t_kill if first_step else None,
-           "first_step": first_step["step"] if first_step else None,
-           "exit_codes": codes, "in_memory": "resumed from in-memory step" in text,
-           "log_excerpt": [line for line in text.splitlines() if "snapshot:" in line or "resumed" in line][:6]}
+    out = {
+        "step_at_kill": step_at_kill,
+        "resumed_step": resumed["step"],
+        "resumed": resumed["resumed"],
+        "restore_s": resumed["restore_s"],
+        "first_message_s": later[0] - t_kill if later else None,
+        "first_restart_process_s": min(starts) - t_kill if starts else None,
+        "last_restart_process_s": max(starts) - t_kill if starts else None,
+        "imports_done_s": ev_time("runtime_start:start"),
+        "process_group_s": ev_time("runtime_start:end"),
+        "restarted_workers": len(starts),
+        "trainer_built_s": ev_time("trainer_init:end"),
+        "resumed_s": resumed["wall_time"] - t_kill,
+        "first_step_s": first_step["time"] - t_kill if first_step else None,
+        "first_step": first_step["step"] if first_step else None,
+        "exit_codes": codes,
+        "in_memory": "resumed from in-memory step" in text,
+        "log_excerpt": [line for line in text.splitlines() if "snapshot:" in line or "resumed" in line][:6],
+    }
     return out
 
 
 # --- the report -------------------------------------------------------------------------------------
+
 
 def table(rows: list[list[str]], header: list[str]) -> None:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
@@ -679,8 +785,9 @@ def table(rows: list[list[str]], header: list[str]) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--parts", default=",".join(PARTS), help="which of " + ",".join(PARTS) + " to run")
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes (1: one node, snapshot.m=0)")
     p.add_argument("--nproc", type=int, default=2, help="ranks per node")
@@ -694,10 +801,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kill-step", type=int, default=20, help="MTTR: SIGKILL rank 1 once rank 0 logged this step")
     p.add_argument("--codec-mib", type=int, default=64)
     p.add_argument("--reps", type=int, default=9, help="codec: timed repetitions per row")
-    p.add_argument("--image-bytes", type=int, default=2_890_000,
-                   help="codec: also time the agent's path (CRC, encode) at one rank's snapshot image size")
-    p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
-                   help="time the pieces of each snapshot and save in the workers (generated sitecustomize.py)")
+    p.add_argument(
+        "--image-bytes",
+        type=int,
+        default=2_890_000,
+        help="codec: also time the agent's path (CRC, encode) at one rank's snapshot image size",
+    )
+    p.add_argument(
+        "--breakdown",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the pieces of each snapshot and save in the workers (generated sitecustomize.py)",
+    )
     p.add_argument("--job-timeout", type=float, default=300, help="seconds a job may take")
     p.add_argument("--keep", action="store_true", help="keep the jobs' directories (logs, metrics)")
     p.add_argument("--json", type=Path, help="also write every figure here")
@@ -719,9 +834,12 @@ def main(argv=None) -> int:
     (root / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below still cleans up
     world = args.nodes * args.nproc
-    print(f"snapshot overhead: tiny.yaml, {args.nodes} node(s) x {args.nproc} ranks (world {world}), "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}, numpy {np.__version__}; load {os.getloadavg()}; "
-          f"scratch {root}", flush=True)
+    print(
+        f"snapshot overhead: tiny.yaml, {args.nodes} node(s) x {args.nproc} ranks (world {world}), "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, numpy {np.__version__}; load {os.getloadavg()}; "
+        f"scratch {root}",
+        flush=True,
+    )
     ensure_default_corpus(None, 0.05)  # prepared once here, not raced by 4 workers
     result: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     try:
@@ -767,93 +885,185 @@ def report_steps(args, runs: list[dict], result: dict) -> None:
     for r in runs:
         by.setdefault(r["variant"], []).append(r)
     step = {v: median([r["step_s"] for r in rs]) for v, rs in by.items()}
-    s = result["steps"] = {"step_ms": {v: 1e3 * t for v, t in step.items()},
-                           "step_ms_runs": {v: [1e3 * r["step_s"] for r in rs] for v, rs in by.items()}}
+    s = result["steps"] = {
+        "step_ms": {v: 1e3 * t for v, t in step.items()},
+        "step_ms_runs": {v: [1e3 * r["step_s"] for r in rs] for v, rs in by.items()},
+    }
     per_step = args.log_interval * args.skip_intervals
     bd = s["breakdown"] = {v: breakdown_of(rs, per_step) for v, rs in by.items()} if args.breakdown else {}
-    roles = [r for r in ("worker", "agent", "writer", "torchrun", "launcher", "store", "other")
-             if any(r in run["cpu_ms_per_step"] for run in runs)]
-    cpu = s["cpu_ms_per_step"] = {v: {role: median([r["cpu_ms_per_step"].get(role, 0.0) for r in rs]) for role in roles}
-                                  for v, rs in by.items()}
-    print(f"\n[steps] per variant: median over runs of each run's median step time (log intervals "
-          f"{per_step + args.log_interval}..{args.steps}); train_step = the compute alone (every rank); CPU ms a step "
-          "summed over the job's processes of each role (between two records)")
-    table([[v, fmt(1e3 * step[v], ".1f"), ", ".join(f"{1e3 * r['step_s']:.1f}" for r in by[v]),
-            fmt(step[v] / step["off"], ".3f") if "off" in step else "n/a",
-            fmt(bd.get(v, {}).get("train_step", {}).get("median_ms"), ".1f"),
-            fmt(bd.get(v, {}).get("train_step (cpu)", {}).get("median_ms"), ".1f"),
-            *[fmt(cpu[v][role], ".1f") for role in roles], fmt(sum(cpu[v].values()), ".1f")] for v in by],
-          ["variant", "step ms", "runs (ms)", "vs off", "train_step ms", "its cpu ms", *[f"cpu {r}" for r in roles],
-           "cpu total"])
+    roles = [
+        r
+        for r in ("worker", "agent", "writer", "torchrun", "launcher", "store", "other")
+        if any(r in run["cpu_ms_per_step"] for run in runs)
+    ]
+    cpu = s["cpu_ms_per_step"] = {
+        v: {role: median([r["cpu_ms_per_step"].get(role, 0.0) for r in rs]) for role in roles} for v, rs in by.items()
+    }
+    print(
+        f"\n[steps] per variant: median over runs of each run's median step time (log intervals "
+        f"{per_step + args.log_interval}..{args.steps}); train_step = the compute alone (every rank); CPU ms a step "
+        "summed over the job's processes of each role (between two records)"
+    )
+    table(
+        [
+            [
+                v,
+                fmt(1e3 * step[v], ".1f"),
+                ", ".join(f"{1e3 * r['step_s']:.1f}" for r in by[v]),
+                fmt(step[v] / step["off"], ".3f") if "off" in step else "n/a",
+                fmt(bd.get(v, {}).get("train_step", {}).get("median_ms"), ".1f"),
+                fmt(bd.get(v, {}).get("train_step (cpu)", {}).get("median_ms"), ".1f"),
+                *[fmt(cpu[v][role], ".1f") for role in roles],
+                fmt(sum(cpu[v].values()), ".1f"),
+            ]
+            for v in by
+        ],
+        [
+            "variant",
+            "step ms",
+            "runs (ms)",
+            "vs off",
+            "train_step ms",
+            "its cpu ms",
+            *[f"cpu {r}" for r in roles],
+            "cpu total",
+        ],
+    )
     if "snap" in by:
         stall = median([r["stall_ms"] for r in by["snap"]])
         full = bd.get("snap", {}).get("trainer_snapshot", {}).get("rank0_median_ms")
-        s.update(snapshot_stall_ms=stall, snapshot_stall_ms_runs=[r["stall_ms"] for r in by["snap"]],
-                 stall_over_step=stall / (1e3 * step["snap"]), snapshot_call_ms=full,
-                 call_over_step=full / (1e3 * step["snap"]) if full else None,
-                 snap_over_off=step["snap"] / step["off"] if "off" in step else None,
-                 snap_cost_ms=1e3 * (step["snap"] - step["off"]) if "off" in step else None,
-                 skipped=[r["skipped"] for r in by["snap"]], agents=[a for r in by["snap"] for a in r["agents"]])
-        print(f"\n  snapshot stall, rank 0's metrics (SnapshotManager.save): median {stall:.2f} ms (runs "
-              f"{', '.join(fmt(r['stall_ms']) for r in by['snap'])}) = {100 * s['stall_over_step']:.1f} % of the "
-              f"{1e3 * step['snap']:.1f} ms step; snapshots skipped {s['skipped']}")
+        s.update(
+            snapshot_stall_ms=stall,
+            snapshot_stall_ms_runs=[r["stall_ms"] for r in by["snap"]],
+            stall_over_step=stall / (1e3 * step["snap"]),
+            snapshot_call_ms=full,
+            call_over_step=full / (1e3 * step["snap"]) if full else None,
+            snap_over_off=step["snap"] / step["off"] if "off" in step else None,
+            snap_cost_ms=1e3 * (step["snap"] - step["off"]) if "off" in step else None,
+            skipped=[r["skipped"] for r in by["snap"]],
+            agents=[a for r in by["snap"] for a in r["agents"]],
+        )
+        print(
+            f"\n  snapshot stall, rank 0's metrics (SnapshotManager.save): median {stall:.2f} ms (runs "
+            f"{', '.join(fmt(r['stall_ms']) for r in by['snap'])}) = {100 * s['stall_over_step']:.1f} % of the "
+            f"{1e3 * step['snap']:.1f} ms step; snapshots skipped {s['skipped']}"
+        )
         if full is not None:
-            print("  the whole Trainer.snapshot call, rank 0: "
-                  f"{full:.2f} ms "
-                  f"= {100 * s['call_over_step']:.1f} % of the step")
+            print(
+                "  the whole Trainer.snapshot call, rank 0: "
+                f"{full:.2f} ms "
+                f"= {100 * s['call_over_step']:.1f} % of the step"
+            )
         if s["snap_over_off"] is not None:
             print(f"  step time snap/off: {s['snap_over_off']:.3f} ({s['snap_cost_ms']:+.1f} ms a step)")
         for a in s["agents"]:
             print(f"  agent stats: {a}")
         if "snap" in bd:
             print("\n  snapshot pieces, per call, ms (every rank's calls; the first interval dropped)")
-            names = ["trainer_snapshot", "trainer_snapshot (cpu)", "state_to_save", "save", "descriptors",
-                     "rpc_lease", "all_reduce", "copy_pieces", "rpc_commit"]
-            table([[n, fmt(bd["snap"][n]["median_ms"], ".3f"), fmt(bd["snap"][n]["p95_ms"], ".3f"),
-                    fmt(bd["snap"][n]["worst_rank_median_ms"], ".3f"), fmt(bd["snap"][n]["rank0_median_ms"], ".3f"),
-                    bd["snap"][n]["calls"]] for n in names if n in bd["snap"]],
-                  ["piece", "median", "p95", "worst rank's median", "rank 0's median", "calls"])
-    ckpt_names = ["trainer_save", "trainer_save (cpu)", "state_to_save", "ckpt_save", "ckpt_wait", "ckpt_copy_pieces",
-                  "ckpt_poll"]
+            names = [
+                "trainer_snapshot",
+                "trainer_snapshot (cpu)",
+                "state_to_save",
+                "save",
+                "descriptors",
+                "rpc_lease",
+                "all_reduce",
+                "copy_pieces",
+                "rpc_commit",
+            ]
+            table(
+                [
+                    [
+                        n,
+                        fmt(bd["snap"][n]["median_ms"], ".3f"),
+                        fmt(bd["snap"][n]["p95_ms"], ".3f"),
+                        fmt(bd["snap"][n]["worst_rank_median_ms"], ".3f"),
+                        fmt(bd["snap"][n]["rank0_median_ms"], ".3f"),
+                        bd["snap"][n]["calls"],
+                    ]
+                    for n in names
+                    if n in bd["snap"]
+                ],
+                ["piece", "median", "p95", "worst rank's median", "rank 0's median", "calls"],
+            )
+    ckpt_names = [
+        "trainer_save",
+        "trainer_save (cpu)",
+        "state_to_save",
+        "ckpt_save",
+        "ckpt_wait",
+        "ckpt_copy_pieces",
+        "ckpt_poll",
+    ]
     if any("trainer_save" in bd.get(v, {}) for v in ("sync", "async")):
-        print("\n  disk checkpoint pieces, per call, ms (median over every rank's calls / rank 0's median); ckpt_wait: "
-              "waiting for the previous save inside save; ckpt_poll: the per-step status all-reduce, in train_step")
-        table([[n, *[f"{fmt(bd[v][n]['median_ms'], '.2f')} / {fmt(bd[v][n]['rank0_median_ms'], '.2f')}"
-                     if n in bd.get(v, {}) else "" for v in ("sync", "async")]] for n in ckpt_names],
-              ["piece", "sync", "async"])
+        print(
+            "\n  disk checkpoint pieces, per call, ms (median over every rank's calls / rank 0's median); ckpt_wait: "
+            "waiting for the previous save inside save; ckpt_poll: the per-step status all-reduce, in train_step"
+        )
+        table(
+            [
+                [
+                    n,
+                    *[
+                        f"{fmt(bd[v][n]['median_ms'], '.2f')} / {fmt(bd[v][n]['rank0_median_ms'], '.2f')}"
+                        if n in bd.get(v, {})
+                        else ""
+                        for v in ("sync", "async")
+                    ],
+                ]
+                for n in ckpt_names
+            ],
+            ["piece", "sync", "async"],
+        )
     for v in ("sync", "async"):
         if v in by and "off" in step:
             s[f"{v}_cost_ms"] = 1e3 * (step[v] - step["off"])
         if "trainer_save" in bd.get(v, {}):
             s[f"{v}_save_ms"] = bd[v]["trainer_save"]["rank0_median_ms"]
     if "snap" in by and any(v in by for v in ("sync", "async")):
-        rows = [["snapshot (every step)", fmt(s["snap_cost_ms"], ".1f"), fmt(s["snapshot_call_ms"], ".2f"), "1.0",
-                 "1.0"]]
+        rows = [
+            ["snapshot (every step)", fmt(s["snap_cost_ms"], ".1f"), fmt(s["snapshot_call_ms"], ".2f"), "1.0", "1.0"]
+        ]
         for v in ("sync", "async"):
             if v not in by:
                 continue
             direct, cost = s.get(f"{v}_save_ms"), s.get(f"{v}_cost_ms")
             s[f"{v}_over_snapshot"] = direct / s["snapshot_call_ms"] if direct and s["snapshot_call_ms"] else None
-            s[f"{v}_over_snapshot_steptime"] = (cost / s["snap_cost_ms"] if cost is not None and s["snap_cost_ms"]
-                                                and s["snap_cost_ms"] > 0 else None)  # n/a: lost in the noise
-            rows.append([f"{v} checkpoint (every step)", fmt(cost, ".1f"), fmt(direct, ".2f"),
-                         fmt(s[f"{v}_over_snapshot"], ".1f"), fmt(s[f"{v}_over_snapshot_steptime"], ".1f")])
-        print("\n  against disk checkpoints of the same state (ms a step; stall = the Trainer.snapshot / Trainer.save "
-              "call, rank 0's median)")
+            s[f"{v}_over_snapshot_steptime"] = (
+                cost / s["snap_cost_ms"] if cost is not None and s["snap_cost_ms"] and s["snap_cost_ms"] > 0 else None
+            )  # n/a: lost in the noise
+            rows.append(
+                [
+                    f"{v} checkpoint (every step)",
+                    fmt(cost, ".1f"),
+                    fmt(direct, ".2f"),
+                    fmt(s[f"{v}_over_snapshot"], ".1f"),
+                    fmt(s[f"{v}_over_snapshot_steptime"], ".1f"),
+                ]
+            )
+        print(
+            "\n  against disk checkpoints of the same state (ms a step; stall = the Trainer.snapshot / Trainer.save "
+            "call, rank 0's median)"
+        )
         table(rows, ["save", "step time - off", "stall", "stall / snapshot's", "(step - off) / snapshot's"])
 
 
 def report_mttr(m: dict) -> None:
     print(f"\n[mttr] SIGKILL of RANK=1 after step {m['step_at_kill']}; seconds from the kill:")
-    table([["first torchrun message", fmt(m["first_message_s"])],
-           ["first restarted worker process", fmt(m["first_restart_process_s"])],
-           [f"last restarted worker process ({m['restarted_workers']} restarted)", fmt(m["last_restart_process_s"])],
-           ["imports and config done, runtime.start called (last rank)", fmt(m["imports_done_s"])],
-           ["init_process_group done (last rank)", fmt(m["process_group_s"])],
-           ["Trainer built (last rank)", fmt(m["trainer_built_s"])],
-           ["restored ('resumed' record)", fmt(m["resumed_s"])],
-           [f"first step logged (step {m['first_step']})", fmt(m["first_step_s"])],
-           ["trainer restore_s (inside)", fmt(m["restore_s"], ".3f")]], ["event", "s"])
+    table(
+        [
+            ["first torchrun message", fmt(m["first_message_s"])],
+            ["first restarted worker process", fmt(m["first_restart_process_s"])],
+            [f"last restarted worker process ({m['restarted_workers']} restarted)", fmt(m["last_restart_process_s"])],
+            ["imports and config done, runtime.start called (last rank)", fmt(m["imports_done_s"])],
+            ["init_process_group done (last rank)", fmt(m["process_group_s"])],
+            ["Trainer built (last rank)", fmt(m["trainer_built_s"])],
+            ["restored ('resumed' record)", fmt(m["resumed_s"])],
+            [f"first step logged (step {m['first_step']})", fmt(m["first_step_s"])],
+            ["trainer restore_s (inside)", fmt(m["restore_s"], ".3f")],
+        ],
+        ["event", "s"],
+    )
     print(f"  resumed at step {m['resumed_step']}: {m['resumed']}; exit codes {m['exit_codes']}")
 
 
@@ -862,29 +1072,37 @@ def verdicts(result: dict) -> None:
     s = result.get("steps", {})
     if "stall_over_step" in s:
         worst = max(x for x in (s["stall_over_step"], s.get("call_over_step")) if x is not None)
-        print(f"  snapshot stall / step = {100 * s['stall_over_step']:.1f} % (metrics' stall_ms), "
-              f"{fmt(100 * s['call_over_step'] if s.get('call_over_step') else None, '.1f')} % (whole Trainer.snapshot)"
-              f" (goal < {100 * STALL_GOAL:.0f} %): {'met' if worst < STALL_GOAL else 'NOT met'}; whole step time "
-              f"snap/off = {fmt(s.get('snap_over_off'), '.3f')} "
-              f"({'within' if (s.get('snap_over_off') or 9) < 1 + STALL_GOAL else 'NOT within'} 5 %)")
+        print(
+            f"  snapshot stall / step = {100 * s['stall_over_step']:.1f} % (metrics' stall_ms), "
+            f"{fmt(100 * s['call_over_step'] if s.get('call_over_step') else None, '.1f')} % (whole Trainer.snapshot)"
+            f" (goal < {100 * STALL_GOAL:.0f} %): {'met' if worst < STALL_GOAL else 'NOT met'}; whole step time "
+            f"snap/off = {fmt(s.get('snap_over_off'), '.3f')} "
+            f"({'within' if (s.get('snap_over_off') or 9) < 1 + STALL_GOAL else 'NOT within'} 5 %)"
+        )
     for v in ("sync", "async"):
         if s.get(f"{v}_over_snapshot") is not None:
-            print(f"  {v} checkpoint stall / snapshot stall = {s[f'{v}_over_snapshot']:.1f}x (timed calls; "
-                  "by step time "
-                  f"minus off: {fmt(s.get(f'{v}_over_snapshot_steptime'), '.1f')}x); the paper's > "
-                  f"{PAPER_SAVE_RATIO:.0f}x is faster saving than async checkpointing measured as time to durable")
+            print(
+                f"  {v} checkpoint stall / snapshot stall = {s[f'{v}_over_snapshot']:.1f}x (timed calls; "
+                "by step time "
+                f"minus off: {fmt(s.get(f'{v}_over_snapshot_steptime'), '.1f')}x); the paper's > "
+                f"{PAPER_SAVE_RATIO:.0f}x is faster saving than async checkpointing measured as time to durable"
+            )
     if "codec" in result:
         c = {r["what"]: r["best_gbps"] for r in result["codec"]}
-        print(f"  Code(1,1) encode {fmt(c.get('Code(1,1) encode'))} GB/s, Code(4,2) encode "
-              f"{fmt(c.get('Code(4,2) encode'))} / decode {fmt(c.get('Code(4,2) decode (lose 2)'))} GB/s, against "
-              f"numpy.copyto {fmt(c.get('numpy.copyto'))} GB/s (best of the runs)")
+        print(
+            f"  Code(1,1) encode {fmt(c.get('Code(1,1) encode'))} GB/s, Code(4,2) encode "
+            f"{fmt(c.get('Code(4,2) encode'))} / decode {fmt(c.get('Code(4,2) decode (lose 2)'))} GB/s, against "
+            f"numpy.copyto {fmt(c.get('numpy.copyto'))} GB/s (best of the runs)"
+        )
     if "mttr" in result:
         m = result["mttr"]
         ok = m["in_memory"] and all(c == 0 for c in m["exit_codes"].values())
-        print(f"  MTTR {fmt(m['first_step_s'])} s from the kill to the first step ({fmt(m['resumed_s'])} s to "
-              "restored; "
-              f"the restore itself {m['restore_s']:.2f} s): "
-              f"{'resumed from memory, every node exit 0' if ok else 'FAILED: ' + str(m)}")
+        print(
+            f"  MTTR {fmt(m['first_step_s'])} s from the kill to the first step ({fmt(m['resumed_s'])} s to "
+            "restored; "
+            f"the restore itself {m['restore_s']:.2f} s): "
+            f"{'resumed from memory, every node exit 0' if ok else 'FAILED: ' + str(m)}"
+        )
 
 
 if __name__ == "__main__":

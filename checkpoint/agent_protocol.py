@@ -1,6 +1,7 @@
 """The messages between a training worker and its node's snapshot agent: one JSON object per
 SOCK_SEQPACKET record over the agent's Unix socket, file descriptors attached (the memfd slots).
 Both sides import it: the workers' `checkpoint.snapshot` and the agent process, `launch.snapshot_agent`."""
+
 from __future__ import annotations
 
 import json

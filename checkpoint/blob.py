@@ -5,6 +5,7 @@ Two torch.save archives of same-shape, same-dtype tensors differ only in their d
 zip CRCs are off (`serialization_id` is constant), so the header and trailer are computed once per
 (shape, dtype) by a dry run that never touches the data (docs/design/checkpoint.md §1.3).
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,6 +38,7 @@ class _DryRun(io.RawIOBase):
 
 def _address(view: memoryview) -> int:
     import numpy as np
+
     return np.frombuffer(view.cast("B"), np.uint8).ctypes.data
 
 
@@ -57,7 +59,7 @@ def template(sizes: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, bytes]:
     if not nbytes:
         return b"".join(p for p in sink.parts if p is not None), b""
     i = sink.parts.index(None)
-    return b"".join(sink.parts[:i]), b"".join(sink.parts[i + 1:])  # type: ignore[arg-type]
+    return b"".join(sink.parts[:i]), b"".join(sink.parts[i + 1 :])  # type: ignore[arg-type]
 
 
 def object_bytes(obj) -> bytes:

@@ -12,6 +12,7 @@ Wire format, after the handshake, per frame:
 MAC = HMAC-SHA256(session key, sender role ("client" or "server") + header bytes): the role stops a
 frame from being reflected back to its sender. `seq` counts frames from 0 in each direction.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,7 +30,7 @@ import crc32c
 from strata.errors import StrataError
 
 SECRET_ENV = "STRATA_SNAPSHOT_SECRET"
-MAX_HEADER = 1 << 20           # a longer header is refused before anything is allocated for it
+MAX_HEADER = 1 << 20  # a longer header is refused before anything is allocated for it
 NONCE = MAC = 32
 _LEN = struct.Struct("!I")
 _INTERNAL = ("seq", "nbytes", "crc")
@@ -46,15 +47,19 @@ class ChannelError(ConnectionError):
 
 def secret_from_env(env: Mapping[str, str] = os.environ) -> bytes:
     """The per-job secret: `STRATA_SNAPSHOT_SECRET`, 64 hex characters, as 32 bytes."""
-    how = ("set it to the same 64 hex characters on every node of the job, e.g. "
-           "python -c 'import secrets; print(secrets.token_hex(32))'")
+    how = (
+        "set it to the same 64 hex characters on every node of the job, e.g. "
+        "python -c 'import secrets; print(secrets.token_hex(32))'"
+    )
     value = env.get(SECRET_ENV)
     if value is None:
         raise StrataError(f"{SECRET_ENV} is not set; snapshot agents authenticate each other with it: {how}")
     value = value.strip()
-    if not re.fullmatch(r"[0-9a-fA-F]{64}", value):   # never echo the value: it is a secret
-        raise StrataError(f"{SECRET_ENV} must be 64 hex characters (32 bytes), got {len(value)} characters"
-                          f"{'' if re.fullmatch(r'[0-9a-fA-F]*', value) else ' including non-hex ones'}: {how}")
+    if not re.fullmatch(r"[0-9a-fA-F]{64}", value):  # never echo the value: it is a secret
+        raise StrataError(
+            f"{SECRET_ENV} must be 64 hex characters (32 bytes), got {len(value)} characters"
+            f"{'' if re.fullmatch(r'[0-9a-fA-F]*', value) else ' including non-hex ones'}: {how}"
+        )
     return bytes.fromhex(value)
 
 
@@ -70,7 +75,7 @@ def _recv_into(sock: socket.socket, view: memoryview) -> int:
         r = sock.recv_into(view[got:])
         if not r:
             raise ChannelError(f"peer closed the connection mid-frame ({got} of {n} bytes received)")
-        crc = crc32c.crc32c(view[got:got + r], crc)
+        crc = crc32c.crc32c(view[got : got + r], crc)
         got += r
     return crc
 
@@ -95,7 +100,7 @@ def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
 
 def _byte_view(buf) -> memoryview:
     view = memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")   # cast: C-contiguous only
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")  # cast: C-contiguous only
 
 
 def _handshake(sock: socket.socket, secret: bytes, server: bool) -> bytes:
@@ -115,9 +120,11 @@ def _handshake(sock: socket.socket, secret: bytes, server: bool) -> bytes:
         sock.sendall(client_proof)
         try:
             proof = _recv_exact(sock, MAC)
-        except ConnectionError as e:   # EOF or reset: how a server refuses our proof
-            raise AuthError("server closed the connection instead of proving the snapshot secret "
-                            f"(different {SECRET_ENV} on the two nodes?)") from e
+        except ConnectionError as e:  # EOF or reset: how a server refuses our proof
+            raise AuthError(
+                "server closed the connection instead of proving the snapshot secret "
+                f"(different {SECRET_ENV} on the two nodes?)"
+            ) from e
         if not hmac.compare_digest(proof, server_proof):
             raise AuthError("server failed authentication: it does not know the snapshot secret")
     return _mac(secret, b"session" + server_nonce + client_nonce)
@@ -160,7 +167,7 @@ class Channel:
         _check_secret(secret)
         try:
             return cls._open(sock, secret, timeout, server=True)
-        except ConnectionError as e:   # EOF or reset (AuthError itself is no ConnectionError)
+        except ConnectionError as e:  # EOF or reset (AuthError itself is no ConnectionError)
             raise AuthError("peer closed the connection before proving the snapshot secret") from e
 
     @classmethod
@@ -180,12 +187,13 @@ class Channel:
         if any(k in header for k in _INTERNAL):
             raise ValueError(f"header keys {_INTERNAL} are reserved for the channel: {sorted(header)}")
         view = _byte_view(payload) if payload is not None else memoryview(b"")
-        head = json.dumps({**header, "seq": self._send_seq, "nbytes": view.nbytes, "crc": crc32c.crc32c(view)},
-                          separators=(",", ":")).encode()
+        head = json.dumps(
+            {**header, "seq": self._send_seq, "nbytes": view.nbytes, "crc": crc32c.crc32c(view)}, separators=(",", ":")
+        ).encode()
         if len(head) > MAX_HEADER:
             raise ValueError(f"frame header is {len(head)} bytes; the limit is {MAX_HEADER}")
         prefix = _LEN.pack(len(head)) + head + _mac(self._key, self._send_role + head)
-        try:   # nothing was sent before this point, so the errors above leave the channel usable
+        try:  # nothing was sent before this point, so the errors above leave the channel usable
             _sendmsg_all(self._sock, [memoryview(prefix), view])
         except BaseException:
             self.close()
@@ -206,7 +214,7 @@ class Channel:
             _recv_into(self._sock, memoryview(first)[n:])
             return self._recv_rest(_LEN.unpack(first)[0], into)
         except BaseException as e:
-            if n or not isinstance(e, TimeoutError):   # a timeout before any byte consumed nothing
+            if n or not isinstance(e, TimeoutError):  # a timeout before any byte consumed nothing
                 self.close()
             raise
 
@@ -219,16 +227,20 @@ class Channel:
             raise AuthError(f"frame from {self.peer} has a bad MAC (tampered or corrupted)")
         header = self._parse(head)
         if header["seq"] != self._recv_seq:
-            raise AuthError(f"frame from {self.peer} has sequence number {header['seq']}, "
-                            f"expected {self._recv_seq} (replayed or reordered)")
+            raise AuthError(
+                f"frame from {self.peer} has sequence number {header['seq']}, "
+                f"expected {self._recv_seq} (replayed or reordered)"
+            )
         self._recv_seq += 1
         nbytes, payload = header["nbytes"], None
         if nbytes:
             payload = bytearray(nbytes) if into is None else into(header)
             view = _byte_view(payload)
             if view.readonly or view.nbytes != nbytes:
-                raise ValueError(f"`into` gave a {'read-only ' if view.readonly else ''}buffer of "
-                                 f"{view.nbytes} bytes for a {nbytes}-byte payload")
+                raise ValueError(
+                    f"`into` gave a {'read-only ' if view.readonly else ''}buffer of "
+                    f"{view.nbytes} bytes for a {nbytes}-byte payload"
+                )
             if _recv_into(self._sock, view) != header["crc"]:
                 raise ChannelError(f"payload from {self.peer} fails its CRC-32C ({nbytes} bytes, corrupted)")
         return {k: v for k, v in header.items() if k not in _INTERNAL}, payload
@@ -239,13 +251,11 @@ class Channel:
             header = json.loads(head)
         except ValueError as e:
             raise ChannelError(f"frame header is not JSON: {e}") from e
-        if not isinstance(header, dict) or not all(
-                type(header.get(k)) is int and header[k] >= 0 for k in _INTERNAL):
+        if not isinstance(header, dict) or not all(type(header.get(k)) is int and header[k] >= 0 for k in _INTERNAL):
             raise ChannelError("frame header lacks a non-negative integer seq, nbytes or crc")
         return header
 
-    def request(self, header: dict, payload=None, into: Callable[[dict], object] | None = None
-                ) -> tuple[dict, object]:
+    def request(self, header: dict, payload=None, into: Callable[[dict], object] | None = None) -> tuple[dict, object]:
         """Send a frame, then receive the reply (see `recv`)."""
         self.send(header, payload)
         return self.recv(into)

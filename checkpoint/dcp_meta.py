@@ -4,6 +4,7 @@ and a restricted unpickler to check a `.metadata` without running arbitrary pick
 
 Strata itself loads from `index.json`: DCP reads `.metadata` with a bare `pickle.load`.
 """
+
 from __future__ import annotations
 
 import io
@@ -26,13 +27,13 @@ from torch.distributed.checkpoint.metadata import (
 
 from strata.checkpoint.plan import torch_dtype
 
-DCP_VERSION = "1.0.0"   # torch 2.13's CURRENT_DCP_VERSION
+DCP_VERSION = "1.0.0"  # torch 2.13's CURRENT_DCP_VERSION
 
 
 def _path(key: str) -> tuple[str, ...]:
     """DCP's planner_data: the nested path a flattened key came from."""
     if key.startswith("optim.state."):
-        fqn, kind = key[len("optim.state."):].rsplit(".", 1)
+        fqn, kind = key[len("optim.state.") :].rsplit(".", 1)
         return ("optim", "state", fqn, kind)
     if key == "optim.param_groups":
         return ("optim", "param_groups")
@@ -48,10 +49,11 @@ def build(index: dict, checkpoint_id: str) -> Metadata:
     tensors = dict(index["tensors"])
     tensors.update({alias: index["tensors"][key] for alias, key in index.get("aliases", {}).items()})
     for key, entry in tensors.items():
-        sdm[key] = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(entry["dtype"])),
-                                         torch.Size(entry["shape"]),
-                                         [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"]))
-                                          for c in entry["chunks"]])
+        sdm[key] = TensorStorageMetadata(
+            TensorProperties(dtype=torch_dtype(entry["dtype"])),
+            torch.Size(entry["shape"]),
+            [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in entry["chunks"]],
+        )
         for c in entry["chunks"]:
             storage[MetadataIndex(key, torch.Size(c["offsets"]))] = _StorageInfo(c["file"], c["offset"], c["length"])
         planner[key] = _path(key)
@@ -59,9 +61,13 @@ def build(index: dict, checkpoint_id: str) -> Metadata:
         sdm[key] = BytesStorageMetadata()
         storage[MetadataIndex(key)] = _StorageInfo(where["file"], where["offset"], where["length"])
         planner[key] = _path(key)
-    return Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage,
-                    storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=uuid.uuid4().hex),
-                    version=DCP_VERSION)
+    return Metadata(
+        state_dict_metadata=sdm,
+        planner_data=planner,
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=uuid.uuid4().hex),
+        version=DCP_VERSION,
+    )
 
 
 def to_bytes(metadata: Metadata) -> bytes:
@@ -70,11 +76,26 @@ def to_bytes(metadata: Metadata) -> bytes:
 
 class _SafeUnpickler(pickle.Unpickler):
     """Only the classes a DCP `.metadata` holds (ours and DCP-written ones)."""
-    ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict")}
+
+    ALLOWED = {
+        ("torch.distributed.checkpoint.metadata", n)
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    } | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("collections", "OrderedDict"),
+    }
 
     def find_class(self, module: str, name: str):
         if (module, name) in self.ALLOWED:

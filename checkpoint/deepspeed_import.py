@@ -10,6 +10,7 @@ partition each parameter group's concatenation (rank r holds [r·P, (r+1)·P), a
 after each parameter) — as DeepSpeed's own zero_to_fp32.py does for the weights; the optimizer
 moments follow the same ranges. Layout read from DeepSpeed 0.19.8 (docs/design/checkpoint.md §5).
 """
+
 from __future__ import annotations
 
 import math
@@ -24,15 +25,15 @@ from strata.checkpoint.manager import write_whole
 from strata.errors import CheckpointError
 
 
-class _ZeroStageEnum(int):   # deepspeed.runtime.zero.config.ZeroStageEnum (an int enum)
+class _ZeroStageEnum(int):  # deepspeed.runtime.zero.config.ZeroStageEnum (an int enum)
     pass
 
 
-class _LossScaler:           # deepspeed.runtime.fp16.loss_scaler.LossScaler (state only)
+class _LossScaler:  # deepspeed.runtime.fp16.loss_scaler.LossScaler (state only)
     pass
 
 
-class _FragmentAddress:      # deepspeed.utils.tensor_fragment.fragment_address (numel, start)
+class _FragmentAddress:  # deepspeed.utils.tensor_fragment.fragment_address (numel, start)
     pass
 
 
@@ -59,8 +60,10 @@ def _tag_dir(path: Path) -> Path:
     if (path / "latest").is_file():
         path = path / (path / "latest").read_text().strip()
     if not list(path.glob("*_optim_states.pt")) or not list(path.glob("*model_states.pt")):
-        raise CheckpointError(f"{path}: not a DeepSpeed ZeRO checkpoint (no *_optim_states.pt / *model_states.pt); "
-                              "pass the directory given to engine.save_checkpoint or one of its tags")
+        raise CheckpointError(
+            f"{path}: not a DeepSpeed ZeRO checkpoint (no *_optim_states.pt / *model_states.pt); "
+            "pass the directory given to engine.save_checkpoint or one of its tags"
+        )
     return path
 
 
@@ -90,8 +93,8 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict]:
                 gi, n = group_of[name], math.prod(shape)
                 part = math.ceil(n / world)
                 a, b, off = min(r * part, n), min((r + 1) * part, n), offsets[gi]
-                pieces = {"param": flat[gi][off:off + b - a]}
-                pieces.update({k: v[off:off + b - a] for k, v in inner[gi].items() if torch.is_tensor(v) and v.ndim})
+                pieces = {"param": flat[gi][off : off + b - a]}
+                pieces.update({k: v[off : off + b - a] for k, v in inner[gi].items() if torch.is_tensor(v) and v.ndim})
                 put(name, a, b, pieces, {k: v for k, v in inner[gi].items() if not (torch.is_tensor(v) and v.ndim)})
                 offsets[gi] += part
         else:
@@ -105,20 +108,32 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict]:
                     a, b = max(lo, start), min(lo + size, start + n)
                     if a < b:
                         s = a - lo
-                        pieces = {"param": flat[gi][s:s + b - a]}
-                        pieces.update({k: v[s:s + b - a] for k, v in inner[gi].items()
-                                       if torch.is_tensor(v) and v.ndim})
-                        put(name, a - start, b - start, pieces,
-                            {k: v for k, v in inner[gi].items() if not (torch.is_tensor(v) and v.ndim)})
+                        pieces = {"param": flat[gi][s : s + b - a]}
+                        pieces.update(
+                            {k: v[s : s + b - a] for k, v in inner[gi].items() if torch.is_tensor(v) and v.ndim}
+                        )
+                        put(
+                            name,
+                            a - start,
+                            b - start,
+                            pieces,
+                            {k: v for k, v in inner[gi].items() if not (torch.is_tensor(v) and v.ndim)},
+                        )
                     start += n + (padding[gi][pi] if padding else 0)
     unfilled = [name for name, t in weights.items() if torch.isnan(t).any()]
     if unfilled:
-        raise CheckpointError(f"{tag}: the ranks' partitions do not cover {unfilled[:5]}; a rank's "
-                              "*_optim_states.pt is missing or from another run")
+        raise CheckpointError(
+            f"{tag}: the ranks' partitions do not cover {unfilled[:5]}; a rank's "
+            "*_optim_states.pt is missing or from another run"
+        )
     inner0 = ranks[0]["optimizer_state_dict"] if stage == 3 else ranks[0]["base_optimizer_state"]
-    meta = {"stage": stage, "dp": world, "global_steps": int(model_states["global_steps"]),
-            "global_samples": int(model_states["global_samples"]),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner0["param_groups"]]}
+    meta = {
+        "stage": stage,
+        "dp": world,
+        "global_steps": int(model_states["global_steps"]),
+        "global_samples": int(model_states["global_samples"]),
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner0["param_groups"]],
+    }
     return weights, states, meta
 
 
@@ -131,11 +146,20 @@ def import_checkpoint(path: Path, out_root: Path, config_yaml: str, aliases: dic
     tensors = {f"model.{name}": w for name, w in weights.items()}
     for name, entry in states.items():
         for kind, value in entry.items():
-            tensors[f"optim.state.{name}.{kind}"] = torch.as_tensor(value, dtype=torch.float32) \
-                if not torch.is_tensor(value) or value.ndim == 0 else value
-    trainer_state = {"step": meta["global_steps"], "data": {"consumed_samples": meta["global_samples"]},
-                     "imported_from": f"deepspeed ZeRO-{meta['stage']} dp{meta['dp']}"}
-    return write_whole(out_root, meta["global_steps"], tensors,
-                       {"trainer": trainer_state, "optim.param_groups": meta["param_groups"]},
-                       {f"model.{a}": f"model.{n}" for a, n in (aliases or {}).items()}, config_yaml,
-                       {"imported_from": trainer_state["imported_from"]})
+            tensors[f"optim.state.{name}.{kind}"] = (
+                torch.as_tensor(value, dtype=torch.float32) if not torch.is_tensor(value) or value.ndim == 0 else value
+            )
+    trainer_state = {
+        "step": meta["global_steps"],
+        "data": {"consumed_samples": meta["global_samples"]},
+        "imported_from": f"deepspeed ZeRO-{meta['stage']} dp{meta['dp']}",
+    }
+    return write_whole(
+        out_root,
+        meta["global_steps"],
+        tensors,
+        {"trainer": trainer_state, "optim.param_groups": meta["param_groups"]},
+        {f"model.{a}": f"model.{n}" for a, n in (aliases or {}).items()},
+        config_yaml,
+        {"imported_from": trainer_state["imported_from"]},
+    )

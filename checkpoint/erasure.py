@@ -1,5 +1,6 @@
 """Reed–Solomon erasure coding of snapshot images: k data fragments plus m parity fragments with
 ISA-L's Cauchy code, called through ctypes, so that any k of the k+m fragments rebuild the image."""
+
 from __future__ import annotations
 
 # Why ctypes straight to ISA-L rather than pyeclib's Python API (docs/design/snapshot.md §1): that API
@@ -47,12 +48,12 @@ def _lib() -> ctypes.CDLL:
     path = library_path()
     try:
         lib = ctypes.CDLL(path)
-        for name in ("gf_gen_cauchy1_matrix", "ec_init_tables", "ec_encode_data", "gf_invert_matrix",
-                     "gf_mul"):
+        for name in ("gf_gen_cauchy1_matrix", "ec_init_tables", "ec_encode_data", "gf_invert_matrix", "gf_mul"):
             getattr(lib, name)
     except (OSError, AttributeError) as e:
-        raise StrataError(f"erasure coding: cannot use ISA-L at {path}: {e}; "
-                          "pip install pyeclib==1.8.0 (its wheel bundles it)") from e
+        raise StrataError(
+            f"erasure coding: cannot use ISA-L at {path}: {e}; pip install pyeclib==1.8.0 (its wheel bundles it)"
+        ) from e
     u8, u8p, ptrs = ctypes.c_ubyte, ctypes.POINTER(ctypes.c_ubyte), ctypes.POINTER(ctypes.c_void_p)
     c_int = ctypes.c_int
     lib.gf_gen_cauchy1_matrix.argtypes, lib.gf_gen_cauchy1_matrix.restype = [u8p, c_int, c_int], None
@@ -68,17 +69,28 @@ def _lib() -> ctypes.CDLL:
 # ctypes' from_buffer wants a writable buffer; PyObject_GetBuffer takes any, gives its address and
 # pins it (an mmap cannot be closed, a bytearray not resized) until PyBuffer_Release.
 
+
 class _PyBuffer(ctypes.Structure):
-    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
-                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
-                ("format", ctypes.c_void_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
-                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_void_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
 
 
 _PyBUF_SIMPLE, _PyBUF_WRITABLE = 0, 1  # both ask for a C-contiguous buffer
 # Own prototypes, so that the argtypes of the shared ctypes.pythonapi functions stay untouched.
 _get_buffer = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int)(
-    ("PyObject_GetBuffer", ctypes.pythonapi))
+    ("PyObject_GetBuffer", ctypes.pythonapi)
+)
 _release_buffer = ctypes.PYFUNCTYPE(None, ctypes.POINTER(_PyBuffer))(("PyBuffer_Release", ctypes.pythonapi))
 
 
@@ -165,6 +177,7 @@ def _run(tables, k: int, rows: int, srcs: Sequence[int], dsts: Sequence[int], n:
 
 # --- the code -------------------------------------------------------------------------------------
 
+
 @functools.cache
 def _matrix(k: int, m: int) -> bytes:
     """ISA-L's (k+m) x k Cauchy matrix, row-major: identity on top, a[i][j] = 1/(i ^ j) below."""
@@ -183,7 +196,7 @@ def _tables(k: int, rows: bytes):
 
 @functools.cache
 def _encode_tables(k: int, m: int):
-    return _tables(k, _matrix(k, m)[k * k:])
+    return _tables(k, _matrix(k, m)[k * k :])
 
 
 @functools.lru_cache(maxsize=256)
@@ -192,15 +205,16 @@ def _decode_tables(k: int, m: int, survivors: tuple[int, ...], wanted: tuple[int
     B the survivors' rows of the matrix A, data = B^-1 · survivors, so fragment w = A[w] · B^-1 ·
     survivors (for data w, A[w] · B^-1 is just row w of B^-1)."""
     lib, a = _lib(), _matrix(k, m)
-    b = (ctypes.c_ubyte * (k * k)).from_buffer_copy(b"".join(a[s * k:(s + 1) * k] for s in survivors))
+    b = (ctypes.c_ubyte * (k * k)).from_buffer_copy(b"".join(a[s * k : (s + 1) * k] for s in survivors))
     inv = (ctypes.c_ubyte * (k * k))()
     if lib.gf_invert_matrix(b, inv, k) != 0:  # cannot happen for a Cauchy matrix; a broken library?
-        raise StrataError(f"erasure coding: ISA-L at {library_path()} found the k={k}, m={m} Cauchy "
-                          f"rows {list(survivors)} singular")
+        raise StrataError(
+            f"erasure coding: ISA-L at {library_path()} found the k={k}, m={m} Cauchy rows {list(survivors)} singular"
+        )
     rows = bytearray()
     for w in wanted:
         if w < k:
-            rows += bytes(inv[w * k:(w + 1) * k])
+            rows += bytes(inv[w * k : (w + 1) * k])
         else:
             for j in range(k):
                 acc = 0
@@ -219,8 +233,7 @@ class Code:
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"snapshot.m must be an integer >= 0, got {m!r}")
         if k + m > MAX_FRAGMENTS:
-            raise ValueError(f"snapshot.k + snapshot.m must be <= {MAX_FRAGMENTS} (GF(2^8)), got "
-                             f"{k} + {m} = {k + m}")
+            raise ValueError(f"snapshot.k + snapshot.m must be <= {MAX_FRAGMENTS} (GF(2^8)), got {k} + {m} = {k + m}")
         self.k, self.m = k, m
         self._encode = _encode_tables(k, m) if m else None
 
@@ -239,13 +252,17 @@ class Code:
         """Fill the m `parity` buffers (writable) from the k `data` buffers (may be read-only), all of
         one length F >= ALIGN. Reads and writes in place: no copies."""
         if len(data) != self.k or len(parity) != self.m:
-            raise ValueError(f"{self!r}.encode takes {self.k} data and {self.m} parity buffers, got "
-                             f"{len(data)} and {len(parity)}")
+            raise ValueError(
+                f"{self!r}.encode takes {self.k} data and {self.m} parity buffers, got {len(data)} and {len(parity)}"
+            )
         with _Pinned() as pin:
-            srcs, n = self._pin(pin, [(f"data[{i}]", d, False) for i, d in enumerate(data)] +
-                                [(f"parity[{i}]", p, True) for i, p in enumerate(parity)])
+            srcs, n = self._pin(
+                pin,
+                [(f"data[{i}]", d, False) for i, d in enumerate(data)]
+                + [(f"parity[{i}]", p, True) for i, p in enumerate(parity)],
+            )
             if self.m:
-                _run(self._encode, self.k, self.m, srcs[:self.k], srcs[self.k:], n)
+                _run(self._encode, self.k, self.m, srcs[: self.k], srcs[self.k :], n)
 
     def decode(self, have: Mapping[int, Buffer], want: Mapping[int, Buffer]) -> None:
         """Rebuild fragments: `have` maps fragment index (0..k+m-1; data first, then parity) to a
@@ -255,19 +272,18 @@ class Code:
         for what, d in (("have", have), ("want", want)):
             bad = [i for i in d if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_frag]
             if bad:
-                raise ValueError(f"{self!r}.decode: {what} has fragment indices {bad}; valid are "
-                                 f"0..{n_frag - 1}")
+                raise ValueError(f"{self!r}.decode: {what} has fragment indices {bad}; valid are 0..{n_frag - 1}")
         if len(have) < k:
-            raise ValueError(f"{self!r}.decode: only {len(have)} of the k={k} fragments needed "
-                             f"(have {sorted(have)})")
+            raise ValueError(f"{self!r}.decode: only {len(have)} of the k={k} fragments needed (have {sorted(have)})")
         survivors = tuple(sorted(have)[:k])  # data first: their rows of the matrix are unit rows
         wanted = tuple(sorted(want))
         with _Pinned() as pin:
-            addrs, n = self._pin(pin, [(f"have[{i}]", have[i], False) for i in survivors] +
-                                 [(f"want[{i}]", want[i], True) for i in wanted])
+            addrs, n = self._pin(
+                pin,
+                [(f"have[{i}]", have[i], False) for i in survivors] + [(f"want[{i}]", want[i], True) for i in wanted],
+            )
             if wanted:
-                _run(_decode_tables(k, self.m, survivors, wanted), k, len(wanted), addrs[:k],
-                     addrs[k:], n)
+                _run(_decode_tables(k, self.m, survivors, wanted), k, len(wanted), addrs[:k], addrs[k:], n)
 
     def _pin(self, pin: _Pinned, buffers: list[tuple[str, Buffer, bool]]) -> tuple[list[int], int]:
         """Addresses of all buffers and their common length, checked."""
@@ -279,8 +295,9 @@ class Code:
         n = lengths[0][1] if lengths else 0
         odd = [f"{what}={length}" for what, length in lengths if length != n]
         if odd:
-            raise ValueError(f"{self!r}: all fragments must have one length, got {lengths[0][0]}={n} "
-                             f"but {', '.join(odd)}")
+            raise ValueError(
+                f"{self!r}: all fragments must have one length, got {lengths[0][0]}={n} but {', '.join(odd)}"
+            )
         if n < ALIGN:
             raise ValueError(f"{self!r}: fragments must be at least {ALIGN} bytes, got {n}")
         return addrs, n
@@ -294,12 +311,14 @@ def self_test() -> None:
         image = os.urandom(3 * ALIGN + 1)
         f = code.fragment_len(len(image))
         padded = image + bytes(k * f - len(image))
-        frags = [padded[i * f:(i + 1) * f] for i in range(k)] + [bytearray(f) for _ in range(m)]
+        frags = [padded[i * f : (i + 1) * f] for i in range(k)] + [bytearray(f) for _ in range(m)]
         code.encode(frags[:k], frags[k:])
         lost = list(range(m))
         have = {i: frags[i] for i in range(k + m) if i not in lost}
         want = {i: bytearray(f) for i in lost + [k + m - 1]}  # the lost data and one parity again
         code.decode(have, want)
         if any(bytes(want[i]) != bytes(frags[i]) for i in want):
-            raise StrataError(f"erasure coding self-test failed: k={k}, m={m} did not rebuild the "
-                              f"dropped fragments with ISA-L at {library_path()}")
+            raise StrataError(
+                f"erasure coding self-test failed: k={k}, m={m} did not rebuild the "
+                f"dropped fragments with ISA-L at {library_path()}"
+            )

@@ -1,6 +1,7 @@
 """Consolidated weights for use outside Strata: `strata ckpt export DIR OUT --format safetensors`
 writes the whole model's weights (global names and shapes, as a plain `strata.model.GPT`'s
 state_dict) into one safetensors file, atomically, with the checkpoint's config beside it."""
+
 from __future__ import annotations
 
 import shutil

@@ -1,6 +1,7 @@
 """What a checkpoint holds, for `strata ckpt inspect` and `strata ckpt verify`: its step, the
 parallel layout it was saved from, its files with their integrity, and every tensor with its
 global shape, size and number of saved boxes."""
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,10 @@ def _size(n: float) -> str:
 def _layout(layout: dict) -> str:
     if "imported_from" in layout:
         return f"imported from {layout['imported_from']}"
-    text = (f"world {layout.get('world')}: tp {layout.get('tp')}, pp {layout.get('pp')}, virtual stages "
-            f"{layout.get('virtual_stages')}, dp {layout.get('dp')}")
+    text = (
+        f"world {layout.get('world')}: tp {layout.get('tp')}, pp {layout.get('pp')}, virtual stages "
+        f"{layout.get('virtual_stages')}, dp {layout.get('dp')}"
+    )
     if layout.get("zero"):
         z = layout["zero"]
         text += f"; zero params {z['params']}, grads {z['grads']}, optim {z['optim']}"
@@ -60,11 +63,16 @@ def describe(path: Path) -> str:
     ok, integrity = verify_report(path)
     ckpt = Checkpoint(path)
     index = ckpt.index
-    lines = [f"checkpoint {ckpt.path}", f"step {ckpt.step}, saved from layout: {_layout(index.get('layout', {}))}",
-             f"integrity: {integrity}", "files:"]
+    lines = [
+        f"checkpoint {ckpt.path}",
+        f"step {ckpt.step}, saved from layout: {_layout(index.get('layout', {}))}",
+        f"integrity: {integrity}",
+        "files:",
+    ]
     for name, entry in ckpt.files.items():
-        check = (f"{len(entry['block_crc32c'])} block crc32cs" if "block_crc32c" in entry
-                 else f"crc32c {entry['crc32c']}")
+        check = (
+            f"{len(entry['block_crc32c'])} block crc32cs" if "block_crc32c" in entry else f"crc32c {entry['crc32c']}"
+        )
         lines.append(f"  {name:22s} {_size(entry['bytes']):>10s}  {check}")
     if not ok:
         return "\n".join(lines)
@@ -73,15 +81,23 @@ def describe(path: Path) -> str:
 
     def nbytes(entry: dict) -> int:
         return math.prod(entry["shape"]) * torch_dtype(entry["dtype"]).itemsize
-    lines.append(f"model: {len(model)} tensors, {sum(math.prod(e['shape']) for e in model.values()):,} elements "
-                 f"({_size(sum(nbytes(e) for e in model.values()))}), global shapes:")
-    lines += [f"  {key[6:]:40s} {str(tuple(e['shape'])):18s} {e['dtype']:9s} {_size(nbytes(e)):>10s}  "
-              f"{len(e['chunks'])} box(es)" for key, e in model.items()]
+
+    lines.append(
+        f"model: {len(model)} tensors, {sum(math.prod(e['shape']) for e in model.values()):,} elements "
+        f"({_size(sum(nbytes(e) for e in model.values()))}), global shapes:"
+    )
+    lines += [
+        f"  {key[6:]:40s} {str(tuple(e['shape'])):18s} {e['dtype']:9s} {_size(nbytes(e)):>10s}  "
+        f"{len(e['chunks'])} box(es)"
+        for key, e in model.items()
+    ]
     lines += [f"  {alias[6:]:40s} same tensor as {key[6:]}" for alias, key in aliases.items()]
-    optim = [k[len("optim.state."):] for k in tensors if k.startswith("optim.state.")]
+    optim = [k[len("optim.state.") :] for k in tensors if k.startswith("optim.state.")]
     kinds = sorted({k.rsplit(".", 1)[1] for k in optim})
-    lines.append(f"optimizer: state for {len({k.rsplit('.', 1)[0] for k in optim})} parameter names "
-                 f"({', '.join(kinds)}), {_size(sum(nbytes(tensors['optim.state.' + k]) for k in optim))}")
+    lines.append(
+        f"optimizer: state for {len({k.rsplit('.', 1)[0] for k in optim})} parameter names "
+        f"({', '.join(kinds)}), {_size(sum(nbytes(tensors['optim.state.' + k]) for k in optim))}"
+    )
     try:
         trainer = ckpt.object("trainer")
         groups = ckpt.object("optim.param_groups")

@@ -3,6 +3,7 @@ data files, so a loader verifies just the blocks it reads — recorded in the co
 check of a directory against it that names every missing, truncated or altered file before
 anything is loaded. CRC-32C through the `crc32c` package (the CPU's CRC instruction, ~15 GB/s per
 core here, 4× zlib's CRC-32; it releases the GIL), so checksums cost little beside the I/O."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,7 +21,7 @@ def checksum(data) -> str:
 def block_checksums(data, block: int = BLOCK) -> list[str]:
     """CRC-32C of each `block`-byte block of a bytes-like object."""
     view = memoryview(data).cast("B")
-    return [checksum(view[i:i + block]) for i in range(0, len(view), block)]
+    return [checksum(view[i : i + block]) for i in range(0, len(view), block)]
 
 
 def entry(data, blocks: bool = False) -> dict:

@@ -4,6 +4,7 @@ its own with `checkpoint.async` — persists it while training goes on. While a 
 every step ends with one small all-reduce of the writers' status, so every rank learns together
 that the save is written (then rank 0 commits it) or that a writer failed (then every rank raises).
 """
+
 from __future__ import annotations
 
 import shutil
@@ -39,6 +40,7 @@ WRITING, WRITTEN, DONE = 0, 1, 2
 @dataclass
 class _Save:
     """A save in flight."""
+
     step: int
     commit_args: tuple = ()
     state: int = WRITING
@@ -50,8 +52,16 @@ class CheckpointManager:
     """Checkpoints under `root` for one rank of a `world` (collective calls over `group`, None in a
     world of one: every rank makes them); `config_yaml` is the run's config, saved with each."""
 
-    def __init__(self, root: Path, rank: int, world: int, keep_last: int = 0, async_save: bool = False, group=None,
-                 config_yaml: str = ""):
+    def __init__(
+        self,
+        root: Path,
+        rank: int,
+        world: int,
+        keep_last: int = 0,
+        async_save: bool = False,
+        group=None,
+        config_yaml: str = "",
+    ):
         self.root, self.rank, self.world, self.config_yaml = Path(root), rank, world, config_yaml
         self.keep_last, self.async_save, self.group = keep_last, async_save, group
         self._staging: Staging | None = None
@@ -65,8 +75,9 @@ class CheckpointManager:
         every = comm.all_gather_objects(problems, self.group)
         found = [f"rank {r}: {p}" if self.world > 1 else p for r, ps in enumerate(every) for p in ps]
         if found:
-            raise CheckpointError(f"{what}:\n  " + "\n  ".join(found[:20])
-                                  + (f"\n  … {len(found) - 20} more" if len(found) > 20 else ""))
+            raise CheckpointError(
+                f"{what}:\n  " + "\n  ".join(found[:20]) + (f"\n  … {len(found) - 20} more" if len(found) > 20 else "")
+            )
 
     # --- saving ----------------------------------------------------------------------------
     def save(self, step: int, state: SavableState) -> None:
@@ -123,8 +134,10 @@ class CheckpointManager:
         self.agree(problems, self._failed(step))
 
     def _failed(self, step: int) -> str:
-        return (f"checkpoint step {step} was not saved under {self.root}; the checkpoints committed before it are "
-                "intact (`strata ckpt verify` checks one)")
+        return (
+            f"checkpoint step {step} was not saved under {self.root}; the checkpoints committed before it are "
+            "intact (`strata ckpt verify` checks one)"
+        )
 
     # --- the writer process ----------------------------------------------------------------
     @property
@@ -142,8 +155,10 @@ class CheckpointManager:
         assert staging is not None  # save() stages before it starts a writer
         ours, theirs = socket.socketpair()
         fds = (_image(staging).fd, theirs.fileno())
-        self._proc = subprocess.Popen([sys.executable, "-m", "strata.checkpoint.writer", str(fds[0]),
-                                       str(max(staging.nbytes, 1)), str(fds[1])], pass_fds=fds)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "strata.checkpoint.writer", str(fds[0]), str(max(staging.nbytes, 1)), str(fds[1])],
+            pass_fds=fds,
+        )
         theirs.close()  # else a dead writer's end stays open here and recv() never sees EOF
         conn = self._conn = Connection(ours.detach())
         return conn
@@ -230,11 +245,19 @@ def _image(staging: Staging) -> SharedImage:
     return staging.image
 
 
-def write_whole(root: Path, step: int, tensors: dict[str, torch.Tensor], objects: dict, aliases: dict[str, str],
-                config_yaml: str, layout: dict) -> Path:
+def write_whole(
+    root: Path,
+    step: int,
+    tensors: dict[str, torch.Tensor],
+    objects: dict,
+    aliases: dict[str, str],
+    config_yaml: str,
+    layout: dict,
+) -> Path:
     """A checkpoint of whole tensors (by DCP key), written from one process (imports, offline
     tools); the same format a training job writes."""
     pieces = [whole_piece(key, t.detach().contiguous()) for key, t in tensors.items()]
     CheckpointManager(root, 0, 1, config_yaml=config_yaml).save(
-        step, FixedState(StateContents(pieces, objects, aliases, layout)))
+        step, FixedState(StateContents(pieces, objects, aliases, layout))
+    )
     return store.step_dir(root, step)

@@ -7,6 +7,7 @@ Keys follow torch.distributed.checkpoint's flattened state dict: `model.{fqn}`,
 `optim.state.{fqn}.{exp_avg|exp_avg_sq|step|…}`; a tied weight is keyed by its first name in the
 plain model (its other names are aliases), `rng.cpu.rank{r}` is each rank's RNG state.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ class Piece:
     key: str
     global_shape: tuple[int, ...]
     box: Box
-    tensor: torch.Tensor   # contiguous, shape box.sizes
+    tensor: torch.Tensor  # contiguous, shape box.sizes
 
     @property
     def dtype(self) -> torch.dtype:
@@ -49,20 +50,21 @@ def whole_piece(key: str, tensor: torch.Tensor) -> Piece:
     return Piece(key, tuple(tensor.shape), Box((0,) * tensor.ndim, tuple(tensor.shape)), tensor)
 
 
-def _range_pieces(key: str, placement: Placement, local_shape: tuple[int, ...], start: int, flat: torch.Tensor
-                  ) -> list[Piece]:
+def _range_pieces(
+    key: str, placement: Placement, local_shape: tuple[int, ...], start: int, flat: torch.Tensor
+) -> list[Piece]:
     """Pieces of the flat range [start, start + flat.numel()) of a tp-local tensor (`flat` holds it)."""
     outer = placement.box(local_shape)
     out, pos = [], 0
     for box in range_to_boxes(local_shape, start, start + flat.numel()):
-        out.append(Piece(key, placement.global_shape, box.shifted(outer.offsets),
-                         flat[pos:pos + box.numel].view(box.sizes)))
+        out.append(
+            Piece(key, placement.global_shape, box.shifted(outer.offsets), flat[pos : pos + box.numel].view(box.sizes))
+        )
         pos += box.numel
     return out
 
 
-def state_pieces(fqn: str, entry: dict, placement: Placement, local_shape: tuple[int, ...], start: int
-                  ) -> list[Piece]:
+def state_pieces(fqn: str, entry: dict, placement: Placement, local_shape: tuple[int, ...], start: int) -> list[Piece]:
     """Pieces of one parameter's optimizer state (its tensors cover the same flat range as the
     parameter piece; 0-d values such as `step` are whole)."""
     out = []
@@ -86,17 +88,26 @@ def model_pieces(engine: ZeroEngine, canonical: dict[str, str]) -> list[Piece]:
         for slot in g.slots:
             a, b = max(lo, slot.range[0]), min(hi, slot.range[1])
             if a < b:
-                out += _range_pieces(f"model.{canonical[slot.aliases[0]]}", placement_of(slot.param),
-                                     slot.segment.shape, a - slot.range[0], g.shard[a - lo:b - lo])
+                out += _range_pieces(
+                    f"model.{canonical[slot.aliases[0]]}",
+                    placement_of(slot.param),
+                    slot.segment.shape,
+                    a - slot.range[0],
+                    g.shard[a - lo : b - lo],
+                )
     return out
 
 
-def optimizer_entries(engine: ZeroEngine, canonical: dict[str, str]
-                      ) -> list[tuple[nn.Parameter, str, Placement, tuple[int, ...], int]]:
+def optimizer_entries(
+    engine: ZeroEngine, canonical: dict[str, str]
+) -> list[tuple[nn.Parameter, str, Placement, tuple[int, ...], int]]:
     """(optimizer parameter, canonical name, placement, tp-local shape, start of its flat range)
     for every parameter segment this rank's optimizer steps."""
-    return [(piece, canonical[slot.aliases[0]], placement_of(slot.param), slot.segment.shape, a)
-            for g in engine.groups for slot, piece, a, _ in g.segments]
+    return [
+        (piece, canonical[slot.aliases[0]], placement_of(slot.param), slot.segment.shape, a)
+        for g in engine.groups
+        for slot, piece, a, _ in g.segments
+    ]
 
 
 def optimizer_pieces(optimizer: torch.optim.Optimizer, entries) -> list[Piece]:
@@ -117,6 +128,7 @@ class StateContents:
     """What one rank contributes to a checkpoint or snapshot: its pieces (RNG state included), the
     objects only rank 0 stores (trainer state, optimizer hyper-parameters), the tied weights' other
     names (alias → saved key) and the layout that saved it."""
+
     pieces: list[Piece]
     objects: dict
     aliases: dict[str, str]
@@ -132,6 +144,7 @@ class SavableState(Protocol):
 @dataclass
 class FixedState:
     """Contents that do not change between saves (offline tools, tests)."""
+
     fixed: StateContents
 
     def contents(self, step: int) -> StateContents:

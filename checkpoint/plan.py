@@ -7,6 +7,7 @@ index of the whole checkpoint (`index.json`, and DCP's `.metadata` built from it
 Pure functions of the gathered piece descriptors, so every rank computes the same plan without
 further communication.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,13 +20,14 @@ from strata.checkpoint.blob import template
 from strata.errors import CheckpointError
 from strata.parallel.flat import Box, range_to_boxes
 
-BLOB_ALIGN = 64      # torch.save aligns data to 64 bytes from the blob start: keep that in the file
-FILE_ALIGN = 4096    # O_DIRECT writes whole pages
+BLOB_ALIGN = 64  # torch.save aligns data to 64 bytes from the blob start: keep that in the file
+FILE_ALIGN = 4096  # O_DIRECT writes whole pages
 
 
 @dataclass(frozen=True)
 class Descriptor:
     """A piece without its tensor: what ranks exchange to plan a save."""
+
     key: str
     global_shape: tuple[int, ...]
     dtype: str
@@ -36,15 +38,16 @@ class Descriptor:
 class Item:
     """One blob in a rank's file: `box` of `key`, copied from elements [start, start + box numel)
     of the rank's piece number `piece`."""
+
     key: str
     global_shape: tuple[int, ...]
     dtype: str
     box: Box
     piece: int
     start: int
-    offset: int = 0        # of the blob in the file
-    length: int = 0        # of the blob
-    data_offset: int = 0   # of the raw data in the file
+    offset: int = 0  # of the blob in the file
+    length: int = 0  # of the blob
+    data_offset: int = 0  # of the raw data in the file
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -85,7 +88,7 @@ def assign(descs: list[list[Descriptor]]) -> list[list[Item]]:
         n, m = math.prod(d.box.sizes), len(group)
         for j, (rank, i) in enumerate(group):
             lo, hi = j * n // m, (j + 1) * n // m
-            for sub in (range_to_boxes(d.box.sizes, lo, hi) if hi > lo else []):
+            for sub in range_to_boxes(d.box.sizes, lo, hi) if hi > lo else []:
                 out[rank].append(Item(d.key, d.global_shape, d.dtype, sub.shifted(d.box.offsets), i, lo))
                 lo += sub.numel
     return out
@@ -109,8 +112,10 @@ def _check_tiling(holders: dict[Descriptor, list]) -> None:
         elif _any_overlap([d.box for d in ds]):
             problems.append(f"{key}: two ranks hold overlapping, different boxes")
     if problems:
-        raise CheckpointError("cannot save: the training state does not tile the global tensors (a bug in the "
-                              "layout code; please report it):\n  " + "\n  ".join(problems[:10]))
+        raise CheckpointError(
+            "cannot save: the training state does not tile the global tensors (a bug in the "
+            "layout code; please report it):\n  " + "\n  ".join(problems[:10])
+        )
 
 
 def place(items: list[Item]) -> tuple[list[Item], int]:
@@ -129,12 +134,23 @@ def place(items: list[Item]) -> tuple[list[Item], int]:
 def tensor_index(placed: list[list[Item]], descs: list[list[Descriptor]]) -> dict[str, dict]:
     """{key: {"shape", "dtype", "chunks": [{offsets, sizes, file, offset, length, data_offset}]}};
     a tensor with no elements has no chunks."""
-    out: dict[str, dict] = {d.key: {"shape": list(d.global_shape), "dtype": d.dtype, "chunks": []}
-                            for rank_descs in descs for d in rank_descs if not math.prod(d.global_shape)}
+    out: dict[str, dict] = {
+        d.key: {"shape": list(d.global_shape), "dtype": d.dtype, "chunks": []}
+        for rank_descs in descs
+        for d in rank_descs
+        if not math.prod(d.global_shape)
+    }
     for rank, items in enumerate(placed):
         for it in items:
             entry = out.setdefault(it.key, {"shape": list(it.global_shape), "dtype": it.dtype, "chunks": []})
-            entry["chunks"].append({"offsets": list(it.box.offsets), "sizes": list(it.box.sizes),
-                                    "file": store.data_file(rank), "offset": it.offset, "length": it.length,
-                                    "data_offset": it.data_offset})
+            entry["chunks"].append(
+                {
+                    "offsets": list(it.box.offsets),
+                    "sizes": list(it.box.sizes),
+                    "file": store.data_file(rank),
+                    "offset": it.offset,
+                    "length": it.length,
+                    "data_offset": it.data_offset,
+                }
+            )
     return out

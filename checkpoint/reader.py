@@ -7,6 +7,7 @@ intersection touches and copies it again, and which needs DTensor/ShardedTensor 
 (DTensor cannot express ZeRO's flat-range shards); measured 1.6–24× faster
 (docs/design/checkpoint.md §2.3).
 """
+
 from __future__ import annotations
 
 import io
@@ -40,6 +41,7 @@ _PLAIN_NAME = re.compile(r"^[\w.\-]+$")
 @dataclass
 class _Read:
     """One intersection to read: `sizes` at `offsets` (global) of a target, from a saved chunk."""
+
     target: Piece
     key: str
     dtype: torch.dtype
@@ -66,19 +68,24 @@ class Checkpoint:
         self.marker = store.marker(self.path)
         self.files: dict[str, dict] = self.marker.get("files", {})
         if not isinstance(self.files, dict) or "index.json" not in self.files:
-            raise CheckpointError(f"{self.path} is not in this version's checkpoint format (no index.json in its "
-                                  "commit marker); it was written by an older Strata")
+            raise CheckpointError(
+                f"{self.path} is not in this version's checkpoint format (no index.json in its "
+                "commit marker); it was written by an older Strata"
+            )
         strange = [name for name in self.files if not _PLAIN_NAME.match(name)]
         if strange:
-            raise CheckpointError(f"{self.path / store.MARKER} names files outside the checkpoint directory "
-                                  f"({', '.join(strange[:3])}); the checkpoint is damaged or not Strata's")
+            raise CheckpointError(
+                f"{self.path / store.MARKER} names files outside the checkpoint directory "
+                f"({', '.join(strange[:3])}); the checkpoint is damaged or not Strata's"
+            )
         self.problems = integrity.problems(self.path, self.files, checksums=False)
         self.index: dict = {"tensors": {}, "aliases": {}, "objects": {}}
         if not any("index.json" in p for p in self.problems):
             data = (self.path / "index.json").read_bytes()
             if integrity.checksum(data) != self.files["index.json"]["crc32c"]:
-                self.problems.append(f"{self.path / 'index.json'}: checksum does not match the commit marker "
-                                     "(corrupted)")
+                self.problems.append(
+                    f"{self.path / 'index.json'}: checksum does not match the commit marker (corrupted)"
+                )
             else:
                 self.index = json.loads(data)
         self._fds: dict[str, int] = {}
@@ -110,7 +117,7 @@ class Checkpoint:
         """{name without prefix: global shape} of the tensors under `prefix`, aliases included."""
         tensors = self.index["tensors"]
         keys = {**{k: k for k in tensors}, **self.index.get("aliases", {})}
-        return {k[len(prefix):]: tuple(tensors[src]["shape"]) for k, src in keys.items() if k.startswith(prefix)}
+        return {k[len(prefix) :]: tuple(tensors[src]["shape"]) for k, src in keys.items() if k.startswith(prefix)}
 
     def has(self, key: str) -> bool:
         return self.index.get("aliases", {}).get(key, key) in self.index["tensors"]
@@ -137,7 +144,7 @@ class Checkpoint:
         problems = self.read(list(out.values()))
         if problems:
             raise CheckpointError(f"checkpoint {self.path} is damaged:\n  " + "\n  ".join(problems))
-        return {k[len(prefix):]: p.tensor for k, p in out.items()}
+        return {k[len(prefix) :]: p.tensor for k, p in out.items()}
 
     def read(self, targets: list[Piece], verify: bool = True) -> list[str]:
         """Fill each target's tensor with its box of the saved tensor; returns the problems (missing
@@ -152,8 +159,9 @@ class Checkpoint:
                 problems.append(f"{self.path}: no tensor {t.key}")
                 continue
             if tuple(entry["shape"]) != tuple(t.global_shape):
-                problems.append(f"{self.path}: {t.key} has shape {tuple(entry['shape'])}, the model's is "
-                                f"{tuple(t.global_shape)}")
+                problems.append(
+                    f"{self.path}: {t.key} has shape {tuple(entry['shape'])}, the model's is {tuple(t.global_shape)}"
+                )
                 continue
             covered = 0
             for chunk in entry["chunks"]:
@@ -162,8 +170,9 @@ class Checkpoint:
                     reads.append(_Read(t, key, torch_dtype(entry["dtype"]), chunk, found.offsets, found.sizes))
                     covered += found.numel
             if covered != math.prod(t.box.sizes):
-                problems.append(f"{self.path}: {t.key} box at {t.box.offsets} of size {t.box.sizes} is only partly "
-                                "saved")
+                problems.append(
+                    f"{self.path}: {t.key} box at {t.box.offsets} of size {t.box.sizes} is only partly saved"
+                )
         for r in sorted(reads, key=lambda r: (r.chunk["file"], r.lo)):
             try:
                 self._copy(r, verify)
@@ -173,8 +182,9 @@ class Checkpoint:
         return problems
 
     def _copy(self, r: _Read, verify: bool) -> None:
-        dst = r.target.tensor[tuple(slice(o - b, o - b + n) for o, b, n in
-                                    zip(r.offsets, r.target.box.offsets, r.sizes))]
+        dst = r.target.tensor[
+            tuple(slice(o - b, o - b + n) for o, b, n in zip(r.offsets, r.target.box.offsets, r.sizes))
+        ]
         if r.contiguous and dst.is_contiguous() and dst.dtype == r.dtype:
             into = dst.reshape(-1).view(torch.uint8)
             self._bytes(r.chunk["file"], r.lo, r.hi, False, r.key, into=into)  # straight into place
@@ -193,23 +203,26 @@ class Checkpoint:
         block = want.get("block") or max(want["bytes"], 1)
         first, end = -(-r.lo // block), r.hi // block  # blocks wholly inside
         if first < end:
-            self._verify(name, want, data[first * block - r.lo:end * block - r.lo], first * block, block, r.key)
+            self._verify(name, want, data[first * block - r.lo : end * block - r.lo], first * block, block, r.key)
         for i in {r.lo // block, (r.hi - 1) // block} - set(range(first, end)) - self._verified.get(name, set()):
             lo, hi = i * block, min((i + 1) * block, want["bytes"])
             self._bytes(name, lo, hi, True, r.key)
 
-    def _bytes(self, name: str, lo: int, hi: int, verify: bool, key: str, into: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def _bytes(
+        self, name: str, lo: int, hi: int, verify: bool, key: str, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Bytes [lo, hi) of a file (as uint8), or read into `into`. With `verify`, whole checksum
         blocks are read and each is checked once; the last read stays as a window later reads of
         the same bytes are served from."""
         want = self.files.get(name)
         if want is None or hi > want["bytes"] or lo < 0:
-            raise CheckpointError(f"{self.path}: the index points {key} at bytes {lo}–{hi} of {name}, which the "
-                                  "commit marker does not have (a damaged index)")
+            raise CheckpointError(
+                f"{self.path}: the index points {key} at bytes {lo}–{hi} of {name}, which the "
+                "commit marker does not have (a damaged index)"
+            )
         window = self._window.get(name)
         if into is None and window is not None and window[0] <= lo and hi <= window[1]:
-            return window[2][lo - window[0]:hi - window[0]]
+            return window[2][lo - window[0] : hi - window[0]]
         fd = self._fds.get(name)
         if fd is None:
             fd = self._fds[name] = os.open(self.path / name, os.O_RDONLY)
@@ -221,7 +234,7 @@ class Checkpoint:
         if verify:
             self._verify(name, want, buf, blo, block, key)
         self._window[name] = (blo, bhi, buf)
-        return buf[lo - blo:hi - blo]
+        return buf[lo - blo : hi - blo]
 
     def _verify(self, name: str, want: dict, buf: torch.Tensor, start: int, block: int, key: str) -> None:
         """Check the blocks of `buf` (file bytes from `start`, a block boundary) not checked before."""
@@ -230,10 +243,12 @@ class Checkpoint:
         data = buf.numpy().data
         for i in range(start // block, start // block + -(-len(data) // block)):
             if i not in done:
-                piece = data[i * block - start:(i + 1) * block - start]
+                piece = data[i * block - start : (i + 1) * block - start]
                 if integrity.checksum(piece) != crcs[i]:
-                    raise CheckpointError(f"{self.path / name}: checksum mismatch in block {i} (bytes {i * block}–"
-                                          f"{i * block + len(piece)}), which holds {key} (corrupted)")
+                    raise CheckpointError(
+                        f"{self.path / name}: checksum mismatch in block {i} (bytes {i * block}–"
+                        f"{i * block + len(piece)}), which holds {key} (corrupted)"
+                    )
                 done.add(i)
 
     def close(self) -> None:

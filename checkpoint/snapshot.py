@@ -4,6 +4,7 @@ restart, find the newest step every rank can restore from the agents and open it
 
 Every call is collective over the world, so all ranks snapshot the same steps and restore the same one.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,6 +38,7 @@ from strata.parallel import comm
 @dataclass
 class _Mapped:
     """A slot of the agent mapped into this process."""
+
     map: mmap.mmap
     tensor: torch.Tensor
     plan: int = -1  # the staging plan whose templates the slot holds
@@ -46,6 +48,7 @@ class _Mapped:
 class Recovery:
     """What `SnapshotManager.recover` found: the checkpoint to resume from (None: nothing every rank
     can restore) and a sentence saying what happened."""
+
     checkpoint: Checkpoint | None
     message: str
     restarted: bool
@@ -58,9 +61,11 @@ class SnapshotManager:
         self.cfg, self.rank, self.world, self.group = cfg, rank, world, group
         path = env.get(SOCKET_ENV)
         if not path:
-            raise StrataError(f"snapshot.every_steps={cfg.every_steps} needs the node's snapshot agent, which `strata "
-                              f"launch` starts; set {SOCKET_ENV} if you start torchrun yourself, or set "
-                              "snapshot.every_steps=0")
+            raise StrataError(
+                f"snapshot.every_steps={cfg.every_steps} needs the node's snapshot agent, which `strata "
+                f"launch` starts; set {SOCKET_ENV} if you start torchrun yourself, or set "
+                "snapshot.every_steps=0"
+            )
         try:
             self.sock = connect(path, cfg.agent_timeout_s)
             hello, _ = request(self.sock, {"op": "hello", "rank": rank})
@@ -72,8 +77,7 @@ class SnapshotManager:
         problem = snapshot_nodes_problem(cfg, len(self.nodes))
         if problem:
             raise StrataError(problem)
-        request(self.sock, {"op": "peers", "agents": sorted(set(every)), "nodes": self.nodes, "k": cfg.k,
-                            "m": cfg.m})
+        request(self.sock, {"op": "peers", "agents": sorted(set(every)), "nodes": self.nodes, "k": cfg.k, "m": cfg.m})
         self._staging: Staging | None = None
         self._plan = 0
         self._index_json: str | None = None
@@ -88,8 +92,9 @@ class SnapshotManager:
         start = time.perf_counter()
         contents = state.contents(step)
         pieces = contents.pieces
-        staging, lease, trailer = self._plan_and_lease(step, pieces, contents.objects, contents.aliases,
-                                                       contents.layout)
+        staging, lease, trailer = self._plan_and_lease(
+            step, pieces, contents.objects, contents.aliases, contents.layout
+        )
         if lease is None:
             self.skipped += 1
             return False
@@ -99,17 +104,24 @@ class SnapshotManager:
             write_templates(slot.tensor, staging.items)
             slot.plan = self._plan
         copy_pieces(slot.tensor, staging.items, pieces)
-        slot.map[staging.nbytes:nbytes] = trailer
-        meta = {"rank": self.rank, "step": step, "world": self.world, "nbytes": nbytes, "data": staging.nbytes,
-                "trailer": len(trailer)}
+        slot.map[staging.nbytes : nbytes] = trailer
+        meta = {
+            "rank": self.rank,
+            "step": step,
+            "world": self.world,
+            "nbytes": nbytes,
+            "data": staging.nbytes,
+            "trailer": len(trailer),
+        }
         reply, _ = request(self.sock, {"op": "commit", "slot": lease, "meta": meta})
         if not reply["ok"]:
             raise StrataError(f"the snapshot agent refused step {step}: {reply['error']}")
         self.stalls.append(time.perf_counter() - start)
         return True
 
-    def _plan_and_lease(self, step: int, pieces: list[Piece], objects: dict, aliases: dict, layout: dict
-                        ) -> tuple[Staging, int | None, bytes]:
+    def _plan_and_lease(
+        self, step: int, pieces: list[Piece], objects: dict, aliases: dict, layout: dict
+    ) -> tuple[Staging, int | None, bytes]:
         """The staging plan, a leased slot (None: every rank skips this snapshot, because some
         rank's agent is still placing the previous one) and the slot's trailer. Usually one
         all-reduce of [plan unchanged here, slot leased here] (MIN over ranks); a first snapshot,
@@ -148,8 +160,9 @@ class SnapshotManager:
             return b""
         blob, where = objects_blob(objects)
         if self._index_json is None:  # the tensors' chunks, by far the largest part, change with the plan only
-            fixed = {k: v for k, v in index_of(step, layout, staging, {}, aliases).items()
-                     if k not in ("step", "objects")}
+            fixed = {
+                k: v for k, v in index_of(step, layout, staging, {}, aliases).items() if k not in ("step", "objects")
+            }
             self._index_json = json.dumps(fixed)
         index = self._index_json[:-1] + f', "step": {step}, "objects": {json.dumps(where)}}}'
         return len(blob).to_bytes(8, "little") + blob + index.encode()
@@ -159,8 +172,7 @@ class SnapshotManager:
             reply, fds = request(self.sock, {"op": "lease", "rank": self.rank, "nbytes": nbytes})
         except OSError as e:
             if not self.skipped:
-                print(f"strata: rank {self.rank}: snapshot agent unreachable ({e}); snapshots are skipped",
-                      flush=True)
+                print(f"strata: rank {self.rank}: snapshot agent unreachable ({e}); snapshots are skipped", flush=True)
             return None
         if not reply["ok"]:
             return None
@@ -188,8 +200,10 @@ class SnapshotManager:
         if step is None:
             return Recovery(None, why, restarted or bool(sources))
         ranks = sorted(sources[step])
-        reply, fds = request(self.sock, {"op": "fetch", "step": step, "ranks": ranks,
-                                         "sources": {str(r): sources[step][r] for r in ranks}})
+        reply, fds = request(
+            self.sock,
+            {"op": "fetch", "step": step, "ranks": ranks, "sources": {str(r): sources[step][r] for r in ranks}},
+        )
         ok = comm.all_true(reply["ok"], self.group, dim="checkpoint")
         if not ok:
             for fd in fds:

@@ -3,6 +3,7 @@ where in the file), the blob templates written once per plan, and the per-save c
 into a shared-memory buffer. Both the disk checkpoints (`checkpoint.manager`) and the in-memory
 snapshots (`checkpoint.snapshot`) stage this way, so a snapshot holds exactly a checkpoint's bytes.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -26,8 +27,11 @@ class SharedImage:
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
-        self.fd = os.memfd_create("strata-ckpt-staging") if hasattr(os, "memfd_create") else \
-            os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)
+        self.fd = (
+            os.memfd_create("strata-ckpt-staging")
+            if hasattr(os, "memfd_create")
+            else os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)
+        )
         os.ftruncate(self.fd, max(nbytes, 1))
         self.map = mmap.mmap(self.fd, max(nbytes, 1))
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)[:nbytes]
@@ -49,6 +53,7 @@ class SharedImage:
 class Staging:
     """This rank's file layout for one save plan: every rank's descriptors, this rank's items, its
     file's size, and the index of the whole checkpoint."""
+
     descs: list
     items: list[Item]
     nbytes: int
@@ -84,17 +89,17 @@ def write_templates(image: torch.Tensor, items: list[Item]) -> None:
     arr = image.numpy()
     for it in items:
         head, tail = template(it.box.sizes, torch_dtype(it.dtype))
-        arr[it.offset:it.offset + len(head)] = np.frombuffer(head, np.uint8)
+        arr[it.offset : it.offset + len(head)] = np.frombuffer(head, np.uint8)
         end = it.offset + it.length
-        arr[end - len(tail):end] = np.frombuffer(tail, np.uint8)
+        arr[end - len(tail) : end] = np.frombuffer(tail, np.uint8)
 
 
 def copy_pieces(image: torch.Tensor, items: list[Item], pieces: list[Piece]) -> None:
     """Each item's elements of its piece into the image (the one per-save copy)."""
     for it in items:
         n = it.box.numel
-        dst = image[it.data_offset:it.data_offset + n * torch_dtype(it.dtype).itemsize]
-        dst.view(torch_dtype(it.dtype)).copy_(pieces[it.piece].tensor.reshape(-1)[it.start:it.start + n])
+        dst = image[it.data_offset : it.data_offset + n * torch_dtype(it.dtype).itemsize]
+        dst.view(torch_dtype(it.dtype)).copy_(pieces[it.piece].tensor.reshape(-1)[it.start : it.start + n])
 
 
 def objects_blob(objects: dict) -> tuple[bytes, dict]:
@@ -109,5 +114,10 @@ def objects_blob(objects: dict) -> tuple[bytes, dict]:
 
 def index_of(step: int, layout: dict, staging: Staging, objects_where: dict, aliases: dict[str, str]) -> dict:
     """The checkpoint's index (`index.json`): tensors with their chunks, objects, aliases."""
-    return {"step": step, "layout": layout, "tensors": staging.tensors, "objects": objects_where,
-            "aliases": {a: k for a, k in aliases.items() if k in staging.tensors}}
+    return {
+        "step": step,
+        "layout": layout,
+        "tensors": staging.tensors,
+        "objects": objects_where,
+        "aliases": {a: k for a, k in aliases.items() if k in staging.tensors},
+    }

@@ -7,6 +7,7 @@ index, the same content as JSON), `config.yaml`, and COMMITTED (JSON: step, time
 and CRC-32s), written last. The ranks write into ROOT/.step_00000100.partial, which is renamed into
 place once committed; a directory without COMMITTED is never loaded.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,7 +68,7 @@ def prune(root: Path, keep_last: int, newest: Path) -> None:
     never `newest` (the one just committed); directories without a marker are never touched."""
     if keep_last:
         others = [p for p in committed(root) if p != newest]
-        for old in others[:max(0, len(others) - (keep_last - 1))]:
+        for old in others[: max(0, len(others) - (keep_last - 1))]:
             _remove(old)
 
 
@@ -94,12 +95,16 @@ def resolve(path: Path) -> Path:
     if (path / MARKER).is_file():
         return path
     if _STEP_DIR.match(path.name) and path.is_dir():
-        raise CheckpointError(f"{path} has no {MARKER} marker: the save did not finish; resume from an earlier "
-                              "checkpoint or from its parent directory (which picks the latest committed one)")
+        raise CheckpointError(
+            f"{path} has no {MARKER} marker: the save did not finish; resume from an earlier "
+            "checkpoint or from its parent directory (which picks the latest committed one)"
+        )
     found = committed(path)
     if not found:
-        raise CheckpointError(f"--resume {path}: no committed checkpoint there; pass a run's checkpoint directory "
-                              "(e.g. runs/NAME/checkpoints) or one of its step_* directories")
+        raise CheckpointError(
+            f"--resume {path}: no committed checkpoint there; pass a run's checkpoint directory "
+            "(e.g. runs/NAME/checkpoints) or one of its step_* directories"
+        )
     return found[-1]
 
 
@@ -108,8 +113,9 @@ def marker(ckpt: Path) -> dict:
     try:
         return json.loads((Path(ckpt) / MARKER).read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{Path(ckpt) / MARKER}: unreadable commit marker ({e}); the checkpoint is damaged, "
-                              "resume from another one") from e
+        raise CheckpointError(
+            f"{Path(ckpt) / MARKER}: unreadable commit marker ({e}); the checkpoint is damaged, resume from another one"
+        ) from e
 
 
 def verify(path: Path) -> tuple[Path, list[str]]:
@@ -117,6 +123,8 @@ def verify(path: Path) -> tuple[Path, list[str]]:
     ckpt = resolve(path)
     files = marker(ckpt).get("files", {})
     if not isinstance(files, dict):
-        raise CheckpointError(f"{ckpt} was written by an older Strata (no checksums in its commit marker); this "
-                              "version cannot check or load it")
+        raise CheckpointError(
+            f"{ckpt} was written by an older Strata (no checksums in its commit marker); this "
+            "version cannot check or load it"
+        )
     return ckpt, integrity.problems(ckpt, files)

@@ -7,6 +7,7 @@ buffered write plus fsync was 2–4× slower, docs/design/checkpoint.md §3.3), 
 256 KiB-block CRC-32Cs recorded in a per-rank manifest; the commit (rank 0) merges the manifests into the
 COMMITTED marker, written last, after `index.json` and DCP's `.metadata`.
 """
+
 from __future__ import annotations
 
 import errno
@@ -23,7 +24,7 @@ from strata.atomic import write_file_atomic
 from strata.checkpoint import integrity, store
 
 CHUNK = 16 * integrity.BLOCK  # a whole number of checksum blocks, so chunks' block CRCs line up
-DELAY_ENV = "STRATA_CKPT_TEST_WRITE_DELAY_S"   # tests: a slow writer, to kill it mid-save
+DELAY_ENV = "STRATA_CKPT_TEST_WRITE_DELAY_S"  # tests: a slow writer, to kill it mid-save
 
 
 def rank_manifest(step_dir: Path, rank: int) -> Path:
@@ -60,14 +61,14 @@ def write_data(path: Path, image: memoryview, nbytes: int) -> dict:
             while pos < nbytes:
                 n = min(CHUNK, nbytes - pos)
                 try:
-                    _pwrite_all(fd, view[pos:pos + n], pos)
+                    _pwrite_all(fd, view[pos : pos + n], pos)
                 except OSError as e:
                     if not direct or e.errno != errno.EINVAL:
                         raise OSError(e.errno, f"writing {n} bytes at offset {pos} of {path}: {e.strerror}") from e
                     os.close(fd)  # O_DIRECT refused this buffer: go on buffered
                     fd, direct = os.open(path, os.O_WRONLY), False
                     continue
-                crcs.append(checksums.submit(integrity.block_checksums, view[pos:pos + n]))
+                crcs.append(checksums.submit(integrity.block_checksums, view[pos : pos + n]))
                 pos += n
                 if delay:
                     time.sleep(delay)
@@ -94,12 +95,16 @@ def commit(step_dir: Path, step: int, world: int, index: dict, config_yaml: str,
     config.yaml, then COMMITTED (with every file's checksums), then the rename into place, then
     retention of older committed checkpoints."""
     from strata.checkpoint import dcp_meta  # imports torch: only rank 0's writer pays for it
+
     step_dir = Path(step_dir)
     files: dict[str, dict] = {}
     for rank in range(world):
         files.update(json.loads(rank_manifest(step_dir, rank).read_text()))
-    small = {"index.json": json.dumps(index).encode(), "config.yaml": config_yaml.encode(),
-             ".metadata": dcp_meta.to_bytes(dcp_meta.build(index, str(step_dir)))}
+    small = {
+        "index.json": json.dumps(index).encode(),
+        "config.yaml": config_yaml.encode(),
+        ".metadata": dcp_meta.to_bytes(dcp_meta.build(index, str(step_dir))),
+    }
     for name, data in small.items():
         write_file_atomic(step_dir / name, data)
         files[name] = integrity.entry(data)

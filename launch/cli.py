@@ -5,6 +5,7 @@ pipeline schedule timeline).
 A command's options and key=value overrides come in any order. Exit codes: 0 done; 2 a user error
 (StrataError, or argparse's usage error), printed as one message without a traceback; anything
 else a failure (1 when `ckpt verify` finds damage; `launch` passes on torchrun's code)."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,11 +43,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     if args.slurm:
         cfg = config.load(args.config, args.overrides, world_size=args.nodes * args.gpus_per_node)
-        job = slurm.SlurmJob(name=cfg.run_name(), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                             partition=args.partition, account=args.account, time=args.time,
-                             max_restarts=args.max_restarts, snapshots=cfg.snapshot.every_steps > 0)
-        script = slurm.sbatch_script(job, str(Path(args.config).resolve()), args.overrides, args.resume,
-                                     workdir=str(Path.cwd()))
+        job = slurm.SlurmJob(
+            name=cfg.run_name(),
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            partition=args.partition,
+            account=args.account,
+            time=args.time,
+            max_restarts=args.max_restarts,
+            snapshots=cfg.snapshot.every_steps > 0,
+        )
+        script = slurm.sbatch_script(
+            job, str(Path(args.config).resolve()), args.overrides, args.resume, workdir=str(Path.cwd())
+        )
         path = Path(args.script or cfg.run_dir() / "job.sbatch")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(script)
@@ -56,10 +65,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
     problem = config.snapshot_nodes_problem(cfg.snapshot, args.nnodes)
     if problem:
         raise StrataError(problem)
-    plan = torchrun.LaunchPlan(nproc_per_node=args.nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
-                               rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
-                               external_store=args.rdzv_store == "external", join_timeout_s=args.join_timeout,
-                               snapshots=cfg.snapshot.every_steps > 0)
+    plan = torchrun.LaunchPlan(
+        nproc_per_node=args.nproc,
+        nnodes=args.nnodes,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        max_restarts=args.max_restarts,
+        external_store=args.rdzv_store == "external",
+        join_timeout_s=args.join_timeout,
+        snapshots=cfg.snapshot.every_steps > 0,
+    )
     return torchrun.run_local(plan, args.config, args.overrides, args.resume)
 
 
@@ -93,8 +108,10 @@ def cmd_data(args: argparse.Namespace) -> int:
             raise StrataError("strata data prepare: give input files/directories, or --stdlib for the built-in corpus")
         files, root = data.expand_inputs(args.inputs, args.glob)
     meta = data.prepare(files, Path(args.out), args.val_fraction, root=root)
-    print(f"wrote {args.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
-          f"from {meta['documents']} files ({meta['dtype']}, vocab {meta['vocab_size']})")
+    print(
+        f"wrote {args.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
+        f"from {meta['documents']} files ({meta['dtype']}, vocab {meta['vocab_size']})"
+    )
     return 0
 
 
@@ -102,8 +119,10 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     from strata.checkpoint import export, inspect
 
     if args.action in ("inspect", "verify") and (args.out or args.overrides):
-        raise StrataError(f"strata ckpt {args.action} DIR takes one directory; "
-                          f"unexpected: {' '.join(filter(None, [args.out, *args.overrides]))}")
+        raise StrataError(
+            f"strata ckpt {args.action} DIR takes one directory; "
+            f"unexpected: {' '.join(filter(None, [args.out, *args.overrides]))}"
+        )
     if args.out and "=" in args.out and not Path(args.out).exists():
         raise StrataError(f"strata ckpt {args.action}: OUT comes before the overrides; {args.out!r} looks like one")
     if args.action == "import-deepspeed":
@@ -111,8 +130,10 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         from strata.checkpoint import deepspeed_import
 
         if not args.out or not args.config:
-            raise StrataError("strata ckpt import-deepspeed DS_DIR OUT --config CFG: give OUT (a checkpoints "
-                              "directory) and the Strata config to continue with")
+            raise StrataError(
+                "strata ckpt import-deepspeed DS_DIR OUT --config CFG: give OUT (a checkpoints "
+                "directory) and the Strata config to continue with"
+            )
         cfg = config.load(args.config, args.overrides)
         aliases = {"output.weight": "tok_embeddings.weight"} if cfg.model.tie_embeddings else None
         path = deepspeed_import.import_checkpoint(Path(args.path), Path(args.out), config.dump(cfg), aliases)
@@ -122,8 +143,10 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         from strata.launch import reshard
 
         if not args.out or not args.to:
-            raise StrataError("strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..: give OUT (a checkpoints directory) "
-                              "and the target layout")
+            raise StrataError(
+                "strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..: give OUT (a checkpoints directory) "
+                "and the target layout"
+            )
         return reshard.reshard(Path(args.path), Path(args.out), args.to, args.overrides)
     if args.action == "export":
         if not args.out:
@@ -142,13 +165,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from strata.trainer.plots import plot_run, plot_schedule
 
     out = Path(args.out) if args.out else None
-    if args.record is None:      # strata plot RUN_DIR
+    if args.record is None:  # strata plot RUN_DIR
         print(f"wrote {plot_run(Path(args.run_dir), out)}")
-    elif args.run_dir == "schedule":      # strata plot schedule RECORD.json
+    elif args.run_dir == "schedule":  # strata plot schedule RECORD.json
         print(f"wrote {plot_schedule(Path(args.record), out)}")
     else:
-        raise StrataError(f"strata plot: unexpected second argument {args.record!r}; use `strata plot RUN_DIR` "
-                          "or `strata plot schedule RECORD.json`")
+        raise StrataError(
+            f"strata plot: unexpected second argument {args.record!r}; use `strata plot RUN_DIR` "
+            "or `strata plot schedule RECORD.json`"
+        )
     return 0
 
 
@@ -172,41 +197,58 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     """The `strata` parser and its commands' parsers, by name."""
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
-        prog="strata", formatter_class=fmt,
+        prog="strata",
+        formatter_class=fmt,
         description="Train transformer models from one YAML experiment.\n\n"
-                    "Options and key=value overrides mix freely: options anywhere after the command,\n"
-                    "overrides after its other positional arguments (such as the config file).\n"
-                    "`strata COMMAND --help` shows a command's options and examples.",
-        epilog=_epilog("strata train configs/tiny.yaml train.steps=100",
-                       "strata launch configs/tiny.yaml --nproc 2",
-                       "strata config show configs/llama2-7b-3d.yaml --world-size 32",
-                       "strata ckpt verify runs/tiny/checkpoints", extra=EXIT_CODES))
+        "Options and key=value overrides mix freely: options anywhere after the command,\n"
+        "overrides after its other positional arguments (such as the config file).\n"
+        "`strata COMMAND --help` shows a command's options and examples.",
+        epilog=_epilog(
+            "strata train configs/tiny.yaml train.steps=100",
+            "strata launch configs/tiny.yaml --nproc 2",
+            "strata config show configs/llama2-7b-3d.yaml --world-size 32",
+            "strata ckpt verify runs/tiny/checkpoints",
+            extra=EXIT_CODES,
+        ),
+    )
     p.add_argument("--version", action="version", version=f"strata {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    t = sub.add_parser("train", help="train in this process (or as one torchrun worker)", formatter_class=fmt,
-                       description="Train in this process (or as one torchrun worker).",
-                       epilog=_epilog("strata train configs/tiny.yaml",
-                                      "strata train configs/tiny.yaml train.steps=100 log.name=short",
-                                      "strata train configs/tiny.yaml --resume runs/tiny/checkpoints train.steps=1000",
-                                      extra=EXIT_CODES))
+    t = sub.add_parser(
+        "train",
+        help="train in this process (or as one torchrun worker)",
+        formatter_class=fmt,
+        description="Train in this process (or as one torchrun worker).",
+        epilog=_epilog(
+            "strata train configs/tiny.yaml",
+            "strata train configs/tiny.yaml train.steps=100 log.name=short",
+            "strata train configs/tiny.yaml --resume runs/tiny/checkpoints train.steps=1000",
+            extra=EXIT_CODES,
+        ),
+    )
     t.add_argument("config", help="YAML experiment, e.g. configs/tiny.yaml")
     t.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
     t.add_argument("--resume", help="checkpoint directory (a step_* dir, or a checkpoints dir: latest committed)")
-    t.add_argument("--save-to", metavar="OUT", help="do not train: load --resume into this layout and save it under "
-                                                   "OUT (what `strata ckpt reshard` runs)")
+    t.add_argument(
+        "--save-to",
+        metavar="OUT",
+        help="do not train: load --resume into this layout and save it under OUT (what `strata ckpt reshard` runs)",
+    )
     t.set_defaults(func=cmd_train)
 
-    la = sub.add_parser("launch", help="start N processes with torchrun, or write/submit a Slurm job",
-                        formatter_class=fmt, description="Start N processes with torchrun, or write (and submit) "
-                                                         "a Slurm job.",
-                        epilog=_epilog("strata launch configs/tiny.yaml --nproc 2",
-                                       "strata launch configs/tiny.yaml parallel.tp=2 parallel.pp=2 --nproc 4",
-                                       "strata launch configs/tiny.yaml --nproc 2 --max-restarts 3 "
-                                       "snapshot.every_steps=1 snapshot.m=0",
-                                       "strata launch configs/llama-1b.yaml --slurm --nodes 4 --gpus-per-node 8 "
-                                       "--partition gpu",
-                                       extra=EXIT_CODES))
+    la = sub.add_parser(
+        "launch",
+        help="start N processes with torchrun, or write/submit a Slurm job",
+        formatter_class=fmt,
+        description="Start N processes with torchrun, or write (and submit) a Slurm job.",
+        epilog=_epilog(
+            "strata launch configs/tiny.yaml --nproc 2",
+            "strata launch configs/tiny.yaml parallel.tp=2 parallel.pp=2 --nproc 4",
+            "strata launch configs/tiny.yaml --nproc 2 --max-restarts 3 snapshot.every_steps=1 snapshot.m=0",
+            "strata launch configs/llama-1b.yaml --slurm --nodes 4 --gpus-per-node 8 --partition gpu",
+            extra=EXIT_CODES,
+        ),
+    )
     la.add_argument("config", help="YAML experiment")
     la.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
     la.add_argument("--resume", help="checkpoint directory the workers resume from")
@@ -214,14 +256,26 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     la.add_argument("--nnodes", type=int, default=1, help="nodes taking part in the local rendezvous")
     la.add_argument("--rdzv-endpoint", default="", help="host:port of the c10d rendezvous (default: a free local port)")
     la.add_argument("--rdzv-id", default="strata", help="rendezvous id: the same on every node of one job")
-    la.add_argument("--rdzv-store", choices=["torchrun", "external"], default="torchrun",
-                    help="who hosts the rendezvous store: the first torchrun (losing that node ends the job), or "
-                         "`strata store` at --rdzv-endpoint (any node can be lost and replaced)")
-    la.add_argument("--max-restarts", type=int, default=0,
-                    help="times torchrun restarts the workers after a failure (they resume from the newest "
-                         "in-memory snapshot with snapshot.every_steps, else the newest checkpoint)")
-    la.add_argument("--join-timeout", type=int, default=600,
-                    help="seconds a rendezvous waits for every node (after a loss: for the replacement)")
+    la.add_argument(
+        "--rdzv-store",
+        choices=["torchrun", "external"],
+        default="torchrun",
+        help="who hosts the rendezvous store: the first torchrun (losing that node ends the job), or "
+        "`strata store` at --rdzv-endpoint (any node can be lost and replaced)",
+    )
+    la.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="times torchrun restarts the workers after a failure (they resume from the newest "
+        "in-memory snapshot with snapshot.every_steps, else the newest checkpoint)",
+    )
+    la.add_argument(
+        "--join-timeout",
+        type=int,
+        default=600,
+        help="seconds a rendezvous waits for every node (after a loss: for the replacement)",
+    )
     la.add_argument("--slurm", action="store_true", help="write an sbatch script (and submit it if sbatch exists)")
     la.add_argument("--nodes", type=int, default=1, help="Slurm nodes")
     la.add_argument("--gpus-per-node", type=int, default=8, help="Slurm GPUs (= processes) per node")
@@ -232,37 +286,53 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     la.add_argument("--no-submit", action="store_true", help="only write the script")
     la.set_defaults(func=cmd_launch)
 
-    st = sub.add_parser("store", help="host the c10d rendezvous store of a multi-node job outside every torchrun",
-                        formatter_class=fmt,
-                        description="Host the c10d rendezvous store of a multi-node job outside every torchrun, "
-                                    "so any node can be lost\nand replaced; start each node with "
-                                    "`strata launch ... --rdzv-store external --rdzv-endpoint HOST:PORT`.",
-                        epilog=_epilog("strata store --port 29400",
-                                       "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --rdzv-store external "
-                                       "--rdzv-endpoint store-host:29400   # on each node"))
+    st = sub.add_parser(
+        "store",
+        help="host the c10d rendezvous store of a multi-node job outside every torchrun",
+        formatter_class=fmt,
+        description="Host the c10d rendezvous store of a multi-node job outside every torchrun, "
+        "so any node can be lost\nand replaced; start each node with "
+        "`strata launch ... --rdzv-store external --rdzv-endpoint HOST:PORT`.",
+        epilog=_epilog(
+            "strata store --port 29400",
+            "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --rdzv-store external "
+            "--rdzv-endpoint store-host:29400   # on each node",
+        ),
+    )
     st.add_argument("--host", default="0.0.0.0", help="address to listen on")
     st.add_argument("--port", type=int, required=True, help="port to listen on")
     st.set_defaults(func=cmd_store)
 
-    c = sub.add_parser("config", help="show a resolved config or explain a key", formatter_class=fmt,
-                       usage="strata config show CFG [key=value ...] [--world-size N]\n"
-                             "       strata config explain KEY",
-                       description="Show a resolved, validated config, or explain a key or group.",
-                       epilog=_epilog("strata config show configs/tiny.yaml optim.lr=1e-4",
-                                      "strata config show configs/llama2-7b-3d.yaml --world-size 32",
-                                      "strata config explain optim.lr",
-                                      "strata config explain optim"))
+    c = sub.add_parser(
+        "config",
+        help="show a resolved config or explain a key",
+        formatter_class=fmt,
+        usage="strata config show CFG [key=value ...] [--world-size N]\n       strata config explain KEY",
+        description="Show a resolved, validated config, or explain a key or group.",
+        epilog=_epilog(
+            "strata config show configs/tiny.yaml optim.lr=1e-4",
+            "strata config show configs/llama2-7b-3d.yaml --world-size 32",
+            "strata config explain optim.lr",
+            "strata config explain optim",
+        ),
+    )
     c.add_argument("action", choices=["show", "explain"])
     c.add_argument("target", help="config file (show) or key such as optim.lr (explain)")
     c.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="show: " + OVERRIDES)
     c.add_argument("--world-size", type=int, help="also check the layout against this many processes")
     c.set_defaults(func=cmd_config)
 
-    d = sub.add_parser("data", help="prepare token files", formatter_class=fmt,
-                       description="Tokenize text (byte-level) into train.bin, val.bin and meta.json.",
-                       epilog=_epilog("strata data prepare ~/books --glob '*.txt' --out data/books",
-                                      "strata data prepare --stdlib --out data/stdlib",
-                                      "strata train configs/tiny.yaml data.path=data/books"))
+    d = sub.add_parser(
+        "data",
+        help="prepare token files",
+        formatter_class=fmt,
+        description="Tokenize text (byte-level) into train.bin, val.bin and meta.json.",
+        epilog=_epilog(
+            "strata data prepare ~/books --glob '*.txt' --out data/books",
+            "strata data prepare --stdlib --out data/stdlib",
+            "strata train configs/tiny.yaml data.path=data/books",
+        ),
+    )
     d.add_argument("action", choices=["prepare"])
     d.add_argument("inputs", nargs="*", help="text files or directories")
     d.add_argument("--out", required=True, help="output directory (train.bin, val.bin, meta.json)")
@@ -271,42 +341,66 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     d.add_argument("--stdlib", action="store_true", help="use the Python standard library sources as the corpus")
     d.set_defaults(func=cmd_data)
 
-    ck = sub.add_parser("ckpt", help="inspect, verify, reshard, export or import a checkpoint", formatter_class=fmt,
-                        usage="strata ckpt inspect DIR\n       strata ckpt verify DIR\n"
-                              "       strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..[,vs=..] [key=value ...]\n"
-                              "       strata ckpt export DIR OUT [--format safetensors]\n"
-                              "       strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG",
-                        description="Inspect, verify, reshard, export or import a checkpoint.",
-                        epilog=_epilog("strata ckpt inspect runs/tiny/checkpoints",
-                                       "strata ckpt verify runs/tiny/checkpoints/step_00000500   # exit 1 if damaged",
-                                       "strata ckpt reshard runs/tiny/checkpoints resharded --to tp=2,pp=1,dp=1",
-                                       "strata ckpt export runs/tiny/checkpoints tiny.safetensors",
-                                       "strata ckpt import-deepspeed ds_ckpt/ imported/ --config configs/tiny.yaml",
-                                       extra=EXIT_CODES))
+    ck = sub.add_parser(
+        "ckpt",
+        help="inspect, verify, reshard, export or import a checkpoint",
+        formatter_class=fmt,
+        usage="strata ckpt inspect DIR\n       strata ckpt verify DIR\n"
+        "       strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..[,vs=..] [key=value ...]\n"
+        "       strata ckpt export DIR OUT [--format safetensors]\n"
+        "       strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG",
+        description="Inspect, verify, reshard, export or import a checkpoint.",
+        epilog=_epilog(
+            "strata ckpt inspect runs/tiny/checkpoints",
+            "strata ckpt verify runs/tiny/checkpoints/step_00000500   # exit 1 if damaged",
+            "strata ckpt reshard runs/tiny/checkpoints resharded --to tp=2,pp=1,dp=1",
+            "strata ckpt export runs/tiny/checkpoints tiny.safetensors",
+            "strata ckpt import-deepspeed ds_ckpt/ imported/ --config configs/tiny.yaml",
+            extra=EXIT_CODES,
+        ),
+    )
     ck.add_argument("action", choices=["inspect", "verify", "reshard", "export", "import-deepspeed"])
     ck.add_argument("path", metavar="DIR", help="a step_* directory, or a checkpoints directory (latest committed)")
-    ck.add_argument("out", nargs="?", metavar="OUT",
-                    help="reshard: a checkpoints directory; export: a .safetensors file, or a directory for "
-                         "model.safetensors and config.yaml")
-    ck.add_argument("overrides", nargs="*", default=[], metavar="key=value",
-                    help="reshard: overrides of the saved config (e.g. zero settings); "
-                         "import-deepspeed: overrides of --config")
+    ck.add_argument(
+        "out",
+        nargs="?",
+        metavar="OUT",
+        help="reshard: a checkpoints directory; export: a .safetensors file, or a directory for "
+        "model.safetensors and config.yaml",
+    )
+    ck.add_argument(
+        "overrides",
+        nargs="*",
+        default=[],
+        metavar="key=value",
+        help="reshard: overrides of the saved config (e.g. zero settings); import-deepspeed: overrides of --config",
+    )
     ck.add_argument("--to", help="reshard: the target layout, tp=..,pp=..,dp=.. (and vs=.. for virtual stages)")
     ck.add_argument("--format", default="safetensors", choices=["safetensors"], help="export format")
     ck.add_argument("--config", help="import-deepspeed: the Strata experiment the imported state continues in")
     ck.set_defaults(func=cmd_ckpt)
 
-    pl = sub.add_parser("plot", help="PNG of a run's loss and throughput curves, or of a pipeline schedule record",
-                        formatter_class=fmt,
-                        usage="strata plot RUN_DIR [--out PNG]\n       strata plot schedule RECORD.json [--out PNG]",
-                        description="PNG of a run's loss and throughput curves, or of a pipeline schedule record.",
-                        epilog=_epilog("strata plot runs/tiny                      # runs/tiny/curves.png",
-                                       "strata plot schedule records/step.json     # records/step.png"))
-    pl.add_argument("run_dir", metavar="RUN_DIR | schedule",
-                    help="run directory (writes curves.png there), or the word `schedule`")
-    pl.add_argument("record", nargs="?", metavar="RECORD.json",
-                    help="with `schedule`: a step record from bench/pipeline_schedule.py --record-dir "
-                         "(writes RECORD.png next to it)")
+    pl = sub.add_parser(
+        "plot",
+        help="PNG of a run's loss and throughput curves, or of a pipeline schedule record",
+        formatter_class=fmt,
+        usage="strata plot RUN_DIR [--out PNG]\n       strata plot schedule RECORD.json [--out PNG]",
+        description="PNG of a run's loss and throughput curves, or of a pipeline schedule record.",
+        epilog=_epilog(
+            "strata plot runs/tiny                      # runs/tiny/curves.png",
+            "strata plot schedule records/step.json     # records/step.png",
+        ),
+    )
+    pl.add_argument(
+        "run_dir", metavar="RUN_DIR | schedule", help="run directory (writes curves.png there), or the word `schedule`"
+    )
+    pl.add_argument(
+        "record",
+        nargs="?",
+        metavar="RECORD.json",
+        help="with `schedule`: a step record from bench/pipeline_schedule.py --record-dir "
+        "(writes RECORD.png next to it)",
+    )
     pl.add_argument("--out", help="PNG path (default: next to the input)")
     pl.set_defaults(func=cmd_plot)
     return p, dict(sub.choices)

@@ -7,6 +7,7 @@ Any checkpoint already loads into any layout (`strata train --resume`); this is 
 ahead of a job, instead of resharding at every start. It needs the run's data (the config's
 `data.path`), whose size the data position is checked against.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,8 +26,10 @@ def parse_target(spec: str) -> dict[str, int]:
     for part in filter(None, spec.split(",")):
         key, eq, value = part.partition("=")
         if key.strip() not in TARGET_KEYS or not eq or not value.strip().isdigit() or int(value) < 1:
-            raise StrataError(f"--to {spec!r}: {part!r} is not one of {', '.join(k + '=N' for k in TARGET_KEYS)} "
-                              "with N a positive whole number")
+            raise StrataError(
+                f"--to {spec!r}: {part!r} is not one of {', '.join(k + '=N' for k in TARGET_KEYS)} "
+                "with N a positive whole number"
+            )
         out[key.strip()] = int(value)
     for key in ("tp", "pp", "dp"):
         out.setdefault(key, 1)
@@ -42,8 +45,13 @@ def reshard(src: Path, out: Path, spec: str, overrides: list[str]) -> int:
     settings = [f"{TARGET_KEYS[k]}={v}" for k, v in target.items()]
     settings += ["checkpoint.async=false", "log.progress=false", "log.wandb=false", *overrides]
     config.load(ckpt / "config.yaml", settings, world_size=world)  # a layout that does not fit fails here, clearly
-    code = torchrun.run_local(torchrun.LaunchPlan(nproc_per_node=world), str(ckpt / "config.yaml"), settings,
-                              str(ckpt), ("--save-to", str(out)))
+    code = torchrun.run_local(
+        torchrun.LaunchPlan(nproc_per_node=world),
+        str(ckpt / "config.yaml"),
+        settings,
+        str(ckpt),
+        ("--save-to", str(out)),
+    )
     if code == 0:
         print(f"wrote {store.committed(out)[-1]} for tp {target['tp']}, pp {target['pp']}, dp {target['dp']}")
     return code

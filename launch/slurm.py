@@ -1,6 +1,7 @@
 """Slurm launch: write an sbatch script that runs one torchrun per node under srun (and, with
 snapshots on, that node's snapshot agent beside it), with c10d rendezvous on the job's first node,
 and submit it when sbatch exists."""
+
 from __future__ import annotations
 
 import shlex
@@ -15,6 +16,7 @@ from strata.launch.torchrun import worker_args
 @dataclass(frozen=True)
 class SlurmJob:
     """The sbatch request. Empty strings leave a setting to the cluster's defaults."""
+
     name: str
     nodes: int
     gpus_per_node: int
@@ -24,14 +26,19 @@ class SlurmJob:
     cpus_per_task: int = 0
     rdzv_port: int = 29500
     max_restarts: int = 0
-    snapshots: bool = False   # start each node's snapshot agent beside its torchrun
+    snapshots: bool = False  # start each node's snapshot agent beside its torchrun
 
 
-def sbatch_script(job: SlurmJob, config_path: str, overrides: list[str], resume: str | None,
-                  workdir: str) -> str:
-    directives = [f"--job-name={job.name}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
-                  f"--gpus-per-node={job.gpus_per_node}", f"--time={job.time}",
-                  f"--output={job.name}-%j.out", "--exclusive"]
+def sbatch_script(job: SlurmJob, config_path: str, overrides: list[str], resume: str | None, workdir: str) -> str:
+    directives = [
+        f"--job-name={job.name}",
+        f"--nodes={job.nodes}",
+        "--ntasks-per-node=1",
+        f"--gpus-per-node={job.gpus_per_node}",
+        f"--time={job.time}",
+        f"--output={job.name}-%j.out",
+        "--exclusive",
+    ]
     if job.partition:
         directives.append(f"--partition={job.partition}")
     if job.account:
@@ -40,32 +47,43 @@ def sbatch_script(job: SlurmJob, config_path: str, overrides: list[str], resume:
         directives.append(f"--cpus-per-task={job.cpus_per_task}")
     # torchrun runs it as a module: -m strata.launch.cli
     worker = shlex.join(worker_args(config_path, overrides, resume))
-    torchrun = (f"python -m torch.distributed.run --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} "
-                '--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$SLURM_JOB_ID" '
-                f"--max-restarts={job.max_restarts} {worker}")
-    lines = ["#!/bin/bash", *[f"#SBATCH {d}" for d in directives], "",
-             "set -euo pipefail",
-             f"cd {shlex.quote(workdir)}",
-             "# Rendezvous on the first node of the allocation (c10d store hosted by that node's torchrun).",
-             # an array, not `| head -n 1`: under pipefail head's early exit SIGPIPEs scontrol
-             'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
-             'head_node=${nodes[0]}',
-             'head_addr=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk \'{print $1}\')',
-             f"export RDZV_ENDPOINT=\"$head_addr:{job.rdzv_port}\"",
-             "# torch <= 2.13 restarts only with a fresh store per attempt (pytorch/pytorch#135712)",
-             "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-             'echo "strata: $SLURM_JOB_NUM_NODES nodes, rendezvous at $RDZV_ENDPOINT"',
-             ""]
+    torchrun = (
+        f"python -m torch.distributed.run --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} "
+        '--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$SLURM_JOB_ID" '
+        f"--max-restarts={job.max_restarts} {worker}"
+    )
+    lines = [
+        "#!/bin/bash",
+        *[f"#SBATCH {d}" for d in directives],
+        "",
+        "set -euo pipefail",
+        f"cd {shlex.quote(workdir)}",
+        "# Rendezvous on the first node of the allocation (c10d store hosted by that node's torchrun).",
+        # an array, not `| head -n 1`: under pipefail head's early exit SIGPIPEs scontrol
+        'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
+        "head_node=${nodes[0]}",
+        "head_addr=$(srun --nodes=1 --ntasks=1 -w \"$head_node\" hostname --ip-address | awk '{print $1}')",
+        f'export RDZV_ENDPOINT="$head_addr:{job.rdzv_port}"',
+        "# torch <= 2.13 restarts only with a fresh store per attempt (pytorch/pytorch#135712)",
+        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        'echo "strata: $SLURM_JOB_NUM_NODES nodes, rendezvous at $RDZV_ENDPOINT"',
+        "",
+    ]
     if job.snapshots:
         # One secret for every node's snapshot agent, made here so it is never written to a file;
         # srun passes the environment on. Each node starts its agent, then becomes its torchrun
         # (exec keeps the pid the agent watches).
-        node = ('dir=$(mktemp -d); sock="$dir/agent.sock"; '
-                'python -m strata.launch.snapshot_agent --socket "$sock" --advertise "$(hostname)" --parent $$ & '
-                'while [ ! -S "$sock" ]; do sleep 0.1; done; export STRATA_SNAPSHOT_SOCKET="$sock"; '
-                f"exec {torchrun}")
-        lines += ["export STRATA_SNAPSHOT_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')",
-                  f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(node)}", ""]
+        node = (
+            'dir=$(mktemp -d); sock="$dir/agent.sock"; '
+            'python -m strata.launch.snapshot_agent --socket "$sock" --advertise "$(hostname)" --parent $$ & '
+            'while [ ! -S "$sock" ]; do sleep 0.1; done; export STRATA_SNAPSHOT_SOCKET="$sock"; '
+            f"exec {torchrun}"
+        )
+        lines += [
+            "export STRATA_SNAPSHOT_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')",
+            f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(node)}",
+            "",
+        ]
     else:
         lines += [f"srun --kill-on-bad-exit=1 {torchrun}", ""]
     return "\n".join(lines)

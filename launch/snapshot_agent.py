@@ -7,6 +7,7 @@ live in memfd slots the agent owns, mapped by the workers, so a snapshot is one 
 message. Agents reach each other over TCP authenticated with the job's secret (`checkpoint.channel`).
 Imports no torch, so it starts in a fraction of a second. Run as `python -m strata.launch.snapshot_agent`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,20 +35,22 @@ FULL = -1  # fragment index meaning "the whole image"
 
 # --- state ----------------------------------------------------------------------------------
 
+
 @dataclass
 class Slot:
     """A memfd a worker writes one snapshot image of its rank into."""
+
     id: int
     fd: int
     size: int
     map: mmap.mmap
-    state: str = "free"          # free | writing | committed
-    owner: object = None          # the connection holding it while writing
+    state: str = "free"  # free | writing | committed
+    owner: object = None  # the connection holding it while writing
     rank: int = -1
     step: int = -1
     meta: dict = field(default_factory=dict)
     placed: threading.Event = field(default_factory=threading.Event)
-    seq: int = 0                  # commit order
+    seq: int = 0  # commit order
 
 
 def _memfd(size: int) -> tuple[int, mmap.mmap]:
@@ -71,8 +74,8 @@ class Agent:
         self.frags: dict[tuple[int, int, int], tuple[bytearray, dict]] = {}  # (rank, step, j) -> (bytes, meta)
         # (rank, step) -> fd, map, meta, how
         self.restored: dict[tuple[int, int], tuple[int, mmap.mmap, dict, str]] = {}
-        self.agents: dict[str, tuple[str, int]] = {}      # agent id -> (host, port)
-        self.nodes: list[str] = [self.id]                  # agent ids in node order
+        self.agents: dict[str, tuple[str, int]] = {}  # agent id -> (host, port)
+        self.nodes: list[str] = [self.id]  # agent ids in node order
         self.k, self.m = 1, 0
         self._next_slot, self._commits = 0, 0
         self._peers: dict[str, tuple[threading.Lock, Channel | None]] = {}
@@ -156,8 +159,11 @@ class Agent:
                 return {"ok": False, "busy": True, "error": f"step {newest[0].step} is still being placed"}, []
             keep = {id(s) for s in self._committed(rank)[-KEEP:]}
             # A slot keeps its rank: the worker wrote its blob headers there once and only rewrites the data.
-            free = [s for s in self.slots.values() if s.state == "free" and s.size >= nbytes and id(s) not in keep
-                    and s.rank in (rank, -1)]
+            free = [
+                s
+                for s in self.slots.values()
+                if s.state == "free" and s.size >= nbytes and id(s) not in keep and s.rank in (rank, -1)
+            ]
             slot = free[0] if free else None
             if slot is None:
                 fd, mapped = _memfd(_capacity(nbytes, self.k))
@@ -210,8 +216,12 @@ class Agent:
     def op_stats(self, msg, conn, sent):
         with self.lock:
             placed = [s.step for s in self.slots.values() if s.state == "committed" and s.placed.is_set()]
-            return {"ok": True, "encode_gbps": self.encoded_bytes / max(self.encode_seconds, 1e-9) / 1e9,
-                    "encoded_bytes": self.encoded_bytes, "placed_step": max(placed, default=-1)}, []
+            return {
+                "ok": True,
+                "encode_gbps": self.encoded_bytes / max(self.encode_seconds, 1e-9) / 1e9,
+                "encoded_bytes": self.encoded_bytes,
+                "placed_step": max(placed, default=-1),
+            }, []
 
     def op_fetch(self, msg, conn, sent):
         """Images of step `step` for `ranks`, each local, copied from a peer, or rebuilt from k
@@ -228,8 +238,9 @@ class Agent:
     def _image(self, rank: int, step: int, sources: dict) -> tuple[int, dict, str]:
         """A descriptor of (a copy of) rank's image at step, and how it was obtained."""
         with self.lock:
-            local = next((s for s in self.slots.values()
-                          if s.state == "committed" and (s.rank, s.step) == (rank, step)), None)
+            local = next(
+                (s for s in self.slots.values() if s.state == "committed" and (s.rank, s.step) == (rank, step)), None
+            )
             if local is not None:
                 return os.dup(local.fd), local.meta, "local"
             if (rank, step) in self.restored:
@@ -251,7 +262,7 @@ class Agent:
                 if len(have) == k:
                     break
                 j = int(j)
-                into = view[j * frag:(j + 1) * frag] if j < k else bytearray(frag)
+                into = view[j * frag : (j + 1) * frag] if j < k else bytearray(frag)
                 if agent == self.id:
                     with self.lock:
                         into[:] = self.frags[(rank, step, j)][0]
@@ -260,7 +271,7 @@ class Agent:
                 have[j] = into
             if len(have) < k:
                 raise RuntimeError(f"only {len(have)} of the k={k} fragments of rank {rank} step {step} survive")
-            missing = {j: view[j * frag:(j + 1) * frag] for j in range(k) if j not in have}
+            missing = {j: view[j * frag : (j + 1) * frag] for j in range(k) if j not in have}
             if missing:
                 code.decode(have, missing)
             via = f"rebuilt from fragments {sorted(have)}"
@@ -278,8 +289,11 @@ class Agent:
             try:
                 self._place(slot)
             except Exception as e:  # a peer is gone: the version stays local, the next lease says so
-                print(f"snapshot agent {self.id}: placing rank {slot.rank} step {slot.step} failed: {e}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"snapshot agent {self.id}: placing rank {slot.rank} step {slot.step} failed: {e}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             finally:
                 slot.placed.set()
 
@@ -295,7 +309,7 @@ class Agent:
             return
         code = Code(k, m)
         frag = code.fragment_len(nbytes)
-        data = [view[i * frag:(i + 1) * frag] for i in range(k)]
+        data = [view[i * frag : (i + 1) * frag] for i in range(k)]
         parity = [bytearray(frag) for _ in range(m)]
         start = time.perf_counter()
         if m:
@@ -379,10 +393,12 @@ class Agent:
         rank, step, j = header["rank"], header["step"], header["j"]
         with self.lock:
             if j == FULL:
-                slot = next((s for s in self.slots.values()
-                             if s.state == "committed" and (s.rank, s.step) == (rank, step)), None)
+                slot = next(
+                    (s for s in self.slots.values() if s.state == "committed" and (s.rank, s.step) == (rank, step)),
+                    None,
+                )
                 if slot is not None:
-                    return {"ok": True}, memoryview(slot.map)[:slot.meta["nbytes"]]
+                    return {"ok": True}, memoryview(slot.map)[: slot.meta["nbytes"]]
             elif (rank, step, j) in self.frags:
                 return {"ok": True}, self.frags[(rank, step, j)][0]
         what = "image" if j == FULL else f"fragment {j}"
@@ -390,8 +406,9 @@ class Agent:
 
     def _committed(self, rank: int) -> list[Slot]:
         """The rank's committed slots, oldest commit first (callers hold the lock)."""
-        return sorted((s for s in self.slots.values() if s.state == "committed" and s.rank == rank),
-                      key=lambda s: s.seq)
+        return sorted(
+            (s for s in self.slots.values() if s.state == "committed" and s.rank == rank), key=lambda s: s.seq
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -404,8 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     self_test()
     agent = Agent(args.socket, args.advertise, args.bind, args.port, secret_from_env(), args.parent)
-    print(f"snapshot agent {agent.id}: workers at {args.socket}, peers at {agent.address[0]}:{agent.address[1]}",
-          flush=True)
+    print(
+        f"snapshot agent {agent.id}: workers at {args.socket}, peers at {agent.address[0]}:{agent.address[1]}",
+        flush=True,
+    )
     agent.serve()
     return 0
 

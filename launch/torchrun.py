@@ -1,6 +1,7 @@
 """Local multi-process launch: build the torchrun command (c10d rendezvous) that starts one
 `strata train` worker per process, start the node's snapshot agent beside it when snapshots are
 on, and host a standalone rendezvous store for jobs that must survive the loss of any node."""
+
 from __future__ import annotations
 
 import os
@@ -24,14 +25,15 @@ SECRET_ENV = "STRATA_SNAPSHOT_SECRET"
 @dataclass(frozen=True)
 class LaunchPlan:
     """What to start: processes per node, nodes, where the rendezvous lives, and how restarts go."""
+
     nproc_per_node: int
     nnodes: int = 1
     rdzv_endpoint: str = ""
     rdzv_id: str = "strata"
     max_restarts: int = 0
-    external_store: bool = False   # the c10d store runs in `strata store`, not in the first torchrun
-    join_timeout_s: int = 600      # how long a rendezvous waits for every node (a replacement, after a loss)
-    snapshots: bool = False        # start this node's snapshot agent
+    external_store: bool = False  # the c10d store runs in `strata store`, not in the first torchrun
+    join_timeout_s: int = 600  # how long a rendezvous waits for every node (a replacement, after a loss)
+    snapshots: bool = False  # start this node's snapshot agent
 
 
 def torchrun_args(plan: LaunchPlan) -> list[str]:
@@ -41,9 +43,22 @@ def torchrun_args(plan: LaunchPlan) -> list[str]:
     conf = f"join_timeout={plan.join_timeout_s},last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
     if plan.external_store:
         conf += ",is_host=false"
-    return ["--nnodes", str(plan.nnodes), "--nproc-per-node", str(plan.nproc_per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", plan.rdzv_id,
-            "--rdzv-conf", conf, "--max-restarts", str(plan.max_restarts)]
+    return [
+        "--nnodes",
+        str(plan.nnodes),
+        "--nproc-per-node",
+        str(plan.nproc_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        plan.rdzv_id,
+        "--rdzv-conf",
+        conf,
+        "--max-restarts",
+        str(plan.max_restarts),
+    ]
 
 
 def worker_args(config_path: str, overrides: list[str], resume: str | None, extra: tuple[str, ...] = ()) -> list[str]:
@@ -52,10 +67,16 @@ def worker_args(config_path: str, overrides: list[str], resume: str | None, extr
     return args + (["--resume", resume] if resume else []) + list(extra)
 
 
-def torchrun_command(plan: LaunchPlan, config_path: str, overrides: list[str], resume: str | None,
-                     extra: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(plan),
-            *worker_args(config_path, overrides, resume, extra)]
+def torchrun_command(
+    plan: LaunchPlan, config_path: str, overrides: list[str], resume: str | None, extra: tuple[str, ...] = ()
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *torchrun_args(plan),
+        *worker_args(config_path, overrides, resume, extra),
+    ]
 
 
 def launch_env(plan: LaunchPlan) -> dict[str, str]:
@@ -66,9 +87,11 @@ def launch_env(plan: LaunchPlan) -> dict[str, str]:
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if plan.snapshots and SECRET_ENV not in env:
         if plan.nnodes > 1:
-            raise StrataError(f"snapshots on {plan.nnodes} nodes need one secret shared by every node's agents: "
-                              f"export {SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))') "
-                              "with the same value on every node")
+            raise StrataError(
+                f"snapshots on {plan.nnodes} nodes need one secret shared by every node's agents: "
+                f"export {SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))') "
+                "with the same value on every node"
+            )
         env[SECRET_ENV] = secrets.token_hex(32)
     return env
 
@@ -80,8 +103,19 @@ def start_agent(plan: LaunchPlan, env: dict[str, str]) -> tuple[subprocess.Popen
     path = os.path.join(directory, "agent.sock")
     host = (plan.rdzv_endpoint or "127.0.0.1").rsplit(":", 1)[0]
     local = host in ("127.0.0.1", "localhost", "::1")
-    cmd = [sys.executable, "-m", "strata.launch.snapshot_agent", "--socket", path, "--parent", str(os.getpid()),
-           "--advertise", "127.0.0.1" if local else socket.getfqdn(), "--bind", "127.0.0.1" if local else "0.0.0.0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "strata.launch.snapshot_agent",
+        "--socket",
+        path,
+        "--parent",
+        str(os.getpid()),
+        "--advertise",
+        "127.0.0.1" if local else socket.getfqdn(),
+        "--bind",
+        "127.0.0.1" if local else "0.0.0.0",
+    ]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # finds the package as the workers do
     deadline = time.monotonic() + 30
     while not os.path.exists(path):
@@ -92,8 +126,9 @@ def start_agent(plan: LaunchPlan, env: dict[str, str]) -> tuple[subprocess.Popen
     return proc, path
 
 
-def run_local(plan: LaunchPlan, config_path: str, overrides: list[str], resume: str | None,
-              extra: tuple[str, ...] = ()) -> int:
+def run_local(
+    plan: LaunchPlan, config_path: str, overrides: list[str], resume: str | None, extra: tuple[str, ...] = ()
+) -> int:
     """Run torchrun in the foreground (and the node's snapshot agent beside it); returns torchrun's
     exit code. `extra`: more `strata train` flags."""
     env = launch_env(plan)

@@ -3,6 +3,7 @@ for backward to host memory or an SSD swap file during forward and brings them b
 in backward, through `saved_tensors_hooks` (no model code changes); `apply_recompute` makes
 every transformer block recompute its forward in backward instead (torch.utils.checkpoint).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,7 +29,7 @@ from strata.parallel.runtime import pin_host, unpin_host
 
 MODES = ("none", "cpu", "nvme")  # none: nothing moves, saved bytes are only counted (the bench's "keep")
 GROW_MIN = 64 << 20  # the swap file grows in steps of at least this, so a first step grows it a few times only
-WRITE_WINDOW = 2     # writes handed to the mover at once: enough to keep it busy, few for a read to queue behind
+WRITE_WINDOW = 2  # writes handed to the mover at once: enough to keep it busy, few for a read to queue behind
 
 Key = tuple[int, int, int]  # (part, micro-batch, layer)
 
@@ -41,20 +42,21 @@ def blocks_of(part: nn.Module) -> list[nn.Module]:
 @dataclass(eq=False)
 class _Entry:
     """One saved storage, stored once however many saved tensors view it."""
+
     key: Key
     nbytes: int
     device: torch.device
-    kept: bool                                    # held by reference: small, or mode "none"
-    storage: weakref.ref                          # the live storage it stands for (dedup)
+    kept: bool  # held by reference: small, or mode "none"
+    storage: weakref.ref  # the live storage it stands for (dedup)
     handles: int = 0
-    src: torch.UntypedStorage | None = None       # the original, until its copy is written (or not needed)
-    write: Transfer | None = None                 # submitted, not yet reaped
-    host: torch.Tensor | None = None              # mode cpu: the host buffer holding the copy
-    region: FileRegion | None = None              # mode nvme
+    src: torch.UntypedStorage | None = None  # the original, until its copy is written (or not needed)
+    write: Transfer | None = None  # submitted, not yet reaped
+    host: torch.Tensor | None = None  # mode cpu: the host buffer holding the copy
+    region: FileRegion | None = None  # mode nvme
     read: Transfer | None = None
-    loaded: torch.UntypedStorage | None = None    # what unpack rebuilds from: src forwarded, or read back
+    loaded: torch.UntypedStorage | None = None  # what unpack rebuilds from: src forwarded, or read back
     released: bool = False
-    held: tuple[int, int] = (0, 0)                # (device, host) bytes counted for it now
+    held: tuple[int, int] = (0, 0)  # (device, host) bytes counted for it now
 
     def in_flight(self) -> Transfer:
         """The write of an entry in the offloader's `_pending` (set before it goes there, cleared as it leaves)."""
@@ -66,6 +68,7 @@ class _Saved:
     """What autograd stores for one saved tensor: its entry and how to rebuild the view. Dropped by
     autograd when the saved variable goes (after the last backward that needs it, which for a
     zero-bubble schedule is not the first unpack) — that, not unpacking, releases the entry."""
+
     __slots__ = ("owner", "entry", "dtype", "offset", "size", "stride", "tensor", "origin", "version")
 
     def __init__(self, owner: ActivationOffloader, entry: _Entry, t: torch.Tensor):
@@ -90,7 +93,7 @@ class _HostBuffers:
 
     def __init__(self) -> None:
         self._free: dict[int, list[tuple[torch.Tensor, bool]]] = {}
-        self._pinned: dict[int, bool] = {}   # data_ptr -> pinned, for every buffer alive
+        self._pinned: dict[int, bool] = {}  # data_ptr -> pinned, for every buffer alive
         self._used: set[int] = set()
         self.reserved_bytes = 0
 
@@ -149,8 +152,14 @@ class ActivationOffloader:
     `attach(parts)` once, `with saving():` around a step's forward+backward, `end_step()` after it.
     The mover and swap file belong to the caller; `close()` leaves them open."""
 
-    def __init__(self, mode: str, min_bytes: int, mover: Mover | None = None, swap_file: SwapFile | None = None,
-                 max_inflight_bytes: int | None = None):
+    def __init__(
+        self,
+        mode: str,
+        min_bytes: int,
+        mover: Mover | None = None,
+        swap_file: SwapFile | None = None,
+        max_inflight_bytes: int | None = None,
+    ):
         if mode not in MODES:
             raise ValueError(f"activation offload mode {mode!r}: expected one of {', '.join(MODES)}")
         if mode == "nvme" and (mover is None or swap_file is None):
@@ -160,18 +169,32 @@ class ActivationOffloader:
         self.max_inflight_bytes = max_inflight_bytes
         self._host = _HostBuffers()
         self._lock = threading.Lock()
-        self._dropped: deque[_Entry] = deque()   # entries of handles autograd dropped, not yet processed
+        self._dropped: deque[_Entry] = deque()  # entries of handles autograd dropped, not yet processed
         self._hooks: list[Any] = []
         self._mb: dict[int, int] = {}
         self._current: Key = (0, 0, 0)
         self._file_peak = 0
         self._new_step()
         self._live_handles = 0
-        self._live = [0, 0]   # bytes held now: [on the tensors' device, host copies of device tensors]
+        self._live = [0, 0]  # bytes held now: [on the tensors' device, host copies of device tensors]
         self._peak = [0, 0]
-        self._count = dict(packed=0, deduplicated=0, skipped_leaf=0, skipped_small=0, skipped_other=0, counted=0,
-                           writes=0, writes_skipped=0, bytes_offloaded=0, reads=0, demand_reads=0, bytes_read=0,
-                           forwarded=0, file_grows=0, steps=0)
+        self._count = dict(
+            packed=0,
+            deduplicated=0,
+            skipped_leaf=0,
+            skipped_small=0,
+            skipped_other=0,
+            counted=0,
+            writes=0,
+            writes_skipped=0,
+            bytes_offloaded=0,
+            reads=0,
+            demand_reads=0,
+            bytes_read=0,
+            forwarded=0,
+            file_grows=0,
+            steps=0,
+        )
 
     # --- the public interface -------------------------------------------------------------------
     def attach(self, parts: list[nn.Module]) -> None:
@@ -206,9 +229,11 @@ class ActivationOffloader:
             with self._locked():
                 pass
         if self._live_handles:
-            raise RuntimeError(f"activation offload: {self._live_handles} tensors saved for backward in this step "
-                               f"are still referenced at its end ({self._live[0] + self._live[1]} bytes held); "
-                               "was backward run on every micro-batch, and no output kept with its graph?")
+            raise RuntimeError(
+                f"activation offload: {self._live_handles} tensors saved for backward in this step "
+                f"are still referenced at its end ({self._live[0] + self._live[1]} bytes held); "
+                "was backward run on every micro-batch, and no output kept with its graph?"
+            )
         with self._locked():
             self._finish_transfers()
             self._host.trim()
@@ -238,12 +263,16 @@ class ActivationOffloader:
         CPU model that includes host copies); peak_host_saved_bytes: host copies of device
         tensors; host_reserved_bytes: host buffers kept for reuse; file_bytes: the swap file's
         reserved size; io_stall_s: time compute waited on the mover."""
-        return {**self._count,
-                "live_saved_bytes": self._live[0], "peak_live_saved_bytes": self._peak[0],
-                "peak_host_saved_bytes": self._peak[1], "host_reserved_bytes": self._host.reserved_bytes,
-                "file_bytes": self.swap_file.allocated if self.swap_file is not None else 0,
-                "file_step_peak_bytes": self._file_peak,
-                "io_stall_s": self.mover.stalled_s if self.mover is not None else 0.0}
+        return {
+            **self._count,
+            "live_saved_bytes": self._live[0],
+            "peak_live_saved_bytes": self._peak[0],
+            "peak_host_saved_bytes": self._peak[1],
+            "host_reserved_bytes": self._host.reserved_bytes,
+            "file_bytes": self.swap_file.allocated if self.swap_file is not None else 0,
+            "file_step_peak_bytes": self._file_peak,
+            "io_stall_s": self.mover.stalled_s if self.mover is not None else 0.0,
+        }
 
     def reset_peaks(self) -> None:
         """Start the peak counters again from what is held now."""
@@ -260,8 +289,13 @@ class ActivationOffloader:
         if base.is_leaf:
             self._count["skipped_leaf"] += 1
             return t
-        if (type(t) is not torch.Tensor or t.layout is not torch.strided or t.device.type not in ("cpu", "cuda")
-                or t.is_conj() or t.is_neg()):
+        if (
+            type(t) is not torch.Tensor
+            or t.layout is not torch.strided
+            or t.device.type not in ("cpu", "cuda")
+            or t.is_conj()
+            or t.is_neg()
+        ):
             self._count["skipped_other"] += 1
             return t  # nothing to rebuild it from with `set_`: autograd keeps it as usual
         storage = t.untyped_storage()
@@ -285,9 +319,11 @@ class ActivationOffloader:
             return saved
         origin = saved.origin()
         if origin is not None and origin._version != saved.version:
-            raise RuntimeError("one of the variables needed for gradient computation has been modified by an inplace "
-                               f"operation: saved at version {saved.version}, now at version {origin._version} "
-                               "(activation offload keeps autograd's check)")
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: saved at version {saved.version}, now at version {origin._version} "
+                "(activation offload keeps autograd's check)"
+            )
         entry = saved.entry
         if entry.kept:
             return saved.tensor
@@ -307,7 +343,8 @@ class ActivationOffloader:
                 entry.read = None
             storage = entry.loaded if entry.loaded is not None else entry.host.untyped_storage()
         return torch.empty(0, dtype=saved.dtype, device=storage.device).set_(
-            storage, saved.offset, saved.size, saved.stride)
+            storage, saved.offset, saved.size, saved.stride
+        )
 
     # --- entries ------------------------------------------------------------------------------
     def _find(self, storage: torch.UntypedStorage) -> _Entry | None:
@@ -349,9 +386,9 @@ class ActivationOffloader:
         if self.mode == "cpu":
             entry.host = self._host.take(entry.nbytes, entry.device.type == "cuda")
             if self.mover is None:
-                entry.host[:entry.nbytes].copy_(data)
+                entry.host[: entry.nbytes].copy_(data)
             else:
-                entry.write = self.mover.write(data, entry.host[:entry.nbytes])
+                entry.write = self.mover.write(data, entry.host[: entry.nbytes])
         else:
             assert self.mover is not None  # mode nvme: __init__ requires one
             entry.region = self._allocate(entry.nbytes)
@@ -493,8 +530,8 @@ class ActivationOffloader:
         # address), confirmed through the entry's weakref since a dead object's id can come back.
         self._by_storage: dict[int, _Entry] = {}
         self._unpacked: set[Key] = set()
-        self._queue: deque[_Entry] = deque()     # copies not handed to the mover yet
-        self._pending: deque[_Entry] = deque()   # copies handed to it, originals still held
+        self._queue: deque[_Entry] = deque()  # copies not handed to the mover yet
+        self._pending: deque[_Entry] = deque()  # copies handed to it, originals still held
         self._unwritten_bytes = 0
         self._transfers: list[Transfer] = []
         self._cursor = 0
@@ -504,7 +541,7 @@ class ActivationOffloader:
 def _host_copy(entry: _Entry) -> torch.Tensor:
     """The host buffer holding `entry`'s copy (mode cpu), trimmed to its size."""
     assert entry.host is not None
-    return entry.host[:entry.nbytes]
+    return entry.host[: entry.nbytes]
 
 
 class _Recomputed:

@@ -2,6 +2,7 @@
 `offload.nvme_path`, handed out in 4 KiB-aligned regions at set-up — so a full, read-only or
 forbidden disk fails at start-up with the path, the bytes and the errno, never mid-step.
 """
+
 from __future__ import annotations
 
 import errno as errno_names
@@ -18,7 +19,7 @@ class SwapFile:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.size = 0       # bytes handed out
+        self.size = 0  # bytes handed out
         self.allocated = 0  # bytes preallocated on disk
 
     def region(self, nbytes: int) -> int:
@@ -52,9 +53,11 @@ def _setup_message(key: str, path: Path, nbytes: int, err: OSError) -> str:
         free = f"{st.f_bavail * st.f_frsize / 2**30:.2f} GiB free there"
     except OSError:
         free = "free space unknown"
-    return (f"{key}: cannot reserve {nbytes / 2**20:.1f} MiB for swap file {path} ({err.strerror or err}, errno "
-            f"{err.errno} {name}; {free}); point offload.nvme_path at a writable local SSD with room, or offload "
-            "less")
+    return (
+        f"{key}: cannot reserve {nbytes / 2**20:.1f} MiB for swap file {path} ({err.strerror or err}, errno "
+        f"{err.errno} {name}; {free}); point offload.nvme_path at a writable local SSD with room, or offload "
+        "less"
+    )
 
 
 class SwapDir:

@@ -6,6 +6,7 @@ name the path, offset, byte count and errno instead of failing an assertion.
 A thread pool rather than DeepSpeed's libaio op: it needs no system package or JIT build, and the
 same interface can front the op where it builds (docs/design/offload.md).
 """
+
 from __future__ import annotations
 
 import errno as errno_names
@@ -32,8 +33,9 @@ class SwapIOError(StrataError):
 
 def _describe(op: str, path: Path, offset: int, nbytes: int, err: OSError) -> str:
     name = errno_names.errorcode.get(err.errno, "?") if err.errno else "?"
-    return (f"{op} of {nbytes} bytes at offset {offset} of {path} failed: {err.strerror or err} "
-            f"(errno {err.errno} {name})")
+    return (
+        f"{op} of {nbytes} bytes at offset {offset} of {path} failed: {err.strerror or err} (errno {err.errno} {name})"
+    )
 
 
 class Handle:
@@ -88,8 +90,10 @@ class IOEngine:
     def _submit(self, op: str, path: Path, buffer: torch.Tensor, offset: int) -> Handle:
         view = _aligned_bytes(buffer, offset)
         fd = self._fd(path)
-        futures = [self._pool.submit(self._run, op, fd, path, view[pos:pos + self.chunk_bytes], offset + pos)
-                   for pos in range(0, len(view), self.chunk_bytes)]
+        futures = [
+            self._pool.submit(self._run, op, fd, path, view[pos : pos + self.chunk_bytes], offset + pos)
+            for pos in range(0, len(view), self.chunk_bytes)
+        ]
         return Handle(futures)
 
     def _run(self, op: str, fd: int, path: Path, view: memoryview, offset: int) -> None:
@@ -138,9 +142,11 @@ def _aligned_bytes(buffer: torch.Tensor, offset: int) -> memoryview:
         raise ValueError("swap buffers must be contiguous host tensors")
     nbytes = buffer.numel() * buffer.element_size()
     if buffer.data_ptr() % ALIGN or nbytes % ALIGN or offset % ALIGN:
-        raise ValueError(f"swap I/O needs {ALIGN}-byte alignment of the buffer address ({buffer.data_ptr() % ALIGN} "
-                         f"off), its size ({nbytes}) and the file offset ({offset}); take buffers from the "
-                         "offload buffer pool")
+        raise ValueError(
+            f"swap I/O needs {ALIGN}-byte alignment of the buffer address ({buffer.data_ptr() % ALIGN} "
+            f"off), its size ({nbytes}) and the file offset ({offset}); take buffers from the "
+            "offload buffer pool"
+        )
     return buffer.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
@@ -151,8 +157,10 @@ def check_swap_dir(path: Path, needed_bytes: int) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise SwapIOError(f"offload.nvme_path {path}: cannot create it ({e.strerror}, errno {e.errno}); point "
-                          "offload.nvme_path at a writable directory on a local SSD") from e
+        raise SwapIOError(
+            f"offload.nvme_path {path}: cannot create it ({e.strerror}, errno {e.errno}); point "
+            "offload.nvme_path at a writable directory on a local SSD"
+        ) from e
     if not path.is_dir():
         raise SwapIOError(f"offload.nvme_path {path} is not a directory; point it at a directory on a local SSD")
     st = os.statvfs(path)
@@ -160,12 +168,14 @@ def check_swap_dir(path: Path, needed_bytes: int) -> None:
     if st.f_flag & os.ST_RDONLY:
         raise SwapIOError(f"offload.nvme_path {path} is on a read-only file system; point it at a writable SSD")
     if free < needed_bytes:
-        raise SwapIOError(f"offload.nvme_path {path} has {free / 2**30:.2f} GiB free, the swapped state needs "
-                          f"{needed_bytes / 2**30:.2f} GiB; free space there or choose a larger disk")
+        raise SwapIOError(
+            f"offload.nvme_path {path} has {free / 2**30:.2f} GiB free, the swapped state needs "
+            f"{needed_bytes / 2**30:.2f} GiB; free space there or choose a larger disk"
+        )
     probe = path / f".strata-probe-{os.getpid()}"
     engine = IOEngine(threads=1)
     buf = torch.empty(ALIGN + ALIGN, dtype=torch.uint8)
-    page = buf[(-buf.data_ptr()) % ALIGN:][:ALIGN]  # a page-aligned 4 KiB view
+    page = buf[(-buf.data_ptr()) % ALIGN :][:ALIGN]  # a page-aligned 4 KiB view
     try:
         engine.write(probe, page).wait()
         engine.read(probe, page).wait()

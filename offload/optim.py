@@ -7,6 +7,7 @@ runs), called on sub-ranges: it is elementwise, so any split gives the unsplit s
 `torch.optim.AdamW` object stays the holder of hyper-parameters and of `state` as the checkpoint
 code reads it: views into the tier's buffers, or (nvme) filled only inside `materialized()`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,6 +40,7 @@ KIND_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}  # offload.optim.dev
 @dataclass
 class _Span:
     """A piece's elements [piece_lo, piece_lo + size) at `offset` in a sub-group."""
+
     piece: nn.Parameter
     piece_lo: int
     offset: int
@@ -48,22 +50,23 @@ class _Span:
 @dataclass
 class SubGroup:
     """Elements [start, start + size) of one flat group's optimizer chunk."""
+
     group: FlatGroup
     start: int
     size: int
     spans: list[_Span]
-    regions: tuple[FileRegion, ...] = ()   # nvme: where exp_avg and exp_avg_sq live
+    regions: tuple[FileRegion, ...] = ()  # nvme: where exp_avg and exp_avg_sq live
     on_gpu: bool = False
 
     def params(self) -> torch.Tensor:
         g = self.group
         lo = g.optim_start - g.param_start + self.start
-        return g.shard[lo:lo + self.size]
+        return g.shard[lo : lo + self.size]
 
     def grads(self) -> torch.Tensor:
         reduced = self.group.reduced
         assert reduced is not None, "a sub-group's gradients exist after the engine's reduce-scatter"
-        return reduced[self.start:self.start + self.size]
+        return reduced[self.start : self.start + self.size]
 
 
 def split(groups: list[FlatGroup], elems: int) -> list[SubGroup]:
@@ -88,9 +91,18 @@ class OptimTier:
     parameters are offloaded), "host" (the pool's resident region) or "nvme" (`swap_file`,
     streamed through slabs of the pool's "optim" stream by `io`)."""
 
-    def __init__(self, groups: list[FlatGroup], optimizer: torch.optim.Optimizer, kind: str, pool: HostPool,
-                 io: IOEngine | None = None, swap_file: SwapFile | None = None, params: ParamTier | None = None,
-                 read_ahead: int = 2, mover: Mover | None = None):
+    def __init__(
+        self,
+        groups: list[FlatGroup],
+        optimizer: torch.optim.Optimizer,
+        kind: str,
+        pool: HostPool,
+        io: IOEngine | None = None,
+        swap_file: SwapFile | None = None,
+        params: ParamTier | None = None,
+        read_ahead: int = 2,
+        mover: Mover | None = None,
+    ):
         self.groups, self.optimizer, self.kind = groups, optimizer, kind
         self.pool, self.io, self.param_tier, self.mover = pool, io, params, mover
         self.read_ahead = read_ahead
@@ -102,8 +114,10 @@ class OptimTier:
             if g.shard.dtype != torch.float32:
                 raise ValueError(f"optimizer offload steps fp32 master parameters; group {g.name} is {g.shard.dtype}")
             if kind == "device":
-                self._moments[g.name] = (torch.zeros(g.optim_size, device=self.device),
-                                         torch.zeros(g.optim_size, device=self.device))
+                self._moments[g.name] = (
+                    torch.zeros(g.optim_size, device=self.device),
+                    torch.zeros(g.optim_size, device=self.device),
+                )
             elif kind == "host":  # the arena is fresh anonymous memory: zeros
                 self._moments[g.name] = tuple(pool.resident(g.optim_size * 4, torch.float32) for _ in MOMENTS)
         if kind == "nvme":
@@ -118,8 +132,11 @@ class OptimTier:
         # (the pool's resident region, planned by `needs_resident_bytes`); never borrowed slabs,
         # which the moments' read-ahead may all hold. Reused in stream order: the next sub-group's
         # copies down queue behind the previous one's copy up.
-        self._host_scratch = ([pool.resident(elems * 4, torch.float32) for _ in range(2)]
-                              if self.device.type == "cuda" and kind != "device" else None)
+        self._host_scratch = (
+            [pool.resident(elems * 4, torch.float32) for _ in range(2)]
+            if self.device.type == "cuda" and kind != "device"
+            else None
+        )
         self._state_init()
 
     @staticmethod
@@ -148,7 +165,7 @@ class OptimTier:
     def _moment_views(self, g: FlatGroup, at: int, piece: nn.Parameter) -> dict[str, torch.Tensor]:
         if g.name not in self._moments:
             return {}
-        return {k: m[at:at + piece.numel()] for k, m in zip(MOMENTS, self._moments[g.name])}
+        return {k: m[at : at + piece.numel()] for k, m in zip(MOMENTS, self._moments[g.name])}
 
     @contextlib.contextmanager
     def materialized(self) -> Iterator[None]:
@@ -160,7 +177,7 @@ class OptimTier:
         assert self.mover is not None, "an nvme tier has a mover"
         self._swap(self.mover.read, flat)
         for g, at, piece in self._pieces():
-            self.optimizer.state[piece].update({k: m[at:at + piece.numel()] for k, m in zip(MOMENTS, flat[g.name])})
+            self.optimizer.state[piece].update({k: m[at : at + piece.numel()] for k, m in zip(MOMENTS, flat[g.name])})
         try:
             yield
         finally:
@@ -175,7 +192,7 @@ class OptimTier:
             state = self.optimizer.state[piece]
             for k, m in zip(MOMENTS, flat[g.name]):
                 if k in state:
-                    m[at:at + piece.numel()].copy_(state[k])
+                    m[at : at + piece.numel()].copy_(state[k])
             state["step"] = state.get("step", torch.zeros((), dtype=torch.float32))
         if self.kind == "nvme":
             assert self.mover is not None, "an nvme tier has a mover"
@@ -185,8 +202,10 @@ class OptimTier:
                 for dst, src in zip(self._moments[g.name], flat[g.name]):
                     dst.copy_(src)
         for g, at, piece in self._pieces():
-            self.optimizer.state[piece] = {"step": self.optimizer.state[piece]["step"],
-                                           **self._moment_views(g, at, piece)}
+            self.optimizer.state[piece] = {
+                "step": self.optimizer.state[piece]["step"],
+                **self._moment_views(g, at, piece),
+            }
 
     def device_bytes(self) -> int:
         """Bytes of moments held on the training device (the "device" kind only; the others live
@@ -264,7 +283,7 @@ class OptimTier:
             self._scratch.append({k: torch.empty(self._elems, device=self.device) for k in MOMENTS})
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             scratch = self._scratch[lane]
-            work = tuple(scratch[k][:sg.size].copy_(m, non_blocking=True) for k, m in zip(MOMENTS, moments))
+            work = tuple(scratch[k][: sg.size].copy_(m, non_blocking=True) for k, m in zip(MOMENTS, moments))
             _fused_step(sg, sg.params(), sg.grads(), work, hyper, self._steps["here"])
             for m, w in zip(moments, work):
                 m.copy_(w, non_blocking=side is not None)
@@ -278,7 +297,7 @@ class OptimTier:
             _fused_step(sg, params, grads, moments, hyper, self._steps["here"])
             return
         assert self._host_scratch is not None, "made for the CPU path on a GPU"
-        host_p, host_g = (t[:sg.size] for t in self._host_scratch)
+        host_p, host_g = (t[: sg.size] for t in self._host_scratch)
         host_p.copy_(params, non_blocking=True)
         host_g.copy_(grads, non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()  # also the previous sub-group's copy up
@@ -288,8 +307,11 @@ class OptimTier:
     def _swap(self, transfer, flat: dict[str, Moments]) -> None:
         """Every sub-group's moments between the swap file and `flat` (whole-group tensors), by
         `transfer` (the mover's read or write), all in flight at once."""
-        for t in [transfer(m[sg.start:sg.start + sg.size], region) for sg in self.subgroups
-                  for region, m in zip(sg.regions, flat[sg.group.name])]:
+        for t in [
+            transfer(m[sg.start : sg.start + sg.size], region)
+            for sg in self.subgroups
+            for region, m in zip(sg.regions, flat[sg.group.name])
+        ]:
             t.wait()
 
 
@@ -307,7 +329,7 @@ class _Pipeline:
     def take(self, i: int) -> Moments:
         tier, sg = self.tier, self.subgroups[i]
         if tier.kind != "nvme":
-            return tuple(m[sg.start:sg.start + sg.size] for m in tier._moments[sg.group.name])
+            return tuple(m[sg.start : sg.start + sg.size] for m in tier._moments[sg.group.name])
         while self.next_read <= i:
             self._issue(self.next_read, blocking=True)
         while self.next_read <= min(i + tier.read_ahead, len(self.subgroups) - 1) and self._issue(self.next_read):
@@ -316,7 +338,7 @@ class _Pipeline:
         for h in handles:
             h.wait()
         self.taken[i] = slabs
-        return tuple(s.tensor[:sg.size * 4].view(torch.float32) for s in slabs)
+        return tuple(s.tensor[: sg.size * 4].view(torch.float32) for s in slabs)
 
     def put_back(self, i: int, sg: SubGroup) -> None:
         if self.tier.kind != "nvme":
@@ -324,8 +346,7 @@ class _Pipeline:
         slabs = self.taken.pop(i)
         io = self.tier.io
         assert io is not None, "an nvme tier has an I/O engine"
-        handles = [io.write(r.file.path, s.tensor[:aligned(r.nbytes)], r.offset)
-                   for s, r in zip(slabs, sg.regions)]
+        handles = [io.write(r.file.path, s.tensor[: aligned(r.nbytes)], r.offset) for s, r in zip(slabs, sg.regions)]
         self.writes.append((slabs, handles))
         while self.writes and all(h.done() for h in self.writes[0][1]):
             self._finish_write()
@@ -357,8 +378,7 @@ class _Pipeline:
             slabs.append(slab or pool.borrow("optim"))
         io = self.tier.io
         assert io is not None, "an nvme tier has an I/O engine"
-        handles = [io.read(r.file.path, s.tensor[:aligned(r.nbytes)], r.offset)
-                   for s, r in zip(slabs, sg.regions)]
+        handles = [io.read(r.file.path, s.tensor[: aligned(r.nbytes)], r.offset) for s, r in zip(slabs, sg.regions)]
         self.reads[i] = (slabs, handles)
         self.next_read = i + 1
         return True
@@ -373,8 +393,9 @@ class _Pipeline:
                 self.tier.pool.give_back(s)
 
 
-def _fused_step(sg: SubGroup, params: torch.Tensor, grads: torch.Tensor, moments, hyper: dict,
-                steps: dict[int, torch.Tensor]) -> None:
+def _fused_step(
+    sg: SubGroup, params: torch.Tensor, grads: torch.Tensor, moments, hyper: dict, steps: dict[int, torch.Tensor]
+) -> None:
     """torch's fused AdamW on each span, one kernel call per parameter group (weight decay differs);
     `steps`: each piece's step count, already advanced, on the kernel's device."""
     by_group: dict[int, list[_Span]] = {}
@@ -382,8 +403,21 @@ def _fused_step(sg: SubGroup, params: torch.Tensor, grads: torch.Tensor, moments
         by_group.setdefault(id(hyper[id(span.piece)]), []).append(span)
     for spans in by_group.values():
         h = hyper[id(spans[0].piece)]
-        cut = lambda t: [t[s.offset:s.offset + s.size] for s in spans]  # noqa: E731
-        torch._fused_adamw_(cut(params), cut(grads), cut(moments[0]), cut(moments[1]), [],
-                            [steps[id(s.piece)] for s in spans], amsgrad=False,
-                            lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], weight_decay=h["weight_decay"],
-                            eps=h["eps"], maximize=False, grad_scale=None, found_inf=None)
+        cut = lambda t: [t[s.offset : s.offset + s.size] for s in spans]  # noqa: E731
+        torch._fused_adamw_(
+            cut(params),
+            cut(grads),
+            cut(moments[0]),
+            cut(moments[1]),
+            [],
+            [steps[id(s.piece)] for s in spans],
+            amsgrad=False,
+            lr=h["lr"],
+            beta1=h["betas"][0],
+            beta2=h["betas"][1],
+            weight_decay=h["weight_decay"],
+            eps=h["eps"],
+            maximize=False,
+            grad_scale=None,
+            found_inf=None,
+        )

@@ -4,6 +4,7 @@ it, dropped once the gather has taken its copy (clean: no write) — except the 
 last, which are reused at the turns (forward to backward, backward to the update) — and
 written back only after the optimizer changed it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,9 @@ class ParamTier:
     """`where[group.name]`: each group's shard's home (a swap-file region or a host tensor).
     `start()` moves every shard there and frees it on the device."""
 
-    def __init__(self, groups: list[FlatGroup], mover: Mover, where: dict[str, Where], read_ahead: int,
-                 keep_groups: int = 0):
+    def __init__(
+        self, groups: list[FlatGroup], mover: Mover, where: dict[str, Where], read_ahead: int, keep_groups: int = 0
+    ):
         self.groups, self.mover, self.where, self.read_ahead_groups = groups, mover, where, read_ahead
         self.keep_groups = keep_groups
         self._kept: OrderedDict[str, FlatGroup] = OrderedDict()  # clean, unused, resident: least recent first

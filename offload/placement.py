@@ -2,6 +2,7 @@
 is updated, CPU or GPU, chosen by a pure performance model (`plan`) over numbers measured once at
 start-up (`calibrate`); docs/design/offload.md §5.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -16,7 +17,7 @@ import torch
 from strata.parallel.runtime import pin_host, unpin_host
 
 FORCES = ("auto", "cpu", "gpu")
-MEMORY_MARGIN = 0.10   # of the free GPU memory, left to the allocator and everything else
+MEMORY_MARGIN = 0.10  # of the free GPU memory, left to the allocator and everything else
 # Adam's hyper-parameters do not change its speed; these only keep the synthetic state finite.
 _ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
 
@@ -24,13 +25,14 @@ _ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
 @dataclass(frozen=True)
 class Measured:
     """The model's inputs: link bandwidths in bytes/s, Adam throughputs in fp32 elements/s."""
-    cuda: bool                 # False: no CUDA device, so everything is updated on the CPU
-    b_h2d: float = 0.0         # pinned host -> device
-    b_d2h: float = 0.0         # device -> pinned host
-    r_cpu: float = 0.0         # fused AdamW on the CPU
-    r_gpu: float = 0.0         # fused AdamW on the GPU
-    kappa: float = 1.0         # CPU Adam slowdown while a copy streams (0 < kappa <= 1)
-    m_free: int = 0            # GPU bytes the update may use
+
+    cuda: bool  # False: no CUDA device, so everything is updated on the CPU
+    b_h2d: float = 0.0  # pinned host -> device
+    b_d2h: float = 0.0  # device -> pinned host
+    r_cpu: float = 0.0  # fused AdamW on the CPU
+    r_gpu: float = 0.0  # fused AdamW on the GPU
+    kappa: float = 1.0  # CPU Adam slowdown while a copy streams (0 < kappa <= 1)
+    m_free: int = 0  # GPU bytes the update may use
     # bytes moved per element: CPU path down, up; GPU path up, down (the paper's: the gradient
     # down and the parameter up; parameter and both moments each way). An engine whose device
     # already holds fp32 parameters moves other amounts and says so here.
@@ -45,23 +47,30 @@ class Measured:
             raise ValueError(f"with CUDA every bandwidth and throughput must be positive: {self}")
 
     def as_record(self) -> dict:
-        return {k: (v if isinstance(v, bool) else list(v) if isinstance(v, tuple) else int(v) if k == "m_free"
-                    else float(v))
-                for k, v in asdict(self).items()}
+        return {
+            k: (
+                v if isinstance(v, bool) else list(v) if isinstance(v, tuple) else int(v) if k == "m_free" else float(v)
+            )
+            for k, v in asdict(self).items()
+        }
 
 
 @dataclass(frozen=True)
 class Placement:
-    on_gpu: tuple[bool, ...]   # per sub-group, in update order
-    predicted_s: float         # the model's update time for this plan
-    all_cpu_s: float           # the model's update time with every sub-group on the CPU
-    reason: str                # one line: why
+    on_gpu: tuple[bool, ...]  # per sub-group, in update order
+    predicted_s: float  # the model's update time for this plan
+    all_cpu_s: float  # the model's update time with every sub-group on the CPU
+    reason: str  # one line: why
 
     def as_record(self) -> dict:
-        return {"sub_groups": len(self.on_gpu), "on_gpu": sum(self.on_gpu),
-                "plan": "".join("G" if g else "C" for g in self.on_gpu),
-                "predicted_s": float(self.predicted_s), "all_cpu_s": float(self.all_cpu_s),
-                "reason": self.reason}
+        return {
+            "sub_groups": len(self.on_gpu),
+            "on_gpu": sum(self.on_gpu),
+            "plan": "".join("G" if g else "C" for g in self.on_gpu),
+            "predicted_s": float(self.predicted_s),
+            "all_cpu_s": float(self.all_cpu_s),
+            "reason": self.reason,
+        }
 
 
 class _Link:
@@ -74,7 +83,7 @@ class _Link:
 
     def __init__(self, bytes_per_s: float):
         self.rate = bytes_per_s
-        self.busy: list[tuple[float, float]] = []   # sorted, disjoint
+        self.busy: list[tuple[float, float]] = []  # sorted, disjoint
 
     def slot(self, ready: float, nbytes: int) -> list[tuple[float, float]]:
         """The pieces of link time a copy of `nbytes` would use; the last ends when it is done."""
@@ -112,7 +121,7 @@ class _Schedule:
         self.m = m
         self.cpu = self.gpu = 0.0
         self.h2d, self.d2h = _Link(m.b_h2d), _Link(m.b_d2h)
-        self.in_flight: list[tuple[float, int]] = []   # GPU sub-groups: (write-back end, bytes), sorted
+        self.in_flight: list[tuple[float, int]] = []  # GPU sub-groups: (write-back end, bytes), sorted
 
     def cpu_path(self, n: int) -> dict[str, list[tuple[float, float]]]:
         down, up = self.m.traffic[:2]
@@ -200,14 +209,26 @@ def plan(sizes: list[int], m: Measured, force: str = "auto") -> Placement:
     if force == "cpu":
         return Placement(on_gpu, t, all_cpu_s, f"forced: all {count} sub-groups on the CPU, predicted {t:.3g} s")
     if force == "auto" and t > all_cpu_s:  # greedy, so it can lose to all-CPU (a few % of random cases)
-        return Placement((False,) * count, all_cpu_s, all_cpu_s, f"model: all {count} sub-groups on the CPU, "
-                         f"predicted {all_cpu_s:.3g} s (the greedy mix of {sum(on_gpu)} on the GPU: {t:.3g} s)")
+        return Placement(
+            (False,) * count,
+            all_cpu_s,
+            all_cpu_s,
+            f"model: all {count} sub-groups on the CPU, "
+            f"predicted {all_cpu_s:.3g} s (the greedy mix of {sum(on_gpu)} on the GPU: {t:.3g} s)",
+        )
     head = f"forced: all {count}" if force == "gpu" else f"model: {sum(on_gpu)} of {count}"
     too_big = sum(m.traffic[2] * n > m.m_free for n in sizes)
-    tail = (f"; {too_big} {'need more than' if force == 'gpu' else 'too large for'} the {m.m_free / 2**30:.3g} GiB "
-            "of free GPU memory") if too_big else ""
-    return Placement(on_gpu, t, all_cpu_s, f"{head} sub-groups on the GPU, predicted {t:.3g} s vs "
-                     f"{all_cpu_s:.3g} s all-CPU{tail}")
+    tail = (
+        (
+            f"; {too_big} {'need more than' if force == 'gpu' else 'too large for'} the {m.m_free / 2**30:.3g} GiB "
+            "of free GPU memory"
+        )
+        if too_big
+        else ""
+    )
+    return Placement(
+        on_gpu, t, all_cpu_s, f"{head} sub-groups on the GPU, predicted {t:.3g} s vs {all_cpu_s:.3g} s all-CPU{tail}"
+    )
 
 
 # --- calibration ------------------------------------------------------------------------------
@@ -219,8 +240,19 @@ def _adam_state(n: int, device: torch.device | str) -> list[list[torch.Tensor]]:
 def _adam_step(state: list[list[torch.Tensor]]) -> None:
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = state
     torch._foreach_add_(steps, 1)
-    torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=False,
-                        maximize=False, grad_scale=None, found_inf=None, **_ADAM)
+    torch._fused_adamw_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        steps,
+        amsgrad=False,
+        maximize=False,
+        grad_scale=None,
+        found_inf=None,
+        **_ADAM,
+    )
 
 
 def _wall_s(fn: Callable[[], None], repeats: int, warm_up_s: float = 0.05) -> float:
@@ -278,12 +310,20 @@ def calibrate(device: torch.device, sample_elems: int = 1 << 22, repeats: int = 
         torch.cuda.synchronize(device)
         if pinned:
             unpin_host(host)
-    return Measured(cuda=True, b_h2d=b_h2d, b_d2h=b_d2h, r_cpu=sample_elems / t_cpu,
-                    r_gpu=sample_elems / t_gpu, kappa=kappa, m_free=int(free * (1 - MEMORY_MARGIN)))
+    return Measured(
+        cuda=True,
+        b_h2d=b_h2d,
+        b_d2h=b_d2h,
+        r_cpu=sample_elems / t_cpu,
+        r_gpu=sample_elems / t_gpu,
+        kappa=kappa,
+        m_free=int(free * (1 - MEMORY_MARGIN)),
+    )
 
 
-def _measure_cuda(device: torch.device, host: torch.Tensor, cpu_state: list[list[torch.Tensor]], t_cpu: float,
-                  repeats: int) -> tuple[float, float, float, float]:
+def _measure_cuda(
+    device: torch.device, host: torch.Tensor, cpu_state: list[list[torch.Tensor]], t_cpu: float, repeats: int
+) -> tuple[float, float, float, float]:
     """(b_h2d, b_d2h, GPU Adam seconds, κ); its device tensors are freed on return."""
     nbytes = host.numel()
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)

@@ -10,6 +10,7 @@ none comes back in time it raises an error naming who holds the slabs — the bu
 exceeded, because nothing allocates outside the arena. With CUDA the arena is pinned once with
 cudaHostRegister (never `pin_memory()`, which rounds up to a power of two and caches forever).
 """
+
 from __future__ import annotations
 
 import mmap
@@ -32,7 +33,7 @@ class OffloadBudgetError(StrataError):
 class Slab:
     index: int
     stream: str
-    tensor: torch.Tensor   # uint8, page-aligned, slab_bytes long
+    tensor: torch.Tensor  # uint8, page-aligned, slab_bytes long
 
     @property
     def view(self) -> memoryview:
@@ -42,8 +43,13 @@ class Slab:
 class HostPool:
     """See the module docstring. `min_slabs`: {stream: slabs it is always able to get}."""
 
-    def __init__(self, staging_bytes: int, slab_bytes: int = 4 << 20, resident_bytes: int = 0,
-                 min_slabs: dict[str, int] | None = None):
+    def __init__(
+        self,
+        staging_bytes: int,
+        slab_bytes: int = 4 << 20,
+        resident_bytes: int = 0,
+        min_slabs: dict[str, int] | None = None,
+    ):
         if slab_bytes <= 0 or slab_bytes % ALIGN:
             raise ConfigError([f"offload slab size {slab_bytes} must be a positive multiple of {ALIGN} bytes"])
         self.slab_bytes, self.n_slabs = slab_bytes, staging_bytes // slab_bytes
@@ -51,9 +57,13 @@ class HostPool:
         reserved = sum(self.min_slabs.values())
         if self.n_slabs < max(reserved, 1):
             need = max(reserved, 1) * slab_bytes / 2**20
-            raise ConfigError([f"offload.host_buffer_mb={staging_bytes / 2**20:g} holds {self.n_slabs} slabs of "
-                               f"{slab_bytes / 2**20:g} MiB, fewer than the {max(reserved, 1)} the streams need at "
-                               f"least ({self.min_slabs}); set it to at least {need:g}"])
+            raise ConfigError(
+                [
+                    f"offload.host_buffer_mb={staging_bytes / 2**20:g} holds {self.n_slabs} slabs of "
+                    f"{slab_bytes / 2**20:g} MiB, fewer than the {max(reserved, 1)} the streams need at "
+                    f"least ({self.min_slabs}); set it to at least {need:g}"
+                ]
+            )
         self.resident_bytes = aligned(resident_bytes)
         total = self.resident_bytes + self.n_slabs * slab_bytes
         self._arena = mmap.mmap(-1, total)  # page-aligned; lives as long as the pool (views keep it)
@@ -71,10 +81,12 @@ class HostPool:
         """A page-aligned tensor of `nbytes` (rounded up to 4 KiB) from the resident region."""
         size = aligned(nbytes)
         if self._resident_used + size > self.resident_bytes:
-            raise OffloadBudgetError(f"the offload pool's resident region ({self.resident_bytes} bytes) is planned "
-                                     f"too small: {self._resident_used} used, {size} more asked for (a bug in "
-                                     "the offload plan; please report it)")
-        out = self.arena[self._resident_used:self._resident_used + nbytes]
+            raise OffloadBudgetError(
+                f"the offload pool's resident region ({self.resident_bytes} bytes) is planned "
+                f"too small: {self._resident_used} used, {size} more asked for (a bug in "
+                "the offload plan; please report it)"
+            )
+        out = self.arena[self._resident_used : self._resident_used + nbytes]
         self._resident_used += size
         return out.view(dtype)
 
@@ -100,7 +112,7 @@ class HostPool:
         self._held[stream] = self._held.get(stream, 0) + 1
         self.peak_slabs = max(self.peak_slabs, self.n_slabs - len(self._free))
         base = self.resident_bytes + index * self.slab_bytes
-        return Slab(index, stream, self.arena[base:base + self.slab_bytes])
+        return Slab(index, stream, self.arena[base : base + self.slab_bytes])
 
     def try_borrow(self, stream: str) -> Slab | None:
         """A free slab for `stream` if one may be taken now, else None (never waits): a transfer
@@ -127,9 +139,11 @@ class HostPool:
 
     def _exhausted(self, stream: str, timeout_s: float) -> str:
         held = " ".join(f"{s}:{n}" for s, n in sorted(self._held.items()) if n)
-        return (f"offload.host_buffer_mb={self.n_slabs * self.slab_bytes / 2**20:g} ({self.n_slabs} slabs of "
-                f"{self.slab_bytes / 2**20:g} MiB) stayed exhausted for {timeout_s:g} s while {stream!r} waited for a "
-                f"slab; held by {held or 'nobody'}. Raise offload.host_buffer_mb, or read fewer blocks ahead")
+        return (
+            f"offload.host_buffer_mb={self.n_slabs * self.slab_bytes / 2**20:g} ({self.n_slabs} slabs of "
+            f"{self.slab_bytes / 2**20:g} MiB) stayed exhausted for {timeout_s:g} s while {stream!r} waited for a "
+            f"slab; held by {held or 'nobody'}. Raise offload.host_buffer_mb, or read fewer blocks ahead"
+        )
 
     @property
     def peak_staging_bytes(self) -> int:

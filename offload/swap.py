@@ -2,6 +2,7 @@
 pool's slabs, a few chunks in flight) or a host tensor. Transfers run on a worker thread per
 stream and return a `Transfer` to wait on, so reads are issued ahead of use and writes behind it.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,6 +21,7 @@ from strata.offload.pool import HostPool, Slab
 @dataclass(frozen=True)
 class FileRegion:
     """`nbytes` at `offset` (aligned) of a swap file."""
+
     file: SwapFile
     offset: int
     nbytes: int
@@ -54,8 +56,7 @@ class Mover:
     transfer is one copy. CUDA tensors are copied on a side stream of their own, after the work
     queued so far on the caller's stream (so a write sees the values the caller computed)."""
 
-    def __init__(self, pool: HostPool, engine: IOEngine | None, stream: str, depth: int = 4,
-                 timeout_s: float = 120.0):
+    def __init__(self, pool: HostPool, engine: IOEngine | None, stream: str, depth: int = 4, timeout_s: float = 120.0):
         self.pool, self.engine, self.stream = pool, engine, stream
         self.depth, self.timeout_s = max(1, depth), timeout_s
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"strata-{stream}")
@@ -110,8 +111,8 @@ class Mover:
         engine = self._file_engine()
         with _InFlight(self) as flight:
             for pos, n, slab in flight.chunks(data.numel()):
-                self._copy(slab.tensor[:n], data[pos:pos + n], ready)
-                flight.add(engine.write(where.file.path, slab.tensor[:aligned(n)], where.offset + pos), slab)
+                self._copy(slab.tensor[:n], data[pos : pos + n], ready)
+                flight.add(engine.write(where.file.path, slab.tensor[: aligned(n)], where.offset + pos), slab)
 
     def _read(self, dst: torch.Tensor, where: Where, ready) -> None:
         data = _bytes(dst)
@@ -122,8 +123,8 @@ class Mover:
         engine = self._file_engine()
         with _InFlight(self) as flight:
             for pos, n, slab in flight.chunks(data.numel()):
-                handle = engine.read(where.file.path, slab.tensor[:aligned(n)], where.offset + pos)
-                flight.add(handle, slab, lambda s=slab, p=pos, n=n: self._copy(data[p:p + n], s.tensor[:n], ready))
+                handle = engine.read(where.file.path, slab.tensor[: aligned(n)], where.offset + pos)
+                flight.add(handle, slab, lambda s=slab, p=pos, n=n: self._copy(data[p : p + n], s.tensor[:n], ready))
 
 
 class _InFlight:
@@ -182,5 +183,6 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _check_fits(data: torch.Tensor, where: FileRegion) -> None:
     if data.numel() > where.nbytes:
-        raise ValueError(f"{data.numel()} bytes do not fit the {where.nbytes}-byte region at {where.offset} of "
-                         f"{where.file.path}")
+        raise ValueError(
+            f"{data.numel()} bytes do not fit the {where.nbytes}-byte region at {where.offset} of {where.file.path}"
+        )

@@ -3,6 +3,7 @@ directory and I/O engine, the parameter and optimizer tiers, the Deep Optimizer 
 and the activation offloader — with every start-up check (paths, disk space, host memory) done
 before the first step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,8 +42,9 @@ class Tiers:
             # the shards already live in host memory: moving them to other host memory costs two
             # copies per use and saves nothing (the tier's copy path runs on GPU machines)
             devices["params"] = "none"
-            self.notes.append("offload.params.device=cpu: the parameters already live in host memory (no GPU), "
-                              "nothing to move")
+            self.notes.append(
+                "offload.params.device=cpu: the parameters already live in host memory (no GPU), nothing to move"
+            )
         streams = pool_streams(devices)
         groups = engine.groups if engine is not None else []
         resident = 0
@@ -73,11 +75,22 @@ class Tiers:
         if act.offload != "none":
             nvme = act.offload == "nvme"
             inflight = None if act.max_inflight_mb is None else int(act.max_inflight_mb * 2**20)
-            self.activations = ActivationOffloader(act.offload, act.min_bytes, self.movers.get("activations"),
-                                                   self._swap_file("activations") if nvme else None, inflight)
+            self.activations = ActivationOffloader(
+                act.offload,
+                act.min_bytes,
+                self.movers.get("activations"),
+                self._swap_file("activations") if nvme else None,
+                inflight,
+            )
 
-    def _build_zero_tiers(self, engine: ZeroEngine, devices: dict[str, str], params: ParamOffloadConfig,
-                          update_on: str, device: torch.device) -> None:
+    def _build_zero_tiers(
+        self,
+        engine: ZeroEngine,
+        devices: dict[str, str],
+        params: ParamOffloadConfig,
+        update_on: str,
+        device: torch.device,
+    ) -> None:
         groups = engine.groups
         if devices["params"] != "none":
             where: dict[str, Where] = {}
@@ -90,14 +103,20 @@ class Tiers:
                     where[g.name] = self.pool.resident(nbytes, g.shard.dtype)
             self.param_tier = ParamTier(groups, self.movers["params"], where, params.read_ahead, params.keep_groups)
         kind = KIND_OF[devices["optim"]]
-        optim_tier = self.optim_tier = OptimTier(groups, engine.optimizer, kind, self.pool, self.io,
-                                                 self._swap_file("optim") if kind == "nvme" else None,
-                                                 self.param_tier, mover=self.movers.get("optim"))
+        optim_tier = self.optim_tier = OptimTier(
+            groups,
+            engine.optimizer,
+            kind,
+            self.pool,
+            self.io,
+            self._swap_file("optim") if kind == "nvme" else None,
+            self.param_tier,
+            mover=self.movers.get("optim"),
+        )
         if kind != "device":
             # a sample as large as the state (up to 16M elements): a cache-sized one overstates CPU Adam
             total = sum(sg.size for sg in optim_tier.subgroups)
-            self.measured = replace(calibrate(device, sample_elems=min(1 << 24, max(1 << 20, total))),
-                                    traffic=TRAFFIC)
+            self.measured = replace(calibrate(device, sample_elems=min(1 << 24, max(1 << 20, total))), traffic=TRAFFIC)
             self.placement = plan([sg.size for sg in optim_tier.subgroups], self.measured, update_on)
             optim_tier.place(list(self.placement.on_gpu))
         engine.use_tiers(self.param_tier, self.optim_tier)
@@ -125,23 +144,33 @@ class Tiers:
     def metrics(self) -> dict:
         """Counters for metrics.jsonl: swap bytes moved, time compute waited on them, pool peaks."""
         out: dict[str, Any] = {
-            "pool_peak_bytes": self.pool.peak_staging_bytes, "pool_resident_bytes": self.pool.resident_bytes,
-            "pool_waits": self.pool.waits, "host_peak_bytes": proc_status_bytes("VmHWM"),
-            "io_stall_s": sum(m.stalled_s for m in self.movers.values())}
+            "pool_peak_bytes": self.pool.peak_staging_bytes,
+            "pool_resident_bytes": self.pool.resident_bytes,
+            "pool_waits": self.pool.waits,
+            "host_peak_bytes": proc_status_bytes("VmHWM"),
+            "io_stall_s": sum(m.stalled_s for m in self.movers.values()),
+        }
         if self.io is not None:
             assert self.swap is not None, "an I/O engine comes with a swap directory"
-            out.update(io_read_bytes=self.io.bytes_read, io_write_bytes=self.io.bytes_written,
-                       swap_file_bytes={k: max(f.size, f.allocated) for k, f in self.swap.files.items()})
+            out.update(
+                io_read_bytes=self.io.bytes_read,
+                io_write_bytes=self.io.bytes_written,
+                swap_file_bytes={k: max(f.size, f.allocated) for k, f in self.swap.files.items()},
+            )
         if self.activations is not None:
             stats = self.activations.stats
-            out["activations"] = {k: stats[k] for k in ("packed", "deduplicated", "bytes_offloaded", "reads",
-                                                        "forwarded", "peak_live_saved_bytes")}
+            out["activations"] = {
+                k: stats[k]
+                for k in ("packed", "deduplicated", "bytes_offloaded", "reads", "forwarded", "peak_live_saved_bytes")
+            }
         return out
 
     def startup_record(self) -> dict:
         """What was decided at start-up, logged once: the placement and the measurements behind it."""
-        record: dict[str, Any] = {"offload_pool_bytes": self.pool.n_slabs * self.pool.slab_bytes,
-                  "offload_resident_bytes": self.pool.resident_bytes}
+        record: dict[str, Any] = {
+            "offload_pool_bytes": self.pool.n_slabs * self.pool.slab_bytes,
+            "offload_resident_bytes": self.pool.resident_bytes,
+        }
         if self.placement is not None:
             assert self.measured is not None, "a placement is planned from measurements"
             record["offload_placement"] = self.placement.as_record()
@@ -168,6 +197,10 @@ def _check_host_memory(nbytes: int) -> None:
         info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
     available = info.get("MemAvailable", 0)
     if nbytes > 0.9 * available:
-        raise ConfigError([f"offload to cpu needs {nbytes / 2**30:.2f} GiB of host memory on this rank, but only "
-                           f"{available / 2**30:.2f} GiB is available; offload to nvme instead (offload.nvme_path), "
-                           "or use more ranks"])
+        raise ConfigError(
+            [
+                f"offload to cpu needs {nbytes / 2**30:.2f} GiB of host memory on this rank, but only "
+                f"{available / 2**30:.2f} GiB is available; offload to nvme instead (offload.nvme_path), "
+                "or use more ranks"
+            ]
+        )

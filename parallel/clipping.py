@@ -1,5 +1,6 @@
 """Gradient-norm clipping across a parallel layout: the norm of the *global* gradient, as one
 process holding the whole model would compute it (torch.nn.utils.clip_grad_norm_'s rule)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -11,8 +12,14 @@ from strata.parallel import comm
 from strata.parallel.tensor import placement_of
 
 
-def global_grad_norm(tp_sharded: list[torch.Tensor], replicated: list[torch.Tensor], tp_group=None,
-                     pp_group=None, partition_group=None, device: torch.device | None = None) -> torch.Tensor:
+def global_grad_norm(
+    tp_sharded: list[torch.Tensor],
+    replicated: list[torch.Tensor],
+    tp_group=None,
+    pp_group=None,
+    partition_group=None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """The 2-norm of the whole model's gradient from this rank's pieces: squares of tp shards are
     summed over tp (replicated tensors counted once), then over `partition_group` (ranks that
     each hold a different part of the same gradients: ZeRO shards), then over the pipeline
@@ -33,15 +40,24 @@ def scale_to_norm(grads: list[torch.Tensor], max_norm: float, total: torch.Tenso
         g.mul_(coef.to(g.dtype))
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, tp_group=None, pp_group=None,
-                   counted_elsewhere: Sequence[nn.Parameter] = ()) -> torch.Tensor:
+def clip_grad_norm(
+    params: list[nn.Parameter],
+    max_norm: float,
+    tp_group=None,
+    pp_group=None,
+    counted_elsewhere: Sequence[nn.Parameter] = (),
+) -> torch.Tensor:
     """Clip parameters' gradients by the global norm. Parameters in `counted_elsewhere` (a tied
     embedding's second copy) are clipped but not counted again."""
     if tp_group is None and pp_group is None and not counted_elsewhere:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)  # one rank holds everything
     skip = {id(p) for p in counted_elsewhere}
     counted = [(p, p.grad) for p in params if p.grad is not None and id(p) not in skip]
-    total = global_grad_norm([g for p, g in counted if placement_of(p).shard_dim is not None],
-                             [g for p, g in counted if placement_of(p).shard_dim is None], tp_group, pp_group)
+    total = global_grad_norm(
+        [g for p, g in counted if placement_of(p).shard_dim is not None],
+        [g for p, g in counted if placement_of(p).shard_dim is None],
+        tp_group,
+        pp_group,
+    )
     scale_to_norm([p.grad for p in params if p.grad is not None], max_norm, total)
     return total

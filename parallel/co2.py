@@ -71,6 +71,7 @@ mid-round too. The live parameters and the inner optimizer are the trainer's to 
 Memory: the anchor, the round's start, the momentum and the in-flight delta are each one fp32
 copy of the local parameters. Counters: the outer all-reduce is counted under dim "co2".
 """
+
 from __future__ import annotations
 
 import torch
@@ -90,9 +91,18 @@ class CO2:
     None: these parameters are the whole model.
     """
 
-    def __init__(self, params: list[torch.Tensor], outer_group, outer_every: int, outer_lr: float = 1.0,
-                 outer_momentum: float = 0.0, staleness_penalty: float = 0.0, clip: float | None = None,
-                 overlap: bool = True, norm_group=None):
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        outer_group,
+        outer_every: int,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        staleness_penalty: float = 0.0,
+        clip: float | None = None,
+        overlap: bool = True,
+        norm_group=None,
+    ):
         if outer_every < 1:
             raise ValueError(f"CO2: outer_every must be >= 1, got {outer_every}")
         if clip is not None and clip < 0:
@@ -105,8 +115,8 @@ class CO2:
         self.anchor = self._flat().clone()
         self.start = self.anchor.clone()  # where this replica began the current round
         self.momentum = torch.zeros_like(self.anchor)
-        self.steps = 0     # inner steps taken (finish() rounds it up to close a partial last round)
-        self.rounds = 0    # rounds ended
+        self.steps = 0  # inner steps taken (finish() rounds it up to close a partial last round)
+        self.rounds = 0  # rounds ended
         self.pending: tuple[comm.AsyncWork, torch.Tensor] | None = None
         self.last_clip_scale = 1.0
         self._numel: int | None = None  # parameters over norm_group (computed once, when first needed)
@@ -123,7 +133,7 @@ class CO2:
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.copy_(flat[offset:offset + n].view_as(p))
+            p.copy_(flat[offset : offset + n].view_as(p))
             offset += n
 
     # --- the algorithm ---------------------------------------------------------------------------
@@ -230,17 +240,25 @@ class CO2:
             work, delta = self.pending
             work.wait()
             self.pending = (comm.AsyncWork(None, 0.0), delta)  # done: later waits return at once
-        return {"numel": self.anchor.numel(), "world": self.world, "steps": self.steps, "rounds": self.rounds,
-                "anchor": self.anchor.clone(), "start": self.start.clone(), "momentum": self.momentum.clone(),
-                "pending": None if self.pending is None else self.pending[1].clone(),
-                "last_clip_scale": self.last_clip_scale}
+        return {
+            "numel": self.anchor.numel(),
+            "world": self.world,
+            "steps": self.steps,
+            "rounds": self.rounds,
+            "anchor": self.anchor.clone(),
+            "start": self.start.clone(),
+            "momentum": self.momentum.clone(),
+            "pending": None if self.pending is None else self.pending[1].clone(),
+            "last_clip_scale": self.last_clip_scale,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`'s output into this CO2 (built over parameters of the same sizes, in
         the same outer world). Leaves the parameters alone: the trainer restores those itself."""
         if state["numel"] != self.anchor.numel():
-            raise ValueError(f"CO2 state holds {state['numel']} parameter elements, these parameters have "
-                             f"{self.anchor.numel()}")
+            raise ValueError(
+                f"CO2 state holds {state['numel']} parameter elements, these parameters have {self.anchor.numel()}"
+            )
         if state["world"] != self.world:
             raise ValueError(f"CO2 state was saved with {state['world']} replicas, this outer group has {self.world}")
         self.anchor.copy_(state["anchor"])

@@ -2,6 +2,7 @@
 parallel dimension moves (`bytes_moved`: payload per (dim, op)) and the bytes each rank puts on
 the wire per hardware link level (`bytes_by_link`: intra-gpu / intra-node / inter-node, ring
 algorithm estimates), which benchmarks, tests and the run summary read."""
+
 from __future__ import annotations
 
 import threading
@@ -146,8 +147,9 @@ def all_gather(tensor: torch.Tensor, group, dim: str) -> list[torch.Tensor]:
     return parts
 
 
-def all_gather_into_views(views: list[torch.Tensor], tensor: torch.Tensor, group, dim: str,
-                          async_op: bool = False) -> AsyncWork | None:
+def all_gather_into_views(
+    views: list[torch.Tensor], tensor: torch.Tensor, group, dim: str, async_op: bool = False
+) -> AsyncWork | None:
     """Group rank i's `tensor` into `views[i]` (any views, e.g. permuted pieces of one flat
     buffer: no copy-out). With `async_op`, returns the work in flight (wait before reading the
     views). Counts the bytes of the local input, as `all_gather` does."""
@@ -179,8 +181,9 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 def send_tensor(tensor: torch.Tensor, dst: int, dim: str) -> None:
     """Blocking send of a tensor of any shape to global rank `dst`: a header (dtype, ndim,
     shape), then the data. Pair with `recv_tensor`."""
-    header = torch.tensor([_DTYPES.index(tensor.dtype), tensor.ndim, *tensor.shape], dtype=torch.int64,
-                          device=tensor.device)  # on the data's device: NCCL sends only GPU tensors
+    header = torch.tensor(
+        [_DTYPES.index(tensor.dtype), tensor.ndim, *tensor.shape], dtype=torch.int64, device=tensor.device
+    )  # on the data's device: NCCL sends only GPU tensors
     dist.send(torch.tensor([len(header)], dtype=torch.int64, device=tensor.device), dst)
     dist.send(header, dst)
     delay = _count(dim, "send", tensor, peer=dst)
@@ -194,7 +197,7 @@ def recv_tensor(src: int, device: torch.device, dim: str) -> torch.Tensor:
     header = torch.empty(int(n), dtype=torch.int64, device=device)
     dist.recv(header, src)
     dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-    out = torch.empty([int(d) for d in header[2:2 + ndim]], dtype=dtype, device=device)
+    out = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype, device=device)
     dist.recv(out, src)
     _count(dim, "recv", out)
     return out
@@ -221,8 +224,9 @@ def all_gather_along(tensor: torch.Tensor, group, dim: str, axis: int) -> torch.
     return out.movedim(0, axis).contiguous()
 
 
-def reduce_scatter_along(tensor: torch.Tensor, group, dim: str, axis: int,
-                         op: RedOp = dist.ReduceOp.SUM) -> torch.Tensor:
+def reduce_scatter_along(
+    tensor: torch.Tensor, group, dim: str, axis: int, op: RedOp = dist.ReduceOp.SUM
+) -> torch.Tensor:
     """This member's chunk of the group-wide reduction of `tensor`: the reduced tensor split
     evenly along tensor axis `axis` into group-size chunks, chunk i to group rank i. Returns
     `tensor` itself without a group. Counts the bytes of the (full) input."""
@@ -230,8 +234,10 @@ def reduce_scatter_along(tensor: torch.Tensor, group, dim: str, axis: int,
         return tensor
     size = dist.get_world_size(group)
     if tensor.shape[axis] % size:
-        raise ValueError(f"reduce_scatter_along: axis {axis} of shape {tuple(tensor.shape)} is not divisible "
-                         f"by the group size {size}")
+        raise ValueError(
+            f"reduce_scatter_along: axis {axis} of shape {tuple(tensor.shape)} is not divisible "
+            f"by the group size {size}"
+        )
     delay = _count(dim, "reduce_scatter", tensor, group)
     front = tensor.movedim(axis, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))

@@ -2,6 +2,7 @@
 of a tensor maps back to boxes of it, so a shard can be saved in the global layout (a box is
 DCP's (offsets, sizes) chunk of one tensor).
 """
+
 from __future__ import annotations
 
 import math
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Box:
     """A dense sub-block of a tensor: index ranges [offsets[d], offsets[d] + sizes[d])."""
+
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
 
@@ -71,6 +73,7 @@ def range_to_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
 @dataclass(frozen=True)
 class Segment:
     """Where one parameter lives in a flat buffer."""
+
     name: str
     shape: tuple[int, ...]
     offset: int

@@ -6,6 +6,7 @@ looped/interleaved schedules, or r and 2P−1−r for the V-shaped zero-bubble o
 Stages hold the model's own modules under their original names, so a stage's state_dict keys are
 the unsharded model's and checkpoints stay in the global layout.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ def stage_indices(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> 
 @dataclass(frozen=True)
 class StagePlan:
     """Stage `index` of `num_stages` runs layers [first_layer, first_layer + n_layers)."""
+
     index: int
     num_stages: int
     first_layer: int
@@ -99,8 +101,11 @@ class Stage(nn.Module):
 def split_stages(model: GPT, pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[Stage]:
     """This pipeline rank's stages of `model`, in execution order (on the model's device, which
     may be meta: materialise them before building the `Pipeline`)."""
-    plans = plan_stages(model.cfg.n_layers, pp * virtual_stages,
-                        stage_indices(pp_rank, pp, virtual_stages, schedule_name(schedule, virtual_stages)))
+    plans = plan_stages(
+        model.cfg.n_layers,
+        pp * virtual_stages,
+        stage_indices(pp_rank, pp, virtual_stages, schedule_name(schedule, virtual_stages)),
+    )
     return [Stage(model, plan) for plan in plans]
 
 
@@ -108,6 +113,7 @@ def split_stages(model: GPT, pp_rank: int, pp: int, virtual_stages: int, schedul
 class StageShapes:
     """Shapes of one micro-batch at the stage boundaries: token ids into the first stage, the
     hidden states between stages, the logits out of the last."""
+
     tokens: tuple[int, ...]
     hidden: tuple[int, ...]
     logits: tuple[int, ...]
@@ -118,8 +124,11 @@ class StageShapes:
         # requires_grad marks what carries a gradient back (torch derives the backward metadata from it)
         hidden = torch.empty(self.hidden, device=device, requires_grad=True)
         inputs = torch.empty(self.tokens, dtype=torch.long, device=device) if plan.is_first else hidden
-        outputs = (torch.empty(self.logits, dtype=self.logits_dtype, device=device, requires_grad=True)
-                   if plan.is_last else hidden)
+        outputs = (
+            torch.empty(self.logits, dtype=self.logits_dtype, device=device, requires_grad=True)
+            if plan.is_last
+            else hidden
+        )
         return {"input_args": (inputs,), "output_args": (outputs,)}
 
 
@@ -128,8 +137,19 @@ class Pipeline:
     static boundary metadata from `shapes` (torch would otherwise infer it by running a real
     forward/backward, which the ZeRO engine's gradient hooks would take for a step)."""
 
-    def __init__(self, parts: list[Stage], loss_fn, group, pp: int, virtual_stages: int, schedule: str,
-                 microbatches: int, device: torch.device, tied_group, shapes: StageShapes):
+    def __init__(
+        self,
+        parts: list[Stage],
+        loss_fn,
+        group,
+        pp: int,
+        virtual_stages: int,
+        schedule: str,
+        microbatches: int,
+        device: torch.device,
+        tied_group,
+        shapes: StageShapes,
+    ):
         self.group, self.microbatches, self.parts = group, microbatches, parts
         self.name = schedule_name(schedule, virtual_stages)
         num_stages = pp * virtual_stages
@@ -141,17 +161,27 @@ class Pipeline:
         if tied_group is not None and self.has_first != self.has_last:
             edge = next(p for p in parts if p.plan.is_first or p.plan.is_last)
             self.tied_weight = edge.tok_embeddings.weight if self.has_first else edge.output.weight
-        stages = [pipelining.PipelineStage(part, part.plan.index, num_stages, device, group=group,
-                                           **shapes.stage_args(part.plan, device))
-                  for part in parts]
+        stages = [
+            pipelining.PipelineStage(
+                part, part.plan.index, num_stages, device, group=group, **shapes.stage_args(part.plan, device)
+            )
+            for part in parts
+        ]
         # Gradients are averaged over micro-batches by the engine, not by the schedule: its scale_grads
         # divides per stage, so a tied embedding held by two local stages would be divided twice.
         cls = SCHEDULES[self.name]
-        self.schedule = cls(stages[0] if self.name in SINGLE_STAGE_SCHEDULES else stages,
-                            n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.schedule = cls(
+            stages[0] if self.name in SINGLE_STAGE_SCHEDULES else stages,
+            n_microbatches=microbatches,
+            loss_fn=loss_fn,
+            scale_grads=False,
+        )
         self._loss_fn = loss_fn
-        self._stage_owner = {s: dist.get_global_rank(group, r)
-                             for r in range(pp) for s in stage_indices(r, pp, virtual_stages, self.name)}
+        self._stage_owner = {
+            s: dist.get_global_rank(group, r)
+            for r in range(pp)
+            for s in stage_indices(r, pp, virtual_stages, self.name)
+        }
         self._num_stages = num_stages
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

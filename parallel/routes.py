@@ -2,6 +2,7 @@
 rank's reduce-scatters and all-gathers over digit groups, fastest level first (or one collective
 over the whole span when not hierarchical). The ZeRO engine's only communication pattern.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -38,7 +39,9 @@ class Routes:
     def steps(self, fine: str, coarse: str) -> list[tuple[str, str, object, list[int]]]:
         """The collectives from partitioning at `fine` to `coarse`: (inner, outer, group, members)."""
         a, b = CHAIN.index(fine), CHAIN.index(coarse)
-        pairs = list(zip(CHAIN[a:b], CHAIN[a + 1:b + 1])) if self.hierarchical else ([(fine, coarse)] if a < b else [])
+        pairs = (
+            list(zip(CHAIN[a:b], CHAIN[a + 1 : b + 1])) if self.hierarchical else ([(fine, coarse)] if a < b else [])
+        )
         out = []
         for inner, outer in pairs:
             if (inner, outer) not in self._groups:
@@ -54,12 +57,13 @@ class Routes:
         for inner, outer, group, members in self.steps(fine, coarse):
             base, _ = self.span(inner, numel)
             size = numel // self.count(outer)
-            views = [buf[s - base:s - base + size] for s in (self.span(outer, numel, m)[0] for m in members)]
+            views = [buf[s - base : s - base + size] for s in (self.span(outer, numel, m)[0] for m in members)]
             buf = comm.reduce_scatter_views(buf.new_empty(size), views, group, self.dim)
         return buf
 
-    def gather(self, chunk: torch.Tensor, fine: str, coarse: str, out: torch.Tensor, numel: int,
-               async_op: bool = False) -> PendingGather:
+    def gather(
+        self, chunk: torch.Tensor, fine: str, coarse: str, out: torch.Tensor, numel: int, async_op: bool = False
+    ) -> PendingGather:
         """Fill `out` (this rank's `fine` chunk) from every rank's `coarse` chunk, this rank's
         being `chunk`. With `async_op` the first collective is started and the rest run at
         `wait()` (each step needs the previous one's result)."""
@@ -69,13 +73,13 @@ class Routes:
         def step(i: int, source: torch.Tensor, async_first: bool):
             inner, outer, group, members = steps[i]
             size = numel // self.count(outer)
-            views = [out[s - base:s - base + size] for s in (self.span(outer, numel, m)[0] for m in members)]
+            views = [out[s - base : s - base + size] for s in (self.span(outer, numel, m)[0] for m in members)]
             return comm.all_gather_into_views(views, source.clone(), group, self.dim, async_op=async_first)
 
         def rest():
             for i in range(1, len(steps)):
                 start, size = self.span(steps[i][1], numel)
-                step(i, out[start - base:start - base + size], False)
+                step(i, out[start - base : start - base + size], False)
 
         if not steps:  # nothing to gather from others: the chunk is the whole of `out`
             if chunk.data_ptr() != out.data_ptr():

@@ -1,5 +1,6 @@
 """Process start-up: join the torch.distributed world that torchrun (or srun) describes in the
 environment, pick the device, and leave cleanly."""
+
 from __future__ import annotations
 
 import ctypes
@@ -72,8 +73,11 @@ def pin_host(buffer: torch.Tensor) -> bool:
     if int(err) == 0:
         return True
     _clear_cuda_error()
-    warnings.warn(f"cudaHostRegister of a {nbytes}-byte host buffer failed ({cudart.cudaGetErrorString(err)}); it "
-                  "stays pageable: host-device copies through it will be slower", stacklevel=2)
+    warnings.warn(
+        f"cudaHostRegister of a {nbytes}-byte host buffer failed ({cudart.cudaGetErrorString(err)}); it "
+        "stays pageable: host-device copies through it will be slower",
+        stacklevel=2,
+    )
     return False
 
 
@@ -96,6 +100,7 @@ def unpin_host(buffer: torch.Tensor) -> None:
 
 
 # --- this process's host memory ------------------------------------------------------------
+
 
 def proc_status_bytes(field: str) -> int:
     """A memory figure of this process from /proc/self/status (VmRSS, VmHWM: the peak), in bytes."""

@@ -21,6 +21,7 @@ local shards (which the ZeRO engine, the memory tiers and the checkpoint format 
 and Megatron's vocab-parallel loss, which DTensor's loss_parallel only gives inside its own tensor
 subclass.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from strata.parallel.flat import Box
 class Placement:
     """Where a local tensor sits in its global tensor: split evenly along `shard_dim` into
     `num_shards` pieces of which this is number `shard_index`; shard_dim None = replicated."""
+
     global_shape: tuple[int, ...]
     shard_dim: int | None = None
     shard_index: int = 0
@@ -70,6 +72,7 @@ def _set_placement(p: torch.Tensor, placement: Placement) -> None:
 
 
 # --- communication with autograd (Megatron's f / g operators) ------------------------------
+
 
 class _CopyToGroup(torch.autograd.Function):
     """Identity forward; all-reduce of the gradient backward (the input feeds every shard)."""
@@ -158,10 +161,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 # --- sharded layers ------------------------------------------------------------------------
 
+
 def _shard_parameter(full: torch.Tensor, dim: int, rank: int, size: int) -> nn.Parameter:
     if full.shape[dim] % size:
-        raise ConfigError([f"parallel.tp={size} must divide a weight's dimension {dim} of size {full.shape[dim]} "
-                           f"(shape {tuple(full.shape)}); choose model sizes divisible by tp"])
+        raise ConfigError(
+            [
+                f"parallel.tp={size} must divide a weight's dimension {dim} of size {full.shape[dim]} "
+                f"(shape {tuple(full.shape)}); choose model sizes divisible by tp"
+            ]
+        )
     placement = Placement(tuple(full.shape), dim, rank, size)
     p = nn.Parameter(placement.local_slice(full.detach()).clone())
     _set_placement(p, placement)
@@ -273,8 +281,10 @@ class VocabParallelLoss:
 
 # --- the transformation ----------------------------------------------------------------------
 
-def apply_tensor_parallel(model: GPT, group, rank: int, size: int,
-                          sequence_parallel: bool = False) -> VocabParallelLoss:
+
+def apply_tensor_parallel(
+    model: GPT, group, rank: int, size: int, sequence_parallel: bool = False
+) -> VocabParallelLoss:
     """Shard a GPT in place over the tp group (slicing its full, already-initialised weights, so
     the sharded model computes what the unsharded one would). Returns the loss to train it with.
 
@@ -283,13 +293,20 @@ def apply_tensor_parallel(model: GPT, group, rank: int, size: int,
     are still (batch, seq, vocab/size) over the whole sequence, so the loss is unchanged."""
     sp = sequence_parallel and size > 1
     if sp and model.cfg.seq_len % size:
-        raise ConfigError([f"parallel.sequence_parallel splits the sequence over tp={size} ranks: "
-                           f"model.seq_len={model.cfg.seq_len} must be divisible by {size}"])
+        raise ConfigError(
+            [
+                f"parallel.sequence_parallel splits the sequence over tp={size} ranks: "
+                f"model.seq_len={model.cfg.seq_len} must be divisible by {size}"
+            ]
+        )
     for block in model.layers:  # the norms enter each region once; the linears after them share it
         assert isinstance(block, Block)
         attn, mlp = block.attn, block.mlp
-        _swap(block, attn_norm=TensorParallelRMSNorm(block.attn_norm, group, sp),
-              mlp_norm=TensorParallelRMSNorm(block.mlp_norm, group, sp))
+        _swap(
+            block,
+            attn_norm=TensorParallelRMSNorm(block.attn_norm, group, sp),
+            mlp_norm=TensorParallelRMSNorm(block.mlp_norm, group, sp),
+        )
         wq, wk, wv = (ColumnParallelLinear(m, group, rank, size, entry="ready") for m in (attn.wq, attn.wk, attn.wv))
         _swap(attn, wq=wq, wk=wk, wv=wv, wo=RowParallelLinear(attn.wo, group, rank, size, sequence_parallel=sp))
         w1, w3 = (ColumnParallelLinear(m, group, rank, size, entry="ready") for m in (mlp.w1, mlp.w3))

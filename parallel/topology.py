@@ -32,6 +32,7 @@ multiple of it, so every tp group lies inside one node (Megatron's practice) or 
 never straddles a node boundary partway. tp is not checked against ranks_per_gpu: a tp group
 that splits a GPU's GCDs is slower but correct.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -45,10 +46,13 @@ from strata.parallel import comm
 
 DIMS = ("pp", "dp", "tp")  # parallel dimensions, outermost to innermost
 HARDWARE = ("node", "gpu", "gcd")  # hardware coordinates, outermost to innermost
+
+
 @dataclass(frozen=True)
 class Layout:
     """Degrees of each parallel dimension (their product is the world size) and how ranks sit on
     the hardware. `ranks_per_node=None` means one node holds every rank."""
+
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -57,14 +61,21 @@ class Layout:
 
     def __post_init__(self):
         # Programmer errors only: layout_from_config reports user mistakes before we get here.
-        degrees = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ranks_per_gpu": self.ranks_per_gpu,
-                   "ranks_per_node": self.node_size}
+        degrees = {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "ranks_per_gpu": self.ranks_per_gpu,
+            "ranks_per_node": self.node_size,
+        }
         bad = {k: v for k, v in degrees.items() if not isinstance(v, int) or v < 1}
         if bad:
             raise ValueError(f"Layout: {bad} must be positive integers")
         if self.world_size % self.node_size or self.node_size % self.ranks_per_gpu:
-            raise ValueError(f"Layout: need ranks_per_gpu={self.ranks_per_gpu} | ranks_per_node={self.node_size} "
-                             f"| world size {self.world_size}")
+            raise ValueError(
+                f"Layout: need ranks_per_gpu={self.ranks_per_gpu} | ranks_per_node={self.node_size} "
+                f"| world size {self.world_size}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -150,12 +161,15 @@ class Layout:
         pieces = self._pieces(group, level)
         sizes = sorted({len(p) for p in pieces})
         if len(sizes) > 1:
-            raise ConfigError([
-                f"partitioning within each {level} needs every {level} to hold equally many ranks of a "
-                f"data-parallel group, but with parallel.tp={self.tp}, pp={self.pp}, dp={self.dp}, "
-                f"ranks_per_node={self.node_size}, ranks_per_gpu={self.ranks_per_gpu} the dp group {group} "
-                f"is split into pieces of {sizes} ranks; make a pipeline stage's tp·dp = {self.tp * self.dp} "
-                f"ranks a multiple or a divisor of the {self.level_size(level)} ranks of a {level}"])
+            raise ConfigError(
+                [
+                    f"partitioning within each {level} needs every {level} to hold equally many ranks of a "
+                    f"data-parallel group, but with parallel.tp={self.tp}, pp={self.pp}, dp={self.dp}, "
+                    f"ranks_per_node={self.node_size}, ranks_per_gpu={self.ranks_per_gpu} the dp group {group} "
+                    f"is split into pieces of {sizes} ranks; make a pipeline stage's tp·dp = {self.tp * self.dp} "
+                    f"ranks a multiple or a divisor of the {self.level_size(level)} ranks of a {level}"
+                ]
+            )
         return pieces
 
     def replica_groups(self, level: str) -> list[list[int]]:
@@ -189,7 +203,7 @@ class Layout:
         rank's optimizer shard sits inside the gradients and parameters it holds."""
         index, count = 0, 1
         stop = CHAIN.index(chain_level(level))
-        for inner, outer in zip(CHAIN[:stop], CHAIN[1:stop + 1]):
+        for inner, outer in zip(CHAIN[:stop], CHAIN[1 : stop + 1]):
             group = next(g for g in self.digit_groups(inner, outer) if rank in g)
             index, count = index * len(group) + group.index(rank), count * len(group)
         return index, count
@@ -205,8 +219,9 @@ def layout_from_config(par, world_size: int, local_world_size: int | None = None
     if problems:
         raise ConfigError(problems)
     per_node, _ = ranks_per_node(par, world_size, local_world_size)
-    return Layout(tp=par.tp, pp=par.pp, dp=par.dp_size(world_size), ranks_per_node=per_node,
-                  ranks_per_gpu=par.ranks_per_gpu)
+    return Layout(
+        tp=par.tp, pp=par.pp, dp=par.dp_size(world_size), ranks_per_node=per_node, ranks_per_gpu=par.ranks_per_gpu
+    )
 
 
 def level_key(level: str, within_dp: bool = False, replica: bool = False) -> str:
@@ -230,6 +245,7 @@ class Topology:
     group) and `level_key(level, replica=True)` (the replica group), but only where this rank's
     group has more than one member: a missing key means collectives over it are no-ops (comm's
     wrappers take None for that). `level_group` looks them up."""
+
     layout: Layout
     rank: int
     groups: dict[str, object] = field(default_factory=dict)
@@ -302,7 +318,7 @@ def _named_group_ranks(layout: Layout) -> list[tuple[str, list[list[int]]]]:
         except ConfigError:
             pass  # uneven shard groups: partitioning at this level is impossible, so no replicas
     for i, inner in enumerate(CHAIN):
-        for outer in CHAIN[i + 1:]:
+        for outer in CHAIN[i + 1 :]:
             try:
                 named.append((digit_key(inner, outer), layout.digit_groups(inner, outer)))
             except ConfigError:

@@ -28,6 +28,7 @@ local chunk in place, and `step` all-gathers the updated chunk back to the `para
 
 Every collective goes through `parallel.comm`, so bytes per link level are counted.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,26 +55,35 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ZeroPlan:
     """Where each kind of state is partitioned (CHAIN levels), and how the engine runs."""
+
     params: str = "none"
     grads: str = "none"
     optim: str = "none"
-    secondary: str = "none"    # hpZ: a second parameter partition at this finer level; none = off
+    secondary: str = "none"  # hpZ: a second parameter partition at this finer level; none = off
     prefetch_blocks: int = 1
-    bucket_bytes: int = 0      # merge consecutive blocks into one group until it holds this many bytes
+    bucket_bytes: int = 0  # merge consecutive blocks into one group until it holds this many bytes
     hierarchical: bool = True
 
     @classmethod
     def from_config(cls, zero: ZeroConfig) -> ZeroPlan:
         """The plan a strata.config.ZeroConfig describes."""
-        return cls(chain_level(zero.params.shard_over), chain_level(zero.grads.shard_over),
-                   chain_level(zero.optim.shard_over), chain_level(zero.secondary_params.shard_over),
-                   zero.prefetch_blocks, int(zero.bucket_mb * 2**20), zero.hierarchical)
+        return cls(
+            chain_level(zero.params.shard_over),
+            chain_level(zero.grads.shard_over),
+            chain_level(zero.optim.shard_over),
+            chain_level(zero.secondary_params.shard_over),
+            zero.prefetch_blocks,
+            int(zero.bucket_mb * 2**20),
+            zero.hierarchical,
+        )
 
     def __post_init__(self):
         order = CHAIN.index
         if order(self.params) > order(self.optim) or order(self.grads) > order(self.optim):
-            raise ValueError(f"ZeroPlan: params ({self.params}) and grads ({self.grads}) must be partitioned no "
-                             f"coarser than optim ({self.optim})")
+            raise ValueError(
+                f"ZeroPlan: params ({self.params}) and grads ({self.grads}) must be partitioned no "
+                f"coarser than optim ({self.optim})"
+            )
         if self.secondary != "none" and order(self.secondary) >= order(self.params):
             raise ValueError(f"ZeroPlan: secondary ({self.secondary}) must be finer than params ({self.params})")
 
@@ -85,6 +95,7 @@ class ZeroPlan:
 class ShardTier(Protocol):
     """What the engine calls on the memory tier its parameter shards live in between uses
     (offload.params.ParamTier; described here, as parallel/ sits below offload/ in the layers)."""
+
     read_ahead_groups: int  # how many groups to read ahead of the gathers' prefetch
 
     def ensure(self, group: FlatGroup) -> None:
@@ -110,9 +121,10 @@ class StepTier(Protocol):
 @dataclass
 class _Slot:
     """One parameter in a flat group."""
+
     segment: Segment
     param: nn.Parameter
-    aliases: tuple[str, ...]   # every name of the parameter on this rank (a tied weight has two)
+    aliases: tuple[str, ...]  # every name of the parameter on this rank (a tied weight has two)
 
     @property
     def range(self) -> tuple[int, int]:
@@ -123,15 +135,24 @@ class FlatGroup:
     """The parameters of one or more blocks packed into one padded flat buffer, with this rank's
     chunks of it at every level of the plan."""
 
-    def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], plan: ZeroPlan, routes: Routes,
-                 aliases: dict[int, list[str]], tied_copy: bool = False):
+    def __init__(
+        self,
+        name: str,
+        named_params: list[tuple[str, nn.Parameter]],
+        plan: ZeroPlan,
+        routes: Routes,
+        aliases: dict[int, list[str]],
+        tied_copy: bool = False,
+    ):
         self.name, self.plan, self.routes, self.tied_copy = name, plan, routes, tied_copy
         first = named_params[0][1]
         self.slots, offset = [], 0
         for pname, p in named_params:
             if p.dtype != first.dtype or p.device != first.device:
-                raise ValueError(f"{pname}: {p.dtype} on {p.device}, but {named_params[0][0]} is {first.dtype} "
-                                 f"on {first.device}; a flat group holds one dtype on one device")
+                raise ValueError(
+                    f"{pname}: {p.dtype} on {p.device}, but {named_params[0][0]} is {first.dtype} "
+                    f"on {first.device}; a flat group holds one dtype on one device"
+                )
             self.slots.append(_Slot(Segment(pname, tuple(p.shape), offset), p, tuple(dict.fromkeys(aliases[id(p)]))))
             offset += p.numel()
         unit = routes.count("global")
@@ -144,7 +165,7 @@ class FlatGroup:
                 view.copy_(slot.param)
                 slot.param.data = view
         self.param_start, size = routes.span(plan.params, self.padded)
-        self.shard = self.full[self.param_start:self.param_start + size].clone() if plan.shards_params else self.full
+        self.shard = self.full[self.param_start : self.param_start + size].clone() if plan.shards_params else self.full
         self.secondary: torch.Tensor | None = None
         self.secondary_valid = False
         self.gathered = True
@@ -171,7 +192,7 @@ class FlatGroup:
         for slot in self.slots:
             a, b = max(lo, slot.range[0]), min(hi, slot.range[1])
             if a < b:
-                piece = nn.Parameter(self.shard[a - self.param_start:b - self.param_start])
+                piece = nn.Parameter(self.shard[a - self.param_start : b - self.param_start])
                 out.append((slot, piece, a - slot.range[0], b - slot.range[0]))
         return out
 
@@ -204,7 +225,7 @@ class FlatGroup:
             start, size = self.routes.span(self.plan.secondary, self.padded)
             if self.secondary is None:
                 self.secondary = self.full.new_empty(size)
-            self.secondary.copy_(self.full[start:start + size])
+            self.secondary.copy_(self.full[start : start + size])
             self.secondary_valid = True
 
     def free(self) -> None:
@@ -250,8 +271,10 @@ class FlatGroup:
         # pipelining's split-backward schedules does that): whole-step sums, taken in here.
         stray = [slot for slot in self.slots if slot.param.grad is not None]
         if stray and self.plan.grads != "none":
-            raise RuntimeError(f"{stray[0].segment.name}: a gradient arrived past the hooks, but gradients are "
-                               f"partitioned per micro-batch (zero.grads.shard_over={self.plan.grads})")
+            raise RuntimeError(
+                f"{stray[0].segment.name}: a gradient arrived past the hooks, but gradients are "
+                f"partitioned per micro-batch (zero.grads.shard_over={self.plan.grads})"
+            )
         for slot in stray:
             self._take_grad(slot)
         if self.waiting != len(self.slots):
@@ -264,13 +287,13 @@ class FlatGroup:
             source = self.grad_shard
         reduced = self.routes.reduce_scatter(source, plan.grads, plan.optim, self.padded)
         if reduced is source and plan.grads == "none":  # nothing to scatter: the chunk is a view of the buffer
-            reduced = source[self.optim_start:self.optim_start + self.optim_size]
+            reduced = source[self.optim_start : self.optim_start + self.optim_size]
         for _, _, group, _ in self.routes.steps(plan.optim, sync_level):  # the chunk's other copies
             comm.all_reduce(reduced, group, dim=self.routes.dim)
         self.reduced = reduced.mul_(scale)
         for slot, piece, a, b in self.segments:
             start = slot.range[0] + a - self.optim_start
-            piece.grad = self.reduced[start:start + (b - a)]
+            piece.grad = self.reduced[start : start + (b - a)]
         return self.reduced
 
     def zero_grad(self) -> None:
@@ -288,14 +311,17 @@ class FlatGroup:
         copy is stale from here until the next forward gathers."""
         if self.plan.optim != self.plan.params:
             lo = self.optim_start - self.param_start
-            self.routes.gather(self.shard[lo:lo + self.optim_size], self.plan.params, self.plan.optim, self.shard,
-                               self.padded).wait()
+            self.routes.gather(
+                self.shard[lo : lo + self.optim_size], self.plan.params, self.plan.optim, self.shard, self.padded
+            ).wait()
         self.secondary_valid = False
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of storage this group holds now, measured from its tensors."""
-        return {"params": storage_bytes([self.full, self.shard, self.secondary]),
-                "grads": storage_bytes([self.grad_full, self.grad_shard, self.reduced])}
+        return {
+            "params": storage_bytes([self.full, self.shard, self.secondary]),
+            "grads": storage_bytes([self.grad_full, self.grad_shard, self.reduced]),
+        }
 
 
 def storage_bytes(tensors: list[torch.Tensor | None]) -> int:
@@ -342,10 +368,17 @@ class ZeroEngine:
     are averaged: the whole dp group ("global"), or only inside each node ("node") when CO2
     synchronises the nodes itself."""
 
-    def __init__(self, parts: list[nn.Module], topo: Topology, plan: ZeroPlan,
-                 make_optimizer: Callable[[list[nn.Parameter], Callable], torch.optim.Optimizer],
-                 tied_copies: Sequence[torch.Tensor] | None = None, tied_group=None, count_tied: bool = True,
-                 sync_level: str = "global"):
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        topo: Topology,
+        plan: ZeroPlan,
+        make_optimizer: Callable[[list[nn.Parameter], Callable], torch.optim.Optimizer],
+        tied_copies: Sequence[torch.Tensor] | None = None,
+        tied_group=None,
+        count_tied: bool = True,
+        sync_level: str = "global",
+    ):
         self.plan, self.topo, self.tied_group, self.count_tied = plan, topo, tied_group, count_tied
         self.routes, self.sync_level = Routes(topo, plan.hierarchical), sync_level
         self.groups: list[FlatGroup] = []
@@ -389,17 +422,24 @@ class ZeroEngine:
         merged: list[tuple[str, list]] = []
         for key, named in members.items():  # blocks merge only with their neighbours in the same stage
             last = merged[-1] if merged else None
-            if (last and key.startswith("layers.") and last[0].startswith("layers.")
-                    and part_of[key] == part_of[last[0]]
-                    and sum(p.numel() * p.element_size() for _, p in last[1]) < self.plan.bucket_bytes):
+            if (
+                last
+                and key.startswith("layers.")
+                and last[0].startswith("layers.")
+                and part_of[key] == part_of[last[0]]
+                and sum(p.numel() * p.element_size() for _, p in last[1]) < self.plan.bucket_bytes
+            ):
                 merged[-1] = (last[0], last[1] + named)
             else:
                 merged.append((key, list(named)))
-        self.groups = [FlatGroup(key, named, self.plan, self.routes, names,
-                                 tied_copy=any(id(p) in tied_ids for _, p in named)) for key, named in merged]
+        self.groups = [
+            FlatGroup(key, named, self.plan, self.routes, names, tied_copy=any(id(p) in tied_ids for _, p in named))
+            for key, named in merged
+        ]
         group_of = {id(slot.param): g for g in self.groups for slot in g.slots}
-        self.unit_groups = {k: list(dict.fromkeys(group_of[i] for i in ids if i in group_of))
-                            for k, ids in used.items()}
+        self.unit_groups = {
+            k: list(dict.fromkeys(group_of[i] for i in ids if i in group_of)) for k, ids in used.items()
+        }
 
     def _install_hooks(self, parts: list[nn.Module]) -> None:
         for slot_param, (group, slot) in ((s.param, (g, s)) for g in self.groups for s in g.slots):
@@ -410,8 +450,9 @@ class ZeroEngine:
             units = units_of(part)
             order = [self.unit_groups[(pi, ui)] for ui in range(len(units))]
             for ui, (_, modules) in enumerate(units):
-                modules[0].register_forward_pre_hook(lambda m, args, o=order, u=ui: self._pre_forward(o, u),
-                                                     prepend=True)
+                modules[0].register_forward_pre_hook(
+                    lambda m, args, o=order, u=ui: self._pre_forward(o, u), prepend=True
+                )
                 modules[-1].register_forward_hook(lambda m, args, out, o=order, u=ui: self._post_forward(o, u, out))
 
     # --- hooks (ZeRO-3) --------------------------------------------------------------------
@@ -426,10 +467,10 @@ class ZeroEngine:
         ahead = self.plan.prefetch_blocks
         self._prefetch(order, range(u + 1, min(len(order), u + 1 + ahead)))
         if self.param_tier is not None:  # shards read one step further ahead than the gathers
-            self._read_ahead(order[u + 1 + ahead:u + 1 + ahead + self.param_tier.read_ahead_groups])
+            self._read_ahead(order[u + 1 + ahead : u + 1 + ahead + self.param_tier.read_ahead_groups])
 
     def _post_forward(self, order: list[list[FlatGroup]], u: int, out):
-        later = {id(g) for groups in order[u + 1:] for g in groups}
+        later = {id(g) for groups in order[u + 1 :] for g in groups}
         for g in order[u]:
             if id(g) not in later:
                 g.free()
@@ -444,7 +485,7 @@ class ZeroEngine:
         self._prefetch(order, range(u - 1, max(-1, u - 1 - ahead), -1))
         if self.param_tier is not None:
             start = u - 1 - ahead
-            self._read_ahead(order[max(0, start - self.param_tier.read_ahead_groups + 1):max(0, start + 1)][::-1])
+            self._read_ahead(order[max(0, start - self.param_tier.read_ahead_groups + 1) : max(0, start + 1)][::-1])
 
     def _read_ahead(self, units: list[list[FlatGroup]]) -> None:
         assert self.param_tier is not None  # called only with a parameter tier
@@ -460,13 +501,15 @@ class ZeroEngine:
 
     def clip_grad_norm(self, max_norm: float, tp_group=None, pp_group=None) -> torch.Tensor:
         """Clip the segments' gradients by the norm of the whole model's gradient."""
-        counted = [(slot, piece) for g in self.groups if self.count_tied or not g.tied_copy
-                   for slot, piece, _, _ in g.segments]
+        counted = [
+            (slot, piece) for g in self.groups if self.count_tied or not g.tied_copy for slot, piece, _, _ in g.segments
+        ]
         sharded = [_grad(piece) for slot, piece in counted if placement_of(slot.param).shard_dim is not None]
         replicated = [_grad(piece) for slot, piece in counted if placement_of(slot.param).shard_dim is None]
         partition, _ = self.topo.digit_group("none", self.plan.optim)
-        total = global_grad_norm(sharded, replicated, tp_group, pp_group, partition_group=partition,
-                                 device=self.groups[0].full.device)
+        total = global_grad_norm(
+            sharded, replicated, tp_group, pp_group, partition_group=partition, device=self.groups[0].full.device
+        )
         if math.isfinite(max_norm):
             scale_to_norm([piece.grad for piece in self.params if piece.grad is not None], max_norm, total)
         return total
@@ -500,8 +543,9 @@ class ZeroEngine:
         for g in self.groups:
             for k, v in g.held_bytes().items():
                 out[k] += v
-        out["optim"] = (self.optim_tier.device_bytes() if self.optim_tier is not None
-                        else optimizer_state_bytes(self.optimizer))
+        out["optim"] = (
+            self.optim_tier.device_bytes() if self.optim_tier is not None else optimizer_state_bytes(self.optimizer)
+        )
         return out
 
     @contextlib.contextmanager

@@ -1,4 +1,5 @@
 """Shared test fixtures: a small prepared token directory, tiny configs, and an isolated cache."""
+
 from __future__ import annotations
 
 import sysconfig
@@ -12,8 +13,16 @@ from strata.trainer.data import prepare
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # A handful of real stdlib sources: enough tokens for tiny runs, prepared in well under a second.
-SMALL_CORPUS = ["argparse.py", "dataclasses.py", "functools.py", "textwrap.py", "json/decoder.py",
-                "json/encoder.py", "difflib.py", "shlex.py"]
+SMALL_CORPUS = [
+    "argparse.py",
+    "dataclasses.py",
+    "functools.py",
+    "textwrap.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "difflib.py",
+    "shlex.py",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -44,10 +53,21 @@ def small_data_dir(tmp_path_factory) -> Path:
 def tiny_overrides(data_dir: Path, run_root: Path, **extra) -> list[str]:
     """Overrides for a model small enough that a step takes milliseconds."""
     base = {
-        "data.path": str(data_dir), "log.dir": str(run_root), "log.progress": False, "log.name": "t",
-        "model.n_layers": 2, "model.d_model": 32, "model.n_heads": 4, "model.seq_len": 32,
-        "train.steps": 6, "train.global_batch_size": 8, "train.micro_batch_size": 2,
-        "train.eval_interval": 0, "train.eval_batches": 2, "optim.warmup_steps": 2, "optim.lr": 1e-2,
+        "data.path": str(data_dir),
+        "log.dir": str(run_root),
+        "log.progress": False,
+        "log.name": "t",
+        "model.n_layers": 2,
+        "model.d_model": 32,
+        "model.n_heads": 4,
+        "model.seq_len": 32,
+        "train.steps": 6,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 2,
+        "train.eval_interval": 0,
+        "train.eval_batches": 2,
+        "optim.warmup_steps": 2,
+        "optim.lr": 1e-2,
         "checkpoint.save_final": False,
     }
     base.update(extra)

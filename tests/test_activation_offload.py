@@ -4,6 +4,7 @@ activations, for host and swap-file offload, recomputation, and both together; a
 behind it — deduplicated storages, parameters kept by reference, real file reads and writes,
 forwarding while writes are in flight, prefetch per micro-batch, release when autograd drops a
 saved tensor, regions reused across steps, and a smaller peak of saved bytes held."""
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,7 @@ from strata.offload.swap import Mover
 
 CFG = ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=64)
 VOCAB = 128
-MIN_BYTES = 16 << 10   # (4, 64, 64) fp32 activations are 64 KiB: offloaded; norms' statistics are not
+MIN_BYTES = 16 << 10  # (4, 64, 64) fp32 activations are 64 KiB: offloaded; norms' statistics are not
 SLAB = 256 << 10
 
 
@@ -33,8 +34,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def micro_batches(n: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, VOCAB, (4, CFG.seq_len), generator=gen),
-             torch.randint(0, VOCAB, (4, CFG.seq_len), generator=gen)) for _ in range(n)]
+    return [
+        (
+            torch.randint(0, VOCAB, (4, CFG.seq_len), generator=gen),
+            torch.randint(0, VOCAB, (4, CFG.seq_len), generator=gen),
+        )
+        for _ in range(n)
+    ]
 
 
 def build() -> GPT:
@@ -84,8 +90,9 @@ def train_step(model: GPT, off: ActivationOffloader | None, batches, before_back
     return total
 
 
-def run(mode: str | None = None, recompute: bool = False, mover=None, swap_file=None, before_backward=None,
-        **kw) -> tuple[float, dict[str, torch.Tensor], ActivationOffloader | None]:
+def run(
+    mode: str | None = None, recompute: bool = False, mover=None, swap_file=None, before_backward=None, **kw
+) -> tuple[float, dict[str, torch.Tensor], ActivationOffloader | None]:
     model = build()
     if recompute:
         apply_recompute([model])
@@ -181,8 +188,9 @@ def test_recompute_gives_identical_gradients_alone_and_with_offload(reference, t
     assert_identical(run(recompute=True), reference)
     kept = run("none")[2].stats["counted"]
     with swap_setup(tmp_path) as (mover, swap_file):
-        result = run("nvme", recompute=True, mover=mover, swap_file=swap_file,
-                     before_backward=ActivationOffloader.flush)
+        result = run(
+            "nvme", recompute=True, mover=mover, swap_file=swap_file, before_backward=ActivationOffloader.flush
+        )
     assert_identical(result, reference)
     s = result[2].stats
     # only what is saved outside the checkpointed blocks reaches the outer hooks: block inputs, the head
@@ -201,8 +209,9 @@ def test_leaves_are_kept_by_reference_and_never_offloaded():
     assert any(isinstance(t, torch.nn.Parameter) for t, _ in leaves)
     assert all(out is t for t, out in leaves)
     offloaded = [out for _, out in packed if isinstance(out, _Saved)]
-    assert offloaded and not any(s.entry.storage() is not None and s.entry.storage().data_ptr() in params
-                                 for s in offloaded)
+    assert offloaded and not any(
+        s.entry.storage() is not None and s.entry.storage().data_ptr() in params for s in offloaded
+    )
     packed.clear()
     del leaves, offloaded
     off.end_step()
@@ -247,7 +256,7 @@ def test_saved_tensors_are_released_when_autograd_drops_them_not_at_first_unpack
             off = mode and ActivationOffloader(mode, MIN_BYTES, mover, swap_file)
             if off:
                 off.attach([model])
-            (x, y), = micro_batches(1)
+            ((x, y),) = micro_batches(1)
             with off.saving() if off else contextlib.nullcontext():
                 loss = lm_loss(model(x), y)
             if off:
@@ -284,8 +293,10 @@ def test_file_regions_are_reused_step_after_step(tmp_path):
 
 def test_a_full_disk_while_growing_the_file_names_the_keys(tmp_path, monkeypatch):
     with swap_setup(tmp_path) as (mover, swap_file):
+
         def full(fd, offset, length):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
         monkeypatch.setattr(os, "posix_fallocate", full)
         model = build()
         off = ActivationOffloader("nvme", MIN_BYTES, mover, swap_file)
@@ -299,6 +310,7 @@ def test_two_live_storages_at_one_address_are_never_merged():
 
     class Over(torch.autograd.Function):
         """A new storage object over the same memory on every call."""
+
         @staticmethod
         def forward(ctx, a):
             out = torch.frombuffer(buf, dtype=torch.float32)

@@ -3,6 +3,7 @@ process persists it; the next save waits only if the previous one is still being
 that fails or is killed is reported at the next step, and the previous checkpoint stays intact and
 loadable. Here at the manager level with one rank and a real writer process; the multi-rank run,
 killed mid-save, is in test_distributed-style at the bottom."""
+
 from __future__ import annotations
 
 import os
@@ -159,10 +160,24 @@ def test_two_rank_run_killed_mid_save_fails_on_every_rank_and_resumes_from_the_l
     settings = {"log.interval": 1, "checkpoint.interval": 2, "checkpoint.async": True, "train.micro_batch_size": 2}
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
-    cmd = [sys.executable, "-m", "strata.launch.cli", "launch", str(experiment),
-           *tiny_overrides(small_data_dir, tmp_path / "killed", **settings, **ZERO3), "--nproc", "2"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, writer.DELAY_ENV: "1.0"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "strata.launch.cli",
+        "launch",
+        str(experiment),
+        *tiny_overrides(small_data_dir, tmp_path / "killed", **settings, **ZERO3),
+        "--nproc",
+        "2",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, writer.DELAY_ENV: "1.0"},
+    )
     ckpts = tmp_path / "killed" / "t" / "checkpoints"
     target = store.partial_dir(ckpts, 4) / "__1_0.distcp"
     try:

@@ -1,5 +1,6 @@
 """checkpoint.channel over real sockets on 127.0.0.1: round trips, sequence numbers, a wrong secret,
 and a frame-aware man in the middle that tampers with, replays, reflects or cuts frames."""
+
 from __future__ import annotations
 
 import json
@@ -105,12 +106,14 @@ class Proxy:
     def _run(self, server_port, c2s, s2c) -> None:
         client, _ = self.listener.accept()
         server = socket.create_connection(("127.0.0.1", server_port))
-        self.threads += [_thread(lambda: self._pump(client, server, "c2s", c2s)),
-                         _thread(lambda: self._pump(server, client, "s2c", s2c))]
+        self.threads += [
+            _thread(lambda: self._pump(client, server, "c2s", c2s)),
+            _thread(lambda: self._pump(server, client, "s2c", s2c)),
+        ]
 
     def _pump(self, src, dst, direction, tamper) -> None:
         try:
-            for _ in range(2):                         # nonce, proof
+            for _ in range(2):  # nonce, proof
                 dst.sendall(_exact(src, 32))
             while True:
                 prefix = _exact(src, 4)
@@ -147,29 +150,35 @@ def flip(frame: bytes, index: int) -> bytes:
 
 # ---- round trips ----------------------------------------------------------------------------------
 
+
 def test_round_trip_headers_and_payloads():
     src = bytearray(os.urandom((5 << 20) + 10))
-    big = memoryview(src)[3:3 + (5 << 20)]            # a slice: sent from the caller's buffer
+    big = memoryview(src)[3 : 3 + (5 << 20)]  # a slice: sent from the caller's buffer
     dst = bytearray((5 << 20) + 20)
     with Server(echo) as server:
         with Channel.connect("127.0.0.1", server.port, SECRET, TIMEOUT) as ch:
             assert ch.peer == ("127.0.0.1", server.port)
-            for header, payload in [({"kind": "have?"}, None), ({"kind": "empty", "x": [1, None]}, b""),
-                                    ({"kind": "one"}, b"\x7f"), ({"kind": "put", "rank": 3, "j": 1}, big)]:
+            for header, payload in [
+                ({"kind": "have?"}, None),
+                ({"kind": "empty", "x": [1, None]}, b""),
+                ({"kind": "one"}, b"\x7f"),
+                ({"kind": "put", "rank": 3, "j": 1}, big),
+            ]:
                 asked = []
 
                 def into(h):
                     asked.append(h["nbytes"])
-                    return memoryview(dst)[7:7 + h["nbytes"]]
+                    return memoryview(dst)[7 : 7 + h["nbytes"]]
+
                 reply, got = ch.request(header, payload, into=into)
-                assert reply == {"echo": header}                      # seq, nbytes, crc stripped
+                assert reply == {"echo": header}  # seq, nbytes, crc stripped
                 n = 0 if payload is None else len(payload)
                 if n == 0:
-                    assert got is None and asked == []                # `into` not called for 0 bytes
+                    assert got is None and asked == []  # `into` not called for 0 bytes
                 else:
                     assert asked == [n] and got.obj is dst and bytes(got) == bytes(payload)
-            assert dst[7:7 + len(big)] == big and dst[:7] == bytes(7)
-            _, fresh = ch.request({"kind": "again"}, b"abc")          # into=None: a new bytearray
+            assert dst[7 : 7 + len(big)] == big and dst[:7] == bytes(7)
+            _, fresh = ch.request({"kind": "again"}, b"abc")  # into=None: a new bytearray
             assert type(fresh) is bytearray and fresh == b"abc"
     assert server.errors == []
 
@@ -193,7 +202,7 @@ def test_reserved_or_oversize_header_is_refused_before_sending():
             client.send({"seq": 7})
         with pytest.raises(ValueError, match="limit"):
             client.send({"blob": "x" * MAX_HEADER})
-        client.send({"ok": True})                                     # nothing was sent: still in step
+        client.send({"ok": True})  # nothing was sent: still in step
         assert server.recv() == ({"ok": True}, None)
 
 
@@ -218,6 +227,7 @@ def test_timeout_before_a_frame_leaves_the_channel_usable():
 
 # ---- authentication --------------------------------------------------------------------------------
 
+
 def test_wrong_secret_is_refused_and_the_server_serves_the_next_client():
     with Server(echo, clients=2) as server:
         with pytest.raises(AuthError):
@@ -237,11 +247,11 @@ def test_client_refuses_a_server_with_the_wrong_secret():
 def test_server_sends_only_a_nonce_before_the_client_proves_the_secret():
     with Server() as server:
         with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as raw:
-            raw.sendall(os.urandom(32) + os.urandom(32))              # a nonce and a made-up proof
+            raw.sendall(os.urandom(32) + os.urandom(32))  # a nonce and a made-up proof
             received = b""
             while chunk := raw.recv(4096):
                 received += chunk
-            assert len(received) == 32                                # its nonce, then it hung up
+            assert len(received) == 32  # its nonce, then it hung up
     assert isinstance(server.errors[0], AuthError)
 
 
@@ -253,12 +263,15 @@ def test_a_peer_that_hangs_up_during_the_handshake_is_an_auth_error():
 
 # ---- a man in the middle -----------------------------------------------------------------------------
 
+
 def _through_proxy(c2s=None, s2c=None, handler=None, client_side=None):
     """Run `handler` on the server and `client_side(channel)` on a client that goes through a Proxy;
     returns (server errors, proxy frames)."""
+
     def recv_all(ch):
         while True:
             ch.recv()
+
     with Server(handler or recv_all) as server, Proxy(server.port, c2s, s2c) as proxy:
         with Channel.connect("127.0.0.1", proxy.port, SECRET, TIMEOUT) as ch:
             client_side(ch)
@@ -268,6 +281,7 @@ def _through_proxy(c2s=None, s2c=None, handler=None, client_side=None):
 def test_untouched_frames_pass_the_proxy():
     def client_side(ch):
         assert ch.request({"kind": "get"}, b"abc") == ({"echo": {"kind": "get"}}, bytearray(b"abc"))
+
     errors, frames = _through_proxy(handler=echo, client_side=client_side)
     assert errors == [] and len(frames["c2s"]) == len(frames["s2c"]) == 1
 
@@ -276,13 +290,15 @@ def test_untouched_frames_pass_the_proxy():
 def test_tampered_header_or_mac_is_an_auth_error(where):
     def c2s(i, frame):
         return flip(frame, 4 + 3 if where == "header" else len(frame) - 1000 - 1)
+
     errors, _ = _through_proxy(c2s, client_side=lambda ch: ch.send({"kind": "put", "step": 4}, bytes(1000)))
     assert len(errors) == 1 and isinstance(errors[0], AuthError) and "bad MAC" in str(errors[0])
 
 
 def test_tampered_payload_is_a_crc_error():
-    errors, _ = _through_proxy(lambda i, frame: flip(frame, len(frame) - 10),
-                               client_side=lambda ch: ch.send({"kind": "put"}, os.urandom(1000)))
+    errors, _ = _through_proxy(
+        lambda i, frame: flip(frame, len(frame) - 10), client_side=lambda ch: ch.send({"kind": "put"}, os.urandom(1000))
+    )
     assert len(errors) == 1 and isinstance(errors[0], ChannelError) and "CRC" in str(errors[0])
 
 
@@ -291,16 +307,18 @@ def test_replayed_frame_is_an_auth_error():
 
     def c2s(i, frame):
         proxy_frames.append(frame)
-        return proxy_frames[0]                                        # frame 0, again and again
+        return proxy_frames[0]  # frame 0, again and again
 
     def client_side(ch):
         ch.send({"kind": "durable", "step": 1})
         ch.send({"kind": "durable", "step": 2})
+
     got = []
 
     def handler(ch):
         got.append(ch.recv())
         ch.recv()
+
     errors, _ = _through_proxy(c2s, handler=handler, client_side=client_side)
     assert got == [({"kind": "durable", "step": 1}, None)]
     assert len(errors) == 1 and isinstance(errors[0], AuthError) and "sequence number 0, expected 1" in str(errors[0])
@@ -308,8 +326,7 @@ def test_replayed_frame_is_an_auth_error():
 
 def test_frame_from_another_connection_is_an_auth_error():
     first = _through_proxy(client_side=lambda ch: ch.send({"kind": "durable", "step": 1}))[1]["c2s"][0]
-    errors, _ = _through_proxy(lambda i, frame: first,
-                               client_side=lambda ch: ch.send({"kind": "durable", "step": 1}))
+    errors, _ = _through_proxy(lambda i, frame: first, client_side=lambda ch: ch.send({"kind": "durable", "step": 1}))
     assert len(errors) == 1 and isinstance(errors[0], AuthError) and "bad MAC" in str(errors[0])
 
 
@@ -320,17 +337,23 @@ def test_frame_reflected_back_to_its_sender_is_an_auth_error():
         from_server.append(frame)
         return frame
 
-    def handler(ch):                                                  # sends seq 0, then expects seq 0
+    def handler(ch):  # sends seq 0, then expects seq 0
         ch.send({"kind": "have?"})
         ch.recv()
-    errors, _ = _through_proxy(lambda i, frame: from_server[0], s2c, handler=handler,
-                               client_side=lambda ch: (ch.recv(), ch.send({"kind": "holdings"})))
+
+    errors, _ = _through_proxy(
+        lambda i, frame: from_server[0],
+        s2c,
+        handler=handler,
+        client_side=lambda ch: (ch.recv(), ch.send({"kind": "holdings"})),
+    )
     assert len(errors) == 1 and isinstance(errors[0], AuthError) and "bad MAC" in str(errors[0])
 
 
 def test_connection_closed_mid_frame_is_a_channel_error():
-    errors, _ = _through_proxy(lambda i, frame: frame[:-90],
-                               client_side=lambda ch: ch.send({"kind": "put"}, bytes(100)))
+    errors, _ = _through_proxy(
+        lambda i, frame: frame[:-90], client_side=lambda ch: ch.send({"kind": "put"}, bytes(100))
+    )
     assert len(errors) == 1 and isinstance(errors[0], ChannelError) and "mid-frame" in str(errors[0])
 
 
@@ -351,6 +374,7 @@ def test_oversize_header_length_is_refused_without_allocating(length):
 
 # ---- the secret ---------------------------------------------------------------------------------------
 
+
 def test_secret_from_env():
     hexed = "ab" * 32
     assert secret_from_env({SECRET_ENV: hexed}) == bytes.fromhex(hexed)
@@ -360,7 +384,7 @@ def test_secret_from_env():
     for bad in ["ab" * 31, "zz" * 32, "ab " * 32]:
         with pytest.raises(StrataError, match=f"{SECRET_ENV} must be 64 hex characters") as e:
             secret_from_env({SECRET_ENV: bad})
-        assert bad.strip() not in str(e.value)                        # the secret is never echoed
+        assert bad.strip() not in str(e.value)  # the secret is never echoed
 
 
 def test_short_secret_is_refused():

@@ -3,6 +3,7 @@ anything is read, and every block read against its CRC-32C; a missing, truncated
 or a checkpoint of another model (missing / unexpected keys, other shapes), is one clear error
 naming the files and keys — raised before any training state is modified. `strata ckpt
 inspect|verify` report it. The format is DCP's: torch.distributed.checkpoint alone reads it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,9 +55,16 @@ def test_intact_checkpoint_verifies_and_inspects(saved, capsys):
     assert "tok_embeddings.weight" in report and "(32,)" in report  # names with global shapes
 
 
-@pytest.mark.parametrize("name, damage, words", [
-    ("__0_0.distcp", "truncate", "truncated"), ("__0_0.distcp", "flip", "corrupted"),
-    ("__0_0.distcp", "delete", "missing"), ("index.json", "flip", "corrupted"), ("__0_1.distcp", "flip", "corrupted")])
+@pytest.mark.parametrize(
+    "name, damage, words",
+    [
+        ("__0_0.distcp", "truncate", "truncated"),
+        ("__0_0.distcp", "flip", "corrupted"),
+        ("__0_0.distcp", "delete", "missing"),
+        ("index.json", "flip", "corrupted"),
+        ("__0_1.distcp", "flip", "corrupted"),
+    ],
+)
 def test_damaged_file_is_named_and_nothing_is_loaded(saved, small_data_dir, tmp_path, capsys, name, damage, words):
     target = saved / name
     data = bytearray(target.read_bytes())
@@ -78,13 +86,17 @@ def test_damaged_file_is_named_and_nothing_is_loaded(saved, small_data_dir, tmp_
     assert_untouched(trainer, before)
 
 
-@pytest.mark.parametrize("model, words", [
-    ({"model.d_model": 64}, "shape mismatches: tok_embeddings.weight"),
-    ({"model.n_layers": 3}, "missing keys: layers.2."),
-    ({"model.n_layers": 1}, "unexpected keys: layers.1."),
-])
-def test_checkpoint_of_another_model_is_one_clear_error_before_any_change(saved, small_data_dir, tmp_path, model,
-                                                                         words):
+@pytest.mark.parametrize(
+    "model, words",
+    [
+        ({"model.d_model": 64}, "shape mismatches: tok_embeddings.weight"),
+        ({"model.n_layers": 3}, "missing keys: layers.2."),
+        ({"model.n_layers": 1}, "unexpected keys: layers.1."),
+    ],
+)
+def test_checkpoint_of_another_model_is_one_clear_error_before_any_change(
+    saved, small_data_dir, tmp_path, model, words
+):
     trainer = fresh_trainer(small_data_dir, tmp_path, **model)
     before = snapshot(trainer)
     with pytest.raises(CheckpointError, match=words) as err:
@@ -142,7 +154,7 @@ def test_dcp_alone_loads_weights_and_optimizer_into_plain_torch(saved):
         if key.startswith("model."):
             assert torch.equal(named[key[6:]], t), key
         elif key.startswith("optim.state."):
-            fqn, kind = key[len("optim.state."):].rsplit(".", 1)
+            fqn, kind = key[len("optim.state.") :].rsplit(".", 1)
             assert torch.equal(opt.state[named[fqn]][kind], t), key
     last_lr = lr_at(1, cfg.optim, cfg.train.steps)  # the schedule's lr at the saved run's last step (step 2)
     assert opt.param_groups[1]["weight_decay"] == 0.0 and opt.param_groups[0]["lr"] == pytest.approx(last_lr)

@@ -1,4 +1,5 @@
 """The `strata` command end to end, in subprocesses as a user runs it."""
+
 from __future__ import annotations
 
 import json
@@ -17,16 +18,30 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def strata(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "strata.launch.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "strata.launch.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.slow
 def test_train_tiny_config_end_to_end(tmp_path):
     """The demo config (shortened) trains on the built-in corpus, prints the summary, writes its run
     directory, and `strata plot` turns the metrics into a PNG."""
-    proc = strata("train", "configs/tiny.yaml", "train.steps=40", "train.eval_interval=20", "optim.warmup_steps=5",
-                  "checkpoint.interval=0", "log.interval=1", f"log.dir={tmp_path}")
+    proc = strata(
+        "train",
+        "configs/tiny.yaml",
+        "train.steps=40",
+        "train.eval_interval=20",
+        "optim.warmup_steps=5",
+        "checkpoint.interval=0",
+        "log.interval=1",
+        f"log.dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "done: step 40" in proc.stdout and "tokens/s" in proc.stdout
     run_dir = tmp_path / "tiny"
@@ -77,7 +92,7 @@ def test_data_prepare_from_files(tmp_path):
     assert proc.returncode == 0, proc.stderr
     meta = json.loads((tmp_path / "tok" / "meta.json").read_text())
     n_files = len(list((STDLIB / "json").rglob("*.py")))
-    total = sum(p.stat().st_size for p in (STDLIB / "json").rglob("*.py")) + n_files   # + one EOT per file
+    total = sum(p.stat().st_size for p in (STDLIB / "json").rglob("*.py")) + n_files  # + one EOT per file
     assert meta["documents"] == n_files
     assert meta["train_tokens"] + meta["val_tokens"] == total
     assert (tmp_path / "tok" / "train.bin").stat().st_size == 2 * meta["train_tokens"]
@@ -89,7 +104,7 @@ def _fake_slurm_tools(bin_dir, log):
     """scontrol/srun/sbatch stand-ins that record how they were called."""
     bin_dir.mkdir()
     tools = {
-        "scontrol": 'echo node-a; echo node-b; echo node-c; echo node-d\n',
+        "scontrol": "echo node-a; echo node-b; echo node-c; echo node-d\n",
         "srun": f'echo "srun $*" >> {log}\ncase "$*" in *hostname*) echo 127.0.0.1 ;; esac\n',
         "sbatch": f'echo "sbatch $*" >> {log}\necho "Submitted batch job 42"\n',
     }
@@ -104,23 +119,47 @@ def test_slurm_script_is_valid_and_rendezvous_on_head_node(tmp_path):
     log = tmp_path / "calls.log"
     _fake_slurm_tools(tmp_path / "bin", log)
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
-    proc = strata("launch", "configs/tiny.yaml", "train.global_batch_size=256", "--slurm", "--nodes", "4",
-                  "--gpus-per-node", "8", "--partition", "gpu", "--script", str(script), env=env)
+    proc = strata(
+        "launch",
+        "configs/tiny.yaml",
+        "train.global_batch_size=256",
+        "--slurm",
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--partition",
+        "gpu",
+        "--script",
+        str(script),
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Submitted batch job 42" in proc.stdout
     assert f"sbatch {script}" in log.read_text()
     text = script.read_text()
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    for needle in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
-                   "SLURM_JOB_NODELIST", "--rdzv-backend=c10d", "--nnodes=4", "--nproc-per-node=8"):
+    for needle in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "SLURM_JOB_NODELIST",
+        "--rdzv-backend=c10d",
+        "--nnodes=4",
+        "--nproc-per-node=8",
+    ):
         assert needle in text, needle
 
     # Execute the script against the stand-ins: srun must start torchrun with the head node's
     # address as the rendezvous endpoint and the job id as rendezvous id.
     log.write_text("")
-    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, **env, "SLURM_JOB_NODELIST": "node-[a-d]", "SLURM_JOB_ID": "42",
-                               "SLURM_JOB_NUM_NODES": "4"})
+    done = subprocess.run(
+        ["bash", str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, **env, "SLURM_JOB_NODELIST": "node-[a-d]", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "4"},
+    )
     assert done.returncode == 0, done.stderr
     calls = log.read_text().splitlines()
     assert any("-w node-a" in c and "hostname" in c for c in calls)
@@ -134,16 +173,34 @@ def test_slurm_script_with_snapshots_starts_an_agent_per_node(tmp_path):
     log = tmp_path / "calls.log"
     _fake_slurm_tools(tmp_path / "bin", log)
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
-    proc = strata("launch", "configs/tiny.yaml", "train.global_batch_size=256", "snapshot.every_steps=5",
-                  "--slurm", "--nodes", "4", "--gpus-per-node", "8", "--max-restarts", "3", "--script", str(script),
-                  "--no-submit", env=env)
+    proc = strata(
+        "launch",
+        "configs/tiny.yaml",
+        "train.global_batch_size=256",
+        "snapshot.every_steps=5",
+        "--slurm",
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--max-restarts",
+        "3",
+        "--script",
+        str(script),
+        "--no-submit",
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     text = script.read_text()
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     assert "export STRATA_SNAPSHOT_SECRET=$(python" in text and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
-    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, **env, "SLURM_JOB_NODELIST": "node-[a-d]", "SLURM_JOB_ID": "42",
-                               "SLURM_JOB_NUM_NODES": "4"})
+    done = subprocess.run(
+        ["bash", str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, **env, "SLURM_JOB_NODELIST": "node-[a-d]", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "4"},
+    )
     assert done.returncode == 0, done.stderr
     node = next(c for c in log.read_text().splitlines() if "torch.distributed.run" in c)
     # srun runs, on every node, a shell that starts the agent on a private socket, then becomes torchrun
@@ -158,8 +215,19 @@ def test_slurm_script_with_snapshots_starts_an_agent_per_node(tmp_path):
 def test_slurm_without_sbatch_writes_script_and_says_where(tmp_path):
     script = tmp_path / "job.sbatch"
     env = {"PATH": os.path.dirname(sys.executable)}  # the interpreter's folder only: no Slurm client on it
-    proc = strata("launch", "configs/tiny.yaml", "train.global_batch_size=32", "--slurm", "--nodes", "2",
-                  "--gpus-per-node", "2", "--script", str(script), env=env)
+    proc = strata(
+        "launch",
+        "configs/tiny.yaml",
+        "train.global_batch_size=32",
+        "--slurm",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--script",
+        str(script),
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "sbatch not found" in proc.stdout and str(script) in proc.stdout
     assert script.is_file()
@@ -174,9 +242,12 @@ def test_shipped_configs_validate_and_docs_match_schema():
     for path in sorted(Path(REPO, "configs").glob("*.yaml")):
         config.load(path)
     # (config, world size it is written for, expected tp/pp/V/dp)
-    for name, world, (tp, pp, v, dp) in [("tiny.yaml", 2, (1, 1, 1, 2)), ("llama-1b.yaml", 32, (1, 1, 1, 32)),
-                                         ("llama2-7b-3d.yaml", 32, (8, 4, 2, 1)),
-                                         ("llama2-70b-3d.yaml", 128, (8, 8, 5, 2))]:
+    for name, world, (tp, pp, v, dp) in [
+        ("tiny.yaml", 2, (1, 1, 1, 2)),
+        ("llama-1b.yaml", 32, (1, 1, 1, 32)),
+        ("llama2-7b-3d.yaml", 32, (8, 4, 2, 1)),
+        ("llama2-70b-3d.yaml", 128, (8, 8, 5, 2)),
+    ]:
         cfg = config.load(Path(REPO, "configs", name), world_size=world)
         par = cfg.parallel
         assert (par.tp, par.pp, par.virtual_stages, cfg.dp_size(world)) == (tp, pp, v, dp), name
@@ -194,8 +265,9 @@ def test_launch_env_makes_restarts_work_and_multi_node_snapshots_need_one_secret
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and len(bytes.fromhex(env["STRATA_SNAPSHOT_SECRET"])) == 32
     with pytest.raises(StrataError, match="export STRATA_SNAPSHOT_SECRET="):
         launch_env(LaunchPlan(2, nnodes=2, snapshots=True))
-    args = torchrun_args(LaunchPlan(2, nnodes=2, rdzv_endpoint="h:1", external_store=True, join_timeout_s=30,
-                                    max_restarts=3))
+    args = torchrun_args(
+        LaunchPlan(2, nnodes=2, rdzv_endpoint="h:1", external_store=True, join_timeout_s=30, max_restarts=3)
+    )
     conf = args[args.index("--rdzv-conf") + 1]
     assert "is_host=false" in conf and "join_timeout=30" in conf and args[args.index("--max-restarts") + 1] == "3"
 
@@ -208,36 +280,50 @@ def test_options_and_overrides_come_in_any_order():
         args = vars(parse_args(list(argv)))
         return {k: v for k, v in args.items() if k != "func"}
 
-    orders = [("launch", "c.yaml", "--nproc", "2", "train.steps=5", "optim.lr=1"),
-              ("launch", "c.yaml", "train.steps=5", "--nproc", "2", "optim.lr=1"),
-              ("launch", "--nproc", "2", "c.yaml", "train.steps=5", "optim.lr=1"),
-              ("launch", "c.yaml", "train.steps=5", "optim.lr=1", "--nproc=2")]
+    orders = [
+        ("launch", "c.yaml", "--nproc", "2", "train.steps=5", "optim.lr=1"),
+        ("launch", "c.yaml", "train.steps=5", "--nproc", "2", "optim.lr=1"),
+        ("launch", "--nproc", "2", "c.yaml", "train.steps=5", "optim.lr=1"),
+        ("launch", "c.yaml", "train.steps=5", "optim.lr=1", "--nproc=2"),
+    ]
     launches = [parsed(*o) for o in orders]
     assert all(a == launches[0] for a in launches)
     assert launches[0]["nproc"] == 2 and launches[0]["overrides"] == ["train.steps=5", "optim.lr=1"]
 
-    trains = [parsed("train", "c.yaml", "train.steps=5", "--resume", "ck"),
-              parsed("train", "c.yaml", "--resume", "ck", "train.steps=5"),
-              parsed("train", "--resume", "ck", "c.yaml", "train.steps=5")]
+    trains = [
+        parsed("train", "c.yaml", "train.steps=5", "--resume", "ck"),
+        parsed("train", "c.yaml", "--resume", "ck", "train.steps=5"),
+        parsed("train", "--resume", "ck", "c.yaml", "train.steps=5"),
+    ]
     assert all(t == trains[0] for t in trains) and trains[0]["resume"] == "ck"
     assert trains[0]["overrides"] == ["train.steps=5"] and trains[0]["command"] == "train"
 
     # an option's value may itself hold '=' (--to); the overrides keep their order, later wins
-    reshards = [parsed("ckpt", "reshard", "in", "out", "--to", "tp=2,pp=1,dp=1", "zero.level=1", "a.b=2"),
-                parsed("ckpt", "reshard", "in", "out", "zero.level=1", "--to", "tp=2,pp=1,dp=1", "a.b=2"),
-                parsed("ckpt", "reshard", "--to", "tp=2,pp=1,dp=1", "in", "out", "zero.level=1", "a.b=2")]
+    reshards = [
+        parsed("ckpt", "reshard", "in", "out", "--to", "tp=2,pp=1,dp=1", "zero.level=1", "a.b=2"),
+        parsed("ckpt", "reshard", "in", "out", "zero.level=1", "--to", "tp=2,pp=1,dp=1", "a.b=2"),
+        parsed("ckpt", "reshard", "--to", "tp=2,pp=1,dp=1", "in", "out", "zero.level=1", "a.b=2"),
+    ]
     assert all(r == reshards[0] for r in reshards)
-    assert (reshards[0]["to"], reshards[0]["out"], reshards[0]["overrides"]) == \
-        ("tp=2,pp=1,dp=1", "out", ["zero.level=1", "a.b=2"])
+    assert (reshards[0]["to"], reshards[0]["out"], reshards[0]["overrides"]) == (
+        "tp=2,pp=1,dp=1",
+        "out",
+        ["zero.level=1", "a.b=2"],
+    )
 
 
 def test_config_show_takes_overrides_before_or_after_options():
-    shown = [strata("config", "show", "configs/tiny.yaml", "optim.lr=1e-4", "train.global_batch_size=32",
-                    "--world-size", "2"),
-             strata("config", "show", "configs/tiny.yaml", "optim.lr=1e-4", "--world-size", "2",
-                    "train.global_batch_size=32"),
-             strata("config", "show", "--world-size", "2", "configs/tiny.yaml", "optim.lr=1e-4",
-                    "train.global_batch_size=32")]
+    shown = [
+        strata(
+            "config", "show", "configs/tiny.yaml", "optim.lr=1e-4", "train.global_batch_size=32", "--world-size", "2"
+        ),
+        strata(
+            "config", "show", "configs/tiny.yaml", "optim.lr=1e-4", "--world-size", "2", "train.global_batch_size=32"
+        ),
+        strata(
+            "config", "show", "--world-size", "2", "configs/tiny.yaml", "optim.lr=1e-4", "train.global_batch_size=32"
+        ),
+    ]
     assert [p.returncode for p in shown] == [0, 0, 0], shown[0].stderr
     assert shown[0].stdout == shown[1].stdout == shown[2].stdout
     assert "lr: 0.0001" in shown[0].stdout and "global_batch_size: 32" in shown[0].stdout
@@ -283,9 +369,11 @@ def test_every_command_shows_examples_that_parse_and_the_exit_codes(capsys):
     assert "1 e.g. when `strata ckpt verify` finds damage" in codes and "crashed worker" in codes
 
 
-@pytest.mark.parametrize("argv", [[], ["nope"], ["--nope"]] + [[name, "--no-such-option"] for name in
-                                                                ("train", "launch", "store", "config", "data",
-                                                                 "ckpt", "plot")])
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["nope"], ["--nope"]]
+    + [[name, "--no-such-option"] for name in ("train", "launch", "store", "config", "data", "ckpt", "plot")],
+)
 def test_usage_errors_exit_2(argv, capsys):
     from strata.launch.cli import main
 
@@ -298,8 +386,12 @@ def test_usage_errors_exit_2(argv, capsys):
 
 
 def test_usage_error_in_a_subprocess_has_no_traceback():
-    for argv in (["launch", "configs/tiny.yaml", "--nproc", "two"], ["config", "show"],
-                 ["ckpt", "frobnicate", "x"], ["ckpt", "verify", "a", "b"]):
+    for argv in (
+        ["launch", "configs/tiny.yaml", "--nproc", "two"],
+        ["config", "show"],
+        ["ckpt", "frobnicate", "x"],
+        ["ckpt", "verify", "a", "b"],
+    ):
         proc = strata(*argv)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (argv, proc.stderr)
         assert "error:" in proc.stderr

@@ -7,6 +7,7 @@ really clips, and a checkpoint taken mid-round with a reduction in flight resume
 
 Each world runs all its cases once (process start-up dominates) and each rank saves what it saw.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -25,10 +26,10 @@ from strata.parallel.topology import Layout, build_topology
 from worlds import run_world
 
 SEED = 3
-BATCH = 4            # samples per rank per step
+BATCH = 4  # samples per rank per step
 STEPS = 6
 LR, MOMENTUM, WD = 0.1, 0.9, 0.01
-DELAY_S = 0.6        # simulated inter-node time of the overlap case's outer all-reduce
+DELAY_S = 0.6  # simulated inter-node time of the overlap case's outer all-reduce
 WORLD_TIMEOUT_S = 60
 
 
@@ -59,12 +60,21 @@ def flat(model: nn.Module) -> torch.Tensor:
 
 # --- what each rank runs ---------------------------------------------------------------------------
 
+
 def _sync_case(rank: int, size: int, inner_group, outer_group) -> torch.Tensor:
     """Synchronous CO2, H = 1, α = 1, β = 0 around SGD; grads averaged over inner_group first."""
     model = make_model()
     opt = sgd(model)
-    co2 = CO2(list(model.parameters()), outer_group, outer_every=1, outer_lr=1.0, outer_momentum=0.0,
-              staleness_penalty=0.0, clip=None, overlap=False)
+    co2 = CO2(
+        list(model.parameters()),
+        outer_group,
+        outer_every=1,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        staleness_penalty=0.0,
+        clip=None,
+        overlap=False,
+    )
     inner = 1 if inner_group is None else dist.get_world_size(inner_group)
     for step in range(STEPS):
         local_grads(model, step, rank, size)
@@ -81,8 +91,15 @@ def _late_case(rank: int, size: int, group, penalty: float) -> dict:
     after each round."""
     model = make_model()
     opt = sgd(model)
-    co2 = CO2(list(model.parameters()), group, outer_every=2, outer_lr=1.0, outer_momentum=0.0,
-              staleness_penalty=penalty, clip=None)
+    co2 = CO2(
+        list(model.parameters()),
+        group,
+        outer_every=2,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        staleness_penalty=penalty,
+        clip=None,
+    )
     x0, deltas, anchors, after = flat(model), [], [], []
     for step in range(STEPS):
         local_grads(model, step, rank, size)
@@ -125,12 +142,19 @@ def _overlap_case(rank: int, size: int, overlap: bool) -> dict:
     return out
 
 
-RESUME_STEPS, RESUME_AT = 9, 5   # H = 2: rounds end at 2, 4, 6, 8; step 5 is mid-round with round 2's delta in flight
+RESUME_STEPS, RESUME_AT = 9, 5  # H = 2: rounds end at 2, 4, 6, 8; step 5 is mid-round with round 2's delta in flight
 
 
 def _resume_co2(model: nn.Module, group) -> CO2:
-    return CO2(list(model.parameters()), group, outer_every=2, outer_lr=0.8, outer_momentum=0.5,
-               staleness_penalty=0.5, clip=0.05)
+    return CO2(
+        list(model.parameters()),
+        group,
+        outer_every=2,
+        outer_lr=0.8,
+        outer_momentum=0.5,
+        staleness_penalty=0.5,
+        clip=0.05,
+    )
 
 
 def _train(model, opt, co2, rank, size, steps) -> None:
@@ -181,14 +205,20 @@ def _resume_case(rank: int, size: int, group) -> dict:
 
 def _worker(rank: int, size: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=WORLD_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=WORLD_TIMEOUT_S),
+    )
     try:
         res: dict = {}
         if size == 4:  # two nodes of two ranks: dp inside a node, CO2 across nodes
             topo = build_topology(Layout(dp=4, ranks_per_node=2), rank)
-            res["sync"] = _sync_case(rank, size, topo.level_group("node", within_dp=True),
-                                     topo.level_group("node", replica=True))
+            res["sync"] = _sync_case(
+                rank, size, topo.level_group("node", within_dp=True), topo.level_group("node", replica=True)
+            )
         else:
             res["sync"] = _sync_case(rank, size, None, dist.group.WORLD)
             res["late"] = _late_case(rank, size, dist.group.WORLD, penalty=0.0)
@@ -203,11 +233,16 @@ def _worker(rank: int, size: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory) -> dict[int, list[dict]]:
-    return {size: run_world(_worker, size, tmp_path_factory.mktemp(f"co2-{size}"), timeout_s=WORLD_TIMEOUT_S,
-                            start_method="fork") for size in (2, 4)}
+    return {
+        size: run_world(
+            _worker, size, tmp_path_factory.mktemp(f"co2-{size}"), timeout_s=WORLD_TIMEOUT_S, start_method="fork"
+        )
+        for size in (2, 4)
+    }
 
 
 # --- the tests -----------------------------------------------------------------------------------------
+
 
 def dp_reference(replicas: int) -> torch.Tensor:
     """Synchronous data parallelism in one process: SGD on the gradient of the mean loss over
@@ -244,17 +279,18 @@ def test_round_average_reaches_parameters_one_round_late(worlds, case):
     avg = [torch.stack([r["deltas"][k] for r in ranks]).mean(0) for k in range(rounds)]
     assert not torch.allclose(ranks[0]["deltas"][0], ranks[1]["deltas"][0])  # replicas saw different data
     # The anchor: round k's average enters it at the end of round k+1, not before.
-    expected = [ranks[0]["x0"]]                       # after round 0: nothing applied yet
+    expected = [ranks[0]["x0"]]  # after round 0: nothing applied yet
     for k in range(rounds - 1):
-        expected.append(expected[-1] - avg[k])        # after round k+1: round k's average
+        expected.append(expected[-1] - avg[k])  # after round k+1: round k's average
     for r in ranks:
         for k in range(rounds):
             torch.testing.assert_close(r["anchors"][k], expected[k], rtol=1e-6, atol=1e-7)
     # Each replica continues from the anchor plus its own, penalised, not-yet-averaged progress.
     for r in ranks:
         for k in range(rounds):
-            torch.testing.assert_close(r["after"][k], expected[k] + penalized(-r["deltas"][k], penalty),
-                                       rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(
+                r["after"][k], expected[k] + penalized(-r["deltas"][k], penalty), rtol=1e-6, atol=1e-7
+            )
     # So after round 0 a replica's parameters hold none of the other replica's progress.
     torch.testing.assert_close(ranks[0]["after"][0], ranks[0]["x0"] + penalized(-ranks[0]["deltas"][0], penalty))
     if penalty:
@@ -318,7 +354,7 @@ def test_resume_mid_round_with_a_reduction_in_flight_is_exact(worlds):
         torch.testing.assert_close(r["resumed"], r["plain"], rtol=0, atol=0)
         torch.testing.assert_close(r["resumed-final"], r["plain-final"], rtol=0, atol=0)
     a, b = (w["resume"] for w in worlds[2])
-    assert not torch.equal(a["plain"], b["plain"])               # mid-round, replicas differ...
+    assert not torch.equal(a["plain"], b["plain"])  # mid-round, replicas differ...
     torch.testing.assert_close(a["plain-final"], b["plain-final"], rtol=0, atol=0)  # ...finish() agrees them
 
 
@@ -352,13 +388,19 @@ def test_finish_keeps_the_partial_last_round():
 
 # --- CO2 switched on from the config, in the trainer ----------------------------------------------
 
-TWO_NODES = {"parallel.ranks_per_node": 2, "co2.enabled": True, "log.interval": 1, "checkpoint.interval": 3,
-             "checkpoint.save_final": True}
+TWO_NODES = {
+    "parallel.ranks_per_node": 2,
+    "co2.enabled": True,
+    "log.interval": 1,
+    "checkpoint.interval": 3,
+    "checkpoint.save_final": True,
+}
 ZERO_NODE = {"zero.params.shard_over": "node", "zero.grads.shard_over": "node", "zero.optim.shard_over": "node"}
 
 
 def _train_launched(small_data_dir, run_root, *extra: str, **settings):
     from test_distributed import final_params, launch_run, losses_from
+
     launch_run(small_data_dir, run_root, 4, *extra, **settings)
     return losses_from(run_root / "t"), final_params(run_root / "t" / "checkpoints")
 
@@ -384,9 +426,14 @@ def test_trainer_co2_resume_continues_as_the_saving_run(small_data_dir, tmp_path
     """The step-3 checkpoint (mid-round: H = 2) closes the round; a resume from it, here through the
     ZeRO engine, lands on the saving run's steps 4–6 and final weights."""
     root, (losses, params) = co2_run
-    resumed, resumed_params = _train_launched(small_data_dir, tmp_path, "--resume",
-                                              str(root / "plain" / "t" / "checkpoints" / "step_00000003"),
-                                              **TWO_NODES, **{"zero.optim.shard_over": "node"})
+    resumed, resumed_params = _train_launched(
+        small_data_dir,
+        tmp_path,
+        "--resume",
+        str(root / "plain" / "t" / "checkpoints" / "step_00000003"),
+        **TWO_NODES,
+        **{"zero.optim.shard_over": "node"},
+    )
     assert sorted(resumed) == [4, 5, 6]
     for step, loss in resumed.items():
         assert loss == pytest.approx(losses[step], rel=1e-5), step

@@ -1,4 +1,5 @@
 """The experiment schema: combined validation errors, overrides, round trips, docs, safe YAML."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,8 +44,11 @@ def load_error(*args, **kwargs) -> ConfigError:
 
 # --- one combined error ---------------------------------------------------------------------
 
+
 def test_every_problem_is_reported_in_one_error(tmp_path):
-    path = write_yaml(tmp_path / "bad.yaml", """
+    path = write_yaml(
+        tmp_path / "bad.yaml",
+        """
 trian:
   steps: 5
 model:
@@ -59,21 +63,22 @@ log:
 optim:
   lr: -0.1
   warmup_steps: 500
-""")
+""",
+    )
     err = load_error(path, ["train.steps", "steps=5"])
     msg = str(err)
     expected = [
-        "trian: unknown key; did you mean 'train'?",                       # unknown group
-        "model.n_head: unknown key; did you mean 'model.n_heads'?",        # unknown key
-        "model.n_layers: expected int, got True",                          # bool for int
-        "train.precision: 'fp8' is not one of: fp32, bf16",                # choices
-        "train.eval_batches: expected int, got 'many'",                    # string for int
-        "log.progress: expected bool, got 1",                              # number for bool
-        "optim.lr: -0.1 must be >= 0",                                     # out of range
-        "model.n_heads=4 must divide model.d_model=130",                   # cross-key
-        "optim.warmup_steps=500 exceeds train.steps=300",                  # cross-key
-        "override 'train.steps': write it as group.key=value",             # no '='
-        "override 'steps=5': write it as group.key=value",                 # no dot
+        "trian: unknown key; did you mean 'train'?",  # unknown group
+        "model.n_head: unknown key; did you mean 'model.n_heads'?",  # unknown key
+        "model.n_layers: expected int, got True",  # bool for int
+        "train.precision: 'fp8' is not one of: fp32, bf16",  # choices
+        "train.eval_batches: expected int, got 'many'",  # string for int
+        "log.progress: expected bool, got 1",  # number for bool
+        "optim.lr: -0.1 must be >= 0",  # out of range
+        "model.n_heads=4 must divide model.d_model=130",  # cross-key
+        "optim.warmup_steps=500 exceeds train.steps=300",  # cross-key
+        "override 'train.steps': write it as group.key=value",  # no '='
+        "override 'steps=5': write it as group.key=value",  # no dot
     ]
     for text in expected:
         assert text in msg, f"missing {text!r} in:\n{msg}"
@@ -86,13 +91,16 @@ def test_single_problem_header_is_singular():
     assert str(err).startswith("invalid config (1 problem):\n  - optim.lr: -1.0 must be >= 0")
 
 
-@pytest.mark.parametrize("raw_key, suggestion", [
-    ("model.n_head", "model.n_heads"),
-    ("model.nheads", "model.n_heads"),
-    ("optim.lrr", "optim.lr"),
-    ("train.step", "train.steps"),
-    ("zero.params.shard_ovr", "zero.params.shard_over"),
-])
+@pytest.mark.parametrize(
+    "raw_key, suggestion",
+    [
+        ("model.n_head", "model.n_heads"),
+        ("model.nheads", "model.n_heads"),
+        ("optim.lrr", "optim.lr"),
+        ("train.step", "train.steps"),
+        ("zero.params.shard_ovr", "zero.params.shard_over"),
+    ],
+)
 def test_unknown_key_suggests_the_closest(raw_key, suggestion):
     err = load_error(None, [f"{raw_key}=1"])
     assert err.problems == [f"{raw_key}: unknown key; did you mean {suggestion!r}?"]
@@ -112,38 +120,44 @@ def test_unknown_key_without_close_match_lists_valid_keys():
     assert "did you mean" not in p
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("train.steps=ten", "train.steps: expected int, got 'ten' (use a whole number)"),
-    ("train.steps=true", "train.steps: expected int, got True (use a whole number)"),
-    ("train.steps=3.5", "train.steps: expected int, got 3.5 (use a whole number)"),
-    ("model.n_kv_heads=false", "model.n_kv_heads: expected int or null, got False"),
-    ("log.progress=1", "log.progress: expected bool, got 1 (use true or false)"),
-    ("model.tie_embeddings=0.0", "model.tie_embeddings: expected bool, got 0.0"),
-    ("optim.lr=fast", "optim.lr: expected float, got 'fast' (use a number)"),
-    ("optim.lr=true", "optim.lr: expected float, got True"),
-    ("train.precision=16", "train.precision: expected str, got 16"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.steps=ten", "train.steps: expected int, got 'ten' (use a whole number)"),
+        ("train.steps=true", "train.steps: expected int, got True (use a whole number)"),
+        ("train.steps=3.5", "train.steps: expected int, got 3.5 (use a whole number)"),
+        ("model.n_kv_heads=false", "model.n_kv_heads: expected int or null, got False"),
+        ("log.progress=1", "log.progress: expected bool, got 1 (use true or false)"),
+        ("model.tie_embeddings=0.0", "model.tie_embeddings: expected bool, got 0.0"),
+        ("optim.lr=fast", "optim.lr: expected float, got 'fast' (use a number)"),
+        ("optim.lr=true", "optim.lr: expected float, got True"),
+        ("train.precision=16", "train.precision: expected str, got 16"),
+    ],
+)
 def test_wrong_types_are_rejected(override, expected):
     err = load_error(None, [override])
     assert len(err.problems) == 1
     assert err.problems[0].startswith(expected), err.problems
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("optim.lr=-0.001", "optim.lr: -0.001 must be >= 0"),
-    ("optim.beta2=1.5", "optim.beta2: 1.5 must be <= 1"),
-    ("model.rope_theta=0", "model.rope_theta: 0.0 must be > 0"),
-    ("model.n_layers=0", "model.n_layers: 0 must be >= 1"),
-    ("optim.lr=.nan", "optim.lr: nan must be finite"),
-    ("optim.lr=.inf", "optim.lr: inf must be finite"),
-    ("train.precision=fp8", "train.precision: 'fp8' is not one of: fp32, bf16"),
-    ("optim.schedule=step", "optim.schedule: 'step' is not one of: cosine, linear, constant"),
-    ("parallel.backend=mpi", "parallel.backend: 'mpi' is not one of: auto, gloo, nccl"),
-    ("zero.optim.shard_over=rack", "zero.optim.shard_over: 'rack' is not one of: none, gcd, gpu, node, global"),
-    ("co2.outer_momentum=1", "co2.outer_momentum: 1.0 must be < 1"),
-    ("co2.outer_every=0", "co2.outer_every: 0 must be >= 1"),
-    ("zero.prefetch_blocks=-1", "zero.prefetch_blocks: -1 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("optim.lr=-0.001", "optim.lr: -0.001 must be >= 0"),
+        ("optim.beta2=1.5", "optim.beta2: 1.5 must be <= 1"),
+        ("model.rope_theta=0", "model.rope_theta: 0.0 must be > 0"),
+        ("model.n_layers=0", "model.n_layers: 0 must be >= 1"),
+        ("optim.lr=.nan", "optim.lr: nan must be finite"),
+        ("optim.lr=.inf", "optim.lr: inf must be finite"),
+        ("train.precision=fp8", "train.precision: 'fp8' is not one of: fp32, bf16"),
+        ("optim.schedule=step", "optim.schedule: 'step' is not one of: cosine, linear, constant"),
+        ("parallel.backend=mpi", "parallel.backend: 'mpi' is not one of: auto, gloo, nccl"),
+        ("zero.optim.shard_over=rack", "zero.optim.shard_over: 'rack' is not one of: none, gcd, gpu, node, global"),
+        ("co2.outer_momentum=1", "co2.outer_momentum: 1.0 must be < 1"),
+        ("co2.outer_every=0", "co2.outer_every: 0 must be >= 1"),
+        ("zero.prefetch_blocks=-1", "zero.prefetch_blocks: -1 must be >= 0"),
+    ],
+)
 def test_out_of_range_values_are_rejected(override, expected):
     err = load_error(None, [override])
     assert len(err.problems) == 1 and err.problems[0].startswith(expected), err.problems
@@ -154,17 +168,23 @@ def test_range_limits_are_inclusive_where_documented():
     assert (cfg.optim.lr, cfg.optim.beta1, cfg.optim.min_lr_ratio, cfg.optim.warmup_steps) == (0.0, 1.0, 0.0, 0)
 
 
-@pytest.mark.parametrize("overrides, world_size, expected", [
-    (["model.d_model=130"], None, "model.n_heads=4 must divide model.d_model=130"),
-    (["model.n_kv_heads=3"], None, "model.n_kv_heads=3 must divide model.n_heads=4"),
-    (["model.d_model=12"], None, "head size d_model/n_heads=3 must be even for RoPE"),
-    (["train.micro_batch_size=5"], None, "train.micro_batch_size=5 must divide train.global_batch_size=16"),
-    (["optim.warmup_steps=301"], None, "optim.warmup_steps=301 exceeds train.steps=300"),
-    (["parallel.dp=3"], 4, "parallel: tp·pp·dp = 1·1·3 = 3 but the world size is 4"),
-    ([], 4, "train.global_batch_size=16 must be a multiple of train.micro_batch_size·dp = 8·4"),
-    (["train.global_batch_size=24"], 2,
-     "train.global_batch_size=24 must be a multiple of train.micro_batch_size·dp = 8·2"),
-])
+@pytest.mark.parametrize(
+    "overrides, world_size, expected",
+    [
+        (["model.d_model=130"], None, "model.n_heads=4 must divide model.d_model=130"),
+        (["model.n_kv_heads=3"], None, "model.n_kv_heads=3 must divide model.n_heads=4"),
+        (["model.d_model=12"], None, "head size d_model/n_heads=3 must be even for RoPE"),
+        (["train.micro_batch_size=5"], None, "train.micro_batch_size=5 must divide train.global_batch_size=16"),
+        (["optim.warmup_steps=301"], None, "optim.warmup_steps=301 exceeds train.steps=300"),
+        (["parallel.dp=3"], 4, "parallel: tp·pp·dp = 1·1·3 = 3 but the world size is 4"),
+        ([], 4, "train.global_batch_size=16 must be a multiple of train.micro_batch_size·dp = 8·4"),
+        (
+            ["train.global_batch_size=24"],
+            2,
+            "train.global_batch_size=24 must be a multiple of train.micro_batch_size·dp = 8·2",
+        ),
+    ],
+)
 def test_cross_key_constraints(overrides, world_size, expected):
     err = load_error(None, overrides, world_size=world_size)
     assert len(err.problems) == 1, err.problems
@@ -191,8 +211,9 @@ def test_pipeline_layout_errors_name_the_fix():
     err = load_error(None, ["parallel.pp=4"], world_size=4)
     assert any("at least pp=4 micro-batches per step but gets 2" in p for p in err.problems)
     err = load_error(None, ["parallel.pp=2", "parallel.virtual_stages=2", "parallel.schedule=dualpipev"], world_size=2)
-    assert any("dualpipev needs at least as many micro-batches as stages (2·pp = 4) but gets 2" in p
-               for p in err.problems)
+    assert any(
+        "dualpipev needs at least as many micro-batches as stages (2·pp = 4) but gets 2" in p for p in err.problems
+    )
     err = load_error(None, ["parallel.pp=2", "parallel.microbatches=4"], world_size=2)
     assert any("set train.micro_batch_size=4" in p for p in err.problems)
     err = load_error(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=33"])
@@ -234,8 +255,11 @@ def test_cross_check_does_not_report_the_default_of_a_rejected_micro_batch():
 
 # --- overrides and typed parsing --------------------------------------------------------------
 
+
 def test_overrides_are_typed_and_beat_the_file(tmp_path):
-    path = write_yaml(tmp_path / "exp.yaml", """
+    path = write_yaml(
+        tmp_path / "exp.yaml",
+        """
 model:
   d_model: 64
   n_kv_heads: 2
@@ -248,14 +272,26 @@ optim:
   warmup_steps: 10
 log:
   progress: true
-""")
+""",
+    )
     cfg = config.load(path)
     assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)  # 3e-4 is a YAML string
     assert cfg.optim.eps == pytest.approx(1e-6) and isinstance(cfg.optim.eps, float)
     assert cfg.train.steps == 100 and cfg.model.n_kv_heads == 2 and cfg.log.progress is True
 
-    cfg = config.load(path, ["train.steps=50", "optim.lr=1e-2", "log.progress=false", "model.n_kv_heads=null",
-                             "train.threads=3", "optim.grad_clip=2", "data.path=/some/where", "log.name="])
+    cfg = config.load(
+        path,
+        [
+            "train.steps=50",
+            "optim.lr=1e-2",
+            "log.progress=false",
+            "model.n_kv_heads=null",
+            "train.threads=3",
+            "optim.grad_clip=2",
+            "data.path=/some/where",
+            "log.name=",
+        ],
+    )
     assert cfg.train.steps == 50 and type(cfg.train.steps) is int
     assert cfg.optim.lr == pytest.approx(0.01) and isinstance(cfg.optim.lr, float)
     assert cfg.log.progress is False
@@ -299,6 +335,7 @@ def test_override_value_that_is_not_valid_yaml_is_a_config_error():
 
 # --- round trips and defaults -----------------------------------------------------------------
 
+
 def test_default_config_equals_load_of_nothing():
     assert config.load(None) == Config()
     assert config.load(None, []) == Config()
@@ -318,10 +355,23 @@ def test_dump_of_defaults_round_trips_through_a_file(tmp_path):
 
 
 def test_dump_of_a_custom_config_round_trips(tmp_path):
-    cfg = config.load(None, ["model.n_kv_heads=2", "model.norm_eps=1e-6", "optim.lr=3e-4", "optim.eps=1e-10",
-                             "train.precision=bf16", "data.path=/data/tokens", "log.name=my run",
-                             "log.peak_tflops=312.5", "checkpoint.keep_last=0", "parallel.bucket_mb=0.5",
-                             "model.tie_embeddings=true", "optim.schedule=linear"])
+    cfg = config.load(
+        None,
+        [
+            "model.n_kv_heads=2",
+            "model.norm_eps=1e-6",
+            "optim.lr=3e-4",
+            "optim.eps=1e-10",
+            "train.precision=bf16",
+            "data.path=/data/tokens",
+            "log.name=my run",
+            "log.peak_tflops=312.5",
+            "checkpoint.keep_last=0",
+            "parallel.bucket_mb=0.5",
+            "model.tie_embeddings=true",
+            "optim.schedule=linear",
+        ],
+    )
     path = tmp_path / "resolved.yaml"
     path.write_text(config.dump(cfg))
     again = config.load(path)
@@ -338,6 +388,7 @@ def test_replace_changes_one_key_only():
 
 
 # --- docs and explain -------------------------------------------------------------------------
+
 
 def _field(key: str) -> dataclasses.Field:
     """The dataclass field of a dotted key, found by walking the classes (not through config's walker)."""
@@ -426,8 +477,9 @@ def test_explain_nested_key_and_groups():
     assert "did you mean 'zero.params.shard_over'" in str(info.value)
 
 
-@pytest.mark.parametrize("key, suggestion", [("optim.lrr", "optim.lr"), ("model.n_head", "model.n_heads"),
-                                             ("trian", "train")])
+@pytest.mark.parametrize(
+    "key, suggestion", [("optim.lrr", "optim.lr"), ("model.n_head", "model.n_heads"), ("trian", "train")]
+)
 def test_explain_unknown_key_suggests(key, suggestion):
     with pytest.raises(ConfigError) as info:
         config.explain(key)
@@ -445,10 +497,10 @@ def test_explain_key_with_misspelt_group_suggests_the_full_key():
 
 # --- YAML handling ----------------------------------------------------------------------------
 
+
 def test_python_object_tags_are_rejected_not_executed(tmp_path):
     marker = tmp_path / "pwned"
-    path = write_yaml(tmp_path / "evil.yaml",
-                      f'log:\n  name: !!python/object/apply:os.system ["touch {marker}"]\n')
+    path = write_yaml(tmp_path / "evil.yaml", f'log:\n  name: !!python/object/apply:os.system ["touch {marker}"]\n')
     err = load_error(path)
     assert not marker.exists(), "the YAML file ran a command"
     assert any(str(path) in p for p in err.problems)
@@ -483,6 +535,7 @@ def test_empty_file_and_empty_group_give_defaults(tmp_path):
 
 # --- log.name ---------------------------------------------------------------------------------
 
+
 def test_log_name_defaults_to_config_stem(tmp_path):
     path = write_yaml(tmp_path / "my_experiment.v2.yaml", "train:\n  steps: 40\n")
     cfg = config.load(path)
@@ -516,6 +569,7 @@ def _value(obj, key: str):
 
 # --- nested groups: zero and co2 ---------------------------------------------------------------
 
+
 def test_shard_levels_are_the_topology_levels():
     assert _field("zero.params.shard_over").metadata["choices"] == LEVELS
     assert ZeroConfig().params == ShardSpec() and ShardSpec().shard_over == "none"
@@ -523,8 +577,16 @@ def test_shard_levels_are_the_topology_levels():
 
 
 def test_nested_key_from_the_command_line():
-    cfg = config.load(None, ["zero.optim.shard_over=global", "zero.grads.shard_over=node", "zero.prefetch_blocks=2",
-                             "co2.outer_momentum=0.9", "co2.outer_lr=1"])
+    cfg = config.load(
+        None,
+        [
+            "zero.optim.shard_over=global",
+            "zero.grads.shard_over=node",
+            "zero.prefetch_blocks=2",
+            "co2.outer_momentum=0.9",
+            "co2.outer_lr=1",
+        ],
+    )
     assert cfg.zero.optim == ShardSpec("global") and cfg.zero.grads.shard_over == "node"
     assert cfg.zero.params.shard_over == "none" and cfg.zero.prefetch_blocks == 2
     assert cfg.co2.outer_momentum == 0.9 and cfg.co2.outer_lr == 1.0 and isinstance(cfg.co2.outer_lr, float)
@@ -532,7 +594,9 @@ def test_nested_key_from_the_command_line():
 
 
 def test_nested_group_in_yaml_and_overrides_on_top(tmp_path):
-    path = write_yaml(tmp_path / "z.yaml", """
+    path = write_yaml(
+        tmp_path / "z.yaml",
+        """
 zero:
   params: {shard_over: global}
   grads:
@@ -541,7 +605,8 @@ zero:
   secondary_params:
   bucket_mb: 8
 co2: {outer_every: 2}
-""")
+""",
+    )
     cfg = config.load(path)
     assert (cfg.zero.params, cfg.zero.grads, cfg.zero.optim) == (ShardSpec("global"),) * 3
     assert cfg.zero.secondary_params == ShardSpec() and cfg.zero.bucket_mb == 8.0
@@ -563,12 +628,15 @@ def test_scalar_intermediate_is_an_error(tmp_path):
     err = load_error(None, ["zero.params=global"])
     assert err.problems == ["zero.params: must be a mapping of keys, got str 'global'"]
     err = load_error(None, ["optim.lr.x=1"])
-    assert err.problems == ["optim.lr: expected float, got the mapping {'x': 1} (optim.lr is one value, not a "
-                            "group of keys)"]
+    assert err.problems == [
+        "optim.lr: expected float, got the mapping {'x': 1} (optim.lr is one value, not a group of keys)"
+    ]
     # an earlier value in the way of a deeper override
     err = load_error(write_yaml(tmp_path / "s.yaml", "zero:\n  params: global\n"), ["zero.params.shard_over=node"])
-    assert "override 'zero.params.shard_over=node': zero.params is not a mapping (it is 'global'), so it has no " \
-           "keys to set" in err.problems
+    assert (
+        "override 'zero.params.shard_over=node': zero.params is not a mapping (it is 'global'), so it has no "
+        "keys to set" in err.problems
+    )
     err = load_error(None, ["zero..shard_over=node"])
     assert err.problems[0].startswith("override 'zero..shard_over=node': write it as group.key=value")
 
@@ -582,9 +650,21 @@ def test_replace_nested_key():
 
 
 def test_nested_groups_round_trip_through_dump_and_load(tmp_path):
-    cfg = config.load(None, ["zero.params.shard_over=node", "zero.grads.shard_over=node", "zero.optim.shard_over=node",
-                             "zero.secondary_params.shard_over=gpu", "zero.hierarchical=false", "zero.bucket_mb=2.5",
-                             "co2.enabled=true", "co2.clip=1", "co2.overlap=false", "co2.staleness_penalty=0.5"])
+    cfg = config.load(
+        None,
+        [
+            "zero.params.shard_over=node",
+            "zero.grads.shard_over=node",
+            "zero.optim.shard_over=node",
+            "zero.secondary_params.shard_over=gpu",
+            "zero.hierarchical=false",
+            "zero.bucket_mb=2.5",
+            "co2.enabled=true",
+            "co2.clip=1",
+            "co2.overlap=false",
+            "co2.staleness_penalty=0.5",
+        ],
+    )
     raw = config.to_dict(cfg)
     assert raw["zero"]["params"] == {"shard_over": "node"} and raw["co2"]["clip"] == 1.0
     assert "enabled" not in raw["zero"]  # a property, not a key
@@ -594,33 +674,62 @@ def test_nested_groups_round_trip_through_dump_and_load(tmp_path):
     assert config.from_dict(raw) == cfg
 
 
-@pytest.mark.parametrize("overrides, world_size, key", [
-    # ZeRO levels nest: parameters and gradients inside the optimizer shard
-    (["zero.params.shard_over=global", "zero.optim.shard_over=node"], None, "zero.params.shard_over=global"),
-    (["zero.grads.shard_over=node", "zero.optim.shard_over=gpu"], None, "zero.grads.shard_over=node"),
-    (["zero.grads.shard_over=gpu"], None, "zero.grads.shard_over=gpu"),
-    # hpZ strictly finer than the primary parameters
-    (["zero.params.shard_over=node", "zero.optim.shard_over=node", "zero.secondary_params.shard_over=node"], None,
-     "zero.secondary_params.shard_over=node"),
-    (["zero.secondary_params.shard_over=gpu"], None, "zero.secondary_params.shard_over=gpu"),
-    # split-backward schedules with ZeRO-2/3
-    (["zero.grads.shard_over=global", "zero.optim.shard_over=global", "parallel.pp=2",
-      "parallel.schedule=interleaved_zero_bubble"], None, "parallel.schedule=interleaved_zero_bubble"),
-    (["zero.params.shard_over=node", "zero.optim.shard_over=node", "parallel.pp=2", "parallel.virtual_stages=2",
-      "parallel.schedule=dualpipev"], None, "parallel.schedule=dualpipev"),
-    # CO2: nodes are independent replicas, and there are at least two of them
-    (["co2.enabled=true", "zero.optim.shard_over=global"], None, "zero.optim.shard_over=global"),
-    (["co2.enabled=true", "parallel.ranks_per_node=2"], 2, "parallel.ranks_per_node=2"),
-    (["co2.enabled=true", "co2.clip=1", "parallel.tp=2"], None, "co2.clip=1.0"),
-    (["co2.enabled=true", "co2.staleness_penalty=0.5", "parallel.pp=2"], None, "co2.staleness_penalty=0.5"),
-    # ZeRO-1 too: the split-backward schedules set weight gradients past the engine's hooks
-    (["zero.optim.shard_over=global", "parallel.pp=2", "parallel.schedule=interleaved_zero_bubble"], None,
-     "parallel.schedule=interleaved_zero_bubble"),
-    # snapshots copy the state the checkpoint layer sees: not with CO2's open round or tiered state
-    (["snapshot.every_steps=1", "co2.enabled=true"], None, "co2.enabled"),
-    (["snapshot.every_steps=1", "offload.optim.device=cpu", "zero.optim.shard_over=global"], None,
-     "offload.optim.device"),
-])
+@pytest.mark.parametrize(
+    "overrides, world_size, key",
+    [
+        # ZeRO levels nest: parameters and gradients inside the optimizer shard
+        (["zero.params.shard_over=global", "zero.optim.shard_over=node"], None, "zero.params.shard_over=global"),
+        (["zero.grads.shard_over=node", "zero.optim.shard_over=gpu"], None, "zero.grads.shard_over=node"),
+        (["zero.grads.shard_over=gpu"], None, "zero.grads.shard_over=gpu"),
+        # hpZ strictly finer than the primary parameters
+        (
+            ["zero.params.shard_over=node", "zero.optim.shard_over=node", "zero.secondary_params.shard_over=node"],
+            None,
+            "zero.secondary_params.shard_over=node",
+        ),
+        (["zero.secondary_params.shard_over=gpu"], None, "zero.secondary_params.shard_over=gpu"),
+        # split-backward schedules with ZeRO-2/3
+        (
+            [
+                "zero.grads.shard_over=global",
+                "zero.optim.shard_over=global",
+                "parallel.pp=2",
+                "parallel.schedule=interleaved_zero_bubble",
+            ],
+            None,
+            "parallel.schedule=interleaved_zero_bubble",
+        ),
+        (
+            [
+                "zero.params.shard_over=node",
+                "zero.optim.shard_over=node",
+                "parallel.pp=2",
+                "parallel.virtual_stages=2",
+                "parallel.schedule=dualpipev",
+            ],
+            None,
+            "parallel.schedule=dualpipev",
+        ),
+        # CO2: nodes are independent replicas, and there are at least two of them
+        (["co2.enabled=true", "zero.optim.shard_over=global"], None, "zero.optim.shard_over=global"),
+        (["co2.enabled=true", "parallel.ranks_per_node=2"], 2, "parallel.ranks_per_node=2"),
+        (["co2.enabled=true", "co2.clip=1", "parallel.tp=2"], None, "co2.clip=1.0"),
+        (["co2.enabled=true", "co2.staleness_penalty=0.5", "parallel.pp=2"], None, "co2.staleness_penalty=0.5"),
+        # ZeRO-1 too: the split-backward schedules set weight gradients past the engine's hooks
+        (
+            ["zero.optim.shard_over=global", "parallel.pp=2", "parallel.schedule=interleaved_zero_bubble"],
+            None,
+            "parallel.schedule=interleaved_zero_bubble",
+        ),
+        # snapshots copy the state the checkpoint layer sees: not with CO2's open round or tiered state
+        (["snapshot.every_steps=1", "co2.enabled=true"], None, "co2.enabled"),
+        (
+            ["snapshot.every_steps=1", "offload.optim.device=cpu", "zero.optim.shard_over=global"],
+            None,
+            "offload.optim.device",
+        ),
+    ],
+)
 def test_zero_and_co2_cross_checks(overrides, world_size, key):
     err = load_error(None, overrides, world_size=world_size)
     assert len(err.problems) == 1, err.problems
@@ -631,29 +740,57 @@ def test_zero_and_co2_cross_checks(overrides, world_size, key):
 def test_cross_check_messages_name_the_fix():
     (p,) = load_error(None, ["zero.params.shard_over=global", "zero.optim.shard_over=node"]).problems
     assert p.endswith("set zero.optim.shard_over=global or zero.params.shard_over=node")
-    (p,) = load_error(None, ["zero.params.shard_over=global", "zero.optim.shard_over=global",
-                             "zero.secondary_params.shard_over=global"]).problems
+    (p,) = load_error(
+        None,
+        ["zero.params.shard_over=global", "zero.optim.shard_over=global", "zero.secondary_params.shard_over=global"],
+    ).problems
     assert p.endswith("use gpu or node or none (hpZ off)")
-    (p,) = load_error(None, ["zero.grads.shard_over=global", "zero.optim.shard_over=global", "parallel.pp=2",
-                             "parallel.schedule=interleaved_zero_bubble"]).problems
+    (p,) = load_error(
+        None,
+        [
+            "zero.grads.shard_over=global",
+            "zero.optim.shard_over=global",
+            "parallel.pp=2",
+            "parallel.schedule=interleaved_zero_bubble",
+        ],
+    ).problems
     assert "zero.grads.shard_over=global" in p and "parallel.schedule=interleaved_1f1b" in p
     (p,) = load_error(None, ["co2.enabled=true", "parallel.ranks_per_node=2"], world_size=2).problems
     assert "co2.enabled needs at least 2 nodes" in p and "world size 2 / parallel.ranks_per_node=2 = 1" in p
 
 
-@pytest.mark.parametrize("overrides, world_size", [
-    (["zero.optim.shard_over=global"], None),                                                  # ZeRO-1
-    ([f"zero.{s}.shard_over=global" for s in ("params", "grads", "optim")], None),             # ZeRO-3
-    ([f"zero.{s}.shard_over=global" for s in ("params", "grads", "optim")]
-     + ["zero.secondary_params.shard_over=node"], None),                                       # hpZ
-    (["zero.params.shard_over=gpu", "zero.grads.shard_over=node", "zero.optim.shard_over=global"], None),  # 3 levels
-    (["zero.params.shard_over=gcd", "zero.optim.shard_over=none"], None),                       # gcd = none
-    (["zero.grads.shard_over=node", "zero.optim.shard_over=node", "parallel.schedule=interleaved_zero_bubble"],
-     None),                                                                                    # no pipeline: unused
-    (["co2.enabled=true", "zero.optim.shard_over=node", "zero.grads.shard_over=node", "parallel.ranks_per_node=2",
-      "train.global_batch_size=32"], 4),                                                       # 2 nodes of 2
-    (["co2.enabled=true"], 2),                                                                 # node size unknown
-])
+@pytest.mark.parametrize(
+    "overrides, world_size",
+    [
+        (["zero.optim.shard_over=global"], None),  # ZeRO-1
+        ([f"zero.{s}.shard_over=global" for s in ("params", "grads", "optim")], None),  # ZeRO-3
+        (
+            [f"zero.{s}.shard_over=global" for s in ("params", "grads", "optim")]
+            + ["zero.secondary_params.shard_over=node"],
+            None,
+        ),  # hpZ
+        (
+            ["zero.params.shard_over=gpu", "zero.grads.shard_over=node", "zero.optim.shard_over=global"],
+            None,
+        ),  # 3 levels
+        (["zero.params.shard_over=gcd", "zero.optim.shard_over=none"], None),  # gcd = none
+        (
+            ["zero.grads.shard_over=node", "zero.optim.shard_over=node", "parallel.schedule=interleaved_zero_bubble"],
+            None,
+        ),  # no pipeline: unused
+        (
+            [
+                "co2.enabled=true",
+                "zero.optim.shard_over=node",
+                "zero.grads.shard_over=node",
+                "parallel.ranks_per_node=2",
+                "train.global_batch_size=32",
+            ],
+            4,
+        ),  # 2 nodes of 2
+        (["co2.enabled=true"], 2),  # node size unknown
+    ],
+)
 def test_zero_and_co2_valid_settings_pass(overrides, world_size):
     config.load(None, overrides, world_size=world_size)
 

@@ -1,5 +1,6 @@
 """Token data: prepare -> read round trips, the nanoGPT file layout, and the data-parallel,
 resumable batch loader (each sample once per epoch, same global stream for any dp size)."""
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,7 @@ DOCS = {
     "zeta.txt": "tabs\tand\rcarriage returns\r\n",
     "eta.txt": "short",
     "theta.txt": "x" * 300,
-    "iota.txt": "~!@#$%^&*()_+{}|:\"<>?",
+    "iota.txt": '~!@#$%^&*()_+{}|:"<>?',
     "kappa.txt": "last document\n",
 }
 
@@ -58,8 +59,9 @@ def split_documents(tokens: np.ndarray) -> list[str]:
     return docs
 
 
-def write_token_dir(path: Path, tokens: np.ndarray, vocab_size: int, split: str = "train",
-                    dtype: str = "uint16") -> Path:
+def write_token_dir(
+    path: Path, tokens: np.ndarray, vocab_size: int, split: str = "train", dtype: str = "uint16"
+) -> Path:
     """A data directory in nanoGPT's layout: a raw token array plus a minimal meta.json."""
     path.mkdir(parents=True, exist_ok=True)
     np.asarray(tokens, dtype=dtype).tofile(path / f"{split}.bin")
@@ -81,6 +83,7 @@ def sample_ids(ds: TokenDataset, inputs: torch.Tensor) -> list[int]:
 
 
 # --- prepare ----------------------------------------------------------------------------------
+
 
 def test_prepare_round_trip(tmp_path):
     files = write_docs(tmp_path / "src", DOCS)
@@ -138,8 +141,9 @@ def test_prepare_replaces_existing_directory_atomically(tmp_path):
     meta = prepare(files, out, val_fraction=0.5, root=new_src)
 
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
-    docs = split_documents(np.fromfile(out / "train.bin", dtype=np.uint16)) + \
-        split_documents(np.fromfile(out / "val.bin", dtype=np.uint16))
+    docs = split_documents(np.fromfile(out / "train.bin", dtype=np.uint16)) + split_documents(
+        np.fromfile(out / "val.bin", dtype=np.uint16)
+    )
     assert sorted(docs) == sorted(list(DOCS.values())[:4])
     assert json.loads((out / "meta.json").read_text()) == meta and meta["documents"] == 4
     # no temporary or old copies left next to it
@@ -191,8 +195,9 @@ def test_expand_inputs_then_prepare_with_relative_paths(tmp_path, monkeypatch):
     assert len(files) == len(DOCS) + 1
     meta = prepare(files, Path("out"), val_fraction=0.3, root=root)
     assert meta["documents"] == len(DOCS) + 1
-    docs = split_documents(np.fromfile("out/train.bin", dtype=np.uint16)) + \
-        split_documents(np.fromfile("out/val.bin", dtype=np.uint16))
+    docs = split_documents(np.fromfile("out/train.bin", dtype=np.uint16)) + split_documents(
+        np.fromfile("out/val.bin", dtype=np.uint16)
+    )
     assert sorted(docs) == sorted(list(DOCS.values()) + ["nested file\n"])
 
 
@@ -215,14 +220,17 @@ def test_prepared_data_loads_as_windows(small_data_dir):
     raw = np.fromfile(small_data_dir / "train.bin", dtype=np.uint16)
     assert len(ds) == (len(raw) - 1) // L and ds.vocab_size == 257
     for i in (0, 1, len(ds) // 2, len(ds) - 1):
-        assert ds.window(i).tolist() == raw[i * L:i * L + L + 1].tolist()
+        assert ds.window(i).tolist() == raw[i * L : i * L + L + 1].tolist()
     inputs, targets = ds.batch([3, 0, len(ds) - 1])
     assert inputs.shape == targets.shape == (3, L) and inputs.dtype == targets.dtype == torch.int64
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
-    assert inputs[0].tolist() == raw[3 * L:4 * L].tolist() and targets[0].tolist() == raw[3 * L + 1:4 * L + 1].tolist()
+    assert (
+        inputs[0].tolist() == raw[3 * L : 4 * L].tolist() and targets[0].tolist() == raw[3 * L + 1 : 4 * L + 1].tolist()
+    )
 
 
 # --- the nanoGPT layout -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype, vocab", [("uint16", 50257), ("uint32", 100277)])
 def test_nanogpt_layout_loads(tmp_path, dtype, vocab):
@@ -230,17 +238,18 @@ def test_nanogpt_layout_loads(tmp_path, dtype, vocab):
     tokens = rng.integers(0, vocab, size=1000)
     d = tmp_path / "nanogpt"
     d.mkdir()
-    np.array(tokens, dtype=dtype).tofile(d / "train.bin")          # exactly as nanoGPT's prepare.py
+    np.array(tokens, dtype=dtype).tofile(d / "train.bin")  # exactly as nanoGPT's prepare.py
     (d / "meta.json").write_text(json.dumps({"dtype": dtype, "vocab_size": vocab}))
     L = 64
     ds = TokenDataset(d, "train", L)
     assert len(ds) == (1000 - 1) // L == 15 and ds.vocab_size == vocab
     for i in range(len(ds)):
-        assert ds.window(i).tolist() == tokens[i * L:i * L + L + 1].tolist()
+        assert ds.window(i).tolist() == tokens[i * L : i * L + L + 1].tolist()
     assert read_meta(d).tokenizer == "unknown"
 
 
 # --- dataset errors ---------------------------------------------------------------------------
+
 
 def test_dataset_without_meta_is_a_clear_error(tmp_path):
     d = tmp_path / "bare"
@@ -274,6 +283,7 @@ def test_dataset_missing_split_and_bad_meta(tmp_path):
 
 # --- the batch loader -------------------------------------------------------------------------
 
+
 def gather_step(ds, seed, gb, mb, dp, consumed: int, shuffle: bool = True) -> list[list[int]]:
     """One optimizer step's indices from every dp rank (each rank its own loader), rank order."""
     per_rank = []
@@ -296,8 +306,8 @@ def test_each_sample_once_per_epoch_for_any_dp(tmp_path, dp):
         for micro_batches in per_rank:
             assert len(micro_batches) == gb // (mb * dp) and all(len(m) == mb for m in micro_batches)
         step = [i for micro_batches in per_rank for m in micro_batches for i in m]
-        assert step == [i for m in reference.step_indices() for i in m]   # same samples, same order
-        assert len(set(step)) == gb                                        # ranks are disjoint
+        assert step == [i for m in reference.step_indices() for i in m]  # same samples, same order
+        assert len(set(step)) == gb  # ranks are disjoint
         seen += step
     first, second = seen[:n], seen[n:]
     assert sorted(first) == list(range(n)) and sorted(second) == list(range(n))
@@ -312,7 +322,7 @@ def test_epoch_boundary_inside_a_step(tmp_path):
     loader = BatchLoader(ds, seed=1, global_batch=gb, micro_batch=4)
     stream = [i for _ in range(3 * n // gb + 1) for m in loader.step_indices() for i in m]
     for e in range(3):
-        assert sorted(stream[e * n:(e + 1) * n]) == list(range(n))
+        assert sorted(stream[e * n : (e + 1) * n]) == list(range(n))
 
 
 def test_next_step_batches_hold_the_indexed_windows(tmp_path):
@@ -424,6 +434,7 @@ def test_loader_over_prepared_corpus_covers_each_window_once(small_data_dir):
 
 
 # --- evaluation batches -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_eval_batches_are_fixed_and_ranks_partition_them(tmp_path, dp):

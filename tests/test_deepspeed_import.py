@@ -3,6 +3,7 @@ model, initial values, data, AdamW groups and LR schedule (bench/_zero_worker.py
 of 6 steps — is imported with `strata ckpt import-deepspeed`, and training continues in Strata on
 one process (another dp size): steps 4–6 have the losses of Strata's own uninterrupted run and end
 on its weights. DeepSpeed is a test dependency here (.ci/run installs it, torch pinned)."""
+
 from __future__ import annotations
 
 import os
@@ -29,15 +30,49 @@ def test_deepspeed_zero3_checkpoint_continues_in_strata(small_data_dir, tmp_path
     experiment.write_text("{}\n")
     overrides = tiny_overrides(small_data_dir, tmp_path / "ds", **SETTINGS)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), "bench/_zero_worker.py", "--side", "deepspeed",
-                           "--out", str(tmp_path / "ds.json"), "--stop-after", "3",
-                           "--save-dir", str(tmp_path / "ds-ckpt"), str(experiment), *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "bench/_zero_worker.py",
+            "--side",
+            "deepspeed",
+            "--out",
+            str(tmp_path / "ds.json"),
+            "--stop-after",
+            "3",
+            "--save-dir",
+            str(tmp_path / "ds-ckpt"),
+            str(experiment),
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
-    assert strata_main(["ckpt", "import-deepspeed", str(tmp_path / "ds-ckpt"), str(tmp_path / "imported"),
-                        *overrides, "--config", str(experiment)]) == 0
+    assert (
+        strata_main(
+            [
+                "ckpt",
+                "import-deepspeed",
+                str(tmp_path / "ds-ckpt"),
+                str(tmp_path / "imported"),
+                *overrides,
+                "--config",
+                str(experiment),
+            ]
+        )
+        == 0
+    )
     reference_cfg = tiny_config(small_data_dir, tmp_path / "ref", **SETTINGS)
     reference = run(reference_cfg, start())
     resumed_cfg = tiny_config(small_data_dir, tmp_path / "resumed", **SETTINGS)

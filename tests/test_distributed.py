@@ -1,6 +1,7 @@
 """Parallel layouts in real gloo worlds started by `strata launch` (torchrun, c10d rendezvous),
 each checked against the 1-process run with the same global batch after 6 optimizer steps:
 every step's loss, and every parameter of the final checkpoint (saved in the global layout)."""
+
 from __future__ import annotations
 
 import json
@@ -37,35 +38,60 @@ LAYOUTS = {
     "pp2-v2": (2, {"parallel.pp": 2, "parallel.virtual_stages": 2}, {"model.n_layers": 4}),
     "pp4-v2": (4, {"parallel.pp": 4, "parallel.virtual_stages": 2}, {"model.n_layers": 8}),
     "pp2-gpipe-tied": (2, {"parallel.pp": 2, "parallel.schedule": "gpipe"}, {"model.tie_embeddings": True}),
-    "pp2-zbv-tied": (2, {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "zbv_zero_bubble"},
-                     {"model.n_layers": 4, "model.tie_embeddings": True}),
-    "pp2-v2-looped-bfs": (2, {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "looped_bfs"},
-                          {"model.n_layers": 4}),
-    "pp2-v2-zero-bubble": (2, {"parallel.pp": 2, "parallel.virtual_stages": 2,
-                               "parallel.schedule": "interleaved_zero_bubble"}, {"model.n_layers": 4}),
-    "pp2-dualpipev": (2, {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "dualpipev"},
-                      {"model.n_layers": 4}),
-    "pp2-zbv": (2, {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "zbv_zero_bubble"},
-                     {"model.n_layers": 4}),
-    "tp2-pp2-sp-tied": (4, {"parallel.tp": 2, "parallel.pp": 2, "parallel.sequence_parallel": True},
-                        {"model.tie_embeddings": True}),
+    "pp2-zbv-tied": (
+        2,
+        {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "zbv_zero_bubble"},
+        {"model.n_layers": 4, "model.tie_embeddings": True},
+    ),
+    "pp2-v2-looped-bfs": (
+        2,
+        {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "looped_bfs"},
+        {"model.n_layers": 4},
+    ),
+    "pp2-v2-zero-bubble": (
+        2,
+        {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "interleaved_zero_bubble"},
+        {"model.n_layers": 4},
+    ),
+    "pp2-dualpipev": (
+        2,
+        {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "dualpipev"},
+        {"model.n_layers": 4},
+    ),
+    "pp2-zbv": (
+        2,
+        {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "zbv_zero_bubble"},
+        {"model.n_layers": 4},
+    ),
+    "tp2-pp2-sp-tied": (
+        4,
+        {"parallel.tp": 2, "parallel.pp": 2, "parallel.sequence_parallel": True},
+        {"model.tie_embeddings": True},
+    ),
     "pp2-dp2": (4, {"parallel.pp": 2}, {}),
     "tp2-pp2-dp2": (8, {"parallel.tp": 2, "parallel.pp": 2}, {}),
     # the ZeRO engine (tests/test_zero.py checks its schemes one by one on 8 ranks)
     "zero1-dp2": (2, {"zero.optim.shard_over": "global"}, {"train.micro_batch_size": 4}),
     "zero3-dp2-accumulate": (2, ZERO3, {"train.micro_batch_size": 2}),
-    "hpz-dp4-two-nodes": (4, {**ZERO3, "zero.secondary_params.shard_over": "node", "parallel.ranks_per_node": 2},
-                          {"train.micro_batch_size": 1}),
+    "hpz-dp4-two-nodes": (
+        4,
+        {**ZERO3, "zero.secondary_params.shard_over": "node", "parallel.ranks_per_node": 2},
+        {"train.micro_batch_size": 1},
+    ),
     "zero3-tp2-dp2": (4, {**ZERO3, "parallel.tp": 2}, {"model.tie_embeddings": True}),
-    "zero3-pp2-v2-dp2-tied": (4, {**ZERO3, "parallel.pp": 2, "parallel.virtual_stages": 2, "zero.prefetch_blocks": 2},
-                              {"model.n_layers": 4, "model.tie_embeddings": True}),
+    "zero3-pp2-v2-dp2-tied": (
+        4,
+        {**ZERO3, "parallel.pp": 2, "parallel.virtual_stages": 2, "zero.prefetch_blocks": 2},
+        {"model.n_layers": 4, "model.tie_embeddings": True},
+    ),
     "zero3-tp2-pp2-dp2": (8, {**ZERO3, "parallel.tp": 2, "parallel.pp": 2, "parallel.sequence_parallel": True}, {}),
 }
 
 
 def strata(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "strata.launch.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "strata.launch.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def launch_run(data_dir, run_root, nproc: int, *extra: str, **settings) -> subprocess.CompletedProcess:
@@ -74,8 +100,9 @@ def launch_run(data_dir, run_root, nproc: int, *extra: str, **settings) -> subpr
     run_root.mkdir(parents=True, exist_ok=True)
     experiment = run_root / "experiment.yaml"
     experiment.write_text("{}\n")
-    proc = strata("launch", str(experiment), *tiny_overrides(data_dir, run_root, **settings), *extra,
-                  "--nproc", str(nproc))
+    proc = strata(
+        "launch", str(experiment), *tiny_overrides(data_dir, run_root, **settings), *extra, "--nproc", str(nproc)
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return proc
 

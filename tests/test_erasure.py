@@ -1,6 +1,7 @@
 """checkpoint/erasure.py against references that do not share its code: decoding from every k-subset
 back to the original bytes, parity equal to pyeclib's own ISA-L Cauchy backend, and parity computed
 byte by byte in pure-Python GF(2^8)."""
+
 from __future__ import annotations
 
 import itertools
@@ -20,7 +21,7 @@ def split(code: Code, image: bytes) -> list[memoryview]:
     """The image padded with zeros and cut into k read-only fragments (views, no copies)."""
     f = code.fragment_len(len(image))
     padded = memoryview(image + bytes(code.k * f - len(image)))
-    return [padded[i * f:(i + 1) * f] for i in range(code.k)]
+    return [padded[i * f : (i + 1) * f] for i in range(code.k)]
 
 
 def encoded(code: Code, image: bytes) -> list:
@@ -31,6 +32,7 @@ def encoded(code: Code, image: bytes) -> list:
 
 
 # --- (1) any k of the k+m fragments give the image back -----------------------------------------
+
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 @pytest.mark.parametrize("m", [0, 1, 2, 3])
@@ -49,8 +51,8 @@ def test_every_k_subset_decodes(k, m):
         for i in lost:  # the rebuilt fragments, parity included, are the encoded ones
             assert bytes(want[i]) == bytes(frags[i]), (kept, i)
         data = b"".join(bytes(want[i]) if i in want else bytes(frags[i]) for i in range(k))
-        assert data[:len(image)] == image, kept
-        assert not any(data[len(image):])
+        assert data[: len(image)] == image, kept
+        assert not any(data[len(image) :])
 
 
 def test_decode_with_more_than_k_and_nothing_wanted():
@@ -65,23 +67,25 @@ def test_decode_with_more_than_k_and_nothing_wanted():
 
 # --- (2) parity against independent references --------------------------------------------------
 
+
 @pytest.mark.parametrize("k,m", [(1, 1), (2, 1), (3, 2), (4, 2), (4, 3)])
 def test_parity_matches_pyeclib(k, m):
     """pyeclib's `isa_l_rs_cauchy` fragments are an 80-byte header and the payload; the data
     payloads are the image cut in k, so our parity of those must equal its parity payloads; and our
     decode must rebuild the image from any k of its payloads."""
     from pyeclib.ec_iface import ECDriver
+
     image = random.Random(k + 7 * m).randbytes(1000 + k)
     payloads = [f[80:] for f in ECDriver(k=k, m=m, ec_type="isa_l_rs_cauchy").encode(image)]
     f = len(payloads[0])
-    assert b"".join(payloads[:k])[:len(image)] == image
+    assert b"".join(payloads[:k])[: len(image)] == image
     parity = [bytearray(f) for _ in range(m)]
     Code(k, m).encode(payloads[:k], parity)
     assert [bytes(p) for p in parity] == payloads[k:]
     lost = list(range(m))  # data fragments, so decoding must invert
     want = {i: bytearray(f) for i in lost}
     Code(k, m).decode({i: payloads[i] for i in range(k + m) if i not in lost}, want)
-    assert b"".join(bytes(want[i]) if i in want else payloads[i] for i in range(k))[:len(image)] == image
+    assert b"".join(bytes(want[i]) if i in want else payloads[i] for i in range(k))[: len(image)] == image
 
 
 def _gf_tables():
@@ -127,9 +131,19 @@ def test_parity_matches_pure_python_gf256():
 
 # --- (3) bad arguments --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("k,m,key", [(0, 1, "snapshot.k"), (-1, 0, "snapshot.k"), (1, -1, "snapshot.m"),
-                                     (200, 56, "snapshot.k + snapshot.m"), (2.0, 1, "snapshot.k"),
-                                     (True, 1, "snapshot.k"), (2, None, "snapshot.m")])
+
+@pytest.mark.parametrize(
+    "k,m,key",
+    [
+        (0, 1, "snapshot.k"),
+        (-1, 0, "snapshot.k"),
+        (1, -1, "snapshot.m"),
+        (200, 56, "snapshot.k + snapshot.m"),
+        (2.0, 1, "snapshot.k"),
+        (True, 1, "snapshot.k"),
+        (2, None, "snapshot.m"),
+    ],
+)
 def test_bad_code_parameters(k, m, key):
     with pytest.raises(ValueError, match=key.replace("+", r"\+")):
         Code(k, m)
@@ -198,6 +212,7 @@ def test_self_test():
 
 # --- (4) buffer types ---------------------------------------------------------------------------
 
+
 def test_buffer_kinds(tmp_path):
     k, m = 2, 2
     code = Code(k, m)
@@ -211,14 +226,16 @@ def test_buffer_kinds(tmp_path):
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as ro:
         store = bytearray(3 * f)
         anon = mmap.mmap(-1, f)
-        code.encode([ref[0], ro], [memoryview(store)[f:2 * f], anon])
-        assert bytes(store[f:2 * f]) == ref[2] and anon[:] == ref[3]
-        assert not any(store[:f]) and not any(store[2 * f:])  # wrote exactly the slice
+        code.encode([ref[0], ro], [memoryview(store)[f : 2 * f], anon])
+        assert bytes(store[f : 2 * f]) == ref[2] and anon[:] == ref[3]
+        assert not any(store[:f]) and not any(store[2 * f :])  # wrote exactly the slice
         # decode from mixed kinds into an mmap, a numpy array and a memoryview slice
         out_data, out_np, out_mv = mmap.mmap(-1, f), np.zeros(f, np.uint8), bytearray(f + 10)
-        code.decode({1: ro, 2: memoryview(store)[f:2 * f], 3: np.frombuffer(ref[3], np.uint8)},
-                    {0: out_data, 2: out_np, 3: memoryview(out_mv)[5:5 + f]})
-        assert out_data[:] == ref[0] and out_np.tobytes() == ref[2] and bytes(out_mv[5:5 + f]) == ref[3]
+        code.decode(
+            {1: ro, 2: memoryview(store)[f : 2 * f], 3: np.frombuffer(ref[3], np.uint8)},
+            {0: out_data, 2: out_np, 3: memoryview(out_mv)[5 : 5 + f]},
+        )
+        assert out_data[:] == ref[0] and out_np.tobytes() == ref[2] and bytes(out_mv[5 : 5 + f]) == ref[3]
         anon.close()
         out_data.close()
     # numpy inputs, including a non-byte dtype: lengths are in bytes
@@ -229,13 +246,15 @@ def test_buffer_kinds(tmp_path):
 
 # --- (5) long fragments: striped over threads ----------------------------------------------------
 
+
 def test_long_fragments_striped_over_threads():
     from pyeclib.ec_iface import ECDriver
+
     k, m = 2, 1
     f = 3 * (1 << 20) + 100  # 3 pieces, the last one 1 MiB + 100 bytes
     assert f // erasure.PIECE >= 2
     image = np.random.default_rng(0).integers(0, 256, k * f, dtype=np.uint8).tobytes()
-    data = [memoryview(image)[i * f:(i + 1) * f] for i in range(k)]
+    data = [memoryview(image)[i * f : (i + 1) * f] for i in range(k)]
     parity = [bytearray(f)]
     code = Code(k, m)
     code.encode(data, parity)

@@ -1,5 +1,6 @@
 """Flat-range-to-box mapping, checked by brute force: every element of a range is found, in order,
 in exactly the boxes the mapping returns."""
+
 from __future__ import annotations
 
 import itertools

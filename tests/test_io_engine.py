@@ -1,6 +1,7 @@
 """The swap I/O engine (offload/io_engine.py): aligned O_DIRECT reads and writes on a thread pool
 come back byte for byte, and every failure names the file, offset, size and errno; a swap directory
 that cannot hold the state is refused at start-up."""
+
 from __future__ import annotations
 
 import mmap
@@ -31,7 +32,7 @@ def test_written_bytes_read_back_identical_across_chunks_and_threads(tmp_path):
         assert torch.equal(back, data)
         middle = aligned(2 * ALIGN)
         engine.read(tmp_path / "a.swap", middle, offset=64 * ALIGN).wait()  # a range of the file
-        assert torch.equal(middle, data[64 * ALIGN:66 * ALIGN])
+        assert torch.equal(middle, data[64 * ALIGN : 66 * ALIGN])
         assert os.path.getsize(tmp_path / "a.swap") == n
         assert (engine.bytes_written, engine.bytes_read) == (n + 2 * ALIGN, n + 2 * ALIGN)
     finally:
@@ -42,8 +43,11 @@ def test_a_failed_read_names_file_offset_size_and_errno(tmp_path):
     engine = IOEngine(threads=1)
     try:
         engine.write(tmp_path / "short.swap", aligned(ALIGN)).wait()
-        with pytest.raises(SwapIOError, match=r"read of 4096 bytes at offset 4096 of .*short\.swap failed: .*"
-                                              r"\(errno \d+ ENODATA\)"):
+        with pytest.raises(
+            SwapIOError,
+            match=r"read of 4096 bytes at offset 4096 of .*short\.swap failed: .*"
+            r"\(errno \d+ ENODATA\)",
+        ):
             engine.read(tmp_path / "short.swap", aligned(2 * ALIGN)).wait()
     finally:
         engine.close()
@@ -53,7 +57,7 @@ def test_unaligned_buffers_are_refused_before_any_io(tmp_path):
     engine = IOEngine(threads=1)
     try:
         with pytest.raises(ValueError, match="4096-byte alignment"):
-            engine.write(tmp_path / "x.swap", aligned(2 * ALIGN)[1:ALIGN + 1])
+            engine.write(tmp_path / "x.swap", aligned(2 * ALIGN)[1 : ALIGN + 1])
         with pytest.raises(ValueError, match="file offset"):
             engine.write(tmp_path / "x.swap", aligned(ALIGN), offset=100)
         assert not (tmp_path / "x.swap").exists()

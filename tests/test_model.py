@@ -1,5 +1,6 @@
 """The Llama-style GPT against independent references: naive attention with complex-number RoPE
 (as in Meta's reference code), hand-written RMSNorm/SwiGLU, hand FLOP and parameter counts."""
+
 from __future__ import annotations
 
 import math
@@ -44,6 +45,7 @@ def randomize_norms(model: nn.Module, seed: int = 0) -> None:
 
 # --- independent references (float64) ---------------------------------------------------------
 
+
 def ref_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.double()
     return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * w.double()
@@ -87,7 +89,7 @@ def ref_attention(x: torch.Tensor, wq, wk, wv, wo, n_heads: int, n_kv_heads: int
     out = torch.empty(b, s, n_heads, hd, dtype=torch.float64)
     for bi in range(b):
         for h in range(n_heads):
-            scores = q[bi, :, h] @ k[bi, :, h].T / math.sqrt(hd)          # (s, s)
+            scores = q[bi, :, h] @ k[bi, :, h].T / math.sqrt(hd)  # (s, s)
             mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
             scores = scores.masked_fill(mask, float("-inf"))
             probs = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
@@ -111,10 +113,20 @@ def ref_gpt(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
 
 # --- shapes and vocabulary --------------------------------------------------------------------
 
-@pytest.mark.parametrize("data_vocab, multiple, expected", [
-    (257, 64, 320), (256, 64, 256), (1, 64, 64), (64, 64, 64), (65, 64, 128), (257, 1, 257), (257, 128, 384),
-    (50257, 64, 50304),
-])
+
+@pytest.mark.parametrize(
+    "data_vocab, multiple, expected",
+    [
+        (257, 64, 320),
+        (256, 64, 256),
+        (1, 64, 64),
+        (64, 64, 64),
+        (65, 64, 128),
+        (257, 1, 257),
+        (257, 128, 384),
+        (50257, 64, 50304),
+    ],
+)
 def test_padded_vocab_size(data_vocab, multiple, expected):
     assert padded_vocab_size(ModelConfig(pad_vocab_multiple=multiple), data_vocab) == expected
 
@@ -158,6 +170,7 @@ def test_tied_embeddings_share_one_tensor():
 
 
 # --- causality and init -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kv", [None, 2])
 def test_future_tokens_do_not_change_earlier_logits(kv):
@@ -205,6 +218,7 @@ def test_init_statistics():
 
 # --- components against hand-written formulas -------------------------------------------------
 
+
 def test_rmsnorm_matches_formula():
     gen = torch.Generator().manual_seed(0)
     norm = RMSNorm(24, eps=1e-3)
@@ -224,8 +238,9 @@ def test_swiglu_matches_formula(ffn):
     hidden = ffn or 32 * math.ceil(int(2 * 4 * 48 / 3) / 32)
     assert mlp.w1.out_features == mlp.w3.out_features == mlp.w2.in_features == hidden
     x = torch.randn(2, 7, 48, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(mlp(x).double(), ref_swiglu(x, mlp.w1.weight, mlp.w3.weight, mlp.w2.weight),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        mlp(x).double(), ref_swiglu(x, mlp.w1.weight, mlp.w3.weight, mlp.w2.weight), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("d_model, expected", [(128, 352), (96, 256), (100, 288), (32, 96), (4096, 10944)])
@@ -243,8 +258,9 @@ def test_attention_matches_naive_reference(n_heads, kv, theta):
     x = torch.randn(2, 13, 64, generator=torch.Generator().manual_seed(1))  # shorter than the rope tables
     cos, sin = rope_tables(cfg.seq_len, cfg.d_model // n_heads, theta)
     out = attn(x, cos, sin)
-    ref = ref_attention(x, attn.wq.weight, attn.wk.weight, attn.wv.weight, attn.wo.weight, n_heads,
-                        kv or n_heads, theta)
+    ref = ref_attention(
+        x, attn.wq.weight, attn.wk.weight, attn.wv.weight, attn.wo.weight, n_heads, kv or n_heads, theta
+    )
     assert ref.abs().max() > 0.1  # a meaningful comparison, not two near-zero tensors
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -255,7 +271,7 @@ def test_rope_is_position_dependent_and_norm_preserving():
     fc = ref_freqs_cis(8, 6, 10000.0)
     r = ref_rope(x, fc)
     torch.testing.assert_close(r.norm(dim=-1), x.norm(dim=-1))
-    torch.testing.assert_close(r[:, 0], x[:, 0])        # position 0: angle 0
+    torch.testing.assert_close(r[:, 0], x[:, 0])  # position 0: angle 0
     assert not torch.allclose(r[:, 1:], x[:, 1:])
 
 
@@ -280,6 +296,7 @@ def test_lm_loss_is_mean_next_token_cross_entropy():
 
 
 # --- it learns --------------------------------------------------------------------------------
+
 
 def test_tiny_model_overfits_one_batch():
     torch.manual_seed(0)

@@ -2,6 +2,7 @@
 (fp32, ZeRO-3; losses, parameters and Adam moments bit for bit), the swap files are really
 written and read, the host budget holds, bad swap paths fail at start-up, checkpoints taken with
 offload resume anywhere, and a 2-rank world through `strata launch` matches one process."""
+
 from __future__ import annotations
 
 import json
@@ -35,12 +36,19 @@ def train(cfg, steps: int = 4):
     losses = [trainer.train_step()[0].item() for _ in range(steps)]
     with trainer.model.state_in_memory():
         shards = [g.shard.clone() for g in trainer.model.engine.groups]
-        moments = [t.clone() for group in trainer.model.optimizer.param_groups for p in group["params"]
-                   for _, t in sorted(trainer.model.optimizer.state[p].items())]
+        moments = [
+            t.clone()
+            for group in trainer.model.optimizer.param_groups
+            for p in group["params"]
+            for _, t in sorted(trainer.model.optimizer.state[p].items())
+        ]
     held = trainer.model.engine.held_bytes()
     metrics = trainer.model.tiers.metrics() if trainer.model.tiers else {}
-    files = {k: f.path.stat().st_size for k, f in trainer.model.tiers.swap.files.items()} if trainer.model.tiers and \
-        trainer.model.tiers.swap else {}
+    files = (
+        {k: f.path.stat().st_size for k, f in trainer.model.tiers.swap.files.items()}
+        if trainer.model.tiers and trainer.model.tiers.swap
+        else {}
+    )
     if trainer.model.tiers:
         trainer.model.tiers.close()
     return losses, shards, moments, held, metrics, files
@@ -58,16 +66,30 @@ VARIANTS = {
     "optim-cpu": {"offload.optim.device": "cpu"},
     "optim-cpu-updated-on-device-path": {"offload.optim.device": "cpu", "offload.optim.update_on": "gpu"},
     "all-nvme-minimum-budget": {"offload.params.device": "nvme", "offload.optim.device": "nvme", **SMALL_SLABS},
-    "all-nvme-buffered-io": {"offload.params.device": "nvme", "offload.optim.device": "nvme",
-                             "offload.direct_io": False},
+    "all-nvme-buffered-io": {
+        "offload.params.device": "nvme",
+        "offload.optim.device": "nvme",
+        "offload.direct_io": False,
+    },
     "activations-nvme": {"activations.offload": "nvme", "activations.min_bytes": 4096},
-    "activations-nvme-bounded-inflight": {"activations.offload": "nvme", "activations.min_bytes": 4096,
-                                          "activations.max_inflight_mb": 0.1},
-    "activations-cpu-recompute": {"activations.offload": "cpu", "activations.recompute": "full",
-                                  "activations.min_bytes": 4096},
-    "everything-nvme-minimum-budget": {"offload.params.device": "nvme", "offload.optim.device": "nvme",
-                                       "activations.offload": "nvme", "activations.min_bytes": 4096,
-                                       **SMALL_SLABS, "offload.host_buffer_mb": 0.375},  # 3 streams' minimum
+    "activations-nvme-bounded-inflight": {
+        "activations.offload": "nvme",
+        "activations.min_bytes": 4096,
+        "activations.max_inflight_mb": 0.1,
+    },
+    "activations-cpu-recompute": {
+        "activations.offload": "cpu",
+        "activations.recompute": "full",
+        "activations.min_bytes": 4096,
+    },
+    "everything-nvme-minimum-budget": {
+        "offload.params.device": "nvme",
+        "offload.optim.device": "nvme",
+        "activations.offload": "nvme",
+        "activations.min_bytes": 4096,
+        **SMALL_SLABS,
+        "offload.host_buffer_mb": 0.375,
+    },  # 3 streams' minimum
 }
 
 
@@ -144,8 +166,12 @@ def test_offload_swap_traffic_is_zero_infinity_s(small_data_dir, tmp_path):
     the reads at the turns; the losses stay the same."""
     reads, losses = {}, {}
     for keep in (0, 2):
-        settings = {**MODEL, "offload.params.device": "nvme", "offload.nvme_path": str(tmp_path / f"swap{keep}"),
-                    "offload.params.keep_groups": keep}
+        settings = {
+            **MODEL,
+            "offload.params.device": "nvme",
+            "offload.nvme_path": str(tmp_path / f"swap{keep}"),
+            "offload.params.keep_groups": keep,
+        }
         cfg = tiny_config(small_data_dir, tmp_path / str(keep), **settings)
         trainer = Trainer(cfg, start())
         groups = trainer.model.engine.groups
@@ -169,8 +195,12 @@ def test_offloaded_checkpoint_resumes_with_and_without_offload(small_data_dir, t
     """A run offloading everything to NVMe saves at step 3; resumed without offload and with it,
     both finish steps 4-6 on the uninterrupted run's losses and parameters."""
     extra = {**MODEL, **COMMON, "train.steps": 6, "checkpoint.interval": 3, "checkpoint.keep_last": 0}
-    offload = {"offload.params.device": "nvme", "offload.optim.device": "nvme",
-               "offload.nvme_path": str(tmp_path / "swap"), **SMALL_SLABS}
+    offload = {
+        "offload.params.device": "nvme",
+        "offload.optim.device": "nvme",
+        "offload.nvme_path": str(tmp_path / "swap"),
+        **SMALL_SLABS,
+    }
     full_cfg = tiny_config(small_data_dir, tmp_path / "full", **extra, **offload)
     full = run(full_cfg, start())
     saved = store.step_dir(full_cfg.checkpoint_dir(), 3)
@@ -188,19 +218,20 @@ def test_offloaded_checkpoint_resumes_with_and_without_offload(small_data_dir, t
 def test_swap_dir_problems_fail_at_start_up(small_data_dir, tmp_path):
     settings = {**MODEL, "offload.params.device": "nvme"}
     with pytest.raises(StrataError, match=r"offload.nvme_path /sys/.*cannot create"):
-        Trainer(tiny_config(small_data_dir, tmp_path, **settings, **{"offload.nvme_path": "/sys/strata-swap"}),
-                start())
+        Trainer(tiny_config(small_data_dir, tmp_path, **settings, **{"offload.nvme_path": "/sys/strata-swap"}), start())
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     with pytest.raises(StrataError, match="offload.nvme_path"):
-        Trainer(tiny_config(small_data_dir, tmp_path, **settings, **{"offload.nvme_path": str(a_file / "sub")}),
-                start())
+        Trainer(
+            tiny_config(small_data_dir, tmp_path, **settings, **{"offload.nvme_path": str(a_file / "sub")}), start()
+        )
 
 
 def test_full_disk_fails_at_start_up_naming_the_key(small_data_dir, tmp_path):
     """RLIMIT_FSIZE makes the file system 'full' for this process: preallocation fails with EFBIG
     before the first step, naming the config key and the bytes needed (root ignores chmod, so a
     read-only directory cannot be simulated with permissions)."""
+    settings = dict(MODEL, **{"offload.optim.device": "nvme", "offload.nvme_path": str(tmp_path / "swap")})
     script = f"""
 import resource, signal, sys
 sys.path.insert(0, {os.path.join(os.path.dirname(__file__))!r})
@@ -209,32 +240,56 @@ from conftest import tiny_config
 from strata.parallel.runtime import start
 from strata.trainer.loop import Trainer
 from pathlib import Path
-cfg = tiny_config(Path({str(small_data_dir)!r}), Path({str(tmp_path)!r}), **{dict(MODEL, **{
-        "offload.optim.device": "nvme", "offload.nvme_path": str(tmp_path / "swap")})!r})
+cfg = tiny_config(Path({str(small_data_dir)!r}), Path({str(tmp_path)!r}), **{settings!r})
 resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
 try:
     Trainer(cfg, start())
 except Exception as e:
     print(type(e).__name__, e)
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert "SwapIOError" in out.stdout, out.stdout + out.stderr
     assert "offload.optim.device" in out.stdout and "EFBIG" in out.stdout and "MiB" in out.stdout
 
 
-@pytest.mark.parametrize("settings, problem", [
-    ({"offload.params.device": "nvme"}, "need.* offload.nvme_path"),
-    ({"offload.params.device": "cpu", "zero.params.shard_over": "none", "zero.grads.shard_over": "none"},
-     "set zero.params.shard_over"),
-    ({"offload.optim.device": "cpu", "zero.optim.shard_over": "none", "zero.params.shard_over": "none",
-      "zero.grads.shard_over": "none"}, "set zero.optim.shard_over"),
-    ({"offload.optim.device": "cpu", "optim.impl": "foreach"}, "optim.impl=auto or fused"),
-    ({"offload.slab_mb": 0.001}, "multiple of 4 KiB"),
-    ({"offload.host_buffer_mb": 4, "offload.params.device": "cpu"}, "at least 8"),
-    ({"offload.host_buffer_mb": 8, "offload.params.device": "nvme", "offload.optim.device": "cpu",
-      "activations.offload": "nvme", "offload.nvme_path": "/tmp"}, "6 slabs .* 3 offload streams .* at least 24"),
-])
+@pytest.mark.parametrize(
+    "settings, problem",
+    [
+        ({"offload.params.device": "nvme"}, "need.* offload.nvme_path"),
+        (
+            {"offload.params.device": "cpu", "zero.params.shard_over": "none", "zero.grads.shard_over": "none"},
+            "set zero.params.shard_over",
+        ),
+        (
+            {
+                "offload.optim.device": "cpu",
+                "zero.optim.shard_over": "none",
+                "zero.params.shard_over": "none",
+                "zero.grads.shard_over": "none",
+            },
+            "set zero.optim.shard_over",
+        ),
+        ({"offload.optim.device": "cpu", "optim.impl": "foreach"}, "optim.impl=auto or fused"),
+        ({"offload.slab_mb": 0.001}, "multiple of 4 KiB"),
+        ({"offload.host_buffer_mb": 4, "offload.params.device": "cpu"}, "at least 8"),
+        (
+            {
+                "offload.host_buffer_mb": 8,
+                "offload.params.device": "nvme",
+                "offload.optim.device": "cpu",
+                "activations.offload": "nvme",
+                "offload.nvme_path": "/tmp",
+            },
+            "6 slabs .* 3 offload streams .* at least 24",
+        ),
+    ],
+)
 def test_offload_config_errors_say_what_to_set(small_data_dir, tmp_path, settings, problem):
     with pytest.raises(ConfigError, match=problem):
         tiny_config(small_data_dir, tmp_path, **{**MODEL, **settings})
@@ -247,16 +302,24 @@ def test_offload_dp2_through_launch_matches_one_process(small_data_dir, tmp_path
     shared = {**COMMON, "train.micro_batch_size": 2}
     reference_cfg = tiny_config(small_data_dir, tmp_path / "ref", **shared)
     reference = run(reference_cfg, start())
-    offload = {**ZERO3, "offload.params.device": "nvme", "offload.optim.device": "nvme",
-               "activations.offload": "nvme", "activations.min_bytes": 4096,
-               "offload.nvme_path": str(tmp_path / "swap"), **SMALL_SLABS, "offload.host_buffer_mb": 0.375}
+    offload = {
+        **ZERO3,
+        "offload.params.device": "nvme",
+        "offload.optim.device": "nvme",
+        "activations.offload": "nvme",
+        "activations.min_bytes": 4096,
+        "offload.nvme_path": str(tmp_path / "swap"),
+        **SMALL_SLABS,
+        "offload.host_buffer_mb": 0.375,
+    }
     launch_run(small_data_dir, tmp_path / "par", 2, **shared, **offload)
     losses = losses_from(tmp_path / "par" / "t")
     assert sorted(losses) == sorted(reference.losses)
     for step, loss in reference.losses.items():
         assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
-    assert_same_params(final_params(tmp_path / "par" / "t" / "checkpoints"),
-                       final_params(reference_cfg.checkpoint_dir()))
+    assert_same_params(
+        final_params(tmp_path / "par" / "t" / "checkpoints"), final_params(reference_cfg.checkpoint_dir())
+    )
     summary = json.loads((tmp_path / "par" / "t" / "summary.json").read_text())
     assert summary["offload"]["io_read_bytes"] > 0 and summary["offload"]["io_write_bytes"] > 0
     assert not list((tmp_path / "swap").glob("strata-*/*"))  # swap files removed at the end
@@ -268,9 +331,20 @@ def test_activation_policy_under_interleaved_pipeline_through_launch(small_data_
     every block recomputed and the saved block inputs offloaded to NVMe: the 1-process losses."""
     shared = {"model.n_layers": 4, "log.interval": 1}
     reference = run(tiny_config(small_data_dir, tmp_path / "ref", **shared), start())
-    launch_run(small_data_dir, tmp_path / "par", 2, **shared, **{
-        "parallel.pp": 2, "parallel.virtual_stages": 2, "activations.offload": "nvme", "activations.min_bytes": 4096,
-        "activations.recompute": "full", "offload.nvme_path": str(tmp_path / "swap")})
+    launch_run(
+        small_data_dir,
+        tmp_path / "par",
+        2,
+        **shared,
+        **{
+            "parallel.pp": 2,
+            "parallel.virtual_stages": 2,
+            "activations.offload": "nvme",
+            "activations.min_bytes": 4096,
+            "activations.recompute": "full",
+            "offload.nvme_path": str(tmp_path / "swap"),
+        },
+    )
     losses = losses_from(tmp_path / "par" / "t")
     assert sorted(losses) == sorted(reference.losses)
     for step, loss in reference.losses.items():

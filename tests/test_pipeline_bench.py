@@ -2,6 +2,7 @@
 1F1B and zero-bubble schedules on sleep-timed synthetic stages; the tests read the per-rank
 timelines it records and check them against the pipeline's rules and the 1F1B bubble formula,
 then render one with `strata plot schedule`."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,23 @@ def run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def records(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("pp-bench")
-    proc = run("bench/pipeline_schedule.py", "--pp", str(P), "--microbatches", str(M), "--t-forward", "0.03",
-               "--t-backward", "0.06", "--steps", "3", "--timeout", "60", "--record-dir", str(out))
+    proc = run(
+        "bench/pipeline_schedule.py",
+        "--pp",
+        str(P),
+        "--microbatches",
+        str(M),
+        "--t-forward",
+        "0.03",
+        "--t-backward",
+        "0.06",
+        "--steps",
+        "3",
+        "--timeout",
+        "60",
+        "--record-dir",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "interleaved/1F1B step-time ratio" in proc.stdout
     return {name: json.loads((out / f"{name.lower()}.json").read_text()) for name in NAMES}
@@ -70,9 +86,11 @@ def test_timeline_is_sequential_per_rank_and_respects_data_dependencies(records,
         assert all(a["end"] <= b["start"] for a, b in zip(ordered, ordered[1:])), "overlapping actions on one rank"
     at = {(a["kind"], a["stage"], a["mb"]): a for acts in rec["ranks"] for a in acts}
     for (kind, s, m), a in at.items():
-        before = {"F": [("F", s - 1, m)] if s > 0 else [],
-                  "B": [("F", s, m)] + ([("B", s + 1, m)] if s < last else []),
-                  "W": [("B", s, m)]}[kind]
+        before = {
+            "F": [("F", s - 1, m)] if s > 0 else [],
+            "B": [("F", s, m)] + ([("B", s + 1, m)] if s < last else []),
+            "W": [("B", s, m)],
+        }[kind]
         assert all(at[d]["end"] <= a["start"] for d in before), f"{kind}{s}.{m} started before {before} ended"
     # the zero-communication replay of the same order and durations is a lower bound of the real step
     assert rec["replay_step_time"] <= rec["step_time"] + 1e-6
@@ -80,7 +98,7 @@ def test_timeline_is_sequential_per_rank_and_respects_data_dependencies(records,
 
 def test_1f1b_idle_fraction_matches_theory(records):
     rec = records["1F1B"]
-    bubble = (P - 1) / M                 # Megatron: bubble time / compute time
+    bubble = (P - 1) / M  # Megatron: bubble time / compute time
     theory_idle = bubble / (1 + bubble)  # idle / step = (P-1) / (M+P-1)
     idle = [1 - busy(actions) / rec["step_time"] for actions in rec["ranks"]]
     mean_idle = sum(idle) / P
@@ -105,5 +123,5 @@ def test_plot_schedule_writes_png_and_plain_plot_still_takes_a_run_dir(records, 
     bad.write_text('{"schedule": "x"}')
     proc = run("-m", "strata.launch.cli", "plot", "schedule", str(bad))
     assert proc.returncode == 2 and "not a schedule record" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run("-m", "strata.launch.cli", "plot", str(tmp_path / "no-such-run"))   # the run-curves form
+    proc = run("-m", "strata.launch.cli", "plot", str(tmp_path / "no-such-run"))  # the run-curves form
     assert proc.returncode == 2 and "no metrics" in proc.stderr

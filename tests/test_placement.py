@@ -1,5 +1,6 @@
 """Deep Optimizer States placement (offload/placement.py): the pure model with injected numbers,
 hand-checked on small cases, and calibration on this machine (the CUDA branch where there is one)."""
+
 from __future__ import annotations
 
 import json
@@ -132,9 +133,15 @@ def test_force_is_honoured():
 def test_random_plans_respect_memory_and_never_lose_to_all_cpu():
     rng = random.Random(6)
     for _ in range(300):
-        m = Measured(cuda=True, b_h2d=10 ** rng.uniform(0, 2), b_d2h=10 ** rng.uniform(0, 2),
-                     r_cpu=10 ** rng.uniform(-1, 1), r_gpu=10 ** rng.uniform(-1, 2), kappa=rng.uniform(0.3, 1),
-                     m_free=rng.choice([AMPLE, 24, 36, 60]))
+        m = Measured(
+            cuda=True,
+            b_h2d=10 ** rng.uniform(0, 2),
+            b_d2h=10 ** rng.uniform(0, 2),
+            r_cpu=10 ** rng.uniform(-1, 1),
+            r_gpu=10 ** rng.uniform(-1, 2),
+            kappa=rng.uniform(0.3, 1),
+            m_free=rng.choice([AMPLE, 24, 36, 60]),
+        )
         sizes = [rng.randint(1, 5) for _ in range(rng.randint(1, 8))]
         p = plan(sizes, m)
         assert len(p.on_gpu) == len(sizes)

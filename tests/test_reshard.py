@@ -2,6 +2,7 @@
 dp, ZeRO) layout and continues from that checkpoint under another; its steps 4–6 must have the
 1-process run's losses and end on its weights — the data loader going on at the same sample (no
 sample repeated or skipped when dp changes), optimizer states included."""
+
 from __future__ import annotations
 
 import json
@@ -79,6 +80,7 @@ def test_offline_reshard_rewrites_every_tensor_exactly_one_file_per_target_rank(
     """`strata ckpt reshard DIR OUT --to tp=2,pp=2` (4 processes started by the command): the same
     parameters and optimizer states, bit for bit, now saved by the four ranks of the new layout."""
     from test_distributed import strata
+
     train(small_data_dir, tmp_path / "src", 1, {"train.steps": 3})
     src = store.step_dir(tmp_path / "src" / "t" / "checkpoints", 3)
     proc = strata("ckpt", "reshard", str(src), str(tmp_path / "out"), "--to", "tp=2,pp=2")

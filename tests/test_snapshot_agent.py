@@ -1,6 +1,7 @@
 """Snapshot agents as real processes, without a torch world: images handed over through their Unix
 sockets, erasure-coded across agents, agents SIGKILLed, and images rebuilt bit for bit from the
 survivors' fragments; access control of both sockets."""
+
 from __future__ import annotations
 
 import mmap
@@ -31,9 +32,23 @@ class Agents:
         env = {**os.environ, "STRATA_SNAPSHOT_SECRET": SECRET}
         for g in range(n):
             path = str(directory / f"agent{g}.sock")
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "strata.launch.snapshot_agent", "--socket", path,
-                                                "--advertise", "127.0.0.1", "--bind", "127.0.0.1"], env=env,
-                                               stdout=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "strata.launch.snapshot_agent",
+                        "--socket",
+                        path,
+                        "--advertise",
+                        "127.0.0.1",
+                        "--bind",
+                        "127.0.0.1",
+                    ],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                )
+            )
             self.info.append(path)
         for path in self.info:
             deadline = time.monotonic() + 20
@@ -55,7 +70,7 @@ class Agents:
         if fds:  # a descriptor comes once per slot and connection, as to a worker
             self.maps[(rank, reply["slot"])] = mmap.mmap(fds[0], reply["size"])
             os.close(fds[0])
-        self.maps[(rank, reply["slot"])][:len(image)] = image
+        self.maps[(rank, reply["slot"])][: len(image)] = image
         meta = {"rank": rank, "step": step, "world": world, "nbytes": len(image), "data": len(image), "trailer": 0}
         assert request(sock, {"op": "commit", "slot": reply["slot"], "meta": meta})[0]["ok"]
 
@@ -73,8 +88,10 @@ class Agents:
     def fetch(self, via: int, step: int, ranks: list[int], alive: list[int]) -> tuple[dict, dict[int, bytes]]:
         holdings = {self.ids[g]: request(self.socks[g], {"op": "holdings"})[0] for g in alive}
         sources = _sources(holdings)
-        reply, fds = request(self.socks[via], {"op": "fetch", "step": step, "ranks": ranks,
-                                               "sources": {str(r): sources[step][r] for r in ranks}})
+        reply, fds = request(
+            self.socks[via],
+            {"op": "fetch", "step": step, "ranks": ranks, "sources": {str(r): sources[step][r] for r in ranks}},
+        )
         images = {}
         for r, fd in zip(ranks, fds):
             size = reply["metas"][str(r)]["nbytes"]
@@ -95,6 +112,7 @@ def agents(tmp_path):
     def make(n, k, m):
         made.append(Agents(tmp_path, n, k, m))
         return made[-1]
+
     yield make
     for a in made:
         a.close()
@@ -170,8 +188,9 @@ def test_worker_side_errors_name_the_fix(agents):
     a = agents(1, 1, 0)
     with pytest.raises(StrataError, match=r"snapshot.k \+ snapshot.m = 1 \+ 1 .* this job has 1; set snapshot.m=0"):
         SnapshotManager(SnapshotConfig(every_steps=1, k=1, m=1), 0, 1, None, env={"STRATA_SNAPSHOT_SOCKET": a.paths[0]})
-    manager = SnapshotManager(SnapshotConfig(every_steps=1, m=0), 0, 1, None,
-                              env={"STRATA_SNAPSHOT_SOCKET": a.paths[0]})
+    manager = SnapshotManager(
+        SnapshotConfig(every_steps=1, m=0), 0, 1, None, env={"STRATA_SNAPSHOT_SOCKET": a.paths[0]}
+    )
     manager.close()
 
 

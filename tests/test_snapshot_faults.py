@@ -2,6 +2,7 @@
 `strata launch` (torchrun with 2 workers, elastic restarts, c10d rendezvous) plus its snapshot agent.
 Processes are killed with SIGKILL; every run must end on the final parameters and optimizer state of
 an uninterrupted run, bit for bit, and log where it resumed from."""
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,19 @@ pytestmark = pytest.mark.slow  # multi-node worlds with snapshot agents, killed 
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
-SETTINGS = {"log.interval": 1, "train.steps": STEPS, "train.global_batch_size": 8, "train.micro_batch_size": 2,
-            "checkpoint.interval": 10, "checkpoint.keep_last": 0, "checkpoint.save_final": True,
-            "snapshot.every_steps": 1, "snapshot.k": 1, "snapshot.m": 1, "parallel.timeout_s": 20}
+SETTINGS = {
+    "log.interval": 1,
+    "train.steps": STEPS,
+    "train.global_batch_size": 8,
+    "train.micro_batch_size": 2,
+    "checkpoint.interval": 10,
+    "checkpoint.keep_last": 0,
+    "checkpoint.save_final": True,
+    "snapshot.every_steps": 1,
+    "snapshot.k": 1,
+    "snapshot.m": 1,
+    "parallel.timeout_s": 20,
+}
 DEADLINE_S = 150
 
 
@@ -73,13 +84,36 @@ class Cluster:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "ab")
-        return subprocess.Popen([sys.executable, "-m", "strata.launch.cli", *args], cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT, env={**self.env, "STRATA_TEST_NODE": name})
+        return subprocess.Popen(
+            [sys.executable, "-m", "strata.launch.cli", *args],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**self.env, "STRATA_TEST_NODE": name},
+        )
 
     def start_node(self, name: str) -> None:
-        self.nodes[name] = self._spawn(name, [
-            "launch", *self.args, "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
-            "--rdzv-store", "external", "--rdzv-id", "faults", "--max-restarts", "3", "--join-timeout", "30"])
+        self.nodes[name] = self._spawn(
+            name,
+            [
+                "launch",
+                *self.args,
+                "--nproc",
+                "2",
+                "--nnodes",
+                "2",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{self.port}",
+                "--rdzv-store",
+                "external",
+                "--rdzv-id",
+                "faults",
+                "--max-restarts",
+                "3",
+                "--join-timeout",
+                "30",
+            ],
+        )
 
     def kill_node(self, name: str) -> None:
         """SIGKILL a node's launcher, agent, torchrun and workers."""
@@ -132,6 +166,7 @@ def cluster(tmp_path, small_data_dir):
     def make(**settings) -> Cluster:
         made.append(Cluster(tmp_path, small_data_dir, **settings))
         return made[-1]
+
     yield make
     for c in made:
         c.close()
@@ -140,20 +175,24 @@ def cluster(tmp_path, small_data_dir):
 @pytest.fixture
 def running(cluster):
     """A 2-node job past step 12: its step-10 checkpoint committed and snapshots in the agents."""
+
     def start() -> Cluster:
         c = cluster()
         c.start_node("A")
         c.start_node("B")
         c.wait_for_step(12)
         return c
+
     return start
 
 
 def final_state(tmp: Path) -> dict[str, torch.Tensor]:
     ckpt = Checkpoint(store.step_dir(tmp / "runs" / "t" / "checkpoints", STEPS))
     try:
-        return {**{f"model.{k}": v for k, v in ckpt.tensors("model.").items()},
-                **{f"optim.{k}": v for k, v in ckpt.tensors("optim.").items()}}
+        return {
+            **{f"model.{k}": v for k, v in ckpt.tensors("model.").items()},
+            **{f"optim.{k}": v for k, v in ckpt.tensors("optim.").items()},
+        }
     finally:
         ckpt.close()
 
@@ -213,7 +252,9 @@ def test_losing_more_nodes_than_m_falls_back_to_the_disk_checkpoint(running, ref
     c.start_node("D")
     c.wait(["C", "D"])
     log = c.log("C") + c.log("D")
-    assert ("snapshot: no in-memory snapshot every rank can restore (no snapshot in any agent's memory); "
-            "resumed from disk checkpoint") in log, log[-6000:]
+    assert (
+        "snapshot: no in-memory snapshot every rank can restore (no snapshot in any agent's memory); "
+        "resumed from disk checkpoint"
+    ) in log, log[-6000:]
     assert "step_00000010" in log
     assert_identical(c, reference)

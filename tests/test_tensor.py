@@ -7,6 +7,7 @@ the shapes that flowed between blocks, the bytes each collective moved. The test
 process, rebuild the global gradients from the shards by placement and compare them with the
 unsharded model's (fp32).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,9 +27,9 @@ from strata.parallel.tensor import VocabParallelLoss, apply_tensor_parallel, pla
 
 from worlds import run_world
 
-VOCAB = 128          # no other width of the tiny model equals it (d 32, ffn 96, q 32, kv 16)
+VOCAB = 128  # no other width of the tiny model equals it (d 32, ffn 96, q 32, kv 16)
 BATCH, SEQ = 2, 16
-MICRO_BATCHES = 2    # gradients are accumulated over two backward passes, as the trainer does
+MICRO_BATCHES = 2  # gradients are accumulated over two backward passes, as the trainer does
 SEED = 7
 WORLD_TIMEOUT_S = 180
 
@@ -59,8 +60,10 @@ def make_model(settings: dict):
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(SEED + 2)
-    return [(torch.randint(VOCAB, (BATCH, SEQ), generator=gen), torch.randint(VOCAB, (BATCH, SEQ), generator=gen))
-            for _ in range(MICRO_BATCHES)]
+    return [
+        (torch.randint(VOCAB, (BATCH, SEQ), generator=gen), torch.randint(VOCAB, (BATCH, SEQ), generator=gen))
+        for _ in range(MICRO_BATCHES)
+    ]
 
 
 def saved_activation_bytes(step) -> int:
@@ -79,13 +82,16 @@ def saved_activation_bytes(step) -> int:
 
 # --- what each rank runs ------------------------------------------------------------------------
 
+
 def _tp_case(rank: int, size: int, settings: dict, sp: bool) -> dict:
     model = make_model(settings)
     loss_fn = apply_tensor_parallel(model, dist.group.WORLD, rank, size, sequence_parallel=sp)
     shapes: dict[str, tuple] = {}
     widest: list[int] = []
-    hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: shapes.__setitem__(f"layer{i}", tuple(a[0].shape)))
-             for i, layer in enumerate(model.layers)]
+    hooks = [
+        layer.register_forward_pre_hook(lambda m, a, i=i: shapes.__setitem__(f"layer{i}", tuple(a[0].shape)))
+        for i, layer in enumerate(model.layers)
+    ]
     hooks.append(model.norm.register_forward_pre_hook(lambda m, a: shapes.__setitem__("norm", tuple(a[0].shape))))
     hooks.append(model.output.register_forward_hook(lambda m, a, out: shapes.__setitem__("logits", tuple(out.shape))))
     hooks += [m.register_forward_hook(lambda m, a, out: widest.append(out.shape[-1])) for m in model.modules()]
@@ -105,7 +111,10 @@ def _tp_case(rank: int, size: int, settings: dict, sp: bool) -> dict:
     return {
         "loss": sum(losses),
         "grads": {name: (p.grad.clone(), placement_of(p)) for name, p in model.named_parameters()},
-        "shapes": shapes, "widest": max(widest), "fwd_bytes": dict(fwd_bytes), "bwd_bytes": dict(bwd_bytes),
+        "shapes": shapes,
+        "widest": max(widest),
+        "fwd_bytes": dict(fwd_bytes),
+        "bwd_bytes": dict(bwd_bytes),
         "saved_bytes": act_bytes[0],
     }
 
@@ -123,8 +132,13 @@ def _loss_case(rank: int, size: int) -> dict:
 
 def _worker(rank: int, size: int, port: int, out_dir: str, cases: list[str]) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         results = {name: _tp_case(rank, size, CASES[name][1], CASES[name][2]) for name in cases}
         results["loss-only"] = _loss_case(rank, size)
@@ -139,8 +153,9 @@ def worlds(tmp_path_factory) -> dict[int, list[dict]]:
     out = {}
     for size in sorted({c[0] for c in CASES.values()}):
         out_dir = tmp_path_factory.mktemp(f"tp{size}")
-        out[size] = run_world(_worker, size, out_dir, [n for n, c in CASES.items() if c[0] == size],
-                              timeout_s=WORLD_TIMEOUT_S)
+        out[size] = run_world(
+            _worker, size, out_dir, [n for n, c in CASES.items() if c[0] == size], timeout_s=WORLD_TIMEOUT_S
+        )
     return out
 
 
@@ -161,8 +176,9 @@ def assemble(ranks: list[dict], name: str) -> dict[str, torch.Tensor]:
     for key, (grad, placement) in ranks[0][name]["grads"].items():
         local = [r[name]["grads"][key] for r in ranks]
         if placement.shard_dim is not None:  # rank i holds shard i of the same global tensor
-            assert [pl for _, pl in local] == [dataclasses.replace(placement, shard_index=i)
-                                               for i in range(len(ranks))], key
+            assert [pl for _, pl in local] == [
+                dataclasses.replace(placement, shard_index=i) for i in range(len(ranks))
+            ], key
         if placement.shard_dim is None:
             assert all(pl == placement for _, pl in local), key
             for g, _ in local[1:]:
@@ -175,6 +191,7 @@ def assemble(ranks: list[dict], name: str) -> dict[str, torch.Tensor]:
 
 
 # --- the tests ------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow  # the `worlds` fixture: 2- and 4-process gloo worlds
 @pytest.mark.parametrize("name", list(CASES))
@@ -222,17 +239,21 @@ def test_collectives_per_step(worlds, name):
     all-gather pair instead of each all-reduce, and the norm weights' gradients all-reduced."""
     size, settings, sp = CASES[name]
     layers, d, tokens = 2, 32, BATCH * SEQ
-    act = MICRO_BATCHES * 4 * tokens * d      # one full (batch, seq, d) fp32 activation per micro-batch
-    loss = MICRO_BATCHES * 3 * 4 * tokens     # vocab-parallel CE: max, target logit, sum of exp
+    act = MICRO_BATCHES * 4 * tokens * d  # one full (batch, seq, d) fp32 activation per micro-batch
+    loss = MICRO_BATCHES * 3 * 4 * tokens  # vocab-parallel CE: max, target logit, sum of exp
     for r in worlds[size]:
         fwd, bwd = r[name]["fwd_bytes"], r[name]["bwd_bytes"]
         if sp:
-            assert fwd == {("tp", "reduce_scatter"): (2 * layers + 1) * act,
-                           ("tp", "all_gather"): (2 * layers + 1) * act // size,
-                           ("tp", "all_reduce"): loss}
-            assert bwd == {("tp", "reduce_scatter"): (2 * layers + 1) * act,
-                           ("tp", "all_gather"): (2 * layers + 1) * act // size,
-                           ("tp", "all_reduce"): MICRO_BATCHES * (2 * layers + 1) * 4 * d}
+            assert fwd == {
+                ("tp", "reduce_scatter"): (2 * layers + 1) * act,
+                ("tp", "all_gather"): (2 * layers + 1) * act // size,
+                ("tp", "all_reduce"): loss,
+            }
+            assert bwd == {
+                ("tp", "reduce_scatter"): (2 * layers + 1) * act,
+                ("tp", "all_gather"): (2 * layers + 1) * act // size,
+                ("tp", "all_reduce"): MICRO_BATCHES * (2 * layers + 1) * 4 * d,
+            }
         else:
             assert fwd == {("tp", "all_reduce"): (2 * layers + 1) * act + loss}
             assert bwd == {("tp", "all_reduce"): (2 * layers + 1) * act}

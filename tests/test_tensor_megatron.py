@@ -15,6 +15,7 @@ forks the two ranks, which rendezvous over TCP with a short timeout and report t
 absolute differences as JSON. Megatron runs on CPU here only with `use_cpu_initialization=True`
 and the default (non-sequence-parallel) path: its sequence-parallel gathers allocate on
 `torch.cuda.current_device()`."""
+
 from __future__ import annotations
 
 import datetime
@@ -40,13 +41,21 @@ TOL = 1e-6  # relative; fp32 rounding here is ~2e-7 (0 against megatron); a wron
 # the two ranks (run in the child process)
 # ---------------------------------------------------------------------------------------------
 
+
 def _full_tensors():
     """Identical on every rank: full weights, inputs and upstream gradients."""
     import torch
+
     g = torch.Generator().manual_seed(1234)
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float32)  # noqa: E731
-    return {"w_col": rand(D_FF, D_IN), "w_row": rand(D_OUT, D_FF), "x": rand(SEQ, BATCH, D_IN),
-            "x_row": rand(SEQ, BATCH, D_FF), "dy_col": rand(SEQ, BATCH, D_FF), "dy_row": rand(SEQ, BATCH, D_OUT)}
+    return {
+        "w_col": rand(D_FF, D_IN),
+        "w_row": rand(D_OUT, D_FF),
+        "x": rand(SEQ, BATCH, D_IN),
+        "x_row": rand(SEQ, BATCH, D_FF),
+        "dy_col": rand(SEQ, BATCH, D_FF),
+        "dy_row": rand(SEQ, BATCH, D_OUT),
+    }
 
 
 def _rank_body(rank: int) -> dict[str, float]:
@@ -63,8 +72,14 @@ def _rank_body(rank: int) -> dict[str, float]:
     ps.initialize_model_parallel(tensor_model_parallel_size=TP, create_gloo_process_groups=False)
     group = ps.get_tensor_model_parallel_group()
     assert ps.get_tensor_model_parallel_rank() == rank
-    cfg = ModelParallelConfig(tensor_model_parallel_size=TP, use_cpu_initialization=True, perform_initialization=True,
-                              params_dtype=torch.float32, gradient_accumulation_fusion=False, sequence_parallel=False)
+    cfg = ModelParallelConfig(
+        tensor_model_parallel_size=TP,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=torch.float32,
+        gradient_accumulation_fusion=False,
+        sequence_parallel=False,
+    )
     t = _full_tensors()
     diffs: dict[str, float] = {}
 
@@ -82,14 +97,29 @@ def _rank_body(rank: int) -> dict[str, float]:
         return layer
 
     def mg_column(full):
-        layer = mtp.ColumnParallelLinear(full.shape[1], full.shape[0], config=cfg, init_method=copy_of(full),
-                                         bias=False, gather_output=False, keep_master_weight_for_test=True)
+        layer = mtp.ColumnParallelLinear(
+            full.shape[1],
+            full.shape[0],
+            config=cfg,
+            init_method=copy_of(full),
+            bias=False,
+            gather_output=False,
+            keep_master_weight_for_test=True,
+        )
         assert torch.equal(layer.master_weight, full)
         return layer
 
     def mg_row(full):
-        layer = mtp.RowParallelLinear(full.shape[1], full.shape[0], config=cfg, init_method=copy_of(full), bias=False,
-                                      input_is_parallel=True, skip_bias_add=False, keep_master_weight_for_test=True)
+        layer = mtp.RowParallelLinear(
+            full.shape[1],
+            full.shape[0],
+            config=cfg,
+            init_method=copy_of(full),
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=False,
+            keep_master_weight_for_test=True,
+        )
         assert torch.equal(layer.master_weight, full)
         return layer
 
@@ -108,8 +138,10 @@ def _rank_body(rank: int) -> dict[str, float]:
     ya.backward(chunk(dy, -1))
     yb.backward(chunk(dy, -1))
     yr.backward(dy)
-    for ref, other in (("megatron", (yb, xb.grad, b.weight.grad)),
-                       ("single", (chunk(yr, -1), xr.grad, chunk(single.weight.grad, 0)))):
+    for ref, other in (
+        ("megatron", (yb, xb.grad, b.weight.grad)),
+        ("single", (chunk(yr, -1), xr.grad, chunk(single.weight.grad, 0))),
+    ):
         record(f"column/output vs {ref}", ya, other[0])
         record(f"column/input grad vs {ref}", xa.grad, other[1])
         record(f"column/weight grad vs {ref}", a.weight.grad, other[2])
@@ -123,8 +155,10 @@ def _rank_body(rank: int) -> dict[str, float]:
     ya, (yb, _), yr = a(xa), b(xb), single(xr)
     for y in (ya, yb, yr):
         y.backward(dy)
-    for ref, other in (("megatron", (yb, xb.grad, b.weight.grad)),
-                       ("single", (yr, chunk(xr.grad, -1), chunk(single.weight.grad, 1)))):
+    for ref, other in (
+        ("megatron", (yb, xb.grad, b.weight.grad)),
+        ("single", (yr, chunk(xr.grad, -1), chunk(single.weight.grad, 1))),
+    ):
         record(f"row/output vs {ref}", ya, other[0])
         record(f"row/input grad vs {ref}", xa.grad, other[1])
         record(f"row/weight grad vs {ref}", a.weight.grad, other[2])
@@ -141,8 +175,10 @@ def _rank_body(rank: int) -> dict[str, float]:
     yr = single(xr)
     for y in (ya, yb, yr):
         y.backward(dy)
-    for name, other in (("megatron", (yb, xb.grad, col_b.weight.grad, row_b.weight.grad)),
-                        ("single", (yr, xr.grad, chunk(single[0].weight.grad, 0), chunk(single[2].weight.grad, 1)))):
+    for name, other in (
+        ("megatron", (yb, xb.grad, col_b.weight.grad, row_b.weight.grad)),
+        ("single", (yr, xr.grad, chunk(single[0].weight.grad, 0), chunk(single[2].weight.grad, 1))),
+    ):
         record(f"mlp/output vs {name}", ya, other[0])
         record(f"mlp/input grad vs {name}", xa.grad, other[1])
         record(f"mlp/column weight grad vs {name}", col_a.weight.grad, other[2])
@@ -153,8 +189,10 @@ def _rank_body(rank: int) -> dict[str, float]:
 
 def _worker(rank: int, port: int, results) -> None:
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP,
-                            timeout=datetime.timedelta(seconds=60))
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         results[rank] = _rank_body(rank)
     finally:
@@ -164,6 +202,7 @@ def _worker(rank: int, port: int, results) -> None:
 def _child_main() -> None:
     """Import megatron once, fork the ranks (they inherit the import), print their results."""
     import warnings
+
     warnings.simplefilter("ignore")
     import megatron.core.tensor_parallel  # noqa: F401  (slow; done once, before forking)
     import torch.multiprocessing as mp
@@ -179,13 +218,15 @@ def _child_main() -> None:
 # the tests (pytest process)
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def diffs() -> dict:
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         pytest.skip("megatron-core not installed (pip install -e '.[test]' installs megatron-core==0.16.1)")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

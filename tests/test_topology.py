@@ -8,6 +8,7 @@ N once per (layout, rank) and reports the groups as JSON. The fake backend creat
 any communication, so every rank of every layout is covered in a few seconds. Megatron's extra
 gloo copies of its groups (`create_gloo_process_groups`) are turned off: the fake world cannot
 host a gloo subgroup, and they duplicate the membership of the groups compared here."""
+
 from __future__ import annotations
 
 import datetime
@@ -41,8 +42,23 @@ from strata.parallel.topology import (
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (tp, pp, dp)
-LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 4, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (4, 2, 1),
-           (2, 4, 1), (4, 1, 2), (1, 2, 4), (2, 1, 4), (3, 2, 2), (2, 3, 2)]
+LAYOUTS = [
+    (2, 1, 1),
+    (1, 2, 1),
+    (1, 4, 1),
+    (1, 1, 2),
+    (2, 2, 1),
+    (2, 1, 2),
+    (1, 2, 2),
+    (2, 2, 2),
+    (4, 2, 1),
+    (2, 4, 1),
+    (4, 1, 2),
+    (1, 2, 4),
+    (2, 1, 4),
+    (3, 2, 2),
+    (2, 3, 2),
+]
 IDS = [f"tp{tp}-pp{pp}-dp{dp}" for tp, pp, dp in LAYOUTS]
 
 
@@ -53,6 +69,7 @@ def layout_of(tp: int, pp: int, dp: int) -> Layout:
 # ---------------------------------------------------------------------------------------------
 # Pure Layout properties (no megatron)
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS + [(1, 1, 1)], ids=IDS + ["single"])
 def test_layout_groups_partition_the_world(tp, pp, dp):
@@ -106,8 +123,20 @@ def test_layout_tp_groups_are_contiguous(tp, pp, dp):
 # ---------------------------------------------------------------------------------------------
 
 # (tp, pp, dp, ranks_per_node, ranks_per_gpu)
-HW_LAYOUTS = [(1, 1, 8, 4, 2), (2, 2, 4, 4, 2), (2, 1, 4, 2, 2), (4, 2, 2, 8, 2), (1, 2, 4, 2, 1), (2, 2, 2, 2, 2),
-              (8, 1, 2, 4, 2), (2, 3, 2, 4, 2), (1, 1, 16, 8, 2), (2, 1, 8, 8, 2), (1, 4, 2, 4, 4), (2, 2, 2, 8, 1)]
+HW_LAYOUTS = [
+    (1, 1, 8, 4, 2),
+    (2, 2, 4, 4, 2),
+    (2, 1, 4, 2, 2),
+    (4, 2, 2, 8, 2),
+    (1, 2, 4, 2, 1),
+    (2, 2, 2, 2, 2),
+    (8, 1, 2, 4, 2),
+    (2, 3, 2, 4, 2),
+    (1, 1, 16, 8, 2),
+    (2, 1, 8, 8, 2),
+    (1, 4, 2, 4, 4),
+    (2, 2, 2, 8, 1),
+]
 HW_IDS = [f"tp{a}-pp{b}-dp{c}-rpn{d}-rpg{e}" for a, b, c, d, e in HW_LAYOUTS]
 
 
@@ -266,6 +295,7 @@ def test_topology_level_group_lookup():
 # layout_from_config: every user mistake is a ConfigError naming key, value and fix
 # ---------------------------------------------------------------------------------------------
 
+
 def test_layout_from_config_valid():
     par = ParallelConfig(tp=2, pp=2, ranks_per_node=4, ranks_per_gpu=2)
     assert layout_from_config(par, 16, None) == Layout(tp=2, pp=2, dp=4, ranks_per_node=4, ranks_per_gpu=2)
@@ -278,20 +308,58 @@ def test_layout_from_config_valid():
     assert layout_from_config(ParallelConfig(tp=8, dp=2), 16, 4) == Layout(tp=8, dp=2, ranks_per_node=4)
 
 
-@pytest.mark.parametrize("par,world,local,expected", [
-    (dict(tp=2, pp=2, dp=3), 8, None, [r"tp·pp·dp = 2·2·3 = 12 but the world size is 8; set parallel.dp=2"]),
-    (dict(tp=2, pp=3), 8, None, [r"world size 8 is not divisible by parallel.tp·pp = 2·3 = 6"]),
-    (dict(ranks_per_node=3), 8, None, [r"world size 8 is not a multiple of parallel.ranks_per_node=3.*divisor of 8"]),
-    (dict(), 8, 3, [r"world size 8 is not a multiple of parallel.ranks_per_node \(null: the launcher's "
-                    r"LOCAL_WORLD_SIZE=3\)"]),
-    (dict(ranks_per_node=4, ranks_per_gpu=3), 8, None, [r"parallel.ranks_per_gpu=3 must divide "
-                                                        r"parallel.ranks_per_node=4"]),
-    (dict(tp=4), 24, 6, [r"parallel.tp=4 would straddle node boundaries.*LOCAL_WORLD_SIZE=6\), tp must divide it "
-                         r"\(1, 2, 3, 6\) or be a multiple of it"]),
-    (dict(tp=4, pp=2, dp=3, ranks_per_node=6, ranks_per_gpu=4), 20, 8,
-     [r"not divisible by parallel.tp·pp", r"not a multiple of parallel.ranks_per_node=6",
-      r"ranks_per_gpu=4 must divide", r"parallel.tp=4 would straddle"]),
-], ids=["product", "tp-pp-divide", "per-node", "local-world", "per-gpu", "tp-straddles", "all-at-once"])
+@pytest.mark.parametrize(
+    "par,world,local,expected",
+    [
+        (dict(tp=2, pp=2, dp=3), 8, None, [r"tp·pp·dp = 2·2·3 = 12 but the world size is 8; set parallel.dp=2"]),
+        (dict(tp=2, pp=3), 8, None, [r"world size 8 is not divisible by parallel.tp·pp = 2·3 = 6"]),
+        (
+            dict(ranks_per_node=3),
+            8,
+            None,
+            [r"world size 8 is not a multiple of parallel.ranks_per_node=3.*divisor of 8"],
+        ),
+        (
+            dict(),
+            8,
+            3,
+            [
+                r"world size 8 is not a multiple of parallel.ranks_per_node \(null: the launcher's "
+                r"LOCAL_WORLD_SIZE=3\)"
+            ],
+        ),
+        (
+            dict(ranks_per_node=4, ranks_per_gpu=3),
+            8,
+            None,
+            [
+                r"parallel.ranks_per_gpu=3 must divide "
+                r"parallel.ranks_per_node=4"
+            ],
+        ),
+        (
+            dict(tp=4),
+            24,
+            6,
+            [
+                r"parallel.tp=4 would straddle node boundaries.*LOCAL_WORLD_SIZE=6\), tp must divide it "
+                r"\(1, 2, 3, 6\) or be a multiple of it"
+            ],
+        ),
+        (
+            dict(tp=4, pp=2, dp=3, ranks_per_node=6, ranks_per_gpu=4),
+            20,
+            8,
+            [
+                r"not divisible by parallel.tp·pp",
+                r"not a multiple of parallel.ranks_per_node=6",
+                r"ranks_per_gpu=4 must divide",
+                r"parallel.tp=4 would straddle",
+            ],
+        ),
+    ],
+    ids=["product", "tp-pp-divide", "per-node", "local-world", "per-gpu", "tp-straddles", "all-at-once"],
+)
 def test_layout_from_config_errors(par, world, local, expected):
     with pytest.raises(ConfigError) as err:
         layout_from_config(ParallelConfig(**par), world, local)
@@ -306,17 +374,29 @@ def test_layout_from_config_errors(par, world, local, expected):
 # Worlds run in a child process (this file run as a script, `mode` picks the body).
 # ---------------------------------------------------------------------------------------------
 
+
 def _run_child(mode: str, layouts: list) -> dict:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), mode, json.dumps(layouts)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), mode, json.dumps(layouts)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _real_world_worker(rank: int, world: int, port: int, layout: Layout, results):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=30),
+    )
     try:
         topo = build_topology(layout, rank)
         sums = {}
@@ -338,8 +418,12 @@ def _real_world(layouts: list[tuple[int, int, int, int, int]]) -> dict:
         port = free_port()
         with mp.Manager() as manager:
             results = manager.dict()
-            mp.start_processes(_real_world_worker, args=(layout.world_size, port, layout, results),
-                               nprocs=layout.world_size, start_method="fork")
+            mp.start_processes(
+                _real_world_worker,
+                args=(layout.world_size, port, layout, results),
+                nprocs=layout.world_size,
+                start_method="fork",
+            )
             out[",".join(map(str, key))] = [results[r] for r in range(layout.world_size)]
     return out
 
@@ -369,14 +453,16 @@ def _expected_groups(layout: Layout) -> list[dict[str, list[int]]]:
     group where it has more than one member (none for a level that cuts dp groups unevenly)."""
     named = [(dim, layout.group_ranks(dim)) for dim in DIMS]
     for level in LEVELS:
-        named += [(level_key(level), layout.level_groups(level)),
-                  (level_key(level, within_dp=True), layout.level_groups(level, within_dp=True))]
+        named += [
+            (level_key(level), layout.level_groups(level)),
+            (level_key(level, within_dp=True), layout.level_groups(level, within_dp=True)),
+        ]
         try:
             named.append((level_key(level, replica=True), layout.replica_groups(level)))
         except ConfigError:
             pass
     for i, inner in enumerate(CHAIN):  # ZeRO's digit groups between any two partition levels
-        for outer in CHAIN[i + 1:]:
+        for outer in CHAIN[i + 1 :]:
             try:
                 named.append((digit_key(inner, outer), layout.digit_groups(inner, outer)))
             except ConfigError:
@@ -397,10 +483,12 @@ def _expected_groups(layout: Layout) -> list[dict[str, list[int]]]:
 # Reference: megatron-core parallel_state in a fake world, one child process for all layouts
 # ---------------------------------------------------------------------------------------------
 
+
 def _megatron_reference(layouts: list[tuple[int, int, int]]) -> dict:
     """Child-process body: for each layout and rank, megatron's groups and ranks, plus the groups
     our build_topology creates in the same world."""
     import warnings
+
     warnings.simplefilter("ignore")
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -416,16 +504,21 @@ def _megatron_reference(layouts: list[tuple[int, int, int]]) -> dict:
         for r in range(n):
             dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=n)
             try:
-                ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             create_gloo_process_groups=False)
+                ps.initialize_model_parallel(
+                    tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=False
+                )
                 assert ps.get_data_parallel_world_size() == dp
                 mg = {
-                    "groups": {"tp": members(ps.get_tensor_model_parallel_group()),
-                               "pp": members(ps.get_pipeline_model_parallel_group()),
-                               "dp": members(ps.get_data_parallel_group())},
-                    "coords": {"tp": ps.get_tensor_model_parallel_rank(),
-                               "pp": ps.get_pipeline_model_parallel_rank(),
-                               "dp": ps.get_data_parallel_rank()},
+                    "groups": {
+                        "tp": members(ps.get_tensor_model_parallel_group()),
+                        "pp": members(ps.get_pipeline_model_parallel_group()),
+                        "dp": members(ps.get_data_parallel_group()),
+                    },
+                    "coords": {
+                        "tp": ps.get_tensor_model_parallel_rank(),
+                        "pp": ps.get_pipeline_model_parallel_rank(),
+                        "dp": ps.get_data_parallel_rank(),
+                    },
                 }
                 topo = build_topology(Layout(tp=tp, pp=pp, dp=dp), r)
                 ours = {dim: members(g) for dim, g in topo.groups.items()}
@@ -489,6 +582,7 @@ UNEVEN = (2, 2, 3, 4, 1)  # pipeline stages of 6 ranks on nodes of 4: no node re
 def _fake_world_builds(layouts: list[tuple[int, int, int, int, int]]) -> dict:
     """Child-process body: for each layout and rank, the groups build_topology keeps."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
     out = {}
     for key in layouts:
         layout = hw_layout(*key)
@@ -518,8 +612,9 @@ def test_build_topology_hierarchy_groups(fake_world_builds, tp, pp, dp, rpn, rpg
         for level in ("gpu", "node"):  # a rank's unit group is its hardware unit
             if layout.level_size(level) > 1:
                 assert r in built[level_key(level)]
-                assert {layout.hardware_coords(x)["node"] for x in built[level_key(level)]} == \
-                    {layout.hardware_coords(r)["node"]}
+                assert {layout.hardware_coords(x)["node"] for x in built[level_key(level)]} == {
+                    layout.hardware_coords(r)["node"]
+                }
     if (tp, pp, dp, rpn, rpg) == UNEVEN:
         assert all("dp_node_replica" not in b for b in fake_world_builds["2,2,3,4,1"])
 

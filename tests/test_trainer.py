@@ -1,4 +1,5 @@
 """The training loop in one process: learning, accumulation, schedule, checkpoint/resume."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,9 @@ from conftest import tiny_config
 def test_loss_decreases_on_demo_corpus(tmp_path):
     """The built-in corpus (stdlib sources, prepared on first use) is learnable: eval loss falls
     well below the uniform-guess loss ln(257) and below the first evaluation."""
-    cfg = tiny_config(None, tmp_path, **{"data.path": None, "train.steps": 40, "train.eval_interval": 10,
-                                          "optim.warmup_steps": 5})
+    cfg = tiny_config(
+        None, tmp_path, **{"data.path": None, "train.steps": 40, "train.eval_interval": 10, "optim.warmup_steps": 5}
+    )
     result = run(cfg, start())
     evals = [result.eval_losses[s] for s in sorted(result.eval_losses)]
     assert evals[-1] < evals[0] - 0.1
@@ -43,7 +45,7 @@ def test_lr_schedule_warmup_then_cosine_to_min():
     o = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, schedule="cosine")
     assert lr_at(0, o, 110) == pytest.approx(0.1)
     assert lr_at(9, o, 110) == pytest.approx(1.0)
-    assert lr_at(60, o, 110) == pytest.approx(0.1 + 0.9 * 0.5)       # half way through decay
+    assert lr_at(60, o, 110) == pytest.approx(0.1 + 0.9 * 0.5)  # half way through decay
     assert lr_at(110, o, 110) == pytest.approx(0.1)
     lin = OptimConfig(lr=1.0, warmup_steps=0, min_lr_ratio=0.0, schedule="linear")
     assert lr_at(25, lin, 100) == pytest.approx(0.75)
@@ -62,18 +64,19 @@ def test_resume_reproduces_losses_bit_for_bit(small_data_dir, tmp_path):
     resumed = run(resumed_cfg, start(), resume=store.step_dir(ckpt_root, 4))
     assert sorted(resumed.losses) == [5, 6, 7, 8]
     for step in resumed.losses:
-        assert resumed.losses[step] == full.losses[step]       # exact, not approx
+        assert resumed.losses[step] == full.losses[step]  # exact, not approx
     a = Checkpoint(store.step_dir(ckpt_root, 8)).tensors("")  # parameters and optimizer states
     b = Checkpoint(store.step_dir(resumed_cfg.checkpoint_dir(), 8)).tensors("")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_resume_picks_latest_committed_and_ignores_partial(small_data_dir, tmp_path):
-    cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 4, "checkpoint.interval": 2,
-                                                  "checkpoint.keep_last": 0})
+    cfg = tiny_config(
+        small_data_dir, tmp_path, **{"train.steps": 4, "checkpoint.interval": 2, "checkpoint.keep_last": 0}
+    )
     run(cfg, start())
     root = cfg.checkpoint_dir()
-    (store.step_dir(root, 4) / store.MARKER).unlink()          # as if the step-4 save had died
+    (store.step_dir(root, 4) / store.MARKER).unlink()  # as if the step-4 save had died
     assert store.resolve(root) == store.step_dir(root, 2)
     with pytest.raises(CheckpointError, match="COMMITTED"):
         store.resolve(store.step_dir(root, 4))
@@ -91,8 +94,9 @@ def test_resume_into_other_model_is_a_clear_error(small_data_dir, tmp_path):
 
 
 def test_keep_last_prunes_old_checkpoints(small_data_dir, tmp_path):
-    cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 6, "checkpoint.interval": 1,
-                                                  "checkpoint.keep_last": 2})
+    cfg = tiny_config(
+        small_data_dir, tmp_path, **{"train.steps": 6, "checkpoint.interval": 1, "checkpoint.keep_last": 2}
+    )
     run(cfg, start())
     assert [p.name for p in store.committed(cfg.checkpoint_dir())] == ["step_00000005", "step_00000006"]
     assert not list(cfg.checkpoint_dir().glob(".*tmp*"))
@@ -120,4 +124,4 @@ def test_wandb_offline_logs_without_network(small_data_dir, tmp_path, monkeypatc
     assert len(runs) == 1
     history = list(runs[0].glob("*.wandb"))
     assert history and history[0].stat().st_size > 0
-    assert wandb.run is None                                # finished, not left open
+    assert wandb.run is None  # finished, not left open

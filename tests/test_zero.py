@@ -5,6 +5,7 @@ gets from the mean gradient of all the ranks' batches. Each rank's parameter, gr
 optimizer bytes are measured from the tensors it holds; bytes on the wire per link level are
 counted by `parallel.comm` and compared with the ring-algorithm arithmetic of each scheme; and
 ZeRO-3's prefetch is observed to issue the next block's gather before the current block ends."""
+
 from __future__ import annotations
 
 import datetime
@@ -51,9 +52,15 @@ def batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def adamw(params, shape_of) -> torch.optim.AdamW:
     is_matrix = lambda p: len(shape_of(p)) >= 2  # noqa: E731
-    return torch.optim.AdamW([{"params": [p for p in params if is_matrix(p)], "weight_decay": WD},
-                              {"params": [p for p in params if not is_matrix(p)], "weight_decay": 0.0}],
-                             lr=LR, betas=(0.9, 0.95), foreach=False)
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if is_matrix(p)], "weight_decay": WD},
+            {"params": [p for p in params if not is_matrix(p)], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=(0.9, 0.95),
+        foreach=False,
+    )
 
 
 @functools.cache
@@ -95,14 +102,18 @@ def _train(topo, plan: ZeroPlan, rank: int, log: list | None = None) -> dict:
     with engine.gathered():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     padded_bytes = sum(g.padded * g.full.element_size() for g in engine.groups)
-    return {"params": params, "held": held, "wire": wire, "padded_bytes": padded_bytes,
-            "groups": len(engine.groups)}
+    return {"params": params, "held": held, "wire": wire, "padded_bytes": padded_bytes, "groups": len(engine.groups)}
 
 
 def _worker(rank: int, size: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=90))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=90),
+    )
     try:
         topo = build_topology(LAYOUT, rank)
         results = {name: _train(topo, ZeroPlan(**kw), rank) for name, kw in SCHEMES.items()}
@@ -207,7 +218,7 @@ def test_three_level_cuts_inter_node_bytes(ranks):
 
 def test_zero3_prefetches_the_next_block_and_frees_behind(ranks):
     log = ranks[0]["prefetch-log"]
-    forward_ends = [i for i, e in enumerate(log) if e[0] == "end"][:CFG.n_layers]
+    forward_ends = [i for i, e in enumerate(log) if e[0] == "end"][: CFG.n_layers]
     for layer, at in enumerate(forward_ends):
         # embedding → layer 0 → layer 1 → head: by the end of layer i the gather of unit i+2 is issued
         issued = sum(1 for e in log[:at] if e[0] == "gather" and e[1])

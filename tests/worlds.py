@@ -1,4 +1,5 @@
 """Start a real gloo world of N local processes for a test and collect each rank's results."""
+
 from __future__ import annotations
 
 import time
@@ -12,13 +13,15 @@ import torch.multiprocessing as mp
 from strata.net import free_port
 
 
-def run_world(worker: Callable, size: int, out_dir: Path, *args, timeout_s: float = 120,
-              start_method: str = "spawn") -> list:
+def run_world(
+    worker: Callable, size: int, out_dir: Path, *args, timeout_s: float = 120, start_method: str = "spawn"
+) -> list:
     """Run `worker(rank, size, port, out_dir, *args)` on `size` processes (they init gloo on
     tcp://127.0.0.1:port); each saves its result to out_dir/rank{rank}.pt, returned in rank order.
     Fails the test if a rank raises or the world outlives `timeout_s` (a hang kills the ranks)."""
-    ctx = mp.start_processes(worker, args=(size, free_port(), str(out_dir), *args), nprocs=size, join=False,
-                             start_method=start_method)
+    ctx = mp.start_processes(
+        worker, args=(size, free_port(), str(out_dir), *args), nprocs=size, join=False, start_method=start_method
+    )
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):  # raises if a rank failed
         if time.monotonic() > deadline:

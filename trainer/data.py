@@ -5,6 +5,7 @@ On disk (nanoGPT's layout plus a JSON header): DIR/train.bin and DIR/val.bin are
 token ids (uint16, or uint32 for vocabularies over 65535), DIR/meta.json says dtype, vocabulary
 and tokenizer. A training sample i is the window tokens[i·L : i·L + L + 1] (L = sequence length).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,6 +27,7 @@ FORMAT_VERSION = 1
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens 0..255, plus an end-of-document token 256."""
+
     name = "byte"
     vocab_size = 257
     eot = 256
@@ -38,6 +40,7 @@ class ByteTokenizer:
 
 
 # --- preparing token files ------------------------------------------------------------------
+
 
 def stdlib_corpus_files() -> list[Path]:
     """The Python standard library's own .py sources (no tests, no site-packages), sorted:
@@ -74,8 +77,16 @@ def prepare(files: list[Path], out_dir: Path, val_fraction: float = 0.05, root: 
         stream = np.concatenate([train, val])
         cut = int(len(stream) * (1 - val_fraction))
         train, val = stream[:cut], stream[cut:]
-    meta = {"format": FORMAT_VERSION, "dtype": "uint16", "vocab_size": tok.vocab_size, "tokenizer": tok.name,
-            "eot": tok.eot, "train_tokens": int(len(train)), "val_tokens": int(len(val)), "documents": len(files)}
+    meta = {
+        "format": FORMAT_VERSION,
+        "dtype": "uint16",
+        "vocab_size": tok.vocab_size,
+        "tokenizer": tok.name,
+        "eot": tok.eot,
+        "train_tokens": int(len(train)),
+        "val_tokens": int(len(val)),
+        "documents": len(files),
+    }
     with atomic_directory(Path(out_dir)) as tmp:
         train.tofile(tmp / "train.bin")
         val.tofile(tmp / "val.bin")
@@ -116,6 +127,7 @@ def ensure_default_corpus(cache_dir: str | None, val_fraction: float) -> Path:
 
 # --- reading --------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class TokenMeta:
     dtype: str
@@ -126,11 +138,13 @@ class TokenMeta:
 def read_meta(data_dir: Path) -> TokenMeta:
     path = Path(data_dir) / "meta.json"
     if not path.is_file():
-        raise DataError(f"data.path={str(data_dir)!r}: no meta.json there; make the directory with "
-                        "`strata data prepare`, or add meta.json with {\"dtype\": \"uint16\", \"vocab_size\": N}")
+        raise DataError(
+            f"data.path={str(data_dir)!r}: no meta.json there; make the directory with "
+            '`strata data prepare`, or add meta.json with {"dtype": "uint16", "vocab_size": N}'
+        )
     meta = json.loads(path.read_text())
     if meta.get("dtype") not in ("uint16", "uint32") or not isinstance(meta.get("vocab_size"), int):
-        raise DataError(f"{path}: needs \"dtype\" (uint16 or uint32) and an integer \"vocab_size\"")
+        raise DataError(f'{path}: needs "dtype" (uint16 or uint32) and an integer "vocab_size"')
     return TokenMeta(meta["dtype"], meta["vocab_size"], meta.get("tokenizer", "unknown"))
 
 
@@ -147,15 +161,17 @@ class TokenDataset:
         self.vocab_size = meta.vocab_size
         self.n_samples = (len(self.tokens) - 1) // seq_len
         if self.n_samples < 1:
-            raise DataError(f"{path}: {len(self.tokens)} tokens is too few for one sequence of "
-                            f"model.seq_len={seq_len}+1; use more data or a shorter seq_len")
+            raise DataError(
+                f"{path}: {len(self.tokens)} tokens is too few for one sequence of "
+                f"model.seq_len={seq_len}+1; use more data or a shorter seq_len"
+            )
 
     def __len__(self) -> int:
         return self.n_samples
 
     def window(self, i: int) -> np.ndarray:
         start = i * self.seq_len
-        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
     def batch(self, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both (len(indices), seq_len) int64."""
@@ -172,11 +188,20 @@ class BatchLoader:
     run resumes exactly, even with another dp size, and each sample is read once per epoch.
     """
 
-    def __init__(self, dataset: TokenDataset, seed: int, global_batch: int, micro_batch: int,
-                 dp_rank: int = 0, dp_size: int = 1, shuffle: bool = True):
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        seed: int,
+        global_batch: int,
+        micro_batch: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        shuffle: bool = True,
+    ):
         if global_batch % (micro_batch * dp_size):
-            raise DataError(f"global batch {global_batch} is not a multiple of micro_batch·dp = "
-                            f"{micro_batch}·{dp_size}")
+            raise DataError(
+                f"global batch {global_batch} is not a multiple of micro_batch·dp = {micro_batch}·{dp_size}"
+            )
         self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -201,7 +226,7 @@ class BatchLoader:
         start = self.consumed_samples + self.dp_rank * per_rank
         indices = [self._sample_at(start + k) for k in range(per_rank)]
         self.consumed_samples += self.global_batch
-        return [indices[k:k + self.micro_batch] for k in range(0, per_rank, self.micro_batch)]
+        return [indices[k : k + self.micro_batch] for k in range(0, per_rank, self.micro_batch)]
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [self.dataset.batch(mb) for mb in self.step_indices()]
@@ -213,9 +238,11 @@ class BatchLoader:
         """Why a saved position does not fit this loader (nothing: it does). A state without
         seed/n_samples (imported from another framework, which counts only consumed samples) fits."""
         if state.get("n_samples", len(self.dataset)) != len(self.dataset) or state.get("seed", self.seed) != self.seed:
-            return [f"cannot resume the data position: the checkpoint was taken with seed {state['seed']} over "
-                    f"{state['n_samples']} samples, this run has seed {self.seed} over {len(self.dataset)}; "
-                    "resume with the same data, model.seq_len and train.seed"]
+            return [
+                f"cannot resume the data position: the checkpoint was taken with seed {state['seed']} over "
+                f"{state['n_samples']} samples, this run has seed {self.seed} over {len(self.dataset)}; "
+                "resume with the same data, model.seq_len and train.seed"
+            ]
         return []
 
     def load_state_dict(self, state: dict) -> None:
@@ -226,8 +253,9 @@ class BatchLoader:
         self.consumed_samples = int(state["consumed_samples"])
 
 
-def eval_batches(dataset: TokenDataset, n_batches: int, micro_batch: int, dp_rank: int,
-                 dp_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(
+    dataset: TokenDataset, n_batches: int, micro_batch: int, dp_rank: int, dp_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The same validation micro-batches at every evaluation: the first n_batches·micro_batch·dp
     windows in order (wrapping if the split is small), rank r taking every dp-th micro-batch."""
     n = len(dataset)

@@ -6,6 +6,7 @@ pipeline, data parallelism, ZeRO, memory tiers, activation policy, CO2): the loo
 loader for this rank's micro-batches, has the parallel model run forward/backward, reduce and clip,
 and step, under a warmup+cosine learning-rate schedule.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,8 @@ def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
 @dataclass
 class RunResult:
     """What a finished run reports (rank 0's view; losses are dp-averaged)."""
-    losses: dict[int, float] = field(default_factory=dict)     # step (1-based) -> train loss
+
+    losses: dict[int, float] = field(default_factory=dict)  # step (1-based) -> train loss
     eval_losses: dict[int, float] = field(default_factory=dict)
     tokens_per_s: float = 0.0
     final_step: int = 0
@@ -72,13 +74,25 @@ class Trainer:
         self.val_set = TokenDataset(data_dir, "val", cfg.model.seq_len)
         self.model: ParallelModel = parallelize(cfg, self.topo, runtime.device, self.train_set.vocab_size)
         self.held_bytes: dict[str, int] = {}
-        self.loader = BatchLoader(self.train_set, cfg.train.seed, cfg.train.global_batch_size,
-                                  cfg.train.micro_batch_size, self.topo.dp_rank, layout.dp)
+        self.loader = BatchLoader(
+            self.train_set,
+            cfg.train.seed,
+            cfg.train.global_batch_size,
+            cfg.train.micro_batch_size,
+            self.topo.dp_rank,
+            layout.dp,
+        )
         self.state = TrainState(cfg, self.model, self.loader, runtime.rank)
         control = comm.new_gloo_group() if runtime.distributed else None  # saves' and snapshots' collectives
-        self.checkpoints = CheckpointManager(cfg.checkpoint_dir(), runtime.rank, runtime.world_size,
-                                             cfg.checkpoint.keep_last, cfg.checkpoint.async_save, control,
-                                             config_yaml=config_mod.dump(cfg))
+        self.checkpoints = CheckpointManager(
+            cfg.checkpoint_dir(),
+            runtime.rank,
+            runtime.world_size,
+            cfg.checkpoint.keep_last,
+            cfg.checkpoint.async_save,
+            control,
+            config_yaml=config_mod.dump(cfg),
+        )
         self.snapshots = self._snapshot_manager(control) if cfg.snapshot.every_steps else None
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.flops_per_token = flops_per_token(cfg.model, self.model.vocab_size)
@@ -90,6 +104,7 @@ class Trainer:
 
     def _snapshot_manager(self, group) -> SnapshotManager:
         from strata.checkpoint.snapshot import SnapshotManager  # loads the agent protocol only when snapshots are on
+
         return SnapshotManager(self.cfg.snapshot, self.rt.rank, self.rt.world_size, group)
 
     def _active_snapshots(self) -> SnapshotManager:
@@ -130,8 +145,9 @@ class Trainer:
         self.model.train(False)
         total = torch.zeros((), device=self.rt.device)
         n = self.cfg.train.eval_batches
-        for inputs, targets in eval_batches(self.val_set, n, self.cfg.train.micro_batch_size,
-                                            self.topo.dp_rank, self.topo.dp_size):
+        for inputs, targets in eval_batches(
+            self.val_set, n, self.cfg.train.micro_batch_size, self.topo.dp_rank, self.topo.dp_size
+        ):
             total += self.model.eval_loss(inputs, targets)
         self.model.train(True)
         return self._dp_sum(total).item() / (n * self.topo.dp_size)
@@ -167,8 +183,11 @@ class Trainer:
         disk = resume or (self.cfg.checkpoint_dir() if store.committed(self.cfg.checkpoint_dir()) else None)
         lead = f"snapshot: no in-memory snapshot every rank can restore ({found.message})"
         if disk is None:
-            return "" if not found.restarted else \
-                f"{lead}; no committed checkpoint under {self.cfg.checkpoint_dir()} either: starting from step 0"
+            return (
+                ""
+                if not found.restarted
+                else f"{lead}; no committed checkpoint under {self.cfg.checkpoint_dir()} either: starting from step 0"
+            )
         return f"{lead}; resumed from disk checkpoint {self.resume(disk)}"
 
     # --- the run --------------------------------------------------------------------------
@@ -189,8 +208,9 @@ class Trainer:
                 moved = Counter(comm.bytes_by_link) - link_bytes_before
                 record["wire_bytes_per_step"] = {link: n / interval_steps for link, n in sorted(moved.items())}
                 link_bytes_before = Counter(comm.bytes_by_link)
-                record.update(loss=loss.item(), grad_norm=grad_norm.item(),
-                              lr=self.model.optimizer.param_groups[0]["lr"])
+                record.update(
+                    loss=loss.item(), grad_norm=grad_norm.item(), lr=self.model.optimizer.param_groups[0]["lr"]
+                )
                 if self.model.tiers:
                     record["offload"] = self.model.tiers.metrics()
                 if self.snapshots:
@@ -249,19 +269,28 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
         resumed_from, restore_note = None, trainer.restore_on_start(resume)
     else:
         resumed_from, restore_note = trainer.resume(resume) if resume else None, ""
-    log = MetricsLogger(cfg.run_dir(), cfg.train.steps, trainer.step, enabled=main, progress=cfg.log.progress,
-                        wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
-                        config=config_mod.to_dict(cfg))
+    log = MetricsLogger(
+        cfg.run_dir(),
+        cfg.train.steps,
+        trainer.step,
+        enabled=main,
+        progress=cfg.log.progress,
+        wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
+        config=config_mod.to_dict(cfg),
+    )
     n_params = count_params(cfg.model, trainer.model.vocab_size)
     layout = trainer.topo.layout
-    log.print(f"strata: {n_params / 1e6:.2f}M parameters, world {runtime.world_size} "
-              f"(tp {layout.tp}, pp {layout.pp}, dp {layout.dp}), "
-              f"{cfg.train.global_batch_size}×{cfg.model.seq_len} tokens/step, run dir {cfg.run_dir()}"
-              + (f", resumed from {resumed_from}" if resumed_from else ""))
+    log.print(
+        f"strata: {n_params / 1e6:.2f}M parameters, world {runtime.world_size} "
+        f"(tp {layout.tp}, pp {layout.pp}, dp {layout.dp}), "
+        f"{cfg.train.global_batch_size}×{cfg.model.seq_len} tokens/step, run dir {cfg.run_dir()}"
+        + (f", resumed from {resumed_from}" if resumed_from else "")
+    )
     if restore_note:
         log.print(restore_note)
-        log.write({"step": trainer.step, "resumed": restore_note, "restore_s": time.time() - start,
-                   "wall_time": time.time()})
+        log.write(
+            {"step": trainer.step, "resumed": restore_note, "restore_s": time.time() - start, "wall_time": time.time()}
+        )
     if trainer.model.tiers:
         log.write({"step": trainer.step, **trainer.model.tiers.startup_record()})
         for note in trainer.model.tiers.notes:
@@ -273,13 +302,20 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
     finally:
         log.close()
     if main:
-        summary = {"final_step": result.final_step, "train_loss": result.losses.get(result.final_step),
-                   "eval_loss": result.eval_losses.get(result.final_step), "tokens_per_s": result.tokens_per_s,
-                   "comm_bytes": {f"{dim}/{op}": n for (dim, op), n in sorted(comm.bytes_moved.items())},
-                   "wire_bytes": dict(sorted(comm.bytes_by_link.items())), "held_bytes": trainer.held_bytes,
-                   "offload": trainer.model.tiers.metrics() if trainer.model.tiers else None}
+        summary = {
+            "final_step": result.final_step,
+            "train_loss": result.losses.get(result.final_step),
+            "eval_loss": result.eval_losses.get(result.final_step),
+            "tokens_per_s": result.tokens_per_s,
+            "comm_bytes": {f"{dim}/{op}": n for (dim, op), n in sorted(comm.bytes_moved.items())},
+            "wire_bytes": dict(sorted(comm.bytes_by_link.items())),
+            "held_bytes": trainer.held_bytes,
+            "offload": trainer.model.tiers.metrics() if trainer.model.tiers else None,
+        }
         (cfg.run_dir() / "summary.json").write_text(json.dumps(summary, indent=1))
         train_loss = f"{summary['train_loss']:.4f}" if summary["train_loss"] is not None else "n/a"
-        print(f"done: step {result.final_step}  train loss {train_loss}  eval loss {summary['eval_loss']:.4f}  "
-              f"throughput {result.tokens_per_s:,.0f} tokens/s")
+        print(
+            f"done: step {result.final_step}  train loss {train_loss}  eval loss {summary['eval_loss']:.4f}  "
+            f"throughput {result.tokens_per_s:,.0f} tokens/s"
+        )
     return result

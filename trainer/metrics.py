@@ -1,5 +1,6 @@
 """What a run reports: a progress bar on rank 0, metrics.jsonl in the run directory, and optional
 wandb (offline by default; it can never block training)."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,16 @@ from tqdm import tqdm
 class MetricsLogger:
     """Rank-0 sink for step metrics. Other ranks get a logger whose methods do nothing."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool, progress: bool,
-                 wandb_project: str | None = None, config: dict | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        start_step: int,
+        enabled: bool,
+        progress: bool,
+        wandb_project: str | None = None,
+        config: dict | None = None,
+    ):
         self.enabled = enabled
         self.bar = None
         self.wandb = None
@@ -25,8 +34,14 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(run_dir / "metrics.jsonl", "a")
         if progress:
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                            desc=run_dir.name, mininterval=0.5)
+            self.bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                unit="step",
+                dynamic_ncols=True,
+                desc=run_dir.name,
+                mininterval=0.5,
+            )
         if wandb_project:
             self.wandb = _start_wandb(wandb_project, run_dir, config)
 
@@ -37,8 +52,9 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             if "loss" in record:
-                self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):,.0f}",
-                                     refresh=False)
+                self.bar.set_postfix(
+                    loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):,.0f}", refresh=False
+                )
         if record:
             self.write({"step": step, **record})
 
@@ -74,8 +90,13 @@ def _start_wandb(project: str, run_dir: Path, config: dict | None):
         return None
     os.environ.setdefault("WANDB_MODE", "offline")
     try:
-        return wandb.init(project=project, name=run_dir.name, dir=str(run_dir), config=config,
-                          settings=wandb.Settings(init_timeout=30))
+        return wandb.init(
+            project=project,
+            name=run_dir.name,
+            dir=str(run_dir),
+            config=config,
+            settings=wandb.Settings(init_timeout=30),
+        )
     except Exception as e:  # wandb raises many types; none of them may stop training
         print(f"wandb init failed ({e}); continuing without it")
         return None

@@ -8,6 +8,7 @@ step's micro-batches, `reduce_and_clip`, `step`. Plain data parallelism is the Z
 nothing partitioned (`shard_over: none` everywhere): gradients are all-reduced from the engine's flat
 groups, so every layout trains through the same step path.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,13 +38,18 @@ def decays(shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2
 
 
-def build_optimizer(params: list[nn.Parameter], optim: OptimConfig, device: torch.device,
-                    shape_of: Callable[[nn.Parameter], tuple[int, ...]] = lambda p: tuple(p.shape)
-                    ) -> torch.optim.AdamW:
+def build_optimizer(
+    params: list[nn.Parameter],
+    optim: OptimConfig,
+    device: torch.device,
+    shape_of: Callable[[nn.Parameter], tuple[int, ...]] = lambda p: tuple(p.shape),
+) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (`shape_of`: for ZeRO's flat pieces, the shape of
     the parameter a piece belongs to); torch's fused kernel where available."""
-    groups = [{"params": [p for p in params if decays(shape_of(p))], "weight_decay": optim.weight_decay},
-              {"params": [p for p in params if not decays(shape_of(p))], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if decays(shape_of(p))], "weight_decay": optim.weight_decay},
+        {"params": [p for p in params if not decays(shape_of(p))], "weight_decay": 0.0},
+    ]
     kernel = {"fused": True} if optim.impl in ("fused", "auto") else {"foreach": True}
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel)
 
@@ -62,8 +68,9 @@ def materialize(parts: list[nn.Module], cfg: ModelConfig, seed: int, device: tor
                 if id(p) not in fresh:
                     pl = placement_of(p)
                     whole = initial_value(cfg, names[id(p)], pl.global_shape, seed)
-                    q = nn.Parameter(torch.empty(p.shape, device=device).copy_(pl.local_slice(whole)),
-                                     requires_grad=p.requires_grad)
+                    q = nn.Parameter(
+                        torch.empty(p.shape, device=device).copy_(pl.local_slice(whole)), requires_grad=p.requires_grad
+                    )
                     q.__dict__.update(p.__dict__)  # placement
                     fresh[id(p)] = q
                 module._parameters[key] = fresh[id(p)]
@@ -73,19 +80,20 @@ def materialize(parts: list[nn.Module], cfg: ModelConfig, seed: int, device: tor
 @dataclass
 class ParallelModel:
     """This rank's share of the model after `parallelize`, and the one step path that trains it."""
-    parts: list[nn.Module]          # this rank's model parts: the whole (tp-sharded) model, or its pipeline stages
+
+    parts: list[nn.Module]  # this rank's model parts: the whole (tp-sharded) model, or its pipeline stages
     pipeline: Pipeline | None
-    engine: ZeroEngine              # flat parameter groups, gradient reduction and the optimizer step
-    tiers: Tiers | None             # offloaded ZeRO state and activations
-    co2: CO2 | None                 # asynchronous outer updates across nodes
+    engine: ZeroEngine  # flat parameter groups, gradient reduction and the optimizer step
+    tiers: Tiers | None  # offloaded ZeRO state and activations
+    co2: CO2 | None  # asynchronous outer updates across nodes
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     topo: Topology
     device: torch.device
     precision: str
-    sync_size: int                  # data-parallel ranks a gradient is averaged over (a node's under CO2)
-    vocab_size: int                 # the padded vocabulary
+    sync_size: int  # data-parallel ranks a gradient is averaged over (a node's under CO2)
+    vocab_size: int  # the padded vocabulary
     global_shapes: dict[str, tuple[int, ...]]  # every state-dict entry of the unsharded model
-    canonical: dict[str, str]       # every parameter name of the plain model -> its first name (tying)
+    canonical: dict[str, str]  # every parameter name of the plain model -> its first name (tying)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -178,8 +186,9 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
 
     loss_fn: Callable = lm_loss
     if par.tp > 1:
-        loss_fn = apply_tensor_parallel(model, topo.group("tp"), topo.coords["tp"], par.tp,
-                                        sequence_parallel=par.sequence_parallel)
+        loss_fn = apply_tensor_parallel(
+            model, topo.group("tp"), topo.coords["tp"], par.tp, sequence_parallel=par.sequence_parallel
+        )
 
     stages = split_stages(model, topo.coords["pp"], par.pp, par.virtual_stages, par.schedule) if par.pp > 1 else []
     parts: list[nn.Module] = list(stages) if stages else [model]
@@ -187,9 +196,18 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
     pipeline = None
     if stages:
         tied_group = topo.group("pp_ends") if cfg.model.tie_embeddings else None
-        pipeline = Pipeline(stages, loss_fn, topo.group("pp"), par.pp, par.virtual_stages, par.schedule,
-                            cfg.grad_accum_steps(topo.layout.world_size), device, tied_group,
-                            stage_shapes(cfg, model.vocab_size))
+        pipeline = Pipeline(
+            stages,
+            loss_fn,
+            topo.group("pp"),
+            par.pp,
+            par.virtual_stages,
+            par.schedule,
+            cfg.grad_accum_steps(topo.layout.world_size),
+            device,
+            tied_group,
+            stage_shapes(cfg, model.vocab_size),
+        )
 
     # Under CO2 gradients are averaged inside the node only; CO2 joins the nodes every H steps.
     sync_level = "node" if cfg.co2.enabled else "global"
@@ -197,8 +215,21 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
     tiers = _memory_tiers(cfg, engine, topo.rank, device)
     _activation_policy(cfg, parts, tiers)
     co2 = _outer_updates(cfg, topo, engine) if cfg.co2.enabled else None
-    return ParallelModel(parts, pipeline, engine, tiers, co2, loss_fn, topo, device, cfg.train.precision,
-                         len(topo.digit_group("none", sync_level)[1]), model.vocab_size, global_shapes, canonical)
+    return ParallelModel(
+        parts,
+        pipeline,
+        engine,
+        tiers,
+        co2,
+        loss_fn,
+        topo,
+        device,
+        cfg.train.precision,
+        len(topo.digit_group("none", sync_level)[1]),
+        model.vocab_size,
+        global_shapes,
+        canonical,
+    )
 
 
 def stage_shapes(cfg: Config, vocab_size: int) -> StageShapes:
@@ -206,23 +237,41 @@ def stage_shapes(cfg: Config, vocab_size: int) -> StageShapes:
     running a real forward and backward, which the engine's hooks would take for a step."""
     par, mbs, seq = cfg.parallel, cfg.train.micro_batch_size, cfg.model.seq_len
     local_seq = seq // par.tp if par.sequence_parallel and par.tp > 1 else seq
-    return StageShapes(tokens=(mbs, seq), hidden=(mbs, local_seq, cfg.model.d_model),
-                       logits=(mbs, seq, vocab_size // par.tp),
-                       logits_dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32)
+    return StageShapes(
+        tokens=(mbs, seq),
+        hidden=(mbs, local_seq, cfg.model.d_model),
+        logits=(mbs, seq, vocab_size // par.tp),
+        logits_dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32,
+    )
 
 
-def _zero_engine(cfg: Config, topo: Topology, parts: list[nn.Module], pipeline: Pipeline | None,
-                 device: torch.device, sync_level: str) -> ZeroEngine:
+def _zero_engine(
+    cfg: Config,
+    topo: Topology,
+    parts: list[nn.Module],
+    pipeline: Pipeline | None,
+    device: torch.device,
+    sync_level: str,
+) -> ZeroEngine:
     """The engine over this rank's parts (after tp and pp). Without `zero:` nothing is partitioned
     and consecutive blocks share a flat group up to parallel.bucket_mb (data parallel's buckets)."""
-    plan = (ZeroPlan.from_config(cfg.zero) if cfg.zero.enabled
-            else ZeroPlan(bucket_bytes=int(cfg.parallel.bucket_mb * 2**20)))
+    plan = (
+        ZeroPlan.from_config(cfg.zero)
+        if cfg.zero.enabled
+        else ZeroPlan(bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
+    )
     tied_weight = pipeline.tied_weight if pipeline else None
     tied = [tied_weight] if isinstance(tied_weight, nn.Parameter) else []
-    return ZeroEngine(parts, topo, plan,
-                      lambda params, shape_of: build_optimizer(params, cfg.optim, device, shape_of),
-                      tied, topo.group("pp_ends") if tied else None,
-                      count_tied=not pipeline or pipeline.has_first, sync_level=sync_level)
+    return ZeroEngine(
+        parts,
+        topo,
+        plan,
+        lambda params, shape_of: build_optimizer(params, cfg.optim, device, shape_of),
+        tied,
+        topo.group("pp_ends") if tied else None,
+        count_tied=not pipeline or pipeline.has_first,
+        sync_level=sync_level,
+    )
 
 
 def _memory_tiers(cfg: Config, engine: ZeroEngine, rank: int, device: torch.device) -> Tiers | None:
@@ -230,6 +279,7 @@ def _memory_tiers(cfg: Config, engine: ZeroEngine, rank: int, device: torch.devi
     if not (cfg.offload.enabled or cfg.activations.offload != "none"):
         return None
     from strata.offload.tiers import Tiers  # offload's modules load only when a run uses them
+
     return Tiers(cfg, engine, rank, device)
 
 
@@ -238,6 +288,7 @@ def _activation_policy(cfg: Config, parts: list[nn.Module], tiers: Tiers | None)
     offloaded by hooks keyed by block (those of recomputed blocks are only their inputs)."""
     if cfg.activations.recompute == "full":
         from strata.offload.activations import apply_recompute
+
         apply_recompute(parts)
     if tiers and tiers.activations:
         tiers.activations.attach(parts)
@@ -248,10 +299,23 @@ def _outer_updates(cfg: Config, topo: Topology, engine: ZeroEngine) -> CO2:
     exchanged with the ranks holding the same in the other nodes on a group of its own."""
     co2, layout = cfg.co2, topo.layout
     if layout.nodes < 2:
-        raise ConfigError([f"co2.enabled needs at least 2 nodes, but the {layout.world_size} ranks are one node of "
-                           f"{layout.node_size}; run on more nodes, set parallel.ranks_per_node to simulate "
-                           "them, or set co2.enabled=false"])
+        raise ConfigError(
+            [
+                f"co2.enabled needs at least 2 nodes, but the {layout.world_size} ranks are one node of "
+                f"{layout.node_size}; run on more nodes, set parallel.ranks_per_node to simulate "
+                "them, or set co2.enabled=false"
+            ]
+        )
     norm_group = topo.digit_group("none", cfg.zero.optim.shard_over)[0]
     params: list[torch.Tensor] = list(engine.params)
-    return CO2(params, topo.dedicated_digit_group("node", "global"), co2.outer_every, co2.outer_lr,
-               co2.outer_momentum, co2.staleness_penalty, co2.clip, co2.overlap, norm_group)
+    return CO2(
+        params,
+        topo.dedicated_digit_group("node", "global"),
+        co2.outer_every,
+        co2.outer_lr,
+        co2.outer_momentum,
+        co2.staleness_penalty,
+        co2.clip,
+        co2.overlap,
+        norm_group,
+    )

@@ -1,5 +1,6 @@
 """Pictures: a run's loss and throughput curves (from its metrics.jsonl), and the per-rank timeline of
 one recorded pipeline step (a schedule record written by bench/pipeline_schedule.py)."""
+
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ from strata.trainer.metrics import read_metrics
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     """Write a PNG with train/eval loss and tokens/s against step; returns its path."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -19,8 +21,10 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     if not train and not evals:
-        raise StrataError(f"strata plot: no metrics in {Path(run_dir) / 'metrics.jsonl'}; pass a run directory "
-                          "written by `strata train` (e.g. runs/tiny)")
+        raise StrataError(
+            f"strata plot: no metrics in {Path(run_dir) / 'metrics.jsonl'}; pass a run directory "
+            "written by `strata train` (e.g. runs/tiny)"
+        )
     fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     if evals:
@@ -47,6 +51,7 @@ def plot_schedule(record_path: Path, out: Path | None = None) -> Path:
     One row per rank; F/B/W boxes labelled stage.micro-batch, darker for a rank's first chunk
     (stage < pp) and lighter for later chunks."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -55,11 +60,16 @@ def plot_schedule(record_path: Path, out: Path | None = None) -> Path:
     try:
         record = json.loads(record_path.read_text())
         ranks, step_time, pp = record["ranks"], float(record["step_time"]), int(record["pp"])
-        actions = [(r, a["kind"], int(a["stage"]), int(a["mb"]), float(a["start"]), float(a["end"]))
-                   for r, rank_actions in enumerate(ranks) for a in rank_actions]
+        actions = [
+            (r, a["kind"], int(a["stage"]), int(a["mb"]), float(a["start"]), float(a["end"]))
+            for r, rank_actions in enumerate(ranks)
+            for a in rank_actions
+        ]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise StrataError(f"strata plot schedule: {record_path} is not a schedule record ({e!r}); pass a JSON "
-                          "file written by `python bench/pipeline_schedule.py --record-dir DIR`") from e
+        raise StrataError(
+            f"strata plot schedule: {record_path} is not a schedule record ({e!r}); pass a JSON "
+            "file written by `python bench/pipeline_schedule.py --record-dir DIR`"
+        ) from e
     unknown = sorted({kind for _, kind, *_ in actions} - set(SCHEDULE_COLORS))
     if unknown:
         raise StrataError(f"strata plot schedule: {record_path} has action kinds {unknown}; valid: F, B, W")
@@ -67,22 +77,40 @@ def plot_schedule(record_path: Path, out: Path | None = None) -> Path:
     fig, ax = plt.subplots(figsize=(14, 0.7 * len(ranks) + 1.6))
     for rank, kind, stage, mb, start, end in actions:
         color = SCHEDULE_COLORS[kind][0 if stage < pp else 1]
-        ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (rank - 0.4, 0.8), facecolors=color,
-                       edgecolors="black", linewidth=0.4)
-        if end - start > 0.012 * step_time:   # label boxes wide enough to hold it
-            ax.text((start + end) / 2 * 1e3, rank, f"{stage}.{mb}", ha="center", va="center", fontsize=6,
-                    color="white" if stage < pp else "black", clip_on=True)
+        ax.broken_barh(
+            [(start * 1e3, (end - start) * 1e3)], (rank - 0.4, 0.8), facecolors=color, edgecolors="black", linewidth=0.4
+        )
+        if end - start > 0.012 * step_time:  # label boxes wide enough to hold it
+            ax.text(
+                (start + end) / 2 * 1e3,
+                rank,
+                f"{stage}.{mb}",
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white" if stage < pp else "black",
+                clip_on=True,
+            )
     for rank, idle in enumerate(record.get("idle_fraction", [])):
         ax.text(step_time * 1e3, rank, f" idle {idle:.0%}", ha="left", va="center", fontsize=8)
     ax.set_ylim(len(ranks) - 0.5, -0.5)
     ax.set_xlim(0, step_time * 1e3 * 1.07)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
     ax.set_xlabel("time in step (ms)   —   box label: stage.micro-batch")
-    ax.legend(handles=[Patch(color=SCHEDULE_COLORS[k][0], label=label) for k, label in
-                       (("F", "F forward"), ("B", "B backward (dI, or full)"), ("W", "W weight grad"))],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 4 else -0.12), ncol=3, fontsize=8)
-    ax.set_title(f"{record.get('schedule', '?')}: P={pp}, V={record.get('virtual_stages', '?')}, "
-                 f"M={record.get('microbatches', '?')}, step {step_time * 1e3:.0f} ms")
+    ax.legend(
+        handles=[
+            Patch(color=SCHEDULE_COLORS[k][0], label=label)
+            for k, label in (("F", "F forward"), ("B", "B backward (dI, or full)"), ("W", "W weight grad"))
+        ],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.25 if len(ranks) < 4 else -0.12),
+        ncol=3,
+        fontsize=8,
+    )
+    ax.set_title(
+        f"{record.get('schedule', '?')}: P={pp}, V={record.get('virtual_stages', '?')}, "
+        f"M={record.get('microbatches', '?')}, step {step_time * 1e3:.0f} ms"
+    )
     fig.tight_layout()
     out = Path(out) if out else record_path.with_suffix(".png")
     fig.savefig(out, dpi=110)

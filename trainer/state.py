@@ -3,6 +3,7 @@
 hyper-parameters, the tied weights' aliases, the saving layout), and putting a saved state back
 into this layout. `CheckpointManager` and `SnapshotManager` both take it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,21 +38,32 @@ class TrainState:
         self.model, self.loader, self.rank = model, loader, rank
         self.step = 0
         layout, zero = model.topo.layout, cfg.zero
-        self.layout = {"world": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
-                       "virtual_stages": cfg.parallel.virtual_stages,
-                       "zero": {"params": zero.params.shard_over, "grads": zero.grads.shard_over,
-                                "optim": zero.optim.shard_over} if zero.enabled else None}
+        self.layout = {
+            "world": layout.world_size,
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "dp": layout.dp,
+            "virtual_stages": cfg.parallel.virtual_stages,
+            "zero": {"params": zero.params.shard_over, "grads": zero.grads.shard_over, "optim": zero.optim.shard_over}
+            if zero.enabled
+            else None,
+        }
 
     # --- saving ----------------------------------------------------------------------------
     def contents(self, step: int) -> StateContents:
         """What a checkpoint or snapshot of `step` holds from this rank (live views: the managers
         copy them before training goes on)."""
         m = self.model
-        pieces = (model_pieces(m.engine, m.canonical)
-                  + optimizer_pieces(m.optimizer, optimizer_entries(m.engine, m.canonical))
-                  + [rng_piece(self.rank)])
-        objects = {"trainer": {"step": step, "data": self.loader.state_dict()},
-                   "optim.param_groups": self._param_groups()} if self.rank == 0 else {}
+        pieces = (
+            model_pieces(m.engine, m.canonical)
+            + optimizer_pieces(m.optimizer, optimizer_entries(m.engine, m.canonical))
+            + [rng_piece(self.rank)]
+        )
+        objects = (
+            {"trainer": {"step": step, "data": self.loader.state_dict()}, "optim.param_groups": self._param_groups()}
+            if self.rank == 0
+            else {}
+        )
         aliases = {f"model.{name}": f"model.{first}" for name, first in m.canonical.items() if name != first}
         return StateContents(pieces, objects, aliases, self.layout)
 
@@ -104,17 +116,22 @@ class TrainState:
             if not problems:
                 problems = ckpt.read(fresh + optim_targets + rng, verify)
                 objects = {k: ckpt.object(k) for k in ("trainer", "optim.param_groups")}
-                misfit = self.loader.state_problems(objects["trainer"]["data"]) + \
-                    optimizer_problems(m.optimizer, objects["optim.param_groups"])
+                misfit = self.loader.state_problems(objects["trainer"]["data"]) + optimizer_problems(
+                    m.optimizer, objects["optim.param_groups"]
+                )
                 problems += misfit
         except CheckpointError as e:
             problems = [str(e)]
         finally:
             ckpt.close()
-        agree(problems, f"{ckpt.path} does not fit this run, nothing was loaded; resume with the "
-              "config it was saved with (see its config.yaml)" if misfit else
-              f"{ckpt.path} is damaged, nothing was loaded; resume from another checkpoint "
-              "(`strata ckpt verify DIR` checks one)")
+        agree(
+            problems,
+            f"{ckpt.path} does not fit this run, nothing was loaded; resume with the "
+            "config it was saved with (see its config.yaml)"
+            if misfit
+            else f"{ckpt.path} is damaged, nothing was loaded; resume from another checkpoint "
+            "(`strata ckpt verify DIR` checks one)",
+        )
         with torch.no_grad():
             for dst, src in zip(live, fresh):
                 dst.tensor.copy_(src.tensor)
@@ -148,8 +165,10 @@ class TrainState:
         state, targets = {}, []
         for param, fqn, placement, shape, start in optimizer_entries(m.engine, m.canonical):
             if fqn in saved:
-                entry = {kind: torch.empty((), dtype=torch.float32) if not s else torch.empty_like(param.data)
-                         for kind, s in saved[fqn].items()}
+                entry = {
+                    kind: torch.empty((), dtype=torch.float32) if not s else torch.empty_like(param.data)
+                    for kind, s in saved[fqn].items()
+                }
                 state[index[id(param)]] = entry
                 targets += state_pieces(fqn, entry, placement, shape, start)
         return state, targets

@@ -7,6 +7,7 @@ plain transformer) and `atomic` (atomic file writes). The layers above are `stra
 then `strata.offload` and `strata.checkpoint`, then `strata.trainer` (the loop), then
 `strata.launch` (the command line and launchers); docs/ARCHITECTURE.md is the map.
 """
+
 from importlib.metadata import PackageNotFoundError, version
 
 try:

@@ -1,5 +1,6 @@
 """Crash-safe writes: build a directory or file under a temporary name, fsync it, then rename it
 into place, so a reader sees either the old version or the complete new one, never a partial one."""
+
 from __future__ import annotations
 
 import contextlib

@@ -3,6 +3,7 @@
 This is the one place that parses and checks configuration. Every key has a default and a doc
 string (`strata config explain KEY`); `load` reports every problem at once in a ConfigError.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,33 +53,56 @@ def layout_problems(par: ParallelConfig, world_size: int, local_world_size: int 
     per_node, source = ranks_per_node(par, world_size, local_world_size)
     problems = []
     if world_size % (tp * pp):
-        problems.append(f"world size {world_size} is not divisible by parallel.tp·pp = {tp}·{pp} = {tp * pp}; "
-                        f"choose tp and pp whose product divides the number of ranks")
+        problems.append(
+            f"world size {world_size} is not divisible by parallel.tp·pp = {tp}·{pp} = {tp * pp}; "
+            f"choose tp and pp whose product divides the number of ranks"
+        )
     else:
         dp = par.dp_size(world_size)
         if tp * pp * dp != world_size:
-            problems.append(f"parallel: tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} but the world size is "
-                            f"{world_size}; set parallel.dp={world_size // (tp * pp)} or leave it null")
+            problems.append(
+                f"parallel: tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} but the world size is "
+                f"{world_size}; set parallel.dp={world_size // (tp * pp)} or leave it null"
+            )
     if world_size % per_node:
-        problems.append(f"world size {world_size} is not a multiple of {source}: every node must run the same "
-                        f"number of ranks; set parallel.ranks_per_node to a divisor of {world_size}")
+        problems.append(
+            f"world size {world_size} is not a multiple of {source}: every node must run the same "
+            f"number of ranks; set parallel.ranks_per_node to a divisor of {world_size}"
+        )
     if per_node % g:
         problems.append(f"parallel.ranks_per_gpu={g} must divide {source}: a node holds whole GPUs")
     if tp % per_node and per_node % tp:
         fits = [d for d in range(1, per_node + 1) if per_node % d == 0]
-        problems.append(f"parallel.tp={tp} would straddle node boundaries unevenly: with {source}, tp must divide "
-                        f"it ({', '.join(map(str, fits))}) or be a multiple of it, so each tensor-parallel group "
-                        f"stays inside one node (as Megatron does) or spans whole nodes")
+        problems.append(
+            f"parallel.tp={tp} would straddle node boundaries unevenly: with {source}, tp must divide "
+            f"it ({', '.join(map(str, fits))}) or be a multiple of it, so each tensor-parallel group "
+            f"stays inside one node (as Megatron does) or spans whole nodes"
+        )
     return problems
 
 
-def opt(default: Any, doc: str, *, choices: tuple[Any, ...] | None = None, min: float | None = None,
-        max: float | None = None, min_exclusive: bool = False, max_exclusive: bool = False,
-        key: str | None = None) -> Any:
+def opt(
+    default: Any,
+    doc: str,
+    *,
+    choices: tuple[Any, ...] | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    min_exclusive: bool = False,
+    max_exclusive: bool = False,
+    key: str | None = None,
+) -> Any:
     """A config key: its default, one-line doc and the range checks `load` applies; `key` is its
     name in YAML when that cannot be the field's (`checkpoint.async`: a Python keyword)."""
-    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "min_exclusive": min_exclusive,
-            "max_exclusive": max_exclusive, "key": key}
+    meta = {
+        "doc": doc,
+        "choices": choices,
+        "min": min,
+        "max": max,
+        "min_exclusive": min_exclusive,
+        "max_exclusive": max_exclusive,
+        "key": key,
+    }
     return field(default=default, metadata=meta)
 
 
@@ -96,6 +120,7 @@ def nested(cls: type, doc: str | None = None) -> Any:
 @dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer (Llama-style: RoPE, RMSNorm, SwiGLU)."""
+
     n_layers: int = opt(4, "number of transformer blocks", min=1)
     d_model: int = opt(128, "hidden size (width of the residual stream)", min=1)
     n_heads: int = opt(4, "attention heads; must divide d_model", min=1)
@@ -107,15 +132,21 @@ class ModelConfig:
     rope_theta: float = opt(10000.0, "RoPE base frequency", min=0.0, min_exclusive=True)
     norm_eps: float = opt(1e-5, "RMSNorm epsilon", min=0.0, min_exclusive=True)
     tie_embeddings: bool = opt(False, "share the token embedding with the output projection")
-    init_std: float = opt(0.02, "std of the normal init of weights (output projections scaled by 1/sqrt(2·n_layers))",
-                          min=0.0, min_exclusive=True)
+    init_std: float = opt(
+        0.02,
+        "std of the normal init of weights (output projections scaled by 1/sqrt(2·n_layers))",
+        min=0.0,
+        min_exclusive=True,
+    )
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """Token data: a prepared directory (train.bin/val.bin + meta.json) or the built-in corpus."""
-    path: str | None = opt(None, "directory made by `strata data prepare` (null: the Python stdlib corpus, "
-                                 "prepared on first use)")
+
+    path: str | None = opt(
+        None, "directory made by `strata data prepare` (null: the Python stdlib corpus, prepared on first use)"
+    )
     cache_dir: str | None = opt(None, "where the built-in corpus is prepared (null: $STRATA_CACHE or ~/.cache/strata)")
     val_fraction: float = opt(0.05, "share of built-in corpus files held out for evaluation", min=0.0, max=0.5)
 
@@ -123,13 +154,16 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     """The optimisation loop: batch sizes, steps, precision, evaluation."""
+
     steps: int = opt(300, "optimizer steps to train for", min=1)
     global_batch_size: int = opt(16, "sequences per optimizer step, over all data-parallel ranks", min=1)
-    micro_batch_size: int = opt(8, "sequences per forward/backward on one rank; accumulation = global/(micro·dp)",
-                                min=1)
+    micro_batch_size: int = opt(
+        8, "sequences per forward/backward on one rank; accumulation = global/(micro·dp)", min=1
+    )
     seed: int = opt(1234, "seed for init and data order (runs with equal seeds are identical)")
-    precision: str = opt("fp32", "compute precision: fp32, or bf16 autocast (weights and optimizer stay fp32)",
-                         choices=("fp32", "bf16"))
+    precision: str = opt(
+        "fp32", "compute precision: fp32, or bf16 autocast (weights and optimizer stay fp32)", choices=("fp32", "bf16")
+    )
     eval_interval: int = opt(100, "evaluate every N steps and at the end (0: only at the end)", min=0)
     eval_batches: int = opt(8, "validation micro-batches per evaluation on each rank", min=1)
     threads: int | None = opt(None, "torch intra-op CPU threads (null: torch's default; torchrun sets 1)", min=1)
@@ -138,6 +172,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     """AdamW with linear warmup and cosine decay."""
+
     lr: float = opt(3e-3, "peak learning rate", min=0.0)
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of lr", min=0.0, max=1.0)
     warmup_steps: int = opt(30, "linear warmup steps from 0 to lr", min=0)
@@ -147,15 +182,22 @@ class OptimConfig:
     beta2: float = opt(0.95, "AdamW beta2", min=0.0, max=1.0)
     eps: float = opt(1e-8, "AdamW epsilon", min=0.0, min_exclusive=True)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: off)", min=0.0)
-    impl: str = opt("auto", "AdamW kernel: fused, foreach, or auto (fused where available)",
-                    choices=("auto", "fused", "foreach"))
+    impl: str = opt(
+        "auto", "AdamW kernel: fused, foreach, or auto (fused where available)", choices=("auto", "fused", "foreach")
+    )
 
 
 # Schedules of torch.distributed.pipelining; the first two run one stage per rank.
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 V_SHAPED_SCHEDULES = ("zbv_zero_bubble", "dualpipev")  # exactly two stages per rank, in a V
-PIPELINE_SCHEDULES = ("auto", *SINGLE_STAGE_SCHEDULES, "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
-                      *V_SHAPED_SCHEDULES)
+PIPELINE_SCHEDULES = (
+    "auto",
+    *SINGLE_STAGE_SCHEDULES,
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    *V_SHAPED_SCHEDULES,
+)
 # These compute weight gradients in a later pass than the input gradients (past the ZeRO engine's hooks).
 SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", *V_SHAPED_SCHEDULES)
 
@@ -163,55 +205,89 @@ SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", *V_SHAPED_SCHEDULES)
 @dataclass(frozen=True)
 class ParallelConfig:
     """How ranks are combined. world size = tp · pp · dp."""
+
     tp: int = opt(1, "tensor-parallel degree", min=1)
     pp: int = opt(1, "pipeline-parallel degree", min=1)
     dp: int | None = opt(None, "data-parallel degree (null: world size / (tp·pp))", min=1)
-    virtual_stages: int = opt(1, "model chunks per pipeline rank (V): layers split into pp·V stages; V > 1 interleaves",
-                              min=1)
-    microbatches: int | None = opt(None, "micro-batches per step on each data-parallel replica (null: "
-                                      "global_batch_size/(micro_batch_size·dp), Megatron's rule; if set it must agree)",
-                                      min=1)
-    schedule: str = opt("auto", "pipeline schedule (auto: 1f1b, or interleaved_1f1b when virtual_stages > 1)",
-                        choices=PIPELINE_SCHEDULES)
-    sequence_parallel: bool = opt(False, "with tp > 1, shard norms/residuals along the sequence (Megatron SP); "
-                                  "ignored when tp = 1")
+    virtual_stages: int = opt(
+        1, "model chunks per pipeline rank (V): layers split into pp·V stages; V > 1 interleaves", min=1
+    )
+    microbatches: int | None = opt(
+        None,
+        "micro-batches per step on each data-parallel replica (null: "
+        "global_batch_size/(micro_batch_size·dp), Megatron's rule; if set it must agree)",
+        min=1,
+    )
+    schedule: str = opt(
+        "auto",
+        "pipeline schedule (auto: 1f1b, or interleaved_1f1b when virtual_stages > 1)",
+        choices=PIPELINE_SCHEDULES,
+    )
+    sequence_parallel: bool = opt(
+        False, "with tp > 1, shard norms/residuals along the sequence (Megatron SP); ignored when tp = 1"
+    )
     ranks_per_node: int | None = opt(None, "ranks on one node (null: the launcher's LOCAL_WORLD_SIZE)", min=1)
     ranks_per_gpu: int = opt(1, "ranks sharing one physical GPU (2 for the GCDs of a Frontier MI250X)", min=1)
 
     def dp_size(self, world_size: int) -> int:
         """Data-parallel degree: `dp`, or what tp·pp leaves of the world."""
         return self.dp or world_size // (self.tp * self.pp)
-    backend: str = opt("auto", "torch.distributed backend (auto: nccl with GPUs, gloo on CPU)",
-                       choices=("auto", "gloo", "nccl"))
-    bucket_mb: float = opt(25.0, "data parallel without zero: consecutive transformer blocks share one flat "
-                           "gradient buffer (one all-reduce) until it holds this many MiB", min=0.0, min_exclusive=True)
+
+    backend: str = opt(
+        "auto", "torch.distributed backend (auto: nccl with GPUs, gloo on CPU)", choices=("auto", "gloo", "nccl")
+    )
+    bucket_mb: float = opt(
+        25.0,
+        "data parallel without zero: consecutive transformer blocks share one flat "
+        "gradient buffer (one all-reduce) until it holds this many MiB",
+        min=0.0,
+        min_exclusive=True,
+    )
     timeout_s: int = opt(600, "process-group timeout in seconds", min=1)
 
 
 @dataclass(frozen=True)
 class ShardSpec:
     """Where one kind of training state is partitioned."""
-    shard_over: str = opt("none", "hierarchy level whose data-parallel ranks split it (none: not split; gcd = none)",
-                          choices=LEVELS)
+
+    shard_over: str = opt(
+        "none", "hierarchy level whose data-parallel ranks split it (none: not split; gcd = none)", choices=LEVELS
+    )
 
 
 @dataclass(frozen=True)
 class ZeroConfig:
     """ZeRO: parameters, gradients and optimizer state partitioned over the data-parallel ranks of a level."""
-    params: ShardSpec = nested(ShardSpec, "where parameters are partitioned; anything but none = ZeRO-3 (gathered "
-                               "per block just before use, freed after)")
-    grads: ShardSpec = nested(ShardSpec, "where gradients are partitioned (reduce-scattered per micro-batch as "
-                              "backward produces them): ZeRO-2")
+
+    params: ShardSpec = nested(
+        ShardSpec,
+        "where parameters are partitioned; anything but none = ZeRO-3 (gathered "
+        "per block just before use, freed after)",
+    )
+    grads: ShardSpec = nested(
+        ShardSpec,
+        "where gradients are partitioned (reduce-scattered per micro-batch as backward produces them): ZeRO-2",
+    )
     optim: ShardSpec = nested(ShardSpec, "where optimizer states (and the fp32 update) are partitioned: ZeRO-1")
-    secondary_params: ShardSpec = nested(ShardSpec, "hpZ (ZeRO++): a second copy of the parameters partitioned at "
-                                         "this finer level, gathered for backward and later micro-batches instead "
-                                         "of the primary one; none = off")
+    secondary_params: ShardSpec = nested(
+        ShardSpec,
+        "hpZ (ZeRO++): a second copy of the parameters partitioned at "
+        "this finer level, gathered for backward and later micro-batches instead "
+        "of the primary one; none = off",
+    )
     prefetch_blocks: int = opt(1, "flat groups gathered ahead of the one running (forward and backward)", min=0)
-    bucket_mb: float = opt(0.0, "merge consecutive transformer blocks into one flat group (one gather, one "
-                           "reduce-scatter) until it holds at least this many MB of parameters; 0 = one group "
-                           "per block", min=0.0)
-    hierarchical: bool = opt(True, "reduce-scatter inside the fastest level first, then across (and all-gather "
-                             "the other way); false = one collective over the whole shard group")
+    bucket_mb: float = opt(
+        0.0,
+        "merge consecutive transformer blocks into one flat group (one gather, one "
+        "reduce-scatter) until it holds at least this many MB of parameters; 0 = one group "
+        "per block",
+        min=0.0,
+    )
+    hierarchical: bool = opt(
+        True,
+        "reduce-scatter inside the fastest level first, then across (and all-gather "
+        "the other way); false = one collective over the whole shard group",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -222,16 +298,21 @@ class ZeroConfig:
 @dataclass(frozen=True)
 class CO2Config:
     """CO2: nodes train as independent replicas, averaged by an outer all-reduce every round."""
+
     enabled: bool = opt(False, "use CO2 across nodes (inside a node: ordinary data parallelism); needs >= 2 nodes")
     outer_every: int = opt(2, "H: local optimizer steps per round", min=1)
     outer_lr: float = opt(0.8, "outer learning rate applied to the averaged round delta", min=0.0)
     outer_momentum: float = opt(0.0, "outer momentum", min=0.0, max=1.0, max_exclusive=True)
-    staleness_penalty: float = opt(0.0, "staleness gap penalty on a replica's not-yet-averaged progress "
-                                   "(0: keep it whole)", min=0.0)
+    staleness_penalty: float = opt(
+        0.0, "staleness gap penalty on a replica's not-yet-averaged progress (0: keep it whole)", min=0.0
+    )
     clip: float = opt(0.0, "clip the outer momentum's L2 norm to this (0 = no outer-momentum clipping)", min=0.0)
-    overlap: bool = opt(True, "apply each round's average one round late, overlapping its all-reduce with the next "
-                        "round; false: wait for the outer all-reduce at once and apply it in the same round "
-                        "(synchronous)")
+    overlap: bool = opt(
+        True,
+        "apply each round's average one round late, overlapping its all-reduce with the next "
+        "round; false: wait for the outer all-reduce at once and apply it in the same round "
+        "(synchronous)",
+    )
 
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -240,37 +321,63 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 @dataclass(frozen=True)
 class ParamOffloadConfig:
     """Where ZeRO-3 parameter shards live between uses (ZeRO-Infinity)."""
-    device: str = opt("none", "none: on the training device; cpu: host memory; nvme: swap files under "
-                      "offload.nvme_path (read ahead of use, written back after the step)", choices=OFFLOAD_DEVICES)
+
+    device: str = opt(
+        "none",
+        "none: on the training device; cpu: host memory; nvme: swap files under "
+        "offload.nvme_path (read ahead of use, written back after the step)",
+        choices=OFFLOAD_DEVICES,
+    )
     read_ahead: int = opt(1, "flat groups whose shards are read ahead of the gather prefetch", min=0)
-    keep_groups: int = opt(2, "shards kept in memory after their last use, most recent first, so the turns "
-                           "(forward to backward, backward to the update) read nothing (0: drop every shard once "
-                           "gathered)", min=0)
+    keep_groups: int = opt(
+        2,
+        "shards kept in memory after their last use, most recent first, so the turns "
+        "(forward to backward, backward to the update) read nothing (0: drop every shard once "
+        "gathered)",
+        min=0,
+    )
 
 
 @dataclass(frozen=True)
 class OptimOffloadConfig:
     """Where optimizer states (AdamW's moments) live, and where each sub-group's update runs."""
-    device: str = opt("none", "none: on the training device; cpu: host memory; nvme: swap files, stepped in "
-                      "sub-groups of one slab (read next, update current, write previous)", choices=OFFLOAD_DEVICES)
-    update_on: str = opt("auto", "where offloaded sub-groups are updated: cpu, gpu, or auto (Deep Optimizer States: "
-                         "per sub-group, by a performance model calibrated at start-up; all-CPU without CUDA)",
-                         choices=("auto", "cpu", "gpu"))
+
+    device: str = opt(
+        "none",
+        "none: on the training device; cpu: host memory; nvme: swap files, stepped in "
+        "sub-groups of one slab (read next, update current, write previous)",
+        choices=OFFLOAD_DEVICES,
+    )
+    update_on: str = opt(
+        "auto",
+        "where offloaded sub-groups are updated: cpu, gpu, or auto (Deep Optimizer States: "
+        "per sub-group, by a performance model calibrated at start-up; all-CPU without CUDA)",
+        choices=("auto", "cpu", "gpu"),
+    )
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
     """Memory tiers: ZeRO state in host memory or NVMe swap files, through one budgeted host buffer pool."""
-    nvme_path: str | None = opt(None, "directory for swap files on a local SSD (needed when a device is nvme); "
-                                   "checked and preallocated at start-up")
-    host_buffer_mb: float = opt(64.0, "staging budget per rank: every transfer streams through slabs of this "
-                                "pool (pinned when CUDA exists); a transfer beyond it waits, then fails clearly",
-                                min=0.0, min_exclusive=True)
-    slab_mb: float = opt(4.0, "slab size (a multiple of 4 KiB); also the optimizer sub-group size", min=0.0,
-                         min_exclusive=True)
+
+    nvme_path: str | None = opt(
+        None,
+        "directory for swap files on a local SSD (needed when a device is nvme); checked and preallocated at start-up",
+    )
+    host_buffer_mb: float = opt(
+        64.0,
+        "staging budget per rank: every transfer streams through slabs of this "
+        "pool (pinned when CUDA exists); a transfer beyond it waits, then fails clearly",
+        min=0.0,
+        min_exclusive=True,
+    )
+    slab_mb: float = opt(
+        4.0, "slab size (a multiple of 4 KiB); also the optimizer sub-group size", min=0.0, min_exclusive=True
+    )
     io_threads: int = opt(4, "I/O threads per rank for swap files", min=1)
-    direct_io: bool = opt(True, "O_DIRECT swap I/O, bypassing the page cache (falls back to buffered I/O on file "
-                          "systems that refuse it)")
+    direct_io: bool = opt(
+        True, "O_DIRECT swap I/O, bypassing the page cache (falls back to buffered I/O on file systems that refuse it)"
+    )
     params: ParamOffloadConfig = nested(ParamOffloadConfig)
     optim: OptimOffloadConfig = nested(OptimOffloadConfig)
 
@@ -282,30 +389,47 @@ class OffloadConfig:
 @dataclass(frozen=True)
 class ActivationsConfig:
     """The activation policy: what backward's saved tensors cost (kept, offloaded, or recomputed)."""
-    offload: str = opt("none", "where saved activations go during forward until backward needs them: none (kept), "
-                       "cpu (host memory) or nvme (swap file under offload.nvme_path); written asynchronously, "
-                       "stored once when several ops save one tensor, prefetched a layer ahead in backward",
-                       choices=OFFLOAD_DEVICES)
-    min_bytes: int = opt(1 << 20, "never offload a saved tensor whose storage is smaller than this (parameters "
-                         "never are)", min=0)
-    max_inflight_mb: float | None = opt(None, "bound on the saved tensors kept in memory while their offload "
-                                           "writes are in flight: forward waits for the disk beyond it, which "
-                                           "guarantees the saving (null: never wait; a fast GPU then serves most "
-                                           "from memory and saves little)", min=0.0)
-    recompute: str = opt("none", "full: recompute each transformer block's forward in backward instead of saving "
-                         "its activations (torch.utils.checkpoint)", choices=("none", "full"))
+
+    offload: str = opt(
+        "none",
+        "where saved activations go during forward until backward needs them: none (kept), "
+        "cpu (host memory) or nvme (swap file under offload.nvme_path); written asynchronously, "
+        "stored once when several ops save one tensor, prefetched a layer ahead in backward",
+        choices=OFFLOAD_DEVICES,
+    )
+    min_bytes: int = opt(
+        1 << 20, "never offload a saved tensor whose storage is smaller than this (parameters never are)", min=0
+    )
+    max_inflight_mb: float | None = opt(
+        None,
+        "bound on the saved tensors kept in memory while their offload "
+        "writes are in flight: forward waits for the disk beyond it, which "
+        "guarantees the saving (null: never wait; a fast GPU then serves most "
+        "from memory and saves little)",
+        min=0.0,
+    )
+    recompute: str = opt(
+        "none",
+        "full: recompute each transformer block's forward in backward instead of saving "
+        "its activations (torch.utils.checkpoint)",
+        choices=("none", "full"),
+    )
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Periodic checkpoints: every rank writes its own part (DCP's format), committed last with checksums."""
+
     dir: str | None = opt(None, "where checkpoints go (null: <run dir>/checkpoints)")
     interval: int = opt(0, "save every N steps (0: only at the end when `save_final`)", min=0)
     save_final: bool = opt(True, "save a checkpoint after the last step")
     keep_last: int = opt(2, "committed checkpoints to keep (0: keep all)", min=0)
-    async_save: bool = opt(False, "save in the background: the step pays only for copying this rank's state into a "
-                           "shared-memory staging buffer, a writer process persists it while training goes on",
-                           key="async")
+    async_save: bool = opt(
+        False,
+        "save in the background: the step pays only for copying this rank's state into a "
+        "shared-memory staging buffer, a writer process persists it while training goes on",
+        key="async",
+    )
     verify_on_load: bool = opt(True, "check the CRC-32C of every block a resume reads")
 
 
@@ -313,31 +437,44 @@ class CheckpointConfig:
 class SnapshotConfig:
     """In-memory snapshots kept by one agent process per node, erasure-coded across nodes; a restarted
     job resumes from the newest step every rank can restore, else from the newest disk checkpoint."""
-    every_steps: int = opt(0, "snapshot the training state into host memory every N steps (0: off); needs the "
-                           "snapshot agents `strata launch` starts", min=0)
+
+    every_steps: int = opt(
+        0,
+        "snapshot the training state into host memory every N steps (0: off); needs the "
+        "snapshot agents `strata launch` starts",
+        min=0,
+    )
     k: int = opt(1, "data fragments each rank's snapshot is cut into (Reed-Solomon)", min=1)
-    m: int = opt(1, "parity fragments: the loss of up to m whole nodes is survivable; k + m fragments go to "
-                 "k + m different nodes (0: local snapshots only, surviving worker crashes)", min=0)
-    agent_timeout_s: float = opt(60.0, "how long a worker waits for its agent's reply before giving up",
-                                 min=0.0, min_exclusive=True)
+    m: int = opt(
+        1,
+        "parity fragments: the loss of up to m whole nodes is survivable; k + m fragments go to "
+        "k + m different nodes (0: local snapshots only, surviving worker crashes)",
+        min=0,
+    )
+    agent_timeout_s: float = opt(
+        60.0, "how long a worker waits for its agent's reply before giving up", min=0.0, min_exclusive=True
+    )
 
 
 @dataclass(frozen=True)
 class LogConfig:
     """Where a run writes and what it reports."""
+
     dir: str = opt("runs", "parent directory of run directories")
     name: str | None = opt(None, "run name (null: the config file's stem)")
     interval: int = opt(10, "write a metrics line every N steps", min=1)
     progress: bool = opt(True, "show a progress bar on rank 0")
     wandb: bool = opt(False, "also log to Weights & Biases (offline unless WANDB_MODE says otherwise)")
     wandb_project: str = opt("strata", "wandb project name")
-    peak_tflops: float | None = opt(None, "per-device peak TFLOP/s for MFU (null: MFU not reported)",
-                                       min=0.0, min_exclusive=True)
+    peak_tflops: float | None = opt(
+        None, "per-device peak TFLOP/s for MFU (null: MFU not reported)", min=0.0, min_exclusive=True
+    )
 
 
 @dataclass(frozen=True)
 class Config:
     """A whole experiment."""
+
     model: ModelConfig = nested(ModelConfig)
     data: DataConfig = nested(DataConfig)
     train: TrainConfig = nested(TrainConfig)
@@ -373,8 +510,10 @@ GROUPS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f i
 
 # --- loading --------------------------------------------------------------------------------
 
-def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-         world_size: int | None = None) -> Config:
+
+def load(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None
+) -> Config:
     """Read a YAML experiment, apply `key.sub=value` overrides and validate everything.
 
     With `world_size`, also checks that the parallel layout and batch sizes fit it.
@@ -413,8 +552,12 @@ def _check_and_raise(cfg: Config, problems: list[str], world_size: int | None) -
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The config as nested plain values, under the YAML names of its keys."""
-    return {_key_of(f): to_dict(getattr(cfg, f.name)) if dataclasses.is_dataclass(getattr(cfg, f.name))
-            else getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    return {
+        _key_of(f): to_dict(getattr(cfg, f.name))
+        if dataclasses.is_dataclass(getattr(cfg, f.name))
+        else getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+    }
 
 
 def dump(cfg: Config) -> str:
@@ -440,8 +583,11 @@ def explain(key: str) -> str:
         lines = [f"{key}: {f.metadata['doc']}"]
         for sub, sub_f, sub_hint in _walk(hint, key):
             indent = "  " * (sub.count(".") - key.count("."))
-            lines.append(f"{indent}{sub}: {sub_f.metadata['doc']}" if _is_group(sub_hint)
-                         else f"{indent}{sub} = {sub_f.default!r}  # {sub_f.metadata['doc']}")
+            lines.append(
+                f"{indent}{sub}: {sub_f.metadata['doc']}"
+                if _is_group(sub_hint)
+                else f"{indent}{sub} = {sub_f.default!r}  # {sub_f.metadata['doc']}"
+            )
         return "\n".join(lines)
     text = f"{key}: {f.metadata['doc']}\n  type: {_type_name(hint)}\n  default: {f.default!r}"
     if f.metadata.get("choices"):
@@ -455,6 +601,7 @@ def all_keys() -> list[str]:
 
 
 # --- the schema as a tree of dotted keys --------------------------------------------------------
+
 
 def _is_group(hint: Any) -> bool:
     return isinstance(hint, type) and dataclasses.is_dataclass(hint)
@@ -479,6 +626,7 @@ def _entries() -> dict[str, tuple[dataclasses.Field[Any], Any]]:
 
 # --- internals ------------------------------------------------------------------------------
 
+
 def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
     if not path.is_file():
         problems.append(f"config file {str(path)!r} does not exist; pass the path to a YAML experiment (see configs/)")
@@ -491,8 +639,9 @@ def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        problems.append(f"{path}: the top level must be a mapping of groups ({', '.join(GROUPS)}), "
-                        f"got {type(raw).__name__}")
+        problems.append(
+            f"{path}: the top level must be a mapping of groups ({', '.join(GROUPS)}), got {type(raw).__name__}"
+        )
         return {}
     return raw
 
@@ -515,8 +664,10 @@ def _apply_override(raw: dict[str, Any], item: str, problems: list[str]) -> None
             target[name] = {}
         target = target[name]
         if not isinstance(target, dict):
-            problems.append(f"override {item!r}: {'.'.join(path[:depth + 1])} is not a mapping (it is {target!r}), "
-                            "so it has no keys to set")
+            problems.append(
+                f"override {item!r}: {'.'.join(path[: depth + 1])} is not a mapping (it is {target!r}), "
+                "so it has no keys to set"
+            )
             return
     target[path[-1]] = value
 
@@ -547,8 +698,10 @@ def _build_group(prefix: str, cls: type, values: dict[str, Any], problems: list[
                 problems.append(f"{key}: must be a mapping of keys, got {type(value).__name__} {value!r}")
             continue
         if isinstance(value, dict):
-            problems.append(f"{key}: expected {_type_name(hint)}, got the mapping {value!r} ({key} is one value, "
-                            "not a group of keys)")
+            problems.append(
+                f"{key}: expected {_type_name(hint)}, got the mapping {value!r} ({key} is one value, "
+                "not a group of keys)"
+            )
             continue
         ok, converted, why = _coerce(value, hint)
         if not ok:
@@ -637,9 +790,11 @@ def snapshot_nodes_problem(snap: SnapshotConfig, nodes: int) -> str | None:
     """Why `nodes` nodes cannot hold the k + m fragments of every rank's snapshot (one per node), or None."""
     if not snap.every_steps or snap.k + snap.m <= nodes:
         return None
-    return (f"snapshot.k + snapshot.m = {snap.k} + {snap.m} fragments of each rank's snapshot go to as many nodes, "
-            f"but this job has {nodes}; set snapshot.m={max(nodes - snap.k, 0)} (m=0: local snapshots, which survive "
-            "worker crashes but not the loss of a node)")
+    return (
+        f"snapshot.k + snapshot.m = {snap.k} + {snap.m} fragments of each rank's snapshot go to as many nodes, "
+        f"but this job has {nodes}; set snapshot.m={max(nodes - snap.k, 0)} (m=0: local snapshots, which survive "
+        "worker crashes but not the loss of a node)"
+    )
 
 
 def _snapshot_checks(cfg: Config) -> list[str]:
@@ -648,11 +803,15 @@ def _snapshot_checks(cfg: Config) -> list[str]:
         return []
     p = []
     if cfg.co2.enabled:
-        p.append("snapshot.every_steps with co2.enabled: a snapshot would have to close CO2's round (as a "
-                 "checkpoint does), which changes the training; use checkpoint.interval, or set co2.enabled=false")
+        p.append(
+            "snapshot.every_steps with co2.enabled: a snapshot would have to close CO2's round (as a "
+            "checkpoint does), which changes the training; use checkpoint.interval, or set co2.enabled=false"
+        )
     if cfg.offload.enabled:
-        p.append("snapshot.every_steps with offload.params.device or offload.optim.device: every snapshot would read "
-                 "the offloaded state back into memory; use checkpoint.interval, or set both devices to none")
+        p.append(
+            "snapshot.every_steps with offload.params.device or offload.optim.device: every snapshot would read "
+            "the offloaded state back into memory; use checkpoint.interval, or set both devices to none"
+        )
     return p
 
 
@@ -673,15 +832,19 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
         p.append(f"parallel.tp={par.tp} must divide model.n_kv_heads={kv}")
     stages = par.pp * par.virtual_stages
     if m.n_layers % stages:
-        p.append(f"parallel.pp·virtual_stages = {par.pp}·{par.virtual_stages} = {stages} pipeline stages must divide "
-                 f"model.n_layers={m.n_layers} (stages are balanced by layers)")
+        p.append(
+            f"parallel.pp·virtual_stages = {par.pp}·{par.virtual_stages} = {stages} pipeline stages must divide "
+            f"model.n_layers={m.n_layers} (stages are balanced by layers)"
+        )
     p += _schedule_checks(par)
     p += _zero_checks(cfg, world_size)
     p += _offload_checks(cfg)
     p += _snapshot_checks(cfg)
     if par.sequence_parallel and par.tp > 1 and m.seq_len % par.tp:
-        p.append(f"parallel.sequence_parallel splits the sequence over tp={par.tp} ranks: model.seq_len={m.seq_len} "
-                 "must be a multiple of tp")
+        p.append(
+            f"parallel.sequence_parallel splits the sequence over tp={par.tp} ranks: model.seq_len={m.seq_len} "
+            "must be a multiple of tp"
+        )
     if m.ffn_hidden and m.ffn_hidden % par.tp:
         p.append(f"parallel.tp={par.tp} must divide model.ffn_hidden={m.ffn_hidden}")
     # The vocabulary never depends on the layout (unlike Megatron, which pads to a multiple of
@@ -689,22 +852,28 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
     if m.vocab_size and m.vocab_size % par.tp:
         p.append(f"parallel.tp={par.tp} must divide model.vocab_size={m.vocab_size}")
     if not m.vocab_size and m.pad_vocab_multiple % par.tp:
-        p.append(f"parallel.tp={par.tp} must divide model.pad_vocab_multiple={m.pad_vocab_multiple} (the vocabulary "
-                 "is padded to a multiple of it and split over tp ranks); use a multiple of tp such as 128")
+        p.append(
+            f"parallel.tp={par.tp} must divide model.pad_vocab_multiple={m.pad_vocab_multiple} (the vocabulary "
+            "is padded to a multiple of it and split over tp ranks); use a multiple of tp such as 128"
+        )
     if tr.global_batch_size % tr.micro_batch_size:
-        p.append(f"train.micro_batch_size={tr.micro_batch_size} must divide "
-                 f"train.global_batch_size={tr.global_batch_size}")
+        p.append(
+            f"train.micro_batch_size={tr.micro_batch_size} must divide train.global_batch_size={tr.global_batch_size}"
+        )
     if cfg.optim.warmup_steps > tr.steps:
-        p.append(f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps={tr.steps}; lower it "
-                 "or train longer")
+        p.append(
+            f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps={tr.steps}; lower it or train longer"
+        )
     if world_size is not None:
         layout_issues = layout_problems(par, world_size)
         p += layout_issues
         if not layout_issues:
             dp = cfg.dp_size(world_size)
             if tr.global_batch_size % (tr.micro_batch_size * dp):
-                p.append(f"train.global_batch_size={tr.global_batch_size} must be a multiple of "
-                         f"train.micro_batch_size·dp = {tr.micro_batch_size}·{dp}")
+                p.append(
+                    f"train.global_batch_size={tr.global_batch_size} must be a multiple of "
+                    f"train.micro_batch_size·dp = {tr.micro_batch_size}·{dp}"
+                )
             else:
                 p += _microbatch_checks(cfg, cfg.grad_accum_steps(world_size), dp)
     return p
@@ -716,23 +885,31 @@ def _schedule_checks(par: ParallelConfig) -> list[str]:
     if v > 1 and par.pp == 1:
         p.append(f"parallel.virtual_stages={v} needs pipeline parallelism: set parallel.pp > 1 or virtual_stages=1")
     if name in SINGLE_STAGE_SCHEDULES and v > 1:
-        p.append(f"parallel.schedule={name} runs one stage per rank but virtual_stages={v}; use interleaved_1f1b, "
-                 "looped_bfs or interleaved_zero_bubble, or set virtual_stages=1")
+        p.append(
+            f"parallel.schedule={name} runs one stage per rank but virtual_stages={v}; use interleaved_1f1b, "
+            "looped_bfs or interleaved_zero_bubble, or set virtual_stages=1"
+        )
     if name in V_SHAPED_SCHEDULES and v != 2:
         p.append(f"parallel.schedule={name} needs exactly two stages per rank: set parallel.virtual_stages=2")
     return p
 
 
 # What moves between memory tiers (offload.tiers), and the key that says where each lives.
-OFFLOAD_STREAM_KEYS = {"params": "offload.params.device", "optim": "offload.optim.device",
-                       "activations": "activations.offload"}
+OFFLOAD_STREAM_KEYS = {
+    "params": "offload.params.device",
+    "optim": "offload.optim.device",
+    "activations": "activations.offload",
+}
 SLABS_PER_STREAM = 2  # of the host pool, guaranteed to each stream that uses it
 
 
 def offload_devices(cfg: Config) -> dict[str, str]:
     """Where each offload stream lives (none, cpu or nvme), by stream name."""
-    return {"params": cfg.offload.params.device, "optim": cfg.offload.optim.device,
-            "activations": cfg.activations.offload}
+    return {
+        "params": cfg.offload.params.device,
+        "optim": cfg.offload.optim.device,
+        "activations": cfg.activations.offload,
+    }
 
 
 def pool_streams(devices: dict[str, str]) -> list[str]:
@@ -751,29 +928,43 @@ def _offload_checks(cfg: Config) -> list[str]:
     if slab % 4096:
         p.append(f"offload.slab_mb={off.slab_mb:g} is not a multiple of 4 KiB (O_DIRECT transfers); use e.g. 4")
     elif needed and off.host_buffer_mb * 2**20 < needed * slab:
-        p.append(f"offload.host_buffer_mb={off.host_buffer_mb:g} holds fewer than the {needed} slabs of "
-                 f"offload.slab_mb={off.slab_mb:g} that {needed // SLABS_PER_STREAM} offload streams need "
-                 f"({SLABS_PER_STREAM} each); set it to at least {needed * off.slab_mb:g}")
+        p.append(
+            f"offload.host_buffer_mb={off.host_buffer_mb:g} holds fewer than the {needed} slabs of "
+            f"offload.slab_mb={off.slab_mb:g} that {needed // SLABS_PER_STREAM} offload streams need "
+            f"({SLABS_PER_STREAM} each); set it to at least {needed * off.slab_mb:g}"
+        )
     nvme = [OFFLOAD_STREAM_KEYS[s] for s, d in devices.items() if d == "nvme"]
     if nvme and not off.nvme_path:
-        p.append(f"{' and '.join(nvme)}=nvme need{'s' if len(nvme) == 1 else ''} offload.nvme_path: a directory on a "
-                 "local SSD for the swap files")
+        p.append(
+            f"{' and '.join(nvme)}=nvme need{'s' if len(nvme) == 1 else ''} offload.nvme_path: a directory on a "
+            "local SSD for the swap files"
+        )
     if off.params.device != "none":
         if _coarseness(z.params.shard_over) <= _coarseness("none"):
-            p.append(f"offload.params.device={off.params.device} offloads ZeRO-3 parameter shards: set "
-                     "zero.params.shard_over (global also works on one rank)")
+            p.append(
+                f"offload.params.device={off.params.device} offloads ZeRO-3 parameter shards: set "
+                "zero.params.shard_over (global also works on one rank)"
+            )
         elif z.params.shard_over != z.optim.shard_over:
-            p.append(f"offload.params.device={off.params.device} needs zero.optim.shard_over = zero.params.shard_over "
-                     f"(now {z.optim.shard_over} vs {z.params.shard_over}): each rank steps exactly the shard it swaps")
+            p.append(
+                f"offload.params.device={off.params.device} needs zero.optim.shard_over = zero.params.shard_over "
+                f"(now {z.optim.shard_over} vs {z.params.shard_over}): each rank steps exactly the shard it swaps"
+            )
     if off.optim.device != "none" and _coarseness(z.optim.shard_over) <= _coarseness("none"):
-        p.append(f"offload.optim.device={off.optim.device} offloads the ZeRO optimizer partition: set "
-                 "zero.optim.shard_over (global also works on one rank)")
+        p.append(
+            f"offload.optim.device={off.optim.device} offloads the ZeRO optimizer partition: set "
+            "zero.optim.shard_over (global also works on one rank)"
+        )
     if off.enabled and cfg.optim.impl == "foreach":
-        p.append("offload steps sub-groups with torch's fused AdamW kernel (6.5x faster on CPU than foreach): set "
-                 "optim.impl=auto or fused")
+        p.append(
+            "offload steps sub-groups with torch's fused AdamW kernel (6.5x faster on CPU than foreach): set "
+            "optim.impl=auto or fused"
+        )
     if off.enabled and cfg.co2.enabled:
-        p.append("co2.enabled with offload: CO2's outer update walks every optimizer chunk at once, which offload "
-                 "keeps on disk or host; turn one of them off")
+        p.append(
+            "co2.enabled with offload: CO2's outer update walks every optimizer chunk at once, which offload "
+            "keeps on disk or host; turn one of them off"
+        )
     return p
 
 
@@ -791,36 +982,55 @@ def _zero_checks(cfg: Config, world_size: int | None) -> list[str]:
     for name in ("params", "grads"):
         if _coarseness(level[name]) > _coarseness(level["optim"]):
             what = {"params": "parameters", "grads": "gradients"}[name]
-            p.append(f"zero.{name}.shard_over={level[name]} is coarser than zero.optim.shard_over={level['optim']}: "
-                     f"a rank steps only the optimizer state inside the {what} it holds; set zero.optim.shard_over="
-                     f"{level[name]} or zero.{name}.shard_over={level['optim']}")
+            p.append(
+                f"zero.{name}.shard_over={level[name]} is coarser than zero.optim.shard_over={level['optim']}: "
+                f"a rank steps only the optimizer state inside the {what} it holds; set zero.optim.shard_over="
+                f"{level[name]} or zero.{name}.shard_over={level['optim']}"
+            )
     sec = level["secondary_params"]
     if sec != "none" and _coarseness(sec) >= _coarseness(level["params"]):
         finer = [lv for lv in LEVELS if _coarseness("none") < _coarseness(lv) < _coarseness(level["params"])]
-        p.append(f"zero.secondary_params.shard_over={sec} must be finer than zero.params.shard_over={level['params']} "
-                 f"(hpZ is a less partitioned second copy); use {' or '.join([*finer, 'none (hpZ off)'])}")
-    sharded = [f"zero.{name}.shard_over={level[name]}" for name in ("params", "grads", "optim")
-               if _coarseness(level[name]) > _coarseness("none")]
+        p.append(
+            f"zero.secondary_params.shard_over={sec} must be finer than zero.params.shard_over={level['params']} "
+            f"(hpZ is a less partitioned second copy); use {' or '.join([*finer, 'none (hpZ off)'])}"
+        )
+    sharded = [
+        f"zero.{name}.shard_over={level[name]}"
+        for name in ("params", "grads", "optim")
+        if _coarseness(level[name]) > _coarseness("none")
+    ]
     if sharded and par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES:
-        p.append(f"parallel.schedule={par.schedule} with {' and '.join(sharded)}: split-backward schedules set "
-                 "weight gradients directly in a later pass, past the hooks through which the ZeRO engine collects "
-                 "gradients; use parallel.schedule=interleaved_1f1b (or 1f1b/gpipe/looped_bfs), or no zero block")
+        p.append(
+            f"parallel.schedule={par.schedule} with {' and '.join(sharded)}: split-backward schedules set "
+            "weight gradients directly in a later pass, past the hooks through which the ZeRO engine collects "
+            "gradients; use parallel.schedule=interleaved_1f1b (or 1f1b/gpipe/looped_bfs), or no zero block"
+        )
     if cfg.co2.enabled:
         for name, lv in level.items():
             if _coarseness(lv) > _coarseness("node"):
-                p.append(f"co2.enabled needs nodes to be independent replicas but zero.{name}.shard_over={lv} "
-                         "partitions across nodes; set it to node or finer, or co2.enabled=false")
+                p.append(
+                    f"co2.enabled needs nodes to be independent replicas but zero.{name}.shard_over={lv} "
+                    "partitions across nodes; set it to node or finer, or co2.enabled=false"
+                )
         for key in ("clip", "staleness_penalty"):
             if getattr(cfg.co2, key) > 0 and par.tp * par.pp > 1:
-                p.append(f"co2.{key}={getattr(cfg.co2, key)} with parallel.tp={par.tp}, pp={par.pp}: its norm is taken "
-                         "over one model replica's data-parallel pieces only, not yet across tensor/pipeline shards "
-                         f"(copies of replicated weights would drift apart); set co2.{key}=0 or use tp=pp=1")
+                p.append(
+                    f"co2.{key}={getattr(cfg.co2, key)} with parallel.tp={par.tp}, pp={par.pp}: its norm is taken "
+                    "over one model replica's data-parallel pieces only, not yet across tensor/pipeline shards "
+                    f"(copies of replicated weights would drift apart); set co2.{key}=0 or use tp=pp=1"
+                )
         per_node = par.ranks_per_node  # null: the launcher decides, so the node count is unknown here
-        if world_size is not None and per_node is not None and world_size % per_node == 0 \
-                and world_size // per_node < 2:
-            p.append(f"co2.enabled needs at least 2 nodes but world size {world_size} / parallel.ranks_per_node="
-                     f"{per_node} = {world_size // per_node}; run on more nodes, lower parallel.ranks_per_node, or "
-                     "set co2.enabled=false")
+        if (
+            world_size is not None
+            and per_node is not None
+            and world_size % per_node == 0
+            and world_size // per_node < 2
+        ):
+            p.append(
+                f"co2.enabled needs at least 2 nodes but world size {world_size} / parallel.ranks_per_node="
+                f"{per_node} = {world_size // per_node}; run on more nodes, lower parallel.ranks_per_node, or "
+                "set co2.enabled=false"
+            )
     return p
 
 
@@ -831,26 +1041,38 @@ def _microbatch_checks(cfg: Config, derived: int, dp: int) -> list[str]:
     if par.microbatches is not None and par.microbatches != derived:
         mbs = tr.global_batch_size / (par.microbatches * dp)
         fix = f"set train.micro_batch_size={int(mbs)}" if mbs == int(mbs) and mbs >= 1 else "change global_batch_size"
-        p.append(f"parallel.microbatches={par.microbatches} disagrees with global_batch_size/(micro_batch_size·dp) = "
-                 f"{derived}; {fix} or leave parallel.microbatches null")
+        p.append(
+            f"parallel.microbatches={par.microbatches} disagrees with global_batch_size/(micro_batch_size·dp) = "
+            f"{derived}; {fix} or leave parallel.microbatches null"
+        )
         return p
     if par.pp > 1 and par.schedule == "dualpipev" and derived < 2 * par.pp:
-        p.append(f"parallel.schedule=dualpipev needs at least as many micro-batches as stages (2·pp = {2 * par.pp}) "
-                 f"but gets {derived}; lower train.micro_batch_size or raise train.global_batch_size")
+        p.append(
+            f"parallel.schedule=dualpipev needs at least as many micro-batches as stages (2·pp = {2 * par.pp}) "
+            f"but gets {derived}; lower train.micro_batch_size or raise train.global_batch_size"
+        )
     elif par.pp > 1 and derived < par.pp:
-        p.append(f"pipeline needs at least pp={par.pp} micro-batches per step but gets {derived} (global_batch_size/"
-                 f"(micro_batch_size·dp)); lower train.micro_batch_size or raise train.global_batch_size")
+        p.append(
+            f"pipeline needs at least pp={par.pp} micro-batches per step but gets {derived} (global_batch_size/"
+            f"(micro_batch_size·dp)); lower train.micro_batch_size or raise train.global_batch_size"
+        )
     elif par.pp > 1 and par.virtual_stages > 1 and derived % max(1, derived // par.pp):
-        p.append(f"interleaved schedules run micro-batches in rounds of about pp={par.pp}: {derived} micro-batches "
-                 f"must be a multiple of {derived // par.pp}; use a multiple of pp")
+        p.append(
+            f"interleaved schedules run micro-batches in rounds of about pp={par.pp}: {derived} micro-batches "
+            f"must be a multiple of {derived // par.pp}; use a multiple of pp"
+        )
     return p
 
 
 def reference_markdown() -> str:
     """The config reference page (docs/CONFIG.md), generated from the schema so it cannot drift."""
-    out = ["# Config reference", "",
-           "Generated from `trainer/base/config.py` by `python -m strata.config > docs/CONFIG.md`; "
-           "`strata config explain KEY` prints the same for one key.", ""]
+    out = [
+        "# Config reference",
+        "",
+        "Generated from `trainer/base/config.py` by `python -m strata.config > docs/CONFIG.md`; "
+        "`strata config explain KEY` prints the same for one key.",
+        "",
+    ]
     for group, cls in GROUPS.items():
         out += [f"## `{group}`", "", cls.__doc__ or "", ""]
         rows = []

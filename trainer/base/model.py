@@ -4,6 +4,7 @@ modules with no parallel code inside. Parallelism is applied to it from outside 
 Attention reads its head count from its weight shapes, not from the config, so a tensor-parallel
 transformation can swap its linears for sharded ones without touching this file.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,12 @@ def padded_vocab_size(cfg: ModelConfig, data_vocab_size: int) -> int:
     """The model's vocabulary: config's if set (must cover the data), else the data's padded up."""
     if cfg.vocab_size:
         if cfg.vocab_size < data_vocab_size:
-            raise ConfigError([f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary "
-                               f"({data_vocab_size}); set it >= {data_vocab_size} or leave it null"])
+            raise ConfigError(
+                [
+                    f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary "
+                    f"({data_vocab_size}); set it >= {data_vocab_size} or leave it null"
+                ]
+            )
         return cfg.vocab_size
     m = cfg.pad_vocab_multiple
     return m * math.ceil(data_vocab_size / m)
@@ -135,6 +140,7 @@ class GPT(nn.Module):
         with torch.no_grad():
             for name, p in self.named_parameters():
                 p.copy_(initial_value(self.cfg, name, tuple(p.shape), seed))
+
 
 def named_blocks(part: nn.Module) -> list[tuple[str, nn.Module]]:
     """The transformer blocks of a GPT, or of a pipeline stage (whose `layers` is an nn.ModuleDict

@@ -1,4 +1,5 @@
 """Host networking helpers any layer may use (no torch: the launcher imports them before any worker starts)."""
+
 from __future__ import annotations
 
 import socket
