@@ -103,10 +103,11 @@ def cmd_data(args: argparse.Namespace) -> int:
     root: Path | None
     if args.stdlib:
         files, root = data.stdlib_corpus_files(), Path(sysconfig.get_paths()["stdlib"])
+        data.check_output_outside_inputs(Path(args.out), [root])
     else:
         if not args.inputs:
             raise StrataError("strata data prepare: give input files/directories, or --stdlib for the built-in corpus")
-        files, root = data.expand_inputs(args.inputs, args.glob)
+        files, root = data.expand_inputs(args.inputs, args.glob, out_dir=Path(args.out))
     meta = data.prepare(files, Path(args.out), args.val_fraction, root=root)
     print(
         f"wrote {args.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
@@ -335,7 +336,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     )
     d.add_argument("action", choices=["prepare"])
     d.add_argument("inputs", nargs="*", help="text files or directories")
-    d.add_argument("--out", required=True, help="output directory (train.bin, val.bin, meta.json)")
+    d.add_argument(
+        "--out",
+        required=True,
+        help="output directory (train.bin, val.bin, meta.json): new, empty, or an earlier output "
+        "(which is replaced); never inside an input directory",
+    )
     d.add_argument("--glob", default="*", help="file pattern inside input directories (e.g. '*.txt')")
     d.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out for evaluation")
     d.add_argument("--stdlib", action="store_true", help="use the Python standard library sources as the corpus")

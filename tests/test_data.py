@@ -133,8 +133,7 @@ def test_prepare_replaces_existing_directory_atomically(tmp_path):
     src = tmp_path / "src"
     out = tmp_path / "tokens"
     prepare(write_docs(src, {"old1.txt": "old " * 50, "old2.txt": "older " * 50}), out, val_fraction=0.5, root=src)
-    (out / "stale.txt").write_text("left over from an earlier version")
-    (out / "sub").mkdir()
+    (out / "val.bin").unlink()  # an earlier output missing a file is still one prepare may replace
 
     new_src = tmp_path / "src2"
     files = write_docs(new_src, {k: v for k, v in list(DOCS.items())[:4]})

@@ -64,6 +64,7 @@ def prepare(files: list[Path], out_dir: Path, val_fraction: float = 0.05, root: 
     Written atomically: out_dir is either the old complete version or the new one."""
     if not files:
         raise DataError("data prepare: no input files; give text files or directories that contain them")
+    check_output(Path(out_dir), files)
     tok = ByteTokenizer()
     parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     eot = np.array([tok.eot], dtype=np.uint16)
@@ -94,8 +95,75 @@ def prepare(files: list[Path], out_dir: Path, val_fraction: float = 0.05, root: 
     return meta
 
 
-def expand_inputs(inputs: list[str], pattern: str = "*") -> tuple[list[Path], Path | None]:
-    """Files named directly, plus files matching `pattern` under named directories, sorted."""
+OUTPUT_FILES = frozenset({"meta.json", "train.bin", "val.bin"})
+
+
+def _is_earlier_output(out_dir: Path) -> bool:
+    """Whether out_dir holds exactly what `prepare` writes (its meta.json with the format and
+    tokenizer keys, train.bin, val.bin): the only non-empty directory prepare may replace, since
+    anything else there is the user's and replacing the directory would delete it."""
+    names = {p.name for p in out_dir.iterdir()}
+    if not names <= OUTPUT_FILES or "meta.json" not in names:
+        return False
+    if any(not (out_dir / n).is_file() or (out_dir / n).is_symlink() for n in names):
+        return False
+    try:
+        meta = json.loads((out_dir / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "format" in meta and "tokenizer" in meta
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    """Whether `path` is `directory` or lies under it (both resolved, so links and .. count)."""
+    path, directory = path.resolve(), directory.resolve()
+    return path == directory or directory in path.parents
+
+
+def check_output(out_dir: Path, files: list[Path]) -> None:
+    """Refuse an output directory whose replacement would destroy data Strata did not write: an
+    existing file, a directory holding anything but an earlier `prepare` output, or one that
+    holds input files."""
+    out_dir = Path(out_dir)
+    if out_dir.is_symlink():
+        raise DataError(
+            f"data prepare: --out {str(out_dir)!r} is a symbolic link; name the directory it points to, or a new one"
+        )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(
+            f"data prepare: --out {str(out_dir)!r} is an existing file, not a directory; "
+            "name a new directory (it is created) so the file is kept"
+        )
+    inside = [f for f in files if _inside(Path(f), out_dir)]
+    if inside:
+        raise DataError(
+            f"data prepare: input {str(inside[0])!r} lies inside --out {str(out_dir)!r}, which is replaced "
+            "by the output; name an --out directory outside the inputs"
+        )
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not _is_earlier_output(out_dir):
+        extra = sorted(p.name for p in out_dir.iterdir() if p.name not in OUTPUT_FILES)
+        what = f"it holds {', '.join(extra[:5])}" if extra else "its meta.json is not one `strata data prepare` wrote"
+        raise DataError(
+            f"data prepare: --out {str(out_dir)!r} is not empty and not an earlier `strata data prepare` "
+            f"output ({what}); it would be replaced, so name a new or empty directory"
+        )
+
+
+def check_output_outside_inputs(out_dir: Path, input_dirs: list[Path]) -> None:
+    """Refuse an output directory inside an input directory: the next run would tokenize it."""
+    for d in input_dirs:
+        if _inside(Path(out_dir), Path(d)):
+            raise DataError(
+                f"data prepare: --out {str(out_dir)!r} lies inside the input directory {str(d)!r}, so a later "
+                "run would tokenize its own output; name an --out directory outside the inputs"
+            )
+
+
+def expand_inputs(inputs: list[str], pattern: str = "*", out_dir: Path | None = None) -> tuple[list[Path], Path | None]:
+    """Files named directly, plus files matching `pattern` under named directories, sorted;
+    with `out_dir`, refuse it when it lies inside one of the directories."""
+    if out_dir is not None:
+        check_output_outside_inputs(out_dir, [Path(i) for i in inputs if Path(i).is_dir()])
     files: list[Path] = []
     for item in inputs:
         p = Path(item)

@@ -1,0 +1,108 @@
+"""Strata never destroys data it did not write: `strata data prepare` refuses an --out that would
+replace the user's files or inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from strata.errors import DataError
+from strata.launch.cli import main as strata_main
+from strata.trainer.data import expand_inputs, prepare
+
+TEXT = {"a.txt": "first document\n" * 20, "b.txt": "second document\n" * 20, "c.txt": "third\n" * 30}
+
+
+def corpus(root: Path) -> list[Path]:
+    root.mkdir(parents=True, exist_ok=True)
+    for name, text in TEXT.items():
+        (root / name).write_text(text)
+    return sorted(root.iterdir())
+
+
+def contents(root: Path) -> dict[str, bytes]:
+    """Every file under root by relative path, with its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# --- data prepare ---------------------------------------------------------------------------
+
+
+def test_prepare_into_the_input_directory_is_refused_and_keeps_the_corpus(tmp_path, capsys):
+    src = tmp_path / "books"
+    corpus(src)
+    before = contents(src)
+    assert strata_main(["data", "prepare", str(src), "--out", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert "lies inside the input directory" in err and "outside the inputs" in err
+    assert contents(src) == before
+
+
+def test_prepare_into_an_existing_file_is_refused(tmp_path, capsys):
+    files = corpus(tmp_path / "src")
+    precious = tmp_path / "notes.txt"
+    precious.write_text("my notes")
+    with pytest.raises(DataError, match="existing file, not a directory"):
+        prepare(files, precious, root=tmp_path / "src")
+    assert precious.read_text() == "my notes"
+    assert strata_main(["data", "prepare", str(tmp_path / "src"), "--out", str(precious)]) == 2
+    assert "existing file" in capsys.readouterr().err and precious.read_text() == "my notes"
+
+
+def test_prepare_into_a_directory_of_other_files_is_refused(tmp_path):
+    files = corpus(tmp_path / "src")
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    with pytest.raises(DataError, match=r"not empty and not an earlier .*thesis\.tex"):
+        prepare(files, out, root=tmp_path / "src")
+    assert contents(out) == {"thesis.tex": b"years of work"}
+
+
+def test_prepare_will_not_replace_an_earlier_output_with_extra_files_or_a_foreign_meta(tmp_path):
+    files = corpus(tmp_path / "src")
+    out = tmp_path / "tok"
+    prepare(files, out, root=tmp_path / "src")
+    (out / "notes.md").write_text("the user's")
+    with pytest.raises(DataError, match="notes.md"):
+        prepare(files, out, root=tmp_path / "src")
+    assert (out / "notes.md").read_text() == "the user's"
+
+    hand_made = tmp_path / "nanogpt"  # a nanoGPT-style directory the user made: same names, their meta
+    hand_made.mkdir()
+    (hand_made / "train.bin").write_bytes(b"\x01\x00" * 8)
+    (hand_made / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 50257}))
+    with pytest.raises(DataError, match="meta.json is not one `strata data prepare` wrote"):
+        prepare(files, hand_made, root=tmp_path / "src")
+    assert (hand_made / "train.bin").read_bytes() == b"\x01\x00" * 8
+
+
+def test_prepare_replaces_an_empty_directory_or_its_own_earlier_output(tmp_path):
+    files = corpus(tmp_path / "src")
+    out = tmp_path / "tok"
+    out.mkdir()
+    first = prepare(files, out, val_fraction=0.3, root=tmp_path / "src")
+    again = prepare(files[:2], out, val_fraction=0.3, root=tmp_path / "src")
+    assert (first["documents"], again["documents"]) == (3, 2)
+    assert json.loads((out / "meta.json").read_text())["documents"] == 2
+
+
+def test_output_inside_an_input_directory_is_refused_even_on_the_first_run(tmp_path):
+    src = tmp_path / "src"
+    corpus(src)
+    with pytest.raises(DataError, match="would tokenize its own output"):
+        expand_inputs([str(src)], out_dir=src / "tok")
+    assert not (src / "tok").exists()
+    files, root = expand_inputs([str(src)], out_dir=tmp_path / "tok")  # beside the inputs: fine
+    assert len(files) == 3 and root == src.resolve()
+
+
+def test_an_input_file_inside_the_output_is_refused(tmp_path):
+    files = corpus(tmp_path / "src")
+    out = tmp_path / "tok"
+    prepare(files, out, root=tmp_path / "src")
+    with pytest.raises(DataError, match="lies inside --out"):
+        prepare([out / "meta.json"], out)
+    assert json.loads((out / "meta.json").read_text())["documents"] == 3
