@@ -51,6 +51,26 @@ def test_lr_schedule_warmup_then_cosine_to_min():
     assert lr_at(25, lin, 100) == pytest.approx(0.75)
 
 
+def test_warmup_longer_than_the_run_warms_up_over_all_steps():
+    o = OptimConfig(lr=1.0, warmup_steps=50, min_lr_ratio=0.1, schedule="cosine")
+    assert [lr_at(s, o, 4) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    exact = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
+    assert [lr_at(s, exact, 4) for s in range(4)] == [lr_at(s, o, 4) for s in range(4)]
+
+
+def test_short_trial_of_a_long_warmup_trains_and_warns(small_data_dir, tmp_path, capsys):
+    """The newcomer's first try, `strata train configs/tiny.yaml train.steps=4`, in small: it trains
+    all its steps, at a rising learning rate, and says the warm-up was cut short."""
+    cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 4, "optim.warmup_steps": 50, "log.interval": 1})
+    result = run(cfg, start())
+    assert result.final_step == 4 and all(math.isfinite(v) for v in result.losses.values())
+    out = capsys.readouterr().out
+    assert "warning: optim.warmup_steps=50 exceeds train.steps=4: the warm-up is cut short" in out
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in lines if "lr" in r]
+    assert lrs == pytest.approx([1e-2 * k / 4 for k in (1, 2, 3, 4)])
+
+
 def test_resume_reproduces_losses_bit_for_bit(small_data_dir, tmp_path):
     """Run 8 steps checkpointing at 4; a fresh trainer resumed from step 4 gives steps 5..8 with
     exactly the same losses and ends with exactly the same parameters."""

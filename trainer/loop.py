@@ -38,13 +38,16 @@ if TYPE_CHECKING:
 
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then decay to min_lr."""
-    if step < optim.warmup_steps:
-        return optim.lr * (step + 1) / optim.warmup_steps
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then decay to min_lr. A
+    warm-up longer than the run is cut short to the run (the rate reaches lr at the last step, and
+    never decays), so a short trial of a long config still learns instead of crawling at a tiny lr."""
+    warmup = min(optim.warmup_steps, total_steps)
+    if step < warmup:
+        return optim.lr * (step + 1) / warmup
     if optim.schedule == "constant":
         return optim.lr
-    decay_steps = max(1, total_steps - optim.warmup_steps)
-    progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
+    decay_steps = max(1, total_steps - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
     shape = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1 - progress
     min_lr = optim.lr * optim.min_lr_ratio
     return min_lr + (optim.lr - min_lr) * shape
@@ -286,6 +289,8 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
         f"{cfg.train.global_batch_size}×{cfg.model.seq_len} tokens/step, run dir {cfg.run_dir()}"
         + (f", resumed from {resumed_from}" if resumed_from else "")
     )
+    for warning in config_mod.start_up_warnings(cfg):
+        log.print(f"warning: {warning}")
     if restore_note:
         log.print(restore_note)
         log.write(

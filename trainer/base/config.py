@@ -175,7 +175,9 @@ class OptimConfig:
 
     lr: float = opt(3e-3, "peak learning rate", min=0.0)
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of lr", min=0.0, max=1.0)
-    warmup_steps: int = opt(30, "linear warmup steps from 0 to lr", min=0)
+    warmup_steps: int = opt(
+        30, "linear warmup steps from 0 to lr (more than train.steps: warm up over all steps, with a warning)", min=0
+    )
     schedule: str = opt("cosine", "decay after warmup", choices=("cosine", "linear", "constant"))
     weight_decay: float = opt(0.1, "decoupled weight decay (matrices only; not norms)", min=0.0)
     beta1: float = opt(0.9, "AdamW beta1", min=0.0, max=1.0)
@@ -860,10 +862,6 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
         p.append(
             f"train.micro_batch_size={tr.micro_batch_size} must divide train.global_batch_size={tr.global_batch_size}"
         )
-    if cfg.optim.warmup_steps > tr.steps:
-        p.append(
-            f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps={tr.steps}; lower it or train longer"
-        )
     if world_size is not None:
         layout_issues = layout_problems(par, world_size)
         p += layout_issues
@@ -877,6 +875,19 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
             else:
                 p += _microbatch_checks(cfg, cfg.grad_accum_steps(world_size), dp)
     return p
+
+
+def start_up_warnings(cfg: Config) -> list[str]:
+    """What is legal but probably not what the user meant, for rank 0 to print at start-up (a short
+    trial run of a shipped config must still train, so these are not errors)."""
+    w: list[str] = []
+    if cfg.optim.warmup_steps > cfg.train.steps:
+        w.append(
+            f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps={cfg.train.steps}: the warm-up is cut "
+            f"short to the {cfg.train.steps} steps (the learning rate reaches optim.lr at the last step and never "
+            "decays); lower optim.warmup_steps or train longer"
+        )
+    return w
 
 
 def _schedule_checks(par: ParallelConfig) -> list[str]:
