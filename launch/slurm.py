@@ -4,9 +4,11 @@ and submit it when sbatch exists."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +31,33 @@ class SlurmJob:
     snapshots: bool = False  # start each node's snapshot agent beside its torchrun
 
 
-def sbatch_script(job: SlurmJob, config_path: str, overrides: list[str], resume: str | None, workdir: str) -> str:
+def job_python(interpreter: str) -> tuple[str, str]:
+    """How the job names the interpreter that ran `strata launch`, and the line that makes that
+    name work. A batch job starts a fresh shell on the node, where `python` on PATH is whatever the
+    login profile or a version manager's shim picks, not the user's venv: so the interpreter's own
+    folder goes first on PATH (srun passes the environment on to every node). When that folder's
+    `python` is some other program (Debian's /usr/bin/python3 has no /usr/bin/python), the job
+    calls the interpreter by its absolute path instead. The path is not resolved: a venv's python
+    is a symlink whose location is what selects the venv."""
+    folder = os.path.dirname(interpreter)
+    named = os.path.join(folder, "python")
+    try:
+        same = os.path.samefile(named, interpreter)
+    except OSError:
+        same = False
+    if same:
+        return "python", f'export PATH={shlex.quote(folder)}:"$PATH"'
+    return shlex.quote(interpreter), ""
+
+
+def sbatch_script(
+    job: SlurmJob,
+    config_path: str,
+    overrides: list[str],
+    resume: str | None,
+    workdir: str,
+    interpreter: str = sys.executable,
+) -> str:
     directives = [
         f"--job-name={job.name}",
         f"--nodes={job.nodes}",
@@ -47,8 +75,12 @@ def sbatch_script(job: SlurmJob, config_path: str, overrides: list[str], resume:
         directives.append(f"--cpus-per-task={job.cpus_per_task}")
     # torchrun runs it as a module: -m strata.launch.cli
     worker = shlex.join(worker_args(config_path, overrides, resume))
+    python, path_line = job_python(interpreter)
+    path_lines = ["# The Python that ran `strata launch` (its venv), here and through srun on every node.", path_line]
+    if not path_line:
+        path_lines = []
     torchrun = (
-        f"python -m torch.distributed.run --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} "
+        f"{python} -m torch.distributed.run --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} "
         '--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$SLURM_JOB_ID" '
         f"--max-restarts={job.max_restarts} {worker}"
     )
@@ -58,6 +90,7 @@ def sbatch_script(job: SlurmJob, config_path: str, overrides: list[str], resume:
         "",
         "set -euo pipefail",
         f"cd {shlex.quote(workdir)}",
+        *path_lines,
         "# Rendezvous on the first node of the allocation (c10d store hosted by that node's torchrun).",
         # an array, not `| head -n 1`: under pipefail head's early exit SIGPIPEs scontrol
         'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
@@ -75,12 +108,13 @@ def sbatch_script(job: SlurmJob, config_path: str, overrides: list[str], resume:
         # (exec keeps the pid the agent watches).
         node = (
             'dir=$(mktemp -d); sock="$dir/agent.sock"; '
-            'python -m strata.launch.snapshot_agent --socket "$sock" --advertise "$(hostname)" --parent $$ & '
+            f"{python} -m strata.launch.snapshot_agent"
+            ' --socket "$sock" --advertise "$(hostname)" --parent $$ & '
             'while [ ! -S "$sock" ]; do sleep 0.1; done; export STRATA_SNAPSHOT_SOCKET="$sock"; '
             f"exec {torchrun}"
         )
         lines += [
-            "export STRATA_SNAPSHOT_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')",
+            f"export STRATA_SNAPSHOT_SECRET=$({python} -c 'import secrets; print(secrets.token_hex(32))')",
             f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(node)}",
             "",
         ]
