@@ -68,6 +68,8 @@ class CheckpointManager:
         self._inflight: _Save | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
+        if rank == 0:  # saves an earlier run left unfinished: never loaded, and they fill the disk
+            store.clean_partials(self.root)
 
     # --- collectives (no-ops in a world of one) --------------------------------------------
     def agree(self, problems: list[str], what: str) -> None:
@@ -78,6 +80,17 @@ class CheckpointManager:
             raise CheckpointError(
                 f"{what}:\n  " + "\n  ".join(found[:20]) + (f"\n  … {len(found) - 20} more" if len(found) > 20 else "")
             )
+
+    def _agree_saved(self, problems: list[str], step: int) -> None:
+        """`agree` on a save of `step`; when it failed, rank 0 deletes its partial directory (every
+        rank has stopped writing by then: the agreement is collective), so failures cannot fill
+        the disk."""
+        try:
+            self.agree(problems, self._failed(step))
+        except CheckpointError:
+            if self.rank == 0:
+                store.discard_partial(store.partial_dir(self.root, step))
+            raise
 
     # --- saving ----------------------------------------------------------------------------
     def save(self, step: int, state: SavableState) -> None:
@@ -125,13 +138,13 @@ class CheckpointManager:
             writer.write_rank(step_dir, self.rank, memoryview(_image(staging).map), staging.nbytes, extra)
         except Exception as e:  # every rank must reach agree(), whatever went wrong
             problems.append(f"writing {step_dir}: {type(e).__name__}: {e}")
-        self.agree(problems, self._failed(step))
+        self._agree_saved(problems, step)
         if self.rank == 0:
             try:
                 writer.commit(*commit_args)
             except Exception as e:
                 problems.append(f"committing {step_dir}: {type(e).__name__}: {e}")
-        self.agree(problems, self._failed(step))
+        self._agree_saved(problems, step)
 
     def _failed(self, step: int) -> str:
         return (
@@ -212,7 +225,7 @@ class CheckpointManager:
         if flags[0]:
             self._inflight = None
             self._stop_writer(kill=True)  # it may still be writing this save: a new one starts for the next
-            self.agree([save.error] if save.error else [], self._failed(save.step))
+            self._agree_saved([save.error] if save.error else [], save.step)
         lowest = -int(flags[1])
         if self.rank == 0 and lowest >= WRITTEN and not save.commit_sent:
             assert self._conn is not None  # a save in flight has its writer

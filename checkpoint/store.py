@@ -6,6 +6,9 @@ Layout of ROOT/step_00000100/ (torch.distributed.checkpoint's, so DCP can read i
 index, the same content as JSON), `config.yaml`, and COMMITTED (JSON: step, time, each file's size
 and CRC-32s), written last. The ranks write into ROOT/.step_00000100.partial, which is renamed into
 place once committed; a directory without COMMITTED is never loaded.
+
+Only directories Strata made are ever replaced or deleted: committed checkpoints it recognises as
+its own (`owned`) and its `.step_*.partial` directories; anything else under ROOT is the user's.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from strata.errors import CheckpointError
 
 MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_PARTIAL_DIR = re.compile(r"^\.step_\d{8}\.partial$")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -38,10 +42,59 @@ def data_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
+def owned(path: Path) -> bool:
+    """Whether `path` is a checkpoint Strata committed: a real directory (not a link) named
+    step_N with index.json and a COMMITTED marker recording step N. Retention and re-saves replace
+    or delete only these, so a user's directory that merely looks like one is never touched."""
+    path = Path(path)
+    name = _STEP_DIR.match(path.name)
+    if name is None or path.is_symlink() or not path.is_dir() or not (path / "index.json").is_file():
+        return False
+    try:
+        record = marker(path)
+    except CheckpointError:
+        return False
+    return isinstance(record, dict) and record.get("step") == int(name.group(1))
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether `name` is how Strata names a checkpoint directory (step_N) or a save in progress."""
+    return bool(_STEP_DIR.match(name) or _PARTIAL_DIR.match(name))
+
+
+def is_partial(path: Path) -> bool:
+    """Whether `path` is one of Strata's own in-progress save directories (.step_N.partial)."""
+    path = Path(path)
+    return bool(_PARTIAL_DIR.match(path.name)) and path.is_dir() and not path.is_symlink()
+
+
+def discard_partial(path: Path) -> None:
+    """Delete a failed save's partial directory (nothing else: a path not named like one is kept)."""
+    if is_partial(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def clean_partials(root: Path) -> list[Path]:
+    """Delete the partial directories interrupted saves left under root (they are never loaded, and
+    would fill the disk); returns them."""
+    root = Path(root)
+    found = [p for p in root.iterdir() if is_partial(p)] if root.is_dir() else []
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return found
+
+
 def publish(partial: Path, final: Path) -> None:
     """Rename a committed partial directory into place; a committed checkpoint of the same step
-    already there (from a run resumed from an earlier step) is replaced."""
+    already there (from a run resumed from an earlier step) is replaced, anything else there is
+    refused."""
     old = final.with_name(f".{final.name}.replaced")
+    if (final.exists() or final.is_symlink()) and not owned(final):
+        raise CheckpointError(
+            f"{final} exists and is not a checkpoint Strata committed (no COMMITTED marker for step "
+            f"{final.name[5:].lstrip('0') or 0} beside an index.json), so it is not replaced; move it out of "
+            f"{final.parent}, or set checkpoint.dir to another directory"
+        )
     if final.exists():
         _remove(old)
         os.rename(final, old)
@@ -65,9 +118,9 @@ def _remove(path: Path) -> None:
 
 def prune(root: Path, keep_last: int, newest: Path) -> None:
     """Delete the least recently committed checkpoints until `keep_last` remain (0: keep all),
-    never `newest` (the one just committed); directories without a marker are never touched."""
+    never `newest` (the one just committed); directories Strata does not own are never touched."""
     if keep_last:
-        others = [p for p in committed(root) if p != newest]
+        others = [p for p in committed(root) if p != newest and owned(p)]
         for old in others[: max(0, len(others) - (keep_last - 1))]:
             _remove(old)
 

@@ -1,5 +1,6 @@
 """Strata never destroys data it did not write: `strata data prepare` refuses an --out that would
-replace the user's files or inputs."""
+replace the user's files or inputs, and checkpoint saves, retention and clean-up touch only
+checkpoints Strata committed and its own partial directories."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from strata.errors import DataError
+from strata.checkpoint import store
+from strata.checkpoint.manager import CheckpointManager
+from strata.checkpoint.pieces import FixedState, Piece, StateContents
+from strata.errors import CheckpointError, DataError
 from strata.launch.cli import main as strata_main
+from strata.parallel.flat import Box
 from strata.trainer.data import expand_inputs, prepare
 
 TEXT = {"a.txt": "first document\n" * 20, "b.txt": "second document\n" * 20, "c.txt": "third\n" * 30}
@@ -106,3 +112,69 @@ def test_an_input_file_inside_the_output_is_refused(tmp_path):
     with pytest.raises(DataError, match="lies inside --out"):
         prepare([out / "meta.json"], out)
     assert json.loads((out / "meta.json").read_text())["documents"] == 3
+
+
+# --- checkpoint retention and partial directories --------------------------------------------
+
+
+def save(mgr: CheckpointManager, step: int) -> None:
+    t = torch.full((4, 3), float(step))
+    piece = Piece("model.w", (4, 3), Box((0, 0), (4, 3)), t)
+    mgr.config_yaml = "model: {}\n"
+    mgr.save(step, FixedState(StateContents([piece], {"trainer": {"step": step}}, {}, {"world": 1})))
+
+
+def lookalike(root: Path, name: str, marker: dict | None = None) -> Path:
+    """A user's directory named like a checkpoint, holding a file of theirs (and, if given, a
+    COMMITTED file and an index.json of their own)."""
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "results.csv").write_text("precious")
+    if marker is not None:
+        (d / store.MARKER).write_text(json.dumps(marker))
+        (d / "index.json").write_text("{}")
+    return d
+
+
+@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)])  # a writer process: ~8 s
+def test_a_save_never_replaces_a_users_lookalike_directory_and_leaves_no_partial(tmp_path, async_save):
+    user = lookalike(tmp_path, "step_00000001")
+    mgr = CheckpointManager(tmp_path, 0, 1, keep_last=1, async_save=async_save)
+    with pytest.raises(CheckpointError, match=r"step_00000001 exists and is not a checkpoint Strata committed"):
+        save(mgr, 1)
+        mgr.wait()
+    assert (user / "results.csv").read_text() == "precious"
+    assert not store.partial_dir(tmp_path, 1).exists()  # the failed save cleaned up after itself
+    save(mgr, 2)
+    mgr.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
+
+
+def test_retention_deletes_only_checkpoints_strata_committed(tmp_path):
+    plain = lookalike(tmp_path, "step_00000001")
+    mismatched = lookalike(tmp_path, "step_00000002", marker={"step": 9, "time": 0.0})  # not this step's
+    outside = lookalike(tmp_path / "elsewhere", "data")
+    (tmp_path / "step_00000003").symlink_to(outside)
+    mgr = CheckpointManager(tmp_path, 0, 1, keep_last=1)
+    for step in (4, 5, 6):
+        save(mgr, step)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["elsewhere", "step_00000001", "step_00000002", "step_00000003", "step_00000006"]
+    for d in (plain, mismatched, outside):
+        assert (d / "results.csv").read_text() == "precious"
+    assert (mismatched / store.MARKER).is_file()
+    assert store.owned(tmp_path / "step_00000006") and not store.owned(mismatched)
+
+
+def test_partial_directories_of_interrupted_saves_are_cleaned_at_start(tmp_path):
+    interrupted = store.partial_dir(tmp_path, 7)
+    interrupted.mkdir(parents=True)
+    (interrupted / "__0_0.distcp").write_bytes(b"\0" * 4096)
+    kept = [lookalike(tmp_path, ".step_7.partial"), lookalike(tmp_path, ".step_00000008.partial.bak")]
+    (tmp_path / ".step_00000009.partial").symlink_to(lookalike(tmp_path / "elsewhere", "data"))
+    CheckpointManager(tmp_path, 1, 2)  # only rank 0 cleans
+    assert interrupted.is_dir()
+    CheckpointManager(tmp_path, 0, 1)
+    assert not interrupted.exists()
+    assert all((d / "results.csv").read_text() == "precious" for d in kept)
+    assert (tmp_path / ".step_00000009.partial" / "results.csv").read_text() == "precious"
