@@ -152,7 +152,8 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     if args.action == "export":
         if not args.out:
             raise StrataError("strata ckpt export DIR OUT: give OUT, a .safetensors file or a directory")
-        print(f"wrote {export.export(Path(args.path), Path(args.out), args.format)}")
+        weights, config_file = export.export(Path(args.path), Path(args.out), args.format, args.overwrite)
+        print(f"wrote {weights} and {config_file}")
         return 0
     if args.action == "verify":
         ok, report = inspect.verify_report(Path(args.path))
@@ -353,7 +354,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         formatter_class=fmt,
         usage="strata ckpt inspect DIR\n       strata ckpt verify DIR\n"
         "       strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..[,vs=..] [key=value ...]\n"
-        "       strata ckpt export DIR OUT [--format safetensors]\n"
+        "       strata ckpt export DIR OUT [--format safetensors] [--overwrite]\n"
         "       strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG",
         description="Inspect, verify, reshard, export or import a checkpoint.",
         epilog=_epilog(
@@ -371,8 +372,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         "out",
         nargs="?",
         metavar="OUT",
-        help="reshard: a checkpoints directory; export: a .safetensors file, or a directory for "
-        "model.safetensors and config.yaml",
+        help="reshard: a checkpoints directory; export: a .safetensors file (its config goes to "
+        "NAME.config.yaml beside it), or a directory for model.safetensors and config.yaml",
     )
     ck.add_argument(
         "overrides",
@@ -383,6 +384,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     )
     ck.add_argument("--to", help="reshard: the target layout, tp=..,pp=..,dp=.. (and vs=.. for virtual stages)")
     ck.add_argument("--format", default="safetensors", choices=["safetensors"], help="export format")
+    ck.add_argument(
+        "--overwrite", action="store_true", help="export: replace the weights and config files OUT names if they exist"
+    )
     ck.add_argument("--config", help="import-deepspeed: the Strata experiment the imported state continues in")
     ck.set_defaults(func=cmd_ckpt)
 

@@ -1,6 +1,7 @@
 """Strata never destroys data it did not write: `strata data prepare` refuses an --out that would
-replace the user's files or inputs, and checkpoint saves, retention and clean-up touch only
-checkpoints Strata committed and its own partial directories."""
+replace the user's files or inputs, `strata ckpt export` writes only the files OUT names, never
+into a checkpoint and never a config that fails its checksum, and checkpoint saves, retention and
+clean-up touch only checkpoints Strata committed and its own partial directories."""
 
 from __future__ import annotations
 
@@ -178,3 +179,64 @@ def test_partial_directories_of_interrupted_saves_are_cleaned_at_start(tmp_path)
     assert not interrupted.exists()
     assert all((d / "results.csv").read_text() == "precious" for d in kept)
     assert (tmp_path / ".step_00000009.partial" / "results.csv").read_text() == "precious"
+
+
+# --- ckpt export -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    """A committed checkpoint of one small weight, saved inline (no writer process)."""
+    mgr = CheckpointManager(tmp_path / "ckpts", 0, 1)
+    save(mgr, 3)
+    mgr.close()
+    return store.step_dir(tmp_path / "ckpts", 3)
+
+
+def test_export_to_a_file_keeps_a_config_yaml_beside_it_and_needs_overwrite_to_replace(ckpt, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    mine = tmp_path / "config.yaml"
+    mine.write_text("my own experiment\n")
+    out = tmp_path / "w.safetensors"
+    assert strata_main(["ckpt", "export", str(ckpt), str(out)]) == 0
+    assert mine.read_text() == "my own experiment\n"
+    assert (tmp_path / "w.config.yaml").read_text() == "model: {}\n"
+    assert torch.equal(load_file(out)["w"], torch.full((4, 3), 3.0))
+    capsys.readouterr()
+
+    assert strata_main(["ckpt", "export", str(ckpt), str(out)]) == 2  # both exist now
+    assert "--overwrite" in capsys.readouterr().err
+    assert strata_main(["ckpt", "export", str(ckpt), str(out), "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize("where", ["step dir", "inside step dir", "checkpoints root"])
+def test_export_into_a_checkpoint_is_refused_and_the_checkpoint_stays_intact(ckpt, capsys, where):
+    out = {
+        "step dir": ckpt,
+        "inside step dir": ckpt / "sub" / "w.safetensors",
+        "checkpoints root": ckpt.parent,
+    }[where]
+    before = contents(ckpt.parent)
+    assert strata_main(["ckpt", "export", str(ckpt), str(out), "--overwrite"]) == 2
+    assert "is in the checkpoint directory" in capsys.readouterr().err
+    assert contents(ckpt.parent) == before
+    assert store.verify(ckpt)[1] == []
+
+
+def test_export_refuses_a_config_that_fails_its_checksum(ckpt, tmp_path, capsys):
+    (ckpt / "config.yaml").write_text("model: []\n")  # the same length: only the checksum tells
+    assert strata_main(["ckpt", "export", str(ckpt), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"{ckpt / 'config.yaml'}: does not match the checksum" in err and "nothing was exported" in err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_to_an_existing_file_without_the_suffix_is_refused(ckpt, tmp_path):
+    from strata.checkpoint.export import export
+
+    precious = tmp_path / "notes"
+    precious.write_text("mine")
+    with pytest.raises(CheckpointError, match="is an existing file"):
+        export(ckpt, precious)
+    assert precious.read_text() == "mine"
