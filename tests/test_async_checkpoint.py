@@ -110,7 +110,7 @@ def test_writer_error_names_the_problem_at_the_next_step(tmp_path):
 def test_keep_last_deletes_only_older_committed_checkpoints(tmp_path):
     mgr = CheckpointManager(tmp_path, 0, 1, keep_last=2, async_save=True)
     crashed = store.partial_dir(tmp_path, 0)
-    crashed.mkdir(parents=True)  # an interrupted save: no marker, never deleted
+    crashed.mkdir(parents=True)  # an interrupted save: retention leaves it (the next start removes it)
     for step in (1, 2, 3, 4):
         save(mgr, step)
     mgr.close()
