@@ -1,25 +1,40 @@
 """Local multi-process launch: build the torchrun command (c10d rendezvous) that starts one
 `strata train` worker per process, start the node's snapshot agent beside it when snapshots are
-on, and host a standalone rendezvous store for jobs that must survive the loss of any node."""
+on, own them until they end (stop signals reach every worker), and host a standalone rendezvous
+store for jobs that must survive the loss of any node."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import os
 import secrets
 import shlex
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 from strata.checkpoint.agent_protocol import SOCKET_ENV
 from strata.errors import StrataError
 from strata.net import free_port
 
 SECRET_ENV = "STRATA_SNAPSHOT_SECRET"
+# Signals `strata launch` passes on to torchrun, which passes them on to every worker's session;
+# SIGHUP too, because torchrun runs in a session of its own and no longer hears the terminal close.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # a second one of these kills at once
+STOP_GRACE_S = 30  # after a signal, how long workers have to exit before they are killed
+KILL_MARGIN_S = 5  # torchrun kills its workers after STOP_GRACE_S; the launcher does, this much later
+POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -36,8 +51,27 @@ class LaunchPlan:
     snapshots: bool = False  # start this node's snapshot agent
 
 
+def check_plan(plan: LaunchPlan) -> None:
+    """Refuse a plan whose nodes could never meet: without an endpoint every node would pick its own
+    free local port and wait for the others there until the join timeout."""
+    if plan.rdzv_endpoint:
+        return
+    if plan.external_store:
+        raise StrataError(
+            "--rdzv-store external needs the address of the `strata store` every node joins: "
+            "add --rdzv-endpoint HOST:PORT (start it with `strata store --port PORT` on HOST)"
+        )
+    if plan.nnodes > 1:
+        raise StrataError(
+            f"--nnodes {plan.nnodes} needs a rendezvous every node can reach: add --rdzv-endpoint HOST:PORT "
+            "with the first node's address (the same on every node), or run `strata store --port PORT` on a "
+            "host and give every node --rdzv-store external --rdzv-endpoint HOST:PORT"
+        )
+
+
 def torchrun_args(plan: LaunchPlan) -> list[str]:
     """torchrun's own flags (elastic c10d rendezvous, as on a real cluster)."""
+    check_plan(plan)
     endpoint = plan.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     # A dead node's heartbeat expires after 2 s, and a round closes 1 s after the last node joins.
     conf = f"join_timeout={plan.join_timeout_s},last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
@@ -85,6 +119,10 @@ def launch_env(plan: LaunchPlan) -> dict[str, str]:
     # torch ≤ 2.13 hands restarted workers the addresses of the previous attempt's store and they
     # never connect (pytorch/pytorch#135712): a fresh store per attempt makes --max-restarts work.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # torchrun's --signals-to-handle and --shutdown-timeout, as environment variables (PET_*) so
+    # that a torch without those flags still starts: SIGUSR1 must reach the workers, not kill torchrun.
+    env["PET_SIGNALS_TO_HANDLE"] = ",".join(sig.name for sig in FORWARDED_SIGNALS)
+    env["PET_SHUTDOWN_TIMEOUT"] = str(STOP_GRACE_S)
     if plan.snapshots and SECRET_ENV not in env:
         if plan.nnodes > 1:
             raise StrataError(
@@ -126,25 +164,173 @@ def start_agent(plan: LaunchPlan, env: dict[str, str]) -> tuple[subprocess.Popen
     return proc, path
 
 
+def _proc_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, session id) of every live process, zombies left out (Linux /proc)."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(os.path.join(entry.path, "stat")) as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            table[int(entry.name)] = (int(fields[1]), int(fields[3]))
+    return table
+
+
+def worker_sessions(torchrun_pid: int) -> set[int]:
+    """The sessions of torchrun's workers. torchrun starts each worker as a session leader, so a
+    signal to torchrun's process group misses them; a session keeps its id after torchrun is gone,
+    so it still finds a worker (and the processes the worker started) then."""
+    return {pid for pid, (ppid, sid) in _proc_table().items() if ppid == torchrun_pid and sid == pid}
+
+
+def session_members(sessions: set[int]) -> list[int]:
+    """Live processes in any of `sessions`."""
+    return [pid for pid, (_, sid) in _proc_table().items() if sid in sessions]
+
+
+def _signal_quietly(pid: int, sig: int, group: bool = False) -> None:
+    try:
+        os.killpg(pid, sig) if group else os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _die_with_launcher(launcher: int) -> None:
+    """Run in torchrun's process before exec: if the launcher dies without passing a signal on
+    (SIGKILL, the OOM killer), torchrun gets SIGTERM and stops its workers."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != launcher:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+@dataclass
+class Supervisor:
+    """Waits for torchrun and owns its workers: the first signal goes to torchrun (which signals
+    every worker's session, and kills them after STOP_GRACE_S); workers still alive KILL_MARGIN_S
+    later, or at a second stop signal, are killed with their sessions."""
+
+    pending: list[int] = field(default_factory=list)  # filled by the signal handler, handled by `wait`
+    first: int | None = None  # the signal that started the stop
+    sessions: set[int] = field(default_factory=set)  # worker sessions seen since the stop began
+    deadline: float = float("inf")  # when the launcher kills whatever is left
+    killed: bool = False
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.pending.append(signum)  # no work in the handler: `wait` acts on it within POLL_S
+
+    @contextlib.contextmanager
+    def handling(self) -> Iterator[None]:
+        """Catch FORWARDED_SIGNALS for the block (in the main thread; elsewhere Python cannot)."""
+        main = threading.current_thread() is threading.main_thread()
+        previous = {sig: signal.signal(sig, self.on_signal) for sig in FORWARDED_SIGNALS} if main else {}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def run(self, cmd: list[str], env: dict[str, str]) -> int:
+        """Start torchrun (`cmd`) in a session of its own and `wait` for it. Its own session: a
+        terminal's Ctrl-C reaches it once, through the launcher, never twice (a second signal would
+        break torchrun's own shutdown of its workers)."""
+        linux = sys.platform.startswith("linux")
+        torchrun = subprocess.Popen(
+            cmd,
+            env=env,
+            start_new_session=True,
+            preexec_fn=functools.partial(_die_with_launcher, os.getpid()) if linux else None,
+        )
+        try:
+            return self.wait(torchrun)
+        finally:
+            if torchrun.poll() is None:  # an error in the launcher itself: leave nothing behind
+                self._kill(torchrun)
+                torchrun.wait()
+
+    def wait(self, torchrun: subprocess.Popen) -> int:
+        """torchrun's exit code, or 128 + the signal that stopped the job once every worker is gone."""
+        while True:
+            while self.pending:
+                self._handle(self.pending.pop(0), torchrun)
+            code = torchrun.poll()
+            if self.first is None:
+                if code is not None:
+                    return code
+            else:
+                if code is None:
+                    self.sessions |= worker_sessions(torchrun.pid)
+                elif not session_members(self.sessions):
+                    return 128 + self.first
+                if time.monotonic() >= self.deadline:
+                    if self.killed:  # SIGKILL did not end them (uninterruptible sleep): give up on them
+                        print("strata launch: processes did not die after SIGKILL; leaving", file=sys.stderr)
+                        return 128 + self.first
+                    self._kill(torchrun)
+            time.sleep(POLL_S)
+
+    def _handle(self, signum: int, torchrun: subprocess.Popen) -> None:
+        name = signal.Signals(signum).name
+        if self.first is None:
+            self.first, self.deadline = signum, time.monotonic() + STOP_GRACE_S + KILL_MARGIN_S
+            print(
+                f"strata launch: {name}: stopping torchrun and its workers (killed if still running after "
+                f"{STOP_GRACE_S + KILL_MARGIN_S} s; send SIGINT or SIGTERM again to kill them now)",
+                file=sys.stderr,
+                flush=True,
+            )
+            if torchrun.poll() is None:  # not reaped yet, so its pid is still its own
+                self.sessions |= worker_sessions(torchrun.pid)
+                _signal_quietly(torchrun.pid, signum)
+        elif signum in STOP_SIGNALS and not self.killed:
+            print(f"strata launch: {name} again: killing torchrun and its workers", file=sys.stderr, flush=True)
+            self._kill(torchrun)
+
+    def _kill(self, torchrun: subprocess.Popen) -> None:
+        if torchrun.poll() is None:  # not reaped yet, so its pid is still its own
+            self.sessions |= worker_sessions(torchrun.pid)
+            _signal_quietly(torchrun.pid, signal.SIGKILL, group=True)  # torchrun leads its own group
+        for pid in session_members(self.sessions):
+            _signal_quietly(pid, signal.SIGKILL)
+        self.killed, self.deadline = True, time.monotonic() + KILL_MARGIN_S
+
+
+def _stop_agent(agent: subprocess.Popen, socket_path: str) -> None:
+    agent.terminate()
+    try:
+        agent.wait(KILL_MARGIN_S)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        agent.wait()
+    Path(socket_path).unlink(missing_ok=True)
+    Path(socket_path).parent.rmdir()
+
+
 def run_local(
     plan: LaunchPlan, config_path: str, overrides: list[str], resume: str | None, extra: tuple[str, ...] = ()
 ) -> int:
     """Run torchrun in the foreground (and the node's snapshot agent beside it); returns torchrun's
-    exit code. `extra`: more `strata train` flags."""
+    exit code, or 128 + the signal that stopped the job. `extra`: more `strata train` flags."""
+    check_plan(plan)
     env = launch_env(plan)
-    agent = None
-    if plan.snapshots:
-        agent, env[SOCKET_ENV] = start_agent(plan, env)
-    cmd = torchrun_command(plan, config_path, overrides, resume, extra)
-    print("strata launch:", shlex.join(cmd), flush=True)
-    try:
-        return subprocess.call(cmd, env=env)
-    finally:
-        if agent is not None:
-            agent.terminate()
-            agent.wait()
-            Path(env[SOCKET_ENV]).unlink(missing_ok=True)
-            Path(env[SOCKET_ENV]).parent.rmdir()
+    supervisor = Supervisor()
+    with supervisor.handling():
+        agent = None
+        try:
+            if plan.snapshots:
+                agent, env[SOCKET_ENV] = start_agent(plan, env)
+            if supervisor.pending:  # stopped while the agent was starting: start no workers
+                return 128 + supervisor.pending[0]
+            cmd = torchrun_command(plan, config_path, overrides, resume, extra)
+            print("strata launch:", shlex.join(cmd), flush=True)
+            return supervisor.run(cmd, env)
+        finally:
+            if agent is not None:
+                _stop_agent(agent, env[SOCKET_ENV])
 
 
 def serve_store(host: str, port: int) -> None:

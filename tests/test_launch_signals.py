@@ -1,0 +1,202 @@
+"""`strata launch` owns its processes: a stop signal to the launcher reaches torchrun and every
+worker (each a session leader, so no process group reaches them all), workers that outlive the
+grace period are killed, a second signal kills at once, and the exit code says which signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A stand-in for torchrun with two stand-in workers, each a session leader (as torchrun starts
+# them) with a child of its own (as the checkpoint writer is). Stubborn ones ignore every signal
+# the launcher sends: the worst case the launcher has to clean up after.
+STAND_IN = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    role, stubborn = sys.argv[1], sys.argv[2] == "stubborn"
+    if stubborn:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+    if role == "torchrun":
+        for _ in range(2):
+            subprocess.Popen([sys.executable, __file__, "worker", sys.argv[2]], start_new_session=True)
+    elif role == "worker":
+        subprocess.Popen([sys.executable, __file__, "child", sys.argv[2]])
+    time.sleep(600)
+    """
+)
+STAND_IN_PROCESSES = 6  # launcher, torchrun, two workers, their two children
+
+
+def _processes(marker: str) -> list[int]:
+    """Pids of live processes whose environment holds STRATA_TEST_ID=marker."""
+    want = f"STRATA_TEST_ID={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            items = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and want in items:
+            found.append(int(entry.name))
+    return found
+
+
+def _kill_all(marker: str) -> None:
+    for pid in _processes(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_for(condition, timeout: float, what: str) -> float:
+    """Seconds until `condition()` held; fails after `timeout`."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _start(cmd: list[str], marker: str, tmp_path: Path) -> subprocess.Popen:
+    """`cmd` with the test's marker in its environment (so in every descendant's), output to launch.log."""
+    env = {**os.environ, "STRATA_TEST_ID": marker}
+    with open(tmp_path / "launch.log", "wb") as log:
+        return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _stop_and_measure(launcher: subprocess.Popen, marker: str, signals: list[int], timeout: float) -> tuple[int, float]:
+    """Send `signals` (0.3 s apart) to the launcher; its exit code and the seconds from the first
+    signal until no process of the test is left."""
+    start = time.monotonic()
+    for i, sig in enumerate(signals):
+        if i:
+            time.sleep(0.3)
+        launcher.send_signal(sig)
+    code = launcher.wait(timeout)
+    _wait_for(lambda: not _processes(marker), timeout - (time.monotonic() - start), "every process to exit")
+    return code, time.monotonic() - start
+
+
+def _stand_in_launch(tmp_path: Path, marker: str, grace_s: int, margin_s: int, stubborn: bool) -> subprocess.Popen:
+    """A launcher (the real Supervisor, with short limits) over the stand-ins; returns once all of
+    them run."""
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    kind = "stubborn" if stubborn else "polite"
+    launcher = textwrap.dedent(
+        f"""
+        import os, sys
+        from strata.launch import torchrun
+        torchrun.STOP_GRACE_S, torchrun.KILL_MARGIN_S = {grace_s}, {margin_s}
+        supervisor = torchrun.Supervisor()
+        with supervisor.handling():
+            sys.exit(supervisor.run([sys.executable, {str(script)!r}, "torchrun", {kind!r}], dict(os.environ)))
+        """
+    )
+    proc = _start([sys.executable, "-c", launcher], marker, tmp_path)
+    _wait_for(lambda: len(_processes(marker)) == STAND_IN_PROCESSES, 30, "the stand-ins to start")
+    return proc
+
+
+def test_workers_that_ignore_the_signal_are_killed_after_the_grace_period(tmp_path):
+    marker = uuid.uuid4().hex
+    try:
+        launcher = _stand_in_launch(tmp_path, marker, grace_s=1, margin_s=1, stubborn=True)
+        code, seconds = _stop_and_measure(launcher, marker, [signal.SIGTERM], timeout=20)
+        assert code == 128 + signal.SIGTERM
+        assert 2 <= seconds < 10, seconds  # not before the grace period and the margin, soon after
+    finally:
+        _kill_all(marker)
+
+
+def test_a_second_signal_kills_at_once(tmp_path):
+    marker = uuid.uuid4().hex
+    try:
+        launcher = _stand_in_launch(tmp_path, marker, grace_s=60, margin_s=5, stubborn=True)
+        code, seconds = _stop_and_measure(launcher, marker, [signal.SIGINT, signal.SIGINT], timeout=20)
+        assert code == 128 + signal.SIGINT
+        assert seconds < 10, seconds  # long before the 65 s the first signal alone would take
+        assert "again: killing torchrun and its workers" in (tmp_path / "launch.log").read_text()
+    finally:
+        _kill_all(marker)
+
+
+def test_torchrun_stops_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL leaves the launcher no chance to pass anything on: torchrun gets SIGTERM from the
+    kernel (its parent-death signal) instead."""
+    marker = uuid.uuid4().hex
+    try:
+        launcher = _stand_in_launch(tmp_path, marker, grace_s=60, margin_s=5, stubborn=False)
+        torchrun = [pid for pid in _processes(marker) if b"\0torchrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(torchrun) == 1
+        launcher.kill()
+        launcher.wait()
+        _wait_for(lambda: not set(torchrun) & set(_processes(marker)), 10, "torchrun to exit")
+    finally:
+        _kill_all(marker)
+
+
+def test_nnodes_without_a_rendezvous_endpoint_is_an_error(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "strata.launch.cli", "launch", str(REPO / "configs/tiny.yaml"), "--nnodes", "2"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--nnodes 2 needs a rendezvous" in done.stderr and "--rdzv-endpoint HOST:PORT" in done.stderr
+    assert "--rdzv-store external" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_external_store_needs_its_address():
+    from strata.errors import StrataError
+    from strata.launch.torchrun import LaunchPlan, check_plan
+
+    with pytest.raises(StrataError, match="--rdzv-endpoint HOST:PORT"):
+        check_plan(LaunchPlan(2, external_store=True))
+    check_plan(LaunchPlan(2, nnodes=2, rdzv_endpoint="127.0.0.1:29400"))  # a reachable rendezvous is fine
+
+
+def _first_step_logged(run_dir: Path) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        return any("step" in json.loads(line) for line in metrics.read_text().splitlines() if line.strip())
+    except (OSError, ValueError):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_strata_launch_stops_torchrun_and_every_worker(tmp_path, small_data_dir, sig):
+    marker = uuid.uuid4().hex
+    overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **{"train.steps": 100000, "log.interval": 1})
+    cmd = [sys.executable, "-m", "strata.launch.cli", "launch", str(REPO / "configs/tiny.yaml"), "--nproc", "2"]
+    try:
+        launcher = _start(cmd + overrides, marker, tmp_path)
+        _wait_for(lambda: _first_step_logged(tmp_path / "runs" / "t"), 120, "the workers' first step")
+        assert len(_processes(marker)) >= 4  # launcher, torchrun and two workers
+        code, seconds = _stop_and_measure(launcher, marker, [sig], timeout=60)
+        assert code == 128 + sig, (tmp_path / "launch.log").read_text()[-3000:]
+        assert seconds < 30, seconds  # the workers exit on the signal: no waiting for the grace period
+        print(f"{signal.Signals(sig).name}: every process gone {seconds:.2f} s after the signal")
+    finally:
+        _kill_all(marker)
