@@ -84,6 +84,10 @@ def test_prepare_will_not_replace_an_earlier_output_with_extra_files_or_a_foreig
     with pytest.raises(DataError, match="meta.json is not one `strata data prepare` wrote"):
         prepare(files, hand_made, root=tmp_path / "src")
     assert (hand_made / "train.bin").read_bytes() == b"\x01\x00" * 8
+    (hand_made / "meta.json").unlink()
+    with pytest.raises(DataError, match="it has no meta.json"):
+        prepare(files, hand_made, root=tmp_path / "src")
+    assert (hand_made / "train.bin").read_bytes() == b"\x01\x00" * 8
 
 
 def test_prepare_replaces_an_empty_directory_or_its_own_earlier_output(tmp_path):

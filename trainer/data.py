@@ -61,7 +61,8 @@ def prepare(files: list[Path], out_dir: Path, val_fraction: float = 0.05, root: 
     """Tokenize `files` (byte-level, documents separated by EOT) into out_dir/{train,val}.bin and
     meta.json. Each file goes wholly to train or val by a hash of its path relative to `root`;
     if that leaves val empty (e.g. one file), val is the last val_fraction of the token stream.
-    Written atomically: out_dir is either the old complete version or the new one."""
+    Written atomically: out_dir is either the old complete version or the new one. out_dir must be
+    new, empty or an earlier output (`check_output`): replacing it must not delete the user's files."""
     if not files:
         raise DataError("data prepare: no input files; give text files or directories that contain them")
     check_output(Path(out_dir), files)
@@ -142,7 +143,12 @@ def check_output(out_dir: Path, files: list[Path]) -> None:
         )
     if out_dir.is_dir() and any(out_dir.iterdir()) and not _is_earlier_output(out_dir):
         extra = sorted(p.name for p in out_dir.iterdir() if p.name not in OUTPUT_FILES)
-        what = f"it holds {', '.join(extra[:5])}" if extra else "its meta.json is not one `strata data prepare` wrote"
+        if extra:
+            what = f"it holds {', '.join(extra[:5])}"
+        elif not (out_dir / "meta.json").is_file():
+            what = "it has no meta.json"
+        else:
+            what = "its meta.json is not one `strata data prepare` wrote"
         raise DataError(
             f"data prepare: --out {str(out_dir)!r} is not empty and not an earlier `strata data prepare` "
             f"output ({what}); it would be replaced, so name a new or empty directory"
