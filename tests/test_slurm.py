@@ -42,7 +42,7 @@ def _cluster_problem() -> str | None:
     info = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=30)
     if info.returncode != 0:
         return f"no Slurm cluster answers (sinfo: {info.stderr.strip()}); start one with .ci/slurm_cluster.sh start"
-    usable = [line for line in info.stdout.split() if line in ("idle", "mix", "alloc")]
+    usable = [word for word in info.stdout.split() if word in ("idle", "mix", "alloc")]  # node states
     if len(usable) < 2:
         return f"needs two usable Slurm nodes, sinfo says: {info.stdout.strip()!r}"
     acct = subprocess.run(["sacct", "-n", "-X", "-S", "now"], capture_output=True, text=True, timeout=30)
