@@ -184,16 +184,21 @@ def _first_step_logged(run_dir: Path) -> bool:
         return False
 
 
+# SIGINT's run also has a snapshot agent (local snapshots) and a checkpoint writer process per worker.
+BUSY = {"snapshot.every_steps": 1, "snapshot.k": 1, "snapshot.m": 0, "checkpoint.interval": 2, "checkpoint.async": True}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_to_strata_launch_stops_torchrun_and_every_worker(tmp_path, small_data_dir, sig):
+@pytest.mark.parametrize("sig, extra", [(signal.SIGTERM, {}), (signal.SIGINT, BUSY)], ids=["SIGTERM", "SIGINT-busy"])
+def test_a_signal_to_strata_launch_stops_torchrun_and_every_worker(tmp_path, small_data_dir, sig, extra):
     marker = uuid.uuid4().hex
-    overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **{"train.steps": 100000, "log.interval": 1})
+    settings = {"train.steps": 100000, "log.interval": 1, **extra}
+    overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **settings)
     cmd = [sys.executable, "-m", "strata.launch.cli", "launch", str(REPO / "configs/tiny.yaml"), "--nproc", "2"]
     try:
         launcher = _start(cmd + overrides, marker, tmp_path)
         _wait_for(lambda: _first_step_logged(tmp_path / "runs" / "t"), 120, "the workers' first step")
-        assert len(_processes(marker)) >= 4  # launcher, torchrun and two workers
+        assert len(_processes(marker)) >= 4 + (1 if extra else 0)  # launcher, torchrun, two workers (agent)
         code, seconds = _stop_and_measure(launcher, marker, [sig], timeout=60)
         assert code == 128 + sig, (tmp_path / "launch.log").read_text()[-3000:]
         assert seconds < 30, seconds  # the workers exit on the signal: no waiting for the grace period
