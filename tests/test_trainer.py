@@ -113,6 +113,40 @@ def test_resume_into_other_model_is_a_clear_error(small_data_dir, tmp_path):
         Trainer(other, start()).resume(cfg.checkpoint_dir())
 
 
+def test_new_run_refuses_a_checkpoint_dir_holding_committed_checkpoints(small_data_dir, tmp_path):
+    """A second start without --resume in the same checkpoint.dir would replace the first run's
+    checkpoints: refused before any training, naming --resume and checkpoint.overwrite; with
+    overwrite it trains from step 0 and replaces them."""
+    extra = {"train.steps": 4, "checkpoint.interval": 2, "checkpoint.keep_last": 0}
+    cfg = tiny_config(small_data_dir, tmp_path, **extra)
+    run(cfg, start())
+    root = cfg.checkpoint_dir()
+    before = {p.name: (p / store.MARKER).read_bytes() for p in store.committed(root)}
+    assert list(before) == ["step_00000002", "step_00000004"]
+    metrics = (tmp_path / "t" / "metrics.jsonl").read_text()
+    again = tiny_config(small_data_dir, tmp_path, **{**extra, "train.steps": 6})
+    with pytest.raises(CheckpointError, match="holds 2 committed checkpoint") as info:
+        run(again, start())
+    assert f"--resume {root}" in str(info.value) and "checkpoint.overwrite=true" in str(info.value)
+    assert {p.name: (p / store.MARKER).read_bytes() for p in store.committed(root)} == before  # untouched
+    assert (tmp_path / "t" / "metrics.jsonl").read_text() == metrics  # no step was taken
+    resumed = run(again, start(), resume=root)  # what the message says: continue it
+    assert sorted(resumed.losses) == [5, 6]
+    fresh = run(tiny_config(small_data_dir, tmp_path, **{**extra, "checkpoint.overwrite": True}), start())
+    assert sorted(fresh.losses) == [1, 2, 3, 4]
+    assert (store.step_dir(root, 4) / store.MARKER).read_bytes() != before["step_00000004"]  # replaced
+
+
+def test_restarted_workers_continue_from_their_newest_checkpoint(small_data_dir, tmp_path, monkeypatch):
+    """Workers torchrun restarts after a failure get the job's first arguments (no --resume): they
+    continue from the newest committed checkpoint of checkpoint.dir instead of being refused."""
+    extra = {"train.steps": 4, "checkpoint.interval": 2, "checkpoint.keep_last": 0}
+    run(tiny_config(small_data_dir, tmp_path, **extra), start())
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    result = run(tiny_config(small_data_dir, tmp_path, **{**extra, "train.steps": 6}), start())
+    assert sorted(result.losses) == [5, 6]
+
+
 def test_keep_last_prunes_old_checkpoints(small_data_dir, tmp_path):
     cfg = tiny_config(
         small_data_dir, tmp_path, **{"train.steps": 6, "checkpoint.interval": 1, "checkpoint.keep_last": 2}

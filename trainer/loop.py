@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -18,12 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from strata import config as config_mod
 from strata.checkpoint import store
 from strata.checkpoint.manager import CheckpointManager
 from strata.checkpoint.reader import Checkpoint
 from strata.config import Config, OptimConfig
+from strata.errors import CheckpointError, StrataError
 from strata.model import count_params, flops_per_token
 from strata.parallel import comm
 from strata.parallel.runtime import Runtime
@@ -35,6 +38,10 @@ from strata.trainer.state import TrainState
 
 if TYPE_CHECKING:
     from strata.checkpoint.snapshot import SnapshotManager
+
+
+class NonFiniteError(StrataError):
+    """Training diverged: the loss or gradient norm stayed NaN/inf (see `train.nonfinite`)."""
 
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -98,6 +105,8 @@ class Trainer:
         )
         self.snapshots = self._snapshot_manager(control) if cfg.snapshot.every_steps else None
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+        self.step_skipped = False  # the last step's loss or gradient norm was not finite
+        self.skipped_steps = self.nonfinite_in_a_row = 0
         self.flops_per_token = flops_per_token(cfg.model, self.model.vocab_size)
 
     @property
@@ -125,18 +134,60 @@ class Trainer:
     # --- one step -------------------------------------------------------------------------
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over this rank's micro-batches, reduce, clip, step. Returns the
-        dp-averaged loss and the gradient norm before clipping, as 0-d tensors on the device (no
-        host sync here, so a GPU can run ahead; callers read them with .item() when they log)."""
+        dp-averaged loss and the gradient norm before clipping, as 0-d tensors on the device.
+
+        A step whose loss or gradient norm is not finite updates nothing (`train.nonfinite`): its
+        gradients are dropped, and it still counts as a step of the lr schedule and of the data (as
+        Megatron counts its skipped iterations), so a resumed run and the schedule stay in step.
+        Deciding that costs one host sync per step; every rank makes the same decision."""
         model = self.model
         for g in model.optimizer.param_groups:
             g["lr"] = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
         loss = model.forward_backward(self.loader.next_step())
         grad_norm = model.reduce_and_clip(self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf)
-        model.step()
+        loss = self._dp_sum(loss) / self.topo.dp_size
+        self.step_skipped = not self._all_finite(loss, grad_norm)
+        if self.step_skipped:
+            model.skip_step()
+            self.skipped_steps += 1
+            self.nonfinite_in_a_row += 1
+        else:
+            model.step()
+            self.nonfinite_in_a_row = 0
         self.held_bytes = model.engine.held_bytes()
         self.state.step += 1
         self.checkpoints.poll()  # a background save's failure surfaces here, on every rank
-        return self._dp_sum(loss) / self.topo.dp_size, grad_norm
+        if self.step_skipped:
+            self._stop_if_diverged(loss, grad_norm)
+        return loss, grad_norm
+
+    def _all_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Whether the dp-averaged loss and the gradient norm are finite on every rank. One small
+        MAX all-reduce over the whole world decides for all: the loss lives on the last pipeline
+        stage, and under CO2 each node has its own gradient norm, yet every rank must skip or step
+        alike (else the ranks' parameters and collectives diverge)."""
+        bad = torch.tensor(float(not (torch.isfinite(loss) & torch.isfinite(grad_norm)).item()))
+        comm.all_reduce(bad, self.checkpoints.group, dim="nonfinite", op=dist.ReduceOp.MAX)
+        return not bad.item()
+
+    def _stop_if_diverged(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Raise (on every rank: they count alike) once `train.nonfinite` says the run cannot go on;
+        a save in flight, of finite state, is committed first."""
+        tr = self.cfg.train
+        if tr.nonfinite == "skip" and self.nonfinite_in_a_row < tr.max_nonfinite_steps:
+            return
+        self.checkpoints.close()
+        why = (
+            "train.nonfinite=stop"
+            if tr.nonfinite == "stop"
+            else f"{self.nonfinite_in_a_row} steps in a row, train.max_nonfinite_steps={tr.max_nonfinite_steps}"
+        )
+        raise NonFiniteError(
+            f"step {self.step}: loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}: not finite ({why}); "
+            f"training stopped and this state was not saved. Resume from the newest committed checkpoint with "
+            f"--resume {self.cfg.checkpoint_dir()} and a lower optim.lr (or a longer optim.warmup_steps, or "
+            "optim.grad_clip > 0)"
+        )
 
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
         """`value` summed over the data-parallel ranks (in place)."""
@@ -156,12 +207,23 @@ class Trainer:
         return self._dp_sum(total).item() / (n * self.topo.dp_size)
 
     # --- saving and resuming ----------------------------------------------------------------
-    def save(self) -> None:
+    def save(self) -> bool:
         """Saved in the global layout without gathering: every rank writes its own boxes of the global
         tensors (a box several ranks hold is split among them), in the background with
-        `checkpoint.async`."""
+        `checkpoint.async`. Returns False, saving nothing, if any rank's state is not finite: a NaN
+        checkpoint would verify as sound and resume into garbage. Since such a save never commits,
+        `keep_last` never counts it, and never prunes the newest finite checkpoint to make room."""
         with self.state.ready_to_save():
+            if not self._state_finite():
+                return False
             self.checkpoints.save(self.step, self.state)
+        return True
+
+    def _state_finite(self) -> bool:
+        """Whether parameters and optimizer states are finite on every rank (collective)."""
+        pieces = self.state.contents(self.step).pieces
+        finite = all(bool(torch.isfinite(p.tensor).all()) for p in pieces if p.tensor.is_floating_point())
+        return comm.all_true(finite, self.checkpoints.group, dim="nonfinite")
 
     def snapshot(self) -> bool:
         """An in-memory snapshot of this step through the node's agent (collective); False if skipped."""
@@ -193,6 +255,31 @@ class Trainer:
             )
         return f"{lead}; resumed from disk checkpoint {self.resume(disk)}"
 
+    def start_from(self, resume: Path | None) -> Path | None:
+        """Without snapshots, the checkpoint this run starts from (collective): `resume`; else, for
+        workers torchrun restarted after a failure, the newest committed checkpoint under
+        checkpoint.dir (this job's own); else none, from step 0. Committed checkpoints in
+        checkpoint.dir at a first start belong to an earlier run, which a new one would replace as
+        `keep_last` prunes: refused unless checkpoint.overwrite. Only rank 0 looks, since only it
+        commits (its view is the one sure to hold the markers); every rank acts on its view."""
+        if resume is not None:
+            return resume
+        root = self.cfg.checkpoint_dir()
+        found = [p.name for p in store.committed(root)] if self.rt.rank == 0 else []
+        found = comm.all_gather_objects(found, self.checkpoints.group)[0]
+        if not found:
+            return None
+        if _restarted_attempt():
+            return root
+        if self.cfg.checkpoint.overwrite:
+            return None
+        raise CheckpointError(
+            f"checkpoint.dir {root} holds {len(found)} committed checkpoint(s) of an earlier run (newest: "
+            f"{found[-1]}), which a new run would replace: continue that run with --resume {root}, set "
+            "checkpoint.overwrite=true to start afresh and replace them, or choose another checkpoint.dir "
+            "(or log.name)"
+        )
+
     # --- the run --------------------------------------------------------------------------
     def fit(self, log: MetricsLogger) -> RunResult:
         cfg, result = self.cfg, RunResult()
@@ -204,7 +291,7 @@ class Trainer:
             loss, grad_norm = self.train_step()
             losses[self.step] = loss
             interval_steps += 1
-            record = {}
+            record: dict = {}
             if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
                 elapsed = time.perf_counter() - interval_start
                 record = self._throughput(interval_steps, elapsed)
@@ -214,22 +301,26 @@ class Trainer:
                 record.update(
                     loss=loss.item(), grad_norm=grad_norm.item(), lr=self.model.optimizer.param_groups[0]["lr"]
                 )
+                if self.skipped_steps:
+                    record["skipped_steps"] = self.skipped_steps
                 if self.model.tiers:
                     record["offload"] = self.model.tiers.metrics()
                 if self.snapshots:
                     record["snapshot"] = self.snapshots.stats()
                 interval_start, interval_steps = time.perf_counter(), 0
+            if self.step_skipped:
+                record["skipped"] = self._note_skipped(log, loss, grad_norm)
             log.step(self.step, record)
             if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 and self.step < cfg.train.steps:
                 result.eval_losses[self.step] = self._eval_and_log(log)
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
-                self.save()
+                self._save_or_warn(log)
             if self.snapshots and self.step % cfg.snapshot.every_steps == 0 and self.step < cfg.train.steps:
                 self.snapshot()
         self.model.close_co2_round()  # CO2's last exchange: every node ends on the same parameters
         result.eval_losses[self.step] = self._eval_and_log(log)
         if cfg.checkpoint.save_final and not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
-            self.save()
+            self._save_or_warn(log)
         self.checkpoints.close()  # the last save is committed before the run reports done
         if self.snapshots:
             self.snapshots.close()
@@ -239,6 +330,24 @@ class Trainer:
         result.losses = {step: loss.item() for step, loss in losses.items()}
         result.tokens_per_s = (self.step - start_step) * self.tokens_per_step / max(elapsed, 1e-9)
         return result
+
+    def _note_skipped(self, log: MetricsLogger, loss: torch.Tensor, grad_norm: torch.Tensor) -> str:
+        note = (
+            f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}: not finite, update skipped "
+            f"({self.nonfinite_in_a_row} in a row, {self.skipped_steps} in all)"
+        )
+        log.print(f"warning: step {self.step}: {note}")
+        return note
+
+    def _save_or_warn(self, log: MetricsLogger) -> None:
+        if self.save():
+            return
+        note = (
+            f"the training state is not finite: checkpoint step {self.step} not saved, so the newest committed "
+            f"checkpoint under {self.cfg.checkpoint_dir()} stays the newest (and is kept)"
+        )
+        log.print(f"warning: step {self.step}: {note}")
+        log.write({"step": self.step, "checkpoint_refused": note})
 
     def _eval_and_log(self, log: MetricsLogger) -> float:
         loss = self.evaluate()
@@ -259,8 +368,14 @@ def rewrite_checkpoint(cfg: Config, runtime: Runtime, source: Path, out: Path) -
     workers of `strata ckpt reshard`)."""
     trainer = Trainer(config_mod.replace(cfg, "checkpoint.dir", str(out)), runtime)
     trainer.resume(source)
-    trainer.save()
+    if not trainer.save():
+        raise CheckpointError(f"{source} holds parameters or optimizer states that are not finite; {out} not written")
     trainer.checkpoints.close()
+
+
+def _restarted_attempt() -> bool:
+    """Whether torchrun restarted these workers after a failure (`strata launch --max-restarts`)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
 def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
@@ -268,10 +383,11 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
     trainer = Trainer(cfg, runtime)
     main = runtime.rank == 0
     start = time.time()
-    if trainer.snapshots:
+    if trainer.snapshots:  # a start without --resume deliberately continues from the newest checkpoint
         resumed_from, restore_note = None, trainer.restore_on_start(resume)
     else:
-        resumed_from, restore_note = trainer.resume(resume) if resume else None, ""
+        source = trainer.start_from(resume)
+        resumed_from, restore_note = trainer.resume(source) if source else None, ""
     log = MetricsLogger(
         cfg.run_dir(),
         cfg.train.steps,

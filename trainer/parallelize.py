@@ -141,6 +141,14 @@ class ParallelModel:
         self.engine.step(after_update=self.co2.after_local_step if self.co2 else None)
         self.engine.zero_grad()
 
+    def skip_step(self) -> None:
+        """In place of `step` when the gradients are not finite: drop them, update nothing. CO2
+        still counts it as an inner step, so every node reaches a round's exchange at the same step."""
+        self.engine.zero_grad()
+        if self.co2:
+            self.co2.after_local_step()
+            self.engine.rebuild()  # a round that ended moved the chunks
+
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Loss of one micro-batch, forward only (every pipeline rank gets it)."""

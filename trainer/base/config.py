@@ -167,6 +167,16 @@ class TrainConfig:
     eval_interval: int = opt(100, "evaluate every N steps and at the end (0: only at the end)", min=0)
     eval_batches: int = opt(8, "validation micro-batches per evaluation on each rank", min=1)
     threads: int | None = opt(None, "torch intra-op CPU threads (null: torch's default; torchrun sets 1)", min=1)
+    nonfinite: str = opt(
+        "skip",
+        "a step whose loss or gradient norm is NaN/inf: skip (no update, gradients dropped; it still counts as a "
+        "step of the lr schedule and of the data) or stop (end the run with an error); no checkpoint of "
+        "non-finite state is ever saved",
+        choices=("skip", "stop"),
+    )
+    max_nonfinite_steps: int = opt(
+        5, "with nonfinite=skip: end the run with an error once this many steps in a row were not finite", min=1
+    )
 
 
 @dataclass(frozen=True)
@@ -433,6 +443,11 @@ class CheckpointConfig:
         key="async",
     )
     verify_on_load: bool = opt(True, "check the CRC-32C of every block a resume reads")
+    overwrite: bool = opt(
+        False,
+        "start a new run in a checkpoint.dir that holds committed checkpoints, replacing them as new ones are "
+        "saved (false: such a start is refused; continue that run with --resume DIR)",
+    )
 
 
 @dataclass(frozen=True)
