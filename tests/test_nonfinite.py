@@ -107,3 +107,41 @@ def test_a_save_of_non_finite_state_is_refused_and_retention_keeps_the_good_one(
     trainer.checkpoints.close()
     assert [p.name for p in store.committed(cfg.checkpoint_dir())] == ["step_00000001"]
     assert not any(p.name.startswith(".") for p in cfg.checkpoint_dir().iterdir())  # no partial save either
+
+
+def _dp_worker(rank: int, size: int, port: int, out_dir: str, cfg) -> None:
+    """One rank of a dp=2 run in which only rank 1's loss turns NaN, at step 3."""
+    import os
+
+    from strata.parallel.runtime import stop
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size))
+    torch.set_num_threads(1)
+    real, calls = parallelize_mod.lm_loss, [0]
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            calls[0] += 1
+            if rank == 1 and (calls[0] - 1) // 2 + 1 == 3:  # 2 micro-batches per step on each rank
+                logits = logits * math.nan
+        return real(logits, targets)
+
+    parallelize_mod.lm_loss = loss
+    result = run(cfg, start(backend="gloo"))
+    stop()
+    torch.save({"losses": result.losses}, f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.slow  # a 2-process gloo world
+def test_one_ranks_nan_makes_every_rank_skip_the_same_step(small_data_dir, tmp_path):
+    from worlds import run_world
+
+    cfg = tiny_config(small_data_dir, tmp_path, world_size=2, **{"checkpoint.interval": 1, "checkpoint.keep_last": 0})
+    ranks = run_world(_dp_worker, 2, tmp_path, cfg)
+    for r in ranks:
+        assert sorted(r["losses"]) == [1, 2, 3, 4, 5, 6] and math.isnan(r["losses"][3])
+        assert all(math.isfinite(r["losses"][s]) for s in (1, 2, 4, 5, 6))
+    root = cfg.checkpoint_dir()
+    before, after = state_tensors(root, 2), state_tensors(root, 3)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # neither rank updated at step 3
