@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -199,11 +199,11 @@ def _signal_quietly(pid: int, sig: int, group: bool = False) -> None:
         pass
 
 
-def _die_with_launcher(launcher: int) -> None:
+def _die_with_launcher(launcher: int, prctl: Callable[..., int]) -> None:
     """Run in torchrun's process before exec: if the launcher dies without passing a signal on
-    (SIGKILL, the OOM killer), torchrun gets SIGTERM and stops its workers."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    (SIGKILL, the OOM killer), torchrun gets SIGTERM and stops its workers. `prctl` is looked up
+    by the launcher: nothing is loaded between fork and exec."""
+    prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != launcher:  # the launcher died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -243,7 +243,7 @@ class Supervisor:
             cmd,
             env=env,
             start_new_session=True,
-            preexec_fn=functools.partial(_die_with_launcher, os.getpid()) if linux else None,
+            preexec_fn=functools.partial(_die_with_launcher, os.getpid(), ctypes.CDLL(None).prctl) if linux else None,
         )
         try:
             return self.wait(torchrun)
