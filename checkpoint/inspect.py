@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from strata.checkpoint import dcp_meta, store
+from strata.checkpoint import dcp_meta, integrity, store
 from strata.checkpoint.plan import torch_dtype
 from strata.checkpoint.reader import Checkpoint
 from strata.errors import CheckpointError
@@ -47,11 +47,12 @@ def _metadata_problems(ckpt: Path, index: dict) -> list[str]:
 
 
 def verify_report(path: Path) -> tuple[bool, str]:
-    """(ok, report) for `strata ckpt verify`: every file's size and block checksums, and DCP's
-    `.metadata` against the index."""
-    ckpt, problems = store.verify(path)
+    """(ok, report) for `strata ckpt verify`: the structural check every load makes, every data
+    block's checksum, and DCP's `.metadata` against the index."""
+    ckpt = store.resolve(path)
+    index, problems = integrity.checkpoint_problems(ckpt, store.marker(ckpt), checksums=True)
     if not problems:
-        problems = _metadata_problems(ckpt, Checkpoint(ckpt).index)
+        problems = _metadata_problems(ckpt, index)
     if problems:
         return False, f"{ckpt}: DAMAGED\n  " + "\n  ".join(problems)
     files = store.marker(ckpt).get("files", {})

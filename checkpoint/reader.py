@@ -11,10 +11,8 @@ intersection touches and copies it again, and which needs DTensor/ShardedTensor 
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,9 +31,6 @@ def _strides(sizes) -> list[int]:
         out.append(acc)
         acc *= s
     return out[::-1]
-
-
-_PLAIN_NAME = re.compile(r"^[\w.\-]+$")
 
 
 @dataclass
@@ -61,33 +56,15 @@ class _Read:
 
 class Checkpoint:
     """A committed checkpoint directory opened for reading: its marker, index and file manifest
-    (sizes checked on opening, block checksums as data is read)."""
+    (structure, sizes and small files checked on opening, as `strata ckpt verify` checks them;
+    block checksums as data is read). `problems` lists the damage found on opening."""
 
     def __init__(self, path: Path):
         self.path = store.resolve(path)
         self.marker = store.marker(self.path)
-        self.files: dict[str, dict] = self.marker.get("files", {})
-        if not isinstance(self.files, dict) or "index.json" not in self.files:
-            raise CheckpointError(
-                f"{self.path} is not in this version's checkpoint format (no index.json in its "
-                "commit marker); it was written by an older Strata"
-            )
-        strange = [name for name in self.files if not _PLAIN_NAME.match(name)]
-        if strange:
-            raise CheckpointError(
-                f"{self.path / store.MARKER} names files outside the checkpoint directory "
-                f"({', '.join(strange[:3])}); the checkpoint is damaged or not Strata's"
-            )
-        self.problems = integrity.problems(self.path, self.files, checksums=False)
-        self.index: dict = {"tensors": {}, "aliases": {}, "objects": {}}
-        if not any("index.json" in p for p in self.problems):
-            data = (self.path / "index.json").read_bytes()
-            if integrity.checksum(data) != self.files["index.json"]["crc32c"]:
-                self.problems.append(
-                    f"{self.path / 'index.json'}: checksum does not match the commit marker (corrupted)"
-                )
-            else:
-                self.index = json.loads(data)
+        # the structural check `strata ckpt verify` makes too; block checksums as data is read
+        self.index, self.problems = integrity.checkpoint_problems(self.path, self.marker, checksums=False)
+        self.files: dict[str, dict] = self.marker["files"]
         self._fds: dict[str, int] = {}
         self._bases: dict[str, int] = {}  # where each file starts in its descriptor (0 for real files)
         self.checksummed = True

@@ -172,12 +172,7 @@ def marker(ckpt: Path) -> dict:
 
 
 def verify(path: Path) -> tuple[Path, list[str]]:
-    """The committed checkpoint `path` resolves to, and every integrity problem of its files."""
+    """The committed checkpoint `path` resolves to, and every integrity problem of it: the structural
+    check every load makes (`integrity.checkpoint_problems`), and every data block's checksum."""
     ckpt = resolve(path)
-    files = marker(ckpt).get("files", {})
-    if not isinstance(files, dict):
-        raise CheckpointError(
-            f"{ckpt} was written by an older Strata (no checksums in its commit marker); this "
-            "version cannot check or load it"
-        )
-    return ckpt, integrity.problems(ckpt, files)
+    return ckpt, integrity.checkpoint_problems(ckpt, marker(ckpt), checksums=True)[1]
