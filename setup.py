@@ -33,10 +33,19 @@ setup(
     extras_require={
         # deepspeed: tests/test_deepspeed_import.py has DeepSpeed write a ZeRO checkpoint (CPU, needs g++).
         # Install with torch pinned (pip install -c .ci/constraints.txt ...): it must not replace torch.
-        "test": ["pytest>=7", "pytest-timeout>=2.3", "wandb", "megatron-core==0.16.1", "deepspeed==0.19.8"],
+        # tensorboard: tests/test_observability.py reads the event files log.tensorboard writes.
+        "test": [
+            "pytest>=7",
+            "pytest-timeout>=2.3",
+            "wandb",
+            "tensorboard",
+            "megatron-core==0.16.1",
+            "deepspeed==0.19.8",
+        ],
         # dev: the tools .ci/package_check runs (lint, types, import layers, sdist/wheel build), pinned.
         "dev": ["ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17", "build==1.6.1"],
         "wandb": ["wandb"],
+        "tensorboard": ["tensorboard"],  # log.tensorboard
     },
     entry_points={"console_scripts": ["strata=strata.launch.cli:main"]},
 )

@@ -1,15 +1,39 @@
-"""What a run reports: a progress bar on rank 0, metrics.jsonl in the run directory, and optional
-wandb (offline by default; it can never block training)."""
+"""What a run reports: a progress bar on rank 0, metrics.jsonl in the run directory, optional
+TensorBoard scalars and optional wandb (offline by default; it can never block training), and the
+peak TFLOP/s that MFU is measured against."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
+import torch
 from tqdm import tqdm
+
+from strata.errors import StrataError
+
+# Dense (no structured sparsity) bf16/fp16 tensor-core peaks per device torch sees, in TFLOP/s, from
+# the vendors' datasheets: NVIDIA H100 and H200 (SXM 989.4, PCIe 756, NVL 835; the datasheets quote
+# twice these "with sparsity"), NVIDIA A100 (312, SXM and PCIe alike), AMD Instinct MI300X (1307.4)
+# and MI250X (383 per module, which holds two GCDs that each appear as one device: 191.5 each).
+# Matched in order against the upper-cased name torch.cuda.get_device_name() gives, most specific
+# first ("NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA GH200 480GB" carries an H100-class GPU).
+_BF16_PEAKS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIE", 756.0),
+    ("H100 NVL", 835.0),
+    ("H200 NVL", 835.0),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("A100", 312.0),
+    ("MI300X", 1307.4),
+    ("MI250X", 191.5),
+)
+_TENSOR_CORE_PRECISIONS = ("bf16", "fp16")
 
 
 class MetricsLogger:
@@ -24,14 +48,21 @@ class MetricsLogger:
         progress: bool,
         wandb_project: str | None = None,
         config: dict | None = None,
+        tensorboard: bool = False,
+        peak_tflops: float | None = None,
     ):
+        """`peak_tflops` (see `mfu_peak`) adds `mfu` to records that carry `tflops_per_rank` but no `mfu`."""
         self.enabled = enabled
         self.bar = None
         self.wandb = None
+        self.tensorboard: Any = None
+        self.peak_tflops = peak_tflops
         self.file: IO[str] | None = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        if tensorboard:  # first: a missing package must stop the run before anything is written
+            self.tensorboard = _start_tensorboard(run_dir / "tensorboard")
         self.file = open(run_dir / "metrics.jsonl", "a")
         if progress:
             self.bar = tqdm(
@@ -59,13 +90,24 @@ class MetricsLogger:
             self.write({"step": step, **record})
 
     def write(self, record: dict) -> None:
+        """One line of metrics.jsonl, and the record's numbers to TensorBoard and wandb. A non-finite
+        number (a skipped step's NaN loss) is written as null: JSON has no NaN, and strict parsers
+        reject the `NaN` json.dumps would write."""
         if not self.enabled:
             return
         assert self.file is not None, "write after close"
-        self.file.write(json.dumps({"time": time.time(), **record}) + "\n")
+        if self.peak_tflops and "tflops_per_rank" in record and "mfu" not in record:
+            record = {**record, "mfu": record["tflops_per_rank"] / self.peak_tflops}
+        self.file.write(json.dumps(_json_safe({"time": time.time(), **record}), allow_nan=False) + "\n")
         self.file.flush()
+        scalars = dict(flat_scalars(record))
+        step = record.get("step")
+        if self.tensorboard is not None and isinstance(step, int):
+            for tag, value in scalars.items():
+                self.tensorboard.add_scalar(tag, value, global_step=step)
+            self.tensorboard.flush()
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
+            self.wandb.log(scalars, step=step)
 
     def print(self, text: str) -> None:
         if self.enabled:
@@ -76,8 +118,70 @@ class MetricsLogger:
             self.bar.close()
         if self.file is not None:
             self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def flat_scalars(record: dict, prefix: str = "") -> Iterator[tuple[str, float]]:
+    """The numbers of a metrics record as (tag, value), nested dicts joined with '/'
+    (`wire_bytes_per_step/node`): the scalar view TensorBoard and wandb plot. `step` and `time` are
+    the axes, not figures; booleans and text are left out."""
+    for key, value in record.items():
+        tag = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from flat_scalars(value, tag + "/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and tag not in ("step", "time"):
+            yield tag, float(value)
+
+
+def _json_safe(value: Any) -> Any:
+    """`value` with every non-finite float (in dicts and lists too) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _start_tensorboard(log_dir: Path) -> Any:
+    """torch's SummaryWriter, which needs the optional `tensorboard` package: asked for and
+    missing, the run stops with how to install it (rather than training for hours without it)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise StrataError(
+            f"log.tensorboard is true but the tensorboard package is not installed ({e}); "
+            "install it with: pip install strata-train[tensorboard] (or set log.tensorboard=false)"
+        ) from e
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+def peak_tflops(device: str | None, precision: str) -> float | None:
+    """The dense peak TFLOP/s of the device named `device` (torch.cuda.get_device_name()) at
+    `precision`, or None when not known: a CPU (None), a GPU not in the table, or fp32 (whose
+    matmuls run at the TF32 or plain-FP32 rate depending on torch's settings, so no one figure is right)."""
+    if device is None or precision not in _TENSOR_CORE_PRECISIONS:
+        return None
+    name = device.upper()
+    return next((peak for part, peak in _BF16_PEAKS if part in name), None)
+
+
+def mfu_peak(configured: float | None, device: torch.device, precision: str) -> tuple[float | None, str]:
+    """The peak MFU is measured against, and a line for the log saying where it came from (or why
+    there is no MFU): `log.peak_tflops` when set, else the table's figure for this GPU."""
+    if configured:
+        return configured, f"mfu: against log.peak_tflops={configured:g} TFLOP/s per device"
+    if device.type != "cuda":
+        return None, f"mfu: not reported on {device.type} (set log.peak_tflops to report it)"
+    name = torch.cuda.get_device_name(device)
+    peak = peak_tflops(name, precision)
+    if peak is None:
+        return None, f"mfu: no known {precision} peak for {name!r}; not reported (set log.peak_tflops to report it)"
+    return peak, f"mfu: against {peak:g} TFLOP/s, the dense {precision} peak of {name!r} (log.peak_tflops overrides)"
 
 
 def _start_wandb(project: str, run_dir: Path, config: dict | None):

@@ -484,8 +484,20 @@ class LogConfig:
     wandb: bool = opt(False, "also log to Weights & Biases (offline unless WANDB_MODE says otherwise)")
     wandb_project: str = opt("strata", "wandb project name")
     peak_tflops: float | None = opt(
-        None, "per-device peak TFLOP/s for MFU (null: MFU not reported)", min=0.0, min_exclusive=True
+        None,
+        "per-device peak TFLOP/s for MFU (null: looked up from the GPU's name for bf16; on a CPU or an unknown "
+        "GPU, MFU is not reported)",
+        min=0.0,
+        min_exclusive=True,
     )
+    tensorboard: bool = opt(False, "also write the metrics as TensorBoard scalars to <run dir>/tensorboard (rank 0)")
+    profile_start: int | None = opt(
+        None,
+        "first step to record with torch.profiler: a Chrome/Perfetto trace per rank in <run dir>/profile/rank<r>.json "
+        "and, on CUDA, a memory snapshot (null: no profiling)",
+        min=1,
+    )
+    profile_count: int = opt(3, "how many steps from log.profile_start to profile", min=1)
 
 
 @dataclass(frozen=True)

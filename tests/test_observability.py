@@ -1,0 +1,234 @@
+"""What operators watch a run with: TensorBoard scalars, profiler traces and memory snapshots, the
+peak MFU is measured against, and a metrics.jsonl strict JSON parsers accept."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from strata import config
+from strata.errors import ConfigError, StrataError
+from strata.trainer.metrics import MetricsLogger, flat_scalars, mfu_peak, peak_tflops, read_metrics
+from strata.trainer.profiling import StepProfiler
+
+RECORDS = [
+    {"loss": 5.5, "lr": 1e-4, "grad_norm": 2.0, "tokens_per_s": 1000.0, "tflops_per_rank": 3.0, "mfu": 0.25},
+    {"loss": 4.25, "lr": 2e-4, "grad_norm": 1.5, "wire_bytes_per_step": {"node": 64.0, "global": 8}},
+]
+
+
+def _logger(tmp_path, **kwargs) -> MetricsLogger:
+    return MetricsLogger(tmp_path, total_steps=10, start_step=0, enabled=True, progress=False, **kwargs)
+
+
+def _strict_json(line: str) -> dict:
+    """json.loads as strict parsers (JavaScript's JSON.parse, jq, Go) read it: NaN/Infinity refused."""
+
+    def refuse(token: str) -> None:
+        raise ValueError(f"non-JSON constant {token}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+# --- TensorBoard ------------------------------------------------------------------------------
+
+
+def test_tensorboard_scalars_equal_the_records(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = _logger(tmp_path, tensorboard=True)
+    for step, record in enumerate(RECORDS, start=1):
+        log.step(step, record)
+    log.write({"step": 2, "eval_loss": 4.5})
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    got = {(tag, e.step): e.value for tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
+    want = {(tag, step): value for step, r in enumerate(RECORDS, start=1) for tag, value in flat_scalars(r)}
+    want[("eval_loss", 2)] = 4.5
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-6), key  # stored as float32
+    assert ("wire_bytes_per_step/node", 2) in got
+
+
+def test_flat_scalars_joins_nested_keys_and_drops_axes_and_text():
+    record = {"step": 3, "time": 1.0, "loss": 2.0, "skipped": "why", "ok": True, "offload": {"host": {"gb": 1}}}
+    assert dict(flat_scalars(record)) == {"loss": 2.0, "offload/host/gb": 1.0}
+
+
+def test_tensorboard_missing_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    with pytest.raises(StrataError, match=r"pip install strata-train\[tensorboard\]"):
+        _logger(tmp_path, tensorboard=True)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_tensorboard_writes_on_rank_zero_only(tmp_path):
+    MetricsLogger(tmp_path, 10, 0, enabled=False, progress=False, tensorboard=True).close()
+    assert not (tmp_path / "tensorboard").exists()
+
+
+# --- metrics.jsonl stays JSON -----------------------------------------------------------------
+
+
+def test_non_finite_numbers_are_written_as_null(tmp_path):
+    log = _logger(tmp_path)
+    log.step(1, {"loss": float("nan"), "grad_norm": float("inf"), "offload": {"x": [1.0, float("-inf")]}})
+    log.step(2, {"loss": 3.0})
+    log.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    first, second = (_strict_json(line) for line in lines)
+    assert first["loss"] is None and first["grad_norm"] is None and first["offload"] == {"x": [1.0, None]}
+    assert second["loss"] == 3.0
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+# --- MFU peak ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H200", 989.4),
+        ("NVIDIA GH200 480GB", 989.4),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("AMD Instinct MI250X", 191.5),
+        ("AMD Instinct MI300X", 1307.4),
+        ("NVIDIA GeForce RTX 3090", None),
+        (None, None),
+    ],
+)
+def test_peak_tflops_from_device_name(name, peak):
+    assert peak_tflops(name, "bf16") == peak
+
+
+def test_peak_tflops_unknown_for_fp32():
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "fp32") is None
+
+
+def test_mfu_peak_on_cpu_only_when_configured():
+    peak, note = mfu_peak(None, torch.device("cpu"), "bf16")
+    assert peak is None and "log.peak_tflops" in note
+    assert mfu_peak(100.0, torch.device("cpu"), "bf16")[0] == 100.0
+
+
+def test_logger_adds_mfu_from_the_peak(tmp_path):
+    log = _logger(tmp_path, peak_tflops=200.0)
+    log.step(1, {"tflops_per_rank": 50.0})
+    log.step(2, {"tflops_per_rank": 50.0, "mfu": 0.5})  # a figure the loop computed stays
+    log.close()
+    assert [r["mfu"] for r in read_metrics(tmp_path)] == [0.25, 0.5]
+
+
+def test_no_mfu_without_a_peak(tmp_path):
+    log = _logger(tmp_path)
+    log.step(1, {"tflops_per_rank": 50.0})
+    log.close()
+    assert "mfu" not in read_metrics(tmp_path)[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_mfu_peak_on_this_gpu():
+    name = torch.cuda.get_device_name()
+    peak, note = mfu_peak(None, torch.device("cuda"), "bf16")
+    assert peak == peak_tflops(name, "bf16") and name in note
+
+
+# --- profiling --------------------------------------------------------------------------------
+
+
+def _work(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ x.T).sum(dim=0)
+
+
+def _trace_names(path) -> set[str]:
+    return {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+
+
+def test_profiler_traces_only_the_window(tmp_path):
+    prof = StepProfiler(2, 3, tmp_path / "profile", rank=1, device=torch.device("cpu"))
+    x = torch.randn(32, 32)
+    for step in range(1, 6):
+        with prof.step(step):
+            _work(x)
+        assert prof.trace_path.exists() == (step >= 3)
+    prof.close()
+    assert prof.trace_path == tmp_path / "profile" / "rank1.json"
+    names = _trace_names(prof.trace_path)
+    assert {"step 2", "step 3"} <= names and "step 1" not in names and "step 4" not in names
+    assert "aten::mm" in names
+    assert not prof.memory_path.exists()  # CPU: no CUDA memory snapshot
+
+
+def test_profiler_off_writes_nothing(tmp_path):
+    prof = StepProfiler.from_config(config.LogConfig(), tmp_path, rank=0, device=torch.device("cpu"))
+    with prof.step(1):
+        _work(torch.randn(4, 4))
+    prof.close()
+    assert not (tmp_path / "profile").exists()
+
+
+def test_profiler_writes_the_trace_when_a_step_fails(tmp_path):
+    prof = StepProfiler(1, 10, tmp_path, rank=0, device=torch.device("cpu"))
+    with prof.step(1):
+        _work(torch.randn(8, 8))
+    with pytest.raises(ValueError, match="boom"), prof.step(2):
+        raise ValueError("boom")
+    assert "step 1" in _trace_names(prof.trace_path)
+
+
+def test_profiled_trainer_run(small_data_dir, tmp_path):
+    """A short run of the real Trainer, each step wrapped as the loop wraps it."""
+    from strata.parallel.runtime import start
+    from strata.trainer.loop import Trainer
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 4, "log.profile_start": 2, "log.profile_count": 2})
+    runtime = start()
+    trainer = Trainer(cfg, runtime)
+    prof = StepProfiler.from_config(cfg.log, cfg.run_dir(), runtime.rank, runtime.device)
+    while trainer.step < cfg.train.steps:
+        with prof.step(trainer.step + 1):
+            loss, _ = trainer.train_step()
+    prof.close()
+    trainer.checkpoints.close()
+    trainer.model.close()
+    assert math.isfinite(loss.item())
+    names = _trace_names(cfg.run_dir() / "profile" / "rank0.json")
+    assert {"step 2", "step 3"} <= names and "step 4" not in names
+
+
+def test_profile_keys_are_checked():
+    with pytest.raises(ConfigError, match="log.profile_start"):
+        config.from_dict({"log": {"profile_start": 0}})
+    with pytest.raises(ConfigError, match="log.profile_count"):
+        config.from_dict({"log": {"profile_count": 0}})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_profile_and_memory_snapshot(tmp_path):
+    prof = StepProfiler(1, 2, tmp_path, rank=0, device=torch.device("cuda"))
+    x = torch.randn(256, 256, device="cuda")
+    for step in (1, 2):
+        with prof.step(step):
+            _work(x)
+    assert prof.trace_path.exists() and prof.memory_path.stat().st_size > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_out_of_memory_leaves_a_snapshot(tmp_path):
+    prof = StepProfiler(None, None, tmp_path, rank=0, device=torch.device("cuda"))
+    with pytest.raises(torch.cuda.OutOfMemoryError), prof.step(1):
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # a petabyte
+    assert prof.oom_path.stat().st_size > 0

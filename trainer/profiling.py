@@ -1,0 +1,119 @@
+"""Profiling a window of training steps: a torch.profiler trace per rank (Chrome/Perfetto JSON) and,
+on CUDA, a memory snapshot of the same steps, plus a memory snapshot when a step runs out of GPU
+memory. The loop wraps each step in `StepProfiler.step(n)`; outside the window that costs nothing
+but a comparison.
+
+Open a trace in https://ui.perfetto.dev or chrome://tracing, a memory snapshot (`.pickle`) in
+https://pytorch.org/memory_viz.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from strata.config import LogConfig
+
+MEMORY_HISTORY_ENTRIES = 100_000  # allocation events kept: enough for a few steps of a large model
+
+
+class StepProfiler:
+    """Profiles steps `first`..`last` (inclusive, numbered as metrics.jsonl numbers them: the
+    first step of a run is 1) of one rank into `out_dir`: `rank{r}.json` (the trace) and on CUDA
+    `rank{r}_memory.pickle`; an out-of-memory error in any step leaves `rank{r}_oom.pickle`.
+    A run resumed inside the window profiles the rest of it."""
+
+    def __init__(self, first: int | None, last: int | None, out_dir: Path, rank: int, device: torch.device):
+        self.first, self.last = first, last
+        self.out_dir, self.rank = out_dir, rank
+        self.cuda = device.type == "cuda"
+        self.prof: profile | None = None
+        self.done = first is None
+
+    @classmethod
+    def from_config(cls, log: LogConfig, run_dir: Path, rank: int, device: torch.device) -> StepProfiler:
+        """The window `log.profile_start` and `log.profile_count` ask for, written to run_dir/profile."""
+        first = log.profile_start
+        last = None if first is None else first + log.profile_count - 1
+        return cls(first, last, run_dir / "profile", rank, device)
+
+    @property
+    def trace_path(self) -> Path:
+        return self.out_dir / f"rank{self.rank}.json"
+
+    @property
+    def memory_path(self) -> Path:
+        return self.out_dir / f"rank{self.rank}_memory.pickle"
+
+    @property
+    def oom_path(self) -> Path:
+        return self.out_dir / f"rank{self.rank}_oom.pickle"
+
+    def in_window(self, step: int) -> bool:
+        return self.first is not None and self.last is not None and self.first <= step <= self.last
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Run one step (number `step`) inside: profiled when in the window. On a CUDA
+        out-of-memory error, dump a memory snapshot before re-raising; on any error, write the trace
+        recorded so far (the steps before a crash are what one wants to see)."""
+        self.step_begin(step)
+        try:
+            with record_function(f"step {step}") if self.prof is not None else contextlib.nullcontext():
+                yield
+        except torch.cuda.OutOfMemoryError:
+            self._dump_oom()
+            self._close_after_error()
+            raise
+        except BaseException:
+            self._close_after_error()
+            raise
+        self.step_end(step)
+
+    def step_begin(self, step: int) -> None:
+        """Start recording if `step` is in the window and recording has not started."""
+        if self.done or self.prof is not None or not self.in_window(step):
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.cuda:
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.prof = profile(activities=activities, record_shapes=True, profile_memory=True)
+        self.prof.start()
+
+    def step_end(self, step: int) -> None:
+        """Write the trace (and memory snapshot) after the window's last step."""
+        if self.prof is not None and self.last is not None and step >= self.last:
+            self.close()
+
+    def close(self) -> None:
+        """Stop and write what was recorded, if anything; idempotent (the loop may call it after the
+        window closed itself)."""
+        self.done = True
+        prof, self.prof = self.prof, None
+        if prof is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        prof.stop()
+        prof.export_chrome_trace(str(self.trace_path))
+        if self.cuda:
+            torch.cuda.memory._dump_snapshot(str(self.memory_path))
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def _close_after_error(self) -> None:
+        """close(), but a failure writing the trace must not hide the step's own error."""
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _dump_oom(self) -> None:
+        """The allocator's state at the failure (with allocation history when inside the window)."""
+        if not self.cuda:
+            return
+        with contextlib.suppress(Exception):
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(str(self.oom_path))
