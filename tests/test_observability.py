@@ -89,6 +89,32 @@ def test_non_finite_numbers_are_written_as_null(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
 
 
+def test_a_runs_nan_step_is_null_in_metrics_jsonl(small_data_dir, tmp_path, monkeypatch):
+    """A real run whose step 2 has a NaN loss (skipped by train.nonfinite=skip): every line parses
+    strictly, and the skipped step's loss is null."""
+    from strata.parallel.runtime import start
+    from strata.trainer import parallelize as parallelize_mod
+    from strata.trainer.loop import run
+
+    from conftest import tiny_config
+
+    real, calls = parallelize_mod.lm_loss, [0]
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            calls[0] += 1
+            if (calls[0] - 1) // 4 + 1 == 2:  # tiny_config: 4 micro-batches a step
+                logits = logits * math.nan
+        return real(logits, targets)
+
+    monkeypatch.setattr(parallelize_mod, "lm_loss", loss)
+    cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 3, "log.interval": 1})
+    run(cfg, start())
+    records = [_strict_json(line) for line in (cfg.run_dir() / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert losses[2] is None and losses[1] is not None and losses[3] is not None
+
+
 # --- MFU peak ---------------------------------------------------------------------------------
 
 
