@@ -3,13 +3,9 @@ process holding the whole model would compute it (torch.nn.utils.clip_grad_norm_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-from torch import nn
 
 from strata.parallel import comm
-from strata.parallel.tensor import placement_of
 
 
 def global_grad_norm(
@@ -38,26 +34,3 @@ def scale_to_norm(grads: list[torch.Tensor], max_norm: float, total: torch.Tenso
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))
-
-
-def clip_grad_norm(
-    params: list[nn.Parameter],
-    max_norm: float,
-    tp_group=None,
-    pp_group=None,
-    counted_elsewhere: Sequence[nn.Parameter] = (),
-) -> torch.Tensor:
-    """Clip parameters' gradients by the global norm. Parameters in `counted_elsewhere` (a tied
-    embedding's second copy) are clipped but not counted again."""
-    if tp_group is None and pp_group is None and not counted_elsewhere:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)  # one rank holds everything
-    skip = {id(p) for p in counted_elsewhere}
-    counted = [(p, p.grad) for p in params if p.grad is not None and id(p) not in skip]
-    total = global_grad_norm(
-        [g for p, g in counted if placement_of(p).shard_dim is not None],
-        [g for p, g in counted if placement_of(p).shard_dim is None],
-        tp_group,
-        pp_group,
-    )
-    scale_to_norm([p.grad for p in params if p.grad is not None], max_norm, total)
-    return total

@@ -501,12 +501,16 @@ class ZeroEngine:
 
     def clip_grad_norm(self, max_norm: float, tp_group=None, pp_group=None) -> torch.Tensor:
         """Clip the segments' gradients by the norm of the whole model's gradient."""
+        partition, _ = self.topo.digit_group("none", self.plan.optim)
+        if tp_group is None and pp_group is None and partition is None:
+            # This rank's segments are the whole gradient, in the model's parameter order: torch's own
+            # clip_grad_norm_ gives, bit for bit, what a plain training loop computes.
+            return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         counted = [
             (slot, piece) for g in self.groups if self.count_tied or not g.tied_copy for slot, piece, _, _ in g.segments
         ]
         sharded = [_grad(piece) for slot, piece in counted if placement_of(slot.param).shard_dim is not None]
         replicated = [_grad(piece) for slot, piece in counted if placement_of(slot.param).shard_dim is None]
-        partition, _ = self.topo.digit_group("none", self.plan.optim)
         total = global_grad_norm(
             sharded, replicated, tp_group, pp_group, partition_group=partition, device=self.groups[0].full.device
         )
