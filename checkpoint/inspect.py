@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from torch.distributed.checkpoint.metadata import Metadata
+
 from strata.checkpoint import dcp_meta, integrity, store
 from strata.checkpoint.plan import torch_dtype
 from strata.checkpoint.reader import Checkpoint
@@ -43,7 +45,18 @@ def _metadata_problems(ckpt: Path, index: dict) -> list[str]:
     want = {*index["tensors"], *index.get("aliases", {}), *index.get("objects", {})}
     if set(meta.state_dict_metadata) != want:
         return [f"{ckpt / '.metadata'}: does not list the same entries as index.json"]
+    if _storage(meta) != _storage(dcp_meta.build(index, "")):
+        return [f"{ckpt / '.metadata'}: points DCP at other files or bytes than index.json does (damaged)"]
     return []
+
+
+def _storage(meta: Metadata) -> dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]]:
+    """Where DCP reads each entry from: {(key, chunk offsets): (file, offset, length)} — so a
+    `.metadata` cannot send a plain DCP load outside the files the index (checked) names."""
+    return {
+        (i.fqn, None if i.offset is None else tuple(i.offset)): (str(s.relative_path), s.offset, s.length)
+        for i, s in meta.storage_data.items()
+    }
 
 
 def verify_report(path: Path) -> tuple[bool, str]:

@@ -169,3 +169,16 @@ def test_an_index_of_the_wrong_shape_is_one_problem_not_a_crash(saved):
     problems = Checkpoint(saved).problems
     assert problems == store.verify(saved)[1]
     assert problems == [f"{saved / 'index.json'}: not a checkpoint index (a damaged index)"]
+
+
+def test_a_metadata_sending_dcp_elsewhere_fails_verify(saved, capsys):
+    """DCP alone reads where `.metadata` says: verify holds it to the (checked) index, even with a
+    checksum recorded to match."""
+    from strata.checkpoint import dcp_meta
+
+    index = json.loads((saved / "index.json").read_text())
+    weight_chunk(index)["file"] = "../__0_0.distcp"
+    rewrite(saved, ".metadata", dcp_meta.to_bytes(dcp_meta.build(index, str(saved))))
+    assert strata_main(["ckpt", "verify", str(saved)]) == 1
+    out = capsys.readouterr().out
+    assert f"{saved / '.metadata'}: points DCP at other files or bytes than index.json does" in out
