@@ -3,10 +3,18 @@
 its own with `checkpoint.async` — persists it while training goes on. While a save is in flight,
 every step ends with one small all-reduce of the writers' status, so every rank learns together
 that the save is written (then rank 0 commits it) or that a writer failed (then every rank raises).
+
+Disk problems: every rank checks at construction that it can create a file in the directory, so an
+unwritable `checkpoint.dir` stops the run before its first step rather than at its first save; a save
+that finds no room (ENOSPC, EDQUOT, EFBIG) is discarded, leaving the committed checkpoints as they were,
+and then stops the run or, with `checkpoint.on_disk_full: retry`, is skipped with a warning.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import shutil
 import socket
 import subprocess
@@ -35,6 +43,7 @@ from strata.errors import CheckpointError
 from strata.parallel import comm
 
 WRITING, WRITTEN, DONE = 0, 1, 2
+ON_DISK_FULL = ("stop", "retry")
 
 
 @dataclass
@@ -46,11 +55,13 @@ class _Save:
     state: int = WRITING
     commit_sent: bool = False
     error: str | None = None
+    no_room: bool = False  # the error is a writer's DiskFullError
 
 
 class CheckpointManager:
     """Checkpoints under `root` for one rank of a `world` (collective calls over `group`, None in a
-    world of one: every rank makes them); `config_yaml` is the run's config, saved with each."""
+    world of one: every rank makes them); `config_yaml` is the run's config, saved with each.
+    `on_disk_full` ("stop" or "retry") is what a save that finds no room does."""
 
     def __init__(
         self,
@@ -61,13 +72,19 @@ class CheckpointManager:
         async_save: bool = False,
         group=None,
         config_yaml: str = "",
+        on_disk_full: str = "stop",
     ):
+        if on_disk_full not in ON_DISK_FULL:
+            raise ValueError(f"on_disk_full must be one of {ON_DISK_FULL}, not {on_disk_full!r}")
         self.root, self.rank, self.world, self.config_yaml = Path(root), rank, world, config_yaml
         self.keep_last, self.async_save, self.group = keep_last, async_save, group
+        self.on_disk_full = on_disk_full
+        self.skipped: dict[int, str] = {}  # steps whose save found no room and was skipped (retry): why
         self._staging: Staging | None = None
         self._inflight: _Save | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
+        self.agree(_writable(self.root, rank), f"checkpoint.dir {self.root} cannot hold checkpoints")
         if rank == 0:  # saves an earlier run left unfinished: never loaded, and they fill the disk
             store.clean_partials(self.root)
 
@@ -77,20 +94,38 @@ class CheckpointManager:
         every = comm.all_gather_objects(problems, self.group)
         found = [f"rank {r}: {p}" if self.world > 1 else p for r, ps in enumerate(every) for p in ps]
         if found:
-            raise CheckpointError(
-                f"{what}:\n  " + "\n  ".join(found[:20]) + (f"\n  … {len(found) - 20} more" if len(found) > 20 else "")
-            )
+            raise CheckpointError(_listed(what, found))
 
-    def _agree_saved(self, problems: list[str], step: int) -> None:
-        """`agree` on a save of `step`; when it failed, rank 0 deletes its partial directory (every
-        rank has stopped writing by then: the agreement is collective), so failures cannot fill
-        the disk."""
-        try:
-            self.agree(problems, self._failed(step))
-        except CheckpointError:
+    def _agree_saved(self, problems: list[str], step: int, no_room: bool = False) -> bool:
+        """Whether every rank's part of the save of `step` succeeded (collective; `no_room`: this
+        rank's problems are a full disk). When any failed, rank 0 deletes the partial directory
+        (every rank has stopped writing by then: the agreement is collective), so failures cannot
+        fill the disk; then every rank raises the same error, unless every failure was a full disk
+        and `on_disk_full` is "retry": then the save is skipped (False) and rank 0 warns."""
+        every = comm.all_gather_objects((problems, no_room), self.group)
+        found = [f"rank {r}: {p}" if self.world > 1 else p for r, (ps, _) in enumerate(every) for p in ps]
+        if not found:
+            return True
+        if self.rank == 0:
+            store.discard_partial(store.partial_dir(self.root, step))
+        disk_full = all(full for ps, full in every if ps)
+        if disk_full and self.on_disk_full == "retry":
+            note = (
+                f"checkpoint step {step} was not saved: no room under {self.root}; the checkpoints committed "
+                f"before it are intact, training goes on and the next checkpoint tries again "
+                f"(checkpoint.on_disk_full: retry): {found[0]}"
+            )
+            self.skipped[step] = note
             if self.rank == 0:
-                store.discard_partial(store.partial_dir(self.root, step))
-            raise
+                print(f"strata: warning: {note}", file=sys.stderr, flush=True)
+            return False
+        what = self._failed(step)
+        if disk_full:
+            what += (
+                "; free space there (or set checkpoint.dir to a larger file system), or set "
+                "checkpoint.on_disk_full: retry to train on and try again at the next checkpoint"
+            )
+        raise CheckpointError(_listed(what, found))
 
     # --- saving ----------------------------------------------------------------------------
     def save(self, step: int, state: SavableState) -> None:
@@ -133,18 +168,22 @@ class CheckpointManager:
         return staging
 
     def _write_inline(self, step: int, step_dir: Path, staging: Staging, extra: dict, commit_args: tuple) -> None:
-        problems = []
+        problems: list[str] = []
+        no_room = False
         try:
             writer.write_rank(step_dir, self.rank, memoryview(_image(staging).map), staging.nbytes, extra)
         except Exception as e:  # every rank must reach agree(), whatever went wrong
             problems.append(f"writing {step_dir}: {type(e).__name__}: {e}")
-        self._agree_saved(problems, step)
+            no_room = isinstance(e, writer.DiskFullError)
+        if not self._agree_saved(problems, step, no_room):
+            return
         if self.rank == 0:
             try:
                 writer.commit(*commit_args)
             except Exception as e:
                 problems.append(f"committing {step_dir}: {type(e).__name__}: {e}")
-        self._agree_saved(problems, step)
+                no_room = isinstance(e, writer.DiskFullError)
+        self._agree_saved(problems, step, no_room)
 
     def _failed(self, step: int) -> str:
         return (
@@ -204,6 +243,7 @@ class CheckpointManager:
                 status, kind, *text = conn.recv()
                 if status == "error":
                     save.error = f"{kind} failed: {text[0]}"
+                    save.no_room = bool(text[1:] and text[1])
                 elif kind == "write":
                     save.state = WRITTEN if self.rank == 0 else DONE
                 else:
@@ -225,7 +265,8 @@ class CheckpointManager:
         if flags[0]:
             self._inflight = None
             self._stop_writer(kill=True)  # it may still be writing this save: a new one starts for the next
-            self._agree_saved([save.error] if save.error else [], save.step)
+            self._agree_saved([save.error] if save.error else [], save.step, save.no_room)
+            return
         lowest = -int(flags[1])
         if self.rank == 0 and lowest >= WRITTEN and not save.commit_sent:
             assert self._conn is not None  # a save in flight has its writer
@@ -250,6 +291,37 @@ class CheckpointManager:
             if self._staging is not None:
                 _image(self._staging).close()
                 self._staging = None
+
+
+def _listed(what: str, found: list[str]) -> str:
+    return f"{what}:\n  " + "\n  ".join(found[:20]) + (f"\n  … {len(found) - 20} more" if len(found) > 20 else "")
+
+
+def _writable(root: Path, rank: int) -> list[str]:
+    """Problems creating a file in `root` (made if missing): every rank writes its data file there, so
+    an unwritable directory is found before the first step, not at the first save. Write and fsync a
+    probe file (permissions alone would not tell: root ignores them, read-only mounts and full disks
+    refuse only the write)."""
+    probe = root / f".probe.rank{rank}.{os.getpid()}"
+    if root.exists() and not root.is_dir():
+        return [f"{root} is not a directory; set checkpoint.dir to a directory every rank can write to"]
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"\0" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+    except OSError as e:
+        name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else type(e).__name__
+        return [
+            f"cannot create a file in {root} ({name}: {e.strerror or e}); set checkpoint.dir to a directory "
+            "every rank can write to"
+        ]
+    return []
 
 
 def _image(staging: Staging) -> SharedImage:

@@ -10,12 +10,14 @@ COMMITTED marker, written last, after `index.json` and DCP's `.metadata`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
 import os
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -25,6 +27,65 @@ from strata.checkpoint import integrity, store
 
 CHUNK = 16 * integrity.BLOCK  # a whole number of checksum blocks, so chunks' block CRCs line up
 DELAY_ENV = "STRATA_CKPT_TEST_WRITE_DELAY_S"  # tests: a slow writer, to kill it mid-save
+
+
+# The errors that mean "no room": `checkpoint.on_disk_full` decides what they do, unlike other failures.
+NO_ROOM = {
+    errno.ENOSPC: "the file system is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "the file would outgrow the size this process (ulimit -f) or the file system allows",
+}
+
+
+class DiskFullError(OSError):
+    """A write that found no room (ENOSPC, EDQUOT, EFBIG), its message naming the file and the bytes that
+    could not be written: unlike other failures, the run may train on and retry (`checkpoint.on_disk_full`)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system holding `path` (or its nearest
+    existing parent); None if that cannot be asked."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _sized(n: int) -> str:
+    return f"{n} bytes ({n / 2**20:.2f} MiB)"
+
+
+def no_room(e: OSError, path: Path, nbytes: int, written: int = 0) -> DiskFullError:
+    """`e` (one of NO_ROOM) as a DiskFullError naming the file, the bytes missing and the free space,
+    so the user knows how much to free."""
+    assert e.errno is not None  # only called for errnos in NO_ROOM
+    free = free_bytes(path)
+    message = (
+        f"no room for {path}: {errno.errorcode[e.errno]}, {NO_ROOM[e.errno]}: {_sized(nbytes - written)} of its "
+        f"{nbytes} could not be written; "
+        + (f"{_sized(free)} free on its file system" if free is not None else "free space unknown")
+    )
+    return DiskFullError(e.errno, message)
+
+
+@contextlib.contextmanager
+def room_for(path: Path, nbytes: int) -> Iterator[None]:
+    """Turn a no-room OSError raised inside into a DiskFullError about writing `nbytes` to `path`."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as e:
+        if e.errno in NO_ROOM:
+            raise no_room(e, path, nbytes) from e
+        raise
 
 
 def rank_manifest(step_dir: Path, rank: int) -> Path:
@@ -51,7 +112,8 @@ def write_data(path: Path, image: memoryview, nbytes: int) -> dict:
     computed on a second thread while the next chunk is written (both release the GIL)."""
     view = image[:nbytes]
     delay = float(os.environ.get(DELAY_ENV, 0))
-    fd, direct = _open_direct(path)
+    with room_for(path, nbytes):
+        fd, direct = _open_direct(path)
     crcs = []
     try:
         with ThreadPoolExecutor(1) as checksums:
@@ -63,6 +125,8 @@ def write_data(path: Path, image: memoryview, nbytes: int) -> dict:
                 try:
                     _pwrite_all(fd, view[pos : pos + n], pos)
                 except OSError as e:
+                    if e.errno in NO_ROOM:  # the file holds what was written before (a fresh file, written in order)
+                        raise no_room(e, path, nbytes, min(os.fstat(fd).st_size, nbytes)) from e
                     if not direct or e.errno != errno.EINVAL:
                         raise OSError(e.errno, f"writing {n} bytes at offset {pos} of {path}: {e.strerror}") from e
                     os.close(fd)  # O_DIRECT refused this buffer: go on buffered
@@ -72,7 +136,8 @@ def write_data(path: Path, image: memoryview, nbytes: int) -> dict:
                 pos += n
                 if delay:
                     time.sleep(delay)
-            os.fsync(fd)
+            with room_for(path, nbytes):  # a file system that allocates late reports no room here
+                os.fsync(fd)
             block_crcs = [crc for f in crcs for crc in f.result()]
     finally:
         os.close(fd)
@@ -85,9 +150,14 @@ def write_rank(step_dir: Path, rank: int, image: memoryview, nbytes: int, extra:
     step_dir.mkdir(parents=True, exist_ok=True)
     files = {store.data_file(rank): write_data(step_dir / store.data_file(rank), image, nbytes)}
     for name, data in extra.items():
-        write_file_atomic(step_dir / name, data)
+        _write_small(step_dir / name, data)
         files[name] = integrity.entry(data)
-    write_file_atomic(rank_manifest(step_dir, rank), json.dumps(files).encode())
+    _write_small(rank_manifest(step_dir, rank), json.dumps(files).encode())
+
+
+def _write_small(path: Path, data: bytes) -> None:
+    with room_for(path, len(data)):
+        write_file_atomic(path, data)
 
 
 def commit(step_dir: Path, step: int, world: int, index: dict, config_yaml: str, keep_last: int) -> None:
@@ -106,9 +176,9 @@ def commit(step_dir: Path, step: int, world: int, index: dict, config_yaml: str,
         ".metadata": dcp_meta.to_bytes(dcp_meta.build(index, str(step_dir))),
     }
     for name, data in small.items():
-        write_file_atomic(step_dir / name, data)
+        _write_small(step_dir / name, data)
         files[name] = integrity.entry(data)
-    write_file_atomic(step_dir / store.MARKER, json.dumps({"step": step, "files": files, "time": time.time()}).encode())
+    _write_small(step_dir / store.MARKER, json.dumps({"step": step, "files": files, "time": time.time()}).encode())
     final = store.step_dir(step_dir.parent, step)
     store.publish(step_dir, final)
     store.prune(step_dir.parent, keep_last, final)
@@ -117,7 +187,7 @@ def commit(step_dir: Path, step: int, world: int, index: dict, config_yaml: str,
 def serve(image: memoryview, conn: Connection) -> None:
     """The writer loop: ("write", step_dir, rank, nbytes, extra) and ("commit", step_dir, step,
     world, index, config_yaml, keep_last) jobs from the trainer, answered ("ok", kind) or
-    ("error", kind, message); None or a closed connection stops it."""
+    ("error", kind, message, no_room: bool); None or a closed connection stops it."""
     while True:
         try:
             job = conn.recv()
@@ -134,7 +204,7 @@ def serve(image: memoryview, conn: Connection) -> None:
                 commit(*args)
             conn.send(("ok", kind))
         except Exception as e:  # reported to the trainer, which raises it at its next step
-            conn.send(("error", kind, f"{type(e).__name__}: {e}"))
+            conn.send(("error", kind, f"{type(e).__name__}: {e}", isinstance(e, DiskFullError)))
 
 
 def main(argv: list[str]) -> None:

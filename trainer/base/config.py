@@ -448,6 +448,13 @@ class CheckpointConfig:
         "start a new run in a checkpoint.dir that holds committed checkpoints, replacing them as new ones are "
         "saved (false: such a start is refused; continue that run with --resume DIR)",
     )
+    on_disk_full: str = opt(
+        "stop",
+        "what a save that finds no room (ENOSPC, EDQUOT, EFBIG) does: stop (every rank raises an error naming "
+        "the file and the bytes missing) or retry (warn, train on, and try again at the next checkpoint); "
+        "either way the partial save is removed and the committed checkpoints stay as they were",
+        choices=("stop", "retry"),
+    )
 
 
 @dataclass(frozen=True)
