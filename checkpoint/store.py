@@ -23,7 +23,7 @@ from strata.atomic import fsync_path
 from strata.checkpoint import integrity
 from strata.errors import CheckpointError
 
-MARKER = "COMMITTED"
+MARKER = integrity.MARKER  # the commit marker's file name
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _PARTIAL_DIR = re.compile(r"^\.step_\d{8}\.partial$")
 
