@@ -10,10 +10,47 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from strata import __version__
 from strata.errors import StrataError
+
+if TYPE_CHECKING:
+    from strata.config import Config
+
+
+def _whole(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= minimum (argparse names the flag and exits 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _whole(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -22,6 +59,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from strata.trainer.loop import rewrite_checkpoint, run
 
     cfg = config.load(args.config, args.overrides, world_size=runtime.world_size_from_env())
+    config.check_trainable(cfg)
     rt = runtime.start(cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
         if args.save_to:
@@ -37,12 +75,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_data(cfg: Config) -> None:
+    """The data directory's problems, before any worker starts (each worker would hit them alone)."""
+    if cfg.data.path:
+        from strata.trainer.data import check_data_dir
+
+        check_data_dir(Path(cfg.data.path), cfg.model.seq_len)
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from strata import config
     from strata.launch import slurm, torchrun
 
     if args.slurm:
         cfg = config.load(args.config, args.overrides, world_size=args.nodes * args.gpus_per_node)
+        config.check_trainable(cfg)
         job = slurm.SlurmJob(
             name=cfg.run_name(),
             nodes=args.nodes,
@@ -62,9 +109,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(f"strata launch: wrote {path}")
         return 0 if args.no_submit else slurm.submit(path)
     cfg = config.load(args.config, args.overrides, world_size=args.nproc * args.nnodes)  # fail before starting workers
+    config.check_trainable(cfg)
     problem = config.snapshot_nodes_problem(cfg.snapshot, args.nnodes)
     if problem:
         raise StrataError(problem)
+    _check_data(cfg)
+    if args.resume:
+        from strata.checkpoint import store
+
+        store.resolve(Path(args.resume))  # a directory without a committed checkpoint fails here, not in every worker
     plan = torchrun.LaunchPlan(
         nproc_per_node=args.nproc,
         nnodes=args.nnodes,
@@ -254,8 +307,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     la.add_argument("config", help="YAML experiment")
     la.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
     la.add_argument("--resume", help="checkpoint directory the workers resume from")
-    la.add_argument("--nproc", type=int, default=1, help="processes per node (local torchrun)")
-    la.add_argument("--nnodes", type=int, default=1, help="nodes taking part in the local rendezvous")
+    la.add_argument("--nproc", type=_whole(1), default=1, help="processes per node (local torchrun)")
+    la.add_argument("--nnodes", type=_whole(1), default=1, help="nodes taking part in the local rendezvous")
     la.add_argument("--rdzv-endpoint", default="", help="host:port of the c10d rendezvous (default: a free local port)")
     la.add_argument("--rdzv-id", default="strata", help="rendezvous id: the same on every node of one job")
     la.add_argument(
@@ -267,20 +320,20 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     )
     la.add_argument(
         "--max-restarts",
-        type=int,
+        type=_whole(0),
         default=0,
         help="times torchrun restarts the workers after a failure (they resume from the newest "
         "in-memory snapshot with snapshot.every_steps, else the newest checkpoint)",
     )
     la.add_argument(
         "--join-timeout",
-        type=int,
+        type=_whole(1),
         default=600,
         help="seconds a rendezvous waits for every node (after a loss: for the replacement)",
     )
     la.add_argument("--slurm", action="store_true", help="write an sbatch script (and submit it if sbatch exists)")
-    la.add_argument("--nodes", type=int, default=1, help="Slurm nodes")
-    la.add_argument("--gpus-per-node", type=int, default=8, help="Slurm GPUs (= processes) per node")
+    la.add_argument("--nodes", type=_whole(1), default=1, help="Slurm nodes")
+    la.add_argument("--gpus-per-node", type=_whole(1), default=8, help="Slurm GPUs (= processes) per node")
     la.add_argument("--partition", default="", help="Slurm partition")
     la.add_argument("--account", default="", help="Slurm account")
     la.add_argument("--time", default="01:00:00", help="Slurm time limit")
@@ -302,7 +355,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         ),
     )
     st.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    st.add_argument("--port", type=int, required=True, help="port to listen on")
+    st.add_argument("--port", type=_port, required=True, help="port to listen on")
     st.set_defaults(func=cmd_store)
 
     c = sub.add_parser(
@@ -321,7 +374,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     c.add_argument("action", choices=["show", "explain"])
     c.add_argument("target", help="config file (show) or key such as optim.lr (explain)")
     c.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="show: " + OVERRIDES)
-    c.add_argument("--world-size", type=int, help="also check the layout against this many processes")
+    c.add_argument("--world-size", type=_whole(1), help="also check the layout against this many processes")
     c.set_defaults(func=cmd_config)
 
     d = sub.add_parser(
@@ -344,7 +397,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         "(which is replaced); never inside an input directory",
     )
     d.add_argument("--glob", default="*", help="file pattern inside input directories (e.g. '*.txt')")
-    d.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out for evaluation")
+    d.add_argument("--val-fraction", type=_fraction, default=0.05, help="share of files held out for evaluation")
     d.add_argument("--stdlib", action="store_true", help="use the Python standard library sources as the corpus")
     d.set_defaults(func=cmd_data)
 

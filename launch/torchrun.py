@@ -53,8 +53,18 @@ class LaunchPlan:
 
 def check_plan(plan: LaunchPlan) -> None:
     """Refuse a plan whose nodes could never meet: without an endpoint every node would pick its own
-    free local port and wait for the others there until the join timeout."""
+    free local port and wait for the others there until the join timeout; and counts torchrun
+    would refuse with a traceback."""
+    for flag, value, least in (
+        ("--nproc", plan.nproc_per_node, 1),
+        ("--nnodes", plan.nnodes, 1),
+        ("--max-restarts", plan.max_restarts, 0),
+        ("--join-timeout", plan.join_timeout_s, 1),
+    ):
+        if value < least:
+            raise StrataError(f"{flag} {value}: must be >= {least}")
     if plan.rdzv_endpoint:
+        _check_endpoint(plan.rdzv_endpoint)
         return
     if plan.external_store:
         raise StrataError(
@@ -67,6 +77,15 @@ def check_plan(plan: LaunchPlan) -> None:
             "with the first node's address (the same on every node), or run `strata store --port PORT` on a "
             "host and give every node --rdzv-store external --rdzv-endpoint HOST:PORT"
         )
+
+
+def _check_endpoint(endpoint: str) -> None:
+    """--rdzv-endpoint is HOST:PORT (or HOST, torchrun's default port) with a port torchrun can use."""
+    host, colon, port = endpoint.rpartition(":")
+    if not colon:
+        host, port = endpoint, ""
+    if not host or (colon and not (port.isdigit() and 1 <= int(port) <= 65535)):
+        raise StrataError(f"--rdzv-endpoint {endpoint!r}: write it as HOST:PORT with a port 1..65535, e.g. node1:29400")
 
 
 def torchrun_args(plan: LaunchPlan) -> list[str]:

@@ -15,12 +15,15 @@ import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from strata.atomic import atomic_directory
 from strata.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1
 
@@ -216,10 +219,52 @@ def read_meta(data_dir: Path) -> TokenMeta:
             f"data.path={str(data_dir)!r}: no meta.json there; make the directory with "
             '`strata data prepare`, or add meta.json with {"dtype": "uint16", "vocab_size": N}'
         )
-    meta = json.loads(path.read_text())
-    if meta.get("dtype") not in ("uint16", "uint32") or not isinstance(meta.get("vocab_size"), int):
-        raise DataError(f'{path}: needs "dtype" (uint16 or uint32) and an integer "vocab_size"')
-    return TokenMeta(meta["dtype"], meta["vocab_size"], meta.get("tokenizer", "unknown"))
+    try:
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise DataError(
+            f"{path}: not valid JSON ({e}); rewrite it with `strata data prepare`, or fix it to hold "
+            '{"dtype": "uint16", "vocab_size": N}'
+        ) from e
+    if not isinstance(meta, dict):
+        raise DataError(f'{path}: must be a JSON object like {{"dtype": "uint16", "vocab_size": N}}, got {meta!r:.60}')
+    vocab = meta.get("vocab_size")
+    if meta.get("dtype") not in ("uint16", "uint32") or not isinstance(vocab, int) or isinstance(vocab, bool):
+        raise DataError(
+            f'{path}: needs "dtype" (uint16 or uint32) and an integer "vocab_size"; '
+            f"got dtype={meta.get('dtype')!r}, vocab_size={vocab!r}"
+        )
+    if vocab < 1:
+        raise DataError(f'{path}: "vocab_size" is {vocab}; it must be >= 1 (the number of distinct token ids)')
+    tokenizer = meta.get("tokenizer", "unknown")
+    return TokenMeta(meta["dtype"], vocab, tokenizer if isinstance(tokenizer, str) else "unknown")
+
+
+def _open_tokens(path: Path, dtype: str) -> np.ndarray:
+    """The token file as a read-only memory map; a file that cannot hold whole tokens is a DataError."""
+    itemsize = np.dtype(dtype).itemsize
+    size = path.stat().st_size
+    if size == 0:
+        return np.zeros(0, dtype=np.dtype(dtype))
+    if size % itemsize:
+        raise DataError(
+            f"{path}: {size} bytes is not a whole number of {dtype} tokens ({itemsize} bytes each); the file is "
+            "truncated or meta.json names the wrong dtype: prepare the data again with `strata data prepare`"
+        )
+    return np.memmap(path, dtype=np.dtype(dtype), mode="r")
+
+
+def _check_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
+    """Refuse token ids outside the vocabulary (the embedding lookup would fail mid-run): one pass
+    over the file, unless the dtype cannot hold an id that large."""
+    if len(tokens) == 0 or vocab_size > np.iinfo(tokens.dtype).max:
+        return
+    top = int(tokens.max())
+    if top >= vocab_size:
+        raise DataError(
+            f"{path}: holds token id {top}, but meta.json says vocab_size={vocab_size} (ids must be below it); "
+            f"set vocab_size to at least {top + 1}, or prepare the data again"
+        )
 
 
 class TokenDataset:
@@ -230,7 +275,8 @@ class TokenDataset:
         path = Path(data_dir) / f"{split}.bin"
         if not path.is_file():
             raise DataError(f"data.path={str(data_dir)!r}: missing {split}.bin")
-        self.tokens = np.memmap(path, dtype=np.dtype(meta.dtype), mode="r")
+        self.tokens = _open_tokens(path, meta.dtype)
+        _check_ids(path, self.tokens, meta.vocab_size)
         self.seq_len = seq_len
         self.vocab_size = meta.vocab_size
         self.n_samples = (len(self.tokens) - 1) // seq_len
@@ -249,8 +295,17 @@ class TokenDataset:
 
     def batch(self, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both (len(indices), seq_len) int64."""
+        import torch  # here, so the launcher checks a data directory without loading torch
+
         rows = torch.from_numpy(np.stack([self.window(i) for i in indices]))
         return rows[:, :-1], rows[:, 1:]
+
+
+def check_data_dir(data_dir: Path, seq_len: int) -> None:
+    """Everything `TokenDataset` refuses about a data directory (meta.json, both token files, their
+    ids), checked before any worker starts."""
+    for split in ("train", "val"):
+        TokenDataset(data_dir, split, seq_len)
 
 
 class BatchLoader:

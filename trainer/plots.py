@@ -4,10 +4,42 @@ one recorded pipeline step (a schedule record written by bench/pipeline_schedule
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from typing import Any
 
 from strata.errors import StrataError
-from strata.trainer.metrics import read_metrics
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl (none if it has none). A cut-off last line (the run was
+    stopped mid-write) is left out with a note; a damaged line before it is a StrataError naming it."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise StrataError(f"strata plot: cannot read {path} as UTF-8 text ({e}); pass a run directory") from e
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    records = []
+    for n, line in numbered:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif (n, line) == numbered[-1]:
+            print(
+                f"strata plot: {path} line {n} is cut off (the run stopped mid-write); plotting the rest",
+                file=sys.stderr,
+            )
+        else:
+            raise StrataError(
+                f"strata plot: {path} line {n} is not a JSON record: {line[:60]!r}; fix or delete that line"
+            )
+    return records
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
@@ -18,8 +50,8 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
-    train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval_loss" in r]
+    train = [r for r in records if _numbers(r, "step", "loss")]
+    evals = [r for r in records if _numbers(r, "step", "eval_loss")]
     if not train and not evals:
         raise StrataError(
             f"strata plot: no metrics in {Path(run_dir) / 'metrics.jsonl'}; pass a run directory "
@@ -39,6 +71,11 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def _numbers(record: dict[str, Any], *keys: str) -> bool:
+    """Whether every key of `record` holds a number (a record without them is not plotted)."""
+    return all(isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool) for k in keys)
 
 
 SCHEDULE_COLORS = {"F": ("#1f5fa8", "#7fb0e6"), "B": ("#2e8b3a", "#93d69b"), "W": ("#c0701a", "#f2b877")}

@@ -663,12 +663,56 @@ def _entries() -> dict[str, tuple[dataclasses.Field[Any], Any]]:
 # --- internals ------------------------------------------------------------------------------
 
 
+class _DuplicateKey(yaml.YAMLError):  # type: ignore[misc, unused-ignore]
+    """A mapping that gives one key twice."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc, unused-ignore]
+    """yaml.safe_load's loader, but a key given twice in one mapping is an error (PyYAML keeps the
+    last silently, so a typo'd copy of a group would quietly replace the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call, unused-ignore]
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: the base class reports it
+            if first is None:
+                seen[key] = line
+            else:
+                raise _DuplicateKey(
+                    f"line {line}: duplicate key {key!r} (first given on line {first}); keep one of them"
+                )
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
+
+
+def _safe_load(text: str) -> Any:
+    """yaml.safe_load, refusing duplicate keys."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
+    if path.is_dir():
+        problems.append(f"config file {str(path)!r} is a directory; pass the path to a YAML experiment (see configs/)")
+        return {}
     if not path.is_file():
         problems.append(f"config file {str(path)!r} does not exist; pass the path to a YAML experiment (see configs/)")
         return {}
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = _safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        problems.append(f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); save it as UTF-8")
+        return {}
+    except OSError as e:
+        problems.append(f"config file {str(path)!r} cannot be read ({e.strerror}); check its permissions")
+        return {}
+    except _DuplicateKey as e:
+        problems.append(f"{path}: {e}")
+        return {}
     except yaml.YAMLError as e:
         problems.append(f"{path}: not valid YAML: {e}")
         return {}
@@ -690,9 +734,10 @@ def _apply_override(raw: dict[str, Any], item: str, problems: list[str]) -> None
         problems.append(f"override {item!r}: write it as group.key=value, e.g. train.steps=100")
         return
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = _safe_load(text) if text.strip() else None
     except yaml.YAMLError as e:
-        problems.append(f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]}); quote it")
+        why = getattr(e, "problem", None) or str(e).splitlines()[0]
+        problems.append(f"override {item!r}: the value is not valid YAML ({why}); quote it")
         return
     target = raw
     for depth, name in enumerate(path[:-1]):
@@ -794,6 +839,8 @@ def _range_problem(value: Any, meta: Mapping[str, Any]) -> str | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if isinstance(value, float) and not math.isfinite(value):
             return "must be finite"
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:
+            return "does not fit in a 64-bit integer; use a smaller number"
         lo, hi = meta.get("min"), meta.get("max")
         if lo is not None and (value < lo or (meta.get("min_exclusive") and value == lo)):
             return f"must be {'>' if meta.get('min_exclusive') else '>='} {lo}"
@@ -851,9 +898,59 @@ def _snapshot_checks(cfg: Config) -> list[str]:
     return p
 
 
+PATH_KEYS = ("data.path", "data.cache_dir", "offload.nvme_path", "checkpoint.dir", "log.dir", "log.name")
+NAME_MAX = 255  # bytes in one path component on Linux file systems
+
+
+def _path_problem(key: str, value: str) -> str | None:
+    """Why the path (or path component) `value` of `key` cannot name a file, or None."""
+    if "\0" in value:
+        return f"{key}: {value!r} contains a NUL character, which no path may hold; remove it"
+    long = next((c for c in value.split("/") if len(c.encode("utf-8", "surrogateescape")) > NAME_MAX), None)
+    if long is not None:
+        return (
+            f"{key}: the path component {long[:40]!r}... is {len(long.encode('utf-8', 'surrogateescape'))} bytes; "
+            f"file systems allow {NAME_MAX}, so use a shorter name"
+        )
+    return None
+
+
+def check_trainable(cfg: Config) -> None:
+    """Refuse what a valid config may hold but training cannot run with (torch's AdamW refuses a beta
+    of 1.0, which the schema's inclusive range lets through): `strata train` and `strata launch`
+    call this before starting, so it fails as a ConfigError rather than in torch."""
+    p = [
+        f"optim.{name}: {value!r} cannot train: torch's AdamW needs 0 <= beta < 1; use e.g. 0.999"
+        for name, value in (("beta1", cfg.optim.beta1), ("beta2", cfg.optim.beta2))
+        if value >= 1.0
+    ]
+    if p:
+        raise ConfigError(p)
+
+
+def _value_checks(cfg: Config) -> list[str]:
+    """Values the schema's ranges let through but the run would fail on later: paths no file system
+    takes, a seed the data order cannot use (negative)."""
+    p = [
+        problem
+        for key in PATH_KEYS
+        if isinstance(value := _get(cfg, key), str) and (problem := _path_problem(key, value))
+    ]
+    if cfg.train.seed < 0:
+        p.append(f"train.seed: {cfg.train.seed} must be >= 0 (it seeds the data order)")
+    return p
+
+
+def _get(cfg: Any, key: str) -> Any:
+    """The value of a dotted key (`log.name`) in a config."""
+    for name in key.split("."):
+        cfg = getattr(cfg, next(f.name for f in dataclasses.fields(cfg) if _key_of(f) == name))
+    return cfg
+
+
 def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
     """Constraints between keys (and against the world size, when known)."""
-    p: list[str] = []
+    p: list[str] = _value_checks(cfg)
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     if m.d_model % m.n_heads:
         p.append(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")

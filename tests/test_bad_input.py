@@ -1,0 +1,404 @@
+"""Bad input anywhere — configs, overrides, data directories, checkpoints, metrics files, command-line
+flags — is one clear message naming what is wrong and exit status 2, never a traceback; unusual but
+valid input runs. Each case runs the `strata` command in this process (its parser and `main`); a few
+run it as a user does, in a subprocess, to show nothing else reaches the terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strata.launch import torchrun
+from strata.launch.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun(monkeypatch):
+    """A launch that got past every check would start torchrun: record it instead."""
+    started: list[torchrun.LaunchPlan] = []
+
+    def fake_run_local(plan, *args, **kwargs):
+        torchrun.check_plan(plan)
+        started.append(plan)
+        return 0
+
+    monkeypatch.setattr(torchrun, "run_local", fake_run_local)
+    return started
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """Exit status and everything printed by `strata ARGV` (argparse's usage errors exit via SystemExit)."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+# --- building malformed inputs ------------------------------------------------------------------
+
+
+def write(path: Path, content: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    return path
+
+
+def token_dir(
+    root: Path,
+    train: np.ndarray | bytes | None = None,
+    val: np.ndarray | bytes | None = None,
+    meta: dict | str | bytes | None = None,
+) -> Path:
+    """A data directory: train.bin/val.bin (uint16 unless given as raw bytes) and meta.json (a dict is
+    written as JSON; str or bytes as they are); None writes a good default, and the string "absent"
+    for a file leaves it out."""
+    d = root / "data"
+    d.mkdir(parents=True, exist_ok=True)
+    good = np.arange(2000, dtype=np.uint16) % 200
+    for name, value in (("train.bin", train), ("val.bin", val)):
+        if isinstance(value, str) and value == "absent":
+            continue
+        value = good if value is None else value
+        write(d / name, value if isinstance(value, bytes) else np.asarray(value, dtype=np.uint16).tobytes())
+    if meta != "absent":
+        meta = {"dtype": "uint16", "vocab_size": 257, "tokenizer": "byte"} if meta is None else meta
+        write(d / "meta.json", json.dumps(meta) if isinstance(meta, (dict, list)) else meta)
+    return d
+
+
+def config_file(root: Path, text: str | bytes) -> str:
+    return str(write(root / "exp.yaml", text))
+
+
+def show(*overrides: str) -> Callable[[Path], list[str]]:
+    return lambda tmp: ["config", "show", TINY, *overrides]
+
+
+def show_yaml(text: str | bytes, *extra: str) -> Callable[[Path], list[str]]:
+    return lambda tmp: ["config", "show", config_file(tmp, text), *extra]
+
+
+def launch(*args: str) -> Callable[[Path], list[str]]:
+    return lambda tmp: ["launch", TINY, f"log.dir={tmp / 'runs'}", *args]
+
+
+def launch_data(**parts) -> Callable[[Path], list[str]]:
+    return lambda tmp: [
+        "launch",
+        TINY,
+        f"data.path={token_dir(tmp, **parts)}",
+        f"log.dir={tmp / 'runs'}",
+        "model.seq_len=32",
+        "--nproc",
+        "1",
+    ]
+
+
+def not_a_checkpoint(action: str, *extra: str) -> Callable[[Path], list[str]]:
+    def build(tmp: Path) -> list[str]:
+        write(tmp / "plain" / "notes.txt", "not a checkpoint")
+        return ["ckpt", action, str(tmp / "plain"), *extra]
+
+    return build
+
+
+def launch_resume_plain(tmp: Path) -> list[str]:
+    write(tmp / "plain" / "notes.txt", "not a checkpoint")
+    return ["launch", TINY, f"log.dir={tmp / 'runs'}", "--resume", str(tmp / "plain")]
+
+
+def checkpoint_with_marker(marker: str | None) -> Callable[[Path], list[str]]:
+    """A step directory whose commit marker is `marker` (None: no marker, an unfinished save)."""
+
+    def build(tmp: Path) -> list[str]:
+        step = tmp / "ckpts" / "step_00000002"
+        write(step / "__0_0.distcp", b"\0" * 64)
+        if marker is not None:
+            write(step / "COMMITTED", marker)
+        return ["ckpt", "inspect", str(step)]
+
+    return build
+
+
+def metrics(content: str | bytes) -> Callable[[Path], list[str]]:
+    def build(tmp: Path) -> list[str]:
+        write(tmp / "run" / "metrics.jsonl", content)
+        return ["plot", str(tmp / "run")]
+
+    return build
+
+
+LONG = "x" * 300
+GOOD_LINE = json.dumps({"step": 1, "loss": 5.0, "tokens_per_s": 100.0})
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    argv: Callable[[Path], list[str]]
+    needles: tuple[str, ...]  # each must appear in the output: what names the offending input
+
+
+CASES = [
+    # --- config files: YAML syntax and structure
+    Case("yaml-unclosed-flow", show_yaml("train: [1\n"), ("not valid YAML",)),
+    Case("yaml-bad-indent", show_yaml("train:\n  steps: 5\n seed: 3\n"), ("not valid YAML",)),
+    Case("yaml-tab-indent", show_yaml("train:\n\tsteps: 5\n"), ("not valid YAML",)),
+    Case("yaml-top-level-list", show_yaml("- a\n- b\n"), ("top level must be a mapping", "list")),
+    Case("yaml-top-level-string", show_yaml("just words\n"), ("top level must be a mapping", "str")),
+    Case("yaml-group-is-a-number", show_yaml("train: 5\n"), ("train: must be a mapping",)),
+    Case("yaml-python-tag", show_yaml("train:\n  steps: !!python/object/apply:os.system [ls]\n"), ("not valid YAML",)),
+    Case("yaml-undefined-alias", show_yaml("train:\n  steps: *n\n"), ("not valid YAML", "'n'")),
+    Case("yaml-missing-file", lambda tmp: ["config", "show", str(tmp / "nope.yaml")], ("nope.yaml", "does not exist")),
+    Case("yaml-directory", lambda tmp: ["config", "show", str(tmp)], ("is a directory",)),
+    # --- duplicate keys: an error naming the key and the line
+    Case("dup-group", show_yaml("train:\n  steps: 5\ntrain:\n  seed: 3\n"), ("duplicate key 'train'", "line 3")),
+    Case("dup-key", show_yaml("train:\n  steps: 5\n  steps: 6\n"), ("duplicate key 'steps'", "line 3", "line 2")),
+    Case("dup-flow", show_yaml("train: {steps: 5, steps: 6}\n"), ("duplicate key 'steps'",)),
+    Case("dup-nested", show_yaml("zero:\n  params:\n    shard_over: node\n    shard_over: gpu\n"), ("'shard_over'",)),
+    # --- encodings
+    Case("non-utf8-latin1", show_yaml(b"log:\n  name: caf\xe9\n"), ("exp.yaml", "not UTF-8", "0xe9")),
+    Case("non-utf8-utf16", show_yaml("train:\n  steps: 5\n".encode("utf-16")), ("exp.yaml", "not UTF-8")),
+    Case("non-utf8-binary", show_yaml(b"\x89PNG\r\n\x1a\n\x00\x00"), ("exp.yaml", "not UTF-8")),
+    # --- types
+    Case("type-steps-word", show_yaml("train:\n  steps: five\n"), ("train.steps", "whole number")),
+    Case("type-steps-float", show_yaml("train:\n  steps: 1.5\n"), ("train.steps", "whole number")),
+    Case("type-steps-bool", show_yaml("train:\n  steps: true\n"), ("train.steps",)),
+    Case("type-lr-word", show_yaml("optim:\n  lr: fast\n"), ("optim.lr", "number")),
+    Case("type-bool-string", show_yaml("log:\n  progress: sometimes\n"), ("log.progress", "true or false")),
+    Case("type-value-is-mapping", show_yaml("model:\n  n_layers: {a: 1}\n"), ("model.n_layers", "mapping")),
+    Case("type-name-list", show_yaml("log:\n  name: [a, b]\n"), ("log.name", "string")),
+    Case("type-date", show_yaml("train:\n  steps: 2024-01-01\n"), ("train.steps",)),
+    # --- ranges and overflow
+    Case("range-steps-zero", show_yaml("train:\n  steps: 0\n"), ("train.steps", ">= 1")),
+    Case("range-lr-negative", show_yaml("optim:\n  lr: -0.1\n"), ("optim.lr", ">= 0")),
+    Case("range-eps-zero", show_yaml("optim:\n  eps: 0\n"), ("optim.eps", "> 0")),
+    Case("range-beta1-negative", show_yaml("optim:\n  beta1: -0.1\n"), ("optim.beta1",)),
+    Case("range-beta2-above-one", show_yaml("optim:\n  beta2: 1.5\n"), ("optim.beta2", "<= 1")),
+    Case("range-min-lr-ratio", show_yaml("optim:\n  min_lr_ratio: 2\n"), ("optim.min_lr_ratio",)),
+    Case("range-lr-nan", show_yaml("optim:\n  lr: .nan\n"), ("optim.lr", "finite")),
+    Case("range-lr-inf", show_yaml("optim:\n  lr: .inf\n"), ("optim.lr", "finite")),
+    Case("range-lr-overflows-to-inf", show_yaml("optim:\n  lr: 1.0e+400\n"), ("optim.lr", "finite")),
+    Case("range-choice", show_yaml("train:\n  precision: fp8\n"), ("train.precision", "fp32")),
+    Case("overflow-steps", show_yaml(f"train:\n  steps: {10**30}\n"), ("train.steps", "64-bit")),
+    Case("overflow-seed", show_yaml(f"train:\n  seed: {2**64}\n"), ("train.seed", "64-bit")),
+    Case("range-seed-negative", show_yaml("train:\n  seed: -5\n"), ("train.seed", ">= 0")),
+    # --- names no file system takes
+    Case("path-log-name-300", show_yaml(f"log:\n  name: {LONG}\n"), ("log.name", "300 bytes", "255")),
+    Case("path-log-name-bytes", show(f"log.name={'é' * 200}"), ("log.name", "400 bytes")),
+    Case("path-ckpt-dir-component", show(f"checkpoint.dir=runs/{LONG}/ck"), ("checkpoint.dir", "255")),
+    Case("path-log-dir-nul", show_yaml('log:\n  dir: "runs\\0x"\n'), ("log.dir", "NUL")),
+    # --- unknown keys
+    Case("unknown-group", show_yaml("trian:\n  steps: 5\n"), ("trian", "did you mean")),
+    Case("unknown-key", show_yaml("train:\n  stpes: 5\n"), ("train.stpes", "train.steps")),
+    Case("unknown-override-group", show("nope.x=1"), ("nope", "unknown key")),
+    # --- cross-key checks, and against the world size
+    Case("cross-heads", show_yaml("model:\n  d_model: 100\n  n_heads: 3\n"), ("model.n_heads",)),
+    Case("cross-batch", show_yaml("train:\n  global_batch_size: 10\n  micro_batch_size: 4\n"), ("micro_batch_size",)),
+    Case("cross-pp-layers", show_yaml("model:\n  n_layers: 3\nparallel:\n  pp: 2\n"), ("model.n_layers=3",)),
+    Case("cross-vocab-tp", show_yaml("model:\n  vocab_size: 257\nparallel:\n  tp: 2\n"), ("model.vocab_size=257",)),
+    Case("cross-world-size", show("parallel.tp=2", "--world-size", "3"), ("world size 3",)),
+    # --- overrides: malformed key=value
+    Case("override-no-equals", show("train.steps"), ("'train.steps'", "group.key=value")),
+    Case("override-no-key", show("=5"), ("'=5'", "group.key=value")),
+    Case("override-group-only", show("train=5"), ("'train=5'",)),
+    Case("override-empty-part", show("train..steps=1"), ("'train..steps=1'",)),
+    Case("override-leading-dot", show(".steps=1"), ("'.steps=1'",)),
+    Case("override-bad-yaml", show("train.steps=[1"), ("train.steps=[1", "not valid YAML")),
+    Case("override-dup-key", show("train.steps={a: 1, a: 2}"), ("train.steps", "duplicate key 'a'")),
+    Case("override-alias", show("train.steps=*a"), ("train.steps", "alias")),
+    Case("override-python-tag", show("train.steps=!!python/name:os.system"), ("train.steps", "not valid YAML")),
+    Case("override-below-a-value", show("train.steps.x=1"), ("train.steps is not a mapping",)),
+    Case("override-1e30", show("train.steps=1e30"), ("train.steps", "whole number")),
+    Case("override-float-1e30", show("train.steps=1.0e+30"), ("train.steps", "whole number")),
+    Case("override-huge-int", show(f"train.steps={10**25}"), ("train.steps", "64-bit")),
+    Case("override-eps-zero", show("optim.eps=0"), ("optim.eps",)),
+    Case("override-lr-negative", show("optim.lr=-1e-3"), ("optim.lr",)),
+    Case("override-choice", show("zero.params.shard_over=planet"), ("zero.params.shard_over", "node")),
+    # --- launch flags and pre-launch checks (torchrun never starts)
+    Case("launch-nproc-zero", launch("--nproc", "0"), ("--nproc", ">= 1")),
+    Case("launch-nproc-negative", launch("--nproc", "-2", "--nnodes", "-1"), ("--nproc",)),
+    Case("launch-nproc-word", launch("--nproc", "two"), ("--nproc", "whole number")),
+    Case("launch-nnodes-zero", launch("--nnodes", "0"), ("--nnodes", ">= 1")),
+    Case("launch-max-restarts", launch("--max-restarts", "-1"), ("--max-restarts",)),
+    Case("launch-join-timeout", launch("--join-timeout", "0"), ("--join-timeout",)),
+    Case("launch-endpoint-port", launch("--rdzv-endpoint", "node1:http"), ("--rdzv-endpoint", "HOST:PORT")),
+    Case("launch-endpoint-range", launch("--rdzv-endpoint", "node1:70000"), ("--rdzv-endpoint", "65535")),
+    Case("launch-slurm-nodes", launch("--slurm", "--nodes", "0", "--no-submit"), ("--nodes", ">= 1")),
+    Case("launch-slurm-gpus", launch("--slurm", "--gpus-per-node", "-8", "--no-submit"), ("--gpus-per-node",)),
+    Case("launch-world-size", launch("parallel.tp=4", "--nproc", "2"), ("world size 2",)),
+    Case("launch-bad-config", launch("train.steps=0", "--nproc", "2"), ("train.steps",)),
+    Case("launch-beta-one", launch("optim.beta1=1.0"), ("optim.beta1", "beta < 1")),
+    Case("launch-long-name", launch(f"log.name={LONG}"), ("log.name", "255")),
+    Case("launch-resume-not-ckpt", launch_resume_plain, ("plain", "no committed checkpoint")),
+    Case("config-world-size-zero", show("--world-size", "0"), ("--world-size", ">= 1")),
+    Case("store-port-range", lambda tmp: ["store", "--port", "70000"], ("--port", "65535")),
+    Case("store-port-negative", lambda tmp: ["store", "--port", "-1"], ("--port",)),
+    Case(
+        "data-prepare-val-fraction",
+        lambda tmp: ["data", "prepare", str(tmp), "--out", str(tmp / "o"), "--val-fraction", "1.5"],
+        ("--val-fraction",),
+    ),
+    Case(
+        "data-prepare-missing-input",
+        lambda tmp: ["data", "prepare", str(tmp / "absent.txt"), "--out", str(tmp / "o")],
+        ("absent.txt", "does not exist"),
+    ),
+    # --- data directories (checked before torchrun starts)
+    Case("data-no-meta", launch_data(meta="absent"), ("meta.json", "strata data prepare")),
+    Case("data-meta-not-json", launch_data(meta="{dtype: uint16"), ("meta.json", "not valid JSON")),
+    Case("data-meta-empty", launch_data(meta=""), ("meta.json", "not valid JSON")),
+    Case("data-meta-not-utf8", launch_data(meta=b'{"dtype": "uint16\xff"}'), ("meta.json", "not valid JSON")),
+    Case("data-meta-list", launch_data(meta=[1, 2]), ("meta.json", "JSON object")),
+    Case("data-meta-no-vocab", launch_data(meta={"dtype": "uint16"}), ("meta.json", "vocab_size")),
+    Case("data-meta-vocab-str", launch_data(meta={"dtype": "uint16", "vocab_size": "257"}), ("vocab_size='257'",)),
+    Case("data-meta-vocab-bool", launch_data(meta={"dtype": "uint16", "vocab_size": True}), ("vocab_size=True",)),
+    Case("data-meta-vocab-zero", launch_data(meta={"dtype": "uint16", "vocab_size": 0}), ("vocab_size", ">= 1")),
+    Case("data-meta-dtype", launch_data(meta={"dtype": "float32", "vocab_size": 257}), ("dtype='float32'",)),
+    Case("data-train-empty", launch_data(train=b""), ("train.bin", "too few")),
+    Case("data-train-truncated", launch_data(train=b"\x01\x00" * 500 + b"\x01"), ("train.bin", "1001 bytes")),
+    Case("data-val-missing", launch_data(val="absent"), ("val.bin",)),
+    Case(
+        "data-vocab-below-ids",
+        launch_data(meta={"dtype": "uint16", "vocab_size": 100}),
+        ("train.bin", "token id 199", "vocab_size=100"),
+    ),
+    Case(
+        "data-vocab-below-val-ids",
+        launch_data(val=np.full(100, 300), meta={"dtype": "uint16", "vocab_size": 257}),
+        ("val.bin", "token id 300"),
+    ),
+    # --- checkpoints
+    Case("ckpt-inspect-plain-dir", not_a_checkpoint("inspect"), ("plain", "no committed checkpoint")),
+    Case("ckpt-verify-plain-dir", not_a_checkpoint("verify"), ("plain", "no committed checkpoint")),
+    Case("ckpt-export-plain-dir", not_a_checkpoint("export", "out.safetensors"), ("plain",)),
+    Case("ckpt-inspect-extra-args", not_a_checkpoint("inspect", "extra"), ("takes one directory", "extra")),
+    Case("ckpt-unfinished-save", checkpoint_with_marker(None), ("step_00000002", "did not finish")),
+    Case("ckpt-truncated-marker", checkpoint_with_marker('{"step": 2, "fil'), ("COMMITTED", "unreadable")),
+    # --- metrics and schedule records for `strata plot`
+    Case("plot-no-metrics", lambda tmp: ["plot", str(tmp)], ("metrics.jsonl", "no metrics")),
+    Case("plot-damaged-middle-line", metrics(f'{{"step": 1, "lo\n{GOOD_LINE}\n'), ("metrics.jsonl line 1",)),
+    Case("plot-not-utf8", metrics(b"\xff\xfe{}\n"), ("metrics.jsonl", "UTF-8")),
+    Case("plot-schedule-not-json", lambda tmp: ["plot", "schedule", str(write(tmp / "r.json", "{"))], ("r.json",)),
+]
+
+
+def test_the_table_is_large_and_names_are_unique():
+    assert len(CASES) >= 60
+    assert len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_is_one_message_and_exit_2(case, tmp_path, capsys, _no_torchrun):
+    code, out = run_cli(case.argv(tmp_path), capsys)
+    assert code == 2, out
+    assert "Traceback" not in out
+    assert "error" in out
+    for needle in case.needles:
+        assert needle in out, f"{needle!r} not in:\n{out}"
+    assert not _no_torchrun, "torchrun would have started"
+
+
+# --- unusual but valid input runs ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",  # an empty experiment: every default
+        "# only a comment\n",
+        "\ufefftrain:\n  steps: 7\n",  # a UTF-8 byte-order mark
+        "log:\n  name: café-練習\n",  # non-ASCII names
+        f"log:\n  name: {'n' * 255}\n",  # the longest name a file system takes
+        "train: {steps: 7, seed: 0}\noptim: {beta1: 0.0, beta2: 0.999999, lr: 0}\n",
+    ],
+    ids=["empty", "comment", "bom", "non-ascii", "name-255", "edge-values"],
+)
+def test_unusual_configs_load(text, tmp_path, capsys):
+    code, out = run_cli(["config", "show", config_file(tmp_path, text)], capsys)
+    assert code == 0, out
+
+
+def test_the_same_key_in_different_groups_is_not_a_duplicate(tmp_path, capsys):
+    text = "zero:\n  params: {shard_over: none}\n  grads: {shard_over: none}\ncheckpoint: {dir: a}\nlog: {dir: b}\n"
+    code, out = run_cli(["config", "show", config_file(tmp_path, text)], capsys)
+    assert code == 0, out
+
+
+def test_a_valid_launch_reaches_torchrun_and_data_at_the_vocabulary_edge_passes(tmp_path, capsys, _no_torchrun):
+    """ids up to vocab_size - 1 are fine; so is a vocabulary too large for the dtype to hold an id
+    beyond (no scan needed)."""
+    d = token_dir(tmp_path, meta={"dtype": "uint16", "vocab_size": 200})
+    argv = ["launch", TINY, f"data.path={d}", f"log.dir={tmp_path}", "model.seq_len=32", "--nproc", "2"]
+    code, out = run_cli(argv, capsys)
+    assert code == 0, out
+    assert [p.nproc_per_node for p in _no_torchrun] == [2]
+    (d / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 70000}))
+    assert run_cli(argv, capsys)[0] == 0
+
+
+def test_beta_of_one_is_a_valid_config_but_not_trainable(capsys):
+    """The schema's range for the betas is inclusive (`config show` accepts 1.0); training refuses it
+    up front, since torch's AdamW would."""
+    assert run_cli(["config", "show", TINY, "optim.beta2=1"], capsys)[0] == 0
+    code, out = run_cli(["train", TINY, "optim.beta2=1"], capsys)
+    assert code == 2 and "optim.beta2" in out and "Traceback" not in out
+
+
+def test_plot_skips_a_cut_off_last_line(tmp_path, capsys):
+    lines = [json.dumps({"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 1000.0}) for s in range(1, 6)]
+    write(tmp_path / "metrics.jsonl", "\n".join(lines) + '\n{"step": 6, "loss": 4.')
+    code, out = run_cli(["plot", str(tmp_path)], capsys)
+    assert code == 0, out
+    assert "line 6 is cut off" in out
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --- as a user runs it: a subprocess, so nothing but the message reaches the terminal ------------
+
+
+def strata(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "strata.launch.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
+
+
+def test_in_a_subprocess_bad_input_is_one_message_and_exit_2(tmp_path):
+    """Each on a path that a traceback once took: duplicate keys, a non-UTF-8 file, a zero process
+    count, a data directory whose ids exceed its vocabulary (under launch: before torchrun starts)."""
+    dup = config_file(tmp_path, "train:\n  steps: 5\n  steps: 6\n")
+    latin1 = str(write(tmp_path / "latin1.yaml", b"log:\n  name: caf\xe9\n"))
+    data = token_dir(tmp_path, meta={"dtype": "uint16", "vocab_size": 100})
+    runs = [
+        (["config", "show", dup], "duplicate key 'steps'"),
+        (["train", latin1], "not UTF-8"),
+        (["launch", TINY, "--nproc", "0"], "--nproc"),
+        (["launch", TINY, f"data.path={data}", f"log.dir={tmp_path}", "model.seq_len=32"], "vocab_size=100"),
+    ]
+    for argv, needle in runs:
+        proc = strata(*argv, cwd=tmp_path)
+        assert proc.returncode == 2, (argv, proc.stdout, proc.stderr)
+        assert needle in proc.stderr, (argv, proc.stderr)
+        assert "Traceback" not in proc.stdout + proc.stderr
+        assert "error:" in proc.stderr and not proc.stdout, (argv, proc.stdout)
