@@ -9,11 +9,14 @@ inherits the limit), and, where this machine lets the tests mount one, with a 1 
 
 from __future__ import annotations
 
+import datetime
 import errno
 import json
 import os
 import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -21,13 +24,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from strata.checkpoint import store
 from strata.checkpoint.manager import CheckpointManager
 from strata.checkpoint.pieces import FixedState, Piece, StateContents
 from strata.checkpoint.reader import Checkpoint
 from strata.errors import CheckpointError
+from strata.parallel import comm
 from strata.parallel.flat import Box
+
+from worlds import run_world
 
 STATE = {"model.w": (64, 48), "model.b": (48,), "optim.state.w.exp_avg": (64, 48)}
 
@@ -236,4 +243,55 @@ def test_a_full_tmpfs_gives_enospc_naming_the_file_and_the_policy_applies(small_
     save(mgr, 3)
     mgr.close()
     assert [p.name for p in store.committed(root)] == ["step_00000001", "step_00000003"]
+    assert_loads(root, 3)
+
+
+# --- two ranks: one rank's full disk is every rank's verdict --------------------------------------
+
+
+def _two_rank_worker(rank: int, size: int, port: int, out_dir: str, policy: str) -> None:
+    """Both ranks hold the whole state (so each writes half of it); only rank 1's files hit the limit."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        root = Path(out_dir) / "ckpts"
+        mgr = CheckpointManager(root, rank, size, group=comm.new_gloo_group(), on_disk_full=policy)
+        save(mgr, 1)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        error = None
+        try:
+            save(mgr, 2)
+        except CheckpointError as e:
+            error = str(e)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        save(mgr, 3)
+        mgr.close()
+        torch.save({"error": error, "skipped": sorted(mgr.skipped)}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # a gloo world of two processes
+@pytest.mark.parametrize("policy", ["stop", "retry"])
+def test_one_ranks_full_disk_stops_or_skips_the_save_on_every_rank(tmp_path, policy):
+    ranks = run_world(_two_rank_worker, 2, tmp_path, policy)
+    root = tmp_path / "ckpts"
+    if policy == "stop":
+        for r in ranks:
+            assert r["error"] is not None and "checkpoint step 2 was not saved" in r["error"]
+            assert f"rank 1: writing {store.partial_dir(root, 2)}" in r["error"] and "EFBIG" in r["error"]
+            assert "rank 0:" not in r["error"]
+    else:
+        assert [r["error"] for r in ranks] == [None, None] and [r["skipped"] for r in ranks] == [[2], [2]]
+    assert [p.name for p in store.committed(root)] == ["step_00000001", "step_00000003"]
+    assert not store.partial_dir(root, 2).exists()
+    assert_loads(store.step_dir(root, 1), 1)
     assert_loads(root, 3)
