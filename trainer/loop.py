@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from strata.config import Config, OptimConfig
 from strata.errors import CheckpointError, StrataError
 from strata.model import count_params, flops_per_token
 from strata.parallel import comm
+from strata.parallel import runtime as runtime_mod
 from strata.parallel.runtime import Runtime
 from strata.parallel.topology import Topology, build_topology, layout_from_config
 from strata.trainer.data import BatchLoader, TokenDataset, ensure_default_corpus, eval_batches
@@ -38,6 +41,59 @@ from strata.trainer.state import TrainState
 
 if TYPE_CHECKING:
     from strata.checkpoint.snapshot import SnapshotManager
+
+
+# A run stopped by a signal after saving exits with this code (EX_TEMPFAIL, "try again later"): the
+# Slurm script requeues the job on it, and a requeued job resumes from the newest checkpoint.
+PREEMPTED_EXIT = 75
+# Signals that make every rank finish its step, save a checkpoint and exit: SIGTERM (a scheduler's
+# stop), SIGUSR1 (Slurm's warning before the time limit, `--signal=B:USR1@SECONDS`), SIGINT (Ctrl-C).
+GRACEFUL_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+# A repeat of the first signal this soon after it is the same request arriving twice, not a second
+# one: under Slurm a signal reaches a worker both from slurmstepd (which signals every process of the
+# step) and through torchrun, which passes it on.
+REPEAT_WINDOW_S = 0.5
+
+
+class StopRequest:
+    """Catches the first of GRACEFUL_SIGNALS: the handler only records it (the step in progress
+    finishes, and the ranks agree at its end to save and stop). A second signal later than
+    REPEAT_WINDOW_S aborts: the handler puts the default action back and sends the signal again."""
+
+    def __init__(self) -> None:
+        self.signum = 0  # the first signal caught, 0 for none
+        self.at = 0.0  # when (time.monotonic)
+        self.previous: dict[int, object] = {}
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        if not self.signum:
+            self.signum, self.at = signum, time.monotonic()
+            return
+        if signum == self.signum and time.monotonic() - self.at < REPEAT_WINDOW_S:
+            return
+        for sig in GRACEFUL_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)  # ends the process as the signal's default action does
+
+    def install(self) -> None:
+        """Take over GRACEFUL_SIGNALS; only the main thread may (a run in another thread keeps the defaults)."""
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self.on_signal) for sig in GRACEFUL_SIGNALS}
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self.previous = {}
+
+
+class Preempted(SystemExit):
+    """Every rank saved and stopped on a signal; the process exits with PREEMPTED_EXIT."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(PREEMPTED_EXIT)
+        self.signum = signum
 
 
 class NonFiniteError(StrataError):
@@ -107,6 +163,9 @@ class Trainer:
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.step_skipped = False  # the last step's loss or gradient norm was not finite
         self.skipped_steps = self.nonfinite_in_a_row = 0
+        self.stop_request = StopRequest()  # installed by `fit`
+        self.stop_signal = 0  # the signal every rank agreed to stop on after the last step (0: none)
+        self.saved_step = -1  # the step of the last save started, so a stop does not save it twice
         self.flops_per_token = flops_per_token(cfg.model, self.model.vocab_size)
 
     @property
@@ -146,7 +205,7 @@ class Trainer:
         loss = model.forward_backward(self.loader.next_step())
         grad_norm = model.reduce_and_clip(self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf)
         loss = self._dp_sum(loss) / self.topo.dp_size
-        self.step_skipped = not self._all_finite(loss, grad_norm)
+        self.step_skipped, self.stop_signal = self._agree_after_step(loss, grad_norm)
         if self.step_skipped:
             model.skip_step()
             self.skipped_steps += 1
@@ -161,14 +220,18 @@ class Trainer:
             self._stop_if_diverged(loss, grad_norm)
         return loss, grad_norm
 
-    def _all_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """Whether the dp-averaged loss and the gradient norm are finite on every rank. One small
-        MAX all-reduce over the whole world decides for all: the loss lives on the last pipeline
-        stage, and under CO2 each node has its own gradient norm, yet every rank must skip or step
-        alike (else the ranks' parameters and collectives diverge)."""
-        bad = torch.tensor(float(not (torch.isfinite(loss) & torch.isfinite(grad_norm)).item()))
-        comm.all_reduce(bad, self.checkpoints.group, dim="nonfinite", op=dist.ReduceOp.MAX)
-        return not bad.item()
+    def _agree_after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, int]:
+        """Whether any rank saw a non-finite dp-averaged loss or gradient norm, and the stop signal
+        any rank caught (0 for none). One small MAX all-reduce over the whole world decides both for
+        all: the loss lives on the last pipeline stage, and under CO2 each node has its own gradient
+        norm, yet every rank must skip or step alike (else the ranks' parameters and collectives
+        diverge); and a signal reaches the ranks at slightly different times, yet all must stop
+        after the same step. The signal rides on the finiteness check, so watching for it costs
+        nothing more per step."""
+        bad = float(not (torch.isfinite(loss) & torch.isfinite(grad_norm)).item())
+        flags = torch.tensor([bad, float(self.stop_request.signum)])
+        comm.all_reduce(flags, self.checkpoints.group, dim="nonfinite", op=dist.ReduceOp.MAX)
+        return bool(flags[0].item()), int(flags[1].item())
 
     def _stop_if_diverged(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Raise (on every rank: they count alike) once `train.nonfinite` says the run cannot go on;
@@ -245,7 +308,8 @@ class Trainer:
         if found.checkpoint is not None:
             self._load(found.checkpoint)
             return f"snapshot: resumed from {found.message}"
-        disk = resume or (self.cfg.checkpoint_dir() if store.committed(self.cfg.checkpoint_dir()) else None)
+        own = self.cfg.checkpoint_dir() if store.committed(self.cfg.checkpoint_dir()) else None
+        disk = (own or resume) if _restarted_attempt() else (resume or own)
         lead = f"snapshot: no in-memory snapshot every rank can restore ({found.message})"
         if disk is None:
             return (
@@ -256,20 +320,22 @@ class Trainer:
         return f"{lead}; resumed from disk checkpoint {self.resume(disk)}"
 
     def start_from(self, resume: Path | None) -> Path | None:
-        """Without snapshots, the checkpoint this run starts from (collective): `resume`; else, for
-        workers torchrun restarted after a failure, the newest committed checkpoint under
-        checkpoint.dir (this job's own); else none, from step 0. Committed checkpoints in
+        """Without snapshots, the checkpoint this run starts from (collective): for workers torchrun
+        restarted after a failure or a job Slurm requeued, the newest committed checkpoint under
+        checkpoint.dir (this job's own, newer than the `--resume` it was submitted with); else
+        `resume`; else none, from step 0. Committed checkpoints in
         checkpoint.dir at a first start belong to an earlier run, which a new one would replace as
         `keep_last` prunes: refused unless checkpoint.overwrite. Only rank 0 looks, since only it
         commits (its view is the one sure to hold the markers); every rank acts on its view."""
-        if resume is not None:
+        restarted = _restarted_attempt()
+        if resume is not None and not restarted:
             return resume
         root = self.cfg.checkpoint_dir()
         found = [p.name for p in store.committed(root)] if self.rt.rank == 0 else []
         found = comm.all_gather_objects(found, self.checkpoints.group)[0]
         if not found:
-            return None
-        if _restarted_attempt():
+            return resume
+        if restarted:  # newer than `resume`: this job's own progress since it started from there
             return root
         if self.cfg.checkpoint.overwrite:
             return None
@@ -282,6 +348,15 @@ class Trainer:
 
     # --- the run --------------------------------------------------------------------------
     def fit(self, log: MetricsLogger) -> RunResult:
+        """Train to `train.steps`. A stop signal (GRACEFUL_SIGNALS) ends the run after the step in
+        progress instead, with a committed checkpoint of it: raises `Preempted` on every rank."""
+        self.stop_request.install()
+        try:
+            return self._fit(log)
+        finally:
+            self.stop_request.restore()
+
+    def _fit(self, log: MetricsLogger) -> RunResult:
         cfg, result = self.cfg, RunResult()
         losses: dict[int, torch.Tensor] = {}
         interval_start, interval_steps = time.perf_counter(), 0
@@ -317,6 +392,8 @@ class Trainer:
                 self._save_or_warn(log)
             if self.snapshots and self.step % cfg.snapshot.every_steps == 0 and self.step < cfg.train.steps:
                 self.snapshot()
+            if self.stop_signal and self.step < cfg.train.steps:
+                self._stop_on_signal(log)
         self.model.close_co2_round()  # CO2's last exchange: every node ends on the same parameters
         result.eval_losses[self.step] = self._eval_and_log(log)
         if cfg.checkpoint.save_final and not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
@@ -339,7 +416,27 @@ class Trainer:
         log.print(f"warning: step {self.step}: {note}")
         return note
 
+    def _stop_on_signal(self, log: MetricsLogger) -> None:
+        """Every rank saves this step (unless the interval save just did), waits for the commit,
+        and raises `Preempted`: the job can be requeued and resumed exactly from here."""
+        name = signal.Signals(self.stop_signal).name
+        log.print(f"strata: {name}: stopping after step {self.step}; saving a checkpoint")
+        if self.saved_step != self.step:
+            self._save_or_warn(log)
+        self.checkpoints.close()
+        if self.snapshots:
+            self.snapshots.close()
+        self.model.close()
+        root = self.cfg.checkpoint_dir()
+        newest = store.committed(root)[-1:] if self.rt.rank == 0 else []
+        where = f"checkpoint {newest[0]}" if newest else f"no committed checkpoint under {root}"
+        note = f"stopped by {name} at step {self.step}: {where}; resume with --resume {root}"
+        log.print(note)
+        log.write({"step": self.step, "stopped": note, "wall_time": time.time()})
+        raise Preempted(self.stop_signal)
+
     def _save_or_warn(self, log: MetricsLogger) -> None:
+        self.saved_step = self.step
         if self.save():
             return
         note = (
@@ -374,8 +471,11 @@ def rewrite_checkpoint(cfg: Config, runtime: Runtime, source: Path, out: Path) -
 
 
 def _restarted_attempt() -> bool:
-    """Whether torchrun restarted these workers after a failure (`strata launch --max-restarts`)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    """Whether these workers continue this job's own earlier attempt: torchrun restarted them after a
+    failure (`strata launch --max-restarts`), or Slurm requeued the job (after a preemption, or the
+    script's own requeue on PREEMPTED_EXIT) and started it again."""
+    counts = (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get("SLURM_RESTART_COUNT", "0"))
+    return any(int(count or "0") > 0 for count in counts)
 
 
 def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
@@ -420,6 +520,9 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
             log.print(f"offload: {trainer.model.tiers.placement.reason}")
     try:
         result = trainer.fit(log)
+    except Preempted:
+        runtime_mod.stop()  # every rank is done with the world: leave it together, then exit PREEMPTED_EXIT
+        raise
     finally:
         log.close()
     if main:
