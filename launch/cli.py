@@ -83,6 +83,27 @@ def _check_data(cfg: Config) -> None:
         check_data_dir(Path(cfg.data.path), cfg.model.seq_len)
 
 
+def _check_checkpoints(cfg: Config, resume: str | None) -> None:
+    """What the workers' start would refuse about checkpoints, before they start: a --resume without
+    a committed checkpoint, or a new run (no --resume, no snapshots to recover) in a checkpoint.dir
+    holding an earlier run's committed checkpoints without checkpoint.overwrite."""
+    from strata.checkpoint import store
+    from strata.errors import CheckpointError
+
+    if resume:
+        store.resolve(Path(resume))
+        return
+    root = cfg.checkpoint_dir()
+    found = [p.name for p in store.committed(root)]
+    if found and not cfg.checkpoint.overwrite and not cfg.snapshot.every_steps:
+        raise CheckpointError(
+            f"checkpoint.dir {root} holds {len(found)} committed checkpoint(s) of an earlier run (newest: "
+            f"{found[-1]}), which a new run would replace: continue that run with --resume {root}, set "
+            "checkpoint.overwrite=true to start afresh and replace them, or choose another checkpoint.dir "
+            "(or log.name)"
+        )
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from strata import config
     from strata.launch import slurm, torchrun
@@ -114,10 +135,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if problem:
         raise StrataError(problem)
     _check_data(cfg)
-    if args.resume:
-        from strata.checkpoint import store
-
-        store.resolve(Path(args.resume))  # a directory without a committed checkpoint fails here, not in every worker
+    _check_checkpoints(cfg, args.resume)
     plan = torchrun.LaunchPlan(
         nproc_per_node=args.nproc,
         nnodes=args.nnodes,

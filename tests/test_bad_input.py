@@ -123,6 +123,12 @@ def launch_resume_plain(tmp: Path) -> list[str]:
     return ["launch", TINY, f"log.dir={tmp / 'runs'}", "--resume", str(tmp / "plain")]
 
 
+def launch_over_earlier_run(tmp: Path) -> list[str]:
+    """A new launch whose checkpoint.dir holds a committed checkpoint of an earlier run."""
+    write(tmp / "ck" / "step_00000002" / "COMMITTED", json.dumps({"step": 2}))
+    return ["launch", TINY, f"log.dir={tmp / 'runs'}", f"checkpoint.dir={tmp / 'ck'}"]
+
+
 def checkpoint_with_marker(marker: str | None) -> Callable[[Path], list[str]]:
     """A step directory whose commit marker is `marker` (None: no marker, an unfinished save)."""
 
@@ -247,6 +253,7 @@ CASES = [
     Case("launch-beta-one", launch("optim.beta1=1.0"), ("optim.beta1", "beta < 1")),
     Case("launch-long-name", launch(f"log.name={LONG}"), ("log.name", "255")),
     Case("launch-resume-not-ckpt", launch_resume_plain, ("plain", "no committed checkpoint")),
+    Case("launch-over-earlier-run", launch_over_earlier_run, ("step_00000002", "checkpoint.overwrite=true")),
     Case("config-world-size-zero", show("--world-size", "0"), ("--world-size", ">= 1")),
     Case("store-port-range", lambda tmp: ["store", "--port", "70000"], ("--port", "65535")),
     Case("store-port-negative", lambda tmp: ["store", "--port", "-1"], ("--port",)),
@@ -351,6 +358,14 @@ def test_a_valid_launch_reaches_torchrun_and_data_at_the_vocabulary_edge_passes(
     assert [p.nproc_per_node for p in _no_torchrun] == [2]
     (d / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 70000}))
     assert run_cli(argv, capsys)[0] == 0
+
+
+def test_launch_over_an_earlier_run_starts_when_told_how(tmp_path, capsys, _no_torchrun):
+    """The earlier run's checkpoints are fine to launch over with checkpoint.overwrite, or to resume."""
+    argv = launch_over_earlier_run(tmp_path)
+    assert run_cli([*argv, "checkpoint.overwrite=true"], capsys)[0] == 0
+    assert run_cli([*argv, "--resume", str(tmp_path / "ck")], capsys)[0] == 0
+    assert len(_no_torchrun) == 2
 
 
 def test_beta_of_one_is_a_valid_config_but_not_trainable(capsys):
