@@ -204,6 +204,9 @@ CASES = [
     Case("range-choice", show_yaml("train:\n  precision: fp8\n"), ("train.precision", "fp32")),
     Case("overflow-steps", show_yaml(f"train:\n  steps: {10**30}\n"), ("train.steps", "64-bit")),
     Case("overflow-seed", show_yaml(f"train:\n  seed: {2**64}\n"), ("train.seed", "64-bit")),
+    Case("overflow-float-from-int", show(f"optim.lr={10**400}"), ("optim.lr", "too large")),
+    Case("overflow-int-digits", show(f"model.d_model={'9' * 5000}"), ("model.d_model", "4300 digits")),
+    Case("yaml-impossible-date", show_yaml("train:\n  seed: 2024-13-45\n"), ("exp.yaml", "month must be in 1..12")),
     Case("range-seed-negative", show_yaml("train:\n  seed: -5\n"), ("train.seed", ">= 0")),
     # --- names no file system takes
     Case("path-log-name-300", show_yaml(f"log:\n  name: {LONG}\n"), ("log.name", "300 bytes", "255")),

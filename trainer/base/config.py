@@ -663,8 +663,8 @@ def _entries() -> dict[str, tuple[dataclasses.Field[Any], Any]]:
 # --- internals ------------------------------------------------------------------------------
 
 
-class _DuplicateKey(yaml.YAMLError):  # type: ignore[misc, unused-ignore]
-    """A mapping that gives one key twice."""
+class _PlainYAMLError(yaml.YAMLError):  # type: ignore[misc, unused-ignore]
+    """A mapping that gives one key twice (or a value no Python object can hold): a message of one line."""
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc, unused-ignore]
@@ -683,7 +683,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc, unused-ignore]
             if first is None:
                 seen[key] = line
             else:
-                raise _DuplicateKey(
+                raise _PlainYAMLError(
                     f"line {line}: duplicate key {key!r} (first given on line {first}); keep one of them"
                 )
         mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
@@ -691,8 +691,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc, unused-ignore]
 
 
 def _safe_load(text: str) -> Any:
-    """yaml.safe_load, refusing duplicate keys."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    """yaml.safe_load, refusing duplicate keys; a scalar YAML reads as a value Python cannot make (a
+    date like 2024-13-45, an integer of thousands of digits) is a YAMLError too."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except (ValueError, OverflowError) as e:
+        raise _PlainYAMLError(
+            f"a value YAML reads as a date or number cannot be made: {e}; quote it as a string"
+        ) from e
 
 
 def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
@@ -710,7 +716,7 @@ def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
     except OSError as e:
         problems.append(f"config file {str(path)!r} cannot be read ({e.strerror}); check its permissions")
         return {}
-    except _DuplicateKey as e:
+    except _PlainYAMLError as e:
         problems.append(f"{path}: {e}")
         return {}
     except yaml.YAMLError as e:
@@ -819,7 +825,10 @@ def _coerce(value: Any, hint: Any) -> tuple[bool, Any, str]:
         return False, None, "use a whole number"
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True, float(value), ""
+            try:
+                return True, float(value), ""
+            except OverflowError:
+                return False, None, "too large for a floating-point number"
         if isinstance(value, str):
             try:
                 return True, float(value), ""
