@@ -9,8 +9,9 @@ else a failure (1 when `ckpt verify` finds damage; `launch` passes on torchrun's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -179,7 +180,8 @@ def cmd_data(args: argparse.Namespace) -> int:
         if not args.inputs:
             raise StrataError("strata data prepare: give input files/directories, or --stdlib for the built-in corpus")
         files, root = data.expand_inputs(args.inputs, args.glob, out_dir=Path(args.out))
-    meta = data.prepare(files, Path(args.out), args.val_fraction, root=root)
+    with _file_errors("strata data prepare"):
+        meta = data.prepare(files, Path(args.out), args.val_fraction, root=root)
     print(
         f"wrote {args.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
         f"from {meta['documents']} files ({meta['dtype']}, vocab {meta['vocab_size']})"
@@ -234,14 +236,29 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _file_errors(command: str) -> Iterator[None]:
+    """An OSError on a path the user named (a missing directory, a name too long, no permission) as a
+    StrataError naming the path."""
+    try:
+        yield
+    except OSError as e:
+        where = f" {e.filename}" if e.filename else ""
+        raise StrataError(
+            f"{command}: cannot write or read{where}: {e.strerror or e}; check that the path exists and is writable"
+        ) from e
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from strata.trainer.plots import plot_run, plot_schedule
 
     out = Path(args.out) if args.out else None
     if args.record is None:  # strata plot RUN_DIR
-        print(f"wrote {plot_run(Path(args.run_dir), out)}")
+        with _file_errors("strata plot"):
+            print(f"wrote {plot_run(Path(args.run_dir), out)}")
     elif args.run_dir == "schedule":  # strata plot schedule RECORD.json
-        print(f"wrote {plot_schedule(Path(args.record), out)}")
+        with _file_errors("strata plot schedule"):
+            print(f"wrote {plot_schedule(Path(args.record), out)}")
     else:
         raise StrataError(
             f"strata plot: unexpected second argument {args.record!r}; use `strata plot RUN_DIR` "

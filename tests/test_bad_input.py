@@ -270,6 +270,11 @@ CASES = [
         lambda tmp: ["data", "prepare", str(tmp / "absent.txt"), "--out", str(tmp / "o")],
         ("absent.txt", "does not exist"),
     ),
+    Case(
+        "data-prepare-out-name-too-long",
+        lambda tmp: ["data", "prepare", str(write(tmp / "in.txt", "hello")), "--out", str(tmp / LONG)],
+        ("data prepare", "File name too long"),
+    ),
     # --- data directories (checked before torchrun starts)
     Case("data-no-meta", launch_data(meta="absent"), ("meta.json", "strata data prepare")),
     Case("data-meta-not-json", launch_data(meta="{dtype: uint16"), ("meta.json", "not valid JSON")),
@@ -305,6 +310,11 @@ CASES = [
     Case("plot-no-metrics", lambda tmp: ["plot", str(tmp)], ("metrics.jsonl", "no metrics")),
     Case("plot-damaged-middle-line", metrics(f'{{"step": 1, "lo\n{GOOD_LINE}\n'), ("metrics.jsonl line 1",)),
     Case("plot-not-utf8", metrics(b"\xff\xfe{}\n"), ("metrics.jsonl", "UTF-8")),
+    Case(
+        "plot-out-missing-dir",
+        lambda tmp: [*metrics(GOOD_LINE + "\n")(tmp), "--out", str(tmp / "absent" / "c.png")],
+        ("strata plot", "absent"),
+    ),
     Case("plot-schedule-not-json", lambda tmp: ["plot", "schedule", str(write(tmp / "r.json", "{"))], ("r.json",)),
 ]
 
