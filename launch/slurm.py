@@ -12,7 +12,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from strata.launch.torchrun import worker_args
+from strata.launch.torchrun import FORWARDED_SIGNALS, worker_args
+
+# Slurm warns the batch shell this many seconds before the time limit (`--signal=B:USR1@SECONDS`):
+# time for the step in progress, a checkpoint of it and the exit. A config key `slurm.stop_warning_s`
+# would replace this constant.
+STOP_WARNING_S = 120
+# How long torchrun waits for its workers after passing a signal on, before it kills them: the
+# warning less a margin for torchrun's own exit and the requeue.
+STOP_GRACE_S = STOP_WARNING_S - 20
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,7 @@ class SlurmJob:
     rdzv_port: int = 29500
     max_restarts: int = 0
     snapshots: bool = False  # start each node's snapshot agent beside its torchrun
+    stop_warning_s: int = STOP_WARNING_S  # SIGUSR1 this long before the time limit: save, exit, requeue
 
 
 def job_python(interpreter: str) -> tuple[str, str]:
@@ -65,7 +74,13 @@ def sbatch_script(
         f"--gpus-per-node={job.gpus_per_node}",
         f"--time={job.time}",
         f"--output={job.name}-%j.out",
+        "--open-mode=append",  # a requeued job adds to its output file instead of replacing it
         "--exclusive",
+        # The warning goes to the batch shell (B:), which passes it on to srun and, once the
+        # workers have saved and stopped, requeues the job: signalled without B:, the job steps
+        # would stop and the job would simply end.
+        f"--signal=B:USR1@{job.stop_warning_s}",
+        "--requeue",
     ]
     if job.partition:
         directives.append(f"--partition={job.partition}")
@@ -99,7 +114,14 @@ def sbatch_script(
         f'export RDZV_ENDPOINT="$head_addr:{job.rdzv_port}"',
         "# torch <= 2.13 restarts only with a fresh store per attempt (pytorch/pytorch#135712)",
         "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-        'echo "strata: $SLURM_JOB_NUM_NODES nodes, rendezvous at $RDZV_ENDPOINT"',
+        "# torchrun passes these signals on to every worker (SIGUSR1 too: the time-limit warning), and",
+        "# gives the workers this long to save a checkpoint and exit before it kills them.",
+        f"export PET_SIGNALS_TO_HANDLE={','.join(sig.name for sig in FORWARDED_SIGNALS)}",
+        f"export PET_SHUTDOWN_TIMEOUT={max(job.stop_warning_s - (STOP_WARNING_S - STOP_GRACE_S), 10)}",
+        "# NCCL's flight recorder: on a collective timeout each rank dumps its last 2000 collectives.",
+        "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000",
+        "export TORCH_NCCL_DUMP_ON_TIMEOUT=1",
+        'echo "strata: $SLURM_JOB_NUM_NODES nodes, rendezvous at $RDZV_ENDPOINT (restart ${SLURM_RESTART_COUNT:-0})"',
         "",
     ]
     if job.snapshots:
@@ -107,6 +129,7 @@ def sbatch_script(
         # srun passes the environment on. Each node starts its agent, then becomes its torchrun
         # (exec keeps the pid the agent watches).
         node = (
+            "trap '' USR1; "  # the agent ignores the warning (torchrun handles it again: PET_SIGNALS_TO_HANDLE)
             'dir=$(mktemp -d); sock="$dir/agent.sock"; '
             f"{python} -m strata.launch.snapshot_agent"
             ' --socket "$sock" --advertise "$(hostname)" --parent $$ & '
@@ -115,12 +138,42 @@ def sbatch_script(
         )
         lines += [
             f"export STRATA_SNAPSHOT_SECRET=$({python} -c 'import secrets; print(secrets.token_hex(32))')",
-            f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(node)}",
-            "",
         ]
+        step = f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(node)}"
     else:
-        lines += [f"srun --kill-on-bad-exit=1 {torchrun}", ""]
-    return "\n".join(lines)
+        step = f"srun --kill-on-bad-exit=1 {torchrun}"
+    return "\n".join(lines + _stop_and_requeue(step))
+
+
+def _stop_and_requeue(step: str) -> list[str]:
+    """The job step in the background, under traps: SIGUSR1 (the time-limit warning) or SIGTERM to
+    the batch shell goes on to srun, which signals every node's torchrun (and Slurm every process of
+    the step), and torchrun every worker; they finish their step, commit a checkpoint and exit.
+    After the warning the job requeues itself, and the requeued job (SLURM_RESTART_COUNT > 0)
+    resumes from checkpoint.dir's newest checkpoint; after SIGTERM (scancel, or preemption, which
+    requeues by Slurm's own PreemptMode) it does not, or a cancelled job would never end. `wait`
+    returns early when a trapped signal arrives, so it is called until srun is gone."""
+    return [
+        "# A stop signal goes on to the job step; after the time-limit warning the job requeues itself.",
+        'stop_signal=""',
+        'forward() { stop_signal=$1 trapped=1; kill -s "$1" "$step_pid" 2>/dev/null || true; }',
+        "trap 'forward USR1' USR1",
+        "trap 'forward TERM' TERM",
+        f"{step} &",
+        'step_pid=$! status=""',
+        'while [ -z "$status" ]; do  # a trap interrupts `wait`: then wait again for the status',
+        '  trapped=""',
+        '  wait "$step_pid" && status=0 || status=$?',
+        '  if [ -n "$trapped" ]; then status=""; fi',
+        "done",
+        'if [ "$stop_signal" = USR1 ]; then',
+        '  echo "strata: SIGUSR1 (time limit near): the workers saved a checkpoint; requeueing job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID" || echo "strata: requeue failed; resubmit to resume" >&2',
+        "  exit 0",
+        "fi",
+        'exit "$status"',
+        "",
+    ]
 
 
 def submit(script_path: Path) -> int:

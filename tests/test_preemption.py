@@ -5,6 +5,7 @@ run's losses exactly; a second signal aborts at once."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -174,3 +175,49 @@ def test_the_same_signal_twice_at_once_is_one_request(tmp_path, small_data_dir):
         _kill_all(marker)
     assert code == PREEMPTED_EXIT, (tmp_path / "launch.log").read_text()[-3000:]
     assert _committed_steps(run_dir) == [max(_losses(run_dir))]
+
+
+def _stand_in_slurm(bin_dir: Path, log: Path) -> None:
+    """scontrol and srun stand-ins: srun's job step runs until a signal, which it records."""
+    bin_dir.mkdir()
+    tools = {
+        "scontrol": f'case "$1" in show) echo node-a; echo node-b ;; *) echo "scontrol $*" >> {log} ;; esac\n',
+        "srun": (
+            'case "$*" in *hostname*) echo 127.0.0.1; exit 0 ;; esac\n'
+            f"trap 'echo \"step got $((128 + 10))\" >> {log}; kill $nap; exit 1' USR1\n"
+            f"trap 'echo \"step got $((128 + 15))\" >> {log}; kill $nap; exit 1' TERM\n"
+            "sleep 600 & nap=$!\n"
+            f'echo "step started" >> {log}\n'
+            "wait $nap\n"
+        ),
+    }
+    for name, body in tools.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+
+
+@pytest.mark.parametrize("sig, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)], ids=["USR1", "TERM"])
+def test_the_batch_script_passes_a_signal_on_and_requeues_after_the_warning(tmp_path, sig, requeued):
+    """The batch shell (`--signal=B:USR1@…`) passes the signal on to the job step and waits for it to
+    end; after the time-limit warning it requeues the job, after SIGTERM (scancel) it does not."""
+    from strata.launch.slurm import SlurmJob, sbatch_script
+
+    script = sbatch_script(SlurmJob(name="t", nodes=2, gpus_per_node=1), "cfg.yaml", [], None, str(tmp_path))
+    assert "#SBATCH --signal=B:USR1@" in script and "#SBATCH --requeue" in script
+    assert "#SBATCH --open-mode=append" in script and "TORCH_NCCL_TRACE_BUFFER_SIZE=2000" in script
+    (tmp_path / "job.sbatch").write_text(script)
+    log = tmp_path / "calls.log"
+    _stand_in_slurm(tmp_path / "bin", log)
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"}
+    env |= {"SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_NUM_NODES": "2"}
+    job = subprocess.Popen(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, stdout=subprocess.PIPE)
+    try:
+        _wait_for(lambda: log.exists() and "step started" in log.read_text(), 30, "the job step")
+        job.send_signal(sig)
+        out, _ = job.communicate(timeout=30)
+    finally:
+        job.kill()
+    calls = log.read_text().splitlines()
+    assert f"step got {128 + sig}" in calls  # passed on to the step, which the script waited for
+    assert ("scontrol requeue 42" in calls) == requeued, calls
+    assert job.returncode == (0 if requeued else 1)  # after a requeue, the step's own status otherwise
