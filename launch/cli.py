@@ -126,8 +126,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
             job, str(Path(args.config).resolve()), args.overrides, args.resume, workdir=str(Path.cwd())
         )
         path = Path(args.script or cfg.run_dir() / "job.sbatch")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(script)
+        with _file_errors("strata launch --slurm"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(script)
         print(f"strata launch: wrote {path}")
         return 0 if args.no_submit else slurm.submit(path)
     cfg = config.load(args.config, args.overrides, world_size=args.nproc * args.nnodes)  # fail before starting workers

@@ -251,6 +251,11 @@ CASES = [
     Case("launch-endpoint-range", launch("--rdzv-endpoint", "node1:70000"), ("--rdzv-endpoint", "65535")),
     Case("launch-slurm-nodes", launch("--slurm", "--nodes", "0", "--no-submit"), ("--nodes", ">= 1")),
     Case("launch-slurm-gpus", launch("--slurm", "--gpus-per-node", "-8", "--no-submit"), ("--gpus-per-node",)),
+    Case(
+        "launch-slurm-script-name",
+        launch("--slurm", "--gpus-per-node", "1", "--script", f"{LONG}/job.sbatch", "--no-submit"),
+        ("strata launch --slurm", "File name too long"),
+    ),
     Case("launch-world-size", launch("parallel.tp=4", "--nproc", "2"), ("world size 2",)),
     Case("launch-bad-config", launch("train.steps=0", "--nproc", "2"), ("train.steps",)),
     Case("launch-beta-one", launch("optim.beta1=1.0"), ("optim.beta1", "beta < 1")),
