@@ -142,6 +142,22 @@ def checkpoint_with_marker(marker: str | None) -> Callable[[Path], list[str]]:
     return build
 
 
+def truncated_checkpoint(tmp: Path) -> Path:
+    """A real two-step checkpoint whose first data file lost its second half."""
+    from strata.checkpoint import store
+    from strata.parallel.runtime import start
+    from strata.trainer.loop import run
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(token_dir(tmp), tmp / "runs", **{"train.steps": 2, "checkpoint.save_final": True})
+    run(cfg, start())
+    ckpt = store.committed(cfg.checkpoint_dir())[-1]
+    data = (ckpt / "__0_0.distcp").read_bytes()
+    (ckpt / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+    return ckpt
+
+
 def metrics(content: str | bytes) -> Callable[[Path], list[str]]:
     def build(tmp: Path) -> list[str]:
         write(tmp / "run" / "metrics.jsonl", content)
@@ -311,6 +327,20 @@ CASES = [
     Case("ckpt-inspect-extra-args", not_a_checkpoint("inspect", "extra"), ("takes one directory", "extra")),
     Case("ckpt-unfinished-save", checkpoint_with_marker(None), ("step_00000002", "did not finish")),
     Case("ckpt-truncated-marker", checkpoint_with_marker('{"step": 2, "fil'), ("COMMITTED", "unreadable")),
+    Case(
+        "ckpt-export-truncated-data",
+        lambda tmp: ["ckpt", "export", str(truncated_checkpoint(tmp)), str(tmp / "w.safetensors")],
+        ("__0_0.distcp", "truncated"),
+    ),
+    Case(
+        "train-resume-truncated-data",
+        lambda tmp: (
+            ["train", TINY, f"data.path={token_dir(tmp)}", f"log.dir={tmp / 'again'}", "model.seq_len=32"]
+            + ["model.n_layers=2", "model.d_model=32", "train.global_batch_size=8", "train.micro_batch_size=2"]
+            + ["--resume", str(truncated_checkpoint(tmp))]
+        ),
+        ("__0_0.distcp", "truncated"),
+    ),
     # --- metrics and schedule records for `strata plot`
     Case("plot-no-metrics", lambda tmp: ["plot", str(tmp)], ("metrics.jsonl", "no metrics")),
     Case("plot-damaged-middle-line", metrics(f'{{"step": 1, "lo\n{GOOD_LINE}\n'), ("metrics.jsonl line 1",)),
