@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from test_launch_signals import _kill_all, _processes, _start, _wait_for
+from test_slurm import JOB_WAIT_S, _wait_for_job, slurm_cluster  # noqa: F401 (a fixture)
 
 from conftest import tiny_overrides
 
@@ -221,3 +222,36 @@ def test_the_batch_script_passes_a_signal_on_and_requeues_after_the_warning(tmp_
     assert f"step got {128 + sig}" in calls  # passed on to the step, which the script waited for
     assert ("scontrol requeue 42" in calls) == requeued, calls
     assert job.returncode == (0 if requeued else 1)  # after a requeue, the step's own status otherwise
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_slurm_job_warned_of_its_time_limit_requeues_and_resumes(tmp_path, small_data_dir, reference_losses):
+    """On a real cluster (.ci/slurm_cluster.sh): the time-limit warning, sent early with `scancel
+    --signal=USR1 --batch`, reaches the batch shell as `--signal=B:USR1@…` would; the workers on
+    both nodes save and stop, the script requeues the job, and the requeued job resumes from that
+    checkpoint and COMPLETES with the uninterrupted run's losses."""
+    run_dir = tmp_path / "runs" / "t"
+    overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **{"train.steps": STEPS, "log.interval": 1})
+    launch = subprocess.run(
+        [*LAUNCH[:5], *overrides, "--slurm", "--nodes", "2", "--gpus-per-node", "1", "--time", "00:10:00"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert launch.returncode == 0, launch.stdout + launch.stderr
+    job_id = launch.stdout.split("Submitted batch job")[1].split()[0]
+    try:
+        _wait_for(lambda: _steps_logged(run_dir) >= 3, 240, "three steps")
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
+        state = _wait_for_job(job_id, JOB_WAIT_S)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30)
+    output = (tmp_path / f"t-{job_id}.out").read_text()
+    assert state == "COMPLETED", f"job {job_id}: {state}\n{output[-3000:]}"
+    assert "requeueing job" in output and "(restart 1)" in output, output[-3000:]
+    stopped_at = int(_stopped_note(run_dir).split(" at step ")[1].split(":")[0])
+    assert stopped_at in _committed_steps(run_dir) and 3 <= stopped_at < STEPS  # (and tiny.yaml's interval saves)
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped_at:08d}'}" in output
+    assert _losses(run_dir) == reference_losses
