@@ -17,7 +17,7 @@ import pytest
 from test_launch_signals import _kill_all, _processes, _start, _wait_for
 from test_slurm import JOB_WAIT_S, _wait_for_job, slurm_cluster  # noqa: F401 (a fixture)
 
-from conftest import tiny_overrides
+from conftest import tiny_config, tiny_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 400  # about 6 s of the tiny model on 2 cores: the signal arrives long before the end
@@ -255,3 +255,21 @@ def test_a_slurm_job_warned_of_its_time_limit_requeues_and_resumes(tmp_path, sma
     assert stopped_at in _committed_steps(run_dir) and 3 <= stopped_at < STEPS  # (and tiny.yaml's interval saves)
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped_at:08d}'}" in output
     assert _losses(run_dir) == reference_losses
+
+
+def test_a_requeued_job_continues_from_its_own_newest_checkpoint(small_data_dir, tmp_path, monkeypatch):
+    """A requeued job runs its first arguments again, `--resume` included: with SLURM_RESTART_COUNT
+    above 0 it continues from checkpoint.dir's newest checkpoint (its own progress), not from the
+    older one it was submitted with; a first start still takes `--resume` as given."""
+    from strata.checkpoint import store
+    from strata.parallel.runtime import start
+    from strata.trainer.loop import run
+
+    extra = {"train.steps": 4, "checkpoint.interval": 2, "checkpoint.keep_last": 0}
+    cfg = tiny_config(small_data_dir, tmp_path, **extra)
+    run(cfg, start())
+    submitted_with = store.step_dir(cfg.checkpoint_dir(), 2)
+    again = tiny_config(small_data_dir, tmp_path, **{**extra, "train.steps": 6, "checkpoint.interval": 0})
+    assert sorted(run(again, start(), resume=submitted_with).losses) == [3, 4, 5, 6]
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert sorted(run(again, start(), resume=submitted_with).losses) == [5, 6]
