@@ -15,6 +15,7 @@ import errno
 import json
 import mmap
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -209,6 +210,9 @@ def serve(image: memoryview, conn: Connection) -> None:
 
 def main(argv: list[str]) -> None:
     """Entry of the writer process: IMAGE_FD NBYTES CONN_FD, both descriptors inherited."""
+    # A scheduler's stop warning (Slurm signals every process of a step) is for the trainer, which
+    # then saves through this writer: the writer must outlive it. It ends when its trainer closes it.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     image_fd, nbytes, conn_fd = (int(a) for a in argv)
     with mmap.mmap(image_fd, nbytes) as image:
         serve(memoryview(image), Connection(conn_fd))

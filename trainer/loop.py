@@ -35,8 +35,9 @@ from strata.parallel import runtime as runtime_mod
 from strata.parallel.runtime import Runtime
 from strata.parallel.topology import Topology, build_topology, layout_from_config
 from strata.trainer.data import BatchLoader, TokenDataset, ensure_default_corpus, eval_batches
-from strata.trainer.metrics import MetricsLogger
+from strata.trainer.metrics import MetricsLogger, mfu_peak
 from strata.trainer.parallelize import ParallelModel, parallelize
+from strata.trainer.profiling import StepProfiler
 from strata.trainer.state import TrainState
 
 if TYPE_CHECKING:
@@ -149,6 +150,7 @@ class Trainer:
             layout.dp,
         )
         self.state = TrainState(cfg, self.model, self.loader, runtime.rank)
+        self.profiler = StepProfiler.from_config(cfg.log, cfg.run_dir(), runtime.rank, runtime.device)
         control = comm.new_gloo_group() if runtime.distributed else None  # saves' and snapshots' collectives
         self.checkpoints = CheckpointManager(
             cfg.checkpoint_dir(),
@@ -158,6 +160,7 @@ class Trainer:
             cfg.checkpoint.async_save,
             control,
             config_yaml=config_mod.dump(cfg),
+            on_disk_full=cfg.checkpoint.on_disk_full,
         )
         self.snapshots = self._snapshot_manager(control) if cfg.snapshot.every_steps else None
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
@@ -354,6 +357,7 @@ class Trainer:
         try:
             return self._fit(log)
         finally:
+            self.profiler.close()
             self.stop_request.restore()
 
     def _fit(self, log: MetricsLogger) -> RunResult:
@@ -363,7 +367,8 @@ class Trainer:
         link_bytes_before = Counter(comm.bytes_by_link)
         train_start, start_step = time.perf_counter(), self.step
         while self.step < cfg.train.steps:
-            loss, grad_norm = self.train_step()
+            with self.profiler.step(self.step + 1):
+                loss, grad_norm = self.train_step()
             losses[self.step] = loss
             interval_steps += 1
             record: dict = {}
@@ -454,10 +459,7 @@ class Trainer:
     def _throughput(self, steps: int, seconds: float) -> dict:
         tokens_per_s = steps * self.tokens_per_step / max(seconds, 1e-9)
         tflops = tokens_per_s * self.flops_per_token / 1e12 / self.rt.world_size
-        record = {"tokens_per_s": tokens_per_s, "tflops_per_rank": tflops, "step_time_s": seconds / steps}
-        if self.cfg.log.peak_tflops:
-            record["mfu"] = tflops / self.cfg.log.peak_tflops
-        return record
+        return {"tokens_per_s": tokens_per_s, "tflops_per_rank": tflops, "step_time_s": seconds / steps}
 
 
 def rewrite_checkpoint(cfg: Config, runtime: Runtime, source: Path, out: Path) -> None:
@@ -488,6 +490,7 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
     else:
         source = trainer.start_from(resume)
         resumed_from, restore_note = trainer.resume(source) if source else None, ""
+    peak, peak_note = mfu_peak(cfg.log.peak_tflops, runtime.device, cfg.train.precision)
     log = MetricsLogger(
         cfg.run_dir(),
         cfg.train.steps,
@@ -496,6 +499,8 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
         progress=cfg.log.progress,
         wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
         config=config_mod.to_dict(cfg),
+        tensorboard=cfg.log.tensorboard,
+        peak_tflops=peak,
     )
     n_params = count_params(cfg.model, trainer.model.vocab_size)
     layout = trainer.topo.layout
@@ -507,6 +512,7 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
     )
     for warning in config_mod.start_up_warnings(cfg):
         log.print(f"warning: {warning}")
+    log.print(peak_note)
     if restore_note:
         log.print(restore_note)
         log.write(
