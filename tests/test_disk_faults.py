@@ -25,32 +25,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_async_checkpoint import pieces, save
 
 from strata.checkpoint import store
 from strata.checkpoint.manager import CheckpointManager
-from strata.checkpoint.pieces import FixedState, Piece, StateContents
 from strata.checkpoint.reader import Checkpoint
 from strata.errors import CheckpointError
 from strata.parallel import comm
-from strata.parallel.flat import Box
 
 from worlds import run_world
-
-STATE = {"model.w": (64, 48), "model.b": (48,), "optim.state.w.exp_avg": (64, 48)}
-
-
-def pieces(step: int) -> list[Piece]:
-    """Whole tensors whose values depend on the step (so a stale or mixed-up file would show)."""
-    out = []
-    for i, (key, shape) in enumerate(STATE.items()):
-        t = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape) * (step + i)
-        out.append(Piece(key, shape, Box((0,) * len(shape), shape), t))
-    return out
-
-
-def save(mgr: CheckpointManager, step: int) -> None:
-    mgr.config_yaml = "model: {}\n"
-    mgr.save(step, FixedState(StateContents(pieces(step), {"trainer": {"step": step}}, {}, {"world": 1})))
 
 
 def assert_loads(path: Path, step: int) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_overrides
+from worlds import marked_processes as _processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,23 +40,6 @@ STAND_IN = textwrap.dedent(
     """
 )
 STAND_IN_PROCESSES = 6  # launcher, torchrun, two workers, their two children
-
-
-def _processes(marker: str) -> list[int]:
-    """Pids of live processes whose environment holds STRATA_TEST_ID=marker."""
-    want = f"STRATA_TEST_ID={marker}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            items = (entry / "environ").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and want in items:
-            found.append(int(entry.name))
-    return found
 
 
 def _kill_all(marker: str) -> None:

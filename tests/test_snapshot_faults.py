@@ -22,6 +22,7 @@ from strata.checkpoint.reader import Checkpoint
 from strata.net import free_port
 
 from conftest import tiny_overrides
+from worlds import marked_processes as _processes
 
 pytestmark = pytest.mark.slow  # multi-node worlds with snapshot agents, killed and restarted
 
@@ -41,24 +42,6 @@ SETTINGS = {
     "parallel.timeout_s": 20,
 }
 DEADLINE_S = 150
-
-
-def _processes(marker: str, **env: str) -> list[int]:
-    """Pids of live processes whose environment has STRATA_TEST_ID=marker and every `env` item
-    (torchrun starts each worker in a session of its own, so process groups do not find them)."""
-    want = [f"STRATA_TEST_ID={marker}".encode()] + [f"{k}={v}".encode() for k, v in env.items()]
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            items = (entry / "environ").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and all(w in items for w in want):
-            found.append(int(entry.name))
-    return found
 
 
 def _kill(pids: list[int]) -> None:

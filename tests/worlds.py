@@ -1,7 +1,9 @@
-"""Start a real gloo world of N local processes for a test and collect each rank's results."""
+"""Start a real gloo world of N local processes for a test and collect each rank's results; find the
+processes a test started, by the marker in their environment."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,3 +31,21 @@ def run_world(
                 p.kill()
             pytest.fail(f"world of {size} did not finish within {timeout_s}s")
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(size)]
+
+
+def marked_processes(marker: str, **env: str) -> list[int]:
+    """Pids of live processes whose environment has STRATA_TEST_ID=marker and every `env` item
+    (torchrun starts each worker in a session of its own, so process groups do not find them)."""
+    want = [f"STRATA_TEST_ID={marker}".encode()] + [f"{k}={v}".encode() for k, v in env.items()]
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            items = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and all(w in items for w in want):
+            found.append(int(entry.name))
+    return found
