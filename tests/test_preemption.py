@@ -55,6 +55,29 @@ def _committed_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if (p / "COMMITTED").is_file())
 
 
+def _signalled_train_run(tmp_path: Path, small_data_dir: Path, signals: list[int]) -> Path:
+    """A single `strata train` that gets `signals` (20 ms apart) once it has logged three steps:
+    it must exit with PREEMPTED_EXIT after committing the step it was in. Returns its run dir."""
+    from strata.trainer.loop import PREEMPTED_EXIT
+
+    marker = uuid.uuid4().hex
+    run_dir = tmp_path / "runs" / "t"
+    overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **{"train.steps": 100000, "log.interval": 1})
+    try:
+        worker = _start(TRAIN + overrides, marker, tmp_path)
+        _wait_for(lambda: _steps_logged(run_dir) >= 3, 120, "three steps")
+        for i, sig in enumerate(signals):
+            if i:
+                time.sleep(0.02)
+            worker.send_signal(sig)
+        code = worker.wait(60)
+    finally:
+        _kill_all(marker)
+    assert code == PREEMPTED_EXIT, (tmp_path / "launch.log").read_text()[-3000:]
+    assert _committed_steps(run_dir) == [max(_losses(run_dir))]
+    return run_dir
+
+
 def _launch_to_end(overrides: list[str], cwd: Path, extra: list[str] = ()) -> None:
     done = subprocess.run(LAUNCH + overrides + list(extra), cwd=cwd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
@@ -110,20 +133,7 @@ def test_strata_train_exits_with_the_preempted_code_after_saving(tmp_path, small
     """Without torchrun in between (a single `strata train`, as srun may start it), the worker's own
     exit code reaches the caller: PREEMPTED_EXIT, which the Slurm script requeues on. SIGINT, as from
     Ctrl-C, stops the run the same way."""
-    from strata.trainer.loop import PREEMPTED_EXIT
-
-    marker = uuid.uuid4().hex
-    run_dir = tmp_path / "runs" / "t"
-    overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **{"train.steps": 100000, "log.interval": 1})
-    try:
-        worker = _start(TRAIN + overrides, marker, tmp_path)
-        _wait_for(lambda: _steps_logged(run_dir) >= 3, 120, "three steps")
-        worker.send_signal(signal.SIGINT)
-        code = worker.wait(60)
-    finally:
-        _kill_all(marker)
-    assert code == PREEMPTED_EXIT, (tmp_path / "launch.log").read_text()[-3000:]
-    assert _committed_steps(run_dir) == [max(_losses(run_dir))]
+    run_dir = _signalled_train_run(tmp_path, small_data_dir, [signal.SIGINT])
     assert "stopped by SIGINT" in _stopped_note(run_dir)
 
 
@@ -160,22 +170,7 @@ def test_a_second_signal_aborts_without_saving(tmp_path, small_data_dir):
 def test_the_same_signal_twice_at_once_is_one_request(tmp_path, small_data_dir):
     """Under Slurm a worker gets a signal twice within milliseconds (from slurmstepd, and passed on by
     torchrun): that is one request, and the run still saves and exits with PREEMPTED_EXIT."""
-    from strata.trainer.loop import PREEMPTED_EXIT
-
-    marker = uuid.uuid4().hex
-    run_dir = tmp_path / "runs" / "t"
-    overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **{"train.steps": 100000, "log.interval": 1})
-    try:
-        worker = _start(TRAIN + overrides, marker, tmp_path)
-        _wait_for(lambda: _steps_logged(run_dir) >= 3, 120, "three steps")
-        worker.send_signal(signal.SIGUSR1)
-        time.sleep(0.02)
-        worker.send_signal(signal.SIGUSR1)
-        code = worker.wait(60)
-    finally:
-        _kill_all(marker)
-    assert code == PREEMPTED_EXIT, (tmp_path / "launch.log").read_text()[-3000:]
-    assert _committed_steps(run_dir) == [max(_losses(run_dir))]
+    _signalled_train_run(tmp_path, small_data_dir, [signal.SIGUSR1, signal.SIGUSR1])
 
 
 def _stand_in_slurm(bin_dir: Path, log: Path) -> None:
