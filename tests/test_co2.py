@@ -10,7 +10,6 @@ Each world runs all its cases once (process start-up dominates) and each rank sa
 
 from __future__ import annotations
 
-import datetime
 import io
 import time
 
@@ -23,7 +22,7 @@ from strata.parallel import comm
 from strata.parallel.co2 import CO2
 from strata.parallel.topology import Layout, build_topology
 
-from worlds import run_world
+from worlds import join_world, run_world
 
 SEED = 3
 BATCH = 4  # samples per rank per step
@@ -204,14 +203,7 @@ def _resume_case(rank: int, size: int, group) -> dict:
 
 
 def _worker(rank: int, size: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=WORLD_TIMEOUT_S),
-    )
+    join_world(rank, size, port, timeout_s=WORLD_TIMEOUT_S)
     try:
         res: dict = {}
         if size == 4:  # two nodes of two ranks: dp inside a node, CO2 across nodes

@@ -9,7 +9,6 @@ inherits the limit), and, where this machine lets the tests mount one, with a 1 
 
 from __future__ import annotations
 
-import datetime
 import errno
 import json
 import os
@@ -33,7 +32,7 @@ from strata.checkpoint.reader import Checkpoint
 from strata.errors import CheckpointError
 from strata.parallel import comm
 
-from worlds import run_world
+from worlds import join_world, run_world
 
 
 def assert_loads(path: Path, step: int) -> None:
@@ -234,14 +233,7 @@ def test_a_full_tmpfs_gives_enospc_naming_the_file_and_the_policy_applies(small_
 
 def _two_rank_worker(rank: int, size: int, port: int, out_dir: str, policy: str) -> None:
     """Both ranks hold the whole state (so each writes half of it); only rank 1's files hit the limit."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_world(rank, size, port)
     try:
         root = Path(out_dir) / "ckpts"
         mgr = CheckpointManager(root, rank, size, group=comm.new_gloo_group(), on_disk_full=policy)

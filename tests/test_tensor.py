@@ -11,7 +11,6 @@ unsharded model's (fp32).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from collections import Counter
 
 import pytest
@@ -25,7 +24,7 @@ from strata.model import RMSNorm, build_model, lm_loss
 from strata.parallel import comm
 from strata.parallel.tensor import VocabParallelLoss, apply_tensor_parallel, placement_of
 
-from worlds import run_world
+from worlds import join_world, run_world
 
 VOCAB = 128  # no other width of the tiny model equals it (d 32, ffn 96, q 32, kv 16)
 BATCH, SEQ = 2, 16
@@ -131,14 +130,7 @@ def _loss_case(rank: int, size: int) -> dict:
 
 
 def _worker(rank: int, size: int, port: int, out_dir: str, cases: list[str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_world(rank, size, port)
     try:
         results = {name: _tp_case(rank, size, CASES[name][1], CASES[name][2]) for name in cases}
         results["loss-only"] = _loss_case(rank, size)

@@ -8,7 +8,6 @@ ZeRO-3's prefetch is observed to issue the next block's gather before the curren
 
 from __future__ import annotations
 
-import datetime
 import functools
 from collections import Counter
 
@@ -22,7 +21,7 @@ from strata.parallel import comm
 from strata.parallel.topology import Layout, build_topology
 from strata.parallel.zero import ZeroEngine, ZeroPlan
 
-from worlds import run_world
+from worlds import join_world, run_world
 
 pytestmark = pytest.mark.slow  # an 8-process gloo world trains every scheme (module fixture)
 
@@ -106,14 +105,7 @@ def _train(topo, plan: ZeroPlan, rank: int, log: list | None = None) -> dict:
 
 
 def _worker(rank: int, size: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=90),
-    )
+    join_world(rank, size, port, timeout_s=90)
     try:
         topo = build_topology(LAYOUT, rank)
         results = {name: _train(topo, ZeroPlan(**kw), rank) for name, kw in SCHEMES.items()}

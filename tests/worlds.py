@@ -3,6 +3,7 @@ processes a test started, by the marker in their environment."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from strata.net import free_port
@@ -31,6 +33,18 @@ def run_world(
                 p.kill()
             pytest.fail(f"world of {size} did not finish within {timeout_s}s")
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(size)]
+
+
+def join_world(rank: int, size: int, port: int, timeout_s: float = 60) -> None:
+    """In a `run_world` worker: one thread, and the gloo world on tcp://127.0.0.1:port."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def marked_processes(marker: str, **env: str) -> list[int]:
