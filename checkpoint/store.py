@@ -142,6 +142,17 @@ def committed(root: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: (commit_time(p), p.name))
 
 
+def earlier_run_error(root: Path, found: list[str]) -> CheckpointError:
+    """The refusal of a new run in a checkpoint directory that holds `found`, an earlier run's
+    committed checkpoints (oldest first), which the new run's saves and `keep_last` would replace."""
+    return CheckpointError(
+        f"checkpoint.dir {root} holds {len(found)} committed checkpoint(s) of an earlier run (newest: "
+        f"{found[-1]}), which a new run would replace: continue that run with --resume {root}, set "
+        "checkpoint.overwrite=true to start afresh and replace them, or choose another checkpoint.dir "
+        "(or log.name)"
+    )
+
+
 def resolve(path: Path) -> Path:
     """A committed checkpoint directory from either itself or a root holding step_* directories."""
     path = Path(path)

@@ -89,7 +89,6 @@ def _check_checkpoints(cfg: Config, resume: str | None) -> None:
     a committed checkpoint, or a new run (no --resume, no snapshots to recover) in a checkpoint.dir
     holding an earlier run's committed checkpoints without checkpoint.overwrite."""
     from strata.checkpoint import store
-    from strata.errors import CheckpointError
 
     if resume:
         store.resolve(Path(resume))
@@ -97,12 +96,7 @@ def _check_checkpoints(cfg: Config, resume: str | None) -> None:
     root = cfg.checkpoint_dir()
     found = [p.name for p in store.committed(root)]
     if found and not cfg.checkpoint.overwrite and not cfg.snapshot.every_steps:
-        raise CheckpointError(
-            f"checkpoint.dir {root} holds {len(found)} committed checkpoint(s) of an earlier run (newest: "
-            f"{found[-1]}), which a new run would replace: continue that run with --resume {root}, set "
-            "checkpoint.overwrite=true to start afresh and replace them, or choose another checkpoint.dir "
-            "(or log.name)"
-        )
+        raise store.earlier_run_error(root, found)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

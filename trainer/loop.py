@@ -342,12 +342,7 @@ class Trainer:
             return root
         if self.cfg.checkpoint.overwrite:
             return None
-        raise CheckpointError(
-            f"checkpoint.dir {root} holds {len(found)} committed checkpoint(s) of an earlier run (newest: "
-            f"{found[-1]}), which a new run would replace: continue that run with --resume {root}, set "
-            "checkpoint.overwrite=true to start afresh and replace them, or choose another checkpoint.dir "
-            "(or log.name)"
-        )
+        raise store.earlier_run_error(root, found)
 
     # --- the run --------------------------------------------------------------------------
     def fit(self, log: MetricsLogger) -> RunResult:
