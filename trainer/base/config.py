@@ -256,6 +256,17 @@ class ParallelConfig:
         min_exclusive=True,
     )
     timeout_s: int = opt(600, "process-group timeout in seconds", min=1)
+    hang_timeout_s: float | None = opt(
+        None,
+        "when no rank makes progress for this many seconds (one is stopped, or stuck outside or inside a "
+        "collective) the job stops with one error naming the stuck rank, its host and its last collective, "
+        "long before timeout_s; armed after the first step; null = a fifth of timeout_s; 0 = off",
+        min=0.0,
+    )
+
+    def hang_after_s(self) -> float:
+        """Seconds without progress that count as a hang (0: not watched)."""
+        return self.timeout_s / 5 if self.hang_timeout_s is None else self.hang_timeout_s
 
 
 @dataclass(frozen=True)
@@ -977,6 +988,11 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
         p.append(
             f"parallel.pp·virtual_stages = {par.pp}·{par.virtual_stages} = {stages} pipeline stages must divide "
             f"model.n_layers={m.n_layers} (stages are balanced by layers)"
+        )
+    if par.hang_timeout_s is not None and par.hang_timeout_s >= par.timeout_s:
+        p.append(
+            f"parallel.hang_timeout_s={par.hang_timeout_s:g} must be below parallel.timeout_s={par.timeout_s} (the "
+            "collective timeout would end the job first, without naming the stuck rank); lower it, or 0 for off"
         )
     p += _schedule_checks(par)
     p += _zero_checks(cfg, world_size)
