@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
 from strata import config
-from strata.config import CO2Config, Config, ModelConfig, OptimConfig, ShardSpec, TrainConfig, ZeroConfig
+from strata.config import CO2Config, Config, ModelConfig, OptimConfig, ShardSpec, TrainConfig, ZeroConfig, opt
 from strata.errors import ConfigError, StrataError
 from strata.parallel.topology import LEVELS
 
@@ -810,3 +811,106 @@ def test_cross_check_naming_a_rejected_nested_key_is_dropped():
     # zero.optim.shard_over is rejected (keeps none), so "params coarser than optim=none" would mislead
     err = load_error(None, ["zero.params.shard_over=global", "zero.optim.shard_over=rack"])
     assert len(err.problems) == 1 and err.problems[0].startswith("zero.optim.shard_over: 'rack'"), err.problems
+
+
+# --- list keys ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Lists:
+    """A group of list keys the shipped schema does not have (yet): floats, strings, length bounds."""
+
+    weights: tuple[float, ...] = opt((1.0,), "at least one weight", min=0.0, min_items=1)
+    names: tuple[str, ...] | None = opt(None, "at most two names", max_items=2)
+
+
+def _build_lists(values: dict) -> tuple[_Lists, list[str]]:
+    problems: list[str] = []
+    built = config._build_group("g", _Lists, values, problems)
+    return built, problems
+
+
+def test_a_list_key_reads_from_yaml_and_from_an_override_as_a_tuple(tmp_path):
+    block = write_yaml(tmp_path / "block.yaml", "log:\n  profile_steps:\n    - 4\n    - 6\n")
+    flow = write_yaml(tmp_path / "flow.yaml", "log:\n  profile_steps: [4, 6]\n")
+    assert config.load(block).log.profile_steps == config.load(flow).log.profile_steps == (4, 6)
+    assert config.load(None, ["log.profile_steps=[3,5]"]).log.profile_steps == (3, 5)
+    assert config.load(None, ["log.profile_steps = [ 3, 5 ]"]).log.profile_steps == (3, 5)
+    assert config.load(flow, ["log.profile_steps=null"]).log.profile_steps is None
+    assert config.from_dict({"log": {"profile_steps": (7, 7)}}).log.profile_steps == (7, 7)
+    cfg = config.load(flow)
+    assert hash(cfg) == hash(config.load(flow))  # frozen and hashable: the list is a tuple
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.log.profile_steps = (1, 2)  # type: ignore[misc]
+
+
+def test_a_list_key_round_trips_through_dump_to_dict_and_a_checkpoint_style_file(tmp_path):
+    cfg = config.load(None, ["log.profile_steps=[3,5]", "log.name=listed"])
+    plain = config.to_dict(cfg)
+    assert plain["log"]["profile_steps"] == [3, 5] and type(plain["log"]["profile_steps"]) is list
+    assert config.from_dict(plain) == cfg
+    text = config.dump(cfg)
+    assert yaml.safe_load(text)["log"]["profile_steps"] == [3, 5]
+    assert "!!python" not in text
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert config.load(path) == cfg
+    assert config.load(path, ["train.steps=7"]).log.profile_steps == (3, 5)
+
+
+def test_a_list_key_survives_the_config_yaml_a_checkpoint_saves(small_data_dir, tmp_path):
+    """The resolved config every checkpoint commits as config.yaml loads back into the same config."""
+    from strata.checkpoint import store
+    from strata.parallel.runtime import start
+    from strata.trainer.loop import run
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(
+        small_data_dir, tmp_path, **{"train.steps": 1, "checkpoint.save_final": True, "log.profile_steps": [1, 1]}
+    )
+    run(cfg, start())
+    saved = store.committed(cfg.checkpoint_dir())[-1] / "config.yaml"
+    assert yaml.safe_load(saved.read_text())["log"]["profile_steps"] == [1, 1]
+    assert config.load(saved) == cfg
+
+
+def test_list_keys_show_their_type_and_default():
+    assert "type: list of int or null" in config.explain("log.profile_steps")
+    assert "default: None" in config.explain("log.profile_steps")
+    row = next(line for line in config.reference_markdown().splitlines() if "`log.profile_steps`" in line)
+    assert row.startswith("| `log.profile_steps` | list of int or null | `null` | [first, last]: ")
+    assert config._type_name(tuple[float, ...]) == "list of float"
+    assert config._type_name(tuple[str, ...] | None) == "list of str or null"
+
+
+def test_list_items_are_coerced_and_checked_one_by_one():
+    built, problems = _build_lists({"weights": [1, "2.5", 0.5], "names": ["a", "b"]})
+    assert problems == [] and built == _Lists(weights=(1.0, 2.5, 0.5), names=("a", "b"))
+    assert all(type(w) is float for w in built.weights)
+    cases = {
+        "weights": [
+            ([], "g.weights: [] has 0 items; give at least 1"),
+            ([1.0, -1.0], "g.weights: item 2 is -1.0, which must be >= 0.0"),
+            ([1.0, "heavy"], "g.weights: item 2 is 'heavy', not a number"),
+            ([1.0, True], "g.weights: item 2 is True, not a number"),
+            (1.0, "g.weights: expected list of float, got 1.0 (use a list, e.g. [a, b])"),
+            ([float("nan")], "g.weights: item 1 is nan, which must be finite"),
+            (None, "g.weights: expected list of float, got None (use a list, e.g. [a, b])"),
+        ],
+        "names": [
+            (["a", "b", "c"], "g.names: ['a', 'b', 'c'] has 3 items; give at most 2"),
+            (["a", 3], "g.names: item 2 is 3, not a string"),
+            ({"a": 1}, "g.names: expected list of str or null, got the mapping {'a': 1}"),
+        ],
+    }
+    for key, rows in cases.items():
+        for value, message in rows:
+            built, problems = _build_lists({key: value})
+            assert len(problems) == 1 and problems[0].startswith(message), (value, problems)
+            assert built == _Lists()  # a rejected key keeps its default
+
+
+def test_every_problem_of_a_list_key_is_reported_with_the_others():
+    err = load_error(None, ["log.profile_steps=[0, x]", "train.steps=0"])
+    assert err.problems == ["log.profile_steps: item 2 is 'x', not a whole number", "train.steps: 0 must be >= 1"]

@@ -220,7 +220,7 @@ def test_profiled_trainer_run(small_data_dir, tmp_path):
 
     from conftest import tiny_config
 
-    cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 4, "log.profile_start": 2, "log.profile_count": 2})
+    cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 4, "log.profile_steps": [2, 3]})
     runtime = start()
     trainer = Trainer(cfg, runtime)
     prof = StepProfiler.from_config(cfg.log, cfg.run_dir(), runtime.rank, runtime.device)
@@ -235,11 +235,86 @@ def test_profiled_trainer_run(small_data_dir, tmp_path):
     assert {"step 2", "step 3"} <= names and "step 4" not in names
 
 
-def test_profile_keys_are_checked():
-    with pytest.raises(ConfigError, match="log.profile_start"):
-        config.from_dict({"log": {"profile_start": 0}})
-    with pytest.raises(ConfigError, match="log.profile_count"):
-        config.from_dict({"log": {"profile_count": 0}})
+def test_profile_steps_is_the_inclusive_window(tmp_path):
+    log = config.from_dict({"log": {"profile_steps": [3, 5]}}).log
+    assert log.profile_steps == (3, 5)
+    prof = StepProfiler.from_config(log, tmp_path, rank=0, device=torch.device("cpu"))
+    assert (prof.first, prof.last) == (3, 5)
+    assert [s for s in range(1, 8) if prof.in_window(s)] == [3, 4, 5]
+    one = StepProfiler.from_config(config.load(None, ["log.profile_steps=[2,2]"]).log, tmp_path, 0, torch.device("cpu"))
+    assert [s for s in range(1, 5) if one.in_window(s)] == [2]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (0, "log.profile_steps: expected list of int or null, got 0 (use a list, e.g. [a, b])"),
+        ("2-4", "log.profile_steps: expected list of int or null, got '2-4' (use a list, e.g. [a, b])"),
+        ([3], "log.profile_steps: [3] has 1 item; give exactly 2"),
+        ([1, 2, 3], "log.profile_steps: [1, 2, 3] has 3 items; give exactly 2"),
+        ([5, 3], "log.profile_steps: [5, 3] is reversed; give [first, last] with first <= last, e.g. [3, 5]"),
+        ([1, "x"], "log.profile_steps: item 2 is 'x', not a whole number"),
+        ([1.5, 2], "log.profile_steps: item 1 is 1.5, not a whole number"),
+        ([0, 2], "log.profile_steps: item 1 is 0, which must be >= 1"),
+    ],
+)
+def test_profile_steps_is_checked_with_one_message(value, message):
+    with pytest.raises(ConfigError) as err:
+        config.from_dict({"log": {"profile_steps": value}})
+    assert err.value.problems == [message]
+
+
+def test_the_old_profile_keys_are_gone():
+    for old in ("profile_start", "profile_count"):
+        with pytest.raises(ConfigError, match=f"log.{old}: unknown key"):
+            config.from_dict({"log": {old: 2}})
+
+
+class _FakeObserverHook:
+    """Stands in for torch._C._cuda_attach_out_of_memory_observer (absent from CPU builds)."""
+
+    def __init__(self) -> None:
+        self.observers: list = []
+
+    def __call__(self, observer) -> None:
+        self.observers.append(observer)
+
+
+@pytest.fixture
+def oom_hook(monkeypatch):
+    from strata.trainer import profiling
+
+    hook = _FakeObserverHook()
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", hook, raising=False)
+    monkeypatch.setattr(profiling, "_oom_observer_attached", False)
+    monkeypatch.setattr(profiling, "_oom_target", None)
+    return hook
+
+
+def test_cpu_profiler_attaches_no_out_of_memory_observer(tmp_path, oom_hook):
+    log = config.from_dict({"log": {"profile_steps": [1, 2]}}).log
+    prof = StepProfiler.from_config(log, tmp_path, rank=0, device=torch.device("cpu"))
+    assert not prof.oom_observer and oom_hook.observers == []
+    prof.dump_oom_snapshot(from_observer=True)  # CPU: nothing to snapshot
+    assert not prof.oom_path.exists() and not prof.oom_observed
+
+
+def test_cuda_out_of_memory_observer_snapshots_for_the_newest_profiler(tmp_path, oom_hook, monkeypatch):
+    """The wiring, on CPU: one observer per process, writing the newest CUDA profiler's oom_path."""
+    dumped: list[str] = []
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dumped.append)
+    first = StepProfiler(None, None, tmp_path / "a", rank=0, device=torch.device("cuda"))
+    second = StepProfiler(None, None, tmp_path / "b", rank=3, device=torch.device("cuda"))
+    assert first.oom_observer and second.oom_observer and len(oom_hook.observers) == 1
+    oom_hook.observers[0](0, 1 << 40, 1 << 30, 0)
+    assert dumped == [str(tmp_path / "b" / "rank3_oom.pickle")] and second.oom_observed
+    with pytest.raises(torch.cuda.OutOfMemoryError), second.step(1):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    assert len(dumped) == 1, "the observer's snapshot (taken before unwinding) is not overwritten"
+    assert not second.oom_observed
+    with pytest.raises(torch.cuda.OutOfMemoryError), second.step(2):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")  # no observer call: snapshot as it leaves
+    assert len(dumped) == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -1,7 +1,11 @@
 """Profiling a window of training steps: a torch.profiler trace per rank (Chrome/Perfetto JSON) and,
-on CUDA, a memory snapshot of the same steps, plus a memory snapshot when a step runs out of GPU
-memory. The loop wraps each step in `StepProfiler.step(n)`; outside the window that costs nothing
-but a comparison.
+on CUDA, a memory snapshot of the same steps, plus a memory snapshot when the GPU runs out of
+memory (`log.profile_steps`). The loop wraps each step in `StepProfiler.step(n)`; outside the window
+that costs nothing but a comparison.
+
+The out-of-memory snapshot is taken by an observer the CUDA allocator calls at the failed
+allocation, before the error unwinds the step and frees its tensors; where torch has no such hook it
+is taken when the error leaves the step. CPU runs attach nothing.
 
 Open a trace in https://ui.perfetto.dev or chrome://tracing, a memory snapshot (`.pickle`) in
 https://pytorch.org/memory_viz.
@@ -10,7 +14,8 @@ https://pytorch.org/memory_viz.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -19,6 +24,34 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from strata.config import LogConfig
 
 MEMORY_HISTORY_ENTRIES = 100_000  # allocation events kept: enough for a few steps of a large model
+
+# The allocator's observers cannot be detached, so one per process forwards to the newest CUDA
+# profiler (held weakly: a finished run's profiler may be collected).
+_oom_target: weakref.ref[StepProfiler] | None = None
+_oom_observer_attached = False
+
+
+def _on_out_of_memory(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+    """The CUDA allocator's out-of-memory callback: snapshot its state while the failing step still holds its memory."""
+    prof = _oom_target() if _oom_target is not None else None
+    if prof is not None:
+        prof.dump_oom_snapshot(from_observer=True)
+
+
+def _watch_out_of_memory(prof: StepProfiler) -> bool:
+    """Point the process's out-of-memory observer at `prof`, attaching it on first use; False where
+    this torch has no such hook (then `StepProfiler.step` takes the snapshot as the error leaves)."""
+    global _oom_target, _oom_observer_attached
+    attach: Callable[[Callable[[int, int, int, int], None]], None] | None = getattr(
+        torch._C, "_cuda_attach_out_of_memory_observer", None
+    )
+    if attach is None:
+        return False
+    _oom_target = weakref.ref(prof)
+    if not _oom_observer_attached:
+        attach(_on_out_of_memory)
+        _oom_observer_attached = True
+    return True
 
 
 class StepProfiler:
@@ -33,12 +66,13 @@ class StepProfiler:
         self.cuda = device.type == "cuda"
         self.prof: profile | None = None
         self.done = first is None
+        self.oom_observed = False  # the observer has written oom_path for the current error
+        self.oom_observer = self.cuda and _watch_out_of_memory(self)
 
     @classmethod
     def from_config(cls, log: LogConfig, run_dir: Path, rank: int, device: torch.device) -> StepProfiler:
-        """The window `log.profile_start` and `log.profile_count` ask for, written to run_dir/profile."""
-        first = log.profile_start
-        last = None if first is None else first + log.profile_count - 1
+        """The window `log.profile_steps` = [first, last] asks for (null: none), written to run_dir/profile."""
+        first, last = log.profile_steps or (None, None)
         return cls(first, last, run_dir / "profile", rank, device)
 
     @property
@@ -66,7 +100,9 @@ class StepProfiler:
             with record_function(f"step {step}") if self.prof is not None else contextlib.nullcontext():
                 yield
         except torch.cuda.OutOfMemoryError:
-            self._dump_oom()
+            if not self.oom_observed:
+                self.dump_oom_snapshot()
+            self.oom_observed = False
             self._close_after_error()
             raise
         except BaseException:
@@ -110,10 +146,12 @@ class StepProfiler:
         with contextlib.suppress(Exception):
             self.close()
 
-    def _dump_oom(self) -> None:
-        """The allocator's state at the failure (with allocation history when inside the window)."""
+    def dump_oom_snapshot(self, from_observer: bool = False) -> None:
+        """The allocator's state at the failure (with allocation history when inside the window). It
+        never raises: the out-of-memory error is what the user must see."""
         if not self.cuda:
             return
         with contextlib.suppress(Exception):
             self.out_dir.mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(str(self.oom_path))
+            self.oom_observed = from_observer

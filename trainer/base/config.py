@@ -90,10 +90,16 @@ def opt(
     max: float | None = None,
     min_exclusive: bool = False,
     max_exclusive: bool = False,
+    min_items: int | None = None,
+    max_items: int | None = None,
     key: str | None = None,
 ) -> Any:
-    """A config key: its default, one-line doc and the range checks `load` applies; `key` is its
-    name in YAML when that cannot be the field's (`checkpoint.async`: a Python keyword)."""
+    """A config key: its default, one-line doc and the range checks `load` applies (to each item of
+    a list key, whose length `min_items`/`max_items` bound); `key` is its name in YAML when that
+    cannot be the field's (`checkpoint.async`: a Python keyword).
+
+    A list key is typed `tuple[X, ...]` (frozen configs hold no mutable values): YAML gives it as
+    a list (`[3, 5]`, also in an override) and `to_dict`/`dump` write it back as one."""
     meta = {
         "doc": doc,
         "choices": choices,
@@ -101,6 +107,8 @@ def opt(
         "max": max,
         "min_exclusive": min_exclusive,
         "max_exclusive": max_exclusive,
+        "min_items": min_items,
+        "max_items": max_items,
         "key": key,
     }
     return field(default=default, metadata=meta)
@@ -509,13 +517,15 @@ class LogConfig:
         min_exclusive=True,
     )
     tensorboard: bool = opt(False, "also write the metrics as TensorBoard scalars to <run dir>/tensorboard (rank 0)")
-    profile_start: int | None = opt(
+    profile_steps: tuple[int, ...] | None = opt(
         None,
-        "first step to record with torch.profiler: a Chrome/Perfetto trace per rank in <run dir>/profile/rank<r>.json "
-        "and, on CUDA, a memory snapshot (null: no profiling)",
+        "[first, last]: record steps first..last (inclusive, 1 <= first <= last) with torch.profiler, a "
+        "Chrome/Perfetto trace per rank in <run dir>/profile/rank<r>.json and, on CUDA, a memory snapshot "
+        "(null: no profiling; on CUDA an out-of-memory error leaves a memory snapshot either way)",
         min=1,
+        min_items=2,
+        max_items=2,
     )
-    profile_count: int = opt(3, "how many steps from log.profile_start to profile", min=1)
 
 
 @dataclass(frozen=True)
@@ -598,13 +608,15 @@ def _check_and_raise(cfg: Config, problems: list[str], world_size: int | None) -
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """The config as nested plain values, under the YAML names of its keys."""
-    return {
-        _key_of(f): to_dict(getattr(cfg, f.name))
-        if dataclasses.is_dataclass(getattr(cfg, f.name))
-        else getattr(cfg, f.name)
-        for f in dataclasses.fields(cfg)
-    }
+    """The config as nested plain values (a list key as a list), under the YAML names of its keys."""
+    return {_key_of(f): _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def _plain(value: Any) -> Any:
+    """A config value as YAML would give it: a group as a dict, a list key's tuple as a list."""
+    if dataclasses.is_dataclass(value):
+        return to_dict(value)
+    return list(value) if isinstance(value, tuple) else value
 
 
 def dump(cfg: Config) -> str:
@@ -633,10 +645,10 @@ def explain(key: str) -> str:
             lines.append(
                 f"{indent}{sub}: {sub_f.metadata['doc']}"
                 if _is_group(sub_hint)
-                else f"{indent}{sub} = {sub_f.default!r}  # {sub_f.metadata['doc']}"
+                else f"{indent}{sub} = {_plain(sub_f.default)!r}  # {sub_f.metadata['doc']}"
             )
         return "\n".join(lines)
-    text = f"{key}: {f.metadata['doc']}\n  type: {_type_name(hint)}\n  default: {f.default!r}"
+    text = f"{key}: {f.metadata['doc']}\n  type: {_type_name(hint)}\n  default: {_plain(f.default)!r}"
     if f.metadata.get("choices"):
         text += f"\n  choices: {', '.join(map(str, f.metadata['choices']))}"
     return text
@@ -803,11 +815,19 @@ def _build_group(prefix: str, cls: type, values: dict[str, Any], problems: list[
             continue
         ok, converted, why = _coerce(value, hint)
         if not ok:
-            problems.append(f"{key}: expected {_type_name(hint)}, got {value!r} ({why})")
+            problems.append(
+                f"{key}: {why}"
+                if why.startswith("item ")
+                else f"{key}: expected {_type_name(hint)}, got {value!r} ({why})"
+            )
             continue
-        err = _range_problem(converted, fields[name].metadata)
+        if isinstance(converted, tuple):
+            err = _items_problem(converted, fields[name].metadata)
+        else:
+            err = _range_problem(converted, fields[name].metadata)
+            err = err and f"{converted!r} {err}"
         if err:
-            problems.append(f"{key}: {converted!r} {err}")
+            problems.append(f"{key}: {err}")
             continue
         kwargs[attr] = converted
     return cls(**kwargs)
@@ -821,13 +841,33 @@ def _optional_of(hint: Any) -> Any:
     return None
 
 
+def _item_of(hint: Any) -> Any:
+    """X for a list hint `tuple[X, ...]`, else None."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return args[0]
+    return None
+
+
 def _coerce(value: Any, hint: Any) -> tuple[bool, Any, str]:
-    """Check `value` against a type hint; ints widen to floats, numeric strings ("3e-4") to floats."""
+    """Check `value` against a type hint; ints widen to floats, numeric strings ("3e-4") to floats, a
+    list to the tuple of its coerced items (the reason for a bad item starts with "item N")."""
     inner = _optional_of(hint)
     if inner is not None:
         if value is None:
             return True, None, ""
         hint = inner
+    item_hint = _item_of(hint)
+    if item_hint is not None:
+        if not isinstance(value, (list, tuple)):
+            return False, None, "use a list, e.g. [a, b]"
+        items = []
+        for i, item in enumerate(value, 1):
+            ok, converted, why = _coerce(item, item_hint)
+            if not ok:
+                return False, None, f"item {i} is {item!r}, " + (f"not {why[4:]}" if why.startswith("use ") else why)
+            items.append(converted)
+        return True, tuple(items), ""
     if hint is bool:
         return (True, value, "") if isinstance(value, bool) else (False, None, "use true or false")
     if hint is int:
@@ -849,6 +889,22 @@ def _coerce(value: Any, hint: Any) -> tuple[bool, Any, str]:
     if hint is str:
         return (True, value, "") if isinstance(value, str) else (False, None, "use a string")
     return False, None, f"unsupported type {hint}"
+
+
+def _items_problem(items: tuple[Any, ...], meta: Mapping[str, Any]) -> str | None:
+    """Why the list `items` breaks its key's length bounds or an item its range, or None."""
+    lo, hi = meta.get("min_items"), meta.get("max_items")
+    if (lo is not None and len(items) < lo) or (hi is not None and len(items) > hi):
+        if lo == hi:
+            want = f"exactly {lo}"
+        else:
+            want = f"at least {lo}" if lo is not None and len(items) < lo else f"at most {hi}"
+        return f"{list(items)} has {len(items)} item{'s' if len(items) != 1 else ''}; give {want}"
+    for i, item in enumerate(items, 1):
+        err = _range_problem(item, meta)
+        if err:
+            return f"item {i} is {item!r}, which {err}"
+    return None
 
 
 def _range_problem(value: Any, meta: Mapping[str, Any]) -> str | None:
@@ -883,9 +939,13 @@ def _unknown(key: str) -> str:
 
 
 def _type_name(hint: Any) -> str:
+    """A key's type in words: `int`, `float or null`, `list of int or null`."""
     inner = _optional_of(hint)
     if inner is not None:
-        return f"{inner.__name__} or null"
+        return f"{_type_name(inner)} or null"
+    item = _item_of(hint)
+    if item is not None:
+        return f"list of {_type_name(item)}"
     return getattr(hint, "__name__", str(hint))
 
 
@@ -958,6 +1018,12 @@ def _value_checks(cfg: Config) -> list[str]:
     ]
     if cfg.train.seed < 0:
         p.append(f"train.seed: {cfg.train.seed} must be >= 0 (it seeds the data order)")
+    steps = cfg.log.profile_steps
+    if steps is not None and len(steps) == 2 and steps[0] > steps[1]:
+        p.append(
+            f"log.profile_steps: {list(steps)} is reversed; give [first, last] with first <= last, "
+            f"e.g. [{steps[1]}, {steps[0]}]"
+        )
     return p
 
 
@@ -1248,7 +1314,8 @@ def reference_markdown() -> str:
             if _is_group(hint):
                 rows.append(f"| `{key}` | group | | {doc} |")
                 continue
-            default = yaml.safe_dump(f.default, default_flow_style=True).strip().removesuffix("...").strip()
+            plain = _plain(f.default)
+            default = yaml.safe_dump(plain, default_flow_style=True).strip().removesuffix("...").strip()
             rows.append(f"| `{key}` | {_type_name(hint)} | `{default}` | {doc} |")
         if not rows:
             out += ["(no keys yet)", ""]
