@@ -224,6 +224,17 @@ CASES = [
     Case("overflow-int-digits", show(f"model.d_model={'9' * 5000}"), ("model.d_model", "4300 digits")),
     Case("yaml-impossible-date", show_yaml("train:\n  seed: 2024-13-45\n"), ("exp.yaml", "month must be in 1..12")),
     Case("range-seed-negative", show_yaml("train:\n  seed: -5\n"), ("train.seed", ">= 0")),
+    # --- list keys: log.profile_steps is [first, last]
+    Case("list-profile-steps-number", show_yaml("log:\n  profile_steps: 3\n"), ("log.profile_steps", "list of int")),
+    Case("list-profile-steps-string", show("log.profile_steps=3-5"), ("log.profile_steps", "list of int", "'3-5'")),
+    Case("list-profile-steps-one-item", show("log.profile_steps=[3]"), ("log.profile_steps", "1 item", "exactly 2")),
+    Case("list-profile-steps-three-items", show("log.profile_steps=[1,2,3]"), ("log.profile_steps", "exactly 2")),
+    Case("list-profile-steps-reversed", show("log.profile_steps=[5,3]"), ("log.profile_steps", "reversed", "[3, 5]")),
+    Case("list-profile-steps-word", show_yaml("log:\n  profile_steps: [1, x]\n"), ("item 2 is 'x'", "whole number")),
+    Case("list-profile-steps-float", show("log.profile_steps=[1,2.5]"), ("log.profile_steps", "item 2 is 2.5")),
+    Case("list-profile-steps-zero", show("log.profile_steps=[0,2]"), ("log.profile_steps", "item 1 is 0", ">= 1")),
+    Case("list-profile-steps-unclosed", show("log.profile_steps=[3,5"), ("log.profile_steps=[3,5", "not valid YAML")),
+    Case("list-profile-start-removed", show("log.profile_start=2"), ("log.profile_start", "log.profile_steps")),
     # --- names no file system takes
     Case("path-log-name-300", show_yaml(f"log:\n  name: {LONG}\n"), ("log.name", "300 bytes", "255")),
     Case("path-log-name-bytes", show(f"log.name={'é' * 200}"), ("log.name", "400 bytes")),
