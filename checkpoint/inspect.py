@@ -63,19 +63,31 @@ def verify_report(path: Path) -> tuple[bool, str]:
     """(ok, report) for `strata ckpt verify`: the structural check every load makes, every data
     block's checksum, and DCP's `.metadata` against the index."""
     ckpt = store.resolve(path)
-    index, problems = integrity.checkpoint_problems(ckpt, store.marker(ckpt), checksums=True)
+    try:
+        record = store.marker(ckpt)
+    except CheckpointError as e:  # unreadable, or not a JSON object: nothing else can be checked
+        return False, f"{ckpt}: DAMAGED\n  {e}"
+    index, problems = integrity.checkpoint_problems(ckpt, record, checksums=True)
     if not problems:
         problems = _metadata_problems(ckpt, index)
     if problems:
         return False, f"{ckpt}: DAMAGED\n  " + "\n  ".join(problems)
-    files = store.marker(ckpt).get("files", {})
-    return True, f"{ckpt}: ok ({len(files)} files match their sizes and CRC-32C checksums)"
+    return True, f"{ckpt}: ok ({len(record['files'])} files match their sizes and CRC-32C checksums)"
 
 
 def describe(path: Path) -> str:
     """The `strata ckpt inspect` report: `verify_report`, then the index and the trainer state."""
+    return inspect_report(path)[1]
+
+
+def inspect_report(path: Path) -> tuple[bool, str]:
+    """(ok, report) for `strata ckpt inspect`: ok as `verify_report` says (a damaged checkpoint's
+    report stops after its files), the report as `describe`."""
     ok, integrity = verify_report(path)
-    ckpt = Checkpoint(path)
+    where = store.resolve(path)
+    if not ok and not _marker_readable(where):  # nothing else to list
+        return False, f"checkpoint {where}\nintegrity: {integrity}"
+    ckpt = Checkpoint(where)
     index = ckpt.index
     lines = [
         f"checkpoint {ckpt.path}",
@@ -89,7 +101,8 @@ def describe(path: Path) -> str:
         )
         lines.append(f"  {name:22s} {_size(entry['bytes']):>10s}  {check}")
     if not ok:
-        return "\n".join(lines)
+        ckpt.close()
+        return False, "\n".join(lines)
     tensors, aliases = index["tensors"], index.get("aliases", {})
     model = {k: v for k, v in tensors.items() if k.startswith("model.")}
 
@@ -116,9 +129,18 @@ def describe(path: Path) -> str:
         trainer = ckpt.object("trainer")
         groups = ckpt.object("optim.param_groups")
     except CheckpointError as e:
-        return "\n".join(lines + [f"cannot read: {e}"])
+        return False, "\n".join(lines + [f"cannot read: {e}"])
     finally:
         ckpt.close()
     lines.append(f"{len(groups)} parameter groups, lr {groups[0].get('lr')}")
     lines.append(f"trainer: step {trainer['step']}, data position {trainer['data']}")
-    return "\n".join(lines)
+    return True, "\n".join(lines)
+
+
+def _marker_readable(ckpt: Path) -> bool:
+    """Whether the commit marker of `ckpt` is a readable JSON object."""
+    try:
+        store.marker(ckpt)
+    except CheckpointError:
+        return False
+    return True

@@ -26,6 +26,15 @@ from strata.errors import CheckpointError
 MARKER = integrity.MARKER  # the commit marker's file name
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _PARTIAL_DIR = re.compile(r"^\.step_\d{8}\.partial$")
+# how a commit marker that is JSON but not an object is described
+_JSON_KINDS: dict[type, str] = {
+    list: "array",
+    int: "number",
+    float: "number",
+    str: "string",
+    bool: "boolean",
+    type(None): "null",
+}
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -173,17 +182,29 @@ def resolve(path: Path) -> Path:
 
 
 def marker(ckpt: Path) -> dict:
-    """The commit marker of a committed checkpoint directory: step, and the file manifest."""
+    """The commit marker of a committed checkpoint directory: step, and the file manifest. Raises
+    CheckpointError for a marker that cannot be read or is not a JSON object (a damaged commit)."""
+    path = Path(ckpt) / MARKER
     try:
-        return json.loads((Path(ckpt) / MARKER).read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(
-            f"{Path(ckpt) / MARKER}: unreadable commit marker ({e}); the checkpoint is damaged, resume from another one"
+            f"{path}: unreadable commit marker ({e}); the checkpoint is damaged, resume from another one"
         ) from e
+    if not isinstance(record, dict):
+        raise CheckpointError(
+            f"{path}: damaged commit marker (it holds a JSON {_JSON_KINDS.get(type(record), 'value')}, not an object); "
+            "the checkpoint is damaged, resume from another one"
+        )
+    return record
 
 
 def verify(path: Path) -> tuple[Path, list[str]]:
     """The committed checkpoint `path` resolves to, and every integrity problem of it: the structural
     check every load makes (`integrity.checkpoint_problems`), and every data block's checksum."""
     ckpt = resolve(path)
-    return ckpt, integrity.checkpoint_problems(ckpt, marker(ckpt), checksums=True)[1]
+    try:
+        record = marker(ckpt)
+    except CheckpointError as e:  # a damaged commit marker is the checkpoint's one problem
+        return ckpt, [str(e)]
+    return ckpt, integrity.checkpoint_problems(ckpt, record, checksums=True)[1]

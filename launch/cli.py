@@ -91,7 +91,7 @@ def _check_checkpoints(cfg: Config, resume: str | None) -> None:
     from strata.checkpoint import store
 
     if resume:
-        store.resolve(Path(resume))
+        store.marker(store.resolve(Path(resume)))  # a damaged commit marker: one error, before any worker
         return
     root = cfg.checkpoint_dir()
     found = [p.name for p in store.committed(root)]
@@ -227,8 +227,9 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         ok, report = inspect.verify_report(Path(args.path))
         print(report)
         return 0 if ok else 1
-    print(inspect.describe(Path(args.path)))
-    return 0
+    ok, report = inspect.inspect_report(Path(args.path))
+    print(report)
+    return 0 if ok else 1
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from strata.launch.cli import main as strata_main
 from strata.parallel.runtime import start
 from strata.trainer.loop import Trainer, run
 
-from conftest import tiny_config
+from conftest import tiny_config, tiny_overrides
 
 
 @pytest.fixture
@@ -182,3 +182,47 @@ def test_a_metadata_sending_dcp_elsewhere_fails_verify(saved, capsys):
     assert strata_main(["ckpt", "verify", str(saved)]) == 1
     out = capsys.readouterr().out
     assert f"{saved / '.metadata'}: points DCP at other files or bytes than index.json does" in out
+
+
+def test_inspect_exits_1_on_a_damaged_checkpoint_like_verify(saved, capsys):
+    flip_weight(saved)
+    assert strata_main(["ckpt", "inspect", str(saved)]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and str(saved / "__0_0.distcp") in out and "model:" not in out
+
+
+def test_inspect_exits_0_on_an_intact_checkpoint(saved, capsys):
+    assert strata_main(["ckpt", "inspect", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert ": ok (" in out and "model:" in out and "trainer: step 2" in out
+
+
+@pytest.mark.parametrize("text", ["[]", "3", '"step"', "null", "{not json"])
+def test_a_damaged_commit_marker_is_one_clear_problem_everywhere(saved, small_data_dir, tmp_path, capsys, text):
+    """A COMMITTED marker that is not a JSON object: verify and inspect report the checkpoint DAMAGED
+    (exit 1), --resume refuses it with one error (exit 2), and retention never deletes it."""
+    (saved / store.MARKER).write_text(text)
+    named = str(saved / store.MARKER)
+    for verb in ("verify", "inspect"):
+        assert strata_main(["ckpt", verb, str(saved)]) == 1
+        out = capsys.readouterr().out
+        assert "DAMAGED" in out and named in out and "commit marker" in out and "Traceback" not in out
+    _, problems = store.verify(saved)
+    assert len(problems) == 1 and named in problems[0]
+
+    trainer = Trainer(tiny_config(small_data_dir, tmp_path / "b"), start())
+    with pytest.raises(CheckpointError, match="commit marker") as err:
+        trainer.resume(saved)
+    assert named in str(err.value) and trainer.step == 0
+
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text("{}\n")
+    launch = ["launch", str(experiment), *tiny_overrides(small_data_dir, tmp_path / "c"), "--resume", str(saved)]
+    assert strata_main(launch) == 2  # refused before torchrun starts
+    err_text = capsys.readouterr().err
+    assert named in err_text and "commit marker" in err_text and "Traceback" not in err_text
+
+    root = saved.parent
+    assert store.committed(root) == [saved] and not store.owned(saved)  # listed, never Strata's to delete
+    store.prune(root, keep_last=1, newest=store.step_dir(root, 99))
+    assert (saved / store.MARKER).read_text() == text
