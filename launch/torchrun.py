@@ -158,6 +158,19 @@ def start_agent(plan: LaunchPlan, env: dict[str, str]) -> tuple[subprocess.Popen
     worker crash leaves it running); returns it and its socket path, once it listens."""
     directory = tempfile.mkdtemp(prefix="strata-snapshot-")  # 0700: only this user reaches the socket
     path = os.path.join(directory, "agent.sock")
+    proc = _spawn_agent(plan, env, path)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise StrataError(f"the snapshot agent did not start (exit code {proc.poll()}); see its message above")
+        time.sleep(0.02)
+    return proc, path
+
+
+def _spawn_agent(plan: LaunchPlan, env: dict[str, str], path: str) -> subprocess.Popen:
+    """Start an agent listening at `path` (a socket file left there by a dead one is removed first)."""
+    Path(path).unlink(missing_ok=True)
     host = (plan.rdzv_endpoint or "127.0.0.1").rsplit(":", 1)[0]
     local = host in ("127.0.0.1", "localhost", "::1")
     cmd = [
@@ -173,14 +186,62 @@ def start_agent(plan: LaunchPlan, env: dict[str, str]) -> tuple[subprocess.Popen
         "--bind",
         "127.0.0.1" if local else "0.0.0.0",
     ]
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # finds the package as the workers do
-    deadline = time.monotonic() + 30
-    while not os.path.exists(path):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise StrataError(f"the snapshot agent did not start (exit code {proc.poll()}); see its message above")
-        time.sleep(0.02)
-    return proc, path
+    return subprocess.Popen(cmd, env=env, start_new_session=True)  # finds the package as the workers do
+
+
+def _how_it_ended(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass
+class AgentKeeper:
+    """Keeps this node's snapshot agent running while torchrun runs: `check` (called by the
+    Supervisor every POLL_S) restarts an agent that died (a crash, SIGKILL, the OOM killer) on the
+    same socket path, with the same secret and environment. The new agent holds no snapshots; the
+    workers reconnect at their next snapshot (`checkpoint.snapshot`) and fill it again.
+
+    The limit: an agent that dies more than MAX_RESTARTS times within RESTART_WINDOW_S is not
+    restarted again (something is wrong with the node or the agent; restarting it in a loop would
+    only cost the workers a failed reconnect per snapshot). Snapshots are then off for the rest of
+    the run; training goes on, protected by its disk checkpoints (checkpoint.interval)."""
+
+    MAX_RESTARTS = 3
+    RESTART_WINDOW_S = 60.0
+
+    plan: LaunchPlan
+    env: dict[str, str]
+    proc: subprocess.Popen
+    path: str
+    deaths: list[float] = field(default_factory=list)  # when each death was noticed (monotonic)
+    given_up: bool = False
+
+    def check(self) -> None:
+        code = self.proc.poll()
+        if code is None or self.given_up:
+            return
+        now = time.monotonic()
+        self.deaths = [t for t in self.deaths if now - t < self.RESTART_WINDOW_S] + [now]
+        how = _how_it_ended(code)
+        if len(self.deaths) > self.MAX_RESTARTS:
+            self.given_up = True
+            print(
+                f"strata launch: warning: the snapshot agent exited ({how}), {len(self.deaths)} times within "
+                f"{self.RESTART_WINDOW_S:.0f} s; not restarting it: in-memory snapshots are off for the rest of "
+                "this run (training continues; disk checkpoints still protect it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        self.proc = _spawn_agent(self.plan, self.env, self.path)
+        print(f"strata launch: the snapshot agent exited ({how}); restarted it", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        _stop_agent(self.proc, self.path)
 
 
 def _proc_table() -> dict[int, tuple[int, int]]:
@@ -238,6 +299,7 @@ class Supervisor:
     sessions: set[int] = field(default_factory=set)  # worker sessions seen since the stop began
     deadline: float = float("inf")  # when the launcher kills whatever is left
     killed: bool = False
+    watch: Callable[[], None] | None = None  # called every POLL_S while torchrun runs and no stop began
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.pending.append(signum)  # no work in the handler: `wait` acts on it within POLL_S
@@ -280,6 +342,8 @@ class Supervisor:
             if self.first is None:
                 if code is not None:
                     return code
+                if self.watch is not None:
+                    self.watch()
             else:
                 if code is None:
                     self.sessions |= worker_sessions(torchrun.pid)
@@ -338,18 +402,20 @@ def run_local(
     env = launch_env(plan)
     supervisor = Supervisor()
     with supervisor.handling():
-        agent = None
+        keeper = None
         try:
             if plan.snapshots:
                 agent, env[SOCKET_ENV] = start_agent(plan, env)
+                keeper = AgentKeeper(plan, dict(env), agent, env[SOCKET_ENV])
+                supervisor.watch = keeper.check
             if supervisor.pending:  # stopped while the agent was starting: start no workers
                 return 128 + supervisor.pending[0]
             cmd = torchrun_command(plan, config_path, overrides, resume, extra)
             print("strata launch:", shlex.join(cmd), flush=True)
             return supervisor.run(cmd, env)
         finally:
-            if agent is not None:
-                _stop_agent(agent, env[SOCKET_ENV])
+            if keeper is not None:
+                keeper.stop()
 
 
 def serve_store(host: str, port: int) -> None:

@@ -210,3 +210,24 @@ def test_a_slot_stays_with_its_rank(agents):
         a.wait_placed(step)
     assert len(slots[0]) == 3 and not slots[0] & slots[1]  # 2 kept + 1 being written, per rank
     workers[1].close()
+
+
+def test_two_versions_of_one_step_are_never_combined():
+    """A step saved twice (rolled back and replayed, or an agent restarted between) can leave images
+    and fragments of both versions; recovery takes one version's pieces only: the one whose home
+    agent holds the whole image, else the most recently saved."""
+    old = {"rank": 0, "step": 5, "world": 1, "nbytes": 8, "k": 2, "m": 1, "crc": "0000000a", "saved_at": 1.0}
+    new = {**old, "crc": "0000000b", "saved_at": 2.0}
+    fragments_only = {
+        "X": {"full": [], "frags": [[0, 5, 1, old], [0, 5, 2, old]]},
+        "Y": {"full": [], "frags": [[0, 5, 0, new], [0, 5, 2, new]]},
+        "Z": {"full": [], "frags": [[0, 5, 1, new]]},
+    }
+    entry = _sources(fragments_only)[5][0]
+    assert entry["meta"]["crc"] == new["crc"] and entry["frags"] == {"0": "Y", "2": "Y", "1": "Z"}
+    with_image = {**fragments_only, "W": {"full": [[0, 5, old]], "frags": []}}
+    entry = _sources(with_image)[5][0]
+    assert entry["meta"]["crc"] == old["crc"] and entry["full"] == ["W"] and entry["frags"] == {"1": "X", "2": "X"}
+    mixed = {"X": {"full": [], "frags": [[0, 5, 1, old]]}, "Y": {"full": [], "frags": [[0, 5, 0, new]]}}
+    step, why = _newest_complete(_sources(mixed))  # one fragment of each: not k=2 of either
+    assert step is None and "1 of k=2 fragments" in why
