@@ -12,6 +12,8 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from strata.parallel.watchdog import collective
+
 RedOp = dist.ReduceOp.RedOpType  # what dist.ReduceOp.SUM, .MIN, ... are
 
 bytes_moved: Counter = Counter()
@@ -96,8 +98,9 @@ def all_reduce(tensor: torch.Tensor, group, dim: str, op: RedOp = dist.ReduceOp.
     """In-place all-reduce of `tensor` over `group` (no-op without one)."""
     if group is not None:
         delay = _count(dim, "all_reduce", tensor, group)
-        dist.all_reduce(tensor, op=op, group=group)
-        _hold(delay)
+        with collective("all_reduce", dim):
+            dist.all_reduce(tensor, op=op, group=group)
+            _hold(delay)
     return tensor
 
 
@@ -113,18 +116,19 @@ class AsyncWork:
     simulated slow link, until the link would have delivered it); `is_completed()` asks without
     blocking. Without a group the work is complete at once."""
 
-    def __init__(self, work, ready_at: float):
-        self._work, self._ready_at = work, ready_at
+    def __init__(self, work, ready_at: float, name: str = ""):
+        self._work, self._ready_at, self._name = work, ready_at, name
 
     def is_completed(self) -> bool:
         return (self._work is None or self._work.is_completed()) and time.monotonic() >= self._ready_at
 
     def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-        remaining = self._ready_at - time.monotonic()
-        if remaining > 0:
-            time.sleep(remaining)
+        with collective(self._name):
+            if self._work is not None:
+                self._work.wait()
+            remaining = self._ready_at - time.monotonic()
+            if remaining > 0:
+                time.sleep(remaining)
 
 
 def all_reduce_async(tensor: torch.Tensor, group, dim: str, op: RedOp = dist.ReduceOp.SUM) -> AsyncWork:
@@ -133,7 +137,7 @@ def all_reduce_async(tensor: torch.Tensor, group, dim: str, op: RedOp = dist.Red
     if group is None:
         return AsyncWork(None, 0.0)
     ready_at = time.monotonic() + _count(dim, "all_reduce", tensor, group)
-    return AsyncWork(dist.all_reduce(tensor, op=op, group=group, async_op=True), ready_at)
+    return AsyncWork(dist.all_reduce(tensor, op=op, group=group, async_op=True), ready_at, f"all_reduce over {dim}")
 
 
 def all_gather(tensor: torch.Tensor, group, dim: str) -> list[torch.Tensor]:
@@ -142,8 +146,9 @@ def all_gather(tensor: torch.Tensor, group, dim: str) -> list[torch.Tensor]:
         return [tensor]
     delay = _count(dim, "all_gather", tensor, group)
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    _hold(delay)
+    with collective("all_gather", dim):
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        _hold(delay)
     return parts
 
 
@@ -158,9 +163,11 @@ def all_gather_into_views(
         return AsyncWork(None, 0.0) if async_op else None
     delay = _count(dim, "all_gather", tensor, group)
     if async_op:
-        return AsyncWork(dist.all_gather(views, tensor, group=group, async_op=True), time.monotonic() + delay)
-    dist.all_gather(views, tensor, group=group)
-    _hold(delay)
+        work = dist.all_gather(views, tensor, group=group, async_op=True)
+        return AsyncWork(work, time.monotonic() + delay, f"all_gather over {dim}")
+    with collective("all_gather", dim):
+        dist.all_gather(views, tensor, group=group)
+        _hold(delay)
     return None
 
 
@@ -170,8 +177,9 @@ def reduce_scatter_views(out: torch.Tensor, views: list[torch.Tensor], group, di
     if group is None:
         return out.copy_(views[0])
     delay = _count(dim, "reduce_scatter", _nbytes(*views), group)
-    dist.reduce_scatter(out, views, group=group)
-    _hold(delay)
+    with collective("reduce_scatter", dim):
+        dist.reduce_scatter(out, views, group=group)
+        _hold(delay)
     return out
 
 
@@ -184,21 +192,23 @@ def send_tensor(tensor: torch.Tensor, dst: int, dim: str) -> None:
     header = torch.tensor(
         [_DTYPES.index(tensor.dtype), tensor.ndim, *tensor.shape], dtype=torch.int64, device=tensor.device
     )  # on the data's device: NCCL sends only GPU tensors
-    dist.send(torch.tensor([len(header)], dtype=torch.int64, device=tensor.device), dst)
-    dist.send(header, dst)
     delay = _count(dim, "send", tensor, peer=dst)
-    dist.send(tensor.contiguous(), dst)
-    _hold(delay)
+    with collective(f"send to rank {dst}", dim):
+        dist.send(torch.tensor([len(header)], dtype=torch.int64, device=tensor.device), dst)
+        dist.send(header, dst)
+        dist.send(tensor.contiguous(), dst)
+        _hold(delay)
 
 
 def recv_tensor(src: int, device: torch.device, dim: str) -> torch.Tensor:
-    n = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(n, src)
-    header = torch.empty(int(n), dtype=torch.int64, device=device)
-    dist.recv(header, src)
-    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-    out = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype, device=device)
-    dist.recv(out, src)
+    with collective(f"recv from rank {src}", dim):
+        n = torch.empty(1, dtype=torch.int64, device=device)
+        dist.recv(n, src)
+        header = torch.empty(int(n), dtype=torch.int64, device=device)
+        dist.recv(header, src)
+        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+        out = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype, device=device)
+        dist.recv(out, src)
     _count(dim, "recv", out)
     return out
 
@@ -219,8 +229,9 @@ def all_gather_along(tensor: torch.Tensor, group, dim: str, axis: int) -> torch.
     size = dist.get_world_size(group)
     front = tensor.movedim(axis, 0).contiguous()  # collectives split/concatenate along dim 0
     out = front.new_empty((size * front.shape[0], *front.shape[1:]))
-    _all_gather_single(out, front, group=group)
-    _hold(delay)
+    with collective("all_gather", dim):
+        _all_gather_single(out, front, group=group)
+        _hold(delay)
     return out.movedim(0, axis).contiguous()
 
 
@@ -241,8 +252,9 @@ def reduce_scatter_along(
     delay = _count(dim, "reduce_scatter", tensor, group)
     front = tensor.movedim(axis, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    _reduce_scatter_single(out, front, op=op, group=group)
-    _hold(delay)
+    with collective("reduce_scatter", dim):
+        _reduce_scatter_single(out, front, op=op, group=group)
+        _hold(delay)
     return out.movedim(0, axis).contiguous()
 
 
@@ -252,7 +264,8 @@ def gather_objects(obj, group, dst: int) -> list | None:
     if group is None:
         return [obj]
     out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
-    dist.gather_object(obj, out, dst=dst, group=group)
+    with collective("gather_object"):
+        dist.gather_object(obj, out, dst=dst, group=group)
     return out
 
 
@@ -262,7 +275,8 @@ def all_gather_objects(obj, group) -> list:
     if group is None:
         return [obj]
     out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with collective("all_gather_object"):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -274,4 +288,5 @@ def new_gloo_group():
 
 def barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier(group=group)
+        with collective("barrier"):
+            dist.barrier(group=group)

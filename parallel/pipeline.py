@@ -19,6 +19,7 @@ from torch.distributed import pipelining
 from strata.config import SINGLE_STAGE_SCHEDULES, V_SHAPED_SCHEDULES
 from strata.model import GPT
 from strata.parallel import comm
+from strata.parallel.watchdog import collective
 
 SCHEDULES = {
     "gpipe": pipelining.ScheduleGPipe,
@@ -191,7 +192,8 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-        self.schedule.step(*args, **kwargs)
+        with collective("pipeline schedule (stage sends and receives)", "pp"):
+            self.schedule.step(*args, **kwargs)
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=inputs.device)
         return comm.all_reduce(loss.float(), self.group, dim="pp")
 

@@ -9,12 +9,14 @@ and step, under a warmup+cosine learning-rate schedule.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import signal
 import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +32,7 @@ from strata.checkpoint.reader import Checkpoint
 from strata.config import Config, OptimConfig
 from strata.errors import CheckpointError, StrataError
 from strata.model import count_params, flops_per_token
-from strata.parallel import comm
+from strata.parallel import comm, watchdog
 from strata.parallel import runtime as runtime_mod
 from strata.parallel.runtime import Runtime
 from strata.parallel.topology import Topology, build_topology, layout_from_config
@@ -218,6 +220,7 @@ class Trainer:
             self.nonfinite_in_a_row = 0
         self.held_bytes = model.engine.held_bytes()
         self.state.step += 1
+        watchdog.step_done(self.step)
         self.checkpoints.poll()  # a background save's failure surfaces here, on every rank
         if self.step_skipped:
             self._stop_if_diverged(loss, grad_norm)
@@ -293,7 +296,8 @@ class Trainer:
 
     def snapshot(self) -> bool:
         """An in-memory snapshot of this step through the node's agent (collective); False if skipped."""
-        return self._active_snapshots().save(self.step, self.state)
+        with watchdog.paused("snapshot"):
+            return self._active_snapshots().save(self.step, self.state)
 
     def resume(self, path: Path) -> Path:
         """Load a checkpoint saved from any layout into this one (see `TrainState.load`)."""
@@ -349,11 +353,27 @@ class Trainer:
         """Train to `train.steps`. A stop signal (GRACEFUL_SIGNALS) ends the run after the step in
         progress instead, with a committed checkpoint of it: raises `Preempted` on every rank."""
         self.stop_request.install()
+        hangs = self._watch_for_hangs(log)
         try:
-            return self._fit(log)
+            with hangs.guard() if hangs is not None else contextlib.nullcontext():
+                return self._fit(log)
         finally:
+            if hangs is not None:
+                hangs.stop()
             self.profiler.close()
             self.stop_request.restore()
+
+    def _watch_for_hangs(self, log: MetricsLogger) -> watchdog.Watchdog | None:
+        """Start this rank's hang watchdog (collective), if parallel.hang_after_s() is not 0."""
+        after = self.cfg.parallel.hang_after_s()
+        if not self.rt.distributed or not after:
+            return None
+        token = comm.all_gather_objects(uuid.uuid4().hex, self.checkpoints.group)[0]
+        store = watchdog.store_from_env(timeout_s=max(10.0, after))
+        if store is None:
+            log.print("warning: no MASTER_ADDR/MASTER_PORT in the environment: hangs are not watched for")
+            return None
+        return watchdog.start(store, token, self.rt.rank, self.rt.world_size, after)
 
     def _fit(self, log: MetricsLogger) -> RunResult:
         cfg, result = self.cfg, RunResult()
@@ -398,9 +418,10 @@ class Trainer:
         result.eval_losses[self.step] = self._eval_and_log(log)
         if cfg.checkpoint.save_final and not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
             self._save_or_warn(log)
-        self.checkpoints.close()  # the last save is committed before the run reports done
-        if self.snapshots:
-            self.snapshots.close()
+        with watchdog.paused("the final checkpoint's commit"):
+            self.checkpoints.close()  # the last save is committed before the run reports done
+            if self.snapshots:
+                self.snapshots.close()
         self.model.close()
         elapsed = time.perf_counter() - train_start
         result.final_step = self.step
@@ -423,9 +444,10 @@ class Trainer:
         log.print(f"strata: {name}: stopping after step {self.step}; saving a checkpoint")
         if self.saved_step != self.step:
             self._save_or_warn(log)
-        self.checkpoints.close()
-        if self.snapshots:
-            self.snapshots.close()
+        with watchdog.paused("the stop checkpoint's commit"):
+            self.checkpoints.close()
+            if self.snapshots:
+                self.snapshots.close()
         self.model.close()
         root = self.cfg.checkpoint_dir()
         newest = store.committed(root)[-1:] if self.rt.rank == 0 else []
@@ -437,7 +459,9 @@ class Trainer:
 
     def _save_or_warn(self, log: MetricsLogger) -> None:
         self.saved_step = self.step
-        if self.save():
+        with watchdog.paused("checkpoint save"):
+            saved = self.save()
+        if saved:
             return
         note = (
             f"the training state is not finite: checkpoint step {self.step} not saved, so the newest committed "
