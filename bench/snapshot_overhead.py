@@ -39,7 +39,8 @@ process with nothing running beside it, against the same copies with their views
 against one memcpy of the image's bytes.
 
 MTTR: a job of the same shape (k=1, m=1; --max-restarts 3, join timeout 30, log interval 1) whose worker with
-RANK=1 gets SIGKILL once rank 0 has logged step `--kill-step`. Reported from the kill: the first
+RANK=1 gets SIGKILL (`--mttr-fault stop`: SIGSTOP, a hang the watchdog must find within `--hang-timeout`)
+once rank 0 has logged step `--kill-step`. Reported from the kill: the first
 torchrun message, the restarted worker processes (/proc start time), the restarted workers' events
 (breakdown: imports done as `runtime.start` is called, init_process_group done, Trainer built), the
 `resumed` record (restart + restore done), the first step logged after it (training resumed), and
@@ -51,6 +52,7 @@ at the end, whatever happens (torchrun starts each worker in a session of its ow
     python bench/snapshot_overhead.py                     # 2 nodes x 2 ranks: about 4 min on 2 idle cores
     python bench/snapshot_overhead.py --parts codec       # the codec table only, a few seconds
     python bench/snapshot_overhead.py --nodes 1 --repeats 3 --parts stall
+    python bench/snapshot_overhead.py --parts mttr --mttr-fault stop   # a frozen rank: verdict, restart
 """
 
 from __future__ import annotations
@@ -230,10 +232,10 @@ def processes(marker: str, **env: str) -> dict[int, dict[str, str]]:
     return found
 
 
-def kill(pids) -> None:
+def kill(pids, sig: int = signal.SIGKILL) -> None:
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
 
@@ -702,6 +704,9 @@ def breakdown_of(runs: list[dict], per_step: int) -> dict:
 
 def mttr(args, marker: str, root: Path) -> dict:
     settings = {"snapshot.every_steps": 1, "snapshot.k": 1, "snapshot.m": 1 if args.nodes > 1 else 0}
+    fault = signal.SIGSTOP if args.mttr_fault == "stop" else signal.SIGKILL
+    if fault == signal.SIGSTOP:
+        settings["parallel.hang_timeout_s"] = args.hang_timeout
     run_args = argparse.Namespace(**{**vars(args), "steps": args.mttr_steps, "log_interval": 1})
     job = Job(run_args, marker, "mttr", root, settings, max_restarts=3, breakdown=args.breakdown)
     print(f"  [{time.strftime('%H:%M:%S')}] mttr: starting (load {os.getloadavg()[0]:.2f})", flush=True)
@@ -714,9 +719,9 @@ def mttr(args, marker: str, root: Path) -> dict:
         before = set(processes(marker, STRATA_BENCH_JOB="mttr"))
         step_at_kill = max(r["step"] for r in job.records() if "loss" in r)
         t_kill = time.time()
-        kill(victims)
+        kill(victims, fault)
         print(
-            f"  [{time.strftime('%H:%M:%S')}] mttr: SIGKILL worker RANK=1 (pid {next(iter(victims))}) "
+            f"  [{time.strftime('%H:%M:%S')}] mttr: {fault.name} worker RANK=1 (pid {next(iter(victims))}) "
             f"after step {step_at_kill}",
             flush=True,
         )
@@ -751,7 +756,11 @@ def mttr(args, marker: str, root: Path) -> dict:
         return pick(ts) - t_kill if ts else None
 
     starts = [t for t in restarted.values() if t is not None]
+    hang = [t for t, node, line in job.lines if t > t_kill and "hang: rank" in line]
     out = {
+        "fault": fault.name,
+        "hang_timeout_s": args.hang_timeout if fault == signal.SIGSTOP else None,
+        "verdict_s": hang[0] - t_kill if hang else None,
         "step_at_kill": step_at_kill,
         "resumed_step": resumed["step"],
         "resumed": resumed["resumed"],
@@ -798,7 +807,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="jobs each of off and snap")
     p.add_argument("--disk-repeats", type=int, default=1, help="jobs each of sync and async checkpoints")
     p.add_argument("--mttr-steps", type=int, default=40, help="steps of the MTTR job")
-    p.add_argument("--kill-step", type=int, default=20, help="MTTR: SIGKILL rank 1 once rank 0 logged this step")
+    p.add_argument("--kill-step", type=int, default=20, help="MTTR: signal rank 1 once rank 0 logged this step")
+    p.add_argument(
+        "--mttr-fault",
+        choices=("kill", "stop"),
+        default="kill",
+        help="MTTR: SIGKILL rank 1 (a crash), or SIGSTOP it (a hang, found by the watchdog)",
+    )
+    p.add_argument(
+        "--hang-timeout", type=float, default=3.0, help="MTTR with --mttr-fault stop: parallel.hang_timeout_s"
+    )
     p.add_argument("--codec-mib", type=int, default=64)
     p.add_argument("--reps", type=int, default=9, help="codec: timed repetitions per row")
     p.add_argument(
@@ -1049,9 +1067,15 @@ def report_steps(args, runs: list[dict], result: dict) -> None:
 
 
 def report_mttr(m: dict) -> None:
-    print(f"\n[mttr] SIGKILL of RANK=1 after step {m['step_at_kill']}; seconds from the kill:")
+    print(f"\n[mttr] {m['fault']} of RANK=1 after step {m['step_at_kill']}; seconds from the signal:")
+    hang = (
+        [[f"hang verdict printed (parallel.hang_timeout_s={m['hang_timeout_s']:g})", fmt(m["verdict_s"])]]
+        if m["hang_timeout_s"] is not None
+        else []
+    )
     table(
-        [
+        hang
+        + [
             ["first torchrun message", fmt(m["first_message_s"])],
             ["first restarted worker process", fmt(m["first_restart_process_s"])],
             [f"last restarted worker process ({m['restarted_workers']} restarted)", fmt(m["last_restart_process_s"])],

@@ -241,3 +241,19 @@ def test_losing_more_nodes_than_m_falls_back_to_the_disk_checkpoint(running, ref
     ) in log, log[-6000:]
     assert "step_00000010" in log
     assert_identical(c, reference)
+
+
+def test_a_stopped_worker_is_named_and_the_restart_resumes_from_memory(cluster, reference):
+    c = cluster(**{"parallel.hang_timeout_s": 3})
+    c.start_node("A")
+    c.start_node("B")
+    c.wait_for_step(12)
+    pids = _processes(c.marker, RANK="1")
+    assert len(pids) == 1, pids
+    os.kill(pids[0], signal.SIGSTOP)  # alive but frozen: no error reaches torchrun, only silence
+    c.wait(["A", "B"])
+    log = c.log("A") + c.log("B")
+    assert f"hang: rank 1 (host {os.uname().nodename}, pid {pids[0]}; last collective:" in log, log[-6000:]
+    assert "is not responding (stopped, frozen or gone)" in log
+    assert "snapshot: resumed from in-memory step" in log, log[-6000:]
+    assert_identical(c, reference)
