@@ -3,8 +3,10 @@ show/explain, data prepare, ckpt (inspect, verify, reshard, export, import), plo
 pipeline schedule timeline).
 
 A command's options and key=value overrides come in any order. Exit codes: 0 done; 2 a user error
-(StrataError, or argparse's usage error), printed as one message without a traceback; anything
-else a failure (1 when `ckpt verify` finds damage; `launch` passes on torchrun's code)."""
+(StrataError, or argparse's usage error), printed as one message without a traceback; 75 stopped
+by a signal after saving a checkpoint (`train`, and `launch` when every worker did); anything else
+a failure (1 when `ckpt verify` or `ckpt inspect` finds damage; `launch` passes on torchrun's code,
+or 128 + the signal that stopped it)."""
 
 from __future__ import annotations
 
@@ -56,12 +58,14 @@ def _fraction(text: str) -> float:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from strata import config
+    from strata.launch.torchrun import note_worker_status
     from strata.parallel import runtime
-    from strata.trainer.loop import rewrite_checkpoint, run
+    from strata.trainer.loop import Preempted, rewrite_checkpoint, run
 
     cfg = config.load(args.config, args.overrides, world_size=runtime.world_size_from_env())
     config.check_trainable(cfg)
     rt = runtime.start(cfg.parallel.backend, cfg.parallel.timeout_s)
+    note_worker_status("running")  # under `strata launch`: this attempt's worker started
     try:
         if args.save_to:
             if not args.resume:
@@ -69,8 +73,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             rewrite_checkpoint(cfg, rt, Path(args.resume), Path(args.save_to))
         else:
             run(cfg, rt, Path(args.resume) if args.resume else None)
-    except BaseException:
+    except BaseException as e:
         runtime.stop(wait_for_peers=False)  # they may never arrive: fail fast, torchrun stops the rest
+        if isinstance(e, Preempted):  # saved and stopped: tell `strata launch`, which torchrun does not
+            note_worker_status(str(e.code))
         raise
     runtime.stop()
     return 0
@@ -267,8 +273,12 @@ EXIT_CODES = """\
 exit codes:
   0      done
   2      user error: a bad config, override or argument (one message, no traceback)
-  other  failure: 1 e.g. when `strata ckpt verify` finds damage; `strata launch` exits with
-         torchrun's code, e.g. a crashed worker's; 130 when interrupted (Ctrl-C)"""
+  75     stopped by a signal (SIGTERM, SIGINT, SIGUSR1) after saving a checkpoint: resume with
+         --resume (`strata train`; `strata launch` when every worker saved and stopped)
+  128+N  `strata launch` stopped by signal N without every worker saving (e.g. a second signal
+         killed them; 130 SIGINT, 143 SIGTERM)
+  other  failure: 1 e.g. when `strata ckpt verify` or `inspect` finds damage; `strata launch`
+         exits with torchrun's code, e.g. a crashed worker's"""
 
 OVERRIDES = "key=value overrides of the config (e.g. train.steps=100), before or after the options"
 

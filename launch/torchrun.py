@@ -11,6 +11,7 @@ import functools
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +29,9 @@ from strata.errors import StrataError
 from strata.net import free_port
 
 SECRET_ENV = "STRATA_SNAPSHOT_SECRET"
+# A private directory (0700) where each worker notes how it ended (`note_worker_status`): a worker
+# that saved and stopped on a signal exits PREEMPTED_EXIT, which torchrun does not pass on.
+STATUS_ENV = "STRATA_LAUNCH_STATUS_DIR"
 # Signals `strata launch` passes on to torchrun, which passes them on to every worker's session;
 # SIGHUP too, because torchrun runs in a session of its own and no longer hears the terminal close.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
@@ -279,6 +283,44 @@ def _signal_quietly(pid: int, sig: int, group: bool = False) -> None:
         pass
 
 
+def note_worker_status(status: str, env: dict[str, str] | os._Environ = os.environ) -> None:
+    """In a worker started by `strata launch`: note `status` ("running" at the start, the exit code
+    of a stop that saved) as this worker's in this attempt (torchrun's restart count), for the
+    launcher to read; a no-op elsewhere."""
+    directory = env.get(STATUS_ENV)
+    if not directory:
+        return
+    name = f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}.{env.get('LOCAL_RANK', '0')}"
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(status)
+        os.replace(tmp, os.path.join(directory, name))
+    except OSError:  # the launcher is gone (it removes the directory): nobody to tell
+        pass
+
+
+def workers_preempted(directory: str, nproc: int) -> int | None:
+    """The exit code every one of this node's `nproc` workers of the latest attempt noted after
+    saving and stopping on a signal (the same code from all of them), else None: some worker failed,
+    was killed, or never started."""
+    attempts: dict[int, dict[str, str]] = {}
+    try:
+        names = [n for n in os.listdir(directory) if not n.startswith(".")]
+        for name in names:
+            attempt, _, local = name.partition(".")
+            attempts.setdefault(int(attempt), {})[local] = Path(directory, name).read_text()
+    except (OSError, ValueError):
+        return None
+    if not attempts:
+        return None
+    latest = attempts[max(attempts)]
+    codes = set(latest.values())
+    if len(latest) != nproc or len(codes) != 1 or not next(iter(codes)).isdigit():
+        return None
+    return int(codes.pop())
+
+
 def _die_with_launcher(launcher: int, prctl: Callable[..., int]) -> None:
     """Run in torchrun's process before exec: if the launcher dies without passing a signal on
     (SIGKILL, the OOM killer), torchrun gets SIGTERM and stops its workers. `prctl` is looked up
@@ -300,6 +342,8 @@ class Supervisor:
     deadline: float = float("inf")  # when the launcher kills whatever is left
     killed: bool = False
     watch: Callable[[], None] | None = None  # called every POLL_S while torchrun runs and no stop began
+    # the code every worker noted after saving and stopping (PREEMPTED_EXIT), else None
+    preempted: Callable[[], int | None] = lambda: None
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.pending.append(signum)  # no work in the handler: `wait` acts on it within POLL_S
@@ -334,21 +378,23 @@ class Supervisor:
                 torchrun.wait()
 
     def wait(self, torchrun: subprocess.Popen) -> int:
-        """torchrun's exit code, or 128 + the signal that stopped the job once every worker is gone."""
+        """torchrun's exit code, or 128 + the signal that stopped the job once every worker is gone;
+        but the workers' own code when every one of them saved and stopped on a signal
+        (PREEMPTED_EXIT, which torchrun does not pass on: it reports a failure, or the signal)."""
         while True:
             while self.pending:
                 self._handle(self.pending.pop(0), torchrun)
             code = torchrun.poll()
             if self.first is None:
                 if code is not None:
-                    return code
+                    return (self.preempted() if code else None) or code
                 if self.watch is not None:
                     self.watch()
             else:
                 if code is None:
                     self.sessions |= worker_sessions(torchrun.pid)
                 elif not session_members(self.sessions):
-                    return 128 + self.first
+                    return self.preempted() or 128 + self.first
                 if time.monotonic() >= self.deadline:
                     if self.killed:  # SIGKILL did not end them (uninterruptible sleep): give up on them
                         print("strata launch: processes did not die after SIGKILL; leaving", file=sys.stderr)
@@ -397,10 +443,12 @@ def run_local(
     plan: LaunchPlan, config_path: str, overrides: list[str], resume: str | None, extra: tuple[str, ...] = ()
 ) -> int:
     """Run torchrun in the foreground (and the node's snapshot agent beside it); returns torchrun's
-    exit code, or 128 + the signal that stopped the job. `extra`: more `strata train` flags."""
+    exit code, or 128 + the signal that stopped the job, or PREEMPTED_EXIT (75) when every worker
+    saved and stopped on that signal (see `Supervisor.wait`). `extra`: more `strata train` flags."""
     check_plan(plan)
     env = launch_env(plan)
-    supervisor = Supervisor()
+    status = env[STATUS_ENV] = tempfile.mkdtemp(prefix="strata-status-")  # 0700
+    supervisor = Supervisor(preempted=functools.partial(workers_preempted, status, plan.nproc_per_node))
     with supervisor.handling():
         keeper = None
         try:
@@ -416,6 +464,7 @@ def run_local(
         finally:
             if keeper is not None:
                 keeper.stop()
+            shutil.rmtree(status, ignore_errors=True)
 
 
 def serve_store(host: str, port: int) -> None:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from strata.checkpoint import store
+
 from conftest import tiny_overrides
 from worlds import marked_processes as _processes
 
@@ -168,24 +170,96 @@ def _first_step_logged(run_dir: Path) -> bool:
         return False
 
 
-# SIGINT's run also has a snapshot agent (local snapshots) and a checkpoint writer process per worker.
-BUSY = {"snapshot.every_steps": 1, "snapshot.k": 1, "snapshot.m": 0, "checkpoint.interval": 2, "checkpoint.async": True}
+# SIGINT's run also has a snapshot agent (local snapshots) and interval checkpoints.
+BUSY = {"snapshot.every_steps": 1, "snapshot.k": 1, "snapshot.m": 0, "checkpoint.interval": 2}
+# ... and a checkpoint writer process per worker, in the worker's process group: torchrun's SIGINT
+# reaches it too, and it dies of it (it ignores only SIGUSR1), so the stop's save fails.
+ASYNC = pytest.param(
+    signal.SIGINT,
+    {**BUSY, "checkpoint.async": True},
+    id="SIGINT-busy-async",
+    marks=pytest.mark.xfail(
+        strict=True, reason="the asynchronous checkpoint writer dies of the SIGINT torchrun sends its worker's group"
+    ),
+)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, extra", [(signal.SIGTERM, {}), (signal.SIGINT, BUSY)], ids=["SIGTERM", "SIGINT-busy"])
+@pytest.mark.parametrize(
+    "sig, extra",
+    [(signal.SIGTERM, {}), (signal.SIGINT, BUSY), ASYNC, (signal.SIGUSR1, {})],
+    ids=["SIGTERM", "SIGINT-busy", "SIGINT-busy-async", "SIGUSR1"],
+)
 def test_a_signal_to_strata_launch_stops_torchrun_and_every_worker(tmp_path, small_data_dir, sig, extra):
+    """Every worker saves and stops: `strata launch` exits PREEMPTED_EXIT, as each worker did
+    (torchrun alone would report the signal)."""
+    from strata.trainer.loop import PREEMPTED_EXIT
+
     marker = uuid.uuid4().hex
-    settings = {"train.steps": 100000, "log.interval": 1, **extra}
-    overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **settings)
-    cmd = [sys.executable, "-m", "strata.launch.cli", "launch", str(REPO / "configs/tiny.yaml"), "--nproc", "2"]
     try:
-        launcher = _start(cmd + overrides, marker, tmp_path)
-        _wait_for(lambda: _first_step_logged(tmp_path / "runs" / "t"), 120, "the workers' first step")
+        launcher = _launch(tmp_path, marker, small_data_dir, extra)
         assert len(_processes(marker)) >= 4 + (1 if extra else 0)  # launcher, torchrun, two workers (agent)
         code, seconds = _stop_and_measure(launcher, marker, [sig], timeout=60)
-        assert code == 128 + sig, (tmp_path / "launch.log").read_text()[-3000:]
+        log = (tmp_path / "launch.log").read_text()
+        assert code == PREEMPTED_EXIT, log[-3000:]
+        assert f"stopped by {signal.Signals(sig).name} at step" in log
+        assert store.committed(tmp_path / "runs" / "t" / "checkpoints")
         assert seconds < 30, seconds  # the workers exit on the signal: no waiting for the grace period
         print(f"{signal.Signals(sig).name}: every process gone {seconds:.2f} s after the signal")
     finally:
         _kill_all(marker)
+
+
+@pytest.mark.slow
+def test_workers_killed_by_a_second_signal_leave_the_signals_code(tmp_path, small_data_dir):
+    """A second SIGTERM kills the workers before they have saved (they are held stopped, so none
+    can): the launcher exits 128 + SIGTERM, not the saved-and-stopped code."""
+    marker = uuid.uuid4().hex
+    try:
+        launcher = _launch(tmp_path, marker, small_data_dir, {})
+        workers = [pid for rank in ("0", "1") for pid in _processes(marker, RANK=rank)]
+        assert len(workers) == 2
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        code, _ = _stop_and_measure(launcher, marker, [signal.SIGTERM, signal.SIGTERM], timeout=60)
+        log = (tmp_path / "launch.log").read_text()
+        assert code == 128 + signal.SIGTERM, log[-3000:]
+        assert "again: killing torchrun and its workers" in log
+    finally:
+        _kill_all(marker)
+
+
+def _launch(tmp_path: Path, marker: str, data_dir: Path, extra: dict) -> subprocess.Popen:
+    """`strata launch` of 2 tiny workers training a long run, once the first step is logged (and
+    the first checkpoint committed, with checkpoint.interval)."""
+    settings = {"train.steps": 100000, "log.interval": 1, **extra}
+    overrides = tiny_overrides(data_dir, tmp_path / "runs", **settings)
+    cmd = [sys.executable, "-m", "strata.launch.cli", "launch", str(REPO / "configs/tiny.yaml"), "--nproc", "2"]
+    launcher = _start(cmd + overrides, marker, tmp_path)
+    _wait_for(lambda: _first_step_logged(tmp_path / "runs" / "t"), 120, "the workers' first step")
+    if "checkpoint.interval" in extra:  # the asynchronous writers start with the first save: signal after it
+        _wait_for(lambda: store.committed(tmp_path / "runs" / "t" / "checkpoints"), 120, "the first checkpoint")
+    return launcher
+
+
+def test_the_launcher_reads_the_saved_and_stopped_code_of_the_latest_attempt(tmp_path):
+    """`strata launch` exits with the workers' code only when every worker of this node's latest
+    attempt noted the same saved-and-stopped code."""
+    from strata.launch.torchrun import STATUS_ENV, note_worker_status, workers_preempted
+
+    def note(attempt: int, local: int, status: str) -> None:
+        env = {STATUS_ENV: str(tmp_path), "TORCHELASTIC_RESTART_COUNT": str(attempt), "LOCAL_RANK": str(local)}
+        note_worker_status(status, env)
+
+    assert workers_preempted(str(tmp_path), 2) is None  # nothing started
+    note(0, 0, "running")
+    note(0, 1, "running")
+    assert workers_preempted(str(tmp_path), 2) is None  # running, failed or killed
+    note(0, 0, "75")
+    assert workers_preempted(str(tmp_path), 2) is None  # one of two saved
+    note(0, 1, "75")
+    assert workers_preempted(str(tmp_path), 2) == 75
+    note(1, 0, "running")  # a restarted attempt (torchrun restarts after a failure) that did not stop so
+    assert workers_preempted(str(tmp_path), 2) is None
+    assert workers_preempted(str(tmp_path / "gone"), 2) is None
+    note_worker_status("75", {})  # not under `strata launch`: nothing to do
