@@ -29,6 +29,8 @@ setup(
         "safetensors>=0.4",
         "crc32c>=2.3",
         "pyeclib==1.8.0",  # its wheel bundles ISA-L, which checkpoint/erasure.py calls for Reed–Solomon coding
+        "tokenizers>=0.19",  # strata data prepare: Hugging Face tokenizers and BPE training
+        "pyarrow>=14",  # strata data prepare: .parquet inputs
     ],
     extras_require={
         # deepspeed: tests/test_deepspeed_import.py has DeepSpeed write a ZeRO checkpoint (CPU, needs g++).
@@ -41,6 +43,7 @@ setup(
             "tensorboard",
             "megatron-core==0.16.1",
             "deepspeed==0.19.8",
+            "transformers>=4.56",  # the reference for Hugging Face import and export (tiny models built offline)
         ],
         # dev: the tools .ci/package_check runs (lint, types, import layers, sdist/wheel build), pinned.
         "dev": ["ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17", "build==1.6.1"],
