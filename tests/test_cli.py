@@ -366,7 +366,8 @@ def test_every_command_shows_examples_that_parse_and_the_exit_codes(capsys):
             top = text
     codes = top.split("exit codes:", 1)[1]
     assert "0      done" in codes and "2      user error" in codes and "no traceback" in codes
-    assert "1 e.g. when `strata ckpt verify` finds damage" in codes and "crashed worker" in codes
+    assert "1 e.g. when `strata ckpt verify` or `inspect` finds damage" in codes and "crashed worker" in codes
+    assert "75     stopped by a signal" in codes and "128+N" in codes
 
 
 @pytest.mark.parametrize(
