@@ -63,10 +63,7 @@ def verify_report(path: Path) -> tuple[bool, str]:
     """(ok, report) for `strata ckpt verify`: the structural check every load makes, every data
     block's checksum, and DCP's `.metadata` against the index."""
     ckpt = store.resolve(path)
-    try:
-        record = store.marker(ckpt)
-    except CheckpointError as e:  # unreadable, or not a JSON object: nothing else can be checked
-        return False, f"{ckpt}: DAMAGED\n  {e}"
+    record = store.marker(ckpt)  # unreadable, or not a JSON object: CheckpointError, one message
     index, problems = integrity.checkpoint_problems(ckpt, record, checksums=True)
     if not problems:
         problems = _metadata_problems(ckpt, index)
@@ -84,10 +81,7 @@ def inspect_report(path: Path) -> tuple[bool, str]:
     """(ok, report) for `strata ckpt inspect`: ok as `verify_report` says (a damaged checkpoint's
     report stops after its files), the report as `describe`."""
     ok, integrity = verify_report(path)
-    where = store.resolve(path)
-    if not ok and not _marker_readable(where):  # nothing else to list
-        return False, f"checkpoint {where}\nintegrity: {integrity}"
-    ckpt = Checkpoint(where)
+    ckpt = Checkpoint(path)
     index = ckpt.index
     lines = [
         f"checkpoint {ckpt.path}",
@@ -135,12 +129,3 @@ def inspect_report(path: Path) -> tuple[bool, str]:
     lines.append(f"{len(groups)} parameter groups, lr {groups[0].get('lr')}")
     lines.append(f"trainer: step {trainer['step']}, data position {trainer['data']}")
     return True, "\n".join(lines)
-
-
-def _marker_readable(ckpt: Path) -> bool:
-    """Whether the commit marker of `ckpt` is a readable JSON object."""
-    try:
-        store.marker(ckpt)
-    except CheckpointError:
-        return False
-    return True

@@ -199,16 +199,17 @@ def test_inspect_exits_0_on_an_intact_checkpoint(saved, capsys):
 
 @pytest.mark.parametrize("text", ["[]", "3", '"step"', "null", "{not json"])
 def test_a_damaged_commit_marker_is_one_clear_problem_everywhere(saved, small_data_dir, tmp_path, capsys, text):
-    """A COMMITTED marker that is not a JSON object: verify and inspect report the checkpoint DAMAGED
-    (exit 1), --resume refuses it with one error (exit 2), and retention never deletes it."""
+    """A COMMITTED marker that is not a JSON object (or not JSON): verify, inspect and --resume
+    refuse it with one error naming it (exit 2, as for any checkpoint they cannot open), and
+    retention never deletes it."""
     (saved / store.MARKER).write_text(text)
     named = str(saved / store.MARKER)
     for verb in ("verify", "inspect"):
-        assert strata_main(["ckpt", verb, str(saved)]) == 1
-        out = capsys.readouterr().out
-        assert "DAMAGED" in out and named in out and "commit marker" in out and "Traceback" not in out
-    _, problems = store.verify(saved)
-    assert len(problems) == 1 and named in problems[0]
+        assert strata_main(["ckpt", verb, str(saved)]) == 2
+        err = capsys.readouterr().err
+        assert named in err and "commit marker" in err and "damaged" in err and "Traceback" not in err
+    with pytest.raises(CheckpointError, match="commit marker"):
+        store.verify(saved)
 
     trainer = Trainer(tiny_config(small_data_dir, tmp_path / "b"), start())
     with pytest.raises(CheckpointError, match="commit marker") as err:
