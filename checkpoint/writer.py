@@ -210,9 +210,12 @@ def serve(image: memoryview, conn: Connection) -> None:
 
 def main(argv: list[str]) -> None:
     """Entry of the writer process: IMAGE_FD NBYTES CONN_FD, both descriptors inherited."""
-    # A scheduler's stop warning (Slurm signals every process of a step) is for the trainer, which
-    # then saves through this writer: the writer must outlive it. It ends when its trainer closes it.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    # Stop signals reach the writer with its trainer (Slurm signals every process of a step; torchrun
+    # signals each worker's process group, the writer included) but are for the trainer, which then
+    # saves through this writer: the writer must outlive them. It ends when its trainer closes the
+    # connection or dies (end of file), and SIGKILL still ends it.
+    for sig in (signal.SIGUSR1, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     image_fd, nbytes, conn_fd = (int(a) for a in argv)
     with mmap.mmap(image_fd, nbytes) as image:
         serve(memoryview(image), Connection(conn_fd))

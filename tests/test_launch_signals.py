@@ -173,22 +173,21 @@ def _first_step_logged(run_dir: Path) -> bool:
 # SIGINT's run also has a snapshot agent (local snapshots) and interval checkpoints.
 BUSY = {"snapshot.every_steps": 1, "snapshot.k": 1, "snapshot.m": 0, "checkpoint.interval": 2}
 # ... and a checkpoint writer process per worker, in the worker's process group: torchrun's SIGINT
-# reaches it too, and it dies of it (it ignores only SIGUSR1), so the stop's save fails.
-ASYNC = pytest.param(
-    signal.SIGINT,
-    {**BUSY, "checkpoint.async": True},
-    id="SIGINT-busy-async",
-    marks=pytest.mark.xfail(
-        strict=True, reason="the asynchronous checkpoint writer dies of the SIGINT torchrun sends its worker's group"
-    ),
-)
+# reaches it too, and it must outlive it, or the stop's save fails.
+ASYNC = (signal.SIGINT, {**BUSY, "checkpoint.async": True})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sig, extra",
-    [(signal.SIGTERM, {}), (signal.SIGINT, BUSY), ASYNC, (signal.SIGUSR1, {})],
-    ids=["SIGTERM", "SIGINT-busy", "SIGINT-busy-async", "SIGUSR1"],
+    [
+        (signal.SIGTERM, {}),
+        (signal.SIGINT, BUSY),
+        ASYNC,
+        (signal.SIGTERM, {"checkpoint.async": True, "checkpoint.interval": 2}),
+        (signal.SIGUSR1, {}),
+    ],
+    ids=["SIGTERM", "SIGINT-busy", "SIGINT-busy-async", "SIGTERM-async", "SIGUSR1"],
 )
 def test_a_signal_to_strata_launch_stops_torchrun_and_every_worker(tmp_path, small_data_dir, sig, extra):
     """Every worker saves and stops: `strata launch` exits PREEMPTED_EXIT, as each worker did
