@@ -63,6 +63,11 @@ class Recovery:
     restarted: bool
 
 
+class AgentUnreachable(StrataError):
+    """Some rank cannot reach its node's snapshot agent (raised on every rank alike): the launcher
+    gave up restarting it, or it was never started (torchrun run by hand with a stale socket)."""
+
+
 class SnapshotManager:
     """Snapshots of this rank through the node's agent (collective calls over `group`)."""
 
@@ -78,8 +83,16 @@ class SnapshotManager:
         self.path = path
         try:
             self.sock, self.hello = self._connect(patience=min(cfg.agent_timeout_s, START_PATIENCE_S))
+            unreachable = ""
         except OSError as e:
-            raise StrataError(f"cannot reach the snapshot agent at {path} ({e}); is `strata launch` running it?") from e
+            unreachable = f"cannot reach the snapshot agent at {path} ({e})"
+        # Every rank takes snapshots or none does (they are collective): agree before going on.
+        if not comm.all_true(not unreachable, group, dim="snapshot"):
+            if not unreachable:
+                self.sock.close()
+            raise AgentUnreachable(
+                unreachable or "another node cannot reach its snapshot agent",
+            )
         self.broken: str | None = None  # why this rank's connection to its agent broke, until it is back
         self._staging: Staging | None = None
         self._plan = 0

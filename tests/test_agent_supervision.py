@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -166,7 +167,7 @@ def test_a_killed_agent_is_restarted_and_snapshots_resume(launch):
 
 @pytest.mark.slow  # a real 2-worker launch whose agent is killed until the launcher gives up on it
 def test_an_agent_that_keeps_dying_is_given_up_and_training_goes_on(launch):
-    run = launch(600)
+    run = launch(600, "--max-restarts", "1")
     run.wait_until(lambda: any(_snapshot_taken(r) for r in run.records()), "first snapshot")
     seen: set[int] = set()
     for _ in range(AgentKeeper.MAX_RESTARTS + 1):
@@ -176,13 +177,20 @@ def test_an_agent_that_keeps_dying_is_given_up_and_training_goes_on(launch):
         os.kill(agent, signal.SIGKILL)
     run.wait_until(lambda: "not restarting it" in run.log(), "the launcher to give up")
     gave_up_step = _step_now(run)
+    run.wait_until(lambda: _step_now(run) >= max(gave_up_step, 20) + 2, "a disk checkpoint after giving up")
+    [worker] = marked_processes(run.marker, RANK="1")
+    os.kill(worker, signal.SIGKILL)
     assert run.proc.wait(DEADLINE_S) == 0, run.log()[-6000:]
     assert not run.agents()
     assert run.log().count("restarted it") == AgentKeeper.MAX_RESTARTS
     assert "in-memory snapshots are off for the rest of this run" in run.log()
     late = [r for r in run.records() if "loss" in r and r["step"] > gave_up_step + 1]
     assert late and not any(_snapshot_taken(r) for r in late)  # skipped, not failed: training went on
-    assert late[-1]["step"] == 600 and late[-1]["snapshot"]["skipped"] > 0
+    # Workers restarted then (a worker killed) find no agent: they go on from the disk checkpoint.
+    assert "this attempt runs without in-memory snapshots, from the newest disk checkpoint" in run.log()
+    found = re.findall(r"resumed from \S*/checkpoints/step_(\d+)", run.log())
+    assert len(found) == 1 and int(found[0]) >= 20, found  # checkpoint.interval 20
+    assert late[-1]["step"] == 600 and any((r.get("snapshot") or {}).get("skipped", 0) > 0 for r in late)
 
 
 def test_the_keeper_restarts_a_dead_agent_on_its_socket_until_the_limit(tmp_path, capsys, monkeypatch):

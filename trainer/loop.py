@@ -164,6 +164,7 @@ class Trainer:
             config_yaml=config_mod.dump(cfg),
             on_disk_full=cfg.checkpoint.on_disk_full,
         )
+        self.start_notes: list[str] = []  # for rank 0 to print once the log is open
         self.snapshots = self._snapshot_manager(control) if cfg.snapshot.every_steps else None
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.step_skipped = False  # the last step's loss or gradient norm was not finite
@@ -178,10 +179,22 @@ class Trainer:
         """Optimizer steps taken (the training state's)."""
         return self.state.step
 
-    def _snapshot_manager(self, group) -> SnapshotManager:
-        from strata.checkpoint.snapshot import SnapshotManager  # loads the agent protocol only when snapshots are on
+    def _snapshot_manager(self, group) -> SnapshotManager | None:
+        """The snapshot manager (collective). Workers restarted after a failure go on without
+        snapshots, from the newest disk checkpoint, when the agents are out of reach (the launcher
+        gave up restarting one that kept dying): a run that snapshots must not die of its agent."""
+        # the agent protocol loads only when snapshots are on
+        from strata.checkpoint.snapshot import AgentUnreachable, SnapshotManager
 
-        return SnapshotManager(self.cfg.snapshot, self.rt.rank, self.rt.world_size, group)
+        try:
+            return SnapshotManager(self.cfg.snapshot, self.rt.rank, self.rt.world_size, group)
+        except AgentUnreachable as e:
+            if not _restarted_attempt():
+                raise
+            self.start_notes.append(
+                f"warning: {e}: this attempt runs without in-memory snapshots, from the newest disk checkpoint"
+            )
+            return None
 
     def _active_snapshots(self) -> SnapshotManager:
         if self.snapshots is None:
@@ -531,6 +544,8 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
     )
     for warning in config_mod.start_up_warnings(cfg):
         log.print(f"warning: {warning}")
+    for note in trainer.start_notes:
+        log.print(note)
     log.print(peak_note)
     if restore_note:
         log.print(restore_note)
