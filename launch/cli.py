@@ -171,21 +171,33 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_data(args: argparse.Namespace) -> int:
     import sysconfig
 
-    from strata.trainer import data
+    from strata.trainer import prepare
 
     root: Path | None
     if args.stdlib:
-        files, root = data.stdlib_corpus_files(), Path(sysconfig.get_paths()["stdlib"])
-        data.check_output_outside_inputs(Path(args.out), [root])
+        files, root = prepare.stdlib_corpus_files(), Path(sysconfig.get_paths()["stdlib"])
+        prepare.check_output_outside_inputs(Path(args.out), [root])
     else:
         if not args.inputs:
             raise StrataError("strata data prepare: give input files/directories, or --stdlib for the built-in corpus")
-        files, root = data.expand_inputs(args.inputs, args.glob, out_dir=Path(args.out))
+        files, root = prepare.expand_inputs(args.inputs, args.glob, out_dir=Path(args.out))
     with _file_errors("strata data prepare"):
-        meta = data.prepare(files, Path(args.out), args.val_fraction, root=root)
+        meta = prepare.prepare(
+            files,
+            Path(args.out),
+            args.val_fraction,
+            root=root,
+            tokenizer=args.tokenizer,
+            text_field=args.text_field,
+            workers=args.workers,
+            eot_token=args.eot_token,
+            progress=True,
+        )
+    tok = meta["tokenizer"]
     print(
         f"wrote {args.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
-        f"from {meta['documents']} files ({meta['dtype']}, vocab {meta['vocab_size']})"
+        f"from {meta['documents']:,} documents in {meta['files']:,} files ({meta['dtype']}, "
+        f"vocab {meta['vocab_size']}, tokenizer {tok['source']}, end of document {tok['eot_token']} = {meta['eot']})"
     )
     return 0
 
@@ -422,24 +434,45 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         "data",
         help="prepare token files",
         formatter_class=fmt,
-        description="Tokenize text (byte-level) into train.bin, val.bin and meta.json.",
+        description="Tokenize text files, JSON Lines (.jsonl, one object per line) and Parquet (.parquet) into "
+        "train.bin, val.bin and meta.json (plus tokenizer.json for a tokenizer other than bytes), in parallel worker "
+        "processes; each document is followed by the tokenizer's end-of-document token. A text file is one "
+        "document and goes wholly to train or val by a hash of its path; a JSON Lines or Parquet document goes by "
+        "a hash of (path, line or row number).",
         epilog=_epilog(
             "strata data prepare ~/books --glob '*.txt' --out data/books",
+            "strata data prepare corpus.jsonl --text-field content --tokenizer bpe:32000 --out data/c",
+            "strata data prepare shards/ --glob '*.parquet' --tokenizer ~/models/Llama-3.2-1B --out data/l",
             "strata data prepare --stdlib --out data/stdlib",
             "strata train configs/tiny.yaml data.path=data/books",
         ),
     )
     d.add_argument("action", choices=["prepare"])
-    d.add_argument("inputs", nargs="*", help="text files or directories")
+    d.add_argument("inputs", nargs="*", help="text, .jsonl/.ndjson or .parquet files, or directories")
     d.add_argument(
         "--out",
         required=True,
-        help="output directory (train.bin, val.bin, meta.json): new, empty, or an earlier output "
+        help="output directory (train.bin, val.bin, meta.json, tokenizer.json): new, empty, or an earlier output "
         "(which is replaced); never inside an input directory",
     )
     d.add_argument("--glob", default="*", help="file pattern inside input directories (e.g. '*.txt')")
-    d.add_argument("--val-fraction", type=_fraction, default=0.05, help="share of files held out for evaluation")
+    d.add_argument("--val-fraction", type=_fraction, default=0.05, help="share of documents held out for evaluation")
     d.add_argument("--stdlib", action="store_true", help="use the Python standard library sources as the corpus")
+    d.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="bytes (UTF-8 bytes, 257 ids), the path of a tokenizer.json or of a Hugging Face model directory "
+        "holding one, or bpe:N (train a byte-level BPE of N ids on the inputs, saved as OUT/tokenizer.json)",
+    )
+    d.add_argument(
+        "--text-field", default="text", help="the JSON field (.jsonl) or column (.parquet) holding each document"
+    )
+    d.add_argument(
+        "--eot-token",
+        help="the tokenizer.json's end-of-document token (default: the model directory's eos_token, else the "
+        "first of <|endoftext|>, <|end_of_text|>, </s>, <eos> it has)",
+    )
+    d.add_argument("--workers", type=_whole(1), help="tokenizing processes (default: one per CPU)")
     d.set_defaults(func=cmd_data)
 
     ck = sub.add_parser(
@@ -448,7 +481,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         formatter_class=fmt,
         usage="strata ckpt inspect DIR\n       strata ckpt verify DIR\n"
         "       strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..[,vs=..] [key=value ...]\n"
-        "       strata ckpt export DIR OUT [--format safetensors] [--overwrite]\n"
+        "       strata ckpt export DIR OUT [--format safetensors|hf] [--overwrite]\n"
         "       strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG",
         description="Inspect, verify, reshard, export or import a checkpoint.",
         epilog=_epilog(
@@ -477,7 +510,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         help="reshard: overrides of the saved config (e.g. zero settings); import-deepspeed: overrides of --config",
     )
     ck.add_argument("--to", help="reshard: the target layout, tp=..,pp=..,dp=.. (and vs=.. for virtual stages)")
-    ck.add_argument("--format", default="safetensors", choices=["safetensors"], help="export format")
+    ck.add_argument(
+        "--format",
+        default="safetensors",
+        choices=["safetensors", "hf"],
+        help="export format: one safetensors file of Strata's names, or hf: a Hugging Face model directory "
+        "(config.json, sharded safetensors, the tokenizer) for transformers' from_pretrained",
+    )
     ck.add_argument(
         "--overwrite", action="store_true", help="export: replace the weights and config files OUT names if they exist"
     )

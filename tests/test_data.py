@@ -109,12 +109,12 @@ def test_prepare_round_trip(tmp_path):
 
     on_disk = json.loads((out / "meta.json").read_text())
     assert on_disk == meta
-    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 257 and meta["tokenizer"] == "byte"
-    assert meta["eot"] == EOT and meta["documents"] == len(DOCS) and meta["format"] == 1
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 257 and meta["tokenizer"]["kind"] == "bytes"
+    assert meta["eot"] == EOT and meta["documents"] == len(DOCS) and meta["format"] == 2
     assert meta["train_tokens"] == len(train) == sum(len(d.encode()) + 1 for d in train_docs)
     assert meta["val_tokens"] == len(val) == sum(len(d.encode()) + 1 for d in val_docs)
     m = read_meta(out)
-    assert (m.dtype, m.vocab_size, m.tokenizer) == ("uint16", 257, "byte")
+    assert (m.dtype, m.vocab_size, m.tokenizer) == ("uint16", 257, "bytes")
 
 
 def test_split_depends_only_on_document_name(tmp_path):

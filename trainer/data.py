@@ -1,205 +1,61 @@
-"""Token data: preparing text into memory-mapped token files, and the deterministic, resumable,
-data-parallel batch loader that reads them.
+"""Token data: reading prepared token files, and the deterministic, resumable, data-parallel
+batch loader over them. Preparing them (tokenizers, `strata data prepare`) is
+`strata.trainer.prepare` and `strata.trainer.tokenize`.
 
 On disk (nanoGPT's layout plus a JSON header): DIR/train.bin and DIR/val.bin are flat arrays of
-token ids (uint16, or uint32 for vocabularies over 65535), DIR/meta.json says dtype, vocabulary
+token ids (uint16, or uint32 for vocabularies over 65536), DIR/meta.json says dtype, vocabulary
 and tokenizer. A training sample i is the window tokens[i·L : i·L + L + 1] (L = sequence length).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import sysconfig
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from strata.atomic import atomic_directory
-from strata.errors import DataError
+from strata.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     import torch
 
-FORMAT_VERSION = 1
+    from strata.config import Config
 
+# Preparing moved to strata.trainer.prepare; these names stay importable from here.
+from strata.trainer.prepare import (  # noqa: E402
+    OUTPUT_FILES,
+    ByteTokenizer,
+    check_output,
+    check_output_outside_inputs,
+    default_corpus_dir,
+    ensure_default_corpus,
+    expand_inputs,
+    prepare,
+    stdlib_corpus_files,
+)
+from strata.trainer.tokenize import tokenizer_problem  # noqa: E402
 
-class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255, plus an end-of-document token 256."""
-
-    name = "byte"
-    vocab_size = 257
-    eot = 256
-
-    def encode(self, data: bytes) -> np.ndarray:
-        return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
-
-    def decode(self, tokens: Iterable[int]) -> str:
-        return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
-
-
-# --- preparing token files ------------------------------------------------------------------
-
-
-def stdlib_corpus_files() -> list[Path]:
-    """The Python standard library's own .py sources (no tests, no site-packages), sorted:
-    a real text corpus present on every machine with Python."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
-    files = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts[:-1])]
-    return sorted(files, key=lambda p: str(p.relative_to(root)))
-
-
-def _is_val(name: str, val_fraction: float) -> bool:
-    """Deterministic per-document split by a hash of its name (stable across machines)."""
-    h = int.from_bytes(hashlib.sha1(name.encode()).digest()[:8], "little")
-    return h / 2**64 < val_fraction
-
-
-def prepare(files: list[Path], out_dir: Path, val_fraction: float = 0.05, root: Path | None = None) -> dict:
-    """Tokenize `files` (byte-level, documents separated by EOT) into out_dir/{train,val}.bin and
-    meta.json. Each file goes wholly to train or val by a hash of its path relative to `root`;
-    if that leaves val empty (e.g. one file), val is the last val_fraction of the token stream.
-    Written atomically: out_dir is either the old complete version or the new one. out_dir must be
-    new, empty or an earlier output (`check_output`): replacing it must not delete the user's files."""
-    if not files:
-        raise DataError("data prepare: no input files; give text files or directories that contain them")
-    check_output(Path(out_dir), files)
-    tok = ByteTokenizer()
-    parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-    eot = np.array([tok.eot], dtype=np.uint16)
-    for f in files:
-        name = str(f.relative_to(root)) if root else f.name
-        split = "val" if _is_val(name, val_fraction) else "train"
-        parts[split] += [tok.encode(Path(f).read_bytes()), eot]
-    train = np.concatenate(parts["train"]) if parts["train"] else np.zeros(0, np.uint16)
-    val = np.concatenate(parts["val"]) if parts["val"] else np.zeros(0, np.uint16)
-    if val_fraction > 0 and (len(val) == 0 or len(train) == 0):
-        stream = np.concatenate([train, val])
-        cut = int(len(stream) * (1 - val_fraction))
-        train, val = stream[:cut], stream[cut:]
-    meta = {
-        "format": FORMAT_VERSION,
-        "dtype": "uint16",
-        "vocab_size": tok.vocab_size,
-        "tokenizer": tok.name,
-        "eot": tok.eot,
-        "train_tokens": int(len(train)),
-        "val_tokens": int(len(val)),
-        "documents": len(files),
-    }
-    with atomic_directory(Path(out_dir)) as tmp:
-        train.tofile(tmp / "train.bin")
-        val.tofile(tmp / "val.bin")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    return meta
-
-
-OUTPUT_FILES = frozenset({"meta.json", "train.bin", "val.bin"})
-
-
-def _is_earlier_output(out_dir: Path) -> bool:
-    """Whether out_dir holds exactly what `prepare` writes (its meta.json with the format and
-    tokenizer keys, train.bin, val.bin): the only non-empty directory prepare may replace, since
-    anything else there is the user's and replacing the directory would delete it."""
-    names = {p.name for p in out_dir.iterdir()}
-    if not names <= OUTPUT_FILES or "meta.json" not in names:
-        return False
-    if any(not (out_dir / n).is_file() or (out_dir / n).is_symlink() for n in names):
-        return False
-    try:
-        meta = json.loads((out_dir / "meta.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and "format" in meta and "tokenizer" in meta
-
-
-def _inside(path: Path, directory: Path) -> bool:
-    """Whether `path` is `directory` or lies under it (both resolved, so links and .. count)."""
-    path, directory = path.resolve(), directory.resolve()
-    return path == directory or directory in path.parents
-
-
-def check_output(out_dir: Path, files: list[Path]) -> None:
-    """Refuse an output directory whose replacement would destroy data Strata did not write: an
-    existing file, a directory holding anything but an earlier `prepare` output, or one that
-    holds input files."""
-    out_dir = Path(out_dir)
-    if out_dir.is_symlink():
-        raise DataError(
-            f"data prepare: --out {str(out_dir)!r} is a symbolic link; name the directory it points to, or a new one"
-        )
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DataError(
-            f"data prepare: --out {str(out_dir)!r} is an existing file, not a directory; "
-            "name a new directory (it is created) so the file is kept"
-        )
-    inside = [f for f in files if _inside(Path(f), out_dir)]
-    if inside:
-        raise DataError(
-            f"data prepare: input {str(inside[0])!r} lies inside --out {str(out_dir)!r}, which is replaced "
-            "by the output; name an --out directory outside the inputs"
-        )
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not _is_earlier_output(out_dir):
-        extra = sorted(p.name for p in out_dir.iterdir() if p.name not in OUTPUT_FILES)
-        if extra:
-            what = f"it holds {', '.join(extra[:5])}"
-        elif not (out_dir / "meta.json").is_file():
-            what = "it has no meta.json"
-        else:
-            what = "its meta.json is not one `strata data prepare` wrote"
-        raise DataError(
-            f"data prepare: --out {str(out_dir)!r} is not empty and not an earlier `strata data prepare` "
-            f"output ({what}); it would be replaced, so name a new or empty directory"
-        )
-
-
-def check_output_outside_inputs(out_dir: Path, input_dirs: list[Path]) -> None:
-    """Refuse an output directory inside an input directory: the next run would tokenize it."""
-    for d in input_dirs:
-        if _inside(Path(out_dir), Path(d)):
-            raise DataError(
-                f"data prepare: --out {str(out_dir)!r} lies inside the input directory {str(d)!r}, so a later "
-                "run would tokenize its own output; name an --out directory outside the inputs"
-            )
-
-
-def expand_inputs(inputs: list[str], pattern: str = "*", out_dir: Path | None = None) -> tuple[list[Path], Path | None]:
-    """Files named directly, plus files matching `pattern` under named directories, sorted;
-    with `out_dir`, refuse it when it lies inside one of the directories."""
-    if out_dir is not None:
-        check_output_outside_inputs(out_dir, [Path(i) for i in inputs if Path(i).is_dir()])
-    files: list[Path] = []
-    for item in inputs:
-        p = Path(item)
-        if p.is_dir():
-            files += sorted(q.resolve() for q in p.rglob(pattern) if q.is_file())
-        elif p.is_file():
-            files.append(p.resolve())
-        else:
-            raise DataError(f"data prepare: input {item!r} does not exist")
-    common = Path(os.path.commonpath([str(f) for f in files])) if files else None
-    if common is not None and common.is_file():
-        common = common.parent
-    return files, common
-
-
-def default_corpus_dir(cache_dir: str | None) -> Path:
-    base = Path(cache_dir or os.environ.get("STRATA_CACHE") or Path.home() / ".cache" / "strata")
-    return base / "stdlib-byte"
-
-
-def ensure_default_corpus(cache_dir: str | None, val_fraction: float) -> Path:
-    """The built-in corpus directory, preparing it on first use (a few seconds)."""
-    out = default_corpus_dir(cache_dir)
-    if not (out / "meta.json").is_file():
-        root = Path(sysconfig.get_paths()["stdlib"])
-        prepare(stdlib_corpus_files(), out, val_fraction, root=root)
-    return out
+__all__ = [
+    "OUTPUT_FILES",
+    "ByteTokenizer",
+    "check_output",
+    "check_output_outside_inputs",
+    "default_corpus_dir",
+    "ensure_default_corpus",
+    "expand_inputs",
+    "prepare",
+    "stdlib_corpus_files",
+    "TokenMeta",
+    "read_meta",
+    "TokenDataset",
+    "check_data_dir",
+    "check_data_config",
+    "BatchLoader",
+    "eval_batches",
+]
 
 
 # --- reading --------------------------------------------------------------------------------
@@ -207,9 +63,13 @@ def ensure_default_corpus(cache_dir: str | None, val_fraction: float) -> Path:
 
 @dataclass(frozen=True)
 class TokenMeta:
+    """meta.json: `tokenizer` is what it was prepared with (bytes, bpe:N, a tokenizer.json's path;
+    "byte" in format 1, "unknown" when not recorded); `raw` is the whole file."""
+
     dtype: str
     vocab_size: int
     tokenizer: str
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def read_meta(data_dir: Path) -> TokenMeta:
@@ -237,7 +97,9 @@ def read_meta(data_dir: Path) -> TokenMeta:
     if vocab < 1:
         raise DataError(f'{path}: "vocab_size" is {vocab}; it must be >= 1 (the number of distinct token ids)')
     tokenizer = meta.get("tokenizer", "unknown")
-    return TokenMeta(meta["dtype"], vocab, tokenizer if isinstance(tokenizer, str) else "unknown")
+    if isinstance(tokenizer, dict):
+        tokenizer = tokenizer.get("source", "unknown")
+    return TokenMeta(meta["dtype"], vocab, tokenizer if isinstance(tokenizer, str) else "unknown", meta)
 
 
 def _open_tokens(path: Path, dtype: str) -> np.ndarray:
@@ -301,9 +163,31 @@ class TokenDataset:
         return rows[:, :-1], rows[:, 1:]
 
 
-def check_data_dir(data_dir: Path, seq_len: int) -> None:
+def check_data_config(data_dir: Path, cfg: Config) -> None:
+    """What the config says about the data that the prepared directory contradicts: data.tokenizer
+    (when set) must be the tokenizer data_dir was prepared with, and model.vocab_size (when set)
+    must cover the data's vocabulary. One ConfigError naming both sides."""
+    meta = read_meta(data_dir)
+    problems = []
+    if cfg.data.tokenizer is not None:
+        problem = tokenizer_problem(cfg.data.tokenizer, meta.raw, Path(data_dir))
+        if problem:
+            problems.append(problem)
+    if cfg.model.vocab_size and cfg.model.vocab_size < meta.vocab_size:
+        problems.append(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary: "
+            f"{Path(data_dir) / 'meta.json'} says vocab_size={meta.vocab_size} (tokenizer {meta.tokenizer}); "
+            f"set model.vocab_size >= {meta.vocab_size} or leave it null"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
+def check_data_dir(data_dir: Path, seq_len: int, cfg: Config | None = None) -> None:
     """Everything `TokenDataset` refuses about a data directory (meta.json, both token files, their
-    ids), checked before any worker starts."""
+    ids), and with `cfg` what `check_data_config` refuses, checked before any worker starts."""
+    if cfg is not None:
+        check_data_config(data_dir, cfg)
     for split in ("train", "val"):
         TokenDataset(data_dir, split, seq_len)
 

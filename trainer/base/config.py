@@ -157,6 +157,29 @@ class DataConfig:
     )
     cache_dir: str | None = opt(None, "where the built-in corpus is prepared (null: $STRATA_CACHE or ~/.cache/strata)")
     val_fraction: float = opt(0.05, "share of built-in corpus files held out for evaluation", min=0.0, max=0.5)
+    tokenizer: str | None = opt(
+        None,
+        "the tokenizer data.path was prepared with (`strata data prepare --tokenizer`): bytes, bpe:N, or the path "
+        "of a tokenizer.json or a model directory holding one; checked against the data's meta.json at start-up "
+        "(a path by its content). null: whatever the data says. The built-in corpus is bytes",
+    )
+
+
+def _data_checks(d: DataConfig) -> list[str]:
+    """data.tokenizer's form (what it names is checked against the data at start-up)."""
+    t = d.tokenizer
+    if t is None or t == "bytes":
+        return []
+    if not t.strip():
+        return ["data.tokenizer: empty; give bytes, bpe:N, a tokenizer.json path, or null (the data's)"]
+    if t.startswith("bpe:") and not (t[4:].isdigit() and int(t[4:]) >= 257):
+        return [f"data.tokenizer={t!r}: bpe:N needs a whole vocabulary size N >= 257, e.g. bpe:8192"]
+    if d.path is None:
+        return [
+            f"data.tokenizer={t!r} needs data.path (the built-in corpus is byte-level): prepare the data with "
+            f"`strata data prepare ... --tokenizer {t}` and set data.path to it"
+        ]
+    return []
 
 
 @dataclass(frozen=True)
@@ -1036,7 +1059,7 @@ def _get(cfg: Any, key: str) -> Any:
 
 def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
     """Constraints between keys (and against the world size, when known)."""
-    p: list[str] = _value_checks(cfg)
+    p: list[str] = _value_checks(cfg) + _data_checks(cfg.data)
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     if m.d_model % m.n_heads:
         p.append(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
