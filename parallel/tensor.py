@@ -1,10 +1,12 @@
 """Tensor parallelism (Megatron's scheme) applied to a plain GPT from outside.
 
-Attention heads and the MLP's inner width are split column-wise (wq/wk/wv, w1/w3) and their
-output projections row-wise (wo, w2); the embedding and the output layer are split over the
-vocabulary, and the loss is a vocab-parallel cross-entropy, so no rank ever holds full-vocab
-logits. Shards are plain local tensors (not DTensors) so the optimizer, ZeRO and checkpoints
-treat them as ordinary parameters; each records its `Placement` in the global tensor.
+Attention heads and the MLP's inner width are split column-wise (wq/wk/wv with their biases,
+w1/w3) and their output projections row-wise (wo, w2); the per-head q/k norms are replicated
+(one weight of head_dim serves every head; see `TensorParallelHeadNorm`); the embedding and the
+output layer are split over the vocabulary, and the loss is a vocab-parallel cross-entropy, so
+no rank ever holds full-vocab logits. Shards are plain local tensors (not DTensors) so the
+optimizer, ZeRO and checkpoints treat them as ordinary parameters; each records its `Placement`
+in the global tensor.
 
 Optional sequence parallelism (Korthikanti et al. 2022, Megatron's `sequence_parallel`): between
 the tensor-parallel regions the residual stream is split along the sequence (dim 1 of the
@@ -193,13 +195,14 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"ColumnParallelLinear entry={entry!r}; expected one of {_COLUMN_ENTRIES}")
         self.group, self.entry = group, entry
         self.weight = _shard_parameter(linear.weight, 0, rank, size)
+        self.bias = None if linear.bias is None else _shard_parameter(linear.bias, 0, rank, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.entry == "copy":
             x = _CopyToGroup.apply(x, self.group)
         elif self.entry == "gather":
             x = _GatherFromSequence.apply(x, self.group)
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -267,6 +270,24 @@ class TensorParallelRMSNorm(nn.Module):
         return (_GatherFromSequence if self.sequence_parallel else _CopyToGroup).apply(y, self.group)
 
 
+class TensorParallelHeadNorm(nn.Module):
+    """The attention's per-head q/k RMSNorm (same `weight` Parameter) on this rank's heads. The
+    weight (head_dim,) is replicated, but each rank normalises only its own heads, so its local
+    gradient is a partial sum over heads; as for the norms under sequence parallelism, the weight
+    goes through `_CopyToGroup`, whose backward all-reduces that gradient over tp, leaving it
+    complete and equal on every rank (Megatron all-reduces its qk-layernorm gradients the same way,
+    after backward)."""
+
+    def __init__(self, norm: RMSNorm, group):
+        super().__init__()
+        self.group, self.eps = group, norm.eps
+        self.weight = norm.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = _CopyToGroup.apply(self.weight, self.group)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+
 class VocabParallelLoss:
     """Mean next-token cross-entropy over vocab-sharded logits (batch, seq, V/tp)."""
 
@@ -309,6 +330,12 @@ def apply_tensor_parallel(
         )
         wq, wk, wv = (ColumnParallelLinear(m, group, rank, size, entry="ready") for m in (attn.wq, attn.wk, attn.wv))
         _swap(attn, wq=wq, wk=wk, wv=wv, wo=RowParallelLinear(attn.wo, group, rank, size, sequence_parallel=sp))
+        if attn.q_norm is not None and attn.k_norm is not None and size > 1:
+            _swap(
+                attn,
+                q_norm=TensorParallelHeadNorm(attn.q_norm, group),
+                k_norm=TensorParallelHeadNorm(attn.k_norm, group),
+            )
         w1, w3 = (ColumnParallelLinear(m, group, rank, size, entry="ready") for m in (mlp.w1, mlp.w3))
         _swap(mlp, w1=w1, w3=w3, w2=RowParallelLinear(mlp.w2, group, rank, size, sequence_parallel=sp))
     if sp:

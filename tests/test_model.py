@@ -1,5 +1,6 @@
 """The Llama-style GPT against independent references: naive attention with complex-number RoPE
-(as in Meta's reference code), hand-written RMSNorm/SwiGLU, hand FLOP and parameter counts."""
+(Meta's formulation, on Hugging Face's rotate-half pairs), hand-written RMSNorm/SwiGLU, q/k biases
+and per-head q/k norms, hand FLOP and parameter counts."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def ref_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Te
 
 
 def ref_freqs_cis(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
-    """Meta Llama's precompute_freqs_cis, in float64."""
+    """Meta Llama's precompute_freqs_cis, in float64 (no frequency scaling)."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].double() / head_dim))
     t = torch.arange(seq_len, dtype=torch.float64)
     angles = torch.outer(t, freqs)
@@ -67,20 +68,32 @@ def ref_freqs_cis(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
 
 
 def ref_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """x: (batch, seq, heads, head_dim). Pairs (2i, 2i+1) viewed as complex numbers and rotated."""
-    xc = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2).contiguous())
+    """x: (batch, seq, heads, head_dim). Pairs (i, i + head_dim/2) viewed as complex numbers and
+    rotated: Hugging Face's rotate-half layout (Meta's code pairs (2i, 2i+1) instead)."""
+    half = x.shape[-1] // 2
+    xc = torch.complex(x[..., :half].double(), x[..., half:].double())
     rotated = xc * freqs_cis[: x.shape[1]][None, :, None, :]
-    return torch.view_as_real(rotated).flatten(3)
+    return torch.cat((rotated.real, rotated.imag), dim=-1)
 
 
-def ref_attention(x: torch.Tensor, wq, wk, wv, wo, n_heads: int, n_kv_heads: int, theta: float) -> torch.Tensor:
-    """Naive causal multi-head attention with GQA by repeating each kv head (Llama's repeat_kv)."""
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return x @ w.double().T + (0 if b is None else b.double())
+
+
+def ref_attention(
+    x: torch.Tensor, wq, wk, wv, wo, n_heads: int, n_kv_heads: int, theta: float, biases=(None, None, None), norms=None
+) -> torch.Tensor:
+    """Naive causal multi-head attention with GQA by repeating each kv head (Llama's repeat_kv);
+    optional q/k/v biases (Qwen2) and q/k RMSNorms over each head before RoPE (Qwen3)."""
     b, s, d = x.shape
     hd = wq.shape[0] // n_heads
     x = x.double()
-    q = (x @ wq.double().T).view(b, s, n_heads, hd)
-    k = (x @ wk.double().T).view(b, s, n_kv_heads, hd)
-    v = (x @ wv.double().T).view(b, s, n_kv_heads, hd)
+    q = linear(x, wq, biases[0]).view(b, s, n_heads, hd)
+    k = linear(x, wk, biases[1]).view(b, s, n_kv_heads, hd)
+    v = linear(x, wv, biases[2]).view(b, s, n_kv_heads, hd)
+    if norms is not None:
+        (q_w, k_w), eps = norms
+        q, k = ref_rmsnorm(q, q_w, eps), ref_rmsnorm(k, k_w, eps)
     fc = ref_freqs_cis(hd, s, theta)
     q, k = ref_rope(q, fc), ref_rope(k, fc)
     rep = n_heads // n_kv_heads
@@ -98,6 +111,12 @@ def ref_attention(x: torch.Tensor, wq, wk, wv, wo, n_heads: int, n_kv_heads: int
     return out.reshape(b, s, n_heads * hd) @ wo.double().T
 
 
+def attention_extras(attn: Attention, eps: float) -> dict:
+    """ref_attention's bias and q/k-norm arguments for this attention module."""
+    norms = None if attn.q_norm is None else ((attn.q_norm.weight, attn.k_norm.weight), eps)
+    return {"biases": (attn.wq.bias, attn.wk.bias, attn.wv.bias), "norms": norms}
+
+
 def ref_gpt(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
     cfg = model.cfg
     kv = cfg.n_kv_heads or cfg.n_heads
@@ -105,7 +124,17 @@ def ref_gpt(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
     for layer in model.layers:
         a = layer.attn
         h = ref_rmsnorm(x, layer.attn_norm.weight, cfg.norm_eps)
-        x = x + ref_attention(h, a.wq.weight, a.wk.weight, a.wv.weight, a.wo.weight, cfg.n_heads, kv, cfg.rope_theta)
+        x = x + ref_attention(
+            h,
+            a.wq.weight,
+            a.wk.weight,
+            a.wv.weight,
+            a.wo.weight,
+            cfg.n_heads,
+            kv,
+            cfg.rope_theta,
+            **attention_extras(a, cfg.norm_eps),
+        )
         m = layer.mlp
         x = x + ref_swiglu(ref_rmsnorm(x, layer.mlp_norm.weight, cfg.norm_eps), m.w1.weight, m.w3.weight, m.w2.weight)
     return ref_rmsnorm(x, model.norm.weight, cfg.norm_eps) @ model.output.weight.double().T
@@ -149,7 +178,7 @@ def test_output_shape_with_padded_vocab_and_gqa(kv):
     cfg = tiny(n_kv_heads=kv)
     model = build_model(cfg, 257, seed=0)
     assert model.vocab_size == 320
-    hd = cfg.d_model // cfg.n_heads
+    hd = cfg.head_size
     kv_heads = kv or cfg.n_heads
     for blk in model.layers:
         assert blk.attn.wq.weight.shape == (cfg.n_heads * hd, cfg.d_model)
@@ -204,11 +233,13 @@ def test_same_seed_same_init_different_seed_different():
 
 
 def test_init_statistics():
-    cfg = ModelConfig(n_layers=4, d_model=128, n_heads=4, seq_len=16, init_std=0.05)
+    cfg = ModelConfig(n_layers=4, d_model=128, n_heads=4, seq_len=16, init_std=0.05, qkv_bias=True, qk_norm=True)
     model = build_model(cfg, 257, seed=0)
     out_std = 0.05 / math.sqrt(2 * 4)
     for name, p in model.named_parameters():
-        if p.ndim == 1:
+        if name.endswith(".bias"):
+            assert torch.equal(p, torch.zeros_like(p)), name
+        elif p.ndim == 1:
             assert torch.equal(p, torch.ones_like(p)), name
         else:
             expected = out_std if name.endswith(("attn.wo.weight", "mlp.w2.weight")) else 0.05
@@ -250,16 +281,38 @@ def test_ffn_hidden_follows_llama_rule(d_model, expected):
     assert ffn_hidden_size(ModelConfig(d_model=d_model, n_heads=4, ffn_hidden=77)) == 77
 
 
-@pytest.mark.parametrize("n_heads, kv, theta", [(4, None, 10000.0), (4, 2, 500.0), (8, 1, 10000.0)])
-def test_attention_matches_naive_reference(n_heads, kv, theta):
-    cfg = tiny(d_model=64, n_heads=n_heads, n_kv_heads=kv, rope_theta=theta, seq_len=24, init_std=0.25)
+@pytest.mark.parametrize(
+    "n_heads, kv, theta, extra",
+    [
+        (4, None, 10000.0, {}),
+        (4, 2, 500.0, {}),
+        (8, 1, 10000.0, {}),
+        (4, 2, 10000.0, {"head_dim": 24, "qkv_bias": True}),  # n_heads·head_dim = 96 != d_model
+        (4, 2, 10000.0, {"head_dim": 8, "qk_norm": True, "norm_eps": 1e-3}),
+    ],
+)
+def test_attention_matches_naive_reference(n_heads, kv, theta, extra):
+    cfg = tiny(d_model=64, n_heads=n_heads, n_kv_heads=kv, rope_theta=theta, seq_len=24, init_std=0.25, **extra)
     model = build_model(cfg, 64, seed=5)
+    randomize_norms(model)
     attn: Attention = model.layers[0].attn
+    with torch.no_grad():  # biases start at zero
+        for b in (attn.wq.bias, attn.wk.bias, attn.wv.bias):
+            if b is not None:
+                b.normal_(0, 0.5)
     x = torch.randn(2, 13, 64, generator=torch.Generator().manual_seed(1))  # shorter than the rope tables
-    cos, sin = rope_tables(cfg.seq_len, cfg.d_model // n_heads, theta)
+    cos, sin = rope_tables(cfg)
     out = attn(x, cos, sin)
     ref = ref_attention(
-        x, attn.wq.weight, attn.wk.weight, attn.wv.weight, attn.wo.weight, n_heads, kv or n_heads, theta
+        x,
+        attn.wq.weight,
+        attn.wk.weight,
+        attn.wv.weight,
+        attn.wo.weight,
+        n_heads,
+        kv or n_heads,
+        theta,
+        **attention_extras(attn, cfg.norm_eps),
     )
     assert ref.abs().max() > 0.1  # a meaningful comparison, not two near-zero tensors
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -275,7 +328,14 @@ def test_rope_is_position_dependent_and_norm_preserving():
     assert not torch.allclose(r[:, 1:], x[:, 1:])
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(n_kv_heads=2, tie_embeddings=True, ffn_hidden=40)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(n_kv_heads=2, tie_embeddings=True, ffn_hidden=40),
+        dict(n_kv_heads=2, head_dim=12, qkv_bias=True, qk_norm=True),
+    ],
+)
 def test_whole_model_matches_reference(kw):
     cfg = tiny(init_std=0.2, norm_eps=1e-4, **kw)
     model = build_model(cfg, 100, seed=2)
@@ -326,6 +386,8 @@ COUNT_CASES = [
     dict(n_kv_heads=2),
     dict(n_kv_heads=1, ffn_hidden=40, tie_embeddings=True, n_layers=3),
     dict(d_model=48, n_heads=6, seq_len=32),
+    dict(n_kv_heads=2, head_dim=12, qkv_bias=True),
+    dict(head_dim=6, qk_norm=True, tie_embeddings=True),
 ]
 
 
@@ -343,7 +405,8 @@ def test_count_params_matches_built_model(kw, data_vocab):
 
 def forward_matmul_flops_per_token(model: GPT, batch: int = 2) -> float:
     """Count forward matmul FLOPs by instrumenting every nn.Linear (2·in·out per row), plus
-    attention scores and weighted sum as full s×s products: 2·2·s·d per token per layer."""
+    attention scores and weighted sum as full s×s products: 2·2·s·(heads·head size) per token per
+    layer."""
     cfg = model.cfg
     total = 0
 
@@ -361,7 +424,7 @@ def forward_matmul_flops_per_token(model: GPT, batch: int = 2) -> float:
         for h in handles:
             h.remove()
     tokens = batch * cfg.seq_len
-    attention = cfg.n_layers * 2 * 2 * cfg.seq_len * cfg.d_model
+    attention = cfg.n_layers * 2 * 2 * cfg.seq_len * cfg.n_heads * model.layers[0].attn.head_dim
     return total / tokens + attention
 
 

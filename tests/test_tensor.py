@@ -32,6 +32,8 @@ MICRO_BATCHES = 2  # gradients are accumulated over two backward passes, as the 
 SEED = 7
 WORLD_TIMEOUT_S = 180
 
+QWEN = {"n_kv_heads": 2, "head_dim": 12, "qkv_bias": True, "qk_norm": True}
+
 # name: (tp world size, model settings, sequence_parallel)
 CASES = {
     "tp2": (2, {}, False),
@@ -40,6 +42,10 @@ CASES = {
     "tp2-gqa-tied-sp": (2, {"n_kv_heads": 2, "tie_embeddings": True}, True),
     "tp4": (4, {}, False),
     "tp4-sp": (4, {}, True),
+    # Qwen-style attention: q/k/v biases split with their weights, per-head q/k norms replicated,
+    # heads wider than d_model/n_heads (4·12 = 48 != 32)
+    "tp2-qwen": (2, QWEN, False),
+    "tp2-qwen-sp": (2, QWEN, True),
 }
 
 
@@ -50,10 +56,13 @@ def model_config(**kw) -> ModelConfig:
 def make_model(settings: dict):
     model = build_model(model_config(**settings), VOCAB, seed=SEED)
     gen = torch.Generator().manual_seed(SEED + 1)
-    with torch.no_grad():  # norm weights start at one; randomise them so their use is checked too
+    with torch.no_grad():  # norm weights start at one, biases at zero; randomise them so their use is checked too
         for m in model.modules():
             if isinstance(m, RMSNorm):
                 m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=gen))
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
     return model
 
 
@@ -228,9 +237,11 @@ def test_collectives_per_step(worlds, name):
     all-reduces the embedding and each row-parallel output forward, and backward the input
     gradient of each tensor-parallel region once: after attn_norm (shared by wq/wk/wv), after
     mlp_norm (shared by w1/w3), and before the output layer. With sp: one reduce-scatter /
-    all-gather pair instead of each all-reduce, and the norm weights' gradients all-reduced."""
+    all-gather pair instead of each all-reduce, and the norm weights' gradients all-reduced. The
+    per-head q/k norms' gradients are all-reduced in every case (each rank sees only its heads)."""
     size, settings, sp = CASES[name]
     layers, d, tokens = 2, 32, BATCH * SEQ
+    qk_norms = MICRO_BATCHES * layers * 2 * 4 * settings["head_dim"] if settings.get("qk_norm") else 0
     act = MICRO_BATCHES * 4 * tokens * d  # one full (batch, seq, d) fp32 activation per micro-batch
     loss = MICRO_BATCHES * 3 * 4 * tokens  # vocab-parallel CE: max, target logit, sum of exp
     for r in worlds[size]:
@@ -244,11 +255,11 @@ def test_collectives_per_step(worlds, name):
             assert bwd == {
                 ("tp", "reduce_scatter"): (2 * layers + 1) * act,
                 ("tp", "all_gather"): (2 * layers + 1) * act // size,
-                ("tp", "all_reduce"): MICRO_BATCHES * (2 * layers + 1) * 4 * d,
+                ("tp", "all_reduce"): MICRO_BATCHES * (2 * layers + 1) * 4 * d + qk_norms,
             }
         else:
             assert fwd == {("tp", "all_reduce"): (2 * layers + 1) * act + loss}
-            assert bwd == {("tp", "all_reduce"): (2 * layers + 1) * act}
+            assert bwd == {("tp", "all_reduce"): (2 * layers + 1) * act + qk_norms}
 
 
 @pytest.mark.slow  # the `worlds` fixture: 2- and 4-process gloo worlds

@@ -125,19 +125,48 @@ def nested(cls: type, doc: str | None = None) -> Any:
     return field(default_factory=cls, metadata={"doc": doc or cls.__doc__})
 
 
+ROPE_SCALINGS = ("none", "llama3")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer (Llama-style: RoPE, RMSNorm, SwiGLU)."""
 
     n_layers: int = opt(4, "number of transformer blocks", min=1)
     d_model: int = opt(128, "hidden size (width of the residual stream)", min=1)
-    n_heads: int = opt(4, "attention heads; must divide d_model", min=1)
+    n_heads: int = opt(4, "attention heads; must divide d_model unless head_dim is set", min=1)
     n_kv_heads: int | None = opt(None, "key/value heads for grouped-query attention (null: = n_heads)", min=1)
+    head_dim: int | None = opt(
+        None, "size of each attention head (null: d_model/n_heads); n_heads·head_dim may differ from d_model", min=2
+    )
+    qkv_bias: bool = opt(False, "bias on the query/key/value projections (Qwen2); the output projection has none")
+    qk_norm: bool = opt(False, "RMSNorm over each head's query and key before RoPE, one weight of head_dim (Qwen3)")
     ffn_hidden: int | None = opt(None, "SwiGLU inner size (null: 8/3·d_model rounded up to a multiple of 32)", min=1)
     vocab_size: int | None = opt(None, "vocabulary size (null: the data's, padded to pad_vocab_multiple)", min=1)
     pad_vocab_multiple: int = opt(64, "pad a data-derived vocabulary up to a multiple of this", min=1)
     seq_len: int = opt(128, "tokens per training sequence (context length)", min=1)
     rope_theta: float = opt(10000.0, "RoPE base frequency", min=0.0, min_exclusive=True)
+    rope_scaling: str = opt(
+        "none",
+        "RoPE frequency scaling: none, or llama3 (Llama 3.1's, set by the rope_* keys below)",
+        choices=ROPE_SCALINGS,
+    )
+    rope_factor: float = opt(8.0, "llama3 RoPE scaling: divisor of the low frequencies", min=1.0)
+    rope_low_freq_factor: float = opt(
+        1.0,
+        "llama3 RoPE scaling: wavelengths above original_max/this are divided by rope_factor",
+        min=0.0,
+        min_exclusive=True,
+    )
+    rope_high_freq_factor: float = opt(
+        4.0,
+        "llama3 RoPE scaling: wavelengths below original_max/this are kept (between: interpolated)",
+        min=0.0,
+        min_exclusive=True,
+    )
+    rope_original_max_position_embeddings: int = opt(
+        8192, "llama3 RoPE scaling: the context length the model was pretrained with", min=1
+    )
     norm_eps: float = opt(1e-5, "RMSNorm epsilon", min=0.0, min_exclusive=True)
     tie_embeddings: bool = opt(False, "share the token embedding with the output projection")
     init_std: float = opt(
@@ -146,6 +175,21 @@ class ModelConfig:
         min=0.0,
         min_exclusive=True,
     )
+
+    @property
+    def head_size(self) -> int:
+        """Width of one attention head: head_dim, or d_model/n_heads."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads, or n_heads."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """SwiGLU inner width: ffn_hidden, or Llama's 2/3·4·d_model rounded up to a multiple of 32."""
+        return self.ffn_hidden or 32 * math.ceil(int(8 * self.d_model / 3) / 32)
 
 
 @dataclass(frozen=True)
@@ -1061,13 +1105,20 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
     """Constraints between keys (and against the world size, when known)."""
     p: list[str] = _value_checks(cfg) + _data_checks(cfg.data)
     m, par, tr = cfg.model, cfg.parallel, cfg.train
-    if m.d_model % m.n_heads:
-        p.append(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
-    kv = m.n_kv_heads or m.n_heads
+    if m.head_dim is None and m.d_model % m.n_heads:
+        p.append(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} (or set model.head_dim)")
+    kv = m.kv_heads
     if m.n_heads % kv:
         p.append(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads}")
-    elif (m.d_model // m.n_heads) % 2:
-        p.append(f"head size d_model/n_heads={m.d_model // m.n_heads} must be even for RoPE")
+    elif m.head_dim is not None and m.head_dim % 2:
+        p.append(f"model.head_dim={m.head_dim} must be even for RoPE")
+    elif m.head_dim is None and not m.d_model % m.n_heads and m.head_size % 2:
+        p.append(f"head size d_model/n_heads={m.head_size} must be even for RoPE (or set an even model.head_dim)")
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        p.append(
+            f"model.rope_high_freq_factor={m.rope_high_freq_factor:g} must exceed "
+            f"model.rope_low_freq_factor={m.rope_low_freq_factor:g} (llama3 RoPE scaling interpolates between them)"
+        )
     if m.n_heads % par.tp:
         p.append(f"parallel.tp={par.tp} must divide model.n_heads={m.n_heads}")
     elif kv % par.tp:

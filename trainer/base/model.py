@@ -1,4 +1,5 @@
-"""The decoder-only transformer (Llama-style: RoPE, RMSNorm, SwiGLU, causal SDPA), as plain torch
+"""The decoder-only transformer (Llama-style: RoPE, RMSNorm, SwiGLU, causal SDPA; optionally
+Qwen2's q/k/v biases, Qwen3's per-head q/k norms and Llama 3.1's RoPE scaling), as plain torch
 modules with no parallel code inside. Parallelism is applied to it from outside (parallel/).
 
 Attention reads its head count from its weight shapes, not from the config, so a tensor-parallel
@@ -21,9 +22,7 @@ from strata.errors import ConfigError
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
     """SwiGLU inner width: Llama's 2/3 · 4·d rounded up to a multiple of 32, unless set."""
-    if cfg.ffn_hidden:
-        return cfg.ffn_hidden
-    return 32 * math.ceil(int(8 * cfg.d_model / 3) / 32)
+    return cfg.ffn_size
 
 
 def padded_vocab_size(cfg: ModelConfig, data_vocab_size: int) -> int:
@@ -51,30 +50,53 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq_len, head_dim/2) for rotary position embedding."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies (head_size/2,), float64: theta^(-2i/head_size), with Llama 3.1's
+    scaling when rope_scaling is llama3 (as transformers' `_compute_llama3_parameters`: wavelengths
+    longer than original/low_freq_factor are divided by rope_factor, shorter than
+    original/high_freq_factor kept, those between interpolated smoothly)."""
+    dim = cfg.head_size
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if cfg.rope_scaling == "none":
+        return inv_freq
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original = cfg.rope_original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, head_size/2) for rotary position embedding."""
+    angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64), rope_frequencies(cfg))
     return angles.cos().float(), angles.sin().float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x: (batch, heads, seq, head_dim)."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
+    """Rotate pairs (x[i], x[i + head_dim/2]) of x: (batch, heads, seq, head_dim) by angle i.
+
+    The rotate-half layout of Hugging Face's Llama family and Megatron-core's default (not Meta's
+    original interleaved pairs (x[2i], x[2i+1])): their q/k weights then load as they are, with no
+    per-head row permutation, the step a converter most often gets wrong."""
+    x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.flatten(-2)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim = cfg.d_model // cfg.n_heads
-        kv_heads = cfg.n_kv_heads or cfg.n_heads
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, kv_heads * self.head_dim, bias=False)
+        self.head_dim = cfg.head_size
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
+        # One weight of head_dim shared by every head (Qwen3), so tensor parallelism replicates it.
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q = self.wq(x)
@@ -82,6 +104,8 @@ class Attention(nn.Module):
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -125,7 +149,7 @@ class GPT(nn.Module):
         self.output = nn.Linear(cfg.d_model, vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
+        cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -152,16 +176,18 @@ def named_blocks(part: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def set_rope_buffers(module: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
     """Set `module`'s rope_cos/rope_sin buffers to the tables for cfg, on `device`."""
-    cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
+    cos, sin = rope_tables(cfg)
     module.rope_cos, module.rope_sin = cos.to(device), sin.to(device)
 
 
 def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """The initial value of parameter `name` (its whole, unsharded tensor): normal(0, init_std)
     for matrices, with residual output projections (wo, w2) scaled by 1/sqrt(2·n_layers) as in
-    GPT-2/Megatron; norms to one. Each parameter draws from its own generator, seeded by the run
+    GPT-2/Megatron; biases to zero; norms to one. Each parameter draws from its own generator, seeded by the run
     seed and its name, so any rank can build any parameter (or slice) without the others — the
     value never depends on which parameters a rank holds."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     if len(shape) == 1:
         return torch.ones(shape)
     if cfg.tie_embeddings and name == "output.weight":
@@ -186,9 +212,12 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def count_params(cfg: ModelConfig, vocab_size: int) -> int:
     """Parameters of the model built from cfg with this (padded) vocabulary."""
-    d, h = cfg.d_model, cfg.d_model // cfg.n_heads
-    kv = (cfg.n_kv_heads or cfg.n_heads) * h
-    per_layer = d * d + 2 * d * kv + d * d + 3 * d * ffn_hidden_size(cfg) + 2 * d
+    d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+    per_layer = 2 * d * q + 2 * d * kv + 3 * d * ffn_hidden_size(cfg) + 2 * d
+    if cfg.qkv_bias:
+        per_layer += q + 2 * kv
+    if cfg.qk_norm:
+        per_layer += 2 * cfg.head_size
     embed = vocab_size * d * (1 if cfg.tie_embeddings else 2)
     return cfg.n_layers * per_layer + embed + d
 
@@ -197,11 +226,12 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
     """Training FLOPs per token (forward + backward = 3 × forward), counting matmuls only.
 
     Forward matmul FLOPs per token: 2·(weights touched) for every linear including the output
-    projection (the embedding lookup is free), plus attention scores and weighted sum: 2·2·s·d per
-    layer for full (non-causal-skipping) attention, as Megatron's MFU formula counts it.
+    projection (the embedding lookup is free), plus attention scores and weighted sum: 2·2·s·q per
+    layer for full (non-causal-skipping) attention, as Megatron's MFU formula counts it, where q =
+    n_heads·head_size (d_model unless head_dim says otherwise). Biases and norms are not matmuls.
     """
     d, s, L = cfg.d_model, cfg.seq_len, cfg.n_layers
-    kv = (cfg.n_kv_heads or cfg.n_heads) * (d // cfg.n_heads)
-    linear = L * (2 * d * d + 2 * d * kv + 3 * d * ffn_hidden_size(cfg)) + d * vocab_size
-    attention = L * 2 * s * d
+    q, kv = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+    linear = L * (2 * d * q + 2 * d * kv + 3 * d * ffn_hidden_size(cfg)) + d * vocab_size
+    attention = L * 2 * s * q
     return 3.0 * 2.0 * (linear + attention)
