@@ -347,3 +347,17 @@ def test_a_model_vocabulary_smaller_than_the_datas_is_refused_naming_both(bpe_da
     argv = ["train", TINY, f"data.path={bpe_data}", f"log.dir={tmp_path / 'runs'}", "model.vocab_size=256"]
     code, out = run([*argv, "model.seq_len=16"], capsys)
     assert code == 2 and "model.vocab_size=256" in out and str(vocab) in out and "Traceback" not in out, out
+
+
+def test_an_earlier_output_with_its_tokenizer_is_replaced_but_a_users_tokenizer_json_is_kept(tmp_path, bpe, capsys):
+    bad_jsonl(tmp_path / "in", ['{"text": "hello world"}', '{"text": "again"}'])
+    out = tmp_path / "out"
+    argv = ["data", "prepare", str(tmp_path / "in"), "--out", str(out)]
+    assert run([*argv, "--tokenizer", str(bpe)], capsys)[0] == 0 and (out / "tokenizer.json").is_file()
+    assert run(argv, capsys)[0] == 0  # bytes now: the whole directory is replaced
+    assert not (out / "tokenizer.json").exists() and read_meta(out).tokenizer == "bytes"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tokenizer.json").write_bytes(bpe.read_bytes())
+    code, text = run(["data", "prepare", str(tmp_path / "in"), "--out", str(mine)], capsys)
+    assert code == 2 and "it has no meta.json" in text and (mine / "tokenizer.json").read_bytes() == bpe.read_bytes()
