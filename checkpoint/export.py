@@ -1,6 +1,8 @@
 """Consolidated weights for use outside Strata: `strata ckpt export DIR OUT --format safetensors`
 writes the whole model's weights (global names and shapes, as a plain `strata.model.GPT`'s
-state_dict) into one safetensors file, atomically, with the checkpoint's config beside it.
+state_dict) into one safetensors file, atomically, with the checkpoint's config beside it;
+`--format hf` writes a Hugging Face model directory (config.json, sharded safetensors with their
+index, the tokenizer) that transformers' `from_pretrained` loads with no Strata code.
 
 Export writes only the two files its OUT names (OUT.safetensors and OUT.config.yaml, or
 OUT/model.safetensors and OUT/config.yaml), replaces them only when asked to, never writes into a
@@ -9,16 +11,32 @@ recorded: an exported model is loaded elsewhere by that config, so a corrupted o
 
 from __future__ import annotations
 
+import json
+import math
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+import yaml
 from safetensors.torch import save as safetensors_bytes
 
-from strata.atomic import write_file_atomic
+from strata import config as config_mod
+from strata import hf
+from strata.atomic import atomic_directory, write_file_atomic
 from strata.checkpoint import integrity, store
+from strata.checkpoint.pieces import whole_piece
+from strata.checkpoint.plan import torch_dtype
 from strata.checkpoint.reader import Checkpoint
 from strata.errors import CheckpointError
 
-FORMATS = ("safetensors",)
+FORMATS = ("safetensors", "hf")
+SHARD_BYTES = 2 * 2**30  # per safetensors shard of an hf export (transformers' save_pretrained: 5 GB)
+# What an hf export writes: an --overwrite replaces a directory holding nothing else.
+HF_FILES = re.compile(
+    r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|"
+    r"tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json"
+)
 
 
 def outputs(out: Path) -> tuple[Path, Path]:
@@ -92,6 +110,8 @@ def export(path: Path, out: Path, fmt: str = "safetensors", overwrite: bool = Fa
     anything is written."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; supported: {', '.join(FORMATS)}")
+    if fmt == "hf":
+        return export_hf(Path(path), Path(out), overwrite)
     weights, config = outputs(Path(out))
     check_destination(weights, config, overwrite)
     ckpt = Checkpoint(path)
@@ -104,3 +124,126 @@ def export(path: Path, out: Path, fmt: str = "safetensors", overwrite: bool = Fa
     write_file_atomic(weights, safetensors_bytes(tensors, metadata=metadata))
     write_file_atomic(config, config_yaml)
     return weights, config
+
+
+def export_hf(path: Path, out: Path, overwrite: bool = False) -> tuple[Path, Path]:
+    """Write the checkpoint at `path` as a Hugging Face model directory `out`: config.json for the
+    architecture that computes what Strata's model does, the weights under HF's names in shards of
+    at most SHARD_BYTES (read one shard at a time, never the whole model) with
+    model.safetensors.index.json, and the run's tokenizer when its data was prepared with one. The
+    directory appears complete or not at all. Returns (out, its config.json)."""
+    out = Path(out)
+    _check_hf_destination(out, overwrite)
+    ckpt = Checkpoint(path)
+    try:
+        cfg = config_mod.from_dict(yaml.safe_load(verified_config(ckpt)))
+        shapes = ckpt.shapes("model.")
+        dtypes = {k: ckpt.index["tensors"][k]["dtype"] for k in ckpt.index["tensors"] if k.startswith("model.")}
+        names = hf.hf_targets(cfg.model)  # Strata name -> HF name (a tied output is the embedding)
+        problems = [f"no tensor model.{n}" for n in names if n not in shapes]
+        if problems:
+            raise CheckpointError(f"{ckpt.path}: does not hold the model its config.yaml describes: {problems[:5]}")
+        hf_cfg = hf.hf_config(cfg.model, shapes["tok_embeddings.weight"][0])
+        hf_cfg["torch_dtype"] = dtypes["model.tok_embeddings.weight"]
+        tokenizer = _tokenizer_files(cfg)
+        hf_cfg.update(tokenizer.special_ids)
+        shards = _shards(names, {n: shapes[n] for n in names}, {n: torch_dtype(dtypes[f"model.{n}"]) for n in names})
+        with atomic_directory(out) as tmp:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                file = (
+                    "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                )
+                pieces = [
+                    whole_piece(f"model.{n}", torch.empty(shapes[n], dtype=torch_dtype(dtypes[f"model.{n}"])))
+                    for n in shard
+                ]
+                problems = ckpt.read(pieces)
+                if problems:
+                    raise CheckpointError(f"{ckpt.path} is damaged; nothing was exported:\n  " + "\n  ".join(problems))
+                tensors = {names[n]: p.tensor for n, p in zip(shard, pieces)}
+                (tmp / file).write_bytes(safetensors_bytes(tensors, metadata={"format": "pt"}))
+                weight_map.update(dict.fromkeys(tensors, file))
+                del pieces, tensors
+            if len(shards) > 1:
+                total = sum(math.prod(shapes[n]) * torch_dtype(dtypes[f"model.{n}"]).itemsize for n in names)
+                index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+            for name, data in tokenizer.files.items():
+                (tmp / name).write_bytes(data)
+    finally:
+        ckpt.close()
+    return out, out / "config.json"
+
+
+def _check_hf_destination(out: Path, overwrite: bool) -> None:
+    """OUT must be a new or empty directory outside any checkpoint, or, with --overwrite, an
+    earlier export holding only the files an export writes (nothing else of the user's is lost)."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"strata ckpt export --format hf: OUT {str(out)!r} is a file; give a directory")
+    inside = checkpoint_destination(out if out.exists() else out.parent)
+    if inside is not None:
+        raise CheckpointError(
+            f"strata ckpt export: OUT {str(out)!r} is in the checkpoint directory {str(inside)!r}; writing there "
+            "would alter checkpoints, so give an OUT outside it"
+        )
+    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if present and not overwrite:
+        raise CheckpointError(
+            f"strata ckpt export: {str(out)!r} is not empty; give a new directory, or pass --overwrite to replace "
+            "an earlier export there"
+        )
+    foreign = [name for name in present if not HF_FILES.fullmatch(name)]
+    if foreign:
+        raise CheckpointError(
+            f"strata ckpt export: {str(out)!r} holds files an export does not write ({', '.join(foreign[:5])}); "
+            "--overwrite replaces only an earlier export: give another OUT"
+        )
+
+
+def _shards(names: dict[str, str], shapes: dict[str, tuple], dtypes: dict[str, torch.dtype]) -> list[list[str]]:
+    """The Strata names in HF order, cut into shards of at most SHARD_BYTES (a bigger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        n = math.prod(shapes[name]) * dtypes[name].itemsize
+        if shards[-1] and size + n > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+@dataclass
+class _Tokenizer:
+    files: dict[str, bytes] = field(default_factory=dict)  # file name in OUT -> contents
+    special_ids: dict[str, int] = field(default_factory=dict)  # for config.json
+    note: str = ""
+
+
+def _tokenizer_files(cfg: config_mod.Config) -> _Tokenizer:
+    """The tokenizer of the run's prepared data (data.path's meta.json names it), as the files an
+    AutoTokenizer loads; none for byte-level data, which has no Hugging Face tokenizer."""
+    data = Path(cfg.data.path) if cfg.data.path else None
+    try:
+        meta = json.loads((data / "meta.json").read_text()) if data else None
+    except (OSError, ValueError):
+        meta = None
+    info = meta.get("tokenizer") if isinstance(meta, dict) else None
+    if not isinstance(info, dict) or not info.get("file") or data is None:
+        return _Tokenizer(note="the run's data has no tokenizer.json (byte-level, or not found): none exported")
+    try:
+        tokenizer_json = (data / info["file"]).read_bytes()
+    except OSError as e:
+        return _Tokenizer(note=f"the run's tokenizer {data / info['file']} cannot be read ({e}): none exported")
+    eot_token, eot = info.get("eot_token"), meta.get("eot")
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.model.seq_len}
+    if isinstance(eot_token, str):
+        settings["eos_token"] = eot_token
+    files = {
+        "tokenizer.json": tokenizer_json,
+        "tokenizer_config.json": (json.dumps(settings, indent=2) + "\n").encode(),
+    }
+    return _Tokenizer(files, {"eos_token_id": eot} if isinstance(eot, int) else {})

@@ -86,6 +86,19 @@ class Checkpoint:
         self._verified, self._window = {}, {}
         return self
 
+    @classmethod
+    def foreign(cls, path: Path, index: dict, file_bytes: dict[str, int], step: int = 0) -> Checkpoint:
+        """Files another tool wrote (a Hugging Face model's safetensors, a plain DCP save), read in
+        place through an `index` built from their own headers. They carry no checksums; their sizes
+        are checked against what the index points at, as for Strata's own."""
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        self.marker = {"step": step}
+        self.files = {name: {"bytes": n} for name, n in file_bytes.items()}
+        self.problems, self.index, self.checksummed = [], index, False
+        self._fds, self._bases, self._verified, self._window = {}, {}, {}, {}
+        return self
+
     @property
     def step(self) -> int:
         return int(self.marker.get("step", -1))
@@ -98,6 +111,9 @@ class Checkpoint:
 
     def has(self, key: str) -> bool:
         return self.index.get("aliases", {}).get(key, key) in self.index["tensors"]
+
+    def has_object(self, key: str) -> bool:
+        return key in self.index.get("objects", {})
 
     def object(self, key: str):
         """A non-tensor entry (trainer state, optimizer hyper-parameters), loaded with weights_only."""

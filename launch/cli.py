@@ -212,6 +212,19 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         )
     if args.out and "=" in args.out and not Path(args.out).exists():
         raise StrataError(f"strata ckpt {args.action}: OUT comes before the overrides; {args.out!r} looks like one")
+    if args.action == "import-hf":
+        from strata import config
+        from strata.checkpoint import hf_weights
+
+        if not args.out:
+            raise StrataError("strata ckpt import-hf HF_DIR OUT [--config CFG]: give OUT (a checkpoints directory)")
+        cfg = config.load(args.config, [*args.overrides, f"model.init_from={args.path}"])
+        path = hf_weights.import_hf(Path(args.path), Path(args.out), config.dump(cfg), cfg.model)
+        print(
+            f"wrote {path} (step 0, weights only); train from it with --resume {path} (the optimizer starts fresh) "
+            f"or model.init_from={path}"
+        )
+        return 0
     if args.action == "import-deepspeed":
         from strata import config
         from strata.checkpoint import deepspeed_import
@@ -482,7 +495,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         usage="strata ckpt inspect DIR\n       strata ckpt verify DIR\n"
         "       strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..[,vs=..] [key=value ...]\n"
         "       strata ckpt export DIR OUT [--format safetensors|hf] [--overwrite]\n"
-        "       strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG",
+        "       strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG\n"
+        "       strata ckpt import-hf HF_DIR OUT [key=value ...] [--config CFG]",
         description="Inspect, verify, reshard, export or import a checkpoint.",
         epilog=_epilog(
             "strata ckpt inspect runs/tiny/checkpoints",
@@ -493,7 +507,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
             extra=EXIT_CODES,
         ),
     )
-    ck.add_argument("action", choices=["inspect", "verify", "reshard", "export", "import-deepspeed"])
+    ck.add_argument("action", choices=["inspect", "verify", "reshard", "export", "import-deepspeed", "import-hf"])
     ck.add_argument("path", metavar="DIR", help="a step_* directory, or a checkpoints directory (latest committed)")
     ck.add_argument(
         "out",
@@ -507,7 +521,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         nargs="*",
         default=[],
         metavar="key=value",
-        help="reshard: overrides of the saved config (e.g. zero settings); import-deepspeed: overrides of --config",
+        help="reshard: overrides of the saved config (e.g. zero settings); import-deepspeed, import-hf: "
+        "overrides of --config",
     )
     ck.add_argument("--to", help="reshard: the target layout, tp=..,pp=..,dp=.. (and vs=.. for virtual stages)")
     ck.add_argument(
@@ -520,7 +535,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     ck.add_argument(
         "--overwrite", action="store_true", help="export: replace the weights and config files OUT names if they exist"
     )
-    ck.add_argument("--config", help="import-deepspeed: the Strata experiment the imported state continues in")
+    ck.add_argument(
+        "--config",
+        help="import-deepspeed, import-hf: the Strata experiment the imported state continues in "
+        "(import-hf: optional; the model block comes from HF_DIR's config.json)",
+    )
     ck.set_defaults(func=cmd_ckpt)
 
     pl = sub.add_parser(

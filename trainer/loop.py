@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from strata import config as config_mod
-from strata.checkpoint import store
+from strata.checkpoint import hf_weights, store
 from strata.checkpoint.manager import CheckpointManager
 from strata.checkpoint.reader import Checkpoint
 from strata.config import Config, OptimConfig
@@ -319,6 +319,15 @@ class Trainer:
     def _load(self, ckpt: Checkpoint) -> Path:
         return self.state.load(ckpt, self.cfg.checkpoint.verify_on_load, self.checkpoints.agree)
 
+    def init_weights(self) -> Path:
+        """Load model.init_from's weights (collective): a Hugging Face model directory, read with
+        each rank taking only its own boxes of the safetensors, or a Strata checkpoint's weights."""
+        path = Path(self.cfg.model.init_from or "")
+        is_hf = (path / "config.json").is_file()
+        ckpt = hf_weights.open_weights(path, self.cfg.model) if is_hf else Checkpoint(path)
+        self.state.load_weights(ckpt, self.checkpoints.agree)
+        return ckpt.path
+
     def restore_on_start(self, resume: Path | None) -> str:
         """With snapshots on, where this run starts from (collective): the newest in-memory snapshot
         every rank can restore; else `resume`, or the newest committed checkpoint under
@@ -522,6 +531,8 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
     else:
         source = trainer.start_from(resume)
         resumed_from, restore_note = trainer.resume(source) if source else None, ""
+    fresh = trainer.step == 0 and resumed_from is None
+    weights_from = trainer.init_weights() if fresh and cfg.model.init_from else None
     peak, peak_note = mfu_peak(cfg.log.peak_tflops, runtime.device, cfg.train.precision)
     log = MetricsLogger(
         cfg.run_dir(),
@@ -541,6 +552,7 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
         f"(tp {layout.tp}, pp {layout.pp}, dp {layout.dp}), "
         f"{cfg.train.global_batch_size}×{cfg.model.seq_len} tokens/step, run dir {cfg.run_dir()}"
         + (f", resumed from {resumed_from}" if resumed_from else "")
+        + (f", weights from {weights_from}" if weights_from else "")
     )
     for warning in config_mod.start_up_warnings(cfg):
         log.print(f"warning: {warning}")

@@ -115,10 +115,12 @@ class TrainState:
             objects = {}
             if not problems:
                 problems = ckpt.read(fresh + optim_targets + rng, verify)
-                objects = {k: ckpt.object(k) for k in ("trainer", "optim.param_groups")}
-                misfit = self.loader.state_problems(objects["trainer"]["data"]) + optimizer_problems(
-                    m.optimizer, objects["optim.param_groups"]
-                )
+                # an imported model's checkpoint has no optimizer: it starts fresh
+                keys = ("trainer", "optim.param_groups") if ckpt.has_object("optim.param_groups") else ("trainer",)
+                objects = {k: ckpt.object(k) for k in keys}
+                misfit = self.loader.state_problems(objects["trainer"]["data"])
+                if "optim.param_groups" in objects:
+                    misfit += optimizer_problems(m.optimizer, objects["optim.param_groups"])
                 problems += misfit
         except CheckpointError as e:
             problems = [str(e)]
@@ -135,7 +137,8 @@ class TrainState:
         with torch.no_grad():
             for dst, src in zip(live, fresh):
                 dst.tensor.copy_(src.tensor)
-        load_optimizer(m.optimizer, optim_state, objects["optim.param_groups"])
+        if "optim.param_groups" in objects:
+            load_optimizer(m.optimizer, optim_state, objects["optim.param_groups"])
         m.engine.invalidate_secondary()
         state = objects["trainer"]
         self.loader.load_state_dict(state["data"])
@@ -146,6 +149,30 @@ class TrainState:
         if m.co2:
             m.co2.restart(self.step, None if any(x is None for x in momentum) else momentum)
         return ckpt.path
+
+    def load_weights(self, ckpt: Checkpoint, agree: Callable[[list[str], str], None]) -> None:
+        """Only the model's weights from `ckpt` (a Hugging Face model, another run's checkpoint),
+        into this layout, each rank reading just its own boxes; the optimizer, the data position and
+        the step stay fresh. Checked and read first, agreed on by every rank, then copied in."""
+        with self.model.state_in_memory(changed=True):
+            m = self.model
+            first = {k: v for k, v in m.global_shapes.items() if m.canonical.get(k, k) == k}  # tied: one name
+            try:
+                saved = {k: v for k, v in ckpt.shapes("model.").items() if m.canonical.get(k, k) == k}
+                problems = model_state_problems(first, saved)
+                live = model_pieces(m.engine, m.canonical)
+                fresh = [Piece(p.key, p.global_shape, p.box, torch.empty_like(p.tensor)) for p in live]
+                if not problems:
+                    problems = ckpt.read(fresh)
+            except CheckpointError as e:
+                problems = [str(e)]
+            finally:
+                ckpt.close()
+            agree(problems, f"the weights in {ckpt.path} do not fit this model; nothing was loaded")
+            with torch.no_grad():
+                for dst, src in zip(live, fresh):
+                    dst.tensor.copy_(src.tensor)
+            m.engine.invalidate_secondary()
 
     def _rng_target(self, ckpt: Checkpoint) -> list[Piece]:
         """This rank's saved RNG state, or rank 0's when the saving world was smaller, or none (an

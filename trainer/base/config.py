@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import math
 import re
 import types
@@ -20,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from strata import hf
 from strata.errors import ConfigError
 
 # --- the hierarchy vocabulary (parallel.topology maps ranks onto these levels) ---------------
@@ -169,6 +171,12 @@ class ModelConfig:
     )
     norm_eps: float = opt(1e-5, "RMSNorm epsilon", min=0.0, min_exclusive=True)
     tie_embeddings: bool = opt(False, "share the token embedding with the output projection")
+    init_from: str | None = opt(
+        None,
+        "start a new run from these weights (the optimizer, data position and step start fresh): a local "
+        "Hugging Face model directory (config.json + model.safetensors or shards; the other model keys are "
+        "derived from its config.json, and one set to a different value is an error), or a Strata checkpoint",
+    )
     init_std: float = opt(
         0.02,
         "std of the normal init of weights (output projections scaled by 1/sqrt(2·n_layers))",
@@ -649,11 +657,49 @@ def load(
         raw = _read_yaml(Path(path), problems)
     for item in overrides:
         _apply_override(raw, item, problems)
+    _derive_from_hf(raw, problems)
     cfg = _build(raw, problems)
     if cfg.log.name is None and path is not None:
         cfg = replace(cfg, "log.name", Path(path).stem)
     _check_and_raise(cfg, problems, world_size)
     return cfg
+
+
+def _derive_from_hf(raw: dict[str, Any], problems: list[str]) -> None:
+    """With model.init_from naming a Hugging Face model directory, fill the model block from its
+    config.json (the user's own keys must agree with it). Only when a user's experiment is loaded:
+    a checkpoint's config.yaml already holds the derived values, and the directory may be gone."""
+    model = raw.get("model")
+    source = model.get("init_from") if isinstance(model, dict) else None
+    if not isinstance(source, str) or _path_problem("model.init_from", source):
+        return  # unset, or a problem the type and path checks report
+    if not Path(source).is_dir():
+        problems.append(
+            f"model.init_from: {source!r} is not a directory; give a local Hugging Face model directory "
+            "(config.json + model.safetensors) or a Strata checkpoint directory"
+        )
+        return
+    if not (Path(source) / "config.json").is_file():
+        return  # a Strata checkpoint: its own checks come when it is opened
+    path = Path(source) / "config.json"
+    try:
+        hf_config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        problems.append(f"model.init_from: {path} is not readable JSON ({e})")
+        return
+    if not isinstance(hf_config, dict):
+        problems.append(f"model.init_from: {path} must hold a JSON object")
+        return
+    seq_len = model.get("seq_len", ModelConfig().seq_len)
+    found = hf.unsupported(hf_config, seq_len if isinstance(seq_len, int) else 0)
+    if found:
+        problems += [f"model.init_from: {path}: {p}" for p in found]
+        return
+    derived = hf.model_settings(hf_config, seq_len)
+    clashes = hf.conflicts(model, derived)
+    problems += [f"model.init_from: {c}" for c in clashes]
+    if not clashes:
+        raw["model"] = {**derived, **model}
 
 
 def from_dict(raw: dict[str, Any], world_size: int | None = None) -> Config:
@@ -1045,7 +1091,15 @@ def _snapshot_checks(cfg: Config) -> list[str]:
     return p
 
 
-PATH_KEYS = ("data.path", "data.cache_dir", "offload.nvme_path", "checkpoint.dir", "log.dir", "log.name")
+PATH_KEYS = (
+    "model.init_from",
+    "data.path",
+    "data.cache_dir",
+    "offload.nvme_path",
+    "checkpoint.dir",
+    "log.dir",
+    "log.name",
+)
 NAME_MAX = 255  # bytes in one path component on Linux file systems
 
 

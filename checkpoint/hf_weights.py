@@ -1,0 +1,169 @@
+"""A local Hugging Face model directory (config.json with model.safetensors, or shards listed in
+model.safetensors.index.json) opened as a read-only checkpoint of model weights under Strata's
+names. The safetensors headers say where each tensor's bytes are, so every rank reads only the
+boxes its tp/pp/ZeRO placement owns, through the same reader as Strata's own checkpoints: no rank
+ever holds the whole model.
+
+Not transformers' loader, nor DCP's HuggingFaceStorageReader: both read whole tensors (the latter
+plans by DTensor shards, which cannot express ZeRO's flat-range pieces)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from strata import hf
+from strata.checkpoint.manager import write_whole
+from strata.checkpoint.reader import Checkpoint
+from strata.errors import CheckpointError
+
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+
+# safetensors dtype codes -> torch dtype names (checkpoint.plan.torch_dtype reads these)
+DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def read_config(directory: Path) -> dict:
+    """The model directory's config.json, as a dict."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(
+            f"{directory}: no config.json; give a local Hugging Face model directory (what save_pretrained writes)"
+        )
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable JSON file ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def weight_files(directory: Path) -> list[str]:
+    """The safetensors files holding the weights, relative to `directory`."""
+    directory = Path(directory)
+    if (directory / SHARD_INDEX).is_file():
+        try:
+            weight_map = json.loads((directory / SHARD_INDEX).read_text(encoding="utf-8"))["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{directory / SHARD_INDEX}: not a safetensors shard index ({e})") from e
+        missing = [f for f in files if not (directory / f).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{directory}: {SHARD_INDEX} lists shards that are not there: {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''}; copy the whole model directory"
+            )
+        return files
+    if (directory / SINGLE_FILE).is_file():
+        return [SINGLE_FILE]
+    found = sorted(p.name for p in directory.glob("*.bin")) if directory.is_dir() else []
+    hint = f" (it has {found[0]}: convert pickled weights to safetensors first)" if found else ""
+    raise CheckpointError(f"{directory}: no {SINGLE_FILE} or {SHARD_INDEX}{hint}")
+
+
+def header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100 * 2**20:
+                raise ValueError(f"a {n}-byte header")
+            entries = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not a safetensors file ({e})") from e
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    entries.pop("__metadata__", None)
+    return entries, 8 + n
+
+
+def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
+    """The model directory's weights as a checkpoint at step 0 whose tensors are `model.<Strata
+    name>` for Strata's model of `model_cfg`. A tensor the model needs that the directory lacks, or
+    a weight of a feature the model does not have (an output bias, more layers), is an error listing
+    them; RoPE buffers some exports include are skipped."""
+    directory = Path(directory)
+    found: dict[str, tuple[str, dict, int]] = {}  # HF name -> (file, header entry, data start)
+    sizes: dict[str, int] = {}
+    for name in weight_files(directory):
+        path = directory / name
+        entries, start = header(path)
+        sizes[name] = path.stat().st_size
+        found.update((hf_name, (name, entry, start)) for hf_name, entry in entries.items())
+    problems = []
+    missing = hf.missing(found, model_cfg)
+    if missing:
+        problems.append(f"missing tensors: {_listed(missing)}")
+    unused = hf.unused(found, model_cfg)
+    if unused:
+        problems.append(
+            f"tensors this model has no place for (a feature Strata lacks, or other layers): {_listed(unused)}"
+        )
+    if problems:
+        raise CheckpointError(
+            f"{directory}: the weights do not fit the model its config.json describes: " + "; ".join(problems)
+        )
+    tensors = {}
+    for strata_name, hf_name in hf.hf_sources(model_cfg).items():
+        file, entry, start = found[hf_name]
+        try:
+            dtype = DTYPES[entry["dtype"]]
+            shape = [int(d) for d in entry["shape"]]
+            lo, hi = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{directory / file}: a malformed header entry for {hf_name} ({e!r})") from e
+        if start + hi > sizes[file] or lo > hi:
+            raise CheckpointError(
+                f"{directory / file}: {hf_name} points at bytes {lo}–{hi} past the file's end (truncated?)"
+            )
+        chunk = {"offsets": [0] * len(shape), "sizes": shape, "file": file, "offset": start + lo}
+        chunk.update(length=hi - lo, data_offset=start + lo)
+        tensors[f"model.{strata_name}"] = {"shape": shape, "dtype": dtype, "chunks": [chunk]}
+    return Checkpoint.foreign(directory, {"tensors": tensors, "objects": {}}, sizes)
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:6]) + (f" … ({len(names)} in all)" if len(names) > 6 else "")
+
+
+def import_hf(directory: Path, out_root: Path, config_yaml: str, model_cfg: hf.ModelShape) -> Path:
+    """Write the model directory's weights, as saved (same dtype), as the Strata checkpoint of step 0
+    under `out_root`, with no optimizer state: `--resume` it (the optimizer starts fresh) or name it
+    in model.init_from. `config_yaml` is the Strata config to continue with. Reads whole tensors:
+    an offline tool, not a rank of a job (a job reads its own boxes through model.init_from)."""
+    ckpt = open_weights(directory, model_cfg)
+    try:
+        tensors = ckpt.tensors("model.")
+    finally:
+        ckpt.close()
+    aliases = {}
+    if model_cfg.tie_embeddings:  # one tensor, two names, as a training job saves it
+        del tensors["output.weight"]
+        aliases["model.output.weight"] = "model.tok_embeddings.weight"
+    origin = f"hugging face {Path(directory).resolve()}"
+    trainer_state = {"step": 0, "data": {"consumed_samples": 0}, "imported_from": origin}
+    return write_whole(
+        Path(out_root),
+        0,
+        {f"model.{name}": t for name, t in tensors.items()},
+        {"trainer": trainer_state},
+        aliases,
+        config_yaml,
+        {"imported_from": origin},
+    )

@@ -1,0 +1,306 @@
+"""Hugging Face in and out, against transformers as the reference: tiny random Llama (GQA, untied) and
+Qwen2 (q/k/v bias, tied) models built offline and saved with save_pretrained start a Strata run
+(model.init_from) at transformers' own loss, train alike in one process and in tp2·pp2 and ZeRO-3
+layouts, come back out with `strata ckpt export --format hf` as a directory transformers'
+from_pretrained (and the run's BPE tokenizer's AutoTokenizer) loads, and survive an import → export
+round trip bit for bit. Bad Hugging Face input is one clear error before training starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from safetensors.torch import load_file, save_file
+
+from strata import config
+from strata.checkpoint import store
+from strata.checkpoint.reader import Checkpoint
+from strata.model import build_model
+from strata.parallel.runtime import start
+from strata.trainer.data import BatchLoader, TokenDataset
+from strata.trainer.loop import run
+
+transformers = pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ = 32
+
+
+def _save(model, directory: Path) -> Path:
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random models in Hugging Face directories (fp32), by name."""
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+        )
+    )
+    qwen2 = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+    )
+    return {"llama": _save(llama, root / "llama"), "qwen2": _save(qwen2, root / "qwen2")}
+
+
+def _overrides(hf_dir: Path, data_dir: Path, run_root: Path, **extra) -> list[str]:
+    """A short run from `hf_dir`: only the keys a Hugging Face config leaves to the user."""
+    base = {
+        "model.init_from": hf_dir,
+        "model.seq_len": SEQ,
+        "data.path": data_dir,
+        "log.dir": run_root,
+        "log.name": "t",
+        "log.progress": "false",
+        "log.interval": 1,
+        "train.steps": 4,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 2,
+        "train.eval_interval": 0,
+        "train.eval_batches": 2,
+        "optim.warmup_steps": 2,
+        "optim.lr": 1e-3,
+        "checkpoint.save_final": "true",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _experiment(tmp_path: Path) -> Path:
+    path = tmp_path / "experiment.yaml"
+    path.write_text("{}\n")
+    return path
+
+
+def _strata(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "strata.launch.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def _hf_loss(hf_dir: Path, cfg: config.Config) -> float:
+    """transformers' loss on the first batch Strata's loader gives (mean over micro-batches)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    loader = BatchLoader(
+        TokenDataset(Path(cfg.data.path), "train", SEQ), cfg.train.seed, cfg.train.global_batch_size, 2, 0, 1
+    )
+    with torch.no_grad():
+        losses = [
+            F.cross_entropy(model(inputs).logits.flatten(0, 1).float(), targets.flatten())
+            for inputs, targets in loader.next_step()
+        ]
+    return torch.stack(losses).mean().item()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_a_run_from_a_hugging_face_model_starts_at_transformers_loss(hf_dirs, small_data_dir, tmp_path, name):
+    cfg = config.load(None, _overrides(hf_dirs[name], small_data_dir, tmp_path, **{"train.steps": 1}))
+    assert cfg.model.d_model == 64 and cfg.model.n_kv_heads == 2 and cfg.model.vocab_size == 320
+    assert cfg.model.qkv_bias == (name == "qwen2") and cfg.model.tie_embeddings == (name == "qwen2")
+    result = run(cfg, start())
+    assert result.losses[1] == pytest.approx(_hf_loss(hf_dirs[name], cfg), abs=1e-5)
+
+
+@pytest.mark.slow  # `strata launch` worlds of 4 and 2 processes
+@pytest.mark.parametrize(
+    ("name", "nproc", "layout"),
+    [
+        ("llama", 4, {"parallel.tp": 2, "parallel.pp": 2, "parallel.virtual_stages": 2}),
+        ("qwen2", 4, {"parallel.tp": 2, "parallel.pp": 2}),
+        (
+            "llama",
+            2,
+            {"zero.params.shard_over": "global", "zero.grads.shard_over": "global", "zero.optim.shard_over": "global"},
+        ),
+    ],
+    ids=["llama-tp2-pp2-v2", "qwen2-tp2-pp2", "llama-zero3-dp2"],
+)
+def test_training_from_a_hugging_face_model_in_parallel_matches_one_process(
+    hf_dirs, small_data_dir, tmp_path, name, nproc, layout
+):
+    one = _strata("train", str(_experiment(tmp_path)), *_overrides(hf_dirs[name], small_data_dir, tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-4000:]
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text("{}\n")
+    par = _strata(
+        "launch",
+        str(experiment),
+        *_overrides(hf_dirs[name], small_data_dir, tmp_path / "par", **layout),
+        "--nproc",
+        str(nproc),
+    )
+    assert par.returncode == 0, par.stdout[-3000:] + par.stderr[-6000:]
+    want, got = _losses(tmp_path / "one" / "t"), _losses(tmp_path / "par" / "t")
+    assert got.keys() == want.keys() == {1, 2, 3, 4}
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    ref = Checkpoint(store.step_dir(tmp_path / "one" / "t" / "checkpoints", 4)).tensors("model.")
+    out = Checkpoint(store.step_dir(tmp_path / "par" / "t" / "checkpoints", 4)).tensors("model.")
+    for key, value in ref.items():
+        torch.testing.assert_close(out[key], value, rtol=1e-4, atol=5e-5, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.slow  # prepares data with a trained BPE, trains, exports, loads in transformers
+def test_an_exported_run_loads_in_transformers_with_its_tokenizer(hf_dirs, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = (REPO / "README.md").read_text()
+    for i in range(8):
+        (corpus / f"doc{i}.txt").write_text(text[i * 2000 : (i + 1) * 2000])
+    data = tmp_path / "data"
+    prep = _strata("data", "prepare", str(corpus), "--out", str(data), "--tokenizer", "bpe:300", "--workers", "1")
+    assert prep.returncode == 0, prep.stderr[-3000:]
+    trained = _strata("train", str(_experiment(tmp_path)), *_overrides(hf_dirs["llama"], data, tmp_path / "runs"))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    ckpt = store.step_dir(tmp_path / "runs" / "t" / "checkpoints", 4)
+    out = tmp_path / "exported"
+    exported = _strata("ckpt", "export", str(ckpt), str(out), "--format", "hf")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    cfg = config.from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
+    ours = build_model(cfg.model, 320, seed=0)
+    ours.load_state_dict(Checkpoint(ckpt).tensors("model."))
+    tokens = torch.randint(0, 300, (2, SEQ))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, ours.eval()(tokens), rtol=0, atol=1e-5)
+
+    from tokenizers import Tokenizer
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    sample = "Strata trains transformers on many machines."
+    assert hf_tok(sample)["input_ids"] == Tokenizer.from_file(str(data / "tokenizer.json")).encode(sample).ids
+    meta = json.loads((data / "meta.json").read_text())
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == meta["eot"]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_import_then_export_is_bit_exact(hf_dirs, tmp_path, name):
+    imported = _strata("ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / "imported"), f"model.seq_len={SEQ}")
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    step0 = store.step_dir(tmp_path / "imported", 0)
+    exported = _strata("ckpt", "export", str(step0), str(tmp_path / "out"), "--format", "hf")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    want, got = load_file(hf_dirs[name] / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # loads: no missing or unexpected keys
+
+
+def test_an_export_in_several_shards_loads_in_transformers(hf_dirs, tmp_path, monkeypatch):
+    from strata.checkpoint import export, hf_weights
+    from strata.config import dump
+
+    cfg = config.load(None, [f"model.init_from={hf_dirs['llama']}", f"model.seq_len={SEQ}"])
+    step0 = hf_weights.import_hf(hf_dirs["llama"], tmp_path / "imported", dump(cfg), cfg.model)
+    monkeypatch.setattr(export, "SHARD_BYTES", 100_000)  # a few tensors a shard
+    export.export(step0, tmp_path / "out", "hf")
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs["llama"])
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+# --- bad input: one clear error, exit 2, before training ----------------------------------------
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _shard(src: Path, dst: Path) -> Path:
+    """The model in two shards with an index, as save_pretrained writes big models."""
+    _copy_model(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    (dst / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = {"model-00001-of-00002.safetensors": names[: len(names) // 2]}
+    half["model-00002-of-00002.safetensors"] = names[len(names) // 2 :]
+    weight_map = {}
+    for file, keys in half.items():
+        save_file({k: tensors[k] for k in keys}, dst / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys, file))
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+def _edit_config(directory: Path, **changes) -> Path:
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return directory
+
+
+BAD = {
+    "missing shard": (
+        lambda src, dst: (_shard(src, dst), (dst / "model-00002-of-00002.safetensors").unlink()),
+        "lists shards that are not there: model-00002-of-00002.safetensors",
+    ),
+    "unsupported architecture": (
+        lambda src, dst: _edit_config(_copy_model(src, dst), model_type="mixtral", num_local_experts=8),
+        "model_type",
+    ),
+    "config and weights disagree": (
+        lambda src, dst: _edit_config(_copy_model(src, dst), intermediate_size=128),
+        "shape mismatches",
+    ),
+    "no weights": (
+        lambda src, dst: (_copy_model(src, dst), (dst / "model.safetensors").unlink()),
+        "no model.safetensors or model.safetensors.index.json",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_hugging_face_input_is_one_clear_error(hf_dirs, small_data_dir, tmp_path, case):
+    make, message = BAD[case]
+    bad = tmp_path / "model"
+    make(hf_dirs["llama"], bad)
+    proc = _strata("train", str(_experiment(tmp_path)), *_overrides(bad, small_data_dir, tmp_path / "runs"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs" / "t" / "checkpoints").exists() or not store.committed(
+        tmp_path / "runs" / "t" / "checkpoints"
+    )
+
+
+def test_a_sharded_model_loads_like_the_single_file(hf_dirs, small_data_dir, tmp_path):
+    sharded = _shard(hf_dirs["llama"], tmp_path / "sharded")
+    cfg = config.load(None, _overrides(sharded, small_data_dir, tmp_path, **{"train.steps": 1}))
+    assert run(cfg, start()).losses[1] == pytest.approx(_hf_loss(hf_dirs["llama"], cfg), abs=1e-5)
