@@ -30,13 +30,17 @@ from strata.checkpoint.plan import torch_dtype
 DCP_VERSION = "1.0.0"  # torch 2.13's CURRENT_DCP_VERSION
 
 
+OPTIMIZER_KEYS = ("optim", "optimizer")  # Strata's own, and torchtitan's name for the same state
+
+
 def _path(key: str) -> tuple[str, ...]:
     """DCP's planner_data: the nested path a flattened key came from."""
-    if key.startswith("optim.state."):
-        fqn, kind = key[len("optim.state.") :].rsplit(".", 1)
-        return ("optim", "state", fqn, kind)
-    if key == "optim.param_groups":
-        return ("optim", "param_groups")
+    for top in OPTIMIZER_KEYS:
+        if key.startswith(f"{top}.state."):
+            fqn, kind = key[len(f"{top}.state.") :].rsplit(".", 1)
+            return (top, "state", fqn, kind)
+        if key == f"{top}.param_groups":
+            return (top, "param_groups")
     head, _, rest = key.partition(".")
     return (head, rest) if rest else (head,)
 
@@ -48,6 +52,12 @@ def build(index: dict, checkpoint_id: str) -> Metadata:
     planner: dict[str, Any] = {}
     tensors = dict(index["tensors"])
     tensors.update({alias: index["tensors"][key] for alias, key in index.get("aliases", {}).items()})
+    objects = dict(index.get("objects", {}))
+    # dcp.load with {"optimizer": get_optimizer_state_dict(...)} (torchtitan's key) finds the same bytes
+    for entries in (tensors, objects):
+        entries.update(
+            {"optimizer." + k[len("optim.") :]: v for k, v in list(entries.items()) if k.startswith("optim.")}
+        )
     for key, entry in tensors.items():
         sdm[key] = TensorStorageMetadata(
             TensorProperties(dtype=torch_dtype(entry["dtype"])),
@@ -57,7 +67,7 @@ def build(index: dict, checkpoint_id: str) -> Metadata:
         for c in entry["chunks"]:
             storage[MetadataIndex(key, torch.Size(c["offsets"]))] = _StorageInfo(c["file"], c["offset"], c["length"])
         planner[key] = _path(key)
-    for key, where in index.get("objects", {}).items():
+    for key, where in objects.items():
         sdm[key] = BytesStorageMetadata()
         storage[MetadataIndex(key)] = _StorageInfo(where["file"], where["offset"], where["length"])
         planner[key] = _path(key)

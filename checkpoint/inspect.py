@@ -42,10 +42,10 @@ def _metadata_problems(ckpt: Path, index: dict) -> list[str]:
         meta = dcp_meta.read_safely(ckpt / ".metadata")
     except Exception as e:  # whatever a damaged pickle raises, the file is damaged
         return [f"{ckpt / '.metadata'}: unreadable ({e})"]
-    want = {*index["tensors"], *index.get("aliases", {}), *index.get("objects", {})}
-    if set(meta.state_dict_metadata) != want:
+    want = dcp_meta.build(index, "")
+    if set(meta.state_dict_metadata) != set(want.state_dict_metadata):
         return [f"{ckpt / '.metadata'}: does not list the same entries as index.json"]
-    if _storage(meta) != _storage(dcp_meta.build(index, "")):
+    if _storage(meta) != _storage(want):
         return [f"{ckpt / '.metadata'}: points DCP at other files or bytes than index.json does (damaged)"]
     return []
 

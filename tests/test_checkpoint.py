@@ -132,7 +132,8 @@ def test_damaged_dcp_metadata_fails_verify(saved, capsys):
     assert "posix.system is not allowed" in capsys.readouterr().out
 
 
-def test_dcp_alone_loads_weights_and_optimizer_into_plain_torch(saved):
+@pytest.mark.parametrize("optimizer_key", ["optim", "optimizer"])  # Strata's, torchtitan's
+def test_dcp_alone_loads_weights_and_optimizer_into_plain_torch(saved, optimizer_key):
     """torch.distributed.checkpoint's own state_dict helpers and load, a plain GPT and a torch AdamW:
     the weights and every Adam moment equal what Strata saved; the hyper-parameters come along."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
@@ -146,9 +147,9 @@ def test_dcp_alone_loads_weights_and_optimizer_into_plain_torch(saved):
     want = Checkpoint(saved).tensors("")
     model = GPT(cfg.model, want["model.tok_embeddings.weight"].shape[0])
     opt = build_optimizer(list(model.parameters()), dataclasses.replace(cfg.optim, lr=123.0), torch.device("cpu"))
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    state = {"model": get_model_state_dict(model), optimizer_key: get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=str(saved))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state[optimizer_key])
     named = dict(model.named_parameters())
     for key, t in want.items():
         if key.startswith("model."):
