@@ -215,12 +215,16 @@ class Agent:
 
     def op_stats(self, msg, conn, sent):
         with self.lock:
-            placed = [s.step for s in self.slots.values() if s.state == "committed" and s.placed.is_set()]
+            newest: dict[int, int] = {}  # rank -> its newest placed step (-1: none placed yet)
+            for slot in self.slots.values():
+                if slot.state == "committed":
+                    step = slot.step if slot.placed.is_set() else -1
+                    newest[slot.rank] = max(newest.get(slot.rank, -1), step)
             return {
                 "ok": True,
                 "encode_gbps": self.encoded_bytes / max(self.encode_seconds, 1e-9) / 1e9,
                 "encoded_bytes": self.encoded_bytes,
-                "placed_step": max(placed, default=-1),
+                "placed_step": min(newest.values(), default=-1),  # every rank's placed up to here
             }, []
 
     def op_fetch(self, msg, conn, sent):
