@@ -288,9 +288,9 @@ def test_file_regions_are_reused_step_after_step(tmp_path):
             sizes.append(os.path.getsize(swap_file.path))
         s = off.stats
         assert s["steps"] == 3 and s["file_grows"] == 1 and sizes == [s["file_bytes"]] * 3
-        # more bytes went through the file than it holds: regions were reused. (How much a step
-        # offloads varies under load, as writes still in flight keep some activations in memory.)
-        assert s["bytes_offloaded"] > s["file_bytes"] and s["file_step_peak_bytes"] <= s["file_bytes"]
+        # more bytes went through the file than one step's room: regions were reused. (How much a
+        # step offloads varies under load, as writes still in flight keep some activations in memory.)
+        assert s["bytes_offloaded"] > s["file_step_peak_bytes"] * 1.5 and s["file_step_peak_bytes"] <= s["file_bytes"]
 
 
 def test_a_full_disk_while_growing_the_file_names_the_keys(tmp_path, monkeypatch):
