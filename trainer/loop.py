@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from strata import config as config_mod
 from strata.checkpoint import hf_weights, store
+from strata.checkpoint.dcp_source import DcpCheckpoint, is_dcp_only
 from strata.checkpoint.manager import CheckpointManager
 from strata.checkpoint.reader import Checkpoint
 from strata.config import Config, OptimConfig
@@ -314,19 +315,28 @@ class Trainer:
 
     def resume(self, path: Path) -> Path:
         """Load a checkpoint saved from any layout into this one (see `TrainState.load`)."""
-        return self._load(Checkpoint(path))
+        return self._load(self._open(path))
 
-    def _load(self, ckpt: Checkpoint) -> Path:
+    def _load(self, ckpt: Checkpoint | DcpCheckpoint) -> Path:
         return self.state.load(ckpt, self.cfg.checkpoint.verify_on_load, self.checkpoints.agree)
 
     def init_weights(self) -> Path:
         """Load model.init_from's weights (collective): a Hugging Face model directory, read with
-        each rank taking only its own boxes of the safetensors, or a Strata checkpoint's weights."""
+        each rank taking only its own boxes of the safetensors, or a Strata or DCP checkpoint's."""
         path = Path(self.cfg.model.init_from or "")
         is_hf = (path / "config.json").is_file()
-        ckpt = hf_weights.open_weights(path, self.cfg.model) if is_hf else Checkpoint(path)
+        ckpt = hf_weights.open_weights(path, self.cfg.model) if is_hf else self._open(path)
         self.state.load_weights(ckpt, self.checkpoints.agree)
         return ckpt.path
+
+    def _open(self, path: Path) -> Checkpoint | DcpCheckpoint:
+        """A Strata checkpoint, or one torch.distributed.checkpoint wrote alone (its notes say what
+        is taken from it and what starts fresh)."""
+        if not is_dcp_only(path):
+            return Checkpoint(path)
+        ckpt = DcpCheckpoint(path, self.cfg.model)
+        self.start_notes += [f"{path}: a checkpoint DCP wrote alone: {note}" for note in ckpt.notes]
+        return ckpt
 
     def restore_on_start(self, resume: Path | None) -> str:
         """With snapshots on, where this run starts from (collective): the newest in-memory snapshot

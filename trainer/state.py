@@ -137,8 +137,8 @@ class TrainState:
         with torch.no_grad():
             for dst, src in zip(live, fresh):
                 dst.tensor.copy_(src.tensor)
-        if "optim.param_groups" in objects:
-            load_optimizer(m.optimizer, optim_state, objects["optim.param_groups"])
+        # a checkpoint without hyper-parameters (imported, or DCP's alone) keeps this run's
+        load_optimizer(m.optimizer, optim_state, objects.get("optim.param_groups", hyperparameters(m.optimizer)))
         m.engine.invalidate_secondary()
         state = objects["trainer"]
         self.loader.load_state_dict(state["data"])
