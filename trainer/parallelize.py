@@ -24,13 +24,13 @@ from strata.config import Config, ModelConfig, OptimConfig
 from strata.errors import ConfigError
 from strata.model import GPT, initial_value, lm_loss, padded_vocab_size, set_rope_buffers
 from strata.parallel.co2 import CO2
-from strata.parallel.pipeline import Pipeline, StageShapes, split_stages
 from strata.parallel.tensor import apply_tensor_parallel, placement_of
 from strata.parallel.topology import Topology
 from strata.parallel.zero import ZeroEngine, ZeroPlan
 
 if TYPE_CHECKING:
     from strata.offload.tiers import Tiers
+    from strata.parallel.pipeline import Pipeline, StageShapes
 
 
 def decays(shape: tuple[int, ...]) -> bool:
@@ -57,8 +57,14 @@ def build_optimizer(
 def materialize(parts: list[nn.Module], cfg: ModelConfig, seed: int, device: torch.device) -> None:
     """Give meta-device modules real parameters on `device`, each filled with its slice (its
     `placement`) of the whole initial value. One Parameter per meta Parameter, registered
-    everywhere the old one was, with its attributes: tying survives, also across the parts."""
+    everywhere the old one was, with its attributes: tying survives, also across the parts.
+
+    With model.init_from the parameters are left unfilled: every run that has it loads all of
+    them before its first step (`Trainer.init_weights`, or a resume, which overwrites them too;
+    both check that every parameter is covered), so the random initialisation would be thrown away.
+    It is the costly part: every rank draws each whole tensor, not just its slice."""
     names = {id(p): n for part in parts for n, p in part.named_parameters()}
+    random_init = not cfg.init_from
     fresh: dict[int, nn.Parameter] = {}
     for part in parts:
         for module in part.modules():
@@ -66,11 +72,11 @@ def materialize(parts: list[nn.Module], cfg: ModelConfig, seed: int, device: tor
                 if p is None or not p.is_meta:
                     continue
                 if id(p) not in fresh:
-                    pl = placement_of(p)
-                    whole = initial_value(cfg, names[id(p)], pl.global_shape, seed)
-                    q = nn.Parameter(
-                        torch.empty(p.shape, device=device).copy_(pl.local_slice(whole)), requires_grad=p.requires_grad
-                    )
+                    value = torch.empty(p.shape, device=device)
+                    if random_init:
+                        pl = placement_of(p)
+                        value.copy_(pl.local_slice(initial_value(cfg, names[id(p)], pl.global_shape, seed)))
+                    q = nn.Parameter(value, requires_grad=p.requires_grad)
                     q.__dict__.update(p.__dict__)  # placement
                     fresh[id(p)] = q
                 module._parameters[key] = fresh[id(p)]
@@ -198,7 +204,12 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
             model, topo.group("tp"), topo.coords["tp"], par.tp, sequence_parallel=par.sequence_parallel
         )
 
-    stages = split_stages(model, topo.coords["pp"], par.pp, par.virtual_stages, par.schedule) if par.pp > 1 else []
+    stages: list[nn.Module] = []
+    if par.pp > 1:
+        # torch's pipelining (and the torch._dynamo it pulls in, ~1 s) loads only for runs that use it
+        from strata.parallel.pipeline import Pipeline, split_stages
+
+        stages = split_stages(model, topo.coords["pp"], par.pp, par.virtual_stages, par.schedule)
     parts: list[nn.Module] = list(stages) if stages else [model]
     materialize(parts, cfg.model, cfg.train.seed, device)
     pipeline = None
@@ -243,6 +254,8 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
 def stage_shapes(cfg: Config, vocab_size: int) -> StageShapes:
     """What crosses a stage boundary, declared up front: otherwise torch's pipelining infers it by
     running a real forward and backward, which the engine's hooks would take for a step."""
+    from strata.parallel.pipeline import StageShapes
+
     par, mbs, seq = cfg.parallel, cfg.train.micro_batch_size, cfg.model.seq_len
     local_seq = seq // par.tp if par.sequence_parallel and par.tp > 1 else seq
     return StageShapes(
