@@ -304,3 +304,61 @@ def test_a_sharded_model_loads_like_the_single_file(hf_dirs, small_data_dir, tmp
     sharded = _shard(hf_dirs["llama"], tmp_path / "sharded")
     cfg = config.load(None, _overrides(sharded, small_data_dir, tmp_path, **{"train.steps": 1}))
     assert run(cfg, start()).losses[1] == pytest.approx(_hf_loss(hf_dirs["llama"], cfg), abs=1e-5)
+
+
+def _torchtitan_names(hf_state: dict[str, torch.Tensor], cfg: config.Config, new: bool) -> dict[str, torch.Tensor]:
+    """A Hugging Face Llama's weights as torchtitan's Llama holds them: its names (0.3's
+    `attention.qkv_linear.wq`/`lm_head`, or the older `attention.wq`/`output`) and its RoPE's q/k row
+    order, by the reverse permutation torchtitan's own Llama3StateDictAdapter.from_hf applies."""
+    m = cfg.model
+
+    def reverse_permute(w: torch.Tensor, heads: int) -> torch.Tensor:  # torchtitan's, verbatim in effect
+        return w.view(heads, 2, w.shape[0] // heads // 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+
+    qkv = "attention.qkv_linear" if new else "attention"
+    names = {
+        "model.embed_tokens.weight": "tok_embeddings.weight",
+        "model.norm.weight": "norm.weight",
+        "lm_head.weight": "lm_head.weight" if new else "output.weight",
+    }
+    out = {}
+    for key, value in hf_state.items():
+        if key in names:
+            out[names[key]] = value
+            continue
+        layer, rest = key.split(".")[2], ".".join(key.split(".")[3:])
+        if rest == "self_attn.q_proj.weight":
+            value = reverse_permute(value, m.n_heads)
+        elif rest == "self_attn.k_proj.weight":
+            value = reverse_permute(value, m.kv_heads)
+        local = {
+            "self_attn.q_proj.weight": f"{qkv}.wq.weight",
+            "self_attn.k_proj.weight": f"{qkv}.wk.weight",
+            "self_attn.v_proj.weight": f"{qkv}.wv.weight",
+            "self_attn.o_proj.weight": "attention.wo.weight",
+            "mlp.gate_proj.weight": "feed_forward.w1.weight",
+            "mlp.up_proj.weight": "feed_forward.w3.weight",
+            "mlp.down_proj.weight": "feed_forward.w2.weight",
+            "input_layernorm.weight": "attention_norm.weight",
+            "post_attention_layernorm.weight": "ffn_norm.weight",
+        }[rest]
+        out[f"layers.{layer}.{local}"] = value
+    return out
+
+
+@pytest.mark.parametrize(("new", "prefix"), [(True, ""), (False, "model.")], ids=["torchtitan-0.3", "older-prefixed"])
+def test_a_torchtitan_dcp_checkpoint_starts_a_run_at_transformers_loss(hf_dirs, small_data_dir, tmp_path, new, prefix):
+    import torch.distributed.checkpoint as dcp
+
+    derived = config.load(None, [f"model.init_from={hf_dirs['llama']}", f"model.seq_len={SEQ}"])
+    titan = _torchtitan_names(load_file(hf_dirs["llama"] / "model.safetensors"), derived, new)
+    state = {"model": titan} if prefix else titan
+    dcp.save(state, checkpoint_id=tmp_path / "titan", no_dist=True)
+    model_keys = {k: v for k, v in config.to_dict(derived)["model"].items() if k != "init_from"}
+    overrides = _overrides(tmp_path / "titan", small_data_dir, tmp_path / "runs", **{"train.steps": 1})
+    overrides += [
+        f"model.{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
+        for k, v in model_keys.items()
+    ]
+    cfg = config.load(None, overrides)
+    assert run(cfg, start()).losses[1] == pytest.approx(_hf_loss(hf_dirs["llama"], cfg), abs=1e-5)
