@@ -233,14 +233,25 @@ def test_slurm_without_sbatch_writes_script_and_says_where(tmp_path):
     assert script.is_file()
 
 
-def test_shipped_configs_validate_and_docs_match_schema():
-    """Every config in configs/ validates; docs/CONFIG.md is the schema's current reference."""
+def test_shipped_configs_validate_and_docs_match_schema(tmp_path):
+    """Every config in configs/ validates (one starting from a Hugging Face model, with a tiny one
+    in its place); docs/CONFIG.md is the schema's current reference."""
     from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    import yaml
 
     from strata import config
 
+    tiny = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+    transformers.LlamaForCausalLM(tiny).save_pretrained(tmp_path / "hf")
     for path in sorted(Path(REPO, "configs").glob("*.yaml")):
-        config.load(path)
+        named = (yaml.safe_load(path.read_text()).get("model") or {}).get("init_from")
+        cfg = config.load(path, [f"model.init_from={tmp_path / 'hf'}"] if named else [])
+        if named:
+            assert cfg.model.d_model == 64 and cfg.model.vocab_size == 512, path
     # (config, world size it is written for, expected tp/pp/V/dp)
     for name, world, (tp, pp, v, dp) in [
         ("tiny.yaml", 2, (1, 1, 1, 2)),
