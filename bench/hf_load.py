@@ -20,7 +20,7 @@ Both sides build an optimizer and neither has optimizer state yet (torch's AdamW
 the first step; Strata's gradient buffers also come at the first backward). Printed: each figure
 and the ratios strata/transformers of time and of peak RSS (goals: time ≤ 0.5, RSS ≤ 0.6).
 
-    python bench/hf_load.py                          # ~3 min on 2 cores, after a one-time ~1 min build
+    python bench/hf_load.py --rounds 3               # ~75 s on 2 cores, after a one-time ~20 s build
     python bench/hf_load.py --rounds 1 --no-tp2      # a quicker look
 """
 
