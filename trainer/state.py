@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from strata.checkpoint.dcp_source import DcpCheckpoint
 from strata.checkpoint.layout import hyperparameters, load_optimizer, model_state_problems, optimizer_problems
 from strata.checkpoint.pieces import (
     Piece,
@@ -150,28 +151,26 @@ class TrainState:
             m.co2.restart(self.step, None if any(x is None for x in momentum) else momentum)
         return ckpt.path
 
-    def load_weights(self, ckpt: Checkpoint, agree: Callable[[list[str], str], None]) -> None:
-        """Only the model's weights from `ckpt` (a Hugging Face model, another run's checkpoint),
-        into this layout, each rank reading just its own boxes; the optimizer, the data position and
-        the step stay fresh. Checked and read first, agreed on by every rank, then copied in."""
+    def load_weights(self, ckpt: Checkpoint | DcpCheckpoint, agree: Callable[[list[str], str], None]) -> None:
+        """Only the model's weights from `ckpt` (a Hugging Face model, another checkpoint), into
+        this layout at the start of a new run, each rank reading just its own boxes straight into its
+        parameters (no second copy of the model: there is no earlier state to keep intact, and a
+        failed load ends the run); the optimizer, the data position and the step stay fresh. Every
+        rank agrees on the verdict before training can start."""
         with self.model.state_in_memory(changed=True):
             m = self.model
             first = {k: v for k, v in m.global_shapes.items() if m.canonical.get(k, k) == k}  # tied: one name
             try:
                 saved = {k: v for k, v in ckpt.shapes("model.").items() if m.canonical.get(k, k) == k}
                 problems = model_state_problems(first, saved)
-                live = model_pieces(m.engine, m.canonical)
-                fresh = [Piece(p.key, p.global_shape, p.box, torch.empty_like(p.tensor)) for p in live]
                 if not problems:
-                    problems = ckpt.read(fresh)
+                    with torch.no_grad():
+                        problems = ckpt.read(model_pieces(m.engine, m.canonical))
             except CheckpointError as e:
                 problems = [str(e)]
             finally:
                 ckpt.close()
-            agree(problems, f"the weights in {ckpt.path} do not fit this model; nothing was loaded")
-            with torch.no_grad():
-                for dst, src in zip(live, fresh):
-                    dst.tensor.copy_(src.tensor)
+            agree(problems, f"the weights in {ckpt.path} do not fit this model; the run stops")
             m.engine.invalidate_secondary()
 
     def _rng_target(self, ckpt: Checkpoint) -> list[Piece]:
