@@ -189,7 +189,13 @@ def worker_cmd(args: argparse.Namespace, kind: str, model: Path) -> list[str]:
 
 
 def results(out: str) -> list[dict]:
-    return [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
+    """Every rank's `RESULT {json}` in the output (two ranks' lines can interleave on one line)."""
+    decoder, found, pos = json.JSONDecoder(), [], 0
+    while (pos := out.find("RESULT {", pos)) >= 0:
+        figures, end = decoder.raw_decode(out, pos + len("RESULT "))
+        found.append(figures)
+        pos = end
+    return found
 
 
 def run_variant(args: argparse.Namespace, name: str, model: Path) -> dict:

@@ -157,13 +157,23 @@ class FlatGroup:
             offset += p.numel()
         unit = routes.count("global")
         self.padded = math.ceil(offset / unit) * unit
-        self.full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
+        # Parameters with nothing in them yet (`unfilled`: they are loaded before the first step,
+        # model.init_from) are not copied in, and the buffer is not cleared but for its padding:
+        # for a big model that is seconds of start-up and a second copy of it being touched.
+        unfilled = all(getattr(p, "unfilled", False) for _, p in named_params)
+        if unfilled:
+            self.full = torch.empty(self.padded, dtype=first.dtype, device=first.device)
+            self.full[offset:].zero_()
+        else:
+            self.full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             for slot in self.slots:
                 a, b = slot.range
                 view = self.full[a:b].view(slot.segment.shape)
-                view.copy_(slot.param)
+                if not unfilled:
+                    view.copy_(slot.param)
                 slot.param.data = view
+                slot.param.__dict__.pop("unfilled", None)
         self.param_start, size = routes.span(plan.params, self.padded)
         self.shard = self.full[self.param_start : self.param_start + size].clone() if plan.shards_params else self.full
         self.secondary: torch.Tensor | None = None

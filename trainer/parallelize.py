@@ -78,6 +78,8 @@ def materialize(parts: list[nn.Module], cfg: ModelConfig, seed: int, device: tor
                         value.copy_(pl.local_slice(initial_value(cfg, names[id(p)], pl.global_shape, seed)))
                     q = nn.Parameter(value, requires_grad=p.requires_grad)
                     q.__dict__.update(p.__dict__)  # placement
+                    if not random_init:
+                        q.unfilled = True  # the ZeRO engine need not copy it into its flat buffer
                     fresh[id(p)] = q
                 module._parameters[key] = fresh[id(p)]
         set_rope_buffers(part, cfg, device)

@@ -56,7 +56,9 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     longer than original/low_freq_factor are divided by rope_factor, shorter than
     original/high_freq_factor kept, those between interpolated smoothly)."""
     dim = cfg.head_size
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # on the CPU even under a meta-device context (parallelize's): arange on meta goes through
+    # torch's reference implementations, which import torch._dynamo (~0.8 s of start-up)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     if cfg.rope_scaling == "none":
         return inv_freq
     factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
@@ -71,7 +73,7 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (seq_len, head_size/2) for rotary position embedding."""
-    angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64), rope_frequencies(cfg))
+    angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64, device="cpu"), rope_frequencies(cfg))
     return angles.cos().float(), angles.sin().float()
 
 
@@ -143,7 +145,10 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
-        self.tok_embeddings = nn.Embedding(vocab_size, cfg.d_model)
+        # Given its weight, the embedding skips its own init, whose normal_ on the meta device (where
+        # parallelize builds the model) imports torch._dynamo, as rope_frequencies explains. Every
+        # user of the model fills the weights itself (init_weights, materialize, a checkpoint).
+        self.tok_embeddings = nn.Embedding(vocab_size, cfg.d_model, _weight=torch.empty(vocab_size, cfg.d_model))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, vocab_size, bias=False)
