@@ -5,12 +5,17 @@ batch loader over them. Preparing them (tokenizers, `strata data prepare`) is
 On disk (nanoGPT's layout plus a JSON header): DIR/train.bin and DIR/val.bin are flat arrays of
 token ids (uint16, or uint32 for vocabularies over 65536), DIR/meta.json says dtype, vocabulary
 and tokenizer. A training sample i is the window tokens[i·L : i·L + L + 1] (L = sequence length).
+
+Several prepared directories blend into one stream (`data.sources`) as Megatron's blended dataset
+does: `blend` gives each global sample to the source furthest behind its share, and
+`MixtureLoader` reads each source in its own seeded epoch order.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +27,7 @@ from strata.errors import ConfigError, DataError
 if TYPE_CHECKING:
     import torch
 
-    from strata.config import Config
+    from strata.config import Config, DataConfig
 
 # Preparing moved to strata.trainer.prepare; these names stay importable from here.
 from strata.trainer.prepare import (  # noqa: E402
@@ -55,6 +60,11 @@ __all__ = [
     "check_data_config",
     "BatchLoader",
     "eval_batches",
+    "blend",
+    "Mixture",
+    "MixtureLoader",
+    "open_mixture",
+    "make_loader",
 ]
 
 
@@ -72,11 +82,12 @@ class TokenMeta:
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
 
-def read_meta(data_dir: Path) -> TokenMeta:
+def read_meta(data_dir: Path, key: str = "data.path") -> TokenMeta:
+    """meta.json of a prepared directory; `key` is the config key that named it, for messages."""
     path = Path(data_dir) / "meta.json"
     if not path.is_file():
         raise DataError(
-            f"data.path={str(data_dir)!r}: no meta.json there; make the directory with "
+            f"{key}={str(data_dir)!r}: no meta.json there; make the directory with "
             '`strata data prepare`, or add meta.json with {"dtype": "uint16", "vocab_size": N}'
         )
     try:
@@ -132,11 +143,11 @@ def _check_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
 class TokenDataset:
     """Non-overlapping (seq_len+1)-token windows of one split, read from a memory map."""
 
-    def __init__(self, data_dir: Path, split: str, seq_len: int):
-        meta = read_meta(data_dir)
+    def __init__(self, data_dir: Path, split: str, seq_len: int, key: str = "data.path"):
+        meta = read_meta(data_dir, key)
         path = Path(data_dir) / f"{split}.bin"
         if not path.is_file():
-            raise DataError(f"data.path={str(data_dir)!r}: missing {split}.bin")
+            raise DataError(f"{key}={str(data_dir)!r}: missing {split}.bin")
         self.tokens = _open_tokens(path, meta.dtype)
         _check_ids(path, self.tokens, meta.vocab_size)
         self.seq_len = seq_len
@@ -192,6 +203,26 @@ def check_data_dir(data_dir: Path, seq_len: int, cfg: Config | None = None) -> N
         TokenDataset(data_dir, split, seq_len)
 
 
+class EpochOrder:
+    """Which sample of a dataset of n sits at each position of its endless stream: epoch after
+    epoch, a permutation seeded by (seed, epoch) (or 0..n-1 in order without shuffling)."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self._epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def at(self, position: int) -> int:
+        epoch, offset = divmod(position, self.n)
+        if not self.shuffle:
+            return offset
+        if epoch != self._epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            self._epoch = epoch
+        assert self._perm is not None
+        return int(self._perm[offset])
+
+
 class BatchLoader:
     """Deterministic, resumable data-parallel batches (Megatron's consumed-samples scheme).
 
@@ -219,19 +250,10 @@ class BatchLoader:
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed_samples = 0
-        self._perm_epoch = -1
-        self._perm: np.ndarray | None = None
+        self._order = EpochOrder(len(dataset), seed, shuffle)
 
     def _sample_at(self, position: int) -> int:
-        n = len(self.dataset)
-        epoch, offset = divmod(position, n)
-        if not self.shuffle:
-            return offset
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(n)
-            self._perm_epoch = epoch
-        assert self._perm is not None
-        return int(self._perm[offset])
+        return self._order.at(position)
 
     def step_indices(self) -> list[list[int]]:
         """This rank's sample indices for the next optimizer step, as micro-batches; advances."""
@@ -250,6 +272,12 @@ class BatchLoader:
     def state_problems(self, state: dict) -> list[str]:
         """Why a saved position does not fit this loader (nothing: it does). A state without
         seed/n_samples (imported from another framework, which counts only consumed samples) fits."""
+        if "sources" in state:
+            return [
+                f"cannot resume the data position: the checkpoint was taken over a mixture of "
+                f"{len(state['sources'])} sources (data.sources: {_describe(state['sources'])}), this run reads "
+                f"one dataset of {len(self.dataset)} samples (data.path); resume with the same data.sources"
+            ]
         if state.get("n_samples", len(self.dataset)) != len(self.dataset) or state.get("seed", self.seed) != self.seed:
             return [
                 f"cannot resume the data position: the checkpoint was taken with seed {state['seed']} over "
@@ -267,7 +295,7 @@ class BatchLoader:
 
 
 def eval_batches(
-    dataset: TokenDataset, n_batches: int, micro_batch: int, dp_rank: int, dp_size: int
+    dataset: TokenDataset | Mixture, n_batches: int, micro_batch: int, dp_rank: int, dp_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The same validation micro-batches at every evaluation: the first n_batches·micro_batch·dp
     windows in order (wrapping if the split is small), rank r taking every dp-th micro-batch."""
@@ -275,3 +303,295 @@ def eval_batches(
     for b in range(n_batches):
         first = (b * dp_size + dp_rank) * micro_batch
         yield dataset.batch([(first + k) % n for k in range(micro_batch)])
+
+
+# --- mixtures ---------------------------------------------------------------------------------
+
+
+def normalise(weights: Sequence[float]) -> list[float]:
+    """Weights as shares summing to 1, computed as Megatron's `normalize` does (float64 w / sum)."""
+    w = np.asarray(weights, dtype=np.float64)
+    shares: list[float] = (w / np.sum(w)).tolist()
+    return shares
+
+
+def blend(
+    shares: Sequence[float], size: int, start: int = 0, counts: Sequence[int] | None = None
+) -> tuple[list[int], list[int], list[int]]:
+    """Megatron's `build_blending_indices` from global sample `start` on, `counts[j]` samples having
+    gone to source j before it: for each of the next `size` samples, the source j with the largest
+    shares[j]·max(i, 1) − counts[j] (the first on a tie), and that source's count before it (the
+    sample's position within the source). Returns (sources, positions, counts after).
+
+    The arithmetic is Megatron's, operation for operation (Python floats are doubles), so the
+    sequence is the one its compiled helper gives, ties included."""
+    counts = [0] * len(shares) if counts is None else list(counts)
+    shares = [float(w) for w in shares]
+    sources, positions = [], []
+    for i in range(start, start + size):
+        x = max(float(i), 1.0)
+        best, best_err = 0, shares[0] * x - counts[0]
+        for j in range(1, len(shares)):
+            err = shares[j] * x - counts[j]
+            if err > best_err:
+                best, best_err = j, err
+        sources.append(best)
+        positions.append(counts[best])
+        counts[best] += 1
+    return sources, positions, counts
+
+
+def content_id(data_dir: Path) -> str:
+    """A prepared directory's identity that survives moving it: its meta.json's SHA-256 (which
+    records the tokenizer, the token counts and the inputs), 16 hex digits."""
+    return hashlib.sha256((Path(data_dir) / "meta.json").read_bytes()).hexdigest()[:16]
+
+
+def _tokenizer_identity(meta: TokenMeta) -> str:
+    """What the ids mean, as meta.json records it: bytes, the tokenizer.json's digest, or "unknown"."""
+    recorded = meta.raw.get("tokenizer")
+    if recorded == "byte":
+        return "bytes"
+    if not isinstance(recorded, dict):
+        return recorded if isinstance(recorded, str) else "unknown"
+    kind = recorded.get("kind", "unknown")
+    if kind == "bytes":
+        return "bytes"
+    sha = recorded.get("sha256")
+    return f"{kind} (tokenizer.json sha256 {sha[:12]})" if isinstance(sha, str) else f"{kind} {recorded.get('source')}"
+
+
+def _describe(sources: list[dict]) -> str:
+    """A state's source signatures in words, for messages."""
+    return "; ".join(
+        f"{s.get('path')} (weight {s.get('weight', 0):.4g}, {s.get('n_samples')} samples, id {s.get('id')})"
+        for s in sources
+    )
+
+
+class Mixture:
+    """One split of several sources blended by weight: what the model and evaluation see as a
+    dataset. `batch` takes global blended indices: sample i is window positions[i] (wrapped) of
+    source sources[i], in each source's own order without shuffling, so evaluation reads the first
+    windows of every source's val split in the training proportions."""
+
+    def __init__(self, datasets: list[TokenDataset], weights: Sequence[float], names: list[str], ids: list[str]):
+        self.datasets, self.names, self.ids = datasets, names, ids
+        self.weights = [float(w) for w in weights]
+        self.shares = normalise(weights)
+        self.seq_len = datasets[0].seq_len
+        self.vocab_size = datasets[0].vocab_size
+        self._sources: list[int] = []
+        self._positions: list[int] = []
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self.datasets)
+
+    def signature(self) -> list[dict]:
+        """What a saved data position must agree with: each source's path (for messages: a moved
+        directory is the same source), content id, normalised weight and sample count, in order."""
+        return [
+            {"path": name, "id": ident, "weight": share, "n_samples": len(d)}
+            for name, ident, share, d in zip(self.names, self.ids, self.shares, self.datasets)
+        ]
+
+    def window_of(self, source: int, position: int) -> np.ndarray:
+        return self.datasets[source].window(position)
+
+    def batch(self, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the blended samples `indices`."""
+        import torch
+
+        indices = list(indices)
+        need = max(indices) + 1
+        if need > len(self._sources):  # the blend of samples 0..need-1, kept for later evaluations
+            self._sources, self._positions, _ = blend(self.shares, need)
+        rows = [
+            self.datasets[self._sources[i]].window(self._positions[i] % len(self.datasets[self._sources[i]]))
+            for i in indices
+        ]
+        stacked = torch.from_numpy(np.stack(rows))
+        return stacked[:, :-1], stacked[:, 1:]
+
+
+def open_mixture(data: DataConfig, seq_len: int, model_vocab: int | None = None) -> tuple[Mixture, Mixture]:
+    """The train and val splits of data.sources, after checking every source as `data.path` is
+    checked, and that all of them share one vocabulary and tokenizer (their ids mean the same
+    tokens). One DataError or ConfigError naming the sources that disagree."""
+    names = [s.path for s in data.sources]
+    keys = [f"data.sources[{i}].path" for i in range(len(names))]
+    metas = [read_meta(Path(name), key) for name, key in zip(names, keys)]
+    first = metas[0]
+    for i, meta in enumerate(metas[1:], 1):
+        a, b = _tokenizer_identity(first), _tokenizer_identity(meta)
+        if meta.vocab_size != first.vocab_size or (a != b and "unknown" not in (a, b)):
+            raise DataError(
+                f"{keys[i]}={names[i]!r} was prepared with another vocabulary than {keys[0]}={names[0]!r}: "
+                f"{names[0]} has vocab_size={first.vocab_size}, tokenizer {a}; {names[i]} has "
+                f"vocab_size={meta.vocab_size}, tokenizer {b}; prepare every source with the same "
+                "--tokenizer (`strata data prepare`)"
+            )
+    problems = []
+    if data.tokenizer is not None:
+        for name, meta in zip(names, metas):
+            problem = tokenizer_problem(data.tokenizer, meta.raw, Path(name))
+            if problem:
+                problems.append(problem)
+    if model_vocab and model_vocab < first.vocab_size:
+        problems.append(
+            f"model.vocab_size={model_vocab} is smaller than the data's vocabulary: data.sources say "
+            f"vocab_size={first.vocab_size} (tokenizer {first.tokenizer}); set model.vocab_size >= "
+            f"{first.vocab_size} or leave it null"
+        )
+    if problems:
+        raise ConfigError(problems)
+    ids = [content_id(Path(name)) for name in names]
+    weights = [s.weight for s in data.sources]
+    splits = (
+        Mixture([TokenDataset(Path(n), split, seq_len, k) for n, k in zip(names, keys)], weights, names, ids)
+        for split in ("train", "val")
+    )
+    train, val = splits
+    return train, val
+
+
+class MixtureLoader:
+    """`BatchLoader` over a `Mixture`: the global sample stream gives sample i to a source by
+    `blend`, and a source's k-th sample is position k of its own `EpochOrder` (seeded by (seed,
+    epoch) exactly as a single dataset's, so a one-source mixture reads what data.path would).
+    Each step takes the next `global_batch` samples and rank r reads the r-th contiguous slice.
+
+    `consumed_samples` alone determines every source's position (the blend is a function of the
+    global index); the per-source counts are kept beside it so that resuming does not replay the
+    blend from sample 0, and saved with the sources' signature so that resuming with other
+    sources or weights is refused."""
+
+    def __init__(
+        self,
+        mixture: Mixture,
+        seed: int,
+        global_batch: int,
+        micro_batch: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        shuffle: bool = True,
+    ):
+        if global_batch % (micro_batch * dp_size):
+            raise DataError(
+                f"global batch {global_batch} is not a multiple of micro_batch·dp = {micro_batch}·{dp_size}"
+            )
+        self.dataset, self.seed, self.shuffle = mixture, seed, shuffle
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self._orders = [EpochOrder(len(d), seed, shuffle) for d in mixture.datasets]
+        self._consumed = 0
+        self.source_samples = [0] * len(mixture.datasets)
+
+    @property
+    def consumed_samples(self) -> int:
+        return self._consumed
+
+    @consumed_samples.setter
+    def consumed_samples(self, value: int) -> None:
+        """Move to global sample `value`, deriving every source's count from it (by replaying the
+        blend from the nearer of here and the start)."""
+        value = int(value)
+        if value >= self._consumed:
+            _, _, counts = blend(self.dataset.shares, value - self._consumed, self._consumed, self.source_samples)
+        else:
+            _, _, counts = blend(self.dataset.shares, value)
+        self._consumed, self.source_samples = value, counts
+
+    def step_indices(self) -> list[list[tuple[int, int]]]:
+        """This rank's (source, sample) pairs for the next optimizer step, as micro-batches; advances."""
+        sources, positions, counts = blend(self.dataset.shares, self.global_batch, self._consumed, self.source_samples)
+        per_rank = self.global_batch // self.dp_size
+        first = self.dp_rank * per_rank
+        pairs = [(j, self._orders[j].at(k)) for j, k in zip(sources[first : first + per_rank], positions[first:])]
+        self._consumed += self.global_batch
+        self.source_samples = counts
+        return [pairs[k : k + self.micro_batch] for k in range(0, per_rank, self.micro_batch)]
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        import torch
+
+        steps = []
+        for micro in self.step_indices():
+            rows = torch.from_numpy(np.stack([self.dataset.window_of(j, i) for j, i in micro]))
+            steps.append((rows[:, :-1], rows[:, 1:]))
+        return steps
+
+    def source_counts(self) -> dict[str, int]:
+        """Samples read so far from each source, by its path (for metrics)."""
+        return dict(zip(self.dataset.names, self.source_samples))
+
+    def state_dict(self) -> dict:
+        return {
+            "consumed_samples": self._consumed,
+            "seed": self.seed,
+            "source_samples": list(self.source_samples),
+            "sources": self.dataset.signature(),
+        }
+
+    def state_problems(self, state: dict) -> list[str]:
+        """Why a saved position does not fit this loader (nothing: it does). The sources must be the
+        same, in the same order, with the same weights (after normalising) and sizes; a directory
+        may have moved. A state with only consumed_samples (imported) fits: the counts follow."""
+        mine = self.dataset.signature()
+        fix = "resume with the same data.sources (contents, weights and order), model.seq_len and train.seed"
+        if "sources" not in state and "n_samples" in state:
+            return [
+                f"cannot resume the data position: the checkpoint was taken over one dataset of "
+                f"{state['n_samples']} samples (data.path), this run blends {len(mine)} sources "
+                f"(data.sources: {_describe(mine)}); resume with the same data.path"
+            ]
+        if state.get("seed", self.seed) != self.seed:
+            return [
+                f"cannot resume the data position: the checkpoint was taken with seed {state['seed']}, "
+                f"this run has seed {self.seed}; {fix}"
+            ]
+        saved = state.get("sources")
+        if saved is None:
+            return []
+        key = ("id", "weight", "n_samples")
+        if len(saved) != len(mine) or any(
+            tuple(a.get(k) for k in key) != tuple(b[k] for k in key) for a, b in zip(saved, mine)
+        ):
+            return [
+                f"cannot resume the data position: the checkpoint blends data.sources {_describe(saved)}, "
+                f"this run blends {_describe(mine)}; {fix}"
+            ]
+        counts = state.get("source_samples")
+        consumed = int(state["consumed_samples"])
+        if counts is not None and (
+            len(counts) != len(mine)
+            or sum(counts) != consumed
+            # the blend keeps each source within a sample or two of its share
+            or any(abs(c - s["weight"] * consumed) > 2 for c, s in zip(counts, mine))
+        ):
+            return [
+                f"cannot resume the data position: the checkpoint's per-source counts {counts} are not what "
+                f"blending {consumed} samples gives; the checkpoint's trainer state is damaged"
+            ]
+        return []
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the position (see `state_problems`)."""
+        problems = self.state_problems(state)
+        if problems:
+            raise DataError(problems[0])
+        counts = state.get("source_samples")
+        if counts is None:
+            self._consumed, self.source_samples = 0, [0] * len(self.source_samples)
+            self.consumed_samples = int(state["consumed_samples"])
+        else:
+            self._consumed, self.source_samples = int(state["consumed_samples"]), [int(c) for c in counts]
+
+
+def make_loader(
+    train: TokenDataset | Mixture, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
+) -> BatchLoader | MixtureLoader:
+    """The loader for a training split: one dataset's, or a mixture's."""
+    if isinstance(train, Mixture):
+        return MixtureLoader(train, seed, global_batch, micro_batch, dp_rank, dp_size)
+    return BatchLoader(train, seed, global_batch, micro_batch, dp_rank, dp_size)

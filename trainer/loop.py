@@ -37,7 +37,15 @@ from strata.parallel import comm, watchdog
 from strata.parallel import runtime as runtime_mod
 from strata.parallel.runtime import Runtime
 from strata.parallel.topology import Topology, build_topology, layout_from_config
-from strata.trainer.data import BatchLoader, TokenDataset, ensure_default_corpus, eval_batches
+from strata.trainer.data import (
+    Mixture,
+    MixtureLoader,
+    TokenDataset,
+    ensure_default_corpus,
+    eval_batches,
+    make_loader,
+    open_mixture,
+)
 from strata.trainer.metrics import MetricsLogger, mfu_peak
 from strata.trainer.parallelize import ParallelModel, parallelize
 from strata.trainer.profiling import StepProfiler
@@ -139,12 +147,17 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         layout = layout_from_config(cfg.parallel, runtime.world_size, runtime.local_world_size)
         self.topo: Topology = build_topology(layout, runtime.rank)
-        data_dir = Path(cfg.data.path) if cfg.data.path else self._default_corpus()
-        self.train_set = TokenDataset(data_dir, "train", cfg.model.seq_len)
-        self.val_set = TokenDataset(data_dir, "val", cfg.model.seq_len)
+        self.train_set: TokenDataset | Mixture
+        self.val_set: TokenDataset | Mixture
+        if cfg.data.sources:
+            self.train_set, self.val_set = open_mixture(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
+        else:
+            data_dir = Path(cfg.data.path) if cfg.data.path else self._default_corpus()
+            self.train_set = TokenDataset(data_dir, "train", cfg.model.seq_len)
+            self.val_set = TokenDataset(data_dir, "val", cfg.model.seq_len)
         self.model: ParallelModel = parallelize(cfg, self.topo, runtime.device, self.train_set.vocab_size)
         self.held_bytes: dict[str, int] = {}
-        self.loader = BatchLoader(
+        self.loader = make_loader(
             self.train_set,
             cfg.train.seed,
             cfg.train.global_batch_size,
@@ -434,6 +447,8 @@ class Trainer:
                     record["offload"] = self.model.tiers.metrics()
                 if self.snapshots:
                     record["snapshot"] = self.snapshots.stats()
+                if isinstance(self.loader, MixtureLoader):
+                    record["data"] = {"source_samples": self.loader.source_counts()}
                 interval_start, interval_steps = time.perf_counter(), 0
             if self.step_skipped:
                 record["skipped"] = self._note_skipped(log, loss, grad_norm)

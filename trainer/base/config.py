@@ -201,11 +201,28 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class DataSource:
+    """One dataset of a mixture (an item of data.sources)."""
+
+    path: str = field(metadata={"doc": "directory made by `strata data prepare`"})
+    weight: float = opt(
+        1.0, "its share of the training samples, relative to the other sources' weights", min=0.0, min_exclusive=True
+    )
+
+
+@dataclass(frozen=True)
 class DataConfig:
-    """Token data: a prepared directory (train.bin/val.bin + meta.json) or the built-in corpus."""
+    """Token data: a prepared directory (train.bin/val.bin + meta.json), a mixture, or the built-in corpus."""
 
     path: str | None = opt(
         None, "directory made by `strata data prepare` (null: the Python stdlib corpus, prepared on first use)"
+    )
+    sources: tuple[DataSource, ...] | None = opt(
+        None,
+        "a mixture instead of data.path (null: none): a list of {path, weight} (e.g. [{path: data/web, weight: 3}, "
+        "{path: data/code, weight: 1}]); each step's samples go to the source furthest behind its share "
+        "(weights normalised; Megatron's blended dataset), each source in its own seeded order, evaluation "
+        "blends the val splits alike. All sources need the same tokenizer",
     )
     cache_dir: str | None = opt(None, "where the built-in corpus is prepared (null: $STRATA_CACHE or ~/.cache/strata)")
     val_fraction: float = opt(0.05, "share of built-in corpus files held out for evaluation", min=0.0, max=0.5)
@@ -218,20 +235,42 @@ class DataConfig:
 
 
 def _data_checks(d: DataConfig) -> list[str]:
-    """data.tokenizer's form (what it names is checked against the data at start-up)."""
+    """data.path or data.sources, not both; the sources' paths; data.tokenizer's form (what it
+    names, and the sources' vocabularies, are checked against the data at start-up)."""
+    p: list[str] = []
+    if d.path is not None and d.sources:
+        p.append(
+            f"data.path={d.path!r} and data.sources (of {len(d.sources)}) are both set: give one, data.path "
+            "for one prepared directory or data.sources for a mixture of several"
+        )
+    first: dict[str, int] = {}
+    for i, source in enumerate(d.sources or ()):
+        key = f"data.sources[{i}].path"
+        if not source.path.strip():
+            p.append(f"{key}: empty; give the directory made by `strata data prepare`")
+        elif source.path in first:
+            p.append(
+                f"{key}={source.path!r} is also data.sources[{first[source.path]}]: give each directory once "
+                "(with the sum of the weights)"
+            )
+        else:
+            first[source.path] = i
+            problem = _path_problem(key, source.path)
+            if problem:
+                p.append(problem)
     t = d.tokenizer
     if t is None or t == "bytes":
-        return []
+        return p
     if not t.strip():
-        return ["data.tokenizer: empty; give bytes, bpe:N, a tokenizer.json path, or null (the data's)"]
+        return [*p, "data.tokenizer: empty; give bytes, bpe:N, a tokenizer.json path, or null (the data's)"]
     if t.startswith("bpe:") and not (t[4:].isdigit() and int(t[4:]) >= 257):
-        return [f"data.tokenizer={t!r}: bpe:N needs a whole vocabulary size N >= 257, e.g. bpe:8192"]
-    if d.path is None:
-        return [
-            f"data.tokenizer={t!r} needs data.path (the built-in corpus is byte-level): prepare the data with "
-            f"`strata data prepare ... --tokenizer {t}` and set data.path to it"
-        ]
-    return []
+        return [*p, f"data.tokenizer={t!r}: bpe:N needs a whole vocabulary size N >= 257, e.g. bpe:8192"]
+    if d.path is None and not d.sources:
+        p.append(
+            f"data.tokenizer={t!r} needs data.path or data.sources (the built-in corpus is byte-level): prepare "
+            f"the data with `strata data prepare ... --tokenizer {t}` and set data.path to it"
+        )
+    return p
 
 
 @dataclass(frozen=True)
@@ -729,7 +768,7 @@ def _plain(value: Any) -> Any:
     """A config value as YAML would give it: a group as a dict, a list key's tuple as a list."""
     if dataclasses.is_dataclass(value):
         return to_dict(value)
-    return list(value) if isinstance(value, tuple) else value
+    return [_plain(v) for v in value] if isinstance(value, tuple) else value
 
 
 def dump(cfg: Config) -> str:
@@ -762,6 +801,8 @@ def explain(key: str) -> str:
             )
         return "\n".join(lines)
     text = f"{key}: {f.metadata['doc']}\n  type: {_type_name(hint)}\n  default: {_plain(f.default)!r}"
+    for sub, sub_hint, default, doc in _record_keys(hint):
+        text += f"\n  {key}[i].{sub} ({_type_name(sub_hint)}, {default.strip('`')}): {doc}"
     if f.metadata.get("choices"):
         text += f"\n  choices: {', '.join(map(str, f.metadata['choices']))}"
     return text
@@ -920,6 +961,12 @@ def _build_group(prefix: str, cls: type, values: dict[str, Any], problems: list[
             else:
                 problems.append(f"{key}: must be a mapping of keys, got {type(value).__name__} {value!r}")
             continue
+        record = _record_of(_optional_of(hint) or hint)
+        if record is not None:
+            items = None if value is None else _build_records(key, record, value, problems)
+            if items is not None or value is None:
+                kwargs[attr] = items
+            continue
         if isinstance(value, dict):
             problems.append(
                 f"{key}: expected {_type_name(hint)}, got the mapping {value!r} ({key} is one value, "
@@ -944,6 +991,40 @@ def _build_group(prefix: str, cls: type, values: dict[str, Any], problems: list[
             continue
         kwargs[attr] = converted
     return cls(**kwargs)
+
+
+def _record_of(hint: Any) -> Any:
+    """R for a list of records `tuple[R, ...]` (R a dataclass: `data.sources`), else None."""
+    item = _item_of(hint)
+    return item if _is_group(item) else None
+
+
+def _required(f: dataclasses.Field[Any]) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _build_records(key: str, cls: type, value: Any, problems: list[str]) -> tuple[Any, ...] | None:
+    """A list of records (YAML: a list of mappings, also in an override's flow syntax) as a tuple
+    of `cls`, each item's keys checked as a group's are and named `key[i].name` (i from 0); None,
+    with the problems added, if any item is wrong."""
+    fields = {_key_of(f): f for f in dataclasses.fields(cls)}
+    example = "{" + ", ".join(f"{name}: ..." for name in fields) + "}"
+    if not isinstance(value, (list, tuple)):
+        problems.append(f"{key}: expected a list of mappings like [{example}], got {value!r}")
+        return None
+    before, items = len(problems), []
+    for i, item in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(item, dict):
+            problems.append(f"{where}: expected a mapping like {example}, got {item!r}")
+            continue
+        known = {k: v for k, v in item.items() if k in fields}
+        problems += [f"{where}.{k}: unknown key; valid: {', '.join(fields)}" for k in item if k not in fields]
+        missing = [name for name, f in fields.items() if _required(f) and name not in item]
+        problems += [f"{where}.{name}: missing; give the {fields[name].metadata['doc']}" for name in missing]
+        if not missing:
+            items.append(_build_group(where, cls, known, problems))
+    return tuple(items) if len(problems) == before else None
 
 
 def _optional_of(hint: Any) -> Any:
@@ -1059,6 +1140,8 @@ def _type_name(hint: Any) -> str:
     item = _item_of(hint)
     if item is not None:
         return f"list of {_type_name(item)}"
+    if _is_group(hint):
+        return "mappings {" + ", ".join(_key_of(f) for f in dataclasses.fields(hint)) + "}"
     return getattr(hint, "__name__", str(hint))
 
 
@@ -1425,6 +1508,18 @@ def _microbatch_checks(cfg: Config, derived: int, dp: int) -> list[str]:
     return p
 
 
+def _record_keys(hint: Any) -> list[tuple[str, Any, str, str]]:
+    """(name, type hint, default as markdown, doc) of each key of a list-of-records key's items."""
+    record = _record_of(_optional_of(hint) or hint)
+    if record is None:
+        return []
+    hints = typing.get_type_hints(record)
+    return [
+        (_key_of(f), hints[f.name], "required" if _required(f) else f"`{_plain(f.default)!r}`", f.metadata["doc"])
+        for f in dataclasses.fields(record)
+    ]
+
+
 def reference_markdown() -> str:
     """The config reference page (docs/CONFIG.md), generated from the schema so it cannot drift."""
     out = [
@@ -1445,6 +1540,7 @@ def reference_markdown() -> str:
             plain = _plain(f.default)
             default = yaml.safe_dump(plain, default_flow_style=True).strip().removesuffix("...").strip()
             rows.append(f"| `{key}` | {_type_name(hint)} | `{default}` | {doc} |")
+            rows += [f"| `{key}[i].{sub}` | {_type_name(h)} | {d} | {doc} |" for sub, h, d, doc in _record_keys(hint)]
         if not rows:
             out += ["(no keys yet)", ""]
             continue
