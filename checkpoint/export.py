@@ -226,7 +226,8 @@ class _Tokenizer:
 def _tokenizer_files(cfg: config_mod.Config) -> _Tokenizer:
     """The tokenizer of the run's prepared data (data.path's meta.json names it), as the files an
     AutoTokenizer loads; none for byte-level data, which has no Hugging Face tokenizer."""
-    data = Path(cfg.data.path) if cfg.data.path else None
+    sources = cfg.data.sources or ()
+    data = Path(cfg.data.path) if cfg.data.path else Path(sources[0].path) if sources else None  # one tokenizer
     try:
         meta = json.loads((data / "meta.json").read_text()) if data else None
     except (OSError, ValueError):

@@ -84,10 +84,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _check_data(cfg: Config) -> None:
     """The data directory's problems, before any worker starts (each worker would hit them alone)."""
-    if cfg.data.path:
-        from strata.trainer.data import check_data_dir
+    from strata.trainer.data import check_data_dir, open_mixture
 
-        check_data_dir(Path(cfg.data.path), cfg.model.seq_len)
+    if cfg.data.path:
+        check_data_dir(Path(cfg.data.path), cfg.model.seq_len, cfg)
+    elif cfg.data.sources:
+        open_mixture(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
 
 
 def _check_checkpoints(cfg: Config, resume: str | None) -> None:

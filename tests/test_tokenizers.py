@@ -361,3 +361,19 @@ def test_an_earlier_output_with_its_tokenizer_is_replaced_but_a_users_tokenizer_
     (mine / "tokenizer.json").write_bytes(bpe.read_bytes())
     code, text = run(["data", "prepare", str(tmp_path / "in"), "--out", str(mine)], capsys)
     assert code == 2 and "it has no meta.json" in text and (mine / "tokenizer.json").read_bytes() == bpe.read_bytes()
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_strata_refuses_a_run_whose_tokenizer_is_not_the_datas(bpe_data, tmp_path, command):
+    """Before anything trains (and, under `strata launch`, before any worker starts): exit 2."""
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text("{}\n")
+    argv = [command, str(experiment), f"data.path={bpe_data}", "data.tokenizer=bytes", f"log.dir={tmp_path / 'runs'}"]
+    if command == "launch":
+        argv += ["--nproc", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "strata.launch.cli", *argv], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "data.tokenizer='bytes' but" in proc.stderr and "Traceback" not in proc.stderr
+    assert "torch.distributed.run" not in proc.stdout  # no worker was started

@@ -41,6 +41,7 @@ from strata.trainer.data import (
     Mixture,
     MixtureLoader,
     TokenDataset,
+    check_data_config,
     ensure_default_corpus,
     eval_batches,
     make_loader,
@@ -153,6 +154,7 @@ class Trainer:
             self.train_set, self.val_set = open_mixture(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
         else:
             data_dir = Path(cfg.data.path) if cfg.data.path else self._default_corpus()
+            check_data_config(data_dir, cfg)  # data.tokenizer and model.vocab_size against meta.json
             self.train_set = TokenDataset(data_dir, "train", cfg.model.seq_len)
             self.val_set = TokenDataset(data_dir, "val", cfg.model.seq_len)
         self.model: ParallelModel = parallelize(cfg, self.topo, runtime.device, self.train_set.vocab_size)
