@@ -220,6 +220,7 @@ def run_variant(args: argparse.Namespace, name: str, model: Path) -> dict:
     return {
         "wall_s": wall,
         "total_s": max(r["total_s"] for r in ranks),
+        "after_import_s": max(r["total_s"] - r["import_s"] for r in ranks),
         "peak_gib": max(r["VmHWM"] for r in ranks),
         "cpu_s": sum(r["cpu_s"] for r in ranks),
         "load_avg_1m": load,
@@ -298,6 +299,18 @@ def launch(args: argparse.Namespace) -> int:
             f"{med('strata tp2', 'wall_s'):.2f} s against transformers' process wall time "
             f"{med('transformers', 'wall_s'):.2f} s)"
         )
+    hf_a = med("transformers", "after_import_s")
+    print(
+        "\nafter imports (torch and each side's own library imported: building the model, reading the "
+        "weights, the optimizer)"
+    )
+    for name in names:
+        a = med(name, "after_import_s")
+        summary[name]["after_import_s"] = a
+        ratio = "" if name == "transformers" else f"  ratio {a / hf_a:.3f}"
+        if name != "transformers":
+            summary[name]["after_import_ratio"] = a / hf_a
+        print(f"{name:14s} {a:7.2f} s{ratio}")
     print(f"goals: time ratio ≤ 0.5, RSS ratio ≤ 0.6; load average now {os.getloadavg()[0]:.2f}")
     if args.out:
         args.out.write_text(json.dumps(summary, indent=1))
