@@ -142,8 +142,9 @@ def test_a_run_from_a_hugging_face_model_starts_at_transformers_loss(hf_dirs, sm
             2,
             {"zero.params.shard_over": "global", "zero.grads.shard_over": "global", "zero.optim.shard_over": "global"},
         ),
+        ("qwen2", 2, {"zero.optim.shard_over": "global", "offload.optim.device": "cpu"}),
     ],
-    ids=["llama-tp2-pp2-v2", "qwen2-tp2-pp2", "llama-zero3-dp2"],
+    ids=["llama-tp2-pp2-v2", "qwen2-tp2-pp2", "llama-zero3-dp2", "qwen2-dp2-optim-offload"],
 )
 def test_training_from_a_hugging_face_model_in_parallel_matches_one_process(
     hf_dirs, small_data_dir, tmp_path, name, nproc, layout
