@@ -202,7 +202,9 @@ def _check_hf_destination(out: Path, overwrite: bool) -> None:
         )
 
 
-def _shards(names: dict[str, str], shapes: dict[str, tuple], dtypes: dict[str, torch.dtype]) -> list[list[str]]:
+def _shards(
+    names: dict[str, str], shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]
+) -> list[list[str]]:
     """The Strata names in HF order, cut into shards of at most SHARD_BYTES (a bigger tensor alone)."""
     shards: list[list[str]] = [[]]
     size = 0
@@ -239,7 +241,7 @@ def _tokenizer_files(cfg: config_mod.Config) -> _Tokenizer:
         tokenizer_json = (data / info["file"]).read_bytes()
     except OSError as e:
         return _Tokenizer(note=f"the run's tokenizer {data / info['file']} cannot be read ({e}): none exported")
-    eot_token, eot = info.get("eot_token"), meta.get("eot")
+    eot_token, eot = info.get("eot_token"), meta.get("eot") if isinstance(meta, dict) else None
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.model.seq_len}
     if isinstance(eot_token, str):
         settings["eos_token"] = eot_token

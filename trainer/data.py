@@ -418,7 +418,8 @@ def open_mixture(data: DataConfig, seq_len: int, model_vocab: int | None = None)
     """The train and val splits of data.sources, after checking every source as `data.path` is
     checked, and that all of them share one vocabulary and tokenizer (their ids mean the same
     tokens). One DataError or ConfigError naming the sources that disagree."""
-    names = [s.path for s in data.sources]
+    sources = data.sources or ()
+    names = [s.path for s in sources]
     keys = [f"data.sources[{i}].path" for i in range(len(names))]
     metas = [read_meta(Path(name), key) for name, key in zip(names, keys)]
     first = metas[0]
@@ -446,7 +447,7 @@ def open_mixture(data: DataConfig, seq_len: int, model_vocab: int | None = None)
     if problems:
         raise ConfigError(problems)
     ids = [content_id(Path(name)) for name in names]
-    weights = [s.weight for s in data.sources]
+    weights = [s.weight for s in sources]
     splits = (
         Mixture([TokenDataset(Path(n), split, seq_len, k) for n, k in zip(names, keys)], weights, names, ids)
         for split in ("train", "val")

@@ -30,7 +30,7 @@ from strata.parallel.zero import ZeroEngine, ZeroPlan
 
 if TYPE_CHECKING:
     from strata.offload.tiers import Tiers
-    from strata.parallel.pipeline import Pipeline, StageShapes
+    from strata.parallel.pipeline import Pipeline, Stage, StageShapes
 
 
 def decays(shape: tuple[int, ...]) -> bool:
@@ -79,7 +79,7 @@ def materialize(parts: list[nn.Module], cfg: ModelConfig, seed: int, device: tor
                     q = nn.Parameter(value, requires_grad=p.requires_grad)
                     q.__dict__.update(p.__dict__)  # placement
                     if not random_init:
-                        q.unfilled = True  # the ZeRO engine need not copy it into its flat buffer
+                        q.__dict__["unfilled"] = True  # the ZeRO engine need not copy it into its flat buffer
                     fresh[id(p)] = q
                 module._parameters[key] = fresh[id(p)]
         set_rope_buffers(part, cfg, device)
@@ -206,7 +206,7 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
             model, topo.group("tp"), topo.coords["tp"], par.tp, sequence_parallel=par.sequence_parallel
         )
 
-    stages: list[nn.Module] = []
+    stages: list[Stage] = []
     if par.pp > 1:
         # torch's pipelining (and the torch._dynamo it pulls in, ~1 s) loads only for runs that use it
         from strata.parallel.pipeline import Pipeline, split_stages

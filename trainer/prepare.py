@@ -243,9 +243,9 @@ def _results(tasks: list[Task], args: tuple, workers: int, tok_path: str | None)
                 break
         while pending:
             result = pending.popleft().result()
-            t = next(todo, None)
-            if t is not None:
-                pending.append(pool.submit(run_task, t, *args))
+            following = next(todo, None)
+            if following is not None:
+                pending.append(pool.submit(run_task, following, *args))
             yield result
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -323,7 +323,7 @@ def prepare(
     with atomic_directory(Path(out_dir)) as tmp:
         tok_file = tmp / tokenize.TOKENIZER_FILE
         if bpe is not None:
-            docs = (doc for t in tasks for _, doc in read_documents(t, text_field, as_bytes=False))
+            docs = (str(doc) for t in tasks for _, doc in read_documents(t, text_field, as_bytes=False))
             info = tokenize.train_bpe(bpe, docs, tok_file)
         elif tok_src is not None:
             shutil.copyfile(tok_src, tok_file)

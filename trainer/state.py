@@ -27,7 +27,7 @@ from strata.checkpoint.pieces import (
 from strata.checkpoint.reader import Checkpoint
 from strata.config import Config
 from strata.errors import CheckpointError
-from strata.trainer.data import BatchLoader
+from strata.trainer.data import BatchLoader, MixtureLoader
 from strata.trainer.parallelize import ParallelModel, decays
 
 
@@ -35,7 +35,7 @@ class TrainState:
     """This rank's training state: the parallel model (parameters and optimizer state, wherever the
     engine and tiers keep them), the data position, the RNG and the step."""
 
-    def __init__(self, cfg: Config, model: ParallelModel, loader: BatchLoader, rank: int):
+    def __init__(self, cfg: Config, model: ParallelModel, loader: BatchLoader | MixtureLoader, rank: int):
         self.model, self.loader, self.rank = model, loader, rank
         self.step = 0
         layout, zero = model.topo.layout, cfg.zero
@@ -96,14 +96,14 @@ class TrainState:
         return [{**h, "params": group} for h, group in zip(hyperparameters(self.model.optimizer), (matrix, other))]
 
     # --- loading ---------------------------------------------------------------------------
-    def load(self, ckpt: Checkpoint, verify: bool, agree: Callable[[list[str], str], None]) -> Path:
+    def load(self, ckpt: Checkpoint | DcpCheckpoint, verify: bool, agree: Callable[[list[str], str], None]) -> Path:
         """Load a checkpoint saved from any layout into this one. Every check and every read (into
         fresh tensors) happens first, and all ranks `agree` on the verdict (raising together), before
         any state changes. Offloaded state is in memory meanwhile, and goes back to its tier after."""
         with self.model.state_in_memory(changed=True):
             return self._load(ckpt, verify, agree)
 
-    def _load(self, ckpt: Checkpoint, verify: bool, agree: Callable[[list[str], str], None]) -> Path:
+    def _load(self, ckpt: Checkpoint | DcpCheckpoint, verify: bool, agree: Callable[[list[str], str], None]) -> Path:
         m = self.model
         misfit: list[str] = []
         try:
@@ -173,13 +173,13 @@ class TrainState:
             agree(problems, f"the weights in {ckpt.path} do not fit this model; the run stops")
             m.engine.invalidate_secondary()
 
-    def _rng_target(self, ckpt: Checkpoint) -> list[Piece]:
+    def _rng_target(self, ckpt: Checkpoint | DcpCheckpoint) -> list[Piece]:
         """This rank's saved RNG state, or rank 0's when the saving world was smaller, or none (an
         imported checkpoint: the RNG stays as initialisation left it)."""
         keys = [k for k in (f"rng.cpu.rank{self.rank}", "rng.cpu.rank0") if ckpt.has(k)]
         return [whole_piece(keys[0], torch.get_rng_state())] if keys else []
 
-    def _fresh_optimizer_state(self, ckpt: Checkpoint) -> tuple[dict[int, dict], list[Piece]]:
+    def _fresh_optimizer_state(self, ckpt: Checkpoint | DcpCheckpoint) -> tuple[dict[int, dict], list[Piece]]:
         """New optimizer-state tensors for every kind the checkpoint holds (torch index → entry),
         and the pieces that read into them."""
         m = self.model

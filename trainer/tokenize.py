@@ -194,6 +194,7 @@ def train_bpe(vocab_size: int, documents: Iterator[str], out: Path) -> Tokenizer
     tok.train_from_iterator(documents, trainer)
     tok.save(str(out))
     eot = tok.token_to_id(BPE_EOT)
+    assert eot is not None  # a special token of the trainer: always in the vocabulary
     return TokenizerInfo("bpe", f"bpe:{vocab_size}", out.name, sha256_file(out), BPE_EOT, eot, vocab_size_of(tok))
 
 

@@ -709,7 +709,9 @@ def _derive_from_hf(raw: dict[str, Any], problems: list[str]) -> None:
     config.json (the user's own keys must agree with it). Only when a user's experiment is loaded:
     a checkpoint's config.yaml already holds the derived values, and the directory may be gone."""
     model = raw.get("model")
-    source = model.get("init_from") if isinstance(model, dict) else None
+    if not isinstance(model, dict):
+        return
+    source = model.get("init_from")
     if not isinstance(source, str) or _path_problem("model.init_from", source):
         return  # unset, or a problem the type and path checks report
     if not Path(source).is_dir():
