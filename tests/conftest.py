@@ -76,3 +76,16 @@ def tiny_overrides(data_dir: Path, run_root: Path, **extra) -> list[str]:
 
 def tiny_config(data_dir: Path, run_root: Path, world_size: int | None = 1, **extra) -> config.Config:
     return config.load(None, tiny_overrides(data_dir, run_root, **extra), world_size=world_size)
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """Exit status and everything printed by `strata ARGV`, run in this process (argparse's usage
+    errors exit via SystemExit)."""
+    from strata.launch.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out + out.err

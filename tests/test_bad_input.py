@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from strata.launch import torchrun
-from strata.launch.cli import main
+
+from conftest import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -35,16 +36,6 @@ def _no_torchrun(monkeypatch):
 
     monkeypatch.setattr(torchrun, "run_local", fake_run_local)
     return started
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str]:
-    """Exit status and everything printed by `strata ARGV` (argparse's usage errors exit via SystemExit)."""
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out + out.err
 
 
 # --- building malformed inputs ------------------------------------------------------------------

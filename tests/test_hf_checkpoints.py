@@ -42,29 +42,18 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     """Tiny random models in Hugging Face directories (fp32), by name."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
+    shape = {
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
     llama = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=320,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-            rope_theta=500000.0,
-        )
+        transformers.LlamaConfig(**shape, tie_word_embeddings=False, rope_theta=500000.0)
     )
-    qwen2 = transformers.Qwen2ForCausalLM(
-        transformers.Qwen2Config(
-            vocab_size=320,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        )
-    )
+    qwen2 = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape, tie_word_embeddings=True))
     return {"llama": _save(llama, root / "llama"), "qwen2": _save(qwen2, root / "qwen2")}
 
 

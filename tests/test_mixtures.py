@@ -15,7 +15,6 @@ import pytest
 from strata import config
 from strata.checkpoint import store
 from strata.errors import CheckpointError, ConfigError, DataError
-from strata.launch.cli import main
 from strata.parallel.runtime import start
 from strata.trainer.data import (
     BatchLoader,
@@ -30,7 +29,7 @@ from strata.trainer.data import (
 )
 from strata.trainer.loop import run
 
-from conftest import STDLIB, tiny_overrides
+from conftest import STDLIB, run_cli, tiny_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 L = 4  # sequence length of the indexed sources
@@ -302,12 +301,7 @@ def _train(tmp_path: Path, capsys, *overrides: str) -> tuple[int, str]:
         *tiny_overrides(None, tmp_path / "runs", **{"data.path": None}),
         *overrides,
     ]
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out + out.err
+    return run_cli(argv, capsys)
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from strata import config
 from strata.errors import ConfigError
-from strata.launch.cli import main
 from strata.trainer.data import check_data_config, read_meta
 from strata.trainer.prepare import plan, prepare
+
+from conftest import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -60,13 +61,7 @@ def bpe(tmp_path_factory) -> Path:
     return path
 
 
-def run(argv: list[str], capsys) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out + out.err
+run = run_cli
 
 
 def expected_ids(tok: Tokenizer, docs: list[str], eot: int) -> list[int]:

@@ -223,18 +223,13 @@ class EpochOrder:
         return int(self._perm[offset])
 
 
-class BatchLoader:
-    """Deterministic, resumable data-parallel batches (Megatron's consumed-samples scheme).
-
-    The global sample stream is epoch after epoch of a permutation seeded by (seed, epoch). Each
-    optimizer step takes the next `global_batch` positions; data-parallel rank r reads the r-th
-    contiguous slice of them, in micro-batches. The only state is `consumed_samples`, global, so a
-    run resumes exactly, even with another dp size, and each sample is read once per epoch.
-    """
+class _StepSplit:
+    """What the loaders share: each optimizer step's global_batch samples, split into dp slices of
+    micro-batches. A loader sets up its own position in `_start`."""
 
     def __init__(
         self,
-        dataset: TokenDataset,
+        dataset: TokenDataset | Mixture,
         seed: int,
         global_batch: int,
         micro_batch: int,
@@ -246,11 +241,29 @@ class BatchLoader:
             raise DataError(
                 f"global batch {global_batch} is not a multiple of micro_batch·dp = {micro_batch}·{dp_size}"
             )
-        self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
+        self.seed, self.shuffle = seed, shuffle
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self._start(dataset)
+
+    def _start(self, dataset: TokenDataset | Mixture) -> None:
+        raise NotImplementedError
+
+
+class BatchLoader(_StepSplit):
+    """Deterministic, resumable data-parallel batches (Megatron's consumed-samples scheme).
+
+    The global sample stream is epoch after epoch of a permutation seeded by (seed, epoch). Each
+    optimizer step takes the next `global_batch` positions; data-parallel rank r reads the r-th
+    contiguous slice of them, in micro-batches. The only state is `consumed_samples`, global, so a
+    run resumes exactly, even with another dp size, and each sample is read once per epoch.
+    """
+
+    def _start(self, dataset: TokenDataset | Mixture) -> None:
+        assert isinstance(dataset, TokenDataset)
+        self.dataset = dataset
         self.consumed_samples = 0
-        self._order = EpochOrder(len(dataset), seed, shuffle)
+        self._order = EpochOrder(len(dataset), self.seed, self.shuffle)
 
     def _sample_at(self, position: int) -> int:
         return self._order.at(position)
@@ -456,7 +469,7 @@ def open_mixture(data: DataConfig, seq_len: int, model_vocab: int | None = None)
     return train, val
 
 
-class MixtureLoader:
+class MixtureLoader(_StepSplit):
     """`BatchLoader` over a `Mixture`: the global sample stream gives sample i to a source by
     `blend`, and a source's k-th sample is position k of its own `EpochOrder` (seeded by (seed,
     epoch) exactly as a single dataset's, so a one-source mixture reads what data.path would).
@@ -467,24 +480,10 @@ class MixtureLoader:
     blend from sample 0, and saved with the sources' signature so that resuming with other
     sources or weights is refused."""
 
-    def __init__(
-        self,
-        mixture: Mixture,
-        seed: int,
-        global_batch: int,
-        micro_batch: int,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        shuffle: bool = True,
-    ):
-        if global_batch % (micro_batch * dp_size):
-            raise DataError(
-                f"global batch {global_batch} is not a multiple of micro_batch·dp = {micro_batch}·{dp_size}"
-            )
-        self.dataset, self.seed, self.shuffle = mixture, seed, shuffle
-        self.global_batch, self.micro_batch = global_batch, micro_batch
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self._orders = [EpochOrder(len(d), seed, shuffle) for d in mixture.datasets]
+    def _start(self, dataset: TokenDataset | Mixture) -> None:
+        assert isinstance(dataset, Mixture)
+        mixture = self.dataset = dataset
+        self._orders = [EpochOrder(len(d), self.seed, self.shuffle) for d in mixture.datasets]
         self._consumed = 0
         self.source_samples = [0] * len(mixture.datasets)
 
