@@ -51,6 +51,7 @@ FSDP2_JOB = textwrap.dedent(
         opt.zero_grad()
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
     dcp.save(state, checkpoint_id=sys.argv[1])
+    dist.barrier()  # a rank tearing gloo down while its peer still uses it aborts the peer
     dist.destroy_process_group()
     """
 )
