@@ -96,8 +96,12 @@ class StopRequest:
             self.previous = {sig: signal.signal(sig, self.on_signal) for sig in GRACEFUL_SIGNALS}
 
     def restore(self) -> None:
+        """Put the previous handlers back; after a stop, the stop's own signal stays ignored: the
+        process is on its way out with PREEMPTED_EXIT, and the same request arriving a second time
+        (Slurm's and torchrun's copies) must not kill it before it gets there."""
         for sig, handler in self.previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            stopping = sig == self.signum
+            signal.signal(sig, signal.SIG_IGN if stopping else handler)  # type: ignore[arg-type]
         self.previous = {}
 
 
