@@ -54,7 +54,15 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         transformers.LlamaConfig(**shape, tie_word_embeddings=False, rope_theta=500000.0)
     )
     qwen2 = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape, tie_word_embeddings=True))
-    return {"llama": _save(llama, root / "llama"), "qwen2": _save(qwen2, root / "qwen2")}
+    qwen3 = transformers.Qwen3ForCausalLM(  # q/k norms, and heads wider than hidden_size / heads
+        transformers.Qwen3Config(**shape, head_dim=32, tie_word_embeddings=False)
+    )
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**shape, sliding_window=None))
+    models = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "mistral": mistral}
+    return {name: _save(model, root / name) for name, model in models.items()}
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
 
 def _overrides(hf_dir: Path, data_dir: Path, run_root: Path, **extra) -> list[str]:
@@ -111,11 +119,12 @@ def _hf_loss(hf_dir: Path, cfg: config.Config) -> float:
     return torch.stack(losses).mean().item()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_a_run_from_a_hugging_face_model_starts_at_transformers_loss(hf_dirs, small_data_dir, tmp_path, name):
     cfg = config.load(None, _overrides(hf_dirs[name], small_data_dir, tmp_path, **{"train.steps": 1}))
     assert cfg.model.d_model == 64 and cfg.model.n_kv_heads == 2 and cfg.model.vocab_size == 320
     assert cfg.model.qkv_bias == (name == "qwen2") and cfg.model.tie_embeddings == (name == "qwen2")
+    assert cfg.model.qk_norm == (name == "qwen3") and cfg.model.head_size == (32 if name == "qwen3" else 16)
     result = run(cfg, start())
     assert result.losses[1] == pytest.approx(_hf_loss(hf_dirs[name], cfg), abs=1e-5)
 
@@ -126,6 +135,8 @@ def test_a_run_from_a_hugging_face_model_starts_at_transformers_loss(hf_dirs, sm
     [
         ("llama", 4, {"parallel.tp": 2, "parallel.pp": 2, "parallel.virtual_stages": 2}),
         ("qwen2", 4, {"parallel.tp": 2, "parallel.pp": 2}),
+        ("qwen3", 4, {"parallel.tp": 2, "parallel.pp": 2, "parallel.sequence_parallel": True}),
+        ("mistral", 4, {"parallel.tp": 2, "parallel.pp": 2}),
         (
             "llama",
             2,
@@ -133,7 +144,14 @@ def test_a_run_from_a_hugging_face_model_starts_at_transformers_loss(hf_dirs, sm
         ),
         ("qwen2", 2, {"zero.optim.shard_over": "global", "offload.optim.device": "cpu"}),
     ],
-    ids=["llama-tp2-pp2-v2", "qwen2-tp2-pp2", "llama-zero3-dp2", "qwen2-dp2-optim-offload"],
+    ids=[
+        "llama-tp2-pp2-v2",
+        "qwen2-tp2-pp2",
+        "qwen3-tp2-pp2-sp",
+        "mistral-tp2-pp2",
+        "llama-zero3-dp2",
+        "qwen2-dp2-optim-offload",
+    ],
 )
 def test_training_from_a_hugging_face_model_in_parallel_matches_one_process(
     hf_dirs, small_data_dir, tmp_path, name, nproc, layout
@@ -194,7 +212,7 @@ def test_an_exported_run_loads_in_transformers_with_its_tokenizer(hf_dirs, tmp_p
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == meta["eot"]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_import_then_export_is_bit_exact(hf_dirs, tmp_path, name):
     imported = _strata("ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / "imported"), f"model.seq_len={SEQ}")
     assert imported.returncode == 0, imported.stderr[-3000:]
