@@ -13,6 +13,7 @@ does: `blend` gives each global sample to the source furthest behind its share, 
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 from collections.abc import Iterable, Iterator, Sequence
@@ -223,7 +224,7 @@ class EpochOrder:
         return int(self._perm[offset])
 
 
-class _StepSplit:
+class _StepSplit(abc.ABC):
     """What the loaders share: each optimizer step's global_batch samples, split into dp slices of
     micro-batches. A loader sets up its own position in `_start`."""
 
@@ -246,8 +247,9 @@ class _StepSplit:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self._start(dataset)
 
+    @abc.abstractmethod
     def _start(self, dataset: TokenDataset | Mixture) -> None:
-        raise NotImplementedError
+        """Take `dataset` and start at its first sample."""
 
 
 class BatchLoader(_StepSplit):

@@ -13,13 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from strata.config import bpe_problem
 from strata.errors import DataError
 
 # Tried in order when the tokenizer names no end-of-document token itself (GPT-2/GPT-NeoX, Llama 3,
@@ -27,9 +27,6 @@ from strata.errors import DataError
 EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|end|>")
 BPE_EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
-_BPE = re.compile(r"bpe:(\d+)")
-BPE_MIN_VOCAB = 257  # the 256 byte symbols plus the end-of-document token
-BPE_MAX_VOCAB = 1 << 24
 
 
 class ByteTokenizer:
@@ -48,15 +45,10 @@ class ByteTokenizer:
 
 def bpe_vocab(spec: str) -> int | None:
     """N for a `bpe:N` spec, None for any other spec; a malformed or out-of-range N is an error."""
-    if not spec.startswith("bpe:"):
-        return None
-    m = _BPE.fullmatch(spec)
-    if not m or not BPE_MIN_VOCAB <= int(m.group(1)) <= BPE_MAX_VOCAB:
-        raise DataError(
-            f"tokenizer {spec!r}: bpe:N needs a whole vocabulary size N in {BPE_MIN_VOCAB}..{BPE_MAX_VOCAB} "
-            "(256 bytes plus the end-of-document token at least), e.g. bpe:8192"
-        )
-    return int(m.group(1))
+    problem = bpe_problem(spec)
+    if problem is not None:
+        raise DataError(problem)
+    return int(spec[4:]) if spec.startswith("bpe:") else None
 
 
 def spec_problem(spec: str) -> str | None:

@@ -234,6 +234,23 @@ class DataConfig:
     )
 
 
+BPE_MIN_VOCAB = 257  # a byte-level BPE: the 256 byte symbols plus the end-of-document token
+BPE_MAX_VOCAB = 1 << 24
+
+
+def bpe_problem(spec: str) -> str | None:
+    """Why a `bpe:N` tokenizer spec is malformed (None: it is well formed, or not a bpe spec)."""
+    if not spec.startswith("bpe:"):
+        return None
+    n = spec[4:]
+    if n.isdigit() and BPE_MIN_VOCAB <= int(n) <= BPE_MAX_VOCAB:
+        return None
+    return (
+        f"tokenizer {spec!r}: bpe:N needs a whole vocabulary size N in {BPE_MIN_VOCAB}..{BPE_MAX_VOCAB} "
+        "(256 bytes plus the end-of-document token at least), e.g. bpe:8192"
+    )
+
+
 def _data_checks(d: DataConfig) -> list[str]:
     """data.path or data.sources, not both; the sources' paths; data.tokenizer's form (what it
     names, and the sources' vocabularies, are checked against the data at start-up)."""
@@ -263,8 +280,8 @@ def _data_checks(d: DataConfig) -> list[str]:
         return p
     if not t.strip():
         return [*p, "data.tokenizer: empty; give bytes, bpe:N, a tokenizer.json path, or null (the data's)"]
-    if t.startswith("bpe:") and not (t[4:].isdigit() and int(t[4:]) >= 257):
-        return [*p, f"data.tokenizer={t!r}: bpe:N needs a whole vocabulary size N >= 257, e.g. bpe:8192"]
+    if (problem := bpe_problem(t)) is not None:
+        return [*p, f"data.{problem}"]
     if d.path is None and not d.sources:
         p.append(
             f"data.tokenizer={t!r} needs data.path or data.sources (the built-in corpus is byte-level): prepare "
