@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from strata import hf
 from strata.checkpoint import dcp_meta, store
+from strata.checkpoint.layout import listed
 from strata.checkpoint.pieces import Piece
 from strata.errors import CheckpointError
 from strata.parallel.flat import Box
@@ -111,16 +112,15 @@ class DcpCheckpoint:
         if model_cfg.tie_embeddings and "model.tok_embeddings.weight" in self.sources:
             self.sources.setdefault("model.output.weight", self.sources["model.tok_embeddings.weight"])
         by_name = {v[0]: v for v in model_keys.values()}
-        missing = [n for n in model_cfg_names(model_cfg) if n not in by_name]
+        missing = [n for n in hf.hf_targets(model_cfg) if n not in by_name]  # a tied output is the embedding
         if missing:
             self.problems.append(
-                f"{self.path}: no weights for {', '.join(missing[:6])}{' …' if len(missing) > 6 else ''} "
+                f"{self.path}: no weights for {listed(missing)} "
                 "(the model's names, with or without a model. prefix, or torchtitan's)"
             )
         if unmatched:
             self.problems.append(
-                f"{self.path}: tensors that match no parameter of this model: {', '.join(sorted(unmatched)[:8])}"
-                f"{' …' if len(unmatched) > 8 else ''}"
+                f"{self.path}: tensors that match no parameter of this model: {listed(sorted(unmatched))}"
             )
         self._map_optimizer(optim_keys, by_name)
 
@@ -197,8 +197,6 @@ class DcpCheckpoint:
         return out
 
     def _chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
         info = self.meta.storage_data[MetadataIndex(key, torch.Size(offsets))]
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{self.path}: {key} is stored transformed ({info.transform_descriptors}); not read")
@@ -218,12 +216,6 @@ class DcpCheckpoint:
 
     def close(self) -> None:
         self._cache = None
-
-
-def model_cfg_names(model_cfg: hf.ModelShape) -> list[str]:
-    """The parameters a checkpoint must hold: a tied output is the embedding."""
-    names = hf.strata_names(model_cfg)
-    return [n for n in names if not (model_cfg.tie_embeddings and n == "output.weight")]
 
 
 def _halves_from_pairs(w: torch.Tensor, rows_per_head: int) -> torch.Tensor:

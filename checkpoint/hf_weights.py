@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 
 from strata import hf
+from strata.checkpoint.layout import listed
 from strata.checkpoint.manager import write_whole
 from strata.checkpoint.reader import Checkpoint
 from strata.errors import CheckpointError
@@ -36,22 +37,6 @@ DTYPES = {
     "U8": "uint8",
     "BOOL": "bool",
 }
-
-
-def read_config(directory: Path) -> dict:
-    """The model directory's config.json, as a dict."""
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(
-            f"{directory}: no config.json; give a local Hugging Face model directory (what save_pretrained writes)"
-        )
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable JSON file ({e})") from e
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: must hold a JSON object, got {type(config).__name__}")
-    return config
 
 
 def weight_files(directory: Path) -> list[str]:
@@ -109,11 +94,11 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
     problems = []
     missing = hf.missing(found, model_cfg)
     if missing:
-        problems.append(f"missing tensors: {_listed(missing)}")
+        problems.append(f"missing tensors: {listed(missing)}")
     unused = hf.unused(found, model_cfg)
     if unused:
         problems.append(
-            f"tensors this model has no place for (a feature Strata lacks, or other layers): {_listed(unused)}"
+            f"tensors this model has no place for (a feature Strata lacks, or other layers): {listed(unused)}"
         )
     if problems:
         raise CheckpointError(
@@ -136,10 +121,6 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
         chunk.update(length=hi - lo, data_offset=start + lo)
         tensors[f"model.{strata_name}"] = {"shape": shape, "dtype": dtype, "chunks": [chunk]}
     return Checkpoint.foreign(directory, {"tensors": tensors, "objects": {}}, sizes)
-
-
-def _listed(names: list[str]) -> str:
-    return ", ".join(names[:6]) + (f" … ({len(names)} in all)" if len(names) > 6 else "")
 
 
 def import_hf(directory: Path, out_root: Path, config_yaml: str, model_cfg: hf.ModelShape) -> Path:

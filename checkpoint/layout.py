@@ -9,12 +9,14 @@ from typing import Any
 import torch
 
 
+def listed(keys: list[str]) -> str:
+    """Names for a one-line message: the first 8, and how many there are in all."""
+    return ", ".join(keys[:8]) + (f" … ({len(keys)} in all)" if len(keys) > 8 else "")
+
+
 def model_state_problems(expected: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]]) -> list[str]:
     """How a checkpoint's {name: global shape} differs from the model's: missing keys, unexpected
     keys, shape mismatches (each kind on one line, keys listed)."""
-
-    def listed(keys: list[str]) -> str:
-        return ", ".join(keys[:8]) + (f" … ({len(keys)} in all)" if len(keys) > 8 else "")
 
     missing = [k for k in expected if k not in saved]
     unexpected = [k for k in saved if k not in expected]
