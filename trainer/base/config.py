@@ -749,11 +749,11 @@ def _derive_from_hf(raw: dict[str, Any], problems: list[str]) -> None:
         problems.append(f"model.init_from: {path} must hold a JSON object")
         return
     seq_len = model.get("seq_len", ModelConfig().seq_len)
-    found = hf.unsupported(hf_config, seq_len if isinstance(seq_len, int) else 0)
-    if found:
-        problems += [f"model.init_from: {path}: {p}" for p in found]
+    try:
+        derived = hf.model_settings(hf_config, seq_len if isinstance(seq_len, int) else 0)
+    except ConfigError as e:  # the features Strata lacks, each naming its config.json field
+        problems += [f"model.init_from: {path}: {p}" for p in e.problems]
         return
-    derived = hf.model_settings(hf_config, seq_len)
     clashes = hf.conflicts(model, derived)
     problems += [f"model.init_from: {c}" for c in clashes]
     if not clashes:
