@@ -183,6 +183,17 @@ def reduce_scatter_views(out: torch.Tensor, views: list[torch.Tensor], group, di
     return out
 
 
+def reduce_scatter_views_async(out: torch.Tensor, views: list[torch.Tensor], group, dim: str) -> AsyncWork:
+    """`reduce_scatter_views` started and returned at once: `out` holds the result after `wait()`
+    (and neither `out` nor `views` may be touched before)."""
+    if group is None:
+        out.copy_(views[0])
+        return AsyncWork(None, 0.0)
+    ready_at = time.monotonic() + _count(dim, "reduce_scatter", _nbytes(*views), group)
+    work = dist.reduce_scatter(out, views, group=group, async_op=True)
+    return AsyncWork(work, ready_at, f"reduce_scatter over {dim}")
+
+
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 
 

@@ -6,6 +6,7 @@ over the whole span when not hierarchical). The ZeRO engine's only communication
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -13,12 +14,25 @@ from strata.parallel import comm
 from strata.parallel.topology import CHAIN, Topology
 
 
+@dataclass(frozen=True)
+class Hop:
+    """One step of a reduction chain (`parallel.overlap`): a collective over the digit group
+    `key` = (inner, outer) that `start(buffer)` begins, returning its output buffer and the work
+    in flight; or, with `key` None, a local operation whose work is None."""
+
+    key: tuple[str, str] | None
+    start: Callable[[torch.Tensor], tuple[torch.Tensor, comm.AsyncWork | None]]
+
+
 class Routes:
     """This rank's collectives between partition levels of a flat buffer of `numel` elements
-    (a multiple of every level's chunk count)."""
+    (a multiple of every level's chunk count). With `dedicated`, over process groups of their own
+    (`Topology.dedicated_digit_group`), which nothing else queues work on: for reductions run
+    beside the main thread's collectives. Those are made by `steps` on first use, so every rank
+    must ask for the same steps in the same order before any runs."""
 
-    def __init__(self, topo: Topology, hierarchical: bool, dim: str = "dp"):
-        self.topo, self.hierarchical, self.dim = topo, hierarchical, dim
+    def __init__(self, topo: Topology, hierarchical: bool, dim: str = "dp", dedicated: bool = False):
+        self.topo, self.hierarchical, self.dim, self.dedicated = topo, hierarchical, dim, dedicated
         self._chunks: dict[tuple[int, str], tuple[int, int]] = {}
         self._groups: dict[tuple[str, str], tuple[object, list[int]]] = {}
 
@@ -45,7 +59,10 @@ class Routes:
         out = []
         for inner, outer in pairs:
             if (inner, outer) not in self._groups:
-                self._groups[(inner, outer)] = self.topo.digit_group(inner, outer)
+                group, members = self.topo.digit_group(inner, outer)
+                if self.dedicated and group is not None:
+                    group = self.topo.dedicated_digit_group(inner, outer)
+                self._groups[(inner, outer)] = group, members
             group, members = self._groups[(inner, outer)]
             if group is not None:
                 out.append((inner, outer, group, members))
@@ -60,6 +77,29 @@ class Routes:
             views = [buf[s - base : s - base + size] for s in (self.span(outer, numel, m)[0] for m in members)]
             buf = comm.reduce_scatter_views(buf.new_empty(size), views, group, self.dim)
         return buf
+
+    def reduce_scatter_hops(self, fine: str, coarse: str, numel: int) -> list[Hop]:
+        """`reduce_scatter` as hops to start one by one (each on the previous one's output)."""
+        hops = []
+        for inner, outer, group, members in self.steps(fine, coarse):
+            base, _ = self.span(inner, numel)
+            size = numel // self.count(outer)
+            starts = [self.span(outer, numel, m)[0] - base for m in members]
+
+            def start(buf: torch.Tensor, group=group, size=size, starts=starts):
+                out = buf.new_empty(size)
+                views = [buf[s : s + size] for s in starts]
+                return out, comm.reduce_scatter_views_async(out, views, group, self.dim)
+
+            hops.append(Hop((inner, outer), start))
+        return hops
+
+    def all_reduce_hops(self, fine: str, coarse: str) -> list[Hop]:
+        """In-place all-reduces of a `fine` chunk over the ranks holding copies of it up to `coarse`."""
+        return [
+            Hop((inner, outer), lambda buf, group=group: (buf, comm.all_reduce_async(buf, group, self.dim)))
+            for inner, outer, group, _ in self.steps(fine, coarse)
+        ]
 
     def gather(
         self, chunk: torch.Tensor, fine: str, coarse: str, out: torch.Tensor, numel: int, async_op: bool = False

@@ -44,19 +44,27 @@ progress = Progress()
 
 
 class _Inside:
-    """Marks `progress` as inside a collective for a `with` block: cheap enough for every collective."""
+    """Marks `progress` as inside a collective for a `with` block: cheap enough for every collective.
+    Only the training (main) thread's collectives are marked: a background thread's (gradient
+    reductions in flight) would interleave with them, and the main thread marks its wait for
+    their results anyway."""
 
-    __slots__ = ("name", "before")
+    __slots__ = ("name", "before", "marks")
 
     def __init__(self, name: str):
         self.name = name
 
     def __enter__(self) -> None:
+        self.marks = threading.current_thread() is threading.main_thread()
+        if not self.marks:
+            return
         self.before = (progress.doing, progress.inside)
         progress.seq += 1
         progress.doing, progress.inside = self.name, True
 
     def __exit__(self, *exc: object) -> None:
+        if not self.marks:
+            return
         progress.seq += 1
         if self.before[1]:  # a collective inside another (all_true inside a save): back to the outer one
             progress.doing, progress.inside = self.before

@@ -44,7 +44,8 @@ from strata.model import named_blocks
 from strata.parallel import comm
 from strata.parallel.clipping import global_grad_norm, scale_to_norm
 from strata.parallel.flat import Segment
-from strata.parallel.routes import PendingGather, Routes
+from strata.parallel.overlap import Reducer, Reduction
+from strata.parallel.routes import Hop, PendingGather, Routes
 from strata.parallel.tensor import placement_of
 from strata.parallel.topology import CHAIN, Topology, chain_level
 
@@ -185,6 +186,14 @@ class FlatGroup:
         if plan.grads != "none":
             self.grad_shard = self.full.new_zeros(routes.span(plan.grads, self.padded)[1])
         self.waiting = len(self.slots)  # gradients still to arrive in this micro-batch's backward
+        # Overlapped reduction (`expect_backwards`): backward passes this group sees per step, those
+        # seen so far, the per-micro-batch reduce-scatter not yet added in, and the step's whole chain.
+        self.reducer: Reducer | None = None
+        self.reduce_routes: Routes | None = None
+        self.sync_level = "global"
+        self.expected, self.backwards, self.uses = 0, 0, 1
+        self.partial: Reduction | None = None
+        self.reduction: Reduction | None = None
         self.optim_start, self.optim_size = routes.span(plan.optim, self.padded)
         self.segments = self._optimizer_segments()
         self.reduced: torch.Tensor | None = None
@@ -264,15 +273,55 @@ class FlatGroup:
         self.grad_full[a:b].add_(grad.reshape(-1))
         slot.param.grad = None
 
-    def end_backward(self) -> None:
+    def end_backward(self, overlap: bool = True) -> None:
         """This micro-batch's gradients are all in: free the parameters again and, from ZeRO-2 on,
-        reduce-scatter the gradients to the `grads` level and drop the full buffer."""
+        reduce-scatter the gradients to the `grads` level and drop the full buffer. With a reducer
+        (`overlap`), that reduce-scatter runs behind the rest of backward, and after the step's
+        last backward the whole reduction to the optimizer's chunk starts too."""
         self.waiting = len(self.slots)
         self.free()
+        self.backwards += 1
+        overlap = overlap and self.reducer is not None
+        last = overlap and self.backwards == self.expected
         if self.plan.grads != "none" and self.grad_full is not None:
             assert self.grad_shard is not None  # gradients partitioned: allocated in __init__
-            self.grad_shard.add_(self.routes.reduce_scatter(self.grad_full, "none", self.plan.grads, self.padded))
+            if not overlap:
+                self._settle()
+                self.grad_shard.add_(self.routes.reduce_scatter(self.grad_full, "none", self.plan.grads, self.padded))
+            elif last:
+                self._settle()
+                self.reduction = self._start(self.grad_full, "none", add_into_shard=True)
+            else:
+                self._settle()
+                self.partial = self._start(self.grad_full, "none", to=self.plan.grads)
             self.grad_full = None
+        elif last:
+            self.reduction = self._start(self.grad_full, "none")
+
+    def _start(self, buf: torch.Tensor | None, fine: str, add_into_shard: bool = False, to: str = "") -> Reduction:
+        """Start reducing `buf` (this rank's `fine` chunk) to the `grads` level (`to`), or on to the
+        optimizer's chunk summed within the sync level; `add_into_shard`: the gradients accumulated
+        at the `grads` level are added in on the way, as the serial path does (same arithmetic)."""
+        assert self.reducer is not None and self.reduce_routes is not None  # only with overlap on
+        if buf is None:
+            buf = self.full.new_zeros(self.padded)
+        routes, plan = self.reduce_routes, self.plan
+        hops = routes.reduce_scatter_hops(fine, plan.grads if add_into_shard or to else plan.optim, self.padded)
+        if add_into_shard:
+            shard = self.grad_shard
+            assert shard is not None  # gradients partitioned
+            hops.append(Hop(None, lambda reduced: (shard.add_(reduced), None)))
+        if not to:
+            hops += routes.reduce_scatter_hops(plan.grads, plan.optim, self.padded) if add_into_shard else []
+            hops += routes.all_reduce_hops(plan.optim, self.sync_level)
+        return self.reducer.start(buf, hops)
+
+    def _settle(self) -> None:
+        """Add the previous micro-batch's reduce-scatter, when one is in flight, into the shard."""
+        if self.partial is not None:
+            assert self.grad_shard is not None  # only gradients partitioned have a partial
+            self.grad_shard.add_(self.partial.wait())
+            self.partial = None
 
     def finish_grads(self, scale: float, sync_level: str) -> torch.Tensor:
         """This rank's `optim` chunk of the gradients summed over the dp ranks within `sync_level`
@@ -285,28 +334,48 @@ class FlatGroup:
                 f"{stray[0].segment.name}: a gradient arrived past the hooks, but gradients are "
                 f"partitioned per micro-batch (zero.grads.shard_over={self.plan.grads})"
             )
+        if stray and self.reduction is not None:
+            raise RuntimeError(
+                f"{stray[0].segment.name}: a gradient arrived past the hooks after its group's reduction "
+                "had started; set parallel.overlap_grad_reduce=false for this schedule"
+            )
         for slot in stray:
             self._take_grad(slot)
         if self.waiting != len(self.slots):
-            self.end_backward()  # some parameters got no gradient this step: they count as zero
+            self.end_backward(overlap=False)  # some parameters got no gradient this step: they count as zero
         plan = self.plan
+        self._settle()
         if plan.grads == "none":
             source = self.grad_full if self.grad_full is not None else self.full.new_zeros(self.padded)
         else:
             assert self.grad_shard is not None  # gradients partitioned: allocated in __init__
             source = self.grad_shard
-        reduced = self.routes.reduce_scatter(source, plan.grads, plan.optim, self.padded)
-        if reduced is source and plan.grads == "none":  # nothing to scatter: the chunk is a view of the buffer
+        if self.reduction is not None:
+            reduced = self.reduction.wait()
+            self.reduction = None
+        else:
+            reduced = self.routes.reduce_scatter(source, plan.grads, plan.optim, self.padded)
+            for _, _, group, _ in self.routes.steps(plan.optim, sync_level):  # the chunk's other copies
+                comm.all_reduce(reduced, group, dim=self.routes.dim)
+        if reduced is source and plan.grads == "none":  # nothing scattered: the chunk is a view of the buffer
             reduced = source[self.optim_start : self.optim_start + self.optim_size]
-        for _, _, group, _ in self.routes.steps(plan.optim, sync_level):  # the chunk's other copies
-            comm.all_reduce(reduced, group, dim=self.routes.dim)
+        self.backwards = 0
         self.reduced = reduced.mul_(scale)
         for slot, piece, a, b in self.segments:
             start = slot.range[0] + a - self.optim_start
             piece.grad = self.reduced[start : start + (b - a)]
         return self.reduced
 
+    def drain(self) -> None:
+        """Wait out reductions still in flight (a step that ends without using its gradients)."""
+        for pending in (self.partial, self.reduction):
+            if pending is not None:
+                pending.wait()
+        self.partial = self.reduction = None
+        self.backwards = 0
+
     def zero_grad(self) -> None:
+        self.drain()
         if self.grad_full is not None and self.plan.grads == "none":
             self.grad_full.zero_()
         if self.grad_shard is not None:
@@ -388,11 +457,13 @@ class ZeroEngine:
         tied_group=None,
         count_tied: bool = True,
         sync_level: str = "global",
+        overlap: bool = False,
     ):
         self.plan, self.topo, self.tied_group, self.count_tied = plan, topo, tied_group, count_tied
         self.routes, self.sync_level = Routes(topo, plan.hierarchical), sync_level
         self.groups: list[FlatGroup] = []
         self._plan_groups(parts, {id(p) for p in tied_copies or []})
+        self.reducer = self._overlap() if overlap else None
         self.params = [piece for g in self.groups for _, piece, _, _ in g.segments]
         shapes = {id(piece): tuple(slot.param.shape) for g in self.groups for slot, piece, _, _ in g.segments}
         self.optimizer = make_optimizer(self.params, lambda piece: shapes[id(piece)])
@@ -464,6 +535,31 @@ class ZeroEngine:
                     lambda m, args, o=order, u=ui: self._pre_forward(o, u), prepend=True
                 )
                 modules[-1].register_forward_hook(lambda m, args, out, o=order, u=ui: self._post_forward(o, u, out))
+
+    def _overlap(self) -> Reducer | None:
+        """Reductions behind backward: process groups of their own for every hop a reduction takes
+        (made now, in the same order on every rank), and a Reducer each group hands its buckets
+        to. None when there is nothing to reduce (a single data-parallel rank)."""
+        routes, plan = Routes(self.topo, self.plan.hierarchical, dedicated=True), self.plan
+        steps = [routes.steps("none", plan.grads), routes.steps(plan.grads, plan.optim)]
+        steps.append(routes.steps(plan.optim, self.sync_level))
+        if not any(steps):
+            return None
+        reducer = Reducer()
+        uses: dict[int, set[int]] = {}
+        for (pi, _), groups in self.unit_groups.items():
+            for g in groups:
+                uses.setdefault(id(g), set()).add(pi)
+        for g in self.groups:
+            g.reducer, g.reduce_routes, g.sync_level = reducer, routes, self.sync_level
+            g.uses = len(uses.get(id(g), {0}))  # a weight in two pipeline stages: two backwards per micro-batch
+        return reducer
+
+    def expect_backwards(self, micro_batches: int) -> None:
+        """The step about to run has this many micro-batches (each part runs backward once per
+        micro-batch): a group's reduction starts after its last backward of the step."""
+        for g in self.groups:
+            g.expected, g.backwards = micro_batches * g.uses, 0
 
     # --- hooks (ZeRO-3) --------------------------------------------------------------------
     def _prefetch(self, order: list[list[FlatGroup]], units: range) -> None:

@@ -124,6 +124,7 @@ class ParallelModel:
         inputs = [i.to(self.device) for i, _ in micro_batches]
         targets = [t.to(self.device) for _, t in micro_batches]
         offloader = self.tiers.activations if self.tiers else None
+        self.engine.expect_backwards(self.pipeline.microbatches if self.pipeline else len(micro_batches))
         with self.autocast(), offloader.saving() if offloader else contextlib.nullcontext():
             if self.pipeline:
                 loss_sum = self.pipeline.forward_backward(torch.cat(inputs), torch.cat(targets))
@@ -294,6 +295,7 @@ def _zero_engine(
         topo.group("pp_ends") if tied else None,
         count_tied=not pipeline or pipeline.has_first,
         sync_level=sync_level,
+        overlap=cfg.parallel.overlap_grad_reduce,
     )
 
 

@@ -394,6 +394,12 @@ class ParallelConfig:
         min=0.0,
         min_exclusive=True,
     )
+    overlap_grad_reduce: bool = opt(
+        True,
+        "start each gradient bucket's data-parallel reduction (all-reduce, or ZeRO's reduce-scatters) as soon as "
+        "backward has produced it, on process groups of its own, and wait only before clipping; false = reduce "
+        "after backward (same numbers either way)",
+    )
     timeout_s: int = opt(600, "process-group timeout in seconds", min=1)
     hang_timeout_s: float | None = opt(
         None,
