@@ -150,6 +150,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         external_store=args.rdzv_store == "external",
         join_timeout_s=args.join_timeout,
         snapshots=cfg.snapshot.every_steps > 0,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        net_ifname=args.net_ifname,
     )
     return torchrun.run_local(plan, args.config, args.overrides, args.resume)
 
@@ -369,6 +373,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
             "strata launch configs/tiny.yaml --nproc 2",
             "strata launch configs/tiny.yaml parallel.tp=2 parallel.pp=2 --nproc 4",
             "strata launch configs/tiny.yaml --nproc 2 --max-restarts 3 snapshot.every_steps=1 snapshot.m=0",
+            "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --rdzv-endpoint node0:29400 --net-ifname eth0",
+            "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --node-rank 1 --master-addr node0",
             "strata launch configs/llama-1b.yaml --slurm --nodes 4 --gpus-per-node 8 --partition gpu",
             extra=EXIT_CODES,
         ),
@@ -399,6 +405,22 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         type=_whole(1),
         default=600,
         help="seconds a rendezvous waits for every node (after a loss: for the replacement)",
+    )
+    la.add_argument(
+        "--node-rank",
+        type=_whole(0),
+        help="static rendezvous: this node's rank, 0..nnodes-1 (with --master-addr; no --rdzv-endpoint)",
+    )
+    la.add_argument("--master-addr", default="", help="static rendezvous: the address of the node with --node-rank 0")
+    la.add_argument(
+        "--master-port", type=_port, help="static rendezvous: the port node 0's store listens on (default 29500)"
+    )
+    la.add_argument(
+        "--net-ifname",
+        default="",
+        metavar="IF",
+        help="the network interface the workers talk over (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME; "
+        "its address is the one other nodes reach this node at)",
     )
     la.add_argument("--slurm", action="store_true", help="write an sbatch script (and submit it if sbatch exists)")
     la.add_argument("--nodes", type=_whole(1), default=1, help="Slurm nodes")

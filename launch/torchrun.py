@@ -1,13 +1,15 @@
-"""Local multi-process launch: build the torchrun command (c10d rendezvous) that starts one
-`strata train` worker per process, start the node's snapshot agent beside it when snapshots are
-on, own them until they end (stop signals reach every worker), and host a standalone rendezvous
-store for jobs that must survive the loss of any node."""
+"""Local multi-process launch: build the torchrun command (c10d rendezvous, or static with a fixed
+node rank) that starts one `strata train` worker per process, start the node's snapshot agent
+beside it when snapshots are on, own them until they end (stop signals reach every worker), and
+host a standalone rendezvous store for jobs that must survive the loss of any node."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
+import ipaddress
 import os
 import secrets
 import shlex
@@ -53,12 +55,26 @@ class LaunchPlan:
     external_store: bool = False  # the c10d store runs in `strata store`, not in the first torchrun
     join_timeout_s: int = 600  # how long a rendezvous waits for every node (a replacement, after a loss)
     snapshots: bool = False  # start this node's snapshot agent
+    # Static rendezvous (torchrun's --node-rank/--master-addr/--master-port): a fixed node rank and
+    # node 0's address instead of a c10d endpoint; no restarts.
+    node_rank: int | None = None
+    master_addr: str = ""
+    master_port: int | None = None
+    net_ifname: str = ""  # the interface gloo and NCCL use (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)
+
+    @property
+    def static(self) -> bool:
+        return self.node_rank is not None or bool(self.master_addr) or self.master_port is not None
+
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's
 
 
 def check_plan(plan: LaunchPlan) -> None:
     """Refuse a plan whose nodes could never meet: without an endpoint every node would pick its own
-    free local port and wait for the others there until the join timeout; and counts torchrun
-    would refuse with a traceback."""
+    free local port and wait for the others there until the join timeout; a static rendezvous
+    missing a part or mixed with c10d's flags; an interface this node does not have; and counts
+    torchrun would refuse with a traceback."""
     for flag, value, least in (
         ("--nproc", plan.nproc_per_node, 1),
         ("--nnodes", plan.nnodes, 1),
@@ -67,6 +83,11 @@ def check_plan(plan: LaunchPlan) -> None:
     ):
         if value < least:
             raise StrataError(f"{flag} {value}: must be >= {least}")
+    if plan.net_ifname:
+        _check_ifname(plan.net_ifname)
+    if plan.static:
+        _check_static(plan)
+        return
     if plan.rdzv_endpoint:
         _check_endpoint(plan.rdzv_endpoint)
         return
@@ -79,8 +100,49 @@ def check_plan(plan: LaunchPlan) -> None:
         raise StrataError(
             f"--nnodes {plan.nnodes} needs a rendezvous every node can reach: add --rdzv-endpoint HOST:PORT "
             "with the first node's address (the same on every node), or run `strata store --port PORT` on a "
-            "host and give every node --rdzv-store external --rdzv-endpoint HOST:PORT"
+            "host and give every node --rdzv-store external --rdzv-endpoint HOST:PORT, or give every node "
+            "--node-rank R --master-addr HOST (static: node 0's address, R = 0..N-1)"
         )
+
+
+def _check_static(plan: LaunchPlan) -> None:
+    """A static rendezvous: every part given, nothing of c10d's, a node rank in range."""
+    if plan.rdzv_endpoint:
+        raise StrataError(
+            "--node-rank/--master-addr/--master-port (static rendezvous) and --rdzv-endpoint (c10d) are two ways "
+            "for nodes to meet: give one of them"
+        )
+    if plan.external_store:
+        raise StrataError(
+            "--rdzv-store external hosts a c10d rendezvous: it needs --rdzv-endpoint, not "
+            "--node-rank/--master-addr/--master-port (static rendezvous, whose store is node 0's)"
+        )
+    if plan.node_rank is None:
+        raise StrataError(
+            f"static rendezvous needs --node-rank R on every node: a different R in 0..{plan.nnodes - 1}, node 0 "
+            "at --master-addr"
+        )
+    if not 0 <= plan.node_rank < plan.nnodes:
+        raise StrataError(f"--node-rank {plan.node_rank}: must be 0..{plan.nnodes - 1} with --nnodes {plan.nnodes}")
+    if not plan.master_addr:
+        raise StrataError(
+            "static rendezvous needs --master-addr HOST: the address of the node with --node-rank 0, the same "
+            "on every node"
+        )
+    if plan.master_port is not None and not 1 <= plan.master_port <= 65535:
+        raise StrataError(f"--master-port {plan.master_port}: must be 1..65535")
+    if plan.max_restarts:
+        raise StrataError(
+            f"--max-restarts {plan.max_restarts} needs a c10d rendezvous (--rdzv-endpoint): with a static one a "
+            "node restarts only its own workers, which the other nodes never rejoin"
+        )
+
+
+def _check_ifname(ifname: str) -> None:
+    """--net-ifname names an interface of this node (its network namespace)."""
+    names = sorted(name for _, name in socket.if_nameindex())
+    if ifname not in names and not Path("/sys/class/net", ifname).exists():
+        raise StrataError(f"--net-ifname {ifname!r}: this node has no such interface; it has {', '.join(names)}")
 
 
 def _check_endpoint(endpoint: str) -> None:
@@ -92,19 +154,134 @@ def _check_endpoint(endpoint: str) -> None:
         raise StrataError(f"--rdzv-endpoint {endpoint!r}: write it as HOST:PORT with a port 1..65535, e.g. node1:29400")
 
 
+def _split_endpoint(endpoint: str) -> tuple[str, int | None]:
+    host, colon, port = endpoint.rpartition(":")
+    if not colon or "]" in port:  # HOST alone (an IPv6 address without a port, too)
+        host, port = endpoint, ""
+    return host.strip("[]"), int(port) if port.isdigit() else None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _resolve(host: str, port: int | None = None) -> list[tuple[int, tuple]]:
+    """(family, socket address) of every TCP address `host` resolves to; none when it does not."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return [(family, addr) for family, _, _, _, addr in infos]
+
+
+def _binds(family: int, addr: tuple) -> int:
+    """0 when a listening socket could bind `addr` now, else the errno (EADDRNOTAVAIL: not an address of
+    this node; EADDRINUSE: something listens there)."""
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore: TIME_WAIT leftovers do not count
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return e.errno or -1
+    return 0
+
+
+def rdzv_is_host(endpoint: str, external_store: bool = False) -> bool | None:
+    """Whether this node's torchrun hosts the c10d rendezvous store at `endpoint` (torchrun's
+    `is_host`), or None to leave it to torch. torch's own guess compares the endpoint with this
+    machine's hostname and the addresses that hostname resolves to, so it fails wherever the
+    hostname resolves elsewhere (Debian's 127.0.1.1, a hostname on another interface): no node hosts
+    the store and every node times out. Here: an endpoint that resolves to one of this node's own
+    non-loopback addresses (a socket can bind it) is hosted here, unless its port is taken (another
+    torchrun of this job on this node got there first: then a client); any other endpoint is not.
+    Loopback endpoints (several simulated nodes on one machine) keep torch's guess, which falls back
+    from host to client when the port is taken, as an explicit `is_host` never does. An external
+    store (`strata store`) is never hosted by torchrun."""
+    if external_store:
+        return False
+    host, port = _split_endpoint(endpoint)
+    if _is_loopback(host):
+        return None
+    addresses = _resolve(host)
+    if not addresses or any(_is_loopback(addr[0]) for _, addr in addresses):
+        return None if addresses else False  # e.g. this machine's own name on 127.0.1.1: torch's guess
+    local = [(family, addr) for family, addr in addresses if _binds(family, (addr[0], 0, *addr[2:])) == 0]
+    if not local:
+        return False
+    family, addr = local[0]
+    return _binds(family, (addr[0], port or C10D_DEFAULT_PORT, *addr[2:])) != errno.EADDRINUSE
+
+
+C10D_DEFAULT_PORT = 29400  # torchrun's, for an endpoint without a port
+
+
+def interface_address(ifname: str) -> str | None:
+    """The IPv4 address of this node's interface `ifname`, or None (no such interface, no IPv4)."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def node_address(plan: LaunchPlan) -> str | None:
+    """The address the other nodes reach this one at, for what this node hosts (the workers' store
+    when it holds rank 0, its snapshot agent): the --net-ifname interface's, else the address this
+    node reaches the rendezvous host from; None on one machine (a loopback rendezvous) or when the
+    rendezvous host does not resolve. torchrun's own choice, this machine's fully qualified name,
+    is wrong wherever that name does not resolve to this node on every other node."""
+    if plan.net_ifname:
+        return interface_address(plan.net_ifname)
+    host, port = _split_endpoint(plan.master_addr if plan.static else plan.rdzv_endpoint)
+    if not host or _is_loopback(host):
+        return None
+    for family, addr in _resolve(host, port or C10D_DEFAULT_PORT):
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect(addr)  # UDP: picks the route, sends nothing
+            except OSError:
+                continue
+            mine = s.getsockname()[0]
+        return None if _is_loopback(mine) else mine
+    return None
+
+
 def torchrun_args(plan: LaunchPlan) -> list[str]:
-    """torchrun's own flags (elastic c10d rendezvous, as on a real cluster)."""
+    """torchrun's own flags: an elastic c10d rendezvous, as on a real cluster, or a static one."""
     check_plan(plan)
+    common = ["--nnodes", str(plan.nnodes), "--nproc-per-node", str(plan.nproc_per_node)]
+    local = node_address(plan)
+    if local:
+        common += ["--local-addr", local]
+    if plan.static:
+        return common + [
+            "--node-rank",
+            str(plan.node_rank),
+            "--master-addr",
+            plan.master_addr,
+            "--master-port",
+            str(plan.master_port or DEFAULT_MASTER_PORT),
+            "--rdzv-id",
+            plan.rdzv_id,
+            "--rdzv-conf",
+            f"timeout={plan.join_timeout_s}",  # how long node 0's store waits for every node
+            "--max-restarts",
+            "0",
+        ]
     endpoint = plan.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     # A dead node's heartbeat expires after 2 s, and a round closes 1 s after the last node joins.
     conf = f"join_timeout={plan.join_timeout_s},last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
-    if plan.external_store:
-        conf += ",is_host=false"
-    return [
-        "--nnodes",
-        str(plan.nnodes),
-        "--nproc-per-node",
-        str(plan.nproc_per_node),
+    is_host = rdzv_is_host(endpoint, plan.external_store)
+    if is_host is not None:
+        conf += f",is_host={str(is_host).lower()}"
+    return common + [
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
@@ -146,6 +323,8 @@ def launch_env(plan: LaunchPlan) -> dict[str, str]:
     # that a torch without those flags still starts: SIGUSR1 must reach the workers, not kill torchrun.
     env["PET_SIGNALS_TO_HANDLE"] = ",".join(sig.name for sig in FORWARDED_SIGNALS)
     env["PET_SHUTDOWN_TIMEOUT"] = str(STOP_GRACE_S)
+    if plan.net_ifname:  # without the flag, values the environment already has pass through
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = plan.net_ifname
     if plan.snapshots and SECRET_ENV not in env:
         if plan.nnodes > 1:
             raise StrataError(
@@ -175,8 +354,8 @@ def start_agent(plan: LaunchPlan, env: dict[str, str]) -> tuple[subprocess.Popen
 def _spawn_agent(plan: LaunchPlan, env: dict[str, str], path: str) -> subprocess.Popen:
     """Start an agent listening at `path` (a socket file left there by a dead one is removed first)."""
     Path(path).unlink(missing_ok=True)
-    host = (plan.rdzv_endpoint or "127.0.0.1").rsplit(":", 1)[0]
-    local = host in ("127.0.0.1", "localhost", "::1")
+    host = _split_endpoint(plan.master_addr if plan.static else plan.rdzv_endpoint or "127.0.0.1")[0]
+    local = _is_loopback(host)
     cmd = [
         sys.executable,
         "-m",
@@ -186,7 +365,7 @@ def _spawn_agent(plan: LaunchPlan, env: dict[str, str], path: str) -> subprocess
         "--parent",
         str(os.getpid()),
         "--advertise",
-        "127.0.0.1" if local else socket.getfqdn(),
+        "127.0.0.1" if local else node_address(plan) or socket.getfqdn(),
         "--bind",
         "127.0.0.1" if local else "0.0.0.0",
     ]

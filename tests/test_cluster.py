@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 from cluster import Cluster, unavailable
 
+from strata.errors import StrataError
+from strata.launch.torchrun import LaunchPlan, check_plan, launch_env, rdzv_is_host, torchrun_args
+
 REPO = Path(__file__).resolve().parents[1]
 PORT = 5201
 
@@ -44,7 +47,7 @@ c.close()
 """
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(scope="module")
 def _netns():
     problem = unavailable()
     if problem is None:
@@ -52,6 +55,9 @@ def _netns():
     if os.environ.get("STRATA_REQUIRE_NETNS") == "1":
         pytest.fail(f"STRATA_REQUIRE_NETNS=1 but network namespaces cannot be made here: {problem}")
     pytest.skip(problem)
+
+
+netns = pytest.mark.usefixtures("_netns")
 
 
 def _transfer(cluster: Cluster, nbytes: int, src: int = 0, dst: int = 1, timeout_s: float = 30) -> dict:
@@ -72,6 +78,7 @@ def _netns_names() -> list[str]:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
 
 
+@netns
 def test_shaped_bandwidth_and_byte_counts():
     with Cluster(2, rate="200mbit") as cluster:
         before = cluster.link_bytes()
@@ -89,6 +96,7 @@ def test_shaped_bandwidth_and_byte_counts():
         assert 4 * nbytes * 8 / done["seconds"] > 3 * 200e6  # unshaped: veth speed
 
 
+@netns
 def test_each_node_has_its_own_hostname_and_resolves_the_others():
     probe = (
         "import json, socket, sys; "
@@ -105,6 +113,7 @@ def test_each_node_has_its_own_hostname_and_resolves_the_others():
             assert addresses == [m.address for m in cluster.nodes]
 
 
+@netns
 def test_kill_node_kills_only_that_node():
     with Cluster(2) as cluster:
         procs = [cluster.popen(i, ["sleep", "600"]) for i in (0, 0, 1)]
@@ -118,6 +127,7 @@ def test_kill_node_kills_only_that_node():
         assert procs[2].wait(5) == -9
 
 
+@netns
 def test_a_cut_link_refuses_connections_until_restored():
     with Cluster(2) as cluster:
         cluster.set_link(1, up=False)
@@ -133,6 +143,7 @@ def test_a_cut_link_refuses_connections_until_restored():
         assert _transfer(cluster, 1_000_000)["bytes"] == 1_000_000
 
 
+@netns
 def test_close_leaves_nothing_behind_even_after_an_error():
     with pytest.raises(RuntimeError, match="inside"):
         with Cluster(2) as cluster:
@@ -145,6 +156,7 @@ def test_close_leaves_nothing_behind_even_after_an_error():
     cluster.close()  # idempotent
 
 
+@netns
 def test_a_dead_makers_namespaces_are_removed_by_the_next_cluster():
     maker = subprocess.run(
         [
@@ -162,3 +174,83 @@ def test_a_dead_makers_namespaces_are_removed_by_the_next_cluster():
     assert f"{prefix}-n0" in _netns_names()  # os._exit: no atexit, as after a crash
     with Cluster(1):
         assert not any(name.startswith(prefix) for name in _netns_names())
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def test_static_rendezvous_flags_and_their_errors():
+    plan = LaunchPlan(2, nnodes=2, node_rank=1, master_addr="203.0.113.7", master_port=29511, join_timeout_s=30)
+    args = torchrun_args(plan)
+    assert (_flag(args, "--node-rank"), _flag(args, "--master-addr"), _flag(args, "--master-port")) == (
+        "1",
+        "203.0.113.7",
+        "29511",
+    )
+    assert "--rdzv-backend" not in args and "--rdzv-endpoint" not in args and _flag(args, "--max-restarts") == "0"
+    assert _flag(torchrun_args(LaunchPlan(1, node_rank=0, master_addr="n0")), "--master-port") == "29500"
+    for plan, message in (
+        (LaunchPlan(1, nnodes=2, node_rank=2, master_addr="n0"), r"--node-rank 2: must be 0\.\.1 with --nnodes 2"),
+        (LaunchPlan(1, nnodes=2, node_rank=0), "needs --master-addr HOST"),
+        (LaunchPlan(1, nnodes=2, master_addr="n0"), "needs --node-rank R"),
+        (LaunchPlan(1, nnodes=2, node_rank=0, master_addr="n0", rdzv_endpoint="n0:1"), "give one of them"),
+        (
+            LaunchPlan(1, nnodes=2, node_rank=0, master_addr="n0", external_store=True),
+            "--rdzv-store external hosts a c10d rendezvous",
+        ),
+        (LaunchPlan(1, nnodes=2, node_rank=0, master_addr="n0", max_restarts=1), "--max-restarts 1 needs a c10d"),
+        (LaunchPlan(1, nnodes=2, node_rank=0, master_addr="n0", master_port=0), "--master-port 0"),
+        (LaunchPlan(2), None),
+    ):
+        if message is None:
+            check_plan(plan)
+            continue
+        with pytest.raises(StrataError, match=message):
+            check_plan(plan)
+    with pytest.raises(StrataError, match="--node-rank R --master-addr HOST"):  # named where nodes cannot meet
+        check_plan(LaunchPlan(1, nnodes=2))
+
+
+def test_net_ifname_sets_the_workers_interface_and_must_exist(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "from-env")
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    env = launch_env(LaunchPlan(1))
+    assert env["GLOO_SOCKET_IFNAME"] == "from-env" and "NCCL_SOCKET_IFNAME" not in env  # passes through
+    env = launch_env(LaunchPlan(1, net_ifname="lo"))
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo"
+    check_plan(LaunchPlan(1, net_ifname="lo"))
+    with pytest.raises(StrataError, match=r"--net-ifname 'nosuch0': this node has no such interface; it has .*\blo\b"):
+        check_plan(LaunchPlan(1, net_ifname="nosuch0"))
+
+
+def test_who_hosts_the_rendezvous_store_off_the_loopback():
+    assert rdzv_is_host("127.0.0.1:29400") is None and rdzv_is_host("localhost:29400") is None  # torch's guess
+    assert rdzv_is_host("203.0.113.7:29400") is False  # not an address of this machine
+    assert rdzv_is_host("no-such-host.invalid:29400") is False
+    assert rdzv_is_host("127.0.0.1:29400", external_store=True) is False  # `strata store` hosts it
+    conf = _flag(torchrun_args(LaunchPlan(1, nnodes=2, rdzv_endpoint="127.0.0.1:29400")), "--rdzv-conf")
+    assert "is_host" not in conf
+
+
+# In a node: is_host for its own address (a free port, a taken one), its own name, another node's address.
+IS_HOST = """
+import json, socket, sys
+from strata.launch.torchrun import rdzv_is_host
+own, name, other = sys.argv[1:]
+free = rdzv_is_host(f"{own}:29400")
+with socket.create_server((own, 29400)):
+    taken = rdzv_is_host(f"{own}:29400")
+print(json.dumps([free, taken, rdzv_is_host(f"{name}:29400"), rdzv_is_host(f"{other}:29400"), rdzv_is_host(own)]))
+"""
+
+
+@netns
+def test_who_hosts_the_rendezvous_store_between_nodes():
+    with Cluster(2) as cluster:
+        n0, n1 = cluster.nodes
+        done = cluster.run(
+            0, [sys.executable, "-c", IS_HOST, n0.address, n0.hostname, n1.address], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == [True, False, True, False, True]
