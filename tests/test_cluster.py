@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import Cluster, unavailable
+from cluster import NODE_IF, Cluster, unavailable
 
 from strata.errors import StrataError
 from strata.launch.torchrun import LaunchPlan, check_plan, launch_env, rdzv_is_host, torchrun_args
+
+from conftest import tiny_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 PORT = 5201
@@ -254,3 +256,88 @@ def test_who_hosts_the_rendezvous_store_between_nodes():
         )
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout) == [True, False, True, False, True]
+
+
+# --- `strata launch` across nodes ------------------------------------------------------------------------
+
+LAUNCH_SETTINGS = {"log.interval": 1, "train.steps": 3, "checkpoint.save_final": True, "parallel.timeout_s": 30}
+LAUNCH_WAIT_S = 150
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory, small_data_dir) -> dict[int, float]:
+    """The same run in one process (the same global batch): where every layout must end."""
+    from strata.parallel.runtime import start
+    from strata.trainer.loop import run
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(small_data_dir, tmp_path_factory.mktemp("reference"), **LAUNCH_SETTINGS)
+    return {step: float(loss) for step, loss in run(cfg, start()).losses.items()}
+
+
+def _debian_hosts(cluster: Cluster) -> None:
+    """Each node's own hostname on 127.0.1.1, as Debian writes it; the others' on their addresses (as DNS
+    would give them): torch's guesses of who hosts the store and which address the workers use go wrong."""
+    for n in cluster.nodes:
+        others = "".join(f"{m.address} {m.hostname}\n" for m in cluster.nodes if m is not n)
+        (Path("/etc/netns") / n.netns / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {n.hostname}\n{others}")
+
+
+def _launch_on_nodes(tmp: Path, data_dir: Path, mode: str, nproc: int) -> dict[int, float]:
+    """`strata launch` on each of 2 nodes (rendezvous `mode`: c10d, static or external); rank 0's losses."""
+    experiment = tmp / "experiment.yaml"
+    experiment.write_text("{}\n")
+    overrides = tiny_overrides(data_dir, tmp / "runs", **LAUNCH_SETTINGS)
+    with Cluster(2) as cluster:
+        _debian_hosts(cluster)
+        head = cluster.nodes[0].address
+        procs, logs = [], []
+
+        def start(node: int, name: str, args: list[str]) -> None:
+            log = tmp / f"{name}.log"
+            logs.append(log)
+            with open(log, "wb") as out:
+                cmd = [sys.executable, "-m", "strata.launch.cli", *args]
+                procs.append(cluster.popen(node, cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+
+        flags = ["--nnodes", "2", "--nproc", str(nproc), "--join-timeout", "60", "--net-ifname", NODE_IF]
+        if mode == "external":
+            start(0, "store", ["store", "--port", "29400"])
+            deadline = time.monotonic() + 30
+            while "rendezvous store at" not in logs[0].read_text():
+                assert procs[0].poll() is None and time.monotonic() < deadline, logs[0].read_text()
+                time.sleep(0.1)
+            flags += ["--rdzv-store", "external", "--rdzv-endpoint", f"{head}:29400"]
+        elif mode == "c10d":
+            flags += ["--rdzv-endpoint", f"{head}:29400"]
+        launchers = []
+        for n in cluster.nodes:
+            node_flags = ["--node-rank", str(n.index), "--master-addr", head] if mode == "static" else []
+            start(n.index, f"node{n.index}", ["launch", str(experiment), *overrides, *flags, *node_flags])
+            launchers.append(procs[-1])
+        try:
+            codes = [p.wait(LAUNCH_WAIT_S) for p in launchers]
+        except subprocess.TimeoutExpired:
+            codes = None
+        tails = "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in logs)
+        assert codes == [0, 0], tails
+    return losses_from(tmp / "runs" / "t")
+
+
+def losses_from(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@netns
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "nproc"), [("c10d", 2), ("static", 1), ("external", 1)])
+def test_launch_across_nodes_ends_where_one_process_does(tmp_path, small_data_dir, reference_losses, mode, nproc):
+    """2 nodes whose own hostnames resolve to 127.0.1.1 (Debian's default), each `strata launch
+    --net-ifname eth0`: a c10d rendezvous at node 0's address, a static one, and one in a `strata
+    store` on node 0 all train, and log the losses of one process with the same global batch."""
+    losses = _launch_on_nodes(tmp_path, small_data_dir, mode, nproc)
+    assert sorted(losses) == sorted(reference_losses) == [1, 2, 3]
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference_losses[step], rel=1e-5), step
