@@ -253,6 +253,22 @@ def node_address(plan: LaunchPlan) -> str | None:
     return None
 
 
+def interface_problem(plan: LaunchPlan, env: dict[str, str]) -> str | None:
+    """Why gloo's workers on several nodes will likely not reach each other, or None: no interface named
+    (--net-ifname, GLOO_SOCKET_IFNAME) and this machine's hostname resolves only to loopback addresses,
+    which gloo then binds."""
+    if plan.nnodes == 1 or plan.net_ifname or env.get("GLOO_SOCKET_IFNAME"):
+        return None
+    name = socket.gethostname()
+    addresses = _resolve(name)
+    if not addresses or not all(_is_loopback(addr[0]) for _, addr in addresses):
+        return None
+    return (
+        f"this machine's hostname {name!r} resolves to {addresses[0][1][0]} (loopback), which gloo binds: workers "
+        "on the other nodes will not reach these; add --net-ifname IF (the interface the nodes share, e.g. eth0)"
+    )
+
+
 def torchrun_args(plan: LaunchPlan) -> list[str]:
     """torchrun's own flags: an elastic c10d rendezvous, as on a real cluster, or a static one."""
     check_plan(plan)
@@ -626,6 +642,9 @@ def run_local(
     saved and stopped on that signal (see `Supervisor.wait`). `extra`: more `strata train` flags."""
     check_plan(plan)
     env = launch_env(plan)
+    problem = interface_problem(plan, env)
+    if problem:
+        print(f"strata launch: warning: {problem}", file=sys.stderr, flush=True)
     status = env[STATUS_ENV] = tempfile.mkdtemp(prefix="strata-status-")  # 0700
     supervisor = Supervisor(preempted=functools.partial(workers_preempted, status, plan.nproc_per_node))
     with supervisor.handling():

@@ -141,6 +141,11 @@ def _remove(prefix: str, names: list[str]) -> None:
 def remove_all(stale_only: bool = False) -> list[str]:
     """Remove this harness's namespaces (only those whose maker is dead with `stale_only`); returns them."""
     removed = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():  # an `unavailable` probe's, if it died
+        probe = re.match(r"^stprobe-(\d+)\b", line)
+        if probe and (not stale_only or not Path(f"/proc/{probe[1]}").exists()):
+            _ip("netns", "del", probe[0], check=False)
+            removed.append(probe[0])
     for prefix, names in _namespaces().items():
         if not stale_only or not _owner_alive(prefix):
             _remove(prefix, names)

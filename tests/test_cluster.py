@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,14 @@ import pytest
 from cluster import NODE_IF, Cluster, unavailable
 
 from strata.errors import StrataError
-from strata.launch.torchrun import LaunchPlan, check_plan, launch_env, rdzv_is_host, torchrun_args
+from strata.launch.torchrun import (
+    LaunchPlan,
+    check_plan,
+    interface_problem,
+    launch_env,
+    rdzv_is_host,
+    torchrun_args,
+)
 
 from conftest import tiny_overrides
 
@@ -224,6 +232,15 @@ def test_net_ifname_sets_the_workers_interface_and_must_exist(monkeypatch):
     check_plan(LaunchPlan(1, net_ifname="lo"))
     with pytest.raises(StrataError, match=r"--net-ifname 'nosuch0': this node has no such interface; it has .*\blo\b"):
         check_plan(LaunchPlan(1, net_ifname="nosuch0"))
+
+
+def test_a_loopback_hostname_without_an_interface_is_warned_about(monkeypatch):
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")
+    plan = LaunchPlan(1, nnodes=2, rdzv_endpoint="203.0.113.7:29400")
+    assert "add --net-ifname IF" in interface_problem(plan, {})
+    assert interface_problem(plan, {"GLOO_SOCKET_IFNAME": "eth0"}) is None
+    assert interface_problem(LaunchPlan(1, nnodes=2, rdzv_endpoint="203.0.113.7:29400", net_ifname="lo"), {}) is None
+    assert interface_problem(LaunchPlan(1), {}) is None  # one node: loopback is right
 
 
 def test_who_hosts_the_rendezvous_store_off_the_loopback():
