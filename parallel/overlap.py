@@ -1,17 +1,17 @@
 """Gradient reductions that run behind backward: each bucket's chain of collectives (a
-reduce-scatter inside the node, then across nodes, then all-reduces, with local steps between)
-is started when backward has produced the bucket, and waited on only before the gradients are
-used. The first collective starts on the caller's thread at once; each later hop is started by a
-*lane*, a thread of its own per digit group, as soon as the hop before it is done. So bucket k's
-inter-node step runs while bucket k+1 reduces inside the node, and nothing waits on the training
-thread.
+reduce-scatter inside the node, then across nodes, all-gathers back, with local steps between) is
+started when backward has produced the bucket and waited on only before the gradients are used.
+Every hop of a chain is issued by a *lane*, a thread of its own per (levels, operation) with a
+process group of its own, as soon as the hop before it is done: bucket k's inter-node step runs
+while bucket k+1 reduces inside the node, and nothing waits on the training thread.
 
-Why threads and not only `async_op`: a chain's second collective needs the first one's result,
-and waiting for it on the training thread would stall backward. Each lane issues its group's
-collectives in the order the chains were started, which is the same on every rank (the same
-backward), as a process group requires; the groups are dedicated to these reductions
-(`Routes(dedicated=True)`), so no other collective can come between. On GPUs every NCCL group has
-its own stream: the reductions run on streams of their own beside the compute stream.
+Why lanes and not only `async_op`: a chain's second collective needs the first one's result, and
+waiting for it on the training thread would stall backward. A process group needs every member
+to issue its collectives in the same order; here each group is used by one lane only
+(`Routes(dedicated=True)`: no other collective can come between), and a lane issues its hops in
+the order the training thread started the chains (`Reducer.start` queues every hop of a chain on
+its lane at once), which is the same on every rank because the backward is. On GPUs every NCCL
+group has its own stream: the reductions run on streams of their own beside the compute stream.
 """
 
 from __future__ import annotations
@@ -28,64 +28,72 @@ from strata.parallel.routes import Hop
 class Reduction:
     """One bucket's chain in flight. `wait()` returns the chain's output (and raises what a hop raised)."""
 
-    def __init__(self, hops: list[Hop]):
+    def __init__(self, buf: torch.Tensor, hops: list[Hop]):
         self.hops = hops
-        self._issued = threading.Event()  # the last collective has been started (or the chain failed)
-        self._out: torch.Tensor | None = None
-        self._work: AsyncWork | None = None
-        self._next = len(hops)  # hops from here on are local, run by `wait`
+        # collective hop index -> (its input, the work that must finish first), set by the hop before
+        self._handed: dict[int, tuple[torch.Tensor, AsyncWork | None]] = {}
+        self._ready = threading.Condition()
+        self._collectives = [i for i, hop in enumerate(hops) if hop.key is not None]
+        self._first = buf
+        self._done: tuple[torch.Tensor, AsyncWork | None, int] | None = None  # output, its work, local hops from
         self._error: BaseException | None = None
 
+    def _hand(self, i: int, buf: torch.Tensor, work: AsyncWork | None) -> None:
+        with self._ready:
+            self._handed[i] = (buf, work)
+            self._ready.notify_all()
+
+    def _finish(self, buf: torch.Tensor, work: AsyncWork | None, local_from: int) -> None:
+        with self._ready:
+            self._done = (buf, work, local_from)
+            self._ready.notify_all()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._ready:
+            self._error = error
+            self._ready.notify_all()
+
+    def _take(self, i: int) -> tuple[torch.Tensor, AsyncWork | None] | None:
+        """Block until hop `i`'s input is handed over (None: the chain failed before it)."""
+        with self._ready:
+            self._ready.wait_for(lambda: i in self._handed or self._error is not None)
+            return self._handed.pop(i, None)
+
     def wait(self) -> torch.Tensor:
-        self._issued.wait()
+        with self._ready:
+            self._ready.wait_for(lambda: self._done is not None or self._error is not None)
         if self._error is not None:
             raise self._error
-        if self._work is not None:
-            self._work.wait()
-        out = self._out
-        assert out is not None  # set with the event, unless an error was
-        for hop in self.hops[self._next :]:
+        assert self._done is not None  # by the wait above
+        out, work, local_from = self._done
+        if work is not None:
+            work.wait()
+        for hop in self.hops[local_from:]:
             out, _ = hop.start(out)
         return out
 
 
 class Reducer:
-    """Starts chains (`start`) and owns the lanes that carry them on."""
+    """Starts chains (`start`) and owns the lanes that carry them."""
 
     def __init__(self):
-        self._lanes: dict[tuple[str, str], _Lane] = {}
-        self._lock = threading.Lock()
+        self._lanes: dict[tuple[str, str, str], _Lane] = {}
 
     def start(self, buf: torch.Tensor, hops: list[Hop]) -> Reduction:
-        """Begin reducing `buf` along `hops`; the caller must not touch `buf` until `wait()`."""
-        job = Reduction(hops)
-        self._advance(job, 0, buf)
-        return job
-
-    def _advance(self, job: Reduction, i: int, buf: torch.Tensor) -> None:
-        """Run local hops from `i` up to the next collective, start it, and hand the chain to the
-        lane of the collective after it (or mark the chain issued)."""
-        hops = job.hops
-        while i < len(hops) and hops[i].key is None:
-            buf, _ = hops[i].start(buf)
-            i += 1
-        if i == len(hops):
-            job._out, job._next = buf, i
-            job._issued.set()
-            return
-        out, work = hops[i].start(buf)
-        later = next((j for j in range(i + 1, len(hops)) if hops[j].key is not None), None)
-        if later is None:
-            job._out, job._work, job._next = out, work, i + 1
-            job._issued.set()
-        else:
-            self._lane(hops[later].key).put((job, i + 1, out, work))
-
-    def _lane(self, key) -> _Lane:
-        with self._lock:
+        """Begin reducing `buf` along `hops`; the caller must not touch `buf` until `wait()`. Called
+        on the training thread only: the order of calls is each lane's order."""
+        job = Reduction(buf, hops)
+        if not job._collectives:
+            job._finish(buf, None, 0)
+            return job
+        job._hand(job._collectives[0], buf, None)
+        for i in job._collectives:
+            key = hops[i].key
+            assert key is not None  # a collective hop
             if key not in self._lanes:
-                self._lanes[key] = _Lane(self, f"strata-reduce-{key[0]}-{key[1]}")
-            return self._lanes[key]
+                self._lanes[key] = _Lane(f"strata-reduce-{'-'.join(key)}")
+            self._lanes[key].put((job, i))
+        return job
 
     def close(self) -> None:
         for lane in self._lanes.values():
@@ -93,11 +101,11 @@ class Reducer:
 
 
 class _Lane(threading.Thread):
-    """Carries chains on, in the order they arrive: wait for the hop before, start the next."""
+    """Issues one group's hops, in the order they were queued: wait for the hop before, run the
+    local hops between, start this one, hand its output on."""
 
-    def __init__(self, reducer: Reducer, name: str):
+    def __init__(self, name: str):
         super().__init__(name=name, daemon=True)
-        self.reducer = reducer
         self.items: queue.SimpleQueue = queue.SimpleQueue()
         self.start()
 
@@ -106,11 +114,22 @@ class _Lane(threading.Thread):
 
     def run(self) -> None:
         while (item := self.items.get()) is not None:
-            job, i, buf, work = item
+            job, i = item
+            handed = job._take(i)
+            if handed is None:
+                continue  # the chain failed earlier: wait() raises that
             try:
+                buf, work = handed
                 if work is not None:
                     work.wait()
-                self.reducer._advance(job, i, buf)
+                before = max((c for c in job._collectives if c < i), default=-1)
+                for hop in job.hops[before + 1 : i]:  # local hops between the two collectives
+                    buf, _ = hop.start(buf)
+                out, work = job.hops[i].start(buf)
+                later = [c for c in job._collectives if c > i]
+                if later:
+                    job._hand(later[0], out, work)
+                else:
+                    job._finish(out, work, i + 1)
             except BaseException as error:  # handed to the training thread at wait()
-                job._error = error
-                job._issued.set()
+                job._fail(error)

@@ -17,10 +17,10 @@ from strata.parallel.topology import CHAIN, Topology
 @dataclass(frozen=True)
 class Hop:
     """One step of a reduction chain (`parallel.overlap`): a collective over the digit group
-    `key` = (inner, outer) that `start(buffer)` begins, returning its output buffer and the work
+    `key` = (inner, outer, op) that `start(buffer)` begins, returning its output buffer and the work
     in flight; or, with `key` None, a local operation whose work is None."""
 
-    key: tuple[str, str] | None
+    key: tuple[str, str, str] | None
     start: Callable[[torch.Tensor], tuple[torch.Tensor, comm.AsyncWork | None]]
 
 
@@ -50,20 +50,18 @@ class Routes:
     def count(self, level: str) -> int:
         return self.chunk(level)[1]
 
-    def steps(self, fine: str, coarse: str) -> list[tuple[str, str, object, list[int]]]:
-        """The collectives from partitioning at `fine` to `coarse`: (inner, outer, group, members)."""
-        a, b = CHAIN.index(fine), CHAIN.index(coarse)
-        pairs = (
-            list(zip(CHAIN[a:b], CHAIN[a + 1 : b + 1])) if self.hierarchical else ([(fine, coarse)] if a < b else [])
-        )
+    def steps(self, fine: str, coarse: str, op: str = "") -> list[tuple[str, str, object, list[int]]]:
+        """The collectives from partitioning at `fine` to `coarse`: (inner, outer, group, members).
+        With `dedicated` routes, each `op` (rs, ag, ar) over a pair of levels has a group of its own."""
         out = []
-        for inner, outer in pairs:
-            if (inner, outer) not in self._groups:
+        for inner, outer in self._pairs(fine, coarse):
+            key = (inner, outer, op if self.dedicated else "")
+            if key not in self._groups:
                 group, members = self.topo.digit_group(inner, outer)
                 if self.dedicated and group is not None:
                     group = self.topo.dedicated_digit_group(inner, outer)
-                self._groups[(inner, outer)] = group, members
-            group, members = self._groups[(inner, outer)]
+                self._groups[key] = group, members
+            group, members = self._groups[key]
             if group is not None:
                 out.append((inner, outer, group, members))
         return out
@@ -78,10 +76,20 @@ class Routes:
             buf = comm.reduce_scatter_views(buf.new_empty(size), views, group, self.dim)
         return buf
 
+    def levels_apart(self, fine: str, coarse: str) -> int:
+        """How many collectives `steps(fine, coarse)` takes (without making dedicated groups)."""
+        return sum(self.topo.digit_group(inner, outer)[0] is not None for inner, outer in self._pairs(fine, coarse))
+
+    def _pairs(self, fine: str, coarse: str) -> list[tuple[str, str]]:
+        a, b = CHAIN.index(fine), CHAIN.index(coarse)
+        if not self.hierarchical:
+            return [(fine, coarse)] if a < b else []
+        return list(zip(CHAIN[a:b], CHAIN[a + 1 : b + 1]))
+
     def reduce_scatter_hops(self, fine: str, coarse: str, numel: int) -> list[Hop]:
         """`reduce_scatter` as hops to start one by one (each on the previous one's output)."""
         hops = []
-        for inner, outer, group, members in self.steps(fine, coarse):
+        for inner, outer, group, members in self.steps(fine, coarse, "rs"):
             base, _ = self.span(inner, numel)
             size = numel // self.count(outer)
             starts = [self.span(outer, numel, m)[0] - base for m in members]
@@ -91,15 +99,51 @@ class Routes:
                 views = [buf[s : s + size] for s in starts]
                 return out, comm.reduce_scatter_views_async(out, views, group, self.dim)
 
-            hops.append(Hop((inner, outer), start))
+            hops.append(Hop((inner, outer, "rs"), start))
         return hops
 
-    def all_reduce_hops(self, fine: str, coarse: str) -> list[Hop]:
-        """In-place all-reduces of a `fine` chunk over the ranks holding copies of it up to `coarse`."""
-        return [
-            Hop((inner, outer), lambda buf, group=group: (buf, comm.all_reduce_async(buf, group, self.dim)))
-            for inner, outer, group, _ in self.steps(fine, coarse)
-        ]
+    def all_reduce_hops(self, fine: str, coarse: str, numel: int) -> list[Hop]:
+        """Sum a `fine` chunk (in place) over the ranks holding copies of it up to `coarse`. Over
+        one level, one all-reduce; over several, reduce-scatters up the levels and all-gathers
+        back down: each slower link then carries only the faster level's share of the chunk
+        (a ring all-reduce across nodes would carry 2(n-1)/n of it; an all-reduce per level the
+        whole of it, once per rank of the node)."""
+        if self.levels_apart(fine, coarse) < 2:
+            return [
+                Hop((inner, outer, "ar"), lambda buf, group=group: (buf, comm.all_reduce_async(buf, group, self.dim)))
+                for inner, outer, group, _ in self.steps(fine, coarse, "ar")
+            ]
+        steps = self.steps(fine, coarse, "ag")
+        whole: list[torch.Tensor] = []  # the chunk being summed, which the gathers fill back in
+
+        def keep(buf: torch.Tensor) -> tuple[torch.Tensor, None]:
+            whole[:] = [buf]
+            return buf, None
+
+        hops = [Hop(None, keep), *self.reduce_scatter_hops(fine, coarse, numel)]
+        base, _ = self.span(fine, numel)
+        for i, (inner, outer, group, members) in enumerate(reversed(steps)):
+            size = numel // self.count(outer)
+            starts = [self.span(outer, numel, m)[0] - base for m in members]
+            mine, mine_size = self.span(inner, numel)
+
+            def gather(part: torch.Tensor, group=group, size=size, starts=starts):
+                out = whole[0]
+                views = [out[s : s + size] for s in starts]
+                return out, comm.all_gather_into_views(views, part.clone(), group, self.dim, async_op=True)
+
+            hops.append(Hop((inner, outer, "ag"), gather))
+            if i + 1 < len(steps):  # the next gather spreads the piece this one filled
+                hops.append(Hop(None, lambda out, a=mine - base, n=mine_size: (out[a : a + n], None)))
+        return hops
+
+    def all_reduce(self, buf: torch.Tensor, fine: str, coarse: str, numel: int) -> torch.Tensor:
+        """`all_reduce_hops` run one after the other: `buf` summed in place."""
+        for hop in self.all_reduce_hops(fine, coarse, numel):
+            buf, work = hop.start(buf)
+            if work is not None:
+                work.wait()
+        return buf
 
     def gather(
         self, chunk: torch.Tensor, fine: str, coarse: str, out: torch.Tensor, numel: int, async_op: bool = False

@@ -302,9 +302,14 @@ class FlatGroup:
         """Start reducing `buf` (this rank's `fine` chunk) to the `grads` level (`to`), or on to the
         optimizer's chunk summed within the sync level; `add_into_shard`: the gradients accumulated
         at the `grads` level are added in on the way, as the serial path does (same arithmetic)."""
-        assert self.reducer is not None and self.reduce_routes is not None  # only with overlap on
+        assert self.reducer is not None  # only with overlap on
         if buf is None:
             buf = self.full.new_zeros(self.padded)
+        return self.reducer.start(buf, self.hops(fine, add_into_shard, to))
+
+    def hops(self, fine: str, add_into_shard: bool = False, to: str = "") -> list[Hop]:
+        """The chain `_start` runs (building it makes the dedicated groups it needs)."""
+        assert self.reduce_routes is not None  # only with overlap on
         routes, plan = self.reduce_routes, self.plan
         hops = routes.reduce_scatter_hops(fine, plan.grads if add_into_shard or to else plan.optim, self.padded)
         if add_into_shard:
@@ -313,8 +318,8 @@ class FlatGroup:
             hops.append(Hop(None, lambda reduced: (shard.add_(reduced), None)))
         if not to:
             hops += routes.reduce_scatter_hops(plan.grads, plan.optim, self.padded) if add_into_shard else []
-            hops += routes.all_reduce_hops(plan.optim, self.sync_level)
-        return self.reducer.start(buf, hops)
+            hops += routes.all_reduce_hops(plan.optim, self.sync_level, self.padded)
+        return hops
 
     def _settle(self) -> None:
         """Add the previous micro-batch's reduce-scatter, when one is in flight, into the shard."""
@@ -355,8 +360,7 @@ class FlatGroup:
             self.reduction = None
         else:
             reduced = self.routes.reduce_scatter(source, plan.grads, plan.optim, self.padded)
-            for _, _, group, _ in self.routes.steps(plan.optim, sync_level):  # the chunk's other copies
-                comm.all_reduce(reduced, group, dim=self.routes.dim)
+            reduced = self.routes.all_reduce(reduced, plan.optim, sync_level, self.padded)  # the chunk's other copies
         if reduced is source and plan.grads == "none":  # nothing scattered: the chunk is a view of the buffer
             reduced = source[self.optim_start : self.optim_start + self.optim_size]
         self.backwards = 0
@@ -540,12 +544,11 @@ class ZeroEngine:
         """Reductions behind backward: process groups of their own for every hop a reduction takes
         (made now, in the same order on every rank), and a Reducer each group hands its buckets
         to. None when there is nothing to reduce (a single data-parallel rank)."""
-        routes, plan = Routes(self.topo, self.plan.hierarchical, dedicated=True), self.plan
-        steps = [routes.steps("none", plan.grads), routes.steps(plan.grads, plan.optim)]
-        steps.append(routes.steps(plan.optim, self.sync_level))
-        if not any(steps):
+        plan = self.plan
+        widest = max(plan.optim, self.sync_level, key=CHAIN.index)
+        if not self.groups or not self.routes.steps("none", widest):
             return None
-        reducer = Reducer()
+        routes, reducer = Routes(self.topo, plan.hierarchical, dedicated=True), Reducer()
         uses: dict[int, set[int]] = {}
         for (pi, _), groups in self.unit_groups.items():
             for g in groups:
@@ -553,6 +556,10 @@ class ZeroEngine:
         for g in self.groups:
             g.reducer, g.reduce_routes, g.sync_level = reducer, routes, self.sync_level
             g.uses = len(uses.get(id(g), {0}))  # a weight in two pipeline stages: two backwards per micro-batch
+        # Every chain a group can start, built once now: each makes its groups, in the same order on every rank.
+        if plan.grads != "none":
+            self.groups[0].hops("none", to=plan.grads)
+        self.groups[0].hops("none", add_into_shard=plan.grads != "none")
         return reducer
 
     def expect_backwards(self, micro_batches: int) -> None:
