@@ -1,7 +1,9 @@
 """Collectives through one door: thin wrappers over torch.distributed that count the bytes each
 parallel dimension moves (`bytes_moved`: payload per (dim, op)) and the bytes each rank puts on
 the wire per hardware link level (`bytes_by_link`: intra-gpu / intra-node / inter-node, ring
-algorithm estimates), which benchmarks, tests and the run summary read."""
+algorithm estimates; a group whose ring crosses several levels splits its bytes over its edges),
+which benchmarks, tests and the run summary read. On a shaped link between network namespaces
+these counts agree with the interfaces' TCP payload counters (bench/network.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ bytes_moved: Counter = Counter()
 bytes_by_link: Counter = Counter()
 _lock = threading.Lock()
 _link_of_group: dict = {}  # process group -> the link level its members span (see register_group)
+_ring_of_group: dict = {}  # process group -> the link level of each edge of its ring, in member order
 
 # Bytes one rank sends for a collective over n ranks whose local input is `size` bytes, with
 # ring algorithms (NCCL's and gloo's defaults): all-reduce = reduce-scatter + all-gather.
@@ -33,14 +36,20 @@ _WIRE = {
 _link_between = None  # (global rank, global rank) -> link level, for point-to-point sends
 
 
-def register_group(group, link: str) -> None:
-    """Record which link level (`parallel.topology.Layout.link_level`) `group` spans."""
+def register_group(group, link: str, ring: list[str] | None = None) -> None:
+    """Record which link level (`parallel.topology.Layout.link_level`) `group` spans and, with
+    `ring`, the level of each edge of the ring through its members (`Layout.ring_links`): the
+    ring collectives send each rank's wire bytes over one edge, so a group spanning two nodes puts
+    only the crossing edges' share on the inter-node link (without `ring`: all of it)."""
     _link_of_group[group] = link
+    if ring:
+        _ring_of_group[group] = ring
 
 
 def forget_groups() -> None:
     """Drop the link levels of every registered group (before the process groups are destroyed)."""
     _link_of_group.clear()
+    _ring_of_group.clear()
 
 
 def register_link_resolver(resolver) -> None:
@@ -84,8 +93,13 @@ def _count(dim: str, op: str, tensor: torch.Tensor | int, group=None, peer: int 
     if link is None:
         return 0.0
     wire = int(_WIRE[op](size, n)) if op in _WIRE else size
+    ring = _ring_of_group.get(group) if group is not None else None
     with _lock:
-        bytes_by_link[link] += wire
+        if ring:  # every member sends as much, each over its edge: the group's total, split by edge
+            for edge in ring:
+                bytes_by_link[edge] += wire / len(ring)
+        else:
+            bytes_by_link[link] += wire
     return wire * _link_delay_s_per_byte.get(link, 0.0)
 
 
@@ -178,20 +192,49 @@ def reduce_scatter_views(out: torch.Tensor, views: list[torch.Tensor], group, di
         return out.copy_(views[0])
     delay = _count(dim, "reduce_scatter", _nbytes(*views), group)
     with collective("reduce_scatter", dim):
-        dist.reduce_scatter(out, views, group=group)
+        _reduce_scatter(out, views, group)
         _hold(delay)
     return out
 
 
 def reduce_scatter_views_async(out: torch.Tensor, views: list[torch.Tensor], group, dim: str) -> AsyncWork:
     """`reduce_scatter_views` started and returned at once: `out` holds the result after `wait()`
-    (and neither `out` nor `views` may be touched before)."""
+    (and neither `out` nor `views` may be touched before). On gloo the ring runs before it returns
+    (call it from a thread that may block: the reduction lanes of `parallel.overlap` do)."""
     if group is None:
         out.copy_(views[0])
         return AsyncWork(None, 0.0)
     ready_at = time.monotonic() + _count(dim, "reduce_scatter", _nbytes(*views), group)
+    if dist.get_backend(group) == "gloo":
+        _ring_reduce_scatter(out, views, group)
+        return AsyncWork(None, ready_at)
     work = dist.reduce_scatter(out, views, group=group, async_op=True)
     return AsyncWork(work, ready_at, f"reduce_scatter over {dim}")
+
+
+def _reduce_scatter(out: torch.Tensor, views: list[torch.Tensor], group) -> None:
+    if dist.get_backend(group) == "gloo":
+        _ring_reduce_scatter(out, views, group)
+    else:
+        dist.reduce_scatter(out, views, group=group)
+
+
+def _ring_reduce_scatter(out: torch.Tensor, views: list[torch.Tensor], group) -> None:
+    """A ring reduce-scatter over send/recv: each member sends (n-1)/n of its input. Own code
+    because gloo's reduce_scatter is an all-reduce underneath and puts the whole input on the
+    wire (measured on a shaped link: 2 ranks, 32 MB in, 32 MB sent, where 16 MB is the
+    minimum): twice the traffic on the links that matter. NCCL's is native and is used as is."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    ranks = dist.get_process_group_ranks(group)
+    after, before = ranks[(r + 1) % n], ranks[(r - 1) % n]
+    send = views[(r - 1) % n]
+    for k in range(n - 1):
+        got = torch.empty_like(views[0])
+        ops = [dist.P2POp(dist.isend, send, after, group), dist.P2POp(dist.irecv, got, before, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        send = got.add_(views[(r - k - 2) % n])  # the chunk the next step passes on; the last is ours
+    out.copy_(send)
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]

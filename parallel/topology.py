@@ -134,6 +134,11 @@ class Layout:
             return "inter-node"
         return "intra-gpu" if len({c["gpu"] for c in coords}) == 1 else "intra-node"
 
+    def ring_links(self, ranks: list[int]) -> list[str]:
+        """The link level of each edge of the ring through `ranks` in their order (rank i to
+        rank i+1, the last back to the first): the path ring collectives send over."""
+        return [self.link_level([a, b]) for a, b in zip(ranks, ranks[1:] + ranks[:1])]
+
     def level_size(self, level: str) -> int:
         """Ranks in one unit of `level`."""
         sizes = {"none": 1, "gcd": 1, "gpu": self.ranks_per_gpu, "node": self.node_size, "global": self.world_size}
@@ -296,7 +301,7 @@ class Topology:
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 mine = group
-                comm.register_group(group, self.layout.link_level(ranks))
+                comm.register_group(group, self.layout.link_level(ranks), self.layout.ring_links(ranks))
         return mine
 
     def level_group(self, level: str, within_dp: bool = False, replica: bool = False):
@@ -348,6 +353,6 @@ def build_topology(layout: Layout, rank: int) -> Topology:
                 topo.groups[name] = made[tuple(ranks)]
     for members, group in made.items():  # byte accounting per link level
         if rank in members and len(members) > 1:
-            comm.register_group(group, layout.link_level(list(members)))
+            comm.register_group(group, layout.link_level(list(members)), layout.ring_links(list(members)))
     comm.register_link_resolver(lambda a, b: layout.link_level([a, b]))
     return topo
