@@ -55,7 +55,9 @@ SYSTEMS = {  # Strata layouts: zero.* shard levels (params, grads, optim) and ex
         }
     },
     "3level": {"zero": {"params": {"shard_over": "node"}, "grads": {"shard_over": "node"}, "optim": {"shard_over": G}}},
-    "co2": {"co2": {"enabled": True, "outer_every": 4}},
+    # CO2 across the nodes, each rank's optimizer state partitioned inside its node: each rank's
+    # outer exchange is its half of the model, not all of it
+    "co2": {"co2": {"enabled": True, "outer_every": 4}, "zero": {"optim": {"shard_over": "node"}}},
 }
 
 
@@ -144,7 +146,7 @@ class Run:
             with sync:
                 loss = lm_loss(self.model(x), y) / len(micro)
                 loss.backward()
-            total += float(loss)
+            total += loss.item()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -185,7 +187,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--accum", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -8,6 +8,7 @@ Every system trains the same ~12M-parameter model on the same batches in the sam
     Strata hierarchical ZeRO-3, hpZ, 3-level
                          vs FSDP2 and HSDP (2-D mesh)  goal >= 1.5x faster at 200 Mbit/s
     Strata CO2           vs DDP                        >= 1.5x faster, final loss within 3 %
+                                                       (its own longer run, --co2-steps)
 
 It also prints, per Strata system, the inter-node bytes Strata's counters report against the TCP
 payload the link carried (the interfaces' byte counters less 66 header bytes per packet: Ethernet
@@ -15,7 +16,7 @@ payload the link carried (the interfaces' byte counters less 66 header bytes per
 minus the step time of the same model trained with no communication (every rank alone, all at
 once, so compute shares the cores as it does in the others).
 
-    python bench/network.py                    # both rates, every system (~15 min on 2 cores)
+    python bench/network.py                    # both rates, every system, then CO2 (~25 min on 2 cores)
     python bench/network.py --rates 200mbit --systems strata-dp,ddp --steps 3
 Needs root (network namespaces); writes the raw figures to --out.
 """
@@ -36,7 +37,7 @@ from strata.net import free_port  # noqa: E402
 from tests.cluster import Cluster, unavailable  # noqa: E402
 
 HEADER_BYTES = 66  # per packet: Ethernet 14 + IPv4 20 + TCP 20 + timestamps option 12
-ALL = "local,strata-dp,ddp,strata-zero3,fsdp2,strata-zero3-hier,strata-hpz,strata-3level,hsdp,strata-co2"
+ALL = "local,strata-dp,ddp,strata-zero3,fsdp2,strata-zero3-hier,strata-hpz,strata-3level,hsdp"
 PAIRS = [  # (Strata system, peer, goal as the most the time ratio may be)
     ("strata-dp", "ddp", 0.95),
     ("strata-zero3", "fsdp2", 1.0),
@@ -121,6 +122,8 @@ def main() -> None:
     ap.add_argument("--systems", default=ALL)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per system")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--co2-steps", type=int, default=60, help="CO2 against DDP: steps each trains (0: skip)")
+    ap.add_argument("--co2-rate", default="200mbit", help="the link rate of the CO2 comparison")
     ap.add_argument("--out", default="network.json")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("worker", nargs="*", help="more worker flags after --, e.g. -- --layers 4")
@@ -128,15 +131,20 @@ def main() -> None:
     problem = unavailable()
     if problem:
         raise SystemExit(f"bench/network.py needs network namespaces: {problem}")
-    everything, lines = {}, []
+    everything = {}
     with Cluster(2) as cluster, tempfile.TemporaryDirectory() as tmp:
-        for rate in args.rates.split(","):
+        for rate in filter(None, args.rates.split(",")):
             cluster.shape(rate)
             flags = ["--systems", args.systems, "--steps", str(args.steps), "--warmup", str(args.warmup), *args.worker]
             data = run_cluster(cluster, flags, Path(tmp) / f"{rate}.json", args.timeout)
             everything[rate] = data
-            lines += report(rate, data) + [""]
             print("\n".join(report(rate, data)), flush=True)
+        if args.co2_steps:  # long enough for the losses to say something
+            cluster.shape(args.co2_rate)
+            flags = ["--systems", "ddp,strata-co2", "--steps", str(args.co2_steps), "--warmup", "0", *args.worker]
+            data = run_cluster(cluster, flags, Path(tmp) / "co2.json", args.timeout)
+            everything["co2"] = data
+            print("\n".join(report(f"CO2 against DDP, {args.co2_rate}, {args.co2_steps} steps", data)), flush=True)
     Path(args.out).write_text(json.dumps(everything, indent=1))
     print(f"\nraw figures: {args.out}")
 

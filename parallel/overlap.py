@@ -120,6 +120,8 @@ class _Lane(threading.Thread):
                 continue  # the chain failed earlier: wait() raises that
             try:
                 buf, work = handed
+                if buf.is_cuda and torch.cuda.current_device() != buf.device.index:
+                    torch.cuda.set_device(buf.device)  # a new thread starts on device 0
                 if work is not None:
                     work.wait()
                 before = max((c for c in job._collectives if c < i), default=-1)

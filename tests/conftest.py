@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -89,3 +90,26 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
         code = e.code if isinstance(e.code, int) else 1
     out = capsys.readouterr()
     return code, out.out + out.err
+
+
+@pytest.fixture(scope="session")
+def _netns():
+    """Skip where network namespaces cannot be made (tests/cluster.py), unless STRATA_REQUIRE_NETNS=1
+    (CI), where that is a failure."""
+    from cluster import unavailable
+
+    problem = unavailable()
+    runs_unless(problem and f"network namespaces cannot be made here: {problem}", "STRATA_REQUIRE_NETNS")
+
+
+def runs_unless(problem: str | None, required_by: str) -> None:
+    """Skip the test for `problem` (None: it runs), or fail it where the environment variable
+    `required_by` is 1: CI sets it, so a missing capability there is an error, not a skip."""
+    if not problem:
+        return
+    if os.environ.get(required_by) == "1":
+        pytest.fail(f"{required_by}=1 but {problem}")
+    pytest.skip(problem)
+
+
+netns = pytest.mark.usefixtures("_netns")  # marks a test that runs on the namespace cluster

@@ -8,7 +8,6 @@ missing capability a failure."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import NODE_IF, Cluster, unavailable
+from cluster import NODE_IF, Cluster
 
 from strata.errors import StrataError
 from strata.launch.torchrun import (
@@ -28,7 +27,7 @@ from strata.launch.torchrun import (
     torchrun_args,
 )
 
-from conftest import tiny_overrides
+from conftest import netns, tiny_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 PORT = 5201
@@ -55,19 +54,6 @@ while left > 0:
     left -= len(block)
 c.close()
 """
-
-
-@pytest.fixture(scope="module")
-def _netns():
-    problem = unavailable()
-    if problem is None:
-        return
-    if os.environ.get("STRATA_REQUIRE_NETNS") == "1":
-        pytest.fail(f"STRATA_REQUIRE_NETNS=1 but network namespaces cannot be made here: {problem}")
-    pytest.skip(problem)
-
-
-netns = pytest.mark.usefixtures("_netns")
 
 
 def _transfer(cluster: Cluster, nbytes: int, src: int = 0, dst: int = 1, timeout_s: float = 30) -> dict:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import tiny_overrides
+from conftest import runs_unless, tiny_overrides
 
 # sacct's end states: the job will not run again.
 FINAL_STATES = {
@@ -53,12 +53,7 @@ def _cluster_problem() -> str | None:
 
 @pytest.fixture
 def slurm_cluster() -> None:
-    problem = _cluster_problem()
-    if problem is None:
-        return
-    if os.environ.get("STRATA_REQUIRE_SLURM") == "1":
-        pytest.fail(f"STRATA_REQUIRE_SLURM=1 but {problem}")
-    pytest.skip(problem)
+    runs_unless(_cluster_problem(), "STRATA_REQUIRE_SLURM")
 
 
 def _sacct(job_id: str, fields: str) -> str:
