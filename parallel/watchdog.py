@@ -146,7 +146,8 @@ class Watchdog:
             except Exception as e:  # noqa: BLE001 - the store's host is gone or unreachable: say so, stop
                 message = (
                     f"the job's store stopped answering the watchdog of rank {self.rank} ({type(e).__name__}: {e}): "
-                    "the node that hosts it (torchrun's, on the first node) is likely down"
+                    f"the node that hosts it (torchrun's on the first node, or `strata store`) is down, or "
+                    f"{socket.gethostname()} lost its link to it"
                 )
                 verdict = json.dumps({"message": message, "stuck": [], "answering": 0})
             if verdict and not self._stop.is_set():

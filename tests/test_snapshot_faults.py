@@ -1,7 +1,9 @@
-"""Real faults on one machine with 2 simulated nodes: a standalone rendezvous store and, per node, a
-`strata launch` (torchrun with 2 workers, elastic restarts, c10d rendezvous) plus its snapshot agent.
-Processes are killed with SIGKILL; every run must end on the final parameters and optimizer state of
-an uninterrupted run, bit for bit, and log where it resumed from."""
+"""Real faults on one machine with 2 nodes: a standalone rendezvous store and, per node, a `strata
+launch` (torchrun with 2 workers, elastic restarts, c10d rendezvous) plus its snapshot agent. The
+nodes are processes on the loopback, or (`netns`) network namespaces of the cluster harness
+(tests/cluster.py), each with its own address, hostname and link, where a node loss kills every
+process in its namespace and a partition takes its link down. Every run must end on the final
+parameters and optimizer state of an uninterrupted run, bit for bit, and log where it resumed from."""
 
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from cluster import Cluster as Namespaces
 
 from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
 from strata.net import free_port
 
-from conftest import tiny_overrides
+from conftest import netns, tiny_overrides
 from worlds import marked_processes as _processes
 
 pytestmark = pytest.mark.slow  # multi-node worlds with snapshot agents, killed and restarted
@@ -53,29 +56,33 @@ def _kill(pids: list[int]) -> None:
 
 
 class Cluster:
-    """A store and named simulated nodes, each a `strata launch` whose output goes to a log file."""
+    """A store and named nodes, each a `strata launch` whose output goes to a log file: processes on
+    the loopback, or, with `namespaces`, each in a namespace of its own (the store in the first)."""
 
-    def __init__(self, tmp: Path, data_dir: Path, **settings):
-        self.tmp, self.marker = tmp, uuid.uuid4().hex
+    def __init__(self, tmp: Path, data_dir: Path, namespaces: Namespaces | None = None, **settings):
+        self.tmp, self.marker, self.namespaces = tmp, uuid.uuid4().hex, namespaces
         self.port = free_port()
         experiment = tmp / "experiment.yaml"
         experiment.write_text("{}\n")
         self.args = [str(experiment), *tiny_overrides(data_dir, tmp / "runs", **{**SETTINGS, **settings})]
         self.env = {**os.environ, "STRATA_TEST_ID": self.marker, "STRATA_SNAPSHOT_SECRET": os.urandom(32).hex()}
-        self.store = self._spawn("store", ["store", "--host", "127.0.0.1", "--port", str(self.port)])
+        self.where: dict[str, int] = {}  # node name -> namespace index
+        self.host = namespaces.nodes[0].address if namespaces else "127.0.0.1"
+        self.store = self._spawn("store", ["store", "--host", self.host, "--port", str(self.port)])
         self.nodes: dict[str, subprocess.Popen] = {}
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "ab")
+        cmd = [sys.executable, "-m", "strata.launch.cli", *args]
+        if self.namespaces is not None:
+            self.where[name] = len(self.where)
+            cmd = self.namespaces.command(self.where[name], cmd)
         return subprocess.Popen(
-            [sys.executable, "-m", "strata.launch.cli", *args],
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**self.env, "STRATA_TEST_NODE": name},
+            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**self.env, "STRATA_TEST_NODE": name}
         )
 
     def start_node(self, name: str) -> None:
+        flags = ["--net-ifname", self.namespaces.nodes[0].ifname] if self.namespaces else []
         self.nodes[name] = self._spawn(
             name,
             [
@@ -86,7 +93,7 @@ class Cluster:
                 "--nnodes",
                 "2",
                 "--rdzv-endpoint",
-                f"127.0.0.1:{self.port}",
+                f"{self.host}:{self.port}",
                 "--rdzv-store",
                 "external",
                 "--rdzv-id",
@@ -95,13 +102,24 @@ class Cluster:
                 "3",
                 "--join-timeout",
                 "30",
+                *flags,
             ],
         )
 
     def kill_node(self, name: str) -> None:
-        """SIGKILL a node's launcher, agent, torchrun and workers."""
-        _kill(_processes(self.marker, STRATA_TEST_NODE=name))
+        """SIGKILL a node's launcher, agent, torchrun and workers (in a namespace: every process in it)."""
+        if self.namespaces is not None:
+            self.namespaces.kill_node(self.where[name])
+        else:
+            _kill(_processes(self.marker, STRATA_TEST_NODE=name))
         self.nodes[name].wait()
+
+    def partition(self, name: str, seconds: float) -> None:
+        """Take the node's link down for `seconds`, then up again."""
+        assert self.namespaces is not None  # only namespaced nodes have links
+        self.namespaces.set_link(self.where[name], False)
+        time.sleep(seconds)
+        self.namespaces.set_link(self.where[name], True)
 
     def kill_worker(self, rank: int) -> None:
         pids = _processes(self.marker, RANK=str(rank))
@@ -257,3 +275,61 @@ def test_a_stopped_worker_is_named_and_the_restart_resumes_from_memory(cluster, 
     assert "is not responding (stopped, frozen or gone)" in log
     assert "snapshot: resumed from in-memory step" in log, log[-6000:]
     assert_identical(c, reference)
+
+
+@pytest.fixture
+def namespaces():
+    with Namespaces(4) as made:  # the store's, A's, B's, and a fresh node's
+        yield made
+
+
+@netns
+def test_a_killed_namespace_node_is_rebuilt_from_fragments_on_a_fresh_one(
+    tmp_path, small_data_dir, namespaces, reference
+):
+    """The node-kill test on real nodes: every process of node B's namespace (launcher, torchrun,
+    workers, snapshot agent) is killed; a fresh node C with its own address joins, and B's ranks
+    are rebuilt from the fragments A's agent holds."""
+    c = Cluster(tmp_path, small_data_dir, namespaces)
+    try:
+        c.start_node("A")
+        c.start_node("B")
+        c.wait_for_step(12)
+        c.kill_node("B")
+        c.start_node("C")
+        c.wait(["A", "C"])
+        log = c.log("A")
+        assert "snapshot: resumed from in-memory step" in log, log[-6000:]
+        assert "rebuilt from fragments [1]" in log, log[-6000:]
+        assert_identical(c, reference)
+    finally:
+        c.close()
+
+
+@netns
+def test_a_partitioned_node_ends_in_recovery_or_one_clear_error_never_a_hang(
+    tmp_path, small_data_dir, namespaces, reference
+):
+    """Node B's link goes down for longer than the collective timeout (and the hang timeout), then
+    comes back: the job either recovers from memory and ends on the uninterrupted run's state, or
+    stops with one clear error, within a bounded time; it never hangs."""
+    c = Cluster(tmp_path, small_data_dir, namespaces, **{"parallel.hang_timeout_s": 4})
+    try:
+        c.start_node("A")
+        c.start_node("B")
+        c.wait_for_step(12)
+        started = time.monotonic()
+        c.partition("B", seconds=SETTINGS["parallel.timeout_s"] + 5)
+        deadline = started + DEADLINE_S
+        while any(p.poll() is None for p in c.nodes.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        codes = {n: p.poll() for n, p in c.nodes.items()}
+        logs = "\n".join(f"--- {n}\n{c.log(n)[-4000:]}" for n in c.nodes)
+        assert None not in codes.values(), f"still running {DEADLINE_S}s after the partition:\n{logs}"
+        if codes == {"A": 0, "B": 0}:
+            assert "resumed from" in c.log("A"), logs
+            assert_identical(c, reference)
+        else:
+            assert "hang: rank" in logs or "rendezvous" in logs, logs
+    finally:
+        c.close()
