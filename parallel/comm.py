@@ -1,7 +1,7 @@
 """Collectives through one door: thin wrappers over torch.distributed that count the bytes each
 parallel dimension moves (`bytes_moved`: payload per (dim, op)) and the bytes each rank puts on
 the wire per hardware link level (`bytes_by_link`: intra-gpu / intra-node / inter-node, ring
-algorithm estimates; a group whose ring crosses several levels splits its bytes over its edges),
+algorithm estimates, each counted on the link to the next member of the ring),
 which benchmarks, tests and the run summary read. On a shaped link between network namespaces
 these counts agree with the interfaces' TCP payload counters (bench/network.py)."""
 
@@ -38,9 +38,10 @@ _link_between = None  # (global rank, global rank) -> link level, for point-to-p
 
 def register_group(group, link: str, ring: list[str] | None = None) -> None:
     """Record which link level (`parallel.topology.Layout.link_level`) `group` spans and, with
-    `ring`, the level of each edge of the ring through its members (`Layout.ring_links`): the
-    ring collectives send each rank's wire bytes over one edge, so a group spanning two nodes puts
-    only the crossing edges' share on the inter-node link (without `ring`: all of it)."""
+    `ring`, the level of each edge of the ring through its members (`Layout.ring_links`): in a
+    ring collective each member sends all its wire bytes to the next member, so in a group that
+    spans two nodes only the members before a crossing edge count bytes as inter-node (without
+    `ring`: every member does)."""
     _link_of_group[group] = link
     if ring:
         _ring_of_group[group] = ring
@@ -94,12 +95,12 @@ def _count(dim: str, op: str, tensor: torch.Tensor | int, group=None, peer: int 
         return 0.0
     wire = int(_WIRE[op](size, n)) if op in _WIRE else size
     ring = _ring_of_group.get(group) if group is not None else None
+    if ring:  # a ring collective: this rank sends everything over its edge to the next member
+        link_sent = ring[dist.get_rank(group)]
+    else:
+        link_sent = link
     with _lock:
-        if ring:  # every member sends as much, each over its edge: the group's total, split by edge
-            for edge in ring:
-                bytes_by_link[edge] += wire / len(ring)
-        else:
-            bytes_by_link[link] += wire
+        bytes_by_link[link_sent] += wire
     return wire * _link_delay_s_per_byte.get(link, 0.0)
 
 

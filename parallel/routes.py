@@ -5,6 +5,7 @@ over the whole span when not hierarchical). The ZeRO engine's only communication
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ class Routes:
     def __init__(self, topo: Topology, hierarchical: bool, dim: str = "dp", dedicated: bool = False):
         self.topo, self.hierarchical, self.dim, self.dedicated = topo, hierarchical, dim, dedicated
         self._chunks: dict[tuple[int, str], tuple[int, int]] = {}
-        self._groups: dict[tuple[str, str], tuple[object, list[int]]] = {}
+        self._groups: dict[tuple[str, str, str], tuple[object, list[int]]] = {}
 
     def chunk(self, level: str, rank: int | None = None) -> tuple[int, int]:
         rank = self.topo.rank if rank is None else rank
@@ -109,8 +110,12 @@ class Routes:
         (a ring all-reduce across nodes would carry 2(n-1)/n of it; an all-reduce per level the
         whole of it, once per rank of the node)."""
         if self.levels_apart(fine, coarse) < 2:
+
+            def all_reduce(buf: torch.Tensor, group: object) -> tuple[torch.Tensor, comm.AsyncWork]:
+                return buf, comm.all_reduce_async(buf, group, self.dim)
+
             return [
-                Hop((inner, outer, "ar"), lambda buf, group=group: (buf, comm.all_reduce_async(buf, group, self.dim)))
+                Hop((inner, outer, "ar"), functools.partial(all_reduce, group=group))
                 for inner, outer, group, _ in self.steps(fine, coarse, "ar")
             ]
         steps = self.steps(fine, coarse, "ag")
@@ -134,7 +139,7 @@ class Routes:
 
             hops.append(Hop((inner, outer, "ag"), gather))
             if i + 1 < len(steps):  # the next gather spreads the piece this one filled
-                hops.append(Hop(None, lambda out, a=mine - base, n=mine_size: (out[a : a + n], None)))
+                hops.append(Hop(None, functools.partial(_piece, start=mine - base, size=mine_size)))
         return hops
 
     def all_reduce(self, buf: torch.Tensor, fine: str, coarse: str, numel: int) -> torch.Tensor:
@@ -170,6 +175,10 @@ class Routes:
                 out.copy_(chunk)
             return PendingGather(None, lambda: None)
         return PendingGather(step(0, chunk, async_op), rest)
+
+
+def _piece(buf: torch.Tensor, start: int, size: int) -> tuple[torch.Tensor, None]:
+    return buf[start : start + size], None
 
 
 class PendingGather:
