@@ -676,6 +676,15 @@ class ZeroEngine:
             for g in self.groups:
                 g.free()
 
+    def close(self) -> None:
+        """Wait out reductions in flight and end the reduction lanes."""
+        for g in self.groups:
+            g.drain()
+            g.reducer = None  # any later step reduces serially
+        if self.reducer is not None:
+            self.reducer.close()
+            self.reducer = None
+
     def invalidate_secondary(self) -> None:
         """The parameter shards were written from outside (a checkpoint load): hpZ copies are stale."""
         for g in self.groups:

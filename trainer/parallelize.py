@@ -188,6 +188,7 @@ class ParallelModel:
     def close(self) -> None:
         if self.tiers:
             self.tiers.close()
+        self.engine.close()
 
 
 def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_size: int) -> ParallelModel:
