@@ -186,38 +186,22 @@ def all_gather_into_views(
     return None
 
 
-def reduce_scatter_views(out: torch.Tensor, views: list[torch.Tensor], group, dim: str) -> torch.Tensor:
-    """`out` ← the sum over the group of every member's `views[my group rank]`: a reduce-scatter
-    whose input chunks may be any views of one buffer. Counts the bytes of the whole input."""
-    if group is None:
-        return out.copy_(views[0])
-    delay = _count(dim, "reduce_scatter", _nbytes(*views), group)
-    with collective("reduce_scatter", dim):
-        _reduce_scatter(out, views, group)
-        _hold(delay)
-    return out
-
-
 def reduce_scatter_views_async(out: torch.Tensor, views: list[torch.Tensor], group, dim: str) -> AsyncWork:
-    """`reduce_scatter_views` started and returned at once: `out` holds the result after `wait()`
-    (and neither `out` nor `views` may be touched before). On gloo the ring runs before it returns
-    (call it from a thread that may block: the reduction lanes of `parallel.overlap` do)."""
+    """Start `out` ← the sum over the group of every member's `views[my group rank]` (a
+    reduce-scatter whose input chunks may be any views of one buffer; counts the bytes of the whole
+    input) and return: `out` holds the result after `wait()`, and neither `out` nor `views` may be
+    touched before. On gloo the ring runs before it returns (call it from a thread that may block:
+    the reduction lanes of `parallel.overlap` do, and the serial path waits anyway)."""
     if group is None:
         out.copy_(views[0])
         return AsyncWork(None, 0.0)
     ready_at = time.monotonic() + _count(dim, "reduce_scatter", _nbytes(*views), group)
     if dist.get_backend(group) == "gloo":
-        _ring_reduce_scatter(out, views, group)
-        return AsyncWork(None, ready_at)
+        with collective("reduce_scatter", dim):  # it runs here and now: the watchdog sees it
+            _ring_reduce_scatter(out, views, group)
+        return AsyncWork(None, ready_at, f"reduce_scatter over {dim}")
     work = dist.reduce_scatter(out, views, group=group, async_op=True)
     return AsyncWork(work, ready_at, f"reduce_scatter over {dim}")
-
-
-def _reduce_scatter(out: torch.Tensor, views: list[torch.Tensor], group) -> None:
-    if dist.get_backend(group) == "gloo":
-        _ring_reduce_scatter(out, views, group)
-    else:
-        dist.reduce_scatter(out, views, group=group)
 
 
 def _ring_reduce_scatter(out: torch.Tensor, views: list[torch.Tensor], group) -> None:

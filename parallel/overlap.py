@@ -28,13 +28,12 @@ from strata.parallel.routes import Hop
 class Reduction:
     """One bucket's chain in flight. `wait()` returns the chain's output (and raises what a hop raised)."""
 
-    def __init__(self, buf: torch.Tensor, hops: list[Hop]):
+    def __init__(self, hops: list[Hop]):
         self.hops = hops
         # collective hop index -> (its input, the work that must finish first), set by the hop before
         self._handed: dict[int, tuple[torch.Tensor, AsyncWork | None]] = {}
         self._ready = threading.Condition()
         self._collectives = [i for i, hop in enumerate(hops) if hop.key is not None]
-        self._first = buf
         self._done: tuple[torch.Tensor, AsyncWork | None, int] | None = None  # output, its work, local hops from
         self._error: BaseException | None = None
 
@@ -82,7 +81,7 @@ class Reducer:
     def start(self, buf: torch.Tensor, hops: list[Hop]) -> Reduction:
         """Begin reducing `buf` along `hops`; the caller must not touch `buf` until `wait()`. Called
         on the training thread only: the order of calls is each lane's order."""
-        job = Reduction(buf, hops)
+        job = Reduction(hops)
         if not job._collectives:
             job._finish(buf, None, 0)
             return job

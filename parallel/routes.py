@@ -70,12 +70,7 @@ class Routes:
     def reduce_scatter(self, buf: torch.Tensor, fine: str, coarse: str, numel: int) -> torch.Tensor:
         """`buf` holds this rank's `fine` chunk of a sum each rank contributes to; returns its
         `coarse` chunk of the sum over the ranks partitioning between the two levels."""
-        for inner, outer, group, members in self.steps(fine, coarse):
-            base, _ = self.span(inner, numel)
-            size = numel // self.count(outer)
-            views = [buf[s - base : s - base + size] for s in (self.span(outer, numel, m)[0] for m in members)]
-            buf = comm.reduce_scatter_views(buf.new_empty(size), views, group, self.dim)
-        return buf
+        return _run(self.reduce_scatter_hops(fine, coarse, numel), buf)
 
     def levels_apart(self, fine: str, coarse: str) -> int:
         """How many collectives `steps(fine, coarse)` takes (without making dedicated groups)."""
@@ -144,11 +139,7 @@ class Routes:
 
     def all_reduce(self, buf: torch.Tensor, fine: str, coarse: str, numel: int) -> torch.Tensor:
         """`all_reduce_hops` run one after the other: `buf` summed in place."""
-        for hop in self.all_reduce_hops(fine, coarse, numel):
-            buf, work = hop.start(buf)
-            if work is not None:
-                work.wait()
-        return buf
+        return _run(self.all_reduce_hops(fine, coarse, numel), buf)
 
     def gather(
         self, chunk: torch.Tensor, fine: str, coarse: str, out: torch.Tensor, numel: int, async_op: bool = False
@@ -175,6 +166,15 @@ class Routes:
                 out.copy_(chunk)
             return PendingGather(None, lambda: None)
         return PendingGather(step(0, chunk, async_op), rest)
+
+
+def _run(hops: list[Hop], buf: torch.Tensor) -> torch.Tensor:
+    """A chain's hops one after the other on this thread (the serial path)."""
+    for hop in hops:
+        buf, work = hop.start(buf)
+        if work is not None:
+            work.wait()
+    return buf
 
 
 def _piece(buf: torch.Tensor, start: int, size: int) -> tuple[torch.Tensor, None]:

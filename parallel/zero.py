@@ -144,8 +144,10 @@ class FlatGroup:
         routes: Routes,
         aliases: dict[int, list[str]],
         tied_copy: bool = False,
+        sync_level: str = "global",
     ):
         self.name, self.plan, self.routes, self.tied_copy = name, plan, routes, tied_copy
+        self.sync_level = sync_level  # how far gradients are summed: every dp rank, or the node's (CO2)
         first = named_params[0][1]
         self.slots, offset = [], 0
         for pname, p in named_params:
@@ -190,7 +192,6 @@ class FlatGroup:
         # seen so far, the per-micro-batch reduce-scatter not yet added in, and the step's whole chain.
         self.reducer: Reducer | None = None
         self.reduce_routes: Routes | None = None
-        self.sync_level = "global"
         self.expected, self.backwards, self.uses = 0, 0, 1
         self.partial: Reduction | None = None
         self.reduction: Reduction | None = None
@@ -285,14 +286,12 @@ class FlatGroup:
         last = overlap and self.backwards == self.expected
         if self.plan.grads != "none" and self.grad_full is not None:
             assert self.grad_shard is not None  # gradients partitioned: allocated in __init__
+            self._settle()  # the previous micro-batch's sum goes in first: the serial path's order
             if not overlap:
-                self._settle()
                 self.grad_shard.add_(self.routes.reduce_scatter(self.grad_full, "none", self.plan.grads, self.padded))
             elif last:
-                self._settle()
                 self.reduction = self._start(self.grad_full, "none", add_into_shard=True)
             else:
-                self._settle()
                 self.partial = self._start(self.grad_full, "none", to=self.plan.grads)
             self.grad_full = None
         elif last:
@@ -328,7 +327,7 @@ class FlatGroup:
             self.grad_shard.add_(self.partial.wait())
             self.partial = None
 
-    def finish_grads(self, scale: float, sync_level: str) -> torch.Tensor:
+    def finish_grads(self, scale: float) -> torch.Tensor:
         """This rank's `optim` chunk of the gradients summed over the dp ranks within `sync_level`
         (all of them, or the node's under CO2), times `scale`."""
         # Gradients set on the parameters directly, past the hooks (the weight pass of torch
@@ -360,7 +359,9 @@ class FlatGroup:
             self.reduction = None
         else:
             reduced = self.routes.reduce_scatter(source, plan.grads, plan.optim, self.padded)
-            reduced = self.routes.all_reduce(reduced, plan.optim, sync_level, self.padded)  # the chunk's other copies
+            reduced = self.routes.all_reduce(
+                reduced, plan.optim, self.sync_level, self.padded
+            )  # the chunk's other copies
         if reduced is source and plan.grads == "none":  # nothing scattered: the chunk is a view of the buffer
             reduced = source[self.optim_start : self.optim_start + self.optim_size]
         self.backwards = 0
@@ -518,7 +519,15 @@ class ZeroEngine:
             else:
                 merged.append((key, list(named)))
         self.groups = [
-            FlatGroup(key, named, self.plan, self.routes, names, tied_copy=any(id(p) in tied_ids for _, p in named))
+            FlatGroup(
+                key,
+                named,
+                self.plan,
+                self.routes,
+                names,
+                tied_copy=any(id(p) in tied_ids for _, p in named),
+                sync_level=self.sync_level,
+            )
             for key, named in merged
         ]
         group_of = {id(slot.param): g for g in self.groups for slot in g.slots}
@@ -554,7 +563,7 @@ class ZeroEngine:
             for g in groups:
                 uses.setdefault(id(g), set()).add(pi)
         for g in self.groups:
-            g.reducer, g.reduce_routes, g.sync_level = reducer, routes, self.sync_level
+            g.reducer, g.reduce_routes = reducer, routes
             g.uses = len(uses.get(id(g), {0}))  # a weight in two pipeline stages: two backwards per micro-batch
         # Every chain a group can start, built once now: each makes its groups, in the same order on every rank.
         if plan.grads != "none":
@@ -608,7 +617,7 @@ class ZeroEngine:
     def finish_grads(self, scale: float) -> None:
         """After the last micro-batch: every segment's .grad is the data-parallel sum times `scale`."""
         for g in self.groups:
-            reduced = g.finish_grads(scale, self.sync_level)
+            reduced = g.finish_grads(scale)
             if g.tied_copy and self.tied_group is not None:
                 comm.all_reduce(reduced, self.tied_group, dim="pp")
 
