@@ -9,7 +9,6 @@ import contextlib
 import ctypes
 import errno
 import functools
-import ipaddress
 import os
 import secrets
 import shlex
@@ -28,7 +27,7 @@ from types import FrameType
 
 from strata.checkpoint.agent_protocol import SOCKET_ENV
 from strata.errors import StrataError
-from strata.net import free_port
+from strata.net import bind_errno, free_port, interface_address, is_loopback, resolve, split_endpoint
 
 SECRET_ENV = "STRATA_SNAPSHOT_SECRET"
 # A private directory (0700) where each worker notes how it ended (`note_worker_status`): a worker
@@ -147,46 +146,12 @@ def _check_ifname(ifname: str) -> None:
 
 def _check_endpoint(endpoint: str) -> None:
     """--rdzv-endpoint is HOST:PORT (or HOST, torchrun's default port) with a port torchrun can use."""
-    host, colon, port = endpoint.rpartition(":")
-    if not colon:
-        host, port = endpoint, ""
-    if not host or (colon and not (port.isdigit() and 1 <= int(port) <= 65535)):
-        raise StrataError(f"--rdzv-endpoint {endpoint!r}: write it as HOST:PORT with a port 1..65535, e.g. node1:29400")
-
-
-def _split_endpoint(endpoint: str) -> tuple[str, int | None]:
-    host, colon, port = endpoint.rpartition(":")
-    if not colon or "]" in port:  # HOST alone (an IPv6 address without a port, too)
-        host, port = endpoint, ""
-    return host.strip("[]"), int(port) if port.isdigit() else None
-
-
-def _is_loopback(host: str) -> bool:
     try:
-        return ipaddress.ip_address(host).is_loopback
+        host, _ = split_endpoint(endpoint)
     except ValueError:
-        return host == "localhost"
-
-
-def _resolve(host: str, port: int | None = None) -> list[tuple[int, tuple]]:
-    """(family, socket address) of every TCP address `host` resolves to; none when it does not."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        return []
-    return [(family, addr) for family, _, _, _, addr in infos]
-
-
-def _binds(family: int, addr: tuple) -> int:
-    """0 when a listening socket could bind `addr` now, else the errno (EADDRNOTAVAIL: not an address of
-    this node; EADDRINUSE: something listens there)."""
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore: TIME_WAIT leftovers do not count
-        try:
-            s.bind(addr)
-        except OSError as e:
-            return e.errno or -1
-    return 0
+        host = ""
+    if not host:
+        raise StrataError(f"--rdzv-endpoint {endpoint!r}: write it as HOST:PORT with a port 1..65535, e.g. node1:29400")
 
 
 def rdzv_is_host(endpoint: str, external_store: bool = False) -> bool | None:
@@ -202,33 +167,20 @@ def rdzv_is_host(endpoint: str, external_store: bool = False) -> bool | None:
     store (`strata store`) is never hosted by torchrun."""
     if external_store:
         return False
-    host, port = _split_endpoint(endpoint)
-    if _is_loopback(host):
+    host, port = split_endpoint(endpoint)
+    if is_loopback(host):
         return None
-    addresses = _resolve(host)
-    if not addresses or any(_is_loopback(addr[0]) for _, addr in addresses):
+    addresses = resolve(host)
+    if not addresses or any(is_loopback(addr[0]) for _, addr in addresses):
         return None if addresses else False  # e.g. this machine's own name on 127.0.1.1: torch's guess
-    local = [(family, addr) for family, addr in addresses if _binds(family, (addr[0], 0, *addr[2:])) == 0]
+    local = [(family, addr) for family, addr in addresses if bind_errno(family, (addr[0], 0, *addr[2:])) == 0]
     if not local:
         return False
     family, addr = local[0]
-    return _binds(family, (addr[0], port or C10D_DEFAULT_PORT, *addr[2:])) != errno.EADDRINUSE
+    return bind_errno(family, (addr[0], port or C10D_DEFAULT_PORT, *addr[2:])) != errno.EADDRINUSE
 
 
 C10D_DEFAULT_PORT = 29400  # torchrun's, for an endpoint without a port
-
-
-def interface_address(ifname: str) -> str | None:
-    """The IPv4 address of this node's interface `ifname`, or None (no such interface, no IPv4)."""
-    import fcntl
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
 
 
 def node_address(plan: LaunchPlan) -> str | None:
@@ -239,17 +191,17 @@ def node_address(plan: LaunchPlan) -> str | None:
     is wrong wherever that name does not resolve to this node on every other node."""
     if plan.net_ifname:
         return interface_address(plan.net_ifname)
-    host, port = _split_endpoint(plan.master_addr if plan.static else plan.rdzv_endpoint)
-    if not host or _is_loopback(host):
+    host, port = split_endpoint(plan.master_addr if plan.static else plan.rdzv_endpoint)
+    if not host or is_loopback(host):
         return None
-    for family, addr in _resolve(host, port or C10D_DEFAULT_PORT):
+    for family, addr in resolve(host, port or C10D_DEFAULT_PORT):
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             try:
                 s.connect(addr)  # UDP: picks the route, sends nothing
             except OSError:
                 continue
             mine = s.getsockname()[0]
-        return None if _is_loopback(mine) else mine
+        return None if is_loopback(mine) else mine
     return None
 
 
@@ -260,8 +212,8 @@ def interface_problem(plan: LaunchPlan, env: dict[str, str]) -> str | None:
     if plan.nnodes == 1 or plan.net_ifname or env.get("GLOO_SOCKET_IFNAME"):
         return None
     name = socket.gethostname()
-    addresses = _resolve(name)
-    if not addresses or not all(_is_loopback(addr[0]) for _, addr in addresses):
+    addresses = resolve(name)
+    if not addresses or not all(is_loopback(addr[0]) for _, addr in addresses):
         return None
     return (
         f"this machine's hostname {name!r} resolves to {addresses[0][1][0]} (loopback), which gloo binds: workers "
@@ -370,8 +322,8 @@ def start_agent(plan: LaunchPlan, env: dict[str, str]) -> tuple[subprocess.Popen
 def _spawn_agent(plan: LaunchPlan, env: dict[str, str], path: str) -> subprocess.Popen:
     """Start an agent listening at `path` (a socket file left there by a dead one is removed first)."""
     Path(path).unlink(missing_ok=True)
-    host = _split_endpoint(plan.master_addr if plan.static else plan.rdzv_endpoint or "127.0.0.1")[0]
-    local = _is_loopback(host)
+    host = split_endpoint(plan.master_addr if plan.static else plan.rdzv_endpoint or "127.0.0.1")[0]
+    local = is_loopback(host)
     cmd = [
         sys.executable,
         "-m",
