@@ -18,6 +18,7 @@ the inter-node bytes Strata's communication layer counted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -120,9 +121,7 @@ class Run:
             "optim": {"lr": a.lr, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
             "parallel": {"bucket_mb": a.bucket_mb},
         }
-        for key, value in SYSTEMS.get(system.removeprefix("strata-"), {}).items():
-            raw[key] = value
-        return raw
+        return raw | SYSTEMS.get(system.removeprefix("strata-"), {})
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         a = self.args
@@ -140,7 +139,7 @@ class Run:
         total = 0.0
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
-            sync = self.model.no_sync() if self.system == "ddp" and not last else _null()
+            sync = self.model.no_sync() if self.system == "ddp" and not last else contextlib.nullcontext()
             if self.system in ("fsdp2", "hsdp"):
                 self.model.set_requires_gradient_sync(last)
             with sync:
@@ -160,14 +159,6 @@ class Run:
                 self.pm.close_co2_round()
                 return sum(float(self.pm.eval_loss(x, y)) for x, y in batches) / len(batches)
             return sum(float(lm_loss(self.model(x), y)) for x, y in batches) / len(batches)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def link_counters(ifname: str) -> dict[str, int]:
