@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from typing import Any
 
 
 def free_port() -> int:
@@ -34,7 +35,7 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def resolve(host: str, port: int | None = None) -> list[tuple[int, tuple]]:
+def resolve(host: str, port: int | None = None) -> list[tuple[int, tuple[Any, ...]]]:
     """(family, socket address) of every TCP address `host` resolves to; none when it does not."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -43,7 +44,7 @@ def resolve(host: str, port: int | None = None) -> list[tuple[int, tuple]]:
     return [(family, addr) for family, _, _, _, addr in infos]
 
 
-def bind_errno(family: int, addr: tuple) -> int:
+def bind_errno(family: int, addr: tuple[Any, ...]) -> int:
     """0 when a listening socket could bind `addr` now, else the errno (EADDRNOTAVAIL: not an address of
     this node; EADDRINUSE: something listens there)."""
     with socket.socket(family, socket.SOCK_STREAM) as s:
