@@ -15,8 +15,12 @@ setup(
     version="0.2.0",
     description="YAML-driven trainer for large transformer models (TP/PP/DP, ZeRO, offload, checkpoints)",
     python_requires=">=3.10",
-    packages=["strata", *(f"strata.{name}" for name in LAYERS)],
-    package_dir={"strata": "trainer/base", **{f"strata.{name}": name for name in LAYERS}},
+    packages=["strata", *(f"strata.{name}" for name in LAYERS), "strata.trainer.plan"],
+    package_dir={
+        "strata": "trainer/base",
+        **{f"strata.{name}": name for name in LAYERS},
+        "strata.trainer.plan": "trainer/plan",
+    },
     package_data={"strata": ["py.typed"]},
     # torch is pinned by the installer (CPU build on CI: `pip install torch==2.13.0` first);
     # a range that the pinned build satisfies keeps pip from fetching a CUDA build.

@@ -1,0 +1,166 @@
+"""What the planner knows of the machines: a device (memory, sustained matmul rate, memory
+bandwidth) and a cluster (how many nodes, GPUs and GCDs, and the bandwidth and latency of each
+link level), from a small table of known hardware, from flags, or calibrated on this machine.
+
+Bandwidths are in Gbit/s in one direction, as network links are quoted: `intra_gpu_gbps` joins
+the two GCDs of one GPU, `intra_node_gbps` is each GPU's link into the node's fabric (NVLink,
+Infinity Fabric), and `inter_node_gbps` is the node's whole network bandwidth (all its NICs),
+which the node's ranks share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from strata.errors import ConfigError
+
+LINKS = ("intra-gpu", "intra-node", "inter-node")  # the link levels parallel.topology names
+
+
+@dataclass(frozen=True)
+class Device:
+    """One rank's accelerator (a GCD of a two-die GPU counts as one)."""
+
+    name: str
+    mem_gib: float  # memory a rank may fill
+    peak_tflops: float  # dense bf16 peak (fp32 for a CPU): MFU's denominator
+    matmul_efficiency: float  # share of peak that large matmuls sustain (1.0 when measured)
+    mem_bw_gbs: float  # memory bandwidth in GB/s, which element-wise work is bound by
+    fp32_tflops: float = 0.0  # fp32 rate (0: the bf16 one), the model's rate under train.precision=fp32
+    measured: bool = False  # calibrated: peak_tflops is a whole forward/backward's rate, element-wise work included
+
+    @property
+    def sustained_tflops(self) -> float:
+        return self.peak_tflops * self.matmul_efficiency
+
+    def rate_tflops(self, precision: str) -> float:
+        """Sustained matmul TFLOP/s at the config's precision."""
+        if precision == "fp32" and self.fp32_tflops:
+            return self.fp32_tflops * self.matmul_efficiency
+        return self.sustained_tflops
+
+
+# Peaks and memory bandwidths are the vendors' data-sheet figures. Matmul efficiencies are the
+# share of peak that large bf16 GEMMs reach in the vendors' own libraries (cuBLAS on A100/H100
+# about 0.8-0.9 of peak for the shapes of a transformer layer; rocBLAS/hipBLASLt on an MI250X GCD
+# about 0.6); fp32_tflops is TF32 on NVIDIA parts, which torch uses for fp32 matmuls when allowed.
+DEVICES: dict[str, Device] = {
+    d.name: d
+    for d in (
+        Device("a100-40gb", 40.0, 312.0, 0.80, 1555.0, 156.0),
+        Device("a100-80gb", 80.0, 312.0, 0.80, 2039.0, 156.0),
+        Device("h100", 80.0, 989.0, 0.75, 3350.0, 495.0),
+        Device("h200", 141.0, 989.0, 0.75, 4800.0, 495.0),
+        Device("mi250x-gcd", 64.0, 191.5, 0.60, 1638.0, 95.7),
+        Device("mi300x", 192.0, 1307.0, 0.60, 5300.0, 653.0),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes × GPUs per node × ranks per GPU of one device, and the links between them."""
+
+    nodes: int
+    gpus_per_node: int
+    device: Device
+    ranks_per_gpu: int = 1
+    intra_gpu_gbps: float = 1600.0
+    intra_node_gbps: float = 2400.0
+    inter_node_gbps: float = 1600.0
+    latency_s: dict[str, float] = field(
+        default_factory=lambda: {"intra-gpu": 5e-6, "intra-node": 10e-6, "inter-node": 20e-6}
+    )
+    host_mem_gib: float = 1024.0  # per node
+    host_link_gbps: float = 200.0  # device <-> host, per GPU (PCIe 4 x16: about 25 GB/s)
+    nvme_gbps: float = 50.0  # per node, read or write (a few NVMe drives)
+    cpu_adam_gparams_s: float = 1.0  # AdamW updates per second on the host, per rank, in 1e9 parameters
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.gpus_per_node * self.ranks_per_gpu
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def bandwidth_bytes_s(self, link: str) -> float:
+        """Bytes per second one way over `link` (for inter-node: the whole node's share)."""
+        gbps = {
+            "intra-gpu": self.intra_gpu_gbps,
+            "intra-node": self.intra_node_gbps,
+            "inter-node": self.inter_node_gbps,
+        }
+        return gbps[link] * 1e9 / 8
+
+    def describe(self) -> str:
+        gpus = f"{self.gpus_per_node} GPUs" + (f" × {self.ranks_per_gpu} GCDs" if self.ranks_per_gpu > 1 else "")
+        return (
+            f"{self.nodes} node(s) × {gpus} of {self.device.name} ({self.device.mem_gib:g} GiB, "
+            f"{self.device.peak_tflops:g} TFLOP/s peak); links: intra-node {self.intra_node_gbps:g} Gbit/s per GPU, "
+            f"inter-node {self.inter_node_gbps:g} Gbit/s per node"
+            + (f", intra-gpu {self.intra_gpu_gbps:g} Gbit/s" if self.ranks_per_gpu > 1 else "")
+        )
+
+
+# Systems whose published runs the planner is checked against (docs/PLAN.md gives the sources):
+# DGX A100 (NVLink 3: 300 GB/s per GPU each way, 8 × 200 Gbit/s HDR InfiniBand per node, PCIe 4),
+# DGX H100 (NVLink 4: 450 GB/s, 8 × 400 Gbit/s NDR, PCIe 5) and an HPE Cray EX node of Frontier
+# (4 MI250X = 8 GCDs; 200 GB/s between a GPU's two GCDs, 50 GB/s between GPUs, 4 × 200 Gbit/s
+# Slingshot, 36 GB/s CPU-GCD links, 512 GiB DDR4, two NVMe drives).
+PRESETS: dict[str, dict] = {
+    "dgx-a100": dict(
+        gpus_per_node=8,
+        device="a100-80gb",
+        intra_node_gbps=2400.0,
+        inter_node_gbps=1600.0,
+        host_mem_gib=2048.0,
+        host_link_gbps=200.0,
+        nvme_gbps=200.0,
+    ),
+    "dgx-h100": dict(
+        gpus_per_node=8,
+        device="h100",
+        intra_node_gbps=3600.0,
+        inter_node_gbps=3200.0,
+        host_mem_gib=2048.0,
+        host_link_gbps=400.0,
+        nvme_gbps=200.0,
+    ),
+    "frontier": dict(
+        gpus_per_node=4,
+        ranks_per_gpu=2,
+        device="mi250x-gcd",
+        intra_gpu_gbps=1600.0,
+        intra_node_gbps=400.0,
+        inter_node_gbps=800.0,
+        host_mem_gib=512.0,
+        host_link_gbps=288.0,
+        nvme_gbps=64.0,
+    ),
+}
+
+
+def device_named(name: str) -> Device:
+    """The known device called `name`; ConfigError listing the known ones otherwise."""
+    key = name.lower()
+    if key not in DEVICES:
+        raise ConfigError(
+            [f"--gpu {name!r} is not a known device; known: {', '.join(DEVICES)} (or give --gpu-mem-gb and --tflops)"]
+        )
+    return DEVICES[key]
+
+
+def preset(name: str, nodes: int, **changes) -> Cluster:
+    """`nodes` nodes of a known system (PRESETS), with `changes` applied."""
+    if name not in PRESETS:
+        raise ConfigError([f"unknown system {name!r}; known: {', '.join(PRESETS)}"])
+    values = dict(PRESETS[name])
+    values["device"] = device_named(values["device"])
+    return replace(Cluster(nodes=nodes, **values), **changes)
+
+
+def cpu_cluster(nodes: int, ranks_per_node: int, ranks_per_gpu: int = 1, tflops: float = 0.01) -> Cluster:
+    """This kind of machine, CPU ranks standing in for GPUs (memory figures only need the shape)."""
+    cpu = Device("cpu", 1e9, tflops, 1.0, 10.0, measured=True)
+    return Cluster(nodes=nodes, gpus_per_node=ranks_per_node // ranks_per_gpu, device=cpu, ranks_per_gpu=ranks_per_gpu)

@@ -1,0 +1,254 @@
+"""The memory model: per-rank bytes by kind of state and by tier (device, host, NVMe), from the
+resolved config and a cluster description alone. Pure functions; every placement they assume is
+the one the trainer makes (parallel/zero.py, offload/, checkpoint/), and tests/test_plan_memory.py
+checks them against the bytes real runs hold.
+
+Kinds: params, grads, optim (each at its ZeRO level and tier), gathered (ZeRO-3 groups gathered
+at once: the running one and `prefetch_blocks` ahead), buckets (gradient buffers waiting for their
+reduce-scatter), activations (saved for backward, times the micro-batches the pipeline schedule
+keeps in flight), pool (the offload host pool), staging (the asynchronous checkpoint's image),
+snapshot (the in-memory snapshot's image and the fragments the node's agent keeps for others).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from strata.config import Config, offload_devices
+from strata.parallel.pipeline import V_SHAPED_SCHEDULES, schedule_name
+from strata.parallel.topology import Layout
+from strata.trainer.plan.cluster import Cluster
+from strata.trainer.plan.shapes import (
+    Group,
+    block_saved,
+    chunk_counts,
+    groups_of,
+    head_saved,
+    level_of,
+    parts_of,
+    saved_bytes,
+)
+
+TIERS = ("device", "host", "nvme")
+KINDS = ("params", "grads", "optim", "gathered", "buckets", "activations", "pool", "staging", "snapshot")
+FP32 = 4
+ADAM_MOMENTS = 2
+
+
+@dataclass
+class RankMemory:
+    """Bytes one rank holds at its peak, by (kind, tier)."""
+
+    pp_rank: int
+    bytes: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def add(self, kind: str, tier: str, nbytes: float) -> None:
+        if nbytes:
+            self.bytes[(kind, tier)] = self.bytes.get((kind, tier), 0) + int(nbytes)
+
+    def total(self, tier: str) -> int:
+        return sum(v for (_, t), v in self.bytes.items() if t == tier)
+
+    def kind(self, kind: str, tier: str | None = None) -> int:
+        return sum(v for (k, t), v in self.bytes.items() if k == kind and (tier is None or t == tier))
+
+
+@dataclass
+class MemoryEstimate:
+    """Per pipeline stage (the ranks of one stage hold alike), and the cluster's budgets."""
+
+    stages: list[RankMemory]
+    cluster: Cluster
+    layout: Layout
+
+    def stage(self, pp_rank: int) -> RankMemory:
+        return self.stages[pp_rank]
+
+    def worst(self, tier: str) -> RankMemory:
+        return max(self.stages, key=lambda r: r.total(tier))
+
+    def peak(self, tier: str) -> int:
+        return self.worst(tier).total(tier)
+
+    @property
+    def device_budget(self) -> int:
+        return int(self.cluster.device.mem_gib * 2**30)
+
+    @property
+    def host_budget_per_rank(self) -> int:
+        return int(self.cluster.host_mem_gib * 2**30 / self.cluster.ranks_per_node)
+
+    def fits(self) -> bool:
+        return self.peak("device") <= self.device_budget and self.peak("host") <= self.host_budget_per_rank
+
+    def problems(self) -> list[str]:
+        """Why the layout does not fit, one line per tier over its budget."""
+        out = []
+        for tier, budget in (("device", self.device_budget), ("host", self.host_budget_per_rank)):
+            worst = self.worst(tier)
+            if worst.total(tier) > budget:
+                top = sorted(((v, k) for (k, t), v in worst.bytes.items() if t == tier), reverse=True)[:3]
+                parts = ", ".join(f"{k} {gib(v)}" for v, k in top)
+                out.append(
+                    f"{tier} memory: pipeline stage {worst.pp_rank} needs {gib(worst.total(tier))} per rank "
+                    f"(largest: {parts}) but has {gib(budget)}"
+                )
+        return out
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def layout_of(cfg: Config, cluster: Cluster) -> Layout:
+    par = cfg.parallel
+    return Layout(
+        tp=par.tp,
+        pp=par.pp,
+        dp=par.dp_size(cluster.world_size),
+        ranks_per_node=cluster.ranks_per_node,
+        ranks_per_gpu=cluster.ranks_per_gpu,
+    )
+
+
+def zero_levels(cfg: Config) -> dict[str, str]:
+    """The level each kind of state is partitioned at (chain levels), as the engine plans it."""
+    z = cfg.zero
+    if not z.enabled:
+        return {"params": "none", "grads": "none", "optim": "none", "secondary": "none"}
+    return {
+        "params": level_of(z.params.shard_over),
+        "grads": level_of(z.grads.shard_over),
+        "optim": level_of(z.optim.shard_over),
+        "secondary": level_of(z.secondary_params.shard_over),
+    }
+
+
+def bucket_bytes(cfg: Config) -> int:
+    return int((cfg.zero.bucket_mb if cfg.zero.enabled else cfg.parallel.bucket_mb) * 2**20)
+
+
+def flat_groups(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> list[Group]:
+    return groups_of(cfg, vocab, pp_rank, chunk_counts(layout)["global"], bucket_bytes(cfg))
+
+
+def micro_batches(cfg: Config, layout: Layout) -> int:
+    return max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp))
+
+
+def in_flight(cfg: Config, layout: Layout, pp_rank: int) -> float:
+    """Micro-batches whose activations pipeline rank `pp_rank` holds at once, in units of its whole
+    share of the model (a virtual stage holds 1/V of it): all of them for GPipe, p − rank for
+    1F1B, and for the interleaved schedule Megatron's (and torch's) warm-up of
+    (V − 1)·p + 2·(p − 1 − rank) chunk-micro-batches, plus the one in flight."""
+    p, v, m = cfg.parallel.pp, cfg.parallel.virtual_stages, micro_batches(cfg, layout)
+    if p == 1:
+        return 1.0
+    name = schedule_name(cfg.parallel.schedule, v)
+    if name in ("gpipe", "looped_bfs"):
+        return float(m)
+    if name in V_SHAPED_SCHEDULES:
+        v = 2
+    if v == 1:
+        return float(min(m, p - pp_rank))
+    chunks = min(m * v, (v - 1) * p + 2 * (p - 1 - pp_rank) + 1)
+    return chunks / v
+
+
+def activation_bytes(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> dict[str, int]:
+    """Peak bytes saved for backward on a rank of `pp_rank`: {"device": ..., "host"/"nvme": ...}.
+
+    Kept: the blocks' saved tensors times the micro-batches in flight (plus the head's on the last
+    stage). Recomputed (`activations.recompute=full`): only each block's input is kept, and one
+    block's whole set exists again while its backward runs. Offloaded: tensors of at least
+    `activations.min_bytes` go to host or NVMe; those below stay, and at most `max_inflight_mb`
+    (a layer's worth when unbounded) waits in memory for its write."""
+    act, m = cfg.activations, cfg.model
+    tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
+    parts = parts_of(cfg, pp_rank)
+    tokens = cfg.train.micro_batch_size * m.seq_len
+    layers = sum(p.n_layers for p in parts)
+    block = block_saved(cfg)
+    per_layer = saved_bytes(block, tokens)
+    flight = in_flight(cfg, layout, pp_rank)
+    has_head = any(p.last for p in parts)
+    head = saved_bytes(head_saved(cfg, vocab), tokens) if has_head else 0
+    if act.recompute == "full":
+        stream = m.d_model // tp if sp else m.d_model
+        kept = layers * tokens * stream * FP32
+        return {"device": int(kept * flight + per_layer + head)}
+    if act.offload == "none":
+        return {"device": int((layers * per_layer + head) * flight)}
+    big = [s for s in block if s.per_token * s.itemsize * tokens >= act.min_bytes]
+    small = [s for s in block if s not in big]
+    moved = layers * saved_bytes(big, tokens) * flight
+    window = act.max_inflight_mb * 2**20 if act.max_inflight_mb is not None else per_layer
+    kept = layers * saved_bytes(small, tokens) * flight + head * flight + min(window, moved)
+    return {"device": int(kept), act.offload if act.offload == "nvme" else "host": int(moved)}
+
+
+def estimate_memory(cfg: Config, cluster: Cluster, vocab: int) -> MemoryEstimate:
+    """Per-rank bytes by kind and tier for every pipeline stage of `cfg` on `cluster`."""
+    layout = layout_of(cfg, cluster)
+    return MemoryEstimate(
+        [_rank_memory(cfg, cluster, layout, vocab, s) for s in range(cfg.parallel.pp)], cluster, layout
+    )
+
+
+def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_rank: int) -> RankMemory:
+    out = RankMemory(pp_rank)
+    levels, counts = zero_levels(cfg), chunk_counts(layout)
+    groups = flat_groups(cfg, layout, vocab, pp_rank)
+    padded = sum(g.padded for g in groups)
+    devices = offload_devices(cfg)
+    gpu = cluster.device.name != "cpu"
+    sharded = levels["params"] != "none"
+
+    # parameters: the shard at the params level (+ the hpZ copy), or the whole flat buffer
+    shard = padded / counts[levels["params"]] * FP32
+    params_tier = {"none": "device", "cpu": "host" if gpu else "device", "nvme": "nvme"}[devices["params"]]
+    out.add("params", params_tier, shard)
+    if params_tier == "nvme":  # shards kept after use and read ahead stay in memory
+        kept = cfg.offload.params.keep_groups + cfg.offload.params.read_ahead
+        largest = sorted((g.padded for g in groups), reverse=True)[:kept]
+        out.add("params", "device", sum(largest) / counts[levels["params"]] * FP32)
+    if levels["secondary"] != "none" and sharded:
+        out.add("params", "device", padded / counts[levels["secondary"]] * FP32)
+    if sharded:  # the running group and prefetch_blocks ahead, gathered whole
+        window = cfg.zero.prefetch_blocks + 1
+        sizes = [g.padded for g in groups]
+        peak = max(sum(sizes[i : i + window]) for i in range(len(sizes)))
+        out.add("gathered", "device", peak * FP32)
+
+    # gradients: the whole buffer unless partitioned, plus the optimizer chunk when that is finer
+    if levels["grads"] == "none":
+        out.add("grads", "device", padded * FP32)
+    else:
+        out.add("grads", "device", padded / counts[levels["grads"]] * FP32)
+        largest = max(g.padded for g in groups)
+        out.add("buckets", "device", 2 * largest * FP32)  # one being filled, one being reduced
+    if levels["optim"] != levels["grads"]:
+        out.add("grads", "device", padded / counts[levels["optim"]] * FP32)
+
+    # optimizer: AdamW's two fp32 moments of the optimizer chunk, wherever offload puts them
+    moments = ADAM_MOMENTS * padded / counts[levels["optim"]] * FP32
+    optim_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[devices["optim"]]
+    out.add("optim", optim_tier, moments)
+
+    for tier, nbytes in activation_bytes(cfg, layout, vocab, pp_rank).items():
+        out.add("activations", tier, nbytes)
+
+    if cfg.offload.enabled or cfg.activations.offload != "none":
+        out.add("pool", "host", cfg.offload.host_buffer_mb * 2**20)
+        if gpu and devices["optim"] != "none":  # the CPU update's two pinned buffers
+            out.add("pool", "host", 2 * cfg.offload.slab_mb * 2**20)
+
+    image = padded * FP32 * (1 + ADAM_MOMENTS) / layout.dp
+    if cfg.checkpoint.async_save:
+        out.add("staging", "host", image)
+    snap = cfg.snapshot
+    if snap.every_steps:
+        # the rank's own image, and its share of the fragments the node's agent keeps: every
+        # rank's image is cut into k pieces plus m parity pieces stored on k + m nodes
+        out.add("snapshot", "host", image * (1 + (snap.k + snap.m) / snap.k))
+    return out

@@ -1,0 +1,163 @@
+"""The sizes the planner works from, derived from the config alone: each rank's parameters unit by
+unit after tensor and pipeline parallelism, the flat groups the ZeRO engine packs them into (with
+its padding and bucketing), each level's chunk of them, and what one transformer layer saves for
+backward per token. `tests/test_plan.py` checks these against the modules Strata really builds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from strata.config import Config, ModelConfig, chain_level
+from strata.parallel.pipeline import plan_stages, schedule_name, stage_indices
+from strata.parallel.topology import CHAIN, Layout
+
+
+@dataclass(frozen=True)
+class Group:
+    """One flat group on one rank: `elements` before padding, `padded` after; `layers` transformer
+    blocks packed in it (0 for the embedding, head and tied groups)."""
+
+    name: str
+    elements: int
+    padded: int
+    layers: int
+    part: int  # which of the rank's model chunks (virtual stages) it belongs to
+
+
+@dataclass(frozen=True)
+class Part:
+    """One model chunk a pipeline rank runs: its layer count and whether it holds the embedding
+    (first stage) or the final norm and output layer (last stage)."""
+
+    n_layers: int
+    first: bool
+    last: bool
+
+
+def block_elements(m: ModelConfig, tp: int) -> int:
+    """Parameters of one transformer block on one tensor-parallel rank (norms replicated)."""
+    d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
+    n = (2 * d * q + 2 * d * kv + 3 * d * f) // tp + 2 * d
+    if m.qkv_bias:
+        n += (q + 2 * kv) // tp
+    if m.qk_norm:
+        n += 2 * m.head_size
+    return n
+
+
+def parts_of(cfg: Config, pp_rank: int) -> list[Part]:
+    """The chunks pipeline rank `pp_rank` runs, in execution order (all of the model without pp)."""
+    par = cfg.parallel
+    if par.pp == 1:
+        return [Part(cfg.model.n_layers, True, True)]
+    indices = stage_indices(pp_rank, par.pp, par.virtual_stages, schedule_name(par.schedule, par.virtual_stages))
+    return [
+        Part(p.n_layers, p.is_first, p.is_last)
+        for p in plan_stages(cfg.model.n_layers, par.pp * par.virtual_stages, indices)
+    ]
+
+
+def groups_of(cfg: Config, vocab: int, pp_rank: int, pad_to: int, bucket_bytes: int) -> list[Group]:
+    """The flat groups of pipeline rank `pp_rank`, as `ZeroEngine` plans them: one per unit
+    (embedding, each block, final norm + output), a tied embedding in a group of its own,
+    consecutive blocks of one chunk merged while the group holds less than `bucket_bytes`,
+    each padded to a multiple of `pad_to` (the data-parallel degree)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    tied = m.tie_embeddings
+    embed = vocab // tp * m.d_model
+    block = block_elements(m, tp)
+    out: list[tuple[str, int, int, int]] = []  # name, elements, layers, part
+    for pi, part in enumerate(parts_of(cfg, pp_rank)):
+        if part.first:
+            out.append(("tied" if tied else "tok_embeddings", embed, 0, pi))
+        bytes_ = 0
+        for i in range(part.n_layers):
+            last = out[-1] if out else None
+            if last and last[2] > 0 and last[3] == pi and bytes_ < bucket_bytes:
+                out[-1] = (last[0], last[1] + block, last[2] + 1, pi)
+            else:
+                out.append((f"layers.{i}", block, 1, pi))
+            bytes_ = out[-1][1] * 4
+        if part.last:
+            out.append(("head", m.d_model + (0 if tied else embed), 0, pi))
+            if tied and not part.first:  # the last stage's copy of a tied embedding: a group of its own
+                out.append(("tied", embed, 0, pi))
+    return [Group(n, e, math.ceil(e / pad_to) * pad_to, layers, pi) for n, e, layers, pi in out]
+
+
+@lru_cache(maxsize=256)
+def chunk_counts(layout: Layout, rank: int = 0) -> dict[str, int]:
+    """How many chunks state partitioned at each level is cut into across a dp group (the ZeRO
+    engine's `Routes.count`): 1 at none, the dp degree at global."""
+    return {level: layout.nested_chunk(rank, level)[1] for level in CHAIN}
+
+
+def level_of(shard_over: str) -> str:
+    return chain_level(shard_over)
+
+
+# --- activations ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A tensor one layer saves for backward: elements per token (per sequence position held by
+    this rank) and bytes per element."""
+
+    name: str
+    per_token: float
+    itemsize: int
+
+
+def block_saved(cfg: Config) -> list[Saved]:
+    """What one transformer block saves for backward, per token of the micro-batch, on one rank:
+    the residual stream into each norm and the norms' 1/rms, each linear's input (shared by the
+    q/k/v and by the gate/up projections), the rotated q/k and v, the attention output and its
+    log-sum-exp (fused SDPA keeps no score matrix), the copy `wo` takes of the re-laid-out
+    attention output, and SwiGLU's gate, its SiLU, the up projection and their product."""
+    m, tp = cfg.model, cfg.parallel.tp
+    d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
+    act = 2 if cfg.train.precision == "bf16" else 4
+    sp = cfg.parallel.sequence_parallel and tp > 1
+    stream = d / tp if sp else d  # sequence parallelism shards the residual stream over the tp ranks
+    saved = [
+        Saved("residual into attn_norm", stream, 4),
+        Saved("attn_norm rstd", 1 / tp if sp else 1, 4),
+        Saved("q/k/v input", d, act),
+        Saved("q, k, v (rotated)", (q + 2 * kv) / tp, act),
+        Saved("attention output", q / tp, act),
+        Saved("attention log-sum-exp", m.n_heads / tp, 4),
+        Saved("wo input", q / tp, act),
+        Saved("residual into mlp_norm", stream, 4),
+        Saved("mlp_norm rstd", 1 / tp if sp else 1, 4),
+        Saved("w1/w3 input", d, act),
+        Saved("w1 output (SiLU input)", f / tp, act),
+        Saved("SiLU output", f / tp, act),
+        Saved("w3 output", f / tp, act),
+        Saved("w2 input", f / tp, act),
+    ]
+    if m.qk_norm:
+        saved += [
+            Saved("q/k before their norms", (q + kv) / tp, act),
+            Saved("q/k norm rstd", (m.n_heads + m.kv_heads) / tp, 4),
+        ]
+    return saved
+
+
+def head_saved(cfg: Config, vocab: int) -> list[Saved]:
+    """What the final norm, output layer and loss save per token (last stage only)."""
+    tp = cfg.parallel.tp
+    act = 2 if cfg.train.precision == "bf16" else 4
+    return [
+        Saved("residual into norm", cfg.model.d_model, 4),
+        Saved("norm rstd", 1, 4),
+        Saved("output input", cfg.model.d_model, act),
+        Saved("log-softmax of the logits", vocab / tp, 4),
+    ]
+
+
+def saved_bytes(saved: list[Saved], tokens: int) -> int:
+    return int(sum(s.per_token * s.itemsize for s in saved) * tokens)

@@ -1,0 +1,310 @@
+"""The time model: one optimizer step of a layout on a cluster, built from parts — compute from the
+FLOPs each pipeline stage runs per micro-batch at the device's sustained rate (plus element-wise
+work at its memory bandwidth), tensor-parallel all-reduces and pipeline sends on the critical
+path, the pipeline schedule's bubble, data-parallel/ZeRO collectives hop by hop (`traffic`) with
+what overlapping hides of them, the optimizer update where offload puts it, offload I/O against
+host-link and NVMe bandwidth, and CO2's outer all-reduce amortised over its round.
+
+What overlaps with what, as the engine runs it: a ZeRO-3 group's gather is prefetched behind the
+forward (backward) compute of the groups before it, so only what exceeds that compute shows,
+and the step's first gather never hides; per-micro-batch reduce-scatters run behind backward;
+with `parallel.overlap_grad_reduce` the step's final reduction starts inside the last micro-batch's
+backward (without it, it follows); the rebuild gather after the update and the update itself
+are exposed; CO2's outer all-reduce hides behind the next round's steps when `co2.overlap`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from strata.config import Config, offload_devices
+from strata.model import flops_per_token
+from strata.parallel.pipeline import schedule_name
+from strata.parallel.topology import Layout
+from strata.trainer.plan import traffic
+from strata.trainer.plan.cluster import LINKS, Cluster
+from strata.trainer.plan.memory import (
+    FP32,
+    activation_bytes,
+    flat_groups,
+    in_flight,
+    layout_of,
+    micro_batches,
+    zero_levels,
+)
+from strata.trainer.plan.shapes import Group, block_saved, chunk_counts, parts_of, saved_bytes
+
+ADAM_BYTES = 32  # per element of the optimizer chunk: parameter r/w, gradient r, two moments r/w
+ELEMENTWISE_PASSES = 4  # saved activations written in forward, read in backward, their gradients too
+
+
+@dataclass
+class TimeEstimate:
+    """Seconds per optimizer step, its parts, and the bytes each rank sends per link level."""
+
+    step_s: float
+    parts: dict[str, float]
+    link_bytes: dict[str, float]
+    dp_bytes: dict[str, float]
+    model_flops: float  # per step over the whole cluster, Megatron's counting (no recompute)
+    ranks: int
+    peak_tflops: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per rank (recomputation not counted)."""
+        return self.model_flops / self.step_s / self.ranks / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_gpu / self.peak_tflops
+
+    def tokens_per_s(self, tokens_per_step: int) -> float:
+        return tokens_per_step / self.step_s
+
+
+@dataclass
+class _Stage:
+    """One pipeline rank's per-micro-batch times."""
+
+    fwd: float
+    bwd: float  # backward, with the recomputed forward
+    tp: float
+    p2p: float
+
+    @property
+    def micro_batch(self) -> float:
+        return self.fwd + self.bwd + self.tp + self.p2p
+
+
+def bubble_factor(cfg: Config) -> float:
+    """Idle micro-batch slots a pipeline schedule adds to the m it runs: p − 1 for GPipe and 1F1B,
+    (p − 1)/V interleaved (Megatron), about a third of 1F1B's for the zero-bubble schedules,
+    which fill it with split weight-gradient passes."""
+    p, v = cfg.parallel.pp, cfg.parallel.virtual_stages
+    if p == 1:
+        return 0.0
+    name = schedule_name(cfg.parallel.schedule, v)
+    if name in ("gpipe", "1f1b", "looped_bfs"):
+        return p - 1.0
+    if name == "interleaved_1f1b":
+        return (p - 1.0) / v
+    if name == "interleaved_zero_bubble":
+        return (p - 1.0) / (3 * v)
+    return (p - 1.0) / 6  # zbv_zero_bubble, dualpipev: V-shaped, two chunks per rank
+
+
+def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_rank: int) -> _Stage:
+    m, par, dev = cfg.model, cfg.parallel, cluster.device
+    tp = par.tp
+    tokens = cfg.train.micro_batch_size * m.seq_len
+    parts = parts_of(cfg, pp_rank)
+    layers = sum(p.n_layers for p in parts)
+    has_head = any(p.last for p in parts)
+    d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
+    # executed matmul FLOPs per token, forward: causal attention computes half of the score matrix
+    layer = 2 * (2 * d * q + 2 * d * kv + 3 * d * f) / tp + 0.5 * 4 * m.seq_len * q / tp
+    head = 2 * d * vocab / tp if has_head else 0.0
+    rate = dev.rate_tflops(cfg.train.precision) * 1e12
+    fwd = tokens * (layers * layer + head) / rate
+    recompute = tokens * layers * layer / rate if cfg.activations.recompute == "full" else 0.0
+    bwd = 2 * fwd + recompute
+    if not dev.measured:  # element-wise work at memory bandwidth (a measured rate includes it)
+        moved = ELEMENTWISE_PASSES * layers * saved_bytes(block_saved(cfg), tokens) / (dev.mem_bw_gbs * 1e9)
+        fwd += moved / 3
+        bwd += 2 * moved / 3
+    act = 2 if cfg.train.precision == "bf16" else 4
+    hidden = tokens * d * act
+    # per layer two all-reduces forward and two backward (sequence parallel: all-gather plus
+    # reduce-scatter, the same bytes), the recomputed forward's again; the embedding's and the
+    # output layer's input gradient once each
+    reductions = layers * (4 + (2 if cfg.activations.recompute == "full" else 0))
+    reductions += sum(1 for p in parts if p.first) + (1 if has_head else 0)
+    tp_s = reductions * traffic.dim_all_reduce(cluster, layout, "tp", hidden).seconds if tp > 1 else 0.0
+    p2p = 0.0
+    if par.pp > 1:
+        local_seq = m.seq_len // tp if par.sequence_parallel and tp > 1 else m.seq_len
+        send = traffic.pipeline_send(cluster, layout, cfg.train.micro_batch_size * local_seq * d * 4)
+        p2p = 2 * len(parts) * send.seconds  # activations forward, their gradients back, per chunk
+    return _Stage(fwd, bwd, tp_s, p2p)
+
+
+@dataclass
+class _Reductions:
+    """Data-parallel collectives of one stage in one step, split by where they can hide."""
+
+    fwd_gather: traffic.Traffic = field(default_factory=traffic.Traffic)  # per micro-batch
+    bwd_gather: traffic.Traffic = field(default_factory=traffic.Traffic)  # per micro-batch
+    scatter: traffic.Traffic = field(default_factory=traffic.Traffic)  # per micro-batch
+    final: traffic.Traffic = field(default_factory=traffic.Traffic)  # once, after the last backward
+    rebuild: traffic.Traffic = field(default_factory=traffic.Traffic)  # once, after the update
+    first_gather: float = 0.0
+    last_final: float = 0.0  # the last group's share of `final`
+
+    def per_step(self, m: int) -> traffic.Traffic:
+        out = traffic.Traffic()
+        for t, times in (
+            (self.fwd_gather, m),
+            (self.bwd_gather, m),
+            (self.scatter, m),
+            (self.final, 1),
+            (self.rebuild, 1),
+        ):
+            out.add(t, times)
+        return out
+
+
+def _reductions(cfg: Config, cluster: Cluster, layout: Layout, groups: list[Group], m: int) -> _Reductions:
+    """The engine's collectives per flat group (see parallel/zero.py): ZeRO-3 gathers per micro-batch
+    (forward from the params level; backward and later micro-batches from the hpZ copy when there
+    is one), reduce-scatters to the grads level per micro-batch, the final reduce-scatter to the
+    optimizer's chunk and all-reduce over its copies, and the rebuild gather after the update."""
+    lv = zero_levels(cfg)
+    hier = cfg.zero.hierarchical if cfg.zero.enabled else True
+    sync = "node" if cfg.co2.enabled else "global"
+    out = _Reductions()
+    for i, g in enumerate(groups):
+        nbytes = g.padded * FP32
+
+        def rs(fine: str, coarse: str) -> traffic.Traffic:
+            return traffic.reduce_scatter(cluster, layout, nbytes, fine, coarse, hier)
+
+        if lv["params"] != "none":
+            primary = rs("none", lv["params"])
+            if lv["secondary"] != "none":
+                secondary = rs("none", lv["secondary"])
+                out.fwd_gather.add(primary, 1 / m)
+                out.fwd_gather.add(secondary, (m - 1) / m)
+                out.bwd_gather.add(secondary)
+            else:
+                out.fwd_gather.add(primary)
+                out.bwd_gather.add(primary)
+            if i == 0:
+                out.first_gather = primary.seconds
+        if lv["grads"] != "none":
+            out.scatter.add(rs("none", lv["grads"]))
+        final = rs(lv["grads"], lv["optim"])
+        final.add(traffic.all_reduce(cluster, layout, nbytes, lv["optim"], sync, hier))
+        out.final.add(final)
+        out.last_final = final.seconds
+        if lv["optim"] != lv["params"]:
+            out.rebuild.add(rs(lv["params"], lv["optim"]))
+    return out
+
+
+def estimate_time(cfg: Config, cluster: Cluster, vocab: int) -> TimeEstimate:
+    """Seconds per optimizer step of `cfg` on `cluster` (see the module docstring)."""
+    layout = layout_of(cfg, cluster)
+    m = micro_batches(cfg, layout)
+    stages = [_stage_time(cfg, cluster, layout, vocab, s) for s in range(cfg.parallel.pp)]
+    slow = max(stages, key=lambda s: s.micro_batch)
+    bubble = bubble_factor(cfg) * slow.micro_batch
+    parts = {
+        "compute": m * (slow.fwd + slow.bwd),
+        "tp": m * slow.tp,
+        "pp": m * slow.p2p,
+        "bubble": bubble,
+    }
+    dp_exposed, optimizer, offload_io, co2 = 0.0, 0.0, 0.0, 0.0
+    link_bytes = dict.fromkeys(LINKS, 0.0)
+    dp_bytes = dict.fromkeys(LINKS, 0.0)
+    counts = chunk_counts(layout)
+    lv = zero_levels(cfg)
+    devices = offload_devices(cfg)
+    step_compute = parts["compute"] + parts["tp"] + parts["pp"] + bubble
+    for s, st in enumerate(stages):
+        groups = flat_groups(cfg, layout, vocab, s)
+        red = _reductions(cfg, cluster, layout, groups, m)
+        window_f, window_b = st.fwd, st.bwd
+        exposed = red.first_gather
+        exposed += m * max(0.0, red.fwd_gather.seconds - window_f)
+        exposed += m * max(0.0, red.bwd_gather.seconds + red.scatter.seconds - window_b)
+        if cfg.parallel.overlap_grad_reduce:
+            room = max(0.0, window_b - red.bwd_gather.seconds - red.scatter.seconds)
+            exposed += max(red.last_final, red.final.seconds - room)
+        else:
+            exposed += red.final.seconds
+        exposed += red.rebuild.seconds
+        total = red.per_step(m)
+        if exposed >= dp_exposed:
+            dp_exposed = exposed
+            dp_bytes = dict(total.bytes)
+        chunk = sum(g.padded for g in groups) / counts[lv["optim"]]
+        optimizer = max(optimizer, _update_time(cfg, cluster, chunk, devices["optim"]))
+        offload_io = max(offload_io, _offload_io(cfg, cluster, layout, vocab, s, groups, st, m))
+        if cfg.co2.enabled:
+            outer = traffic.co2_outer(cluster, layout, chunk * FP32)
+            hidden = cfg.co2.outer_every * step_compute if cfg.co2.overlap else 0.0
+            co2 = max(co2, max(0.0, outer.seconds - hidden) / cfg.co2.outer_every)
+            for k, v in outer.bytes.items():
+                dp_bytes[k] = dp_bytes.get(k, 0.0) + v / cfg.co2.outer_every
+    parts.update({"dp": dp_exposed, "optimizer": optimizer, "offload_io": offload_io, "co2": co2})
+    if cfg.parallel.tp > 1:
+        hidden = (
+            cfg.train.micro_batch_size
+            * cfg.model.seq_len
+            * cfg.model.d_model
+            * (2 if cfg.train.precision == "bf16" else 4)
+        )
+        tp_one = traffic.dim_all_reduce(cluster, layout, "tp", hidden)
+        per_mb = slow.tp / max(tp_one.seconds, 1e-30)
+        for k, v in tp_one.bytes.items():
+            link_bytes[k] += v * per_mb * m
+    for k, v in dp_bytes.items():
+        link_bytes[k] += v
+    tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    return TimeEstimate(
+        step_s=sum(parts.values()),
+        parts=parts,
+        link_bytes=link_bytes,
+        dp_bytes=dp_bytes,
+        model_flops=flops_per_token(cfg.model, vocab) * tokens,
+        ranks=layout.world_size,
+        peak_tflops=cluster.device.peak_tflops,
+    )
+
+
+def _update_time(cfg: Config, cluster: Cluster, elements: float, where: str) -> float:
+    """AdamW over this rank's optimizer chunk: memory-bound on the device; on the host at the
+    host's rate (a GPU's gradients come down and parameters go back over its host link); from
+    NVMe, the moments' reads and writes pipelined against that update."""
+    dev = cluster.device
+    if where == "none":
+        return elements * ADAM_BYTES / (dev.mem_bw_gbs * 1e9)
+    update = elements / (cluster.cpu_adam_gparams_s * 1e9)
+    if dev.name != "cpu":
+        update += elements * 2 * FP32 / (cluster.host_link_gbps * 1e9 / 8)
+    if where == "nvme":
+        per_rank = cluster.nvme_gbps * 1e9 / 8 / cluster.ranks_per_node
+        update = max(update, elements * 4 * FP32 / per_rank)
+    return update
+
+
+def _offload_io(
+    cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_rank: int, groups: list[Group], st: _Stage, m: int
+) -> float:
+    """Exposed offload I/O: parameter shards read from NVMe for each pass (those kept in memory
+    after use excepted) and written back after the update; saved activations written during
+    forward and read back in backward. Reads and writes hide behind the compute they overlap."""
+    devices = offload_devices(cfg)
+    lv = zero_levels(cfg)
+    nvme = cluster.nvme_gbps * 1e9 / 8 / cluster.ranks_per_node
+    host = cluster.host_link_gbps * 1e9 / 8 / cluster.ranks_per_gpu
+    exposed = 0.0
+    if devices["params"] == "nvme":
+        shard = sum(g.padded for g in groups) * FP32 / chunk_counts(layout)[lv["params"]]
+        kept = min(1.0, cfg.offload.params.keep_groups / max(1, len(groups)))
+        reads = shard * (2 * m - kept) / nvme
+        exposed += max(0.0, reads - m * (st.fwd + st.bwd)) + shard / nvme
+    elif devices["params"] == "cpu" and cluster.device.name != "cpu":
+        shard = sum(g.padded for g in groups) * FP32 / chunk_counts(layout)[lv["params"]]
+        exposed += max(0.0, 2 * m * shard / host - m * (st.fwd + st.bwd)) + shard / host
+    if cfg.activations.offload != "none":
+        moved = activation_bytes(cfg, layout, vocab, pp_rank).get(cfg.activations.offload.replace("cpu", "host"), 0)
+        bw = nvme if cfg.activations.offload == "nvme" else host
+        if cluster.device.name == "cpu" and cfg.activations.offload == "cpu":
+            bw = cluster.device.mem_bw_gbs * 1e9
+        per_mb = moved / max(1.0, in_flight(cfg, layout, pp_rank)) / bw
+        exposed += m * (max(0.0, per_mb - st.fwd) + max(0.0, per_mb - st.bwd))
+    return exposed
