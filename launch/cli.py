@@ -1,12 +1,12 @@
 """The `strata` command: train, launch (torchrun / Slurm), store (a standalone rendezvous store), config
-show/explain, data prepare, ckpt (inspect, verify, reshard, export, import), plot (run curves or a
-pipeline schedule timeline).
+show/explain, plan (memory and step time of a layout; search), data prepare, ckpt (inspect, verify,
+reshard, export, import), plot (run curves or a pipeline schedule timeline).
 
 A command's options and key=value overrides come in any order. Exit codes: 0 done; 2 a user error
 (StrataError, or argparse's usage error), printed as one message without a traceback; 75 stopped
 by a signal after saving a checkpoint (`train`, and `launch` when every worker did); anything else
-a failure (1 when `ckpt verify` or `ckpt inspect` finds damage; `launch` passes on torchrun's code,
-or 128 + the signal that stopped it)."""
+a failure (1 when `ckpt verify` or `ckpt inspect` finds damage, or `plan` finds the layout does
+not fit; `launch` passes on torchrun's code, or 128 + the signal that stopped it)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from strata import __version__
 from strata.errors import StrataError
+from strata.launch import plan_cli
 
 if TYPE_CHECKING:
     from strata.config import Config
@@ -115,6 +116,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.slurm:
         cfg = config.load(args.config, args.overrides, world_size=args.nodes * args.gpus_per_node)
         config.check_trainable(cfg)
+        _warn_memory(cfg, args.nodes, args.gpus_per_node)
         job = slurm.SlurmJob(
             name=cfg.run_name(),
             nodes=args.nodes,
@@ -141,6 +143,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise StrataError(problem)
     _check_data(cfg)
     _check_checkpoints(cfg, args.resume)
+    _warn_memory(cfg, args.nnodes, args.nproc)
     plan = torchrun.LaunchPlan(
         nproc_per_node=args.nproc,
         nnodes=args.nnodes,
@@ -158,6 +161,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return torchrun.run_local(plan, args.config, args.overrides, args.resume)
 
 
+def _warn_memory(cfg: Config, nodes: int, ranks_per_node: int) -> None:
+    """Say before starting when the planner predicts a rank will not fit this machine."""
+    from strata.trainer.plan.preflight import memory_warning
+
+    warning = memory_warning(cfg, nodes, ranks_per_node)
+    if warning:
+        print(f"strata: warning: {warning}", file=sys.stderr)
+
+
 def cmd_store(args: argparse.Namespace) -> int:
     from strata.launch.torchrun import serve_store
 
@@ -169,7 +181,10 @@ def cmd_config(args: argparse.Namespace) -> int:
     from strata import config
 
     if args.action == "show":
-        print(config.dump(config.load(args.target, args.overrides, world_size=args.world_size)), end="")
+        cfg = config.load(args.target, args.overrides, world_size=args.world_size)
+        print(config.dump(cfg), end="")
+        if args.world_size:
+            _warn_memory(cfg, 1, args.world_size)
     else:
         print(config.explain(args.target))
     return 0
@@ -467,6 +482,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     c.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="show: " + OVERRIDES)
     c.add_argument("--world-size", type=_whole(1), help="also check the layout against this many processes")
     c.set_defaults(func=cmd_config)
+
+    plan_cli.add_parser(sub, fmt, _epilog, _whole)
 
     d = sub.add_parser(
         "data",

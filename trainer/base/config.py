@@ -774,6 +774,12 @@ def from_dict(raw: dict[str, Any], world_size: int | None = None) -> Config:
     return cfg
 
 
+def cross_problems(cfg: Config, world_size: int | None = None) -> list[str]:
+    """What is wrong between the keys of an already built config (and against `world_size`): the
+    checks `load` runs after each key's own, for configs made with `replace` (the planner's)."""
+    return _cross_checks(cfg, world_size)
+
+
 def _check_and_raise(cfg: Config, problems: list[str], world_size: int | None) -> None:
     """Add the cross-key problems to the per-key ones and raise if there are any. A key that was
     already rejected holds its default, so cross-checks that name it would mislead: drop those."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from strata.config import Config, offload_devices
-from strata.parallel.pipeline import V_SHAPED_SCHEDULES, schedule_name
+from strata.config import V_SHAPED_SCHEDULES, Config, offload_devices
+from strata.parallel.stages import schedule_name
 from strata.parallel.topology import Layout
 from strata.trainer.plan.cluster import Cluster
 from strata.trainer.plan.shapes import (

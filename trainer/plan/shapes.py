@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from strata.config import Config, ModelConfig, chain_level
-from strata.parallel.pipeline import plan_stages, schedule_name, stage_indices
+from strata.parallel.stages import plan_stages, schedule_name, stage_indices
 from strata.parallel.topology import CHAIN, Layout
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from strata.config import Config, offload_devices
 from strata.model import flops_per_token
-from strata.parallel.pipeline import schedule_name
+from strata.parallel.stages import schedule_name
 from strata.parallel.topology import Layout
 from strata.trainer.plan import traffic
 from strata.trainer.plan.cluster import LINKS, Cluster

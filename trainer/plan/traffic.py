@@ -61,14 +61,16 @@ def edge_load(layout: Layout, groups: tuple[tuple[int, ...], ...]) -> dict[str, 
 
 def ring_time(cluster: Cluster, layout: Layout, groups: list[list[int]], per_edge: float, steps: int) -> Traffic:
     """A ring collective over each of `groups` at once sending `per_edge` bytes on every edge in
-    `steps` latency-bound steps: bytes rank 0 sends per level, and the time of the slowest link."""
+    `steps` latency-bound steps: the bytes a rank of rank 0's ring sends per level (on average
+    over its members: each sends on its own edge), and the time of the most loaded link."""
     out = Traffic()
     ring = next((g for g in groups if 0 in g), groups[0])
     if len(ring) < 2 or per_edge <= 0:
         return out
     load = edge_load(layout, tuple(tuple(g) for g in groups))
-    own = layout.ring_links(ring)[0]  # the level of rank 0's own out-edge
-    out.bytes[own] += per_edge
+    links = layout.ring_links(ring)  # per rank, averaged over the ring: each sends on its own edge
+    for link in links:
+        out.bytes[link] += per_edge / len(links)
     busy = [load[link] * per_edge / cluster.bandwidth_bytes_s(link) for link in LINKS if load[link]]
     slowest = max((link for link in LINKS if load[link]), key=LINKS.index)
     out.seconds = max(busy) + steps * cluster.latency_s[slowest]

@@ -1,0 +1,65 @@
+"""Before a job starts: the vocabulary the planner sizes the model with (the config's, or its data's
+meta.json), this machine as a cluster, and the warning `strata launch` and `strata config show
+--world-size` print when the predicted per-rank memory exceeds what a rank will have."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from strata.config import Config
+from strata.model import padded_vocab_size
+from strata.trainer.plan.cluster import Cluster, Device
+from strata.trainer.plan.memory import estimate_memory, gib
+
+BYTE_VOCAB = 256  # the built-in corpus is byte-level
+
+
+def plan_vocab(cfg: Config) -> int:
+    """The padded vocabulary the trainer will build: model.vocab_size, else the data's."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    from strata.trainer.data import read_meta  # the data module loads numpy; only a data-sized vocab needs it
+
+    source = cfg.data.sources[0].path if cfg.data.sources else cfg.data.path
+    if source and (Path(source) / "meta.json").is_file():
+        return padded_vocab_size(cfg.model, read_meta(Path(source)).vocab_size)
+    return padded_vocab_size(cfg.model, BYTE_VOCAB)
+
+
+def this_machine(nodes: int, ranks_per_node: int, ranks_per_gpu: int = 1) -> Cluster:
+    """`nodes` machines like this one: its GPU (memory from CUDA), or on a CPU-only machine each
+    rank's share of the physical memory (where device and host are one memory)."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        device = Device(props.name, props.total_memory / 2**30, 1.0, 1.0, 1.0)
+        return Cluster(nodes, ranks_per_node // ranks_per_gpu, device, ranks_per_gpu, host_mem_gib=_ram_gib())
+    share = _ram_gib() / ranks_per_node
+    return Cluster(
+        nodes, ranks_per_node // ranks_per_gpu, Device("cpu", share, 1.0, 1.0, 1.0), ranks_per_gpu, host_mem_gib=0.0
+    )
+
+
+def _ram_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def memory_warning(cfg: Config, nodes: int, ranks_per_node: int) -> str | None:
+    """One line when the layout is predicted not to fit this machine's ranks, else None."""
+    cluster = this_machine(nodes, ranks_per_node, cfg.parallel.ranks_per_gpu)
+    memory = estimate_memory(cfg, cluster, plan_vocab(cfg))
+    worst = memory.worst("device")
+    need = worst.total("device")
+    if cluster.device.name == "cpu":  # one memory: what goes to the "host" tier counts too
+        worst = max(memory.stages, key=lambda r: r.total("device") + r.total("host"))
+        need = worst.total("device") + worst.total("host")
+    budget = memory.device_budget
+    if need <= budget:
+        return None
+    what = "GPU memory" if cluster.device.name != "cpu" else "its share of this machine's memory"
+    return (
+        f"predicted memory per rank is {gib(need)} (pipeline stage {worst.pp_rank}) but a rank has {gib(budget)} of "
+        f"{what}; the job will likely run out of memory. `strata plan CONFIG --search` lists layouts that fit"
+    )

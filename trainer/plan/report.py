@@ -1,0 +1,79 @@
+"""The planner's tables as text: one layout's memory by kind and tier and its step time by part,
+a search's ranking, and the one-line warning `strata launch` and `strata config show` print."""
+
+from __future__ import annotations
+
+from strata.config import Config
+from strata.trainer.plan.cluster import LINKS, Cluster
+from strata.trainer.plan.memory import KINDS, TIERS, MemoryEstimate, gib, zero_levels
+from strata.trainer.plan.search import SearchResult
+from strata.trainer.plan.timing import TimeEstimate
+
+
+def layout_line(cfg: Config, cluster: Cluster) -> str:
+    par, lv = cfg.parallel, zero_levels(cfg)
+    dp = par.dp_size(cluster.world_size)
+    m = max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp))
+    zero = (
+        "off"
+        if lv["params"] == lv["grads"] == lv["optim"] == "none"
+        else (
+            f"params@{lv['params']} grads@{lv['grads']} optim@{lv['optim']}"
+            + (f" secondary@{lv['secondary']}" if lv["secondary"] != "none" else "")
+        )
+    )
+    return (
+        f"tp={par.tp} pp={par.pp} V={par.virtual_stages} dp={dp}; micro-batch {cfg.train.micro_batch_size} × {m}; "
+        f"zero {zero}; offload params={cfg.offload.params.device} optim={cfg.offload.optim.device}; "
+        f"activations recompute={cfg.activations.recompute} offload={cfg.activations.offload}; "
+        f"precision {cfg.train.precision}"
+    )
+
+
+def memory_table(memory: MemoryEstimate) -> list[str]:
+    worst = memory.worst("device")
+    lines = [
+        f"memory per rank, GiB (pipeline stage {worst.pp_rank}, the fullest)",
+        f"  {'kind':<12}" + "".join(f"{t:>10}" for t in TIERS),
+    ]
+    for kind in KINDS:
+        row = [worst.kind(kind, t) for t in TIERS]
+        if any(row):
+            lines.append(f"  {kind:<12}" + "".join(f"{v / 2**30:>10.3f}" for v in row))
+    lines.append(f"  {'total':<12}" + "".join(f"{worst.total(t) / 2**30:>10.3f}" for t in TIERS))
+    lines.append(f"  {'budget':<12}{memory.device_budget / 2**30:>10.3f}{memory.host_budget_per_rank / 2**30:>10.3f}")
+    if len(memory.stages) > 1:
+        lines.append(
+            "  device total by stage: " + ", ".join(f"{r.pp_rank}: {gib(r.total('device'))}" for r in memory.stages)
+        )
+    return lines
+
+
+def time_table(est: TimeEstimate, tokens_per_step: int) -> list[str]:
+    lines = ["step time, s"]
+    for part, seconds in est.parts.items():
+        if seconds:
+            lines.append(f"  {part:<12}{seconds:>10.4f}")
+    lines.append(
+        f"  {'step':<12}{est.step_s:>10.4f}   {est.tokens_per_s(tokens_per_step):,.0f} tokens/s, "
+        f"{est.tflops_per_gpu:.1f} model TFLOP/s per rank, MFU {est.mfu:.1%}"
+    )
+    lines.append(
+        "bytes per rank per step: "
+        + ", ".join(f"{k} {est.link_bytes[k] / 2**30:.3f} GiB" for k in LINKS if est.link_bytes[k])
+    )
+    return lines
+
+
+def search_table(result: SearchResult, cluster: Cluster, top: int) -> list[str]:
+    lines = [f"{len(result.fitting)} of {result.considered} layouts fit; fastest first:"]
+    lines.append(f"  {'#':>3}  {'step s':>9}  {'MFU':>6}  {'device GiB':>10}  {'host GiB':>9}  layout")
+    for i, p in enumerate(result.fitting[:top], 1):
+        lines.append(
+            f"  {i:>3}  {p.time.step_s:>9.4f}  {p.time.mfu:>6.1%}  {p.memory.peak('device') / 2**30:>10.2f}  "
+            f"{p.memory.peak('host') / 2**30:>9.2f}  {p.candidate.describe()}"
+        )
+    if result.rejected:
+        lines.append("families with no layout that fits (tp, pp, V):")
+        lines += [f"  tp={tp} pp={pp} V={v}: {why}" for (tp, pp, v), why in result.rejected.items()]
+    return lines

@@ -1,0 +1,161 @@
+"""Search the layouts of one model and global batch on one cluster: every tensor-parallel degree
+inside a node, pipeline degree and virtual stages, micro-batch size, ZeRO placement (ZeRO-1/2/3,
+hierarchical ZeRO-3 within a node or a GPU, hpZ, the 3-level scheme), optimizer/parameter offload
+and recomputation; keep those the config's own checks accept and the memory model fits, rank
+them by the time model, and say for each rejected family (tp, pp, V) why it failed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from strata.config import Config, cross_problems, replace
+from strata.trainer.plan.cluster import Cluster
+from strata.trainer.plan.memory import MemoryEstimate, estimate_memory, gib
+from strata.trainer.plan.timing import TimeEstimate, estimate_time
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: the config keys it sets, by name."""
+
+    tp: int
+    pp: int
+    virtual_stages: int
+    micro_batch_size: int
+    zero: str  # a ZERO_SCHEMES name
+    offload: str  # an OFFLOADS name
+    recompute: str
+
+    @property
+    def family(self) -> tuple[int, int, int]:
+        return (self.tp, self.pp, self.virtual_stages)
+
+    def overrides(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "parallel.tp": self.tp,
+            "parallel.pp": self.pp,
+            "parallel.dp": None,
+            "parallel.virtual_stages": self.virtual_stages,
+            "parallel.schedule": "auto",
+            "parallel.microbatches": None,
+            "parallel.sequence_parallel": self.tp > 1,
+            "train.micro_batch_size": self.micro_batch_size,
+            "activations.recompute": self.recompute,
+        }
+        levels = dict(zip(("params", "grads", "optim", "secondary_params"), ZERO_SCHEMES[self.zero]))
+        out.update({f"zero.{k}.shard_over": v for k, v in levels.items()})
+        params, optim = OFFLOADS[self.offload]
+        out.update({"offload.params.device": params, "offload.optim.device": optim})
+        return out
+
+    def describe(self) -> str:
+        return (
+            f"tp={self.tp} pp={self.pp} V={self.virtual_stages} mbs={self.micro_batch_size} zero={self.zero} "
+            f"offload={self.offload} recompute={self.recompute}"
+        )
+
+
+# (params, grads, optim, secondary_params) levels
+ZERO_SCHEMES: dict[str, tuple[str, str, str, str]] = {
+    "none": ("none", "none", "none", "none"),
+    "zero1": ("none", "none", "global", "none"),
+    "zero2": ("none", "global", "global", "none"),
+    "zero3": ("global", "global", "global", "none"),
+    "zero3-node": ("node", "global", "global", "none"),  # parameters within a node only
+    "hpz": ("global", "global", "global", "node"),
+    "3-level": ("gpu", "node", "global", "none"),  # a GPU's GCDs, the node, everything
+}
+OFFLOADS: dict[str, tuple[str, str]] = {
+    "none": ("none", "none"),
+    "optim-cpu": ("none", "cpu"),
+    "optim-nvme": ("none", "nvme"),
+    "all-nvme": ("nvme", "nvme"),
+}
+
+
+@dataclass
+class Planned:
+    candidate: Candidate
+    cfg: Config
+    memory: MemoryEstimate
+    time: TimeEstimate
+
+
+@dataclass
+class SearchResult:
+    fitting: list[Planned]
+    rejected: dict[tuple[int, int, int], str] = field(default_factory=dict)  # family -> why none of it fits
+    considered: int = 0
+
+
+def with_layout(cfg: Config, cluster: Cluster, changes: dict[str, object]) -> Config:
+    """`cfg` with `changes` applied, placed on `cluster` (its ranks per node and per GPU)."""
+    changes = {
+        "parallel.ranks_per_node": cluster.ranks_per_node,
+        "parallel.ranks_per_gpu": cluster.ranks_per_gpu,
+        **changes,
+    }
+    for key, value in changes.items():
+        cfg = replace(cfg, key, value)
+    return cfg
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: Config, cluster: Cluster, nvme: bool) -> list[Candidate]:
+    """Every combination the search tries (invalid ones are weeded out by the config's checks)."""
+    world, node = cluster.world_size, cluster.ranks_per_node
+    out = []
+    for tp in _divisors(node):
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            vs = [1] if pp == 1 else [1, 2, 4]
+            per_replica = cfg.train.global_batch_size // dp if cfg.train.global_batch_size % dp == 0 else 0
+            mbs = [b for b in _divisors(per_replica) if b <= 16] if per_replica else [cfg.train.micro_batch_size]
+            zeros = ["none"] if dp == 1 else list(ZERO_SCHEMES)
+            offloads = [o for o in OFFLOADS if nvme or "nvme" not in o]
+            for v, b, z, o, r in itertools.product(vs, mbs, zeros, offloads, ("none", "full")):
+                if o == "all-nvme" and ZERO_SCHEMES[z][0] == "none":
+                    continue  # parameter offload needs ZeRO-3
+                out.append(Candidate(tp, pp, v, b, z, o, r))
+    return out
+
+
+def search(cfg: Config, cluster: Cluster, vocab: int) -> SearchResult:
+    """Layouts that fit, fastest first, and why each (tp, pp, V) family has none."""
+    nvme = cfg.offload.nvme_path is not None
+    result = SearchResult([])
+    why: dict[tuple[int, int, int], list[str]] = {}
+    best_memory: dict[tuple[int, int, int], tuple[int, str]] = {}
+    for cand in candidates(cfg, cluster, nvme):
+        result.considered += 1
+        trial = with_layout(cfg, cluster, cand.overrides())
+        problems = cross_problems(trial, cluster.world_size)
+        if problems:
+            why.setdefault(cand.family, []).append(problems[0])
+            continue
+        memory = estimate_memory(trial, cluster, vocab)
+        if not memory.fits():
+            need = memory.peak("device")
+            if cand.family not in best_memory or need < best_memory[cand.family][0]:
+                best_memory[cand.family] = (need, memory.problems()[0])
+            continue
+        result.fitting.append(Planned(cand, trial, memory, estimate_time(trial, cluster, vocab)))
+    fits = {p.candidate.family for p in result.fitting}
+    for family in sorted(set(why) | set(best_memory)):
+        if family in fits:
+            continue
+        if family in best_memory:
+            result.rejected[family] = f"memory: even its leanest variant does not fit ({best_memory[family][1]})"
+        else:
+            result.rejected[family] = f"invalid: {why[family][0]}"
+    result.fitting.sort(key=lambda p: p.time.step_s)
+    return result
+
+
+def budget_line(memory: MemoryEstimate) -> str:
+    return f"device {gib(memory.peak('device'))} of {gib(memory.device_budget)}, host {gib(memory.peak('host'))}"
