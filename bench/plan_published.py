@@ -167,6 +167,7 @@ class Run:
     counted_passes: int  # passes over each transformer layer in the source's count: 4 (recompute) or 3
     overlap_grad_reduce: bool = True
     zero1: bool = False
+    attention: str = "fused"  # "unfused": the score matrix goes through memory (Megatron-LM before flash attention)
     asserted: bool = True
     note: str = ""
 
@@ -195,6 +196,7 @@ def _megatron_a100(
         published_pct=pct,
         counted_passes=4,
         overlap_grad_reduce=ddp == "torch",
+        attention="unfused",  # [M2]: Megatron-LM of 2021, before flash attention
     )
 
 
@@ -409,7 +411,7 @@ class Comparison:
 
 def compare(run: Run) -> Comparison:
     cfg = config_of(run)
-    est = estimate_time(cfg, cluster_of(run), run.vocab)
+    est = estimate_time(cfg, cluster_of(run), run.vocab, attention=run.attention)
     f_pub = megatron_flops(run, run.counted_passes)
     published_step = f_pub / (run.published_tflops * 1e12 * run.ranks)
     f_model = flops_per_token(cfg.model, run.vocab) * run.batch * run.seq

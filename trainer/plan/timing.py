@@ -35,6 +35,12 @@ from strata.trainer.plan.memory import (
 from strata.trainer.plan.shapes import Group, block_saved, chunk_counts, parts_of, saved_bytes
 
 ADAM_BYTES = 32  # per element of the optimizer chunk: parameter r/w, gradient r, two moments r/w
+# Unfused attention (scores, mask, softmax and dropout as separate kernels, as Megatron-LM ran before
+# flash attention) moves each element of the batch·heads·seq² score matrix through memory: in
+# 16-bit, forward writes the scores, reads them for the masked softmax and writes its output, and
+# dropout reads that and writes its result and a byte mask (13 bytes); backward reads and writes
+# as much again twice over. Strata's own attention (SDPA) is fused and keeps no score matrix.
+UNFUSED_SCORE_BYTES = {"forward": 13, "backward": 26}
 ELEMENTWISE_PASSES = 4  # saved activations written in forward, read in backward, their gradients too
 
 
@@ -95,7 +101,7 @@ def bubble_factor(cfg: Config) -> float:
     return (p - 1.0) / 6  # zbv_zero_bubble, dualpipev: V-shaped, two chunks per rank
 
 
-def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_rank: int) -> _Stage:
+def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_rank: int, attention: str) -> _Stage:
     m, par, dev = cfg.model, cfg.parallel, cluster.device
     tp = par.tp
     tokens = cfg.train.micro_batch_size * m.seq_len
@@ -114,6 +120,11 @@ def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_ra
         moved = ELEMENTWISE_PASSES * layers * saved_bytes(block_saved(cfg), tokens) / (dev.mem_bw_gbs * 1e9)
         fwd += moved / 3
         bwd += 2 * moved / 3
+    if attention == "unfused":
+        scores = cfg.train.micro_batch_size * m.n_heads / tp * m.seq_len**2 * layers / (dev.mem_bw_gbs * 1e9)
+        again = 1 if cfg.activations.recompute == "full" else 0
+        fwd += scores * UNFUSED_SCORE_BYTES["forward"]
+        bwd += scores * (UNFUSED_SCORE_BYTES["backward"] + again * UNFUSED_SCORE_BYTES["forward"])
     act = 2 if cfg.train.precision == "bf16" else 4
     hidden = tokens * d * act
     # per layer two all-reduces forward and two backward (sequence parallel: all-gather plus
@@ -193,11 +204,13 @@ def _reductions(cfg: Config, cluster: Cluster, layout: Layout, groups: list[Grou
     return out
 
 
-def estimate_time(cfg: Config, cluster: Cluster, vocab: int) -> TimeEstimate:
-    """Seconds per optimizer step of `cfg` on `cluster` (see the module docstring)."""
+def estimate_time(cfg: Config, cluster: Cluster, vocab: int, attention: str = "fused") -> TimeEstimate:
+    """Seconds per optimizer step of `cfg` on `cluster` (see the module docstring). `attention`:
+    "fused" (Strata's SDPA, flash attention) or "unfused" (another framework that materialises
+    the score matrix, for comparing with its published runs)."""
     layout = layout_of(cfg, cluster)
     m = micro_batches(cfg, layout)
-    stages = [_stage_time(cfg, cluster, layout, vocab, s) for s in range(cfg.parallel.pp)]
+    stages = [_stage_time(cfg, cluster, layout, vocab, s, attention) for s in range(cfg.parallel.pp)]
     slow = max(stages, key=lambda s: s.micro_batch)
     bubble = bubble_factor(cfg) * slow.micro_batch
     parts = {
