@@ -201,7 +201,7 @@ def _is_weight_copy(t: torch.Tensor) -> bool:
     if fn is None or not type(fn).__name__.startswith("ToCopyBackward"):
         return False
     nxt = fn.next_functions[0][0] if fn.next_functions else None
-    return nxt is not None and type(nxt).__name__ == "AccumulateGrad"
+    return isinstance(getattr(nxt, "variable", None), torch.nn.Parameter)
 
 
 class SavedTensors:
@@ -546,6 +546,56 @@ def run_probe(names: list[str], out_dir: str | Path, nvme_root: str | Path, time
             raise TimeoutError(f"the memory probe's world did not finish within {timeout_s:g}s")
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return {name: [r[name] for r in ranks] for name in names}
+
+
+# --- against the memory model ---------------------------------------------------------------------
+
+REL_TOL = 0.10  # a kind may differ from the model's figure by this share of the measured bytes
+ABS_SLACK = 4096  # or, where both sides are under this many bytes, by up to this many
+
+
+def predicted(cfg: Config, world: int = WORLD) -> Any:
+    """The memory model's estimate for `cfg` on this machine's stand-in cluster of `world` ranks."""
+    from strata.trainer.plan.cluster import cpu_cluster
+    from strata.trainer.plan.memory import estimate_memory
+
+    per_node = cfg.parallel.ranks_per_node or world
+    cluster = cpu_cluster(world // per_node, per_node, ranks_per_gpu=cfg.parallel.ranks_per_gpu)
+    return estimate_memory(cfg, cluster, VOCAB)
+
+
+def within(predicted_bytes: int, measured_bytes: int) -> bool:
+    diff = abs(predicted_bytes - measured_bytes)
+    if max(predicted_bytes, measured_bytes) < ABS_SLACK:
+        return diff <= ABS_SLACK
+    return diff <= REL_TOL * measured_bytes
+
+
+def compare(name: str, ranks: list[dict], nvme_dir: str | Path = "/tmp/memprobe-nvme") -> list[dict]:
+    """One row per rank and (kind, tier) that either side has, for the kinds the model covers:
+    {"layout", "rank", "pp_stage", "key", "predicted", "measured", "error", "ok"}; error is
+    (predicted − measured) / measured (inf when nothing was measured)."""
+    estimate = predicted(layout_config(name, nvme_dir))
+    rows = []
+    for r in ranks:
+        want = {f"{k}/{t}": v for (k, t), v in estimate.stage(r["pp_stage"]).bytes.items() if k in KINDS}
+        got = {k: v for k, v in r["measured"].items() if k.split("/")[0] in KINDS}
+        for key in sorted(set(want) | set(got)):
+            p, m = int(want.get(key, 0)), int(got.get(key, 0))
+            error = (p - m) / m if m else (0.0 if p == 0 else math.inf)
+            rows.append(
+                dict(
+                    layout=name,
+                    rank=r["rank"],
+                    pp_stage=r["pp_stage"],
+                    key=key,
+                    predicted=p,
+                    measured=m,
+                    error=error,
+                    ok=within(p, m),
+                )
+            )
+    return rows
 
 
 def main() -> None:
