@@ -20,9 +20,12 @@ from strata.parallel.topology import Layout
 from strata.trainer.plan.cluster import Cluster
 from strata.trainer.plan.shapes import (
     Group,
+    Saved,
+    block_constant_bytes,
     block_saved,
     chunk_counts,
     groups_of,
+    head_constant_bytes,
     head_saved,
     level_of,
     parts_of,
@@ -33,6 +36,7 @@ TIERS = ("device", "host", "nvme")
 KINDS = ("params", "grads", "optim", "gathered", "buckets", "activations", "pool", "staging", "snapshot")
 FP32 = 4
 ADAM_MOMENTS = 2
+ALIGN = 4096  # offloaded activations are stored 4 KiB-aligned (O_DIRECT)
 
 
 @dataclass
@@ -158,33 +162,44 @@ def in_flight(cfg: Config, layout: Layout, pp_rank: int) -> float:
 def activation_bytes(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> dict[str, int]:
     """Peak bytes saved for backward on a rank of `pp_rank`: {"device": ..., "host"/"nvme": ...}.
 
-    Kept: the blocks' saved tensors times the micro-batches in flight (plus the head's on the last
-    stage). Recomputed (`activations.recompute=full`): only each block's input is kept, and one
-    block's whole set exists again while its backward runs. Offloaded: tensors of at least
-    `activations.min_bytes` go to host or NVMe; those below stay, and at most `max_inflight_mb`
-    (a layer's worth when unbounded) waits in memory for its write."""
+    Kept: the blocks' saved tensors times the micro-batches in flight, plus the head's (last stage)
+    and the token ids (first stage). Recomputed (`activations.recompute=full`): each block keeps
+    its input; the peak comes while one block's forward is recomputed (its whole set but the input
+    it already counts) or, if larger, while the head's tensors live. Offloaded: each saved tensor of
+    at least `activations.min_bytes` goes to host memory or NVMe (4 KiB-aligned); those below
+    stay. Host offload copies as the tensor is saved and backward reads the copy, so nothing big
+    stays on the device; NVMe offload reads back a layer ahead, so in backward a layer's and the
+    previous layer's tensors (the head's filed with the last block) are on the device at once."""
     act, m = cfg.activations, cfg.model
     tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
     parts = parts_of(cfg, pp_rank)
     tokens = cfg.train.micro_batch_size * m.seq_len
     layers = sum(p.n_layers for p in parts)
-    block = block_saved(cfg)
-    per_layer = saved_bytes(block, tokens)
     flight = in_flight(cfg, layout, pp_rank)
-    has_head = any(p.last for p in parts)
-    head = saved_bytes(head_saved(cfg, vocab), tokens) if has_head else 0
+    block, head_list = block_saved(cfg), head_saved(cfg, vocab) if any(p.last for p in parts) else []
+    per_layer = saved_bytes(block, tokens) + block_constant_bytes(cfg)
+    head = saved_bytes(head_list, tokens) + (head_constant_bytes(cfg, vocab) if head_list else 0)
+    ids = tokens * 8 if any(p.first for p in parts) else 0
     if act.recompute == "full":
-        stream = m.d_model // tp if sp else m.d_model
-        kept = layers * tokens * stream * FP32
-        return {"device": int(kept * flight + per_layer + head)}
+        block_input = tokens * (m.d_model // tp if sp else m.d_model) * FP32
+        kept = (layers * block_input + ids) * flight
+        return {"device": int(kept + max(head, per_layer - block_input))}
     if act.offload == "none":
-        return {"device": int((layers * per_layer + head) * flight)}
-    big = [s for s in block if s.per_token * s.itemsize * tokens >= act.min_bytes]
-    small = [s for s in block if s not in big]
-    moved = layers * saved_bytes(big, tokens) * flight
-    window = act.max_inflight_mb * 2**20 if act.max_inflight_mb is not None else per_layer
-    kept = layers * saved_bytes(small, tokens) * flight + head * flight + min(window, moved)
-    return {"device": int(kept), act.offload if act.offload == "nvme" else "host": int(moved)}
+        return {"device": int((layers * per_layer + head + ids) * flight)}
+
+    def split(saved: list[Saved]) -> tuple[int, int]:
+        """(bytes that stay, 4 KiB-aligned bytes that move) of one micro-batch's `saved`."""
+        sizes = [int(x.per_token * x.itemsize * tokens) for x in saved]
+        stay = sum(n for n in sizes if n < act.min_bytes)
+        move = sum(-(-n // ALIGN) * ALIGN for n in sizes if n >= act.min_bytes)
+        return stay, move
+
+    (layer_stay, layer_move), (head_stay, head_move) = split(block), split(head_list)
+    stay = (layers * (layer_stay + block_constant_bytes(cfg)) + head_stay + ids) * flight
+    moved = (layers * layer_move + head_move) * flight
+    if act.offload == "cpu":
+        return {"device": int(stay), "host": int(moved)}
+    return {"device": int(stay + 2 * layer_move + head_move), "nvme": int(moved)}
 
 
 def estimate_memory(cfg: Config, cluster: Cluster, vocab: int) -> MemoryEstimate:
@@ -225,9 +240,10 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
         out.add("grads", "device", padded * FP32)
     else:
         out.add("grads", "device", padded / counts[levels["grads"]] * FP32)
-        largest = max(g.padded for g in groups)
-        out.add("buckets", "device", 2 * largest * FP32)  # one being filled, one being reduced
-    if levels["optim"] != levels["grads"]:
+        # Each group's gradient lives until its reduce-scatter has run; reductions queued behind
+        # backward can hold every group's at once, plus the one being filled: the bound, not a typical figure
+        out.add("buckets", "device", (padded + max(g.padded for g in groups)) * FP32)
+    if counts[levels["optim"]] != counts[levels["grads"]]:  # levels may name the same ranks
         out.add("grads", "device", padded / counts[levels["optim"]] * FP32)
 
     # optimizer: AdamW's two fp32 moments of the optimizer chunk, wherever offload puts them

@@ -114,26 +114,32 @@ class Saved:
 
 def block_saved(cfg: Config) -> list[Saved]:
     """What one transformer block saves for backward, per token of the micro-batch, on one rank:
-    the residual stream into each norm and the norms' 1/rms, each linear's input (shared by the
-    q/k/v and by the gate/up projections), the rotated q/k and v, the attention output and its
-    log-sum-exp (fused SDPA keeps no score matrix), the copy `wo` takes of the re-laid-out
-    attention output, and SwiGLU's gate, its SiLU, the up projection and their product."""
+    for each norm its input, 1/rms and the normalised input before the weight (x·rstd, which
+    `F.rms_norm`'s backward keeps); each linear's input (shared by the q/k/v and by the gate/up
+    projections in fp32; under bf16 autocast each linear casts its own copy); the rotated q/k and
+    v, the attention output and its log-sum-exp (fused SDPA keeps no score matrix); the copy `wo`
+    takes of the re-laid-out attention output; SwiGLU's gate, its SiLU, the up projection and their
+    product. `block_constant_bytes` adds what does not scale with tokens."""
     m, tp = cfg.model, cfg.parallel.tp
     d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
-    act = 2 if cfg.train.precision == "bf16" else 4
+    bf16 = cfg.train.precision == "bf16"
+    act = 2 if bf16 else 4
     sp = cfg.parallel.sequence_parallel and tp > 1
     stream = d / tp if sp else d  # sequence parallelism shards the residual stream over the tp ranks
+    rstd = 1 / tp if sp else 1
     saved = [
         Saved("residual into attn_norm", stream, 4),
-        Saved("attn_norm rstd", 1 / tp if sp else 1, 4),
-        Saved("q/k/v input", d, act),
+        Saved("attn_norm x·rstd", stream, 4),
+        Saved("attn_norm rstd", rstd, 4),
+        Saved("q/k/v input", d * (3 if bf16 else 1), act),
         Saved("q, k, v (rotated)", (q + 2 * kv) / tp, act),
         Saved("attention output", q / tp, act),
         Saved("attention log-sum-exp", m.n_heads / tp, 4),
         Saved("wo input", q / tp, act),
         Saved("residual into mlp_norm", stream, 4),
-        Saved("mlp_norm rstd", 1 / tp if sp else 1, 4),
-        Saved("w1/w3 input", d, act),
+        Saved("mlp_norm x·rstd", stream, 4),
+        Saved("mlp_norm rstd", rstd, 4),
+        Saved("w1/w3 input", d * (2 if bf16 else 1), act),
         Saved("w1 output (SiLU input)", f / tp, act),
         Saved("SiLU output", f / tp, act),
         Saved("w3 output", f / tp, act),
@@ -142,21 +148,44 @@ def block_saved(cfg: Config) -> list[Saved]:
     if m.qk_norm:
         saved += [
             Saved("q/k before their norms", (q + kv) / tp, act),
+            Saved("q/k norm x·rstd", (q + kv) / tp, 4),
             Saved("q/k norm rstd", (m.n_heads + m.kv_heads) / tp, 4),
         ]
     return saved
 
 
+def block_constant_bytes(cfg: Config) -> int:
+    """Saved bytes of one block that do not scale with the micro-batch: under bf16 autocast, the
+    16-bit copies of every linear's weight (and the cos/sin tables each RoPE call casts)."""
+    if cfg.train.precision != "bf16":
+        return 0
+    m, tp = cfg.model, cfg.parallel.tp
+    d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
+    weights = (2 * d * q + 2 * d * kv + 3 * d * f) // tp * 2
+    rope = 8 * m.seq_len * (m.head_size // 2) * 2
+    return weights + rope
+
+
 def head_saved(cfg: Config, vocab: int) -> list[Saved]:
-    """What the final norm, output layer and loss save per token (last stage only)."""
-    tp = cfg.parallel.tp
+    """What the final norm, output layer and loss save per token (last stage only), and the
+    targets the loss keeps (int64)."""
+    tp, d = cfg.parallel.tp, cfg.model.d_model
     act = 2 if cfg.train.precision == "bf16" else 4
     return [
-        Saved("residual into norm", cfg.model.d_model, 4),
+        Saved("residual into norm", d, 4),
+        Saved("norm x·rstd", d, 4),
         Saved("norm rstd", 1, 4),
-        Saved("output input", cfg.model.d_model, act),
+        Saved("output input", d, act),
         Saved("log-softmax of the logits", vocab / tp, 4),
+        Saved("targets", 1, 8),
     ]
+
+
+def head_constant_bytes(cfg: Config, vocab: int) -> int:
+    """Under bf16 autocast, the output layer's 16-bit weight copy."""
+    if cfg.train.precision != "bf16":
+        return 0
+    return vocab // cfg.parallel.tp * cfg.model.d_model * 2
 
 
 def saved_bytes(saved: list[Saved], tokens: int) -> int:
