@@ -324,7 +324,8 @@ exit codes:
          --resume (`strata train`; `strata launch` when every worker saved and stopped)
   128+N  `strata launch` stopped by signal N without every worker saving (e.g. a second signal
          killed them; 130 SIGINT, 143 SIGTERM)
-  other  failure: 1 e.g. when `strata ckpt verify` or `inspect` finds damage; `strata launch`
+  other  failure: 1 e.g. when `strata ckpt verify` or `inspect` finds damage, or `strata plan`
+         finds the layout does not fit; `strata launch`
          exits with torchrun's code, e.g. a crashed worker's"""
 
 OVERRIDES = "key=value overrides of the config (e.g. train.steps=100), before or after the options"
