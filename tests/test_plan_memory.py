@@ -5,8 +5,8 @@ training ranks hold: one 4-rank gloo world trains two steps of every layout in
 and interleaved pipelines, recomputation, activation offload to host memory and NVMe, optimizer
 offload to host memory and NVMe, bf16 autocast), and every rank's bytes of each kind and tier,
 measured from its tensors (`memory_probe.measure`), must be within 10% of the model's figure for
-its pipeline stage (4 KiB where both are smaller than that); gradient buckets, whose lifetime
-depends on how far the overlapped reductions lag behind backward, must stay under the model's bound.
+its pipeline stage (4 KiB where both are smaller than that). Gradient buckets are reported, not
+compared: how long they live depends on how far the overlapped reductions lag behind backward.
 
 The probe itself is checked first, in one process, on a graph whose saved tensors are known.
 """

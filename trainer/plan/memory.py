@@ -240,9 +240,10 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
         out.add("grads", "device", padded * FP32)
     else:
         out.add("grads", "device", padded / counts[levels["grads"]] * FP32)
-        # Each group's gradient lives until its reduce-scatter has run; reductions queued behind
-        # backward can hold every group's at once, plus the one being filled: the bound, not a typical figure
-        out.add("buckets", "device", (padded + max(g.padded for g in groups)) * FP32)
+        # Each group's gradient lives until its reduce-scatter has run: the one being filled and the
+        # one being reduced while the network keeps pace with backward. Where it does not (gloo on
+        # a loaded CPU), reductions queue and hold more, up to every group's at once.
+        out.add("buckets", "device", 2 * max(g.padded for g in groups) * FP32)
     if counts[levels["optim"]] != counts[levels["grads"]]:  # levels may name the same ranks
         out.add("grads", "device", padded / counts[levels["optim"]] * FP32)
 
