@@ -7,7 +7,8 @@ node 1, closed by a one-element acknowledgement), a two-rank all-reduce of --mb 
 carries the whole tensor once), and the latency of a small message (half a one-element ping-pong's
 round trip) and of a one-element all-reduce. With two ranks per node (world 4, ranks 0-1 on node 0,
 2-3 on node 1): both ranks of node 0 send to their peer on node 1 at once (the link the node's ranks
-share), and a four-rank all-reduce of --mb MB.
+share), a four-rank all-reduce of --mb MB, and each rank's all-reduce of --mb MB with its peer on
+the other node, both pairs at once (data parallelism's inter-node hop).
 """
 
 from __future__ import annotations
@@ -62,15 +63,15 @@ def ping_pong(a: int, b: int, rounds: int) -> float | None:
     return statistics.median(times) if rank == a else None
 
 
-def all_reduce_s(nbytes: int, repeats: int) -> float:
-    """Median seconds of an all-reduce of `nbytes` over the world (after one untimed)."""
+def all_reduce_s(nbytes: int, repeats: int, group: dist.ProcessGroup | None = None) -> float:
+    """Median seconds of an all-reduce of `nbytes` over `group` (the world; after one untimed)."""
     t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     times = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -108,6 +109,11 @@ def main() -> None:
         res["concurrent_one_way_s"] = slowest
         res["concurrent_one_way_gbps"] = nbytes * args.repeats * half * 8 / slowest / 1e9  # the node's whole link
         res["all_reduce_s"] = all_reduce_s(nbytes, args.repeats)
+        # the data-parallel inter-node hop: each rank all-reduces with its peer on the other node,
+        # every pair at once (each direction of the node's link carries `half` times the tensor)
+        pairs = [dist.new_group([r, r + half]) for r in range(half)]
+        res["pairs_all_reduce_s"] = all_reduce_s(nbytes, args.repeats, pairs[rank % half])
+        res["pairs_all_reduce_gbps"] = nbytes * half * 8 / res["pairs_all_reduce_s"] / 1e9
         lat = ping_pong(0, half, args.rounds)
         res["latency_s"] = lat
     if rank == 0:

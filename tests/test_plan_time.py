@@ -34,6 +34,7 @@ def bench(tmp_path_factory) -> dict:
     argv = [
         *("--layouts", ",".join(LAYOUTS), "--rate", "100mbit", "--steps", "2", "--warmup", "1"),
         *("--link-mb", "2", "--link-repeats", "2", "--max-load", "1000", "--timeout", "240"),
+        *("--calibrations", "1"),
         *("--out", str(out / "plan_time.json"), "--measured-out", str(out / "measured.json")),
     ]
     proc = subprocess.run(
