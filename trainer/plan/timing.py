@@ -1,9 +1,10 @@
 """The time model: one optimizer step of a layout on a cluster, built from parts — compute from the
 FLOPs each pipeline stage runs per micro-batch at the device's sustained rate (plus element-wise
-work at its memory bandwidth), tensor-parallel all-reduces and pipeline sends on the critical
-path, the pipeline schedule's bubble, data-parallel/ZeRO collectives hop by hop (`traffic`) with
-what overlapping hides of them, the optimizer update where offload puts it, offload I/O against
-host-link and NVMe bandwidth, and CO2's outer all-reduce amortised over its round.
+work at its memory bandwidth), tensor-parallel all-reduces on the critical path, pipeline sends
+where the schedule cannot hide them, the pipeline schedule's bubble, data-parallel/ZeRO
+collectives hop by hop (`traffic`) with what overlapping hides of them, the optimizer update where
+offload puts it, offload I/O against host-link and NVMe bandwidth, and CO2's outer all-reduce
+amortised over its round.
 
 What overlaps with what, as the engine runs it: a ZeRO-3 group's gather is prefetched behind the
 forward (backward) compute of the groups before it, so only what exceeds that compute shows,
@@ -77,11 +78,22 @@ class _Stage:
     fwd: float
     bwd: float  # backward, with the recomputed forward
     tp: float
-    p2p: float
+    send: float  # one pipeline send of a micro-batch's activations (or their gradients)
+    chunks: int  # model chunks this rank runs (V)
 
     @property
     def micro_batch(self) -> float:
-        return self.fwd + self.bwd + self.tp + self.p2p
+        return self.fwd + self.bwd + self.tp
+
+    def sends(self, m: int, p: int) -> float:
+        """Pipeline sends that show: in the steady state each goes out while the stage computes the
+        next micro-batch (activations forward and gradients back use the two directions of the
+        link), so only what exceeds that compute shows; in the warm-up and cool-down nothing
+        hides them, one per stage boundary each way."""
+        if p == 1:
+            return 0.0
+        steady = m * max(0.0, self.chunks * self.send - self.micro_batch)
+        return 2 * (p - 1) * self.send + steady
 
 
 def bubble_factor(cfg: Config) -> float:
@@ -133,12 +145,11 @@ def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_ra
     reductions = layers * (4 + (2 if cfg.activations.recompute == "full" else 0))
     reductions += sum(1 for p in parts if p.first) + (1 if has_head else 0)
     tp_s = reductions * traffic.dim_all_reduce(cluster, layout, "tp", hidden).seconds if tp > 1 else 0.0
-    p2p = 0.0
+    send = 0.0
     if par.pp > 1:
         local_seq = m.seq_len // tp if par.sequence_parallel and tp > 1 else m.seq_len
-        send = traffic.pipeline_send(cluster, layout, cfg.train.micro_batch_size * local_seq * d * 4)
-        p2p = 2 * len(parts) * send.seconds  # activations forward, their gradients back, per chunk
-    return _Stage(fwd, bwd, tp_s, p2p)
+        send = traffic.pipeline_send(cluster, layout, cfg.train.micro_batch_size * local_seq * d * 4).seconds
+    return _Stage(fwd, bwd, tp_s, send, len(parts))
 
 
 @dataclass
@@ -216,7 +227,7 @@ def estimate_time(cfg: Config, cluster: Cluster, vocab: int, attention: str = "f
     parts = {
         "compute": m * (slow.fwd + slow.bwd),
         "tp": m * slow.tp,
-        "pp": m * slow.p2p,
+        "pp": max(st.sends(m, cfg.parallel.pp) for st in stages),
         "bubble": bubble,
     }
     dp_exposed, optimizer, offload_io, co2 = 0.0, 0.0, 0.0, 0.0
