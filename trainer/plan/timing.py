@@ -162,7 +162,20 @@ class _Reductions:
     final: traffic.Traffic = field(default_factory=traffic.Traffic)  # once, after the last backward
     rebuild: traffic.Traffic = field(default_factory=traffic.Traffic)  # once, after the update
     first_gather: float = 0.0
-    last_final: float = 0.0  # the last group's share of `final`
+    finals: list[tuple[int, float]] = field(default_factory=list)  # (elements, seconds) per group, in list order
+
+    def final_exposed(self, window: float) -> float:
+        """What of the final reduction outlasts a backward of `window` seconds when each group's
+        reduction starts as soon as backward has produced its gradient (groups come out of backward
+        in reverse order, each when the compute for its share of the parameters is done) and the
+        link serves them one after another."""
+        total = sum(n for n, _ in self.finals) or 1
+        done, busy_until = 0, 0.0
+        for elements, seconds in reversed(self.finals):
+            done += elements
+            ready = window * done / total
+            busy_until = max(busy_until, ready) + seconds
+        return max(0.0, busy_until - window)
 
     def per_step(self, m: int) -> traffic.Traffic:
         out = traffic.Traffic()
@@ -209,7 +222,7 @@ def _reductions(cfg: Config, cluster: Cluster, layout: Layout, groups: list[Grou
         final = rs(lv["grads"], lv["optim"])
         final.add(traffic.all_reduce(cluster, layout, nbytes, lv["optim"], sync, hier))
         out.final.add(final)
-        out.last_final = final.seconds
+        out.finals.append((g.padded, final.seconds))
         if lv["optim"] != lv["params"]:
             out.rebuild.add(rs(lv["params"], lv["optim"]))
     return out
@@ -245,8 +258,7 @@ def estimate_time(cfg: Config, cluster: Cluster, vocab: int, attention: str = "f
         exposed += m * max(0.0, red.fwd_gather.seconds - window_f)
         exposed += m * max(0.0, red.bwd_gather.seconds + red.scatter.seconds - window_b)
         if cfg.parallel.overlap_grad_reduce:
-            room = max(0.0, window_b - red.bwd_gather.seconds - red.scatter.seconds)
-            exposed += max(red.last_final, red.final.seconds - room)
+            exposed += red.final_exposed(window_b)
         else:
             exposed += red.final.seconds
         exposed += red.rebuild.seconds
