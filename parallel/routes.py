@@ -77,10 +77,7 @@ class Routes:
         return sum(self.topo.digit_group(inner, outer)[0] is not None for inner, outer in self._pairs(fine, coarse))
 
     def _pairs(self, fine: str, coarse: str) -> list[tuple[str, str]]:
-        a, b = CHAIN.index(fine), CHAIN.index(coarse)
-        if not self.hierarchical:
-            return [(fine, coarse)] if a < b else []
-        return list(zip(CHAIN[a:b], CHAIN[a + 1 : b + 1]))
+        return level_pairs(fine, coarse, self.hierarchical)
 
     def reduce_scatter_hops(self, fine: str, coarse: str, numel: int) -> list[Hop]:
         """`reduce_scatter` as hops to start one by one (each on the previous one's output)."""
@@ -166,6 +163,15 @@ class Routes:
                 out.copy_(chunk)
             return PendingGather(None, lambda: None)
         return PendingGather(step(0, chunk, async_op), rest)
+
+
+def level_pairs(fine: str, coarse: str, hierarchical: bool) -> list[tuple[str, str]]:
+    """The (inner, outer) levels a collective from `fine` to `coarse` partitioning hops over: each
+    adjacent pair of the chain between them, or the two ends at once when not `hierarchical`."""
+    a, b = CHAIN.index(fine), CHAIN.index(coarse)
+    if not hierarchical:
+        return [(fine, coarse)] if a < b else []
+    return list(zip(CHAIN[a:b], CHAIN[a + 1 : b + 1]))
 
 
 def _run(hops: list[Hop], buf: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from strata.config import Config
 from strata.model import GPT, lm_loss
 from strata.net import free_port
 from strata.trainer.plan.cluster import Device
+from strata.trainer.plan.shapes import head_flops, layer_flops
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,7 @@ def executed_flops(cfg: Config, vocab: int, tokens: int) -> float:
     """Matmul FLOPs a forward and backward of the whole model execute on `tokens` tokens (causal
     attention computes half of its score matrix), as the time model counts them."""
     m = cfg.model
-    d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
-    layer = 2 * (2 * d * q + 2 * d * kv + 3 * d * f) + 0.5 * 4 * m.seq_len * q
-    return 3.0 * tokens * (m.n_layers * layer + 2 * d * vocab)
+    return 3.0 * tokens * (m.n_layers * layer_flops(m, 1) + head_flops(m, vocab, 1))
 
 
 def _compute_worker(rank: int, cfg: Config, vocab: int, seconds: float, barrier, results) -> None:
@@ -121,5 +120,6 @@ def calibrate_local(cfg: Config, vocab: int, ranks: int = 1, seconds: float = 3.
         matmul_efficiency=1.0,
         mem_bw_gbs=adam * 32 / 1e9,
         measured=True,
+        host_memory=True,
     )
     return Calibration(device, bytes_s * 8 / 1e9, latency, adam / 1e9, ranks)

@@ -28,6 +28,7 @@ class Device:
     mem_bw_gbs: float  # memory bandwidth in GB/s, which element-wise work is bound by
     fp32_tflops: float = 0.0  # fp32 rate (0: the bf16 one), the model's rate under train.precision=fp32
     measured: bool = False  # calibrated: peak_tflops is a whole forward/backward's rate, element-wise work included
+    host_memory: bool = False  # a CPU rank: its "device" is host memory, so moving state to the host moves nothing
 
     @property
     def sustained_tflops(self) -> float:
@@ -162,5 +163,5 @@ def preset(name: str, nodes: int, **changes) -> Cluster:
 
 def cpu_cluster(nodes: int, ranks_per_node: int, ranks_per_gpu: int = 1, tflops: float = 0.01) -> Cluster:
     """This kind of machine, CPU ranks standing in for GPUs (memory figures only need the shape)."""
-    cpu = Device("cpu", 1e9, tflops, 1.0, 10.0, measured=True)
+    cpu = Device("cpu", 1e9, tflops, 1.0, 10.0, measured=True, host_memory=True)
     return Cluster(nodes=nodes, gpus_per_node=ranks_per_node // ranks_per_gpu, device=cpu, ranks_per_gpu=ranks_per_gpu)

@@ -12,11 +12,12 @@ snapshot (the in-memory snapshot's image and the fragments the node's agent keep
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from strata.config import V_SHAPED_SCHEDULES, Config, offload_devices
+from strata.config import V_SHAPED_SCHEDULES, Config, chain_level, offload_devices
 from strata.parallel.stages import schedule_name
-from strata.parallel.topology import Layout
+from strata.parallel.topology import Layout, layout_from_config
 from strata.trainer.plan.cluster import Cluster
 from strata.trainer.plan.shapes import (
     Group,
@@ -27,7 +28,6 @@ from strata.trainer.plan.shapes import (
     groups_of,
     head_constant_bytes,
     head_saved,
-    level_of,
     parts_of,
     saved_bytes,
 )
@@ -36,6 +36,7 @@ TIERS = ("device", "host", "nvme")
 KINDS = ("params", "grads", "optim", "gathered", "buckets", "activations", "pool", "staging", "snapshot")
 FP32 = 4
 ADAM_MOMENTS = 2
+TIER_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}  # an offload device setting's tier
 ALIGN = 4096  # offloaded activations are stored 4 KiB-aligned (O_DIRECT)
 
 
@@ -105,14 +106,10 @@ def gib(nbytes: float) -> str:
 
 
 def layout_of(cfg: Config, cluster: Cluster) -> Layout:
-    par = cfg.parallel
-    return Layout(
-        tp=par.tp,
-        pp=par.pp,
-        dp=par.dp_size(cluster.world_size),
-        ranks_per_node=cluster.ranks_per_node,
-        ranks_per_gpu=cluster.ranks_per_gpu,
-    )
+    """The topology's Layout of `cfg` on `cluster`, whose shape wins over the config's ranks per
+    node and per GPU (ConfigError, as at launch, when the layout does not fit the cluster)."""
+    par = dataclasses.replace(cfg.parallel, ranks_per_node=cluster.ranks_per_node, ranks_per_gpu=cluster.ranks_per_gpu)
+    return layout_from_config(par, cluster.world_size)
 
 
 def zero_levels(cfg: Config) -> dict[str, str]:
@@ -121,10 +118,10 @@ def zero_levels(cfg: Config) -> dict[str, str]:
     if not z.enabled:
         return {"params": "none", "grads": "none", "optim": "none", "secondary": "none"}
     return {
-        "params": level_of(z.params.shard_over),
-        "grads": level_of(z.grads.shard_over),
-        "optim": level_of(z.optim.shard_over),
-        "secondary": level_of(z.secondary_params.shard_over),
+        "params": chain_level(z.params.shard_over),
+        "grads": chain_level(z.grads.shard_over),
+        "optim": chain_level(z.optim.shard_over),
+        "secondary": chain_level(z.secondary_params.shard_over),
     }
 
 
@@ -216,12 +213,11 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
     groups = flat_groups(cfg, layout, vocab, pp_rank)
     padded = sum(g.padded for g in groups)
     devices = offload_devices(cfg)
-    gpu = cluster.device.name != "cpu"
     sharded = levels["params"] != "none"
 
     # parameters: the shard at the params level (+ the hpZ copy), or the whole flat buffer
     shard = padded / counts[levels["params"]] * FP32
-    params_tier = {"none": "device", "cpu": "host" if gpu else "device", "nvme": "nvme"}[devices["params"]]
+    params_tier = "device" if cluster.device.host_memory and devices["params"] == "cpu" else TIER_OF[devices["params"]]
     out.add("params", params_tier, shard)
     if params_tier == "nvme":  # shards kept after use and read ahead stay in memory
         kept = cfg.offload.params.keep_groups + cfg.offload.params.read_ahead
@@ -249,15 +245,14 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
 
     # optimizer: AdamW's two fp32 moments of the optimizer chunk, wherever offload puts them
     moments = ADAM_MOMENTS * padded / counts[levels["optim"]] * FP32
-    optim_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[devices["optim"]]
-    out.add("optim", optim_tier, moments)
+    out.add("optim", TIER_OF[devices["optim"]], moments)
 
     for tier, nbytes in activation_bytes(cfg, layout, vocab, pp_rank).items():
         out.add("activations", tier, nbytes)
 
     if cfg.offload.enabled or cfg.activations.offload != "none":
         out.add("pool", "host", cfg.offload.host_buffer_mb * 2**20)
-        if gpu and devices["optim"] != "none":  # the CPU update's two pinned buffers
+        if not cluster.device.host_memory and devices["optim"] != "none":  # the CPU update's two pinned buffers
             out.add("pool", "host", 2 * cfg.offload.slab_mb * 2**20)
 
     image = padded * FP32 * (1 + ADAM_MOMENTS) / layout.dp

@@ -38,7 +38,11 @@ def this_machine(nodes: int, ranks_per_node: int, ranks_per_gpu: int = 1) -> Clu
         return Cluster(nodes, ranks_per_node // ranks_per_gpu, device, ranks_per_gpu, host_mem_gib=_ram_gib())
     share = _ram_gib() / ranks_per_node
     return Cluster(
-        nodes, ranks_per_node // ranks_per_gpu, Device("cpu", share, 1.0, 1.0, 1.0), ranks_per_gpu, host_mem_gib=0.0
+        nodes,
+        ranks_per_node // ranks_per_gpu,
+        Device("cpu", share, 1.0, 1.0, 1.0, host_memory=True),
+        ranks_per_gpu,
+        host_mem_gib=0.0,
     )
 
 
@@ -52,13 +56,13 @@ def memory_warning(cfg: Config, nodes: int, ranks_per_node: int) -> str | None:
     memory = estimate_memory(cfg, cluster, plan_vocab(cfg))
     worst = memory.worst("device")
     need = worst.total("device")
-    if cluster.device.name == "cpu":  # one memory: what goes to the "host" tier counts too
+    if cluster.device.host_memory:  # one memory: what goes to the "host" tier counts too
         worst = max(memory.stages, key=lambda r: r.total("device") + r.total("host"))
         need = worst.total("device") + worst.total("host")
     budget = memory.device_budget
     if need <= budget:
         return None
-    what = "GPU memory" if cluster.device.name != "cpu" else "its share of this machine's memory"
+    what = "GPU memory" if not cluster.device.host_memory else "its share of this machine's memory"
     return (
         f"predicted memory per rank is {gib(need)} (pipeline stage {worst.pp_rank}) but a rank has {gib(budget)} of "
         f"{what}; the job will likely run out of memory. `strata plan CONFIG --search` lists layouts that fit"

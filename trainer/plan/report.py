@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from strata.config import Config
 from strata.trainer.plan.cluster import LINKS, Cluster
-from strata.trainer.plan.memory import KINDS, TIERS, MemoryEstimate, gib, zero_levels
+from strata.trainer.plan.memory import KINDS, TIERS, MemoryEstimate, gib, layout_of, micro_batches, zero_levels
 from strata.trainer.plan.search import SearchResult
 from strata.trainer.plan.timing import TimeEstimate
 
 
 def layout_line(cfg: Config, cluster: Cluster) -> str:
-    par, lv = cfg.parallel, zero_levels(cfg)
-    dp = par.dp_size(cluster.world_size)
-    m = max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp))
+    par, lv, layout = cfg.parallel, zero_levels(cfg), layout_of(cfg, cluster)
+    dp, m = layout.dp, micro_batches(cfg, layout)
     zero = (
         "off"
         if lv["params"] == lv["grads"] == lv["optim"] == "none"

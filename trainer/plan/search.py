@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from strata.config import Config, cross_problems, replace
 from strata.trainer.plan.cluster import Cluster
-from strata.trainer.plan.memory import MemoryEstimate, estimate_memory, gib
+from strata.trainer.plan.memory import MemoryEstimate, estimate_memory
 from strata.trainer.plan.timing import TimeEstimate, estimate_time
 
 
@@ -155,7 +155,3 @@ def search(cfg: Config, cluster: Cluster, vocab: int) -> SearchResult:
             result.rejected[family] = f"invalid: {why[family][0]}"
     result.fitting.sort(key=lambda p: p.time.step_s)
     return result
-
-
-def budget_line(memory: MemoryEstimate) -> str:
-    return f"device {gib(memory.peak('device'))} of {gib(memory.device_budget)}, host {gib(memory.peak('host'))}"

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from strata.config import Config, ModelConfig, chain_level
+from strata.config import Config, ModelConfig
 from strata.parallel.stages import plan_stages, schedule_name, stage_indices
 from strata.parallel.topology import CHAIN, Layout
 
@@ -95,8 +95,16 @@ def chunk_counts(layout: Layout, rank: int = 0) -> dict[str, int]:
     return {level: layout.nested_chunk(rank, level)[1] for level in CHAIN}
 
 
-def level_of(shard_over: str) -> str:
-    return chain_level(shard_over)
+def layer_flops(m: ModelConfig, tp: int) -> float:
+    """Matmul FLOPs one transformer layer's forward executes per token on one tensor-parallel rank
+    (causal attention computes half of its score matrix; backward is twice this)."""
+    d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
+    return 2 * (2 * d * q + 2 * d * kv + 3 * d * f) / tp + 0.5 * 4 * m.seq_len * q / tp
+
+
+def head_flops(m: ModelConfig, vocab: int, tp: int) -> float:
+    """Forward matmul FLOPs per token of the output layer on one tensor-parallel rank."""
+    return 2 * m.d_model * vocab / tp
 
 
 # --- activations ----------------------------------------------------------------------------

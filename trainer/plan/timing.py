@@ -26,6 +26,7 @@ from strata.trainer.plan import traffic
 from strata.trainer.plan.cluster import LINKS, Cluster
 from strata.trainer.plan.memory import (
     FP32,
+    TIER_OF,
     activation_bytes,
     flat_groups,
     in_flight,
@@ -33,7 +34,15 @@ from strata.trainer.plan.memory import (
     micro_batches,
     zero_levels,
 )
-from strata.trainer.plan.shapes import Group, block_saved, chunk_counts, parts_of, saved_bytes
+from strata.trainer.plan.shapes import (
+    Group,
+    block_saved,
+    chunk_counts,
+    head_flops,
+    layer_flops,
+    parts_of,
+    saved_bytes,
+)
 
 ADAM_BYTES = 32  # per element of the optimizer chunk: parameter r/w, gradient r, two moments r/w
 # Unfused attention (scores, mask, softmax and dropout as separate kernels, as Megatron-LM ran before
@@ -77,13 +86,13 @@ class _Stage:
 
     fwd: float
     bwd: float  # backward, with the recomputed forward
-    tp: float
+    tp: traffic.Traffic  # tensor-parallel all-reduces per micro-batch
     send: float  # one pipeline send of a micro-batch's activations (or their gradients)
     chunks: int  # model chunks this rank runs (V)
 
     @property
     def micro_batch(self) -> float:
-        return self.fwd + self.bwd + self.tp
+        return self.fwd + self.bwd + self.tp.seconds
 
     def sends(self, m: int, p: int) -> float:
         """Pipeline sends that show: in the steady state each goes out while the stage computes the
@@ -120,10 +129,8 @@ def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_ra
     parts = parts_of(cfg, pp_rank)
     layers = sum(p.n_layers for p in parts)
     has_head = any(p.last for p in parts)
-    d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
-    # executed matmul FLOPs per token, forward: causal attention computes half of the score matrix
-    layer = 2 * (2 * d * q + 2 * d * kv + 3 * d * f) / tp + 0.5 * 4 * m.seq_len * q / tp
-    head = 2 * d * vocab / tp if has_head else 0.0
+    layer = layer_flops(m, tp)
+    head = head_flops(m, vocab, tp) if has_head else 0.0
     rate = dev.rate_tflops(cfg.train.precision) * 1e12
     fwd = tokens * (layers * layer + head) / rate
     recompute = tokens * layers * layer / rate if cfg.activations.recompute == "full" else 0.0
@@ -138,18 +145,18 @@ def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_ra
         fwd += scores * UNFUSED_SCORE_BYTES["forward"]
         bwd += scores * (UNFUSED_SCORE_BYTES["backward"] + again * UNFUSED_SCORE_BYTES["forward"])
     act = 2 if cfg.train.precision == "bf16" else 4
-    hidden = tokens * d * act
+    hidden = tokens * m.d_model * act
     # per layer two all-reduces forward and two backward (sequence parallel: all-gather plus
     # reduce-scatter, the same bytes), the recomputed forward's again; the embedding's and the
     # output layer's input gradient once each
     reductions = layers * (4 + (2 if cfg.activations.recompute == "full" else 0))
     reductions += sum(1 for p in parts if p.first) + (1 if has_head else 0)
-    tp_s = reductions * traffic.dim_all_reduce(cluster, layout, "tp", hidden).seconds if tp > 1 else 0.0
+    tp_traffic = traffic.dim_all_reduce(cluster, layout, "tp", hidden).scaled(reductions)
     send = 0.0
     if par.pp > 1:
         local_seq = m.seq_len // tp if par.sequence_parallel and tp > 1 else m.seq_len
-        send = traffic.pipeline_send(cluster, layout, cfg.train.micro_batch_size * local_seq * d * 4).seconds
-    return _Stage(fwd, bwd, tp_s, send, len(parts))
+        send = traffic.pipeline_send(cluster, layout, cfg.train.micro_batch_size * local_seq * m.d_model * 4).seconds
+    return _Stage(fwd, bwd, tp_traffic, send, len(parts))
 
 
 @dataclass
@@ -239,7 +246,7 @@ def estimate_time(cfg: Config, cluster: Cluster, vocab: int, attention: str = "f
     bubble = bubble_factor(cfg) * slow.micro_batch
     parts = {
         "compute": m * (slow.fwd + slow.bwd),
-        "tp": m * slow.tp,
+        "tp": m * slow.tp.seconds,
         "pp": max(st.sends(m, cfg.parallel.pp) for st in stages),
         "bubble": bubble,
     }
@@ -276,19 +283,8 @@ def estimate_time(cfg: Config, cluster: Cluster, vocab: int, attention: str = "f
             for k, v in outer.bytes.items():
                 dp_bytes[k] = dp_bytes.get(k, 0.0) + v / cfg.co2.outer_every
     parts.update({"dp": dp_exposed, "optimizer": optimizer, "offload_io": offload_io, "co2": co2})
-    if cfg.parallel.tp > 1:
-        hidden = (
-            cfg.train.micro_batch_size
-            * cfg.model.seq_len
-            * cfg.model.d_model
-            * (2 if cfg.train.precision == "bf16" else 4)
-        )
-        tp_one = traffic.dim_all_reduce(cluster, layout, "tp", hidden)
-        per_mb = slow.tp / max(tp_one.seconds, 1e-30)
-        for k, v in tp_one.bytes.items():
-            link_bytes[k] += v * per_mb * m
-    for k, v in dp_bytes.items():
-        link_bytes[k] += v
+    for k in LINKS:
+        link_bytes[k] += slow.tp.bytes[k] * m + dp_bytes[k]
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     return TimeEstimate(
         step_s=sum(parts.values()),
@@ -309,7 +305,7 @@ def _update_time(cfg: Config, cluster: Cluster, elements: float, where: str) -> 
     if where == "none":
         return elements * ADAM_BYTES / (dev.mem_bw_gbs * 1e9)
     update = elements / (cluster.cpu_adam_gparams_s * 1e9)
-    if dev.name != "cpu":
+    if not dev.host_memory:
         update += elements * 2 * FP32 / (cluster.host_link_gbps * 1e9 / 8)
     if where == "nvme":
         per_rank = cluster.nvme_gbps * 1e9 / 8 / cluster.ranks_per_node
@@ -328,18 +324,17 @@ def _offload_io(
     nvme = cluster.nvme_gbps * 1e9 / 8 / cluster.ranks_per_node
     host = cluster.host_link_gbps * 1e9 / 8 / cluster.ranks_per_gpu
     exposed = 0.0
+    shard = sum(g.padded for g in groups) * FP32 / chunk_counts(layout)[lv["params"]]
     if devices["params"] == "nvme":
-        shard = sum(g.padded for g in groups) * FP32 / chunk_counts(layout)[lv["params"]]
         kept = min(1.0, cfg.offload.params.keep_groups / max(1, len(groups)))
         reads = shard * (2 * m - kept) / nvme
         exposed += max(0.0, reads - m * (st.fwd + st.bwd)) + shard / nvme
-    elif devices["params"] == "cpu" and cluster.device.name != "cpu":
-        shard = sum(g.padded for g in groups) * FP32 / chunk_counts(layout)[lv["params"]]
+    elif devices["params"] == "cpu" and not cluster.device.host_memory:
         exposed += max(0.0, 2 * m * shard / host - m * (st.fwd + st.bwd)) + shard / host
     if cfg.activations.offload != "none":
-        moved = activation_bytes(cfg, layout, vocab, pp_rank).get(cfg.activations.offload.replace("cpu", "host"), 0)
+        moved = activation_bytes(cfg, layout, vocab, pp_rank).get(TIER_OF[cfg.activations.offload], 0)
         bw = nvme if cfg.activations.offload == "nvme" else host
-        if cluster.device.name == "cpu" and cfg.activations.offload == "cpu":
+        if cluster.device.host_memory and cfg.activations.offload == "cpu":
             bw = cluster.device.mem_bw_gbs * 1e9
         per_mb = moved / max(1.0, in_flight(cfg, layout, pp_rank)) / bw
         exposed += m * (max(0.0, per_mb - st.fwd) + max(0.0, per_mb - st.bwd))
