@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from strata.errors import ConfigError, StrataError
+from strata.trainer.plan.cluster import DEVICES, PRESETS
 
 EXAMPLES = (
     "strata plan configs/llama2-7b-3d.yaml --nodes 4 --gpus-per-node 8 --gpu h100",
@@ -29,15 +30,19 @@ def add_parser(sub, fmt, epilog: Callable[..., str], whole: Callable[[int], Call
         "device, host and NVMe) and the step time of the config's layout on a cluster, from the config and "
         "the cluster alone; with --search, rank every layout that fits. Exits 1 when the config's own layout "
         "does not fit (without --search).",
-        epilog=epilog(*EXAMPLES, extra="Bandwidths are Gbit/s one way; --inter-node-gbps is a node's whole network."),
+        epilog=epilog(
+            *EXAMPLES,
+            extra="Bandwidths are Gbit/s one way; --inter-node-gbps is a node's whole network. Without --system the "
+            "links are a DGX A100's unless given.",
+        ),
     )
     pl.add_argument("config", help="YAML experiment")
     pl.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="config overrides")
     pl.add_argument("--nodes", type=whole(1), default=1, help="nodes (default 1)")
     pl.add_argument("--gpus-per-node", type=whole(1), help="GPUs per node (default: the system's, else 8)")
     pl.add_argument("--ranks-per-gpu", type=whole(1), help="ranks per GPU: 2 for the GCDs of an MI250X")
-    pl.add_argument("--system", help="a known system: dgx-a100, dgx-h100, frontier (its GPUs and links)")
-    pl.add_argument("--gpu", help="a known device: a100-40gb, a100-80gb, h100, h200, mi250x-gcd, mi300x")
+    pl.add_argument("--system", help=f"a known system: {', '.join(PRESETS)} (its GPUs and links)")
+    pl.add_argument("--gpu", help=f"a known device: {', '.join(DEVICES)}")
     pl.add_argument("--gpu-mem-gb", type=float, help="device memory per rank in GiB (an unknown device)")
     pl.add_argument("--tflops", type=float, help="sustained dense TFLOP/s per rank (an unknown device)")
     pl.add_argument("--intra-gpu-gbps", type=float, help="between the two GCDs of one GPU")
@@ -53,65 +58,68 @@ def add_parser(sub, fmt, epilog: Callable[..., str], whole: Callable[[int], Call
 
 
 def _cluster(args: argparse.Namespace, cfg, vocab: int):
-    from strata.trainer.plan.cluster import PRESETS, Cluster, Device, device_named, preset
+    """The cluster the flags describe: a known system, or nodes of the given device with the
+    default (DGX A100-like) links, each flag overriding; measured here with --calibrate."""
+    from strata.trainer.plan.cluster import Cluster, Device, device_named, preset
 
-    links = {
+    given = {
         "intra_gpu_gbps": args.intra_gpu_gbps,
         "intra_node_gbps": args.intra_node_gbps,
         "inter_node_gbps": args.inter_node_gbps,
         "host_mem_gib": args.host_mem_gb,
         "nvme_gbps": args.nvme_gbps,
+        "gpus_per_node": args.gpus_per_node,
+        "ranks_per_gpu": args.ranks_per_gpu,
     }
-    shape = {"gpus_per_node": args.gpus_per_node, "ranks_per_gpu": args.ranks_per_gpu}
-    given = {k: v for k, v in {**links, **shape}.items() if v is not None}
-    sources = [bool(args.system), bool(args.gpu), args.tflops is not None, args.calibrate]
-    if sum(sources) == 0:
+    given = {k: v for k, v in given.items() if v is not None}
+    if not (args.system or args.gpu or args.tflops is not None or args.calibrate):
         raise StrataError(
-            "strata plan needs the device: --gpu NAME (known: a100-40gb, a100-80gb, h100, h200, mi250x-gcd, "
-            "mi300x), --system NAME (dgx-a100, dgx-h100, frontier), --gpu-mem-gb M --tflops T, or --calibrate"
+            f"strata plan needs the device: --gpu NAME (known: {', '.join(DEVICES)}), --system NAME "
+            f"({', '.join(PRESETS)}), --gpu-mem-gb M --tflops T, or --calibrate"
         )
     if args.gpu and args.tflops is not None:
         raise StrataError("give either --gpu NAME or --tflops T (with --gpu-mem-gb), not both")
     if args.tflops is not None and args.gpu_mem_gb is None:
         raise StrataError("--tflops describes an unknown device: give its memory too with --gpu-mem-gb M")
-    for flag, value in (
-        ("--tflops", args.tflops),
-        ("--gpu-mem-gb", args.gpu_mem_gb),
-        *((f"--{k}", v) for k, v in given.items()),
-    ):
+    numbers = {"tflops": args.tflops, "gpu_mem_gb": args.gpu_mem_gb, **given}
+    for key, value in numbers.items():
         if isinstance(value, float) and not value > 0:
-            raise StrataError(f"{flag.replace('_', '-')} must be > 0, got {value:g}")
+            raise StrataError(f"--{key.replace('_', '-')} must be > 0, got {value:g}")
+    if args.calibrate and args.nodes > 1 and args.inter_node_gbps is None:
+        raise StrataError("--calibrate measures one machine: give the network with --inter-node-gbps for --nodes > 1")
+    if args.gpu:
+        device = device_named(args.gpu)
+    elif args.tflops is not None:
+        device = Device("custom", args.gpu_mem_gb, args.tflops, 1.0, 2000.0)
+    else:
+        device = None  # the system's, or the one --calibrate measures
     if args.system:
         cluster = preset(args.system, args.nodes, **given)
+        cluster = replace(cluster, device=device) if device else cluster
     else:
-        base = {k: v for k, v in PRESETS["dgx-h100"].items() if k not in ("device", "gpus_per_node")}
-        cluster = Cluster(nodes=args.nodes, gpus_per_node=8, device=Device("unset", 1, 1, 1, 1), **base)
+        cluster = Cluster(nodes=args.nodes, gpus_per_node=8, device=device or Device("to measure", 1, 1, 1, 1))
         cluster = replace(cluster, **given)
-    if args.gpu:
-        cluster = replace(cluster, device=device_named(args.gpu))
-    elif args.tflops is not None:
-        cluster = replace(cluster, device=Device("custom", args.gpu_mem_gb, args.tflops, 1.0, 2000.0))
     if args.gpu_mem_gb is not None:
         cluster = replace(cluster, device=replace(cluster.device, mem_gib=args.gpu_mem_gb))
     if args.calibrate:
-        from strata.trainer.plan.calibrate import calibrate_local
-
-        if args.nodes > 1 and args.inter_node_gbps is None:
-            raise StrataError(
-                "--calibrate measures one machine: give the network with --inter-node-gbps for --nodes > 1"
-            )
-        cal = calibrate_local(cfg, vocab, ranks=cluster.ranks_per_node)
-        latency = {**cluster.latency_s, "intra-node": cal.latency_s, "intra-gpu": cal.latency_s}
-        cluster = replace(
-            cluster,
-            device=cal.device,
-            intra_node_gbps=args.intra_node_gbps or cal.intra_node_gbps,
-            intra_gpu_gbps=args.intra_gpu_gbps or cal.intra_node_gbps,
-            latency_s=latency,
-            cpu_adam_gparams_s=cal.adam_gparams_s,
-            host_mem_gib=args.host_mem_gb or cal.device.mem_gib * cluster.ranks_per_node,
-        )
+        cluster = _calibrated(args, cfg, vocab, cluster)
     return cluster
+
+
+def _calibrated(args: argparse.Namespace, cfg, vocab: int, cluster):
+    """`cluster` with this machine's measured device, intra-node link and AdamW rate (flags win)."""
+    from strata.trainer.plan.calibrate import calibrate_local
+
+    cal = calibrate_local(cfg, vocab, ranks=cluster.ranks_per_node)
+    return replace(
+        cluster,
+        device=cal.device,
+        intra_node_gbps=args.intra_node_gbps or cal.intra_node_gbps,
+        intra_gpu_gbps=args.intra_gpu_gbps or cal.intra_node_gbps,
+        latency_s={**cluster.latency_s, "intra-node": cal.latency_s, "intra-gpu": cal.latency_s},
+        cpu_adam_gparams_s=cal.adam_gparams_s,
+        host_mem_gib=args.host_mem_gb or cal.device.mem_gib * cluster.ranks_per_node,
+    )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -125,19 +133,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = config.load(args.config, args.overrides)
     vocab = plan_vocab(cfg)
     cluster = _cluster(args, cfg, vocab)
-    print(f"strata plan: {cluster.describe()}; vocabulary {vocab}")
+    if not args.json:
+        print(f"strata plan: {cluster.describe()}; vocabulary {vocab}")
     if args.search:
         result = search(cfg, cluster, vocab)
         if args.json:
-            print(
-                json.dumps(
-                    [
-                        {**p.candidate.__dict__, "step_s": p.time.step_s, "device_bytes": p.memory.peak("device")}
-                        for p in result.fitting[: args.top]
-                    ],
-                    indent=1,
-                )
-            )
+            best = result.fitting[: args.top]
+            rows = [
+                {**vars(p.candidate), "step_s": p.time.step_s, "device_bytes": p.memory.peak("device")} for p in best
+            ]
+            print(json.dumps(rows, indent=1))
         else:
             print("\n".join(report.search_table(result, cluster, args.top)))
         return 0 if result.fitting else 1
@@ -147,29 +152,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(problems)
     memory = estimate_memory(cfg, cluster, vocab)
     est = estimate_time(cfg, cluster, vocab)
-    tokens = cfg.train.global_batch_size * cfg.model.seq_len
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "memory": {
-                        f"{k}/{t}": v
-                        for s in memory.stages
-                        for (k, t), v in s.bytes.items()
-                        if s is memory.worst("device")
-                    },
-                    "step_s": est.step_s,
-                    "parts": est.parts,
-                    "link_bytes": est.link_bytes,
-                    "mfu": est.mfu,
-                },
-                indent=1,
-            )
-        )
+        worst = memory.worst("device")
+        figures = {
+            "fits": memory.fits(),
+            "memory": {f"{k}/{t}": v for (k, t), v in worst.bytes.items()},
+            "step_s": est.step_s,
+            "parts": est.parts,
+            "link_bytes": est.link_bytes,
+            "mfu": est.mfu,
+        }
+        print(json.dumps(figures, indent=1))
     else:
+        tokens = cfg.train.global_batch_size * cfg.model.seq_len
         print("layout: " + report.layout_line(cfg, cluster))
         print("\n".join(report.memory_table(memory) + report.time_table(est, tokens)))
-    if not memory.fits():
-        print("does not fit: " + "; ".join(memory.problems()) + "\n  `--search` lists layouts that fit")
-        return 1
-    return 0
+        if not memory.fits():
+            print("does not fit: " + "; ".join(memory.problems()) + "\n  `--search` lists layouts that fit")
+    return 0 if memory.fits() else 1
