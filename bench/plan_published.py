@@ -115,32 +115,16 @@ from typing import Any
 from strata import config as config_mod
 from strata.config import Config
 from strata.model import flops_per_token
-from strata.trainer.plan.cluster import Cluster, device_named
+from strata.trainer.plan.cluster import PRESETS, Cluster, preset
 from strata.trainer.plan.timing import TimeEstimate, estimate_time
 
 TOLERANCE = 0.25  # the test's bound on |predicted / published - 1|
 
 
-@dataclass(frozen=True)
-class System:
-    """A machine of the sources, in the planner's terms (bandwidths in Gbit/s, one direction)."""
-
-    device: str
-    gpus_per_node: int
-    ranks_per_gpu: int
-    intra_gpu_gbps: float
-    intra_node_gbps: float
-    inter_node_gbps: float
-
-
-SYSTEMS: dict[str, System] = {
-    # [M3]: NVLink 3 300 GB/s per GPU each way, 8 × 200 Gbit/s HDR per node.
-    "dgx-a100": System("a100-80gb", 8, 1, 0.0, 2400.0, 1600.0),
-    # [H1]: DGX H100, NVLink 4 450 GB/s per GPU each way, 8 × 400 Gbit/s NDR per node.
-    "dgx-h100": System("h100", 8, 1, 0.0, 3600.0, 3200.0),
-    # [F3]: 4 MI250X = 8 GCDs; 200 GB/s GCD-GCD in a GPU, 50 GB/s between GPUs, 4 × 25 GB/s NICs.
-    "frontier": System("mi250x-gcd", 4, 2, 1600.0, 400.0, 800.0),
-}
+# The machines are the planner's own systems (strata.trainer.plan.cluster.PRESETS), whose figures
+# are the ones the sources give: dgx-a100 [M3] (NVLink 3 300 GB/s per GPU each way, 8 × 200 Gbit/s
+# HDR per node), dgx-h100 [H1] (NVLink 4 450 GB/s, 8 × 400 Gbit/s NDR), frontier [F3] (4 MI250X = 8
+# GCDs; 200 GB/s GCD-GCD in a GPU, 50 GB/s between GPUs, 4 × 25 GB/s NICs).
 
 
 @dataclass(frozen=True)
@@ -354,7 +338,7 @@ def overrides(run: Run) -> list[str]:
         "parallel.virtual_stages": run.virtual,
         "parallel.sequence_parallel": False,
         "parallel.overlap_grad_reduce": run.overlap_grad_reduce,
-        "parallel.ranks_per_gpu": SYSTEMS[run.system].ranks_per_gpu,
+        "parallel.ranks_per_gpu": PRESETS[run.system].get("ranks_per_gpu", 1),
         "activations.recompute": "full" if run.recompute else "none",
     }
     if run.zero1:  # DeepSpeed ZeRO stage 1: optimizer states over the whole data-parallel group
@@ -367,19 +351,11 @@ def config_of(run: Run) -> Config:
 
 
 def cluster_of(run: Run) -> Cluster:
-    s = SYSTEMS[run.system]
-    per_node = s.gpus_per_node * s.ranks_per_gpu
+    system = PRESETS[run.system]
+    per_node = system["gpus_per_node"] * system.get("ranks_per_gpu", 1)
     if run.ranks % per_node:
         raise ValueError(f"{run.name}: {run.ranks} ranks do not fill {per_node}-rank nodes")
-    return Cluster(
-        nodes=run.ranks // per_node,
-        gpus_per_node=s.gpus_per_node,
-        ranks_per_gpu=s.ranks_per_gpu,
-        device=device_named(s.device),
-        intra_gpu_gbps=s.intra_gpu_gbps or 1600.0,  # unused with one rank per GPU
-        intra_node_gbps=s.intra_node_gbps,
-        inter_node_gbps=s.inter_node_gbps,
-    )
+    return preset(run.system, run.ranks // per_node)
 
 
 def megatron_flops(run: Run, passes: int) -> float:
@@ -415,7 +391,7 @@ def compare(run: Run) -> Comparison:
     f_pub = megatron_flops(run, run.counted_passes)
     published_step = f_pub / (run.published_tflops * 1e12 * run.ranks)
     f_model = flops_per_token(cfg.model, run.vocab) * run.batch * run.seq
-    peak = device_named(SYSTEMS[run.system].device).peak_tflops
+    peak = cluster_of(run).device.peak_tflops
     return Comparison(
         run=run,
         estimate=est,
