@@ -33,7 +33,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from strata.net import free_port  # noqa: E402
 from tests.cluster import Cluster, unavailable  # noqa: E402
 
 HEADER_BYTES = 66  # per packet: Ethernet 14 + IPv4 20 + TCP 20 + timestamps option 12
@@ -51,37 +50,8 @@ PAIRS = [  # (Strata system, peer, goal as the most the time ratio may be)
 
 def run_cluster(cluster: Cluster, worker_args: list[str], out: Path, timeout_s: float) -> dict:
     """The worker under torchrun on every node (static rendezvous at node 0's address)."""
-    port = free_port()
-    procs = []
-    for n in cluster.nodes:
-        env = dict(os.environ, GLOO_SOCKET_IFNAME=n.ifname, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            str(len(cluster.nodes)),
-            "--nproc-per-node",
-            "2",
-            "--node-rank",
-            str(n.index),
-            "--master-addr",
-            cluster.nodes[0].address,
-            "--master-port",
-            str(port),
-            str(ROOT / "bench" / "_network_worker.py"),
-            *worker_args,
-            "--out",
-            str(out),
-        ]
-        procs.append(cluster.popen(n.index, cmd, env=env, cwd=ROOT))
-    try:
-        codes = [p.wait(timeout=timeout_s) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    if any(codes):
-        raise SystemExit(f"a node's torchrun failed: exit codes {codes}")
+    worker = [str(ROOT / "bench" / "_network_worker.py"), *worker_args, "--out", str(out)]
+    cluster.torchrun(2, worker, dict(os.environ), timeout_s, ROOT)
     return json.loads(out.read_text())
 
 

@@ -30,7 +30,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from strata import config as config_mod  # noqa: E402
-from strata.net import free_port  # noqa: E402
 from strata.trainer.data import ensure_default_corpus  # noqa: E402
 from tests.cluster import Cluster, unavailable  # noqa: E402
 
@@ -115,52 +113,13 @@ def wait_for_idle(max_load: float, patience_s: float) -> float:
         time.sleep(20)
 
 
-def torchrun(cluster: Cluster, nproc: int, target: list[str], env: dict[str, str], timeout_s: float) -> None:
-    """`target` (a script and its arguments, or -m MODULE ...) under torchrun on every node: static
-    rendezvous at node 0's address, gloo on the node's own interface, one thread per rank."""
-    port = free_port()
-    procs = []
-    for n in cluster.nodes:
-        node_env = dict(env, GLOO_SOCKET_IFNAME=n.ifname, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            str(len(cluster.nodes)),
-            "--nproc-per-node",
-            str(nproc),
-            "--node-rank",
-            str(n.index),
-            "--master-addr",
-            cluster.nodes[0].address,
-            "--master-port",
-            str(port),
-            *target,
-        ]
-        procs.append(
-            cluster.popen(n.index, cmd, env=node_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        )
-    try:
-        outs = [p.communicate(timeout=timeout_s)[0].decode(errors="replace") for p in procs]
-    except subprocess.TimeoutExpired:
-        outs = ["(timed out)"] * len(procs)
-    finally:
-        for p in procs:
-            p.kill()
-    codes = [p.wait() for p in procs]
-    if any(codes):
-        tail = "\n".join(f"--- node {i} (exit {c}) ---\n{o[-3000:]}" for i, (c, o) in enumerate(zip(codes, outs)))
-        raise RuntimeError(f"a node's torchrun failed: exit codes {codes}\n{tail}")
-
-
 def measure_link(cluster: Cluster, env: dict[str, str], mb: float, repeats: int, tmp: Path) -> dict:
     """The inter-node link as gloo sees it: one rank per node, then two ranks per node at once."""
     worker = str(ROOT / "bench" / "_plan_time_worker.py")
     res = {}
     for nproc in (1, RANKS_PER_NODE):
         out = tmp / f"link{nproc}.json"
-        torchrun(cluster, nproc, [worker, "--mb", str(mb), "--repeats", str(repeats), "--out", str(out)], env, 300)
+        cluster.torchrun(nproc, [worker, "--mb", str(mb), "--repeats", str(repeats), "--out", str(out)], env, 300, ROOT)
         res[f"{nproc}_per_node"] = json.loads(out.read_text())
     return res
 
@@ -174,7 +133,7 @@ def measure_layout(
     experiment.write_text("# bench/plan_time.py: see its overrides\n")
     start = time.perf_counter()
     argv = ["-m", "strata.launch.cli", "train", str(experiment), *overrides(layout, extra)]
-    torchrun(cluster, RANKS_PER_NODE, argv, env, timeout_s)
+    cluster.torchrun(RANKS_PER_NODE, argv, env, timeout_s, ROOT)
     wall = time.perf_counter() - start
     records = [json.loads(line) for line in (tmp / "runs" / layout / "metrics.jsonl").read_text().splitlines()]
     per_step = {r["step"]: r for r in records if "step_time_s" in r}

@@ -260,6 +260,33 @@ class Cluster:
     def run(self, node: int, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(node, cmd), **kwargs)
 
+    def torchrun(self, nproc: int, target: list[str], env: dict[str, str], timeout_s: float, cwd: Path) -> None:
+        """`target` (a script and its arguments, or -m MODULE ...) under torchrun on every node:
+        static rendezvous at node 0's address, gloo on each node's own interface, one
+        thread per rank. RuntimeError with each node's output tail if a node's torchrun fails."""
+        from strata.net import free_port
+
+        port = free_port()
+        procs = []
+        for n in self.nodes:
+            node_env = dict(env, GLOO_SOCKET_IFNAME=n.ifname, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(self.nodes))]
+            cmd += ["--nproc-per-node", str(nproc), "--node-rank", str(n.index)]
+            cmd += ["--master-addr", self.nodes[0].address, "--master-port", str(port), *target]
+            out = subprocess.PIPE
+            procs.append(self.popen(n.index, cmd, env=node_env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT))
+        try:
+            outs = [p.communicate(timeout=timeout_s)[0].decode(errors="replace") for p in procs]
+        except subprocess.TimeoutExpired:
+            outs = ["(timed out)"] * len(procs)
+        finally:
+            for p in procs:
+                p.kill()
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            tail = "\n".join(f"--- node {i} (exit {c}) ---\n{o[-3000:]}" for i, (c, o) in enumerate(zip(codes, outs)))
+            raise RuntimeError(f"a node's torchrun failed: exit codes {codes}\n{tail}")
+
     def kill_node(self, node: int) -> None:
         """SIGKILL every process in node `node` and wait until they are gone."""
         _kill_netns(self.nodes[node].netns)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
 import functools
 import json
 import math
@@ -48,15 +47,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.utils.checkpoint as torch_checkpoint
 
 from strata import config
 from strata.config import Config
-from strata.net import free_port
 from strata.parallel.topology import Layout, Topology, build_topology, layout_from_config
 from strata.parallel.zero import FlatGroup, ZeroEngine
 from strata.trainer.parallelize import ParallelModel, parallelize
+
+from worlds import join_world, run_world
 
 WORLD = 4  # ranks of the probe's world
 STEPS = 2  # optimizer steps per layout; every peak is the largest over them
@@ -500,15 +499,8 @@ def measure(cfg: Config, topo: Topology, world: int) -> dict[str, Any]:
 
 
 def probe_worker(rank: int, size: int, port: int, out_dir: str, names: list[str], nvme_root: str) -> None:
-    """One rank of the probe's world: every layout of `names` in turn; writes rank<r>.json."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    """One rank of the probe's world: every layout of `names` in turn; saves rank<r>.pt."""
+    join_world(rank, size, port, timeout_s=120)
     results: dict[str, Any] = {}
     topologies: dict[Layout, Topology] = {}
     try:
@@ -519,7 +511,7 @@ def probe_worker(rank: int, size: int, port: int, out_dir: str, names: list[str]
                 topologies[layout] = build_topology(layout, rank)
             results[name] = {"layout": name, **measure(cfg, topologies[layout], size)}
             dist.barrier()
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        torch.save(results, Path(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -528,23 +520,9 @@ def run_probe(names: list[str], out_dir: str | Path, nvme_root: str | Path, time
     """Run the layouts `names` in one world of WORLD processes; {layout: [rank results]}."""
     out_dir, nvme_root = Path(out_dir), Path(nvme_root)
     out_dir.mkdir(parents=True, exist_ok=True)
-    nvme_root.mkdir(parents=True, exist_ok=True)
     for name in names:
-        (nvme_root / name).mkdir(exist_ok=True)
-    ctx = mp.start_processes(
-        probe_worker,
-        args=(WORLD, free_port(), str(out_dir), list(names), str(nvme_root)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):  # raises if a rank failed
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"the memory probe's world did not finish within {timeout_s:g}s")
-    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        (nvme_root / name).mkdir(parents=True, exist_ok=True)
+    ranks = run_world(probe_worker, WORLD, out_dir, list(names), str(nvme_root), timeout_s=timeout_s)
     return {name: [r[name] for r in ranks] for name in names}
 
 
