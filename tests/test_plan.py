@@ -266,3 +266,27 @@ def test_config_show_and_launch_warn_when_a_rank_will_not_fit(tmp_path):
     assert r.returncode == 0 and "warning: predicted memory per rank" in r.stderr
     small = strata("config", "show", "configs/tiny.yaml", "--world-size", "2")
     assert small.returncode == 0 and "warning" not in small.stderr
+
+
+@pytest.mark.slow
+def test_calibration_measures_the_rate_this_machine_runs_the_model_at():
+    """The calibrated rate (two ranks computing at once on this machine) against this process's
+    own timing of the same model's forward and backward, FLOPs counted as the model's matmuls."""
+    import time
+
+    from strata.model import lm_loss
+    from strata.trainer.plan.calibrate import calibrate_local, executed_flops
+
+    cfg = load("train.micro_batch_size=4", "train.global_batch_size=8", world=2)
+    cal = calibrate_local(cfg, VOCAB, ranks=2, seconds=1.0)
+    assert cal.intra_node_gbps > 0 and 0 < cal.latency_s < 0.1 and cal.adam_gparams_s > 0
+    torch.set_num_threads(1)
+    model = GPT(cfg.model, VOCAB)
+    model.init_weights(0)
+    tokens = torch.randint(0, VOCAB, (4, cfg.model.seq_len))
+    lm_loss(model(tokens), tokens).backward()
+    start = time.perf_counter()
+    for _ in range(3):
+        lm_loss(model(tokens), tokens).backward()
+    own = executed_flops(cfg, VOCAB, tokens.numel()) / ((time.perf_counter() - start) / 3) / 1e12
+    assert 0.3 < cal.device.peak_tflops / own < 3, (cal.device.peak_tflops, own)

@@ -75,22 +75,27 @@ def _compute_worker(rank: int, cfg: Config, vocab: int, seconds: float, barrier,
 
 
 def _link_worker(rank: int, port: int, results) -> None:
+    """Time all-reduces between two local processes through `parallel.comm`, as training runs them."""
     import torch.distributed as dist
+
+    from strata.parallel import comm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
+        world = dist.group.WORLD
+
+        def timed(t: torch.Tensor, times: int) -> float:
+            start = time.perf_counter()
+            for _ in range(times):
+                comm.all_reduce(t, world, "dp")
+            return (time.perf_counter() - start) / times
+
         small, big = torch.zeros(1), torch.zeros(4 * 2**20)
-        for t in (small, big):
-            dist.all_reduce(t)
-        start = time.perf_counter()
-        for _ in range(50):
-            dist.all_reduce(small)
-        latency = (time.perf_counter() - start) / 50 / 2  # a 2-rank all-reduce: two steps
-        start = time.perf_counter()
-        for _ in range(3):
-            dist.all_reduce(big)
-        seconds = (time.perf_counter() - start) / 3
+        timed(small, 1)  # warm-up: connections and buffers
+        timed(big, 1)
+        latency = timed(small, 50) / 2  # a 2-rank all-reduce: two steps
+        seconds = timed(big, 3)
         if rank == 0:
             results[0] = (big.numel() * 4 / seconds, latency)  # 2 ranks: each sends its whole buffer once
     finally:
