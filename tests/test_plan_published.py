@@ -43,7 +43,7 @@ def _id(run) -> str:
 # Where the model misses, recorded rather than tuned away: the Frontier paper's body (its
 # configuration table) is not available here, its 22B run's GCD count is unknown, and its authors'
 # own 175B log reports about twice the rate the abstract's percentage gives per GCD, so these two
-# figures are uncertain by a factor of two; the model predicts 1.42x and 1.32x the abstract's rate.
+# figures are uncertain by a factor of two; the model predicts about 1.4x and 1.3x the abstract's rate.
 MISSES = {"frontier-22B", "frontier-175B"}
 
 
