@@ -157,6 +157,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         master_addr=args.master_addr,
         master_port=args.master_port,
         net_ifname=args.net_ifname,
+        worker_start=args.worker_start,
     )
     return torchrun.run_local(plan, args.config, args.overrides, args.resume)
 
@@ -437,6 +438,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         metavar="IF",
         help="the network interface the workers talk over (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME; "
         "its address is the one other nodes reach this node at)",
+    )
+    la.add_argument(
+        "--worker-start",
+        choices=["forkserver", "fresh"],
+        default="forkserver",
+        help="how torchrun starts each worker, the first ones and every restart: forked from a per-node process "
+        "that has imported torch and Strata once (a restart takes milliseconds, not seconds of imports), or a "
+        "fresh Python each (plain torchrun); see docs/FAULT_TOLERANCE.md",
     )
     la.add_argument("--slurm", action="store_true", help="write an sbatch script (and submit it if sbatch exists)")
     la.add_argument("--nodes", type=_whole(1), default=1, help="Slurm nodes")

@@ -60,6 +60,9 @@ class LaunchPlan:
     master_addr: str = ""
     master_port: int | None = None
     net_ifname: str = ""  # the interface gloo and NCCL use (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)
+    # How torchrun starts each worker: forked from the node's fork server, which has imported torch
+    # and Strata once (strata.launch.elastic), or as a fresh Python (plain torchrun).
+    worker_start: str = "forkserver"
 
     @property
     def static(self) -> bool:
@@ -67,6 +70,7 @@ class LaunchPlan:
 
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
+WORKER_STARTS = ("forkserver", "fresh")
 
 
 def check_plan(plan: LaunchPlan) -> None:
@@ -74,6 +78,8 @@ def check_plan(plan: LaunchPlan) -> None:
     free local port and wait for the others there until the join timeout; a static rendezvous
     missing a part or mixed with c10d's flags; an interface this node does not have; and counts
     torchrun would refuse with a traceback."""
+    if plan.worker_start not in WORKER_STARTS:
+        raise StrataError(f"--worker-start {plan.worker_start!r}: must be one of {', '.join(WORKER_STARTS)}")
     for flag, value, least in (
         ("--nproc", plan.nproc_per_node, 1),
         ("--nnodes", plan.nnodes, 1),
@@ -272,10 +278,11 @@ def worker_args(config_path: str, overrides: list[str], resume: str | None, extr
 def torchrun_command(
     plan: LaunchPlan, config_path: str, overrides: list[str], resume: str | None, extra: tuple[str, ...] = ()
 ) -> list[str]:
+    forked = plan.worker_start == "forkserver" and sys.platform.startswith("linux")
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "strata.launch.elastic" if forked else "torch.distributed.run",
         *torchrun_args(plan),
         *worker_args(config_path, overrides, resume, extra),
     ]

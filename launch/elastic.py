@@ -1,0 +1,267 @@
+"""torchrun for fast restarts: `python -m strata.launch.elastic ARGS` is `python -m
+torch.distributed.run ARGS` (same flags, rendezvous, restarts, signals, exit codes) with two
+changes. Each `python [-u] -m MODULE ...` worker it starts, the first ones and every restart, is a
+fork of one process per node that has imported torch and Strata already (`strata.launch.forkserver`;
+a worker the server cannot fork starts the usual way, with a warning). And a node waiting in the
+c10d rendezvous for the others reads its state every `rendezvous_poll_s` instead of every second.
+`strata launch --worker-start fresh` runs plain torchrun instead.
+
+The hooks are torch's `SubprocessHandler._popen` (torch.distributed.elastic.multiprocessing), the
+one place torchrun creates a worker, and the delay its dynamic rendezvous sleeps between reads of
+the rendezvous state. What `_popen` returns stands in for the Popen torchrun keeps: torchrun polls,
+waits for and signals the worker (`os.killpg` of its session) as before."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+from strata.launch.forkserver import PRELOAD, ROOM_ENV, encode, split_command
+
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37  # prctl(2)
+READY_TIMEOUT_S = 600.0  # the server's imports, on a loaded node
+ARGV_SLACK, ENV_SLACK = 1024, 8192  # room beyond the first worker's, for later attempts' values
+# The rendezvous store's load while nodes wait for each other: state reads a second, all nodes
+# together. torch reads once a second per node, which on a restart costs up to a second per wait
+# (the first node back waits for the last, which then waits for the round to close).
+RENDEZVOUS_READS_PER_S = 20
+
+
+class AdoptedWorker:
+    """A forked worker, as torchrun uses a subprocess.Popen: pid, returncode, poll, wait (with
+    subprocess.TimeoutExpired), send_signal, terminate, kill. It is this process's child (adopted),
+    so waitpid gives its exit status, a signal's as -N."""
+
+    def __init__(self, pid: int, args: Sequence[str]):
+        self.pid, self.args = pid, list(args)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: its status is lost, as subprocess says too
+                self.returncode = 0
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.0005
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(15)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+
+def _prctl() -> Any:
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _set_subreaper(on: int) -> int:
+    """Make this process a child subreaper (or not); returns what it was."""
+    prctl = _prctl()
+    was = ctypes.c_int(0)
+    prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
+    if prctl(PR_SET_CHILD_SUBREAPER, on, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+    return was.value
+
+
+def _fd(stream: IO | None, own: int) -> int | None:
+    """The descriptor a worker gets for `own` (0, 1, 2): `stream`'s (torchrun's log file), else
+    this process's own, if it has one open."""
+    fd = stream.fileno() if stream is not None else own
+    try:
+        os.fstat(fd)
+    except OSError:
+        return None
+    return fd
+
+
+class ForkServer:
+    """This node's fork server, as torchrun's side sees it: started at the first worker (its
+    environment then is torchrun's, OMP_NUM_THREADS included), asked for each worker after."""
+
+    def __init__(self, preload: Sequence[str] = PRELOAD, ready_timeout_s: float = READY_TIMEOUT_S):
+        self.preload = list(preload)
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.broken: str | None = None  # why no worker is forked any more
+        self.warned: set[str] = set()
+
+    def _start(self, argv: list[str], env: dict[str, str]) -> None:
+        base = dict(os.environ)
+        per_worker = {k: v for k, v in env.items() if base.get(k) != v}
+        flags, _, _ = split_command(argv) or ([], "", [])
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cmd = [sys.executable, *flags, "-m", "strata.launch.forkserver", "--fd", str(theirs.fileno())]
+        cmd += ["--preload", ",".join(self.preload), "--room", ""]
+        # Room in the server's argument and environment strings for each worker's own (see
+        # forkserver.show_in_proc): the first worker's size and a margin.
+        cmd[-1] = "x" * max(1, len(encode(argv)) + ARGV_SLACK - len(encode(cmd)))
+        room = "x" * (len(encode([f"{k}={v}" for k, v in per_worker.items()])) + ENV_SLACK)
+        try:
+            self.proc = subprocess.Popen(cmd, env={**base, ROOM_ENV: room}, pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        self.sock = mine
+        self.sock.settimeout(self.ready_timeout_s)
+        try:
+            reply = json.loads(self.sock.recv(1 << 16) or b'{"error": "it exited before it was ready"}')
+        except (OSError, ValueError) as e:
+            reply = {"error": f"no word from it within {self.ready_timeout_s:.0f} s ({e})"}
+        self.sock.settimeout(None)
+        if "error" in reply:
+            self._break(f"the fork server did not start: {reply['error']}")
+            return
+        print(
+            f"strata: fork server ready (pid {self.proc.pid}; torch and Strata imported in {reply['import_s']:.1f} s): "
+            "workers start as its forks",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _break(self, why: str) -> None:
+        self.broken = why
+        self.close()
+
+    def _warn(self, why: str) -> None:
+        if why not in self.warned:
+            self.warned.add(why)
+            print(f"strata: warning: starting a worker as a fresh Python: {why}", file=sys.stderr, flush=True)
+
+    def spawn(self, argv: Sequence[str], env: dict[str, str], stdio: Sequence[int | None]) -> AdoptedWorker | None:
+        """Fork a worker running `argv` with environment `env` and `stdio` as its 0, 1, 2 (None: as
+        this process's), or None (with a warning once per reason) when the server cannot."""
+        argv = [str(a) for a in argv]
+        if split_command(argv) is None:
+            return None  # not a `python -m` worker of this interpreter: torchrun starts it
+        if self.proc is None and self.broken is None:
+            self._start(argv, env)
+        if self.broken is not None or self.sock is None:
+            self._warn(self.broken or "the fork server is not running")
+            return None
+        targets = [t for t, fd in zip((0, 1, 2), stdio) if fd is not None]
+        fds = [fd for fd in stdio if fd is not None]
+        request = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdio": targets}
+        t0 = time.perf_counter()
+        was = _set_subreaper(1)  # the worker's parent exits at once: this process adopts it
+        try:
+            socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+            message = self.sock.recv(1 << 16)
+        except OSError as e:
+            message = json.dumps({"error": f"the fork server is gone ({e})"}).encode()
+        finally:
+            _set_subreaper(was)
+        reply = json.loads(message or b'{"error": "the fork server exited"}')
+        if "pid" not in reply:
+            if self.proc is not None and self.proc.poll() is not None:
+                self._break(reply["error"])
+            self._warn(reply["error"])
+            return None
+        print(
+            f"strata: worker pid {reply['pid']} (local rank {env.get('LOCAL_RANK', '?')}, restart "
+            f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}) forked in {1000 * (time.perf_counter() - t0):.0f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
+        return AdoptedWorker(reply["pid"], argv)
+
+    def close(self) -> None:
+        """Stop the server (it exits when its socket closes)."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def install(server: ForkServer) -> bool:
+    """Route torchrun's worker starts through `server`; False where this torch has no such hook."""
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+    except ImportError:
+        return False
+    handler = subprocess_handler.SubprocessHandler
+    fresh = getattr(handler, "_popen", None)
+    if fresh is None:
+        return False
+
+    def _popen(self: Any, args: tuple, env: dict[str, str]) -> Any:
+        stdio = (_fd(None, 0), _fd(self._stdout, 1), _fd(self._stderr, 2))
+        return server.spawn(args, env, stdio) or fresh(self, args, env)
+
+    handler._popen = _popen
+    return True
+
+
+def rendezvous_poll_s(max_nodes: int) -> float:
+    """Seconds between a waiting node's reads of the rendezvous state: torch's 1 s for large jobs,
+    less where few nodes wait (RENDEZVOUS_READS_PER_S from all of them together), 0.05 s at least."""
+    return min(1.0, max(0.05, max_nodes / RENDEZVOUS_READS_PER_S))
+
+
+def install_rendezvous_poll(poll_s: float) -> bool:
+    """Make torch's dynamic (c10d) rendezvous wait `poll_s` where it waits 1 s between reads of the
+    rendezvous state; False where this torch has no such delay."""
+    try:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    except ImportError:
+        return False
+    delay = getattr(dynamic_rendezvous, "_delay", None)
+    if delay is None:
+        return False
+
+    def _delay(seconds: float | tuple[float, float]) -> None:
+        delay(poll_s if seconds == 1 else seconds)  # its other delays (a random back-off) as they are
+
+    dynamic_rendezvous._delay = _delay
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed.run import main as torchrun
+    from torch.distributed.run import parse_args, parse_min_max_nnodes
+
+    server = ForkServer()
+    if not sys.platform.startswith("linux") or not install(server):
+        print("strata: warning: this torch or system cannot fork workers; they start fresh", file=sys.stderr)
+    _, max_nodes = parse_min_max_nnodes(parse_args(argv).nnodes)
+    install_rendezvous_poll(rendezvous_poll_s(max_nodes))
+
+    try:
+        torchrun(argv)
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    main()
