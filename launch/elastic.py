@@ -14,6 +14,7 @@ waits for and signals the worker (`os.killpg` of its session) as before."""
 from __future__ import annotations
 
 import ctypes
+import inspect
 import json
 import os
 import socket
@@ -230,20 +231,28 @@ def rendezvous_poll_s(max_nodes: int) -> float:
 
 
 def install_rendezvous_poll(poll_s: float) -> bool:
-    """Make torch's dynamic (c10d) rendezvous wait `poll_s` where it waits 1 s between reads of the
-    rendezvous state; False where this torch has no such delay."""
+    """Make torch's dynamic (c10d) rendezvous read its state every `poll_s` while a node waits for
+    the others: the delay between its reads (1 s) and how long a read stays fresh (its state cache,
+    1 s: polling faster alone would reread the cache). False where this torch has neither."""
     try:
         from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     except ImportError:
         return False
     delay = getattr(dynamic_rendezvous, "_delay", None)
-    if delay is None:
+    holder = getattr(dynamic_rendezvous, "_BackendRendezvousStateHolder", None)
+    if delay is None or holder is None or "cache_duration" not in inspect.signature(holder.__init__).parameters:
         return False
 
     def _delay(seconds: float | tuple[float, float]) -> None:
         delay(poll_s if seconds == 1 else seconds)  # its other delays (a random back-off) as they are
 
+    init = holder.__init__
+
+    def __init__(self: Any, backend: Any, settings: Any, cache_duration: float = poll_s) -> None:
+        init(self, backend, settings, min(cache_duration, poll_s))
+
     dynamic_rendezvous._delay = _delay
+    holder.__init__ = __init__
     return True
 
 

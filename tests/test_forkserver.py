@@ -14,7 +14,9 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -167,12 +169,31 @@ def test_launch_runs_torchrun_with_the_fork_server_unless_told_not_to():
 def test_a_waiting_node_reads_the_rendezvous_state_more_often_than_once_a_second(monkeypatch):
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
+    holder = dynamic_rendezvous._BackendRendezvousStateHolder
     monkeypatch.setattr(dynamic_rendezvous, "_delay", dynamic_rendezvous._delay)  # put back afterwards
+    monkeypatch.setattr(holder, "__init__", holder.__init__)
     assert install_rendezvous_poll(0.05)
     for asked, low, high in ((1, 0.04, 0.5), (0.3, 0.29, 0.8)):  # the poll's 1 s, and any other delay as asked
         t0 = time.perf_counter()
         dynamic_rendezvous._delay(seconds=asked)
         assert low <= time.perf_counter() - t0 < high, asked
+    # a state read stays fresh no longer than a poll: the holder rereads the store at the next one
+    reads = []
+
+    class Backend:
+        name = "test"
+
+        def get_state(self):
+            reads.append(time.monotonic())
+            return None
+
+    settings = types.SimpleNamespace(keep_alive_interval=timedelta(seconds=1), keep_alive_max_attempt=2)
+    state = holder(Backend(), settings)
+    state.sync()
+    state.sync()  # within the poll: from the cache
+    time.sleep(0.06)
+    state.sync()
+    assert len(reads) == 2
     assert rendezvous_poll_s(2) < rendezvous_poll_s(8) < rendezvous_poll_s(1000) == 1.0  # torch's for large jobs
 
 
