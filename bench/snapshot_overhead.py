@@ -40,11 +40,14 @@ against one memcpy of the image's bytes.
 
 MTTR: a job of the same shape (k=1, m=1; --max-restarts 3, join timeout 30, log interval 1) whose worker with
 RANK=1 gets SIGKILL (`--mttr-fault stop`: SIGSTOP, a hang the watchdog must find within `--hang-timeout`)
-once rank 0 has logged step `--kill-step`. Reported from the kill: the first
-torchrun message, the restarted worker processes (/proc start time), the restarted workers' events
+once rank 0 has logged step `--kill-step`, run once per `strata launch --worker-start` in
+`--mttr-starts` (fresh: plain torchrun starts a new Python per worker, the peer; forkserver: the
+workers are forks of a per-node process that imported torch and Strata once), `--mttr-repeats`
+times, alternating. Reported from the kill: the first torchrun message, when the old workers have
+all exited, the restarted worker processes (/proc start time), the restarted workers' events
 (breakdown: imports done as `runtime.start` is called, init_process_group done, Trainer built), the
-`resumed` record (restart + restore done), the first step logged after it (training resumed), and
-the trainer's own `restore_s`. The job must exit 0 and log "resumed from in-memory step".
+`resumed` record (restart + restore done), the first step logged after it (training resumed; goal
+<= 3 s), and the trainer's own `restore_s`. The job must exit 0 and log "resumed from in-memory step".
 
 Every process started gets STRATA_BENCH_ID in its environment and is SIGKILLed through a /proc scan
 at the end, whatever happens (torchrun starts each worker in a session of its own).
@@ -53,6 +56,7 @@ at the end, whatever happens (torchrun starts each worker in a session of its ow
     python bench/snapshot_overhead.py --parts codec       # the codec table only, a few seconds
     python bench/snapshot_overhead.py --nodes 1 --repeats 3 --parts stall
     python bench/snapshot_overhead.py --parts mttr --mttr-fault stop   # a frozen rank: verdict, restart
+    python bench/snapshot_overhead.py --parts mttr --mttr-repeats 3    # MTTR, fresh against forked workers
 """
 
 from __future__ import annotations
@@ -91,13 +95,15 @@ PARTS = ("codec", "pieces", "stall", "disk", "mttr")
 SITECUSTOMIZE = r"""
 import atexit, importlib.abc, importlib.util, json, os, sys, time
 _OUT = os.environ.get("STRATA_BENCH_TIMINGS")
-_RANK = os.environ.get("RANK")
 _D = {}
 _START = time.time()
 
+def _rank():  # read when needed: a worker forked from the fork server gets its RANK after the fork
+    return os.environ.get("RANK")
+
 def _event(name):
-    with open(os.path.join(_OUT, f"events-{_RANK}-{os.getpid()}.jsonl"), "a") as f:
-        f.write(json.dumps({"ev": name, "t": time.time(), "rank": int(_RANK),
+    with open(os.path.join(_OUT, f"events-{_rank()}-{os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps({"ev": name, "t": time.time(), "rank": int(_rank()),
                             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}) + "\n")
 
 def _timed(name, fn, events=False, cpu=False):
@@ -178,14 +184,19 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 def _dump():
-    with open(os.path.join(_OUT, f"timings-{_RANK}-{os.getpid()}.json"), "w") as f:
-        json.dump({"rank": int(_RANK), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    if _rank() is None:  # the fork server
+        return
+    with open(os.path.join(_OUT, f"timings-{_rank()}-{os.getpid()}.json"), "w") as f:
+        json.dump({"rank": int(_rank()), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                    "durations": _D}, f)
 
-if _OUT and _RANK is not None and os.environ.get("LOCAL_RANK") is not None:  # torchrun's workers only
+# torchrun's workers only, and the fork server they are forked from (strata launch's default), which
+# imports the patched modules for them
+if _OUT and (os.environ.get("LOCAL_RANK") is not None or "STRATA_FORKSERVER_ROOM" in os.environ):
     sys.meta_path.insert(0, _Finder())
     atexit.register(_dump)
-    _event("process")
+    if _rank() is not None:
+        _event("process")
 """
 
 
@@ -241,21 +252,22 @@ def kill(pids, sig: int = signal.SIGKILL) -> None:
 
 
 def start_time(pid: int) -> float | None:
-    """A process's start, wall clock (10 ms resolution)."""
+    """A process's start, wall clock (10 ms resolution). The boot time is now less the uptime:
+    /proc/stat's btime is whole seconds, which put starts up to a second early."""
     try:
         ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return None
-    btime = next(
-        int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
-    )
-    return btime + ticks / os.sysconf("SC_CLK_TCK")
+    booted = time.time() - float(Path("/proc/uptime").read_text().split()[0])
+    return booted + ticks / os.sysconf("SC_CLK_TCK")
 
 
 ROLES = (
     ("agent", "strata.launch.snapshot_agent"),
     ("writer", "strata.checkpoint.writer"),
     ("torchrun", "torch.distributed.run"),
+    ("torchrun", "strata.launch.elastic"),  # torchrun with the fork server
+    ("forkserver", "strata.launch.forkserver"),
     ("worker", "launch.cli train"),
     ("launcher", "launch.cli launch"),
     ("store", "launch.cli store"),
@@ -702,33 +714,74 @@ def breakdown_of(runs: list[dict], per_step: int) -> dict:
 # --- part 4: MTTR ---------------------------------------------------------------------------------
 
 
+MTTR_GOAL_S = 3.0
+MTTR_KEYS = (
+    "first_message_s",
+    "old_workers_gone_s",
+    "first_restart_process_s",
+    "last_restart_process_s",
+    "imports_done_s",
+    "process_group_s",
+    "trainer_built_s",
+    "resumed_s",
+    "first_step_s",
+    "restore_s",
+    "verdict_s",
+)
+
+
 def mttr(args, marker: str, root: Path) -> dict:
+    """One MTTR job per worker start (`strata launch --worker-start`) and repeat, alternating (the
+    peer, plain torchrun's fresh workers, first), and each figure's median per start."""
+    runs = []
+    for i in range(args.mttr_repeats):
+        starts = args.mttr_starts if i % 2 == 0 else args.mttr_starts[::-1]
+        runs += [mttr_run(args, marker, root, start, i + 1) for start in starts]
+    by_start = {
+        start: {key: median([r[key] for r in runs if r["worker_start"] == start]) for key in MTTR_KEYS}
+        for start in args.mttr_starts
+    }
+    return {"runs": runs, "by_start": by_start, "fault": runs[0]["fault"], "hang_timeout_s": runs[0]["hang_timeout_s"]}
+
+
+def mttr_run(args, marker: str, root: Path, start: str, i: int) -> dict:
     settings = {"snapshot.every_steps": 1, "snapshot.k": 1, "snapshot.m": 1 if args.nodes > 1 else 0}
+    settings["parallel.backend"] = "gloo"  # CPU workers, also on a machine with a GPU
     fault = signal.SIGSTOP if args.mttr_fault == "stop" else signal.SIGKILL
     if fault == signal.SIGSTOP:
         settings["parallel.hang_timeout_s"] = args.hang_timeout
     run_args = argparse.Namespace(**{**vars(args), "steps": args.mttr_steps, "log_interval": 1})
-    job = Job(run_args, marker, "mttr", root, settings, max_restarts=3, breakdown=args.breakdown)
-    print(f"  [{time.strftime('%H:%M:%S')}] mttr: starting (load {os.getloadavg()[0]:.2f})", flush=True)
+    name = f"mttr-{start}-{i}"
+    job = Job(run_args, marker, name, root, settings, max_restarts=3, breakdown=args.breakdown)
+    job.launch += ["--worker-start", start]
+    print(f"  [{time.strftime('%H:%M:%S')}] {name}: starting (load {os.getloadavg()[0]:.2f})", flush=True)
+    gone: list[float] = []
+
+    def old_workers_gone(old: set[int]) -> bool:
+        if not gone and all(environ_of(pid) is None for pid in old):  # None: exited (a zombie) or reaped
+            gone.append(time.time())
+        return any("resumed" in r for r in job.records())
+
     try:
         job.start()
         job.wait(until=lambda: any(r.get("step", 0) >= args.kill_step and "loss" in r for r in job.records()))
-        victims = processes(marker, STRATA_BENCH_JOB="mttr", RANK="1")
+        victims = processes(marker, STRATA_BENCH_JOB=name, RANK="1")
         if len(victims) != 1:
-            raise RuntimeError(f"mttr: expected one worker with RANK=1, found {sorted(victims)}")
-        before = set(processes(marker, STRATA_BENCH_JOB="mttr"))
+            raise RuntimeError(f"{name}: expected one worker with RANK=1, found {sorted(victims)}")
+        before = processes(marker, STRATA_BENCH_JOB=name)
+        old = {pid for pid, e in before.items() if "LOCAL_RANK" in e}
         step_at_kill = max(r["step"] for r in job.records() if "loss" in r)
         t_kill = time.time()
         kill(victims, fault)
         print(
-            f"  [{time.strftime('%H:%M:%S')}] mttr: {fault.name} worker RANK=1 (pid {next(iter(victims))}) "
+            f"  [{time.strftime('%H:%M:%S')}] {name}: {fault.name} worker RANK=1 (pid {next(iter(victims))}) "
             f"after step {step_at_kill}",
             flush=True,
         )
-        job.wait(until=lambda: any("resumed" in r for r in job.records()))
+        job.wait(until=lambda: old_workers_gone(old))
         restarted = {
             pid: start_time(pid)
-            for pid, e in processes(marker, STRATA_BENCH_JOB="mttr").items()
+            for pid, e in processes(marker, STRATA_BENCH_JOB=name).items()
             if pid not in before and "LOCAL_RANK" in e
         }
         job.wait()
@@ -758,6 +811,7 @@ def mttr(args, marker: str, root: Path) -> dict:
     starts = [t for t in restarted.values() if t is not None]
     hang = [t for t, node, line in job.lines if t > t_kill and "hang: rank" in line]
     out = {
+        "worker_start": start,
         "fault": fault.name,
         "hang_timeout_s": args.hang_timeout if fault == signal.SIGSTOP else None,
         "verdict_s": hang[0] - t_kill if hang else None,
@@ -766,6 +820,7 @@ def mttr(args, marker: str, root: Path) -> dict:
         "resumed": resumed["resumed"],
         "restore_s": resumed["restore_s"],
         "first_message_s": later[0] - t_kill if later else None,
+        "old_workers_gone_s": gone[0] - t_kill if gone else None,
         "first_restart_process_s": min(starts) - t_kill if starts else None,
         "last_restart_process_s": max(starts) - t_kill if starts else None,
         "imports_done_s": ev_time("runtime_start:start"),
@@ -777,8 +832,15 @@ def mttr(args, marker: str, root: Path) -> dict:
         "first_step": first_step["step"] if first_step else None,
         "exit_codes": codes,
         "in_memory": "resumed from in-memory step" in text,
+        "forked": sum("strata: worker pid" in line and "restart 0)" not in line for line in text.splitlines()),
         "log_excerpt": [line for line in text.splitlines() if "snapshot:" in line or "resumed" in line][:6],
+        "load_after": os.getloadavg()[0],
     }
+    print(
+        f"  [{time.strftime('%H:%M:%S')}] {name}: first step {fmt(out['first_step_s'])} s after the signal "
+        f"(load {out['load_after']:.2f})",
+        flush=True,
+    )
     return out
 
 
@@ -807,6 +869,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="jobs each of off and snap")
     p.add_argument("--disk-repeats", type=int, default=1, help="jobs each of sync and async checkpoints")
     p.add_argument("--mttr-steps", type=int, default=40, help="steps of the MTTR job")
+    p.add_argument(
+        "--mttr-starts",
+        default="fresh,forkserver",
+        help="MTTR: one job per `strata launch --worker-start` value, in this order (reversed every other repeat)",
+    )
+    p.add_argument("--mttr-repeats", type=int, default=1, help="MTTR: jobs per worker start")
     p.add_argument("--kill-step", type=int, default=20, help="MTTR: signal rank 1 once rank 0 logged this step")
     p.add_argument(
         "--mttr-fault",
@@ -836,6 +904,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write every figure here")
     args = p.parse_args(argv)
     args.parts = [x for x in args.parts.split(",") if x]
+    args.mttr_starts = [x for x in args.mttr_starts.split(",") if x]
+    if not args.mttr_starts or set(args.mttr_starts) - {"fresh", "forkserver"}:
+        p.error("--mttr-starts: a comma-separated list of fresh, forkserver")
     unknown = set(args.parts) - set(PARTS)
     if unknown:
         p.error(f"unknown parts {sorted(unknown)}; choose from {','.join(PARTS)}")
@@ -1067,28 +1138,34 @@ def report_steps(args, runs: list[dict], result: dict) -> None:
 
 
 def report_mttr(m: dict) -> None:
-    print(f"\n[mttr] {m['fault']} of RANK=1 after step {m['step_at_kill']}; seconds from the signal:")
-    hang = (
-        [[f"hang verdict printed (parallel.hang_timeout_s={m['hang_timeout_s']:g})", fmt(m["verdict_s"])]]
-        if m["hang_timeout_s"] is not None
-        else []
+    by, starts = m["by_start"], list(m["by_start"])
+    runs = {start: [r for r in m["runs"] if r["worker_start"] == start] for start in starts}
+    print(
+        f"\n[mttr] {m['fault']} of RANK=1 once rank 0 logged step {m['runs'][0]['step_at_kill']}; seconds from the "
+        f"signal, median of {len(runs[starts[0]])} job(s) per `strata launch --worker-start`:"
     )
-    table(
-        hang
-        + [
-            ["first torchrun message", fmt(m["first_message_s"])],
-            ["first restarted worker process", fmt(m["first_restart_process_s"])],
-            [f"last restarted worker process ({m['restarted_workers']} restarted)", fmt(m["last_restart_process_s"])],
-            ["imports and config done, runtime.start called (last rank)", fmt(m["imports_done_s"])],
-            ["init_process_group done (last rank)", fmt(m["process_group_s"])],
-            ["Trainer built (last rank)", fmt(m["trainer_built_s"])],
-            ["restored ('resumed' record)", fmt(m["resumed_s"])],
-            [f"first step logged (step {m['first_step']})", fmt(m["first_step_s"])],
-            ["trainer restore_s (inside)", fmt(m["restore_s"], ".3f")],
-        ],
-        ["event", "s"],
-    )
-    print(f"  resumed at step {m['resumed_step']}: {m['resumed']}; exit codes {m['exit_codes']}")
+    rows = [
+        ["first torchrun message", "first_message_s"],
+        ["old workers all gone (exited, on both nodes)", "old_workers_gone_s"],
+        ["first restarted worker process", "first_restart_process_s"],
+        ["last restarted worker process", "last_restart_process_s"],
+        ["imports and config done, runtime.start called (last rank)", "imports_done_s"],
+        ["init_process_group done (last rank)", "process_group_s"],
+        ["Trainer built (last rank)", "trainer_built_s"],
+        ["restored ('resumed' record)", "resumed_s"],
+        ["first step logged", "first_step_s"],
+        ["trainer restore_s (inside)", "restore_s"],
+    ]
+    if m["hang_timeout_s"] is not None:
+        rows.insert(0, [f"hang verdict printed (parallel.hang_timeout_s={m['hang_timeout_s']:g})", "verdict_s"])
+    table([[label, *[fmt(by[start][key]) for start in starts]] for label, key in rows], ["event", *starts])
+    for start in starts:
+        for r in runs[start]:
+            print(
+                f"  {start}: first step {fmt(r['first_step_s'])} s (step {r['first_step']}), resumed at step "
+                f"{r['resumed_step']}: {r['resumed']}; {r['restarted_workers']} workers restarted, {r['forked']} of "
+                f"them forked; exit codes {r['exit_codes']}; load {r['load_after']:.2f} after"
+            )
 
 
 def verdicts(result: dict) -> None:
@@ -1120,13 +1197,21 @@ def verdicts(result: dict) -> None:
         )
     if "mttr" in result:
         m = result["mttr"]
-        ok = m["in_memory"] and all(c == 0 for c in m["exit_codes"].values())
-        print(
-            f"  MTTR {fmt(m['first_step_s'])} s from the kill to the first step ({fmt(m['resumed_s'])} s to "
-            "restored; "
-            f"the restore itself {m['restore_s']:.2f} s): "
-            f"{'resumed from memory, every node exit 0' if ok else 'FAILED: ' + str(m)}"
-        )
+        by = m["by_start"]
+        for start, runs in ((st, [r for r in m["runs"] if r["worker_start"] == st]) for st in by):
+            ok = all(r["in_memory"] and all(c == 0 for c in r["exit_codes"].values()) for r in runs)
+            met = "met" if (by[start]["first_step_s"] or 1e9) <= MTTR_GOAL_S else "NOT met"
+            print(
+                f"  MTTR ({start} workers) {fmt(by[start]['first_step_s'])} s from the kill to the first step "
+                f"({fmt(by[start]['resumed_s'])} s to restored; the restore itself {fmt(by[start]['restore_s'])} s) "
+                f"(goal <= {MTTR_GOAL_S:g} s: {met}): "
+                f"{'resumed from memory, every node exit 0' if ok else 'FAILED: ' + str(runs)}"
+            )
+        if {"fresh", "forkserver"} <= set(by) and by["fresh"]["first_step_s"] and by["forkserver"]["first_step_s"]:
+            print(
+                f"  forkserver / fresh MTTR = {by['forkserver']['first_step_s'] / by['fresh']['first_step_s']:.2f} "
+                "(same run)"
+            )
 
 
 if __name__ == "__main__":
