@@ -33,10 +33,11 @@ from strata.checkpoint.stage import (
     OBJECTS_FILE,
     SharedImage,
     Staging,
-    copy_pieces,
-    gather_plan,
+    image_views,
     index_of,
     objects_blob,
+    replan,
+    stage,
     write_templates,
 )
 from strata.errors import CheckpointError
@@ -81,6 +82,7 @@ class CheckpointManager:
         self.on_disk_full = on_disk_full
         self.skipped: dict[int, str] = {}  # steps whose save found no room and was skipped (retry): why
         self._staging: Staging | None = None
+        self._dsts: list[torch.Tensor] = []  # the staging image's view for each item of the plan
         self._inflight: _Save | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
@@ -128,18 +130,33 @@ class CheckpointManager:
         raise CheckpointError(_listed(what, found))
 
     # --- saving ----------------------------------------------------------------------------
-    def save(self, step: int, state: SavableState) -> None:
+    def save(self, step: int, state: SavableState, finite_only: bool = False) -> bool:
         """Save this rank's `state` as checkpoint `step`: its pieces, and rank 0's objects (trainer
         state, optimizer hyper-parameters) as DCP byte entries. Returns once the data is staged
-        (async) or committed (sync)."""
+        (async) or committed (sync). With `finite_only`, a state with a non-finite floating-point
+        element on any rank is not saved at all: False on every rank, nothing written. That check is
+        made on the staged bytes as they are copied, so the state is read once.
+
+        One small all-reduce agrees that every rank's plan still holds (copied optimistically into
+        the image first) and, with `finite_only`, that every rank's state is finite."""
         self.wait()
         contents = state.contents(step)
         pieces = contents.pieces
         step_dir = store.partial_dir(self.root, step)
-        if self.rank == 0:  # files of an interrupted earlier attempt; the others write after _stage's gather
+        if self.rank == 0:  # files of an interrupted earlier attempt; the others write after the agreement
             shutil.rmtree(step_dir, ignore_errors=True)
-        staging = self._stage(pieces)
-        copy_pieces(_image(staging).tensor, staging.items, pieces)
+        staging = self._staging
+        same = staging is not None and staging.sources.take(pieces)
+        finite = same and stage(self._dsts, staging.sources, finite_only)  # type: ignore[union-attr]
+        flags = torch.tensor([int(same), int(finite)])
+        comm.all_reduce(flags, self.group, dim="checkpoint", op=dist.ReduceOp.MIN)
+        if not flags[0]:  # a first save, or some rank's pieces changed: plan again, copy again
+            staging = self._new_plan(pieces)
+            finite = stage(self._dsts, staging.sources, finite_only)
+            flags[1] = comm.all_true(finite, self.group, dim="checkpoint") if finite_only else 1
+        if not flags[1]:
+            return False
+        assert staging is not None  # kept or planned above
         extra: dict[str, bytes] = {}
         commit_args: tuple = ()
         if self.rank == 0:
@@ -151,21 +168,26 @@ class CheckpointManager:
             conn = self._start_writer()
             conn.send(("write", step_dir, self.rank, staging.nbytes, extra))
             self._inflight = _Save(step, commit_args)
-            return
+            return True
         self._write_inline(step, step_dir, staging, extra, commit_args)
+        return True
 
-    def _stage(self, pieces: list[Piece]) -> Staging:
-        """The staging image for these pieces: reused while the plan is unchanged."""
-        staging, new = gather_plan(self._staging, pieces, self.rank, self.group)
-        if not new:
-            return staging
+    def _new_plan(self, pieces: list[Piece]) -> Staging:
+        """A plan for these pieces (collective) and a staging image for it, templates written."""
+        staging = replan(pieces, self.rank, self.group)
         self._stop_writer()  # a writer maps the old image
-        if self._staging is not None:
-            _image(self._staging).close()
+        self._free_image()
         image = staging.image = SharedImage(staging.nbytes)
         write_templates(image.tensor, staging.items)
+        self._dsts = image_views(image.tensor, staging.items)
         self._staging = staging
         return staging
+
+    def _free_image(self) -> None:
+        self._dsts = []  # views of the image: the mapping cannot close while they live
+        if self._staging is not None:
+            _image(self._staging).close()
+            self._staging = None
 
     def _write_inline(self, step: int, step_dir: Path, staging: Staging, extra: dict, commit_args: tuple) -> None:
         problems: list[str] = []
@@ -288,9 +310,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._stop_writer()
-            if self._staging is not None:
-                _image(self._staging).close()
-                self._staging = None
+            self._free_image()
 
 
 def _listed(what: str, found: list[str]) -> str:

@@ -123,6 +123,72 @@ def rng_piece(rank: int) -> Piece:
     return whole_piece(f"rng.cpu.rank{rank}", torch.get_rng_state())
 
 
+class CachedPieces:
+    """`model_pieces` + `optimizer_pieces` made once and handed out again while every tensor they
+    view is the one they were made from: rebuilding ~160 pieces costs ~2 ms of Python per save or
+    snapshot, checking their ~120 source tensors ~0.05 ms.
+
+    A source counts as the same while it is the same tensor object, at the same address, with the
+    same shape and dtype, and the optimizer holds the same kinds of state for the same parameters.
+    So the pieces are made again after a resume (new optimizer state), after the first step
+    (the state appears), each save under CO2 (its momentum is a fresh tensor) and after a `.data`
+    or `set_` rebinding; in-place updates (every step) keep them, as they view the live memory."""
+
+    def __init__(self) -> None:
+        self._owners: tuple = ()  # (engine, optimizer, canonical) the pieces were made for
+        self._groups: list = []
+        self._entries: list = []
+        self._kinds: list[tuple[str, ...]] = []
+        self._tensors: list = []  # the source tensors themselves: kept alive, so `is` stays meaningful
+        self._marks: list[tuple] = []
+        self._pieces: list[Piece] = []
+
+    def get(self, engine: ZeroEngine, optimizer: torch.optim.Optimizer, canonical: dict[str, str]) -> list[Piece]:
+        """This rank's model and optimizer pieces (a new list; the Piece objects are shared while
+        unchanged, which `checkpoint.stage` uses to skip re-checking their layout)."""
+        owners = (engine, optimizer, canonical)
+        groups = engine.groups
+        if (
+            len(owners) != len(self._owners)
+            or any(a is not b for a, b in zip(owners, self._owners))
+            or len(groups) != len(self._groups)
+            or any(a is not b for a, b in zip(groups, self._groups))
+        ):
+            self._owners, self._groups = owners, list(groups)
+            self._entries = optimizer_entries(engine, canonical)
+            self._tensors, self._pieces = [], []
+        kinds, tensors = self._sources(optimizer)
+        marks = [(t.data_ptr(), t.shape, t.dtype) for t in tensors]
+        if (
+            kinds != self._kinds
+            or len(tensors) != len(self._tensors)
+            or any(a is not b for a, b in zip(tensors, self._tensors))
+            or marks != self._marks
+        ):
+            self._pieces = model_pieces(engine, canonical) + optimizer_pieces(optimizer, self._entries)
+            self._kinds, self._tensors, self._marks = kinds, tensors, marks
+        return list(self._pieces)
+
+    def _sources(self, optimizer: torch.optim.Optimizer) -> tuple[list[tuple[str, ...]], list]:
+        """(the state kinds of every optimizer entry, every tensor a piece views): the flat
+        parameter shards, then each entry's state values (a non-tensor value is kept too, so that
+        rebuilding raises optimizer_pieces' error about it)."""
+        kinds: list[tuple[str, ...]] = []
+        tensors: list = [g.shard for g in self._groups]
+        state = optimizer.state
+        for param, *_ in self._entries:
+            entry = state.get(param)
+            if entry:
+                kinds.append(tuple(entry))
+                tensors.extend(entry.values())
+            else:
+                kinds.append(())
+        return kinds, [t if torch.is_tensor(t) else _NOT_A_TENSOR for t in tensors]
+
+
+_NOT_A_TENSOR = torch.empty(0)  # stands for a non-tensor state value: never equal to a real source
+
+
 @dataclass
 class StateContents:
     """What one rank contributes to a checkpoint or snapshot: its pieces (RNG state included), the

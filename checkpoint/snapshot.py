@@ -8,6 +8,14 @@ Losing the agent (it crashed, or was killed; `strata launch` restarts it on the 
 stops training: the snapshot that finds the connection broken is skipped with a warning, and the
 next one reconnects every rank whose connection broke, tells every agent the new one's address, and
 snapshots resume into the new agent, which starts empty.
+
+What a snapshot stalls the step for is the copy into the leased slot and little else: the pieces and
+the copy's views are made once per plan (`checkpoint.pieces.CachedPieces`, `checkpoint.stage.Sources`),
+and the ranks' agreement to commit (every rank's plan unchanged, slot leased, agent reachable) is an
+all-reduce started as the call returns. A background thread waits for it, which costs nothing since
+every rank reaches it within the step, and then commits the slot to the agent or releases it; the
+next snapshot (or `close`, or `recover`) first waits for that thread, so the ranks still commit the
+same steps, and act together on what the agreement said (plan again, or reconnect).
 """
 
 from __future__ import annotations
@@ -16,24 +24,26 @@ import contextlib
 import json
 import mmap
 import os
+import queue
 import socket
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from strata.checkpoint.agent_protocol import SOCKET_ENV, connect, request
-from strata.checkpoint.pieces import Piece, SavableState
+from strata.checkpoint.pieces import SavableState
 from strata.checkpoint.reader import Checkpoint
 from strata.checkpoint.stage import (
     OBJECTS_FILE,
     Staging,
-    copy_pieces,
-    descriptors,
+    image_views,
     index_of,
     objects_blob,
-    plan_staging,
+    replan,
+    stage,
     write_templates,
 )
 from strata.checkpoint.store import data_file
@@ -50,7 +60,50 @@ class _Mapped:
 
     map: mmap.mmap
     tensor: torch.Tensor
-    plan: int = -1  # the staging plan whose templates the slot holds
+    plan: int = -1  # the staging plan whose templates (and `views`) the slot holds
+    views: list[torch.Tensor] = field(default_factory=list)  # the slot's view for each item of that plan
+
+
+@dataclass
+class _Pending:
+    """A snapshot copied into its slot, waiting for every rank's agreement to be committed."""
+
+    step: int
+    flags: torch.Tensor  # [plan unchanged, slot leased, agent reachable]: MIN over the ranks once `work` is done
+    work: comm.AsyncWork
+    lease: int | None
+    meta: dict
+    stall: float  # seconds the save call took
+    agreed: tuple[int, ...] = ()  # the flags every rank agreed on (set by the committer)
+    error: BaseException | None = None  # raised by the next call that settles it
+
+
+class _Committer:
+    """One daemon thread that finishes each snapshot in the background (`SnapshotManager._finish`)."""
+
+    def __init__(self, finish):
+        self._finish = finish
+        self._jobs: queue.Queue[_Pending] = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        threading.Thread(target=self._run, name="strata-snapshot-commit", daemon=True).start()
+
+    def submit(self, pending: _Pending) -> None:
+        self._idle.clear()
+        self._jobs.put(pending)
+
+    def wait(self) -> None:
+        self._idle.wait()
+
+    def _run(self) -> None:
+        while True:
+            pending = self._jobs.get()
+            try:
+                self._finish(pending)
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread, which raises it
+                pending.error = e
+            finally:
+                self._idle.set()
 
 
 @dataclass
@@ -96,8 +149,12 @@ class SnapshotManager:
         self.broken: str | None = None  # why this rank's connection to its agent broke, until it is back
         self._staging: Staging | None = None
         self._plan = 0
+        self._replan_due = False  # some rank's pieces changed: plan again at the next snapshot
         self._index_json: str | None = None
         self._slots: dict[int, _Mapped] = {}
+        self._pending: _Pending | None = None
+        self._committer = _Committer(self._finish)
+        self._counts = threading.Lock()  # stalls and skipped: the committer adds to them
         self.stalls: list[float] = []
         self.skipped = 0
         self.reconnects = 0  # times the ranks reconnected to a restarted agent
@@ -177,24 +234,37 @@ class SnapshotManager:
 
     # --- saving ------------------------------------------------------------------------------
     def save(self, step: int, state: SavableState) -> bool:
-        """Snapshot this rank's `state` as step `step` (collective). Returns False when it was skipped
-        because some rank's agent was still placing the previous one (or is unreachable)."""
+        """Snapshot this rank's `state` as step `step` (collective): copied into a leased slot now,
+        committed in the background once every rank agrees. Returns False when this rank already
+        knows the snapshot is skipped (its agent is placing the previous one, or is unreachable,
+        or the ranks are reconnecting); True means it is committed unless another rank skips it."""
         start = time.perf_counter()
+        previous = self._settle()
+        if previous is not None and not previous.agreed[2] and not self._reconnect(step):
+            self._skip()  # some rank lost its agent, and it is not back yet
+            return False
         contents = state.contents(step)
         pieces = contents.pieces
-        staging, lease, trailer = self._plan_and_lease(
-            step, pieces, contents.objects, contents.aliases, contents.layout
-        )
-        if staging is None or lease is None:
-            self.skipped += 1
-            return False
+        if self._staging is None or self._replan_due:  # every rank knows: the first snapshot, or agreed
+            self._staging = replan(pieces, self.rank, self.group)
+            self._plan, self._index_json, self._replan_due = self._plan + 1, None, False
+            same = True
+        else:
+            same = self._staging.sources.take(pieces)
+        staging = self._staging
+        lease, trailer = (None, b"")
+        if same and self.broken is None:
+            trailer, lease = self._lease_for(step, contents.objects, contents.aliases, contents.layout)
         nbytes = staging.nbytes + len(trailer)
-        slot = self._slots[lease]
-        if slot.plan != self._plan:
-            write_templates(slot.tensor, staging.items)
-            slot.plan = self._plan
-        copy_pieces(slot.tensor, staging.items, pieces)
-        slot.map[staging.nbytes : nbytes] = trailer
+        if lease is not None:
+            slot = self._slots[lease]
+            if slot.plan != self._plan:
+                write_templates(slot.tensor, staging.items)
+                slot.plan, slot.views = self._plan, image_views(slot.tensor, staging.items)
+            stage(slot.views, staging.sources)
+            slot.map[staging.nbytes : nbytes] = trailer
+        flags = torch.tensor([int(same), int(lease is not None), int(self.broken is None)])
+        work = comm.all_reduce_async(flags, self.group, dim="checkpoint", op=dist.ReduceOp.MIN)
         meta = {
             "rank": self.rank,
             "step": step,
@@ -204,46 +274,46 @@ class SnapshotManager:
             "trailer": len(trailer),
             "saved_at": time.time(),  # tells two images of one step apart (a run rolled back and replayed it)
         }
-        try:
-            reply, _ = request(self.sock, {"op": "commit", "slot": lease, "meta": meta})
-        except OSError as e:  # the agent died with the image: this step's snapshot is incomplete
-            self._lost(step, e)
-            self.skipped += 1
-            return False
-        if not reply["ok"]:
-            raise StrataError(f"the snapshot agent refused step {step}: {reply['error']}")
-        self.stalls.append(time.perf_counter() - start)
-        return True
+        self._pending = _Pending(step, flags, work, lease, meta, time.perf_counter() - start)
+        self._committer.submit(self._pending)
+        return lease is not None
 
-    def _plan_and_lease(
-        self, step: int, pieces: list[Piece], objects: dict, aliases: dict, layout: dict
-    ) -> tuple[Staging | None, int | None, bytes]:
-        """The staging plan, a leased slot (None: every rank skips this snapshot, because some
-        rank's agent is still placing the previous one, or some rank lost its agent) and the slot's
-        trailer. Usually one all-reduce of [plan unchanged here, slot leased here, agent reachable
-        here] (MIN over ranks); a first snapshot, or pieces that changed on some rank, cost a second
-        round; a lost agent, the reconnection's rounds instead of this snapshot."""
-        descs = descriptors(pieces)
-        same = self._staging is not None and self._staging.descs[self.rank] == descs
-        lease_now = same and self.broken is None
-        trailer, lease = self._lease_for(step, objects, aliases, layout) if lease_now else (b"", None)
-        agreed = torch.tensor([int(same), int(lease is not None), int(self.broken is None)])
-        comm.all_reduce(agreed, self.group, dim="checkpoint", op=dist.ReduceOp.MIN)
-        if not agreed[2]:  # some rank lost its agent: every rank takes part in reconnecting instead
-            self._release(lease, step)
-            self._reconnect(step)
-            return self._staging, None, b""
-        if not agreed[0]:  # plan again from every rank's pieces
-            self._release(lease, step)
-            self._staging = plan_staging(comm.all_gather_objects(descs, self.group), self.rank)
-            self._plan, self._index_json = self._plan + 1, None
-            trailer, lease = self._lease_for(step, objects, aliases, layout)
-            agreed[1] = comm.all_true(lease is not None, self.group, dim="checkpoint")
-        if not agreed[1]:
-            self._release(lease, step)
-            lease = None
-        assert self._staging is not None  # kept (the plan is the same) or planned just now
-        return self._staging, lease, trailer
+    def _finish(self, pending: _Pending) -> None:
+        """The committer thread: wait for the ranks' agreement, then commit the slot (every rank
+        leased one, with the same plan, and reaches its agent) or release it."""
+        pending.work.wait()
+        pending.agreed = tuple(int(x) for x in pending.flags.tolist())
+        if not all(pending.agreed):
+            self._release(pending.lease, pending.step)
+            self._skip()
+            return
+        try:
+            reply, _ = request(self.sock, {"op": "commit", "slot": pending.lease, "meta": pending.meta})
+        except OSError as e:  # the agent died with the image: this step's snapshot is incomplete
+            self._lost(pending.step, e)
+            self._skip()
+            return
+        if not reply["ok"]:
+            raise StrataError(f"the snapshot agent refused step {pending.step}: {reply['error']}")
+        with self._counts:
+            self.stalls.append(pending.stall)
+
+    def _settle(self) -> _Pending | None:
+        """Wait until the snapshot in flight is committed or released (normally long done); raise
+        what went wrong there; note what the ranks agreed on."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        self._committer.wait()
+        if pending.error is not None:
+            raise pending.error
+        if not pending.agreed[0]:
+            self._replan_due = True
+        return pending
+
+    def _skip(self) -> None:
+        with self._counts:
+            self.skipped += 1
 
     def _lease_for(self, step: int, objects: dict, aliases: dict, layout: dict) -> tuple[bytes, int | None]:
         staging = self._staging
@@ -289,12 +359,14 @@ class SnapshotManager:
         return reply["slot"]
 
     def stats(self) -> dict:
-        """Stall per snapshot (ms) since the last call (None: no snapshot was taken), snapshots
+        """Stall per snapshot (ms) committed since the last call (None: none was), snapshots
         skipped so far, and reconnections to a restarted agent so far."""
-        stalls, self.stalls = self.stalls, []
+        with self._counts:
+            stalls, self.stalls = self.stalls, []
+            skipped = self.skipped
         return {
             "stall_ms": 1e3 * sum(stalls) / len(stalls) if stalls else None,
-            "skipped": self.skipped,
+            "skipped": skipped,
             "reconnects": self.reconnects,
         }
 
@@ -302,6 +374,7 @@ class SnapshotManager:
     def recover(self) -> Recovery:
         """The newest step every rank of the saving world can restore (collective): each agent's
         holdings are gathered, the step chosen, and the images assembled by this rank's agent."""
+        self._settle()
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         try:
             holdings, _ = request(self.sock, {"op": "holdings"})
@@ -337,11 +410,15 @@ class SnapshotManager:
         return Recovery(_open(step, images, metas), f"in-memory step {step} ({_describe(how)})", True)
 
     def close(self) -> None:
-        self._slots.clear()
+        """Commit the snapshot in flight, then disconnect."""
         try:
-            self.sock.close()
-        except OSError:
-            pass
+            self._settle()
+        finally:
+            self._slots.clear()
+            try:
+                self.sock.close()
+            except OSError:
+                pass
 
 
 def _sources(holdings: dict[str, dict]) -> dict[int, dict[int, dict]]:

@@ -121,13 +121,17 @@ class Agent:
                     return
                 for fd in fds:
                     os.close(fd)
+                then = None
                 try:
-                    reply, out_fds = getattr(self, "op_" + msg["op"])(msg, conn, sent)
+                    reply, out_fds, *after = getattr(self, "op_" + msg["op"])(msg, conn, sent)
+                    then = after[0] if after else None
                 except Exception as e:  # a bad request, a dead peer: the worker gets the reason
                     reply, out_fds = {"ok": False, "error": f"{type(e).__name__}: {e}"}, []
                 send_msg(conn, reply, out_fds)
                 for fd in out_fds if reply.get("close_fds") else ():
                     os.close(fd)
+                if then is not None:  # work the reply need not wait for (a worker may be waiting on it)
+                    then()
         except OSError:
             return
         finally:
@@ -203,8 +207,9 @@ class Agent:
                 mapped.close()
                 os.close(fd)
             self.restored.clear()
-        self.placements.put(slot)
-        return {"ok": True}, []
+        # Placement starts once the reply is sent: woken first, the placing thread would hold the GIL
+        # for up to a switch interval (5 ms) while the worker waits for this reply.
+        return {"ok": True}, [], lambda: self.placements.put(slot)
 
     def op_holdings(self, msg, conn, sent):
         """What this agent can serve: whole images and fragments, with their metadata."""

@@ -316,16 +316,7 @@ class Trainer:
         checkpoint would verify as sound and resume into garbage. Since such a save never commits,
         `keep_last` never counts it, and never prunes the newest finite checkpoint to make room."""
         with self.state.ready_to_save():
-            if not self._state_finite():
-                return False
-            self.checkpoints.save(self.step, self.state)
-        return True
-
-    def _state_finite(self) -> bool:
-        """Whether parameters and optimizer states are finite on every rank (collective)."""
-        pieces = self.state.contents(self.step).pieces
-        finite = all(bool(torch.isfinite(p.tensor).all()) for p in pieces if p.tensor.is_floating_point())
-        return comm.all_true(finite, self.checkpoints.group, dim="nonfinite")
+            return self.checkpoints.save(self.step, self.state, finite_only=True)  # checked as it is staged
 
     def snapshot(self) -> bool:
         """An in-memory snapshot of this step through the node's agent (collective); False if skipped."""

@@ -15,11 +15,11 @@ import torch
 from strata.checkpoint.dcp_source import DcpCheckpoint
 from strata.checkpoint.layout import hyperparameters, load_optimizer, model_state_problems, optimizer_problems
 from strata.checkpoint.pieces import (
+    CachedPieces,
     Piece,
     StateContents,
     model_pieces,
     optimizer_entries,
-    optimizer_pieces,
     rng_piece,
     state_pieces,
     whole_piece,
@@ -38,6 +38,7 @@ class TrainState:
     def __init__(self, cfg: Config, model: ParallelModel, loader: BatchLoader | MixtureLoader, rank: int):
         self.model, self.loader, self.rank = model, loader, rank
         self.step = 0
+        self._pieces = CachedPieces()  # made again only when a tensor they view is replaced
         layout, zero = model.topo.layout, cfg.zero
         self.layout = {
             "world": layout.world_size,
@@ -55,11 +56,7 @@ class TrainState:
         """What a checkpoint or snapshot of `step` holds from this rank (live views: the managers
         copy them before training goes on)."""
         m = self.model
-        pieces = (
-            model_pieces(m.engine, m.canonical)
-            + optimizer_pieces(m.optimizer, optimizer_entries(m.engine, m.canonical))
-            + [rng_piece(self.rank)]
-        )
+        pieces = self._pieces.get(m.engine, m.optimizer, m.canonical) + [rng_piece(self.rank)]
         objects = (
             {"trainer": {"step": step, "data": self.loader.state_dict()}, "optim.param_groups": self._param_groups()}
             if self.rank == 0
