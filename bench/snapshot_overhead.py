@@ -25,18 +25,21 @@ two metrics records): on 2 cores that CPU, not waiting, is what sets the step ti
 (default on) also times the pieces of every snapshot and save in every rank by wrapping functions
 from a generated sitecustomize.py on the workers' PYTHONPATH (no product file changes; a wrapper
 costs about a microsecond): the whole `Trainer.snapshot` / `Trainer.save` call (wall and process
-CPU), `SnapshotManager.save`, collecting the pieces (`TrainState.contents`), the all-reduce that
-agrees on the plan and the lease, the lease and commit round trips to the agent, the copy; for
-checkpoints, the wait for the previous save. The headline stall ratio checkpoint / snapshot uses those timed calls.
+CPU), `SnapshotManager.save`, collecting the pieces (`TrainState.contents`), settling the previous
+snapshot, the lease round trip to the agent, the copy (`stage`), starting the all-reduce that
+agrees on the plan and the lease, and in the background thread the wait for that agreement and
+the commit round trip; for checkpoints, the wait for the previous save and the copy. The headline
+stall ratio checkpoint / snapshot uses those timed calls.
 
 In this process, before the jobs: ISA-L encode and decode (m data fragments dropped) GB/s of a
 `--codec-mib` image for Code(1,1), (2,1) and (4,2), against numpy.copyto and torch copy_ of the same
 bytes (best and median of `--reps`; GB/s are image bytes per second), and the agent's placement
 path (CRC-32C, encode into a fresh bytearray) at one rank's image size; during the snap jobs the
 agents' own `encode_gbps` (op "stats") is read over their sockets. Part "pieces": one rank's
-per-snapshot work (collect the pieces, describe them, copy them, rank 0's trailer) timed in this
-process with nothing running beside it, against the same copies with their views made once and
-against one memcpy of the image's bytes.
+per-snapshot work (collect the pieces, check them against the plan, copy them, rank 0's trailer)
+timed in this process with nothing running beside it, against the same work done from scratch (the
+pieces made anew, their descriptors compared, the views sliced anew) and one memcpy of the image's
+bytes.
 
 MTTR: a job of the same shape (k=1, m=1; --max-restarts 3, join timeout 30, log interval 1) whose worker with
 RANK=1 gets SIGKILL (`--mttr-fault stop`: SIGSTOP, a hang the watchdog must find within `--hang-timeout`)
@@ -123,8 +126,9 @@ def _timed(name, fn, events=False, cpu=False):
 
 def _snapshot(mod):
     mod.SnapshotManager.save = _timed("save", mod.SnapshotManager.save)
-    mod.copy_pieces = _timed("copy_pieces", mod.copy_pieces)
-    mod.descriptors = _timed("descriptors", mod.descriptors)
+    mod.SnapshotManager._settle = _timed("settle", mod.SnapshotManager._settle)
+    mod.SnapshotManager._finish = _timed("background_finish", mod.SnapshotManager._finish)
+    mod.stage = _timed("stage", mod.stage)
     req = mod.request
     def request(sock, msg):
         t = time.perf_counter()
@@ -138,6 +142,7 @@ def _snapshot(mod):
         def __getattr__(self, name):
             return getattr(comm, name)
         all_reduce = staticmethod(_timed("all_reduce", comm.all_reduce))
+        all_reduce_async = staticmethod(_timed("all_reduce_async", comm.all_reduce_async))
     mod.comm = Comm()
 
 def _loop(mod):
@@ -155,7 +160,7 @@ def _manager(mod):
     M.save = _timed("ckpt_save", M.save)
     M.wait = _timed("ckpt_wait", M.wait)
     M.poll = _timed("ckpt_poll", M.poll)
-    mod.copy_pieces = _timed("ckpt_copy_pieces", mod.copy_pieces)
+    mod.stage = _timed("ckpt_stage", mod.stage)
 
 def _runtime(mod):
     mod.start = _timed("runtime_start", mod.start, events=True)
@@ -557,8 +562,9 @@ def pieces_bench(args, root: Path) -> list[dict]:
     import json as json_mod
 
     from strata import config as config_mod
-    from strata.checkpoint.plan import torch_dtype
-    from strata.checkpoint.stage import copy_pieces, descriptors, index_of, objects_blob, plan_staging
+    from strata.checkpoint.pieces import model_pieces, optimizer_entries, optimizer_pieces, rng_piece
+    from strata.checkpoint.stage import copy_pieces, descriptors, image_views, index_of, objects_blob, plan_staging
+    from strata.checkpoint.stage import stage as stage_views
     from strata.parallel import runtime as runtime_mod
     from strata.trainer.loop import Trainer
 
@@ -584,34 +590,39 @@ def pieces_bench(args, root: Path) -> list[dict]:
         descs = descriptors(pieces)
         staging = plan_staging([descs] * world, 0)
         image = torch.empty(staging.nbytes, dtype=torch.uint8)
-        pairs = []
-        for it in staging.items:
-            n = it.box.numel
-            dst = image[it.data_offset : it.data_offset + n * torch_dtype(it.dtype).itemsize].view(
-                torch_dtype(it.dtype)
-            )
-            pairs.append((dst, pieces[it.piece].tensor.reshape(-1)[it.start : it.start + n]))
-        dsts, srcs = [d for d, _ in pairs], [s for _, s in pairs]
+        views = image_views(image, staging.items)
+        assert staging.sources.take(pieces)
         flat_src = torch.empty(staging.nbytes, dtype=torch.uint8)
         layout = contents.layout
+        m = trainer.model
         rows = []
         print(
             f"  rank 0 of world {world}: {len(pieces)} pieces, {len(staging.items)} items, "
             f"{staging.nbytes / 1e6:.2f} MB image",
             flush=True,
         )
+
+        def made_anew() -> list:
+            entries = optimizer_entries(m.engine, m.canonical)
+            return model_pieces(m.engine, m.canonical) + optimizer_pieces(m.optimizer, entries) + [rng_piece(0)]
+
+        def take_fresh() -> bool:  # a new RNG piece, as at every save
+            return staging.sources.take(trainer.state.contents(trainer.step).pieces)
+
         for what, fn in (
-            ("TrainState.contents", lambda: trainer.state.contents(trainer.step)),
-            ("descriptors(pieces)", lambda: descriptors(pieces)),
-            ("copy_pieces (as save does)", lambda: copy_pieces(image, staging.items, pieces)),
-            ("  the same copies, views made once", lambda: torch._foreach_copy_(dsts, srcs)),
+            ("TrainState.contents (cached pieces)", lambda: trainer.state.contents(trainer.step)),
+            ("  the pieces made anew", made_anew),
+            ("contents + Sources.take (plan holds?)", take_fresh),
+            ("  descriptors(pieces) compared", lambda: descriptors(pieces) == descs),
+            ("stage (views made once per plan)", lambda: stage_views(views, staging.sources)),
+            ("  copy_pieces (views sliced anew)", lambda: copy_pieces(image, staging.items, pieces)),
             ("  one memcpy of the image's bytes", lambda: image.copy_(flat_src)),
             ("rank 0's trailer, index cached", lambda: json_mod.dumps(objects_blob(objects)[1])),
             ("  the index, once per plan", lambda: json_mod.dumps(index_of(1, layout, staging, {}, aliases))),
         ):
             best, med = best_and_median(fn, args.reps * 20)
             rows.append({"what": what, "best_ms": 1e3 * best, "median_ms": 1e3 * med})
-            print(f"  {what:<36} best {1e3 * best:7.3f} ms   median {1e3 * med:7.3f} ms", flush=True)
+            print(f"  {what:<40} best {1e3 * best:7.3f} ms   median {1e3 * med:7.3f} ms", flush=True)
         return rows
     finally:
         torch.set_num_threads(threads)
@@ -1054,10 +1065,12 @@ def report_steps(args, runs: list[dict], result: dict) -> None:
                 "trainer_snapshot (cpu)",
                 "state_to_save",
                 "save",
-                "descriptors",
+                "settle",
                 "rpc_lease",
+                "stage",
+                "all_reduce_async",
                 "all_reduce",
-                "copy_pieces",
+                "background_finish",
                 "rpc_commit",
             ]
             table(
@@ -1081,7 +1094,7 @@ def report_steps(args, runs: list[dict], result: dict) -> None:
         "state_to_save",
         "ckpt_save",
         "ckpt_wait",
-        "ckpt_copy_pieces",
+        "ckpt_stage",
         "ckpt_poll",
     ]
     if any("trainer_save" in bd.get(v, {}) for v in ("sync", "async")):
