@@ -48,6 +48,7 @@ class SharedImage:
         # Also if the image is dropped without close(): a mapping unmapped while CUDA still has it
         # registered makes a later, unrelated CUDA call fail (cudaErrorAlreadyMapped, seen on an H200).
         self._release = weakref.finalize(self, _release, self.fd, self.tensor if self.pinned else None)
+        self._release.atexit = False  # at exit the process's mappings go with it, and CUDA may be gone first
 
     def close(self) -> None:
         self._release()
