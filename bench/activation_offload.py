@@ -1,6 +1,7 @@
-"""Activation offload (offload/activations.py) against keeping activations and against full
-recomputation, on Strata's GPT: the peak bytes of saved tensors held at once (the hooks' exact
-counter; for keep and recompute a counting-only hook), the process's peak memory above a
+"""Activation offload (offload/activations.py) against keeping activations and against full and
+selective recomputation, on Strata's GPT: the peak bytes of saved tensors held at once (the hooks'
+exact counter; for keep and recompute a counting-only hook, which does not see what selective
+recomputation keeps inside its checkpoints: compare VmHWM there), the process's peak memory above a
 baseline (VmHWM after resetting it through /proc/self/clear_refs; on CUDA also the allocator's
 peak), the median step time, and whether the gradients equal keep's bit for bit. Each variant
 runs in a fresh process. SSDTrain's bar: a 47% lower activation peak at negligible throughput cost.
@@ -35,7 +36,7 @@ from strata.offload.pool import HostPool
 from strata.offload.swap import Mover
 from strata.parallel.runtime import proc_status_bytes, reset_peak_rss
 
-VARIANTS = ("keep", "cpu", "nvme", "recompute")
+VARIANTS = ("keep", "cpu", "nvme", "selective", "recompute")
 MiB = 2**20
 
 
@@ -80,8 +81,8 @@ def worker(args: argparse.Namespace) -> dict:
                 swap_file = swap_dir.file("activations")
             mover = Mover(pool, engine, "activations")
             cleanup.callback(mover.close)
-        if args.variant == "recompute":
-            apply_recompute([model])
+        if args.variant in ("recompute", "selective"):
+            apply_recompute([model], "full" if args.variant == "recompute" else "selective")
         mode = args.variant if args.variant in ("cpu", "nvme") else "none"  # none: the counting-only hook
         bound = None if args.max_inflight_mb is None else int(args.max_inflight_mb * MiB)
         off = ActivationOffloader(mode, args.min_bytes, mover, swap_file, max_inflight_bytes=bound)
@@ -256,7 +257,8 @@ def report(results: dict, args: argparse.Namespace) -> None:
         print(row)
     print(
         "\nsaved peak: the most bytes of saved tensors held at once on the device by the hooks (host copies "
-        "count there when the device is the CPU); VmHWM+: the process's peak RSS above the pre-step baseline "
+        "count there when the device is the CPU; selective's kept matmul outputs are held by its checkpoints, "
+        "outside the hooks' sight); VmHWM+: the process's peak RSS above the pre-step baseline "
         "(glibc told to return freed memory at once, in every variant); host buffers: reused across steps, so "
         "inside the baseline."
     )

@@ -1,7 +1,8 @@
 """The activation policy (SSDTrain-style): `ActivationOffloader` moves the tensors autograd saves
 for backward to host memory or an SSD swap file during forward and brings them back a layer ahead
 in backward, through `saved_tensors_hooks` (no model code changes); `apply_recompute` makes
-every transformer block recompute its forward in backward instead (torch.utils.checkpoint).
+every transformer block recompute its forward, or all of it but the matmuls, in backward instead
+(torch.utils.checkpoint, selective activation checkpointing).
 """
 
 from __future__ import annotations
@@ -544,26 +545,74 @@ def _host_copy(entry: _Entry) -> torch.Tensor:
     return entry.host[: entry.nbytes]
 
 
+# What selective recomputation keeps: the outputs of the matmuls and of attention, the ops whose
+# recomputation costs FLOPs. Everything between them (norms, RoPE, SiLU, products, residual adds,
+# casts) is recomputed: cheap element-wise work whose saved tensors make up most of a block's
+# activation memory. torchtitan's per-op policy keeps the same set (it also drops every other mm to
+# save more memory; here every matmul is kept, so backward never repeats a matmul).
+_KEPT_OPS = (
+    "mm.default",
+    "addmm.default",
+    "bmm.default",
+    "_scaled_dot_product_flash_attention.default",
+    "_scaled_dot_product_flash_attention_for_cpu.default",
+    "_scaled_dot_product_efficient_attention.default",
+    "_scaled_dot_product_cudnn_attention.default",
+)
+
+
+@functools.cache
+def _kept_ops() -> frozenset:
+    ops = set()
+    for name in _KEPT_OPS:
+        packet, overload = name.split(".")
+        op = getattr(torch.ops.aten, packet, None)
+        if op is not None and hasattr(op, overload):
+            ops.add(getattr(op, overload))
+    return frozenset(ops)
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
 class _Recomputed:
     """A block's forward run under non-reentrant checkpointing, installed as the instance's
     `forward`, so the module's own hooks (ZeRO's gather/free) stay outside it and fire once per
-    real forward, not again when backward recomputes. A plain callable object rather than a
-    closure, so deep-copying the model rebinds it to the copy."""
+    real forward, not again when backward recomputes. `selective`: torch's selective activation
+    checkpointing with the policy above instead of recomputing everything. A plain callable
+    object rather than a closure, so deep-copying the model rebinds it to the copy."""
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: Any, selective: bool = False):
         self.inner = inner
+        self.selective = selective
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
+        if self.selective:
+            return checkpoint(self.inner, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
         return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 
-def apply_recompute(parts: list[nn.Module]) -> None:
-    """activations.recompute=full: every transformer block of `parts` recomputes its forward in
-    backward instead of saving its activations; only its inputs are saved (through any outer
-    saved-tensor hooks, so an offloader then offloads just those). Applying it twice is harmless."""
+def apply_recompute(parts: list[nn.Module], mode: str = "full") -> None:
+    """activations.recompute: every transformer block of `parts` recomputes its forward in backward
+    instead of saving its activations — all of it (`full`: only the block's input is saved, through
+    any outer saved-tensor hooks, so an offloader then offloads just that) or all but its matmul
+    and attention outputs (`selective`: those are kept by the checkpoint itself, on the device).
+    Applying it again replaces the mode."""
+    if mode not in ("full", "selective"):
+        raise ValueError(f"recompute mode {mode!r}: full or selective")
     for part in parts:
         for block in blocks_of(part):
-            if not isinstance(block.__dict__.get("forward"), _Recomputed):
-                block.forward = _Recomputed(block.forward)
+            current = block.__dict__.get("forward")
+            inner = current.inner if isinstance(current, _Recomputed) else block.forward
+            block.forward = _Recomputed(inner, selective=mode == "selective")

@@ -288,6 +288,18 @@ class TensorParallelHeadNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
 
+# The layers above whose forward or backward talks to the other tensor-parallel ranks. Regional
+# compilation runs them eagerly: a collective traced into a graph would run its Python side (the
+# byte counters, the watchdog's bookkeeping) once at trace time instead of at every call.
+COMMUNICATING = (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    TensorParallelRMSNorm,
+    TensorParallelHeadNorm,
+)
+
+
 class VocabParallelLoss:
     """Mean next-token cross-entropy over vocab-sharded logits (batch, seq, V/tp)."""
 

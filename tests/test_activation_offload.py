@@ -1,12 +1,14 @@
 """Activation offload and recomputation (offload/activations.py) on a tiny GPT, fp32, two
 micro-batches accumulated as the trainer does: loss and every gradient bit-identical to keeping
-activations, for host and swap-file offload, recomputation, and both together; and the behaviour
+activations, for host and swap-file offload, full and selective recomputation, and both together
+(selective recomputation repeating the element-wise ops and none of the matmuls); and the behaviour
 behind it — deduplicated storages, parameters kept by reference, real file reads and writes,
 forwarding while writes are in flight, prefetch per micro-batch, release when autograd drops a
 saved tensor, regions reused across steps, and a smaller peak of saved bytes held."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import os
@@ -14,6 +16,7 @@ import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from strata.config import ModelConfig
 from strata.model import GPT, lm_loss
@@ -91,11 +94,11 @@ def train_step(model: GPT, off: ActivationOffloader | None, batches, before_back
 
 
 def run(
-    mode: str | None = None, recompute: bool = False, mover=None, swap_file=None, before_backward=None, **kw
+    mode: str | None = None, recompute: bool | str = False, mover=None, swap_file=None, before_backward=None, **kw
 ) -> tuple[float, dict[str, torch.Tensor], ActivationOffloader | None]:
     model = build()
     if recompute:
-        apply_recompute([model])
+        apply_recompute([model], "full" if recompute is True else recompute)
     off = None
     if mode:
         off = ActivationOffloader(mode, MIN_BYTES, mover, swap_file, **kw)
@@ -195,6 +198,49 @@ def test_recompute_gives_identical_gradients_alone_and_with_offload(reference, t
     s = result[2].stats
     # only what is saved outside the checkpointed blocks reaches the outer hooks: block inputs, the head
     assert 0 < s["packed"] + s["skipped_small"] < kept and s["reads"] > 0
+
+
+def test_selective_recompute_gives_identical_gradients_alone_and_with_offload(reference):
+    assert_identical(run(recompute="selective"), reference)
+    assert_identical(run("cpu", recompute="selective"), reference)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that run while it is active, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def backward_ops(recompute: str | None) -> collections.Counter:
+    """The ops backward of one micro-batch runs (recomputation included) with `recompute`."""
+    model = build()
+    if recompute:
+        apply_recompute([model], recompute)
+    x, y = micro_batches(1)[0]
+    loss = lm_loss(model(x), y)
+    with OpCounter() as counter:
+        loss.backward()
+    return counter.counts
+
+
+def test_selective_recompute_repeats_the_element_wise_ops_but_no_matmul():
+    kept, selective, full = backward_ops(None), backward_ops("selective"), backward_ops("full")
+    matmuls = ("mm", "addmm", "bmm")
+    # backward's own matmuls only (input and weight gradients); full recomputation adds the forward's
+    assert sum(selective[op] for op in matmuls) == sum(kept[op] for op in matmuls) > 0
+    assert sum(full[op] for op in matmuls) > sum(kept[op] for op in matmuls)
+    attention = [op for op in full if op.startswith("_scaled_dot_product") and "backward" not in op]
+    assert attention and not any(selective[op] > kept[op] for op in attention)
+    # what selective recomputes: every block's norms and SwiGLU activation run again in backward
+    for op in ("_fused_rms_norm", "silu"):
+        if kept[op] or full[op] > kept[op]:
+            assert selective[op] == full[op] > kept[op], op
 
 
 def test_leaves_are_kept_by_reference_and_never_offloaded():

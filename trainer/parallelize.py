@@ -1,7 +1,8 @@
 """One function, `parallelize`, turns the plain model into this rank's trainable share of it, applying
 every parallelism and memory feature in one fixed order:
 
-    tensor parallel → pipeline split → materialise → ZeRO engine → memory tiers → activation policy → CO2
+    tensor parallel → pipeline split → materialise → ZeRO engine → memory tiers → activation policy
+    → compilation → CO2
 
 It returns a `ParallelModel`, the one object the training loop drives: `forward_backward` over the
 step's micro-batches, `reduce_and_clip`, `step`. Plain data parallelism is the ZeRO engine with
@@ -237,6 +238,10 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
     engine = _zero_engine(cfg, topo, parts, pipeline, device, sync_level)
     tiers = _memory_tiers(cfg, engine, topo.rank, device)
     _activation_policy(cfg, parts, tiers)
+    if cfg.train.compile:
+        from strata.trainer.compile import apply_compile
+
+        apply_compile(parts)
     co2 = _outer_updates(cfg, topo, engine) if cfg.co2.enabled else None
     return ParallelModel(
         parts,
@@ -310,12 +315,13 @@ def _memory_tiers(cfg: Config, engine: ZeroEngine, rank: int, device: torch.devi
 
 
 def _activation_policy(cfg: Config, parts: list[nn.Module], tiers: Tiers | None) -> None:
-    """activations.*: blocks that recompute their forward in backward, and saved tensors
-    offloaded by hooks keyed by block (those of recomputed blocks are only their inputs)."""
-    if cfg.activations.recompute == "full":
+    """activations.*: blocks that recompute their forward (or all but its matmuls) in backward, and
+    saved tensors offloaded by hooks keyed by block (of fully recomputed blocks only their inputs;
+    of selectively recomputed ones their inputs, while the kept matmul outputs stay on the device)."""
+    if cfg.activations.recompute != "none":
         from strata.offload.activations import apply_recompute
 
-        apply_recompute(parts)
+        apply_recompute(parts, cfg.activations.recompute)
     if tiers and tiers.activations:
         tiers.activations.attach(parts)
 

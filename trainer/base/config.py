@@ -316,6 +316,12 @@ class TrainConfig:
     max_nonfinite_steps: int = opt(
         5, "with nonfinite=skip: end the run with an error once this many steps in a row were not finite", min=1
     )
+    compile: bool = opt(
+        False,
+        "compile each transformer block with torch.compile (regional compilation: every block shares one "
+        "compiled graph, so compile time is one block's; hooks, collectives and the loss stay eager); the "
+        "first step pays the compile time",
+    )
 
 
 @dataclass(frozen=True)
@@ -579,8 +585,9 @@ class ActivationsConfig:
     recompute: str = opt(
         "none",
         "full: recompute each transformer block's forward in backward instead of saving "
-        "its activations (torch.utils.checkpoint)",
-        choices=("none", "full"),
+        "its activations (torch.utils.checkpoint); selective: keep the matmul and attention outputs "
+        "and recompute only the cheap, memory-heavy ops between them (norms, RoPE, SiLU, products)",
+        choices=("none", "selective", "full"),
     )
 
 
