@@ -1,9 +1,11 @@
-"""Measure this machine for the planner (`strata plan --calibrate`): the sustained rate of the
-config's own model — forward and backward, with `ranks` processes computing at once, since ranks
-share the machine's cores and memory bandwidth — the AdamW update's rate, and the bandwidth and
-latency of a gloo all-reduce between two local processes (the intra-node link). The inter-node
-link cannot be measured from one machine: give it (`--inter-node-gbps`) or measure it across
-nodes.
+"""Measure this machine for the planner (`strata plan --calibrate`): the sustained rate at which
+it runs Strata's own training step on the config's model — one micro-batch's forward and
+backward, the gradient hooks, clipping and the rest of the step on one rank, with `ranks`
+processes training at once, since ranks share the machine's cores and memory bandwidth; the
+step's AdamW update is timed apart and taken out, as the time model adds its own — the AdamW
+update's rate, and the bandwidth and latency of a gloo all-reduce between two local processes
+(the intra-node link). The inter-node link cannot be measured from one machine: give it
+(`--inter-node-gbps`) or measure it across nodes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import torch
 import torch.multiprocessing as mp
 
 from strata.config import Config
-from strata.model import GPT, lm_loss
 from strata.net import free_port
 from strata.trainer.plan.cluster import Device
 from strata.trainer.plan.shapes import head_flops, layer_flops
@@ -24,7 +25,7 @@ from strata.trainer.plan.shapes import head_flops, layer_flops
 
 @dataclass(frozen=True)
 class Calibration:
-    """What was measured: a Device whose rate is the model's forward+backward rate per rank,
+    """What was measured: a Device whose rate is the model's training-step rate per rank,
     the intra-node link's bandwidth (Gbit/s one way) and per-step latency (s), AdamW's rate."""
 
     device: Device
@@ -41,37 +42,60 @@ def executed_flops(cfg: Config, vocab: int, tokens: int) -> float:
     return 3.0 * tokens * (m.n_layers * layer_flops(m, 1) + head_flops(m, vocab, 1))
 
 
-def _compute_worker(rank: int, cfg: Config, vocab: int, seconds: float, barrier, results) -> None:
+def step_config(cfg: Config) -> Config:
+    """`cfg`'s model, data, precision, micro-batch and recomputation on one rank: one micro-batch
+    per step, nothing partitioned, offloaded, saved, evaluated or logged."""
+    import tempfile
+
+    from strata import config as config_mod
+
+    raw = config_mod.to_dict(cfg)
+    keep = {group: raw[group] for group in ("model", "data", "optim")}
+    keep["train"] = {
+        "precision": cfg.train.precision,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "global_batch_size": cfg.train.micro_batch_size,
+        "steps": 1_000_000,
+        "eval_interval": 0,
+        "compile": cfg.train.compile,
+    }
+    keep["activations"] = {"recompute": cfg.activations.recompute}
+    keep["checkpoint"] = {"save_final": False, "interval": 0}
+    keep["log"] = {"progress": False, "dir": tempfile.gettempdir()}
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(config_mod.yaml.safe_dump(keep))
+        f.flush()
+        return config_mod.load(f.name, world_size=1)
+
+
+def _compute_worker(rank: int, cfg: Config, seconds: float, barrier, results) -> None:
+    from strata.parallel import runtime as runtime_mod
+    from strata.trainer.loop import Trainer
+
     torch.set_num_threads(1)  # as under torchrun (OMP_NUM_THREADS=1)
-    torch.manual_seed(rank)
-    model = GPT(cfg.model, vocab)
-    model.init_weights(rank)
-    batch = (cfg.train.micro_batch_size, cfg.model.seq_len)
-    tokens = torch.randint(0, vocab, batch)
-    autocast = torch.autocast("cpu", torch.bfloat16, enabled=cfg.train.precision == "bf16")
-
-    def step() -> None:
-        with autocast:
-            loss = lm_loss(model(tokens), tokens)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    step()  # warm-up
-    barrier.wait()
-    start, n = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds or n < 2:
-        step()
-        n += 1
-    per_step = (time.perf_counter() - start) / n
-    flat = torch.zeros(4 * 2**20)
-    opt = torch.optim.AdamW([torch.nn.Parameter(flat)], lr=1e-3, foreach=True)
-    opt.param_groups[0]["params"][0].grad = torch.ones_like(flat)
-    opt.step()
-    start = time.perf_counter()
-    for _ in range(5):
-        opt.step()
-    adam_s = (time.perf_counter() - start) / 5
-    results[rank] = (per_step, flat.numel() / adam_s)
+    trainer = Trainer(cfg, runtime_mod.start("gloo"))
+    try:
+        trainer.train_step()  # warm-up: buffers, the optimizer's state
+        elements = sum(p.numel() for p in trainer.model.params)
+        flat = torch.nn.Parameter(torch.zeros(elements))
+        flat.grad = torch.ones_like(flat)
+        kernel = {k: trainer.model.optimizer.defaults[k] for k in ("fused", "foreach")}  # the step's own AdamW
+        adam = torch.optim.AdamW([flat], lr=1e-3, **kernel)
+        adam.step()
+        start = time.perf_counter()
+        for _ in range(3):
+            adam.step()
+        adam_s = (time.perf_counter() - start) / 3
+        barrier.wait()
+        start, n = time.perf_counter(), 0
+        while time.perf_counter() - start < seconds or n < 2:
+            trainer.train_step()
+            n += 1
+        per_step = (time.perf_counter() - start) / n
+    finally:
+        trainer.checkpoints.close()
+        trainer.model.close()
+    results[rank] = (per_step - adam_s, elements / adam_s)
 
 
 def _link_worker(rank: int, port: int, results) -> None:
@@ -104,12 +128,17 @@ def _link_worker(rank: int, port: int, results) -> None:
 
 def calibrate_local(cfg: Config, vocab: int, ranks: int = 1, seconds: float = 3.0) -> Calibration:
     """Measure this machine with `ranks` processes computing at once (see the module docstring)."""
+    one_rank = step_config(cfg)
+    if one_rank.data.path is None and not one_rank.data.sources:
+        from strata.trainer.data import ensure_default_corpus
+
+        ensure_default_corpus(one_rank.data.cache_dir, one_rank.data.val_fraction)  # once, not by every process
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
         barrier = manager.Barrier(ranks)
         mp.start_processes(
-            _compute_worker, args=(cfg, vocab, seconds, barrier, results), nprocs=ranks, start_method="spawn"
+            _compute_worker, args=(one_rank, seconds, barrier, results), nprocs=ranks, start_method="spawn"
         )
         per_step = sum(results[r][0] for r in range(ranks)) / ranks
         adam = sum(results[r][1] for r in range(ranks)) / ranks

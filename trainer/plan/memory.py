@@ -23,6 +23,7 @@ from strata.trainer.plan.shapes import (
     Group,
     Saved,
     block_constant_bytes,
+    block_kept_selective,
     block_saved,
     chunk_counts,
     groups_of,
@@ -161,11 +162,12 @@ def activation_bytes(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> d
 
     Kept: the blocks' saved tensors times the micro-batches in flight, plus the head's (last stage)
     and the token ids (first stage). Recomputed (`activations.recompute=full`): each block keeps
-    its input; the peak comes while one block's forward is recomputed (its whole set but the input
-    it already counts) or, if larger, while the head's tensors live. Offloaded: each saved tensor of
-    at least `activations.min_bytes` goes to host memory or NVMe (4 KiB-aligned); those below
-    stay. Host offload copies as the tensor is saved and backward reads the copy, so nothing big
-    stays on the device; NVMe offload reads back a layer ahead, so in backward a layer's and the
+    its input (`selective`: and its matmul and attention outputs); the peak comes while one block's
+    forward is recomputed (its whole set but what it already counts) or, if larger, while the
+    head's tensors live (with offload only block inputs would move: all counted on the device, a
+    bound). Offloaded: each saved tensor of at least `activations.min_bytes` goes to host memory
+    or NVMe (4 KiB-aligned); those below stay. Host offload copies as the tensor is saved and
+    backward reads the copy, so nothing big stays on the device; NVMe offload reads back a layer ahead, so in backward a layer's and the
     previous layer's tensors (the head's filed with the last block) are on the device at once."""
     act, m = cfg.activations, cfg.model
     tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
@@ -177,10 +179,13 @@ def activation_bytes(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> d
     per_layer = saved_bytes(block, tokens) + block_constant_bytes(cfg)
     head = saved_bytes(head_list, tokens) + (head_constant_bytes(cfg, vocab) if head_list else 0)
     ids = tokens * 8 if any(p.first for p in parts) else 0
-    if act.recompute == "full":
-        block_input = tokens * (m.d_model // tp if sp else m.d_model) * FP32
-        kept = (layers * block_input + ids) * flight
-        return {"device": int(kept + max(head, per_layer - block_input))}
+    if act.recompute != "none":
+        if act.recompute == "full":
+            kept_layer = tokens * (m.d_model // tp if sp else m.d_model) * FP32
+        else:
+            kept_layer = saved_bytes(block_kept_selective(cfg), tokens)
+        kept = (layers * kept_layer + ids) * flight
+        return {"device": int(kept + max(head, per_layer - kept_layer))}
     if act.offload == "none":
         return {"device": int((layers * per_layer + head + ids) * flight)}
 

@@ -118,7 +118,7 @@ def candidates(cfg: Config, cluster: Cluster, nvme: bool) -> list[Candidate]:
             mbs = [b for b in _divisors(per_replica) if b <= 16] if per_replica else [cfg.train.micro_batch_size]
             zeros = ["none"] if dp == 1 else list(ZERO_SCHEMES)
             offloads = [o for o in OFFLOADS if nvme or "nvme" not in o]
-            for v, b, z, o, r in itertools.product(vs, mbs, zeros, offloads, ("none", "full")):
+            for v, b, z, o, r in itertools.product(vs, mbs, zeros, offloads, ("none", "selective", "full")):
                 if o == "all-nvme" and ZERO_SCHEMES[z][0] == "none":
                     continue  # parameter offload needs ZeRO-3
                 out.append(Candidate(tp, pp, v, b, z, o, r))

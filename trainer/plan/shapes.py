@@ -107,6 +107,12 @@ def head_flops(m: ModelConfig, vocab: int, tp: int) -> float:
     return 2 * m.d_model * vocab / tp
 
 
+def backward_flops(m: ModelConfig, group: Group, vocab: int, tp: int) -> float:
+    """Relative backward matmul work per token of a flat group's units: its blocks' and, for the
+    head's group, the output layer's; an embedding's backward (a scatter-add) counts as nothing."""
+    return group.layers * layer_flops(m, tp) + (head_flops(m, vocab, tp) if group.name == "head" else 0.0)
+
+
 # --- activations ----------------------------------------------------------------------------
 
 
@@ -160,6 +166,25 @@ def block_saved(cfg: Config) -> list[Saved]:
             Saved("q/k norm rstd", (m.n_heads + m.kv_heads) / tp, 4),
         ]
     return saved
+
+
+def block_kept_selective(cfg: Config) -> list[Saved]:
+    """What one block keeps under selective recomputation, per token: its input (saved by the
+    checkpoint) and the outputs of its matmuls and of attention (kept by the policy); everything
+    between them is recomputed in backward."""
+    m, tp = cfg.model, cfg.parallel.tp
+    d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
+    act = 2 if cfg.train.precision == "bf16" else 4
+    sp = cfg.parallel.sequence_parallel and tp > 1
+    return [
+        Saved("block input", d / tp if sp else d, 4),
+        Saved("wq, wk, wv outputs", (q + 2 * kv) / tp, act),
+        Saved("attention output", q / tp, act),
+        Saved("attention log-sum-exp", m.n_heads / tp, 4),
+        Saved("wo output", d, act),
+        Saved("w1, w3 outputs", 2 * f / tp, act),
+        Saved("w2 output", d, act),
+    ]
 
 
 def block_constant_bytes(cfg: Config) -> int:

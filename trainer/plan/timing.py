@@ -36,6 +36,7 @@ from strata.trainer.plan.memory import (
 )
 from strata.trainer.plan.shapes import (
     Group,
+    backward_flops,
     block_saved,
     chunk_counts,
     head_flops,
@@ -133,23 +134,26 @@ def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_ra
     head = head_flops(m, vocab, tp) if has_head else 0.0
     rate = dev.rate_tflops(cfg.train.precision) * 1e12
     fwd = tokens * (layers * layer + head) / rate
-    recompute = tokens * layers * layer / rate if cfg.activations.recompute == "full" else 0.0
-    bwd = 2 * fwd + recompute
+    recompute = cfg.activations.recompute
+    bwd = 2 * fwd + (tokens * layers * layer / rate if recompute == "full" else 0.0)
     if not dev.measured:  # element-wise work at memory bandwidth (a measured rate includes it)
         moved = ELEMENTWISE_PASSES * layers * saved_bytes(block_saved(cfg), tokens) / (dev.mem_bw_gbs * 1e9)
         fwd += moved / 3
-        bwd += 2 * moved / 3
+        # backward's share, and a recomputed forward's element-wise work again (selective recomputes
+        # only that; full's matmuls are counted above)
+        bwd += 2 * moved / 3 + (moved / 3 if recompute != "none" else 0.0)
     if attention == "unfused":
         scores = cfg.train.micro_batch_size * m.n_heads / tp * m.seq_len**2 * layers / (dev.mem_bw_gbs * 1e9)
-        again = 1 if cfg.activations.recompute == "full" else 0
+        again = 1 if recompute == "full" else 0
         fwd += scores * UNFUSED_SCORE_BYTES["forward"]
         bwd += scores * (UNFUSED_SCORE_BYTES["backward"] + again * UNFUSED_SCORE_BYTES["forward"])
     act = 2 if cfg.train.precision == "bf16" else 4
     hidden = tokens * m.d_model * act
     # per layer two all-reduces forward and two backward (sequence parallel: all-gather plus
-    # reduce-scatter, the same bytes), the recomputed forward's again; the embedding's and the
-    # output layer's input gradient once each
-    reductions = layers * (4 + (2 if cfg.activations.recompute == "full" else 0))
+    # reduce-scatter, the same bytes), the recomputed forward's again (selective recomputation
+    # repeats them too: a collective is never kept); the embedding's and the output layer's input
+    # gradient once each
+    reductions = layers * (4 + (2 if recompute != "none" else 0))
     reductions += sum(1 for p in parts if p.first) + (1 if has_head else 0)
     tp_traffic = traffic.dim_all_reduce(cluster, layout, "tp", hidden).scaled(reductions)
     send = 0.0
@@ -169,17 +173,21 @@ class _Reductions:
     final: traffic.Traffic = field(default_factory=traffic.Traffic)  # once, after the last backward
     rebuild: traffic.Traffic = field(default_factory=traffic.Traffic)  # once, after the update
     first_gather: float = 0.0
-    finals: list[tuple[int, float]] = field(default_factory=list)  # (elements, seconds) per group, in list order
+    finals: list[tuple[float, float]] = field(
+        default_factory=list
+    )  # (backward FLOPs, seconds) per group, in list order
 
     def final_exposed(self, window: float) -> float:
         """What of the final reduction outlasts a backward of `window` seconds when each group's
-        reduction starts as soon as backward has produced its gradient (groups come out of backward
-        in reverse order, each when the compute for its share of the parameters is done) and the
-        link serves them one after another."""
-        total = sum(n for n, _ in self.finals) or 1
-        done, busy_until = 0, 0.0
-        for elements, seconds in reversed(self.finals):
-            done += elements
+        reduction starts as soon as backward has produced its gradient and the link serves them one
+        after another. Groups come out of backward in reverse order, each when the backward compute
+        up to and including its own is done: by FLOPs, not by parameters, since an embedding holds
+        many parameters but its backward is a scatter-add that costs next to nothing, so the
+        groups before it are ready only at the very end."""
+        total = sum(w for w, _ in self.finals) or 1.0
+        done, busy_until = 0.0, 0.0
+        for work, seconds in reversed(self.finals):
+            done += work
             ready = window * done / total
             busy_until = max(busy_until, ready) + seconds
         return max(0.0, busy_until - window)
@@ -197,7 +205,7 @@ class _Reductions:
         return out
 
 
-def _reductions(cfg: Config, cluster: Cluster, layout: Layout, groups: list[Group], m: int) -> _Reductions:
+def _reductions(cfg: Config, cluster: Cluster, layout: Layout, groups: list[Group], m: int, vocab: int) -> _Reductions:
     """The engine's collectives per flat group (see parallel/zero.py): ZeRO-3 gathers per micro-batch
     (forward from the params level; backward and later micro-batches from the hpZ copy when there
     is one), reduce-scatters to the grads level per micro-batch, the final reduce-scatter to the
@@ -229,7 +237,7 @@ def _reductions(cfg: Config, cluster: Cluster, layout: Layout, groups: list[Grou
         final = rs(lv["grads"], lv["optim"])
         final.add(traffic.all_reduce(cluster, layout, nbytes, lv["optim"], sync, hier))
         out.final.add(final)
-        out.finals.append((g.padded, final.seconds))
+        out.finals.append((backward_flops(cfg.model, g, vocab, cfg.parallel.tp), final.seconds))
         if lv["optim"] != lv["params"]:
             out.rebuild.add(rs(lv["params"], lv["optim"]))
     return out
@@ -259,7 +267,7 @@ def estimate_time(cfg: Config, cluster: Cluster, vocab: int, attention: str = "f
     step_compute = parts["compute"] + parts["tp"] + parts["pp"] + bubble
     for s, st in enumerate(stages):
         groups = flat_groups(cfg, layout, vocab, s)
-        red = _reductions(cfg, cluster, layout, groups, m)
+        red = _reductions(cfg, cluster, layout, groups, m, vocab)
         window_f, window_b = st.fwd, st.bwd
         exposed = red.first_gather
         exposed += m * max(0.0, red.fwd_gather.seconds - window_f)
