@@ -1,8 +1,9 @@
 """Measure this machine for the planner (`strata plan --calibrate`): the sustained rate at which
 it runs Strata's own training step on the config's model — one micro-batch's forward and
 backward, the gradient hooks, clipping and the rest of the step on one rank, with `ranks`
-processes training at once, since ranks share the machine's cores and memory bandwidth; the
-step's AdamW update is timed apart and taken out, as the time model adds its own — the AdamW
+processes training at once, since ranks share the machine's cores and memory bandwidth, each
+step ending at a barrier as training's steps end at the gradients' reduction; the step's AdamW
+update is timed apart and taken out, as the time model adds its own — the AdamW
 update's rate, and the bandwidth and latency of a gloo all-reduce between two local processes
 (the intra-node link). The inter-node link cannot be measured from one machine: give it
 (`--inter-node-gbps`) or measure it across nodes.
@@ -75,7 +76,9 @@ def _compute_worker(rank: int, cfg: Config, seconds: float, barrier, results) ->
     torch.set_num_threads(1)  # as under torchrun (OMP_NUM_THREADS=1)
     trainer = Trainer(cfg, runtime_mod.start("gloo"))
     try:
+        start = time.perf_counter()
         trainer.train_step()  # warm-up: buffers, the optimizer's state
+        warm_s = time.perf_counter() - start
         elements = sum(p.numel() for p in trainer.model.params)
         flat = torch.nn.Parameter(torch.zeros(elements))
         flat.grad = torch.ones_like(flat)
@@ -86,12 +89,18 @@ def _compute_worker(rank: int, cfg: Config, seconds: float, barrier, results) ->
         for _ in range(3):
             adam.step()
         adam_s = (time.perf_counter() - start) / 3
+        # Training's steps end together (the gradients' reduction waits for every rank), so each
+        # timed step ends at a barrier too: on shared cores a step takes as long as its slowest rank.
+        if rank == 0:  # every rank must take as many steps: rank 0's warm-up decides
+            results["steps"] = max(2, round(seconds / warm_s))
         barrier.wait()
-        start, n = time.perf_counter(), 0
-        while time.perf_counter() - start < seconds or n < 2:
+        steps = results["steps"]
+        barrier.wait()
+        start = time.perf_counter()
+        for _ in range(steps):
             trainer.train_step()
-            n += 1
-        per_step = (time.perf_counter() - start) / n
+            barrier.wait()
+        per_step = (time.perf_counter() - start) / steps
     finally:
         trainer.checkpoints.close()
         trainer.model.close()
