@@ -35,6 +35,13 @@ ARGV_SLACK, ENV_SLACK = 1024, 8192  # room beyond the first worker's, for later 
 RENDEZVOUS_READS_PER_S = 20
 
 
+def say(message: str) -> None:
+    """One line to stderr in one write: torchruns and workers share the stream, and print's separate
+    write of the newline lets another process's line land in between."""
+    sys.stderr.write(f"strata: {message}\n")
+    sys.stderr.flush()
+
+
 class AdoptedWorker:
     """A forked worker, as torchrun uses a subprocess.Popen: pid, returncode, poll, wait (with
     subprocess.TimeoutExpired), send_signal, terminate, kill. It is this process's child (adopted),
@@ -139,11 +146,9 @@ class ForkServer:
         if "error" in reply:
             self._break(f"the fork server did not start: {reply['error']}")
             return
-        print(
-            f"strata: fork server ready (pid {self.proc.pid}; torch and Strata imported in {reply['import_s']:.1f} s): "
-            "workers start as its forks",
-            file=sys.stderr,
-            flush=True,
+        say(
+            f"fork server ready (pid {self.proc.pid}; torch and Strata imported in {reply['import_s']:.1f} s): "
+            "workers start as its forks"
         )
 
     def _break(self, why: str) -> None:
@@ -153,7 +158,7 @@ class ForkServer:
     def _warn(self, why: str) -> None:
         if why not in self.warned:
             self.warned.add(why)
-            print(f"strata: warning: starting a worker as a fresh Python: {why}", file=sys.stderr, flush=True)
+            say(f"warning: starting a worker as a fresh Python: {why}")
 
     def spawn(self, argv: Sequence[str], env: dict[str, str], stdio: Sequence[int | None]) -> AdoptedWorker | None:
         """Fork a worker running `argv` with environment `env` and `stdio` as its 0, 1, 2 (None: as
@@ -184,11 +189,9 @@ class ForkServer:
                 self._break(reply["error"])
             self._warn(reply["error"])
             return None
-        print(
-            f"strata: worker pid {reply['pid']} (local rank {env.get('LOCAL_RANK', '?')}, restart "
-            f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}) forked in {1000 * (time.perf_counter() - t0):.0f} ms",
-            file=sys.stderr,
-            flush=True,
+        say(
+            f"worker pid {reply['pid']} (local rank {env.get('LOCAL_RANK', '?')}, restart "
+            f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}) forked in {1000 * (time.perf_counter() - t0):.0f} ms"
         )
         return AdoptedWorker(reply["pid"], argv)
 
@@ -262,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
 
     server = ForkServer()
     if not sys.platform.startswith("linux") or not install(server):
-        print("strata: warning: this torch or system cannot fork workers; they start fresh", file=sys.stderr)
+        say("warning: this torch or system cannot fork workers; they start fresh")
     _, max_nodes = parse_min_max_nnodes(parse_args(argv).nnodes)
     install_rendezvous_poll(rendezvous_poll_s(max_nodes))
 

@@ -273,6 +273,7 @@ class Server:
         first = os.fork()
         if first == 0:
             try:
+                intermediate = os.getpid()
                 worker = os.fork()
             except BaseException:
                 os._exit(1)  # the intermediate: nothing of Python's exit (atexit, flushing) runs
@@ -280,7 +281,7 @@ class Server:
                 os.close(read)
                 os.close(write)
                 try:
-                    return self.become(request, fds)
+                    return self.become(request, fds, intermediate)
                 except BaseException:  # never back into the server's loop
                     traceback.print_exc()
                     os._exit(1)
@@ -296,8 +297,11 @@ class Server:
             raise OSError("the intermediate process could not fork the worker")
         return int(pid)
 
-    def become(self, request: dict, fds: list[int]) -> Job:
-        """In the forked worker: everything a fresh `python -m` started by torchrun would have."""
+    def become(self, request: dict, fds: list[int], intermediate: int) -> Job:
+        """In the forked worker (whose parent was `intermediate`): everything a fresh `python -m`
+        started by torchrun would have."""
+        while os.getppid() == intermediate:  # until adopted: from the start, torchrun's child, as a fresh one is
+            time.sleep(0.0001)
         os.setsid()  # torchrun starts each worker in a session of its own and signals its group
         self.sock.close()
         if self.collecting:
