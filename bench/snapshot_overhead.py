@@ -843,7 +843,7 @@ def mttr_run(args, marker: str, root: Path, start: str, i: int) -> dict:
         "first_step": first_step["step"] if first_step else None,
         "exit_codes": codes,
         "in_memory": "resumed from in-memory step" in text,
-        "forked": sum("strata: worker pid" in line and "restart 0)" not in line for line in text.splitlines()),
+        "forked": sum(not part.split(")")[0].endswith("restart 0") for part in text.split("strata: worker pid")[1:]),
         "log_excerpt": [line for line in text.splitlines() if "snapshot:" in line or "resumed" in line][:6],
         "load_after": os.getloadavg()[0],
     }
