@@ -16,8 +16,9 @@ CUDA. Before each fork it checks that it still has one Python thread, that CUDA 
 initialised, that the worker's environment differs from its own only in torchrun's per-worker
 variables (an import may have read any other), and that the worker's command line and environment
 fit the reserved room; otherwise it refuses and torchrun starts that worker the usual way.
-Native thread pools: numpy's OpenBLAS stops its pool before a fork (its own atfork handler);
-torch's OpenMP pool starts only at the first parallel operation, which the server never runs.
+Native thread pools: numpy's OpenBLAS stops its pool before a fork (its own atfork handler; seen
+here: the parent is down to one thread after the fork, the child's matrix product starts a new
+pool); torch's OpenMP pool starts only at the first parallel operation, which the server never runs.
 
 Not multiprocessing's forkserver: its children are the server's (torchrun could neither wait for
 them nor see how they ended), share the server's session and stdio, and run a pickled function,
@@ -222,7 +223,7 @@ class Server:
         gc.freeze()
         sys.stdout.flush()
         sys.stderr.flush()
-        return {"ready": True, "import_s": time.perf_counter() - t0, "threads": len(os.listdir("/proc/self/task"))}
+        return {"ready": True, "import_s": time.perf_counter() - t0}
 
     def serve(self) -> Job | None:
         """Fork a worker per request until the socket closes (torchrun is gone). Returns only in a
