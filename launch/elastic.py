@@ -223,7 +223,7 @@ def install(server: ForkServer) -> bool:
         stdio = (_fd(None, 0), _fd(self._stdout, 1), _fd(self._stderr, 2))
         return server.spawn(args, env, stdio) or fresh(self, args, env)
 
-    handler._popen = _popen
+    handler._popen = _popen  # type: ignore[method-assign]
     return True
 
 

@@ -326,7 +326,7 @@ class Server:
 def serve(fd: int, preload: list[str]) -> Job | None:
     """Import `preload`, say so on the socket at `fd`, then fork a worker per request. Returns only
     in a forked worker, with what it runs."""
-    handlers = {}
+    handlers: dict[int, Any] = {}
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # torchrun's to pass on, not the server's
         handlers[sig] = signal.signal(sig, signal.SIG_IGN)
     server = Server(socket.socket(fileno=fd), {k: v for k, v in os.environ.items() if k != ROOM_ENV}, handlers)

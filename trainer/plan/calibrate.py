@@ -48,6 +48,8 @@ def step_config(cfg: Config) -> Config:
     per step, nothing partitioned, offloaded, saved, evaluated or logged."""
     import tempfile
 
+    import yaml
+
     from strata import config as config_mod
 
     raw = config_mod.to_dict(cfg)
@@ -64,7 +66,7 @@ def step_config(cfg: Config) -> Config:
     keep["checkpoint"] = {"save_final": False, "interval": 0}
     keep["log"] = {"progress": False, "dir": tempfile.gettempdir()}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
-        f.write(config_mod.yaml.safe_dump(keep))
+        f.write(yaml.safe_dump(keep))
         f.flush()
         return config_mod.load(f.name, world_size=1)
 

@@ -167,8 +167,9 @@ def activation_bytes(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> d
     head's tensors live (with offload only block inputs would move: all counted on the device, a
     bound). Offloaded: each saved tensor of at least `activations.min_bytes` goes to host memory
     or NVMe (4 KiB-aligned); those below stay. Host offload copies as the tensor is saved and
-    backward reads the copy, so nothing big stays on the device; NVMe offload reads back a layer ahead, so in backward a layer's and the
-    previous layer's tensors (the head's filed with the last block) are on the device at once."""
+    backward reads the copy, so nothing big stays on the device; NVMe offload reads back a layer
+    ahead, so in backward a layer's and the previous layer's tensors (the head's filed with the
+    last block) are on the device at once."""
     act, m = cfg.activations, cfg.model
     tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
     parts = parts_of(cfg, pp_rank)
