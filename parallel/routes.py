@@ -127,7 +127,7 @@ class Routes:
             def gather(part: torch.Tensor, group=group, size=size, starts=starts):
                 out = whole[0]
                 views = [out[s : s + size] for s in starts]
-                return out, comm.all_gather_into_views(views, part.clone(), group, self.dim, async_op=True)
+                return out, comm.all_gather_into_views(views, part, group, self.dim, async_op=True)
 
             hops.append(Hop((inner, outer, "ag"), gather))
             if i + 1 < len(steps):  # the next gather spreads the piece this one filled
@@ -142,8 +142,8 @@ class Routes:
         self, chunk: torch.Tensor, fine: str, coarse: str, out: torch.Tensor, numel: int, async_op: bool = False
     ) -> PendingGather:
         """Fill `out` (this rank's `fine` chunk) from every rank's `coarse` chunk, this rank's
-        being `chunk`. With `async_op` the first collective is started and the rest run at
-        `wait()` (each step needs the previous one's result)."""
+        being `chunk` (which must stay unchanged until `wait()`). With `async_op` the first
+        collective is started and the rest run at `wait()` (each step needs the previous one's result)."""
         base, _ = self.span(fine, numel)
         steps = list(reversed(self.steps(fine, coarse)))
 
@@ -151,7 +151,7 @@ class Routes:
             inner, outer, group, members = steps[i]
             size = numel // self.count(outer)
             views = [out[s - base : s - base + size] for s in (self.span(outer, numel, m)[0] for m in members)]
-            return comm.all_gather_into_views(views, source.clone(), group, self.dim, async_op=async_first)
+            return comm.all_gather_into_views(views, source, group, self.dim, async_op=async_first)
 
         def rest():
             for i in range(1, len(steps)):

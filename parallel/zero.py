@@ -184,6 +184,10 @@ class FlatGroup:
         self.gathered = True
         self._pending_gather: PendingGather | None = None
         self.grad_full: torch.Tensor | None = None
+        # Slots whose piece of grad_full holds nothing yet, not even zeros: their first gradient is
+        # copied in (not added to zeros: one pass over the bytes instead of three), and `_grads`
+        # zeroes what is left before anything reads the buffer.
+        self._unwritten: set[int] = set()
         self.grad_shard: torch.Tensor | None = None
         if plan.grads != "none":
             self.grad_shard = self.full.new_zeros(routes.span(plan.grads, self.padded)[1])
@@ -193,6 +197,7 @@ class FlatGroup:
         self.reducer: Reducer | None = None
         self.reduce_routes: Routes | None = None
         self.expected, self.backwards, self.uses = 0, 0, 1
+        self.opens_forward = False  # the first unit of a part's forward uses it (set by the engine)
         self.partial: Reduction | None = None
         self.reduction: Reduction | None = None
         self.optim_start, self.optim_size = routes.span(plan.optim, self.padded)
@@ -227,6 +232,7 @@ class FlatGroup:
         level = self.plan.secondary if use_secondary else self.plan.params
         if self.tier is not None and not use_secondary:
             self.tier.ensure(self)
+            source = source.clone()  # the tier may drop the shard before the gather is done with it
         self._pending_gather = self.routes.gather(source, "none", level, self.full, self.padded, async_op)
         if self.tier is not None:
             self.tier.release(self)  # the gather has its own copy of the shard by now
@@ -248,6 +254,13 @@ class FlatGroup:
             self.secondary.copy_(self.full[start : start + size])
             self.secondary_valid = True
 
+    def backward_to_come(self) -> bool:
+        """Whether this step has a backward pass of this group still to run (as `expect_backwards`
+        announced), so that the engine may keep it gathered until then. Never with a memory tier:
+        offloading means holding as little as possible, and the tier keeps shards of its own
+        (`offload.params.keep_groups`)."""
+        return self.tier is None and self.backwards < self.expected
+
     def free(self) -> None:
         if not self.plan.shards_params or not (self.gathered or self._pending_gather):
             return
@@ -267,12 +280,34 @@ class FlatGroup:
 
     def _take_grad(self, slot: _Slot) -> None:
         if self.grad_full is None:
-            self.grad_full = self.full.new_zeros(self.padded)
+            self.grad_full = self.full.new_empty(self.padded)
+            self._clear_grads()
         a, b = slot.range
         grad = slot.param.grad
         assert grad is not None  # called for a parameter whose gradient has arrived
-        self.grad_full[a:b].add_(grad.reshape(-1))
+        if id(slot) in self._unwritten:
+            self._unwritten.discard(id(slot))
+            self.grad_full[a:b].copy_(grad.reshape(-1))
+        else:
+            self.grad_full[a:b].add_(grad.reshape(-1))
         slot.param.grad = None
+
+    def _clear_grads(self) -> None:
+        """grad_full counts as zeros from here: its padding is zeroed, every slot marked unwritten."""
+        assert self.grad_full is not None  # a buffer to clear
+        self.grad_full[self.slots[-1].range[1] :].zero_()
+        self._unwritten = {id(slot) for slot in self.slots}
+
+    def _grads(self) -> torch.Tensor:
+        """grad_full, with the slots no gradient has reached zeroed: ready to be read."""
+        assert self.grad_full is not None  # a buffer to read
+        if self._unwritten:
+            for slot in self.slots:
+                if id(slot) in self._unwritten:
+                    a, b = slot.range
+                    self.grad_full[a:b].zero_()
+            self._unwritten = set()
+        return self.grad_full
 
     def end_backward(self, overlap: bool = True) -> None:
         """This micro-batch's gradients are all in: free the parameters again and, from ZeRO-2 on,
@@ -280,22 +315,23 @@ class FlatGroup:
         (`overlap`), that reduce-scatter runs behind the rest of backward, and after the step's
         last backward the whole reduction to the optimizer's chunk starts too."""
         self.waiting = len(self.slots)
-        self.free()
         self.backwards += 1
+        if not (self.opens_forward and self.backward_to_come()):
+            self.free()  # else the next micro-batch's forward starts with it: kept, not gathered again
         overlap = overlap and self.reducer is not None
         last = overlap and self.backwards == self.expected
         if self.plan.grads != "none" and self.grad_full is not None:
             assert self.grad_shard is not None  # gradients partitioned: allocated in __init__
             self._settle()  # the previous micro-batch's sum goes in first: the serial path's order
             if not overlap:
-                self.grad_shard.add_(self.routes.reduce_scatter(self.grad_full, "none", self.plan.grads, self.padded))
+                self.grad_shard.add_(self.routes.reduce_scatter(self._grads(), "none", self.plan.grads, self.padded))
             elif last:
-                self.reduction = self._start(self.grad_full, "none", add_into_shard=True)
+                self.reduction = self._start(self._grads(), "none", add_into_shard=True)
             else:
-                self.partial = self._start(self.grad_full, "none", to=self.plan.grads)
+                self.partial = self._start(self._grads(), "none", to=self.plan.grads)
             self.grad_full = None
         elif last:
-            self.reduction = self._start(self.grad_full, "none")
+            self.reduction = self._start(self._grads() if self.grad_full is not None else None, "none")
 
     def _start(self, buf: torch.Tensor | None, fine: str, add_into_shard: bool = False, to: str = "") -> Reduction:
         """Start reducing `buf` (this rank's `fine` chunk) to the `grads` level (`to`), or on to the
@@ -330,6 +366,7 @@ class FlatGroup:
     def finish_grads(self, scale: float) -> torch.Tensor:
         """This rank's `optim` chunk of the gradients summed over the dp ranks within `sync_level`
         (all of them, or the node's under CO2), times `scale`."""
+        self.free()  # nothing gathered outlives the step: the optimizer is about to change the shard
         # Gradients set on the parameters directly, past the hooks (the weight pass of torch
         # pipelining's split-backward schedules does that): whole-step sums, taken in here.
         stray = [slot for slot in self.slots if slot.param.grad is not None]
@@ -350,7 +387,7 @@ class FlatGroup:
         plan = self.plan
         self._settle()
         if plan.grads == "none":
-            source = self.grad_full if self.grad_full is not None else self.full.new_zeros(self.padded)
+            source = self._grads() if self.grad_full is not None else self.full.new_zeros(self.padded)
         else:
             assert self.grad_shard is not None  # gradients partitioned: allocated in __init__
             source = self.grad_shard
@@ -382,7 +419,7 @@ class FlatGroup:
     def zero_grad(self) -> None:
         self.drain()
         if self.grad_full is not None and self.plan.grads == "none":
-            self.grad_full.zero_()
+            self._clear_grads()
         if self.grad_shard is not None:
             self.grad_shard.zero_()
         self.reduced = None
@@ -543,6 +580,8 @@ class ZeroEngine:
         for pi, part in enumerate(parts):
             units = units_of(part)
             order = [self.unit_groups[(pi, ui)] for ui in range(len(units))]
+            for g in order[0] if order else []:
+                g.opens_forward = True
             for ui, (_, modules) in enumerate(units):
                 modules[0].register_forward_pre_hook(
                     lambda m, args, o=order, u=ui: self._pre_forward(o, u), prepend=True
@@ -575,6 +614,7 @@ class ZeroEngine:
         """The step about to run has this many micro-batches (each part runs backward once per
         micro-batch): a group's reduction starts after its last backward of the step."""
         for g in self.groups:
+            g.free()  # a step starts with nothing gathered (one that failed part-way may have left some)
             g.expected, g.backwards = micro_batches * g.uses, 0
 
     # --- hooks (ZeRO-3) --------------------------------------------------------------------
@@ -592,11 +632,15 @@ class ZeroEngine:
             self._read_ahead(order[u + 1 + ahead : u + 1 + ahead + self.param_tier.read_ahead_groups])
 
     def _post_forward(self, order: list[list[FlatGroup]], u: int, out):
+        backward = torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
         later = {id(g) for groups in order[u + 1 :] for g in groups}
         for g in order[u]:
-            if id(g) not in later:
+            # The last unit's backward runs first: when one is still to come this step
+            # (`expect_backwards`), its groups stay gathered until their gradients are in (the
+            # peak is no higher: they are the running unit when backward starts).
+            if id(g) not in later and not (backward and u == len(order) - 1 and g.backward_to_come()):
                 g.free()
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+        if backward:
             out.register_hook(lambda grad, o=order, v=u: self._pre_backward(o, v))
         return out
 
