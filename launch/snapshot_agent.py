@@ -30,6 +30,7 @@ from strata.checkpoint.channel import Channel, ChannelError, secret_from_env
 from strata.checkpoint.erasure import Code, self_test
 
 KEEP = 2  # committed versions kept per rank (local images and fragments); see `Agent.commit`
+SWITCH_INTERVAL_S = 5e-4  # the GIL's: see main()
 FULL = -1  # fragment index meaning "the whole image"
 
 
@@ -428,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="peer port (0: any free port)")
     p.add_argument("--parent", type=int, help="exit when this process (the launcher) is gone")
     args = p.parse_args(argv)
+    # A worker's lease waits for the thread serving it to get the GIL, which a placing thread between
+    # its (GIL-free) copies and sends holds for up to a switch interval: 5 ms by default, 0.5 ms here.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     self_test()
     agent = Agent(args.socket, args.advertise, args.bind, args.port, secret_from_env(), args.parent)
     print(
