@@ -272,6 +272,7 @@ class OptimTier:
             self.param_tier.read_ahead(later[:1])
         else:
             self.param_tier.finish_writes(self.groups)
+            self.param_tier.step_done()
 
     def _update_on_device(self, sg: SubGroup, moments, hyper: dict, lane: int, sides: list):
         """Deep Optimizer States' GPU path: the moments go up, the fused kernel runs beside the

@@ -101,7 +101,17 @@ class Tiers:
                     where[g.name] = FileRegion(f, f.region(nbytes), nbytes)
                 else:
                     where[g.name] = self.pool.resident(nbytes, g.shard.dtype)
-            self.param_tier = ParamTier(groups, self.movers["params"], where, params.read_ahead, params.keep_groups)
+            resident = None if params.resident_mb is None else int(params.resident_mb * 2**20)
+            sharing = engine.topo.layout.node_size if device.type == "cpu" else engine.topo.layout.ranks_per_gpu
+            self.param_tier = ParamTier(
+                groups,
+                self.movers["params"],
+                where,
+                params.read_ahead,
+                params.keep_groups,
+                resident,
+                lambda: free_device_bytes(device, sharing),
+            )
         kind = KIND_OF[devices["optim"]]
         optim_tier = self.optim_tier = OptimTier(
             groups,
@@ -150,6 +160,8 @@ class Tiers:
             "host_peak_bytes": proc_status_bytes("VmHWM"),
             "io_stall_s": sum(m.stalled_s for m in self.movers.values()),
         }
+        if self.param_tier is not None:
+            out["params_resident_bytes"] = self.param_tier.resident_bytes
         if self.io is not None:
             assert self.swap is not None, "an I/O engine comes with a swap directory"
             out.update(
@@ -189,13 +201,34 @@ class Tiers:
         self.pool.close()
 
 
+RESIDENT_MARGIN = 0.1  # of the device's memory, left free by an automatic resident budget
+
+
+def free_device_bytes(device: torch.device, sharing: int = 1) -> int:
+    """What this rank may still fill on `device`, judged just after a step: free memory, less what
+    the step took beyond its current use at its peak (it takes that again next step), less a margin
+    of 10% of the device's memory, split among the `sharing` ranks on the device."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        transient = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+    else:
+        info = _meminfo()
+        free, total = info.get("MemAvailable", 0), info.get("MemTotal", 0)
+        transient = proc_status_bytes("VmHWM") - proc_status_bytes("VmRSS")
+    return max(0, int((free - RESIDENT_MARGIN * total) / max(1, sharing) - transient))
+
+
+def _meminfo() -> dict[str, int]:
+    with open("/proc/meminfo") as f:
+        return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+
+
 def _check_host_memory(nbytes: int) -> None:
     """State kept in host memory is sized exactly at start-up: refuse it now if it cannot fit."""
     if nbytes == 0:
         return
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
-    available = info.get("MemAvailable", 0)
+    available = _meminfo().get("MemAvailable", 0)
     if nbytes > 0.9 * available:
         raise ConfigError(
             [

@@ -183,6 +183,7 @@ class FlatGroup:
         self.secondary_valid = False
         self.gathered = True
         self._pending_gather: PendingGather | None = None
+        self._holds_tier_shard = False  # a gather in flight reads the tier's shard (see `gather`)
         self.grad_full: torch.Tensor | None = None
         # Slots whose piece of grad_full holds nothing yet, not even zeros: their first gradient is
         # copied in (not added to zeros: one pass over the bytes instead of three), and `_grads`
@@ -231,11 +232,9 @@ class FlatGroup:
         assert source is not None  # the hpZ copy is valid only once `wait` made it
         level = self.plan.secondary if use_secondary else self.plan.params
         if self.tier is not None and not use_secondary:
-            self.tier.ensure(self)
-            source = source.clone()  # the tier may drop the shard before the gather is done with it
+            self.tier.ensure(self)  # released in `wait`, once the gather is done reading the shard
+            self._holds_tier_shard = True
         self._pending_gather = self.routes.gather(source, "none", level, self.full, self.padded, async_op)
-        if self.tier is not None:
-            self.tier.release(self)  # the gather has its own copy of the shard by now
         if not async_op:
             self.wait()
 
@@ -245,6 +244,10 @@ class FlatGroup:
             return
         self._pending_gather.wait()
         self._pending_gather, self.gathered = None, True
+        if self._holds_tier_shard:
+            assert self.tier is not None  # set only with a tier
+            self._holds_tier_shard = False
+            self.tier.release(self)
         if self.plan.secondary != "none" and not self.secondary_valid:
             # hpZ: keep this rank's piece of the finer partition, for the backward and later
             # micro-batches' gathers (copied from the gathered buffer, as DeepSpeed does)

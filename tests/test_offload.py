@@ -191,6 +191,57 @@ def test_offload_swap_traffic_is_zero_infinity_s(small_data_dir, tmp_path):
     assert reads[2] < 0.8 * reads[0]
 
 
+def _aligned_bytes(group) -> int:
+    return -(-4 * group.shard.numel() // 4096) * 4096
+
+
+@pytest.mark.parametrize("budget", ["auto", "two-groups"])
+def test_resident_shards_are_never_reread_nor_written_back(small_data_dir, tmp_path, reference, budget):
+    """`offload.params.resident_mb`: the shards the budget holds stay in memory once read and are
+    never written home; a set budget takes them from the start (the initial move skips them), null
+    sizes it from the free memory after the first step. Either way the run trains bit for bit as
+    without offload, and the other shards still make their swap traffic."""
+    settings = {**MODEL, "offload.params.device": "nvme", "offload.nvme_path": str(tmp_path / "swap")}
+    sizes = None
+    if budget == "two-groups":  # exactly the first two groups in the update's order
+        probe = Trainer(tiny_config(small_data_dir, tmp_path / "probe", **settings), start())
+        sizes = [4 * g.shard.numel() for g in probe.model.engine.groups]
+        probe.model.tiers.close()
+        settings["offload.params.resident_mb"] = (sizes[0] + sizes[1]) / 2**20
+    else:
+        settings["offload.params.resident_mb"] = None
+    trainer = Trainer(tiny_config(small_data_dir, tmp_path, **settings), start())
+    tier, io, groups = trainer.model.tiers.param_tier, trainer.model.tiers.io, trainer.model.engine.groups
+    initial = io.bytes_written
+    per_step = []
+    for _ in range(4):
+        r, w = io.bytes_read, io.bytes_written
+        trainer.train_step()
+        per_step.append((io.bytes_read - r, io.bytes_written - w))
+    resident = [g for g in groups if g.name in tier.resident]
+    others = [g for g in groups if g.name not in tier.resident]
+    assert all(g.shard.untyped_storage().nbytes() > 0 for g in resident)
+    if budget == "two-groups":
+        assert [g.name for g in resident] == [g.name for g in groups[:2]]  # nothing else fits
+        assert initial == sum(_aligned_bytes(g) for g in others)  # resident shards never went home
+        assert all(w == sum(_aligned_bytes(g) for g in others) for _, w in per_step)  # the others: once a step
+        assert all(0 < r for r, _ in per_step)
+    else:
+        assert initial == sum(_aligned_bytes(g) for g in groups)  # unknown at start: every shard went home
+        assert len(resident) == len(groups)  # this small model fits the free memory of any test machine
+        assert per_step[0][1] == initial  # the first step writes every changed shard back, as without a budget
+        assert per_step[1][1] == 0 and per_step[1][0] < per_step[0][0]  # the shards not kept are read once more
+        assert per_step[2] == per_step[3] == (0, 0)  # then nothing moves
+    with trainer.model.state_in_memory():
+        shards = [g.shard.clone() for g in groups]
+    trainer.model.tiers.close()
+    ref_shards = reference[1]
+    if torch.cuda.is_available():
+        torch.testing.assert_close(shards, ref_shards, rtol=1e-3, atol=1e-5)
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(shards, ref_shards))
+
+
 def test_offloaded_checkpoint_resumes_with_and_without_offload(small_data_dir, tmp_path):
     """A run offloading everything to NVMe saves at step 3; resumed without offload and with it,
     both finish steps 4-6 on the uninterrupted run's losses and parameters."""

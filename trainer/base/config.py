@@ -510,6 +510,13 @@ class ParamOffloadConfig:
         "gathered)",
         min=0,
     )
+    resident_mb: float | None = opt(
+        0.0,
+        "device memory for shards that stay in memory for good once read (never re-read nor written "
+        "back; DeepSpeed's max_reuse_distance taken to its end); null: what the device had free at "
+        "the first step's peak, less 10% of its memory, shared by the ranks on it (0: none)",
+        min=0.0,
+    )
 
 
 @dataclass(frozen=True)

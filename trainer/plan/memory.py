@@ -225,10 +225,9 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
     shard = padded / counts[levels["params"]] * FP32
     params_tier = "device" if cluster.device.host_memory and devices["params"] == "cpu" else TIER_OF[devices["params"]]
     out.add("params", params_tier, shard)
-    if params_tier == "nvme":  # shards kept after use and read ahead stay in memory
-        kept = cfg.offload.params.keep_groups + cfg.offload.params.read_ahead
-        largest = sorted((g.padded for g in groups), reverse=True)[:kept]
-        out.add("params", "device", sum(largest) / counts[levels["params"]] * FP32)
+    resident_mb = cfg.offload.params.resident_mb
+    if params_tier == "nvme" and resident_mb is not None:  # resident shards, those kept after use and read ahead
+        _add_resident_shards(out, cfg, groups, resident_mb * 2**20, counts[levels["params"]])
     if levels["secondary"] != "none" and sharded:
         out.add("params", "device", padded / counts[levels["secondary"]] * FP32)
     if sharded:  # the running group and prefetch_blocks ahead, gathered whole
@@ -269,4 +268,21 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
         # the rank's own image, and its share of the fragments the node's agent keeps: every
         # rank's image is cut into k pieces plus m parity pieces stored on k + m nodes
         out.add("snapshot", "host", image * (1 + (snap.k + snap.m) / snap.k))
+    if params_tier == "nvme" and resident_mb is None:  # sized at run time from what the device has free, less 10%
+        free = 0.9 * cluster.device.mem_gib * 2**30 - out.total("device")
+        _add_resident_shards(out, cfg, groups, free, counts[levels["params"]])
     return out
+
+
+def _add_resident_shards(out: RankMemory, cfg: Config, groups: list[Group], budget: float, ranks: int) -> None:
+    """NVMe parameter shards on the device: those `budget` bytes keep resident (offload/params.py
+    takes them in the update's order while they fit), then the `keep_groups` kept after use and
+    the `read_ahead` read in front of the gathers, the largest of the others at once."""
+    resident = []
+    for g in groups:
+        if g.padded / ranks * FP32 <= budget:
+            resident.append(g)
+            budget -= g.padded / ranks * FP32
+    kept = cfg.offload.params.keep_groups + cfg.offload.params.read_ahead
+    largest = sorted((g.padded for g in groups if g not in resident), reverse=True)[:kept]
+    out.add("params", "device", (sum(g.padded for g in resident) + sum(largest)) / ranks * FP32)
