@@ -1,6 +1,6 @@
 """ZeRO-Infinity's parameter tier: each flat group's parameter shard (ZeRO-3's master copy on this
 rank) lives in host memory or a swap file between uses. It is read ahead of the gather that needs
-it, dropped once the gather has taken its copy (clean: no write) — except the `keep_groups` used
+it, dropped once the gather has read it (clean: no write) — except the `keep_groups` used
 last, which are reused at the turns (forward to backward, backward to the update) — and
 written back only after the optimizer changed it.
 
@@ -106,8 +106,8 @@ class ParamTier:
             read.wait()
 
     def release(self, group: FlatGroup) -> None:
-        """The gather has copied the shard: keep it among the last used, or drop it (unless the step
-        or a checkpoint holds it)."""
+        """The gather is done reading the shard: keep it among the last used, or drop it (unless the
+        step or a checkpoint holds it, or it is resident)."""
         if not _allocated(group) or group.name in self._pinned or group.name in self.resident:
             return
         self._kept[group.name] = group
