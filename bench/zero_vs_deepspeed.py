@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from strata import config as config_mod
+from strata.launch.cli import TORCH_ENV_DEFAULTS
 from strata.launch.torchrun import LaunchPlan, torchrun_args
 from strata.trainer.data import ensure_default_corpus
 
@@ -131,6 +132,8 @@ def run_worker(side: str, args, overrides: list[str], out: Path, tmp: Path) -> d
     env = dict(
         os.environ, TMPDIR=str(tmp), DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore::FutureWarning"
     )  # gloo's all_gather_into_tensor deprecation, per call
+    if side == "strata":  # what the `strata` command sets for its workers (each side as its own tool runs it)
+        env = {**TORCH_ENV_DEFAULTS, **env}
     log = tmp / f"{side}.log"
     with open(log, "w") as f:
         proc = subprocess.run(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -637,7 +638,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# Environment for torch that must be set before torch is imported, in this process and so in every
+# worker it starts (torchrun, the fork server and the workers inherit it); a value the user set wins.
+# THP_MEM_ALLOC_ENABLE puts torch's host allocations of 2 MiB and more on transparent huge pages:
+# ZeRO-3 allocates each gathered group's flat buffer at every use, and with 4 KiB pages faulting it
+# in cost as much as the gather's copy (an NVMe-offload step on CPU: 7.9 s against 6.7 s). Where
+# the kernel has THP off it changes nothing.
+TORCH_ENV_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    for key, value in TORCH_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     args = parse_args(argv)
     try:
         return args.func(args)

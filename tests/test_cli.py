@@ -414,3 +414,35 @@ def test_ckpt_out_before_overrides(tmp_path, capsys):
 
     assert main(["ckpt", "reshard", str(tmp_path), "zero.level=1", "--to", "tp=2,pp=1,dp=1"]) == 2
     assert "OUT comes before the overrides" in capsys.readouterr().err
+
+
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+HUGE_PAGES_AFTER_A_COMMAND = """
+import contextlib, io, os, sys
+from strata.launch import cli
+with contextlib.redirect_stdout(io.StringIO()):
+    cli.main(["config", "show", "configs/tiny.yaml"])
+import torch
+t = torch.ones(64 * 2**20 // 4)
+print(os.environ["THP_MEM_ALLOC_ENABLE"], next(int(line.split()[1]) for line in open("/proc/self/smaps_rollup")
+      if line.startswith("AnonHugePages")))
+"""
+
+
+@pytest.mark.skipif(
+    not os.path.isfile(THP) or "[never]" in open(THP).read(), reason="the kernel has transparent huge pages off"
+)
+def test_the_strata_command_puts_torchs_large_host_allocations_on_huge_pages():
+    """The `strata` entry point sets torch's THP switch before torch is imported (torch reads it once,
+    at its first allocation), so a 64 MiB tensor made after a command sits on huge pages; a value the
+    user set is kept."""
+    clean = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    for user_value, want_flag in ((None, "1"), ("0", "0")):
+        env = clean if user_value is None else {**clean, "THP_MEM_ALLOC_ENABLE": user_value}
+        proc = subprocess.run(
+            [sys.executable, "-c", HUGE_PAGES_AFTER_A_COMMAND], cwd=REPO, capture_output=True, text=True, env=env
+        )
+        assert proc.returncode == 0, proc.stderr
+        flag, huge_kib = proc.stdout.split()
+        assert flag == want_flag
+        assert (int(huge_kib) > 0) == (want_flag == "1"), proc.stdout
