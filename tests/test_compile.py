@@ -34,7 +34,7 @@ def test_compiled_training_matches_eager_and_shares_one_graph(small_data_dir, tm
     for step, loss in eager.losses.items():
         assert compiled.losses[step] == pytest.approx(loss, **LOSS_TOLERANCE), step
     # four blocks, one compiled frame: the training graph, and the evaluation's (no grad) once
-    assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] in (1, 2)
     assert sum(torch._dynamo.utils.counters["recompiles"].values()) <= 1
 
 
