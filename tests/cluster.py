@@ -34,6 +34,10 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
+def _operstate(netns: str, dev: str) -> str:
+    return json.loads(_ip("-n", netns, "-j", "link", "show", dev).stdout)[0]["operstate"]
+
+
 def _tc(netns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["tc", "-n", netns, *args], capture_output=True, text=True, check=check)
 
@@ -236,9 +240,23 @@ class Cluster:
             burst = max(64 * 1024, per_s // 100)
             _tc(netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", str(burst), "latency", "100ms")
 
-    def set_link(self, node: int, up: bool) -> None:
-        """Cut (`up=False`) or restore node `node`'s link to the switch."""
-        _ip("-n", self.switch, "link", "set", SWITCH_IF.format(node), "up" if up else "down")
+    def set_link(self, node: int, up: bool, timeout_s: float = 10) -> None:
+        """Cut (`up=False`) or restore node `node`'s link to the switch. A restore returns once both
+        ends carry traffic, with every node's neighbour table emptied: an address lookup still being
+        retried from while the link was cut would otherwise fail a new connection ("No route to
+        host") when its last retry, sent before the restore, goes unanswered."""
+        port = SWITCH_IF.format(node)
+        _ip("-n", self.switch, "link", "set", port, "up" if up else "down")
+        if not up:
+            return
+        ends = [(self.switch, port), (self.nodes[node].netns, self.nodes[node].ifname)]
+        deadline = time.monotonic() + timeout_s
+        while any(_operstate(ns, dev) != "UP" for ns, dev in ends):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {node}'s link is not up {timeout_s} s after restoring it")
+            time.sleep(0.01)
+        for n in self.nodes:
+            _ip("-n", n.netns, "neigh", "flush", "all")
 
     def link_bytes(self) -> dict[int, tuple[int, int]]:
         """Per node: (bytes sent, bytes received) on its link, as the node's interface counts them."""

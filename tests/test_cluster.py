@@ -127,9 +127,11 @@ def test_kill_node_kills_only_that_node():
 def test_a_cut_link_refuses_connections_until_restored():
     with Cluster(2) as cluster:
         cluster.set_link(1, up=False)
+        # The attempt gives up at 2.2 s: after the address lookup's last retry (the kernel's default
+        # 3 tries, 1 s apart) and before that lookup fails, so the restore lands while it is pending.
         refused = cluster.run(
             0,
-            [sys.executable, "-c", SOURCE, cluster.nodes[1].address, str(PORT), "1", "2"],
+            [sys.executable, "-c", SOURCE, cluster.nodes[1].address, str(PORT), "1", "2.2"],
             capture_output=True,
             text=True,
             timeout=30,
