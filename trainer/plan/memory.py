@@ -278,11 +278,13 @@ def _add_resident_shards(out: RankMemory, cfg: Config, groups: list[Group], budg
     """NVMe parameter shards on the device: those `budget` bytes keep resident (offload/params.py
     takes them in the update's order while they fit), then the `keep_groups` kept after use and
     the `read_ahead` read in front of the gathers, the largest of the others at once."""
-    resident = []
+    resident, others = [], []
     for g in groups:
         if g.padded / ranks * FP32 <= budget:
-            resident.append(g)
+            resident.append(g.padded)
             budget -= g.padded / ranks * FP32
+        else:
+            others.append(g.padded)
     kept = cfg.offload.params.keep_groups + cfg.offload.params.read_ahead
-    largest = sorted((g.padded for g in groups if g not in resident), reverse=True)[:kept]
-    out.add("params", "device", (sum(g.padded for g in resident) + sum(largest)) / ranks * FP32)
+    largest = sorted(others, reverse=True)[:kept]
+    out.add("params", "device", (sum(resident) + sum(largest)) / ranks * FP32)
