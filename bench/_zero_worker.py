@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from strata import config as config_mod
-from strata.model import GPT, count_params, initial_value, lm_loss, padded_vocab_size, set_rope_buffers
+from strata.model import GPT, count_params, initial_value, lm_loss, set_rope_buffers
 from strata.parallel.runtime import proc_status_bytes, reset_peak_rss
 from strata.trainer.data import BatchLoader, TokenDataset
 from strata.trainer.loop import lr_at
@@ -200,7 +200,7 @@ class DeepSpeedSide:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         train_set = TokenDataset(self.data_dir, "train", cfg.model.seq_len)
-        largest = largest_param_numel(cfg, padded_vocab_size(cfg.model, train_set.vocab_size))
+        largest = largest_param_numel(cfg, config_mod.padded_vocab_size(cfg.model, train_set.vocab_size))
         ds = self.ds_config = deepspeed_config(
             cfg,
             self.world,
@@ -212,7 +212,7 @@ class DeepSpeedSide:
         # Built partitioned. No dtype argument: DeepSpeed 0.19.8 ignores it where the accelerator has
         # no fp16 (CPU) and builds bf16 parameters; with none, the config (no fp16/bf16 section) says fp32.
         with deepspeed.zero.Init(config_dict_or_path=ds):
-            model = GPT(cfg.model, padded_vocab_size(cfg.model, train_set.vocab_size))
+            model = GPT(cfg.model, config_mod.padded_vocab_size(cfg.model, train_set.vocab_size))
         # A partition swapped out to NVMe holds a placeholder (a half scalar); its swapper's dtype is the real one.
         wrong = {
             str(p.nvme_swapper.dtype if getattr(p.ds_tensor, "final_location", None) == "nvme" else p.ds_tensor.dtype)

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from strata import config as config_mod
-from strata.model import count_params, padded_vocab_size
+from strata.model import count_params
 from strata.trainer.data import ensure_default_corpus, read_meta
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def run(scheme: dict, micro: int, run_root: Path, name: str) -> dict[str, float]
 def model_bytes() -> int:
     cfg = config_mod.load(None, [f"{k}={v}" for k, v in MODEL.items()])
     vocab = read_meta(ensure_default_corpus(cfg.data.cache_dir, cfg.data.val_fraction)).vocab_size
-    return 4 * count_params(cfg.model, padded_vocab_size(cfg.model, vocab))
+    return 4 * count_params(cfg.model, config_mod.padded_vocab_size(cfg.model, vocab))
 
 
 def main(argv=None) -> None:

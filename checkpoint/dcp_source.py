@@ -27,7 +27,7 @@ from strata.checkpoint.pieces import Piece
 from strata.errors import CheckpointError
 from strata.parallel.flat import Box
 
-METADATA = ".metadata"
+METADATA = store.DCP_METADATA
 
 # torchtitan's Llama module names -> Strata's (inside `layers.N.`, and at the top)
 _TORCHTITAN = [
@@ -40,12 +40,6 @@ _TORCHTITAN = [
 ]
 _TORCHTITAN_NAME = re.compile(r"(^|\.)(attention|feed_forward|attention_norm|ffn_norm)\.|^lm_head\.weight$")
 _ROTATED = re.compile(r"^layers\.\d+\.attn\.w([qk])\.weight$")  # RoPE pairs: torchtitan's differ from Strata's
-
-
-def is_dcp_only(path: Path) -> bool:
-    """A directory DCP wrote that is not a Strata checkpoint (no commit marker, no index)."""
-    path = Path(path)
-    return (path / METADATA).is_file() and not (path / store.MARKER).exists() and not (path / "index.json").exists()
 
 
 @dataclass

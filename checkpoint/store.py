@@ -24,6 +24,7 @@ from strata.checkpoint import integrity
 from strata.errors import CheckpointError
 
 MARKER = integrity.MARKER  # the commit marker's file name
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's metadata file
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _PARTIAL_DIR = re.compile(r"^\.step_\d{8}\.partial$")
 # how a commit marker that is JSON but not an object is described
@@ -64,6 +65,12 @@ def owned(path: Path) -> bool:
     except CheckpointError:
         return False
     return isinstance(record, dict) and record.get("step") == int(name.group(1))
+
+
+def is_dcp_only(path: Path) -> bool:
+    """A directory DCP wrote that is not a Strata checkpoint (no commit marker, no index)."""
+    path = Path(path)
+    return (path / DCP_METADATA).is_file() and not (path / MARKER).exists() and not (path / "index.json").exists()
 
 
 def is_checkpoint_name(name: str) -> bool:

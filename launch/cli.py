@@ -99,9 +99,8 @@ def _check_checkpoints(cfg: Config, resume: str | None) -> None:
     a committed checkpoint, or a new run (no --resume, no snapshots to recover) in a checkpoint.dir
     holding an earlier run's committed checkpoints without checkpoint.overwrite."""
     from strata.checkpoint import store
-    from strata.checkpoint.dcp_source import is_dcp_only
 
-    if resume and not is_dcp_only(Path(resume)):
+    if resume and not store.is_dcp_only(Path(resume)):
         store.marker(store.resolve(Path(resume)))  # a damaged commit marker: one error, before any worker
         return
     root = cfg.checkpoint_dir()

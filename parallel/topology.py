@@ -38,11 +38,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
 from strata.config import CHAIN, LEVELS, chain_level, layout_problems, ranks_per_node
 from strata.errors import ConfigError
-from strata.parallel import comm
+
+# torch.distributed and comm are imported where groups are made: the rank arithmetic alone serves
+# `strata launch`'s memory check, which should not spend seconds importing torch.
 
 DIMS = ("pp", "dp", "tp")  # parallel dimensions, outermost to innermost
 HARDWARE = ("node", "gpu", "gcd")  # hardware coordinates, outermost to innermost
@@ -294,6 +294,10 @@ class Topology:
         uses (created anew: every rank must call this, in the same order), for work that runs
         asynchronously beside the main thread's collectives — CO2's outer all-reduce. None for a
         single rank."""
+        import torch.distributed as dist
+
+        from strata.parallel import comm
+
         mine = None
         for ranks in self.layout.digit_groups(chain_level(inner), chain_level(outer)):
             if len(ranks) == 1:
@@ -339,6 +343,10 @@ def build_topology(layout: Layout, rank: int) -> Topology:
     made for it, and the whole world is WORLD, so layouts without a hierarchy create no extra
     groups (and no extra NCCL communicators). Two names sharing one group share its queue: as
     for any collective, every member must issue the operations on it in the same order."""
+    import torch.distributed as dist
+
+    from strata.parallel import comm
+
     topo = Topology(layout, rank)
     if not dist.is_initialized() or layout.world_size == 1:
         return topo

@@ -12,7 +12,7 @@ import pytest
 
 from strata.errors import ConfigError
 
-from conftest import STDLIB
+from conftest import STDLIB, tiny_overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -281,6 +281,50 @@ def test_launch_env_makes_restarts_work_and_multi_node_snapshots_need_one_secret
     )
     conf = args[args.index("--rdzv-conf") + 1]
     assert "is_host=false" in conf and "join_timeout=30" in conf and args[args.index("--max-restarts") + 1] == "3"
+
+
+def test_several_workers_on_a_node_get_one_thread_each_unless_the_user_says_otherwise(monkeypatch):
+    """torchrun's OMP_NUM_THREADS default, already in the environment torchrun starts with (the fork
+    server, started before torchrun sets it, imports torch with the workers' value)."""
+    from strata.launch.torchrun import LaunchPlan, launch_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launch_env(LaunchPlan(2))["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in launch_env(LaunchPlan(1))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch_env(LaunchPlan(2))["OMP_NUM_THREADS"] == "3"
+
+
+LAUNCH_WITHOUT_TORCHRUN = """
+import sys
+from strata.launch import cli, torchrun
+seen = []
+torchrun.run_local = lambda *args: seen.append(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+assert cli.main(["launch", *sys.argv[1:]]) is None
+print(seen[0])
+"""
+
+
+def test_strata_launch_checks_the_job_without_importing_torch(small_data_dir, tmp_path):
+    """Everything `strata launch` does before starting torchrun (the config, the data, earlier
+    checkpoints, the planner's memory warning) runs without torch, whose import takes seconds that
+    every job's start would pay once more."""
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text("{}\n")
+    argv = [
+        str(experiment),
+        *tiny_overrides(
+            small_data_dir, tmp_path, **{f"zero.{s}.shard_over": "global" for s in ("params", "grads", "optim")}
+        ),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", LAUNCH_WITHOUT_TORCHRUN, *argv, "--nproc", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 def test_options_and_overrides_come_in_any_order():

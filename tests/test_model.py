@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from strata.config import ModelConfig
+from strata.config import ModelConfig, padded_vocab_size
 from strata.errors import StrataError
 from strata.model import (
     GPT,
@@ -22,7 +22,6 @@ from strata.model import (
     ffn_hidden_size,
     flops_per_token,
     lm_loss,
-    padded_vocab_size,
     rope_tables,
 )
 

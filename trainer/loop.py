@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from strata import config as config_mod
 from strata.checkpoint import hf_weights, store
-from strata.checkpoint.dcp_source import DcpCheckpoint, is_dcp_only
+from strata.checkpoint.dcp_source import DcpCheckpoint
 from strata.checkpoint.manager import CheckpointManager
 from strata.checkpoint.reader import Checkpoint
 from strata.config import Config, OptimConfig
@@ -342,7 +342,7 @@ class Trainer:
     def _open(self, path: Path) -> Checkpoint | DcpCheckpoint:
         """A Strata checkpoint, or one torch.distributed.checkpoint wrote alone (its notes say what
         is taken from it and what starts fresh)."""
-        if not is_dcp_only(path):
+        if not store.is_dcp_only(path):
             return Checkpoint(path)
         ckpt = DcpCheckpoint(path, self.cfg.model)
         self.start_notes += [f"{path}: a checkpoint DCP wrote alone: {note}" for note in ckpt.notes]

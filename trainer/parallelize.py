@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from strata.checkpoint.pieces import canonical_names
-from strata.config import Config, ModelConfig, OptimConfig
+from strata.config import Config, ModelConfig, OptimConfig, padded_vocab_size
 from strata.errors import ConfigError
-from strata.model import GPT, initial_value, lm_loss, padded_vocab_size, set_rope_buffers
+from strata.model import GPT, initial_value, lm_loss, set_rope_buffers
 from strata.parallel.co2 import CO2
 from strata.parallel.tensor import apply_tensor_parallel, placement_of
 from strata.parallel.topology import Topology

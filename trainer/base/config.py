@@ -200,6 +200,21 @@ class ModelConfig:
         return self.ffn_hidden or 32 * math.ceil(int(8 * self.d_model / 3) / 32)
 
 
+def padded_vocab_size(cfg: ModelConfig, data_vocab_size: int) -> int:
+    """The model's vocabulary: config's if set (must cover the data), else the data's padded up."""
+    if cfg.vocab_size:
+        if cfg.vocab_size < data_vocab_size:
+            raise ConfigError(
+                [
+                    f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary "
+                    f"({data_vocab_size}); set it >= {data_vocab_size} or leave it null"
+                ]
+            )
+        return cfg.vocab_size
+    m = cfg.pad_vocab_multiple
+    return m * math.ceil(data_vocab_size / m)
+
+
 @dataclass(frozen=True)
 class DataSource:
     """One dataset of a mixture (an item of data.sources)."""

@@ -16,28 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.config import ModelConfig
-from strata.errors import ConfigError
+from strata.config import ModelConfig, padded_vocab_size
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
     """SwiGLU inner width: Llama's 2/3 · 4·d rounded up to a multiple of 32, unless set."""
     return cfg.ffn_size
-
-
-def padded_vocab_size(cfg: ModelConfig, data_vocab_size: int) -> int:
-    """The model's vocabulary: config's if set (must cover the data), else the data's padded up."""
-    if cfg.vocab_size:
-        if cfg.vocab_size < data_vocab_size:
-            raise ConfigError(
-                [
-                    f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary "
-                    f"({data_vocab_size}); set it >= {data_vocab_size} or leave it null"
-                ]
-            )
-        return cfg.vocab_size
-    m = cfg.pad_vocab_multiple
-    return m * math.ceil(data_vocab_size / m)
 
 
 class RMSNorm(nn.Module):

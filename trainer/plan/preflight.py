@@ -7,14 +7,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
-from strata.config import Config
-from strata.model import padded_vocab_size
+from strata.config import Config, padded_vocab_size
 from strata.trainer.plan.cluster import Cluster, Device
 from strata.trainer.plan.memory import estimate_memory, gib
 
 BYTE_VOCAB = 256  # the built-in corpus is byte-level
+GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/kfd")  # the NVIDIA and ROCm drivers' device files
 
 
 def plan_vocab(cfg: Config) -> int:
@@ -32,9 +30,8 @@ def plan_vocab(cfg: Config) -> int:
 def this_machine(nodes: int, ranks_per_node: int, ranks_per_gpu: int = 1) -> Cluster:
     """`nodes` machines like this one: its GPU (memory from CUDA), or on a CPU-only machine each
     rank's share of the physical memory (where device and host are one memory)."""
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        device = Device(props.name, props.total_memory / 2**30, 1.0, 1.0, 1.0)
+    device = _gpu()
+    if device is not None:
         return Cluster(nodes, ranks_per_node // ranks_per_gpu, device, ranks_per_gpu, host_mem_gib=_ram_gib())
     share = _ram_gib() / ranks_per_node
     return Cluster(
@@ -44,6 +41,18 @@ def this_machine(nodes: int, ranks_per_node: int, ranks_per_gpu: int = 1) -> Clu
         ranks_per_gpu,
         host_mem_gib=0.0,
     )
+
+
+def _gpu() -> Device | None:
+    """This machine's first GPU as CUDA describes it, or None."""
+    if not any(Path(node).exists() for node in GPU_DRIVER_NODES):
+        return None  # CUDA (HIP) cannot be available, and `strata launch` is spared importing torch (seconds)
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return Device(props.name, props.total_memory / 2**30, 1.0, 1.0, 1.0)
 
 
 def _ram_gib() -> float:
