@@ -14,6 +14,7 @@ waits for and signals the worker (`os.killpg` of its session) as before."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import inspect
 import json
 import os
@@ -22,13 +23,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import IO, Any
 
-from strata.launch.forkserver import PRELOAD, ROOM_ENV, encode, split_command
+from strata.launch.forkserver import PRELOAD, ROOM_ENV, encode, environment_problem, split_command
 
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37  # prctl(2)
 READY_TIMEOUT_S = 600.0  # the server's imports, on a loaded node
 ARGV_SLACK, ENV_SLACK = 1024, 8192  # room beyond the first worker's, for later attempts' values
+PER_WORKER_ROOM = 4096  # a worker's own variables (RANK, TORCHELASTIC_*, ...: about 1 KiB) before the first is known
+TORCHRUN_FLAGS = ("-u",)  # the interpreter flags torchrun starts a `python -m` worker with
 # The rendezvous store's load while nodes wait for each other: state reads a second, all nodes
 # together. torch reads once a second per node, which on a restart costs up to a second per wait
 # (the first node back waits for the last, which then waits for the round to close).
@@ -109,9 +113,20 @@ def _fd(stream: IO | None, own: int) -> int | None:
     return fd
 
 
+@dataclass(frozen=True)
+class Started:
+    """What a fork server was started with: the workers' interpreter flags, the environment its
+    imports saw, and the room it reserved for a worker's command line and own variables."""
+
+    flags: list[str]
+    environment: dict[str, str]
+    argv_room: int
+    env_room: int
+
+
 class ForkServer:
-    """This node's fork server, as torchrun's side sees it: started at the first worker (its
-    environment then is torchrun's, OMP_NUM_THREADS included), asked for each worker after."""
+    """This node's fork server, as torchrun's side sees it: started before torchrun's imports
+    (`start_early`) or at the first worker, asked for each worker after."""
 
     def __init__(self, preload: Sequence[str] = PRELOAD, ready_timeout_s: float = READY_TIMEOUT_S):
         self.preload = list(preload)
@@ -120,29 +135,62 @@ class ForkServer:
         self.sock: socket.socket | None = None
         self.broken: str | None = None  # why no worker is forked any more
         self.warned: set[str] = set()
+        self.started: Started | None = None  # what the running server was started with
+        self.ready = False  # its ready message read
 
-    def _start(self, argv: list[str], env: dict[str, str]) -> None:
-        base = dict(os.environ)
-        per_worker = {k: v for k, v in env.items() if base.get(k) != v}
-        flags, _, _ = split_command(argv) or ([], "", [])
+    def start_early(self, argv: Sequence[str]) -> None:
+        """Start the server now, from this process's environment, for the workers of torchrun
+        `argv` (this process's arguments): its imports then run while torchrun's own do, instead of
+        after them. The first worker still decides: if its interpreter flags or environment are not
+        what the server started with (torchrun set a variable, OMP_NUM_THREADS where the caller
+        left it unset for several workers), or its command line would not fit, that server is
+        replaced by one started as `spawn` would have."""
+        worker_bound = encode([sys.executable, *TORCHRUN_FLAGS, "-m", *argv])  # the worker's command is inside argv
+        self._launch(list(TORCHRUN_FLAGS), len(worker_bound) + ARGV_SLACK, PER_WORKER_ROOM + ENV_SLACK)
+
+    def _launch(self, flags: list[str], argv_room: int, env_room: int) -> None:
+        """Start the server process, leaving its ready message on the socket for `_await_ready`."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cmd = [sys.executable, *flags, "-m", "strata.launch.forkserver", "--fd", str(theirs.fileno())]
         cmd += ["--preload", ",".join(self.preload), "--room", ""]
         # Room in the server's argument and environment strings for each worker's own (see
-        # forkserver.show_in_proc): the first worker's size and a margin.
-        cmd[-1] = "x" * max(1, len(encode(argv)) + ARGV_SLACK - len(encode(cmd)))
-        room = "x" * (len(encode([f"{k}={v}" for k, v in per_worker.items()])) + ENV_SLACK)
+        # forkserver.show_in_proc).
+        cmd[-1] = "x" * max(1, argv_room - len(encode(cmd)))
+        self.started = Started(flags, dict(os.environ), argv_room, env_room)
         try:
-            self.proc = subprocess.Popen(cmd, env={**base, ROOM_ENV: room}, pass_fds=(theirs.fileno(),))
+            self.proc = subprocess.Popen(cmd, env={**os.environ, ROOM_ENV: "x" * env_room}, pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()
         self.sock = mine
+
+    def _fits(self, argv: list[str], env: dict[str, str]) -> bool:
+        """Whether the running server can fork this worker: its flags, environment and room."""
+        started, command = self.started, split_command(argv)
+        if started is None or command is None:
+            return False
+        return (
+            command[0] == started.flags
+            and environment_problem(started.environment, env) is None
+            and len(encode(argv)) <= started.argv_room
+            and _own_variables_bytes(started.environment, env) <= started.env_room
+        )
+
+    def _start(self, argv: list[str], env: dict[str, str]) -> None:
+        """Start the server for its first worker (`argv`, `env`): that worker's flags and sizes and a
+        margin (its environment then is torchrun's, OMP_NUM_THREADS included)."""
+        flags, _, _ = split_command(argv) or ([], "", [])
+        argv_room = len(encode(argv)) + ARGV_SLACK
+        self._launch(flags, argv_room, _own_variables_bytes(dict(os.environ), env) + ENV_SLACK)
+
+    def _await_ready(self) -> None:
+        assert self.sock is not None and self.proc is not None
         self.sock.settimeout(self.ready_timeout_s)
         try:
             reply = json.loads(self.sock.recv(1 << 16) or b'{"error": "it exited before it was ready"}')
         except (OSError, ValueError) as e:
             reply = {"error": f"no word from it within {self.ready_timeout_s:.0f} s ({e})"}
         self.sock.settimeout(None)
+        self.ready = True
         if "error" in reply:
             self._break(f"the fork server did not start: {reply['error']}")
             return
@@ -166,8 +214,12 @@ class ForkServer:
         argv = [str(a) for a in argv]
         if split_command(argv) is None:
             return None  # not a `python -m` worker of this interpreter: torchrun starts it
+        if self.proc is not None and not self.ready and not self._fits(argv, env):
+            self.close()  # started early for workers unlike this one
         if self.proc is None and self.broken is None:
             self._start(argv, env)
+        if self.proc is not None and not self.ready:
+            self._await_ready()
         if self.broken is not None or self.sock is None:
             self._warn(self.broken or "the fork server is not running")
             return None
@@ -206,6 +258,12 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.proc, self.started, self.ready = None, None, False
+
+
+def _own_variables_bytes(base: dict[str, str], env: dict[str, str]) -> int:
+    """Bytes of the variables of a worker's environment `env` that are not as in `base`."""
+    return len(encode([f"{k}={v}" for k, v in env.items() if base.get(k) != v]))
 
 
 def install(server: ForkServer) -> bool:
@@ -260,16 +318,22 @@ def install_rendezvous_poll(poll_s: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from torch.distributed.run import main as torchrun
-    from torch.distributed.run import parse_args, parse_min_max_nnodes
-
     server = ForkServer()
-    if not sys.platform.startswith("linux") or not install(server):
-        say("warning: this torch or system cannot fork workers; they start fresh")
-    _, max_nodes = parse_min_max_nnodes(parse_args(argv).nnodes)
-    install_rendezvous_poll(rendezvous_poll_s(max_nodes))
-
+    linux = sys.platform.startswith("linux")
+    if linux:  # before torch is imported here: the server's imports and these run side by side
+        server.start_early(sys.argv[1:] if argv is None else argv)
     try:
+        from torch.distributed.run import main as torchrun
+        from torch.distributed.run import parse_args, parse_min_max_nnodes
+
+        if not linux or not install(server):
+            server.close()
+            say("warning: this torch or system cannot fork workers; they start fresh")
+        _, max_nodes = parse_min_max_nnodes(parse_args(argv).nnodes)
+        install_rendezvous_poll(rendezvous_poll_s(max_nodes))
+        # What the imports made lives until exit: out of the collector's sight, Python's exit does
+        # not walk it (half a second of every job's end on 2 cores).
+        gc.freeze()
         torchrun(argv)
     finally:
         server.close()

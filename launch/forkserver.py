@@ -336,7 +336,10 @@ def serve(fd: int, preload: list[str]) -> Job | None:
         title = [sys.executable, "-m", "strata.launch.forkserver", "(torchrun's worker fork server)"]
         show_in_proc(title, server.environment)
     ready = server.preload(preload)
-    _send(server.sock, ready)
+    try:
+        _send(server.sock, ready)
+    except OSError:  # torchrun's side let it go before it was ready
+        return None
     return server.serve() if "error" not in ready else None
 
 
@@ -351,5 +354,8 @@ def main(argv: list[str] | None = None) -> Job | None:
 
 if __name__ == "__main__":
     job = main()
-    if job is not None:
-        job.run()  # in a forked worker: the worker's module as __main__; its exit is the process's
+    if job is None:  # the server, its torchrun gone: nothing of its own to finalise (a torch teardown: ~0.4 s)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    job.run()  # in a forked worker: the worker's module as __main__; its exit is the process's

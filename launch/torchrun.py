@@ -291,6 +291,10 @@ def torchrun_command(
 def launch_env(plan: LaunchPlan) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if plan.nproc_per_node > 1:
+        # torchrun's own default for several workers on a node, set here so that the fork server,
+        # started before torchrun's imports, already has the environment the workers will.
+        env.setdefault("OMP_NUM_THREADS", "1")
     # torch ≤ 2.13 hands restarted workers the addresses of the previous attempt's store and they
     # never connect (pytorch/pytorch#135712): a fresh store per attempt makes --max-restarts work.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

@@ -155,6 +155,40 @@ def test_a_worker_the_server_must_not_fork_starts_fresh(tmp_path, probe, server,
     assert server.spawn(probe("0"), worker_env(0), (0, 1, 2)) is None  # and stays off, without a second try
 
 
+def test_a_server_started_before_torchrun_serves_workers_like_it_and_is_replaced_for_others(
+    tmp_path, probe, monkeypatch, capsys
+):
+    """`start_early` (before torchrun's imports, from this process's environment): a worker whose
+    environment is that one plus torchrun's per-worker variables is forked by it; a first worker
+    whose environment torchrun changed meanwhile (OMP_NUM_THREADS) gets a server started anew."""
+    torchrun_argv = ["--nproc-per-node", "1", "-m", "probe", "7"]
+    early = ForkServer(preload=["json"])
+    try:
+        early.start_early(torchrun_argv)
+        first = early.proc.pid
+        with open(tmp_path / "forked.out", "w") as out:
+            worker = early.spawn(probe("7"), worker_env(1), (0, out.fileno(), 2))
+        assert isinstance(worker, AdoptedWorker) and worker.wait(30) == 7
+        assert early.proc.pid == first
+        assert report(tmp_path / "forked.out")["proc_environ"]["RANK"] == "1"
+    finally:
+        early.close()
+
+    replaced = ForkServer(preload=["json"])
+    try:
+        replaced.start_early(torchrun_argv)
+        first = replaced.proc.pid
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # as torchrun does after its imports
+        with open(tmp_path / "replaced.out", "w") as out:
+            worker = replaced.spawn(probe("0"), worker_env(0), (0, out.fileno(), 2))
+        assert isinstance(worker, AdoptedWorker) and worker.wait(30) == 0
+        assert replaced.proc.pid != first
+        assert report(tmp_path / "replaced.out")["proc_environ"]["OMP_NUM_THREADS"] == "3"
+        assert "fresh Python" not in capsys.readouterr().err
+    finally:
+        replaced.close()
+
+
 def test_launch_runs_torchrun_with_the_fork_server_unless_told_not_to():
     endpoint = "127.0.0.1:29400"
     default = torchrun_command(LaunchPlan(2, rdzv_endpoint=endpoint), "c.yaml", [], None)
