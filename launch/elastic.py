@@ -144,7 +144,10 @@ class ForkServer:
         after them. The first worker still decides: if its interpreter flags or environment are not
         what the server started with (torchrun set a variable, OMP_NUM_THREADS where the caller
         left it unset for several workers), or its command line would not fit, that server is
-        replaced by one started as `spawn` would have."""
+        replaced by one started as `spawn` would have. Nothing is started for a script worker
+        (no -m), which the server would not fork."""
+        if not {"-m", "--module"} & set(argv):
+            return
         worker_bound = encode([sys.executable, *TORCHRUN_FLAGS, "-m", *argv])  # the worker's command is inside argv
         self._launch(list(TORCHRUN_FLAGS), len(worker_bound) + ARGV_SLACK, PER_WORKER_ROOM + ENV_SLACK)
 

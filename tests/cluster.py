@@ -281,14 +281,16 @@ class Cluster:
     def torchrun(self, nproc: int, target: list[str], env: dict[str, str], timeout_s: float, cwd: Path) -> None:
         """`target` (a script and its arguments, or -m MODULE ...) under torchrun on every node:
         static rendezvous at node 0's address, gloo on each node's own interface, one
-        thread per rank. RuntimeError with each node's output tail if a node's torchrun fails."""
+        thread per rank; a module's workers are forks of the node's fork server, as `strata
+        launch` starts them. RuntimeError with each node's output tail if a node's torchrun fails."""
         from strata.net import free_port
 
         port = free_port()
         procs = []
+        runner = "strata.launch.elastic" if target[:1] == ["-m"] else "torch.distributed.run"
         for n in self.nodes:
             node_env = dict(env, GLOO_SOCKET_IFNAME=n.ifname, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(self.nodes))]
+            cmd = [sys.executable, "-m", runner, "--nnodes", str(len(self.nodes))]
             cmd += ["--nproc-per-node", str(nproc), "--node-rank", str(n.index)]
             cmd += ["--master-addr", self.nodes[0].address, "--master-port", str(port), *target]
             out = subprocess.PIPE

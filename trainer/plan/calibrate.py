@@ -23,6 +23,9 @@ from strata.net import free_port
 from strata.trainer.plan.cluster import Device
 from strata.trainer.plan.shapes import head_flops, layer_flops
 
+# What the workers run, imported once by the server they are forked from.
+WORKER_IMPORTS = ["strata.trainer.plan.calibrate", "strata.trainer.loop", "strata.parallel.runtime"]
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -144,17 +147,20 @@ def calibrate_local(cfg: Config, vocab: int, ranks: int = 1, seconds: float = 3.
         from strata.trainer.data import ensure_default_corpus
 
         ensure_default_corpus(one_rank.data.cache_dir, one_rank.data.val_fraction)  # once, not by every process
-    ctx = mp.get_context("spawn")
+    # Every process is a fork of one server that has imported torch and the trainer once: spawning
+    # each would import them anew (seconds apiece, with the cores the others are measuring on).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(WORKER_IMPORTS)
     with ctx.Manager() as manager:
         results = manager.dict()
         barrier = manager.Barrier(ranks)
         mp.start_processes(
-            _compute_worker, args=(one_rank, seconds, barrier, results), nprocs=ranks, start_method="spawn"
+            _compute_worker, args=(one_rank, seconds, barrier, results), nprocs=ranks, start_method="forkserver"
         )
         per_step = sum(results[r][0] for r in range(ranks)) / ranks
         adam = sum(results[r][1] for r in range(ranks)) / ranks
         link = manager.dict()
-        mp.start_processes(_link_worker, args=(free_port(), link), nprocs=2, start_method="spawn")
+        mp.start_processes(_link_worker, args=(free_port(), link), nprocs=2, start_method="forkserver")
         bytes_s, latency = link[0]
     rate = executed_flops(cfg, vocab, cfg.train.micro_batch_size * cfg.model.seq_len) / per_step
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / ranks
