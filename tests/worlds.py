@@ -16,13 +16,20 @@ import torch.multiprocessing as mp
 
 from strata.net import free_port
 
+# What every world's ranks import, loaded once by the forkserver they are forked from: a spawned
+# rank would import torch and Strata anew (seconds each on 2 cores), and forking the test process
+# itself would copy whatever threads and state the earlier tests left in it.
+PRELOAD = ["torch", "torch.distributed", "strata.parallel.runtime", "strata.trainer.parallelize", "strata.trainer.loop"]
+
 
 def run_world(
-    worker: Callable, size: int, out_dir: Path, *args, timeout_s: float = 120, start_method: str = "spawn"
+    worker: Callable, size: int, out_dir: Path, *args, timeout_s: float = 120, start_method: str = "forkserver"
 ) -> list:
     """Run `worker(rank, size, port, out_dir, *args)` on `size` processes (they init gloo on
     tcp://127.0.0.1:port); each saves its result to out_dir/rank{rank}.pt, returned in rank order.
     Fails the test if a rank raises or the world outlives `timeout_s` (a hang kills the ranks)."""
+    if start_method == "forkserver":
+        mp.set_forkserver_preload(PRELOAD)
     ctx = mp.start_processes(
         worker, args=(size, free_port(), str(out_dir), *args), nprocs=size, join=False, start_method=start_method
     )
