@@ -212,6 +212,7 @@ def test_an_exported_run_loads_in_transformers_with_its_tokenizer(hf_dirs, tmp_p
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == meta["eot"]
 
 
+@pytest.mark.slow  # two CLI processes per family (7 s on 2 cores)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_import_then_export_is_bit_exact(hf_dirs, tmp_path, name):
     imported = _strata("ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / "imported"), f"model.seq_len={SEQ}")
