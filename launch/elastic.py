@@ -256,6 +256,8 @@ class ForkServer:
             self.sock.close()
             self.sock = None
         if self.proc is not None and self.proc.poll() is None:
+            if not self.ready:
+                self.proc.kill()  # still importing, no worker of its own: nothing to wait for
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
