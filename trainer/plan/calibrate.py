@@ -11,7 +11,6 @@ update's rate, and the bandwidth and latency of a gloo all-reduce between two lo
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ import torch.multiprocessing as mp
 
 from strata.config import Config
 from strata.net import free_port
-from strata.trainer.plan.cluster import Device
+from strata.trainer.plan.cluster import Device, ram_gib
 from strata.trainer.plan.shapes import head_flops, layer_flops
 
 # What the workers run, imported once by the server they are forked from.
@@ -163,7 +162,7 @@ def calibrate_local(cfg: Config, vocab: int, ranks: int = 1, seconds: float = 3.
         mp.start_processes(_link_worker, args=(free_port(), link), nprocs=2, start_method="forkserver")
         bytes_s, latency = link[0]
     rate = executed_flops(cfg, vocab, cfg.train.micro_batch_size * cfg.model.seq_len) / per_step
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / ranks
+    mem_gib = ram_gib() / ranks
     device = Device(
         "cpu (calibrated)",
         mem_gib=mem_gib,

@@ -10,6 +10,7 @@ which the node's ranks share.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 from strata.errors import ConfigError
@@ -140,6 +141,11 @@ PRESETS: dict[str, dict] = {
         nvme_gbps=64.0,
     ),
 }
+
+
+def ram_gib() -> float:
+    """This machine's physical memory, GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 def device_named(name: str) -> Device:

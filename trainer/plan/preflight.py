@@ -4,11 +4,10 @@ meta.json), this machine as a cluster, and the warning `strata launch` and `stra
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from strata.config import Config, padded_vocab_size
-from strata.trainer.plan.cluster import Cluster, Device
+from strata.trainer.plan.cluster import Cluster, Device, ram_gib
 from strata.trainer.plan.memory import estimate_memory, gib
 
 BYTE_VOCAB = 256  # the built-in corpus is byte-level
@@ -32,8 +31,8 @@ def this_machine(nodes: int, ranks_per_node: int, ranks_per_gpu: int = 1) -> Clu
     rank's share of the physical memory (where device and host are one memory)."""
     device = _gpu()
     if device is not None:
-        return Cluster(nodes, ranks_per_node // ranks_per_gpu, device, ranks_per_gpu, host_mem_gib=_ram_gib())
-    share = _ram_gib() / ranks_per_node
+        return Cluster(nodes, ranks_per_node // ranks_per_gpu, device, ranks_per_gpu, host_mem_gib=ram_gib())
+    share = ram_gib() / ranks_per_node
     return Cluster(
         nodes,
         ranks_per_node // ranks_per_gpu,
@@ -53,10 +52,6 @@ def _gpu() -> Device | None:
         return None
     props = torch.cuda.get_device_properties(0)
     return Device(props.name, props.total_memory / 2**30, 1.0, 1.0, 1.0)
-
-
-def _ram_gib() -> float:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 def memory_warning(cfg: Config, nodes: int, ranks_per_node: int) -> str | None:
