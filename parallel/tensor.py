@@ -26,6 +26,7 @@ subclass.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +181,10 @@ def _shard_parameter(full: torch.Tensor, dim: int, rank: int, size: int) -> nn.P
 
 _COLUMN_ENTRIES = ("copy", "gather", "ready")
 
+# The local product of a tensor-parallel linear layer, (x, weight shard, bias shard) -> y: F.linear, or
+# a float8 matmul that train.precision=fp8 puts in its place (the collectives around it stay the same).
+LocalMatmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
 
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_localᵀ with W split by output rows; the output stays split.
@@ -196,13 +201,14 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.entry = group, entry
         self.weight = _shard_parameter(linear.weight, 0, rank, size)
         self.bias = None if linear.bias is None else _shard_parameter(linear.bias, 0, rank, size)
+        self.matmul: LocalMatmul = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.entry == "copy":
             x = _CopyToGroup.apply(x, self.group)
         elif self.entry == "gather":
             x = _GatherFromSequence.apply(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -214,10 +220,11 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _shard_parameter(linear.weight, 1, rank, size)
+        self.matmul: LocalMatmul = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reduce = _ReduceScatterToSequence if self.sequence_parallel else _ReduceFromGroup
-        return reduce.apply(F.linear(x, self.weight), self.group)
+        return reduce.apply(self.matmul(x, self.weight, None), self.group)
 
 
 class VocabParallelEmbedding(nn.Module):

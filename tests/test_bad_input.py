@@ -208,7 +208,7 @@ CASES = [
     Case("range-lr-nan", show_yaml("optim:\n  lr: .nan\n"), ("optim.lr", "finite")),
     Case("range-lr-inf", show_yaml("optim:\n  lr: .inf\n"), ("optim.lr", "finite")),
     Case("range-lr-overflows-to-inf", show_yaml("optim:\n  lr: 1.0e+400\n"), ("optim.lr", "finite")),
-    Case("range-choice", show_yaml("train:\n  precision: fp8\n"), ("train.precision", "fp32")),
+    Case("range-choice", show_yaml("train:\n  precision: fp16\n"), ("train.precision", "fp32")),
     Case("overflow-steps", show_yaml(f"train:\n  steps: {10**30}\n"), ("train.steps", "64-bit")),
     Case("overflow-seed", show_yaml(f"train:\n  seed: {2**64}\n"), ("train.seed", "64-bit")),
     Case("overflow-float-from-int", show(f"optim.lr={10**400}"), ("optim.lr", "too large")),

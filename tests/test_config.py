@@ -57,7 +57,7 @@ model:
   d_model: 130
   n_layers: true
 train:
-  precision: fp8
+  precision: fp16
   eval_batches: many
 log:
   progress: 1
@@ -72,7 +72,7 @@ optim:
         "trian: unknown key; did you mean 'train'?",  # unknown group
         "model.n_head: unknown key; did you mean 'model.n_heads'?",  # unknown key
         "model.n_layers: expected int, got True",  # bool for int
-        "train.precision: 'fp8' is not one of: fp32, bf16",  # choices
+        "train.precision: 'fp16' is not one of: fp32, bf16, fp8",  # choices
         "train.eval_batches: expected int, got 'many'",  # string for int
         "log.progress: expected bool, got 1",  # number for bool
         "optim.lr: -0.1 must be >= 0",  # out of range
@@ -150,7 +150,7 @@ def test_wrong_types_are_rejected(override, expected):
         ("model.n_layers=0", "model.n_layers: 0 must be >= 1"),
         ("optim.lr=.nan", "optim.lr: nan must be finite"),
         ("optim.lr=.inf", "optim.lr: inf must be finite"),
-        ("train.precision=fp8", "train.precision: 'fp8' is not one of: fp32, bf16"),
+        ("train.precision=fp16", "train.precision: 'fp16' is not one of: fp32, bf16, fp8"),
         ("optim.schedule=step", "optim.schedule: 'step' is not one of: cosine, linear, constant"),
         ("parallel.backend=mpi", "parallel.backend: 'mpi' is not one of: auto, gloo, nccl"),
         ("zero.optim.shard_over=rack", "zero.optim.shard_over: 'rack' is not one of: none, gcd, gpu, node, global"),

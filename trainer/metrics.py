@@ -33,7 +33,7 @@ _BF16_PEAKS: tuple[tuple[str, float], ...] = (
     ("MI300X", 1307.4),
     ("MI250X", 191.5),
 )
-_TENSOR_CORE_PRECISIONS = ("bf16", "fp16")
+_TENSOR_CORE_PRECISIONS = ("bf16", "fp16", "fp8")  # fp8 runs: MFU against the bf16 peak, as torchtitan counts
 
 
 class MetricsLogger:
@@ -181,7 +181,8 @@ def mfu_peak(configured: float | None, device: torch.device, precision: str) -> 
     peak = peak_tflops(name, precision)
     if peak is None:
         return None, f"mfu: no known {precision} peak for {name!r}; not reported (set log.peak_tflops to report it)"
-    return peak, f"mfu: against {peak:g} TFLOP/s, the dense {precision} peak of {name!r} (log.peak_tflops overrides)"
+    kind = "bf16" if precision == "fp8" else precision
+    return peak, f"mfu: against {peak:g} TFLOP/s, the dense {kind} peak of {name!r} (log.peak_tflops overrides)"
 
 
 def _start_wandb(project: str, run_dir: Path, config: dict | None):

@@ -1,8 +1,8 @@
 """One function, `parallelize`, turns the plain model into this rank's trainable share of it, applying
 every parallelism and memory feature in one fixed order:
 
-    tensor parallel → pipeline split → materialise → ZeRO engine → memory tiers → activation policy
-    → compilation → CO2
+    tensor parallel → pipeline split → materialise → float8 linears → ZeRO engine → memory tiers
+    → activation policy → compilation → CO2
 
 It returns a `ParallelModel`, the one object the training loop drives: `forward_backward` over the
 step's micro-batches, `reduce_and_clip`, `step`. Plain data parallelism is the ZeRO engine with
@@ -114,7 +114,7 @@ class ParallelModel:
         return self.engine.optimizer
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
-        if self.precision == "bf16":
+        if self.precision in ("bf16", "fp8"):  # fp8: bf16 around the float8 matmuls
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -216,7 +216,15 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
 
         stages = split_stages(model, topo.coords["pp"], par.pp, par.virtual_stages, par.schedule)
     parts: list[nn.Module] = list(stages) if stages else [model]
+    if cfg.train.precision == "fp8":
+        from strata.trainer.float8 import check_float8
+
+        check_float8(cfg.train, device)  # before any memory is allocated
     materialize(parts, cfg.model, cfg.train.seed, device)
+    if cfg.train.precision == "fp8":
+        from strata.trainer.float8 import apply_float8
+
+        apply_float8(parts, cfg.train, compile_matmul=cfg.train.compile)
     pipeline = None
     if stages:
         tied_group = topo.group("pp_ends") if cfg.model.tie_embeddings else None
@@ -271,7 +279,7 @@ def stage_shapes(cfg: Config, vocab_size: int) -> StageShapes:
         tokens=(mbs, seq),
         hidden=(mbs, local_seq, cfg.model.d_model),
         logits=(mbs, seq, vocab_size // par.tp),
-        logits_dtype=torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32,
+        logits_dtype=torch.bfloat16 if cfg.train.bf16_compute else torch.float32,
     )
 
 

@@ -305,6 +305,9 @@ def _data_checks(d: DataConfig) -> list[str]:
     return p
 
 
+PRECISIONS = ("fp32", "bf16", "fp8")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The optimisation loop: batch sizes, steps, precision, evaluation."""
@@ -316,7 +319,22 @@ class TrainConfig:
     )
     seed: int = opt(1234, "seed for init and data order (runs with equal seeds are identical)")
     precision: str = opt(
-        "fp32", "compute precision: fp32, or bf16 autocast (weights and optimizer stay fp32)", choices=("fp32", "bf16")
+        "fp32",
+        "compute precision: fp32; bf16 autocast; or fp8: the transformer blocks' linear layers in float8 "
+        "(torchao's float8 training, scaled per train.fp8_recipe) and bf16 autocast elsewhere. Weights and "
+        "optimizer state stay fp32 in every mode, so a checkpoint resumes under any precision",
+        choices=PRECISIONS,
+    )
+    fp8_recipe: str = opt(
+        "tensorwise",
+        "with precision=fp8, how float8 scales are chosen: tensorwise (one scale per tensor, the fastest) or "
+        "rowwise (one per row, more accurate; torchao's recipes)",
+        choices=("tensorwise", "rowwise"),
+    )
+    fp8_emulate: bool = opt(
+        False,
+        "with precision=fp8, run float8's casts and scaling with the matmuls in higher precision (torchao's "
+        "emulation): fp8 numerics on any device, CPUs included, for tests; slow, never for training",
     )
     eval_interval: int = opt(100, "evaluate every N steps and at the end (0: only at the end)", min=0)
     eval_batches: int = opt(8, "validation micro-batches per evaluation on each rank", min=1)
@@ -337,6 +355,11 @@ class TrainConfig:
         "compiled graph, so compile time is one block's; hooks, collectives and the loss stay eager); the "
         "first step pays the compile time",
     )
+
+    @property
+    def bf16_compute(self) -> bool:
+        """Whether activations are bf16 (autocast): under bf16, and around fp8's float8 matmuls."""
+        return self.precision in ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -1330,6 +1353,11 @@ def _cross_checks(cfg: Config, world_size: int | None) -> list[str]:
         p.append(
             f"parallel.hang_timeout_s={par.hang_timeout_s:g} must be below parallel.timeout_s={par.timeout_s} (the "
             "collective timeout would end the job first, without naming the stuck rank); lower it, or 0 for off"
+        )
+    if tr.precision == "fp8" and not tr.compile and not tr.fp8_emulate:
+        p.append(
+            "train.precision=fp8 needs train.compile=true: uncompiled, float8's casts and scaling run as separate "
+            "kernels and the step is slower than bf16 (torchao and torchtitan require compilation too)"
         )
     p += _schedule_checks(par)
     p += _zero_checks(cfg, world_size)

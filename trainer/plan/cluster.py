@@ -36,7 +36,8 @@ class Device:
         return self.peak_tflops * self.matmul_efficiency
 
     def rate_tflops(self, precision: str) -> float:
-        """Sustained matmul TFLOP/s at the config's precision."""
+        """Sustained matmul TFLOP/s at the config's precision (fp8 at the bf16 rate: a lower bound, since
+        float8 speeds only the blocks' matmuls and its casts add element-wise work)."""
         if precision == "fp32" and self.fp32_tflops:
             return self.fp32_tflops * self.matmul_efficiency
         return self.sustained_tflops

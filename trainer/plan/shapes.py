@@ -136,7 +136,7 @@ def block_saved(cfg: Config) -> list[Saved]:
     product. `block_constant_bytes` adds what does not scale with tokens."""
     m, tp = cfg.model, cfg.parallel.tp
     d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
-    bf16 = cfg.train.precision == "bf16"
+    bf16 = cfg.train.bf16_compute
     act = 2 if bf16 else 4
     sp = cfg.parallel.sequence_parallel and tp > 1
     stream = d / tp if sp else d  # sequence parallelism shards the residual stream over the tp ranks
@@ -174,7 +174,7 @@ def block_kept_selective(cfg: Config) -> list[Saved]:
     between them is recomputed in backward."""
     m, tp = cfg.model, cfg.parallel.tp
     d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
-    act = 2 if cfg.train.precision == "bf16" else 4
+    act = 2 if cfg.train.bf16_compute else 4
     sp = cfg.parallel.sequence_parallel and tp > 1
     return [
         Saved("block input", d / tp if sp else d, 4),
@@ -190,7 +190,7 @@ def block_kept_selective(cfg: Config) -> list[Saved]:
 def block_constant_bytes(cfg: Config) -> int:
     """Saved bytes of one block that do not scale with the micro-batch: under bf16 autocast, the
     16-bit copies of every linear's weight (and the cos/sin tables each RoPE call casts)."""
-    if cfg.train.precision != "bf16":
+    if not cfg.train.bf16_compute:
         return 0
     m, tp = cfg.model, cfg.parallel.tp
     d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
@@ -203,7 +203,7 @@ def head_saved(cfg: Config, vocab: int) -> list[Saved]:
     """What the final norm, output layer and loss save per token (last stage only), and the
     targets the loss keeps (int64)."""
     tp, d = cfg.parallel.tp, cfg.model.d_model
-    act = 2 if cfg.train.precision == "bf16" else 4
+    act = 2 if cfg.train.bf16_compute else 4
     return [
         Saved("residual into norm", d, 4),
         Saved("norm x·rstd", d, 4),
@@ -216,7 +216,7 @@ def head_saved(cfg: Config, vocab: int) -> list[Saved]:
 
 def head_constant_bytes(cfg: Config, vocab: int) -> int:
     """Under bf16 autocast, the output layer's 16-bit weight copy."""
-    if cfg.train.precision != "bf16":
+    if not cfg.train.bf16_compute:
         return 0
     return vocab // cfg.parallel.tp * cfg.model.d_model * 2
 

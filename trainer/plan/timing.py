@@ -147,7 +147,7 @@ def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_ra
         again = 1 if recompute == "full" else 0
         fwd += scores * UNFUSED_SCORE_BYTES["forward"]
         bwd += scores * (UNFUSED_SCORE_BYTES["backward"] + again * UNFUSED_SCORE_BYTES["forward"])
-    act = 2 if cfg.train.precision == "bf16" else 4
+    act = 2 if cfg.train.bf16_compute else 4
     hidden = tokens * m.d_model * act
     # per layer two all-reduces forward and two backward (sequence parallel: all-gather plus
     # reduce-scatter, the same bytes), the recomputed forward's again (selective recomputation
