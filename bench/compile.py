@@ -18,6 +18,10 @@ counting, `strata.model.flops_per_token`, no recomputation) over the peak this c
     python bench/compile.py --preset tiny --steps 40 --warmup 5   # the CPU demo's model
     python bench/compile.py --preset 1b --device cuda        # one GPU: TinyLlama-shaped 1.1B, bf16
     python bench/compile.py --variants eager,compiled,compiled-selective   # with selective recompute
+    python bench/compile.py --preset 1b --variants compiled,compiled-fp8,compiled-fp8-rowwise   # FP8 training
+    python bench/compile.py --preset 1b --set model.n_layers=4 --set model.seq_len=1024   # a smaller shape
+
+bench/gpu.py runs the GPU rows of this bench (and the rest of the GPU figures) as one command.
 """
 
 from __future__ import annotations
@@ -80,10 +84,24 @@ VARIANTS = {
     "compiled-selective": {"train.compile": True, "activations.recompute": "selective"},
     "eager-full": {"activations.recompute": "full"},
     "compiled-full": {"train.compile": True, "activations.recompute": "full"},
+    # FP8 training (torchao float8 linears, bf16 autocast elsewhere; needs train.compile on a GPU). A
+    # variant's values come after the preset's in `overrides`, so its train.precision wins.
+    "compiled-fp8": {"train.compile": True, "train.precision": "fp8", "train.fp8_recipe": "tensorwise"},
+    "compiled-fp8-rowwise": {"train.compile": True, "train.precision": "fp8", "train.fp8_recipe": "rowwise"},
 }
 
 
-def overrides(preset: str, variant: str, steps: int, data: Path, peak: float | None, device: str) -> list[str]:
+def overrides(
+    preset: str,
+    variant: str,
+    steps: int,
+    data: Path,
+    peak: float | None,
+    device: str,
+    extra: list[str] | tuple[str, ...] = (),
+) -> list[str]:
+    """The config overrides of one variant: the preset's values, then the variant's (which win), then
+    the run's own; `extra` (key=value, from `--set`) last of all."""
     values = {
         **PRESETS[preset],
         **VARIANTS[variant],
@@ -99,6 +117,11 @@ def overrides(preset: str, variant: str, steps: int, data: Path, peak: float | N
     }
     if peak:
         values["log.peak_tflops"] = peak
+    for item in extra:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected key=value")
+        values[key] = value
     return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
 
 
@@ -112,7 +135,7 @@ def worker(args: argparse.Namespace) -> None:
     from strata.trainer.loop import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        ov = overrides(args.preset, args.variant, args.steps, Path(args.data), args.peak, args.device)
+        ov = overrides(args.preset, args.variant, args.steps, Path(args.data), args.peak, args.device, args.set)
         ov.append(f"log.dir={tmp}")
         cfg = config_mod.load(None, ov, world_size=1)
         rt = runtime_mod.start(cfg.parallel.backend, cfg.parallel.timeout_s)
@@ -183,6 +206,8 @@ def run_variant(args: argparse.Namespace, variant: str, data: Path, peak: float 
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--data", str(data), "--device", args.device]
     if peak:
         cmd += ["--peak", str(peak)]
+    for item in args.set:
+        cmd += ["--set", item]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -201,6 +226,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None, help="steps left out (default 2 CPU, 4 GPU)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override on top of the preset and variant, e.g. --set model.n_layers=4 (repeatable)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)

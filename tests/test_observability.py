@@ -163,6 +163,7 @@ def test_no_mfu_without_a_peak(tmp_path):
     assert "mfu" not in read_metrics(tmp_path)[0]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_mfu_peak_on_this_gpu():
     name = torch.cuda.get_device_name()
@@ -317,6 +318,7 @@ def test_cuda_out_of_memory_observer_snapshots_for_the_newest_profiler(tmp_path,
     assert len(dumped) == 2
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_profile_and_memory_snapshot(tmp_path):
     prof = StepProfiler(1, 2, tmp_path, rank=0, device=torch.device("cuda"))
@@ -327,6 +329,7 @@ def test_cuda_profile_and_memory_snapshot(tmp_path):
     assert prof.trace_path.exists() and prof.memory_path.stat().st_size > 0
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_out_of_memory_leaves_a_snapshot(tmp_path):
     prof = StepProfiler(None, None, tmp_path, rank=0, device=torch.device("cuda"))

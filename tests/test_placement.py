@@ -181,6 +181,7 @@ def test_calibrate_on_the_cpu():
     assert plan([1 << 20] * 2, m).on_gpu == (False, False)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_calibrate_on_the_gpu():
     device = torch.device("cuda", torch.cuda.current_device())
