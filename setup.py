@@ -1,26 +1,18 @@
 """Strata: train large transformers with composed parallelism, memory tiers and resharding checkpoints.
 
-The repository keeps the product's top-level folders; they install as one namespace, `strata`:
-the base modules (trainer/base/: errors, config, model, atomic writes) are the package `strata`
-itself, and each folder is a subpackage, `strata.trainer`, `strata.parallel`, `strata.offload`,
-`strata.checkpoint` and `strata.launch`. Build settings are in pyproject.toml.
+The folder `strata/` is the package `strata`, and its subpackages `parallel`, `offload`, `checkpoint`,
+`trainer` and `launch` are symbolic links to the product's top-level folders of those names. Build
+settings are in pyproject.toml.
 """
 
-from setuptools import setup
-
-LAYERS = ("parallel", "offload", "checkpoint", "trainer", "launch")
+from setuptools import find_packages, setup
 
 setup(
     name="strata-train",
     version="0.2.0",
     description="YAML-driven trainer for large transformer models (TP/PP/DP, ZeRO, offload, checkpoints)",
     python_requires=">=3.10",
-    packages=["strata", *(f"strata.{name}" for name in LAYERS), "strata.trainer.plan"],
-    package_dir={
-        "strata": "trainer/base",
-        **{f"strata.{name}": name for name in LAYERS},
-        "strata.trainer.plan": "trainer/plan",
-    },
+    packages=find_packages(include=["strata", "strata.*"]),  # through the links
     package_data={"strata": ["py.typed"]},
     # torch is pinned by the installer (CPU build on CI: `pip install torch==2.13.0` first);
     # a range that the pinned build satisfies keeps pip from fetching a CUDA build.

@@ -273,7 +273,7 @@ def dcp_state(trainer, group, rank: int, clock, fresh: bool = False) -> tuple[di
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-    from strata.checkpoint.plan import Descriptor, assign, dtype_name
+    from strata.checkpoint.write_plan import Descriptor, assign, dtype_name
 
     pieces = [p for p in trainer.state.contents(trainer.step).pieces if not p.key.startswith("rng.")]
     descs = [Descriptor(p.key, tuple(p.global_shape), dtype_name(p.dtype), p.box) for p in pieces]

@@ -15,10 +15,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata import config  # noqa: E402
-from strata.trainer.plan.cluster import LINKS, preset  # noqa: E402
-from strata.trainer.plan.memory import estimate_memory  # noqa: E402
-from strata.trainer.plan.search import ZERO_SCHEMES, with_layout  # noqa: E402
-from strata.trainer.plan.timing import estimate_time  # noqa: E402
+from strata.plan.cluster import LINKS, preset  # noqa: E402
+from strata.plan.memory import estimate_memory  # noqa: E402
+from strata.plan.search import ZERO_SCHEMES, with_layout  # noqa: E402
+from strata.plan.timing import estimate_time  # noqa: E402
 
 VOCAB = 51200
 MODELS = {  # GPT-3 175B and the 1T model of Narayanan et al., with the Frontier runs' tp·pp (Dash et al.)

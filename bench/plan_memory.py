@@ -5,7 +5,7 @@
 Runs the layouts of tests/memory_probe.py (all of them by default) in one 4-rank gloo world on this
 machine: each trains two steps with the real trainer, and every rank reports the bytes it holds
 by kind and tier, measured from its tensors. Prints a markdown table, one row per layout, rank
-position (pipeline stage) and kind/tier: the figure `strata.trainer.plan.memory.estimate_memory`
+position (pipeline stage) and kind/tier: the figure `strata.plan.memory.estimate_memory`
 predicts, the measured one (the largest over the ranks of that stage), and the error, then the
 largest |error| over the rows. About a minute on 2 cores.
 """

@@ -2,7 +2,7 @@
 Megatron-LM on DGX A100 (Narayanan et al., SC'21, Table 1), the Frontier runs of Dash et al. (arXiv
 2312.12705) and, as indicative rows only, Megatron-LM's H100 weak-scaling table. Each published run
 is written as a Strata config (`strata.config.load` with overrides) and a `Cluster` of the machine it
-ran on; `strata.trainer.plan.timing.estimate_time` predicts its step, and the table compares the
+ran on; `strata.plan.timing.estimate_time` predicts its step, and the table compares the
 predicted throughput with the published one in the publication's own FLOP counting.
 
     python bench/plan_published.py              # the markdown table (pure arithmetic, under a second)
@@ -115,13 +115,13 @@ from typing import Any
 from strata import config as config_mod
 from strata.config import Config
 from strata.model import flops_per_token
-from strata.trainer.plan.cluster import PRESETS, Cluster, preset
-from strata.trainer.plan.timing import TimeEstimate, estimate_time
+from strata.plan.cluster import PRESETS, Cluster, preset
+from strata.plan.timing import TimeEstimate, estimate_time
 
 TOLERANCE = 0.25  # the test's bound on |predicted / published - 1|
 
 
-# The machines are the planner's own systems (strata.trainer.plan.cluster.PRESETS), whose figures
+# The machines are the planner's own systems (strata.plan.cluster.PRESETS), whose figures
 # are the ones the sources give: dgx-a100 [M3] (NVLink 3 300 GB/s per GPU each way, 8 × 200 Gbit/s
 # HDR per node), dgx-h100 [H1] (NVLink 4 450 GB/s, 8 × 400 Gbit/s NDR), frontier [F3] (4 MI250X = 8
 # GCDs; 200 GB/s GCD-GCD in a GPU, 50 GB/s between GPUs, 4 × 25 GB/s NICs).

@@ -3,14 +3,14 @@
 shaped with tc tbf (--rate, 100 Mbit/s by default), intra-node traffic on the node's own loopback.
 
 1. Calibration, the model's inputs: this machine's sustained per-rank compute rate with 4 ranks
-   computing at once, loopback bandwidth and latency (`strata.trainer.plan.calibrate.calibrate_local`),
+   computing at once, loopback bandwidth and latency (`strata.trainer.calibrate.calibrate_local`),
    and the inter-node link measured on the cluster with gloo (bench/_plan_time_worker.py): one rank
    per node (one-way bandwidth, small-message latency) and two ranks per node sending at once (the
    node's link is shared by its ranks).
 2. The same ~5M-parameter model trained by `strata train` (the real trainer under torchrun, static
    rendezvous at node 0's address) in each of LAYOUTS; the step time is the median of the timed
    steps' `step_time_s` in the run's metrics.jsonl (CO2: the mean over whole rounds).
-3. Each layout's prediction, `strata.trainer.plan.timing.estimate_time(cfg, cluster, vocab).step_s`,
+3. Each layout's prediction, `strata.plan.timing.estimate_time(cfg, cluster, vocab).step_s`,
    against the measurement: a table with the predicted parts, the Spearman rank correlation and the
    median absolute error (goals: >= 0.9 and <= 20 %).
 
@@ -206,7 +206,7 @@ def measure(args: argparse.Namespace) -> dict:
 def calibrate_compute(result: dict, tries: int = 1) -> None:
     """The lead's local calibration (4 ranks computing at once, loopback gloo), into `result`: the
     fastest of `tries` (another process on the machine only ever slows a try down)."""
-    from strata.trainer.plan.calibrate import calibrate_local
+    from strata.trainer.calibrate import calibrate_local
 
     cals = [calibrate_local(layout_config(CALIBRATION_LAYOUT), VOCAB, ranks=WORLD) for _ in range(tries)]
     cal = max(cals, key=lambda c: c.device.peak_tflops)
@@ -226,8 +226,8 @@ def calibrate_compute(result: dict, tries: int = 1) -> None:
 def plan_cluster(result: dict, link: dict) -> Any:
     """The model's cluster: the local calibration and the inter-node link measured on the harness
     (two ranks per node sending at once: the node's whole link)."""
-    from strata.trainer.plan.cluster import Cluster as PlanCluster
-    from strata.trainer.plan.cluster import Device
+    from strata.plan.cluster import Cluster as PlanCluster
+    from strata.plan.cluster import Device
 
     c = result["calibration"]
     device = Device(
@@ -270,7 +270,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def predict(result: dict) -> list[str]:
     """Each measured layout's predicted step time; the table and the two figures of merit."""
-    from strata.trainer.plan.timing import estimate_time
+    from strata.plan.timing import estimate_time
 
     if "calibration" not in result:
         calibrate_compute(result)
@@ -337,7 +337,7 @@ def bytes_table(result: dict, cluster: Any) -> list[str]:
 def baseline_table(result: dict, shaped: Any) -> list[str]:
     """Each layout with the link unshaped, predicted against measured, and the slow link's cost
     (shaped minus unshaped step time): what the model's inter-node terms must account for."""
-    from strata.trainer.plan.timing import estimate_time
+    from strata.plan.timing import estimate_time
 
     base = result["baseline"]
     cluster = plan_cluster(result, base["link"])

@@ -13,3 +13,8 @@ which bytes, as torch.save blobs), `stage` (the rank's file image in shared memo
 
 It imports the base (`strata`) and `strata.parallel`.
 """
+
+if __name__ != "strata.checkpoint":  # this folder imported by its own name, e.g. from the repository root
+    raise ImportError(
+        f"import strata.checkpoint, not {__name__}: the folder checkpoint/ is the package strata.checkpoint"
+    )

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from strata.checkpoint.plan import torch_dtype
+from strata.checkpoint.write_plan import torch_dtype
 
 DCP_VERSION = "1.0.0"  # torch 2.13's CURRENT_DCP_VERSION
 

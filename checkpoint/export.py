@@ -26,8 +26,8 @@ from strata import hf
 from strata.atomic import atomic_directory, write_file_atomic
 from strata.checkpoint import integrity, store
 from strata.checkpoint.pieces import whole_piece
-from strata.checkpoint.plan import torch_dtype
 from strata.checkpoint.reader import Checkpoint
+from strata.checkpoint.write_plan import torch_dtype
 from strata.errors import CheckpointError
 
 FORMATS = ("safetensors", "hf")

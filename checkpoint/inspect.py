@@ -10,8 +10,8 @@ from pathlib import Path
 from torch.distributed.checkpoint.metadata import Metadata
 
 from strata.checkpoint import dcp_meta, integrity, store
-from strata.checkpoint.plan import torch_dtype
 from strata.checkpoint.reader import Checkpoint
+from strata.checkpoint.write_plan import torch_dtype
 from strata.errors import CheckpointError
 
 

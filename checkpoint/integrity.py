@@ -165,7 +165,7 @@ def _index_problems(directory: Path, files: dict[str, dict]) -> tuple[dict, list
 
 
 def _tensor_problems(tensors: dict, files: dict[str, dict]) -> list[str]:
-    from strata.checkpoint.plan import torch_dtype  # torch: not for the writer processes importing this
+    from strata.checkpoint.write_plan import torch_dtype  # torch: not for the writer processes importing this
 
     out = []
     for key, entry in tensors.items():

@@ -21,7 +21,7 @@ import torch
 
 from strata.checkpoint import integrity, store
 from strata.checkpoint.pieces import Piece, whole_piece
-from strata.checkpoint.plan import torch_dtype
+from strata.checkpoint.write_plan import torch_dtype
 from strata.errors import CheckpointError
 from strata.parallel.flat import Box
 

@@ -23,7 +23,7 @@ import torch
 
 from strata.checkpoint.blob import object_bytes, template
 from strata.checkpoint.pieces import Piece
-from strata.checkpoint.plan import Descriptor, Item, assign, dtype_name, place, tensor_index, torch_dtype
+from strata.checkpoint.write_plan import Descriptor, Item, assign, dtype_name, place, tensor_index, torch_dtype
 from strata.parallel import comm
 from strata.parallel.runtime import pin_host, unpin_host
 

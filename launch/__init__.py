@@ -8,3 +8,6 @@ keeping the in-memory snapshots).
 
 It may import every other layer; nothing imports it.
 """
+
+if __name__ != "strata.launch":  # this folder imported by its own name, e.g. from the repository root
+    raise ImportError(f"import strata.launch, not {__name__}: the folder launch/ is the package strata.launch")

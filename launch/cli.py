@@ -164,9 +164,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def _warn_memory(cfg: Config, nodes: int, ranks_per_node: int) -> None:
     """Say before starting when the planner predicts a rank will not fit this machine."""
-    from strata.trainer.plan.preflight import memory_warning
+    from strata.plan.preflight import memory_warning
+    from strata.trainer.data import planned_vocab
 
-    warning = memory_warning(cfg, nodes, ranks_per_node)
+    warning = memory_warning(cfg, nodes, ranks_per_node, planned_vocab(cfg))
     if warning:
         print(f"strata: warning: {warning}", file=sys.stderr)
 

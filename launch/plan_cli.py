@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from strata.errors import ConfigError, StrataError
-from strata.trainer.plan.cluster import DEVICES, PRESETS
+from strata.plan.cluster import DEVICES, PRESETS
 
 EXAMPLES = (
     "strata plan configs/llama2-7b-3d.yaml --nodes 4 --gpus-per-node 8 --gpu h100",
@@ -60,7 +60,7 @@ def add_parser(sub, fmt, epilog: Callable[..., str], whole: Callable[[int], Call
 def _cluster(args: argparse.Namespace, cfg, vocab: int):
     """The cluster the flags describe: a known system, or nodes of the given device with the
     default (DGX A100-like) links, each flag overriding; measured here with --calibrate."""
-    from strata.trainer.plan.cluster import Cluster, Device, device_named, preset
+    from strata.plan.cluster import Cluster, Device, device_named, preset
 
     given = {
         "intra_gpu_gbps": args.intra_gpu_gbps,
@@ -108,7 +108,7 @@ def _cluster(args: argparse.Namespace, cfg, vocab: int):
 
 def _calibrated(args: argparse.Namespace, cfg, vocab: int, cluster):
     """`cluster` with this machine's measured device, intra-node link and AdamW rate (flags win)."""
-    from strata.trainer.plan.calibrate import calibrate_local
+    from strata.trainer.calibrate import calibrate_local
 
     cal = calibrate_local(cfg, vocab, ranks=cluster.ranks_per_node)
     return replace(
@@ -124,14 +124,14 @@ def _calibrated(args: argparse.Namespace, cfg, vocab: int, cluster):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from strata import config
-    from strata.trainer.plan import report
-    from strata.trainer.plan.memory import estimate_memory
-    from strata.trainer.plan.preflight import plan_vocab
-    from strata.trainer.plan.search import search, with_layout
-    from strata.trainer.plan.timing import estimate_time
+    from strata.plan import report
+    from strata.plan.memory import estimate_memory
+    from strata.plan.search import search, with_layout
+    from strata.plan.timing import estimate_time
+    from strata.trainer.data import planned_vocab
 
     cfg = config.load(args.config, args.overrides)
-    vocab = plan_vocab(cfg)
+    vocab = planned_vocab(cfg)
     cluster = _cluster(args, cfg, vocab)
     if not args.json:
         print(f"strata plan: {cluster.describe()}; vocabulary {vocab}")

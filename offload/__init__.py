@@ -8,3 +8,6 @@ GPU), `activations` (activation offload and recompute); `tiers.Tiers` builds wha
 
 It imports the base (`strata`) and `strata.parallel`.
 """
+
+if __name__ != "strata.offload":  # this folder imported by its own name, e.g. from the repository root
+    raise ImportError(f"import strata.offload, not {__name__}: the folder offload/ is the package strata.offload")

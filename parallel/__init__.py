@@ -11,3 +11,6 @@ gradient norm).
 
 It imports only the base, the package `strata`.
 """
+
+if __name__ != "strata.parallel":  # this folder imported by its own name, e.g. from the repository root
+    raise ImportError(f"import strata.parallel, not {__name__}: the folder parallel/ is the package strata.parallel")

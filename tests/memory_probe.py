@@ -1,5 +1,5 @@
 """Measuring what a real training rank holds, by kind of state and by memory tier, for checking the
-planner's memory model (`strata.trainer.plan.memory`) against it.
+planner's memory model (`strata.plan.memory`) against it.
 
 Inside every rank of a real gloo world, `measure` builds the trainer's parallel model for a config
 (`strata.trainer.parallelize.parallelize`: tensor, pipeline and data parallelism, the ZeRO engine,
@@ -534,8 +534,8 @@ ABS_SLACK = 4096  # or, where both sides are under this many bytes, by up to thi
 
 def predicted(cfg: Config, world: int = WORLD) -> Any:
     """The memory model's estimate for `cfg` on this machine's stand-in cluster of `world` ranks."""
-    from strata.trainer.plan.cluster import cpu_cluster
-    from strata.trainer.plan.memory import estimate_memory
+    from strata.plan.cluster import cpu_cluster
+    from strata.plan.memory import estimate_memory
 
     per_node = cfg.parallel.ranks_per_node or world
     cluster = cpu_cluster(world // per_node, per_node, ranks_per_gpu=cfg.parallel.ranks_per_gpu)

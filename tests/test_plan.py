@@ -17,11 +17,11 @@ from strata.model import GPT
 from strata.parallel.pipeline import split_stages
 from strata.parallel.tensor import apply_tensor_parallel
 from strata.parallel.zero import units_of
-from strata.trainer.plan import traffic
-from strata.trainer.plan.cluster import Cluster, Device, cpu_cluster, device_named, preset
-from strata.trainer.plan.memory import estimate_memory, flat_groups, in_flight, layout_of
-from strata.trainer.plan.search import search
-from strata.trainer.plan.timing import estimate_time
+from strata.plan import traffic
+from strata.plan.cluster import Cluster, Device, cpu_cluster, device_named, preset
+from strata.plan.memory import estimate_memory, flat_groups, in_flight, layout_of
+from strata.plan.search import search
+from strata.plan.timing import estimate_time
 
 VOCAB = 512
 
@@ -275,7 +275,7 @@ def test_calibration_measures_the_rate_this_machine_runs_the_model_at():
     import time
 
     from strata.model import lm_loss
-    from strata.trainer.plan.calibrate import calibrate_local, executed_flops
+    from strata.trainer.calibrate import calibrate_local, executed_flops
 
     cfg = load("train.micro_batch_size=4", "train.global_batch_size=8", world=2)
     cal = calibrate_local(cfg, VOCAB, ranks=2, seconds=1.0)

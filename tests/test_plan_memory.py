@@ -1,4 +1,4 @@
-"""The planner's memory model (`strata.trainer.plan.memory.estimate_memory`) against the bytes real
+"""The planner's memory model (`strata.plan.memory.estimate_memory`) against the bytes real
 training ranks hold: one 4-rank gloo world trains two steps of every layout in
 `memory_probe.LAYOUTS` (plain data parallelism, ZeRO-1/2/3 with one and two groups prefetched,
 3-level and per-node partitioning, hpZ, tensor parallelism with sequence parallelism, 1F1B, GPipe

@@ -27,9 +27,9 @@ from strata.checkpoint.pieces import (
     optimizer_pieces,
     whole_piece,
 )
-from strata.checkpoint.plan import Descriptor
 from strata.checkpoint.reader import Checkpoint
 from strata.checkpoint.stage import CHECK_GRAIN, copy_pieces, descriptors, image_views, plan_staging, stage
+from strata.checkpoint.write_plan import Descriptor
 from strata.parallel.flat import Box
 from strata.parallel.runtime import start
 from strata.parallel.tensor import Placement
@@ -368,6 +368,7 @@ def test_closing_commits_the_snapshot_in_flight(agent, tmp_path):
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.mark.gpu
 @needs_gpu
 def test_device_pieces_stage_into_a_pinned_image_as_host_copies_would():
     from strata.parallel.runtime import pin_host, unpin_host
@@ -392,6 +393,7 @@ def test_device_pieces_stage_into_a_pinned_image_as_host_copies_would():
             unpin_host(staged.image)
 
 
+@pytest.mark.gpu
 @needs_gpu
 def test_a_gpu_run_saves_and_resumes_its_state_exactly(small_data_dir, tmp_path):
     cfg = tiny_config(small_data_dir, tmp_path, **{"checkpoint.keep_last": 0, "checkpoint.async": True})

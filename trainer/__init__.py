@@ -4,10 +4,13 @@
 function that lays the model out over the ranks and memory tiers and returns the one object the
 loop drives), `state` (`TrainState`: what a checkpoint or an in-memory snapshot of a rank holds),
 `data` (token files and the deterministic, resumable data-parallel loader), `metrics` (progress
-bar, metrics.jsonl, wandb) and `plots` (run curves, pipeline schedule timelines).
+bar, metrics.jsonl, wandb), `plots` (run curves, pipeline schedule timelines), `compile` (regional compilation), `float8` (float8 linear layers), `calibrate` (the planner's
+measurement of this machine, timing the trainer's own step), `tokenize` and `prepare` (`strata data
+prepare`) and `profiling`.
 
-The base modules every layer stands on (errors, config, model, atomic writes) sit in this
-folder's `base/` but are the root package `strata` (`strata.config`, `strata.model`, ...), not
-part of `strata.trainer`. This layer imports the base, `strata.parallel`, `strata.offload` and
-`strata.checkpoint`; only `strata.launch` imports it.
+This layer imports the base (`strata`), `strata.parallel`, `strata.offload`, `strata.checkpoint` and
+`strata.plan`; only `strata.launch` imports it.
 """
+
+if __name__ != "strata.trainer":  # this folder imported by its own name, e.g. from the repository root
+    raise ImportError(f"import strata.trainer, not {__name__}: the folder trainer/ is the package strata.trainer")

@@ -83,6 +83,22 @@ class TokenMeta:
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
 
+BYTE_VOCAB = 256  # the built-in corpus is byte-level
+
+
+def planned_vocab(cfg: Config) -> int:
+    """The padded vocabulary the trainer will build, known before any data is loaded:
+    model.vocab_size, else the one its data's meta.json records (the built-in corpus: bytes)."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    from strata.config import padded_vocab_size
+
+    source = cfg.data.sources[0].path if cfg.data.sources else cfg.data.path
+    if source and (Path(source) / "meta.json").is_file():
+        return padded_vocab_size(cfg.model, read_meta(Path(source)).vocab_size)
+    return padded_vocab_size(cfg.model, BYTE_VOCAB)
+
+
 def read_meta(data_dir: Path, key: str = "data.path") -> TokenMeta:
     """meta.json of a prepared directory; `key` is the config key that named it, for messages."""
     path = Path(data_dir) / "meta.json"

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from strata.config import V_SHAPED_SCHEDULES, Config, chain_level, offload_devices
 from strata.parallel.stages import schedule_name
 from strata.parallel.topology import Layout, layout_from_config
-from strata.trainer.plan.cluster import Cluster
-from strata.trainer.plan.shapes import (
+from strata.plan.cluster import Cluster
+from strata.plan.shapes import (
     Group,
     Saved,
     block_constant_bytes,

@@ -16,8 +16,8 @@ from functools import lru_cache
 
 from strata.parallel.routes import level_pairs
 from strata.parallel.topology import Layout
-from strata.trainer.plan.cluster import LINKS, Cluster
-from strata.trainer.plan.shapes import chunk_counts
+from strata.plan.cluster import LINKS, Cluster
+from strata.plan.shapes import chunk_counts
 
 
 @dataclass

@@ -22,9 +22,9 @@ from strata.config import Config, offload_devices
 from strata.model import flops_per_token
 from strata.parallel.stages import schedule_name
 from strata.parallel.topology import Layout
-from strata.trainer.plan import traffic
-from strata.trainer.plan.cluster import LINKS, Cluster
-from strata.trainer.plan.memory import (
+from strata.plan import traffic
+from strata.plan.cluster import LINKS, Cluster
+from strata.plan.memory import (
     FP32,
     TIER_OF,
     activation_bytes,
@@ -34,7 +34,7 @@ from strata.trainer.plan.memory import (
     micro_batches,
     zero_levels,
 )
-from strata.trainer.plan.shapes import (
+from strata.plan.shapes import (
     Group,
     backward_flops,
     block_saved,

@@ -1613,7 +1613,7 @@ def reference_markdown() -> str:
     out = [
         "# Config reference",
         "",
-        "Generated from `trainer/base/config.py` by `python -m strata.config > docs/CONFIG.md`; "
+        "Generated from `strata/config.py` by `python -m strata.config > docs/CONFIG.md`; "
         "`strata config explain KEY` prints the same for one key.",
         "",
     ]

@@ -1,29 +1,15 @@
-"""Before a job starts: the vocabulary the planner sizes the model with (the config's, or its data's
-meta.json), this machine as a cluster, and the warning `strata launch` and `strata config show
---world-size` print when the predicted per-rank memory exceeds what a rank will have."""
+"""Before a job starts: this machine as a cluster, and the warning `strata launch` and `strata config
+show --world-size` print when the predicted per-rank memory exceeds what a rank will have."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from strata.config import Config, padded_vocab_size
-from strata.trainer.plan.cluster import Cluster, Device, ram_gib
-from strata.trainer.plan.memory import estimate_memory, gib
+from strata.config import Config
+from strata.plan.cluster import Cluster, Device, ram_gib
+from strata.plan.memory import estimate_memory, gib
 
-BYTE_VOCAB = 256  # the built-in corpus is byte-level
 GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/kfd")  # the NVIDIA and ROCm drivers' device files
-
-
-def plan_vocab(cfg: Config) -> int:
-    """The padded vocabulary the trainer will build: model.vocab_size, else the data's."""
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size
-    from strata.trainer.data import read_meta  # the data module loads numpy; only a data-sized vocab needs it
-
-    source = cfg.data.sources[0].path if cfg.data.sources else cfg.data.path
-    if source and (Path(source) / "meta.json").is_file():
-        return padded_vocab_size(cfg.model, read_meta(Path(source)).vocab_size)
-    return padded_vocab_size(cfg.model, BYTE_VOCAB)
 
 
 def this_machine(nodes: int, ranks_per_node: int, ranks_per_gpu: int = 1) -> Cluster:
@@ -54,10 +40,11 @@ def _gpu() -> Device | None:
     return Device(props.name, props.total_memory / 2**30, 1.0, 1.0, 1.0)
 
 
-def memory_warning(cfg: Config, nodes: int, ranks_per_node: int) -> str | None:
-    """One line when the layout is predicted not to fit this machine's ranks, else None."""
+def memory_warning(cfg: Config, nodes: int, ranks_per_node: int, vocab: int) -> str | None:
+    """One line when the layout is predicted not to fit this machine's ranks (the model's padded
+    vocabulary `vocab`), else None."""
     cluster = this_machine(nodes, ranks_per_node, cfg.parallel.ranks_per_gpu)
-    memory = estimate_memory(cfg, cluster, plan_vocab(cfg))
+    memory = estimate_memory(cfg, cluster, vocab)
     worst = memory.worst("device")
     need = worst.total("device")
     if cluster.device.host_memory:  # one memory: what goes to the "host" tier counts too

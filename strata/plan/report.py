@@ -4,10 +4,10 @@ a search's ranking, and the one-line warning `strata launch` and `strata config 
 from __future__ import annotations
 
 from strata.config import Config
-from strata.trainer.plan.cluster import LINKS, Cluster
-from strata.trainer.plan.memory import KINDS, TIERS, MemoryEstimate, gib, layout_of, micro_batches, zero_levels
-from strata.trainer.plan.search import SearchResult
-from strata.trainer.plan.timing import TimeEstimate
+from strata.plan.cluster import LINKS, Cluster
+from strata.plan.memory import KINDS, TIERS, MemoryEstimate, gib, layout_of, micro_batches, zero_levels
+from strata.plan.search import SearchResult
+from strata.plan.timing import TimeEstimate
 
 
 def layout_line(cfg: Config, cluster: Cluster) -> str:

@@ -11,9 +11,9 @@ import itertools
 from dataclasses import dataclass, field
 
 from strata.config import Config, cross_problems, replace
-from strata.trainer.plan.cluster import Cluster
-from strata.trainer.plan.memory import MemoryEstimate, estimate_memory
-from strata.trainer.plan.timing import TimeEstimate, estimate_time
+from strata.plan.cluster import Cluster
+from strata.plan.memory import MemoryEstimate, estimate_memory
+from strata.plan.timing import TimeEstimate, estimate_time
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ import torch.multiprocessing as mp
 
 from strata.config import Config
 from strata.net import free_port
-from strata.trainer.plan.cluster import Device, ram_gib
-from strata.trainer.plan.shapes import head_flops, layer_flops
+from strata.plan.cluster import Device, ram_gib
+from strata.plan.shapes import head_flops, layer_flops
 
 # What the workers run, imported once by the server they are forked from.
-WORKER_IMPORTS = ["strata.trainer.plan.calibrate", "strata.trainer.loop", "strata.parallel.runtime"]
+WORKER_IMPORTS = ["strata.trainer.calibrate", "strata.trainer.loop", "strata.parallel.runtime"]
 
 
 @dataclass(frozen=True)
