@@ -14,20 +14,20 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors.torch import save as safetensors_bytes
 
-from strata import config as config_mod
 from strata import hf
 from strata.atomic import atomic_directory, write_file_atomic
 from strata.checkpoint import integrity, store
 from strata.checkpoint.pieces import whole_piece
 from strata.checkpoint.reader import Checkpoint
 from strata.checkpoint.write_plan import torch_dtype
+from strata.config.schema import Config
 from strata.errors import CheckpointError
 
 FORMATS = ("safetensors", "hf")
@@ -104,14 +104,24 @@ def verified_config(ckpt: Checkpoint) -> bytes:
     return data
 
 
-def export(path: Path, out: Path, fmt: str = "safetensors", overwrite: bool = False) -> tuple[Path, Path]:
+def export(
+    path: Path,
+    out: Path,
+    fmt: str = "safetensors",
+    overwrite: bool = False,
+    read_config: Callable[[bytes], Config] | None = None,
+) -> tuple[Path, Path]:
     """Write the weights of the checkpoint at `path` and its verified config to the files `out`
     names (see `outputs`); returns (weights file, config file). Everything is checked before
-    anything is written."""
+    anything is written. The Hugging Face format needs `read_config`, which turns the checkpoint's
+    config.yaml into a validated Config (`strata.config.loading.from_yaml`: this layer reads only
+    the schema)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; supported: {', '.join(FORMATS)}")
     if fmt == "hf":
-        return export_hf(Path(path), Path(out), overwrite)
+        if read_config is None:
+            raise ValueError("export to the hf format needs read_config")
+        return export_hf(Path(path), Path(out), read_config, overwrite)
     weights, config = outputs(Path(out))
     check_destination(weights, config, overwrite)
     ckpt = Checkpoint(path)
@@ -126,7 +136,9 @@ def export(path: Path, out: Path, fmt: str = "safetensors", overwrite: bool = Fa
     return weights, config
 
 
-def export_hf(path: Path, out: Path, overwrite: bool = False) -> tuple[Path, Path]:
+def export_hf(
+    path: Path, out: Path, read_config: Callable[[bytes], Config], overwrite: bool = False
+) -> tuple[Path, Path]:
     """Write the checkpoint at `path` as a Hugging Face model directory `out`: config.json for the
     architecture that computes what Strata's model does, the weights under HF's names in shards of
     at most SHARD_BYTES (read one shard at a time, never the whole model) with
@@ -136,7 +148,7 @@ def export_hf(path: Path, out: Path, overwrite: bool = False) -> tuple[Path, Pat
     _check_hf_destination(out, overwrite)
     ckpt = Checkpoint(path)
     try:
-        cfg = config_mod.from_dict(yaml.safe_load(verified_config(ckpt)))
+        cfg = read_config(verified_config(ckpt))
         shapes = ckpt.shapes("model.")
         dtypes = {k: ckpt.index["tensors"][k]["dtype"] for k in ckpt.index["tensors"] if k.startswith("model.")}
         names = hf.hf_targets(cfg.model)  # Strata name -> HF name (a tied output is the embedding)
@@ -225,7 +237,7 @@ class _Tokenizer:
     note: str = ""
 
 
-def _tokenizer_files(cfg: config_mod.Config) -> _Tokenizer:
+def _tokenizer_files(cfg: Config) -> _Tokenizer:
     """The tokenizer of the run's prepared data (data.path's meta.json names it), as the files an
     AutoTokenizer loads; none for byte-level data, which has no Hugging Face tokenizer."""
     sources = cfg.data.sources or ()

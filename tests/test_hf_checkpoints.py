@@ -234,7 +234,7 @@ def test_an_export_in_several_shards_loads_in_transformers(hf_dirs, tmp_path, mo
     cfg = config.load(None, [f"model.init_from={hf_dirs['llama']}", f"model.seq_len={SEQ}"])
     step0 = hf_weights.import_hf(hf_dirs["llama"], tmp_path / "imported", dump(cfg), cfg.model)
     monkeypatch.setattr(export, "SHARD_BYTES", 100_000)  # a few tensors a shard
-    export.export(step0, tmp_path / "out", "hf")
+    export.export(step0, tmp_path / "out", "hf", read_config=config.from_yaml)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")

@@ -159,7 +159,7 @@ def test_a_slow_network_puts_the_pipeline_across_nodes():
             "train.global_batch_size=16",
         ],
     )
-    result = search(cfg, cluster, VOCAB)
+    result = search(cfg, cluster, VOCAB, config.cross_problems)
     best = result.fitting[0].candidate
     assert best.pp >= 2 and 4 // best.pp <= 2, best
     dp_across = [p for p in result.fitting if p.candidate.pp == 1 and p.candidate.tp < 4]
@@ -181,7 +181,7 @@ def test_the_search_rejects_a_family_by_memory_and_says_so():
         ],
     )
     cluster = preset("dgx-a100", 1, gpus_per_node=2, device=Device("tiny", 1.0, 312.0, 0.8, 2000.0))
-    result = search(cfg, cluster, VOCAB)
+    result = search(cfg, cluster, VOCAB, config.cross_problems)
     assert result.fitting, "splitting over two devices should fit"
     assert all(p.memory.peak("device") <= 2**30 for p in result.fitting)
     assert any(p.candidate.zero != "none" or p.candidate.tp > 1 or p.candidate.pp > 1 for p in result.fitting)

@@ -8,9 +8,10 @@ them by the time model, and say for each rejected family (tp, pp, V) why it fail
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from strata.config import Config, cross_problems, replace
+from strata.config.schema import Config, replace
 from strata.plan.cluster import Cluster
 from strata.plan.memory import MemoryEstimate, estimate_memory
 from strata.plan.timing import TimeEstimate, estimate_time
@@ -77,6 +78,8 @@ OFFLOADS: dict[str, tuple[str, str]] = {
 
 @dataclass
 class Planned:
+    """A layout that fits: the candidate, the config it makes, and its memory and time estimates."""
+
     candidate: Candidate
     cfg: Config
     memory: MemoryEstimate
@@ -85,6 +88,9 @@ class Planned:
 
 @dataclass
 class SearchResult:
+    """What a search found: the fitting layouts (fastest first), why each rejected family
+    (tp, pp, V) does not fit, and how many layouts were considered."""
+
     fitting: list[Planned]
     rejected: dict[tuple[int, int, int], str] = field(default_factory=dict)  # family -> why none of it fits
     considered: int = 0
@@ -125,8 +131,10 @@ def candidates(cfg: Config, cluster: Cluster, nvme: bool) -> list[Candidate]:
     return out
 
 
-def search(cfg: Config, cluster: Cluster, vocab: int) -> SearchResult:
-    """Layouts that fit, fastest first, and why each (tp, pp, V) family has none."""
+def search(cfg: Config, cluster: Cluster, vocab: int, problems_of: Callable[[Config, int], list[str]]) -> SearchResult:
+    """Layouts that fit, fastest first, and why each (tp, pp, V) family has none. `problems_of(cfg,
+    world_size)` is the config's own validation (`strata.config.checks.cross_problems`), which weeds
+    out layouts a run would refuse."""
     nvme = cfg.offload.nvme_path is not None
     result = SearchResult([])
     why: dict[tuple[int, int, int], list[str]] = {}
@@ -134,7 +142,7 @@ def search(cfg: Config, cluster: Cluster, vocab: int) -> SearchResult:
     for cand in candidates(cfg, cluster, nvme):
         result.considered += 1
         trial = with_layout(cfg, cluster, cand.overrides())
-        problems = cross_problems(trial, cluster.world_size)
+        problems = problems_of(trial, cluster.world_size)
         if problems:
             why.setdefault(cand.family, []).append(problems[0])
             continue

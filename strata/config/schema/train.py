@@ -1,0 +1,84 @@
+"""The `train:` and `optim:` groups: batch sizes, steps, precision and evaluation; AdamW and its
+learning-rate schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strata.config.schema.fields import opt
+from strata.config.vocabulary import PRECISIONS
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The optimisation loop: batch sizes, steps, precision, evaluation."""
+
+    steps: int = opt(300, "optimizer steps to train for", min=1)
+    global_batch_size: int = opt(16, "sequences per optimizer step, over all data-parallel ranks", min=1)
+    micro_batch_size: int = opt(
+        8, "sequences per forward/backward on one rank; accumulation = global/(micro·dp)", min=1
+    )
+    seed: int = opt(1234, "seed for init and data order (runs with equal seeds are identical)")
+    precision: str = opt(
+        "fp32",
+        "compute precision: fp32; bf16 autocast; or fp8: the transformer blocks' linear layers in float8 "
+        "(torchao's float8 training, scaled per train.fp8_recipe) and bf16 autocast elsewhere. Weights and "
+        "optimizer state stay fp32 in every mode, so a checkpoint resumes under any precision",
+        choices=PRECISIONS,
+    )
+    fp8_recipe: str = opt(
+        "tensorwise",
+        "with precision=fp8, how float8 scales are chosen: tensorwise (one scale per tensor, the fastest) or "
+        "rowwise (one per row, more accurate; torchao's recipes)",
+        choices=("tensorwise", "rowwise"),
+    )
+    fp8_emulate: bool = opt(
+        False,
+        "with precision=fp8, run float8's casts and scaling with the matmuls in higher precision (torchao's "
+        "emulation): fp8 numerics on any device, CPUs included, for tests; slow, never for training",
+    )
+    eval_interval: int = opt(100, "evaluate every N steps and at the end (0: only at the end)", min=0)
+    eval_batches: int = opt(8, "validation micro-batches per evaluation on each rank", min=1)
+    threads: int | None = opt(None, "torch intra-op CPU threads (null: torch's default; torchrun sets 1)", min=1)
+    nonfinite: str = opt(
+        "skip",
+        "a step whose loss or gradient norm is NaN/inf: skip (no update, gradients dropped; it still counts as a "
+        "step of the lr schedule and of the data) or stop (end the run with an error); no checkpoint of "
+        "non-finite state is ever saved",
+        choices=("skip", "stop"),
+    )
+    max_nonfinite_steps: int = opt(
+        5, "with nonfinite=skip: end the run with an error once this many steps in a row were not finite", min=1
+    )
+    compile: bool = opt(
+        False,
+        "compile each transformer block with torch.compile (regional compilation: every block shares one "
+        "compiled graph, so compile time is one block's; hooks, collectives and the loss stay eager); the "
+        "first step pays the compile time",
+    )
+
+    @property
+    def bf16_compute(self) -> bool:
+        """Whether activations are bf16 (autocast): under bf16, and around fp8's float8 matmuls."""
+        return self.precision in ("bf16", "fp8")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay."""
+
+    lr: float = opt(3e-3, "peak learning rate", min=0.0)
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of lr", min=0.0, max=1.0)
+    warmup_steps: int = opt(
+        30, "linear warmup steps from 0 to lr (more than train.steps: warm up over all steps, with a warning)", min=0
+    )
+    schedule: str = opt("cosine", "decay after warmup", choices=("cosine", "linear", "constant"))
+    weight_decay: float = opt(0.1, "decoupled weight decay (matrices only; not norms)", min=0.0)
+    beta1: float = opt(0.9, "AdamW beta1", min=0.0, max=1.0)
+    beta2: float = opt(0.95, "AdamW beta2", min=0.0, max=1.0)
+    eps: float = opt(1e-8, "AdamW epsilon", min=0.0, min_exclusive=True)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: off)", min=0.0)
+    impl: str = opt(
+        "auto", "AdamW kernel: fused, foreach, or auto (fused where available)", choices=("auto", "fused", "foreach")
+    )
