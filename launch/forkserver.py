@@ -48,7 +48,7 @@ from typing import Any
 # that was imported before), the trainer, in-memory snapshots, torch._dynamo (torch's optimizers
 # import it at their first call) and pipelining (a tenth of a second once _dynamo is loaded).
 PRELOAD = (
-    "strata.launch.plan_cli",
+    "strata.launch.commands",
     "strata.launch.torchrun",
     "strata.parallel.runtime",
     "strata.trainer.loop",
@@ -124,6 +124,7 @@ def encode(strings: list[str]) -> bytes:
 
 
 def env_strings(env: dict[str, str]) -> list[str]:
+    """An environment as KEY=VALUE strings, in the order the process's environment area holds them."""
     return [f"{k}={v}" for k, v in env.items()]
 
 
@@ -344,6 +345,8 @@ def serve(fd: int, preload: list[str]) -> Job | None:
 
 
 def main(argv: list[str] | None = None) -> Job | None:
+    """The fork server's command line (`--fd`, `--preload`, `--room`): serve until torchrun's side
+    closes. Returns a forked worker's Job (None in the server)."""
     p = argparse.ArgumentParser(prog="python -m strata.launch.forkserver", description=__doc__.split("\n\n")[0])
     p.add_argument("--fd", type=int, required=True, help="the socket torchrun's side holds the other end of")
     p.add_argument("--preload", default=",".join(PRELOAD), help="modules to import before forking")

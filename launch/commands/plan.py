@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from strata.errors import ConfigError, StrataError
+from strata.launch.commands.common import FORMATTER, epilog, whole
 from strata.plan.cluster import DEVICES, PRESETS
+
+if TYPE_CHECKING:
+    from strata.launch.commands.common import Subparsers
 
 EXAMPLES = (
     "strata plan configs/llama2-7b-3d.yaml --nodes 4 --gpus-per-node 8 --gpu h100",
@@ -19,11 +23,12 @@ EXAMPLES = (
 )
 
 
-def add_parser(sub, fmt, epilog: Callable[..., str], whole: Callable[[int], Callable[[str], int]]) -> None:
-    pl = sub.add_parser(
+def add_parser(subparsers: Subparsers) -> None:
+    """Add `strata plan` to the `strata` parser."""
+    pl = subparsers.add_parser(
         "plan",
         help="predict memory and step time of a layout, or search the layouts that fit",
-        formatter_class=fmt,
+        formatter_class=FORMATTER,
         usage="strata plan CFG [key=value ...] --nodes N --gpus-per-node G (--gpu NAME | --gpu-mem-gb M "
         "--tflops T | --system NAME | --calibrate) [--search]",
         description="Predict each rank's memory (parameters, gradients, optimizer states, activations, buffers; "
@@ -54,7 +59,7 @@ def add_parser(sub, fmt, epilog: Callable[..., str], whole: Callable[[int], Call
     pl.add_argument("--search", action="store_true", help="rank every layout that fits, fastest first")
     pl.add_argument("--top", type=whole(1), default=10, help="layouts --search prints (default 10)")
     pl.add_argument("--json", action="store_true", help="print the figures as JSON")
-    pl.set_defaults(func=cmd_plan)
+    pl.set_defaults(func=run)
 
 
 def _cluster(args: argparse.Namespace, cfg, vocab: int):
@@ -122,8 +127,10 @@ def _calibrated(args: argparse.Namespace, cfg, vocab: int, cluster):
     )
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Print the prediction (or the search's table); 1 when the layout (or every layout) does not fit."""
     from strata import config
+    from strata.config.checks import cross_problems
     from strata.plan import report
     from strata.plan.memory import estimate_memory
     from strata.plan.search import search, with_layout
@@ -136,7 +143,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"strata plan: {cluster.describe()}; vocabulary {vocab}")
     if args.search:
-        result = search(cfg, cluster, vocab)
+        result = search(cfg, cluster, vocab, cross_problems)
         if args.json:
             best = result.fitting[: args.top]
             rows = [

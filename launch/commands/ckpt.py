@@ -1,0 +1,163 @@
+"""`strata ckpt`: inspect or verify a checkpoint, reshard it to another layout, export it
+(safetensors, a Hugging Face directory), or import a DeepSpeed or Hugging Face one."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from strata.errors import StrataError
+from strata.launch.commands.common import EXIT_CODES, FORMATTER, epilog
+
+if TYPE_CHECKING:
+    from strata.launch.commands.common import Subparsers
+
+
+def add_parser(subparsers: Subparsers) -> None:
+    """Add `strata ckpt inspect|verify|reshard|export|import-deepspeed|import-hf` to the `strata` parser."""
+    ck = subparsers.add_parser(
+        "ckpt",
+        help="inspect, verify, reshard, export or import a checkpoint",
+        formatter_class=FORMATTER,
+        usage="strata ckpt inspect DIR\n       strata ckpt verify DIR\n"
+        "       strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..[,vs=..] [key=value ...]\n"
+        "       strata ckpt export DIR OUT [--format safetensors|hf] [--overwrite]\n"
+        "       strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG\n"
+        "       strata ckpt import-hf HF_DIR OUT [key=value ...] [--config CFG]",
+        description="Inspect, verify, reshard, export or import a checkpoint.",
+        epilog=epilog(
+            "strata ckpt inspect runs/tiny/checkpoints",
+            "strata ckpt verify runs/tiny/checkpoints/step_00000500   # exit 1 if damaged",
+            "strata ckpt reshard runs/tiny/checkpoints resharded --to tp=2,pp=1,dp=1",
+            "strata ckpt export runs/tiny/checkpoints tiny.safetensors",
+            "strata ckpt import-deepspeed ds_ckpt/ imported/ --config configs/tiny.yaml",
+            extra=EXIT_CODES,
+        ),
+    )
+    ck.add_argument("action", choices=["inspect", "verify", "reshard", "export", "import-deepspeed", "import-hf"])
+    ck.add_argument("path", metavar="DIR", help="a step_* directory, or a checkpoints directory (latest committed)")
+    ck.add_argument(
+        "out",
+        nargs="?",
+        metavar="OUT",
+        help="reshard: a checkpoints directory; export: a .safetensors file (its config goes to "
+        "NAME.config.yaml beside it), or a directory for model.safetensors and config.yaml",
+    )
+    ck.add_argument(
+        "overrides",
+        nargs="*",
+        default=[],
+        metavar="key=value",
+        help="reshard: overrides of the saved config (e.g. zero settings); import-deepspeed, import-hf: "
+        "overrides of --config",
+    )
+    ck.add_argument("--to", help="reshard: the target layout, tp=..,pp=..,dp=.. (and vs=.. for virtual stages)")
+    ck.add_argument(
+        "--format",
+        default="safetensors",
+        choices=["safetensors", "hf"],
+        help="export format: one safetensors file of Strata's names, or hf: a Hugging Face model directory "
+        "(config.json, sharded safetensors, the tokenizer) for transformers' from_pretrained",
+    )
+    ck.add_argument(
+        "--overwrite", action="store_true", help="export: replace the weights and config files OUT names if they exist"
+    )
+    ck.add_argument(
+        "--config",
+        help="import-deepspeed, import-hf: the Strata experiment the imported state continues in "
+        "(import-hf: optional; the model block comes from HF_DIR's config.json)",
+    )
+    ck.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the action: 0 done, 1 when inspect or verify finds damage."""
+    if args.action in ("inspect", "verify") and (args.out or args.overrides):
+        raise StrataError(
+            f"strata ckpt {args.action} DIR takes one directory; "
+            f"unexpected: {' '.join(filter(None, [args.out, *args.overrides]))}"
+        )
+    if args.out and "=" in args.out and not Path(args.out).exists():
+        raise StrataError(f"strata ckpt {args.action}: OUT comes before the overrides; {args.out!r} looks like one")
+    return ACTIONS[args.action](args)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from strata.checkpoint import inspect
+
+    ok, report = inspect.inspect_report(Path(args.path))
+    print(report)
+    return 0 if ok else 1
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from strata.checkpoint import inspect
+
+    ok, report = inspect.verify_report(Path(args.path))
+    print(report)
+    return 0 if ok else 1
+
+
+def _reshard(args: argparse.Namespace) -> int:
+    from strata.launch import reshard
+
+    if not args.out or not args.to:
+        raise StrataError(
+            "strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..: give OUT (a checkpoints directory) "
+            "and the target layout"
+        )
+    return reshard.reshard(Path(args.path), Path(args.out), args.to, args.overrides)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from strata.checkpoint import export
+    from strata.config.loading import from_yaml
+
+    if not args.out:
+        raise StrataError("strata ckpt export DIR OUT: give OUT, a .safetensors file or a directory")
+    weights, config_file = export.export(Path(args.path), Path(args.out), args.format, args.overwrite, from_yaml)
+    print(f"wrote {weights} and {config_file}")
+    return 0
+
+
+def _import_deepspeed(args: argparse.Namespace) -> int:
+    from strata import config
+    from strata.checkpoint import deepspeed_import
+
+    if not args.out or not args.config:
+        raise StrataError(
+            "strata ckpt import-deepspeed DS_DIR OUT --config CFG: give OUT (a checkpoints "
+            "directory) and the Strata config to continue with"
+        )
+    cfg = config.load(args.config, args.overrides)
+    aliases = {"output.weight": "tok_embeddings.weight"} if cfg.model.tie_embeddings else None
+    path = deepspeed_import.import_checkpoint(Path(args.path), Path(args.out), config.dump(cfg), aliases)
+    print(f"wrote {path}; continue with: strata train {args.config} ... --resume {path}")
+    return 0
+
+
+def _import_hf(args: argparse.Namespace) -> int:
+    from strata import config
+    from strata.checkpoint import hf_weights
+
+    if not args.out:
+        raise StrataError("strata ckpt import-hf HF_DIR OUT [--config CFG]: give OUT (a checkpoints directory)")
+    cfg = config.load(args.config, [*args.overrides, f"model.init_from={args.path}"])
+    path = hf_weights.import_hf(Path(args.path), Path(args.out), config.dump(cfg), cfg.model)
+    print(
+        f"wrote {path} (step 0, weights only); train from it with --resume {path} (the optimizer starts fresh) "
+        f"or model.init_from={path}"
+    )
+    return 0
+
+
+ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "inspect": _inspect,
+    "verify": _verify,
+    "reshard": _reshard,
+    "export": _export,
+    "import-deepspeed": _import_deepspeed,
+    "import-hf": _import_hf,
+}

@@ -1,0 +1,60 @@
+"""`strata plot`: a PNG of a run's loss and throughput curves (`strata plot RUN_DIR`), or of a
+pipeline schedule's step record (`strata plot schedule RECORD.json`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from strata.errors import StrataError
+from strata.launch.commands.common import FORMATTER, epilog, file_errors
+
+if TYPE_CHECKING:
+    from strata.launch.commands.common import Subparsers
+
+
+def add_parser(subparsers: Subparsers) -> None:
+    """Add `strata plot` and `strata plot schedule` to the `strata` parser."""
+    pl = subparsers.add_parser(
+        "plot",
+        help="PNG of a run's loss and throughput curves, or of a pipeline schedule record",
+        formatter_class=FORMATTER,
+        usage="strata plot RUN_DIR [--out PNG]\n       strata plot schedule RECORD.json [--out PNG]",
+        description="PNG of a run's loss and throughput curves, or of a pipeline schedule record.",
+        epilog=epilog(
+            "strata plot runs/tiny                      # runs/tiny/curves.png",
+            "strata plot schedule records/step.json     # records/step.png",
+        ),
+    )
+    pl.add_argument(
+        "run_dir", metavar="RUN_DIR | schedule", help="run directory (writes curves.png there), or the word `schedule`"
+    )
+    pl.add_argument(
+        "record",
+        nargs="?",
+        metavar="RECORD.json",
+        help="with `schedule`: a step record from bench/pipeline_schedule.py --record-dir "
+        "(writes RECORD.png next to it)",
+    )
+    pl.add_argument("--out", help="PNG path (default: next to the input)")
+    pl.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the PNG and print its path."""
+    from strata.trainer.plots import plot_run, plot_schedule
+
+    out = Path(args.out) if args.out else None
+    if args.record is None:  # strata plot RUN_DIR
+        with file_errors("strata plot"):
+            print(f"wrote {plot_run(Path(args.run_dir), out)}")
+    elif args.run_dir == "schedule":  # strata plot schedule RECORD.json
+        with file_errors("strata plot schedule"):
+            print(f"wrote {plot_schedule(Path(args.record), out)}")
+    else:
+        raise StrataError(
+            f"strata plot: unexpected second argument {args.record!r}; use `strata plot RUN_DIR` "
+            "or `strata plot schedule RECORD.json`"
+        )
+    return 0

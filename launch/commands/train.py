@@ -1,0 +1,67 @@
+"""`strata train`: train in this process, or as one torchrun worker (what `strata launch` starts);
+with --save-to, rewrite a checkpoint into this layout instead (what `strata ckpt reshard` runs)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from strata.errors import StrataError
+from strata.launch.commands.common import EXIT_CODES, FORMATTER, OVERRIDES, epilog
+
+if TYPE_CHECKING:
+    from strata.launch.commands.common import Subparsers
+
+
+def add_parser(subparsers: Subparsers) -> None:
+    """Add `strata train` to the `strata` parser."""
+    t = subparsers.add_parser(
+        "train",
+        help="train in this process (or as one torchrun worker)",
+        formatter_class=FORMATTER,
+        description="Train in this process (or as one torchrun worker).",
+        epilog=epilog(
+            "strata train configs/tiny.yaml",
+            "strata train configs/tiny.yaml train.steps=100 log.name=short",
+            "strata train configs/tiny.yaml --resume runs/tiny/checkpoints train.steps=1000",
+            extra=EXIT_CODES,
+        ),
+    )
+    t.add_argument("config", help="YAML experiment, e.g. configs/tiny.yaml")
+    t.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
+    t.add_argument("--resume", help="checkpoint directory (a step_* dir, or a checkpoints dir: latest committed)")
+    t.add_argument(
+        "--save-to",
+        metavar="OUT",
+        help="do not train: load --resume into this layout and save it under OUT (what `strata ckpt reshard` runs)",
+    )
+    t.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train (or rewrite --resume under --save-to); 0 when done, Preempted's code raised on a signal."""
+    from strata import config
+    from strata.launch.torchrun import note_worker_status
+    from strata.parallel import runtime
+    from strata.trainer.loop import Preempted, rewrite_checkpoint
+    from strata.trainer.loop import run as train
+
+    cfg = config.load(args.config, args.overrides, world_size=runtime.world_size_from_env())
+    config.check_trainable(cfg)
+    rt = runtime.start(cfg.parallel.backend, cfg.parallel.timeout_s)
+    note_worker_status("running")  # under `strata launch`: this attempt's worker started
+    try:
+        if args.save_to:
+            if not args.resume:
+                raise StrataError("strata train --save-to OUT needs --resume DIR (the checkpoint to rewrite)")
+            rewrite_checkpoint(cfg, rt, Path(args.resume), Path(args.save_to))
+        else:
+            train(cfg, rt, Path(args.resume) if args.resume else None)
+    except BaseException as e:
+        runtime.stop(wait_for_peers=False)  # they may never arrive: fail fast, torchrun stops the rest
+        if isinstance(e, Preempted):  # saved and stopped: tell `strata launch`, which torchrun does not
+            note_worker_status(str(e.code))
+        raise
+    runtime.stop()
+    return 0
