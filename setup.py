@@ -42,8 +42,9 @@ setup(
             "transformers>=4.56",  # the reference for Hugging Face import and export (tiny models built offline)
             "torchao==0.18.0",  # tests/test_float8.py: float8 training, emulated on CPU
         ],
-        # dev: the tools .ci/package_check runs (lint, types, import layers, sdist/wheel build), pinned.
-        "dev": ["ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17", "build==1.6.1"],
+        # dev: the tools .ci/check and .ci/package_check run (lint, types, import layers, an editor's import
+        # resolution, sdist/wheel build), pinned.
+        "dev": ["ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17", "build==1.6.1", "pyright==1.1.414"],
         "wandb": ["wandb"],
         "fp8": ["torchao==0.18.0"],  # train.precision=fp8: torchao's float8 training (torch >= 2.11)
         "tensorboard": ["tensorboard"],  # log.tensorboard

@@ -255,7 +255,8 @@ class DeepSpeedSide:
     def held(self) -> dict:
         """Bytes this rank holds after the run, measured like Strata's `held_bytes`: parameter
         partitions, the partitioned gradient buffer, optimizer state."""
-        from strata.parallel.zero import optimizer_state_bytes, storage_bytes
+        from strata.parallel.flat_group import storage_bytes
+        from strata.parallel.zero import optimizer_state_bytes
 
         zero = self.engine.optimizer
         return {

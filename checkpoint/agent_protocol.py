@@ -14,6 +14,7 @@ MAX_MESSAGE = 1 << 20
 
 
 def send_msg(sock: socket.socket, msg: dict, fds: Sequence[int] = ()) -> None:
+    """Send one message (a JSON object) as one record, with file descriptors `fds` attached."""
     socket.send_fds(sock, [json.dumps(msg).encode()], list(fds))
 
 
@@ -28,6 +29,7 @@ def recv_msg(sock: socket.socket) -> tuple[dict | None, list[int]]:
 
 
 def request(sock: socket.socket, msg: dict) -> tuple[dict, list[int]]:
+    """Send `msg` and wait for the agent's reply and its descriptors; ConnectionError if the agent has gone."""
     send_msg(sock, msg)
     reply, fds = recv_msg(sock)
     if reply is None:
@@ -36,6 +38,7 @@ def request(sock: socket.socket, msg: dict) -> tuple[dict, list[int]]:
 
 
 def connect(path: str, timeout: float) -> socket.socket:
+    """A SOCK_SEQPACKET connection to the agent's Unix socket at `path`, with `timeout` on every call."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.settimeout(timeout)
     sock.connect(path)

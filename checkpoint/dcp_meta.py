@@ -81,6 +81,7 @@ def build(index: dict, checkpoint_id: str) -> Metadata:
 
 
 def to_bytes(metadata: Metadata) -> bytes:
+    """The `.metadata` file's contents: the Metadata pickled, as DCP writes it."""
     return pickle.dumps(metadata)
 
 

@@ -33,6 +33,8 @@ def model_state_problems(expected: dict[str, tuple[int, ...]], saved: dict[str, 
 
 
 def optimizer_problems(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]]) -> list[str]:
+    """Why the saved optimizer state does not fit `optimizer` (a different number of parameter
+    groups), as messages; empty when it fits."""
     if len(saved_groups) != len(optimizer.param_groups):
         return [
             f"the checkpoint has {len(saved_groups)} optimizer parameter groups, this optimizer "
@@ -52,4 +54,6 @@ def load_optimizer(
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's hyper-parameters (lr, betas, weight decay, ...), without its `params`:
+    what a checkpoint saves beside the per-parameter state."""
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class Piece:
+    """One box of a globally named tensor that this rank holds: the key, the whole tensor's
+    global shape, where the box sits in it, and the box's data."""
+
     key: str
     global_shape: tuple[int, ...]
     box: Box
@@ -120,6 +123,7 @@ def optimizer_pieces(optimizer: torch.optim.Optimizer, entries) -> list[Piece]:
 
 
 def rng_piece(rank: int) -> Piece:
+    """This rank's CPU random-number generator state, as a whole piece of its own key."""
     return whole_piece(f"rng.cpu.rank{rank}", torch.get_rng_state())
 
 

@@ -47,7 +47,8 @@ from strata.checkpoint.stage import (
     write_templates,
 )
 from strata.checkpoint.store import data_file
-from strata.config import SnapshotConfig, snapshot_nodes_problem
+from strata.config.schema import SnapshotConfig
+from strata.config.vocabulary import snapshot_nodes_problem
 from strata.errors import StrataError
 from strata.parallel import comm
 

@@ -67,10 +67,12 @@ def _release(fd: int, pinned: torch.Tensor | None) -> None:
 
 
 def descriptor(p: Piece) -> Descriptor:
+    """The piece without its tensor (key, global shape, dtype name, box): what ranks exchange to plan a save."""
     return Descriptor(p.key, tuple(p.global_shape), dtype_name(p.dtype), p.box)
 
 
 def descriptors(pieces: list[Piece]) -> list[Descriptor]:
+    """`descriptor` of every piece, in order."""
     return [descriptor(p) for p in pieces]
 
 

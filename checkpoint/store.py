@@ -39,6 +39,7 @@ _JSON_KINDS: dict[type, str] = {
 
 
 def step_dir(root: Path, step: int) -> Path:
+    """The directory of committed checkpoint `step` under `root` (step_NNNNNNNN)."""
     return Path(root) / f"step_{step:08d}"
 
 
@@ -142,6 +143,7 @@ def prune(root: Path, keep_last: int, newest: Path) -> None:
 
 
 def commit_time(ckpt: Path) -> float:
+    """When checkpoint `ckpt` was committed (its marker's time); 0.0 for an unreadable marker."""
     try:
         return float(marker(ckpt).get("time", 0.0))
     except CheckpointError:  # an unreadable marker sorts first; loading it reports the damage

@@ -51,10 +51,12 @@ class Item:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as checkpoint indexes spell it: `torch.bfloat16` is "bfloat16"."""
     return str(dtype).removeprefix("torch.")
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype an index's name spells; CheckpointError for a name torch does not have."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"unknown dtype {name!r} in a checkpoint index")

@@ -90,6 +90,7 @@ def room_for(path: Path, nbytes: int) -> Iterator[None]:
 
 
 def rank_manifest(step_dir: Path, rank: int) -> Path:
+    """The file in which a rank lists the files it wrote to `step_dir` and their checksums, for the commit."""
     return Path(step_dir) / f".rank{rank}.manifest.json"
 
 

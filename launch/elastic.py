@@ -323,6 +323,9 @@ def install_rendezvous_poll(poll_s: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """torchrun whose workers are forked: start the fork server while torch imports, route torchrun's
+    worker starts through it (or warn and start them fresh), poll the rendezvous faster, then
+    run torchrun with `argv`."""
     server = ForkServer()
     linux = sys.platform.startswith("linux")
     if linux:  # before torch is imported here: the server's imports and these run side by side

@@ -67,6 +67,35 @@ def sbatch_script(
     workdir: str,
     interpreter: str = sys.executable,
 ) -> str:
+    """The sbatch script for `job`: its #SBATCH directives, the environment every node's torchrun
+    needs (the venv's Python, the rendezvous on the first node, signal and NCCL settings), then the
+    job step (one torchrun per node under srun, each beside its snapshot agent when `job.snapshots`)
+    under the traps that pass a stop on and requeue after the time-limit warning."""
+    # torchrun runs it as a module: -m strata.launch.cli
+    worker = shlex.join(worker_args(config_path, overrides, resume))
+    python, path_line = job_python(interpreter)
+    torchrun = (
+        f"{python} -m torch.distributed.run --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} "
+        '--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$SLURM_JOB_ID" '
+        f"--max-restarts={job.max_restarts} {worker}"
+    )
+    lines = [
+        "#!/bin/bash",
+        *[f"#SBATCH {d}" for d in _directives(job)],
+        "",
+        *_environment(job, workdir, path_line),
+    ]
+    if job.snapshots:
+        secret, step = _snapshot_step(python, torchrun)
+        lines.append(secret)
+    else:
+        step = f"srun --kill-on-bad-exit=1 {torchrun}"
+    return "\n".join(lines + _stop_and_requeue(step))
+
+
+def _directives(job: SlurmJob) -> list[str]:
+    """The #SBATCH options: one task per node with its GPUs, the time limit and its warning,
+    requeueing, an appended output file, and the partition, account and CPUs when set."""
     directives = [
         f"--job-name={job.name}",
         f"--nodes={job.nodes}",
@@ -88,24 +117,18 @@ def sbatch_script(
         directives.append(f"--account={job.account}")
     if job.cpus_per_task:
         directives.append(f"--cpus-per-task={job.cpus_per_task}")
-    # torchrun runs it as a module: -m strata.launch.cli
-    worker = shlex.join(worker_args(config_path, overrides, resume))
-    python, path_line = job_python(interpreter)
+    return directives
+
+
+def _environment(job: SlurmJob, workdir: str, path_line: str) -> list[str]:
+    """The script's set-up before the job step: the working directory, the venv's Python on PATH
+    (`path_line`, from `job_python`), the rendezvous endpoint on the allocation's first node, and
+    the variables torchrun and NCCL read (signals passed on, the shutdown grace, the flight recorder)."""
     path_lines = ["# The Python that ran `strata launch` (its venv), here and through srun on every node.", path_line]
-    if not path_line:
-        path_lines = []
-    torchrun = (
-        f"{python} -m torch.distributed.run --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} "
-        '--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$SLURM_JOB_ID" '
-        f"--max-restarts={job.max_restarts} {worker}"
-    )
-    lines = [
-        "#!/bin/bash",
-        *[f"#SBATCH {d}" for d in directives],
-        "",
+    return [
         "set -euo pipefail",
         f"cd {shlex.quote(workdir)}",
-        *path_lines,
+        *(path_lines if path_line else []),
         "# Rendezvous on the first node of the allocation (c10d store hosted by that node's torchrun).",
         # an array, not `| head -n 1`: under pipefail head's early exit SIGPIPEs scontrol
         'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
@@ -124,25 +147,24 @@ def sbatch_script(
         'echo "strata: $SLURM_JOB_NUM_NODES nodes, rendezvous at $RDZV_ENDPOINT (restart ${SLURM_RESTART_COUNT:-0})"',
         "",
     ]
-    if job.snapshots:
-        # One secret for every node's snapshot agent, made here so it is never written to a file;
-        # srun passes the environment on. Each node starts its agent, then becomes its torchrun
-        # (exec keeps the pid the agent watches).
-        node = (
-            "trap '' USR1; "  # the agent ignores the warning (torchrun handles it again: PET_SIGNALS_TO_HANDLE)
-            'dir=$(mktemp -d); sock="$dir/agent.sock"; '
-            f"{python} -m strata.launch.snapshot_agent"
-            ' --socket "$sock" --advertise "$(hostname)" --parent $$ & '
-            'while [ ! -S "$sock" ]; do sleep 0.1; done; export STRATA_SNAPSHOT_SOCKET="$sock"; '
-            f"exec {torchrun}"
-        )
-        lines += [
-            f"export STRATA_SNAPSHOT_SECRET=$({python} -c 'import secrets; print(secrets.token_hex(32))')",
-        ]
-        step = f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(node)}"
-    else:
-        step = f"srun --kill-on-bad-exit=1 {torchrun}"
-    return "\n".join(lines + _stop_and_requeue(step))
+
+
+def _snapshot_step(python: str, torchrun: str) -> tuple[str, str]:
+    """With snapshots on: the line that makes the agents' secret, and the job step in which each
+    node starts its snapshot agent, then becomes its torchrun."""
+    # One secret for every node's snapshot agent, made here so it is never written to a file;
+    # srun passes the environment on. Each node starts its agent, then becomes its torchrun
+    # (exec keeps the pid the agent watches).
+    node = (
+        "trap '' USR1; "  # the agent ignores the warning (torchrun handles it again: PET_SIGNALS_TO_HANDLE)
+        'dir=$(mktemp -d); sock="$dir/agent.sock"; '
+        f"{python} -m strata.launch.snapshot_agent"
+        ' --socket "$sock" --advertise "$(hostname)" --parent $$ & '
+        'while [ ! -S "$sock" ]; do sleep 0.1; done; export STRATA_SNAPSHOT_SOCKET="$sock"; '
+        f"exec {torchrun}"
+    )
+    secret = f"export STRATA_SNAPSHOT_SECRET=$({python} -c 'import secrets; print(secrets.token_hex(32))')"
+    return secret, f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(node)}"
 
 
 def _stop_and_requeue(step: str) -> list[str]:

@@ -67,6 +67,10 @@ def _capacity(nbytes: int, k: int) -> int:
 
 
 class Agent:
+    """A node's snapshot agent: the memfd slots its workers write images into, the committed
+    images and other nodes' erasure-coded fragments it keeps, its peers, and the threads serving
+    the workers' Unix socket and the peers' TCP listener."""
+
     def __init__(self, socket_path: str, advertise: str, bind: str, port: int, secret: bytes, parent: int | None):
         self.id = uuid.uuid4().hex[:12]
         self.secret, self.parent = secret, parent
@@ -422,6 +426,8 @@ class Agent:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the agent: parse the command line, check the erasure code, listen on the workers' socket
+    and a peer port, and serve until the launcher (`--parent`) is gone."""
     p = argparse.ArgumentParser(prog="python -m strata.launch.snapshot_agent", description=__doc__.splitlines()[0])
     p.add_argument("--socket", required=True, help="path of the workers' Unix socket (in a 0700 directory)")
     p.add_argument("--advertise", default=socket.getfqdn(), help="host name other nodes' agents reach this one at")

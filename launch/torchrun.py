@@ -278,6 +278,9 @@ def worker_args(config_path: str, overrides: list[str], resume: str | None, extr
 def torchrun_command(
     plan: LaunchPlan, config_path: str, overrides: list[str], resume: str | None, extra: tuple[str, ...] = ()
 ) -> list[str]:
+    """The command that starts this node's workers: torchrun (or `strata.launch.elastic`, its fork
+    server variant, when `worker_start` is forkserver on Linux) with the plan's arguments and
+    each worker's `strata train` command line."""
     forked = plan.worker_start == "forkserver" and sys.platform.startswith("linux")
     return [
         sys.executable,
@@ -289,6 +292,9 @@ def torchrun_command(
 
 
 def launch_env(plan: LaunchPlan) -> dict[str, str]:
+    """The environment torchrun starts with: this process's, plus unbuffered output, the store and
+    signal settings torchrun needs for restarts and stops, the network interface, and the
+    snapshot agents' secret (made here for one node; several nodes must share one exported)."""
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     if plan.nproc_per_node > 1:

@@ -26,7 +26,7 @@ from strata.offload.swap import FileRegion, Mover
 
 if TYPE_CHECKING:
     from strata.offload.params import ParamTier
-    from strata.parallel.zero import FlatGroup
+    from strata.parallel.flat_group import FlatGroup
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 Moments = tuple[torch.Tensor, ...]  # one tensor per name in MOMENTS

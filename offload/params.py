@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from strata.offload.swap import Mover, Transfer, Where
 
 if TYPE_CHECKING:
-    from strata.parallel.zero import FlatGroup
+    from strata.parallel.flat_group import FlatGroup
 
 
 class ParamTier:

@@ -57,6 +57,9 @@ class Measured:
 
 @dataclass(frozen=True)
 class Placement:
+    """The chosen update placement: which sub-groups step on the GPU, the model's predicted update
+    time for it and for all on the CPU, and why."""
+
     on_gpu: tuple[bool, ...]  # per sub-group, in update order
     predicted_s: float  # the model's update time for this plan
     all_cpu_s: float  # the model's update time with every sub-group on the CPU

@@ -31,6 +31,8 @@ class OffloadBudgetError(StrataError):
 
 @dataclass
 class Slab:
+    """One staging slab borrowed from the pool: its index, the stream holding it, and its bytes."""
+
     index: int
     stream: str
     tensor: torch.Tensor  # uint8, page-aligned, slab_bytes long

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from strata.config import OFFLOAD_STREAM_KEYS, SLABS_PER_STREAM, offload_devices, pool_streams
+from strata.config.vocabulary import OFFLOAD_STREAM_KEYS, SLABS_PER_STREAM, offload_devices, pool_streams
 from strata.errors import ConfigError
 from strata.offload.activations import ActivationOffloader
 from strata.offload.files import SwapDir, SwapFile
@@ -26,7 +26,7 @@ from strata.offload.swap import FileRegion, Mover, Where
 from strata.parallel.runtime import proc_status_bytes
 
 if TYPE_CHECKING:
-    from strata.config import Config, ParamOffloadConfig
+    from strata.config.schema import Config, ParamOffloadConfig
     from strata.parallel.zero import ZeroEngine
 
 

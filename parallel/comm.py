@@ -282,6 +282,8 @@ def send_tensor(tensor: torch.Tensor, dst: int, dim: str) -> None:
 
 
 def recv_tensor(src: int, device: torch.device, dim: str) -> torch.Tensor:
+    """Blocking receive of a tensor sent by `send_tensor` from global rank `src`: the header, then
+    the data, into a new tensor on `device`."""
     with collective(f"recv from rank {src}", dim):
         n = torch.empty(1, dtype=torch.int64, device=device)
         dist.recv(n, src)
@@ -368,6 +370,7 @@ def new_gloo_group():
 
 
 def barrier(group=None) -> None:
+    """Wait for every rank of `group` (the world by default); nothing to do without a process group."""
     if dist.is_initialized():
         with collective("barrier"):
             dist.barrier(group=group)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 
-from strata.config import SINGLE_STAGE_SCHEDULES
+from strata.config.vocabulary import SINGLE_STAGE_SCHEDULES
 from strata.model import GPT
 from strata.parallel import comm
 from strata.parallel.stages import StagePlan, plan_stages, schedule_name, stage_indices

@@ -188,6 +188,9 @@ def _piece(buf: torch.Tensor, start: int, size: int) -> tuple[torch.Tensor, None
 
 
 class PendingGather:
+    """A gather under way: the first collective's work handle (None when nothing was sent) and the
+    rest of the chain, run by `wait`."""
+
     def __init__(self, work, rest: Callable[[], None]):
         self.work, self.rest = work, rest
 

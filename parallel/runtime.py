@@ -18,6 +18,9 @@ from strata.parallel import comm
 
 @dataclass(frozen=True)
 class Runtime:
+    """This process's place in the world: its rank, the world size, its rank and the ranks on its
+    node, and the device it computes on."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -30,6 +33,7 @@ class Runtime:
 
 
 def world_size_from_env() -> int:
+    """The world size torchrun (or srun) put in WORLD_SIZE; 1 when not launched."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from strata.config import V_SHAPED_SCHEDULES
+from strata.config.vocabulary import V_SHAPED_SCHEDULES
 
 
 def schedule_name(requested: str, virtual_stages: int) -> str:
+    """The pipeline schedule to run: `requested`, or for "auto" 1F1B with one stage per rank and
+    interleaved 1F1B with virtual stages."""
     if requested != "auto":
         return requested
     return "1f1b" if virtual_stages == 1 else "interleaved_1f1b"

@@ -67,6 +67,8 @@ _PLACEMENT = "placement"  # the attribute a shard carries its Placement in (torc
 
 
 def placement_of(p: torch.Tensor) -> Placement:
+    """Where tensor `p` sits in its global tensor: the Placement a shard carries, else whole
+    (replicated) with its own shape."""
     return getattr(p, _PLACEMENT, None) or Placement(tuple(p.shape))
 
 

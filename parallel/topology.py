@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from strata.config import CHAIN, LEVELS, chain_level, layout_problems, ranks_per_node
+from strata.config.vocabulary import CHAIN, LEVELS, chain_level, layout_problems, ranks_per_node
 from strata.errors import ConfigError
 
 # torch.distributed and comm are imported where groups are made: the rank arithmetic alone serves

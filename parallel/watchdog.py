@@ -91,6 +91,7 @@ def paused(phase: str) -> Iterator[None]:
 
 
 def step_done(step: int) -> None:
+    """Record that this rank finished optimizer step `step` (progress the watchdog sees)."""
     progress.step, progress.seq = step, progress.seq + 1
 
 

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.config import ModelConfig, padded_vocab_size
+from strata.config.schema import ModelConfig
+from strata.config.vocabulary import padded_vocab_size
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
@@ -25,6 +26,8 @@ def ffn_hidden_size(cfg: ModelConfig) -> int:
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square normalisation of the last dimension, with a learned scale (`weight`)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -73,6 +76,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Causal self-attention with rotary positions and grouped-query heads (`kv_heads` shared by
+    `n_heads`): q/k/v projections (optional bias), optional per-head q/k RMSNorm, SDPA, output projection."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_size
@@ -98,6 +104,8 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    """The feed-forward layer: w2(silu(w1 x) * w3 x), gate and up projections to `ffn_hidden_size`."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hidden = ffn_hidden_size(cfg)
@@ -110,6 +118,8 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
+    """One pre-norm transformer block: x + attention(norm(x)), then + SwiGLU(norm(x))."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -189,6 +199,8 @@ def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int
 
 
 def build_model(cfg: ModelConfig, data_vocab_size: int, seed: int) -> GPT:
+    """The plain GPT for `cfg` (vocabulary: the config's, else the data's padded up), with initial
+    values seeded by `seed` and each parameter's name."""
     model = GPT(cfg, padded_vocab_size(cfg, data_vocab_size))
     model.init_weights(seed)
     return model

@@ -51,8 +51,9 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from strata import config
 from strata.config import Config
+from strata.parallel.flat_group import FlatGroup
 from strata.parallel.topology import Layout, Topology, build_topology, layout_from_config
-from strata.parallel.zero import FlatGroup, ZeroEngine
+from strata.parallel.zero import ZeroEngine
 from strata.trainer.parallelize import ParallelModel, parallelize
 
 from worlds import join_world, run_world

@@ -418,6 +418,8 @@ class Trainer:
         return watchdog.start(store, token, self.rt.rank, self.rt.world_size, after)
 
     def _fit(self, log: MetricsLogger) -> RunResult:
+        """The training loop of `fit`: step, log every `log.interval` steps, do what follows a step
+        (`_after_step`), and at the end evaluate, save and close (`_end_of_training`)."""
         cfg, result = self.cfg, RunResult()
         losses: dict[int, torch.Tensor] = {}
         interval_start, interval_steps = time.perf_counter(), 0
@@ -431,33 +433,57 @@ class Trainer:
             record: dict = {}
             if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
                 elapsed = time.perf_counter() - interval_start
-                record = self._throughput(interval_steps, elapsed)
                 moved = Counter(comm.bytes_by_link) - link_bytes_before
-                record["wire_bytes_per_step"] = {link: n / interval_steps for link, n in sorted(moved.items())}
                 link_bytes_before = Counter(comm.bytes_by_link)
-                record.update(
-                    loss=loss.item(), grad_norm=grad_norm.item(), lr=self.model.optimizer.param_groups[0]["lr"]
-                )
-                if self.skipped_steps:
-                    record["skipped_steps"] = self.skipped_steps
-                if self.model.tiers:
-                    record["offload"] = self.model.tiers.metrics()
-                if self.snapshots:
-                    record["snapshot"] = self.snapshots.stats()
-                if isinstance(self.loader, MixtureLoader):
-                    record["data"] = {"source_samples": self.loader.source_counts()}
+                record = self._interval_record(interval_steps, elapsed, moved, loss, grad_norm)
                 interval_start, interval_steps = time.perf_counter(), 0
             if self.step_skipped:
                 record["skipped"] = self._note_skipped(log, loss, grad_norm)
             log.step(self.step, record)
-            if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 and self.step < cfg.train.steps:
-                result.eval_losses[self.step] = self._eval_and_log(log)
-            if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
-                self._save_or_warn(log)
-            if self.snapshots and self.step % cfg.snapshot.every_steps == 0 and self.step < cfg.train.steps:
-                self.snapshot()
-            if self.stop_signal and self.step < cfg.train.steps:
-                self._stop_on_signal(log)
+            self._after_step(log, result)
+        self._end_of_training(log, result)
+        elapsed = time.perf_counter() - train_start
+        result.final_step = self.step
+        result.losses = {step: loss.item() for step, loss in losses.items()}
+        result.tokens_per_s = (self.step - start_step) * self.tokens_per_step / max(elapsed, 1e-9)
+        return result
+
+    def _interval_record(
+        self, steps: int, seconds: float, moved: Counter[str], loss: torch.Tensor, grad_norm: torch.Tensor
+    ) -> dict:
+        """The metrics of the `steps` steps logged at once (`seconds` long, `moved` bytes per link
+        level): throughput, bytes per step, this step's loss, gradient norm and learning rate, and
+        the skipped steps, memory tiers, snapshots and data mixture when there are any."""
+        record = self._throughput(steps, seconds)
+        record["wire_bytes_per_step"] = {link: n / steps for link, n in sorted(moved.items())}
+        record.update(loss=loss.item(), grad_norm=grad_norm.item(), lr=self.model.optimizer.param_groups[0]["lr"])
+        if self.skipped_steps:
+            record["skipped_steps"] = self.skipped_steps
+        if self.model.tiers:
+            record["offload"] = self.model.tiers.metrics()
+        if self.snapshots:
+            record["snapshot"] = self.snapshots.stats()
+        if isinstance(self.loader, MixtureLoader):
+            record["data"] = {"source_samples": self.loader.source_counts()}
+        return record
+
+    def _after_step(self, log: MetricsLogger, result: RunResult) -> None:
+        """What follows a logged step: the interval checkpoint, and before the last step evaluation,
+        a snapshot, and stopping with a committed checkpoint when a stop signal came."""
+        cfg = self.cfg
+        if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 and self.step < cfg.train.steps:
+            result.eval_losses[self.step] = self._eval_and_log(log)
+        if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+            self._save_or_warn(log)
+        if self.snapshots and self.step % cfg.snapshot.every_steps == 0 and self.step < cfg.train.steps:
+            self.snapshot()
+        if self.stop_signal and self.step < cfg.train.steps:
+            self._stop_on_signal(log)
+
+    def _end_of_training(self, log: MetricsLogger, result: RunResult) -> None:
+        """After the last step: CO2's last exchange, the final evaluation, the final checkpoint
+        (unless the interval save just made it), committed before the run reports done."""
+        cfg = self.cfg
         self.model.close_co2_round()  # CO2's last exchange: every node ends on the same parameters
         result.eval_losses[self.step] = self._eval_and_log(log)
         if cfg.checkpoint.save_final and not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
@@ -467,11 +493,6 @@ class Trainer:
             if self.snapshots:
                 self.snapshots.close()
         self.model.close()
-        elapsed = time.perf_counter() - train_start
-        result.final_step = self.step
-        result.losses = {step: loss.item() for step, loss in losses.items()}
-        result.tokens_per_s = (self.step - start_step) * self.tokens_per_step / max(elapsed, 1e-9)
-        return result
 
     def _note_skipped(self, log: MetricsLogger, loss: torch.Tensor, grad_norm: torch.Tensor) -> str:
         note = (

@@ -208,6 +208,9 @@ def _start_wandb(project: str, run_dir: Path, config: dict | None):
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl (none without one), blank lines skipped: what the logger
+    wrote, read back whole (`strata plot` reads through `plots.read_metrics`, which also
+    tolerates a cut-off last line)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []

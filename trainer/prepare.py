@@ -158,39 +158,61 @@ def plan(files: list[Path], root: Path | None, text_field: str, chunk_bytes: int
 def read_documents(task: Task, text_field: str, as_bytes: bool) -> Iterator[tuple[str, str | bytes]]:
     """(split key, document) for each document of the task, in order; bytes when `as_bytes`."""
     if task.fmt == "text":
-        for path, name in task.items:
-            data = Path(path).read_bytes()
-            yield name, data if as_bytes else data.decode("utf-8", errors="replace")
-        return
-    path, name = task.items[0]
+        return _text_documents(task, as_bytes)
     if task.fmt == "jsonl":
-        with open(path, "rb") as f:
-            f.seek(task.start)
-            data = f.read(task.end - task.start)
-        for i, line in enumerate(data.split(b"\n")):
-            if not line.strip():
-                continue
-            where = f"{path}:{task.first + i}"
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{where}: not valid JSON ({e}); each line must be one JSON object") from e
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object with a {text_field!r} field")
-            if text_field not in obj:
-                raise DataError(
-                    f"{where}: no {text_field!r} field (fields: {', '.join(list(obj)[:10])}); "
-                    "name the text field with --text-field"
-                )
-            text = obj[text_field]
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise DataError(f"{where}: field {text_field!r} holds a {type(text).__name__}, not text")
-            yield f"{name}:{task.first + i}", text.encode() if as_bytes else text
-        return
+        return _jsonl_documents(task, text_field, as_bytes)
+    return _parquet_documents(task, text_field, as_bytes)
+
+
+def _text_documents(task: Task, as_bytes: bool) -> Iterator[tuple[str, str | bytes]]:
+    """Each text file of the task whole, keyed by its name (UTF-8, undecodable bytes replaced)."""
+    for path, name in task.items:
+        data = Path(path).read_bytes()
+        yield name, data if as_bytes else data.decode("utf-8", errors="replace")
+
+
+def _jsonl_documents(task: Task, text_field: str, as_bytes: bool) -> Iterator[tuple[str, str | bytes]]:
+    """The `text_field` of each line in the task's byte range, keyed by name and line number; blank
+    lines and null texts are skipped, any other line that holds no text is a DataError naming it."""
+    path, name = task.items[0]
+    with open(path, "rb") as f:
+        f.seek(task.start)
+        data = f.read(task.end - task.start)
+    for i, line in enumerate(data.split(b"\n")):
+        if not line.strip():
+            continue
+        text = _jsonl_text(line, f"{path}:{task.first + i}", text_field)
+        if text is None:
+            continue
+        yield f"{name}:{task.first + i}", text.encode() if as_bytes else text
+
+
+def _jsonl_text(line: bytes, where: str, text_field: str) -> str | None:
+    """The text of one JSON Lines record (None when the field is null); a DataError at `where`
+    when the line is not a JSON object with a text `text_field`."""
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        raise DataError(f"{where}: not valid JSON ({e}); each line must be one JSON object") from e
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object with a {text_field!r} field")
+    if text_field not in obj:
+        raise DataError(
+            f"{where}: no {text_field!r} field (fields: {', '.join(list(obj)[:10])}); "
+            "name the text field with --text-field"
+        )
+    text = obj[text_field]
+    if text is not None and not isinstance(text, str):
+        raise DataError(f"{where}: field {text_field!r} holds a {type(text).__name__}, not text")
+    return text
+
+
+def _parquet_documents(task: Task, text_field: str, as_bytes: bool) -> Iterator[tuple[str, str | bytes]]:
+    """The non-null `text_field` of each row of the task's row group, keyed by name and row number;
+    a DataError when the row group cannot be read."""
     import pyarrow as pa
 
+    path, name = task.items[0]
     pf = _open_parquet(path, text_field)
     row = task.first
     try:

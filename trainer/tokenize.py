@@ -81,6 +81,7 @@ def tokenizer_file(spec: str) -> Path:
 
 
 def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes (hex), read in 1 MiB blocks: how meta.json pins the tokenizer.json."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

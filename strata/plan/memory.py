@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from strata.config import V_SHAPED_SCHEDULES, Config, chain_level, offload_devices
+from strata.config.schema import Config
+from strata.config.vocabulary import V_SHAPED_SCHEDULES, chain_level, offload_devices
 from strata.parallel.stages import schedule_name
 from strata.parallel.topology import Layout, layout_from_config
 from strata.plan.cluster import Cluster
@@ -103,6 +104,7 @@ class MemoryEstimate:
 
 
 def gib(nbytes: float) -> str:
+    """Bytes as a GiB figure for reports (two decimals)."""
     return f"{nbytes / 2**30:.2f} GiB"
 
 
@@ -127,14 +129,18 @@ def zero_levels(cfg: Config) -> dict[str, str]:
 
 
 def bucket_bytes(cfg: Config) -> int:
+    """How many bytes a flat group fills before the next block starts another: the ZeRO engine's
+    `zero.bucket_mb`, or `parallel.bucket_mb` for plain data parallelism."""
     return int((cfg.zero.bucket_mb if cfg.zero.enabled else cfg.parallel.bucket_mb) * 2**20)
 
 
 def flat_groups(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> list[Group]:
+    """The flat groups of pipeline rank `pp_rank` under this layout, padded as the engine pads them."""
     return groups_of(cfg, vocab, pp_rank, chunk_counts(layout)["global"], bucket_bytes(cfg))
 
 
 def micro_batches(cfg: Config, layout: Layout) -> int:
+    """Micro-batches per step on each data-parallel rank (at least 1)."""
     return max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from strata.config import Config
+from strata.config.schema import Config
 from strata.plan.cluster import Cluster, Device, ram_gib
 from strata.plan.memory import estimate_memory, gib
 

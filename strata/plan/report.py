@@ -3,7 +3,7 @@ a search's ranking, and the one-line warning `strata launch` and `strata config 
 
 from __future__ import annotations
 
-from strata.config import Config
+from strata.config.schema import Config
 from strata.plan.cluster import LINKS, Cluster
 from strata.plan.memory import KINDS, TIERS, MemoryEstimate, gib, layout_of, micro_batches, zero_levels
 from strata.plan.search import SearchResult
@@ -11,6 +11,8 @@ from strata.plan.timing import TimeEstimate
 
 
 def layout_line(cfg: Config, cluster: Cluster) -> str:
+    """One line describing the layout the planner models: tp, pp, virtual stages, dp, micro-batches,
+    ZeRO levels, offload and activation settings."""
     par, lv, layout = cfg.parallel, zero_levels(cfg), layout_of(cfg, cluster)
     dp, m = layout.dp, micro_batches(cfg, layout)
     zero = (
@@ -30,6 +32,8 @@ def layout_line(cfg: Config, cluster: Cluster) -> str:
 
 
 def memory_table(memory: MemoryEstimate) -> list[str]:
+    """The memory estimate as table lines: GiB per kind and tier on the fullest pipeline stage, the
+    budgets, and each stage's device total when there are several."""
     worst = memory.worst("device")
     lines = [
         f"memory per rank, GiB (pipeline stage {worst.pp_rank}, the fullest)",
@@ -49,6 +53,8 @@ def memory_table(memory: MemoryEstimate) -> list[str]:
 
 
 def time_table(est: TimeEstimate, tokens_per_step: int) -> list[str]:
+    """The step-time estimate as table lines: each part's seconds, the step with tokens/s, TFLOP/s and
+    MFU, and the bytes each link level carries."""
     lines = ["step time, s"]
     for part, seconds in est.parts.items():
         if seconds:
@@ -65,6 +71,8 @@ def time_table(est: TimeEstimate, tokens_per_step: int) -> list[str]:
 
 
 def search_table(result: SearchResult, cluster: Cluster, top: int) -> list[str]:
+    """The search's result as table lines: the `top` fitting layouts fastest first, then the layout
+    families none of whose layouts fit, and why."""
     lines = [f"{len(result.fitting)} of {result.considered} layouts fit; fastest first:"]
     lines.append(f"  {'#':>3}  {'step s':>9}  {'MFU':>6}  {'device GiB':>10}  {'host GiB':>9}  layout")
     for i, p in enumerate(result.fitting[:top], 1):

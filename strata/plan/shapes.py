@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from strata.config import Config, ModelConfig
+from strata.config.schema import Config, ModelConfig
 from strata.parallel.stages import plan_stages, schedule_name, stage_indices
 from strata.parallel.topology import CHAIN, Layout
 
@@ -222,4 +222,5 @@ def head_constant_bytes(cfg: Config, vocab: int) -> int:
 
 
 def saved_bytes(saved: list[Saved], tokens: int) -> int:
+    """Bytes the tensors `saved` take for `tokens` tokens."""
     return int(sum(s.per_token * s.itemsize for s in saved) * tokens)

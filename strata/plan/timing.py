@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from strata.config import Config, offload_devices
+from strata.config.schema import Config
+from strata.config.vocabulary import offload_devices
 from strata.model import flops_per_token
 from strata.parallel.stages import schedule_name
 from strata.parallel.topology import Layout
