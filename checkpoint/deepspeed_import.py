@@ -137,11 +137,14 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict]:
     return weights, states, meta
 
 
-def import_checkpoint(path: Path, out_root: Path, config_yaml: str, aliases: dict[str, str] | None = None) -> Path:
+def import_checkpoint(
+    path: Path, out_root: Path, config_yaml: str, aliases: dict[str, str] | None = None, overwrite: bool = False
+) -> Path:
     """Write DeepSpeed checkpoint `path` as the Strata checkpoint of its step under `out_root`,
     with `config_yaml` (the Strata config to continue with) as its config. `aliases` adds names
     for the same tensor ({'output.weight': 'tok_embeddings.weight'} for a tied embedding, which
-    DeepSpeed saves once)."""
+    DeepSpeed saves once). An `out_root` holding committed checkpoints is refused unless
+    `overwrite` (`store.output_refusal`)."""
     weights, states, meta = read(path)
     tensors = {f"model.{name}": w for name, w in weights.items()}
     for name, entry in states.items():
@@ -162,4 +165,6 @@ def import_checkpoint(path: Path, out_root: Path, config_yaml: str, aliases: dic
         {f"model.{a}": f"model.{n}" for a, n in (aliases or {}).items()},
         config_yaml,
         {"imported_from": trainer_state["imported_from"]},
+        overwrite,
+        "strata ckpt import-deepspeed",
     )

@@ -123,7 +123,9 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
     return Checkpoint.foreign(directory, {"tensors": tensors, "objects": {}}, sizes)
 
 
-def import_hf(directory: Path, out_root: Path, config_yaml: str, model_cfg: hf.ModelShape) -> Path:
+def import_hf(
+    directory: Path, out_root: Path, config_yaml: str, model_cfg: hf.ModelShape, overwrite: bool = False
+) -> Path:
     """Write the model directory's weights, as saved (same dtype), as the Strata checkpoint of step 0
     under `out_root`, with no optimizer state: `--resume` it (the optimizer starts fresh) or name it
     in model.init_from. `config_yaml` is the Strata config to continue with. Reads whole tensors:
@@ -147,4 +149,6 @@ def import_hf(directory: Path, out_root: Path, config_yaml: str, model_cfg: hf.M
         aliases,
         config_yaml,
         {"imported_from": origin},
+        overwrite,
+        "strata ckpt import-hf",
     )

@@ -42,6 +42,7 @@ from strata.checkpoint.stage import (
 )
 from strata.errors import CheckpointError
 from strata.parallel import comm
+from strata.runlock import locked
 
 WRITING, WRITTEN, DONE = 0, 1, 2
 ON_DISK_FULL = ("stop", "retry")
@@ -358,11 +359,19 @@ def write_whole(
     aliases: dict[str, str],
     config_yaml: str,
     layout: dict,
+    overwrite: bool = False,
+    command: str = "strata ckpt",
 ) -> Path:
     """A checkpoint of whole tensors (by DCP key), written from one process (imports, offline
-    tools); the same format a training job writes."""
-    pieces = [whole_piece(key, t.detach().contiguous()) for key, t in tensors.items()]
-    CheckpointManager(root, 0, 1, config_yaml=config_yaml).save(
-        step, FixedState(StateContents(pieces, objects, aliases, layout))
-    )
+    tools); the same format a training job writes. It holds `root`'s lock while it writes, refuses a
+    `root` holding committed checkpoints unless `overwrite` (`store.output_refusal`), and prunes
+    nothing."""
+    with locked([(Path(root), "checkpoint directory")]):
+        refusal = store.output_refusal(Path(root), step, overwrite, command)
+        if refusal is not None:
+            raise refusal
+        pieces = [whole_piece(key, t.detach().contiguous()) for key, t in tensors.items()]
+        CheckpointManager(root, 0, 1, config_yaml=config_yaml).save(
+            step, FixedState(StateContents(pieces, objects, aliases, layout))
+        )
     return store.step_dir(root, step)

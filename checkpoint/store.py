@@ -171,6 +171,24 @@ def earlier_run_error(root: Path, found: list[str]) -> CheckpointError:
     )
 
 
+def output_refusal(root: Path, step: int | None, overwrite: bool, command: str) -> CheckpointError | None:
+    """Why a command that writes checkpoints outside a training job (an import, a reshard) must not
+    write under `root`: it holds committed checkpoints of another run and `--overwrite` was not
+    given. With it, the command replaces only the step directory it writes (`step`, when known) and
+    removes nothing else: such commands never prune."""
+    found = [p.name for p in committed(root)]
+    if not found or overwrite:
+        return None
+    clash = ""
+    if step is not None and step_dir(root, step).exists():
+        clash = f"; {step_dir(root, step).name} would be replaced"
+    return CheckpointError(
+        f"{command}: {root} already holds {len(found)} committed checkpoint(s) (newest: {found[-1]}){clash}. "
+        "Give an empty or new directory, or --overwrite to write beside them (only the step this command "
+        "writes is replaced; nothing else is removed)"
+    )
+
+
 def resolve(path: Path) -> Path:
     """A committed checkpoint directory from either itself or a root holding step_* directories."""
     path = Path(path)

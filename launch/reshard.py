@@ -16,6 +16,7 @@ from strata import config
 from strata.checkpoint import store
 from strata.errors import StrataError
 from strata.launch import torchrun
+from strata.runlock import locked
 
 TARGET_KEYS = {"tp": "parallel.tp", "pp": "parallel.pp", "dp": "parallel.dp", "vs": "parallel.virtual_stages"}
 
@@ -36,22 +37,32 @@ def parse_target(spec: str) -> dict[str, int]:
     return out
 
 
-def reshard(src: Path, out: Path, spec: str, overrides: list[str]) -> int:
+def reshard(src: Path, out: Path, spec: str, overrides: list[str], overwrite: bool = False) -> int:
     """Rewrite the checkpoint `src` (a step dir, or a checkpoints dir: its latest) under `out`
-    (a checkpoints directory) in the layout `spec`; returns the launcher's exit code."""
+    (a checkpoints directory) in the layout `spec`; returns the launcher's exit code. This process
+    holds `out`'s lock while the workers write; an `out` holding committed checkpoints is refused
+    unless `overwrite`, and nothing in it is pruned (the workers save with keep_last 0)."""
     ckpt = store.resolve(src)
     target = parse_target(spec)
     world = target["tp"] * target["pp"] * target["dp"]
     settings = [f"{TARGET_KEYS[k]}={v}" for k, v in target.items()]
-    settings += ["checkpoint.async=false", "log.progress=false", "log.wandb=false", *overrides]
+    settings += ["checkpoint.async=false", "checkpoint.keep_last=0", "log.progress=false", "log.wandb=false"]
+    settings += overrides
     config.load(ckpt / "config.yaml", settings, world_size=world)  # a layout that does not fit fails here, clearly
-    code = torchrun.run_local(
-        torchrun.LaunchPlan(nproc_per_node=world),
-        str(ckpt / "config.yaml"),
-        settings,
-        str(ckpt),
-        ("--save-to", str(out)),
-    )
+    step = store.marker(ckpt).get("step")
+    with locked([(Path(out), "checkpoint directory")]):
+        refusal = store.output_refusal(
+            Path(out), step if isinstance(step, int) else None, overwrite, "strata ckpt reshard"
+        )
+        if refusal is not None:
+            raise refusal
+        code = torchrun.run_local(
+            torchrun.LaunchPlan(nproc_per_node=world),
+            str(ckpt / "config.yaml"),
+            settings,
+            str(ckpt),
+            ("--save-to", str(out)),
+        )
     if code == 0:
         print(f"wrote {store.committed(out)[-1]} for tp {target['tp']}, pp {target['pp']}, dp {target['dp']}")
     return code

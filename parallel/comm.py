@@ -363,6 +363,11 @@ def all_gather_objects(obj, group) -> list:
     return out
 
 
+def world_group():
+    """The group of every rank (torch's default), or None in a process without a world."""
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
 def new_gloo_group():
     """A gloo group over the whole world for control messages (a background save's status) kept
     apart from training's collectives. Every rank must call it, in the same order as other groups."""

@@ -37,6 +37,7 @@ from strata.parallel import comm, watchdog
 from strata.parallel import runtime as runtime_mod
 from strata.parallel.runtime import Runtime
 from strata.parallel.topology import Topology, build_topology, layout_from_config
+from strata.runlock import RunLocked, RunLocks
 from strata.trainer.data import (
     Mixture,
     MixtureLoader,
@@ -146,8 +147,14 @@ class RunResult:
 class Trainer:
     """One rank's run: the data, the parallel model, the training state and its managers."""
 
-    def __init__(self, cfg: Config, runtime: Runtime):
+    def __init__(self, cfg: Config, runtime: Runtime, writes: list[tuple[Path, str]] | None = None):
         self.cfg, self.rt = cfg, runtime
+        self.start_notes: list[str] = []  # for rank 0 to print once the log is open
+        # first: nothing of the run is written before the directories it writes are held (`writes`:
+        # the run directory and checkpoint.dir unless a caller that holds them says otherwise)
+        if writes is None:
+            writes = [(cfg.run_dir(), "run directory"), (cfg.checkpoint_dir(), "checkpoint.dir")]
+        self.locks = self._lock_run(writes)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         layout = layout_from_config(cfg.parallel, runtime.world_size, runtime.local_world_size)
@@ -184,7 +191,6 @@ class Trainer:
             config_yaml=config_mod.dump(cfg),
             on_disk_full=cfg.checkpoint.on_disk_full,
         )
-        self.start_notes: list[str] = []  # for rank 0 to print once the log is open
         self.snapshots = self._snapshot_manager(control) if cfg.snapshot.every_steps else None
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.step_skipped = False  # the last step's loss or gradient norm was not finite
@@ -198,6 +204,28 @@ class Trainer:
     def step(self) -> int:
         """Optimizer steps taken (the training state's)."""
         return self.state.step
+
+    def _lock_run(self, writes: list[tuple[Path, str]]) -> RunLocks | None:
+        """Rank 0 takes the locks of the run directory and checkpoint.dir for the whole job (one job
+        holds them, not each rank); every rank learns whether it could (collective), so a second
+        writer of the same run ends on every rank with the one message naming the holder."""
+        locks, refusal = None, None
+        if self.rt.rank == 0:
+            try:
+                locks = RunLocks(writes).acquire()
+                self.start_notes += locks.warnings
+            except StrataError as e:
+                refusal = str(e)
+        refusal = comm.all_gather_objects(refusal, comm.world_group())[0]
+        if refusal is not None:
+            raise RunLocked(refusal)
+        return locks
+
+    def release_locks(self) -> None:
+        """Let the run's directories go (at the end of the run; a process's exit does it too)."""
+        if self.locks is not None:
+            self.locks.release()
+            self.locks = None
 
     def _snapshot_manager(self, group) -> SnapshotManager | None:
         """The snapshot manager (collective). Workers restarted after a failure go on without
@@ -549,7 +577,8 @@ class Trainer:
 def rewrite_checkpoint(cfg: Config, runtime: Runtime, source: Path, out: Path) -> None:
     """Load checkpoint `source` into this layout and save it under `out`, without training (the
     workers of `strata ckpt reshard`)."""
-    trainer = Trainer(config_mod.replace(cfg, "checkpoint.dir", str(out)), runtime)
+    # `strata ckpt reshard` holds out's lock for its workers; the source run is only read
+    trainer = Trainer(config_mod.replace(cfg, "checkpoint.dir", str(out)), runtime, writes=[])
     trainer.resume(source)
     if not trainer.save():
         raise CheckpointError(f"{source} holds parameters or optimizer states that are not finite; {out} not written")
@@ -602,6 +631,8 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
     for note in trainer.start_notes:
         log.print(note)
     log.print(peak_note)
+    if log.set_aside is not None:
+        log.print(f"note: an earlier run's metrics.jsonl was kept as {log.set_aside.name}; this run's starts anew")
     if restore_note:
         log.print(restore_note)
         log.write(
@@ -637,4 +668,5 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
             f"done: step {result.final_step}  train loss {train_loss}  eval loss {summary['eval_loss']:.4f}  "
             f"throughput {result.tokens_per_s:,.0f} tokens/s"
         )
+    trainer.release_locks()
     return result

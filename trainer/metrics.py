@@ -58,11 +58,13 @@ class MetricsLogger:
         self.tensorboard: Any = None
         self.peak_tflops = peak_tflops
         self.file: IO[str] | None = None
+        self.set_aside: Path | None = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         if tensorboard:  # first: a missing package must stop the run before anything is written
             self.tensorboard = _start_tensorboard(run_dir / "tensorboard")
+        self.set_aside = _set_aside_earlier_log(run_dir / "metrics.jsonl") if start_step == 0 else None
         self.file = open(run_dir / "metrics.jsonl", "a")
         if progress:
             self.bar = tqdm(
@@ -158,6 +160,22 @@ def _start_tensorboard(log_dir: Path) -> Any:
             "install it with: pip install strata-train[tensorboard] (or set log.tensorboard=false)"
         ) from e
     return SummaryWriter(log_dir=str(log_dir))
+
+
+def _set_aside_earlier_log(path: Path) -> Path | None:
+    """A run starting at step 0 writes a metrics.jsonl of its own: an earlier run's (one replaced with
+    checkpoint.overwrite, or one that saved no checkpoint) is renamed beside it, kept, rather than
+    mixed into the new run's curves. Returns its new name."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+    target = path.with_name(f"metrics-{stamp}.jsonl")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"metrics-{stamp}-{n}.jsonl")
+    path.rename(target)
+    return target
 
 
 def peak_tflops(device: str | None, precision: str) -> float | None:

@@ -62,7 +62,11 @@ def add_parser(subparsers: Subparsers) -> None:
         "(config.json, sharded safetensors, the tokenizer) for transformers' from_pretrained",
     )
     ck.add_argument(
-        "--overwrite", action="store_true", help="export: replace the weights and config files OUT names if they exist"
+        "--overwrite",
+        action="store_true",
+        help="export: replace the weights and config files OUT names if they exist; reshard, import-deepspeed, "
+        "import-hf: write into an OUT that already holds committed checkpoints (only the step written is "
+        "replaced; nothing is removed)",
     )
     ck.add_argument(
         "--config",
@@ -108,7 +112,7 @@ def _reshard(args: argparse.Namespace) -> int:
             "strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..: give OUT (a checkpoints directory) "
             "and the target layout"
         )
-    return reshard.reshard(Path(args.path), Path(args.out), args.to, args.overrides)
+    return reshard.reshard(Path(args.path), Path(args.out), args.to, args.overrides, args.overwrite)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -133,7 +137,9 @@ def _import_deepspeed(args: argparse.Namespace) -> int:
         )
     cfg = config.load(args.config, args.overrides)
     aliases = {"output.weight": "tok_embeddings.weight"} if cfg.model.tie_embeddings else None
-    path = deepspeed_import.import_checkpoint(Path(args.path), Path(args.out), config.dump(cfg), aliases)
+    path = deepspeed_import.import_checkpoint(
+        Path(args.path), Path(args.out), config.dump(cfg), aliases, args.overwrite
+    )
     print(f"wrote {path}; continue with: strata train {args.config} ... --resume {path}")
     return 0
 
@@ -145,7 +151,7 @@ def _import_hf(args: argparse.Namespace) -> int:
     if not args.out:
         raise StrataError("strata ckpt import-hf HF_DIR OUT [--config CFG]: give OUT (a checkpoints directory)")
     cfg = config.load(args.config, [*args.overrides, f"model.init_from={args.path}"])
-    path = hf_weights.import_hf(Path(args.path), Path(args.out), config.dump(cfg), cfg.model)
+    path = hf_weights.import_hf(Path(args.path), Path(args.out), config.dump(cfg), cfg.model, args.overwrite)
     print(
         f"wrote {path} (step 0, weights only); train from it with --resume {path} (the optimizer starts fresh) "
         f"or model.init_from={path}"

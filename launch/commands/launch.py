@@ -190,11 +190,15 @@ def _check_data(cfg: Config) -> None:
 
 
 def _check_checkpoints(cfg: Config, resume: str | None) -> None:
-    """What the workers' start would refuse about checkpoints, before they start: a --resume without
+    """What the workers' start would refuse about checkpoints, before they start: the run directory or
+    checkpoint.dir locked by a job still writing it, a --resume without
     a committed checkpoint, or a new run (no --resume, no snapshots to recover) in a checkpoint.dir
     holding an earlier run's committed checkpoints without checkpoint.overwrite."""
     from strata.checkpoint import store
+    from strata.runlock import check_free
 
+    # a job writing this run already: refused now, rather than by every worker once started
+    check_free([(cfg.run_dir(), "run directory"), (cfg.checkpoint_dir(), "checkpoint.dir")])
     if resume and not store.is_dcp_only(Path(resume)):
         store.marker(store.resolve(Path(resume)))  # a damaged commit marker: one error, before any worker
         return

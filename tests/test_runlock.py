@@ -1,0 +1,187 @@
+"""One writer per run: a second `strata train` or `--resume` of a run that is still training is one
+clear error naming the holder, a SIGKILLed holder leaves no lock behind, a multi-process job holds one
+lock (its launcher refuses a second job before starting workers), and the commands that write
+checkpoints outside a training job (reshard, import-hf) refuse another run's checkpoint directory,
+never pruning what they did not write."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from strata.checkpoint import store
+from strata.runlock import LOCK_NAME, RunLocked, RunLocks, check_free, holder
+
+from conftest import tiny_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def strata_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "strata.launch.cli", *args]
+
+
+def start_long_run(data_dir: Path, root: Path, **settings) -> subprocess.Popen:
+    """A tiny run that trains long enough to be caught holding its lock; returns once it holds it."""
+    experiment = root / "experiment.yaml"
+    root.mkdir(parents=True, exist_ok=True)
+    experiment.write_text("{}\n")
+    overrides = tiny_overrides(data_dir, root, **{"train.steps": 100000, "checkpoint.interval": 2, **settings})
+    proc = subprocess.Popen(
+        strata_cmd("train", str(experiment), *overrides),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while holder(root / "t").get("pid") != proc.pid or not store.committed(root / "t" / "checkpoints"):
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert time.monotonic() < deadline, "the run never took its lock and saved"
+        time.sleep(0.2)
+    return proc
+
+
+def run_strata(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(strata_cmd(*args), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_locks_are_shared_within_a_process_and_refused_to_another(tmp_path):
+    directories = [(tmp_path / "run", "run directory"), (tmp_path / "run" / "checkpoints", "checkpoint.dir")]
+    first = RunLocks(directories).acquire()
+    second = RunLocks(directories).acquire()  # a test building two trainers of one run in one process
+    record = holder(tmp_path / "run")
+    assert record["pid"] == os.getpid() and record["host"]
+    probe = (
+        "import sys; from pathlib import Path; from strata.runlock import RunLocks\n"
+        "try:\n    RunLocks([(Path(sys.argv[1]), 'run directory')]).acquire()\n"
+        "except Exception as e:\n    print(type(e).__name__, e); sys.exit(3)\n"
+    )
+    refused = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "run")], capture_output=True, text=True)
+    assert refused.returncode == 3 and "RunLocked" in refused.stdout and f"pid {os.getpid()}" in refused.stdout
+    with pytest.raises(RunLocked):
+        check_free([(tmp_path / "run" / "checkpoints", "checkpoint.dir")])
+    first.release()
+    assert subprocess.run([sys.executable, "-c", probe, str(tmp_path / "run")]).returncode == 3  # still shared
+    second.release()
+    assert subprocess.run([sys.executable, "-c", probe, str(tmp_path / "run")]).returncode == 0
+    check_free(directories)
+
+
+@pytest.mark.slow
+def test_a_second_writer_and_a_resume_of_a_running_run_are_refused(small_data_dir, tmp_path):
+    proc = start_long_run(small_data_dir, tmp_path / "a")
+    try:
+        experiment = tmp_path / "a" / "experiment.yaml"
+        overrides = tiny_overrides(small_data_dir, tmp_path / "a", **{"train.steps": 3})
+        for extra in ([], ["--resume", str(tmp_path / "a" / "t" / "checkpoints")], ["checkpoint.overwrite=true"]):
+            second = run_strata("train", str(experiment), *overrides, *extra)
+            assert second.returncode == 2, second.stdout + second.stderr
+            assert f"is in use by pid {proc.pid} on host" in second.stderr, second.stderr
+            assert "Traceback" not in second.stderr
+        # the launcher refuses before it starts any worker
+        launched = run_strata("launch", str(experiment), *overrides, "--nproc", "2")
+        assert launched.returncode == 2 and f"pid {proc.pid}" in launched.stderr, launched.stderr
+        assert proc.poll() is None  # the first run trains on
+        records = [json.loads(line) for line in (tmp_path / "a" / "t" / "metrics.jsonl").read_text().splitlines()]
+        steps = [r["step"] for r in records if "loss" in r]
+        assert steps == sorted(steps) and len(set(steps)) == len(steps)  # one run's records, not two mixed
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # SIGKILL left no lock: a resume starts at once
+    newest = store.marker(store.committed(tmp_path / "a" / "t" / "checkpoints")[-1])["step"]
+    resumed = run_strata(
+        "train",
+        str(tmp_path / "a" / "experiment.yaml"),
+        *tiny_overrides(small_data_dir, tmp_path / "a", **{"train.steps": newest + 2, "checkpoint.interval": 2}),
+        "--resume",
+        str(tmp_path / "a" / "t" / "checkpoints"),
+    )
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
+    assert f"done: step {newest + 2}" in resumed.stdout and "resumed from" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_a_multi_process_job_holds_one_lock(small_data_dir, tmp_path):
+    experiment = tmp_path / "experiment.yaml"
+    tmp_path.mkdir(exist_ok=True)
+    experiment.write_text("{}\n")
+    overrides = tiny_overrides(small_data_dir, tmp_path, **{"train.steps": 4})
+    job = run_strata("launch", str(experiment), *overrides, "--nproc", "2")
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-4000:]
+    record = holder(tmp_path / "t")
+    assert record["pid"] and record["command"].startswith("strata ")  # rank 0 held it; released at exit
+    check_free([(tmp_path / "t", "run directory")])
+
+
+@pytest.mark.slow
+def test_reshard_refuses_another_runs_checkpoints_and_prunes_nothing(small_data_dir, tmp_path):
+    experiment = tmp_path / "experiment.yaml"
+    tmp_path.mkdir(exist_ok=True)
+    experiment.write_text("{}\n")
+    for name in ("src", "other"):
+        done = run_strata(
+            "train",
+            str(experiment),
+            *tiny_overrides(small_data_dir, tmp_path / name, **{"train.steps": 4, "checkpoint.interval": 1}),
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+    other = tmp_path / "other" / "t" / "checkpoints"
+    before = sorted(p.name for p in store.committed(other))
+    assert len(before) == 2  # keep_last 2
+    src = tmp_path / "src" / "t" / "checkpoints"
+    refused = run_strata("ckpt", "reshard", str(src), str(other), "--to", "dp=2")
+    assert refused.returncode == 2 and "already holds 2 committed checkpoint(s)" in refused.stderr, refused.stderr
+    assert sorted(p.name for p in store.committed(other)) == before
+    into_new = tmp_path / "resharded"
+    done = run_strata("ckpt", "reshard", str(src), str(into_new), "--to", "dp=2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    beside = run_strata("ckpt", "reshard", str(src), str(other), "--to", "dp=2", "--overwrite")
+    assert beside.returncode == 0, beside.stderr[-4000:]
+    after = sorted(p.name for p in store.committed(other))
+    assert set(before) <= set(after)  # nothing pruned; the step written is replaced (it was there)
+
+
+@pytest.mark.slow
+def test_import_hf_refuses_a_directory_with_checkpoints(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf_dir = tmp_path / "hf"
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(hf_dir)
+    out = tmp_path / "out"
+    first = run_strata("ckpt", "import-hf", str(hf_dir), str(out))
+    assert first.returncode == 0, first.stderr[-4000:]
+    marker = (store.step_dir(out, 0) / store.MARKER).read_bytes()
+    again = run_strata("ckpt", "import-hf", str(hf_dir), str(out))
+    assert again.returncode == 2 and "already holds 1 committed checkpoint(s)" in again.stderr, again.stderr
+    assert "step_00000000 would be replaced" in again.stderr and "Traceback" not in again.stderr
+    assert (store.step_dir(out, 0) / store.MARKER).read_bytes() == marker
+    assert run_strata("ckpt", "import-hf", str(hf_dir), str(out), "--overwrite").returncode == 0
+    assert (out / LOCK_NAME).is_file()
+
+
+def test_a_fresh_start_keeps_an_earlier_runs_metrics_apart(small_data_dir, tmp_path):
+    from strata.parallel.runtime import start
+    from strata.trainer.loop import run
+
+    from conftest import tiny_config
+
+    run(tiny_config(small_data_dir, tmp_path, **{"train.steps": 2, "checkpoint.save_final": True}), start())
+    first = (tmp_path / "t" / "metrics.jsonl").read_text()
+    cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 3, "checkpoint.overwrite": True})
+    run(cfg, start())
+    kept = [p for p in (tmp_path / "t").glob("metrics-*.jsonl")]
+    assert len(kept) == 1 and kept[0].read_text() == first
+    steps = [json.loads(line)["step"] for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and max(steps) == 3 and steps.count(1) <= 1
