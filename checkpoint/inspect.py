@@ -7,9 +7,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from strata.checkpoint import dcp_meta, integrity, store
+from strata.checkpoint.pieces import whole_piece
 from strata.checkpoint.reader import Checkpoint
 from strata.checkpoint.write_plan import torch_dtype
 from strata.errors import CheckpointError
@@ -69,7 +71,38 @@ def verify_report(path: Path) -> tuple[bool, str]:
         problems = _metadata_problems(ckpt, index)
     if problems:
         return False, f"{ckpt}: DAMAGED\n  " + "\n  ".join(problems)
-    return True, f"{ckpt}: ok ({len(record['files'])} files match their sizes and CRC-32C checksums)"
+    report = f"{ckpt}: ok ({len(record['files'])} files match their sizes and CRC-32C checksums)"
+    largest = largest_weight(ckpt)
+    if largest is not None and largest[1] > IMPLAUSIBLE_WEIGHT:
+        report += (
+            f"\n  warning: the weights are finite but implausible: |{largest[0]}| reaches {largest[1]:.3g} (trained "
+            f"transformers stay below ~1e3): the run that saved it had likely diverged; an earlier checkpoint may "
+            "be the one to resume"
+        )
+    return True, report
+
+
+IMPLAUSIBLE_WEIGHT = 1.0e4  # as checkpoint.max_abs_weight's default
+
+
+def largest_weight(ckpt: Path) -> tuple[str, float] | None:
+    """The model tensor with the largest magnitude and that magnitude (read one tensor at a time), or
+    None for a checkpoint without model tensors."""
+    reader = Checkpoint(ckpt)
+    try:
+        best: tuple[str, float] | None = None
+        for key, entry in reader.index["tensors"].items():
+            if not key.startswith("model.") or not str(entry.get("dtype", "")).startswith(("float", "bfloat")):
+                continue
+            piece = whole_piece(key, torch.empty(tuple(entry["shape"]), dtype=torch_dtype(entry["dtype"])))
+            if reader.read([piece]) or not piece.tensor.numel():
+                continue
+            value = float(piece.tensor.abs().max())
+            if best is None or value > best[1]:
+                best = (key[len("model.") :], value)
+        return best
+    finally:
+        reader.close()
 
 
 def describe(path: Path) -> str:

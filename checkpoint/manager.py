@@ -131,7 +131,7 @@ class CheckpointManager:
         raise CheckpointError(_listed(what, found))
 
     # --- saving ----------------------------------------------------------------------------
-    def save(self, step: int, state: SavableState, finite_only: bool = False) -> bool:
+    def save(self, step: int, state: SavableState, finite_only: bool = False, suspect: bool = False) -> bool:
         """Save this rank's `state` as checkpoint `step`: its pieces, and rank 0's objects (trainer
         state, optimizer hyper-parameters) as DCP byte entries. Returns once the data is staged
         (async) or committed (sync). With `finite_only`, a state with a non-finite floating-point
@@ -139,7 +139,9 @@ class CheckpointManager:
         made on the staged bytes as they are copied, so the state is read once.
 
         One small all-reduce agrees that every rank's plan still holds (copied optimistically into
-        the image first) and, with `finite_only`, that every rank's state is finite."""
+        the image first) and, with `finite_only`, that every rank's state is finite. A `suspect`
+        save (the run's spike guard fired lately) is marked so: retention keeps the newest checkpoint
+        that is not, besides the last `keep_last`."""
         self.wait()
         contents = state.contents(step)
         pieces = contents.pieces
@@ -164,7 +166,7 @@ class CheckpointManager:
             blob, where = objects_blob(contents.objects)
             extra = {OBJECTS_FILE: blob}
             index = index_of(step, contents.layout, staging, where, contents.aliases)
-            commit_args = (step_dir, step, self.world, index, self.config_yaml, self.keep_last)
+            commit_args = (step_dir, step, self.world, index, self.config_yaml, self.keep_last, suspect)
         if self.async_save:
             conn = self._start_writer()
             conn.send(("write", step_dir, self.rank, staging.nbytes, extra))

@@ -135,11 +135,23 @@ def _remove(path: Path) -> None:
 
 def prune(root: Path, keep_last: int, newest: Path) -> None:
     """Delete the least recently committed checkpoints until `keep_last` remain (0: keep all),
-    never `newest` (the one just committed); directories Strata does not own are never touched."""
+    never `newest` (the one just committed) nor the newest one not marked suspect (saved before the
+    run's spike guard last fired: keep-last-good); directories Strata does not own are never touched."""
     if keep_last:
         others = [p for p in committed(root) if p != newest and owned(p)]
+        good = [p for p in [*others, newest] if not _suspect(p)]
+        last_good = good[-1] if good else None
         for old in others[: max(0, len(others) - (keep_last - 1))]:
-            _remove(old)
+            if old != last_good:
+                _remove(old)
+
+
+def _suspect(ckpt: Path) -> bool:
+    """Whether a committed checkpoint was saved while its run's spike guard had fired lately."""
+    try:
+        return bool(marker(ckpt).get("suspect"))
+    except CheckpointError:
+        return False
 
 
 def commit_time(ckpt: Path) -> float:

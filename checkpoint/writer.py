@@ -162,10 +162,12 @@ def _write_small(path: Path, data: bytes) -> None:
         write_file_atomic(path, data)
 
 
-def commit(step_dir: Path, step: int, world: int, index: dict, config_yaml: str, keep_last: int) -> None:
+def commit(
+    step_dir: Path, step: int, world: int, index: dict, config_yaml: str, keep_last: int, suspect: bool = False
+) -> None:
     """Rank 0, once every rank's part is in the partial directory `step_dir`: index.json, .metadata,
-    config.yaml, then COMMITTED (with every file's checksums), then the rename into place, then
-    retention of older committed checkpoints."""
+    config.yaml, then COMMITTED (with every file's checksums; `suspect` when the run's spike guard
+    fired lately), then the rename into place, then retention of older committed checkpoints."""
     from strata.checkpoint import dcp_meta  # imports torch: only rank 0's writer pays for it
 
     step_dir = Path(step_dir)
@@ -180,7 +182,8 @@ def commit(step_dir: Path, step: int, world: int, index: dict, config_yaml: str,
     for name, data in small.items():
         _write_small(step_dir / name, data)
         files[name] = integrity.entry(data)
-    _write_small(step_dir / store.MARKER, json.dumps({"step": step, "files": files, "time": time.time()}).encode())
+    record = {"step": step, "files": files, "time": time.time(), **({"suspect": True} if suspect else {})}
+    _write_small(step_dir / store.MARKER, json.dumps(record).encode())
     final = store.step_dir(step_dir.parent, step)
     store.publish(step_dir, final)
     store.prune(step_dir.parent, keep_last, final)

@@ -48,6 +48,7 @@ from strata.trainer.data import (
     make_loader,
     open_mixture,
 )
+from strata.trainer.divergence import DivergedError, SpikeGuard
 from strata.trainer.metrics import MetricsLogger, mfu_peak
 from strata.trainer.parallelize import ParallelModel, parallelize
 from strata.trainer.profiling import StepProfiler
@@ -195,6 +196,8 @@ class Trainer:
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.step_skipped = False  # the last step's loss or gradient norm was not finite
         self.skipped_steps = self.nonfinite_in_a_row = 0
+        self.spikes = SpikeGuard.from_config(cfg.train)
+        self.spike: str | None = None  # why the last step was a spike
         self.stop_request = StopRequest()  # installed by `fit`
         self.stop_signal = 0  # the signal every rank agreed to stop on after the last step (0: none)
         self.saved_step = -1  # the step of the last save started, so a stop does not save it twice
@@ -271,23 +274,28 @@ class Trainer:
         loss = model.forward_backward(self.loader.next_step())
         grad_norm = model.reduce_and_clip(self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf)
         loss = self._dp_sum(loss) / self.topo.dp_size
-        self.step_skipped, self.stop_signal = self._agree_after_step(loss, grad_norm)
+        nonfinite, self.stop_signal, loss_value, norm_value = self._agree_after_step(loss, grad_norm)
+        self.spike = None
+        if not nonfinite and self.spikes is not None:
+            self.spike = self.spikes.judge(self.step + 1, loss_value, norm_value)
+        self.step_skipped = nonfinite or self.spike is not None
         if self.step_skipped:
             model.skip_step()
             self.skipped_steps += 1
-            self.nonfinite_in_a_row += 1
         else:
             model.step()
-            self.nonfinite_in_a_row = 0
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
         self.held_bytes = model.engine.held_bytes()
         self.state.step += 1
         watchdog.step_done(self.step)
         self.checkpoints.poll()  # a background save's failure surfaces here, on every rank
-        if self.step_skipped:
+        if nonfinite:
             self._stop_if_diverged(loss, grad_norm)
+        if self.spike is not None:
+            self._stop_if_spiking()
         return loss, grad_norm
 
-    def _agree_after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, int]:
+    def _agree_after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, int, float, float]:
         """Whether any rank saw a non-finite dp-averaged loss or gradient norm, and the stop signal
         any rank caught (0 for none). One small MAX all-reduce over the whole world decides both for
         all: the loss lives on the last pipeline stage, and under CO2 each node has its own gradient
@@ -295,10 +303,13 @@ class Trainer:
         diverge); and a signal reaches the ranks at slightly different times, yet all must stop
         after the same step. The signal rides on the finiteness check, so watching for it costs
         nothing more per step."""
-        bad = float(not (torch.isfinite(loss) & torch.isfinite(grad_norm)).item())
-        flags = torch.tensor([bad, float(self.stop_request.signum)])
+        bad = not (torch.isfinite(loss) & torch.isfinite(grad_norm)).item()
+        # the loss and gradient norm ride along for the spike guard: the loss only the last pipeline
+        # stage knows (the others hold 0; a loss is never negative), the norm every rank
+        values = [0.0, 0.0] if bad else [float(loss), float(grad_norm)]
+        flags = torch.tensor([float(bad), float(self.stop_request.signum), *values], dtype=torch.float64)
         comm.all_reduce(flags, self.checkpoints.group, dim="nonfinite", op=dist.ReduceOp.MAX)
-        return bool(flags[0].item()), int(flags[1].item())
+        return bool(flags[0].item()), int(flags[1].item()), float(flags[2]), float(flags[3])
 
     def _stop_if_diverged(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Raise (on every rank: they count alike) once `train.nonfinite` says the run cannot go on;
@@ -317,6 +328,21 @@ class Trainer:
             f"training stopped and this state was not saved. Resume from the newest committed checkpoint with "
             f"--resume {self.cfg.checkpoint_dir()} and a lower optim.lr (or a longer optim.warmup_steps, or "
             "optim.grad_clip > 0)"
+        )
+
+    def _stop_if_spiking(self) -> None:
+        """Raise (on every rank alike) once `train.max_spike_steps` steps in a row were spikes: the
+        run diverged, and none of the state those steps led to is saved (their updates were dropped)."""
+        assert self.spikes is not None
+        limit = self.cfg.train.max_spike_steps
+        if self.spikes.in_a_row < limit:
+            return
+        self.checkpoints.close()
+        raise DivergedError(
+            f"step {self.step}: {limit} steps in a row were loss spikes, the last one's {self.spike}: the run "
+            f"diverged, and training stopped (their updates were dropped, nothing of them was saved). Resume from "
+            f"the newest committed checkpoint with --resume {self.cfg.checkpoint_dir()} and a lower optim.lr (or a "
+            "longer optim.warmup_steps); train.spike_sigma sets how far above its history a step may go"
         )
 
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -344,7 +370,33 @@ class Trainer:
         checkpoint would verify as sound and resume into garbage. Since such a save never commits,
         `keep_last` never counts it, and never prunes the newest finite checkpoint to make room."""
         with self.state.ready_to_save():
-            return self.checkpoints.save(self.step, self.state, finite_only=True)  # checked as it is staged
+            self._refuse_implausible_weights()
+            return self.checkpoints.save(
+                self.step,
+                self.state,
+                finite_only=True,  # checked as it is staged
+                suspect=self.spikes is not None and self.spikes.unstable_since(self.step),
+            )
+
+    def _refuse_implausible_weights(self) -> None:
+        """Stop, saving nothing, when a parameter's magnitude exceeds checkpoint.max_abs_weight on any
+        rank (collective): finite weights of 1e29 verify as sound and resume into garbage."""
+        limit = self.cfg.checkpoint.max_abs_weight
+        if not limit:
+            return
+        params = [p.detach() for p in self.model.params if p.numel()]
+        local = max((float(n) for n in torch._foreach_norm(params, math.inf)), default=0.0) if params else 0.0
+        largest = torch.tensor([local if math.isfinite(local) else 0.0], dtype=torch.float64)
+        comm.all_reduce(largest, self.checkpoints.group, dim="checkpoint", op=dist.ReduceOp.MAX)
+        if largest.item() <= limit:
+            return
+        self.checkpoints.close()
+        raise DivergedError(
+            f"step {self.step}: a parameter reached magnitude {largest.item():.3g}, above checkpoint.max_abs_weight="
+            f"{limit:g}: the run diverged, and this state was not saved. Resume from the newest committed checkpoint "
+            f"with --resume {self.cfg.checkpoint_dir()} and a lower optim.lr (or raise checkpoint.max_abs_weight if "
+            "such weights are intended)"
+        )
 
     def snapshot(self) -> bool:
         """An in-memory snapshot of this step through the node's agent (collective); False if skipped."""
@@ -523,10 +575,13 @@ class Trainer:
         self.model.close()
 
     def _note_skipped(self, log: MetricsLogger, loss: torch.Tensor, grad_norm: torch.Tensor) -> str:
-        note = (
-            f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}: not finite, update skipped "
-            f"({self.nonfinite_in_a_row} in a row, {self.skipped_steps} in all)"
-        )
+        if self.spike is not None:
+            note = f"loss spike: {self.spike}; update skipped ({self.skipped_steps} skipped in all)"
+        else:
+            note = (
+                f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}: not finite, update skipped "
+                f"({self.nonfinite_in_a_row} in a row, {self.skipped_steps} in all)"
+            )
         log.print(f"warning: step {self.step}: {note}")
         return note
 

@@ -51,7 +51,18 @@ class CheckpointConfig:
     dir: str | None = opt(None, "where checkpoints go (null: <run dir>/checkpoints)")
     interval: int = opt(0, "save every N steps (0: only at the end when `save_final`)", min=0)
     save_final: bool = opt(True, "save a checkpoint after the last step")
-    keep_last: int = opt(2, "committed checkpoints to keep (0: keep all)", min=0)
+    keep_last: int = opt(
+        2,
+        "committed checkpoints to keep (0: keep all); the newest one saved before the loss-spike guard last "
+        "fired is kept besides, so retention never leaves only checkpoints of a run that was diverging",
+        min=0,
+    )
+    max_abs_weight: float = opt(
+        1.0e4,
+        "a save whose largest parameter magnitude exceeds this is refused and the run stops: finite weights that "
+        "large mean the run diverged (trained transformers stay below ~1e3); 0: no check",
+        min=0.0,
+    )
     async_save: bool = opt(
         False,
         "save in the background: the step pays only for copying this rank's state into a "

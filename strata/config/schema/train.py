@@ -51,6 +51,23 @@ class TrainConfig:
     max_nonfinite_steps: int = opt(
         5, "with nonfinite=skip: end the run with an error once this many steps in a row were not finite", min=1
     )
+    spike_sigma: float = opt(
+        6.0,
+        "loss-spike guard: a step whose loss or gradient norm exceeds the mean of the last train.spike_window "
+        "accepted steps by this many standard deviations updates nothing (as OLMo-core's skip-step optimizer); "
+        "0: off",
+        min=0.0,
+    )
+    spike_window: int = opt(128, "accepted steps the spike guard's running mean and deviation cover", min=2)
+    spike_min_steps: int = opt(
+        20, "steps the spike guard watches before it judges (its statistics need a history)", min=2
+    )
+    max_spike_steps: int = opt(
+        10,
+        "end the run with an error, saving nothing, once this many steps in a row were spikes: the run diverged "
+        "(resume its newest checkpoint with a lower optim.lr)",
+        min=1,
+    )
     compile: bool = opt(
         False,
         "compile each transformer block with torch.compile (regional compilation: every block shares one "
