@@ -160,6 +160,7 @@ def export_hf(
         tokenizer = _tokenizer_files(cfg)
         hf_cfg.update(tokenizer.special_ids)
         shards = _shards(names, {n: shapes[n] for n in names}, {n: torch_dtype(dtypes[f"model.{n}"]) for n in names})
+        _refuse_what_this_export_does_not_write(out, _hf_outputs(len(shards), tokenizer.files))
         with atomic_directory(out) as tmp:
             weight_map = {}
             for i, shard in enumerate(shards):
@@ -187,6 +188,29 @@ def export_hf(
     finally:
         ckpt.close()
     return out, out / "config.json"
+
+
+def _hf_outputs(shards: int, tokenizer_files: dict[str, bytes]) -> set[str]:
+    """The names of the files a Hugging Face export of `shards` weight files writes."""
+    if shards == 1:
+        weights = {"model.safetensors"}
+    else:
+        weights = {f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)}
+        weights.add("model.safetensors.index.json")
+    return {"config.json", *weights, *tokenizer_files}
+
+
+def _refuse_what_this_export_does_not_write(out: Path, writes: set[str]) -> None:
+    """--overwrite replaces what this export writes and nothing else: OUT may hold only those names
+    (an earlier export's tokenizer, when this run exports none, is the user's to keep)."""
+    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    kept = [name for name in present if name not in writes]
+    if kept:
+        raise CheckpointError(
+            f"strata ckpt export: {str(out)!r} holds files this export does not write ({', '.join(kept[:5])}), "
+            "which replacing the directory would delete; --overwrite replaces only what the export writes: move "
+            "them, or give another OUT"
+        )
 
 
 def _check_hf_destination(out: Path, overwrite: bool) -> None:

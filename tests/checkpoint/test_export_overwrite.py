@@ -1,0 +1,33 @@
+"""`strata ckpt export --format hf --overwrite` replaces what the export writes and nothing else: a file
+in OUT that this export would not write (a user's tokenizer, when the run has none to export) is
+refused, and stays as it was."""
+
+from __future__ import annotations
+
+import pytest
+
+from strata.checkpoint import store
+from strata.parallel.runtime import start
+from strata.trainer.loop import run
+
+from conftest import run_cli, tiny_config
+
+
+@pytest.mark.slow  # trains a tiny run, exports three times (about 6 s)
+def test_overwrite_replaces_only_what_the_export_writes(small_data_dir, tmp_path, capsys):
+    cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 2, "checkpoint.save_final": True})
+    run(cfg, start())
+    ckpt = store.committed(cfg.checkpoint_dir())[-1]
+    out = tmp_path / "hf"
+    code, text = run_cli(["ckpt", "export", str(ckpt), str(out), "--format", "hf"], capsys)
+    assert code == 0, text
+    written = sorted(p.name for p in out.iterdir())
+    assert "tokenizer.json" not in written  # byte-level data: no tokenizer to export
+    code, text = run_cli(["ckpt", "export", str(ckpt), str(out), "--format", "hf", "--overwrite"], capsys)
+    assert code == 0, text  # an earlier export of the same files is replaced
+    (out / "tokenizer.json").write_text('{"the user": "put this here"}')
+    code, text = run_cli(["ckpt", "export", str(ckpt), str(out), "--format", "hf", "--overwrite"], capsys)
+    assert code == 2 and "holds files this export does not write (tokenizer.json)" in text, text
+    assert "Traceback" not in text
+    assert (out / "tokenizer.json").read_text() == '{"the user": "put this here"}'
+    assert sorted(p.name for p in out.iterdir()) == sorted([*written, "tokenizer.json"])
