@@ -63,8 +63,13 @@ def problems(directory: Path, files: dict[str, dict], checksums: bool = True) ->
     out = []
     for name, want in files.items():
         path = directory / name
-        if path.resolve().parent != home:
-            out.append(f"{path}: resolves to {path.resolve()}, outside the checkpoint directory (damaged or tampered)")
+        try:
+            target = path.resolve()
+        except (RuntimeError, OSError) as e:  # a symbolic link loop (RuntimeError before Python 3.13)
+            out.append(f"{path}: cannot be resolved ({e}): a symbolic link loop (damaged or tampered)")
+            continue
+        if target.parent != home:
+            out.append(f"{path}: resolves to {target}, outside the checkpoint directory (damaged or tampered)")
             continue
         if not path.is_file():
             out.append(f"{path}: missing")

@@ -342,9 +342,36 @@ def main(argv: list[str] | None = None) -> None:
         # What the imports made lives until exit: out of the collector's sight, Python's exit does
         # not walk it (half a second of every job's end on 2 cores).
         gc.freeze()
-        torchrun(argv)
+        sys.exit(_run_reporting_failures(torchrun, argv))
     finally:
         server.close()
+
+
+def _run_reporting_failures(torchrun, argv: list[str] | None) -> int:
+    """torchrun with its ending failures as one message each instead of Python tracebacks (the
+    workers' own output says what went wrong); the exit code stays torchrun's (1)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    try:
+        torchrun(argv)
+    except ChildFailedError as e:
+        failed = ", ".join(
+            f"local rank {f.local_rank} (pid {f.pid}) exited with {f.exitcode}" for f in e.failures.values()
+        )
+        say(f"worker failure: {failed}; its output above says why")
+        return 1
+    except SignalException as e:  # the launcher asked torchrun to stop; it reports the outcome
+        say(f"stopped by {e.sigval.name}")
+        return 1
+    except RendezvousError as e:
+        say(
+            f"the rendezvous failed: {e} (timed out waiting for the other nodes, or their store is out of reach): "
+            "check --rdzv-endpoint and that every node started with the same --nnodes"
+        )
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

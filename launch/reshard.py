@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from strata import config
-from strata.checkpoint import store
-from strata.errors import StrataError
+from strata.checkpoint import integrity, store
+from strata.errors import CheckpointError, StrataError
 from strata.launch import torchrun
 from strata.runlock import locked
 
@@ -49,7 +49,11 @@ def reshard(src: Path, out: Path, spec: str, overrides: list[str], overwrite: bo
     settings += ["checkpoint.async=false", "checkpoint.keep_last=0", "log.progress=false", "log.wandb=false"]
     settings += overrides
     config.load(ckpt / "config.yaml", settings, world_size=world)  # a layout that does not fit fails here, clearly
-    step = store.marker(ckpt).get("step")
+    record = store.marker(ckpt)
+    _, damage = integrity.checkpoint_problems(ckpt, record, checksums=False)  # before any worker starts
+    if damage:
+        raise CheckpointError(f"{ckpt} is damaged, nothing was resharded:\n  " + "\n  ".join(damage))
+    step = record.get("step")
     with locked([(Path(out), "checkpoint directory")]):
         refusal = store.output_refusal(
             Path(out), step if isinstance(step, int) else None, overwrite, "strata ckpt reshard"

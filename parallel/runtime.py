@@ -106,6 +106,21 @@ def unpin_host(buffer: torch.Tensor) -> None:
 # --- this process's host memory ------------------------------------------------------------
 
 
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation on `device` can still get: the GPU's free memory, or the host's
+    MemAvailable (/proc/meminfo); None where it cannot be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def proc_status_bytes(field: str) -> int:
     """A memory figure of this process from /proc/self/status (VmRSS, VmHWM: the peak), in bytes."""
     with open("/proc/self/status") as f:

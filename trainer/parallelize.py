@@ -25,6 +25,7 @@ from strata.config import Config, ModelConfig, OptimConfig, padded_vocab_size
 from strata.errors import ConfigError
 from strata.model import GPT, initial_value, lm_loss, set_rope_buffers
 from strata.parallel.co2 import CO2
+from strata.parallel.runtime import available_bytes
 from strata.parallel.tensor import apply_tensor_parallel, placement_of
 from strata.parallel.topology import Topology
 from strata.parallel.zero import ZeroEngine, ZeroPlan
@@ -84,6 +85,31 @@ def materialize(parts: list[nn.Module], cfg: ModelConfig, seed: int, device: tor
                     fresh[id(p)] = q
                 module._parameters[key] = fresh[id(p)]
         set_rope_buffers(part, cfg, device)
+
+
+def refuse_unallocatable(parts: list[nn.Module], device: torch.device) -> None:
+    """Refuse, before allocating anything, a model whose parameters on this rank alone (fp32, after
+    tensor and pipeline parallelism) exceed the memory `device` has free: building it would fail in
+    the allocator (or the kernel's OOM killer) with no word of what to change."""
+    seen: set[int] = set()
+    need = 0
+    for part in parts:
+        for p in part.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                need += p.numel() * 4
+    free = available_bytes(device)
+    if free is None or need <= free:
+        return
+    where = f"{device.type} memory" if device.type == "cuda" else "memory available on this machine"
+    raise ConfigError(
+        [
+            f"the model's parameters on this rank need {need / 2**30:,.1f} GiB (fp32) before gradients, optimizer "
+            f"state and activations, but the {where} is {free / 2**30:,.1f} GiB: make the model smaller "
+            "(model.d_model, model.n_layers), split it over more ranks (parallel.tp, parallel.pp), or see "
+            "`strata plan CONFIG --search` for layouts that fit"
+        ]
+    )
 
 
 @dataclass
@@ -220,6 +246,7 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
         from strata.trainer.float8 import check_float8
 
         check_float8(cfg.train, device)  # before any memory is allocated
+    refuse_unallocatable(parts, device)
     materialize(parts, cfg.model, cfg.train.seed, device)
     if cfg.train.precision == "fp8":
         from strata.trainer.float8 import apply_float8
