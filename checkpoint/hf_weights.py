@@ -105,6 +105,8 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
             f"{directory}: the weights do not fit the model its config.json describes: " + "; ".join(problems)
         )
     tensors = {}
+    expected = _model_shapes(model_cfg, found)
+    mismatched = []
     for strata_name, hf_name in hf.hf_sources(model_cfg).items():
         file, entry, start = found[hf_name]
         try:
@@ -113,6 +115,9 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
             lo, hi = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{directory / file}: a malformed header entry for {hf_name} ({e!r})") from e
+        want = expected.get(strata_name)
+        if want is not None and tuple(shape) != want:
+            mismatched.append(f"{hf_name} is {tuple(shape)}, config.json makes it {want}")
         if start + hi > sizes[file] or lo > hi:
             raise CheckpointError(
                 f"{directory / file}: {hf_name} points at bytes {lo}–{hi} past the file's end (truncated?)"
@@ -120,7 +125,29 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
         chunk = {"offsets": [0] * len(shape), "sizes": shape, "file": file, "offset": start + lo}
         chunk.update(length=hi - lo, data_offset=start + lo)
         tensors[f"model.{strata_name}"] = {"shape": shape, "dtype": dtype, "chunks": [chunk]}
+    if mismatched:
+        raise CheckpointError(
+            f"{directory}: the weights' shapes contradict its config.json ({len(mismatched)}): "
+            + "; ".join(mismatched[:8])
+            + ". Use the config.json the weights were saved with"
+        )
     return Checkpoint.foreign(directory, {"tensors": tensors, "objects": {}}, sizes)
+
+
+def _model_shapes(model_cfg: hf.ModelShape, found: dict[str, tuple[str, dict, int]]) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape in the model `model_cfg` describes (built on the meta device, so no
+    memory), by Strata name; the vocabulary is config.json's, else the embedding's rows."""
+    import torch
+
+    from strata.model import GPT
+
+    vocab = model_cfg.vocab_size
+    if vocab is None:
+        embedding = found.get(hf.hf_sources(model_cfg)["tok_embeddings.weight"])
+        vocab = int(embedding[1]["shape"][0]) if embedding else 1
+    with torch.device("meta"):
+        model = GPT(model_cfg, vocab)  # type: ignore[arg-type]  # a ModelConfig; hf reads it as a ModelShape
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def import_hf(

@@ -214,7 +214,7 @@ def resolve(path: Path) -> Path:
     found = committed(path)
     if not found:
         raise CheckpointError(
-            f"--resume {path}: no committed checkpoint there; pass a run's checkpoint directory "
+            f"{path}: no committed checkpoint there; pass a run's checkpoint directory "
             "(e.g. runs/NAME/checkpoints) or one of its step_* directories"
         )
     return found[-1]

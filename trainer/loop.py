@@ -47,6 +47,7 @@ from strata.trainer.data import (
     eval_batches,
     make_loader,
     open_mixture,
+    read_meta,
 )
 from strata.trainer.divergence import DivergedError, SpikeGuard
 from strata.trainer.metrics import MetricsLogger, mfu_peak
@@ -169,6 +170,7 @@ class Trainer:
             check_data_config(data_dir, cfg)  # data.tokenizer and model.vocab_size against meta.json
             self.train_set = TokenDataset(data_dir, "train", cfg.model.seq_len)
             self.val_set = TokenDataset(data_dir, "val", cfg.model.seq_len)
+        self.data_description = self._describe_data()
         self.model: ParallelModel = parallelize(cfg, self.topo, runtime.device, self.train_set.vocab_size)
         self.held_bytes: dict[str, int] = {}
         self.loader = make_loader(
@@ -251,6 +253,18 @@ class Trainer:
         if self.snapshots is None:
             raise RuntimeError("snapshot.every_steps is 0: this run takes no snapshots")
         return self.snapshots
+
+    def _describe_data(self) -> str:
+        """What this run trains on and its tokenizer, for the start-up banner."""
+        data = self.cfg.data
+        if data.sources:
+            return f"a mixture of {len(data.sources)} sources ({', '.join(s.path for s in data.sources)})"
+        if data.path:
+            return f"{data.path} (tokenizer: {read_meta(Path(data.path)).tokenizer})"
+        return (
+            f"the built-in corpus (Python's standard library sources, byte-level tokens, {data.val_fraction:g} held "
+            "out); set data.path to a directory `strata data prepare` made to train on your own"
+        )
 
     def _default_corpus(self) -> Path:
         """Rank 0 prepares the built-in corpus once; the others wait, then read it."""
@@ -681,6 +695,7 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
         + (f", resumed from {resumed_from}" if resumed_from else "")
         + (f", weights from {weights_from}" if weights_from else "")
     )
+    log.print(f"data: {trainer.data_description}")
     for warning in config_mod.start_up_warnings(cfg):
         log.print(f"warning: {warning}")
     for note in trainer.start_notes:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from strata.errors import StrataError
-from strata.launch.commands.common import EXIT_CODES, FORMATTER, epilog
+from strata.launch.commands.common import EXIT_CODES, FORMATTER, epilog, file_errors
 
 if TYPE_CHECKING:
     from strata.launch.commands.common import Subparsers
@@ -121,7 +121,8 @@ def _export(args: argparse.Namespace) -> int:
 
     if not args.out:
         raise StrataError("strata ckpt export DIR OUT: give OUT, a .safetensors file or a directory")
-    weights, config_file = export.export(Path(args.path), Path(args.out), args.format, args.overwrite, from_yaml)
+    with file_errors("strata ckpt export"):
+        weights, config_file = export.export(Path(args.path), Path(args.out), args.format, args.overwrite, from_yaml)
     print(f"wrote {weights} and {config_file}")
     return 0
 
@@ -151,7 +152,8 @@ def _import_hf(args: argparse.Namespace) -> int:
     if not args.out:
         raise StrataError("strata ckpt import-hf HF_DIR OUT [--config CFG]: give OUT (a checkpoints directory)")
     cfg = config.load(args.config, [*args.overrides, f"model.init_from={args.path}"])
-    path = hf_weights.import_hf(Path(args.path), Path(args.out), config.dump(cfg), cfg.model, args.overwrite)
+    with file_errors("strata ckpt import-hf"):
+        path = hf_weights.import_hf(Path(args.path), Path(args.out), config.dump(cfg), cfg.model, args.overwrite)
     print(
         f"wrote {path} (step 0, weights only); train from it with --resume {path} (the optimizer starts fresh) "
         f"or model.init_from={path}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -88,8 +89,8 @@ def _cluster(args: argparse.Namespace, cfg, vocab: int):
         raise StrataError("--tflops describes an unknown device: give its memory too with --gpu-mem-gb M")
     numbers = {"tflops": args.tflops, "gpu_mem_gb": args.gpu_mem_gb, **given}
     for key, value in numbers.items():
-        if isinstance(value, float) and not value > 0:
-            raise StrataError(f"--{key.replace('_', '-')} must be > 0, got {value:g}")
+        if isinstance(value, float) and not (value > 0 and math.isfinite(value)):
+            raise StrataError(f"--{key.replace('_', '-')} must be a finite number > 0, got {value:g}")
     if args.calibrate and args.nodes > 1 and args.inter_node_gbps is None:
         raise StrataError("--calibrate measures one machine: give the network with --inter-node-gbps for --nodes > 1")
     if args.gpu:

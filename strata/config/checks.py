@@ -9,6 +9,8 @@ The order of the problems is the order of the checks below, and part of what a u
 
 from __future__ import annotations
 
+import math
+
 from strata.config.schema import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from strata.config.schema.keys import get
 from strata.config.vocabulary import (
@@ -69,6 +71,12 @@ def start_up_warnings(cfg: Config) -> list[str]:
             f"short to the {cfg.train.steps} steps (the learning rate reaches optim.lr at the last step and never "
             "decays); lower optim.warmup_steps or train longer"
         )
+    default_fraction = DataConfig().val_fraction
+    if (cfg.data.path or cfg.data.sources) and cfg.data.val_fraction != default_fraction:
+        w.append(
+            f"data.val_fraction={cfg.data.val_fraction:g} applies to the built-in corpus only: this run's data "
+            "was split when it was prepared (`strata data prepare --val-fraction`), so it has no effect here"
+        )
     return w
 
 
@@ -124,6 +132,12 @@ def _data_checks(d: DataConfig) -> list[str]:
         p.append(
             f"data.path={d.path!r} and data.sources (of {len(d.sources)}) are both set: give one, data.path "
             "for one prepared directory or data.sources for a mixture of several"
+        )
+    weights = [source.weight for source in d.sources or ()]
+    if weights and not math.isfinite(sum(weights)):  # fsum raises on overflow; a plain sum gives inf
+        p.append(
+            f"data.sources: the weights' sum overflows ({', '.join(f'{w:g}' for w in weights[:4])}): give weights "
+            "of a sensible scale, e.g. the shares in percent"
         )
     first: dict[str, int] = {}
     for i, source in enumerate(d.sources or ()):

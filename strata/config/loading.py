@@ -234,6 +234,13 @@ def _apply_override(raw: dict[str, Any], item: str, problems: list[str]) -> None
 
 
 def _build(raw: dict[str, Any], problems: list[str]) -> Config:
+    data = raw.get("data")
+    if isinstance(data, dict) and isinstance(data.get("sources"), list) and not data["sources"]:
+        # an empty list would read as "no mixture" and train on data.path or the built-in corpus
+        problems.append(
+            "data.sources: an empty list names no data; list at least one prepared directory ([{path: DIR, "
+            "weight: 1}]), or remove the key to train on data.path"
+        )
     cfg: Config = _build_group("", Config, raw, problems)
     return cfg
 

@@ -8,10 +8,12 @@ them by the time model, and say for each rejected family (tp, pp, V) why it fail
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from strata.config.schema import Config, replace
+from strata.errors import StrataError
 from strata.plan.cluster import Cluster
 from strata.plan.memory import MemoryEstimate, estimate_memory
 from strata.plan.timing import TimeEstimate, estimate_time
@@ -108,8 +110,13 @@ def with_layout(cfg: Config, cluster: Cluster, changes: dict[str, object]) -> Co
     return cfg
 
 
+MAX_CANDIDATES = 50_000  # layouts --search may try (a few ms each): past it, one error naming the count
+
+
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors in increasing order (trial division up to its square root)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def candidates(cfg: Config, cluster: Cluster, nvme: bool) -> list[Candidate]:
@@ -117,7 +124,8 @@ def candidates(cfg: Config, cluster: Cluster, nvme: bool) -> list[Candidate]:
     world, node = cluster.world_size, cluster.ranks_per_node
     out = []
     for tp in _divisors(node):
-        for pp in _divisors(world // tp):
+        # a pipeline stage holds at least one layer
+        for pp in (p for p in _divisors(world // tp) if p <= cfg.model.n_layers):
             dp = world // (tp * pp)
             vs = [1] if pp == 1 else [1, 2, 4]
             per_replica = cfg.train.global_batch_size // dp if cfg.train.global_batch_size % dp == 0 else 0
@@ -139,7 +147,13 @@ def search(cfg: Config, cluster: Cluster, vocab: int, problems_of: Callable[[Con
     result = SearchResult([])
     why: dict[tuple[int, int, int], list[str]] = {}
     best_memory: dict[tuple[int, int, int], tuple[int, str]] = {}
-    for cand in candidates(cfg, cluster, nvme):
+    tries = candidates(cfg, cluster, nvme)
+    if len(tries) > MAX_CANDIDATES:
+        raise StrataError(
+            f"strata plan --search would try {len(tries):,} layouts (more than {MAX_CANDIDATES:,}, minutes of work): "
+            "plan fewer nodes or GPUs per node, or check the config's layout without --search"
+        )
+    for cand in tries:
         result.considered += 1
         trial = with_layout(cfg, cluster, cand.overrides())
         problems = problems_of(trial, cluster.world_size)
