@@ -29,9 +29,9 @@ setup(
         "pyarrow>=14",  # strata data prepare: .parquet inputs
     ],
     extras_require={
-        # deepspeed: tests/test_deepspeed_import.py has DeepSpeed write a ZeRO checkpoint (CPU, needs g++).
+        # deepspeed: tests/checkpoint/test_deepspeed_import.py has DeepSpeed write a ZeRO checkpoint (CPU, needs g++).
         # Install with torch pinned (pip install -c .ci/constraints.txt ...): it must not replace torch.
-        # tensorboard: tests/test_observability.py reads the event files log.tensorboard writes.
+        # tensorboard: tests/trainer/test_observability.py reads the event files log.tensorboard writes.
         "test": [
             "pytest>=7",
             "pytest-timeout>=2.3",
@@ -40,7 +40,7 @@ setup(
             "megatron-core==0.16.1",
             "deepspeed==0.19.8",
             "transformers>=4.56",  # the reference for Hugging Face import and export (tiny models built offline)
-            "torchao==0.18.0",  # tests/test_float8.py: float8 training, emulated on CPU
+            "torchao==0.18.0",  # tests/trainer/test_float8.py: float8 training, emulated on CPU
         ],
         # dev: the tools .ci/check and .ci/package_check run (lint, types, import layers, an editor's import
         # resolution, sdist/wheel build), pinned.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Single-machine Slurm "cluster" for Debian 12 (slurm-wlm 22.05) without systemd, so that CI can
-# submit `strata launch --slurm` jobs for real (tests/test_slurm.py): several slurmd "nodes" on
+# submit `strata launch --slurm` jobs for real (tests/launch/test_slurm.py): several slurmd "nodes" on
 # this one host, all with NodeAddr=127.0.0.1, each advertising fake GPUs (a GRES count with no
 # device files) so that `--gpus-per-node` requests schedule on a CPU-only machine.
 #

@@ -382,7 +382,8 @@ def main() -> None:
     ap.add_argument(
         "--save-dir",
         type=Path,
-        help="deepspeed: engine.save_checkpoint(DIR) after the last step (tests/test_deepspeed_import.py reads it)",
+        help="deepspeed: engine.save_checkpoint(DIR) after the last step "
+        "(tests/checkpoint/test_deepspeed_import.py reads it)",
     )
     ap.add_argument(
         "--ds-optimizer",

@@ -50,8 +50,8 @@ def burn(stop_at: float) -> None:
 
 
 def wait_until_idle(limit_s: float = 180) -> None:
-    """Wait for the 1-minute load average to fall below the cores (earlier work's load lingers in it),
-    so the idle runs are judged idle by the strata command too."""
+    """Wait until no other work keeps the cores busy (as the strata command judges it), so the idle
+    runs are idle."""
     from strata.launch.cli import cpus_busy
 
     deadline = time.monotonic() + limit_s

@@ -11,7 +11,7 @@ auto/all-CPU (the paper reports 2.5x), and the largest parameter difference betw
     python bench/deep_optimizer_states.py                      # needs CUDA; d_model 2048, 8 layers
     python bench/deep_optimizer_states.py --d-model 1024 --steps 6
 
-Without CUDA it says so and stops: on a CPU the model plans all-CPU (tests/test_placement.py).
+Without CUDA it says so and stops: on a CPU the model plans all-CPU (tests/offload/test_placement.py).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print(
             "no CUDA device: Deep Optimizer States plans every sub-group on the CPU here (its decision logic "
-            "is tested in tests/test_placement.py); run this on a GPU machine"
+            "is tested in tests/offload/test_placement.py); run this on a GPU machine"
         )
         return 0
     results = {}

@@ -8,7 +8,7 @@ predicted throughput with the published one in the publication's own FLOP counti
     python bench/plan_published.py              # the markdown table (pure arithmetic, under a second)
     python bench/plan_published.py --parts      # also each prediction's parts (seconds per step)
 
-`tests/test_plan_published.py` asserts, for every row marked `asserted`, that the prediction is
+`tests/plan/test_timing_published.py` asserts, for every row marked `asserted`, that the prediction is
 within 25 % of the published figure.
 
 Sources (every figure below is copied from one of these; none is fitted)

@@ -127,7 +127,7 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
         tensors[f"model.{strata_name}"] = {"shape": shape, "dtype": dtype, "chunks": [chunk]}
     if mismatched:
         raise CheckpointError(
-            f"{directory}: the weights' shapes contradict its config.json ({len(mismatched)}): "
+            f"{directory}: the weights' shapes contradict its config.json, {len(mismatched)} shape mismatches: "
             + "; ".join(mismatched[:8])
             + ". Use the config.json the weights were saved with"
         )

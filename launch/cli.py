@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from strata import __version__
 from strata.errors import StrataError
@@ -73,19 +74,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 TORCH_ENV_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
-def cpus_busy(loadavg: str | None = None, cores: int | None = None) -> bool:
-    """Whether other work already keeps this machine's cores busy: the 1-minute load average, or the
-    tasks runnable right now (less this one), reaches the cores this process may use (`loadavg`:
-    /proc/loadavg's text, read when not given)."""
+def cpus_busy(samples: list[str] | None = None, cores: int | None = None) -> bool:
+    """Whether other work keeps this machine's cores busy now: the tasks runnable besides this one
+    reach the cores this process may use, in the median of 5 readings of /proc/loadavg 10 ms apart
+    (`samples`: those texts, read when not given). Runnable tasks, not the load average, which lags
+    a minute behind what just ended."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
-        if loadavg is None:
-            with open("/proc/loadavg") as f:
-                loadavg = f.read()
-        fields = loadavg.split()
-        runnable = int(fields[3].split("/")[0]) - 1
-        return max(float(fields[0]), runnable) >= cores
+        if samples is None:
+            samples = []
+            for _ in range(5):
+                with open("/proc/loadavg") as f:
+                    samples.append(f.read())
+                time.sleep(0.01)
+        runnable = sorted(int(text.split()[3].split("/")[0]) - 1 for text in samples)
+        return runnable[len(runnable) // 2] >= cores
     except (OSError, ValueError, IndexError):
         return False
 

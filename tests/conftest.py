@@ -28,11 +28,21 @@ SMALL_CORPUS = [
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path_factory, monkeypatch):
-    """Keep caches and torchrun's scratch files out of the user's home and /tmp root."""
+    """Keep caches and torchrun's scratch files out of the user's home and /tmp root, and give every
+    test the environment the session started with: the `strata` entry point, run in this process
+    (`run_cli`), sets defaults in os.environ (THP_MEM_ALLOC_ENABLE, and OMP_WAIT_POLICY=PASSIVE when
+    the cores look busy), which every later test's subprocesses would otherwise inherit."""
+    before = dict(os.environ)
     scratch = tmp_path_factory.getbasetemp()
     monkeypatch.setenv("STRATA_CACHE", str(scratch / "strata-cache"))
     monkeypatch.setenv("TMPDIR", str(scratch))
     monkeypatch.setenv("WANDB_MODE", "disabled")
+    yield
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 @pytest.fixture

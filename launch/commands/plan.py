@@ -90,7 +90,7 @@ def _cluster(args: argparse.Namespace, cfg, vocab: int):
     numbers = {"tflops": args.tflops, "gpu_mem_gb": args.gpu_mem_gb, **given}
     for key, value in numbers.items():
         if isinstance(value, float) and not (value > 0 and math.isfinite(value)):
-            raise StrataError(f"--{key.replace('_', '-')} must be a finite number > 0, got {value:g}")
+            raise StrataError(f"--{key.replace('_', '-')} must be > 0 and finite, got {value:g}")
     if args.calibrate and args.nodes > 1 and args.inter_node_gbps is None:
         raise StrataError("--calibrate measures one machine: give the network with --inter-node-gbps for --nodes > 1")
     if args.gpu:

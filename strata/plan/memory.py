@@ -1,6 +1,6 @@
 """The memory model: per-rank bytes by kind of state and by tier (device, host, NVMe), from the
 resolved config and a cluster description alone. Pure functions; every placement they assume is
-the one the trainer makes (parallel/zero.py, offload/, checkpoint/), and tests/test_plan_memory.py
+the one the trainer makes (parallel/zero.py, offload/, checkpoint/), and tests/plan/test_memory.py
 checks them against the bytes real runs hold.
 
 Kinds: params, grads, optim (each at its ZeRO level and tier), gathered (ZeRO-3 groups gathered

@@ -1,7 +1,7 @@
 """The sizes the planner works from, derived from the config alone: each rank's parameters unit by
 unit after tensor and pipeline parallelism, the flat groups the ZeRO engine packs them into (with
 its padding and bucketing), each level's chunk of them, and what one transformer layer saves for
-backward per token. `tests/test_plan.py` checks these against the modules Strata really builds.
+backward per token. `tests/plan/test_planner.py` checks these against the modules Strata really builds.
 """
 
 from __future__ import annotations

@@ -251,7 +251,7 @@ def test_warmup_longer_than_the_run_loads_with_a_warning():
     assert warning.startswith("optim.warmup_steps=301 exceeds train.steps=300: the warm-up is cut short")
     assert "lower optim.warmup_steps or train longer" in warning
     assert config.start_up_warnings(config.load(None, ["optim.warmup_steps=300"])) == []
-    tiny = config.load(Path(__file__).parent.parent / "configs" / "tiny.yaml", ["train.steps=4"])
+    tiny = config.load(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml", ["train.steps=4"])
     assert [w.split(":")[0] for w in config.start_up_warnings(tiny)] == ["optim.warmup_steps=50 exceeds train.steps=4"]
 
 

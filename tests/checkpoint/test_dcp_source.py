@@ -7,8 +7,6 @@ error listing them."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,10 +18,10 @@ from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
 
 from conftest import tiny_overrides
+from worlds import strata, torchrun
 
 pytestmark = pytest.mark.slow  # torchrun worlds (FSDP2, then Strata)
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = {"model.n_layers": 2, "model.d_model": 32, "model.n_heads": 4, "model.seq_len": 32, "model.vocab_size": 320}
 
 FSDP2_JOB = textwrap.dedent(
@@ -57,12 +55,6 @@ FSDP2_JOB = textwrap.dedent(
 )
 
 
-def _strata(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "strata.launch.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
-
-
 def _model_overrides() -> list[str]:
     return [f"{k}={v}" for k, v in MODEL.items()]
 
@@ -74,13 +66,7 @@ def fsdp2_checkpoint(tmp_path_factory) -> tuple[Path, dict]:
     script = tmp / "job.py"
     script.write_text(FSDP2_JOB)
     ckpt = tmp / "dcp"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(ckpt)]
-        + _model_overrides(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = torchrun(str(script), str(ckpt), *_model_overrides())
     assert proc.returncode == 0, proc.stderr[-4000:]
     dcp_to_torch_save(ckpt, tmp / "whole.pt")
     return ckpt, torch.load(tmp / "whole.pt", weights_only=False)  # written just now by DCP itself
@@ -91,7 +77,7 @@ def test_strata_resumes_an_fsdp2_checkpoint_with_its_weights_and_adam_state(fsdp
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
     out = tmp_path / "rewritten"
-    proc = _strata("train", str(experiment), *_model_overrides(), "--resume", str(ckpt), "--save-to", str(out))
+    proc = strata("train", str(experiment), *_model_overrides(), "--resume", str(ckpt), "--save-to", str(out))
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = Checkpoint(store.step_dir(out, 0)).tensors("")
     for name, value in whole["model"].items():
@@ -106,12 +92,12 @@ def test_training_on_from_an_fsdp2_checkpoint_in_tp2_matches_one_process(fsdp2_c
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
     settings = {**MODEL, "train.steps": 3, "log.interval": 1}
-    one = _strata(
+    one = strata(
         "train", str(experiment), *tiny_overrides(small_data_dir, tmp_path / "one", **settings), "--resume", str(ckpt)
     )
     assert one.returncode == 0, one.stderr[-4000:]
     assert "a checkpoint DCP wrote alone: Adam state taken from the checkpoint" in one.stdout + one.stderr
-    par = _strata(
+    par = strata(
         "launch",
         str(experiment),
         *tiny_overrides(small_data_dir, tmp_path / "tp2", **settings, **{"parallel.tp": 2}),
@@ -144,7 +130,7 @@ def test_a_dcp_checkpoint_of_another_model_is_one_error_listing_its_keys(tmp_pat
     )
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
-    proc = _strata(
+    proc = strata(
         "train", str(experiment), *_model_overrides(), "--resume", str(foreign), "--save-to", str(tmp_path / "o")
     )
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 from strata.launch.cli import main as strata_main
-from strata.net import free_port
 from strata.parallel.runtime import start
 from strata.trainer.loop import run
 
 from conftest import tiny_config, tiny_overrides
-from test_distributed import REPO, assert_same_params, final_params
+from worlds import assert_same_params, final_params, torchrun
 
 pytestmark = pytest.mark.slow  # a 2-process DeepSpeed world under torchrun, then a Strata run
 
@@ -64,30 +62,18 @@ def test_deepspeed_zero3_checkpoint_continues_in_strata(small_data_dir, tmp_path
 
 def _deepspeed_job(tmp_path, experiment, overrides: list[str], env: dict) -> subprocess.CompletedProcess:
     """DeepSpeed ZeRO-3 on 2 ranks (bench/_zero_worker.py), stopped after 3 steps with a checkpoint."""
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            "bench/_zero_worker.py",
-            "--side",
-            "deepspeed",
-            "--out",
-            str(tmp_path / "ds.json"),
-            "--stop-after",
-            "3",
-            "--save-dir",
-            str(tmp_path / "ds-ckpt"),
-            str(experiment),
-            *overrides,
-        ],
-        cwd=REPO,
+    return torchrun(
+        "bench/_zero_worker.py",
+        "--side",
+        "deepspeed",
+        "--out",
+        str(tmp_path / "ds.json"),
+        "--stop-after",
+        "3",
+        "--save-dir",
+        str(tmp_path / "ds-ckpt"),
+        str(experiment),
+        *overrides,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=600,
     )

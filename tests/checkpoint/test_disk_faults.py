@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_async_checkpoint import pieces, save
+from test_writer import pieces, save
 
 from strata.checkpoint import store
 from strata.checkpoint.manager import CheckpointManager
@@ -32,7 +32,7 @@ from strata.checkpoint.reader import Checkpoint
 from strata.errors import CheckpointError
 from strata.parallel import comm
 
-from worlds import join_world, run_world
+from worlds import TESTS, join_world, run_world
 
 
 def assert_loads(path: Path, step: int) -> None:
@@ -70,7 +70,7 @@ def test_a_missing_checkpoint_dir_is_made_and_left_without_probe_files(tmp_path)
 
 PRELUDE = f"""
 import json, resource, signal, sys
-sys.path.insert(0, {os.path.dirname(__file__)!r})
+sys.path[:0] = {[os.path.dirname(__file__), str(TESTS)]!r}  # test_disk_faults, worlds
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past RLIMIT_FSIZE fails with EFBIG instead
 from pathlib import Path
 from strata.checkpoint.manager import CheckpointManager

@@ -8,8 +8,6 @@ round trip bit for bit. Bad Hugging Face input is one clear error before trainin
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,9 +24,10 @@ from strata.parallel.runtime import start
 from strata.trainer.data import BatchLoader, TokenDataset
 from strata.trainer.loop import run
 
+from worlds import REPO, strata
+
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[1]
 SEQ = 32
 
 
@@ -94,12 +93,6 @@ def _experiment(tmp_path: Path) -> Path:
     return path
 
 
-def _strata(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "strata.launch.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
-
-
 def _losses(run_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
@@ -156,11 +149,11 @@ def test_a_run_from_a_hugging_face_model_starts_at_transformers_loss(hf_dirs, sm
 def test_training_from_a_hugging_face_model_in_parallel_matches_one_process(
     hf_dirs, small_data_dir, tmp_path, name, nproc, layout
 ):
-    one = _strata("train", str(_experiment(tmp_path)), *_overrides(hf_dirs[name], small_data_dir, tmp_path / "one"))
+    one = strata("train", str(_experiment(tmp_path)), *_overrides(hf_dirs[name], small_data_dir, tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-4000:]
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
-    par = _strata(
+    par = strata(
         "launch",
         str(experiment),
         *_overrides(hf_dirs[name], small_data_dir, tmp_path / "par", **layout),
@@ -186,13 +179,13 @@ def test_an_exported_run_loads_in_transformers_with_its_tokenizer(hf_dirs, tmp_p
     for i in range(8):
         (corpus / f"doc{i}.txt").write_text(text[i * 2000 : (i + 1) * 2000])
     data = tmp_path / "data"
-    prep = _strata("data", "prepare", str(corpus), "--out", str(data), "--tokenizer", "bpe:300", "--workers", "1")
+    prep = strata("data", "prepare", str(corpus), "--out", str(data), "--tokenizer", "bpe:300", "--workers", "1")
     assert prep.returncode == 0, prep.stderr[-3000:]
-    trained = _strata("train", str(_experiment(tmp_path)), *_overrides(hf_dirs["llama"], data, tmp_path / "runs"))
+    trained = strata("train", str(_experiment(tmp_path)), *_overrides(hf_dirs["llama"], data, tmp_path / "runs"))
     assert trained.returncode == 0, trained.stderr[-3000:]
     ckpt = store.step_dir(tmp_path / "runs" / "t" / "checkpoints", 4)
     out = tmp_path / "exported"
-    exported = _strata("ckpt", "export", str(ckpt), str(out), "--format", "hf")
+    exported = strata("ckpt", "export", str(ckpt), str(out), "--format", "hf")
     assert exported.returncode == 0, exported.stderr[-3000:]
 
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
@@ -215,10 +208,10 @@ def test_an_exported_run_loads_in_transformers_with_its_tokenizer(hf_dirs, tmp_p
 @pytest.mark.slow  # two CLI processes per family (7 s on 2 cores)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_import_then_export_is_bit_exact(hf_dirs, tmp_path, name):
-    imported = _strata("ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / "imported"), f"model.seq_len={SEQ}")
+    imported = strata("ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / "imported"), f"model.seq_len={SEQ}")
     assert imported.returncode == 0, imported.stderr[-3000:]
     step0 = store.step_dir(tmp_path / "imported", 0)
-    exported = _strata("ckpt", "export", str(step0), str(tmp_path / "out"), "--format", "hf")
+    exported = strata("ckpt", "export", str(step0), str(tmp_path / "out"), "--format", "hf")
     assert exported.returncode == 0, exported.stderr[-3000:]
     want, got = load_file(hf_dirs[name] / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert got.keys() == want.keys()
@@ -295,12 +288,13 @@ BAD = {
 }
 
 
+@pytest.mark.slow  # each case a fresh `strata train` interpreter: 4-6 s on 2 cores
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_hugging_face_input_is_one_clear_error(hf_dirs, small_data_dir, tmp_path, case):
     make, message = BAD[case]
     bad = tmp_path / "model"
     make(hf_dirs["llama"], bad)
-    proc = _strata("train", str(_experiment(tmp_path)), *_overrides(bad, small_data_dir, tmp_path / "runs"))
+    proc = strata("train", str(_experiment(tmp_path)), *_overrides(bad, small_data_dir, tmp_path / "runs"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr

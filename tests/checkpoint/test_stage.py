@@ -6,9 +6,6 @@ appears or is loaded, and the pieces change shape (a new plan)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -36,6 +33,7 @@ from strata.parallel.tensor import Placement
 from strata.trainer.loop import Trainer
 
 from conftest import tiny_config
+from worlds import start_agents
 
 
 def _flat_pieces(flat: torch.Tensor, key: str, shape: tuple[int, ...], start: int) -> list[Piece]:
@@ -256,13 +254,7 @@ def agent(tmp_path):
     directory = tmp_path / "sockets"
     directory.mkdir(mode=0o700)
     path = str(directory / "agent.sock")
-    env = {**os.environ, "STRATA_SNAPSHOT_SECRET": "ab" * 32}
-    cmd = [sys.executable, "-m", "strata.launch.snapshot_agent", "--socket", path, "--advertise", "127.0.0.1"]
-    proc = subprocess.Popen([*cmd, "--bind", "127.0.0.1"], env=env, stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, "agent did not start"
-        time.sleep(0.02)
+    [proc] = start_agents([path], "ab" * 32)
     yield path
     proc.kill()
     proc.wait()

@@ -2,14 +2,12 @@
 process persists it; the next save waits only if the previous one is still being written; a writer
 that fails or is killed is reported at the next step, and the previous checkpoint stays intact and
 loadable. Here at the manager level with one rank and a real writer process; the multi-rank run,
-killed mid-save, is in test_distributed-style at the bottom."""
+killed mid-save, is at the bottom (a `strata launch` world, as in trainer/test_parallelize.py)."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -155,28 +153,18 @@ def test_two_rank_run_killed_mid_save_fails_on_every_rank_and_resumes_from_the_l
     from strata.trainer.loop import run
 
     from conftest import tiny_config
-    from test_distributed import REPO, ZERO3, losses_from
+    from worlds import ZERO3, losses_from, start_strata
 
     settings = {"log.interval": 1, "checkpoint.interval": 2, "checkpoint.async": True, "train.micro_batch_size": 2}
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
-    cmd = [
-        sys.executable,
-        "-m",
-        "strata.launch.cli",
+    proc = start_strata(
         "launch",
         str(experiment),
         *tiny_overrides(small_data_dir, tmp_path / "killed", **settings, **ZERO3),
         "--nproc",
         "2",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, writer.DELAY_ENV: "1.0"},
+        env={writer.DELAY_ENV: "1.0"},
     )
     ckpts = tmp_path / "killed" / "t" / "checkpoints"
     target = store.partial_dir(ckpts, 4) / "__1_0.distcp"

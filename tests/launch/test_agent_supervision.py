@@ -10,8 +10,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -22,9 +20,8 @@ from strata.checkpoint.agent_protocol import connect, request
 from strata.launch.torchrun import AgentKeeper, LaunchPlan, launch_env, start_agent
 
 from conftest import tiny_overrides
-from worlds import marked_processes
+from worlds import kill_marked, marked_processes, start_strata
 
-REPO = Path(__file__).resolve().parents[1]
 DEADLINE_S = 150
 AGENT_MODULE = b"strata.launch.snapshot_agent"
 
@@ -45,14 +42,9 @@ class Launch:
             "snapshot.m": 0,
             "parallel.timeout_s": 30,
         }
-        cmd = [sys.executable, "-m", "strata.launch.cli", "launch", str(experiment), "--nproc", "2", *flags]
-        self.log_file = open(tmp / "launch.log", "ab")
-        self.proc = subprocess.Popen(
-            cmd + tiny_overrides(data_dir, tmp / "runs", **settings),
-            cwd=REPO,
-            stdout=self.log_file,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "STRATA_TEST_ID": self.marker},
+        overrides = tiny_overrides(data_dir, tmp / "runs", **settings)
+        self.proc = start_strata(
+            "launch", str(experiment), "--nproc", "2", *flags, *overrides, marker=self.marker, log=tmp / "launch.log"
         )
 
     def agents(self) -> list[int]:
@@ -86,13 +78,8 @@ class Launch:
         return time.monotonic()
 
     def close(self) -> None:
-        for pid in marked_processes(self.marker):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_marked(self.marker)
         self.proc.wait()
-        self.log_file.close()
 
 
 def _cmdline(pid: int) -> bytes:

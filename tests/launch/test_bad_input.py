@@ -6,9 +6,6 @@ run it as a user does, in a subprocess, to show nothing else reaches the termina
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +16,8 @@ import pytest
 from strata.launch import torchrun
 
 from conftest import run_cli
+from worlds import REPO, strata
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "configs" / "tiny.yaml")
 
 
@@ -147,6 +144,42 @@ def truncated_checkpoint(tmp: Path) -> Path:
     data = (ckpt / "__0_0.distcp").read_bytes()
     (ckpt / "__0_0.distcp").write_bytes(data[: len(data) // 2])
     return ckpt
+
+
+def good_checkpoint(tmp: Path) -> Path:
+    """A real two-step checkpoint."""
+    from strata.checkpoint import store
+    from strata.parallel.runtime import start
+    from strata.trainer.loop import run
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(token_dir(tmp), tmp / "runs", **{"train.steps": 2, "checkpoint.save_final": True})
+    run(cfg, start())
+    return store.committed(cfg.checkpoint_dir())[-1]
+
+
+def symlink_loop_checkpoint(tmp: Path) -> Path:
+    """A real checkpoint one of whose data files was replaced by a symbolic link to itself."""
+    ckpt = good_checkpoint(tmp)
+    (ckpt / "__0_0.distcp").unlink()
+    (ckpt / "__0_0.distcp").symlink_to("__0_0.distcp")
+    return ckpt
+
+
+def hf_model_contradicting_its_config(tmp: Path) -> Path:
+    """A tiny Hugging Face Llama whose config.json says a narrower MLP than its weights hold."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp / "hf")
+    config = json.loads((tmp / "hf" / "config.json").read_text())
+    write(tmp / "hf" / "config.json", json.dumps({**config, "intermediate_size": 48}))
+    return tmp / "hf"
+
+
+PLAN = ["plan", TINY, "--nodes", "1", "--gpus-per-node", "1"]
 
 
 def metrics(content: str | bytes) -> Callable[[Path], list[str]]:
@@ -298,6 +331,41 @@ CASES = [
         lambda tmp: ["data", "prepare", str(write(tmp / "in.txt", "hello")), "--out", str(tmp / LONG)],
         ("data prepare", "File name too long"),
     ),
+    # --- data that names nothing, weights that overflow, numbers without end
+    Case("data-sources-empty", show("data.sources=[]"), ("data.sources", "empty list")),
+    Case(
+        "data-weights-overflow",
+        show("data.sources=[{path: a, weight: 1e308}, {path: b, weight: 1e308}]"),
+        ("data.sources", "overflows"),
+    ),
+    Case(
+        "plan-memory-infinite", lambda tmp: [*PLAN, "--gpu-mem-gb", "inf", "--tflops", "1"], ("--gpu-mem-gb", "finite")
+    ),
+    Case(
+        "plan-link-infinite", lambda tmp: [*PLAN, "--gpu", "h100", "--inter-node-gbps", "inf"], ("--inter-node-gbps",)
+    ),
+    # --- a model that cannot be allocated: refused before any allocation, naming the sizes
+    Case(
+        "model-too-large",
+        lambda tmp: ["train", TINY, "model.d_model=262144", "model.n_layers=64", f"log.dir={tmp / 'runs'}"],
+        ("parameters on this rank need", "GiB", "parallel.tp"),
+    ),
+    # --- checkpoints: a symbolic link loop, an unwritable OUT, weights contradicting config.json
+    Case(
+        "resume-symlink-loop",
+        lambda tmp: ["train", TINY, f"log.dir={tmp / 'again'}", "--resume", str(symlink_loop_checkpoint(tmp))],
+        ("symbolic link loop",),
+    ),
+    Case(
+        "export-unwritable-out",
+        lambda tmp: ["ckpt", "export", str(good_checkpoint(tmp)), "/proc/strata-export"],
+        ("cannot write or read /proc/strata-export",),
+    ),
+    Case(
+        "import-hf-shapes-contradict-config",
+        lambda tmp: ["ckpt", "import-hf", str(hf_model_contradicting_its_config(tmp)), str(tmp / "out")],
+        ("contradict its config.json", "gate_proj", "(48, 32)"),
+    ),
     # --- data directories (checked before torchrun starts)
     Case("data-no-meta", launch_data(meta="absent"), ("meta.json", "strata data prepare")),
     Case("data-meta-not-json", launch_data(meta="{dtype: uint16"), ("meta.json", "not valid JSON")),
@@ -438,17 +506,6 @@ def test_plot_skips_a_cut_off_last_line(tmp_path, capsys):
 # --- as a user runs it: a subprocess, so nothing but the message reaches the terminal ------------
 
 
-def strata(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "strata.launch.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": ""},
-    )
-
-
 def test_in_a_subprocess_bad_input_is_one_message_and_exit_2(tmp_path):
     """Each on a path that a traceback once took: duplicate keys, a non-UTF-8 file, a zero process
     count, a data directory whose ids exceed its vocabulary (under launch: before torchrun starts)."""
@@ -462,7 +519,7 @@ def test_in_a_subprocess_bad_input_is_one_message_and_exit_2(tmp_path):
         (["launch", TINY, f"data.path={data}", f"log.dir={tmp_path}", "model.seq_len=32"], "vocab_size=100"),
     ]
     for argv, needle in runs:
-        proc = strata(*argv, cwd=tmp_path)
+        proc = strata(*argv, cwd=tmp_path, env={"PYTHONPATH": ""}, timeout=120)
         assert proc.returncode == 2, (argv, proc.stdout, proc.stderr)
         assert needle in proc.stderr, (argv, proc.stderr)
         assert "Traceback" not in proc.stdout + proc.stderr

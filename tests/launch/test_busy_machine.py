@@ -12,16 +12,18 @@ from strata.launch import cli
 
 
 @pytest.mark.parametrize(
-    ("loadavg", "cores", "busy"),
+    ("samples", "cores", "busy"),
     [
-        ("0.10 0.20 0.30 1/128 999", 2, False),  # idle: this process alone is runnable
-        ("4.43 4.42 3.71 5/128 999", 2, True),  # a load of 4 on 2 cores
-        ("0.50 0.40 0.30 3/128 999", 2, True),  # two others runnable now, before the average rises
-        ("1.90 1.00 0.50 2/128 999", 16, False),  # the same on 16 cores is idle
+        (["0.10 0.20 0.30 1/128 999"] * 5, 2, False),  # idle: this process alone is runnable
+        (["4.43 4.42 3.71 5/128 999"] * 5, 2, True),  # four others runnable on 2 cores
+        (["3.00 3.00 3.00 1/128 999"] * 5, 2, False),  # a load that lingers from work that has ended
+        (["0.5 0.4 0.3 3/128 999"] * 4 + ["0.5 0.4 0.3 1/128 999"], 2, True),  # the median of the readings
+        (["0.5 0.4 0.3 9/128 999"] + ["0.5 0.4 0.3 1/128 999"] * 4, 2, False),  # one busy reading alone
+        (["1.90 1.00 0.50 3/128 999"] * 5, 16, False),  # the same on 16 cores is idle
     ],
 )
-def test_the_cores_are_busy_when_the_load_or_the_runnable_tasks_reach_them(loadavg, cores, busy):
-    assert cli.cpus_busy(loadavg, cores) is busy
+def test_the_cores_are_busy_when_the_runnable_tasks_reach_them(samples, cores, busy):
+    assert cli.cpus_busy(samples, cores) is busy
 
 
 def test_passive_waiting_is_set_only_on_a_busy_machine_and_a_users_value_wins(monkeypatch):

@@ -13,19 +13,7 @@ import pytest
 from strata.errors import ConfigError
 
 from conftest import STDLIB, tiny_overrides
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def strata(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "strata.launch.cli", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
+from worlds import REPO, strata
 
 
 @pytest.mark.slow
@@ -476,6 +464,7 @@ print(os.environ["THP_MEM_ALLOC_ENABLE"], next(int(line.split()[1]) for line in 
 @pytest.mark.skipif(
     not os.path.isfile(THP) or "[never]" in open(THP).read(), reason="the kernel has transparent huge pages off"
 )
+@pytest.mark.slow  # two fresh interpreters import torch and allocate: ~6 s on 2 cores
 def test_the_strata_command_puts_torchs_large_host_allocations_on_huge_pages():
     """The `strata` entry point sets torch's THP switch before torch is imported (torch reads it once,
     at its first allocation), so a 64 MiB tensor made after a command sits on huge pages; a value the

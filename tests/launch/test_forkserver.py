@@ -29,9 +29,7 @@ from strata.launch.elastic import AdoptedWorker, ForkServer, install_rendezvous_
 from strata.launch.torchrun import LaunchPlan, torchrun_command
 
 from conftest import tiny_overrides
-from worlds import marked_processes
-
-REPO = Path(__file__).resolve().parents[1]
+from worlds import kill_marked, marked_processes, start_strata
 
 PROBE = r"""
 import json, os, signal, sys, time
@@ -250,13 +248,9 @@ def launch(tmp: Path, data_dir: Path, *flags: str) -> tuple[subprocess.Popen, st
     marker = uuid.uuid4().hex
     experiment = tmp / "experiment.yaml"
     experiment.write_text("{}\n")
-    cmd = [sys.executable, "-m", "strata.launch.cli", "launch", str(experiment), "--nproc", "2", *flags]
-    proc = subprocess.Popen(
-        cmd + tiny_overrides(data_dir, tmp / "runs", **SETTINGS),
-        cwd=REPO,
-        stdout=open(tmp / "launch.log", "wb"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "STRATA_TEST_ID": marker},
+    overrides = tiny_overrides(data_dir, tmp / "runs", **SETTINGS)
+    proc = start_strata(
+        "launch", str(experiment), "--nproc", "2", *flags, *overrides, marker=marker, log=tmp / "launch.log"
     )
     return proc, marker
 
@@ -286,8 +280,7 @@ def finish(proc: subprocess.Popen, marker: str, tmp: Path) -> str:
     try:
         code = proc.wait(150)
     finally:
-        for pid in marked_processes(marker):
-            os.kill(pid, signal.SIGKILL)
+        kill_marked(marker)
     log = (tmp / "launch.log").read_text(errors="replace")
     assert code == 0, log[-6000:]
     return log

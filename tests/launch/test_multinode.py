@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import NODE_IF, Cluster
 
 from strata.errors import StrataError
 from strata.launch.torchrun import (
@@ -27,9 +26,10 @@ from strata.launch.torchrun import (
     torchrun_args,
 )
 
+from cluster import NODE_IF, Cluster
 from conftest import netns, tiny_overrides
+from worlds import REPO, strata_command
 
-REPO = Path(__file__).resolve().parents[1]
 PORT = 5201
 
 # Receives one connection until EOF; prints the bytes and the seconds from the first to the last byte.
@@ -303,8 +303,7 @@ def _launch_on_nodes(tmp: Path, data_dir: Path, mode: str, nproc: int) -> dict[i
             log = tmp / f"{name}.log"
             logs.append(log)
             with open(log, "wb") as out:
-                cmd = [sys.executable, "-m", "strata.launch.cli", *args]
-                procs.append(cluster.popen(node, cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+                procs.append(cluster.popen(node, strata_command(*args), cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
 
         flags = ["--nnodes", "2", "--nproc", str(nproc), "--join-timeout", "60", "--net-ifname", NODE_IF]
         if mode == "external":

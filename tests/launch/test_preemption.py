@@ -8,21 +8,19 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from test_launch_signals import _kill_all, _processes, _start, _wait_for
 from test_slurm import JOB_WAIT_S, _wait_for_job, slurm_cluster  # noqa: F401 (a fixture)
 
 from conftest import tiny_config, tiny_overrides
+from worlds import REPO, kill_marked, marked_processes, start_strata, strata, wait_for
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 400  # about 6 s of the tiny model on 2 cores: the signal arrives long before the end
-LAUNCH = [sys.executable, "-m", "strata.launch.cli", "launch", str(REPO / "configs/tiny.yaml"), "--nproc", "2"]
-TRAIN = [sys.executable, "-m", "strata.launch.cli", "train", str(REPO / "configs/tiny.yaml")]
+LAUNCH = ["launch", str(REPO / "configs/tiny.yaml"), "--nproc", "2"]  # `strata` arguments
+TRAIN = ["train", str(REPO / "configs/tiny.yaml")]
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -64,22 +62,22 @@ def _signalled_train_run(tmp_path: Path, small_data_dir: Path, signals: list[int
     run_dir = tmp_path / "runs" / "t"
     overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **{"train.steps": 100000, "log.interval": 1})
     try:
-        worker = _start(TRAIN + overrides, marker, tmp_path)
-        _wait_for(lambda: _steps_logged(run_dir) >= 3, 120, "three steps")
+        worker = start_strata(*TRAIN, *overrides, marker=marker, log=tmp_path / "launch.log", cwd=tmp_path)
+        wait_for(lambda: _steps_logged(run_dir) >= 3, 120, "three steps")
         for i, sig in enumerate(signals):
             if i:
                 time.sleep(0.02)
             worker.send_signal(sig)
         code = worker.wait(60)
     finally:
-        _kill_all(marker)
+        kill_marked(marker)
     assert code == PREEMPTED_EXIT, (tmp_path / "launch.log").read_text()[-3000:]
     assert _committed_steps(run_dir) == [max(_losses(run_dir))]
     return run_dir
 
 
 def _launch_to_end(overrides: list[str], cwd: Path, extra: list[str] = ()) -> None:
-    done = subprocess.run(LAUNCH + overrides + list(extra), cwd=cwd, capture_output=True, text=True, timeout=300)
+    done = strata(*LAUNCH, *overrides, *extra, cwd=cwd)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
 
 
@@ -102,15 +100,15 @@ def test_a_signal_saves_the_step_and_the_resumed_run_matches(tmp_path, small_dat
     run_dir = tmp_path / "runs" / "t"
     overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **{"train.steps": STEPS, "log.interval": 1})
     try:
-        launcher = _start(LAUNCH + overrides, marker, tmp_path)
-        _wait_for(lambda: _steps_logged(run_dir) >= 3, 120, "three steps")
+        launcher = start_strata(*LAUNCH, *overrides, marker=marker, log=tmp_path / "launch.log", cwd=tmp_path)
+        wait_for(lambda: _steps_logged(run_dir) >= 3, 120, "three steps")
         sent = time.time()
         launcher.send_signal(sig)
         code = launcher.wait(60)
-        _wait_for(lambda: not _processes(marker), 30, "every process to exit")
+        wait_for(lambda: not marked_processes(marker), 30, "every process to exit")
         gone = time.time() - sent
     finally:
-        _kill_all(marker)
+        kill_marked(marker)
     output = (tmp_path / "launch.log").read_text()
     assert code == PREEMPTED_EXIT, output[-3000:]  # every worker saved and stopped: resumable
 
@@ -152,8 +150,8 @@ def test_a_second_signal_aborts_without_saving(tmp_path, small_data_dir):
     settings |= {"model.seq_len": 256, "train.global_batch_size": 16, "train.micro_batch_size": 8, "train.threads": 1}
     overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **settings)
     try:
-        worker = _start(TRAIN + overrides, marker, tmp_path)
-        _wait_for(lambda: _steps_logged(run_dir) >= 1, 300, "the first step")
+        worker = start_strata(*TRAIN, *overrides, marker=marker, log=tmp_path / "launch.log", cwd=tmp_path)
+        wait_for(lambda: _steps_logged(run_dir) >= 1, 300, "the first step")
         worker.send_signal(signal.SIGTERM)
         time.sleep(REPEAT_WINDOW_S + 0.3)
         second = time.monotonic()
@@ -161,7 +159,7 @@ def test_a_second_signal_aborts_without_saving(tmp_path, small_data_dir):
         code = worker.wait(30)
         seconds = time.monotonic() - second
     finally:
-        _kill_all(marker)
+        kill_marked(marker)
     assert code == -signal.SIGTERM, (tmp_path / "launch.log").read_text()[-3000:]
     assert _committed_steps(run_dir) == [] and _steps_logged(run_dir) == 1  # step 2 neither finished nor saved
     assert seconds < 2, seconds
@@ -210,7 +208,7 @@ def test_the_batch_script_passes_a_signal_on_and_requeues_after_the_warning(tmp_
     env |= {"SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_NUM_NODES": "2"}
     job = subprocess.Popen(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, stdout=subprocess.PIPE)
     try:
-        _wait_for(lambda: log.exists() and "step started" in log.read_text(), 30, "the job step")
+        wait_for(lambda: log.exists() and "step started" in log.read_text(), 30, "the job step")
         job.send_signal(sig)
         out, _ = job.communicate(timeout=30)
     finally:
@@ -230,17 +228,23 @@ def test_a_slurm_job_warned_of_its_time_limit_requeues_and_resumes(tmp_path, sma
     checkpoint and COMPLETES with the uninterrupted run's losses."""
     run_dir = tmp_path / "runs" / "t"
     overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **{"train.steps": STEPS, "log.interval": 1})
-    launch = subprocess.run(
-        [*LAUNCH[:5], *overrides, "--slurm", "--nodes", "2", "--gpus-per-node", "1", "--time", "00:10:00"],
+    launch = strata(
+        *LAUNCH[:2],
+        *overrides,
+        "--slurm",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "1",
+        "--time",
+        "00:10:00",
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert launch.returncode == 0, launch.stdout + launch.stderr
     job_id = launch.stdout.split("Submitted batch job")[1].split()[0]
     try:
-        _wait_for(lambda: _steps_logged(run_dir) >= 3, 240, "three steps")
+        wait_for(lambda: _steps_logged(run_dir) >= 3, 240, "three steps")
         subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
         state = _wait_for_job(job_id, JOB_WAIT_S)
     finally:
@@ -254,6 +258,7 @@ def test_a_slurm_job_warned_of_its_time_limit_requeues_and_resumes(tmp_path, sma
     assert _losses(run_dir) == reference_losses
 
 
+@pytest.mark.slow  # three runs of the trainer: 5-9 s on 2 cores
 def test_a_requeued_job_continues_from_its_own_newest_checkpoint(small_data_dir, tmp_path, monkeypatch):
     """A requeued job runs its first arguments again, `--resume` included: with SLURM_RESTART_COUNT
     above 0 it continues from checkpoint.dir's newest checkpoint (its own progress), not from the

@@ -19,7 +19,7 @@ from strata.parallel.runtime import start
 from strata.trainer.loop import run
 
 from conftest import tiny_config
-from test_distributed import assert_same_params, final_params, launch_run, losses_from
+from worlds import assert_same_params, final_params, launch_run, losses_from
 
 pytestmark = pytest.mark.slow  # each case saves in one `strata launch` world and resumes in another
 
@@ -79,7 +79,7 @@ def test_resume_in_another_layout_continues_the_run(small_data_dir, tmp_path, re
 def test_offline_reshard_rewrites_every_tensor_exactly_one_file_per_target_rank(small_data_dir, tmp_path):
     """`strata ckpt reshard DIR OUT --to tp=2,pp=2` (4 processes started by the command): the same
     parameters and optimizer states, bit for bit, now saved by the four ranks of the new layout."""
-    from test_distributed import strata
+    from worlds import strata
 
     train(small_data_dir, tmp_path / "src", 1, {"train.steps": 3})
     src = store.step_dir(tmp_path / "src" / "t" / "checkpoints", 3)

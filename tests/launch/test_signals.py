@@ -19,9 +19,7 @@ import pytest
 from strata.checkpoint import store
 
 from conftest import tiny_overrides
-from worlds import marked_processes as _processes
-
-REPO = Path(__file__).resolve().parents[1]
+from worlds import REPO, kill_marked, marked_processes, start, start_strata, strata, wait_for
 
 # A stand-in for torchrun with two stand-in workers, each a session leader (as torchrun starts
 # them) with a child of its own (as the checkpoint writer is). Stubborn ones ignore every signal
@@ -44,41 +42,17 @@ STAND_IN = textwrap.dedent(
 STAND_IN_PROCESSES = 6  # launcher, torchrun, two workers, their two children
 
 
-def _kill_all(marker: str) -> None:
-    for pid in _processes(marker):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _wait_for(condition, timeout: float, what: str) -> float:
-    """Seconds until `condition()` held; fails after `timeout`."""
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
-def _start(cmd: list[str], marker: str, tmp_path: Path) -> subprocess.Popen:
-    """`cmd` with the test's marker in its environment (so in every descendant's), output to launch.log."""
-    env = {**os.environ, "STRATA_TEST_ID": marker}
-    with open(tmp_path / "launch.log", "wb") as log:
-        return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
-
-
 def _stop_and_measure(launcher: subprocess.Popen, marker: str, signals: list[int], timeout: float) -> tuple[int, float]:
     """Send `signals` (0.3 s apart) to the launcher; its exit code and the seconds from the first
     signal until no process of the test is left."""
-    start = time.monotonic()
+    began = time.monotonic()
     for i, sig in enumerate(signals):
         if i:
             time.sleep(0.3)
         launcher.send_signal(sig)
     code = launcher.wait(timeout)
-    _wait_for(lambda: not _processes(marker), timeout - (time.monotonic() - start), "every process to exit")
-    return code, time.monotonic() - start
+    wait_for(lambda: not marked_processes(marker), timeout - (time.monotonic() - began), "every process to exit")
+    return code, time.monotonic() - began
 
 
 def _stand_in_launch(tmp_path: Path, marker: str, grace_s: int, margin_s: int, stubborn: bool) -> subprocess.Popen:
@@ -97,8 +71,8 @@ def _stand_in_launch(tmp_path: Path, marker: str, grace_s: int, margin_s: int, s
             sys.exit(supervisor.run([sys.executable, {str(script)!r}, "torchrun", {kind!r}], dict(os.environ)))
         """
     )
-    proc = _start([sys.executable, "-c", launcher], marker, tmp_path)
-    _wait_for(lambda: len(_processes(marker)) == STAND_IN_PROCESSES, 30, "the stand-ins to start")
+    proc = start([sys.executable, "-c", launcher], marker=marker, log=tmp_path / "launch.log", cwd=tmp_path)
+    wait_for(lambda: len(marked_processes(marker)) == STAND_IN_PROCESSES, 30, "the stand-ins to start")
     return proc
 
 
@@ -110,7 +84,7 @@ def test_workers_that_ignore_the_signal_are_killed_after_the_grace_period(tmp_pa
         assert code == 128 + signal.SIGTERM
         assert 2 <= seconds < 10, seconds  # not before the grace period and the margin, soon after
     finally:
-        _kill_all(marker)
+        kill_marked(marker)
 
 
 def test_a_second_signal_kills_at_once(tmp_path):
@@ -122,7 +96,7 @@ def test_a_second_signal_kills_at_once(tmp_path):
         assert seconds < 10, seconds  # long before the 65 s the first signal alone would take
         assert "again: killing torchrun and its workers" in (tmp_path / "launch.log").read_text()
     finally:
-        _kill_all(marker)
+        kill_marked(marker)
 
 
 def test_torchrun_stops_when_the_launcher_is_killed(tmp_path):
@@ -131,23 +105,19 @@ def test_torchrun_stops_when_the_launcher_is_killed(tmp_path):
     marker = uuid.uuid4().hex
     try:
         launcher = _stand_in_launch(tmp_path, marker, grace_s=60, margin_s=5, stubborn=False)
-        torchrun = [pid for pid in _processes(marker) if b"\0torchrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        torchrun = [
+            pid for pid in marked_processes(marker) if b"\0torchrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
         assert len(torchrun) == 1
         launcher.kill()
         launcher.wait()
-        _wait_for(lambda: not set(torchrun) & set(_processes(marker)), 10, "torchrun to exit")
+        wait_for(lambda: not set(torchrun) & set(marked_processes(marker)), 10, "torchrun to exit")
     finally:
-        _kill_all(marker)
+        kill_marked(marker)
 
 
 def test_nnodes_without_a_rendezvous_endpoint_is_an_error(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "strata.launch.cli", "launch", str(REPO / "configs/tiny.yaml"), "--nnodes", "2"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    done = strata("launch", str(REPO / "configs/tiny.yaml"), "--nnodes", "2", cwd=tmp_path, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "--nnodes 2 needs a rendezvous" in done.stderr and "--rdzv-endpoint HOST:PORT" in done.stderr
     assert "--rdzv-store external" in done.stderr and "Traceback" not in done.stderr
@@ -197,7 +167,7 @@ def test_a_signal_to_strata_launch_stops_torchrun_and_every_worker(tmp_path, sma
     marker = uuid.uuid4().hex
     try:
         launcher = _launch(tmp_path, marker, small_data_dir, extra)
-        assert len(_processes(marker)) >= 4 + (1 if extra else 0)  # launcher, torchrun, two workers (agent)
+        assert len(marked_processes(marker)) >= 4 + (1 if extra else 0)  # launcher, torchrun, two workers (agent)
         code, seconds = _stop_and_measure(launcher, marker, [sig], timeout=60)
         log = (tmp_path / "launch.log").read_text()
         assert code == PREEMPTED_EXIT, log[-3000:]
@@ -206,7 +176,7 @@ def test_a_signal_to_strata_launch_stops_torchrun_and_every_worker(tmp_path, sma
         assert seconds < 30, seconds  # the workers exit on the signal: no waiting for the grace period
         print(f"{signal.Signals(sig).name}: every process gone {seconds:.2f} s after the signal")
     finally:
-        _kill_all(marker)
+        kill_marked(marker)
 
 
 @pytest.mark.slow
@@ -216,7 +186,7 @@ def test_workers_killed_by_a_second_signal_leave_the_signals_code(tmp_path, smal
     marker = uuid.uuid4().hex
     try:
         launcher = _launch(tmp_path, marker, small_data_dir, {})
-        workers = [pid for rank in ("0", "1") for pid in _processes(marker, RANK=rank)]
+        workers = [pid for rank in ("0", "1") for pid in marked_processes(marker, RANK=rank)]
         assert len(workers) == 2
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
@@ -225,7 +195,7 @@ def test_workers_killed_by_a_second_signal_leave_the_signals_code(tmp_path, smal
         assert code == 128 + signal.SIGTERM, log[-3000:]
         assert "again: killing torchrun and its workers" in log
     finally:
-        _kill_all(marker)
+        kill_marked(marker)
 
 
 def _launch(tmp_path: Path, marker: str, data_dir: Path, extra: dict) -> subprocess.Popen:
@@ -233,11 +203,11 @@ def _launch(tmp_path: Path, marker: str, data_dir: Path, extra: dict) -> subproc
     the first checkpoint committed, with checkpoint.interval)."""
     settings = {"train.steps": 100000, "log.interval": 1, **extra}
     overrides = tiny_overrides(data_dir, tmp_path / "runs", **settings)
-    cmd = [sys.executable, "-m", "strata.launch.cli", "launch", str(REPO / "configs/tiny.yaml"), "--nproc", "2"]
-    launcher = _start(cmd + overrides, marker, tmp_path)
-    _wait_for(lambda: _first_step_logged(tmp_path / "runs" / "t"), 120, "the workers' first step")
+    cmd = ["launch", str(REPO / "configs/tiny.yaml"), "--nproc", "2", *overrides]
+    launcher = start_strata(*cmd, marker=marker, log=tmp_path / "launch.log", cwd=tmp_path)
+    wait_for(lambda: _first_step_logged(tmp_path / "runs" / "t"), 120, "the workers' first step")
     if "checkpoint.interval" in extra:  # the asynchronous writers start with the first save: signal after it
-        _wait_for(lambda: store.committed(tmp_path / "runs" / "t" / "checkpoints"), 120, "the first checkpoint")
+        wait_for(lambda: store.committed(tmp_path / "runs" / "t" / "checkpoints"), 120, "the first checkpoint")
     return launcher
 
 

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from conftest import runs_unless, tiny_overrides
+from worlds import strata
 
 # sacct's end states: the job will not run again.
 FINAL_STATES = {
@@ -85,12 +86,12 @@ def test_launched_slurm_job_trains_on_two_nodes_and_completes(slurm_cluster, sma
     config.write_text("model:\n  n_layers: 2\n  d_model: 32\n  n_heads: 4\n  seq_len: 32\n")
     overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **{"checkpoint.interval": 3})
     submitted = time.monotonic()
-    launch = subprocess.run(
-        [sys.executable, "-m", "strata.launch.cli", "launch", str(config), *overrides]
-        + ["--slurm", "--nodes", "2", "--gpus-per-node", "1", "--time", "00:05:00"],
+    launch = strata(
+        "launch",
+        str(config),
+        *overrides,
+        *["--slurm", "--nodes", "2", "--gpus-per-node", "1", "--time", "00:05:00"],
         cwd=tmp_path,  # the job's working directory, where sbatch writes its output file
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert launch.returncode == 0, launch.stdout + launch.stderr

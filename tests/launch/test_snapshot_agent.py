@@ -8,8 +8,6 @@ import mmap
 import os
 import socket
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +16,8 @@ import pytest
 from strata.checkpoint.agent_protocol import connect, request
 from strata.checkpoint.channel import AuthError, Channel
 from strata.checkpoint.snapshot import _newest_complete, _sources
+
+from worlds import start_agents
 
 SECRET = "ab" * 32
 
@@ -29,32 +29,8 @@ class Agents:
         self.procs, self.socks, self.info, self.maps = [], [], [], {}
         directory = tmp / "sockets"
         directory.mkdir(mode=0o700)
-        env = {**os.environ, "STRATA_SNAPSHOT_SECRET": SECRET}
-        for g in range(n):
-            path = str(directory / f"agent{g}.sock")
-            self.procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "strata.launch.snapshot_agent",
-                        "--socket",
-                        path,
-                        "--advertise",
-                        "127.0.0.1",
-                        "--bind",
-                        "127.0.0.1",
-                    ],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                )
-            )
-            self.info.append(path)
-        for path in self.info:
-            deadline = time.monotonic() + 20
-            while not os.path.exists(path):
-                assert time.monotonic() < deadline, "agent did not start"
-                time.sleep(0.02)
+        self.info = [str(directory / f"agent{g}.sock") for g in range(n)]
+        self.procs = start_agents(self.info, SECRET)
         self.paths = list(self.info)
         self.socks = [connect(p, 10) for p in self.paths]
         hellos = [request(s, {"op": "hello", "rank": g})[0] for g, s in enumerate(self.socks)]

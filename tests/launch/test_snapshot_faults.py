@@ -11,25 +11,23 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from cluster import Cluster as Namespaces
 
 from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
 from strata.net import free_port
 
+from cluster import Cluster as Namespaces
 from conftest import netns, tiny_overrides
-from worlds import marked_processes as _processes
+from worlds import kill_marked, marked_processes, start, start_strata, strata_command
 
 pytestmark = pytest.mark.slow  # multi-node worlds with snapshot agents, killed and restarted
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
 SETTINGS = {
     "log.interval": 1,
@@ -47,14 +45,6 @@ SETTINGS = {
 DEADLINE_S = 150
 
 
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 class Cluster:
     """A store and named nodes, each a `strata launch` whose output goes to a log file: processes on
     the loopback, or, with `namespaces`, each in a namespace of its own (the store in the first)."""
@@ -65,20 +55,19 @@ class Cluster:
         experiment = tmp / "experiment.yaml"
         experiment.write_text("{}\n")
         self.args = [str(experiment), *tiny_overrides(data_dir, tmp / "runs", **{**SETTINGS, **settings})]
-        self.env = {**os.environ, "STRATA_TEST_ID": self.marker, "STRATA_SNAPSHOT_SECRET": os.urandom(32).hex()}
+        self.env = {"STRATA_SNAPSHOT_SECRET": os.urandom(32).hex()}
         self.where: dict[str, int] = {}  # node name -> namespace index
         self.host = namespaces.nodes[0].address if namespaces else "127.0.0.1"
         self.store = self._spawn("store", ["store", "--host", self.host, "--port", str(self.port)])
         self.nodes: dict[str, subprocess.Popen] = {}
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "ab")
-        cmd = [sys.executable, "-m", "strata.launch.cli", *args]
-        if self.namespaces is not None:
-            self.where[name] = len(self.where)
-            cmd = self.namespaces.command(self.where[name], cmd)
-        return subprocess.Popen(
-            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**self.env, "STRATA_TEST_NODE": name}
+        log, env = self.tmp / f"{name}.log", {**self.env, "STRATA_TEST_NODE": name}
+        if self.namespaces is None:
+            return start_strata(*args, marker=self.marker, log=log, env=env)
+        self.where[name] = len(self.where)
+        return start(
+            self.namespaces.command(self.where[name], strata_command(*args)), marker=self.marker, log=log, env=env
         )
 
     def start_node(self, name: str) -> None:
@@ -111,7 +100,7 @@ class Cluster:
         if self.namespaces is not None:
             self.namespaces.kill_node(self.where[name])
         else:
-            _kill(_processes(self.marker, STRATA_TEST_NODE=name))
+            kill_marked(self.marker, STRATA_TEST_NODE=name)
         self.nodes[name].wait()
 
     def partition(self, name: str, seconds: float) -> None:
@@ -122,9 +111,9 @@ class Cluster:
         self.namespaces.set_link(self.where[name], True)
 
     def kill_worker(self, rank: int) -> None:
-        pids = _processes(self.marker, RANK=str(rank))
+        pids = marked_processes(self.marker, RANK=str(rank))
         assert len(pids) == 1, f"expected one worker with RANK={rank}, found {pids}"
-        _kill(pids)
+        kill_marked(self.marker, RANK=str(rank))
 
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text(errors="replace")
@@ -157,7 +146,7 @@ class Cluster:
             pytest.fail(f"no {what} within {DEADLINE_S}s:\n{logs}")
 
     def close(self) -> None:
-        _kill(_processes(self.marker))
+        kill_marked(self.marker)
 
 
 @pytest.fixture
@@ -266,7 +255,7 @@ def test_a_stopped_worker_is_named_and_the_restart_resumes_from_memory(cluster, 
     c.start_node("A")
     c.start_node("B")
     c.wait_for_step(12)
-    pids = _processes(c.marker, RANK="1")
+    pids = marked_processes(c.marker, RANK="1")
     assert len(pids) == 1, pids
     os.kill(pids[0], signal.SIGSTOP)  # alive but frozen: no error reaches torchrun, only silence
     c.wait(["A", "B"])

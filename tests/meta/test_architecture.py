@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "strata"  # the package `strata`; its subpackages parallel, offload, ... link to the top-level folders
 MAP = ROOT / "docs" / "ARCHITECTURE.md"
 SECTION = "## Where each feature lives"

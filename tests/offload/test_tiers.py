@@ -6,7 +6,6 @@ offload resume anywhere, and a 2-rank world through `strata launch` matches one 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -24,7 +23,7 @@ from strata.parallel.runtime import start
 from strata.trainer.loop import Trainer, run
 
 from conftest import tiny_config
-from test_distributed import COMMON, ZERO3, assert_same_params, final_params, launch_run, losses_from
+from worlds import COMMON, REPO, TESTS, ZERO3, assert_same_params, final_params, launch_run, losses_from
 
 MODEL = {"model.n_layers": 3, "model.d_model": 64, **ZERO3}
 SMALL_SLABS = {"offload.slab_mb": 0.0625, "offload.host_buffer_mb": 0.25}  # 4 slabs of 64 KiB: 2 streams' minimum
@@ -242,6 +241,7 @@ def test_resident_shards_are_never_reread_nor_written_back(small_data_dir, tmp_p
         assert all(torch.equal(a, b) for a, b in zip(shards, ref_shards))
 
 
+@pytest.mark.slow  # four runs of the trainer: 4-6 s on 2 cores
 def test_offloaded_checkpoint_resumes_with_and_without_offload(small_data_dir, tmp_path):
     """A run offloading everything to NVMe saves at step 3; resumed without offload and with it,
     both finish steps 4-6 on the uninterrupted run's losses and parameters."""
@@ -278,6 +278,7 @@ def test_swap_dir_problems_fail_at_start_up(small_data_dir, tmp_path):
         )
 
 
+@pytest.mark.slow  # a fresh interpreter builds a trainer: ~6 s on 2 cores
 def test_full_disk_fails_at_start_up_naming_the_key(small_data_dir, tmp_path):
     """RLIMIT_FSIZE makes the file system 'full' for this process: preallocation fails with EFBIG
     before the first step, naming the config key and the bytes needed (root ignores chmod, so a
@@ -285,7 +286,7 @@ def test_full_disk_fails_at_start_up_naming_the_key(small_data_dir, tmp_path):
     settings = dict(MODEL, **{"offload.optim.device": "nvme", "offload.nvme_path": str(tmp_path / "swap")})
     script = f"""
 import resource, signal, sys
-sys.path.insert(0, {os.path.join(os.path.dirname(__file__))!r})
+sys.path.insert(0, {str(TESTS)!r})  # conftest
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 from conftest import tiny_config
 from strata.parallel.runtime import start
@@ -303,7 +304,7 @@ except Exception as e:
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=os.path.dirname(os.path.dirname(__file__)),
+        cwd=REPO,
     )
     assert "SwapIOError" in out.stdout, out.stdout + out.stderr
     assert "offload.optim.device" in out.stdout and "EFBIG" in out.stdout and "MiB" in out.stdout

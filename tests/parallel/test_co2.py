@@ -391,7 +391,7 @@ ZERO_NODE = {"zero.params.shard_over": "node", "zero.grads.shard_over": "node", 
 
 
 def _train_launched(small_data_dir, run_root, *extra: str, **settings):
-    from test_distributed import final_params, launch_run, losses_from
+    from worlds import final_params, launch_run, losses_from
 
     launch_run(small_data_dir, run_root, 4, *extra, **settings)
     return losses_from(run_root / "t"), final_params(run_root / "t" / "checkpoints")

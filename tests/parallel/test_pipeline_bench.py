@@ -6,16 +6,16 @@ then render one with `strata plot schedule`."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections import Counter
 
 import pytest
 
+from worlds import REPO, strata
+
 pytestmark = pytest.mark.slow  # one 4-process gloo world runs every schedule (module fixture)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # M = 4 keeps the run short and the interleaving gain large next to scheduling noise on a busy machine:
 # interleaving saves (P-1)(t_f+t_b)(1-1/V) whatever M is, while its extra actions and hops grow with M.
 P, M = 4, 4
@@ -114,14 +114,14 @@ def test_plot_schedule_writes_png_and_plain_plot_still_takes_a_run_dir(records, 
     record = tmp_path / "zbv.json"
     record.write_text(json.dumps(records["ZBVZeroBubble"]))
     png = tmp_path / "timeline.png"
-    proc = run("-m", "strata.launch.cli", "plot", "schedule", str(record), "--out", str(png))
+    proc = strata("plot", "schedule", str(record), "--out", str(png))
     assert proc.returncode == 0, proc.stderr
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
     bad = tmp_path / "bad.json"
     bad.write_text('{"schedule": "x"}')
-    proc = run("-m", "strata.launch.cli", "plot", "schedule", str(bad))
+    proc = strata("plot", "schedule", str(bad))
     assert proc.returncode == 2 and "not a schedule record" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run("-m", "strata.launch.cli", "plot", str(tmp_path / "no-such-run"))  # the run-curves form
+    proc = strata("plot", str(tmp_path / "no-such-run"))  # the run-curves form
     assert proc.returncode == 2 and "no metrics" in proc.stderr

@@ -11,27 +11,26 @@ MLP) against megatron and against the unsharded MLP.
 
 Process layout: pytest runs this file as a child process (megatron's import is slow — ~10 s —
 and its module-level state must not leak into other tests); the child imports megatron once and
-forks the two ranks, which rendezvous over TCP with a short timeout and report the largest
-absolute differences as JSON. Megatron runs on CPU here only with `use_cpu_initialization=True`
-and the default (non-sequence-parallel) path: its sequence-parallel gathers allocate on
-`torch.cuda.current_device()`."""
+forks the two ranks (`worlds.run_world`, start method fork), which rendezvous over TCP with a
+short timeout; it reports their largest absolute differences as JSON. Megatron runs on CPU here
+only with `use_cpu_initialization=True` and the default (non-sequence-parallel) path: its
+sequence-parallel gathers allocate on `torch.cuda.current_device()`."""
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from strata.net import free_port
+from worlds import REPO, TESTS
 
 pytestmark = pytest.mark.slow  # megatron-core's layers in a 2-process gloo world (module fixture)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TP = 2
 SEQ, BATCH, D_IN, D_FF, D_OUT = 5, 3, 12, 16, 10  # megatron activations are (seq, batch, hidden)
 TOL = 1e-6  # relative; fp32 rounding here is ~2e-7 (0 against megatron); a wrong shard or collective is O(1)
@@ -187,31 +186,30 @@ def _rank_body(rank: int) -> dict[str, float]:
     return diffs
 
 
-def _worker(rank: int, port: int, results) -> None:
+def _worker(rank: int, size: int, port: int, out_dir: str) -> None:
+    import torch
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP, timeout=datetime.timedelta(seconds=60)
-    )
+    from worlds import join_world
+
+    join_world(rank, size, port, timeout_s=60)
     try:
-        results[rank] = _rank_body(rank)
+        torch.save(_rank_body(rank), Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def _child_main() -> None:
+def _child_main(out_dir: str) -> None:
     """Import megatron once, fork the ranks (they inherit the import), print their results."""
     import warnings
 
     warnings.simplefilter("ignore")
     import megatron.core.tensor_parallel  # noqa: F401  (slow; done once, before forking)
-    import torch.multiprocessing as mp
 
-    port = free_port()
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(_worker, args=(port, results), nprocs=TP, start_method="fork")
-        print(json.dumps({str(r): results[r] for r in range(TP)}))
+    from worlds import run_world
+
+    results = run_world(_worker, TP, Path(out_dir), start_method="fork", timeout_s=240)
+    print(json.dumps({str(r): results[r] for r in range(TP)}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,12 +218,14 @@ def _child_main() -> None:
 
 
 @pytest.fixture(scope="module")
-def diffs() -> dict:
+def diffs(tmp_path_factory) -> dict:
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         pytest.skip("megatron-core not installed (pip install -e '.[test]' installs megatron-core==0.16.1)")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])  # worlds
+    out_dir = tmp_path_factory.mktemp("megatron")
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, __file__, str(out_dir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -254,4 +254,4 @@ def test_mlp_matches_megatron_and_single_process(diffs):
 
 
 if __name__ == "__main__":  # child process of the `diffs` fixture
-    _child_main()
+    _child_main(sys.argv[1])

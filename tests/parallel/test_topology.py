@@ -11,21 +11,19 @@ host a gloo subgroup, and they duplicate the membership of the groups compared h
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from strata.config import ParallelConfig
 from strata.errors import ConfigError
-from strata.net import free_port
 from strata.parallel.topology import (
     CHAIN,
     DIMS,
@@ -39,7 +37,7 @@ from strata.parallel.topology import (
     level_key,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from worlds import REPO, TESTS, join_world, run_world
 
 # (tp, pp, dp)
 LAYOUTS = [
@@ -371,12 +369,14 @@ def test_layout_from_config_errors(par, world, local, expected):
 
 # ---------------------------------------------------------------------------------------------
 # build_topology in a real gloo world: creation order agrees on every rank, groups communicate.
-# Worlds run in a child process (this file run as a script, `mode` picks the body).
+# Megatron's reference and the fake worlds run in a child process (this file run as a script,
+# `mode` picks the body).
 # ---------------------------------------------------------------------------------------------
 
 
 def _run_child(mode: str, layouts: list) -> dict:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])  # worlds
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), mode, json.dumps(layouts)],
         cwd=REPO,
@@ -389,14 +389,8 @@ def _run_child(mode: str, layouts: list) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _real_world_worker(rank: int, world: int, port: int, layout: Layout, results):
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=30),
-    )
+def _real_world_worker(rank: int, world: int, port: int, out_dir: str, layout: Layout) -> None:
+    join_world(rank, world, port, timeout_s=30)
     try:
         topo = build_topology(layout, rank)
         sums = {}
@@ -404,39 +398,22 @@ def _real_world_worker(rank: int, world: int, port: int, layout: Layout, results
             t = torch.tensor([float(rank)])
             dist.all_reduce(t, group=topo.groups[name])
             sums[name] = (dist.get_process_group_ranks(topo.groups[name]), t.item())
-        results[rank] = sums
+        torch.save(sums, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def _real_world(layouts: list[tuple[int, int, int, int, int]]) -> dict:
-    """Child-process body: one gloo world per layout, its ranks forked from this fresh process
-    (spawning them would re-import torch in each: 4× slower on two cores)."""
-    out = {}
-    for key in layouts:
-        layout = hw_layout(*key)
-        port = free_port()
-        with mp.Manager() as manager:
-            results = manager.dict()
-            mp.start_processes(
-                _real_world_worker,
-                args=(layout.world_size, port, layout, results),
-                nprocs=layout.world_size,
-                start_method="fork",
-            )
-            out[",".join(map(str, key))] = [results[r] for r in range(layout.world_size)]
-    return out
 
 
 REAL_WORLDS = [(1, 1, 4, 2, 2), (2, 1, 4, 4, 2)]  # 4 ranks: units coincide; 8 ranks: tp on a GCD pair
 
 
-@pytest.mark.slow  # a real gloo world, in a child process
-def test_build_topology_real_gloo_world():
-    built = _run_child("gloo", REAL_WORLDS)
+@pytest.mark.slow  # real gloo worlds of 4 and 8 ranks
+def test_build_topology_real_gloo_world(tmp_path):
     for key in REAL_WORLDS:
-        expected = _expected_groups(hw_layout(*key))
-        for r, got in enumerate(built[",".join(map(str, key))]):
+        layout, out = hw_layout(*key), tmp_path / "-".join(map(str, key))
+        out.mkdir()
+        built = run_world(_real_world_worker, layout.world_size, out, layout)
+        expected = _expected_groups(layout)
+        for r, got in enumerate(built):
             assert set(got) == set(expected[r]), (key, r, sorted(got), sorted(expected[r]))
             for name, (members, total) in got.items():
                 assert members == expected[r][name], (key, r, name)
@@ -621,5 +598,5 @@ def test_build_topology_hierarchy_groups(fake_world_builds, tp, pp, dp, rpn, rpg
 
 if __name__ == "__main__":  # child process of the megatron_reference / fake_world_builds fixtures
     mode, arg = sys.argv[1], [tuple(x) for x in json.loads(sys.argv[2])]
-    body = {"megatron": _megatron_reference, "hardware": _fake_world_builds, "gloo": _real_world}[mode]
+    body = {"megatron": _megatron_reference, "hardware": _fake_world_builds}[mode]
     print(json.dumps(body(arg)))

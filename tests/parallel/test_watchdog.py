@@ -1,7 +1,7 @@
-"""Hang detection in real gloo worlds of 3 processes: one rank stops (SIGSTOP), stays busy outside
-any collective, or waits in a collective the others never join. Every rank must exit within a few
-seconds of the hang timeout, far below the collective timeout, with one verdict naming the stuck
-rank, its host and its last collective; a long checkpoint phase is not a hang."""
+"""Hang detection (parallel/watchdog.py) in real gloo worlds of 3 processes: one rank stops (SIGSTOP),
+stays busy outside any collective, or waits in a collective the others never join. Every rank must
+exit within a few seconds of the hang timeout, far below the collective timeout, with one verdict
+naming the stuck rank, its host and its last collective; a long checkpoint phase is not a hang."""
 
 from __future__ import annotations
 
@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
 from strata.net import free_port
 from strata.parallel import comm, watchdog
 from strata.parallel.watchdog import HANG_EXIT
 
-from worlds import join_world
+from worlds import join_world, run_world
 
 pytestmark = pytest.mark.slow  # 3-process gloo worlds that hang on purpose
 
@@ -72,22 +71,22 @@ def _run(tmp_path: Path, scenario: str) -> tuple[list[int | None], float, dict |
     """Exit codes in rank order, seconds from the hang to the last exit, and the verdict."""
     store_port = free_port()
     store = TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
-    ctx = mp.start_processes(
-        _worker, args=(SIZE, free_port(), str(tmp_path), store_port, scenario), nprocs=SIZE, join=False
+    codes = run_world(
+        _worker,
+        SIZE,
+        tmp_path,
+        store_port,
+        scenario,
+        timeout_s=COLLECTIVE_TIMEOUT_S,
+        exit_codes=True,
+        late=f"{scenario}: the hang was not detected",
     )
-    deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
-    while any(p.is_alive() for p in ctx.processes):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{scenario}: the world still runs after {COLLECTIVE_TIMEOUT_S}s: the hang was not detected")
-        time.sleep(0.05)
     ended = time.time()
     hung_at = tmp_path / "hung_at"
     took = ended - float(hung_at.read_text()) if hung_at.exists() else 0.0
     key = "strata/watchdog/test/verdict"
     verdict = json.loads(store.get(key)) if store.check([key]) else None
-    return [p.exitcode for p in ctx.processes], took, verdict
+    return codes, took, verdict
 
 
 def _errors(tmp_path: Path, rank: int) -> list[str]:

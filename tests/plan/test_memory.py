@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from memory_probe import LAYOUTS, SavedTensors, compare, run_probe
 
 

@@ -2,12 +2,9 @@
 Strata builds (tensor parallel, pipeline stages, tied embeddings), ZeRO placements against the
 shares ZeRO's definitions give, ring traffic against hand-derived byte counts, the search's
 ordering on cases whose answer can be reasoned out, and the CLI's errors and warnings.
-(Measured memory and step times: test_plan_memory.py, test_plan_time.py.)"""
+(Measured memory and step times: test_memory.py, test_timing.py.)"""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +19,8 @@ from strata.plan.cluster import Cluster, Device, cpu_cluster, device_named, pres
 from strata.plan.memory import estimate_memory, flat_groups, in_flight, layout_of
 from strata.plan.search import search
 from strata.plan.timing import estimate_time
+
+from worlds import strata
 
 VOCAB = 512
 
@@ -187,12 +186,6 @@ def test_the_search_rejects_a_family_by_memory_and_says_so():
     assert any(p.candidate.zero != "none" or p.candidate.tp > 1 or p.candidate.pp > 1 for p in result.fitting)
     single = estimate_memory(config.replace(cfg, "parallel.dp", 1), Cluster(1, 1, cluster.device), VOCAB)
     assert not single.fits() and "device memory" in single.problems()[0]
-
-
-def strata(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "strata.launch.cli", *args], capture_output=True, text=True, timeout=120
-    )
 
 
 def test_plan_prints_memory_and_time_for_the_configs_layout():

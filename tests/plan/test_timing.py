@@ -14,15 +14,14 @@ import itertools
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from conftest import netns
+from worlds import REPO
 
 pytestmark = [pytest.mark.slow, netns]
 
-REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = ("pp2-dp2", "dp4", "dp4-zero3")
 FACTOR = 2.0  # each prediction within [measured / FACTOR, measured · FACTOR]
 APART = 1.25  # pairs whose measured times differ by at least this ratio must be predicted in order

@@ -22,7 +22,7 @@ from strata.model import flops_per_token
 
 
 def _load_bench() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "bench" / "plan_published.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "plan_published.py"
     spec = importlib.util.spec_from_file_location("plan_published", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

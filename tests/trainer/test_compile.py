@@ -13,7 +13,7 @@ from strata.parallel.runtime import start
 from strata.trainer.loop import Trainer, run
 
 from conftest import tiny_config
-from test_distributed import COMMON, ZERO3, assert_same_params, final_params, launch_run, losses_from
+from worlds import COMMON, ZERO3, assert_same_params, final_params, launch_run, losses_from
 
 pytestmark = pytest.mark.slow  # each test compiles (tens of seconds on 2 cores)
 

@@ -36,6 +36,7 @@ def test_the_guard_judges_against_its_history_and_counts_spikes_in_a_row():
     assert len(guard.losses) == 8  # the window
 
 
+@pytest.mark.slow  # trains until the spike guard fires: ~7 s on 2 cores
 def test_a_diverging_run_stops_before_saving_and_keeps_its_good_checkpoints(small_data_dir, tmp_path, capsys):
     # warm-up to a huge learning rate: the loss settles first, then explodes
     settings = {

@@ -18,6 +18,7 @@ from strata.trainer.loop import Trainer, lr_at, run
 from conftest import tiny_config
 
 
+@pytest.mark.slow  # trains long enough to learn: 5-8 s on 2 cores
 def test_loss_decreases_on_demo_corpus(tmp_path):
     """The built-in corpus (stdlib sources, prepared on first use) is learnable: eval loss falls
     well below the uniform-guess loss ln(257) and below the first evaluation."""

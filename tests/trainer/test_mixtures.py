@@ -5,8 +5,6 @@ surface, and bad input as one clear error."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +28,8 @@ from strata.trainer.data import (
 from strata.trainer.loop import run
 
 from conftest import STDLIB, run_cli, tiny_overrides
+from worlds import REPO, strata
 
-REPO = Path(__file__).resolve().parents[1]
 L = 4  # sequence length of the indexed sources
 OFFSET = 20000  # source j's token t is (j·OFFSET + t) mod VOCAB: a window's first token names it
 
@@ -378,23 +376,12 @@ def test_a_two_process_mixture_resumes_in_one_process(tmp_path, byte_sources):
     extra = {"train.steps": 6, "checkpoint.interval": 3, "checkpoint.keep_last": 0, "log.interval": 1}
     over = tiny_overrides(None, tmp_path / "two", **{**extra, "data.path": None})
     over.append(sources_override(byte_sources, [1, 3]))
-    cli = [sys.executable, "-m", "strata.launch.cli"]
-    done = subprocess.run(
-        [*cli, "launch", str(REPO / "configs/tiny.yaml"), "--nproc", "2", *over],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = strata("launch", str(REPO / "configs/tiny.yaml"), "--nproc", "2", *over, cwd=tmp_path)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     ckpt = tmp_path / "two" / "t" / "checkpoints"
     one = [x.replace(str(tmp_path / "two"), str(tmp_path / "one")) for x in over]
-    done = subprocess.run(
-        [*cli, "train", str(REPO / "configs/tiny.yaml"), *one, "--resume", str(store.step_dir(ckpt, 3))],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = strata(
+        "train", str(REPO / "configs/tiny.yaml"), *one, "--resume", str(store.step_dir(ckpt, 3)), cwd=tmp_path
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
 

@@ -5,27 +5,20 @@ every step's loss, and every parameter of the final checkpoint (saved in the glo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-import torch
 
 from strata.checkpoint import store
-from strata.checkpoint.reader import Checkpoint
 from strata.parallel.runtime import start
 from strata.trainer.loop import run
 
-from conftest import tiny_config, tiny_overrides
+from conftest import tiny_config
+from worlds import COMMON, ZERO3, assert_same_params, final_params, launch_run, losses_from
 
 pytestmark = pytest.mark.slow  # each case is a `strata launch` world of 2-8 processes
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMON = {"log.interval": 1, "checkpoint.save_final": True, "checkpoint.interval": 3, "train.eval_interval": 3}
 # Layouts whose step-3 checkpoint is also resumed by one process (a different layout) for steps 4–6.
 RESUMED_ELSEWHERE = {"tp2-pp2-sp-tied", "pp2-zbv-tied", "zero3-dp2-accumulate", "zero3-pp2-v2-dp2-tied"}
-ZERO3 = {"zero.params.shard_over": "global", "zero.grads.shard_over": "global", "zero.optim.shard_over": "global"}
 
 # name: (processes, parallel settings, model/batch settings shared with the reference)
 LAYOUTS = {
@@ -70,7 +63,7 @@ LAYOUTS = {
     ),
     "pp2-dp2": (4, {"parallel.pp": 2}, {}),
     "tp2-pp2-dp2": (8, {"parallel.tp": 2, "parallel.pp": 2}, {}),
-    # the ZeRO engine (tests/test_zero.py checks its schemes one by one on 8 ranks)
+    # the ZeRO engine (tests/parallel/test_zero.py checks its schemes one by one on 8 ranks)
     "zero1-dp2": (2, {"zero.optim.shard_over": "global"}, {"train.micro_batch_size": 4}),
     "zero3-dp2-accumulate": (2, ZERO3, {"train.micro_batch_size": 2}),
     "hpz-dp4-two-nodes": (
@@ -86,43 +79,6 @@ LAYOUTS = {
     ),
     "zero3-tp2-pp2-dp2": (8, {**ZERO3, "parallel.tp": 2, "parallel.pp": 2, "parallel.sequence_parallel": True}, {}),
 }
-
-
-def strata(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "strata.launch.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def launch_run(data_dir, run_root, nproc: int, *extra: str, **settings) -> subprocess.CompletedProcess:
-    """`strata launch` of the tiny experiment with `settings` on `nproc` processes, writing under
-    run_root/t; fails the test (with the output) unless it succeeds."""
-    run_root.mkdir(parents=True, exist_ok=True)
-    experiment = run_root / "experiment.yaml"
-    experiment.write_text("{}\n")
-    proc = strata(
-        "launch", str(experiment), *tiny_overrides(data_dir, run_root, **settings), *extra, "--nproc", str(nproc)
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return proc
-
-
-def losses_from(run_dir) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
-def final_params(ckpt_root) -> dict[str, torch.Tensor]:
-    return Checkpoint(store.step_dir(ckpt_root, 6)).tensors("model.")
-
-
-def assert_same_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    # Summation order differs between layouts; Adam divides by sqrt(v), which turns that fp32
-    # noise in near-zero gradients into parameter differences of up to a few 1e-3·lr (lr = 1e-2;
-    # a wrong gradient moves a parameter by ~lr per step).
-    for key, ref in want.items():
-        torch.testing.assert_close(got[key], ref, rtol=1e-4, atol=5e-5, msg=lambda m: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -24,8 +24,8 @@ from strata.trainer.data import check_data_config, read_meta
 from strata.trainer.prepare import plan, prepare
 
 from conftest import run_cli
+from worlds import REPO, strata
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "configs" / "tiny.yaml")
 WORDS = "the quick brown fox jumps over a lazy dog while über-naïve cafés serve 漢字 and emoji ✓ def return x y".split()
 
@@ -366,9 +366,7 @@ def test_strata_refuses_a_run_whose_tokenizer_is_not_the_datas(bpe_data, tmp_pat
     argv = [command, str(experiment), f"data.path={bpe_data}", "data.tokenizer=bytes", f"log.dir={tmp_path / 'runs'}"]
     if command == "launch":
         argv += ["--nproc", "2"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "strata.launch.cli", *argv], capture_output=True, text=True, timeout=300
-    )
+    proc = strata(*argv)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "data.tokenizer='bytes' but" in proc.stderr and "Traceback" not in proc.stderr
     assert "torch.distributed.run" not in proc.stdout  # no worker was started

@@ -20,12 +20,7 @@ from strata.checkpoint import store
 from strata.runlock import LOCK_NAME, RunLocked, RunLocks, check_free, holder
 
 from conftest import tiny_overrides
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def strata_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "strata.launch.cli", *args]
+from worlds import start_strata, strata
 
 
 def start_long_run(data_dir: Path, root: Path, **settings) -> subprocess.Popen:
@@ -34,24 +29,13 @@ def start_long_run(data_dir: Path, root: Path, **settings) -> subprocess.Popen:
     root.mkdir(parents=True, exist_ok=True)
     experiment.write_text("{}\n")
     overrides = tiny_overrides(data_dir, root, **{"train.steps": 100000, "checkpoint.interval": 2, **settings})
-    proc = subprocess.Popen(
-        strata_cmd("train", str(experiment), *overrides),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_strata("train", str(experiment), *overrides, new_session=True)
     deadline = time.monotonic() + 120
     while holder(root / "t").get("pid") != proc.pid or not store.committed(root / "t" / "checkpoints"):
         assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
         assert time.monotonic() < deadline, "the run never took its lock and saved"
         time.sleep(0.2)
     return proc
-
-
-def run_strata(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(strata_cmd(*args), cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def test_locks_are_shared_within_a_process_and_refused_to_another(tmp_path):
@@ -83,12 +67,12 @@ def test_a_second_writer_and_a_resume_of_a_running_run_are_refused(small_data_di
         experiment = tmp_path / "a" / "experiment.yaml"
         overrides = tiny_overrides(small_data_dir, tmp_path / "a", **{"train.steps": 3})
         for extra in ([], ["--resume", str(tmp_path / "a" / "t" / "checkpoints")], ["checkpoint.overwrite=true"]):
-            second = run_strata("train", str(experiment), *overrides, *extra)
+            second = strata("train", str(experiment), *overrides, *extra)
             assert second.returncode == 2, second.stdout + second.stderr
             assert f"is in use by pid {proc.pid} on host" in second.stderr, second.stderr
             assert "Traceback" not in second.stderr
         # the launcher refuses before it starts any worker
-        launched = run_strata("launch", str(experiment), *overrides, "--nproc", "2")
+        launched = strata("launch", str(experiment), *overrides, "--nproc", "2")
         assert launched.returncode == 2 and f"pid {proc.pid}" in launched.stderr, launched.stderr
         assert proc.poll() is None  # the first run trains on
         records = [json.loads(line) for line in (tmp_path / "a" / "t" / "metrics.jsonl").read_text().splitlines()]
@@ -99,7 +83,7 @@ def test_a_second_writer_and_a_resume_of_a_running_run_are_refused(small_data_di
         proc.wait()
     # SIGKILL left no lock: a resume starts at once
     newest = store.marker(store.committed(tmp_path / "a" / "t" / "checkpoints")[-1])["step"]
-    resumed = run_strata(
+    resumed = strata(
         "train",
         str(tmp_path / "a" / "experiment.yaml"),
         *tiny_overrides(small_data_dir, tmp_path / "a", **{"train.steps": newest + 2, "checkpoint.interval": 2}),
@@ -116,7 +100,7 @@ def test_a_multi_process_job_holds_one_lock(small_data_dir, tmp_path):
     tmp_path.mkdir(exist_ok=True)
     experiment.write_text("{}\n")
     overrides = tiny_overrides(small_data_dir, tmp_path, **{"train.steps": 4})
-    job = run_strata("launch", str(experiment), *overrides, "--nproc", "2")
+    job = strata("launch", str(experiment), *overrides, "--nproc", "2")
     assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-4000:]
     record = holder(tmp_path / "t")
     assert record["pid"] and record["command"].startswith("strata ")  # rank 0 held it; released at exit
@@ -129,7 +113,7 @@ def test_reshard_refuses_another_runs_checkpoints_and_prunes_nothing(small_data_
     tmp_path.mkdir(exist_ok=True)
     experiment.write_text("{}\n")
     for name in ("src", "other"):
-        done = run_strata(
+        done = strata(
             "train",
             str(experiment),
             *tiny_overrides(small_data_dir, tmp_path / name, **{"train.steps": 4, "checkpoint.interval": 1}),
@@ -139,13 +123,13 @@ def test_reshard_refuses_another_runs_checkpoints_and_prunes_nothing(small_data_
     before = sorted(p.name for p in store.committed(other))
     assert len(before) == 2  # keep_last 2
     src = tmp_path / "src" / "t" / "checkpoints"
-    refused = run_strata("ckpt", "reshard", str(src), str(other), "--to", "dp=2")
+    refused = strata("ckpt", "reshard", str(src), str(other), "--to", "dp=2")
     assert refused.returncode == 2 and "already holds 2 committed checkpoint(s)" in refused.stderr, refused.stderr
     assert sorted(p.name for p in store.committed(other)) == before
     into_new = tmp_path / "resharded"
-    done = run_strata("ckpt", "reshard", str(src), str(into_new), "--to", "dp=2")
+    done = strata("ckpt", "reshard", str(src), str(into_new), "--to", "dp=2")
     assert done.returncode == 0, done.stderr[-4000:]
-    beside = run_strata("ckpt", "reshard", str(src), str(other), "--to", "dp=2", "--overwrite")
+    beside = strata("ckpt", "reshard", str(src), str(other), "--to", "dp=2", "--overwrite")
     assert beside.returncode == 0, beside.stderr[-4000:]
     after = sorted(p.name for p in store.committed(other))
     assert set(before) <= set(after)  # nothing pruned; the step written is replaced (it was there)
@@ -160,14 +144,14 @@ def test_import_hf_refuses_a_directory_with_checkpoints(tmp_path):
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(hf_dir)
     out = tmp_path / "out"
-    first = run_strata("ckpt", "import-hf", str(hf_dir), str(out))
+    first = strata("ckpt", "import-hf", str(hf_dir), str(out))
     assert first.returncode == 0, first.stderr[-4000:]
     marker = (store.step_dir(out, 0) / store.MARKER).read_bytes()
-    again = run_strata("ckpt", "import-hf", str(hf_dir), str(out))
+    again = strata("ckpt", "import-hf", str(hf_dir), str(out))
     assert again.returncode == 2 and "already holds 1 committed checkpoint(s)" in again.stderr, again.stderr
     assert "step_00000000 would be replaced" in again.stderr and "Traceback" not in again.stderr
     assert (store.step_dir(out, 0) / store.MARKER).read_bytes() == marker
-    assert run_strata("ckpt", "import-hf", str(hf_dir), str(out), "--overwrite").returncode == 0
+    assert strata("ckpt", "import-hf", str(hf_dir), str(out), "--overwrite").returncode == 0
     assert (out / LOCK_NAME).is_file()
 
 
