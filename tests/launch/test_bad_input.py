@@ -199,6 +199,7 @@ class Case:
     name: str
     argv: Callable[[Path], list[str]]
     needles: tuple[str, ...]  # each must appear in the output: what names the offending input
+    slow: bool = False  # builds a real checkpoint or model first (seconds)
 
 
 CASES = [
@@ -355,16 +356,19 @@ CASES = [
         "resume-symlink-loop",
         lambda tmp: ["train", TINY, f"log.dir={tmp / 'again'}", "--resume", str(symlink_loop_checkpoint(tmp))],
         ("symbolic link loop",),
+        slow=True,
     ),
     Case(
         "export-unwritable-out",
         lambda tmp: ["ckpt", "export", str(good_checkpoint(tmp)), "/proc/strata-export"],
         ("cannot write or read /proc/strata-export",),
+        slow=True,
     ),
     Case(
         "import-hf-shapes-contradict-config",
         lambda tmp: ["ckpt", "import-hf", str(hf_model_contradicting_its_config(tmp)), str(tmp / "out")],
         ("contradict its config.json", "gate_proj", "(48, 32)"),
+        slow=True,
     ),
     # --- data directories (checked before torchrun starts)
     Case("data-no-meta", launch_data(meta="absent"), ("meta.json", "strata data prepare")),
@@ -429,7 +433,9 @@ def test_the_table_is_large_and_names_are_unique():
     assert len({c.name for c in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else []) for c in CASES]
+)
 def test_bad_input_is_one_message_and_exit_2(case, tmp_path, capsys, _no_torchrun):
     code, out = run_cli(case.argv(tmp_path), capsys)
     assert code == 2, out
