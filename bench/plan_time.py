@@ -38,6 +38,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# One OpenMP waiting policy for the calibration (this process's workers) and every measured run: the
+# strata command picks passive waiting when other work is runnable at its start, which the runs here
+# would see of each other. An empty value is libgomp's own default, and the strata command keeps it.
+os.environ.setdefault("OMP_WAIT_POLICY", "")
 
 from strata import config as config_mod  # noqa: E402
 from strata.trainer.data import ensure_default_corpus  # noqa: E402
