@@ -14,6 +14,7 @@ from strata.checkpoint import dcp_meta, integrity, store
 from strata.checkpoint.pieces import whole_piece
 from strata.checkpoint.reader import Checkpoint
 from strata.checkpoint.write_plan import torch_dtype
+from strata.config.schema import CheckpointConfig
 from strata.errors import CheckpointError
 
 
@@ -82,7 +83,7 @@ def verify_report(path: Path) -> tuple[bool, str]:
     return True, report
 
 
-IMPLAUSIBLE_WEIGHT = 1.0e4  # as checkpoint.max_abs_weight's default
+IMPLAUSIBLE_WEIGHT = CheckpointConfig().max_abs_weight  # the ceiling a save is refused above, by default
 
 
 def largest_weight(ckpt: Path) -> tuple[str, float] | None:
