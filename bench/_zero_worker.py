@@ -43,7 +43,7 @@ from strata import config as config_mod
 from strata.model import GPT, count_params, initial_value, lm_loss, set_rope_buffers
 from strata.parallel.runtime import proc_status_bytes, reset_peak_rss
 from strata.trainer.data import BatchLoader, TokenDataset
-from strata.trainer.loop import lr_at
+from strata.trainer.lr_schedule import lr_at
 from strata.trainer.parallelize import build_optimizer
 
 

@@ -9,7 +9,7 @@ with torchrun as its own worker (bench/_zero_worker.py) and measured the same wa
 * DeepSpeed ZeRO-3: the model built under `zero.Init` (partitioned from the start,
   `stage3_param_persistence_threshold: 0`, so every parameter is sharded), Strata's initial
   values (`strata.model.initial_value`) written through `GatheredParameters`, torch AdamW with
-  Strata's weight-decay groups, `strata.trainer.loop.lr_at`, gradient clipping, and Strata's
+  Strata's weight-decay groups, `strata.trainer.lr_schedule.lr_at`, gradient clipping, and Strata's
   `BatchLoader` giving each rank the same samples as Strata's trainer does.
 
 Printed: the median step time over steps 3..N (a step's time is that of its slowest rank) and the

@@ -7,6 +7,7 @@ these counts agree with the interfaces' TCP payload counters (bench/network.py).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -339,6 +340,34 @@ def reduce_scatter_along(
         _reduce_scatter_single(out, front, op=op, group=group)
         _hold(delay)
     return out.movedim(0, axis).contiguous()
+
+
+def all_to_all(tensor: torch.Tensor, send_rows: list[int], recv_rows: list[int], group, dim: str) -> torch.Tensor:
+    """Rows [sum(send_rows[:j]), +send_rows[j]) of `tensor` to group rank j; returns the rows every
+    member sent this one, in group-rank order (`recv_rows[j]` from rank j). Without a group,
+    `tensor` itself. The payload counted is what leaves this rank, and the wire bytes go to the
+    link level between this rank and each destination (an expert-parallel exchange between two
+    nodes puts only the rows for the other node on the inter-node link)."""
+    if group is None:
+        return tensor
+    tensor = tensor.contiguous()
+    row = math.prod(tensor.shape[1:]) * tensor.element_size()
+    me = dist.get_rank(group)
+    members = dist.get_process_group_ranks(group)
+    delay = 0.0
+    with _lock:
+        bytes_moved[(dim, "all_to_all")] += row * (sum(send_rows) - send_rows[me])
+    for j, rows in enumerate(send_rows):
+        if j != me and rows and _link_between is not None:
+            link = _link_between(dist.get_rank(), members[j])
+            with _lock:
+                bytes_by_link[link] += rows * row
+            delay += rows * row * _link_delay_s_per_byte.get(link, 0.0)
+    out = tensor.new_empty((sum(recv_rows), *tensor.shape[1:]))
+    with collective("all_to_all", dim):
+        dist.all_to_all_single(out, tensor, recv_rows, send_rows, group=group)
+        _hold(delay)
+    return out
 
 
 def gather_objects(obj, group, dst: int) -> list | None:

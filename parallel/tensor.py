@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.errors import ConfigError
-from strata.model import GPT, Block, RMSNorm
+from strata.model import GPT, Block, RMSNorm, SwiGLU
 from strata.parallel import comm
 from strata.parallel.flat import Box
 
@@ -72,7 +72,8 @@ def placement_of(p: torch.Tensor) -> Placement:
     return getattr(p, _PLACEMENT, None) or Placement(tuple(p.shape))
 
 
-def _set_placement(p: torch.Tensor, placement: Placement) -> None:
+def set_placement(p: torch.Tensor, placement: Placement) -> None:
+    """Record where shard `p` sits in its global tensor (`placement_of` reads it)."""
     setattr(p, _PLACEMENT, placement)
 
 
@@ -177,7 +178,7 @@ def _shard_parameter(full: torch.Tensor, dim: int, rank: int, size: int) -> nn.P
         )
     placement = Placement(tuple(full.shape), dim, rank, size)
     p = nn.Parameter(placement.local_slice(full.detach()).clone())
-    _set_placement(p, placement)
+    set_placement(p, placement)
     return p
 
 
@@ -321,6 +322,17 @@ class VocabParallelLoss:
         return per_token.mean()
 
 
+class SequenceShards:
+    """An MoE layer's tokens under sequence parallelism: each rank of the tp group routes its part
+    of the sequence; the routing counts its auxiliary losses need are summed over the group."""
+
+    def __init__(self, group, size: int):
+        self.group, self.size = group, size
+
+    def sum(self, counts: torch.Tensor) -> torch.Tensor:
+        return comm.all_reduce(counts.clone(), self.group, dim="tp")
+
+
 # --- the transformation ----------------------------------------------------------------------
 
 
@@ -344,10 +356,13 @@ def apply_tensor_parallel(
     for block in model.layers:  # the norms enter each region once; the linears after them share it
         assert isinstance(block, Block)
         attn, mlp = block.attn, block.mlp
+        # An MoE feed-forward (strata.moe; sequence parallelism required) is no tensor-parallel
+        # region: each rank routes its own part of the sequence (parallel.experts lays the experts out).
+        moe = not isinstance(mlp, SwiGLU)
         _swap(
             block,
             attn_norm=TensorParallelRMSNorm(block.attn_norm, group, sp),
-            mlp_norm=TensorParallelRMSNorm(block.mlp_norm, group, sp),
+            mlp_norm=TensorParallelRMSNorm(block.mlp_norm, group, sp, enter=not moe),
         )
         wq, wk, wv = (ColumnParallelLinear(m, group, rank, size, entry="ready") for m in (attn.wq, attn.wk, attn.wv))
         _swap(attn, wq=wq, wk=wk, wv=wv, wo=RowParallelLinear(attn.wo, group, rank, size, sequence_parallel=sp))
@@ -357,6 +372,12 @@ def apply_tensor_parallel(
                 q_norm=TensorParallelHeadNorm(attn.q_norm, group),
                 k_norm=TensorParallelHeadNorm(attn.k_norm, group),
             )
+        if moe:
+            if not sp:
+                raise ConfigError(["MoE layers under tensor parallelism need parallel.sequence_parallel=true"])
+            mlp.shards = SequenceShards(group, size)
+            continue
+        assert isinstance(mlp, SwiGLU)
         w1, w3 = (ColumnParallelLinear(m, group, rank, size, entry="ready") for m in (mlp.w1, mlp.w3))
         _swap(mlp, w1=w1, w3=w3, w2=RowParallelLinear(mlp.w2, group, rank, size, sequence_parallel=sp))
     if sp:

@@ -214,6 +214,18 @@ class Layout:
         return index, count
 
 
+def expert_layout(layout: Layout, ep: int) -> Layout:
+    """The layout MoE experts are partitioned by (Megatron-core's MoE parallel folding): each
+    pipeline stage's tp·dp ranks as `ep` consecutive ranks (its "tp" dimension: the expert-parallel
+    group, which splits the experts) times the rest (its "dp" dimension: the expert-data-parallel
+    group, over which an expert's gradient is reduced and its state partitioned). With tp = 1 the
+    expert-parallel groups are carved out of dp; ZeRO levels and link levels apply to it unchanged."""
+    pool = layout.tp * layout.dp
+    if pool % ep:
+        raise ValueError(f"expert_layout: ep={ep} must divide tp·dp={pool}")
+    return Layout(ep, layout.pp, pool // ep, layout.ranks_per_node, layout.ranks_per_gpu)
+
+
 def layout_from_config(par, world_size: int, local_world_size: int | None = None) -> Layout:
     """The Layout that `par` (a strata.config.ParallelConfig) describes in a world of
     `world_size` ranks. `local_world_size` is the launcher's LOCAL_WORLD_SIZE, used when

@@ -42,6 +42,7 @@ from torch import nn
 from strata.model import named_blocks
 from strata.parallel import comm
 from strata.parallel.clipping import global_grad_norm, scale_to_norm
+from strata.parallel.experts import domain_of
 from strata.parallel.flat_group import FlatGroup, ShardTier, storage_bytes
 from strata.parallel.overlap import Reducer
 from strata.parallel.routes import Routes
@@ -123,6 +124,11 @@ def units_of(part: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     return units
 
 
+def _domain(group_key: str) -> str:
+    """The parameter domain of a flat group's key ("layers.3@experts": experts; "layers.3": "")."""
+    return group_key.partition("@")[2]
+
+
 def _grad(piece: nn.Parameter) -> torch.Tensor:
     """An optimizer segment's gradient, which `FlatGroup.finish_grads` sets for every segment."""
     assert piece.grad is not None  # clip_grad_norm runs after finish_grads
@@ -139,7 +145,10 @@ class ZeroEngine:
     over `tied_group`, and the gradient norm counts them on the rank where `count_tied` is True
     (the first stage's) only. `sync_level` is how far gradients
     are averaged: the whole dp group ("global"), or only inside each node ("node") when CO2
-    synchronises the nodes itself."""
+    synchronises the nodes itself. Parameters of another domain (`parallel.experts.domain_of`: MoE
+    experts, and under tensor parallelism the routers) go into groups of their own, reduced and
+    partitioned over the dp dimension of `domains[domain]` (`parallel.topology.expert_layout`) at
+    the same levels as the rest."""
 
     def __init__(
         self,
@@ -152,9 +161,12 @@ class ZeroEngine:
         count_tied: bool = True,
         sync_level: str = "global",
         overlap: bool = False,
+        domains: dict[str, Topology] | None = None,
     ):
         self.plan, self.topo, self.tied_group, self.count_tied = plan, topo, tied_group, count_tied
         self.routes, self.sync_level = Routes(topo, plan.hierarchical), sync_level
+        self.domains = dict(domains or {})  # parameter domain (parallel.experts.domain_of) -> its topology
+        self.domain_routes = {name: Routes(t, plan.hierarchical) for name, t in self.domains.items()}
         self.groups: list[FlatGroup] = []
         self._plan_groups(parts, {id(p) for p in tied_copies or []})
         self.reducer = self._overlap() if overlap else None
@@ -189,7 +201,8 @@ class ZeroEngine:
                     for p in m.parameters():
                         if id(p) not in owner and p.requires_grad:
                             tied = id(p) in tied_ids or len(set(names[id(p)])) > 1
-                            owner[id(p)] = "tied" if tied else unit
+                            domain = domain_of(p) if domain_of(p) in self.domains else ""
+                            owner[id(p)] = "tied" if tied else f"{unit}@{domain}" if domain else unit
                             members.setdefault(owner[id(p)], []).append((names[id(p)][0], p))
                             part_of.setdefault(owner[id(p)], pi)
                         ids.append(id(p))
@@ -202,6 +215,7 @@ class ZeroEngine:
                 and key.startswith("layers.")
                 and last[0].startswith("layers.")
                 and part_of[key] == part_of[last[0]]
+                and _domain(key) == _domain(last[0])
                 and sum(p.numel() * p.element_size() for _, p in last[1]) < self.plan.bucket_bytes
             ):
                 merged[-1] = (last[0], last[1] + named)
@@ -212,7 +226,7 @@ class ZeroEngine:
                 key,
                 named,
                 self.plan,
-                self.routes,
+                self.domain_routes.get(_domain(key), self.routes),
                 names,
                 tied_copy=any(id(p) in tied_ids for _, p in named),
                 sync_level=self.sync_level,
@@ -246,20 +260,27 @@ class ZeroEngine:
         to. None when there is nothing to reduce (a single data-parallel rank)."""
         plan = self.plan
         widest = max(plan.optim, self.sync_level, key=CHAIN.index)
-        if not self.groups or not self.routes.steps("none", widest):
+        if not self.groups or not any(r.steps("none", widest) for r in [self.routes, *self.domain_routes.values()]):
             return None
-        routes, reducer = Routes(self.topo, plan.hierarchical, dedicated=True), Reducer()
+        reducer = Reducer()
+        dedicated = {
+            name: Routes(t, plan.hierarchical, dedicated=True) for name, t in [("", self.topo), *self.domains.items()]
+        }
         uses: dict[int, set[int]] = {}
         for (pi, _), groups in self.unit_groups.items():
             for g in groups:
                 uses.setdefault(id(g), set()).add(pi)
         for g in self.groups:
-            g.reducer, g.reduce_routes = reducer, routes
+            g.reducer, g.reduce_routes = reducer, dedicated[_domain(g.name)]
             g.uses = len(uses.get(id(g), {0}))  # a weight in two pipeline stages: two backwards per micro-batch
         # Every chain a group can start, built once now: each makes its groups, in the same order on every rank.
-        if plan.grads != "none":
-            self.groups[0].hops("none", to=plan.grads)
-        self.groups[0].hops("none", add_into_shard=plan.grads != "none")
+        for name in dedicated:
+            first = next((g for g in self.groups if _domain(g.name) == name), None)
+            if first is None:
+                continue
+            if plan.grads != "none":
+                first.hops("none", to=plan.grads)
+            first.hops("none", add_into_shard=plan.grads != "none")
         return reducer
 
     def expect_backwards(self, micro_batches: int) -> None:
@@ -320,20 +341,42 @@ class ZeroEngine:
     def clip_grad_norm(self, max_norm: float, tp_group=None, pp_group=None) -> torch.Tensor:
         """Clip the segments' gradients by the norm of the whole model's gradient."""
         partition, _ = self.topo.digit_group("none", self.plan.optim)
-        if tp_group is None and pp_group is None and partition is None:
+        others = [g for g in self.groups if _domain(g.name)]
+        if tp_group is None and pp_group is None and partition is None and not others:
             # This rank's segments are the whole gradient, in the model's parameter order: torch's own
             # clip_grad_norm_ gives, bit for bit, what a plain training loop computes.
             return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         counted = [
-            (slot, piece) for g in self.groups if self.count_tied or not g.tied_copy for slot, piece, _, _ in g.segments
+            (slot, piece)
+            for g in self.groups
+            if (self.count_tied or not g.tied_copy) and not _domain(g.name)
+            for slot, piece, _, _ in g.segments
         ]
         sharded = [_grad(piece) for slot, piece in counted if placement_of(slot.param).shard_dim is not None]
         replicated = [_grad(piece) for slot, piece in counted if placement_of(slot.param).shard_dim is None]
+        device = self.groups[0].full.device
         total = global_grad_norm(
-            sharded, replicated, tp_group, pp_group, partition_group=partition, device=self.groups[0].full.device
+            sharded, replicated, tp_group, pp_group, partition, device, extra_sq=self._domains_sq(others, device)
         )
         if math.isfinite(max_norm):
             scale_to_norm([piece.grad for piece in self.params if piece.grad is not None], max_norm, total)
+        return total
+
+    def _domains_sq(self, groups: list[FlatGroup], device: torch.device) -> torch.Tensor | None:
+        """The squared norm of this pipeline stage's gradients in other domains: each domain's
+        pieces summed over its partition, then over its "tp" dimension (the expert-parallel group,
+        whose ranks hold other experts)."""
+        if not self.domains:
+            return None
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for name, topo in self.domains.items():  # every rank, every domain, in the same order
+            sq = torch.zeros((), dtype=torch.float32, device=device)
+            for g in groups:
+                if _domain(g.name) == name:
+                    for _, piece, _, _ in g.segments:
+                        sq += _grad(piece).float().pow(2).sum()
+            comm.all_reduce(sq, topo.digit_group("none", self.plan.optim)[0], dim=name)
+            total += comm.all_reduce(sq, topo.group("tp"), dim=name)
         return total
 
     def step(self, after_update: Callable[[], None] | None = None) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from strata.config.schema import ModelConfig
 from strata.config.vocabulary import padded_vocab_size
+from strata.moe import MoE
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
@@ -118,14 +119,15 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer block: x + attention(norm(x)), then + SwiGLU(norm(x))."""
+    """One pre-norm transformer block: x + attention(norm(x)), then + feed-forward(norm(x)): SwiGLU,
+    or the Mixture-of-Experts layer (`strata.moe`) in the blocks `model.moe` makes sparse."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp: nn.Module = MoE(cfg) if cfg.moe.is_moe_layer(index) else SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -143,7 +145,7 @@ class GPT(nn.Module):
         # parallelize builds the model) imports torch._dynamo, as rope_frequencies explains. Every
         # user of the model fills the weights itself (init_weights, materialize, a checkpoint).
         self.tok_embeddings = nn.Embedding(vocab_size, cfg.d_model, _weight=torch.empty(vocab_size, cfg.d_model))
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -173,6 +175,11 @@ def named_blocks(part: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(str(key), block) for key, block in keyed]
 
 
+def moe_layers(part: nn.Module) -> list[tuple[int, MoE]]:
+    """(layer index in the whole model, layer) of every MoE feed-forward in a model or pipeline stage."""
+    return [(int(key), block.mlp) for key, block in named_blocks(part) if isinstance(block.mlp, MoE)]
+
+
 def set_rope_buffers(module: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
     """Set `module`'s rope_cos/rope_sin buffers to the tables for cfg, on `device`."""
     cos, sin = rope_tables(cfg)
@@ -182,7 +189,8 @@ def set_rope_buffers(module: nn.Module, cfg: ModelConfig, device: torch.device) 
 def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """The initial value of parameter `name` (its whole, unsharded tensor): normal(0, init_std)
     for matrices, with residual output projections (wo, w2) scaled by 1/sqrt(2·n_layers) as in
-    GPT-2/Megatron; biases to zero; norms to one. Each parameter draws from its own generator, seeded by the run
+    GPT-2/Megatron; biases to zero; norms to one; an MoE layer's experts (stacked 3-D weights) like
+    the dense layer's. Each parameter draws from its own generator, seeded by the run
     seed and its name, so any rank can build any parameter (or slice) without the others — the
     value never depends on which parameters a rank holds."""
     if name.endswith(".bias"):
@@ -193,7 +201,7 @@ def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int
         name = "tok_embeddings.weight"  # one tensor under two names
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    scaled = name.endswith(("attn.wo.weight", "mlp.w2.weight"))
+    scaled = name.endswith(("attn.wo.weight", "mlp.w2.weight", "mlp.experts.w2", "mlp.shared.w2.weight"))
     std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if scaled else cfg.init_std
     return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(std)
 
@@ -211,28 +219,46 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def count_params(cfg: ModelConfig, vocab_size: int) -> int:
-    """Parameters of the model built from cfg with this (padded) vocabulary."""
+def count_params(cfg: ModelConfig, vocab_size: int, active: bool = False) -> int:
+    """Parameters of the model built from cfg with this (padded) vocabulary; `active`: those one
+    token passes through (an MoE layer's top_k routed experts, not all of them)."""
     d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
-    per_layer = 2 * d * q + 2 * d * kv + 3 * d * ffn_hidden_size(cfg) + 2 * d
+    attention = 2 * d * q + 2 * d * kv + 2 * d
     if cfg.qkv_bias:
-        per_layer += q + 2 * kv
+        attention += q + 2 * kv
     if cfg.qk_norm:
-        per_layer += 2 * cfg.head_size
+        attention += 2 * cfg.head_size
     embed = vocab_size * d * (1 if cfg.tie_embeddings else 2)
-    return cfg.n_layers * per_layer + embed + d
+    ffn = [
+        moe_ffn_params(cfg, active) if cfg.moe.is_moe_layer(i) else 3 * d * ffn_hidden_size(cfg)
+        for i in range(cfg.n_layers)
+    ]
+    return cfg.n_layers * attention + sum(ffn) + embed + d
+
+
+def moe_ffn_params(cfg: ModelConfig, active: bool = False) -> int:
+    """Parameters of one MoE feed-forward: router, routed experts (`active`: top_k of them), shared
+    experts and their gate."""
+    moe, d = cfg.moe, cfg.d_model
+    routed = (moe.top_k if active else moe.num_experts) * 3 * d * moe.expert_ffn_size(cfg)
+    shared = 3 * d * moe.shared_ffn_size(cfg) + (d if moe.shared_experts and moe.shared_expert_gate else 0)
+    return moe.num_experts * d + routed + shared
 
 
 def flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
     """Training FLOPs per token (forward + backward = 3 × forward), counting matmuls only.
 
     Forward matmul FLOPs per token: 2·(weights touched) for every linear including the output
-    projection (the embedding lookup is free), plus attention scores and weighted sum: 2·2·s·q per
-    layer for full (non-causal-skipping) attention, as Megatron's MFU formula counts it, where q =
+    projection (the embedding lookup is free; an MoE layer touches its router, top_k routed experts
+    and the shared ones), plus attention scores and weighted sum: 2·2·s·q per layer for full
+    (non-causal-skipping) attention, as Megatron's MFU formula counts it, where q =
     n_heads·head_size (d_model unless head_dim says otherwise). Biases and norms are not matmuls.
     """
     d, s, L = cfg.d_model, cfg.seq_len, cfg.n_layers
     q, kv = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
-    linear = L * (2 * d * q + 2 * d * kv + 3 * d * ffn_hidden_size(cfg)) + d * vocab_size
+    ffn = sum(
+        moe_ffn_params(cfg, active=True) if cfg.moe.is_moe_layer(i) else 3 * d * ffn_hidden_size(cfg) for i in range(L)
+    )
+    linear = L * (2 * d * q + 2 * d * kv) + ffn + d * vocab_size
     attention = L * 2 * s * q
     return 3.0 * 2.0 * (linear + attention)

@@ -1,11 +1,13 @@
 """strata.trainer: the training loop and what it needs around it.
 
-`loop` (the Trainer: set a run up, step, evaluate, log, save and resume), `parallelize` (one
+`loop` (the Trainer: set a run up, step, evaluate, log, save and resume), `signals` (stopping on a
+signal with a checkpoint, exit 75), `lr_schedule` (warm-up and decay), `parallelize` (one
 function that lays the model out over the ranks and memory tiers and returns the one object the loop
 drives), `state` (`TrainState`: what a checkpoint or an in-memory snapshot of a rank holds), `data`
 (token files, blended sources and the deterministic, resumable data-parallel loader), `metrics`
 (progress bar, metrics.jsonl, TensorBoard, wandb), `plots` (run curves, pipeline schedule
-timelines), `divergence` (the loss-spike guard), `compile` (regional compilation), `float8` (float8
+timelines), `divergence` (the loss-spike guard), `routing` (MoE routing statistics
+and the auxiliary-loss-free bias update), `compile` (regional compilation), `float8` (float8
 linear layers), `calibrate` (the planner's measurement of this machine, timing the trainer's own
 step), `tokenize` and `prepare` (tokenizers and `strata data prepare`) and `profiling`
 (torch.profiler traces, memory snapshots).

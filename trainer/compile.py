@@ -7,7 +7,9 @@ every call: the ZeRO engine's gathers and frees, the activation offloader's bloc
 recomputed block's checkpoint wrapper is compiled with it (torch compiles selective activation
 checkpointing's policy into the graph). Layers that talk to other ranks (tensor parallelism's
 `COMMUNICATING` layers) run eagerly inside it, so their collectives, byte counters and the hang
-watchdog work as without compilation; the loss, the embedding and the output layer stay eager.
+watchdog work as without compilation; so does an MoE feed-forward, whose token counts per expert
+set its shapes (and whose expert-parallel dispatch communicates); the loss, the embedding and the
+output layer stay eager.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from torch import nn
 
 from strata.model import named_blocks
+from strata.moe import MoE
 from strata.parallel.tensor import COMMUNICATING
 
 
@@ -27,7 +30,7 @@ def apply_compile(parts: list[nn.Module]) -> int:
     for part in parts:
         for _, block in named_blocks(part):
             for module in block.modules():
-                if isinstance(module, COMMUNICATING):
+                if isinstance(module, (*COMMUNICATING, MoE)):
                     module.forward = torch.compiler.disable(module.forward)  # type: ignore[method-assign]
             block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
             blocks += 1

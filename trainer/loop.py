@@ -14,7 +14,6 @@ import json
 import math
 import os
 import signal
-import threading
 import time
 import uuid
 from collections import Counter
@@ -30,7 +29,7 @@ from strata.checkpoint import hf_weights, store
 from strata.checkpoint.dcp_source import DcpCheckpoint
 from strata.checkpoint.manager import CheckpointManager
 from strata.checkpoint.reader import Checkpoint
-from strata.config import Config, OptimConfig
+from strata.config import Config
 from strata.errors import CheckpointError, StrataError
 from strata.model import count_params, flops_per_token
 from strata.parallel import comm, watchdog
@@ -50,90 +49,20 @@ from strata.trainer.data import (
     read_meta,
 )
 from strata.trainer.divergence import DivergedError, SpikeGuard
+from strata.trainer.lr_schedule import lr_at
 from strata.trainer.metrics import MetricsLogger, mfu_peak
 from strata.trainer.parallelize import ParallelModel, parallelize
 from strata.trainer.profiling import StepProfiler
+from strata.trainer.routing import RoutingMonitor
+from strata.trainer.signals import Preempted, StopRequest
 from strata.trainer.state import TrainState
 
 if TYPE_CHECKING:
     from strata.checkpoint.snapshot import SnapshotManager
 
 
-# A run stopped by a signal after saving exits with this code (EX_TEMPFAIL, "try again later"): the
-# Slurm script requeues the job on it, and a requeued job resumes from the newest checkpoint.
-PREEMPTED_EXIT = 75
-# Signals that make every rank finish its step, save a checkpoint and exit: SIGTERM (a scheduler's
-# stop), SIGUSR1 (Slurm's warning before the time limit, `--signal=B:USR1@SECONDS`), SIGINT (Ctrl-C).
-GRACEFUL_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-
-# A repeat of the first signal this soon after it is the same request arriving twice, not a second
-# one: under Slurm a signal reaches a worker both from slurmstepd (which signals every process of the
-# step) and through torchrun, which passes it on.
-REPEAT_WINDOW_S = 0.5
-
-
-class StopRequest:
-    """Catches the first of GRACEFUL_SIGNALS: the handler only records it (the step in progress
-    finishes, and the ranks agree at its end to save and stop). A second signal later than
-    REPEAT_WINDOW_S aborts: the handler puts the default action back and sends the signal again."""
-
-    def __init__(self) -> None:
-        self.signum = 0  # the first signal caught, 0 for none
-        self.at = 0.0  # when (time.monotonic)
-        self.previous: dict[int, object] = {}
-
-    def on_signal(self, signum: int, frame: object) -> None:
-        if not self.signum:
-            self.signum, self.at = signum, time.monotonic()
-            return
-        if signum == self.signum and time.monotonic() - self.at < REPEAT_WINDOW_S:
-            return
-        for sig in GRACEFUL_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)  # ends the process as the signal's default action does
-
-    def install(self) -> None:
-        """Take over GRACEFUL_SIGNALS; only the main thread may (a run in another thread keeps the defaults)."""
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {sig: signal.signal(sig, self.on_signal) for sig in GRACEFUL_SIGNALS}
-
-    def restore(self) -> None:
-        """Put the previous handlers back; after a stop, the stop's own signal stays ignored: the
-        process is on its way out with PREEMPTED_EXIT, and the same request arriving a second time
-        (Slurm's and torchrun's copies) must not kill it before it gets there."""
-        for sig, handler in self.previous.items():
-            stopping = sig == self.signum
-            signal.signal(sig, signal.SIG_IGN if stopping else handler)  # type: ignore[arg-type]
-        self.previous = {}
-
-
-class Preempted(SystemExit):
-    """Every rank saved and stopped on a signal; the process exits with PREEMPTED_EXIT."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(PREEMPTED_EXIT)
-        self.signum = signum
-
-
 class NonFiniteError(StrataError):
     """Training diverged: the loss or gradient norm stayed NaN/inf (see `train.nonfinite`)."""
-
-
-def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then decay to min_lr. A
-    warm-up longer than the run is cut short to the run (the rate reaches lr at the last step, and
-    never decays), so a short trial of a long config still learns instead of crawling at a tiny lr."""
-    warmup = min(optim.warmup_steps, total_steps)
-    if step < warmup:
-        return optim.lr * (step + 1) / warmup
-    if optim.schedule == "constant":
-        return optim.lr
-    decay_steps = max(1, total_steps - warmup)
-    progress = min(1.0, (step - warmup) / decay_steps)
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1 - progress
-    min_lr = optim.lr * optim.min_lr_ratio
-    return min_lr + (optim.lr - min_lr) * shape
 
 
 @dataclass
@@ -199,6 +128,7 @@ class Trainer:
         self.step_skipped = False  # the last step's loss or gradient norm was not finite
         self.skipped_steps = self.nonfinite_in_a_row = 0
         self.spikes = SpikeGuard.from_config(cfg.train)
+        self.routing = RoutingMonitor(cfg, self.model.parts, self.topo) if cfg.model.moe.enabled else None
         self.spike: str | None = None  # why the last step was a spike
         self.stop_request = StopRequest()  # installed by `fit`
         self.stop_signal = 0  # the signal every rank agreed to stop on after the last step (0: none)
@@ -285,6 +215,8 @@ class Trainer:
         model = self.model
         for g in model.optimizer.param_groups:
             g["lr"] = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
+        if self.routing:
+            self.routing.start_step()
         loss = model.forward_backward(self.loader.next_step())
         grad_norm = model.reduce_and_clip(self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf)
         loss = self._dp_sum(loss) / self.topo.dp_size
@@ -299,6 +231,8 @@ class Trainer:
         else:
             model.step()
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
+        if self.routing:
+            self.routing.end_step(updated=not self.step_skipped)
         self.held_bytes = model.engine.held_bytes()
         self.state.step += 1
         watchdog.step_done(self.step)
@@ -553,6 +487,8 @@ class Trainer:
         record.update(loss=loss.item(), grad_norm=grad_norm.item(), lr=self.model.optimizer.param_groups[0]["lr"])
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps
+        if self.routing:
+            record.update(self.routing.record())
         if self.model.tiers:
             record["offload"] = self.model.tiers.metrics()
         if self.snapshots:

@@ -23,7 +23,7 @@ from torch import nn
 from strata.checkpoint.pieces import canonical_names
 from strata.config import Config, ModelConfig, OptimConfig, padded_vocab_size
 from strata.errors import ConfigError
-from strata.model import GPT, initial_value, lm_loss, set_rope_buffers
+from strata.model import GPT, initial_value, lm_loss, moe_layers, set_rope_buffers
 from strata.parallel.co2 import CO2
 from strata.parallel.runtime import available_bytes
 from strata.parallel.tensor import apply_tensor_parallel, placement_of
@@ -84,6 +84,9 @@ def materialize(parts: list[nn.Module], cfg: ModelConfig, seed: int, device: tor
                         q.__dict__["unfilled"] = True  # the ZeRO engine need not copy it into its flat buffer
                     fresh[id(p)] = q
                 module._parameters[key] = fresh[id(p)]
+            for key, b in module._buffers.items():  # the MoE routers' expert biases start at zero
+                if b is not None and b.is_meta:
+                    module._buffers[key] = torch.zeros(b.shape, dtype=b.dtype, device=device)
         set_rope_buffers(part, cfg, device)
 
 
@@ -139,6 +142,14 @@ class ParallelModel:
     def optimizer(self) -> torch.optim.Optimizer:
         return self.engine.optimizer
 
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """The model state that is not parameters (the MoE routers' expert biases), by state-dict name."""
+        out: dict[str, torch.Tensor] = {}
+        for part in self.parts:
+            saved = part.state_dict(keep_vars=True)
+            out.update({n: b for n, b in part.named_buffers() if n in saved})
+        return out
+
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         if self.precision in ("bf16", "fp8"):  # fp8: bf16 around the float8 matmuls
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -152,6 +163,9 @@ class ParallelModel:
         targets = [t.to(self.device) for _, t in micro_batches]
         offloader = self.tiers.activations if self.tiers else None
         self.engine.expect_backwards(self.pipeline.microbatches if self.pipeline else len(micro_batches))
+        for part in self.parts:  # an auxiliary loss weighs as much as its micro-batch's loss
+            for _, layer in moe_layers(part):
+                layer.aux_grad_scale = 1.0 if self.pipeline else 1 / len(micro_batches)
         with self.autocast(), offloader.saving() if offloader else contextlib.nullcontext():
             if self.pipeline:
                 loss_sum = self.pipeline.forward_backward(torch.cat(inputs), torch.cat(targets))
@@ -235,6 +249,8 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
             model, topo.group("tp"), topo.coords["tp"], par.tp, sequence_parallel=par.sequence_parallel
         )
 
+    domains = _expert_parallel(cfg, topo, model)
+
     stages: list[Stage] = []
     if par.pp > 1:
         # torch's pipelining (and the torch._dynamo it pulls in, ~1 s) loads only for runs that use it
@@ -270,7 +286,7 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
 
     # Under CO2 gradients are averaged inside the node only; CO2 joins the nodes every H steps.
     sync_level = "node" if cfg.co2.enabled else "global"
-    engine = _zero_engine(cfg, topo, parts, pipeline, device, sync_level)
+    engine = _zero_engine(cfg, topo, parts, pipeline, device, sync_level, domains)
     tiers = _memory_tiers(cfg, engine, topo.rank, device)
     _activation_policy(cfg, parts, tiers)
     if cfg.train.compile:
@@ -317,6 +333,7 @@ def _zero_engine(
     pipeline: Pipeline | None,
     device: torch.device,
     sync_level: str,
+    domains: dict[str, Topology] | None = None,
 ) -> ZeroEngine:
     """The engine over this rank's parts (after tp and pp). Without `zero:` nothing is partitioned
     and consecutive blocks share a flat group up to parallel.bucket_mb (data parallel's buckets)."""
@@ -337,7 +354,28 @@ def _zero_engine(
         count_tied=not pipeline or pipeline.has_first,
         sync_level=sync_level,
         overlap=cfg.parallel.overlap_grad_reduce,
+        domains=domains,
     )
+
+
+def _expert_parallel(cfg: Config, topo: Topology, model: GPT) -> dict[str, Topology]:
+    """parallel.ep: the experts' own layout (`expert_layout`: expert-parallel × expert-data-parallel
+    groups over each stage's tp·dp ranks), this rank's slice of every MoE layer's experts and the
+    all-to-all dispatch; under tensor parallelism also the routers' layout (every tp·dp rank of the
+    stage). Returns the parameter domains the ZeRO engine reduces over their own ranks (none where
+    everything is laid out as the dense model: ep = tp = 1)."""
+    par = cfg.parallel
+    if not cfg.model.moe.enabled or (par.ep == 1 and par.tp == 1):
+        return {}
+    from strata.parallel.experts import EXPERTS, ROUTING, apply_expert_parallel
+    from strata.parallel.topology import build_topology, expert_layout
+
+    domains = {EXPERTS: build_topology(expert_layout(topo.layout, par.ep), topo.rank)}
+    if par.tp > 1:
+        domains[ROUTING] = build_topology(expert_layout(topo.layout, 1), topo.rank) if par.ep > 1 else domains[EXPERTS]
+    experts = domains[EXPERTS]
+    apply_expert_parallel(model, experts.group("tp"), experts.coords["tp"], par.ep, par.tp)
+    return domains
 
 
 def _memory_tiers(cfg: Config, engine: ZeroEngine, rank: int, device: torch.device) -> Tiers | None:

@@ -56,7 +56,7 @@ class TrainState:
         """What a checkpoint or snapshot of `step` holds from this rank (live views: the managers
         copy them before training goes on)."""
         m = self.model
-        pieces = self._pieces.get(m.engine, m.optimizer, m.canonical) + [rng_piece(self.rank)]
+        pieces = self._pieces.get(m.engine, m.optimizer, m.canonical) + self._buffer_pieces() + [rng_piece(self.rank)]
         objects = (
             {"trainer": {"step": step, "data": self.loader.state_dict()}, "optim.param_groups": self._param_groups()}
             if self.rank == 0
@@ -82,6 +82,10 @@ class TrainState:
             for p in m.params:
                 m.optimizer.state[p].pop("co2_momentum", None)
 
+    def _buffer_pieces(self) -> list[Piece]:
+        """The model's persistent buffers (whole on every rank that holds their layer)."""
+        return [whole_piece(f"model.{name}", b) for name, b in self.model.persistent_buffers().items()]
+
     def _param_groups(self) -> list[dict]:
         """The optimizer's hyper-parameters with each group's parameters named as in the plain model,
         as torch.distributed.checkpoint.state_dict names them (build_optimizer's grouping: matrices
@@ -106,7 +110,7 @@ class TrainState:
         try:
             problems = ckpt.problems or model_state_problems(m.global_shapes, ckpt.shapes("model."))
             misfit = [] if ckpt.problems else problems
-            live = model_pieces(m.engine, m.canonical)
+            live = model_pieces(m.engine, m.canonical) + self._buffer_pieces()
             fresh = [Piece(p.key, p.global_shape, p.box, torch.empty_like(p.tensor)) for p in live]
             optim_state, optim_targets = self._fresh_optimizer_state(ckpt)
             rng = self._rng_target(ckpt)
@@ -159,10 +163,13 @@ class TrainState:
             first = {k: v for k, v in m.global_shapes.items() if m.canonical.get(k, k) == k}  # tied: one name
             try:
                 saved = {k: v for k, v in ckpt.shapes("model.").items() if m.canonical.get(k, k) == k}
-                problems = model_state_problems(first, saved)
+                # buffers a source lacks (an MoE router's expert bias in a Hugging Face model) start at zero
+                buffers = [b for b in self._buffer_pieces() if b.key.removeprefix("model.") in saved]
+                fresh = set(m.persistent_buffers()) - set(saved)
+                problems = model_state_problems({k: v for k, v in first.items() if k not in fresh}, saved)
                 if not problems:
                     with torch.no_grad():
-                        problems = ckpt.read(model_pieces(m.engine, m.canonical))
+                        problems = ckpt.read(model_pieces(m.engine, m.canonical) + buffers)
             except CheckpointError as e:
                 problems = [str(e)]
             finally:

@@ -44,6 +44,7 @@ def cross_problems(cfg: Config, world_size: int | None = None) -> list[str]:
         *_offload_checks(cfg),
         *_snapshot_checks(cfg),
         *_tp_size_checks(m, par),
+        *_moe_checks(cfg, world_size),
         *_batch_checks(cfg, world_size),
     ]
 
@@ -240,6 +241,40 @@ def _tp_size_checks(m: ModelConfig, par: ParallelConfig) -> list[str]:
             f"parallel.tp={par.tp} must divide model.pad_vocab_multiple={m.pad_vocab_multiple} (the vocabulary "
             "is padded to a multiple of it and split over tp ranks); use a multiple of tp such as 128"
         )
+    return p
+
+
+def _moe_checks(cfg: Config, world_size: int | None) -> list[str]:
+    """The MoE layers' shape, and expert parallelism against it and the layout."""
+    m, par, moe = cfg.model, cfg.parallel, cfg.model.moe
+    p: list[str] = []
+    if moe.enabled:
+        if moe.top_k > moe.num_experts:
+            p.append(f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={moe.num_experts}")
+        if moe.first_dense_layers >= m.n_layers:
+            p.append(
+                f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer of model.n_layers="
+                f"{m.n_layers}; lower it, or set model.moe.num_experts=0 for a dense model"
+            )
+        if par.tp > 1 and not par.sequence_parallel:
+            p.append(
+                f"MoE layers with parallel.tp={par.tp} need parallel.sequence_parallel=true (each tensor-parallel rank "
+                "routes its own part of the sequence, as Megatron-core requires)"
+            )
+    if par.ep > 1:
+        if not moe.enabled:
+            p.append(f"parallel.ep={par.ep} needs an MoE model (model.moe.num_experts > 0); set parallel.ep=1")
+        elif moe.num_experts % par.ep:
+            p.append(f"parallel.ep={par.ep} must divide model.moe.num_experts={moe.num_experts}")
+        if cfg.co2.enabled:
+            p.append("parallel.ep > 1 with co2.enabled: CO2's outer update needs every parameter replicated over dp")
+        if world_size is not None and not layout_problems(par, world_size):
+            pool = par.tp * cfg.dp_size(world_size)
+            if pool % par.ep:
+                p.append(
+                    f"parallel.ep={par.ep} must divide a pipeline stage's tp·dp = {par.tp}·{cfg.dp_size(world_size)} "
+                    f"= {pool} ranks"
+                )
     return p
 
 

@@ -140,7 +140,7 @@ def test_dcp_alone_loads_weights_and_optimizer_into_plain_torch(saved, optimizer
 
     from strata.config import load
     from strata.model import GPT
-    from strata.trainer.loop import lr_at
+    from strata.trainer.lr_schedule import lr_at
     from strata.trainer.parallelize import build_optimizer
 
     cfg = load(saved / "config.yaml")

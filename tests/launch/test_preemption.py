@@ -56,7 +56,7 @@ def _committed_steps(run_dir: Path) -> list[int]:
 def _signalled_train_run(tmp_path: Path, small_data_dir: Path, signals: list[int]) -> Path:
     """A single `strata train` that gets `signals` (20 ms apart) once it has logged three steps:
     it must exit with PREEMPTED_EXIT after committing the step it was in. Returns its run dir."""
-    from strata.trainer.loop import PREEMPTED_EXIT
+    from strata.trainer.signals import PREEMPTED_EXIT
 
     marker = uuid.uuid4().hex
     run_dir = tmp_path / "runs" / "t"
@@ -94,7 +94,7 @@ def reference_losses(small_data_dir, tmp_path_factory) -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
 def test_a_signal_saves_the_step_and_the_resumed_run_matches(tmp_path, small_data_dir, reference_losses, sig):
-    from strata.trainer.loop import PREEMPTED_EXIT
+    from strata.trainer.signals import PREEMPTED_EXIT
 
     marker = uuid.uuid4().hex
     run_dir = tmp_path / "runs" / "t"
@@ -142,7 +142,7 @@ def test_a_second_signal_aborts_without_saving(tmp_path, small_data_dir):
     """The first signal asks for a save after the step; a second one, later than REPEAT_WINDOW_S and
     while that step still runs, kills the worker at once: nothing is saved. A larger model makes a
     step last seconds, so the second signal arrives inside it."""
-    from strata.trainer.loop import REPEAT_WINDOW_S
+    from strata.trainer.signals import REPEAT_WINDOW_S
 
     marker = uuid.uuid4().hex
     run_dir = tmp_path / "runs" / "t"

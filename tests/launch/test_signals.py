@@ -162,7 +162,7 @@ ASYNC = (signal.SIGINT, {**BUSY, "checkpoint.async": True})
 def test_a_signal_to_strata_launch_stops_torchrun_and_every_worker(tmp_path, small_data_dir, sig, extra):
     """Every worker saves and stops: `strata launch` exits PREEMPTED_EXIT, as each worker did
     (torchrun alone would report the signal)."""
-    from strata.trainer.loop import PREEMPTED_EXIT
+    from strata.trainer.signals import PREEMPTED_EXIT
 
     marker = uuid.uuid4().hex
     try:

@@ -111,3 +111,26 @@ def test_the_walk_finds_the_product():
     for package in ("strata.trainer", "strata.launch"):
         assert package in found
     assert {"strata.parallel.zero", "strata.trainer.loop", "strata.plan.memory"} <= set(product_modules())
+
+
+MAX_FILE_LINES = 700
+MAX_FUNCTION_LINES = 80
+
+
+def test_modules_and_functions_stay_small():
+    """No product module over MAX_FILE_LINES lines and no function over MAX_FUNCTION_LINES: a file
+    that outgrows its one job is split before it becomes the place everything is changed."""
+    problems = []
+    for module in product_modules():
+        package, _, name = module.rpartition(".")
+        path = packages()[package] / f"{name}.py"
+        text = path.read_text()
+        if (lines := len(text.splitlines())) > MAX_FILE_LINES:
+            problems.append(f"{module}: {lines} lines (at most {MAX_FILE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    where = f"{module}.{node.name} (line {node.lineno})"
+                    problems.append(f"{where}: {length} lines (at most {MAX_FUNCTION_LINES})")
+    assert not problems, "split these:\n" + "\n".join(problems)

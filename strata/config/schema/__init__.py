@@ -28,7 +28,7 @@ from strata.config.schema.memory import (
     ShardSpec,
     ZeroConfig,
 )
-from strata.config.schema.model import ModelConfig
+from strata.config.schema.model import ModelConfig, MoEConfig
 from strata.config.schema.parallel import ParallelConfig
 from strata.config.schema.run import CheckpointConfig, DataConfig, DataSource, LogConfig, SnapshotConfig
 from strata.config.schema.train import OptimConfig, TrainConfig
@@ -43,6 +43,7 @@ __all__ = [
     "DataSource",
     "LogConfig",
     "ModelConfig",
+    "MoEConfig",
     "OffloadConfig",
     "OptimConfig",
     "OptimOffloadConfig",

@@ -7,9 +7,73 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from strata.config.schema.fields import opt
+from strata.config.schema.fields import nested, opt
 
 ROPE_SCALINGS = ("none", "llama3")
+ROUTERS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-Experts feed-forward layers (num_experts 0: a dense model)."""
+
+    num_experts: int = opt(0, "routed experts per MoE layer (0: dense feed-forward everywhere)", min=0)
+    top_k: int = opt(2, "experts each token is routed to", min=1)
+    expert_ffn: int | None = opt(None, "each expert's SwiGLU inner size (null: model.ffn_hidden's value)", min=1)
+    first_dense_layers: int = opt(
+        0, "the first this many blocks keep a dense feed-forward (DeepSeek's first_k_dense_replace)", min=0
+    )
+    shared_experts: int = opt(0, "shared experts every token passes through besides its routed ones", min=0)
+    shared_ffn: int | None = opt(
+        None, "the shared experts' joint SwiGLU inner size (null: shared_experts · expert_ffn)", min=1
+    )
+    shared_expert_gate: bool = opt(False, "scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE)")
+    router: str = opt(
+        "softmax",
+        "expert scores: softmax over all experts (Mixtral, Qwen3-MoE), or sigmoid per expert (DeepSeek-V3)",
+        choices=ROUTERS,
+    )
+    norm_topk: bool = opt(True, "renormalise the chosen experts' scores to sum to one")
+    routed_scale: float = opt(
+        1.0, "multiply the routed experts' gate weights by this (DeepSeek's routed_scaling_factor)", min=0.0
+    )
+    bias_update_rate: float = opt(
+        0.0,
+        "auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's selection bias moves by this "
+        "toward balance (0: off; DeepSeek-V3 used 0.001)",
+        min=0.0,
+    )
+    aux_loss_coef: float = opt(
+        0.0, "weight of the load-balancing loss E·Σ f_e·P_e over each micro-batch (Switch; transformers')", min=0.0
+    )
+    seq_aux_loss_coef: float = opt(0.0, "weight of DeepSeek-V3's sequence-wise balance loss", min=0.0)
+    z_loss_coef: float = opt(0.0, "weight of the router z-loss mean(logsumexp(logits)²) (ST-MoE)", min=0.0)
+    capacity_factor: float | None = opt(
+        None,
+        "cap each expert at ceil(factor · tokens · top_k / num_experts) assignments per micro-batch and rank, "
+        "dropping the lowest-weighted beyond it (null: dropless)",
+        min=0.0,
+        min_exclusive=True,
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the model has MoE layers."""
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block `index` (0-based) has the MoE feed-forward."""
+        return self.enabled and index >= self.first_dense_layers
+
+    def expert_ffn_size(self, model: ModelConfig) -> int:
+        """One routed expert's SwiGLU inner width."""
+        return self.expert_ffn or model.ffn_size
+
+    def shared_ffn_size(self, model: ModelConfig) -> int:
+        """The shared experts' joint inner width (0: none)."""
+        if not self.shared_experts:
+            return 0
+        return self.shared_ffn or self.shared_experts * self.expert_ffn_size(model)
 
 
 @dataclass(frozen=True)
@@ -59,6 +123,7 @@ class ModelConfig:
         "Hugging Face model directory (config.json + model.safetensors or shards; the other model keys are "
         "derived from its config.json, and one set to a different value is an error), or a Strata checkpoint",
     )
+    moe: MoEConfig = nested(MoEConfig)
     init_std: float = opt(
         0.02,
         "std of the normal init of weights (output projections scaled by 1/sqrt(2·n_layers))",

@@ -17,6 +17,13 @@ class ParallelConfig:
     tp: int = opt(1, "tensor-parallel degree", min=1)
     pp: int = opt(1, "pipeline-parallel degree", min=1)
     dp: int | None = opt(None, "data-parallel degree (null: world size / (tp·pp))", min=1)
+    ep: int = opt(
+        1,
+        "expert-parallel degree (MoE models): each MoE layer's experts split over this many consecutive ranks of a "
+        "pipeline stage's tp·dp ranks (tp first, Megatron's MoE parallel folding; with tp=1, carved out of dp); "
+        "tokens reach their experts by all-to-all, expert gradients are averaged over the other (tp·dp)/ep ranks",
+        min=1,
+    )
     virtual_stages: int = opt(
         1, "model chunks per pipeline rank (V): layers split into pp·V stages; V > 1 interleaves", min=1
     )
