@@ -24,11 +24,12 @@ from safetensors.torch import save as safetensors_bytes
 from strata import hf
 from strata.atomic import atomic_directory, write_file_atomic
 from strata.checkpoint import integrity, store
-from strata.checkpoint.pieces import whole_piece
+from strata.checkpoint.pieces import Piece, whole_piece
 from strata.checkpoint.reader import Checkpoint
 from strata.checkpoint.write_plan import torch_dtype
 from strata.config.schema import Config
 from strata.errors import CheckpointError
+from strata.parallel.flat import Box
 
 FORMATS = ("safetensors", "hf")
 SHARD_BYTES = 2 * 2**30  # per safetensors shard of an hf export (transformers' save_pretrained: 5 GB)
@@ -152,14 +153,18 @@ def export_hf(
         shapes = ckpt.shapes("model.")
         dtypes = {k: ckpt.index["tensors"][k]["dtype"] for k in ckpt.index["tensors"] if k.startswith("model.")}
         names = hf.hf_targets(cfg.model)  # Strata name -> HF name (a tied output is the embedding)
-        problems = [f"no tensor model.{n}" for n in names if n not in shapes]
+        experts = hf.expert_names(cfg.model)  # a stacked expert weight -> the HF name of each row
+        problems = [f"no tensor model.{n}" for n in [*names, *experts] if n not in shapes]
         if problems:
             raise CheckpointError(f"{ckpt.path}: does not hold the model its config.yaml describes: {problems[:5]}")
         hf_cfg = hf.hf_config(cfg.model, shapes["tok_embeddings.weight"][0])
         hf_cfg["torch_dtype"] = dtypes["model.tok_embeddings.weight"]
         tokenizer = _tokenizer_files(cfg)
         hf_cfg.update(tokenizer.special_ids)
-        shards = _shards(names, {n: shapes[n] for n in names}, {n: torch_dtype(dtypes[f"model.{n}"]) for n in names})
+        outputs = [_Output(hf_name, n, None) for n, hf_name in names.items()]
+        outputs += [_Output(row_name, n, e) for n, rows in experts.items() for e, row_name in enumerate(rows)]
+        dtype_of = {o.strata: torch_dtype(dtypes[f"model.{o.strata}"]) for o in outputs}
+        shards = _shards(outputs, shapes, dtype_of)
         _refuse_what_this_export_does_not_write(out, _hf_outputs(len(shards), tokenizer.files))
         with atomic_directory(out) as tmp:
             weight_map = {}
@@ -167,19 +172,16 @@ def export_hf(
                 file = (
                     "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                 )
-                pieces = [
-                    whole_piece(f"model.{n}", torch.empty(shapes[n], dtype=torch_dtype(dtypes[f"model.{n}"])))
-                    for n in shard
-                ]
+                pieces = [o.piece(shapes[o.strata], dtype_of[o.strata]) for o in shard]
                 problems = ckpt.read(pieces)
                 if problems:
                     raise CheckpointError(f"{ckpt.path} is damaged; nothing was exported:\n  " + "\n  ".join(problems))
-                tensors = {names[n]: p.tensor for n, p in zip(shard, pieces)}
+                tensors = {o.hf: p.tensor if o.row is None else p.tensor[0] for o, p in zip(shard, pieces)}
                 (tmp / file).write_bytes(safetensors_bytes(tensors, metadata={"format": "pt"}))
                 weight_map.update(dict.fromkeys(tensors, file))
                 del pieces, tensors
             if len(shards) > 1:
-                total = sum(math.prod(shapes[n]) * torch_dtype(dtypes[f"model.{n}"]).itemsize for n in names)
+                total = sum(o.nbytes(shapes[o.strata], dtype_of[o.strata]) for o in outputs)
                 index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
                 (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
             (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
@@ -238,18 +240,38 @@ def _check_hf_destination(out: Path, overwrite: bool) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _Output:
+    """One tensor of a Hugging Face export: `hf` written from the Strata tensor `strata`, whole, or
+    its row `row` (an MoE layer's stacked experts are one tensor per expert in Hugging Face's)."""
+
+    hf: str
+    strata: str
+    row: int | None
+
+    def nbytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        return math.prod(shape[1:] if self.row is not None else shape) * dtype.itemsize
+
+    def piece(self, shape: tuple[int, ...], dtype: torch.dtype) -> Piece:
+        """The read target: the whole tensor, or the box of its row."""
+        if self.row is None:
+            return whole_piece(f"model.{self.strata}", torch.empty(shape, dtype=dtype))
+        box = Box((self.row,) + (0,) * (len(shape) - 1), (1, *shape[1:]))
+        return Piece(f"model.{self.strata}", tuple(shape), box, torch.empty((1, *shape[1:]), dtype=dtype))
+
+
 def _shards(
-    names: dict[str, str], shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]
-) -> list[list[str]]:
-    """The Strata names in HF order, cut into shards of at most SHARD_BYTES (a bigger tensor alone)."""
-    shards: list[list[str]] = [[]]
+    outputs: list[_Output], shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]
+) -> list[list[_Output]]:
+    """The export's tensors in HF order, cut into shards of at most SHARD_BYTES (a bigger tensor alone)."""
+    shards: list[list[_Output]] = [[]]
     size = 0
-    for name in names:
-        n = math.prod(shapes[name]) * dtypes[name].itemsize
+    for out in outputs:
+        n = out.nbytes(shapes[out.strata], dtypes[out.strata])
         if shards[-1] and size + n > SHARD_BYTES:
             shards.append([])
             size = 0
-        shards[-1].append(name)
+        shards[-1].append(out)
         size += n
     return shards
 

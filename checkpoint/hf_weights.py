@@ -125,6 +125,8 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
         chunk = {"offsets": [0] * len(shape), "sizes": shape, "file": file, "offset": start + lo}
         chunk.update(length=hi - lo, data_offset=start + lo)
         tensors[f"model.{strata_name}"] = {"shape": shape, "dtype": dtype, "chunks": [chunk]}
+    for strata_name, rows in hf.expert_names(model_cfg).items():  # one HF tensor per expert: rows of one
+        tensors[f"model.{strata_name}"] = _stacked(directory, rows, found, sizes, expected.get(strata_name), mismatched)
     if mismatched:
         raise CheckpointError(
             f"{directory}: the weights' shapes contradict its config.json, {len(mismatched)} shape mismatches: "
@@ -132,6 +134,36 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
             + ". Use the config.json the weights were saved with"
         )
     return Checkpoint.foreign(directory, {"tensors": tensors, "objects": {}}, sizes)
+
+
+def _stacked(
+    directory: Path,
+    rows: list[str],
+    found: dict[str, tuple[str, dict, int]],
+    sizes: dict[str, int],
+    want: tuple[int, ...] | None,
+    mismatched: list[str],
+) -> dict:
+    """The index entry of a stacked expert weight whose row e is the HF tensor `rows[e]`: one chunk
+    per expert, so a rank reads only the experts it holds."""
+    chunks, dtype, shape = [], None, None
+    for e, hf_name in enumerate(rows):
+        file, entry, start = found[hf_name]
+        try:
+            dtype, row = DTYPES[entry["dtype"]], [int(d) for d in entry["shape"]]
+            lo, hi = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{directory / file}: a malformed header entry for {hf_name} ({err!r})") from err
+        if want is not None and tuple(row) != want[1:]:
+            mismatched.append(f"{hf_name} is {tuple(row)}, config.json makes it {want[1:]}")
+        if start + hi > sizes[file] or lo > hi:
+            raise CheckpointError(
+                f"{directory / file}: {hf_name} points at bytes {lo}–{hi} past the file's end (truncated?)"
+            )
+        shape = shape or row
+        chunk = {"offsets": [e] + [0] * len(row), "sizes": [1, *row], "file": file, "offset": start + lo}
+        chunks.append({**chunk, "length": hi - lo, "data_offset": start + lo})
+    return {"shape": [len(rows), *(shape or [])], "dtype": dtype, "chunks": chunks}
 
 
 def _model_shapes(model_cfg: hf.ModelShape, found: dict[str, tuple[str, dict, int]]) -> dict[str, tuple[int, ...]]:

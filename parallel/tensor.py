@@ -36,6 +36,7 @@ from torch import nn
 
 from strata.errors import ConfigError
 from strata.model import GPT, Block, RMSNorm, SwiGLU
+from strata.moe import MoE
 from strata.parallel import comm
 from strata.parallel.flat import Box
 
@@ -358,7 +359,7 @@ def apply_tensor_parallel(
         attn, mlp = block.attn, block.mlp
         # An MoE feed-forward (strata.moe; sequence parallelism required) is no tensor-parallel
         # region: each rank routes its own part of the sequence (parallel.experts lays the experts out).
-        moe = not isinstance(mlp, SwiGLU)
+        moe = isinstance(mlp, MoE)
         _swap(
             block,
             attn_norm=TensorParallelRMSNorm(block.attn_norm, group, sp),
@@ -372,7 +373,7 @@ def apply_tensor_parallel(
                 q_norm=TensorParallelHeadNorm(attn.q_norm, group),
                 k_norm=TensorParallelHeadNorm(attn.k_norm, group),
             )
-        if moe:
+        if isinstance(mlp, MoE):
             if not sp:
                 raise ConfigError(["MoE layers under tensor parallelism need parallel.sequence_parallel=true"])
             mlp.shards = SequenceShards(group, size)

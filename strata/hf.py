@@ -3,8 +3,10 @@ the features in it Strata does not implement), the config.json for a Strata mode
 of the tensors on both sides. Pure functions over dicts and names (no torch, no files), below the
 config layer so that config loading can derive model settings from a Hugging Face directory.
 
-Supported families: llama, mistral, qwen2, qwen3. Strata's attention uses the rotate-half RoPE
-layout of these families, so q/k weights map one to one, without permutation.
+Supported families: llama, mistral, qwen2, qwen3, and the Mixture-of-Experts families qwen3_moe and
+mixtral. Strata's attention uses the rotate-half RoPE layout of these families, so q/k weights map
+one to one, without permutation. Their experts are separate tensors per expert in a Hugging Face
+checkpoint and rows of one stacked tensor in Strata's (`expert_names` pairs them).
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from typing import Any, Protocol
 
 from strata.errors import ConfigError
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+# What the other MoE families need beyond Strata's model (named in the refusal).
+_MOE_MISSING = {
+    "deepseek_v3": "multi-head latent attention (MLA) and grouped top-k routing",
+    "deepseek_v2": "multi-head latent attention (MLA) and grouped top-k routing",
+    "gpt_oss": "attention sinks, clamped SwiGLU with biases and alternating sliding-window layers",
+    "qwen2_moe": "Qwen2-MoE's per-layer sparse step with shared-expert gating as transformers lays it out",
+}
 
 # Defaults of transformers' config classes for fields a config.json may leave out.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -29,6 +39,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "max_window_layers": 28,
         "head_dim": 128,
     },
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "norm_topk_prob": False},
+    "mixtral": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32},
 }
 _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
@@ -54,6 +66,31 @@ _SOURCE = {
     "qkv_bias": "model_type",
     "qk_norm": "model_type",
 }
+
+
+class MoEShape(Protocol):
+    """What these functions read of a `strata.config.MoEConfig`."""
+
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def norm_topk(self) -> bool: ...
+    @property
+    def router(self) -> str: ...
+    @property
+    def shared_experts(self) -> int: ...
+    @property
+    def first_dense_layers(self) -> int: ...
+    @property
+    def bias_update_rate(self) -> float: ...
+    @property
+    def routed_scale(self) -> float: ...
+    @property
+    def expert_ffn(self) -> int | None: ...
 
 
 class ModelShape(Protocol):
@@ -98,6 +135,8 @@ class ModelShape(Protocol):
     def tie_embeddings(self) -> bool: ...
     @property
     def init_std(self) -> float: ...
+    @property
+    def moe(self) -> MoEShape: ...
 
 
 # --- config.json -> model.* ----------------------------------------------------------------------
@@ -131,7 +170,7 @@ def _sliding_window(hf: Mapping[str, Any]) -> int | None:
     window = _get(hf, "sliding_window")
     if window is None:
         return None
-    if hf.get("model_type") in ("qwen2", "qwen3"):
+    if hf.get("model_type") in ("qwen2", "qwen3", "qwen3_moe"):
         if not hf.get("use_sliding_window", False):
             return None
         layer_types = hf.get("layer_types")
@@ -141,6 +180,20 @@ def _sliding_window(hf: Mapping[str, Any]) -> int | None:
     return window
 
 
+def _moe_unsupported(hf: Mapping[str, Any]) -> list[str]:
+    """The Mixture-of-Experts layouts Strata's MoE layers do not match."""
+    model_type, out = hf.get("model_type"), []
+    moe = [f"{key}={hf[key]}" for key in _MOE_FIELDS if hf.get(key)]
+    if moe and model_type not in MOE_FAMILIES:
+        out.append(f"{', '.join(moe)}: mixture-of-experts layers of model_type {model_type!r} are not implemented")
+    if model_type == "qwen3_moe":
+        if hf.get("mlp_only_layers"):
+            out.append(f"mlp_only_layers={hf['mlp_only_layers']}: dense layers among the MoE ones are not implemented")
+        if hf.get("decoder_sparse_step", 1) != 1:
+            out.append(f"decoder_sparse_step={hf['decoder_sparse_step']}: MoE in every other layer is not implemented")
+    return out
+
+
 def unsupported(hf_config: Mapping[str, Any], seq_len: int) -> list[str]:
     """One message per feature of this config.json that Strata's model does not implement, each
     naming the config.json field (empty: Strata computes exactly what transformers does). A sliding
@@ -148,12 +201,12 @@ def unsupported(hf_config: Mapping[str, Any], seq_len: int) -> list[str]:
     all earlier ones anyway, as in full causal attention."""
     hf = hf_config
     model_type = hf.get("model_type")
+    if model_type in _MOE_MISSING:
+        return [f"model_type={model_type!r} is not supported: Strata's MoE model lacks {_MOE_MISSING[model_type]}"]
     if model_type not in SUPPORTED:
         return [f"model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED)})"]
     out = [f"{key} is missing (the model's shape needs it)" for key in _REQUIRED if key not in hf]
-    moe = [f"{key}={hf[key]}" for key in _MOE_FIELDS if hf.get(key)]
-    if moe:
-        out.append(f"{', '.join(moe)}: mixture-of-experts layers are not implemented (Strata's MLP is dense)")
+    out += _moe_unsupported(hf)
     window = _sliding_window(hf)
     if window is not None and seq_len > window:
         flag = " with use_sliding_window=true" if model_type != "mistral" else ""
@@ -213,8 +266,17 @@ def model_settings(hf_config: Mapping[str, Any], seq_len: int) -> dict[str, obje
         "norm_eps": float(_get(hf, "rms_norm_eps")),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "qkv_bias": model_type == "qwen2",  # Qwen2 always has them; elsewhere attention_bias is unsupported
-        "qk_norm": model_type == "qwen3",
+        "qk_norm": model_type in ("qwen3", "qwen3_moe"),
     }
+    if model_type in MOE_FAMILIES:
+        experts = hf.get("num_local_experts") or hf.get("num_experts")
+        out["moe"] = {
+            "num_experts": experts,
+            "top_k": hf["num_experts_per_tok"],
+            "expert_ffn": hf["moe_intermediate_size"] if model_type == "qwen3_moe" else hf["intermediate_size"],
+            "norm_topk": bool(_get(hf, "norm_topk_prob")) if model_type == "qwen3_moe" else True,
+            "router": "softmax",
+        }
     if rope["rope_type"] == "llama3":
         out.update(
             rope_scaling="llama3",
@@ -237,6 +299,10 @@ def conflicts(explicit: Mapping[str, object], derived: Mapping[str, object]) -> 
     explicit null: null means "derive it", and the Hugging Face config is where it is derived from."""
     out = []
     for key, value in explicit.items():
+        if isinstance(value, Mapping) and isinstance(derived.get(key), Mapping):  # the model.moe group
+            nested = conflicts(value, derived[key])  # type: ignore[arg-type]
+            out += [m.replace("model.", f"model.{key}.", 1) for m in nested]
+            continue
         if value is None or key not in derived or value == derived[key]:
             continue
         want = _show(derived[key])
@@ -306,6 +372,8 @@ def hf_config(model_cfg: ModelShape, vocab_size: int | None = None) -> dict[str,
     }
     if m.rope_scaling == "llama3":
         out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if m.moe.enabled:
+        return _moe_config(m, out)
     if model_type == "llama":
         out.update(attention_bias=False, mlp_bias=False)
     else:
@@ -313,6 +381,46 @@ def hf_config(model_cfg: ModelShape, vocab_size: int | None = None) -> dict[str,
         if model_type == "qwen3":
             out["attention_bias"] = False
     return out
+
+
+def _moe_config(m: ModelShape, dense: dict[str, Any]) -> dict[str, Any]:
+    """config.json of the Mixture-of-Experts family computing what Strata's MoE model does: Qwen3-MoE
+    with qk_norm, else Mixtral; what neither has is refused, naming the key."""
+    moe = m.moe
+    problems = [
+        f"model.moe.{key}={value}: {why}"
+        for key, value, bad, why in (
+            ("shared_experts", moe.shared_experts, moe.shared_experts > 0, "neither Qwen3-MoE nor Mixtral has them"),
+            ("router", moe.router, moe.router != "softmax", "Qwen3-MoE and Mixtral route by softmax"),
+            ("first_dense_layers", moe.first_dense_layers, moe.first_dense_layers > 0, "every layer is MoE in both"),
+            ("bias_update_rate", moe.bias_update_rate, moe.bias_update_rate > 0, "the selection bias has no place"),
+            ("routed_scale", moe.routed_scale, moe.routed_scale != 1.0, "the gate weights are not scaled in both"),
+            ("qkv_bias", m.qkv_bias, m.qkv_bias, "neither family has q/k/v biases"),
+        )
+        if bad
+    ]
+    family = moe_family(m)
+    if family == "mixtral" and not moe.norm_topk:
+        problems.append(
+            "model.moe.norm_topk=false: Mixtral renormalises the top-k weights (set model.qk_norm for Qwen3-MoE)"
+        )
+    if problems:
+        raise ConfigError(problems)
+    out = {k: v for k, v in dense.items() if k not in ("architectures", "model_type")}
+    experts = {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k, "output_router_logits": False}
+    if family == "qwen3_moe":
+        expert_ffn = moe.expert_ffn or m.ffn_size
+        extra: dict[str, Any] = {"moe_intermediate_size": expert_ffn, "norm_topk_prob": moe.norm_topk}
+        extra.update(decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, sliding_window=None)
+        extra["attention_bias"] = False
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **out, **experts, **extra}
+    out["intermediate_size"] = moe.expert_ffn or m.ffn_size
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **out, **experts, "sliding_window": None}
+
+
+def moe_family(model_cfg: ModelShape) -> str:
+    """The Hugging Face family of an MoE model: qwen3_moe (per-head q/k norms), else mixtral."""
+    return "qwen3_moe" if model_cfg.qk_norm else "mixtral"
 
 
 # --- tensor names ------------------------------------------------------------------------------------
@@ -369,6 +477,36 @@ def to_strata(hf_name: str) -> str | None:
     return None
 
 
+# An MoE layer's tensors: the router (one to one) and each stacked expert weight (one HF tensor per
+# expert, named with the expert's index), per family.
+_MOE_ROUTER = {"qwen3_moe": "mlp.gate.weight", "mixtral": "block_sparse_moe.gate.weight"}
+_MOE_EXPERT = {
+    "qwen3_moe": {
+        "w1": "mlp.experts.{e}.gate_proj.weight",
+        "w3": "mlp.experts.{e}.up_proj.weight",
+        "w2": "mlp.experts.{e}.down_proj.weight",
+    },
+    "mixtral": {
+        "w1": "block_sparse_moe.experts.{e}.w1.weight",
+        "w3": "block_sparse_moe.experts.{e}.w3.weight",
+        "w2": "block_sparse_moe.experts.{e}.w2.weight",
+    },
+}
+
+
+def expert_names(model_cfg: ModelShape) -> dict[str, list[str]]:
+    """Each stacked expert weight of Strata's MoE model (`layers.N.mlp.experts.w1`, shape (E, ...))
+    -> the HF names of its E rows, in order. Empty for a dense model."""
+    if not model_cfg.moe.enabled:
+        return {}
+    family, E = moe_family(model_cfg), model_cfg.moe.num_experts
+    return {
+        f"layers.{i}.mlp.experts.{w}": [f"model.layers.{i}.{pattern.format(e=e)}" for e in range(E)]
+        for i in range(model_cfg.n_layers)
+        for w, pattern in _MOE_EXPERT[family].items()
+    }
+
+
 def strata_names(model_cfg: ModelShape) -> list[str]:
     """The keys of Strata's GPT state_dict for this config, in its order (with tie_embeddings both
     tok_embeddings.weight and output.weight, as state_dict lists both names of the one tensor)."""
@@ -378,16 +516,26 @@ def strata_names(model_cfg: ModelShape) -> list[str]:
     per_layer.append("attn.wo.weight")
     if model_cfg.qk_norm:
         per_layer += ["attn.q_norm.weight", "attn.k_norm.weight"]
-    per_layer += ["mlp_norm.weight", "mlp.w1.weight", "mlp.w3.weight", "mlp.w2.weight"]
-    layers = [f"layers.{i}.{name}" for i in range(model_cfg.n_layers) for name in per_layer]
+    per_layer.append("mlp_norm.weight")
+    ffn = ["mlp.router.weight"] if model_cfg.moe.enabled else ["mlp.w1.weight", "mlp.w3.weight", "mlp.w2.weight"]
+    layers = [f"layers.{i}.{name}" for i in range(model_cfg.n_layers) for name in per_layer + ffn]
     return ["tok_embeddings.weight", *layers, "norm.weight", "output.weight"]
 
 
+def _to_hf(model_cfg: ModelShape, strata_name: str) -> str:
+    """`to_hf`, with an MoE layer's router named as its family names it."""
+    match = _STRATA_LAYER.fullmatch(strata_name)
+    if match and match[2] == "mlp.router.weight":
+        return f"model.layers.{match[1]}.{_MOE_ROUTER[moe_family(model_cfg)]}"
+    return to_hf(strata_name)
+
+
 def hf_sources(model_cfg: ModelShape) -> dict[str, str]:
-    """For import: each Strata state_dict name -> the HF tensor to read its value from. With
-    tie_embeddings, output.weight reads model.embed_tokens.weight: HF checkpoints of tied models
-    usually have no lm_head.weight (and transformers ignores one if present)."""
-    out = {name: to_hf(name) for name in strata_names(model_cfg)}
+    """For import: each Strata state_dict name -> the HF tensor to read its value from (an MoE
+    model's stacked experts: `expert_names`). With tie_embeddings, output.weight reads
+    model.embed_tokens.weight: HF checkpoints of tied models usually have no lm_head.weight (and
+    transformers ignores one if present)."""
+    out = {name: _to_hf(model_cfg, name) for name in strata_names(model_cfg)}
     if model_cfg.tie_embeddings:
         out["output.weight"] = _TOP["tok_embeddings.weight"]
     return out
@@ -397,7 +545,7 @@ def hf_targets(model_cfg: ModelShape) -> dict[str, str]:
     """For export: each Strata state_dict name -> the HF name to write it under. With
     tie_embeddings, output.weight is left out (it is the embedding; config.json's
     tie_word_embeddings says so), as transformers' save_pretrained does."""
-    out = {name: to_hf(name) for name in strata_names(model_cfg)}
+    out = {name: _to_hf(model_cfg, name) for name in strata_names(model_cfg)}
     if model_cfg.tie_embeddings:
         del out["output.weight"]
     return out
@@ -408,7 +556,7 @@ def unused(hf_names: Iterable[str], model_cfg: ModelShape) -> list[str]:
     those safe to drop (RoPE buffers; lm_head.weight of a tied model): weights of a feature Strata
     lacks (an output-projection bias, say), or of more layers than model.n_layers. An importer
     should refuse a checkpoint for which this is not empty."""
-    read = set(hf_sources(model_cfg).values())
+    read = set(hf_sources(model_cfg).values()) | {n for rows in expert_names(model_cfg).values() for n in rows}
     if model_cfg.tie_embeddings:
         read.add(_TOP["output.weight"])
     return [name for name in hf_names if name not in read and not _HF_BUFFERS.fullmatch(name)]
@@ -417,4 +565,5 @@ def unused(hf_names: Iterable[str], model_cfg: ModelShape) -> list[str]:
 def missing(hf_names: Iterable[str], model_cfg: ModelShape) -> list[str]:
     """The tensors `hf_sources` needs that a HF checkpoint lacks (an importer refuses it then)."""
     have = set(hf_names)
-    return sorted({name for name in hf_sources(model_cfg).values() if name not in have})
+    needed = [*hf_sources(model_cfg).values(), *(n for rows in expert_names(model_cfg).values() for n in rows)]
+    return sorted({name for name in needed if name not in have})

@@ -94,7 +94,11 @@ def _derive_from_hf(raw: dict[str, Any], problems: list[str]) -> None:
     clashes = hf.conflicts(model, derived)
     problems += [f"model.init_from: {c}" for c in clashes]
     if not clashes:
-        raw["model"] = {**derived, **model}
+        merged = {**derived, **model}
+        derived_moe, own_moe = derived.get("moe"), model.get("moe")
+        if isinstance(derived_moe, dict):  # the MoE group: the user's keys beside the derived ones
+            merged["moe"] = {**derived_moe, **(own_moe if isinstance(own_moe, dict) else {})}
+        raw["model"] = merged
 
 
 def from_yaml(data: bytes | str) -> Config:

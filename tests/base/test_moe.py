@@ -232,3 +232,13 @@ def test_moe_config_problems_are_named():
         from_dict({"parallel": {"ep": 2}}, world_size=2)
     with pytest.raises(ConfigError, match="must divide a pipeline stage's tp·dp"):
         from_dict({"model": {"moe": {"num_experts": 6}}, "parallel": {"ep": 3}}, world_size=4)
+
+
+def test_the_planner_refuses_an_moe_model_instead_of_mispredicting_it(tmp_path, capsys):
+    from conftest import run_cli
+
+    experiment = tmp_path / "moe.yaml"
+    experiment.write_text("model:\n  moe:\n    num_experts: 8\n")
+    code, out = run_cli(["plan", str(experiment), "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100"], capsys)
+    assert code == 2 and "model.moe.num_experts=8: the planner does not model Mixture-of-Experts" in out
+    assert "Traceback" not in out

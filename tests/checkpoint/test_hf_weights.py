@@ -274,7 +274,7 @@ BAD = {
         "lists shards that are not there: model-00002-of-00002.safetensors",
     ),
     "unsupported architecture": (
-        lambda src, dst: _edit_config(_copy_model(src, dst), model_type="mixtral", num_local_experts=8),
+        lambda src, dst: _edit_config(_copy_model(src, dst), model_type="gpt_neox"),
         "model_type",
     ),
     "config and weights disagree": (
