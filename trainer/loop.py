@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 from strata import config as config_mod
 from strata.checkpoint import hf_weights, store
-from strata.checkpoint.dcp_source import DcpCheckpoint
 from strata.checkpoint.manager import CheckpointManager
 from strata.checkpoint.reader import Checkpoint
 from strata.config import Config
@@ -58,6 +57,7 @@ from strata.trainer.signals import Preempted, StopRequest
 from strata.trainer.state import TrainState
 
 if TYPE_CHECKING:
+    from strata.checkpoint.dcp_source import DcpCheckpoint
     from strata.checkpoint.snapshot import SnapshotManager
 
 
@@ -372,6 +372,9 @@ class Trainer:
         is taken from it and what starts fresh)."""
         if not store.is_dcp_only(path):
             return Checkpoint(path)
+        # torch.distributed.checkpoint takes ~1.3 s to import (DTensor, sympy): only runs that read one pay
+        from strata.checkpoint.dcp_source import DcpCheckpoint
+
         ckpt = DcpCheckpoint(path, self.cfg.model)
         self.start_notes += [f"{path}: a checkpoint DCP wrote alone: {note}" for note in ckpt.notes]
         return ckpt

@@ -9,10 +9,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from strata.checkpoint.dcp_source import DcpCheckpoint
 from strata.checkpoint.layout import hyperparameters, load_optimizer, model_state_problems, optimizer_problems
 from strata.checkpoint.pieces import (
     CachedPieces,
@@ -29,6 +29,9 @@ from strata.config import Config
 from strata.errors import CheckpointError
 from strata.trainer.data import BatchLoader, MixtureLoader
 from strata.trainer.parallelize import ParallelModel, decays
+
+if TYPE_CHECKING:
+    from strata.checkpoint.dcp_source import DcpCheckpoint
 
 
 class TrainState:

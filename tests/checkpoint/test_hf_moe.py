@@ -115,6 +115,7 @@ def test_a_run_from_a_hugging_face_moe_computes_transformers_logits_and_loss(hf_
     assert float(loss) == pytest.approx(float(want), abs=1e-5)
 
 
+@pytest.mark.slow  # two CLI processes per family
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_import_then_export_is_bit_exact(hf_dirs, tmp_path, name):
     imported = strata("ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / "imported"), f"model.seq_len={SEQ}")
@@ -132,6 +133,7 @@ def test_import_then_export_is_bit_exact(hf_dirs, tmp_path, name):
     hf_model(tmp_path / "out")  # loads: no missing or unexpected keys
 
 
+@pytest.mark.slow  # trains, then exports through the CLI
 def test_a_trained_moe_run_exports_to_transformers_with_its_logits(small_data_dir, tmp_path):
     """A Strata MoE (Qwen3-MoE layout: q/k norms, softmax top-k) trained from scratch exports to a
     directory transformers loads, computing the same logits."""

@@ -302,13 +302,14 @@ def test_a_partitioned_node_ends_in_recovery_or_one_clear_error_never_a_hang(
     """Node B's link goes down for longer than the collective timeout (and the hang timeout), then
     comes back: the job either recovers from memory and ends on the uninterrupted run's state, or
     stops with one clear error, within a bounded time; it never hangs."""
-    c = Cluster(tmp_path, small_data_dir, namespaces, **{"parallel.hang_timeout_s": 4})
+    timeout_s = 12  # the partition outlasts the collective timeout by 5 s
+    c = Cluster(tmp_path, small_data_dir, namespaces, **{"parallel.hang_timeout_s": 4, "parallel.timeout_s": timeout_s})
     try:
         c.start_node("A")
         c.start_node("B")
         c.wait_for_step(12)
         started = time.monotonic()
-        c.partition("B", seconds=SETTINGS["parallel.timeout_s"] + 5)
+        c.partition("B", seconds=timeout_s + 5)
         deadline = started + DEADLINE_S
         while any(p.poll() is None for p in c.nodes.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
