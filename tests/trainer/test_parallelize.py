@@ -23,11 +23,9 @@ RESUMED_ELSEWHERE = {"tp2-pp2-sp-tied", "pp2-zbv-tied", "zero3-dp2-accumulate", 
 # name: (processes, parallel settings, model/batch settings shared with the reference)
 LAYOUTS = {
     "dp2-accumulate": (2, {}, {"train.micro_batch_size": 2}),
-    "dp2": (2, {}, {"train.micro_batch_size": 4}),
     "dp2-two-nodes": (2, {"parallel.ranks_per_node": 1}, {"train.micro_batch_size": 4}),
     "tp2-gqa-tied": (2, {"parallel.tp": 2}, {"model.n_kv_heads": 2, "model.tie_embeddings": True}),
     "tp2-dp2": (4, {"parallel.tp": 2}, {}),
-    "pp2": (2, {"parallel.pp": 2}, {}),
     "pp2-v2": (2, {"parallel.pp": 2, "parallel.virtual_stages": 2}, {"model.n_layers": 4}),
     "pp4-v2": (4, {"parallel.pp": 4, "parallel.virtual_stages": 2}, {"model.n_layers": 8}),
     "pp2-gpipe-tied": (2, {"parallel.pp": 2, "parallel.schedule": "gpipe"}, {"model.tie_embeddings": True}),
@@ -51,11 +49,6 @@ LAYOUTS = {
         {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "dualpipev"},
         {"model.n_layers": 4},
     ),
-    "pp2-zbv": (
-        2,
-        {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "zbv_zero_bubble"},
-        {"model.n_layers": 4},
-    ),
     "tp2-pp2-sp-tied": (
         4,
         {"parallel.tp": 2, "parallel.pp": 2, "parallel.sequence_parallel": True},
@@ -71,7 +64,6 @@ LAYOUTS = {
         {**ZERO3, "zero.secondary_params.shard_over": "node", "parallel.ranks_per_node": 2},
         {"train.micro_batch_size": 1},
     ),
-    "zero3-tp2-dp2": (4, {**ZERO3, "parallel.tp": 2}, {"model.tie_embeddings": True}),
     "zero3-pp2-v2-dp2-tied": (
         4,
         {**ZERO3, "parallel.pp": 2, "parallel.virtual_stages": 2, "zero.prefetch_blocks": 2},
