@@ -108,22 +108,10 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
     expected = _model_shapes(model_cfg, found)
     mismatched = []
     for strata_name, hf_name in hf.hf_sources(model_cfg).items():
-        file, entry, start = found[hf_name]
-        try:
-            dtype = DTYPES[entry["dtype"]]
-            shape = [int(d) for d in entry["shape"]]
-            lo, hi = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{directory / file}: a malformed header entry for {hf_name} ({e!r})") from e
+        dtype, shape, chunk = _chunk(directory, hf_name, found, sizes)
         want = expected.get(strata_name)
         if want is not None and tuple(shape) != want:
             mismatched.append(f"{hf_name} is {tuple(shape)}, config.json makes it {want}")
-        if start + hi > sizes[file] or lo > hi:
-            raise CheckpointError(
-                f"{directory / file}: {hf_name} points at bytes {lo}–{hi} past the file's end (truncated?)"
-            )
-        chunk = {"offsets": [0] * len(shape), "sizes": shape, "file": file, "offset": start + lo}
-        chunk.update(length=hi - lo, data_offset=start + lo)
         tensors[f"model.{strata_name}"] = {"shape": shape, "dtype": dtype, "chunks": [chunk]}
     for strata_name, rows in hf.expert_names(model_cfg).items():  # one HF tensor per expert: rows of one
         tensors[f"model.{strata_name}"] = _stacked(directory, rows, found, sizes, expected.get(strata_name), mismatched)
@@ -134,6 +122,26 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
             + ". Use the config.json the weights were saved with"
         )
     return Checkpoint.foreign(directory, {"tensors": tensors, "objects": {}}, sizes)
+
+
+def _chunk(
+    directory: Path, hf_name: str, found: dict[str, tuple[str, dict, int]], sizes: dict[str, int]
+) -> tuple[object, list[int], dict]:
+    """(dtype, shape, the index chunk of its bytes) of the HF tensor `hf_name`, from its file's header
+    entry; a malformed entry or one pointing past its file's end is a CheckpointError."""
+    file, entry, start = found[hf_name]
+    try:
+        dtype = DTYPES[entry["dtype"]]
+        shape = [int(d) for d in entry["shape"]]
+        lo, hi = (int(x) for x in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{directory / file}: a malformed header entry for {hf_name} ({e!r})") from e
+    if start + hi > sizes[file] or lo > hi:
+        raise CheckpointError(
+            f"{directory / file}: {hf_name} points at bytes {lo}–{hi} past the file's end (truncated?)"
+        )
+    chunk = {"offsets": [0] * len(shape), "sizes": shape, "file": file, "offset": start + lo}
+    return dtype, shape, {**chunk, "length": hi - lo, "data_offset": start + lo}
 
 
 def _stacked(
@@ -148,21 +156,11 @@ def _stacked(
     per expert, so a rank reads only the experts it holds."""
     chunks, dtype, shape = [], None, None
     for e, hf_name in enumerate(rows):
-        file, entry, start = found[hf_name]
-        try:
-            dtype, row = DTYPES[entry["dtype"]], [int(d) for d in entry["shape"]]
-            lo, hi = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{directory / file}: a malformed header entry for {hf_name} ({err!r})") from err
+        dtype, row, chunk = _chunk(directory, hf_name, found, sizes)
         if want is not None and tuple(row) != want[1:]:
             mismatched.append(f"{hf_name} is {tuple(row)}, config.json makes it {want[1:]}")
-        if start + hi > sizes[file] or lo > hi:
-            raise CheckpointError(
-                f"{directory / file}: {hf_name} points at bytes {lo}–{hi} past the file's end (truncated?)"
-            )
         shape = shape or row
-        chunk = {"offsets": [e] + [0] * len(row), "sizes": [1, *row], "file": file, "offset": start + lo}
-        chunks.append({**chunk, "length": hi - lo, "data_offset": start + lo})
+        chunks.append({**chunk, "offsets": [e, *chunk["offsets"]], "sizes": [1, *row]})
     return {"shape": [len(rows), *(shape or [])], "dtype": dtype, "chunks": chunks}
 
 
