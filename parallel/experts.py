@@ -82,9 +82,7 @@ class AllToAllDispatch:
         received = _Exchange.apply(x[order // k], send, recv, self.group)
         by_expert = expert_major(counts)
         done = experts(received[by_expert], counts.sum(dim=0))
-        back_in_order = torch.empty_like(by_expert)
-        back_in_order[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-        returned = _Exchange.apply(done[back_in_order], recv, send, self.group)
+        returned = _Exchange.apply(done[by_expert.argsort()], recv, send, self.group)  # back in arrival order
         weights = routing.weights.flatten()[order].unsqueeze(1).to(returned.dtype)
         return x.new_zeros(x.shape, dtype=returned.dtype).index_add_(0, order // k, returned * weights)
 

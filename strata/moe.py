@@ -239,23 +239,21 @@ class MoE(nn.Module):
         self.dispatch: Dispatch = LocalDispatch()
         self.aux_grad_scale = 1.0  # the weight of this micro-batch in the step's loss (set by the trainer)
         self.stats = RoutingStats(moe.num_experts)
-        self.sequences = 1  # sequences in the micro-batch now running (for the sequence-wise loss)
         self.shards: TokenShards = WholeSequences()  # sequence parallelism sets its tensor-parallel group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        self.sequences = shape[0]
         flat = x.reshape(-1, shape[-1])
         routing = self.router(flat)
         out = self.dispatch(flat, routing, self.experts)
-        aux = self._aux_loss(routing)
+        aux = self._aux_loss(routing, sequences=shape[0])
         if aux is not None and torch.is_grad_enabled():
             out = AuxLossGrad.apply(out, aux, self.aux_grad_scale)
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view(shape)
 
-    def _aux_loss(self, routing: Routing) -> torch.Tensor | None:
+    def _aux_loss(self, routing: Routing, sequences: int) -> torch.Tensor | None:
         """The weighted sum of the enabled auxiliary losses (None when all are off), recording
         each one's value and the routing counts in `stats`. Split over sequence shards, this rank's
         share: the shares' sum is the loss of the whole micro-batch."""
@@ -263,7 +261,7 @@ class MoE(nn.Module):
         experts = routing.experts
         zero = torch.zeros((), device=experts.device)
         aux = load_balancing_loss(routing, E, shards) if moe.aux_loss_coef > 0 else zero
-        seq = sequence_balance_loss(routing, E, self.sequences, shards) if moe.seq_aux_loss_coef > 0 else zero
+        seq = sequence_balance_loss(routing, E, sequences, shards) if moe.seq_aux_loss_coef > 0 else zero
         z = zero
         if moe.z_loss_coef > 0:
             z = routing.logits.logsumexp(dim=-1).square().sum() / (experts.shape[0] * shards.size)

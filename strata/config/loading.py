@@ -94,11 +94,16 @@ def _derive_from_hf(raw: dict[str, Any], problems: list[str]) -> None:
     clashes = hf.conflicts(model, derived)
     problems += [f"model.init_from: {c}" for c in clashes]
     if not clashes:
-        merged = {**derived, **model}
-        derived_moe, own_moe = derived.get("moe"), model.get("moe")
-        if isinstance(derived_moe, dict):  # the MoE group: the user's keys beside the derived ones
-            merged["moe"] = {**derived_moe, **(own_moe if isinstance(own_moe, dict) else {})}
-        raw["model"] = merged
+        raw["model"] = _merged(derived, model)
+
+
+def _merged(base: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """`own`'s keys over `base`'s, group by group (a nested group keeps the keys of `base` that `own`
+    does not set)."""
+    out = dict(base)
+    for key, value in own.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def from_yaml(data: bytes | str) -> Config:
