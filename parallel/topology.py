@@ -266,6 +266,8 @@ class Topology:
     layout: Layout
     rank: int
     groups: dict[str, object] = field(default_factory=dict)
+    # every membership build_topology made a group for (this rank's or not; the same on every rank)
+    made: dict[tuple[int, ...], object] = field(default_factory=dict)
 
     @property
     def coords(self) -> dict[str, int]:
@@ -348,13 +350,16 @@ def _named_group_ranks(layout: Layout) -> list[tuple[str, list[list[int]]]]:
     return named
 
 
-def build_topology(layout: Layout, rank: int) -> Topology:
+def build_topology(layout: Layout, rank: int, reuse: Topology | None = None) -> Topology:
     """Create every named group (all ranks must call this, in the same order, as
     torch.distributed.new_group requires) and keep the ones this rank belongs to. A membership
     that recurs (e.g. 'dp_node' equal to 'dp' when dp stays in a node) reuses the first group
     made for it, and the whole world is WORLD, so layouts without a hierarchy create no extra
     groups (and no extra NCCL communicators). Two names sharing one group share its queue: as
-    for any collective, every member must issue the operations on it in the same order."""
+    for any collective, every member must issue the operations on it in the same order. With
+    `reuse` (another layout of the same world, e.g. the MoE experts' `expert_layout`), the groups it
+    made are reused for the same memberships instead of made again (each would be one more NCCL
+    communicator)."""
     import torch.distributed as dist
 
     from strata.parallel import comm
@@ -362,7 +367,9 @@ def build_topology(layout: Layout, rank: int) -> Topology:
     topo = Topology(layout, rank)
     if not dist.is_initialized() or layout.world_size == 1:
         return topo
-    made = {tuple(range(layout.world_size)): dist.group.WORLD}
+    made: dict[tuple[int, ...], object] = (
+        dict(reuse.made) if reuse is not None else {tuple(range(layout.world_size)): dist.group.WORLD}
+    )
     for name, groups in _named_group_ranks(layout):
         for ranks in groups:
             if len(ranks) == 1 and name not in DIMS:
@@ -375,4 +382,5 @@ def build_topology(layout: Layout, rank: int) -> Topology:
         if rank in members and len(members) > 1:
             comm.register_group(group, layout.link_level(list(members)), layout.ring_links(list(members)))
     comm.register_link_resolver(lambda a, b: layout.link_level([a, b]))
+    topo.made = made
     return topo

@@ -370,9 +370,12 @@ def _expert_parallel(cfg: Config, topo: Topology, model: GPT) -> dict[str, Topol
     from strata.parallel.experts import EXPERTS, ROUTING, apply_expert_parallel
     from strata.parallel.topology import build_topology, expert_layout
 
-    domains = {EXPERTS: build_topology(expert_layout(topo.layout, par.ep), topo.rank)}
+    domains = {EXPERTS: build_topology(expert_layout(topo.layout, par.ep), topo.rank, reuse=topo)}
     if par.tp > 1:
-        domains[ROUTING] = build_topology(expert_layout(topo.layout, 1), topo.rank) if par.ep > 1 else domains[EXPERTS]
+        routing = expert_layout(topo.layout, 1)  # every tp·dp rank of the stage: the experts' layout when ep = 1
+        domains[ROUTING] = (
+            domains[EXPERTS] if par.ep == 1 else build_topology(routing, topo.rank, reuse=domains[EXPERTS])
+        )
     experts = domains[EXPERTS]
     apply_expert_parallel(model, experts.group("tp"), experts.coords["tp"], par.ep, par.tp)
     return domains
