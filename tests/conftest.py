@@ -61,6 +61,29 @@ def small_data_dir(tmp_path_factory) -> Path:
     return out
 
 
+def hf_run_overrides(hf_dir: Path | str, data_dir: Path, run_root: Path, seq_len: int, **extra) -> list[str]:
+    """A short run from the Hugging Face directory `hf_dir`: only the keys its config.json leaves to the user."""
+    base = {
+        "model.init_from": hf_dir,
+        "model.seq_len": seq_len,
+        "data.path": data_dir,
+        "log.dir": run_root,
+        "log.name": "t",
+        "log.progress": "false",
+        "log.interval": 1,
+        "train.steps": 4,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 2,
+        "train.eval_interval": 0,
+        "train.eval_batches": 2,
+        "optim.warmup_steps": 2,
+        "optim.lr": 1e-3,
+        "checkpoint.save_final": "true",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
 def tiny_overrides(data_dir: Path, run_root: Path, **extra) -> list[str]:
     """Overrides for a model small enough that a step takes milliseconds."""
     base = {

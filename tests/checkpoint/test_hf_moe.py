@@ -23,6 +23,7 @@ from strata.model import build_model
 from strata.parallel.runtime import start
 from strata.trainer.loop import Trainer, run
 
+from conftest import hf_run_overrides
 from worlds import strata
 
 transformers = pytest.importorskip("transformers")
@@ -66,26 +67,10 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
 FAMILIES = ["qwen3_moe", "qwen3_moe-unnormalised", "mixtral"]
 
 
-def overrides(hf_dir: Path, data_dir: Path, run_root: Path, **extra) -> list[str]:
-    base = {
-        "model.init_from": hf_dir,
-        "model.seq_len": SEQ,
-        "data.path": data_dir,
-        "log.dir": run_root,
-        "log.name": "t",
-        "log.progress": "false",
-        "log.interval": 1,
-        "train.steps": 1,
-        "train.global_batch_size": 4,
-        "train.micro_batch_size": 2,
-        "train.eval_interval": 0,
-        "train.eval_batches": 1,
-        "optim.warmup_steps": 1,
-        "optim.lr": 1e-3,
-        "checkpoint.save_final": "true",
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+def overrides(hf_dir: Path | str, data_dir: Path, run_root: Path, **extra) -> list[str]:
+    """One short step of 4 sequences from `hf_dir`."""
+    small = {"train.steps": 1, "train.global_batch_size": 4, "train.eval_batches": 1, "optim.warmup_steps": 1}
+    return hf_run_overrides(hf_dir, data_dir, run_root, SEQ, **{**small, **extra})
 
 
 def hf_model(directory: Path):

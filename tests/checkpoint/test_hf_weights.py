@@ -24,6 +24,7 @@ from strata.parallel.runtime import start
 from strata.trainer.data import BatchLoader, TokenDataset
 from strata.trainer.loop import run
 
+from conftest import hf_run_overrides
 from worlds import REPO, strata
 
 transformers = pytest.importorskip("transformers")
@@ -65,26 +66,7 @@ FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
 
 def _overrides(hf_dir: Path, data_dir: Path, run_root: Path, **extra) -> list[str]:
-    """A short run from `hf_dir`: only the keys a Hugging Face config leaves to the user."""
-    base = {
-        "model.init_from": hf_dir,
-        "model.seq_len": SEQ,
-        "data.path": data_dir,
-        "log.dir": run_root,
-        "log.name": "t",
-        "log.progress": "false",
-        "log.interval": 1,
-        "train.steps": 4,
-        "train.global_batch_size": 8,
-        "train.micro_batch_size": 2,
-        "train.eval_interval": 0,
-        "train.eval_batches": 2,
-        "optim.warmup_steps": 2,
-        "optim.lr": 1e-3,
-        "checkpoint.save_final": "true",
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+    return hf_run_overrides(hf_dir, data_dir, run_root, SEQ, **extra)
 
 
 def _experiment(tmp_path: Path) -> Path:
