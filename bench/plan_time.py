@@ -246,6 +246,7 @@ def plan_cluster(result: dict, link: dict) -> Any:
         inter_node_gbps=link[f"{RANKS_PER_NODE}_per_node"]["concurrent_one_way_gbps"],
         latency_s={"intra-gpu": intra_lat, "intra-node": intra_lat, "inter-node": link["1_per_node"]["latency_s"]},
         cpu_adam_gparams_s=c["adam_gparams_s"],
+        shared_cores=True,  # both namespaced nodes are this machine's 2 cores
     )
 
 

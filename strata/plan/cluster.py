@@ -78,6 +78,10 @@ class Cluster:
     host_link_gbps: float = 200.0  # device <-> host, per GPU (PCIe 4 x16: about 25 GB/s)
     nvme_gbps: float = 50.0  # per node, read or write (a few NVMe drives)
     cpu_adam_gparams_s: float = 1.0  # AdamW updates per second on the host, per rank, in 1e9 parameters
+    # Every rank runs on one machine's cores (a namespaced test cluster, calibrated with all ranks
+    # computing at once): a rank that waits frees its share for the others, so compute is the job's
+    # work spread evenly over the ranks, and a pipeline's bubble idles no core.
+    shared_cores: bool = False
 
     @property
     def ranks_per_node(self) -> int:

@@ -12,6 +12,9 @@ and the step's first gather never hides; per-micro-batch reduce-scatters run beh
 with `parallel.overlap_grad_reduce` the step's final reduction starts inside the last micro-batch's
 backward (without it, it follows); the rebuild gather after the update and the update itself
 are exposed; CO2's outer all-reduce hides behind the next round's steps when `co2.overlap`.
+
+On a cluster whose ranks all share one machine's cores (`Cluster.shared_cores`), compute is the
+stages' mean and the bubble costs nothing: the machine, not the slowest stage, sets the pace.
 """
 
 from __future__ import annotations
@@ -253,8 +256,12 @@ def estimate_time(cfg: Config, cluster: Cluster, vocab: int, attention: str = "f
     stages = [_stage_time(cfg, cluster, layout, vocab, s, attention) for s in range(cfg.parallel.pp)]
     slow = max(stages, key=lambda s: s.micro_batch)
     bubble = bubble_factor(cfg) * slow.micro_batch
+    compute = m * (slow.fwd + slow.bwd)
+    if cluster.shared_cores:
+        bubble = 0.0
+        compute = m * sum(st.fwd + st.bwd for st in stages) / len(stages)
     parts = {
-        "compute": m * (slow.fwd + slow.bwd),
+        "compute": compute,
         "tp": m * slow.tp.seconds,
         "pp": max(st.sends(m, cfg.parallel.pp) for st in stages),
         "bubble": bubble,
