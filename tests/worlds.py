@@ -11,6 +11,9 @@ The `strata` command as a user runs it, to the end:
     strata(*args)                             `python -m strata.launch.cli ARGS`, CompletedProcess
     strata_command(*args)                     that command line, for a wrapper (a namespace node)
     launch_run(data_dir, run_root, nproc, ...) `strata launch` of the tiny experiment, asserted to succeed
+    train_run(data_dir, run_root, nproc, ...)  the same run's `strata train` in each rank of an in-process
+                                              world (torchrun's worker environment, no launcher): the
+                                              layout comparisons, which need the numbers, not the launcher
     losses_from, final_params, assert_same_params   what such a run left, compared across layouts
     COMMON, ZERO3                             settings those runs share
 
@@ -60,7 +63,15 @@ MARKER_ENV = "STRATA_TEST_ID"
 # What every world's ranks import, loaded once by the forkserver they are forked from: a spawned
 # rank would import torch and Strata anew (seconds each on 2 cores), and forking the test process
 # itself would copy whatever threads and state the earlier tests left in it.
-PRELOAD = ["torch", "torch.distributed", "strata.parallel.runtime", "strata.trainer.parallelize", "strata.trainer.loop"]
+# torch._dynamo too: torch.optim's constructors import it (2-3 s on 2 cores), in every rank that builds one.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "strata.parallel.runtime",
+    "strata.trainer.parallelize",
+    "strata.trainer.loop",
+]
 
 # Settings of the runs compared across layouts (tests/trainer/test_parallelize.py and the features
 # composed with parallelism): every step logged, checkpoints and evaluations at steps 3 and 6.
@@ -216,14 +227,65 @@ def launch_run(data_dir, run_root, nproc: int, *extra: str, **settings) -> subpr
     run_root/t; fails the test (with the output) unless it succeeds."""
     from conftest import tiny_overrides
 
-    run_root.mkdir(parents=True, exist_ok=True)
-    experiment = run_root / "experiment.yaml"
-    experiment.write_text("{}\n")
+    experiment = _empty_experiment(run_root)
     proc = strata(
         "launch", str(experiment), *tiny_overrides(data_dir, run_root, **settings), *extra, "--nproc", str(nproc)
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return proc
+
+
+def train_run(data_dir, run_root, nproc: int, *extra: str, **settings) -> str:
+    """`strata train` of the tiny experiment with `settings` in each rank of an `nproc`-rank world
+    forked from the suite's preloaded fork server, with the environment torchrun gives its workers
+    (one thread each when there are several): what a launched worker runs, without the launcher,
+    its agent and its own fork server, whose start-up is most of a tiny run's time (`launch_run` and
+    tests/launch cover those). Writes under run_root/t; returns every rank's output, rank by rank;
+    fails the test (with the output) unless every rank exits 0."""
+    from conftest import tiny_overrides
+
+    experiment = _empty_experiment(run_root)
+    argv = ["train", str(experiment), *tiny_overrides(data_dir, run_root, **settings), *extra]
+    out_dir = run_root / "ranks"
+    out_dir.mkdir(exist_ok=True)
+    codes = run_world(_train_rank, nproc, out_dir, argv, timeout_s=600, exit_codes=True)
+    output = "".join((out_dir / f"rank{r}.out").read_text() for r in range(nproc))
+    assert codes == [0] * nproc, f"exit codes {codes}\n{output[-8000:]}"
+    return output
+
+
+def _empty_experiment(run_root: Path) -> Path:
+    run_root.mkdir(parents=True, exist_ok=True)
+    experiment = run_root / "experiment.yaml"
+    experiment.write_text("{}\n")
+    return experiment
+
+
+def _train_rank(rank: int, size: int, port: int, out_dir: str, argv: list[str]) -> None:
+    """One rank of `train_run`: torchrun's worker environment, output to out_dir/rank{rank}.out, the
+    strata command's exit code as the process's."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        WORLD_SIZE=str(size),
+        LOCAL_WORLD_SIZE=str(size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PYTHONUNBUFFERED="1",
+    )
+    if size > 1:  # torchrun's default for several workers on a node
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+    with open(f"{out_dir}/rank{rank}.out", "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    from strata.launch.cli import main
+
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def losses_from(run_dir) -> dict[int, float]:

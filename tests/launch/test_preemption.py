@@ -227,7 +227,9 @@ def test_a_slurm_job_warned_of_its_time_limit_requeues_and_resumes(tmp_path, sma
     both nodes save and stop, the script requeues the job, and the requeued job resumes from that
     checkpoint and COMPLETES with the uninterrupted run's losses."""
     run_dir = tmp_path / "runs" / "t"
-    overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **{"train.steps": STEPS, "log.interval": 1})
+    # One thread a worker: both nodes are this machine's cores (torchrun sets 1 only for several workers a node)
+    extra = {"train.steps": STEPS, "log.interval": 1, "train.threads": 1}
+    overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **extra)
     launch = strata(
         *LAUNCH[:2],
         *overrides,

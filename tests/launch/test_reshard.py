@@ -19,9 +19,9 @@ from strata.parallel.runtime import start
 from strata.trainer.loop import run
 
 from conftest import tiny_config
-from worlds import assert_same_params, final_params, launch_run, losses_from
+from worlds import assert_same_params, final_params, losses_from, train_run
 
-pytestmark = pytest.mark.slow  # each case saves in one `strata launch` world and resumes in another
+pytestmark = pytest.mark.slow  # each case saves in one world and resumes in another
 
 SHARED = {"model.n_layers": 4, "log.interval": 1, "checkpoint.interval": 3, "checkpoint.save_final": True}
 ZERO3 = {f"zero.{k}.shard_over": "global" for k in ("params", "grads", "optim")}
@@ -37,7 +37,7 @@ CASES = {  # name: (saved by (processes, settings), resumed by (processes, setti
 def train(small_data_dir, root, nproc: int, settings: dict, resume=None) -> dict[int, float]:
     if nproc == 1:
         return run(tiny_config(small_data_dir, root, **SHARED, **settings), start(), resume=resume).losses
-    launch_run(small_data_dir, root, nproc, *(["--resume", str(resume)] if resume else []), **SHARED, **settings)
+    train_run(small_data_dir, root, nproc, *(["--resume", str(resume)] if resume else []), **SHARED, **settings)
     return losses_from(root / "t")
 
 

@@ -390,35 +390,35 @@ TWO_NODES = {
 ZERO_NODE = {"zero.params.shard_over": "node", "zero.grads.shard_over": "node", "zero.optim.shard_over": "node"}
 
 
-def _train_launched(small_data_dir, run_root, *extra: str, **settings):
-    from worlds import final_params, launch_run, losses_from
+def _train_world(small_data_dir, run_root, *extra: str, **settings):
+    from worlds import final_params, losses_from, train_run
 
-    launch_run(small_data_dir, run_root, 4, *extra, **settings)
+    train_run(small_data_dir, run_root, 4, *extra, **settings)
     return losses_from(run_root / "t"), final_params(run_root / "t" / "checkpoints")
 
 
 @pytest.fixture(scope="module")
 def co2_run(small_data_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("co2-trainer")
-    return root, _train_launched(small_data_dir, root / "plain", **TWO_NODES)
+    return root, _train_world(small_data_dir, root / "plain", **TWO_NODES)
 
 
-@pytest.mark.slow  # `strata launch` worlds of 4 processes
+@pytest.mark.slow  # worlds of 4 processes running `strata train`
 def test_trainer_co2_over_zero_chunks_matches_co2_over_whole_replicas(small_data_dir, tmp_path, co2_run):
     """Each rank running CO2 on its node-level ZeRO chunk is the same algorithm, element by element."""
     _, (losses, params) = co2_run
-    zero_losses, zero_params = _train_launched(small_data_dir, tmp_path, **TWO_NODES, **ZERO_NODE)
+    zero_losses, zero_params = _train_world(small_data_dir, tmp_path, **TWO_NODES, **ZERO_NODE)
     assert zero_losses == pytest.approx(losses, rel=1e-5)
     for name, want in params.items():
         torch.testing.assert_close(zero_params[name], want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow  # `strata launch` worlds of 4 processes
+@pytest.mark.slow  # worlds of 4 processes running `strata train`
 def test_trainer_co2_resume_continues_as_the_saving_run(small_data_dir, tmp_path, co2_run):
     """The step-3 checkpoint (mid-round: H = 2) closes the round; a resume from it, here through the
     ZeRO engine, lands on the saving run's steps 4–6 and final weights."""
     root, (losses, params) = co2_run
-    resumed, resumed_params = _train_launched(
+    resumed, resumed_params = _train_world(
         small_data_dir,
         tmp_path,
         "--resume",

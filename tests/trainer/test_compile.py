@@ -1,7 +1,7 @@
 """Regional compilation (`train.compile`): the compiled trainer against the eager one — one process,
 then composed with tensor parallelism (sequence parallel, ZeRO-3, selective recomputation) and with
 pipeline parallelism (ZeRO-3, full recomputation, activation offload) in real gloo worlds started
-by `strata launch`, each against the eager single-process run of the same global batch, and a
+in in-process worlds (`worlds.train_run`), each against the eager single-process run of the same global batch, and a
 compiled run resumed from its own checkpoint. Every block runs one compiled graph."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from strata.parallel.runtime import start
 from strata.trainer.loop import Trainer, run
 
 from conftest import tiny_config
-from worlds import COMMON, ZERO3, assert_same_params, final_params, launch_run, losses_from
+from worlds import COMMON, ZERO3, assert_same_params, final_params, losses_from, train_run
 
 pytestmark = pytest.mark.slow  # each test compiles (tens of seconds on 2 cores)
 
@@ -78,7 +78,7 @@ def test_compiled_layouts_match_the_eager_single_process_run(small_data_dir, tmp
     reference = run(reference_cfg, start())
 
     compiled = {**COMMON, **shared, **parallel, "train.compile": True}
-    launch_run(small_data_dir, tmp_path / "par", nproc, **compiled)
+    train_run(small_data_dir, tmp_path / "par", nproc, **compiled)
     par_losses = losses_from(tmp_path / "par" / "t")
     assert sorted(par_losses) == sorted(reference.losses)
     for step, loss in reference.losses.items():
@@ -87,7 +87,7 @@ def test_compiled_layouts_match_the_eager_single_process_run(small_data_dir, tmp
     assert_same_params(final_params(tmp_path / "par" / "t" / "checkpoints"), ref_params)
 
     # the compiled run resumed from its own step-3 checkpoint ends where it did
-    launch_run(
+    train_run(
         small_data_dir,
         tmp_path / "resumed",
         nproc,

@@ -21,7 +21,7 @@ from strata.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from strata.trainer.loop import Trainer, run
 
 from conftest import run_cli, tiny_config, tiny_overrides
-from worlds import COMMON, ZERO3, final_params, launch_run, losses_from
+from worlds import COMMON, ZERO3, final_params, losses_from, train_run
 
 EMULATED = {"train.precision": "fp8", "train.fp8_emulate": True}
 
@@ -127,7 +127,7 @@ def test_fp8_layouts_match_the_single_process_fp8_run(small_data_dir, tmp_path, 
     nproc, parallel, rel = LAYOUTS[name]
     recipe = {k: v for k, v in parallel.items() if k == "train.fp8_recipe"}
     reference = run(tiny_config(small_data_dir, tmp_path / "ref", **COMMON, **EMULATED, **recipe), start())
-    launch_run(small_data_dir, tmp_path / "par", nproc, **COMMON, **EMULATED, **parallel)
+    train_run(small_data_dir, tmp_path / "par", nproc, **COMMON, **EMULATED, **parallel)
     got = losses_from(tmp_path / "par" / "t")
     assert sorted(got) == sorted(reference.losses)
     for step, loss in reference.losses.items():
@@ -141,7 +141,7 @@ def test_fp8_layouts_match_the_single_process_fp8_run(small_data_dir, tmp_path, 
         # the tolerance above is wider than float8's own effect: the same layout in bf16 shows the
         # tensor-parallel layers really multiplied in float8
         bf16 = {k: v for k, v in parallel.items() if not k.startswith("train.fp8")}
-        launch_run(small_data_dir, tmp_path / "bf16", nproc, **COMMON, **bf16, **{"train.precision": "bf16"})
+        train_run(small_data_dir, tmp_path / "bf16", nproc, **COMMON, **bf16, **{"train.precision": "bf16"})
         plain = losses_from(tmp_path / "bf16" / "t")
         assert max(abs(got[s] - plain[s]) / plain[s] for s in plain) > 1e-4
 

@@ -1,6 +1,7 @@
-"""Parallel layouts in real gloo worlds started by `strata launch` (torchrun, c10d rendezvous),
-each checked against the 1-process run with the same global batch after 6 optimizer steps:
-every step's loss, and every parameter of the final checkpoint (saved in the global layout)."""
+"""Parallel layouts in real gloo worlds, each rank running `strata train` with torchrun's worker
+environment (`worlds.train_run`), each checked against the 1-process run with the same global
+batch after 6 optimizer steps: every step's loss, and every parameter of the final checkpoint
+(saved in the global layout)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from strata.parallel.runtime import start
 from strata.trainer.loop import run
 
 from conftest import tiny_config
-from worlds import COMMON, ZERO3, assert_same_params, final_params, launch_run, losses_from
+from worlds import COMMON, ZERO3, assert_same_params, final_params, losses_from, train_run
 
-pytestmark = pytest.mark.slow  # each case is a `strata launch` world of 2-8 processes
+pytestmark = pytest.mark.slow  # each case is a world of 2-8 processes
 
 # Layouts whose step-3 checkpoint is also resumed by one process (a different layout) for steps 4–6.
 RESUMED_ELSEWHERE = {"tp2-pp2-sp-tied", "pp2-zbv-tied", "zero3-dp2-accumulate", "zero3-pp2-v2-dp2-tied"}
@@ -79,9 +80,9 @@ def test_parallel_layout_matches_single_process(small_data_dir, tmp_path, name):
     reference_cfg = tiny_config(small_data_dir, tmp_path / "ref", **COMMON, **shared)
     reference = run(reference_cfg, start())
 
-    proc = launch_run(small_data_dir, tmp_path / "par", nproc, **COMMON, **shared, **parallel)
+    output = train_run(small_data_dir, tmp_path / "par", nproc, **COMMON, **shared, **parallel)
     tp, pp = parallel.get("parallel.tp", 1), parallel.get("parallel.pp", 1)
-    assert f"world {nproc} (tp {tp}, pp {pp}, dp {nproc // (tp * pp)})" in proc.stdout
+    assert f"world {nproc} (tp {tp}, pp {pp}, dp {nproc // (tp * pp)})" in output
 
     par_losses = losses_from(tmp_path / "par" / "t")
     assert sorted(par_losses) == sorted(reference.losses)
