@@ -60,6 +60,23 @@ SYSTEMS = {  # Strata layouts: zero.* shard levels (params, grads, optim) and ex
     # outer exchange is its half of the model, not all of it
     "co2": {"co2": {"enabled": True, "outer_every": 4}, "zero": {"optim": {"shard_over": "node"}}},
 }
+# MoE systems (bench/moe_dispatch.py): the model's feed-forward as 8 experts over ep=4 ranks on the two
+# nodes; "-m1" routes each token to experts of one group of 4 (one node: node-limited routing, M = 1)
+MOE = {"num_experts": 8, "top_k": 4, "expert_ffn": 64, "router": "sigmoid"}
+for _dispatch in ("flat", "hierarchical"):
+    for _suffix, _groups in (("", {}), ("-m1", {"route_groups": 2, "route_group_limit": 1})):
+        SYSTEMS[f"moe-{_dispatch}{_suffix}"] = {
+            "model": {"moe": MOE | _groups},
+            "parallel": {"ep": 4, "ep_dispatch": _dispatch},
+        }
+
+
+def merged(base: dict, extra: dict) -> dict:
+    """`extra`'s keys over `base`'s, group by group."""
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def chain(vocab: int, seed: int = 7, successors: int = 4) -> torch.Tensor:
@@ -121,7 +138,7 @@ class Run:
             "optim": {"lr": a.lr, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
             "parallel": {"bucket_mb": a.bucket_mb},
         }
-        return raw | SYSTEMS.get(system.removeprefix("strata-"), {})
+        return merged(raw, SYSTEMS.get(system.removeprefix("strata-"), {}))
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         a = self.args

@@ -11,6 +11,11 @@ tokens (`comm.all_to_all`, bytes counted per link level), run the local experts 
 send the results back, and add them to their tokens weighted by the gates on the source rank (the
 gate weights' gradient stays local). Both exchanges are autograd functions whose backward is the
 reverse exchange, as Megatron-core's and torchtitan's all-to-all dispatchers do.
+
+Where the expert-parallel group spans nodes, `HierarchicalDispatch` (parallel.ep_dispatch) sends
+each token across the inter-node link once per destination node instead of once per expert there,
+and fans it out inside the node; with node-limited routing (model.moe.route_groups = the nodes,
+route_group_limit = M) a token then crosses the link at most M times each way.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from strata.errors import ConfigError
 from strata.model import GPT, named_blocks
-from strata.moe import MoE, Routing, sort_by_expert
+from strata.moe import Dispatch, MoE, Routing, sort_by_expert
 from strata.parallel import comm
 from strata.parallel.tensor import Placement, set_placement
+from strata.parallel.topology import Topology
 
 # The ZeRO engine reduces and partitions a parameter over its *domain*'s data-parallel ranks: "" (the
 # default) the dp group; EXPERTS the expert-data-parallel ranks of `expert_layout(layout, ep)`; ROUTING
@@ -87,10 +94,66 @@ class AllToAllDispatch:
         return x.new_zeros(x.shape, dtype=returned.dtype).index_add_(0, order // k, returned * weights)
 
 
-def apply_expert_parallel(model: GPT, group, rank: int, size: int, tp: int) -> None:
+class HierarchicalDispatch:
+    """Tokens to their experts in two hops, for an expert-parallel group spanning `nodes` nodes:
+    across the nodes, one copy of each token to every node that holds any of its experts (to the
+    rank at this rank's position there, over `across`), with the experts it chose there and their
+    gate weights; inside the node, from that rank to the experts' ranks (an `AllToAllDispatch` over
+    the node's `inside` piece of the group, which weights each result by its gate). Each node's
+    weighted sum comes back over the link once and the source adds its nodes' sums, so a token
+    crosses the inter-node link at most once per destination node each way, where the flat
+    all-to-all sends it once per chosen expert there."""
+
+    def __init__(self, across, nodes: int, inside, local: int, num_experts: int):
+        self.across, self.nodes, self.per_node = across, nodes, num_experts // nodes
+        self.inner = AllToAllDispatch(inside, local, self.per_node)
+
+    def __call__(self, x: torch.Tensor, routing: Routing, experts: nn.Module) -> torch.Tensor:
+        tokens, k = routing.experts.shape
+        node_of = routing.experts.div(self.per_node, rounding_mode="floor")
+        kept = torch.ones_like(node_of, dtype=torch.bool) if routing.kept is None else routing.kept
+        token_of = torch.arange(tokens, device=x.device).unsqueeze(1).expand(tokens, k)
+        on = torch.zeros(tokens, self.nodes, dtype=torch.bool, device=x.device)
+        on[token_of[kept], node_of[kept]] = True
+        dest, token = on.t().nonzero(as_tuple=True)  # the copies by destination node, then token
+        per_node = on.sum(dim=0)
+        arriving = comm.all_to_all(per_node, [1] * self.nodes, [1] * self.nodes, self.across, dim="ep")
+        send, recv = per_node.tolist(), arriving.tolist()
+        there = (node_of[token] == dest.unsqueeze(1)) & kept[token]  # each copy's slots on its node
+        local_ids = torch.where(there, routing.experts[token] - dest.unsqueeze(1) * self.per_node, -1)
+        ids = comm.all_to_all(local_ids.to(torch.int32), send, recv, self.across, dim="ep").long()
+        rows = _Exchange.apply(x[token], send, recv, self.across)
+        gates = _Exchange.apply(routing.weights[token], send, recv, self.across)
+        empty = gates.new_zeros(0)
+        partial = self.inner(rows, Routing(ids.clamp(min=0), gates, empty, empty, kept=ids >= 0), experts)
+        back = _Exchange.apply(partial, recv, send, self.across)
+        return x.new_zeros(x.shape, dtype=back.dtype).index_add_(0, token, back)
+
+
+def make_dispatch(topo: Topology, size: int, num_experts: int, kind: str) -> Dispatch:
+    """The dispatch over the expert-parallel ("tp") groups of the experts' topology `topo`:
+    hierarchical (`kind` "hierarchical", or "auto" where the group spans nodes) or flat."""
+    split = topo.layout.node_split("tp")
+    if kind == "hierarchical" and split is None:
+        raise ConfigError(
+            [
+                f"parallel.ep_dispatch=hierarchical needs the expert-parallel group of {size} ranks to span several "
+                f"nodes of {topo.layout.node_size} ranks each; use ep_dispatch=flat or auto"
+            ]
+        )
+    if kind == "flat" or split is None:
+        return AllToAllDispatch(topo.group("tp"), size, num_experts)
+    pieces, columns = split
+    across = topo.group("tp_across_nodes")
+    return HierarchicalDispatch(across, len(columns[0]), topo.group("tp_in_node"), len(pieces[0]), num_experts)
+
+
+def apply_expert_parallel(model: GPT, topo: Topology, size: int, tp: int, dispatch: str = "auto") -> None:
     """Keep this rank's slice of every MoE layer's experts (of the whole, initialised or meta,
-    weights) and dispatch their tokens over `group` (size > 1); mark every expert weight EXPERTS,
-    and with tensor parallelism (tp > 1) the routers and shared experts ROUTING."""
+    weights) and dispatch their tokens over the expert-parallel groups of the experts' topology
+    `topo` (size > 1; `dispatch` is parallel.ep_dispatch); mark every expert weight EXPERTS, and
+    with tensor parallelism (tp > 1) the routers and shared experts ROUTING."""
+    rank = topo.coords["tp"]
     for _, block in named_blocks(model):
         moe = block.mlp
         if not isinstance(moe, MoE):
@@ -107,4 +170,4 @@ def apply_expert_parallel(model: GPT, group, rank: int, size: int, tp: int) -> N
             for p in [moe.router.weight, *(moe.shared.parameters() if moe.shared is not None else [])]:
                 setattr(p, _DOMAIN, ROUTING)
         if size > 1:
-            moe.dispatch = AllToAllDispatch(group, size, moe.router.num_experts)
+            moe.dispatch = make_dispatch(topo, size, moe.router.num_experts, dispatch)

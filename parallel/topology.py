@@ -27,6 +27,10 @@ coordinates), so a level's *shard groups* are the dp groups cut by that unit
 same shard in different units (`replica_groups(level)`): reduce-scatter in the former, all-reduce
 across the latter, and together they span the dp group.
 
+A tp group that spans nodes (an MoE expert layout's expert-parallel group) is also cut by node
+(`node_split`): its pieces inside each node ("tp_in_node") and its columns across the nodes
+("tp_across_nodes"), over which the hierarchical expert dispatch sends.
+
 Placement rule for tp (checked by `layout_from_config`): tp must divide ranks_per_node or be a
 multiple of it, so every tp group lies inside one node (Megatron's practice) or spans whole nodes;
 never straddles a node boundary partway. tp is not checked against ranks_per_gpu: a tp group
@@ -200,6 +204,19 @@ class Layout:
                 out += [[q[j] for q in pieces] for j in range(len(pieces[0]))]
         return out
 
+    def node_split(self, dim: str) -> tuple[list[list[int]], list[list[int]]] | None:
+        """The groups along `dim` cut by node: (pieces, columns). pieces: each group's ranks on one
+        node; columns: each group's ranks at the same position of their pieces, one per node, by
+        node. None where a group lies inside one node or its pieces are uneven (nothing to split)."""
+        pieces, columns = [], []
+        for group in self.group_ranks(dim):
+            mine = [list(p) for _, p in itertools.groupby(group, key=lambda r: r // self.node_size)]
+            if len(mine) == 1 or len({len(p) for p in mine}) > 1:
+                return None
+            pieces += mine
+            columns += [[p[j] for p in mine] for j in range(len(mine[0]))]
+        return pieces, columns
+
     def nested_chunk(self, rank: int, level: str) -> tuple[int, int]:
         """(index, count): state partitioned at `level` is cut into `count` equal chunks across a
         dp group and `rank` owns chunk `index`. Chunks are numbered finest unit first (the
@@ -347,6 +364,9 @@ def _named_group_ranks(layout: Layout) -> list[tuple[str, list[list[int]]]]:
             except ConfigError:
                 pass  # this partitioning is impossible in this layout; the ZeRO engine reports it
     named.append(("pp_ends", layout.pipeline_end_ranks()))
+    split = layout.node_split("tp")
+    if split is not None:  # tp groups spanning nodes (an expert layout's expert-parallel groups)
+        named += [("tp_in_node", split[0]), ("tp_across_nodes", split[1])]
     return named
 
 

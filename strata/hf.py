@@ -91,6 +91,8 @@ class MoEShape(Protocol):
     def routed_scale(self) -> float: ...
     @property
     def expert_ffn(self) -> int | None: ...
+    @property
+    def route_groups(self) -> int: ...
 
 
 class ModelShape(Protocol):
@@ -395,6 +397,7 @@ def _moe_config(m: ModelShape, dense: dict[str, Any]) -> dict[str, Any]:
             ("first_dense_layers", moe.first_dense_layers, moe.first_dense_layers > 0, "every layer is MoE in both"),
             ("bias_update_rate", moe.bias_update_rate, moe.bias_update_rate > 0, "the selection bias has no place"),
             ("routed_scale", moe.routed_scale, moe.routed_scale != 1.0, "the gate weights are not scaled in both"),
+            ("route_groups", moe.route_groups, moe.route_groups > 1, "both route over every expert, without groups"),
             ("qkv_bias", m.qkv_bias, m.qkv_bias, "neither family has q/k/v biases"),
         )
         if bad

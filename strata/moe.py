@@ -6,7 +6,8 @@ load-balancing losses, and routing statistics.
 
 Routers: softmax over every expert's logit, top-k, optionally renormalised (Mixtral, Qwen3-MoE);
 or sigmoid scores (DeepSeek-V3), whose top-k choice may add a per-expert bias that load-balances
-without an auxiliary loss (`expert_bias`, updated between steps by `update_expert_bias`). Routing
+without an auxiliary loss (`expert_bias`, updated between steps by `update_expert_bias`), and may be
+limited to a few groups of experts (`limit_groups`: node-limited routing when the groups are nodes). Routing
 runs in fp32. Dropless by default; `capacity_factor` caps each expert at
 ceil(factor · tokens · top_k / num_experts) assignments, keeping the highest-weighted ones.
 
@@ -66,6 +67,7 @@ class Router(nn.Module):
         moe = cfg.moe
         self.num_experts, self.top_k, self.kind = moe.num_experts, moe.top_k, moe.router
         self.norm_topk, self.scale, self.capacity_factor = moe.norm_topk, moe.routed_scale, moe.capacity_factor
+        self.groups, self.group_limit = moe.route_groups, moe.route_group_limit
         self.weight = nn.Parameter(torch.empty(moe.num_experts, cfg.d_model))
         if moe.bias_update_rate > 0:  # saved with the model, changed only by update_expert_bias
             self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
@@ -76,6 +78,8 @@ class Router(nn.Module):
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(dim=-1) if self.kind == "softmax" else logits.sigmoid()
         choice = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.groups > 1:
+            choice = limit_groups(choice, self.groups, self.group_limit)
         experts = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, experts)
         if self.norm_topk:
@@ -84,6 +88,17 @@ class Router(nn.Module):
         if self.capacity_factor is not None:
             routing.kept = within_capacity(routing, self.num_experts, self.capacity_factor)
         return routing
+
+
+def limit_groups(choice: torch.Tensor, groups: int, limit: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: the experts (T, E) as `groups` equal groups, each scored by
+    the sum of its two best choices, and every expert outside each token's `limit` best groups set
+    to -inf, so top-k picks inside them (with groups on separate nodes: node-limited routing)."""
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, groups, experts // groups)
+    best = grouped.topk(min(2, experts // groups), dim=-1).values.sum(dim=-1)
+    chosen = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(limit, dim=-1).indices, True)
+    return grouped.masked_fill(~chosen.unsqueeze(-1), float("-inf")).view(tokens, experts)
 
 
 def within_capacity(routing: Routing, num_experts: int, factor: float) -> torch.Tensor:

@@ -377,7 +377,7 @@ def _expert_parallel(cfg: Config, topo: Topology, model: GPT) -> dict[str, Topol
             domains[EXPERTS] if par.ep == 1 else build_topology(routing, topo.rank, reuse=domains[EXPERTS])
         )
     experts = domains[EXPERTS]
-    apply_expert_parallel(model, experts.group("tp"), experts.coords["tp"], par.ep, par.tp)
+    apply_expert_parallel(model, experts, par.ep, par.tp, par.ep_dispatch)
     return domains
 
 

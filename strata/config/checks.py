@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from strata.config.schema import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from strata.config.schema import Config, DataConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from strata.config.schema.keys import get
 from strata.config.vocabulary import (
     LEVELS,
@@ -256,6 +256,7 @@ def _moe_checks(cfg: Config, world_size: int | None) -> list[str]:
                 f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer of model.n_layers="
                 f"{m.n_layers}; lower it, or set model.moe.num_experts=0 for a dense model"
             )
+        p += _route_group_checks(moe)
         if par.tp > 1 and not par.sequence_parallel:
             p.append(
                 f"MoE layers with parallel.tp={par.tp} need parallel.sequence_parallel=true (each tensor-parallel rank "
@@ -275,6 +276,22 @@ def _moe_checks(cfg: Config, world_size: int | None) -> list[str]:
                     f"parallel.ep={par.ep} must divide a pipeline stage's tp·dp = {par.tp}·{cfg.dp_size(world_size)} "
                     f"= {pool} ranks"
                 )
+    return p
+
+
+def _route_group_checks(moe: MoEConfig) -> list[str]:
+    """Group-limited (node-limited) routing against the experts and top_k."""
+    p: list[str] = []
+    groups, limit = moe.route_groups, moe.route_group_limit
+    if moe.num_experts % groups:
+        p.append(f"model.moe.route_groups={groups} must divide model.moe.num_experts={moe.num_experts}")
+    elif limit > groups:
+        p.append(f"model.moe.route_group_limit={limit} exceeds model.moe.route_groups={groups}")
+    elif groups > 1 and moe.top_k > limit * (moe.num_experts // groups):
+        p.append(
+            f"model.moe.top_k={moe.top_k} exceeds the {limit * (moe.num_experts // groups)} experts of "
+            f"route_group_limit={limit} groups of {moe.num_experts // groups}; raise route_group_limit"
+        )
     return p
 
 

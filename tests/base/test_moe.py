@@ -188,6 +188,43 @@ def test_sigmoid_router_bias_changes_the_choice_not_the_weights_and_moves_toward
     assert "router.expert_bias" in moe.state_dict()
 
 
+def test_group_limited_router_equals_transformers_deepseek_v3():
+    """Sigmoid scores, a selection bias, 4 groups of 4 experts of which 2 may be used, top 3,
+    renormalised and scaled: the experts and gate weights of transformers' DeepSeek-V3 router."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    moe = layer(
+        moe_cfg(
+            num_experts=16,
+            top_k=3,
+            router="sigmoid",
+            bias_update_rate=0.01,
+            route_groups=4,
+            route_group_limit=2,
+            routed_scale=2.5,
+        )
+    )
+    hf_cfg = DeepseekV3Config(
+        hidden_size=32, n_routed_experts=16, num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5
+    )
+    ref = DeepseekV3TopkRouter(hf_cfg)
+    assert moe.router.expert_bias is not None
+    with torch.no_grad():
+        ref.weight.copy_(moe.router.weight)
+        moe.router.expert_bias.normal_(0, 0.2)
+        ref.e_score_correction_bias.copy_(moe.router.expert_bias)
+    x = torch.randn(64, 32)
+    ours = moe.router(x)
+    _, weights, experts = ref(x)
+    mine_sorted, order = ours.experts.sort(dim=1)
+    theirs_sorted, ref_order = experts.sort(dim=1)
+    assert torch.equal(mine_sorted, theirs_sorted)
+    torch.testing.assert_close(ours.weights.gather(1, order), weights.gather(1, ref_order))
+    assert all(len(set((row // 4).tolist())) <= 2 for row in ours.experts)
+    assert len((ours.experts // 4).unique()) > 2  # different tokens chose different groups
+
+
 def test_model_counts_and_names():
     cfg = ModelConfig(
         n_layers=3,
@@ -228,17 +265,24 @@ def test_moe_config_problems_are_named():
         "ep=2 must divide model.moe.num_experts=3",
     ):
         assert part in text
+    with pytest.raises(ConfigError) as info:
+        from_dict({"model": {"moe": {"num_experts": 8, "top_k": 3, "route_groups": 4, "route_group_limit": 1}}})
+    assert "top_k=3 exceeds the 2 experts of route_group_limit=1 groups of 2" in str(info.value)
+    with pytest.raises(ConfigError, match="route_groups=3 must divide model.moe.num_experts=8"):
+        from_dict({"model": {"moe": {"num_experts": 8, "route_groups": 3}}})
     with pytest.raises(ConfigError, match="needs an MoE model"):
         from_dict({"parallel": {"ep": 2}}, world_size=2)
     with pytest.raises(ConfigError, match="must divide a pipeline stage's tp·dp"):
         from_dict({"model": {"moe": {"num_experts": 6}}, "parallel": {"ep": 3}}, world_size=4)
 
 
-def test_the_planner_refuses_an_moe_model_instead_of_mispredicting_it(tmp_path, capsys):
-    from conftest import run_cli
+def test_export_refuses_what_qwen3_moe_and_mixtral_cannot_hold():
+    from strata.hf import hf_config
 
-    experiment = tmp_path / "moe.yaml"
-    experiment.write_text("model:\n  moe:\n    num_experts: 8\n")
-    code, out = run_cli(["plan", str(experiment), "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100"], capsys)
-    assert code == 2 and "model.moe.num_experts=8: the planner does not model Mixture-of-Experts" in out
-    assert "Traceback" not in out
+    cfg = moe_cfg(router="sigmoid", shared_experts=1, route_groups=2, route_group_limit=1)
+    with pytest.raises(ConfigError) as info:
+        hf_config(cfg, 64)
+    text = str(info.value)
+    for part in ("shared_experts=1", "router=sigmoid", "route_groups=2: both route over every expert"):
+        assert part in text
+    assert hf_config(moe_cfg(), 64)["model_type"] == "mixtral"

@@ -1,9 +1,10 @@
-"""Expert parallelism end to end through `strata launch`: MoE models trained with their experts split
-over 2 and 4 ranks (all-to-all dispatch, expert gradients reduced over the expert-data-parallel
-ranks), alone and under ZeRO-1/2/3, must give the losses and final weights of the same model trained
-in one process (dropless routing, auxiliary and z losses on, so the router's gradient is checked
-too); a checkpoint saved at ep=4 resumes at ep=2 and in one process, router biases and optimizer
-state included."""
+"""Expert parallelism end to end (`strata train` in every rank of a gloo world): MoE models trained
+with their experts split over 2 and 4 ranks (all-to-all dispatch, hierarchical where the 4 ranks
+are 2 nodes of 2; expert gradients reduced over the expert-data-parallel ranks), alone and under
+ZeRO-1/2/3, must give the losses and final weights of the same model trained in one process
+(dropless routing, auxiliary and z losses on, so the router's gradient is checked too); a
+checkpoint saved at ep=4 resumes at ep=2 and in one process, router biases and optimizer state
+included."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
 
-from worlds import ZERO3, final_params, launch_run, losses_from
+from worlds import ZERO3, final_params, losses_from, train_run
 
 pytestmark = pytest.mark.slow  # each case starts a 2- or 4-process world
 
@@ -33,7 +34,7 @@ MOE = {
 
 
 def train(data_dir, root, nproc: int, *extra: str, **settings) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
-    launch_run(data_dir, root, nproc, *extra, **{**MOE, **settings})
+    train_run(data_dir, root, nproc, *extra, **{**MOE, **settings})
     return losses_from(root / "t"), final_params(root / "t" / "checkpoints")
 
 
@@ -55,7 +56,7 @@ def assert_same_run(got, want) -> None:
 @pytest.mark.parametrize(
     ("nproc", "settings"),
     [
-        (4, {"parallel.ep": 4, **ZERO3}),
+        (4, {"parallel.ep": 4, "parallel.ranks_per_node": 2, **ZERO3}),
         (4, {"parallel.ep": 2, "zero.optim.shard_over": "global", "zero.grads.shard_over": "global"}),
         (
             4,
@@ -63,7 +64,7 @@ def assert_same_run(got, want) -> None:
         ),
         (2, {"parallel.tp": 2, "parallel.sequence_parallel": True}),
     ],
-    ids=["ep4-zero3", "ep2-dp4-zero2", "tp2-sp-ep4-zero1", "tp2-sp-ep1"],
+    ids=["ep4-2nodes-zero3", "ep2-dp4-zero2", "tp2-sp-ep4-zero1", "tp2-sp-ep1"],
 )
 def test_expert_parallel_training_matches_one_process(small_data_dir, tmp_path, one_process, nproc, settings):
     assert_same_run(train(small_data_dir, tmp_path, nproc, **settings), one_process)

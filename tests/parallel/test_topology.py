@@ -445,6 +445,9 @@ def _expected_groups(layout: Layout) -> list[dict[str, list[int]]]:
             except ConfigError:
                 pass
     named.append(("pp_ends", layout.pipeline_end_ranks()))  # only the pipelines' end ranks are members
+    split = layout.node_split("tp")  # tp groups spanning nodes: their pieces and columns
+    if split is not None:
+        named += [("tp_in_node", split[0]), ("tp_across_nodes", split[1])]
     out = []
     for r in range(layout.world_size):
         mine = {}
@@ -594,6 +597,16 @@ def test_build_topology_hierarchy_groups(fake_world_builds, tp, pp, dp, rpn, rpg
                 }
     if (tp, pp, dp, rpn, rpg) == UNEVEN:
         assert all("dp_node_replica" not in b for b in fake_world_builds["2,2,3,4,1"])
+
+
+def test_a_tp_group_spanning_nodes_is_cut_into_node_pieces_and_columns():
+    """What the hierarchical expert dispatch sends over: 8 ranks on 2 nodes of 4, as pieces inside
+    each node and columns across them; none where a group stays inside a node."""
+    pieces, columns = Layout(tp=8, pp=1, dp=2, ranks_per_node=4).node_split("tp")
+    assert pieces == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert columns == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert Layout(tp=4, pp=1, dp=2, ranks_per_node=4).node_split("tp") is None
+    assert Layout(tp=6, pp=1, dp=2, ranks_per_node=4).node_split("tp") is None  # pieces of 4 and 2
 
 
 if __name__ == "__main__":  # child process of the megatron_reference / fake_world_builds fixtures

@@ -48,6 +48,15 @@ class MoEConfig:
     )
     seq_aux_loss_coef: float = opt(0.0, "weight of DeepSeek-V3's sequence-wise balance loss", min=0.0)
     z_loss_coef: float = opt(0.0, "weight of the router z-loss mean(logsumexp(logits)²) (ST-MoE)", min=0.0)
+    route_groups: int = opt(
+        1,
+        "experts split into this many equal groups, and each token's top_k chosen inside route_group_limit of them "
+        "(DeepSeek-V3's n_group; a group's score is the sum of its two best experts'). With as many groups as the "
+        "nodes an expert-parallel group spans this is node-limited routing: a token's experts on at most "
+        "route_group_limit nodes (1: no group limit)",
+        min=1,
+    )
+    route_group_limit: int = opt(1, "groups each token's experts may come from (DeepSeek-V3's topk_group)", min=1)
     capacity_factor: float | None = opt(
         None,
         "cap each expert at ceil(factor · tokens · top_k / num_experts) assignments per micro-batch and rank, "

@@ -24,6 +24,14 @@ class ParallelConfig:
         "tokens reach their experts by all-to-all, expert gradients are averaged over the other (tp·dp)/ep ranks",
         min=1,
     )
+    ep_dispatch: str = opt(
+        "auto",
+        "how tokens reach experts on other ranks: flat (one all-to-all over the expert-parallel group, Megatron-core's "
+        "and torchtitan's) or hierarchical (each token sent once to every node holding its experts, then to the "
+        "experts' ranks inside the node, so it crosses the inter-node link at most once per destination node); "
+        "auto: hierarchical where the expert-parallel group spans several nodes",
+        choices=("auto", "flat", "hierarchical"),
+    )
     virtual_stages: int = opt(
         1, "model chunks per pipeline rank (V): layers split into pp·V stages; V > 1 interleaves", min=1
     )
