@@ -72,6 +72,9 @@ BASE: dict[str, Any] = {
     "log": {"progress": False},
 }
 G = {"shard_over": "global"}
+# A capacity of 1.0 bounds the rows an expert's rank receives (dropless routing has no bound: the
+# planner assumes balance, which a randomly initialised router only approaches)
+MOE = {"num_experts": 8, "top_k": 2, "expert_ffn": 256, "aux_loss_coef": 0.01, "capacity_factor": 1.0}
 NVME = "{nvme}"  # replaced by a scratch directory of the rank's run
 
 # name -> overrides of BASE (nested like the YAML file)
@@ -115,6 +118,15 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "offload": {"optim": {"device": "nvme"}, "nvme_path": NVME, "host_buffer_mb": 2, "slab_mb": 0.25},
     },
     "bf16": {"train": {"precision": "bf16"}},
+    # MoE: 8 experts of 256, top 2, every block; experts split over ep ranks of the 4
+    "moe-ep2-zero1": {"model": {"moe": MOE}, "parallel": {"ep": 2}, "zero": {"optim": G}},
+    "moe-ep4-zero3": {
+        "model": {"moe": MOE},
+        "parallel": {"ep": 4},
+        "zero": {"params": G, "grads": G, "optim": G, "prefetch_blocks": 1},
+    },
+    "moe-tp2-sp-ep4": {"model": {"moe": MOE}, "parallel": {"tp": 2, "sequence_parallel": True, "ep": 4}},
+    "moe-ep2-pp2": {"model": {"moe": MOE | {"shared_experts": 1}}, "parallel": {"ep": 2, "pp": 2}},
 }
 
 KINDS = ("params", "grads", "optim", "gathered", "buckets", "activations", "pool", "staging")

@@ -139,14 +139,6 @@ def run(args: argparse.Namespace) -> int:
     from strata.trainer.data import planned_vocab
 
     cfg = config.load(args.config, args.overrides)
-    if cfg.model.moe.enabled:
-        raise ConfigError(
-            [
-                f"model.moe.num_experts={cfg.model.moe.num_experts}: the planner does not model Mixture-of-Experts "
-                "layers (their experts, routing buffers and all-to-all) yet, so it would mispredict this model; "
-                "plan the dense model of the same attention and measure the MoE run"
-            ]
-        )
     vocab = planned_vocab(cfg)
     cluster = _cluster(args, cfg, vocab)
     if not args.json:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from strata.config.schema import Config
 from strata.config.vocabulary import V_SHAPED_SCHEDULES, chain_level, offload_devices
 from strata.parallel.stages import schedule_name
-from strata.parallel.topology import Layout, layout_from_config
+from strata.parallel.topology import Layout, expert_layout, layout_from_config
 from strata.plan.cluster import Cluster
 from strata.plan.shapes import (
     Group,
@@ -134,9 +134,20 @@ def bucket_bytes(cfg: Config) -> int:
     return int((cfg.zero.bucket_mb if cfg.zero.enabled else cfg.parallel.bucket_mb) * 2**20)
 
 
+def domain_counts(cfg: Config, layout: Layout) -> dict[str, dict[str, int]]:
+    """Per parameter domain ("" data parallel; for MoE models "experts" and "routing", each over its
+    own `expert_layout`), how many chunks state partitioned at each level is cut into."""
+    out = {"": chunk_counts(layout)}
+    if cfg.model.moe.enabled:
+        out["experts"] = chunk_counts(expert_layout(layout, cfg.parallel.ep))
+        out["routing"] = chunk_counts(expert_layout(layout, 1))
+    return out
+
+
 def flat_groups(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> list[Group]:
     """The flat groups of pipeline rank `pp_rank` under this layout, padded as the engine pads them."""
-    return groups_of(cfg, vocab, pp_rank, chunk_counts(layout)["global"], bucket_bytes(cfg))
+    pad_to = {domain: c["global"] for domain, c in domain_counts(cfg, layout).items()}
+    return groups_of(cfg, vocab, pp_rank, pad_to, bucket_bytes(cfg))
 
 
 def micro_batches(cfg: Config, layout: Layout) -> int:
@@ -180,10 +191,13 @@ def activation_bytes(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> d
     tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
     parts = parts_of(cfg, pp_rank)
     tokens = cfg.train.micro_batch_size * m.seq_len
-    layers = sum(p.n_layers for p in parts)
+    indices = [p.first_layer + i for p in parts for i in range(p.n_layers)]
+    layers = len(indices)
     flight = in_flight(cfg, layout, pp_rank)
-    block, head_list = block_saved(cfg), head_saved(cfg, vocab) if any(p.last for p in parts) else []
-    per_layer = saved_bytes(block, tokens) + block_constant_bytes(cfg)
+    blocks = [block_saved(cfg, i) for i in indices]
+    head_list = head_saved(cfg, vocab) if any(p.last for p in parts) else []
+    constant = [block_constant_bytes(cfg, i) for i in indices]
+    per_layer = [saved_bytes(b, tokens) + c for b, c in zip(blocks, constant)]
     head = saved_bytes(head_list, tokens) + (head_constant_bytes(cfg, vocab) if head_list else 0)
     ids = tokens * 8 if any(p.first for p in parts) else 0
     if act.recompute != "none":
@@ -192,9 +206,9 @@ def activation_bytes(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> d
         else:
             kept_layer = saved_bytes(block_kept_selective(cfg), tokens)
         kept = (layers * kept_layer + ids) * flight
-        return {"device": int(kept + max(head, per_layer - kept_layer))}
+        return {"device": int(kept + max(head, max(per_layer) - kept_layer))}
     if act.offload == "none":
-        return {"device": int((layers * per_layer + head + ids) * flight)}
+        return {"device": int((sum(per_layer) + head + ids) * flight)}
 
     def split(saved: list[Saved]) -> tuple[int, int]:
         """(bytes that stay, 4 KiB-aligned bytes that move) of one micro-batch's `saved`."""
@@ -203,12 +217,13 @@ def activation_bytes(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> d
         move = sum(-(-n // ALIGN) * ALIGN for n in sizes if n >= act.min_bytes)
         return stay, move
 
-    (layer_stay, layer_move), (head_stay, head_move) = split(block), split(head_list)
-    stay = (layers * (layer_stay + block_constant_bytes(cfg)) + head_stay + ids) * flight
-    moved = (layers * layer_move + head_move) * flight
+    splits = [split(b) for b in blocks]
+    head_stay, head_move = split(head_list)
+    stay = (sum(st for st, _ in splits) + sum(constant) + head_stay + ids) * flight
+    moved = (sum(mv for _, mv in splits) + head_move) * flight
     if act.offload == "cpu":
         return {"device": int(stay), "host": int(moved)}
-    return {"device": int(stay + 2 * layer_move + head_move), "nvme": int(moved)}
+    return {"device": int(stay + 2 * max(mv for _, mv in splits) + head_move), "nvme": int(moved)}
 
 
 def estimate_memory(cfg: Config, cluster: Cluster, vocab: int) -> MemoryEstimate:
@@ -221,24 +236,31 @@ def estimate_memory(cfg: Config, cluster: Cluster, vocab: int) -> MemoryEstimate
 
 def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_rank: int) -> RankMemory:
     out = RankMemory(pp_rank)
-    levels, counts = zero_levels(cfg), chunk_counts(layout)
+    levels, counts = zero_levels(cfg), domain_counts(cfg, layout)
     groups = flat_groups(cfg, layout, vocab, pp_rank)
     padded = sum(g.padded for g in groups)
     devices = offload_devices(cfg)
     sharded = levels["params"] != "none"
 
+    def share(kind: str) -> float:
+        """Elements of this rank's chunk of every group partitioned at the level of `kind`."""
+        return sum(g.padded / counts[g.domain][levels[kind]] for g in groups)
+
     # parameters: the shard at the params level (+ the hpZ copy), or the whole flat buffer
-    shard = padded / counts[levels["params"]] * FP32
+    shard = share("params") * FP32
     params_tier = "device" if cluster.device.host_memory and devices["params"] == "cpu" else TIER_OF[devices["params"]]
     out.add("params", params_tier, shard)
     resident_mb = cfg.offload.params.resident_mb
     if params_tier == "nvme" and resident_mb is not None:  # resident shards, those kept after use and read ahead
-        _add_resident_shards(out, cfg, groups, resident_mb * 2**20, counts[levels["params"]])
+        _add_resident_shards(out, cfg, groups, resident_mb * 2**20, counts[""][levels["params"]])
     if levels["secondary"] != "none" and sharded:
-        out.add("params", "device", padded / counts[levels["secondary"]] * FP32)
-    if sharded:  # the running group and prefetch_blocks ahead, gathered whole
+        out.add("params", "device", share("secondary") * FP32)
+    if sharded:  # the running unit's groups and those of prefetch_blocks units ahead, gathered whole
         window = cfg.zero.prefetch_blocks + 1
-        sizes = [g.padded for g in groups]
+        units: dict[str, int] = {}  # an MoE block's groups of each domain belong to one unit
+        for g in groups:
+            units[g.name] = units.get(g.name, 0) + g.padded
+        sizes = list(units.values())
         peak = max(sum(sizes[i : i + window]) for i in range(len(sizes)))
         out.add("gathered", "device", peak * FP32)
 
@@ -246,16 +268,16 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
     if levels["grads"] == "none":
         out.add("grads", "device", padded * FP32)
     else:
-        out.add("grads", "device", padded / counts[levels["grads"]] * FP32)
+        out.add("grads", "device", share("grads") * FP32)
         # Each group's gradient lives until its reduce-scatter has run: the one being filled and the
         # one being reduced while the network keeps pace with backward. Where it does not (gloo on
         # a loaded CPU), reductions queue and hold more, up to every group's at once.
         out.add("buckets", "device", 2 * max(g.padded for g in groups) * FP32)
-    if counts[levels["optim"]] != counts[levels["grads"]]:  # levels may name the same ranks
-        out.add("grads", "device", padded / counts[levels["optim"]] * FP32)
+    finer = [g for g in groups if counts[g.domain][levels["optim"]] != counts[g.domain][levels["grads"]]]
+    out.add("grads", "device", sum(g.padded / counts[g.domain][levels["optim"]] for g in finer) * FP32)
 
     # optimizer: AdamW's two fp32 moments of the optimizer chunk, wherever offload puts them
-    moments = ADAM_MOMENTS * padded / counts[levels["optim"]] * FP32
+    moments = ADAM_MOMENTS * share("optim") * FP32
     out.add("optim", TIER_OF[devices["optim"]], moments)
 
     for tier, nbytes in activation_bytes(cfg, layout, vocab, pp_rank).items():
@@ -266,7 +288,7 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
         if not cluster.device.host_memory and devices["optim"] != "none":  # the CPU update's two pinned buffers
             out.add("pool", "host", 2 * cfg.offload.slab_mb * 2**20)
 
-    image = padded * FP32 * (1 + ADAM_MOMENTS) / layout.dp
+    image = sum(g.padded * FP32 * (1 + ADAM_MOMENTS) / counts[g.domain]["global"] for g in groups)
     if cfg.checkpoint.async_save:
         out.add("staging", "host", image)
     snap = cfg.snapshot
@@ -276,7 +298,7 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
         out.add("snapshot", "host", image * (1 + (snap.k + snap.m) / snap.k))
     if params_tier == "nvme" and resident_mb is None:  # sized at run time from what the device has free, less 10%
         free = 0.9 * cluster.device.mem_gib * 2**30 - out.total("device")
-        _add_resident_shards(out, cfg, groups, free, counts[levels["params"]])
+        _add_resident_shards(out, cfg, groups, free, counts[""][levels["params"]])
     return out
 
 

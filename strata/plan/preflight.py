@@ -42,9 +42,7 @@ def _gpu() -> Device | None:
 
 def memory_warning(cfg: Config, nodes: int, ranks_per_node: int, vocab: int) -> str | None:
     """One line when the layout is predicted not to fit this machine's ranks (the model's padded
-    vocabulary `vocab`), else None (also for MoE models, which the memory model does not count)."""
-    if cfg.model.moe.enabled:
-        return None
+    vocabulary `vocab`), else None."""
     cluster = this_machine(nodes, ranks_per_node, cfg.parallel.ranks_per_gpu)
     memory = estimate_memory(cfg, cluster, vocab)
     worst = memory.worst("device")

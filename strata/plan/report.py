@@ -81,6 +81,9 @@ def search_table(result: SearchResult, cluster: Cluster, top: int) -> list[str]:
             f"{p.memory.peak('host') / 2**30:>9.2f}  {p.candidate.describe()}"
         )
     if result.rejected:
-        lines.append("families with no layout that fits (tp, pp, V):")
-        lines += [f"  tp={tp} pp={pp} V={v}: {why}" for (tp, pp, v), why in result.rejected.items()]
+        lines.append("families with no layout that fits (tp, pp, V, ep):")
+        lines += [
+            f"  tp={tp} pp={pp} V={v}{f' ep={ep}' if ep > 1 else ''}: {why}"
+            for (tp, pp, v, ep), why in result.rejected.items()
+        ]
     return lines

@@ -1,8 +1,9 @@
 """Search the layouts of one model and global batch on one cluster: every tensor-parallel degree
-inside a node, pipeline degree and virtual stages, micro-batch size, ZeRO placement (ZeRO-1/2/3,
+inside a node, pipeline degree and virtual stages, expert parallelism for MoE models (every degree
+that divides the experts and a stage's tp·dp ranks), micro-batch size, ZeRO placement (ZeRO-1/2/3,
 hierarchical ZeRO-3 within a node or a GPU, hpZ, the 3-level scheme), optimizer/parameter offload
 and recomputation; keep those the config's own checks accept and the memory model fits, rank
-them by the time model, and say for each rejected family (tp, pp, V) why it failed.
+them by the time model, and say for each rejected family (tp, pp, V, ep) why it failed.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ class Candidate:
     zero: str  # a ZERO_SCHEMES name
     offload: str  # an OFFLOADS name
     recompute: str
+    ep: int = 1  # expert parallelism (MoE models): over the stage's tp·dp ranks, folded across tp when ep > dp
 
     @property
-    def family(self) -> tuple[int, int, int]:
-        return (self.tp, self.pp, self.virtual_stages)
+    def family(self) -> tuple[int, int, int, int]:
+        return (self.tp, self.pp, self.virtual_stages, self.ep)
 
     def overrides(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -44,6 +46,7 @@ class Candidate:
             "parallel.schedule": "auto",
             "parallel.microbatches": None,
             "parallel.sequence_parallel": self.tp > 1,
+            "parallel.ep": self.ep,
             "train.micro_batch_size": self.micro_batch_size,
             "activations.recompute": self.recompute,
         }
@@ -54,8 +57,9 @@ class Candidate:
         return out
 
     def describe(self) -> str:
+        experts = f" ep={self.ep}" if self.ep > 1 else ""
         return (
-            f"tp={self.tp} pp={self.pp} V={self.virtual_stages} mbs={self.micro_batch_size} zero={self.zero} "
+            f"tp={self.tp} pp={self.pp} V={self.virtual_stages}{experts} mbs={self.micro_batch_size} zero={self.zero} "
             f"offload={self.offload} recompute={self.recompute}"
         )
 
@@ -94,7 +98,7 @@ class SearchResult:
     (tp, pp, V) does not fit, and how many layouts were considered."""
 
     fitting: list[Planned]
-    rejected: dict[tuple[int, int, int], str] = field(default_factory=dict)  # family -> why none of it fits
+    rejected: dict[tuple[int, int, int, int], str] = field(default_factory=dict)  # family -> why none of it fits
     considered: int = 0
 
 
@@ -132,21 +136,23 @@ def candidates(cfg: Config, cluster: Cluster, nvme: bool) -> list[Candidate]:
             mbs = [b for b in _divisors(per_replica) if b <= 16] if per_replica else [cfg.train.micro_batch_size]
             zeros = ["none"] if dp == 1 else list(ZERO_SCHEMES)
             offloads = [o for o in OFFLOADS if nvme or "nvme" not in o]
-            for v, b, z, o, r in itertools.product(vs, mbs, zeros, offloads, ("none", "selective", "full")):
+            experts = cfg.model.moe.num_experts
+            eps = [e for e in _divisors(tp * dp) if experts % e == 0] if experts else [1]
+            for v, b, z, o, r, e in itertools.product(vs, mbs, zeros, offloads, ("none", "selective", "full"), eps):
                 if o == "all-nvme" and ZERO_SCHEMES[z][0] == "none":
                     continue  # parameter offload needs ZeRO-3
-                out.append(Candidate(tp, pp, v, b, z, o, r))
+                out.append(Candidate(tp, pp, v, b, z, o, r, e))
     return out
 
 
 def search(cfg: Config, cluster: Cluster, vocab: int, problems_of: Callable[[Config, int], list[str]]) -> SearchResult:
-    """Layouts that fit, fastest first, and why each (tp, pp, V) family has none. `problems_of(cfg,
+    """Layouts that fit, fastest first, and why each (tp, pp, V, ep) family has none. `problems_of(cfg,
     world_size)` is the config's own validation (`strata.config.checks.cross_problems`), which weeds
     out layouts a run would refuse."""
     nvme = cfg.offload.nvme_path is not None
     result = SearchResult([])
-    why: dict[tuple[int, int, int], list[str]] = {}
-    best_memory: dict[tuple[int, int, int], tuple[int, str]] = {}
+    why: dict[tuple[int, int, int, int], list[str]] = {}
+    best_memory: dict[tuple[int, int, int, int], tuple[int, str]] = {}
     tries = candidates(cfg, cluster, nvme)
     if len(tries) > MAX_CANDIDATES:
         raise StrataError(

@@ -25,6 +25,7 @@ class Group:
     padded: int
     layers: int
     part: int  # which of the rank's model chunks (virtual stages) it belongs to
+    domain: str = ""  # the ranks ZeRO reduces and partitions it over: "" dp, "experts", "routing"
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,13 @@ class Part:
     n_layers: int
     first: bool
     last: bool
+    first_layer: int = 0  # the model's index of its first block
 
 
-def block_elements(m: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer block on one tensor-parallel rank (norms replicated)."""
-    d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
+def block_elements(m: ModelConfig, tp: int, ffn: bool = True) -> int:
+    """Parameters of one dense transformer block on one tensor-parallel rank (norms replicated);
+    without `ffn`, all but its feed-forward."""
+    d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size if ffn else 0
     n = (2 * d * q + 2 * d * kv + 3 * d * f) // tp + 2 * d
     if m.qkv_bias:
         n += (q + 2 * kv) // tp
@@ -55,37 +58,57 @@ def parts_of(cfg: Config, pp_rank: int) -> list[Part]:
         return [Part(cfg.model.n_layers, True, True)]
     indices = stage_indices(pp_rank, par.pp, par.virtual_stages, schedule_name(par.schedule, par.virtual_stages))
     return [
-        Part(p.n_layers, p.is_first, p.is_last)
+        Part(p.n_layers, p.is_first, p.is_last, p.first_layer)
         for p in plan_stages(cfg.model.n_layers, par.pp * par.virtual_stages, indices)
     ]
 
 
-def groups_of(cfg: Config, vocab: int, pp_rank: int, pad_to: int, bucket_bytes: int) -> list[Group]:
+def block_domains(cfg: Config, index: int) -> dict[str, int]:
+    """Block `index`'s parameters on one rank by ZeRO domain, in the order the engine meets them
+    (`parallel.experts.domain_of`). An MoE block: its attention and norms data parallel; its
+    `num_experts/ep` experts in "experts" whenever experts or tensors are split (ep or tp > 1);
+    its router and shared experts, which tensor parallelism does not split, in "routing" under tp."""
+    m, par = cfg.model, cfg.parallel
+    if not m.moe.is_moe_layer(index):
+        return {"": block_elements(m, par.tp)}
+    moe, d, tp = m.moe, m.d_model, par.tp
+    attention = block_elements(m, tp, ffn=False)
+    shared = moe.shared_ffn_size(m)
+    routing = moe.num_experts * d + 3 * d * shared + (d if shared and moe.shared_expert_gate else 0)
+    experts = moe.num_experts // par.ep * 3 * d * moe.expert_ffn_size(m)
+    if par.ep == 1 and tp == 1:
+        return {"": attention + routing + experts}
+    if tp == 1:
+        return {"": attention + routing, "experts": experts}
+    return {"": attention, "routing": routing, "experts": experts}
+
+
+def groups_of(cfg: Config, vocab: int, pp_rank: int, pad_to: dict[str, int], bucket_bytes: int) -> list[Group]:
     """The flat groups of pipeline rank `pp_rank`, as `ZeroEngine` plans them: one per unit
-    (embedding, each block, final norm + output), a tied embedding in a group of its own,
-    consecutive blocks of one chunk merged while the group holds less than `bucket_bytes`,
-    each padded to a multiple of `pad_to` (the data-parallel degree)."""
+    (embedding, each block, final norm + output) and parameter domain, a tied embedding in a group
+    of its own, consecutive blocks of one chunk and one domain merged while the group holds less
+    than `bucket_bytes`, each padded to a multiple of `pad_to[domain]` (the chunks its state is cut
+    into: the data-parallel degree of its domain)."""
     m, tp = cfg.model, cfg.parallel.tp
     tied = m.tie_embeddings
     embed = vocab // tp * m.d_model
-    block = block_elements(m, tp)
-    out: list[tuple[str, int, int, int]] = []  # name, elements, layers, part
+    out: list[list] = []  # name, elements, layers, part, domain
     for pi, part in enumerate(parts_of(cfg, pp_rank)):
         if part.first:
-            out.append(("tied" if tied else "tok_embeddings", embed, 0, pi))
-        bytes_ = 0
+            out.append(["tied" if tied else "tok_embeddings", embed, 0, pi, ""])
         for i in range(part.n_layers):
-            last = out[-1] if out else None
-            if last and last[2] > 0 and last[3] == pi and bytes_ < bucket_bytes:
-                out[-1] = (last[0], last[1] + block, last[2] + 1, pi)
-            else:
-                out.append((f"layers.{i}", block, 1, pi))
-            bytes_ = out[-1][1] * 4
+            for domain, elements in block_domains(cfg, part.first_layer + i).items():
+                last = out[-1] if out else None
+                if last and last[2] > 0 and last[3] == pi and last[4] == domain and last[1] * 4 < bucket_bytes:
+                    last[1] += elements
+                    last[2] += 1
+                else:
+                    out.append([f"layers.{part.first_layer + i}", elements, 1, pi, domain])
         if part.last:
-            out.append(("head", m.d_model + (0 if tied else embed), 0, pi))
+            out.append(["head", m.d_model + (0 if tied else embed), 0, pi, ""])
             if tied and not part.first:  # the last stage's copy of a tied embedding: a group of its own
-                out.append(("tied", embed, 0, pi))
-    return [Group(n, e, math.ceil(e / pad_to) * pad_to, layers, pi) for n, e, layers, pi in out]
+                out.append(["tied", embed, 0, pi, ""])
+    return [Group(n, e, math.ceil(e / pad_to[dom]) * pad_to[dom], layers, pi, dom) for n, e, layers, pi, dom in out]
 
 
 @lru_cache(maxsize=256)
@@ -95,10 +118,16 @@ def chunk_counts(layout: Layout, rank: int = 0) -> dict[str, int]:
     return {level: layout.nested_chunk(rank, level)[1] for level in CHAIN}
 
 
-def layer_flops(m: ModelConfig, tp: int) -> float:
-    """Matmul FLOPs one transformer layer's forward executes per token on one tensor-parallel rank
-    (causal attention computes half of its score matrix; backward is twice this)."""
+def layer_flops(m: ModelConfig, tp: int, index: int = 0) -> float:
+    """Matmul FLOPs layer `index`'s forward executes per token on one tensor-parallel rank
+    (causal attention computes half of its score matrix; backward is twice this). An MoE layer runs
+    its router, top_k experts and the shared experts on each token; a tensor-parallel rank routes
+    1/tp of the tokens (sequence parallelism), so its share is 1/tp of those too."""
     d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
+    if m.moe.is_moe_layer(index):
+        moe = m.moe
+        ffn = moe.num_experts * d / 3 + moe.top_k * d * moe.expert_ffn_size(m) + d * moe.shared_ffn_size(m)
+        return 2 * (2 * d * q + 2 * d * kv + 3 * ffn) / tp + 0.5 * 4 * m.seq_len * q / tp
     return 2 * (2 * d * q + 2 * d * kv + 3 * d * f) / tp + 0.5 * 4 * m.seq_len * q / tp
 
 
@@ -109,8 +138,10 @@ def head_flops(m: ModelConfig, vocab: int, tp: int) -> float:
 
 def backward_flops(m: ModelConfig, group: Group, vocab: int, tp: int) -> float:
     """Relative backward matmul work per token of a flat group's units: its blocks' and, for the
-    head's group, the output layer's; an embedding's backward (a scatter-add) counts as nothing."""
-    return group.layers * layer_flops(m, tp) + (head_flops(m, vocab, tp) if group.name == "head" else 0.0)
+    head's group, the output layer's; an embedding's backward (a scatter-add) counts as nothing.
+    (An MoE block's groups of other domains each count the block's work: a bound, not a split.)"""
+    first = int(group.name.split(".")[1]) if group.name.startswith("layers.") else 0
+    return group.layers * layer_flops(m, tp, first) + (head_flops(m, vocab, tp) if group.name == "head" else 0.0)
 
 
 # --- activations ----------------------------------------------------------------------------
@@ -126,7 +157,7 @@ class Saved:
     itemsize: int
 
 
-def block_saved(cfg: Config) -> list[Saved]:
+def block_saved(cfg: Config, index: int = 0) -> list[Saved]:
     """What one transformer block saves for backward, per token of the micro-batch, on one rank:
     for each norm its input, 1/rms and the normalised input before the weight (x·rstd, which
     `F.rms_norm`'s backward keeps); each linear's input (shared by the q/k/v and by the gate/up
@@ -153,17 +184,60 @@ def block_saved(cfg: Config) -> list[Saved]:
         Saved("residual into mlp_norm", stream, 4),
         Saved("mlp_norm x·rstd", stream, 4),
         Saved("mlp_norm rstd", rstd, 4),
-        Saved("w1/w3 input", d * (2 if bf16 else 1), act),
-        Saved("w1 output (SiLU input)", f / tp, act),
-        Saved("SiLU output", f / tp, act),
-        Saved("w3 output", f / tp, act),
-        Saved("w2 input", f / tp, act),
     ]
+    if m.moe.is_moe_layer(index):
+        saved += moe_saved(cfg)
+    else:
+        saved += [
+            Saved("w1/w3 input", d * (2 if bf16 else 1), act),
+            Saved("w1 output (SiLU input)", f / tp, act),
+            Saved("SiLU output", f / tp, act),
+            Saved("w3 output", f / tp, act),
+            Saved("w2 input", f / tp, act),
+        ]
     if m.qk_norm:
         saved += [
             Saved("q/k before their norms", (q + kv) / tp, act),
             Saved("q/k norm x·rstd", (q + kv) / tp, 4),
             Saved("q/k norm rstd", (m.n_heads + m.kv_heads) / tp, 4),
+        ]
+    return saved
+
+
+def moe_saved(cfg: Config) -> list[Saved]:
+    """What an MoE feed-forward saves per token of the micro-batch (strata.moe; each tensor-parallel
+    rank routes its own part of the sequence): the norm's output (the router's fp32 input), the
+    router's scores (and the logits or a second softmax when the z or auxiliary loss needs them),
+    the top-k indices and gate weights, the sort and gather indices of the dispatch, each token's
+    k rows as the experts' input, output and weighted output and SwiGLU's four intermediates per row
+    (dropless: balanced routing, so expert parallelism receives as many rows as it sends; with a
+    capacity, its bound), and the shared experts' SwiGLU."""
+    m, tp = cfg.model, cfg.parallel.tp
+    moe, d, k, e = m.moe, m.d_model, m.moe.top_k, m.moe.num_experts
+    bf16 = cfg.train.bf16_compute
+    act = 2 if bf16 else 4
+    share = 1 / tp if cfg.parallel.sequence_parallel and tp > 1 else 1
+    # The experts' rows a rank holds per token routed: k when routing is balanced; with a capacity,
+    # up to capacity_factor·k (each expert keeps that many of every source's tokens at most).
+    rows = share * (moe.capacity_factor or 1.0)
+    fe, fs = moe.expert_ffn_size(m), moe.shared_ffn_size(m)
+    losses = (moe.aux_loss_coef > 0) + (moe.z_loss_coef > 0)
+    saved = [
+        Saved("router input", d * share, 4),
+        Saved("router scores, logits", e * (1 + losses) * share, 4),
+        Saved("top-k indices", k * share, 8),
+        Saved("gate weights, their sum and the weights per row", (2 * k + 1) * share, 4),
+        Saved("dispatch indices", 3 * k * share, 8),
+        Saved("expert input rows", k * d * rows, act),
+        Saved("expert SwiGLU", 4 * k * fe * rows, act),
+        Saved("expert output rows, and weighted", 2 * k * d * rows, act),
+    ]
+    if cfg.parallel.ep > 1:
+        saved.append(Saved("exchange indices", 2 * k * rows, 8))
+    if fs:
+        saved += [
+            Saved("shared input copies", (2 * d if bf16 else 0) * share, act),
+            Saved("shared SwiGLU", 4 * fs * share, act),
         ]
     return saved
 
@@ -187,14 +261,19 @@ def block_kept_selective(cfg: Config) -> list[Saved]:
     ]
 
 
-def block_constant_bytes(cfg: Config) -> int:
-    """Saved bytes of one block that do not scale with the micro-batch: under bf16 autocast, the
+def block_constant_bytes(cfg: Config, index: int = 0) -> int:
+    """Saved bytes of block `index` that do not scale with the micro-batch: under bf16 autocast, the
     16-bit copies of every linear's weight (and the cos/sin tables each RoPE call casts)."""
     if not cfg.train.bf16_compute:
         return 0
     m, tp = cfg.model, cfg.parallel.tp
     d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
-    weights = (2 * d * q + 2 * d * kv + 3 * d * f) // tp * 2
+    if m.moe.is_moe_layer(index):  # the experts' (one stacked copy each) and the shared experts' weights
+        moe = m.moe
+        weights = (2 * d * q + 2 * d * kv) // tp * 2
+        weights += (moe.num_experts // cfg.parallel.ep * moe.expert_ffn_size(m) + moe.shared_ffn_size(m)) * 3 * d * 2
+    else:
+        weights = (2 * d * q + 2 * d * kv + 3 * d * f) // tp * 2
     rope = 8 * m.seq_len * (m.head_size // 2) * 2
     return weights + rope
 

@@ -94,10 +94,11 @@ class _Stage:
     tp: traffic.Traffic  # tensor-parallel all-reduces per micro-batch
     send: float  # one pipeline send of a micro-batch's activations (or their gradients)
     chunks: int  # model chunks this rank runs (V)
+    ep: traffic.Traffic = field(default_factory=traffic.Traffic)  # MoE all-to-alls per micro-batch
 
     @property
     def micro_batch(self) -> float:
-        return self.fwd + self.bwd + self.tp.seconds
+        return self.fwd + self.bwd + self.tp.seconds + self.ep.seconds
 
     def sends(self, m: int, p: int) -> float:
         """Pipeline sends that show: in the steady state each goes out while the stage computes the
@@ -132,16 +133,18 @@ def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_ra
     tp = par.tp
     tokens = cfg.train.micro_batch_size * m.seq_len
     parts = parts_of(cfg, pp_rank)
-    layers = sum(p.n_layers for p in parts)
+    indices = [p.first_layer + i for p in parts for i in range(p.n_layers)]
+    layers = len(indices)
     has_head = any(p.last for p in parts)
-    layer = layer_flops(m, tp)
+    blocks = sum(layer_flops(m, tp, i) for i in indices)
     head = head_flops(m, vocab, tp) if has_head else 0.0
     rate = dev.rate_tflops(cfg.train.precision) * 1e12
-    fwd = tokens * (layers * layer + head) / rate
+    fwd = tokens * (blocks + head) / rate
     recompute = cfg.activations.recompute
-    bwd = 2 * fwd + (tokens * layers * layer / rate if recompute == "full" else 0.0)
+    bwd = 2 * fwd + (tokens * blocks / rate if recompute == "full" else 0.0)
     if not dev.measured:  # element-wise work at memory bandwidth (a measured rate includes it)
-        moved = ELEMENTWISE_PASSES * layers * saved_bytes(block_saved(cfg), tokens) / (dev.mem_bw_gbs * 1e9)
+        saved = sum(saved_bytes(block_saved(cfg, i), tokens) for i in indices)
+        moved = ELEMENTWISE_PASSES * saved / (dev.mem_bw_gbs * 1e9)
         fwd += moved / 3
         # backward's share, and a recomputed forward's element-wise work again (selective recomputes
         # only that; full's matmuls are counted above)
@@ -164,7 +167,36 @@ def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_ra
     if par.pp > 1:
         local_seq = m.seq_len // tp if par.sequence_parallel and tp > 1 else m.seq_len
         send = traffic.pipeline_send(cluster, layout, cfg.train.micro_batch_size * local_seq * m.d_model * 4).seconds
-    return _Stage(fwd, bwd, tp_traffic, send, len(parts))
+    return _Stage(fwd, bwd, tp_traffic, send, len(parts), _expert_traffic(cfg, cluster, layout, indices))
+
+
+def _expert_traffic(cfg: Config, cluster: Cluster, layout: Layout, indices: list[int]) -> traffic.Traffic:
+    """The all-to-alls of a micro-batch's MoE layers among `indices` under expert parallelism: each
+    layer's dispatch and return forward, and both again backward (and forward again when
+    recomputed). Each tensor-parallel rank routes 1/tp of the micro-batch's tokens."""
+    m, par = cfg.model, cfg.parallel
+    moe_layers = sum(1 for i in indices if m.moe.is_moe_layer(i))
+    if not moe_layers or par.ep == 1:
+        return traffic.Traffic()
+    tokens = cfg.train.micro_batch_size * m.seq_len / par.tp
+    row = m.d_model * (2 if cfg.train.bf16_compute else 4)
+    nodes_per_token = _nodes_per_token(cfg, layout)
+    one = traffic.expert_exchange(cluster, layout, par.ep, tokens, row, m.moe.top_k, nodes_per_token)
+    exchanges = 4 + (2 if cfg.activations.recompute != "none" else 0)
+    return one.scaled(moe_layers * exchanges)
+
+
+def _nodes_per_token(cfg: Config, layout: Layout) -> float | None:
+    """For the hierarchical dispatch (parallel.ep_dispatch, "auto" where the expert-parallel group
+    spans nodes), the distinct nodes a token's experts are on, on average; None for the flat one.
+    With as many route groups as nodes, route_group_limit; else top_k experts drawn uniformly."""
+    par, moe = cfg.parallel, cfg.model.moe
+    nodes = par.ep // min(par.ep, layout.node_size)
+    if par.ep_dispatch == "flat" or nodes == 1:
+        return None
+    if moe.route_groups == nodes:
+        return float(moe.route_group_limit)
+    return nodes * (1 - (1 - 1 / nodes) ** moe.top_k)
 
 
 @dataclass
@@ -263,6 +295,7 @@ def estimate_time(cfg: Config, cluster: Cluster, vocab: int, attention: str = "f
     parts = {
         "compute": compute,
         "tp": m * slow.tp.seconds,
+        "ep": m * slow.ep.seconds,
         "pp": max(st.sends(m, cfg.parallel.pp) for st in stages),
         "bubble": bubble,
     }
@@ -272,7 +305,7 @@ def estimate_time(cfg: Config, cluster: Cluster, vocab: int, attention: str = "f
     counts = chunk_counts(layout)
     lv = zero_levels(cfg)
     devices = offload_devices(cfg)
-    step_compute = parts["compute"] + parts["tp"] + parts["pp"] + bubble
+    step_compute = parts["compute"] + parts["tp"] + parts["ep"] + parts["pp"] + bubble
     for s, st in enumerate(stages):
         groups = flat_groups(cfg, layout, vocab, s)
         red = _reductions(cfg, cluster, layout, groups, m, vocab)
@@ -300,7 +333,7 @@ def estimate_time(cfg: Config, cluster: Cluster, vocab: int, attention: str = "f
                 dp_bytes[k] = dp_bytes.get(k, 0.0) + v / cfg.co2.outer_every
     parts.update({"dp": dp_exposed, "optimizer": optimizer, "offload_io": offload_io, "co2": co2})
     for k in LINKS:
-        link_bytes[k] += slow.tp.bytes[k] * m + dp_bytes[k]
+        link_bytes[k] += (slow.tp.bytes[k] + slow.ep.bytes[k]) * m + dp_bytes[k]
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     return TimeEstimate(
         step_s=sum(parts.values()),

@@ -141,3 +141,43 @@ def pipeline_send(cluster: Cluster, layout: Layout, nbytes: float) -> Traffic:
 def co2_outer(cluster: Cluster, layout: Layout, chunk_bytes: float) -> Traffic:
     """CO2's outer all-reduce of each rank's optimizer chunk over its copies in the other nodes."""
     return ring_all_reduce(cluster, layout, _groups(layout, "node", "global"), chunk_bytes)
+
+
+def expert_exchange(
+    cluster: Cluster,
+    layout: Layout,
+    ep: int,
+    tokens: float,
+    row_bytes: float,
+    top_k: int,
+    nodes_per_token: float | None,
+) -> Traffic:
+    """One all-to-all of an MoE layer (its dispatch, or the way back): each rank's `tokens` tokens
+    to the `top_k` experts they chose in their expert-parallel group (`ep` consecutive ranks of the
+    stage), every group at once, routing balanced (a copy's expert uniform over the group). Flat
+    (`nodes_per_token` None): one row per copy, those for the other nodes on the inter-node link.
+    Hierarchical: `nodes_per_token` rows per token to distinct nodes (one of them may be this rank's
+    own), each with its k expert ids and gates, then the node's fan-out over its own links."""
+    out = Traffic()
+    local = min(ep, layout.node_size)  # the group's ranks on one node
+    nodes = ep // local
+    rows = tokens * top_k
+    if nodes_per_token is None:
+        inter = rows * (ep - local) / ep * row_bytes
+        intra = rows * (local - 1) / ep * row_bytes
+    else:
+        inter = tokens * nodes_per_token * (nodes - 1) / nodes * (row_bytes + 8 * top_k)
+        intra = rows * (local - 1) / local * row_bytes
+    out.bytes["inter-node"], out.bytes["intra-node"] = inter, intra
+    if inter:  # every rank of the node sends across at once
+        out.seconds += (
+            layout.node_size * inter / cluster.bandwidth_bytes_s("inter-node") + cluster.latency_s["inter-node"]
+        )
+    if intra:
+        out.seconds += intra / cluster.bandwidth_bytes_s("intra-node") + cluster.latency_s["intra-node"]
+    if nodes_per_token is None and inter and intra:  # one exchange: the two links carry it at once
+        out.seconds -= min(
+            layout.node_size * inter / cluster.bandwidth_bytes_s("inter-node"),
+            intra / cluster.bandwidth_bytes_s("intra-node"),
+        )
+    return out

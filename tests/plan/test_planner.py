@@ -73,6 +73,45 @@ def test_flat_groups_hold_the_parameters_strata_builds(overrides, world):
         assert sorted(g.elements for g in groups if g.elements) == sorted(n for n in built if n)
 
 
+@pytest.mark.parametrize(
+    "overrides, world",
+    [
+        (("parallel.ep=2",), 2),
+        (("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=4", "model.moe.shared_expert_gate=true"), 4),
+        (("parallel.pp=2", "train.micro_batch_size=2"), 2),
+    ],
+)
+def test_moe_flat_groups_hold_each_domains_parameters(overrides, world):
+    """Per ZeRO domain, the parameters of an MoE model (a dense first block, shared experts) as
+    Strata builds and splits them: experts by ep, attention by tp, routers and shared experts whole."""
+    moe = ("model.moe.num_experts=4", "model.moe.first_dense_layers=1", "model.moe.shared_experts=1")
+    cfg = load(*moe, *overrides, "parallel.bucket_mb=1e-9", world=world)
+    par = cfg.parallel
+    with torch.device("meta"):
+        model = GPT(cfg.model, VOCAB)
+        if par.tp > 1:
+            apply_tensor_parallel(model, None, 0, par.tp, sequence_parallel=par.sequence_parallel)
+    split = par.ep > 1 or par.tp > 1
+    for pp_rank in range(par.pp):
+        layers = range(pp_rank * 4 // par.pp, (pp_rank + 1) * 4 // par.pp)
+        want: dict[str, int] = {}
+        for name, p in model.named_parameters():
+            if not name.startswith("layers.") or int(name.split(".")[1]) not in layers:
+                continue
+            n = p.numel()
+            domain = ""
+            if ".mlp.experts." in name and split:
+                domain, n = "experts", n // par.ep
+            elif (".mlp.router." in name or ".mlp.shared." in name) and par.tp > 1:
+                domain = "routing"
+            want[domain] = want.get(domain, 0) + n
+        groups = [g for g in flat_groups(cfg, layout_of(cfg, cpu_cluster(1, world)), VOCAB, pp_rank) if g.layers]
+        got: dict[str, int] = {}
+        for g in groups:
+            got[g.domain] = got.get(g.domain, 0) + g.elements
+        assert got == want
+
+
 def test_zero_placements_hold_the_shares_zero_defines():
     """dp 8 as 2 nodes × 2 GPUs × 2 GCDs; P = one fp32 copy of the (padded) parameters."""
     cluster = cpu_cluster(2, 4, ranks_per_gpu=2)
