@@ -18,6 +18,7 @@ shaped with tc tbf (--rate, 100 Mbit/s by default), intra-node traffic on the no
     python bench/plan_time.py --baseline                       # and each with the link unshaped (~2x longer)
     python bench/plan_time.py --layouts dp4,dp4-zero3 --steps 2 --warmup 1   # a quick look
     python bench/plan_time.py --measured /tmp/plantime/measured.json        # predict again, no runs
+    python bench/plan_time.py --ranks-per-node 1 --rate 200mbit   # 2 nodes × 1 rank, MoE layouts too
 
 Run it on an idle machine (it waits for the 1-minute load average to fall below --max-load).
 Needs root (network namespaces); writes the raw figures to --out.
@@ -93,6 +94,34 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 
 CALIBRATION_LAYOUT = "dp4"  # its micro-batch (8 sequences) is what the compute rate is measured on
 
+# With --ranks-per-node 1 (2 nodes × 1 rank: each rank has a core of its own on 2 cores), these
+# layouts instead, MoE ones included (4 experts of SwiGLU 256, top 2, in every block).
+MOE = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.expert_ffn": 256}
+LAYOUTS_ONE_PER_NODE: dict[str, dict[str, Any]] = {
+    "dp2": {},
+    "dp2-zero1": {"zero.optim.shard_over": G},
+    "dp2-zero3": {
+        "zero.params.shard_over": G,
+        "zero.grads.shard_over": G,
+        "zero.optim.shard_over": G,
+        "zero.hierarchical": False,
+    },
+    "tp2": {"parallel.tp": 2},
+    "pp2": {"parallel.pp": 2, "train.micro_batch_size": 4},
+    "moe-dp2": MOE,
+    "moe-ep2": {**MOE, "parallel.ep": 2},
+    "moe-ep2-flat": {**MOE, "parallel.ep": 2, "parallel.ep_dispatch": "flat"},
+}
+
+
+def configure(ranks_per_node: int) -> None:
+    """The harness's shape: 2 nodes of `ranks_per_node` ranks (2: LAYOUTS; 1: LAYOUTS_ONE_PER_NODE)."""
+    global RANKS_PER_NODE, WORLD, LAYOUTS, CALIBRATION_LAYOUT
+    RANKS_PER_NODE, WORLD = ranks_per_node, NODES * ranks_per_node
+    BASE["parallel.ranks_per_node"] = ranks_per_node
+    if ranks_per_node == 1:
+        LAYOUTS, CALIBRATION_LAYOUT = LAYOUTS_ONE_PER_NODE, "dp2"
+
 
 def overrides(layout: str, extra: dict[str, Any] | None = None) -> list[str]:
     values = BASE | LAYOUTS[layout] | (extra or {})
@@ -121,7 +150,7 @@ def measure_link(cluster: Cluster, env: dict[str, str], mb: float, repeats: int,
     """The inter-node link as gloo sees it: one rank per node, then two ranks per node at once."""
     worker = str(ROOT / "bench" / "_plan_time_worker.py")
     res = {}
-    for nproc in (1, RANKS_PER_NODE):
+    for nproc in sorted({1, RANKS_PER_NODE}):
         out = tmp / f"link{nproc}.json"
         cluster.torchrun(nproc, [worker, "--mb", str(mb), "--repeats", str(repeats), "--out", str(out)], env, 300, ROOT)
         res[f"{nproc}_per_node"] = json.loads(out.read_text())
@@ -170,7 +199,7 @@ def measure(args: argparse.Namespace) -> dict:
     for name in layouts:
         layout_config(name)  # a bad layout fails here, not inside torchrun
     data = ensure_default_corpus(None, 0.05)  # prepared once here, not by every rank at once
-    result: dict = {"rate": args.rate, "layouts": {}, "loads": {}}
+    result: dict = {"rate": args.rate, "ranks_per_node": RANKS_PER_NODE, "layouts": {}, "loads": {}}
     with Cluster(NODES, args.rate) as cluster, tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         env = dict(os.environ, TMPDIR=str(tmp), WANDB_MODE="disabled")
@@ -243,10 +272,12 @@ def plan_cluster(result: dict, link: dict) -> Any:
         gpus_per_node=RANKS_PER_NODE,
         device=device,
         intra_node_gbps=c["intra_node_gbps"],
-        inter_node_gbps=link[f"{RANKS_PER_NODE}_per_node"]["concurrent_one_way_gbps"],
+        inter_node_gbps=link["2_per_node"]["concurrent_one_way_gbps"]
+        if RANKS_PER_NODE == 2
+        else link["1_per_node"]["one_way_gbps"],
         latency_s={"intra-gpu": intra_lat, "intra-node": intra_lat, "inter-node": link["1_per_node"]["latency_s"]},
         cpu_adam_gparams_s=c["adam_gparams_s"],
-        shared_cores=True,  # both namespaced nodes are this machine's 2 cores
+        shared_cores=WORLD > (os.cpu_count() or 1),  # both namespaced nodes are this machine's cores
     )
 
 
@@ -282,13 +313,13 @@ def predict(result: dict) -> list[str]:
     cluster = plan_cluster(result, result["link"])
     c, link = result["calibration"], result["link"]
     lines = [
-        f"## {result['rate']}: predicted against measured step time",
+        f"## {result['rate']}, {NODES} nodes × {RANKS_PER_NODE} ranks: predicted against measured step time",
         "",
-        f"calibration: {c['peak_tflops'] * 1e3:.1f} GFLOP/s per rank (4 ranks at once; tries "
+        f"calibration: {c['peak_tflops'] * 1e3:.1f} GFLOP/s per rank ({WORLD} ranks at once; tries "
         f"{', '.join(f'{t * 1e3:.1f}' for t in c.get('tries_tflops', []))}), AdamW "
         f"{c['adam_gparams_s'] * 1e3:.0f} M params/s per rank, loopback {c['intra_node_gbps']:.2f} Gbit/s and "
         f"{c['intra_node_latency_s'] * 1e6:.0f} us; inter-node {cluster.inter_node_gbps * 1e3:.1f} Mbit/s per node "
-        f"(2 ranks sending at once; 1 rank alone: {link['1_per_node']['one_way_gbps'] * 1e3:.1f}), "
+        f"({RANKS_PER_NODE} rank(s) sending at once; 1 rank alone: {link['1_per_node']['one_way_gbps'] * 1e3:.1f}), "
         f"{cluster.latency_s['inter-node'] * 1e6:.0f} us",
         "",
         "| layout | predicted s | measured s | error % | predicted parts (s) |",
@@ -373,7 +404,8 @@ def baseline_table(result: dict, shaped: Any) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", default="100mbit", help="tc rate of each node's link")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--ranks-per-node", type=int, default=2, choices=(1, 2), help="1: each rank a core of its own")
+    ap.add_argument("--layouts", default=None, help="comma-separated (default: every layout of the shape)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per layout")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--link-mb", type=float, default=8.0, help="message size of the link calibration")
@@ -390,7 +422,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the cluster's namespaces are removed on the way out
     if args.measured:
         result = json.loads(Path(args.measured).read_text())
+        configure(result.get("ranks_per_node", 2))
     else:
+        configure(args.ranks_per_node)
+        args.layouts = args.layouts or ",".join(LAYOUTS)
         result = measure(args)
         Path(args.measured_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.measured_out).write_text(json.dumps(result, indent=1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sysconfig
 from pathlib import Path
 
@@ -31,8 +32,11 @@ def _isolated(tmp_path_factory, monkeypatch):
     """Keep caches and torchrun's scratch files out of the user's home and /tmp root, and give every
     test the environment the session started with: the `strata` entry point, run in this process
     (`run_cli`), sets defaults in os.environ (THP_MEM_ALLOC_ENABLE, and OMP_WAIT_POLICY=PASSIVE when
-    the cores look busy), which every later test's subprocesses would otherwise inherit."""
+    the cores look busy), which every later test's subprocesses would otherwise inherit. The stop
+    signals' handlers are put back too: a trainer stopped by a signal in this process leaves that
+    signal ignored on its way out, and an ignored signal is inherited by every process started after."""
     before = dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     scratch = tmp_path_factory.getbasetemp()
     monkeypatch.setenv("STRATA_CACHE", str(scratch / "strata-cache"))
     monkeypatch.setenv("TMPDIR", str(scratch))
@@ -43,6 +47,9 @@ def _isolated(tmp_path_factory, monkeypatch):
     for key, value in before.items():
         if os.environ.get(key) != value:
             os.environ[key] = value
+    for sig, handler in handlers.items():
+        if signal.getsignal(sig) is not handler and handler is not None:
+            signal.signal(sig, handler)
 
 
 @pytest.fixture

@@ -572,11 +572,20 @@ def compare(name: str, ranks: list[dict], nvme_dir: str | Path = "/tmp/memprobe-
     """One row per rank and (kind, tier) that either side has, for the kinds the model covers:
     {"layout", "rank", "pp_stage", "key", "predicted", "measured", "error", "ok"}; error is
     (predicted − measured) / measured (inf when nothing was measured)."""
-    estimate = predicted(layout_config(name, nvme_dir))
+    cfg = layout_config(name, nvme_dir)
+    estimate = predicted(cfg)
+    fullest: dict[tuple[int, str], int] = {}  # (stage, key) -> the most any of its ranks holds
+    for r in ranks:
+        for key, v in r["measured"].items():
+            fullest[(r["pp_stage"], key)] = max(fullest.get((r["pp_stage"], key), 0), v)
     rows = []
     for r in ranks:
         want = {f"{k}/{t}": v for (k, t), v in estimate.stage(r["pp_stage"]).bytes.items() if k in KINDS}
         got = {k: v for k, v in r["measured"].items() if k.split("/")[0] in KINDS}
+        if cfg.model.moe.enabled:
+            # A rank's activations hold the rows its experts received, which routing decides; the
+            # model plans the fullest rank's (at the capacity's bound), so that is what is compared.
+            got = {k: fullest[(r["pp_stage"], k)] if k.startswith("activations/") else v for k, v in got.items()}
         for key in sorted(set(want) | set(got)):
             p, m = int(want.get(key, 0)), int(got.get(key, 0))
             error = (p - m) / m if m else (0.0 if p == 0 else math.inf)

@@ -14,6 +14,7 @@ The `strata` command as a user runs it, to the end:
     train_run(data_dir, run_root, nproc, ...)  the same run's `strata train` in each rank of an in-process
                                               world (torchrun's worker environment, no launcher): the
                                               layout comparisons, which need the numbers, not the launcher
+    train_world(args, nproc, run_root)        `strata train ARGS` that way, for any experiment
     losses_from, final_params, assert_same_params   what such a run left, compared across layouts
     COMMON, ZERO3                             settings those runs share
 
@@ -245,10 +246,15 @@ def train_run(data_dir, run_root, nproc: int, *extra: str, **settings) -> str:
     from conftest import tiny_overrides
 
     experiment = _empty_experiment(run_root)
-    argv = ["train", str(experiment), *tiny_overrides(data_dir, run_root, **settings), *extra]
+    return train_world([str(experiment), *tiny_overrides(data_dir, run_root, **settings), *extra], nproc, run_root)
+
+
+def train_world(args: list[str], nproc: int, run_root: Path) -> str:
+    """`strata train ARGS` in each rank of an `nproc`-rank world as `train_run` runs it (the ranks'
+    output kept under run_root/ranks); every rank's output, asserted to have exited 0."""
     out_dir = run_root / "ranks"
-    out_dir.mkdir(exist_ok=True)
-    codes = run_world(_train_rank, nproc, out_dir, argv, timeout_s=600, exit_codes=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    codes = run_world(_train_rank, nproc, out_dir, ["train", *args], timeout_s=600, exit_codes=True)
     output = "".join((out_dir / f"rank{r}.out").read_text() for r in range(nproc))
     assert codes == [0] * nproc, f"exit codes {codes}\n{output[-8000:]}"
     return output

@@ -255,14 +255,8 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
         _add_resident_shards(out, cfg, groups, resident_mb * 2**20, counts[""][levels["params"]])
     if levels["secondary"] != "none" and sharded:
         out.add("params", "device", share("secondary") * FP32)
-    if sharded:  # the running unit's groups and those of prefetch_blocks units ahead, gathered whole
-        window = cfg.zero.prefetch_blocks + 1
-        units: dict[str, int] = {}  # an MoE block's groups of each domain belong to one unit
-        for g in groups:
-            units[g.name] = units.get(g.name, 0) + g.padded
-        sizes = list(units.values())
-        peak = max(sum(sizes[i : i + window]) for i in range(len(sizes)))
-        out.add("gathered", "device", peak * FP32)
+    if sharded:
+        out.add("gathered", "device", _gathered_peak(groups, cfg.zero.prefetch_blocks + 1) * FP32)
 
     # gradients: the whole buffer unless partitioned, plus the optimizer chunk when that is finer
     if levels["grads"] == "none":
@@ -300,6 +294,16 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
         free = 0.9 * cluster.device.mem_gib * 2**30 - out.total("device")
         _add_resident_shards(out, cfg, groups, free, counts[""][levels["params"]])
     return out
+
+
+def _gathered_peak(groups: list[Group], window: int) -> int:
+    """Elements ZeRO-3 holds gathered at once: the running unit's groups and those of the units
+    prefetched ahead (`window` units in all; an MoE block's groups of each domain are one unit)."""
+    units: dict[str, int] = {}
+    for g in groups:
+        units[g.name] = units.get(g.name, 0) + g.padded
+    sizes = list(units.values())
+    return max(sum(sizes[i : i + window]) for i in range(len(sizes)))
 
 
 def _add_resident_shards(out: RankMemory, cfg: Config, groups: list[Group], budget: float, ranks: int) -> None:

@@ -18,7 +18,7 @@ from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
 
 from conftest import tiny_overrides
-from worlds import strata, torchrun
+from worlds import strata, torchrun, train_world
 
 pytestmark = pytest.mark.slow  # torchrun worlds (FSDP2, then Strata)
 
@@ -97,16 +97,8 @@ def test_training_on_from_an_fsdp2_checkpoint_in_tp2_matches_one_process(fsdp2_c
     )
     assert one.returncode == 0, one.stderr[-4000:]
     assert "a checkpoint DCP wrote alone: Adam state taken from the checkpoint" in one.stdout + one.stderr
-    par = strata(
-        "launch",
-        str(experiment),
-        *tiny_overrides(small_data_dir, tmp_path / "tp2", **settings, **{"parallel.tp": 2}),
-        "--nproc",
-        "2",
-        "--resume",
-        str(ckpt),
-    )
-    assert par.returncode == 0, par.stdout[-3000:] + par.stderr[-4000:]
+    tp2 = [str(experiment), *tiny_overrides(small_data_dir, tmp_path / "tp2", **settings, **{"parallel.tp": 2})]
+    train_world([*tp2, "--resume", str(ckpt)], 2, tmp_path / "tp2")
     import json
 
     def losses(root: Path) -> dict[int, float]:

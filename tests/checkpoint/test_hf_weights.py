@@ -25,7 +25,7 @@ from strata.trainer.data import BatchLoader, TokenDataset
 from strata.trainer.loop import run
 
 from conftest import hf_run_overrides
-from worlds import REPO, strata
+from worlds import REPO, strata, train_world
 
 transformers = pytest.importorskip("transformers")
 
@@ -104,7 +104,7 @@ def test_a_run_from_a_hugging_face_model_starts_at_transformers_loss(hf_dirs, sm
     assert result.losses[1] == pytest.approx(_hf_loss(hf_dirs[name], cfg), abs=1e-5)
 
 
-@pytest.mark.slow  # `strata launch` worlds of 4 and 2 processes
+@pytest.mark.slow  # worlds of 4 and 2 processes running `strata train`
 @pytest.mark.parametrize(
     ("name", "nproc", "layout"),
     [
@@ -127,18 +127,10 @@ def test_a_run_from_a_hugging_face_model_starts_at_transformers_loss(hf_dirs, sm
 def test_training_from_a_hugging_face_model_in_parallel_matches_one_process(
     hf_dirs, small_data_dir, tmp_path, name, nproc, layout
 ):
-    one = strata("train", str(_experiment(tmp_path)), *_overrides(hf_dirs[name], small_data_dir, tmp_path / "one"))
-    assert one.returncode == 0, one.stderr[-4000:]
-    experiment = tmp_path / "experiment.yaml"
-    experiment.write_text("{}\n")
-    par = strata(
-        "launch",
-        str(experiment),
-        *_overrides(hf_dirs[name], small_data_dir, tmp_path / "par", **layout),
-        "--nproc",
-        str(nproc),
-    )
-    assert par.returncode == 0, par.stdout[-3000:] + par.stderr[-6000:]
+    experiment = str(_experiment(tmp_path))
+    train_world([experiment, *_overrides(hf_dirs[name], small_data_dir, tmp_path / "one")], 1, tmp_path / "one")
+    par = [experiment, *_overrides(hf_dirs[name], small_data_dir, tmp_path / "par", **layout)]
+    train_world(par, nproc, tmp_path / "par")
     want, got = _losses(tmp_path / "one" / "t"), _losses(tmp_path / "par" / "t")
     assert got.keys() == want.keys() == {1, 2, 3, 4}
     for step, loss in want.items():

@@ -2,8 +2,10 @@
 launch` (torchrun with 2 workers, elastic restarts, c10d rendezvous) plus its snapshot agent. The
 nodes are processes on the loopback, or (`netns`) network namespaces of the cluster harness
 (tests/cluster.py), each with its own address, hostname and link, where a node loss kills every
-process in its namespace and a partition takes its link down. Every run must end on the final
-parameters and optimizer state of an uninterrupted run, bit for bit, and log where it resumed from."""
+process in its namespace and a partition takes its link down. The model is an MoE with its experts
+split over the 4 ranks (expert parallelism across both nodes, so every rank holds state no other
+rank has). Every run must end on the final parameters, router biases and optimizer state of an
+uninterrupted run, bit for bit, and log where it resumed from."""
 
 from __future__ import annotations
 
@@ -41,6 +43,14 @@ SETTINGS = {
     "snapshot.k": 1,
     "snapshot.m": 1,
     "parallel.timeout_s": 20,
+    # An MoE model with its experts split over the 4 ranks of the 2 nodes and a balancing bias: a
+    # restored rank must get back its own experts, their optimizer state and the router biases
+    "model.moe.num_experts": 4,
+    "model.moe.top_k": 2,
+    "model.moe.expert_ffn": 32,
+    "model.moe.router": "sigmoid",
+    "model.moe.bias_update_rate": 0.01,
+    "parallel.ep": 4,
 }
 DEADLINE_S = 150
 

@@ -63,10 +63,39 @@ def assert_same_run(got, want) -> None:
             {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.ep": 4, "zero.optim.shard_over": "global"},
         ),
         (2, {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+        (
+            4,
+            {
+                "parallel.ep": 2,
+                "parallel.ranks_per_node": 4,
+                "parallel.ranks_per_gpu": 2,
+                "zero.params.shard_over": "gpu",
+                "zero.grads.shard_over": "node",
+                "zero.optim.shard_over": "global",
+            },
+        ),
+        (2, {"parallel.ep": 2, "zero.optim.shard_over": "global", "offload.optim.device": "cpu"}),
+        (2, {"parallel.ep": 2, "zero.optim.shard_over": "global", "offload.optim.device": "nvme", "nvme": True}),
+        (2, {"parallel.ep": 2, "parallel.pp": 1, "activations.recompute": "selective", "train.compile": True}),
     ],
-    ids=["ep4-2nodes-zero3", "ep2-dp4-zero2", "tp2-sp-ep4-zero1", "tp2-sp-ep1"],
+    ids=[
+        "ep4-2nodes-zero3",
+        "ep2-dp4-zero2",
+        "tp2-sp-ep4-zero1",
+        "tp2-sp-ep1",
+        "ep2-3level",
+        "ep2-optim-cpu",
+        "ep2-optim-nvme",
+        "ep2-compile-selective",
+    ],
 )
 def test_expert_parallel_training_matches_one_process(small_data_dir, tmp_path, one_process, nproc, settings):
+    """Composed with ZeRO at every level (3-level: a GPU's GCD pair, the node, the world, for experts
+    and dense state each over their own ranks), optimizer offload to host memory and NVMe, and
+    compilation with selective recomputation (the MoE layers run eagerly inside compiled blocks)."""
+    settings = dict(settings)
+    if settings.pop("nvme", False):
+        settings["offload.nvme_path"] = str(tmp_path / "swap")
     assert_same_run(train(small_data_dir, tmp_path, nproc, **settings), one_process)
 
 

@@ -3,10 +3,12 @@ training ranks hold: one 4-rank gloo world trains two steps of every layout in
 `memory_probe.LAYOUTS` (plain data parallelism, ZeRO-1/2/3 with one and two groups prefetched,
 3-level and per-node partitioning, hpZ, tensor parallelism with sequence parallelism, 1F1B, GPipe
 and interleaved pipelines, recomputation, activation offload to host memory and NVMe, optimizer
-offload to host memory and NVMe, bf16 autocast), and every rank's bytes of each kind and tier,
-measured from its tensors (`memory_probe.measure`), must be within 10% of the model's figure for
-its pipeline stage (4 KiB where both are smaller than that). Gradient buckets are reported, not
-compared: how long they live depends on how far the overlapped reductions lag behind backward.
+offload to host memory and NVMe, bf16 autocast, MoE models under expert parallelism), and every
+rank's bytes of each kind and tier, measured from its tensors (`memory_probe.measure`), must be
+within 10% of the model's figure for its pipeline stage (4 KiB where both are smaller than that;
+for an MoE model's activations, the fullest rank of the stage: routing decides each rank's share).
+Gradient buckets are reported, not compared: how long they live depends on how far the overlapped
+reductions lag behind backward.
 
 The probe itself is checked first, in one process, on a graph whose saved tensors are known.
 """
