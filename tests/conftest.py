@@ -34,9 +34,14 @@ def _isolated(tmp_path_factory, monkeypatch):
     (`run_cli`), sets defaults in os.environ (THP_MEM_ALLOC_ENABLE, and OMP_WAIT_POLICY=PASSIVE when
     the cores look busy), which every later test's subprocesses would otherwise inherit. The stop
     signals' handlers are put back too: a trainer stopped by a signal in this process leaves that
-    signal ignored on its way out, and an ignored signal is inherited by every process started after."""
+    signal ignored on its way out, and an ignored signal is inherited by every process started after
+    (a shell starts a background job with SIGINT ignored too: each test runs as in the foreground)."""
     before = dict(os.environ)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    if (
+        handlers[signal.SIGINT] == signal.SIG_IGN
+    ):  # a suite started in the background (`pytest &`): as in the foreground
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     scratch = tmp_path_factory.getbasetemp()
     monkeypatch.setenv("STRATA_CACHE", str(scratch / "strata-cache"))
     monkeypatch.setenv("TMPDIR", str(scratch))
