@@ -66,7 +66,7 @@ def main() -> None:
         for name, records in runs.items()
     }
     print("\n".join(lines))
-    print(f"\neval loss after {args.steps} steps: {evals['bias']} with the bias, {evals['none']} without")
+    print(f"\neval loss after {args.steps} steps: {evals['bias']:.3f} with the bias, {evals['none']:.3f} without")
 
 
 if __name__ == "__main__":
