@@ -71,14 +71,6 @@ for _dispatch in ("flat", "hierarchical"):
         }
 
 
-def merged(base: dict, extra: dict) -> dict:
-    """`extra`'s keys over `base`'s, group by group."""
-    out = dict(base)
-    for key, value in extra.items():
-        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def chain(vocab: int, seed: int = 7, successors: int = 4) -> torch.Tensor:
     """Each token's `successors` likely next tokens (a sparse random transition table)."""
     gen = torch.Generator().manual_seed(seed)
@@ -138,7 +130,7 @@ class Run:
             "optim": {"lr": a.lr, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
             "parallel": {"bucket_mb": a.bucket_mb},
         }
-        return merged(raw, SYSTEMS.get(system.removeprefix("strata-"), {}))
+        return config_mod.merge_groups(raw, SYSTEMS.get(system.removeprefix("strata-"), {}))
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         a = self.args

@@ -204,6 +204,13 @@ class Layout:
                 out += [[q[j] for q in pieces] for j in range(len(pieces[0]))]
         return out
 
+    def node_span(self, dim: str) -> tuple[int, int]:
+        """(ranks of a `dim` group on one node, nodes the group spans), for rank 0's group (groups
+        along a dimension are laid out alike)."""
+        group = self.group_ranks(dim)[0]
+        nodes = len({r // self.node_size for r in group})
+        return len(group) // nodes, nodes
+
     def node_split(self, dim: str) -> tuple[list[list[int]], list[list[int]]] | None:
         """The groups along `dim` cut by node: (pieces, columns). pieces: each group's ranks on one
         node; columns: each group's ranks at the same position of their pieces, one per node, by

@@ -34,7 +34,6 @@ Every rank's result is one dict {"layout", "rank", "pp_stage", "tp_rank", "dp_ra
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import json
 import math
@@ -132,14 +131,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 KINDS = ("params", "grads", "optim", "gathered", "buckets", "activations", "pool", "staging")
 
 
-def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """`base` with `over`'s keys replaced, recursively (neither is changed)."""
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def _substitute(raw: Any, nvme: str) -> Any:
     if isinstance(raw, dict):
         return {k: _substitute(v, nvme) for k, v in raw.items()}
@@ -148,7 +139,7 @@ def _substitute(raw: Any, nvme: str) -> Any:
 
 def layout_config(name: str, nvme_dir: str | Path = "/tmp/memprobe-nvme", world: int = WORLD) -> Config:
     """The validated config of layout `name` for a world of `world` ranks."""
-    return config.from_dict(_substitute(merged(BASE, LAYOUTS[name]), str(nvme_dir)), world_size=world)
+    return config.from_dict(_substitute(config.merge_groups(BASE, LAYOUTS[name]), str(nvme_dir)), world_size=world)
 
 
 # --- bookkeeping of live bytes ---------------------------------------------------------------------

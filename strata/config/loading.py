@@ -94,15 +94,16 @@ def _derive_from_hf(raw: dict[str, Any], problems: list[str]) -> None:
     clashes = hf.conflicts(model, derived)
     problems += [f"model.init_from: {c}" for c in clashes]
     if not clashes:
-        raw["model"] = _merged(derived, model)
+        raw["model"] = merge_groups(derived, model)
 
 
-def _merged(base: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+def merge_groups(base: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
     """`own`'s keys over `base`'s, group by group (a nested group keeps the keys of `base` that `own`
-    does not set)."""
+    does not set); neither is changed."""
     out = dict(base)
     for key, value in own.items():
-        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merge_groups(out[key], value) if nested else value
     return out
 
 

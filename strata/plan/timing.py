@@ -25,7 +25,7 @@ from strata.config.schema import Config
 from strata.config.vocabulary import offload_devices
 from strata.model import flops_per_token
 from strata.parallel.stages import schedule_name
-from strata.parallel.topology import Layout
+from strata.parallel.topology import Layout, expert_layout
 from strata.plan import traffic
 from strata.plan.cluster import LINKS, Cluster
 from strata.plan.memory import (
@@ -191,7 +191,7 @@ def _nodes_per_token(cfg: Config, layout: Layout) -> float | None:
     spans nodes), the distinct nodes a token's experts are on, on average; None for the flat one.
     With as many route groups as nodes, route_group_limit; else top_k experts drawn uniformly."""
     par, moe = cfg.parallel, cfg.model.moe
-    nodes = par.ep // min(par.ep, layout.node_size)
+    _, nodes = expert_layout(layout, par.ep).node_span("tp")
     if par.ep_dispatch == "flat" or nodes == 1:
         return None
     if moe.route_groups == nodes:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from strata.parallel.routes import level_pairs
-from strata.parallel.topology import Layout
+from strata.parallel.topology import Layout, expert_layout
 from strata.plan.cluster import LINKS, Cluster
 from strata.plan.shapes import chunk_counts
 
@@ -159,8 +159,7 @@ def expert_exchange(
     Hierarchical: `nodes_per_token` rows per token to distinct nodes (one of them may be this rank's
     own), each with its k expert ids and gates, then the node's fan-out over its own links."""
     out = Traffic()
-    local = min(ep, layout.node_size)  # the group's ranks on one node
-    nodes = ep // local
+    local, nodes = expert_layout(layout, ep).node_span("tp")  # the expert-parallel group per node, its nodes
     rows = tokens * top_k
     if nodes_per_token is None:
         inter = rows * (ep - local) / ep * row_bytes

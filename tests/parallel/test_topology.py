@@ -605,7 +605,9 @@ def test_a_tp_group_spanning_nodes_is_cut_into_node_pieces_and_columns():
     pieces, columns = Layout(tp=8, pp=1, dp=2, ranks_per_node=4).node_split("tp")
     assert pieces == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     assert columns == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert Layout(tp=8, pp=1, dp=2, ranks_per_node=4).node_span("tp") == (4, 2)
     assert Layout(tp=4, pp=1, dp=2, ranks_per_node=4).node_split("tp") is None
+    assert Layout(tp=4, pp=1, dp=2, ranks_per_node=4).node_span("tp") == (4, 1)
     assert Layout(tp=6, pp=1, dp=2, ranks_per_node=4).node_split("tp") is None  # pieces of 4 and 2
 
 
