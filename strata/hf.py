@@ -45,6 +45,35 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 _DEFAULT_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
+_ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
+# model.* key <- rope_parameters key, for the scalings that have it
+_ROPE_KEYS = {
+    "rope_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "rope_original_max_position_embeddings": "original_max_position_embeddings",
+    "rope_beta_fast": "beta_fast",
+    "rope_beta_slow": "beta_slow",
+    "rope_attention_factor": "attention_factor",
+    "rope_mscale": "mscale",
+    "rope_mscale_all_dim": "mscale_all_dim",
+    "rope_truncate": "truncate",
+}
+_ROPE_USES = {
+    "llama3": ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings"),
+    "linear": ("rope_factor",),
+    "dynamic": ("rope_factor",),
+    "yarn": (
+        "rope_factor",
+        "rope_original_max_position_embeddings",
+        "rope_beta_fast",
+        "rope_beta_slow",
+        "rope_attention_factor",
+        "rope_mscale",
+        "rope_mscale_all_dim",
+        "rope_truncate",
+    ),
+}
 
 # The config.json field each `model.*` key comes from (for messages).
 _SOURCE = {
@@ -61,6 +90,12 @@ _SOURCE = {
     "rope_low_freq_factor": "rope low_freq_factor",
     "rope_high_freq_factor": "rope high_freq_factor",
     "rope_original_max_position_embeddings": "rope original_max_position_embeddings",
+    "rope_beta_fast": "rope beta_fast",
+    "rope_beta_slow": "rope beta_slow",
+    "rope_attention_factor": "rope attention_factor",
+    "rope_mscale": "rope mscale",
+    "rope_mscale_all_dim": "rope mscale_all_dim",
+    "rope_truncate": "rope truncate",
     "norm_eps": "rms_norm_eps",
     "tie_embeddings": "tie_word_embeddings",
     "qkv_bias": "model_type",
@@ -132,6 +167,18 @@ class ModelShape(Protocol):
     @property
     def rope_original_max_position_embeddings(self) -> int: ...
     @property
+    def rope_beta_fast(self) -> float: ...
+    @property
+    def rope_beta_slow(self) -> float: ...
+    @property
+    def rope_attention_factor(self) -> float | None: ...
+    @property
+    def rope_mscale(self) -> float | None: ...
+    @property
+    def rope_mscale_all_dim(self) -> float | None: ...
+    @property
+    def rope_truncate(self) -> bool: ...
+    @property
     def norm_eps(self) -> float: ...
     @property
     def tie_embeddings(self) -> bool: ...
@@ -160,7 +207,7 @@ def _rope(hf: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     params.setdefault("rope_theta", hf.get("rope_theta", _DEFAULT_THETA))
     if "partial_rotary_factor" in hf:
         params.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
-    if params["rope_type"] == "llama3":
+    if params["rope_type"] in ("llama3", "yarn"):
         params.setdefault("original_max_position_embeddings", _get(hf, "max_position_embeddings"))
     return field, params
 
@@ -229,9 +276,9 @@ def unsupported(hf_config: Mapping[str, Any], seq_len: int) -> list[str]:
     field, rope = _rope(hf)
     if any(isinstance(v, dict) for v in rope.values()):
         out.append(f"{field}: RoPE parameters per layer type are not implemented")
-    elif rope["rope_type"] not in ("default", "llama3"):
+    elif rope["rope_type"] not in _ROPE_TYPES:
         key = "rope_type" if "rope_type" in (hf.get(field) or {}) else "type"
-        out.append(f"{field}.{key}={rope['rope_type']!r}: only default and llama3 RoPE are implemented")
+        out.append(f"{field}.{key}={rope['rope_type']!r}: only {', '.join(_ROPE_TYPES)} RoPE are implemented")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         out.append(
             f"partial_rotary_factor={rope['partial_rotary_factor']}: RoPE on part of each head is not implemented"
@@ -243,9 +290,8 @@ def unsupported(hf_config: Mapping[str, Any], seq_len: int) -> list[str]:
 
 def model_settings(hf_config: Mapping[str, Any], seq_len: int) -> dict[str, object]:
     """The `model.*` values (YAML names, without `model.`) this config.json implies: n_layers,
-    d_model, n_heads, n_kv_heads, head_dim, ffn_hidden, vocab_size, rope_theta, rope_scaling (and,
-    for llama3, rope_factor, rope_low_freq_factor, rope_high_freq_factor,
-    rope_original_max_position_embeddings), norm_eps, tie_embeddings, qkv_bias, qk_norm. Every size
+    d_model, n_heads, n_kv_heads, head_dim, ffn_hidden, vocab_size, rope_theta, rope_scaling (and
+    the rope_* keys its scaling reads), norm_eps, tie_embeddings, qkv_bias, qk_norm. Every size
     is explicit (no nulls). seq_len is the user's (`model.seq_len`), needed to judge a sliding window.
     Raises ConfigError listing `unsupported(hf_config, seq_len)` when that is not empty."""
     problems = unsupported(hf_config, seq_len)
@@ -279,14 +325,35 @@ def model_settings(hf_config: Mapping[str, Any], seq_len: int) -> dict[str, obje
             "norm_topk": bool(_get(hf, "norm_topk_prob")) if model_type == "qwen3_moe" else True,
             "router": "softmax",
         }
-    if rope["rope_type"] == "llama3":
-        out.update(
-            rope_scaling="llama3",
-            rope_factor=float(rope["factor"]),
-            rope_low_freq_factor=float(rope["low_freq_factor"]),
-            rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
+    out.update(_rope_settings(hf, rope))
+    return out
+
+
+def _rope_settings(hf: Mapping[str, Any], rope: Mapping[str, Any]) -> dict[str, object]:
+    """The model.rope_* values of a config.json's RoPE parameters (transformers' defaults for the
+    optional ones: beta_fast 32, beta_slow 1, truncate true; attention_factor, mscale and
+    mscale_all_dim null). Dynamic NTK's original context is max_position_embeddings, as transformers
+    reads it."""
+    kind = rope["rope_type"]
+    if kind == "default":
+        return {}
+    out: dict[str, object] = {"rope_scaling": kind}
+    for key in _ROPE_USES[kind]:
+        source = _ROPE_KEYS[key]
+        value = rope.get(source)
+        if value is None and key in ("rope_beta_fast", "rope_beta_slow"):
+            value = 32.0 if key == "rope_beta_fast" else 1.0
+        if key == "rope_truncate":
+            value = bool(rope.get("truncate", True))
+        elif key == "rope_original_max_position_embeddings":
+            value = int(rope[source])
+        elif value is not None:
+            value = float(value)
+        out[key] = value
+    if kind == "dynamic":
+        out["rope_original_max_position_embeddings"] = int(_get(hf, "max_position_embeddings"))
+    if kind == "yarn" and rope.get("factor") is None:
+        out["rope_factor"] = _get(hf, "max_position_embeddings") / rope["original_max_position_embeddings"]
     return out
 
 
@@ -344,15 +411,16 @@ def hf_config(model_cfg: ModelShape, vocab_size: int | None = None) -> dict[str,
     )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
     max_positions = m.seq_len
-    if m.rope_scaling == "llama3":
+    if m.rope_scaling != "none":
+        for key in _ROPE_USES[m.rope_scaling]:
+            value = getattr(m, key)
+            if value is not None:
+                rope[_ROPE_KEYS[key]] = value
+        rope["rope_type"] = m.rope_scaling
+    if m.rope_scaling in ("llama3", "yarn"):
         max_positions = int(m.rope_original_max_position_embeddings * m.rope_factor)  # as Llama 3.1's config
-        rope.update(
-            rope_type="llama3",
-            factor=m.rope_factor,
-            low_freq_factor=m.rope_low_freq_factor,
-            high_freq_factor=m.rope_high_freq_factor,
-            original_max_position_embeddings=m.rope_original_max_position_embeddings,
-        )
+    elif m.rope_scaling == "dynamic":
+        max_positions = m.rope_original_max_position_embeddings  # the length beyond which the base grows
     out: dict[str, Any] = {
         "architectures": [arch],
         "model_type": model_type,
@@ -364,7 +432,7 @@ def hf_config(model_cfg: ModelShape, vocab_size: int | None = None) -> dict[str,
         "num_key_value_heads": m.kv_heads,
         "head_dim": m.head_size,
         "hidden_act": "silu",
-        "max_position_embeddings": max(m.seq_len, max_positions),
+        "max_position_embeddings": max_positions if m.rope_scaling == "dynamic" else max(m.seq_len, max_positions),
         "rms_norm_eps": m.norm_eps,
         "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": m.init_std,

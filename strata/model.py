@@ -1,5 +1,5 @@
 """The decoder-only transformer (Llama-style: RoPE, RMSNorm, SwiGLU, causal SDPA; optionally
-Qwen2's q/k/v biases, Qwen3's per-head q/k norms and Llama 3.1's RoPE scaling), as plain torch
+Qwen2's q/k/v biases, Qwen3's per-head q/k norms, RoPE scalings from strata.rope), as plain torch
 modules with no parallel code inside. Parallelism is applied to it from outside (parallel/).
 
 Attention reads its head count from its weight shapes, not from the config, so a tensor-parallel
@@ -19,6 +19,7 @@ from torch import nn
 from strata.config.schema import ModelConfig
 from strata.config.vocabulary import padded_vocab_size
 from strata.moe import MoE
+from strata.rope import apply_rope, rope_tables
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
@@ -36,44 +37,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """RoPE's inverse frequencies (head_size/2,), float64: theta^(-2i/head_size), with Llama 3.1's
-    scaling when rope_scaling is llama3 (as transformers' `_compute_llama3_parameters`: wavelengths
-    longer than original/low_freq_factor are divided by rope_factor, shorter than
-    original/high_freq_factor kept, those between interpolated smoothly)."""
-    dim = cfg.head_size
-    # on the CPU even under a meta-device context (parallelize's): arange on meta goes through
-    # torch's reference implementations, which import torch._dynamo (~0.8 s of start-up)
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
-    if cfg.rope_scaling == "none":
-        return inv_freq
-    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    original = cfg.rope_original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= original / high) & (wavelen <= original / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq_len, head_size/2) for rotary position embedding."""
-    angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64, device="cpu"), rope_frequencies(cfg))
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[i], x[i + head_dim/2]) of x: (batch, heads, seq, head_dim) by angle i.
-
-    The rotate-half layout of Hugging Face's Llama family and Megatron-core's default (not Meta's
-    original interleaved pairs (x[2i], x[2i+1])): their q/k weights then load as they are, with no
-    per-head row permutation, the step a converter most often gets wrong."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):

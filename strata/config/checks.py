@@ -187,6 +187,13 @@ def _model_checks(m: ModelConfig) -> list[str]:
             f"model.rope_high_freq_factor={m.rope_high_freq_factor:g} must exceed "
             f"model.rope_low_freq_factor={m.rope_low_freq_factor:g} (llama3 RoPE scaling interpolates between them)"
         )
+    if m.rope_scaling == "dynamic" and m.head_size <= 2:
+        p.append(f"dynamic RoPE scaling needs a head size above 2 (it is {m.head_size}): set a larger model.head_dim")
+    if m.rope_scaling == "yarn" and m.rope_beta_fast <= m.rope_beta_slow:
+        p.append(
+            f"model.rope_beta_fast={m.rope_beta_fast:g} must exceed model.rope_beta_slow={m.rope_beta_slow:g} "
+            "(yarn RoPE scaling ramps between them)"
+        )
     return p
 
 

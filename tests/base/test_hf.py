@@ -1,5 +1,6 @@
 """Hugging Face models through `strata.hf`, with transformers as the independent reference: tiny
-random Llama (GQA, tied and untied, Llama 3.1 RoPE scaling), Mistral, Qwen2 and Qwen3 models are
+random Llama (GQA, tied and untied; Llama 3.1, linear, dynamic NTK and YaRN RoPE scalings at twice the
+original context), Mistral, Qwen2 and Qwen3 models are
 saved with save_pretrained, loaded into Strata's GPT by the derived model settings and the mapped
 tensor names, and must give transformers' logits; Strata models exported by `hf_config` and
 `to_hf` must load into transformers and give Strata's. Plus what `unsupported` and `conflicts` say.
@@ -17,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from strata import hf
 from strata.config import ModelConfig
 from strata.errors import ConfigError
-from strata.model import GPT, build_model, rope_frequencies
+from strata.model import GPT, build_model
+from strata.rope import rope_frequencies
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,12 +48,27 @@ FAMILIES = {
     "mistral-window-covers-seq": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=SEQ)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "qwen3-head_dim": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=12, tie_word_embeddings=True)),
+    # Each long-context scaling at a sequence (SEQ = 16) twice its original context (8).
+    "llama-linear-rope": ("LlamaConfig", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
+    "llama-dynamic-rope": (
+        "LlamaConfig",
+        dict(max_position_embeddings=8, rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)),
+    ),
+    "qwen2-yarn-rope": (
+        "Qwen2Config",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=32,
+            rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=8),
+        ),
+    ),
 }
 
 
 def hf_model(name: str):
     cls, extra = FAMILIES[name]
-    kw = {**SHAPE, **{k: v for k, v in extra.items() if v is not None}, "max_position_embeddings": 128}
+    kw = {**SHAPE, "max_position_embeddings": 128, **{k: v for k, v in extra.items() if v is not None}}
     config = getattr(transformers, cls)(**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
@@ -99,6 +116,19 @@ def test_hf_checkpoint_loads_into_strata_with_equal_logits(tmp_path, name):
         dict(n_kv_heads=2, head_dim=16, rope_scaling="llama3", rope_original_max_position_embeddings=64),
         dict(qkv_bias=True, n_kv_heads=1, norm_eps=1e-6),
         dict(qk_norm=True, head_dim=12, n_kv_heads=2, tie_embeddings=True),
+        dict(rope_scaling="linear", rope_factor=2.0),
+        dict(rope_scaling="dynamic", rope_factor=2.0, rope_original_max_position_embeddings=8),
+        dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max_position_embeddings=8, head_dim=16),
+        dict(
+            qkv_bias=True,
+            rope_scaling="yarn",
+            rope_factor=3.0,
+            rope_original_max_position_embeddings=8,
+            rope_mscale=1.0,
+            rope_mscale_all_dim=0.5,
+            rope_beta_fast=16.0,
+            rope_truncate=False,
+        ),
     ],
 )
 def test_strata_model_exports_to_transformers_with_equal_logits(tmp_path, kw):
@@ -169,8 +199,8 @@ def llama(**kw) -> dict:
         (llama(attention_bias=True), "attention_bias"),
         (llama(mlp_bias=True), "mlp_bias"),
         (llama(hidden_act="gelu"), "hidden_act"),
-        (llama(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_parameters.rope_type"),
-        ({**llama(rope_scaling={"type": "linear", "factor": 2.0}), "rope_parameters": None}, "rope_scaling.type"),
+        (llama(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope_parameters.rope_type"),
+        ({**llama(rope_scaling={"type": "su", "factor": 2.0}), "rope_parameters": None}, "rope_scaling.type"),
         (llama(partial_rotary_factor=0.5), "partial_rotary_factor"),
         (llama(quantization_config={"quant_method": "gptq"}), "quantization_config"),
         ({k: v for k, v in llama().items() if k != "intermediate_size"}, "intermediate_size"),

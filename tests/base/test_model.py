@@ -22,8 +22,8 @@ from strata.model import (
     ffn_hidden_size,
     flops_per_token,
     lm_loss,
-    rope_tables,
 )
+from strata.rope import rope_tables
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

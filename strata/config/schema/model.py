@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from strata.config.schema.fields import nested, opt
 
-ROPE_SCALINGS = ("none", "llama3")
+ROPE_SCALINGS = ("none", "llama3", "linear", "dynamic", "yarn")
 ROUTERS = ("softmax", "sigmoid")
 
 
@@ -105,10 +105,15 @@ class ModelConfig:
     rope_theta: float = opt(10000.0, "RoPE base frequency", min=0.0, min_exclusive=True)
     rope_scaling: str = opt(
         "none",
-        "RoPE frequency scaling: none, or llama3 (Llama 3.1's, set by the rope_* keys below)",
+        "RoPE frequency scaling, as transformers defines each: none; llama3 (Llama 3.1's); linear (positions "
+        "divided by rope_factor); dynamic (NTK: the base grows with the sequence beyond "
+        "rope_original_max_position_embeddings, here model.seq_len's); yarn (YaRN: interpolated low frequencies, "
+        "kept high ones, cos/sin scaled by the attention factor)",
         choices=ROPE_SCALINGS,
     )
-    rope_factor: float = opt(8.0, "llama3 RoPE scaling: divisor of the low frequencies", min=1.0)
+    rope_factor: float = opt(
+        8.0, "RoPE scaling factor (llama3, linear, dynamic, yarn): how much longer the context is", min=1.0
+    )
     rope_low_freq_factor: float = opt(
         1.0,
         "llama3 RoPE scaling: wavelengths above original_max/this are divided by rope_factor",
@@ -122,8 +127,27 @@ class ModelConfig:
         min_exclusive=True,
     )
     rope_original_max_position_embeddings: int = opt(
-        8192, "llama3 RoPE scaling: the context length the model was pretrained with", min=1
+        8192,
+        "llama3, yarn and dynamic RoPE scaling: the context length the model was pretrained with (dynamic: "
+        "transformers' max_position_embeddings)",
+        min=1,
     )
+    rope_beta_fast: float = opt(
+        32.0, "yarn RoPE scaling: rotations below which a frequency is interpolated", min=0.0, min_exclusive=True
+    )
+    rope_beta_slow: float = opt(
+        1.0, "yarn RoPE scaling: rotations above which a frequency is kept", min=0.0, min_exclusive=True
+    )
+    rope_attention_factor: float | None = opt(
+        None,
+        "yarn RoPE scaling: the factor cos and sin are multiplied by (null: 0.1·ln(rope_factor)+1, or DeepSeek's "
+        "ratio when rope_mscale and rope_mscale_all_dim are set)",
+        min=0.0,
+        min_exclusive=True,
+    )
+    rope_mscale: float | None = opt(None, "yarn RoPE scaling: DeepSeek's mscale (with rope_mscale_all_dim)")
+    rope_mscale_all_dim: float | None = opt(None, "yarn RoPE scaling: DeepSeek's mscale_all_dim (with rope_mscale)")
+    rope_truncate: bool = opt(True, "yarn RoPE scaling: round the correction range to whole dimensions")
     norm_eps: float = opt(1e-5, "RMSNorm epsilon", min=0.0, min_exclusive=True)
     tie_embeddings: bool = opt(False, "share the token embedding with the output projection")
     init_from: str | None = opt(
