@@ -4,14 +4,15 @@
 only door to collectives, counting bytes per parallel dimension and link level), `watchdog` (hang
 detection: each rank's progress and one verdict naming the stuck rank), `runtime` (joining the
 world, the device, leaving cleanly, pinned host memory), `tensor` (Megatron's tensor and sequence
-parallelism), `experts` (expert parallelism: MoE experts split over ranks, tokens
-exchanged by all-to-all), `stages` (which layers each pipeline stage runs and which stages each rank holds)
-and `pipeline` (the stages run by torch.distributed.pipelining schedules), the ZeRO engine in
-`zero` with `flat_group` (one flat group's buffers, gathers and gradient reduction), `routes`
-(moving state between levels) and `flat` (flat ranges as boxes of tensors) — ZeRO-1/2/3, hpZ and
-3-level partitioning as settings of one engine; plain data parallelism is the engine with nothing
-partitioned —, `overlap` (gradient reductions behind backward), `co2` (asynchronous outer updates
-across nodes) and `clipping` (the global gradient norm).
+parallelism), `experts` (expert parallelism: MoE experts split over ranks, tokens exchanged by
+all-to-all), `context` (context parallelism: a sequence split over ranks, attention across it by a
+K/V ring or an all-to-all), `stages` (which layers each pipeline stage runs and which stages each
+rank holds) and `pipeline` (the stages run by torch.distributed.pipelining schedules), the ZeRO
+engine in `zero` with `flat_group` (one flat group's buffers, gathers and gradient reduction),
+`routes` (moving state between levels) and `flat` (flat ranges as boxes of tensors) — ZeRO-1/2/3,
+hpZ and 3-level partitioning as settings of one engine; plain data parallelism is the engine with
+nothing partitioned —, `overlap` (gradient reductions behind backward), `co2` (asynchronous outer
+updates across nodes) and `clipping` (the global gradient norm).
 
 It imports only the base, the package `strata`.
 """

@@ -348,6 +348,28 @@ def reduce_scatter_along(
     return out.movedim(0, axis).contiguous()
 
 
+def shift_async(tensors: list[torch.Tensor], group, dim: str) -> tuple[list[torch.Tensor], AsyncWork]:
+    """Send `tensors` to the next member of `group` (group rank r+1, wrapping) and receive the
+    previous member's, of the same shapes, into new tensors: a ring's step, started and returned
+    at once (read the received tensors, and touch the sent ones, only after `wait()`). Without a
+    group, the tensors themselves. Counts each send on the link to the next member."""
+    if group is None:
+        return tensors, AsyncWork(None, 0.0)
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    ranks = dist.get_process_group_ranks(group)
+    after, before = ranks[(r + 1) % n], ranks[(r - 1) % n]
+    delay = sum(_count(dim, "send", t, peer=after) for t in tensors)
+    sends = [t.contiguous() for t in tensors]
+    got = [torch.empty_like(t) for t in sends]
+    if sends and sends[0].device.type == "cpu" and dist.get_backend(group) == "gloo":
+        work = _exchange([(t, after) for t in sends], [(t, before) for t in got], group)
+    else:
+        ops = [dist.P2POp(dist.irecv, t, before, group) for t in got]
+        ops += [dist.P2POp(dist.isend, t, after, group) for t in sends]
+        work = _Works(dist.batch_isend_irecv(ops))
+    return got, AsyncWork(work, time.monotonic() + delay, f"ring shift over {dim}")
+
+
 def all_to_all(tensor: torch.Tensor, send_rows: list[int], recv_rows: list[int], group, dim: str) -> torch.Tensor:
     """Rows [sum(send_rows[:j]), +send_rows[j]) of `tensor` to group rank j; returns the rows every
     member sent this one, in group-rank order (`recv_rows[j]` from rank j). Without a group,

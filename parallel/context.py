@@ -1,0 +1,268 @@
+"""Context parallelism: one sequence split over the `cp` ranks of a group, attention computed across
+the split, everything else (projections, norms, feed-forward, loss) local to each rank's tokens.
+
+The split is the causal load-balanced one of Megatron-core and torchtitan: the sequence is cut
+into 2·cp chunks and rank i holds chunks i and 2·cp−1−i, so every rank has as many early tokens
+(cheap: few keys to attend) as late ones. `positions` says which tokens a rank holds.
+
+Two ways to attend across the split, each a drop-in for causal SDPA on the local (b, heads, s, d)
+q/k/v:
+
+- `ring_attention`: K/V blocks travel around the ring (`comm.shift_async`, the next block in flight
+  while this one is computed); each block's partial output is merged with the others by its
+  log-sum-exp. Backward runs the ring again with the merged output and log-sum-exp (the
+  flash-attention identity: a block's gradients need only those), the K/V gradients travelling
+  with their blocks back to their owners. Memory: one extra K/V block in flight, nothing of size
+  (sequence × sequence).
+- `alltoall_attention` (DeepSpeed-Ulysses): an all-to-all turns the sequence split into a head
+  split, each rank attends over the whole sequence for heads/cp heads with ordinary SDPA, and a
+  second all-to-all turns it back. Needs cp to divide the (query) heads.
+
+Own code, not torch's `context_parallel`: that one patches SDPA through DTensor and handles only
+the CUDA attention kernels (flash, efficient, cuDNN), none of which runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strata.parallel import comm
+
+
+def positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The token positions rank `rank` of `cp` holds, in its local order: chunk `rank` then chunk
+    2·cp−1−rank of the sequence cut into 2·cp equal chunks."""
+    n = seq_len // (2 * cp)
+    first = torch.arange(rank * n, (rank + 1) * n)
+    return torch.cat((first, torch.arange((2 * cp - 1 - rank) * n, (2 * cp - rank) * n)))
+
+
+def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of `x` along `dim` (its length the whole sequence)."""
+    if cp == 1:
+        return x
+    return x.index_select(dim, positions(x.shape[dim], cp, rank).to(x.device))
+
+
+def unshard(pieces: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's `shard` (in group-rank order): the inverse of `shard`."""
+    cp = len(pieces)
+    if cp == 1:
+        return pieces[0]
+    whole = torch.cat(pieces, dim)
+    order = torch.cat([positions(whole.shape[dim], cp, r) for r in range(cp)])
+    return whole.index_select(dim, torch.argsort(order).to(whole.device))
+
+
+# --- one block of attention, with its log-sum-exp --------------------------------------------------
+
+
+def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query K/V (b, kv_heads, s, d) repeated to `heads` heads."""
+    group = heads // kv.shape[1]
+    return kv if group == 1 else kv.repeat_interleave(group, dim=1)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of `_expand`: the heads sharing a K/V head summed back into it."""
+    b, heads, s, d = grad.shape
+    return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, s, d).sum(2)
+
+
+def _block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp (b, heads, s_q) in float32) of q attending to k/v."""
+    k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.float()
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+    return out, lse.float()[..., : q.shape[2]]
+
+
+def _block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of one block, given the *whole* attention's output and log-sum-exp at q's rows."""
+    kv_heads = k.shape[1]
+    ke, ve = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+    if q.device.type == "cpu":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, ke, ve, out, lse, 0.0, causal, scale=scale
+        )
+    else:
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, ke, ve, None, out, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale
+        )
+    return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold a block's partial attention into the running one, in place (float32 `out` and `lse`)."""
+    new = torch.logaddexp(lse, block_lse)
+    out.mul_((lse - new).exp().unsqueeze(-1)).add_(block_out.float() * (block_lse - new).exp().unsqueeze(-1))
+    lse.copy_(new)
+
+
+# --- ring attention -------------------------------------------------------------------------------
+
+
+def _block_of(step: int, rank: int, cp: int, n: int) -> tuple[slice, slice, bool]:
+    """Which local query rows attend to which rows of the K/V block that reaches `rank` at ring
+    step `step` (the block of rank (rank − step) mod cp), and whether causally. Step 0 is the
+    rank's own two chunks: causal over them as laid out (chunk rank comes first). An earlier
+    rank's block: every query row attends to its first chunk (its second chunk is later than all
+    of ours). A later rank's: only our second chunk attends, to both of its chunks."""
+    src = (rank - step) % cp
+    everything = slice(None)
+    if step == 0:
+        return everything, everything, True
+    if src < rank:
+        return everything, slice(0, n), False
+    return slice(n, None), everything, False
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, cp: int, rank: int, scale: float):  # type: ignore[override]
+        n = q.shape[2] // 2
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = [k, v]
+        for step in range(cp):
+            ahead = comm.shift_async(kv, group, "cp") if step + 1 < cp else None
+            rows, keys, causal = _block_of(step, rank, cp, n)
+            block_out, block_lse = _block_forward(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal, scale)
+            _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            if ahead is not None:
+                ahead[1].wait()
+                kv = ahead[0]
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.cp, ctx.rank, ctx.scale = group, cp, rank, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        group, cp, rank, scale = ctx.group, ctx.cp, ctx.rank, ctx.scale
+        dout = dout.contiguous()
+        n = q.shape[2] // 2
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = [k, v]
+        dkv: list[torch.Tensor] | None = None  # the K/V gradient of the block held now, from the ranks before
+        incoming = None
+        for step in range(cp):
+            ahead = comm.shift_async(kv, group, "cp") if step + 1 < cp else None
+            rows, keys, causal = _block_of(step, rank, cp, n)
+            qb = q[:, :, rows]
+            dqb, dkb, dvb = _block_backward(
+                dout[:, :, rows],
+                qb,
+                kv[0][:, :, keys],
+                kv[1][:, :, keys],
+                out[:, :, rows],
+                lse[:, :, rows],
+                causal,
+                scale,
+            )
+            dq[:, :, rows] += dqb
+            if incoming is not None:
+                incoming[1].wait()
+                dkv = incoming[0]
+            else:
+                dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+            dkv[0][:, :, keys] += dkb
+            dkv[1][:, :, keys] += dvb
+            incoming = comm.shift_async(dkv, group, "cp")  # on to the next rank, which sees this block next
+            if ahead is not None:
+                ahead[1].wait()
+                kv = ahead[0]
+        assert incoming is not None
+        incoming[1].wait()  # after cp steps our own block's gradient has come round to us
+        dk, dv = incoming[0]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention of this rank's q over the whole sequence's k/v (b, heads, s_local, d; k/v
+    may have fewer heads, grouped-query), the sequence split over `group` as `positions` lays it
+    out. Without a group, plain causal SDPA."""
+    if group is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    cp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), group, cp, rank, scale)
+
+
+# --- all-to-all (Ulysses) attention ----------------------------------------------------------------
+
+
+def _seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """(b, h, s_local, d), the sequence split -> (b, h/cp, s, d) in sequence order, the heads split."""
+    b, h, s, d = x.shape
+    parts = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).reshape(cp, -1)
+    got = comm.all_to_all(parts, [1] * cp, [1] * cp, group, "cp")  # row j: rank j's tokens of our heads
+    whole = got.view(cp, b, h // cp, s, d).permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+    order = torch.cat([positions(cp * s, cp, r) for r in range(cp)]).to(x.device)
+    return whole.index_select(2, torch.argsort(order))
+
+
+def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """The inverse of `_seq_to_heads`."""
+    b, hl, total, d = x.shape
+    s = total // cp
+    order = torch.cat([positions(total, cp, r) for r in range(cp)]).to(x.device)
+    mine = x.index_select(2, order).view(b, hl, cp, s, d).permute(2, 0, 1, 3, 4).reshape(cp, -1)
+    got = comm.all_to_all(mine, [1] * cp, [1] * cp, group, "cp")  # row j: our tokens of rank j's heads
+    return got.view(cp, b, hl, s, d).transpose(0, 1).reshape(b, cp * hl, s, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, cp: int):  # type: ignore[override]
+        ctx.group, ctx.cp = group, cp
+        return _seq_to_heads(x, group, cp)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _heads_to_seq(grad.contiguous(), ctx.group, ctx.cp), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, cp: int):  # type: ignore[override]
+        ctx.group, ctx.cp = group, cp
+        return _heads_to_seq(x, group, cp)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _seq_to_heads(grad.contiguous(), ctx.group, ctx.cp), None, None
+
+
+def alltoall_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float | None = None
+) -> torch.Tensor:
+    """The same result as `ring_attention`, by DeepSpeed-Ulysses' all-to-all: cp must divide the
+    query heads; grouped-query K/V whose heads cp does not divide are repeated up to the query
+    heads first (the all-to-all then carries the copies)."""
+    if group is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    cp = torch.distributed.get_world_size(group)
+    if k.shape[1] % cp:
+        k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+    qh, kh, vh = (_SeqToHeads.apply(t.contiguous(), group, cp) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
+    return _HeadsToSeq.apply(out, group, cp)
