@@ -18,6 +18,7 @@ against the per-expert loop.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -129,6 +130,8 @@ def main() -> None:
     print(f"step ratio Strata / transformers: {ratio:.2f} (goal <= 1.0)")
     grouped = med["strata experts"] / med["loop experts"]
     print(f"expert products alone (same token counts): grouped matmul / per-expert loop = {grouped:.2f}")
+    result = {"ms": {k: v * 1e3 for k, v in med.items()}, "ratio": ratio, "grouped_over_loop": grouped, "diff": diff}
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
