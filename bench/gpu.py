@@ -1,7 +1,7 @@
 """Every single-GPU figure of docs/BENCHMARKS.md in one prepared command, for a lent H100/H200.
 
 The rows, in order of importance, each a subprocess with its own time budget (the budgets add up to
-8 min 20 s; a row may also use what the rows before it left unused). A row that fails or runs out of
+8 minutes; a row may also use what the rows before it left unused). A row that fails or runs out of
 time is recorded as failed, with the tail of its output, and the next row runs:
 
   setup       carried wheels into /tmp/site (on PYTHONPATH for every row), `pip install -e .` unless
@@ -68,7 +68,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 DEVICE_COMMAND = 'run(command="PYTHONUNBUFFERED=1 python3 bench/gpu.py", carry=[".whl"], timeout_s=590)'
-TOTAL_BUDGET_S = 500  # the rows' budgets add up to this: 8 min 20 s of a 15-minute lease
+TOTAL_BUDGET_S = 480  # the rows' budgets add up to this: 8 minutes of a 15-minute lease
 TRAVEL_LIMIT = 64 * 2**20  # what one device call may carry
 MARK = "GPU-BENCH "  # a row's result lines on its stdout: JSON objects, merged in order
 
@@ -339,7 +339,7 @@ ROWS = (
     Row("peak", 15, "bf16 and fp8 matmul peaks (8192^3, fastest half of 20)", lambda c: []),
     Row(
         "mfu",
-        130,
+        120,
         f"{PRESET} preset, {' / '.join(MFU_VARIANTS)}: tokens/s, MFU against the measured bf16 peak",
         lambda c: [compile_cmd(c, v, c.steps, c.warmup) for v in MFU_VARIANTS],
         needs=("peak",),
@@ -352,7 +352,7 @@ ROWS = (
     ),
     Row(
         "fp8-speed",
-        110,
+        100,
         f"{PRESET} preset, {' / '.join(FP8_VARIANTS)} against compiled bf16",
         lambda c: [compile_cmd(c, v, c.steps, c.warmup) for v in FP8_VARIANTS],
     ),
