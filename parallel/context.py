@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.moe import TokenShards
 from strata.parallel import comm
 
 
@@ -266,3 +267,66 @@ def alltoall_attention(
     qh, kh, vh = (_SeqToHeads.apply(t.contiguous(), group, cp) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
     return _HeadsToSeq.apply(out, group, cp)
+
+
+# --- on a model -----------------------------------------------------------------------------------
+
+
+def attention_mode(mode: str, heads: int, kv_heads: int, cp: int) -> str:
+    """parallel.cp_mode resolved for a tensor-parallel rank's `heads` query and `kv_heads` K/V heads:
+    auto is the all-to-all where cp divides both (no head is copied), the ring otherwise."""
+    if mode != "auto":
+        return mode
+    return "alltoall" if heads % cp == 0 and kv_heads % cp == 0 else "ring"
+
+
+class ContextAttention:
+    """What an `Attention` attends with under context parallelism: `ring_attention` or
+    `alltoall_attention` over `group`. Kept out of torch.compile's graphs (a compiled block breaks
+    its graph around it: the collectives run eagerly), and shared, not copied, by a deep copy of
+    the model (a process group cannot be copied)."""
+
+    def __init__(self, mode: str, group):
+        self.mode, self.group = mode, group
+        self._attend = ring_attention if mode == "ring" else alltoall_attention
+
+    @torch.compiler.disable
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self._attend(q, k, v, self.group)
+
+    def __deepcopy__(self, memo: dict) -> ContextAttention:
+        return self
+
+
+class ContextShards:
+    """An MoE layer's tokens split over the context-parallel group (and, inside it, whatever split
+    them before: sequence parallelism's tensor-parallel ranks): the routing counts of its auxiliary
+    losses summed over both, and each rank's share weighted by cp, since the data-parallel average
+    of the gradients counts the context-parallel ranks."""
+
+    def __init__(self, inner: TokenShards, group, cp: int):
+        self.inner, self.group = inner, group
+        self.size, self.loss_weight = inner.size * cp, inner.loss_weight * cp
+
+    def sum(self, counts: torch.Tensor) -> torch.Tensor:
+        return comm.all_reduce(self.inner.sum(counts).clone(), self.group, dim="cp")
+
+
+def apply_context_parallel(model: torch.nn.Module, group, mode: str) -> str:
+    """Every attention layer of `model` attends across the ranks of `group` (its heads are this
+    tensor-parallel rank's), and every MoE layer's auxiliary losses count the tokens of the whole
+    sequence (`ContextShards`); returns the attention mode used. The rotary tables are the caller's
+    to cut to this rank's `positions` (`strata.model.set_rope_buffers`)."""
+    from strata.model import Attention
+    from strata.moe import MoE
+
+    cp = torch.distributed.get_world_size(group)
+    chosen = mode
+    for module in model.modules():
+        if isinstance(module, Attention):
+            heads, kv_heads = (m.weight.shape[0] // module.head_dim for m in (module.wq, module.wk))
+            chosen = attention_mode(mode, heads, kv_heads, cp)
+            module.attend = ContextAttention(chosen, group)
+        elif isinstance(module, MoE):
+            module.shards = ContextShards(module.shards, group, cp)
+    return chosen

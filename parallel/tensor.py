@@ -327,6 +327,8 @@ class SequenceShards:
     """An MoE layer's tokens under sequence parallelism: each rank of the tp group routes its part
     of the sequence; the routing counts its auxiliary losses need are summed over the group."""
 
+    loss_weight = 1  # the tp ranks' router gradients are summed, not averaged
+
     def __init__(self, group, size: int):
         self.group, self.size = group, size
 

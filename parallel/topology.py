@@ -5,6 +5,10 @@ Parallel coordinates follow Megatron: tp innermost and contiguous, then dp, then
 
     rank = tp_rank + tp·(dp_rank + dp·pp_rank).
 
+Context parallelism is carved out of dp, innermost: a layout's dp counts the context-parallel ranks
+too (data replicas × cp), and each dp group's runs of cp consecutive members ("cp" groups) split one
+sequence. They hold the same weights, so gradient reduction and ZeRO partitions span all of dp.
+
 Hardware coordinates follow the launchers (torchrun, srun): node n runs the contiguous ranks
 [n·R, (n+1)·R), R = ranks_per_node, and local ranks fill the GPUs in order, G = ranks_per_gpu at a
 time (G = 2 on a Frontier MI250X, whose two GCDs are two devices, one rank each):
@@ -59,9 +63,10 @@ class Layout:
 
     tp: int = 1
     pp: int = 1
-    dp: int = 1
+    dp: int = 1  # every rank of a pipeline stage's replica group: data parallel times context parallel
     ranks_per_node: int | None = None
     ranks_per_gpu: int = 1
+    cp: int = 1  # context parallel: consecutive runs of cp ranks of each dp group share their sequences
 
     def __post_init__(self):
         # Programmer errors only: layout_from_config reports user mistakes before we get here.
@@ -71,10 +76,13 @@ class Layout:
             "dp": self.dp,
             "ranks_per_gpu": self.ranks_per_gpu,
             "ranks_per_node": self.node_size,
+            "cp": self.cp,
         }
         bad = {k: v for k, v in degrees.items() if not isinstance(v, int) or v < 1}
         if bad:
             raise ValueError(f"Layout: {bad} must be positive integers")
+        if self.dp % self.cp:
+            raise ValueError(f"Layout: cp={self.cp} must divide dp={self.dp} (dp counts the context-parallel ranks)")
         if self.world_size % self.node_size or self.node_size % self.ranks_per_gpu:
             raise ValueError(
                 f"Layout: need ranks_per_gpu={self.ranks_per_gpu} | ranks_per_node={self.node_size} "
@@ -105,6 +113,15 @@ class Layout:
 
     def rank_of(self, pp: int, dp: int, tp: int) -> int:
         return tp + self.tp * (dp + self.dp * pp)
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas that read different data: dp without the context-parallel ranks."""
+        return self.dp // self.cp
+
+    def context_groups(self) -> list[list[int]]:
+        """Each dp group cut into runs of cp consecutive members: the ranks that split one sequence."""
+        return [g[i : i + self.cp] for g in self.group_ranks("dp") for i in range(0, self.dp, self.cp)]
 
     def group_ranks(self, dim: str) -> list[list[int]]:
         """All groups along `dim`: each list holds the ranks that differ only in that coordinate,
@@ -261,7 +278,12 @@ def layout_from_config(par, world_size: int, local_world_size: int | None = None
         raise ConfigError(problems)
     per_node, _ = ranks_per_node(par, world_size, local_world_size)
     return Layout(
-        tp=par.tp, pp=par.pp, dp=par.dp_size(world_size), ranks_per_node=per_node, ranks_per_gpu=par.ranks_per_gpu
+        tp=par.tp,
+        pp=par.pp,
+        dp=par.dp_size(world_size) * par.cp,
+        ranks_per_node=per_node,
+        ranks_per_gpu=par.ranks_per_gpu,
+        cp=par.cp,
     )
 
 
@@ -310,13 +332,27 @@ class Topology:
         return self.layout.dp
 
     @property
+    def cp_rank(self) -> int:
+        """This rank's place in its context-parallel group (which part of each sequence it holds)."""
+        return self.dp_rank % self.layout.cp
+
+    @property
+    def data_rank(self) -> int:
+        """Which replica's share of the data this rank reads (its context-parallel group's)."""
+        return self.dp_rank // self.layout.cp
+
+    @property
+    def data_size(self) -> int:
+        return self.layout.data_parallel
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     def group(self, name: str):
         """This rank's process group `name` ('tp', 'dp', 'pp', 'pp_ends', a level key); None when
         it would hold this rank alone, so collectives over it are no-ops."""
-        if name in DIMS and getattr(self.layout, name) == 1:
+        if (name in DIMS or name == "cp") and getattr(self.layout, name) == 1:
             return None
         return self.groups.get(name)
 
@@ -371,6 +407,8 @@ def _named_group_ranks(layout: Layout) -> list[tuple[str, list[list[int]]]]:
             except ConfigError:
                 pass  # this partitioning is impossible in this layout; the ZeRO engine reports it
     named.append(("pp_ends", layout.pipeline_end_ranks()))
+    if layout.cp > 1:
+        named.append(("cp", layout.context_groups()))
     split = layout.node_split("tp")
     if split is not None:  # tp groups spanning nodes (an expert layout's expert-parallel groups)
         named += [("tp_in_node", split[0]), ("tp_across_nodes", split[1])]

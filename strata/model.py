@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -39,6 +40,13 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA over (batch, heads, seq, head_dim), grouped-query K/V allowed: what an
+    `Attention` attends with unless context parallelism gives it a function that attends across
+    the ranks a sequence is split over (`strata.parallel.context`)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
     """Causal self-attention with rotary positions and grouped-query heads (`kv_heads` shared by
     `n_heads`): q/k/v projections (optional bias), optional per-head q/k RMSNorm, SDPA, output projection."""
@@ -53,6 +61,7 @@ class Attention(nn.Module):
         # One weight of head_dim shared by every head (Qwen3), so tensor parallelism replicates it.
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q = self.wq(x)
@@ -63,7 +72,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = self.attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -143,9 +152,14 @@ def moe_layers(part: nn.Module) -> list[tuple[int, MoE]]:
     return [(int(key), block.mlp) for key, block in named_blocks(part) if isinstance(block.mlp, MoE)]
 
 
-def set_rope_buffers(module: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
-    """Set `module`'s rope_cos/rope_sin buffers to the tables for cfg, on `device`."""
+def set_rope_buffers(
+    module: nn.Module, cfg: ModelConfig, device: torch.device, positions: torch.Tensor | None = None
+) -> None:
+    """Set `module`'s rope_cos/rope_sin buffers to the tables for cfg, on `device`: their rows at
+    `positions` when given (the tokens a context-parallel rank holds, in its order)."""
     cos, sin = rope_tables(cfg)
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
     module.rope_cos, module.rope_sin = cos.to(device), sin.to(device)
 
 

@@ -263,7 +263,7 @@ class MoE(nn.Module):
         out = self.dispatch(flat, routing, self.experts)
         aux = self._aux_loss(routing, sequences=shape[0])
         if aux is not None and torch.is_grad_enabled():
-            out = AuxLossGrad.apply(out, aux, self.aux_grad_scale)
+            out = AuxLossGrad.apply(out, aux, self.aux_grad_scale * self.shards.loss_weight)
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view(shape)
@@ -291,9 +291,13 @@ class MoE(nn.Module):
 
 class TokenShards(Protocol):
     """The ranks a micro-batch's tokens are split over along the sequence (tensor parallelism's
-    sequence parallelism): how many, and a sum over them of a tensor of counts (no gradient)."""
+    sequence parallelism, context parallelism): how many, and a sum over them of a tensor of counts
+    (no gradient). `loss_weight`: what this rank's share of an auxiliary loss is multiplied by in
+    backward, so the shares' gradients add up to the whole loss's once the data-parallel average
+    (which counts context-parallel ranks, but not tensor-parallel ones) has divided them."""
 
     size: int
+    loss_weight: int
 
     def sum(self, counts: torch.Tensor) -> torch.Tensor: ...
 
@@ -302,6 +306,7 @@ class WholeSequences:
     """Every token of the micro-batch on this rank."""
 
     size = 1
+    loss_weight = 1
 
     def sum(self, counts: torch.Tensor) -> torch.Tensor:
         return counts

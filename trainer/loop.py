@@ -107,8 +107,8 @@ class Trainer:
             cfg.train.seed,
             cfg.train.global_batch_size,
             cfg.train.micro_batch_size,
-            self.topo.dp_rank,
-            layout.dp,
+            self.topo.data_rank,
+            self.topo.data_size,
         )
         self.state = TrainState(cfg, self.model, self.loader, runtime.rank)
         self.profiler = StepProfiler.from_config(cfg.log, cfg.run_dir(), runtime.rank, runtime.device)
@@ -304,7 +304,7 @@ class Trainer:
         total = torch.zeros((), device=self.rt.device)
         n = self.cfg.train.eval_batches
         for inputs, targets in eval_batches(
-            self.val_set, n, self.cfg.train.micro_batch_size, self.topo.dp_rank, self.topo.dp_size
+            self.val_set, n, self.cfg.train.micro_batch_size, self.topo.data_rank, self.topo.data_size
         ):
             total += self.model.eval_loss(inputs, targets)
         self.model.train(True)
@@ -629,7 +629,9 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
     layout = trainer.topo.layout
     log.print(
         f"strata: {n_params / 1e6:.2f}M parameters, world {runtime.world_size} "
-        f"(tp {layout.tp}, pp {layout.pp}, dp {layout.dp}), "
+        f"(tp {layout.tp}, pp {layout.pp}, dp {layout.data_parallel}"
+        + (f", cp {layout.cp}" if layout.cp > 1 else "")
+        + "), "
         f"{cfg.train.global_batch_size}×{cfg.model.seq_len} tokens/step, run dir {cfg.run_dir()}"
         + (f", resumed from {resumed_from}" if resumed_from else "")
         + (f", weights from {weights_from}" if weights_from else "")

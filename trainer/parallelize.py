@@ -56,10 +56,13 @@ def build_optimizer(
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel)
 
 
-def materialize(parts: list[nn.Module], cfg: ModelConfig, seed: int, device: torch.device) -> None:
+def materialize(
+    parts: list[nn.Module], cfg: ModelConfig, seed: int, device: torch.device, positions: torch.Tensor | None = None
+) -> None:
     """Give meta-device modules real parameters on `device`, each filled with its slice (its
     `placement`) of the whole initial value. One Parameter per meta Parameter, registered
-    everywhere the old one was, with its attributes: tying survives, also across the parts.
+    everywhere the old one was, with its attributes: tying survives, also across the parts. The
+    rotary tables are those of the token `positions` this rank holds (context parallelism), or all.
 
     With model.init_from the parameters are left unfilled: every run that has it loads all of
     them before its first step (`Trainer.init_weights`, or a resume, which overwrites them too;
@@ -87,7 +90,7 @@ def materialize(parts: list[nn.Module], cfg: ModelConfig, seed: int, device: tor
             for key, b in module._buffers.items():  # the MoE routers' expert biases start at zero
                 if b is not None and b.is_meta:
                     module._buffers[key] = torch.zeros(b.shape, dtype=b.dtype, device=device)
-        set_rope_buffers(part, cfg, device)
+        set_rope_buffers(part, cfg, device, positions)
 
 
 def refuse_unallocatable(parts: list[nn.Module], device: torch.device) -> None:
@@ -132,6 +135,17 @@ class ParallelModel:
     vocab_size: int  # the padded vocabulary
     global_shapes: dict[str, tuple[int, ...]]  # every state-dict entry of the unsharded model
     canonical: dict[str, str]  # every parameter name of the plain model -> its first name (tying)
+    context: tuple[int, int] = (1, 0)  # (cp, this rank's place in it): which tokens of a sequence it runs
+
+    def local(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a (micro-batch, seq_len) batch, on the device."""
+        batch = batch.to(self.device)
+        cp, rank = self.context
+        if cp == 1:
+            return batch
+        from strata.parallel.context import shard
+
+        return shard(batch, cp, rank, dim=1)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -159,8 +173,8 @@ class ParallelModel:
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Gradients of this replica's micro-batches into the engine's flat buffers; returns their
         mean loss (a 0-d tensor on the device)."""
-        inputs = [i.to(self.device) for i, _ in micro_batches]
-        targets = [t.to(self.device) for _, t in micro_batches]
+        inputs = [self.local(i) for i, _ in micro_batches]
+        targets = [self.local(t) for _, t in micro_batches]
         offloader = self.tiers.activations if self.tiers else None
         self.engine.expect_backwards(self.pipeline.microbatches if self.pipeline else len(micro_batches))
         for part in self.parts:  # an auxiliary loss weighs as much as its micro-batch's loss
@@ -202,7 +216,7 @@ class ParallelModel:
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Loss of one micro-batch, forward only (every pipeline rank gets it)."""
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        inputs, targets = self.local(inputs), self.local(targets)
         with self.autocast():
             if self.pipeline:
                 return self.pipeline.evaluate(inputs, targets)
@@ -250,6 +264,7 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
         )
 
     domains = _expert_parallel(cfg, topo, model)
+    positions = _context_parallel(cfg, topo, model)
 
     stages: list[Stage] = []
     if par.pp > 1:
@@ -263,7 +278,7 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
 
         check_float8(cfg.train, device)  # before any memory is allocated
     refuse_unallocatable(parts, device)
-    materialize(parts, cfg.model, cfg.train.seed, device)
+    materialize(parts, cfg.model, cfg.train.seed, device, positions)
     if cfg.train.precision == "fp8":
         from strata.trainer.float8 import apply_float8
 
@@ -308,6 +323,7 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
         model.vocab_size,
         global_shapes,
         canonical,
+        (par.cp, topo.cp_rank),
     )
 
 
@@ -316,7 +332,8 @@ def stage_shapes(cfg: Config, vocab_size: int) -> StageShapes:
     running a real forward and backward, which the engine's hooks would take for a step."""
     from strata.parallel.pipeline import StageShapes
 
-    par, mbs, seq = cfg.parallel, cfg.train.micro_batch_size, cfg.model.seq_len
+    par, mbs = cfg.parallel, cfg.train.micro_batch_size
+    seq = cfg.model.seq_len // par.cp  # a context-parallel rank's tokens
     local_seq = seq // par.tp if par.sequence_parallel and par.tp > 1 else seq
     return StageShapes(
         tokens=(mbs, seq),
@@ -379,6 +396,18 @@ def _expert_parallel(cfg: Config, topo: Topology, model: GPT) -> dict[str, Topol
     experts = domains[EXPERTS]
     apply_expert_parallel(model, experts, par.ep, par.tp, par.ep_dispatch)
     return domains
+
+
+def _context_parallel(cfg: Config, topo: Topology, model: GPT) -> torch.Tensor | None:
+    """parallel.cp: attention across the context-parallel group (ring or all-to-all) and MoE routing
+    counted over whole sequences; returns the token positions this rank holds (None without cp)."""
+    par = cfg.parallel
+    if par.cp == 1:
+        return None
+    from strata.parallel.context import apply_context_parallel, positions
+
+    apply_context_parallel(model, topo.group("cp"), par.cp_mode)
+    return positions(cfg.model.seq_len, par.cp, topo.cp_rank)
 
 
 def _memory_tiers(cfg: Config, engine: ZeroEngine, rank: int, device: torch.device) -> Tiers | None:

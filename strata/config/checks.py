@@ -44,6 +44,7 @@ def cross_problems(cfg: Config, world_size: int | None = None) -> list[str]:
         *_offload_checks(cfg),
         *_snapshot_checks(cfg),
         *_tp_size_checks(m, par),
+        *_context_checks(cfg),
         *_moe_checks(cfg, world_size),
         *_batch_checks(cfg, world_size),
     ]
@@ -251,6 +252,31 @@ def _tp_size_checks(m: ModelConfig, par: ParallelConfig) -> list[str]:
     return p
 
 
+def _context_checks(cfg: Config) -> list[str]:
+    """Context parallelism against the sequence and the heads."""
+    m, par = cfg.model, cfg.parallel
+    p: list[str] = []
+    if par.cp == 1:
+        return p
+    if m.seq_len % (2 * par.cp):
+        p.append(
+            f"model.seq_len={m.seq_len} must be a multiple of 2·parallel.cp = {2 * par.cp} (each sequence is cut "
+            "into 2·cp chunks, two per context-parallel rank)"
+        )
+    elif par.sequence_parallel and par.tp > 1 and (m.seq_len // par.cp) % par.tp:
+        p.append(
+            f"parallel.sequence_parallel splits each context-parallel rank's {m.seq_len // par.cp} tokens over "
+            f"tp={par.tp} ranks: model.seq_len/cp must be a multiple of tp"
+        )
+    heads = m.n_heads // par.tp if m.n_heads % par.tp == 0 else m.n_heads
+    if par.cp_mode == "alltoall" and heads % par.cp:
+        p.append(
+            f"parallel.cp_mode=alltoall needs parallel.cp={par.cp} to divide the {heads} attention heads of a "
+            "tensor-parallel rank (model.n_heads/tp); use cp_mode=ring (or auto)"
+        )
+    return p
+
+
 def _moe_checks(cfg: Config, world_size: int | None) -> list[str]:
     """The MoE layers' shape, and expert parallelism against it and the layout."""
     m, par, moe = cfg.model, cfg.parallel, cfg.model.moe
@@ -277,11 +303,11 @@ def _moe_checks(cfg: Config, world_size: int | None) -> list[str]:
         if cfg.co2.enabled:
             p.append("parallel.ep > 1 with co2.enabled: CO2's outer update needs every parameter replicated over dp")
         if world_size is not None and not layout_problems(par, world_size):
-            pool = par.tp * cfg.dp_size(world_size)
+            replicas = cfg.dp_size(world_size) * par.cp
+            pool = par.tp * replicas
             if pool % par.ep:
                 p.append(
-                    f"parallel.ep={par.ep} must divide a pipeline stage's tp·dp = {par.tp}·{cfg.dp_size(world_size)} "
-                    f"= {pool} ranks"
+                    f"parallel.ep={par.ep} must divide a pipeline stage's tp·dp·cp = {par.tp}·{replicas} = {pool} ranks"
                 )
     return p
 

@@ -58,6 +58,8 @@ class ParallelShape(Protocol):
     @property
     def pp(self) -> int: ...
     @property
+    def cp(self) -> int: ...
+    @property
     def ranks_per_node(self) -> int | None: ...
     @property
     def ranks_per_gpu(self) -> int: ...
@@ -132,20 +134,22 @@ def layout_problems(par: ParallelShape, world_size: int, local_world_size: int |
     """Why `par` cannot lay out a world of `world_size` ranks: the degrees must multiply to it, nodes
     must hold whole GPUs and equal rank counts, and tp groups may not straddle nodes partway
     (`parallel.topology.layout_from_config` builds the layout once these pass)."""
-    tp, pp, g = par.tp, par.pp, par.ranks_per_gpu
+    tp, pp, cp, g = par.tp, par.pp, par.cp, par.ranks_per_gpu
     per_node, source = ranks_per_node(par, world_size, local_world_size)
     problems = []
-    if world_size % (tp * pp):
+    fixed, names = tp * pp * cp, "tp·pp" if cp == 1 else "tp·pp·cp"
+    shown = f"{tp}·{pp}" if cp == 1 else f"{tp}·{pp}·{cp}"
+    if world_size % fixed:
         problems.append(
-            f"world size {world_size} is not divisible by parallel.tp·pp = {tp}·{pp} = {tp * pp}; "
-            f"choose tp and pp whose product divides the number of ranks"
+            f"world size {world_size} is not divisible by parallel.{names} = {shown} = {fixed}; "
+            f"choose degrees whose product divides the number of ranks"
         )
     else:
         dp = par.dp_size(world_size)
-        if tp * pp * dp != world_size:
+        if fixed * dp != world_size:
             problems.append(
-                f"parallel: tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} but the world size is "
-                f"{world_size}; set parallel.dp={world_size // (tp * pp)} or leave it null"
+                f"parallel: {names}·dp = {shown}·{dp} = {fixed * dp} but the world size is "
+                f"{world_size}; set parallel.dp={world_size // fixed} or leave it null"
             )
     if world_size % per_node:
         problems.append(

@@ -191,6 +191,34 @@ def test_cross_key_constraints(overrides, world_size, expected):
     assert err.problems[0].startswith(expected), err.problems
 
 
+@pytest.mark.parametrize(
+    "overrides, world_size, expected",
+    [
+        (["parallel.cp=3"], None, "model.seq_len=128 must be a multiple of 2·parallel.cp = 6"),
+        (["parallel.cp=3"], 4, "world size 4 is not divisible by parallel.tp·pp·cp = 1·1·3 = 3"),
+        (["parallel.cp=2", "parallel.dp=3"], 4, "parallel: tp·pp·cp·dp = 1·1·2·3 = 6 but the world size is 4"),
+        (
+            ["parallel.cp=8", "parallel.cp_mode=alltoall"],
+            None,
+            "parallel.cp_mode=alltoall needs parallel.cp=8 to divide the 4 attention heads",
+        ),
+        (
+            ["parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_len=20"],
+            None,
+            "parallel.sequence_parallel splits each context-parallel rank's 10 tokens over tp=4",
+        ),
+    ],
+)
+def test_context_parallel_errors_name_the_fix(overrides, world_size, expected):
+    err = load_error(None, overrides, world_size=world_size)
+    assert any(p.startswith(expected) for p in err.problems), err.problems
+
+
+def test_context_parallel_takes_its_ranks_out_of_data_parallel():
+    cfg = config.load(None, ["parallel.cp=2", "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=2"])
+    assert cfg.dp_size(8) == 2 and cfg.grad_accum_steps(8) == 2  # 8 ranks: tp 2 · cp 2 · dp 2
+
+
 def test_tensor_parallel_must_divide_heads():
     err = load_error(None, ["parallel.tp=3"])
     assert "parallel.tp=3 must divide model.n_heads=4" in err.problems

@@ -611,7 +611,71 @@ def test_a_tp_group_spanning_nodes_is_cut_into_node_pieces_and_columns():
     assert Layout(tp=6, pp=1, dp=2, ranks_per_node=4).node_split("tp") is None  # pieces of 4 and 2
 
 
+# ---------------------------------------------------------------------------------------------
+# Context parallelism: carved out of dp, innermost after tp, against megatron-core's groups
+# ---------------------------------------------------------------------------------------------
+
+CP_LAYOUTS = [(1, 1, 2, 1), (1, 1, 2, 2), (2, 1, 2, 2), (2, 2, 2, 1), (1, 2, 4, 1), (2, 1, 4, 1)]  # tp, pp, cp, dp
+
+
+def _megatron_context(layouts: list[tuple[int, int, int, int]]) -> dict:
+    """Child-process body: megatron's context-parallel group, its data-parallel group without and with
+    the context-parallel ranks, for every rank of each (tp, pp, cp, dp) layout."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    members = dist.get_process_group_ranks
+    out = {}
+    for tp, pp, cp, dp in layouts:
+        n = tp * pp * cp * dp
+        per_rank = []
+        for r in range(n):
+            dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=n)
+            try:
+                ps.initialize_model_parallel(
+                    tensor_model_parallel_size=tp,
+                    pipeline_model_parallel_size=pp,
+                    context_parallel_size=cp,
+                    create_gloo_process_groups=False,
+                )
+                per_rank.append(
+                    {
+                        "cp": list(ps.get_context_parallel_global_ranks()),
+                        "cp_rank": ps.get_context_parallel_rank(),
+                        "dp": members(ps.get_data_parallel_group()),
+                        "dp_cp": members(ps.get_data_parallel_group(with_context_parallel=True)),
+                    }
+                )
+            finally:
+                ps.destroy_model_parallel()
+                dist.destroy_process_group()
+        out[",".join(map(str, (tp, pp, cp, dp)))] = per_rank
+    return out
+
+
+@pytest.mark.slow  # megatron-core's groups, built in a child process
+def test_context_parallel_groups_match_megatron():
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core not installed (pip install -e '.[test]' installs megatron-core==0.16.1)")
+    reference = _run_child("megatron-cp", CP_LAYOUTS)
+    for tp, pp, cp, dp in CP_LAYOUTS:
+        layout = Layout(tp=tp, pp=pp, dp=dp * cp, cp=cp)
+        assert layout.data_parallel == dp
+        for r, mg in enumerate(reference[f"{tp},{pp},{cp},{dp}"]):
+            topo = Topology(layout, r)
+            assert next(g for g in layout.context_groups() if r in g) == mg["cp"], (tp, pp, cp, dp, r)
+            assert topo.cp_rank == mg["cp_rank"]
+            ours_dp = next(g for g in layout.group_ranks("dp") if r in g)
+            assert ours_dp == mg["dp_cp"]  # gradients and ZeRO partitions span dp·cp, as megatron reduces them
+            assert [q for q in ours_dp if Topology(layout, q).cp_rank == topo.cp_rank] == mg["dp"]
+            assert topo.data_size == dp and mg["dp"].index(r) == topo.data_rank
+
+
 if __name__ == "__main__":  # child process of the megatron_reference / fake_world_builds fixtures
     mode, arg = sys.argv[1], [tuple(x) for x in json.loads(sys.argv[2])]
-    body = {"megatron": _megatron_reference, "hardware": _fake_world_builds}[mode]
+    body = {"megatron": _megatron_reference, "hardware": _fake_world_builds, "megatron-cp": _megatron_context}[mode]
     print(json.dumps(body(arg)))

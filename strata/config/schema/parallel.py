@@ -12,11 +12,25 @@ from strata.config.vocabulary import PIPELINE_SCHEDULES
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How ranks are combined. world size = tp · pp · dp."""
+    """How ranks are combined. world size = tp · cp · dp · pp."""
 
     tp: int = opt(1, "tensor-parallel degree", min=1)
     pp: int = opt(1, "pipeline-parallel degree", min=1)
-    dp: int | None = opt(None, "data-parallel degree (null: world size / (tp·pp))", min=1)
+    dp: int | None = opt(None, "data-parallel degree (null: world size / (tp·cp·pp))", min=1)
+    cp: int = opt(
+        1,
+        "context-parallel degree: each sequence split over this many consecutive ranks after tp (causal "
+        "load-balanced: rank i holds chunks i and 2·cp−1−i of 2·cp), attention computed across the split; the "
+        "ranks hold the same weights, so gradients and ZeRO partitions span dp·cp ranks",
+        min=1,
+    )
+    cp_mode: str = opt(
+        "auto",
+        "how attention crosses the split: ring (K/V blocks passed rank to rank, overlapped with the block "
+        "computation) or alltoall (DeepSpeed-Ulysses: sequence split to head split and back; cp must divide the "
+        "heads per tensor-parallel rank); auto: alltoall where cp divides those heads, else ring",
+        choices=("auto", "ring", "alltoall"),
+    )
     ep: int = opt(
         1,
         "expert-parallel degree (MoE models): each MoE layer's experts split over this many consecutive ranks of a "
@@ -53,8 +67,8 @@ class ParallelConfig:
     ranks_per_gpu: int = opt(1, "ranks sharing one physical GPU (2 for the GCDs of a Frontier MI250X)", min=1)
 
     def dp_size(self, world_size: int) -> int:
-        """Data-parallel degree: `dp`, or what tp·pp leaves of the world."""
-        return self.dp or world_size // (self.tp * self.pp)
+        """Data-parallel degree (replicas reading different data): `dp`, or what tp·cp·pp leaves of the world."""
+        return self.dp or world_size // (self.tp * self.cp * self.pp)
 
     backend: str = opt(
         "auto", "torch.distributed backend (auto: nccl with GPUs, gloo on CPU)", choices=("auto", "gloo", "nccl")
