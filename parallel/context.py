@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.model import Documents
 from strata.moe import TokenShards
 from strata.parallel import comm
 
@@ -254,29 +255,46 @@ class _HeadsToSeq(torch.autograd.Function):
 
 
 def alltoall_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    scale: float | None = None,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """The same result as `ring_attention`, by DeepSpeed-Ulysses' all-to-all: cp must divide the
     query heads; grouped-query K/V whose heads cp does not divide are repeated up to the query
-    heads first (the all-to-all then carries the copies)."""
+    heads first (the all-to-all then carries the copies). With `documents` (the whole sequence's),
+    attention stays inside each packed document."""
     if group is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return _whole_attention(q, k, v, scale, documents)
     cp = torch.distributed.get_world_size(group)
     if k.shape[1] % cp:
         k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
     qh, kh, vh = (_SeqToHeads.apply(t.contiguous(), group, cp) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
-    return _HeadsToSeq.apply(out, group, cp)
+    return _HeadsToSeq.apply(_whole_attention(qh, kh, vh, scale, documents), group, cp)
+
+
+def _whole_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, documents: Documents | None
+) -> torch.Tensor:
+    """Causal SDPA over whole sequences (inside each document when `documents` says where they are)."""
+    mask = None if documents is None or documents.ids is None else documents.mask()
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
 
 
 # --- on a model -----------------------------------------------------------------------------------
 
 
-def attention_mode(mode: str, heads: int, kv_heads: int, cp: int) -> str:
+def attention_mode(mode: str, heads: int, kv_heads: int, cp: int, documents: bool = False) -> str:
     """parallel.cp_mode resolved for a tensor-parallel rank's `heads` query and `kv_heads` K/V heads:
-    auto is the all-to-all where cp divides both (no head is copied), the ring otherwise."""
+    auto is the all-to-all where cp divides both (no head is copied), or with document masks (which
+    the ring does not take) wherever cp divides the query heads; the ring otherwise."""
     if mode != "auto":
         return mode
+    if documents and heads % cp == 0:
+        return "alltoall"
     return "alltoall" if heads % cp == 0 and kv_heads % cp == 0 else "ring"
 
 
@@ -291,8 +309,14 @@ class ContextAttention:
         self._attend = ring_attention if mode == "ring" else alltoall_attention
 
     @torch.compiler.disable
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self._attend(q, k, v, self.group)
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        if documents is None or documents.ids is None:
+            return self._attend(q, k, v, self.group)
+        if self.mode != "alltoall":  # the config checks refuse this first
+            raise ValueError("document masks under context parallelism need the all-to-all attention")
+        return alltoall_attention(q, k, v, self.group, documents=documents)
 
     def __deepcopy__(self, memo: dict) -> ContextAttention:
         return self
@@ -312,7 +336,7 @@ class ContextShards:
         return comm.all_reduce(self.inner.sum(counts).clone(), self.group, dim="cp")
 
 
-def apply_context_parallel(model: torch.nn.Module, group, mode: str) -> str:
+def apply_context_parallel(model: torch.nn.Module, group, mode: str, documents: bool = False) -> str:
     """Every attention layer of `model` attends across the ranks of `group` (its heads are this
     tensor-parallel rank's), and every MoE layer's auxiliary losses count the tokens of the whole
     sequence (`ContextShards`); returns the attention mode used. The rotary tables are the caller's
@@ -325,7 +349,7 @@ def apply_context_parallel(model: torch.nn.Module, group, mode: str) -> str:
     for module in model.modules():
         if isinstance(module, Attention):
             heads, kv_heads = (m.weight.shape[0] // module.head_dim for m in (module.wq, module.wk))
-            chosen = attention_mode(mode, heads, kv_heads, cp)
+            chosen = attention_mode(mode, heads, kv_heads, cp, documents)
             module.attend = ContextAttention(chosen, group)
         elif isinstance(module, MoE):
             module.shards = ContextShards(module.shards, group, cp)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -40,11 +41,49 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA over (batch, heads, seq, head_dim), grouped-query K/V allowed: what an
-    `Attention` attends with unless context parallelism gives it a function that attends across
-    the ranks a sequence is split over (`strata.parallel.context`)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+@dataclass(frozen=True)
+class Documents:
+    """The documents packed into a micro-batch: `ids` (batch, seq), which document each token of the
+    whole sequence belongs to (an end-of-document token ends its own), for attention inside each
+    (`data.document_mask`; None: plain causal attention); `positions` (batch, this rank's tokens),
+    each token's rotary position counted from the start of its document (`data.reset_positions`;
+    None: the sequence's own positions)."""
+
+    ids: torch.Tensor | None
+    positions: torch.Tensor | None = None
+
+    def mask(self) -> torch.Tensor:
+        """(batch, 1, seq, seq) bool, True where a query may attend: causal and inside its document."""
+        assert self.ids is not None
+        seq = self.ids.shape[1]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=self.ids.device).tril()
+        return (causal & (self.ids.unsqueeze(2) == self.ids.unsqueeze(1))).unsqueeze(1)
+
+
+def documents_of(tokens: torch.Tensor, eot: int, mask: bool, reset_positions: bool) -> Documents:
+    """The `Documents` of input tokens (batch, seq) whose documents end with token `eot`; the
+    positions are the whole sequence's (context parallelism cuts them to a rank's tokens)."""
+    ends = tokens == eot
+    ids = ends.long().cumsum(dim=1) - ends.long()  # the end token belongs to the document it ends
+    positions = None
+    if reset_positions:
+        index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        starts = torch.where(ids != F.pad(ids, (1, 0), value=-1)[:, :-1], index, torch.zeros_like(index))
+        positions = index - starts.cummax(dim=1).values
+    return Documents(ids if mask else None, positions)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+) -> torch.Tensor:
+    """Causal SDPA over (batch, heads, seq, head_dim), grouped-query K/V allowed, inside each
+    packed document when `documents` says where they are: what an `Attention` attends with unless
+    context parallelism gives it a function that attends across the ranks a sequence is split over
+    (`strata.parallel.context`)."""
+    gqa = q.shape[1] != k.shape[1]
+    if documents is None or documents.ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask(), enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -61,9 +100,11 @@ class Attention(nn.Module):
         # One weight of head_dim shared by every head (Qwen3), so tensor parallelism replicates it.
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
+        self.attend: Callable[..., torch.Tensor] = causal_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
         q = self.wq(x)
         b, s, _ = q.shape  # from q, not x: a sequence-parallel x may hold only part of the sequence
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -72,7 +113,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attend(q, k, v)
+        masked = documents is not None and documents.ids is not None
+        out = self.attend(q, k, v, documents) if masked else self.attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -101,8 +143,10 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp: nn.Module = MoE(cfg) if cfg.moe.is_moe_layer(index) else SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -126,10 +170,13 @@ class GPT(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
+        cos, sin = cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin)
+        if documents is not None and documents.positions is not None:  # positions restart per document
+            cos, sin = cos[documents.positions], sin[documents.positions]
         for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = layer(x, cos, sin) if documents is None else layer(x, cos, sin, documents)
         return self.output(self.norm(x))
 
     def init_weights(self, seed: int) -> None:

@@ -101,11 +101,16 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[i], x[i + head_dim/2]) of x: (batch, heads, seq, head_dim) by angle i.
+    """Rotate pairs (x[i], x[i + head_dim/2]) of x: (batch, heads, seq, head_dim) by angle i; `cos`
+    and `sin` are (seq, head_dim/2) tables, or (batch, seq, head_dim/2) rows per sequence.
 
     The rotate-half layout of Hugging Face's Llama family and Megatron-core's default (not Meta's
     original interleaved pairs (x[2i], x[2i+1])): their q/k weights then load as they are, with no
     per-head row permutation, the step a converter most often gets wrong."""
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
+    if cos.dim() == 3:  # (batch, seq, head_dim/2): each sequence's own positions (packed documents)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    else:
+        cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

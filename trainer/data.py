@@ -130,6 +130,20 @@ def read_meta(data_dir: Path, key: str = "data.path") -> TokenMeta:
     return TokenMeta(meta["dtype"], vocab, tokenizer if isinstance(tokenizer, str) else "unknown", meta)
 
 
+def end_of_document(data_dir: Path, key: str = "data.path") -> int:
+    """The end-of-document token id `strata data prepare` recorded in meta.json ("eot"), which
+    data.document_mask and data.reset_positions split packed sequences at; a DataError without one."""
+    meta = read_meta(data_dir, key)
+    eot = meta.raw.get("eot")
+    if not isinstance(eot, int) or isinstance(eot, bool) or not 0 <= eot < meta.vocab_size:
+        raise DataError(
+            f"{key}={str(data_dir)!r}: data.document_mask and data.reset_positions need the end-of-document token "
+            f'id as "eot" in meta.json (found {eot!r}); prepare the data again with `strata data prepare`, which '
+            "records it, or turn both off"
+        )
+    return eot
+
+
 def _open_tokens(path: Path, dtype: str) -> np.ndarray:
     """The token file as a read-only memory map; a file that cannot hold whole tokens is a DataError."""
     itemsize = np.dtype(dtype).itemsize

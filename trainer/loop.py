@@ -41,6 +41,7 @@ from strata.trainer.data import (
     MixtureLoader,
     TokenDataset,
     check_data_config,
+    end_of_document,
     ensure_default_corpus,
     eval_batches,
     make_loader,
@@ -94,13 +95,18 @@ class Trainer:
         self.val_set: TokenDataset | Mixture
         if cfg.data.sources:
             self.train_set, self.val_set = open_mixture(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
+            data_dir, key = Path(cfg.data.sources[0].path), "data.sources[0].path"
         else:
             data_dir = Path(cfg.data.path) if cfg.data.path else self._default_corpus()
+            key = "data.path"
             check_data_config(data_dir, cfg)  # data.tokenizer and model.vocab_size against meta.json
             self.train_set = TokenDataset(data_dir, "train", cfg.model.seq_len)
             self.val_set = TokenDataset(data_dir, "val", cfg.model.seq_len)
         self.data_description = self._describe_data()
         self.model: ParallelModel = parallelize(cfg, self.topo, runtime.device, self.train_set.vocab_size)
+        if cfg.data.document_mask or cfg.data.reset_positions:
+            eot = end_of_document(data_dir, key)
+            self.model.documents = (eot, cfg.data.document_mask, cfg.data.reset_positions)
         self.held_bytes: dict[str, int] = {}
         self.loader = make_loader(
             self.train_set,

@@ -23,7 +23,7 @@ from torch import nn
 from strata.checkpoint.pieces import canonical_names
 from strata.config import Config, ModelConfig, OptimConfig, padded_vocab_size
 from strata.errors import ConfigError
-from strata.model import GPT, initial_value, lm_loss, moe_layers, set_rope_buffers
+from strata.model import GPT, Documents, documents_of, initial_value, lm_loss, moe_layers, set_rope_buffers
 from strata.parallel.co2 import CO2
 from strata.parallel.runtime import available_bytes
 from strata.parallel.tensor import apply_tensor_parallel, placement_of
@@ -136,6 +136,8 @@ class ParallelModel:
     global_shapes: dict[str, tuple[int, ...]]  # every state-dict entry of the unsharded model
     canonical: dict[str, str]  # every parameter name of the plain model -> its first name (tying)
     context: tuple[int, int] = (1, 0)  # (cp, this rank's place in it): which tokens of a sequence it runs
+    # (end-of-document token, attend inside documents, restart positions per document), or None
+    documents: tuple[int, bool, bool] | None = None
 
     def local(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a (micro-batch, seq_len) batch, on the device."""
@@ -146,6 +148,17 @@ class ParallelModel:
         from strata.parallel.context import shard
 
         return shard(batch, cp, rank, dim=1)
+
+    def run(self, part: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """`part` (the whole model) on a micro-batch's tokens (micro-batch, seq_len): this rank's share,
+        with the packed documents' boundaries and positions when `documents` is set."""
+        if self.documents is None:
+            return part(self.local(tokens))
+        eot, mask, reset = self.documents
+        docs = documents_of(tokens.to(self.device), eot, mask, reset)
+        if docs.positions is not None:
+            docs = Documents(docs.ids, self.local(docs.positions))
+        return part(self.local(tokens), docs)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -173,7 +186,7 @@ class ParallelModel:
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Gradients of this replica's micro-batches into the engine's flat buffers; returns their
         mean loss (a 0-d tensor on the device)."""
-        inputs = [self.local(i) for i, _ in micro_batches]
+        inputs = [i for i, _ in micro_batches]  # cut to this rank's tokens where they are run
         targets = [self.local(t) for _, t in micro_batches]
         offloader = self.tiers.activations if self.tiers else None
         self.engine.expect_backwards(self.pipeline.microbatches if self.pipeline else len(micro_batches))
@@ -182,11 +195,13 @@ class ParallelModel:
                 layer.aux_grad_scale = 1.0 if self.pipeline else 1 / len(micro_batches)
         with self.autocast(), offloader.saving() if offloader else contextlib.nullcontext():
             if self.pipeline:
-                loss_sum = self.pipeline.forward_backward(torch.cat(inputs), torch.cat(targets))
+                loss_sum = self.pipeline.forward_backward(
+                    torch.cat([self.local(i) for i in inputs]), torch.cat(targets)
+                )
             else:
                 model, loss_sum = self.parts[0], torch.zeros((), device=self.device)
                 for x, y in zip(inputs, targets):
-                    loss = self.loss_fn(model(x), y) / len(micro_batches)
+                    loss = self.loss_fn(self.run(model, x), y) / len(micro_batches)
                     loss.backward()
                     loss_sum += loss.detach()
         if offloader:
@@ -216,11 +231,11 @@ class ParallelModel:
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Loss of one micro-batch, forward only (every pipeline rank gets it)."""
-        inputs, targets = self.local(inputs), self.local(targets)
+        targets = self.local(targets)
         with self.autocast():
             if self.pipeline:
-                return self.pipeline.evaluate(inputs, targets)
-            return self.loss_fn(self.parts[0](inputs), targets)
+                return self.pipeline.evaluate(self.local(inputs), targets)
+            return self.loss_fn(self.run(self.parts[0], inputs), targets)
 
     def train(self, mode: bool = True) -> None:
         for part in self.parts:
@@ -406,7 +421,9 @@ def _context_parallel(cfg: Config, topo: Topology, model: GPT) -> torch.Tensor |
         return None
     from strata.parallel.context import apply_context_parallel, positions
 
-    apply_context_parallel(model, topo.group("cp"), par.cp_mode)
+    apply_context_parallel(model, topo.group("cp"), par.cp_mode, documents=cfg.data.document_mask)
+    if cfg.data.reset_positions:  # the whole rotary tables: each token's position comes with its batch
+        return None
     return positions(cfg.model.seq_len, par.cp, topo.cp_rank)
 
 

@@ -34,6 +34,14 @@ class DataConfig:
         "(weights normalised; Megatron's blended dataset), each source in its own seeded order, evaluation "
         "blends the val splits alike. All sources need the same tokenizer",
     )
+    document_mask: bool = opt(
+        False,
+        "attend only inside each document packed into a sequence: the end-of-document token the data's meta.json "
+        "records (`strata data prepare` writes it) ends one; the loss still counts every token",
+    )
+    reset_positions: bool = opt(
+        False, "restart the rotary positions at every document packed into a sequence (with or without document_mask)"
+    )
     cache_dir: str | None = opt(None, "where the built-in corpus is prepared (null: $STRATA_CACHE or ~/.cache/strata)")
     val_fraction: float = opt(0.05, "share of built-in corpus files held out for evaluation", min=0.0, max=0.5)
     tokenizer: str | None = opt(

@@ -1,0 +1,136 @@
+"""Packed documents (`data.document_mask`, `data.reset_positions`): a sequence holding several documents
+attends only inside each, with rotary positions restarting at each, so its per-token losses are those
+of each document run on its own; trained through `strata train`, also with the sequence split over
+context-parallel ranks (all-to-all attention), the run equals one process's; and what cannot work is
+one clear error at start-up."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.config import ModelConfig
+from strata.model import build_model, documents_of
+from strata.trainer.data import prepare
+
+from conftest import run_cli, tiny_overrides
+from worlds import final_params, losses_from, train_run
+
+EOT = 7
+CFG = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, seq_len=24, vocab_size=16)
+
+
+def packed() -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Two sequences of 24 tokens, each several documents ending with EOT (the last one cut off by
+    the window), and every document's (start, end) span in the first."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(8, 16, (2, CFG.seq_len + 1), generator=g)
+    for row, ends in ((0, (4, 5, 12, 19)), (1, (9, 17))):
+        tokens[row, list(ends)] = EOT
+    spans, start = [], 0
+    for end in (4, 5, 12, 19, CFG.seq_len - 1):
+        spans.append((start, end + 1))
+        start = end + 1
+    return tokens, spans
+
+
+def token_losses(model, tokens: torch.Tensor, documents=None) -> torch.Tensor:
+    logits = model(tokens[:, :-1], documents) if documents is not None else model(tokens[:, :-1])
+    return F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
+
+
+def test_a_packed_sequence_scores_each_document_as_if_alone():
+    model = build_model(CFG, 16, seed=0).eval()
+    tokens, spans = packed()
+    with torch.no_grad():
+        got = token_losses(model, tokens, documents_of(tokens[:, :-1], EOT, True, True))[0]
+        for start, end in spans:
+            alone = token_losses(model, tokens[:1, start : end + 1])[0]  # the document, and the next token as target
+            torch.testing.assert_close(got[start:end], alone, rtol=1e-5, atol=1e-6)
+        total = sum(token_losses(model, tokens[:1, s : e + 1])[0].sum() for s, e in spans)
+        torch.testing.assert_close(got.sum(), total, rtol=1e-5, atol=1e-5)
+
+
+def test_the_mask_and_the_positions_each_change_what_plain_attention_computes():
+    model = build_model(CFG, 16, seed=0).eval()
+    tokens, spans = packed()
+    x = tokens[:, :-1]
+    with torch.no_grad():
+        plain = model(x)
+        masked = model(x, documents_of(x, EOT, True, False))
+        moved = model(x, documents_of(x, EOT, False, True))
+    first = spans[0][1]
+    torch.testing.assert_close(masked[0, :first], plain[0, :first])  # the first document sees nothing else anyway
+    assert (masked[0, first:] - plain[0, first:]).abs().max() > 1e-3
+    # rotary attention sees relative positions: restarting them moves only what crosses a boundary
+    torch.testing.assert_close(moved[0, :first], plain[0, :first])
+    assert (moved[0, first:] - plain[0, first:]).abs().max() > 1e-5
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """A prepared byte-level corpus of many short documents: a 32-token window holds several."""
+    src = tmp_path_factory.mktemp("docs-src")
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "pi", "rho", "x", "omega"]
+    for i in range(400):
+        (src / f"d{i:03d}.txt").write_text(" ".join(rng.choice(words) for _ in range(rng.randint(1, 5))))
+    out = tmp_path_factory.mktemp("docs") / "prepared"
+    prepare(sorted(src.iterdir()), out, val_fraction=0.2, root=src)
+    return out
+
+
+SETTINGS = {"log.interval": 1, "checkpoint.save_final": True, "data.document_mask": True, "data.reset_positions": True}
+
+
+@pytest.mark.slow  # worlds of 1 and 2 processes
+def test_training_on_packed_documents_split_over_context_parallel_ranks_matches_one_process(short_documents, tmp_path):
+    meta = json.loads((short_documents / "meta.json").read_text())
+    assert meta["eot"] == 256 and meta["documents"] >= 300
+    runs = {}
+    for name, nproc, extra in (("one", 1, {}), ("cp2", 2, {"parallel.cp": 2, "parallel.cp_mode": "alltoall"})):
+        train_run(short_documents, tmp_path / name, nproc, **SETTINGS, **extra)
+        runs[name] = losses_from(tmp_path / name / "t"), final_params(tmp_path / name / "t" / "checkpoints")
+    train_run(short_documents, tmp_path / "plain", 1, **{"log.interval": 1})
+    (losses, params), (ref_losses, ref_params) = runs["cp2"], runs["one"]
+    assert losses.keys() == ref_losses.keys()
+    for step, loss in ref_losses.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    for key, ref in ref_params.items():
+        torch.testing.assert_close(params[key], ref, rtol=1e-4, atol=1e-4)
+    plain = losses_from(tmp_path / "plain" / "t")
+    assert any(abs(plain[s] - ref_losses[s]) > 1e-4 for s in plain if s > 1)  # the masks changed the run
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ({"parallel.pp": 2}, "data.document_mask with parallel.pp=2"),
+        ({"parallel.cp": 2, "parallel.cp_mode": "ring"}, "data.document_mask with parallel.cp=2 needs the all-to-all"),
+    ],
+)
+def test_what_document_masks_cannot_do_yet_is_one_clear_error(small_data_dir, tmp_path, capsys, extra, expected):
+    experiment = tmp_path / "e.yaml"
+    experiment.write_text("{}\n")
+    overrides = tiny_overrides(small_data_dir, tmp_path, **{"data.document_mask": True, **extra})
+    code, out = run_cli(["config", "show", str(experiment), *overrides, "--world-size", "2"], capsys)
+    assert code == 2 and expected in out, out
+
+
+def test_data_without_a_recorded_end_of_document_token_is_refused(small_data_dir, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in small_data_dir.iterdir():
+        (data / f.name).write_bytes(f.read_bytes())
+    meta = json.loads((data / "meta.json").read_text())
+    del meta["eot"]
+    (data / "meta.json").write_text(json.dumps(meta))
+    experiment = tmp_path / "e.yaml"
+    experiment.write_text("{}\n")
+    overrides = tiny_overrides(data, tmp_path, **{"data.document_mask": True})
+    code, out = run_cli(["train", str(experiment), *overrides], capsys)
+    assert code == 2 and 'need the end-of-document token id as "eot" in meta.json' in out, out
