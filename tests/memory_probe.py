@@ -126,6 +126,12 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     },
     "moe-tp2-sp-ep4": {"model": {"moe": MOE}, "parallel": {"tp": 2, "sequence_parallel": True, "ep": 4}},
     "moe-ep2-pp2": {"model": {"moe": MOE | {"shared_experts": 1}}, "parallel": {"ep": 2, "pp": 2}},
+    # context parallelism: each sequence over cp ranks of the 4
+    "cp2-ring": {"parallel": {"cp": 2, "cp_mode": "ring"}},
+    "cp4-ring": {"parallel": {"cp": 4, "cp_mode": "ring"}},
+    "cp2-alltoall": {"parallel": {"cp": 2, "cp_mode": "alltoall"}},
+    "cp2-tp2-sp": {"parallel": {"cp": 2, "tp": 2, "sequence_parallel": True}},
+    "cp2-zero3": {"parallel": {"cp": 2}, "zero": {"params": G, "grads": G, "optim": G, "prefetch_blocks": 1}},
 }
 
 KINDS = ("params", "grads", "optim", "gathered", "buckets", "activations", "pool", "staging")

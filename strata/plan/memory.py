@@ -152,7 +152,7 @@ def flat_groups(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> list[G
 
 def micro_batches(cfg: Config, layout: Layout) -> int:
     """Micro-batches per step on each data-parallel rank (at least 1)."""
-    return max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp))
+    return max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.data_parallel))
 
 
 def in_flight(cfg: Config, layout: Layout, pp_rank: int) -> float:
@@ -178,7 +178,9 @@ def activation_bytes(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> d
     """Peak bytes saved for backward on a rank of `pp_rank`: {"device": ..., "host"/"nvme": ...}.
 
     Kept: the blocks' saved tensors times the micro-batches in flight, plus the head's (last stage)
-    and the token ids (first stage). Recomputed (`activations.recompute=full`): each block keeps
+    and the token ids (first stage), for the seq_len/cp tokens of a sequence a context-parallel rank
+    holds (the ring's K/V block in flight and the all-to-all's head-split copies are transient).
+    Recomputed (`activations.recompute=full`): each block keeps
     its input (`selective`: and its matmul and attention outputs); the peak comes while one block's
     forward is recomputed (its whole set but what it already counts) or, if larger, while the
     head's tensors live (with offload only block inputs would move: all counted on the device, a
@@ -190,7 +192,7 @@ def activation_bytes(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> d
     act, m = cfg.activations, cfg.model
     tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
     parts = parts_of(cfg, pp_rank)
-    tokens = cfg.train.micro_batch_size * m.seq_len
+    tokens = cfg.train.micro_batch_size * m.seq_len // cfg.parallel.cp  # a context-parallel rank's share
     indices = [p.first_layer + i for p in parts for i in range(p.n_layers)]
     layers = len(indices)
     flight = in_flight(cfg, layout, pp_rank)

@@ -14,7 +14,7 @@ def layout_line(cfg: Config, cluster: Cluster) -> str:
     """One line describing the layout the planner models: tp, pp, virtual stages, dp, micro-batches,
     ZeRO levels, offload and activation settings."""
     par, lv, layout = cfg.parallel, zero_levels(cfg), layout_of(cfg, cluster)
-    dp, m = layout.dp, micro_batches(cfg, layout)
+    dp, m = layout.data_parallel, micro_batches(cfg, layout)
     zero = (
         "off"
         if lv["params"] == lv["grads"] == lv["optim"] == "none"
@@ -23,8 +23,10 @@ def layout_line(cfg: Config, cluster: Cluster) -> str:
             + (f" secondary@{lv['secondary']}" if lv["secondary"] != "none" else "")
         )
     )
+    context = f" cp={par.cp}" if par.cp > 1 else ""
     return (
-        f"tp={par.tp} pp={par.pp} V={par.virtual_stages} dp={dp}; micro-batch {cfg.train.micro_batch_size} × {m}; "
+        f"tp={par.tp} pp={par.pp} V={par.virtual_stages}{context} dp={dp}; "
+        f"micro-batch {cfg.train.micro_batch_size} × {m}; "
         f"zero {zero}; offload params={cfg.offload.params.device} optim={cfg.offload.optim.device}; "
         f"activations recompute={cfg.activations.recompute} offload={cfg.activations.offload}; "
         f"precision {cfg.train.precision}"
@@ -81,9 +83,9 @@ def search_table(result: SearchResult, cluster: Cluster, top: int) -> list[str]:
             f"{p.memory.peak('host') / 2**30:>9.2f}  {p.candidate.describe()}"
         )
     if result.rejected:
-        lines.append("families with no layout that fits (tp, pp, V, ep):")
+        lines.append("families with no layout that fits (tp, pp, V, ep, cp):")
         lines += [
-            f"  tp={tp} pp={pp} V={v}{f' ep={ep}' if ep > 1 else ''}: {why}"
-            for (tp, pp, v, ep), why in result.rejected.items()
+            f"  tp={tp} pp={pp} V={v}{f' ep={ep}' if ep > 1 else ''}{f' cp={cp}' if cp > 1 else ''}: {why}"
+            for (tp, pp, v, ep, cp), why in result.rejected.items()
         ]
     return lines

@@ -1,9 +1,10 @@
 """Search the layouts of one model and global batch on one cluster: every tensor-parallel degree
 inside a node, pipeline degree and virtual stages, expert parallelism for MoE models (every degree
-that divides the experts and a stage's tp·dp ranks), micro-batch size, ZeRO placement (ZeRO-1/2/3,
+that divides the experts and a stage's tp·dp ranks), context parallelism for long sequences, micro-batch
+size, ZeRO placement (ZeRO-1/2/3,
 hierarchical ZeRO-3 within a node or a GPU, hpZ, the 3-level scheme), optimizer/parameter offload
 and recomputation; keep those the config's own checks accept and the memory model fits, rank
-them by the time model, and say for each rejected family (tp, pp, V, ep) why it failed.
+them by the time model, and say for each rejected family (tp, pp, V, ep, cp) why it failed.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ class Candidate:
     offload: str  # an OFFLOADS name
     recompute: str
     ep: int = 1  # expert parallelism (MoE models): over the stage's tp·dp ranks, folded across tp when ep > dp
+    cp: int = 1  # context parallelism: each sequence over cp ranks carved out of dp
 
     @property
-    def family(self) -> tuple[int, int, int, int]:
-        return (self.tp, self.pp, self.virtual_stages, self.ep)
+    def family(self) -> tuple[int, int, int, int, int]:
+        return (self.tp, self.pp, self.virtual_stages, self.ep, self.cp)
 
     def overrides(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -47,6 +49,7 @@ class Candidate:
             "parallel.microbatches": None,
             "parallel.sequence_parallel": self.tp > 1,
             "parallel.ep": self.ep,
+            "parallel.cp": self.cp,
             "train.micro_batch_size": self.micro_batch_size,
             "activations.recompute": self.recompute,
         }
@@ -58,8 +61,10 @@ class Candidate:
 
     def describe(self) -> str:
         experts = f" ep={self.ep}" if self.ep > 1 else ""
+        context = f" cp={self.cp}" if self.cp > 1 else ""
         return (
-            f"tp={self.tp} pp={self.pp} V={self.virtual_stages}{experts} mbs={self.micro_batch_size} zero={self.zero} "
+            f"tp={self.tp} pp={self.pp} V={self.virtual_stages}{experts}{context} mbs={self.micro_batch_size} "
+            f"zero={self.zero} "
             f"offload={self.offload} recompute={self.recompute}"
         )
 
@@ -98,7 +103,7 @@ class SearchResult:
     (tp, pp, V) does not fit, and how many layouts were considered."""
 
     fitting: list[Planned]
-    rejected: dict[tuple[int, int, int, int], str] = field(default_factory=dict)  # family -> why none of it fits
+    rejected: dict[tuple[int, int, int, int, int], str] = field(default_factory=dict)  # family -> why none fits
     considered: int = 0
 
 
@@ -130,29 +135,44 @@ def candidates(cfg: Config, cluster: Cluster, nvme: bool) -> list[Candidate]:
     for tp in _divisors(node):
         # a pipeline stage holds at least one layer
         for pp in (p for p in _divisors(world // tp) if p <= cfg.model.n_layers):
-            dp = world // (tp * pp)
-            vs = [1] if pp == 1 else [1, 2, 4]
-            per_replica = cfg.train.global_batch_size // dp if cfg.train.global_batch_size % dp == 0 else 0
-            mbs = [b for b in _divisors(per_replica) if b <= 16] if per_replica else [cfg.train.micro_batch_size]
-            zeros = ["none"] if dp == 1 else list(ZERO_SCHEMES)
-            offloads = [o for o in OFFLOADS if nvme or "nvme" not in o]
-            experts = cfg.model.moe.num_experts
-            eps = [e for e in _divisors(tp * dp) if experts % e == 0] if experts else [1]
-            for v, b, z, o, r, e in itertools.product(vs, mbs, zeros, offloads, ("none", "selective", "full"), eps):
-                if o == "all-nvme" and ZERO_SCHEMES[z][0] == "none":
-                    continue  # parameter offload needs ZeRO-3
-                out.append(Candidate(tp, pp, v, b, z, o, r, e))
+            for cp in context_degrees(cfg, world // (tp * pp)):
+                out += _family(cfg, nvme, tp, pp, cp, world // (tp * pp * cp))
+    return out
+
+
+def context_degrees(cfg: Config, ranks: int) -> list[int]:
+    """The context-parallel degrees worth trying with `ranks` data-parallel ranks: 1, and every
+    divisor that splits the sequence evenly while leaving each rank at least 1024 tokens (below
+    that a sequence is short enough for one rank)."""
+    seq = cfg.model.seq_len
+    return [c for c in _divisors(ranks) if c == 1 or (seq % (2 * c) == 0 and seq // c >= 1024)]
+
+
+def _family(cfg: Config, nvme: bool, tp: int, pp: int, cp: int, dp: int) -> list[Candidate]:
+    """Every candidate of one (tp, pp, cp) with `dp` data-parallel replicas."""
+    vs = [1] if pp == 1 else [1, 2, 4]
+    per_replica = cfg.train.global_batch_size // dp if cfg.train.global_batch_size % dp == 0 else 0
+    mbs = [b for b in _divisors(per_replica) if b <= 16] if per_replica else [cfg.train.micro_batch_size]
+    zeros = ["none"] if dp * cp == 1 else list(ZERO_SCHEMES)
+    offloads = [o for o in OFFLOADS if nvme or "nvme" not in o]
+    experts = cfg.model.moe.num_experts
+    eps = [e for e in _divisors(tp * dp * cp) if experts % e == 0] if experts else [1]
+    out = []
+    for v, b, z, o, r, e in itertools.product(vs, mbs, zeros, offloads, ("none", "selective", "full"), eps):
+        if o == "all-nvme" and ZERO_SCHEMES[z][0] == "none":
+            continue  # parameter offload needs ZeRO-3
+        out.append(Candidate(tp, pp, v, b, z, o, r, e, cp))
     return out
 
 
 def search(cfg: Config, cluster: Cluster, vocab: int, problems_of: Callable[[Config, int], list[str]]) -> SearchResult:
-    """Layouts that fit, fastest first, and why each (tp, pp, V, ep) family has none. `problems_of(cfg,
+    """Layouts that fit, fastest first, and why each (tp, pp, V, ep, cp) family has none. `problems_of(cfg,
     world_size)` is the config's own validation (`strata.config.checks.cross_problems`), which weeds
     out layouts a run would refuse."""
     nvme = cfg.offload.nvme_path is not None
     result = SearchResult([])
-    why: dict[tuple[int, int, int, int], list[str]] = {}
-    best_memory: dict[tuple[int, int, int, int], tuple[int, str]] = {}
+    why: dict[tuple[int, int, int, int, int], list[str]] = {}
+    best_memory: dict[tuple[int, int, int, int, int], tuple[int, str]] = {}
     tries = candidates(cfg, cluster, nvme)
     if len(tries) > MAX_CANDIDATES:
         raise StrataError(

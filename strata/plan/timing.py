@@ -95,10 +95,11 @@ class _Stage:
     send: float  # one pipeline send of a micro-batch's activations (or their gradients)
     chunks: int  # model chunks this rank runs (V)
     ep: traffic.Traffic = field(default_factory=traffic.Traffic)  # MoE all-to-alls per micro-batch
+    cp: traffic.Traffic = field(default_factory=traffic.Traffic)  # context parallelism's, seconds exposed
 
     @property
     def micro_batch(self) -> float:
-        return self.fwd + self.bwd + self.tp.seconds + self.ep.seconds
+        return self.fwd + self.bwd + self.tp.seconds + self.ep.seconds + self.cp.seconds
 
     def sends(self, m: int, p: int) -> float:
         """Pipeline sends that show: in the steady state each goes out while the stage computes the
@@ -131,7 +132,7 @@ def bubble_factor(cfg: Config) -> float:
 def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_rank: int, attention: str) -> _Stage:
     m, par, dev = cfg.model, cfg.parallel, cluster.device
     tp = par.tp
-    tokens = cfg.train.micro_batch_size * m.seq_len
+    tokens = cfg.train.micro_batch_size * m.seq_len // par.cp  # a context-parallel rank's share
     parts = parts_of(cfg, pp_rank)
     indices = [p.first_layer + i for p in parts for i in range(p.n_layers)]
     layers = len(indices)
@@ -165,9 +166,47 @@ def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_ra
     tp_traffic = traffic.dim_all_reduce(cluster, layout, "tp", hidden).scaled(reductions)
     send = 0.0
     if par.pp > 1:
-        local_seq = m.seq_len // tp if par.sequence_parallel and tp > 1 else m.seq_len
+        local_seq = m.seq_len // par.cp // (tp if par.sequence_parallel and tp > 1 else 1)
         send = traffic.pipeline_send(cluster, layout, cfg.train.micro_batch_size * local_seq * m.d_model * 4).seconds
-    return _Stage(fwd, bwd, tp_traffic, send, len(parts), _expert_traffic(cfg, cluster, layout, indices))
+    ep = _expert_traffic(cfg, cluster, layout, indices)
+    attend_s = tokens * 2 * m.seq_len * m.n_heads * m.head_size / tp / rate  # a layer's causal attention forward
+    return _Stage(fwd, bwd, tp_traffic, send, len(parts), ep, _context_traffic(cfg, cluster, layout, layers, attend_s))
+
+
+def _context_traffic(cfg: Config, cluster: Cluster, layout: Layout, layers: int, attention: float) -> traffic.Traffic:
+    """Context parallelism's exchanges per micro-batch over `layers` layers (and again when the
+    forward is recomputed), their bytes and the seconds they leave exposed. The all-to-all: q, k, v in
+    and the output back, forward and backward, nothing hidden. The ring: K/V blocks passed cp − 1
+    times forward and backward and their float32 gradients cp times, each passed while a block of
+    the layer's `attention` (forward seconds; backward twice that) computes, so only what outlasts
+    the block is exposed."""
+    m, par = cfg.model, cfg.parallel
+    if par.cp == 1:
+        return traffic.Traffic()
+    from strata.parallel.context import attention_mode
+
+    cp, tp = par.cp, par.tp
+    tokens = cfg.train.micro_batch_size * m.seq_len / cp
+    q, kv = m.n_heads * m.head_size / tp, m.kv_heads * m.head_size / tp
+    act = 2 if cfg.train.bf16_compute else 4
+    forwards = 2 if cfg.activations.recompute != "none" else 1
+    mode = attention_mode(par.cp_mode, m.n_heads // tp, m.kv_heads // tp, cp, cfg.data.document_mask)
+    if mode == "alltoall":
+        return traffic.context_exchange(cluster, layout, tokens * (2 * q + 2 * kv) * act, mode).scaled(
+            layers * (forwards + 1)
+        )
+    shift = traffic.context_exchange(cluster, layout, tokens * 2 * kv * act, mode)
+    grads = traffic.context_exchange(cluster, layout, tokens * 2 * kv * 4, mode)
+    block = attention / cp
+    out = traffic.Traffic()
+    out.add(shift, layers * (cp - 1) * (forwards + 1))
+    out.add(grads, layers * cp)
+    out.seconds = layers * (
+        forwards * (cp - 1) * max(0.0, shift.seconds - block)
+        + (cp - 1) * max(0.0, shift.seconds - 2 * block)
+        + cp * max(0.0, grads.seconds - 2 * block)
+    )
+    return out
 
 
 def _expert_traffic(cfg: Config, cluster: Cluster, layout: Layout, indices: list[int]) -> traffic.Traffic:
@@ -178,7 +217,7 @@ def _expert_traffic(cfg: Config, cluster: Cluster, layout: Layout, indices: list
     moe_layers = sum(1 for i in indices if m.moe.is_moe_layer(i))
     if not moe_layers or par.ep == 1:
         return traffic.Traffic()
-    tokens = cfg.train.micro_batch_size * m.seq_len / par.tp
+    tokens = cfg.train.micro_batch_size * m.seq_len / par.cp / par.tp
     row = m.d_model * (2 if cfg.train.bf16_compute else 4)
     nodes_per_token = _nodes_per_token(cfg, layout)
     one = traffic.expert_exchange(cluster, layout, par.ep, tokens, row, m.moe.top_k, nodes_per_token)
@@ -296,6 +335,7 @@ def estimate_time(cfg: Config, cluster: Cluster, vocab: int, attention: str = "f
         "compute": compute,
         "tp": m * slow.tp.seconds,
         "ep": m * slow.ep.seconds,
+        "cp": m * slow.cp.seconds,
         "pp": max(st.sends(m, cfg.parallel.pp) for st in stages),
         "bubble": bubble,
     }
@@ -305,7 +345,7 @@ def estimate_time(cfg: Config, cluster: Cluster, vocab: int, attention: str = "f
     counts = chunk_counts(layout)
     lv = zero_levels(cfg)
     devices = offload_devices(cfg)
-    step_compute = parts["compute"] + parts["tp"] + parts["ep"] + parts["pp"] + bubble
+    step_compute = parts["compute"] + parts["tp"] + parts["ep"] + parts["cp"] + parts["pp"] + bubble
     for s, st in enumerate(stages):
         groups = flat_groups(cfg, layout, vocab, s)
         red = _reductions(cfg, cluster, layout, groups, m, vocab)
@@ -333,7 +373,7 @@ def estimate_time(cfg: Config, cluster: Cluster, vocab: int, attention: str = "f
                 dp_bytes[k] = dp_bytes.get(k, 0.0) + v / cfg.co2.outer_every
     parts.update({"dp": dp_exposed, "optimizer": optimizer, "offload_io": offload_io, "co2": co2})
     for k in LINKS:
-        link_bytes[k] += (slow.tp.bytes[k] + slow.ep.bytes[k]) * m + dp_bytes[k]
+        link_bytes[k] += (slow.tp.bytes[k] + slow.ep.bytes[k] + slow.cp.bytes[k]) * m + dp_bytes[k]
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     return TimeEstimate(
         step_s=sum(parts.values()),

@@ -130,6 +130,17 @@ def dim_all_reduce(cluster: Cluster, layout: Layout, dim: str, nbytes: float) ->
     return ring_all_reduce(cluster, layout, tuple(tuple(g) for g in layout.group_ranks(dim)), nbytes)
 
 
+def context_exchange(cluster: Cluster, layout: Layout, nbytes: float, mode: str) -> Traffic:
+    """One exchange of context parallelism's attention over every cp group at once: `ring`, each rank
+    passing `nbytes` to the next (a ring step); `alltoall`, each rank sending (cp−1)/cp of its
+    `nbytes` to the others (as much per rank as a ring's reduce-scatter moves)."""
+    groups = tuple(tuple(g) for g in layout.context_groups())
+    size = len(_ring_of_rank0(groups))
+    if mode == "ring":
+        return ring_time(cluster, layout, groups, nbytes, 1)
+    return ring_time(cluster, layout, groups, nbytes * (size - 1) / size, size - 1)
+
+
 def pipeline_send(cluster: Cluster, layout: Layout, nbytes: float) -> Traffic:
     """Every rank of pipeline stage 0 sending `nbytes` to its peer in stage 1 at once (the link a
     stage boundary crosses, shared by the tp·dp ranks that cross it together)."""

@@ -3,7 +3,8 @@ training ranks hold: one 4-rank gloo world trains two steps of every layout in
 `memory_probe.LAYOUTS` (plain data parallelism, ZeRO-1/2/3 with one and two groups prefetched,
 3-level and per-node partitioning, hpZ, tensor parallelism with sequence parallelism, 1F1B, GPipe
 and interleaved pipelines, recomputation, activation offload to host memory and NVMe, optimizer
-offload to host memory and NVMe, bf16 autocast, MoE models under expert parallelism), and every
+offload to host memory and NVMe, bf16 autocast, MoE models under expert parallelism, context
+parallelism by ring and all-to-all, alone and with tp + SP and ZeRO-3), and every
 rank's bytes of each kind and tier, measured from its tensors (`memory_probe.measure`), must be
 within 10% of the model's figure for its pipeline stage (4 KiB where both are smaller than that;
 for an MoE model's activations, the fullest rank of the stage: routing decides each rank's share).

@@ -205,6 +205,34 @@ def test_a_slow_network_puts_the_pipeline_across_nodes():
     assert all(p.time.step_s > result.fitting[0].time.step_s * 5 for p in dp_across)
 
 
+def test_context_parallelism_splits_activations_and_its_exchanges_are_counted():
+    """cp ranks hold seq/cp tokens of activations each; the all-to-all sends (cp−1)/cp of q, k, v and
+    the output each way, the ring K/V blocks cp−1 times and their gradients cp times; over a slow
+    inter-node link the ring outlasts the blocks it hides behind, and a long sequence that fits no
+    device whole is found split by `--search`."""
+    long = ["model.d_model=1024", "model.n_heads=8", "model.n_layers=4", "model.seq_len=32768"]
+    base = config.load(None, [*long, "train.micro_batch_size=1", "train.global_batch_size=2", "parallel.cp=1"])
+    cluster = preset("dgx-a100", 1, gpus_per_node=8)
+    cfgs = {cp: config.replace(base, "parallel.cp", cp) for cp in (1, 4)}
+    act = {cp: estimate_memory(c, cluster, VOCAB).stage(0).kind("activations", "device") for cp, c in cfgs.items()}
+    assert act[4] == pytest.approx(act[1] / 4, rel=0.01)
+    ring = estimate_time(config.replace(cfgs[4], "parallel.cp_mode", "ring"), cluster, VOCAB)
+    a2a = estimate_time(config.replace(cfgs[4], "parallel.cp_mode", "alltoall"), cluster, VOCAB)
+    tokens, d = 32768 / 4, 1024
+    m = 2 // 2  # micro-batches per data-parallel replica: 2 sequences over dp = 8 / 4 = 2 replicas
+    kv = tokens * 2 * d * 4  # one rank's K and V, fp32
+    want_ring = 4 * m * ((4 - 1) * 2 * kv + 4 * kv)  # layers · (K/V fwd + bwd, their gradients)
+    want_a2a = 4 * m * 2 * tokens * 4 * d * 4 * 3 / 4  # layers · both ways · q, k, v, out · (cp-1)/cp
+    assert sum(ring.link_bytes.values()) - sum(ring.dp_bytes.values()) == pytest.approx(want_ring, rel=1e-6)
+    assert sum(a2a.link_bytes.values()) - sum(a2a.dp_bytes.values()) == pytest.approx(want_a2a, rel=1e-6)
+    slow = preset("dgx-a100", 2, gpus_per_node=2, inter_node_gbps=0.01)
+    assert estimate_time(config.replace(cfgs[4], "parallel.cp_mode", "ring"), slow, VOCAB).parts["cp"] > 0
+    small = Device("small", 4.0, 312.0, 0.8, 2000.0)
+    found = search(base, preset("dgx-a100", 1, gpus_per_node=4, device=small), VOCAB, config.cross_problems)
+    assert found.fitting and all(p.candidate.cp > 1 or p.candidate.tp > 1 or p.candidate.pp > 1 for p in found.fitting)
+    assert any(p.candidate.cp > 1 for p in found.fitting)
+
+
 def test_the_search_rejects_a_family_by_memory_and_says_so():
     """A model whose fp32 state (16 bytes a parameter) exceeds one device unless it is split:
     tp=1 pp=1 without ZeRO cannot fit 1 GiB, and the rejection names memory."""
