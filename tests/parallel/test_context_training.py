@@ -1,7 +1,7 @@
 """Context parallelism end to end (`strata train` in every rank of a gloo world): each sequence split
 over cp ranks (causal load-balanced), attention across the split by the K/V ring or the all-to-all,
-alone and with data parallelism under ZeRO-3, with tensor + sequence parallelism, with the pipeline,
-with selective recompute and compile, and with an MoE model's experts split over ranks (its load-balancing,
+alone and with data parallelism under ZeRO-3 and 3-level partitioning, with tensor + sequence
+parallelism, with the pipeline, with selective recompute and compile, full recompute, activation offload, and with an MoE model's experts split over ranks (its load-balancing,
 sequence-wise and z losses counting the whole sequences), must give the
 losses (1e-5) and final weights (1e-4) of the same model trained in one process on whole sequences;
 a checkpoint saved at cp = 2 resumes in one process and at cp = 4."""
@@ -65,8 +65,32 @@ def one_process_moe(small_data_dir, tmp_path_factory):
         (4, {"parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}),
         (4, {"parallel.cp": 2, "parallel.pp": 2, "train.micro_batch_size": 1}),
         (2, {"parallel.cp": 2, "activations.recompute": "selective", "train.compile": True}),
+        (2, {"parallel.cp": 2, "activations.recompute": "full", "parallel.cp_mode": "ring"}),
+        (2, {"parallel.cp": 2, "activations.offload": "cpu", "activations.min_bytes": 1024}),
+        (
+            4,
+            {
+                "parallel.cp": 2,
+                "parallel.ranks_per_node": 4,
+                "parallel.ranks_per_gpu": 2,
+                "zero.params.shard_over": "gpu",
+                "zero.grads.shard_over": "node",
+                "zero.optim.shard_over": "global",
+            },
+        ),
     ],
-    ids=["cp2-ring", "cp2-alltoall", "cp4-ring", "cp2-dp2-zero3", "cp2-tp2-sp", "cp2-pp2", "cp2-selective-compile"],
+    ids=[
+        "cp2-ring",
+        "cp2-alltoall",
+        "cp4-ring",
+        "cp2-dp2-zero3",
+        "cp2-tp2-sp",
+        "cp2-pp2",
+        "cp2-selective-compile",
+        "cp2-full-recompute",
+        "cp2-activation-offload",
+        "cp2-3-level",
+    ],
 )
 def test_context_parallel_matches_one_process(one_process, small_data_dir, tmp_path, nproc, settings):
     assert_same_run(train(small_data_dir, tmp_path, nproc, **settings), one_process)
