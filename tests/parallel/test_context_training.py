@@ -1,10 +1,11 @@
 """Context parallelism end to end (`strata train` in every rank of a gloo world): each sequence split
 over cp ranks (causal load-balanced), attention across the split by the K/V ring or the all-to-all,
 alone and with data parallelism under ZeRO-3 and 3-level partitioning, with tensor + sequence
-parallelism, with the pipeline, with selective recompute and compile, full recompute, activation offload, and with an MoE model's experts split over ranks (its load-balancing,
-sequence-wise and z losses counting the whole sequences), must give the
-losses (1e-5) and final weights (1e-4) of the same model trained in one process on whole sequences;
-a checkpoint saved at cp = 2 resumes in one process and at cp = 4."""
+parallelism, with the pipeline, with selective recompute and compile, full recompute, activation
+offload, and with an MoE model's experts split over ranks (its load-balancing, sequence-wise and z
+losses counting the whole sequences), must give the losses (1e-5) and final weights (1e-4) of the
+same model trained in one process on whole sequences; a checkpoint saved at cp = 2 resumes in one
+process and at cp = 4."""
 
 from __future__ import annotations
 
