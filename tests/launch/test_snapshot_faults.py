@@ -43,8 +43,10 @@ SETTINGS = {
     "snapshot.k": 1,
     "snapshot.m": 1,
     "parallel.timeout_s": 20,
-    # An MoE model with its experts split over the 4 ranks of the 2 nodes and a balancing bias: a
-    # restored rank must get back its own experts, their optimizer state and the router biases
+    # An MoE model with its experts split over the 4 ranks of the 2 nodes and a balancing bias, each
+    # sequence split over 2 context-parallel ranks: a restored rank must get back its own experts,
+    # their optimizer state and the router biases, and rejoin its context-parallel ring
+    "parallel.cp": 2,
     "model.moe.num_experts": 4,
     "model.moe.top_k": 2,
     "model.moe.expert_ffn": 32,
