@@ -232,26 +232,18 @@ def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return got.view(cp, b, hl, s, d).transpose(0, 1).reshape(b, cp * hl, s, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Relayout(torch.autograd.Function):
+    """The sequence split to the head split (`to_heads`) or back; backward is the other way."""
+
     @staticmethod
-    def forward(ctx, x, group, cp: int):  # type: ignore[override]
-        ctx.group, ctx.cp = group, cp
-        return _seq_to_heads(x, group, cp)
+    def forward(ctx, x, group, cp: int, to_heads: bool):  # type: ignore[override]
+        ctx.group, ctx.cp, ctx.to_heads = group, cp, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group, cp)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _heads_to_seq(grad.contiguous(), ctx.group, ctx.cp), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, cp: int):  # type: ignore[override]
-        ctx.group, ctx.cp = group, cp
-        return _heads_to_seq(x, group, cp)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _seq_to_heads(grad.contiguous(), ctx.group, ctx.cp), None, None
+        back = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return back(grad.contiguous(), ctx.group, ctx.cp), None, None, None
 
 
 def alltoall_attention(
@@ -271,8 +263,8 @@ def alltoall_attention(
     cp = torch.distributed.get_world_size(group)
     if k.shape[1] % cp:
         k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-    qh, kh, vh = (_SeqToHeads.apply(t.contiguous(), group, cp) for t in (q, k, v))
-    return _HeadsToSeq.apply(_whole_attention(qh, kh, vh, scale, documents), group, cp)
+    qh, kh, vh = (_Relayout.apply(t.contiguous(), group, cp, True) for t in (q, k, v))
+    return _Relayout.apply(_whole_attention(qh, kh, vh, scale, documents), group, cp, False)
 
 
 def _whole_attention(
