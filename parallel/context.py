@@ -146,6 +146,7 @@ class _RingAttention(torch.autograd.Function):
             rows, keys, causal = _block_of(step, rank, cp, n)
             block_out, block_lse = _block_forward(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal, scale)
             _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            del block_out, block_lse  # not alive through the next block's kernel
             if ahead is not None:
                 ahead[1].wait()
                 kv = ahead[0]
@@ -186,6 +187,7 @@ class _RingAttention(torch.autograd.Function):
                 dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
             dkv[0][:, :, keys] += dkb
             dkv[1][:, :, keys] += dvb
+            del dqb, dkb, dvb  # not alive through the next block's kernel
             incoming = comm.shift_async(dkv, group, "cp")  # on to the next rank, which sees this block next
             if ahead is not None:
                 ahead[1].wait()
