@@ -46,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -288,7 +289,13 @@ def _train_rank(rank: int, size: int, port: int, out_dir: str, argv: list[str]) 
         os.dup2(out.fileno(), 2)
     from strata.launch.cli import main
 
-    code = main(argv)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's usage errors, which print their own message
+        code = e.code if isinstance(e.code, int) else 1
+    except Exception:  # torch's process wrapper would keep the traceback in a queue nobody reads
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
