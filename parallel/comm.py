@@ -215,8 +215,8 @@ def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
     """Point-to-point sends and receives (tensor, global rank) on gloo, every receive posted before
     any send. The order matters on a slow link: two ranks exchanging 10.6 MB over a 100 Mbit/s tbf
     link took 0.88-0.93 s with receives first every time, but 1.76 s (the two directions one after
-    the other) in most tries when one side posted its send first (bench: an exchange per ordering,
-    three tries each, on tests/cluster.py's two nodes). Empty tensors are skipped on both sides."""
+    the other) in most tries when one side posted its send first (measured with gloo on
+    tests/cluster.py's two nodes, three tries of each ordering). Empty tensors are skipped on both sides."""
     works = [dist.irecv(buf, src, group=group) for buf, src in recvs if buf.numel()]
     works += [dist.isend(buf, dst, group=group) for buf, dst in sends if buf.numel()]
     return _Works(works)

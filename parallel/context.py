@@ -47,14 +47,19 @@ def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
     return x.index_select(dim, positions(x.shape[dim], cp, rank).to(x.device))
 
 
+def _group_order(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
+    """Every rank's `positions`, in group-rank order: where each token of the ranks' shards laid
+    end to end sits in the sequence."""
+    return torch.cat([positions(seq_len, cp, r) for r in range(cp)]).to(device)
+
+
 def unshard(pieces: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     """The whole sequence from every rank's `shard` (in group-rank order): the inverse of `shard`."""
     cp = len(pieces)
     if cp == 1:
         return pieces[0]
     whole = torch.cat(pieces, dim)
-    order = torch.cat([positions(whole.shape[dim], cp, r) for r in range(cp)])
-    return whole.index_select(dim, torch.argsort(order).to(whole.device))
+    return whole.index_select(dim, torch.argsort(_group_order(whole.shape[dim], cp, whole.device)))
 
 
 # --- one block of attention, with its log-sum-exp --------------------------------------------------
@@ -220,16 +225,15 @@ def _seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     parts = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).reshape(cp, -1)
     got = comm.all_to_all(parts, [1] * cp, [1] * cp, group, "cp")  # row j: rank j's tokens of our heads
     whole = got.view(cp, b, h // cp, s, d).permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
-    order = torch.cat([positions(cp * s, cp, r) for r in range(cp)]).to(x.device)
-    return whole.index_select(2, torch.argsort(order))
+    return whole.index_select(2, torch.argsort(_group_order(cp * s, cp, x.device)))
 
 
 def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     """The inverse of `_seq_to_heads`."""
     b, hl, total, d = x.shape
     s = total // cp
-    order = torch.cat([positions(total, cp, r) for r in range(cp)]).to(x.device)
-    mine = x.index_select(2, order).view(b, hl, cp, s, d).permute(2, 0, 1, 3, 4).reshape(cp, -1)
+    ranks_order = x.index_select(2, _group_order(total, cp, x.device))  # rank 0's tokens, then rank 1's, ...
+    mine = ranks_order.view(b, hl, cp, s, d).permute(2, 0, 1, 3, 4).reshape(cp, -1)
     got = comm.all_to_all(mine, [1] * cp, [1] * cp, group, "cp")  # row j: our tokens of rank j's heads
     return got.view(cp, b, hl, s, d).transpose(0, 1).reshape(b, cp * hl, s, d)
 

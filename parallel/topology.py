@@ -350,9 +350,9 @@ class Topology:
         return self.rank == 0
 
     def group(self, name: str):
-        """This rank's process group `name` ('tp', 'dp', 'pp', 'pp_ends', a level key); None when
+        """This rank's process group `name` ('tp', 'dp', 'pp', 'pp_ends', 'cp', a level key); None when
         it would hold this rank alone, so collectives over it are no-ops."""
-        if (name in DIMS or name == "cp") and getattr(self.layout, name) == 1:
+        if name in DIMS and getattr(self.layout, name) == 1:
             return None
         return self.groups.get(name)
 

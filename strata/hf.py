@@ -59,6 +59,9 @@ _ROPE_KEYS = {
     "rope_mscale_all_dim": "mscale_all_dim",
     "rope_truncate": "truncate",
 }
+# transformers' defaults for the optional ones, and the keys that are not floats
+_ROPE_DEFAULTS: dict[str, object] = {"rope_beta_fast": 32.0, "rope_beta_slow": 1.0, "rope_truncate": True}
+_ROPE_TYPE: dict[str, type] = {"rope_original_max_position_embeddings": int, "rope_truncate": bool}
 _ROPE_USES = {
     "llama3": ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings"),
     "linear": ("rope_factor",),
@@ -339,17 +342,9 @@ def _rope_settings(hf: Mapping[str, Any], rope: Mapping[str, Any]) -> dict[str, 
         return {}
     out: dict[str, object] = {"rope_scaling": kind}
     for key in _ROPE_USES[kind]:
-        source = _ROPE_KEYS[key]
-        value = rope.get(source)
-        if value is None and key in ("rope_beta_fast", "rope_beta_slow"):
-            value = 32.0 if key == "rope_beta_fast" else 1.0
-        if key == "rope_truncate":
-            value = bool(rope.get("truncate", True))
-        elif key == "rope_original_max_position_embeddings":
-            value = int(rope[source])
-        elif value is not None:
-            value = float(value)
-        out[key] = value
+        value = rope.get(_ROPE_KEYS[key])
+        value = _ROPE_DEFAULTS.get(key) if value is None else value  # transformers' `get(...) or default`
+        out[key] = None if value is None else _ROPE_TYPE.get(key, float)(value)
     if kind == "dynamic":
         out["rope_original_max_position_embeddings"] = int(_get(hf, "max_position_embeddings"))
     if kind == "yarn" and rope.get("factor") is None:

@@ -113,8 +113,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        masked = documents is not None and documents.ids is not None
-        out = self.attend(q, k, v, documents) if masked else self.attend(q, k, v)
+        out = self.attend(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -176,7 +175,7 @@ class GPT(nn.Module):
         if documents is not None and documents.positions is not None:  # positions restart per document
             cos, sin = cos[documents.positions], sin[documents.positions]
         for layer in self.layers:
-            x = layer(x, cos, sin) if documents is None else layer(x, cos, sin, documents)
+            x = layer(x, cos, sin, documents)
         return self.output(self.norm(x))
 
     def init_weights(self, seed: int) -> None:

@@ -135,19 +135,17 @@ class ParallelModel:
     vocab_size: int  # the padded vocabulary
     global_shapes: dict[str, tuple[int, ...]]  # every state-dict entry of the unsharded model
     canonical: dict[str, str]  # every parameter name of the plain model -> its first name (tying)
-    context: tuple[int, int] = (1, 0)  # (cp, this rank's place in it): which tokens of a sequence it runs
     # (end-of-document token, attend inside documents, restart positions per document), or None
     documents: tuple[int, bool, bool] | None = None
 
     def local(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a (micro-batch, seq_len) batch, on the device."""
         batch = batch.to(self.device)
-        cp, rank = self.context
-        if cp == 1:
+        if self.topo.layout.cp == 1:
             return batch
         from strata.parallel.context import shard
 
-        return shard(batch, cp, rank, dim=1)
+        return shard(batch, self.topo.layout.cp, self.topo.cp_rank, dim=1)
 
     def run(self, part: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """`part` (the whole model) on a micro-batch's tokens (micro-batch, seq_len): this rank's share,
@@ -338,7 +336,6 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
         model.vocab_size,
         global_shapes,
         canonical,
-        (par.cp, topo.cp_rank),
     )
 
 

@@ -170,13 +170,16 @@ def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_ra
         send = traffic.pipeline_send(cluster, layout, cfg.train.micro_batch_size * local_seq * m.d_model * 4).seconds
     ep = _expert_traffic(cfg, cluster, layout, indices)
     attend_s = tokens * 2 * m.seq_len * m.n_heads * m.head_size / tp / rate  # a layer's causal attention forward
-    return _Stage(fwd, bwd, tp_traffic, send, len(parts), ep, _context_traffic(cfg, cluster, layout, layers, attend_s))
+    cp = _context_traffic(cfg, cluster, layout, layers, tokens, attend_s)
+    return _Stage(fwd, bwd, tp_traffic, send, len(parts), ep, cp)
 
 
-def _context_traffic(cfg: Config, cluster: Cluster, layout: Layout, layers: int, attention: float) -> traffic.Traffic:
-    """Context parallelism's exchanges per micro-batch over `layers` layers (and again when the
-    forward is recomputed), their bytes and the seconds they leave exposed. The all-to-all: q, k, v in
-    and the output back, forward and backward, nothing hidden. The ring: K/V blocks passed cp − 1
+def _context_traffic(
+    cfg: Config, cluster: Cluster, layout: Layout, layers: int, tokens: int, attention: float
+) -> traffic.Traffic:
+    """Context parallelism's exchanges per micro-batch of a rank's `tokens` over `layers` layers (and
+    again when the forward is recomputed), their bytes and the seconds they leave exposed. The
+    all-to-all: q, k, v in and the output back, forward and backward, nothing hidden. The ring: K/V blocks passed cp − 1
     times forward and backward and their float32 gradients cp times, each passed while a block of
     the layer's `attention` (forward seconds; backward twice that) computes, so only what outlasts
     the block is exposed."""
@@ -186,7 +189,6 @@ def _context_traffic(cfg: Config, cluster: Cluster, layout: Layout, layers: int,
     from strata.parallel.context import attention_mode
 
     cp, tp = par.cp, par.tp
-    tokens = cfg.train.micro_batch_size * m.seq_len / cp
     q, kv = m.n_heads * m.head_size / tp, m.kv_heads * m.head_size / tp
     act = 2 if cfg.train.bf16_compute else 4
     forwards = 2 if cfg.activations.recompute != "none" else 1
