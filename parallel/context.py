@@ -77,16 +77,34 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, s, d).sum(2)
 
 
+def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean attention mask as the additive one the fused kernels take (0 kept, −inf masked)."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def _block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, log-sum-exp (b, heads, s_q) in float32) of q attending to k/v."""
+    """(output, log-sum-exp (b, heads, s_q) in float32) of q attending to k/v, causally or where the
+    boolean `mask` (b, 1, s_q, s_k) allows; a row the mask empties gets output 0 and log-sum-exp −inf
+    (the kernels report 0, which a merge would count as weight)."""
     k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+    bias = _bias(mask, q.dtype)
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
-    return out, lse.float()[..., : q.shape[2]]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+        )
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, True, 0.0, causal, scale=scale
+        )[:2]
+        lse = lse[..., : q.shape[2]]
+    lse = lse.float()
+    if mask is not None:
+        lse = lse.masked_fill(~mask.any(-1), float("-inf"))
+    return out, lse
 
 
 def _block_backward(
@@ -98,24 +116,27 @@ def _block_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of one block, given the *whole* attention's output and log-sum-exp at q's rows."""
     kv_heads = k.shape[1]
     ke, ve = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+    bias = _bias(mask, q.dtype)
     if q.device.type == "cpu":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, ke, ve, out, lse, 0.0, causal, scale=scale
+            dout, q, ke, ve, out, lse, 0.0, causal, attn_mask=bias, scale=scale
         )
     else:
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, ke, ve, None, out, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale
+            dout, q, ke, ve, bias, out, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale
         )
     return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Fold a block's partial attention into the running one, in place (float32 `out` and `lse`)."""
+    """Fold a block's partial attention into the running one, in place (float32 `out` and `lse`;
+    the running `lse` finite, as it is after a rank's own block, where every token sees itself)."""
     new = torch.logaddexp(lse, block_lse)
     out.mul_((lse - new).exp().unsqueeze(-1)).add_(block_out.float() * (block_lse - new).exp().unsqueeze(-1))
     lse.copy_(new)
@@ -139,60 +160,91 @@ def _block_of(step: int, rank: int, cp: int, n: int) -> tuple[slice, slice, bool
     return slice(n, None), everything, False
 
 
+def _document_mask(ids: torch.Tensor, q_at: torch.Tensor, k_at: torch.Tensor) -> torch.Tensor:
+    """(b, 1, len(q_at), len(k_at)) bool: where a query at sequence position q_at may attend to a key at
+    k_at: not later than itself, and in its document (`ids` (b, seq): the whole sequence's)."""
+    causal = q_at.unsqueeze(1) >= k_at.unsqueeze(0)
+    return (causal & (ids[:, q_at].unsqueeze(2) == ids[:, k_at].unsqueeze(1))).unsqueeze(1)
+
+
+class _Blocks:
+    """The blocks one rank computes, step by step around the ring: the query rows and keys of each
+    (`_block_of`) and, with packed documents, the block's mask (None: plain causal or full) and
+    whether it masks everything (no kernel to run: with short documents most blocks far from the
+    diagonal are empty)."""
+
+    def __init__(self, ids: torch.Tensor | None, seq_len: int, cp: int, rank: int):
+        self.ids, self.cp, self.rank = ids, cp, rank
+        self.n = seq_len // (2 * cp)
+        self.order = None if ids is None else _group_order(seq_len, cp, ids.device).view(cp, 2 * self.n)
+
+    def __call__(self, step: int) -> tuple[slice, slice, bool, torch.Tensor | None, bool]:
+        rows, keys, causal = _block_of(step, self.rank, self.cp, self.n)
+        if self.ids is None or self.order is None:
+            return rows, keys, causal, None, False
+        src = (self.rank - step) % self.cp
+        mask = _document_mask(self.ids, self.order[self.rank][rows], self.order[src][keys])
+        return rows, keys, False, mask, not bool(mask.any())
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, cp: int, rank: int, scale: float):  # type: ignore[override]
-        n = q.shape[2] // 2
+    def forward(ctx, q, k, v, ids, group, cp: int, rank: int, scale: float):  # type: ignore[override]
+        blocks = _Blocks(ids, cp * q.shape[2], cp, rank)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = [k, v]
         for step in range(cp):
             ahead = comm.shift_async(kv, group, "cp") if step + 1 < cp else None
-            rows, keys, causal = _block_of(step, rank, cp, n)
-            block_out, block_lse = _block_forward(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal, scale)
-            _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
-            del block_out, block_lse  # not alive through the next block's kernel
+            rows, keys, causal, mask, empty = blocks(step)
+            if not empty:
+                block_out, block_lse = _block_forward(
+                    q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal, scale, mask
+                )
+                _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+                del block_out, block_lse  # not alive through the next block's kernel
             if ahead is not None:
                 ahead[1].wait()
                 kv = ahead[0]
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, ids)
         ctx.group, ctx.cp, ctx.rank, ctx.scale = group, cp, rank, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, ids = ctx.saved_tensors
         group, cp, rank, scale = ctx.group, ctx.cp, ctx.rank, ctx.scale
+        blocks = _Blocks(ids, cp * q.shape[2], cp, rank)
         dout = dout.contiguous()
-        n = q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = [k, v]
         dkv: list[torch.Tensor] | None = None  # the K/V gradient of the block held now, from the ranks before
         incoming = None
         for step in range(cp):
             ahead = comm.shift_async(kv, group, "cp") if step + 1 < cp else None
-            rows, keys, causal = _block_of(step, rank, cp, n)
-            qb = q[:, :, rows]
-            dqb, dkb, dvb = _block_backward(
-                dout[:, :, rows],
-                qb,
-                kv[0][:, :, keys],
-                kv[1][:, :, keys],
-                out[:, :, rows],
-                lse[:, :, rows],
-                causal,
-                scale,
-            )
-            dq[:, :, rows] += dqb
+            rows, keys, causal, mask, empty = blocks(step)
             if incoming is not None:
                 incoming[1].wait()
                 dkv = incoming[0]
             else:
                 dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
-            dkv[0][:, :, keys] += dkb
-            dkv[1][:, :, keys] += dvb
-            del dqb, dkb, dvb  # not alive through the next block's kernel
+            if not empty:
+                dqb, dkb, dvb = _block_backward(
+                    dout[:, :, rows],
+                    q[:, :, rows],
+                    kv[0][:, :, keys],
+                    kv[1][:, :, keys],
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    causal,
+                    scale,
+                    mask,
+                )
+                dq[:, :, rows] += dqb
+                dkv[0][:, :, keys] += dkb
+                dkv[1][:, :, keys] += dvb
+                del dqb, dkb, dvb  # not alive through the next block's kernel
             incoming = comm.shift_async(dkv, group, "cp")  # on to the next rank, which sees this block next
             if ahead is not None:
                 ahead[1].wait()
@@ -200,20 +252,27 @@ class _RingAttention(torch.autograd.Function):
         assert incoming is not None
         incoming[1].wait()  # after cp steps our own block's gradient has come round to us
         dk, dv = incoming[0]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    scale: float | None = None,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's q over the whole sequence's k/v (b, heads, s_local, d; k/v
     may have fewer heads, grouped-query), the sequence split over `group` as `positions` lays it
-    out. Without a group, plain causal SDPA."""
+    out; with `documents` (the whole sequence's), inside each packed document. Without a group,
+    plain causal SDPA."""
     if group is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return _whole_attention(q, k, v, scale, documents)
     cp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), group, cp, rank, scale)
+    ids = None if documents is None else documents.ids
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ids, group, cp, rank, scale)
 
 
 # --- all-to-all (Ulysses) attention ----------------------------------------------------------------
@@ -285,14 +344,11 @@ def _whole_attention(
 # --- on a model -----------------------------------------------------------------------------------
 
 
-def attention_mode(mode: str, heads: int, kv_heads: int, cp: int, documents: bool = False) -> str:
+def attention_mode(mode: str, heads: int, kv_heads: int, cp: int) -> str:
     """parallel.cp_mode resolved for a tensor-parallel rank's `heads` query and `kv_heads` K/V heads:
-    auto is the all-to-all where cp divides both (no head is copied), or with document masks (which
-    the ring does not take) wherever cp divides the query heads; the ring otherwise."""
+    auto is the all-to-all where cp divides both (no head is copied), the ring otherwise."""
     if mode != "auto":
         return mode
-    if documents and heads % cp == 0:
-        return "alltoall"
     return "alltoall" if heads % cp == 0 and kv_heads % cp == 0 else "ring"
 
 
@@ -310,11 +366,7 @@ class ContextAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
     ) -> torch.Tensor:
-        if documents is None or documents.ids is None:
-            return self._attend(q, k, v, self.group)
-        if self.mode != "alltoall":  # the config checks refuse this first
-            raise ValueError("document masks under context parallelism need the all-to-all attention")
-        return alltoall_attention(q, k, v, self.group, documents=documents)
+        return self._attend(q, k, v, self.group, documents=documents)
 
     def __deepcopy__(self, memo: dict) -> ContextAttention:
         return self
@@ -334,7 +386,7 @@ class ContextShards:
         return comm.all_reduce(self.inner.sum(counts).clone(), self.group, dim="cp")
 
 
-def apply_context_parallel(model: torch.nn.Module, group, mode: str, documents: bool = False) -> str:
+def apply_context_parallel(model: torch.nn.Module, group, mode: str) -> str:
     """Every attention layer of `model` attends across the ranks of `group` (its heads are this
     tensor-parallel rank's), and every MoE layer's auxiliary losses count the tokens of the whole
     sequence (`ContextShards`); returns the attention mode used. The rotary tables are the caller's
@@ -347,7 +399,7 @@ def apply_context_parallel(model: torch.nn.Module, group, mode: str, documents: 
     for module in model.modules():
         if isinstance(module, Attention):
             heads, kv_heads = (m.weight.shape[0] // module.head_dim for m in (module.wq, module.wk))
-            chosen = attention_mode(mode, heads, kv_heads, cp, documents)
+            chosen = attention_mode(mode, heads, kv_heads, cp)
             module.attend = ContextAttention(chosen, group)
         elif isinstance(module, MoE):
             module.shards = ContextShards(module.shards, group, cp)

@@ -4,12 +4,15 @@ embedding rides on the first stage, the final norm, output layer and loss on the
 looped/interleaved schedules, or r and 2P−1−r for the V-shaped zero-bubble ones.
 
 Stages hold the model's own modules under their original names, so a stage's state_dict keys are
-the unsharded model's and checkpoints stay in the global layout.
+the unsharded model's and checkpoints stay in the global layout. Packed documents' boundaries and
+positions reach every stage as keyword arguments of the schedule's step, which it cuts into
+micro-batches like the inputs and hands to each stage (the hidden states alone travel between ranks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -17,7 +20,7 @@ from torch import nn
 from torch.distributed import pipelining
 
 from strata.config.vocabulary import SINGLE_STAGE_SCHEDULES
-from strata.model import GPT
+from strata.model import GPT, Documents
 from strata.parallel import comm
 from strata.parallel.stages import StagePlan, plan_stages, schedule_name, stage_indices
 from strata.parallel.watchdog import collective
@@ -49,11 +52,18 @@ class Stage(nn.Module):
         self.register_buffer("rope_cos", rope_cos, persistent=False)
         self.register_buffer("rope_sin", rope_sin, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, doc_positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.plan.is_first:
             x = self.tok_embeddings(x)
+        cos, sin = cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin)
+        documents = None
+        if doc_ids is not None or doc_positions is not None:
+            documents = Documents(doc_ids, doc_positions)
+            cos, sin = documents.rotary(cos, sin)
         for layer in self.layers.values():
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = layer(x, cos, sin, documents)
         if self.plan.is_last:
             x = self.output(self.norm(x))
         return x
@@ -145,20 +155,22 @@ class Pipeline:
         }
         self._num_stages = num_stages
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One step over `microbatches` equal chunks of the batch; the gradients of the summed
-        micro-batch losses go to the ZeRO engine's hooks (which apply the 1/M and sum the tied
-        copies). Returns the mean micro-batch loss, on every pipeline rank."""
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        """One step over `microbatches` equal chunks of the batch (and of its `documents`); the
+        gradients of the summed micro-batch losses go to the ZeRO engine's hooks (which apply the
+        1/M and sum the tied copies). Returns the mean micro-batch loss, on every pipeline rank."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
         with collective("pipeline schedule (stage sends and receives)", "pp"):
-            self.schedule.step(*args, **kwargs)
+            self.schedule.step(*args, **kwargs, **_stage_kwargs(documents))
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=inputs.device)
         return comm.all_reduce(loss.float(), self.group, dim="pp")
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """Loss of one micro-batch, forward only, on every pipeline rank. Runs the stages in
         order with plain send/recv (every rank walks the same stage sequence, so it cannot
         deadlock): evaluation needs no schedule, and its micro-batch count need not be M."""
@@ -170,7 +182,7 @@ class Pipeline:
                 if prev != dist.get_rank():
                     x = comm.recv_tensor(prev, inputs.device, dim="pp")
             if me:
-                x = next(p for p in self.parts if p.plan.index == s)(x)
+                x = next(p for p in self.parts if p.plan.index == s)(x, **_stage_kwargs(documents))
                 if s == self._num_stages - 1:
                     loss = self._loss_fn(x, targets).float()
                 else:
@@ -178,3 +190,11 @@ class Pipeline:
                     if nxt != dist.get_rank():
                         comm.send_tensor(x, nxt, dim="pp")
         return comm.all_reduce(loss, self.group, dim="pp")
+
+
+def _stage_kwargs(documents: Documents | None) -> dict[str, torch.Tensor]:
+    """`Stage.forward`'s keyword arguments for a batch's packed documents (none without them)."""
+    if documents is None:
+        return {}
+    kwargs = {"doc_ids": documents.ids, "doc_positions": documents.positions}
+    return {k: v for k, v in kwargs.items() if v is not None}

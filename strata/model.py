@@ -59,6 +59,13 @@ class Documents:
         causal = torch.ones(seq, seq, dtype=torch.bool, device=self.ids.device).tril()
         return (causal & (self.ids.unsqueeze(2) == self.ids.unsqueeze(1))).unsqueeze(1)
 
+    def rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables (positions, ...) at each token's position: the rows of its position in
+        its document when positions restart per document, else the tables as they are."""
+        if self.positions is None:
+            return cos, sin
+        return cos[self.positions], sin[self.positions]
+
 
 def documents_of(tokens: torch.Tensor, eot: int, mask: bool, reset_positions: bool) -> Documents:
     """The `Documents` of input tokens (batch, seq) whose documents end with token `eot`; the
@@ -172,8 +179,8 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
         cos, sin = cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin)
-        if documents is not None and documents.positions is not None:  # positions restart per document
-            cos, sin = cos[documents.positions], sin[documents.positions]
+        if documents is not None:
+            cos, sin = documents.rotary(cos, sin)
         for layer in self.layers:
             x = layer(x, cos, sin, documents)
         return self.output(self.norm(x))

@@ -147,16 +147,20 @@ class ParallelModel:
 
         return shard(batch, self.topo.layout.cp, self.topo.cp_rank, dim=1)
 
+    def documents_of(self, tokens: torch.Tensor) -> Documents | None:
+        """The packed documents of a batch's tokens (batch, seq_len) when `documents` is set: their
+        boundaries over the whole sequence, the positions of this rank's tokens."""
+        if self.documents is None:
+            return None
+        eot, mask, reset = self.documents
+        docs = documents_of(tokens.to(self.device), eot, mask, reset)
+        return Documents(docs.ids, None if docs.positions is None else self.local(docs.positions))
+
     def run(self, part: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """`part` (the whole model) on a micro-batch's tokens (micro-batch, seq_len): this rank's share,
         with the packed documents' boundaries and positions when `documents` is set."""
-        if self.documents is None:
-            return part(self.local(tokens))
-        eot, mask, reset = self.documents
-        docs = documents_of(tokens.to(self.device), eot, mask, reset)
-        if docs.positions is not None:
-            docs = Documents(docs.ids, self.local(docs.positions))
-        return part(self.local(tokens), docs)
+        docs = self.documents_of(tokens)
+        return part(self.local(tokens)) if docs is None else part(self.local(tokens), docs)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -194,7 +198,7 @@ class ParallelModel:
         with self.autocast(), offloader.saving() if offloader else contextlib.nullcontext():
             if self.pipeline:
                 loss_sum = self.pipeline.forward_backward(
-                    torch.cat([self.local(i) for i in inputs]), torch.cat(targets)
+                    torch.cat([self.local(i) for i in inputs]), torch.cat(targets), self.documents_of(torch.cat(inputs))
                 )
             else:
                 model, loss_sum = self.parts[0], torch.zeros((), device=self.device)
@@ -232,7 +236,7 @@ class ParallelModel:
         targets = self.local(targets)
         with self.autocast():
             if self.pipeline:
-                return self.pipeline.evaluate(self.local(inputs), targets)
+                return self.pipeline.evaluate(self.local(inputs), targets, self.documents_of(inputs))
             return self.loss_fn(self.run(self.parts[0], inputs), targets)
 
     def train(self, mode: bool = True) -> None:
@@ -418,7 +422,7 @@ def _context_parallel(cfg: Config, topo: Topology, model: GPT) -> torch.Tensor |
         return None
     from strata.parallel.context import apply_context_parallel, positions
 
-    apply_context_parallel(model, topo.group("cp"), par.cp_mode, documents=cfg.data.document_mask)
+    apply_context_parallel(model, topo.group("cp"), par.cp_mode)
     if cfg.data.reset_positions:  # the whole rotary tables: each token's position comes with its batch
         return None
     return positions(cfg.model.seq_len, par.cp, topo.cp_rank)

@@ -45,7 +45,6 @@ def cross_problems(cfg: Config, world_size: int | None = None) -> list[str]:
         *_snapshot_checks(cfg),
         *_tp_size_checks(m, par),
         *_context_checks(cfg),
-        *_document_checks(cfg),
         *_moe_checks(cfg, world_size),
         *_batch_checks(cfg, world_size),
     ]
@@ -275,24 +274,7 @@ def _context_checks(cfg: Config) -> list[str]:
             f"parallel.cp_mode=alltoall needs parallel.cp={par.cp} to divide the {heads} attention heads of a "
             "tensor-parallel rank (model.n_heads/tp); use cp_mode=ring (or auto)"
         )
-    elif cfg.data.document_mask and (par.cp_mode == "ring" or heads % par.cp):
-        p.append(
-            f"data.document_mask with parallel.cp={par.cp} needs the all-to-all attention (the ring does not take "
-            f"document masks yet): set parallel.cp_mode=alltoall (or auto), with cp dividing the {heads} heads of a "
-            "tensor-parallel rank"
-        )
     return p
-
-
-def _document_checks(cfg: Config) -> list[str]:
-    """Packed-document settings against the layout."""
-    if (cfg.data.document_mask or cfg.data.reset_positions) and cfg.parallel.pp > 1:
-        key = "data.document_mask" if cfg.data.document_mask else "data.reset_positions"
-        return [
-            f"{key} with parallel.pp={cfg.parallel.pp}: the pipeline does not carry a micro-batch's document "
-            "boundaries between stages yet; set parallel.pp=1 or turn it off"
-        ]
-    return []
 
 
 def _moe_checks(cfg: Config, world_size: int | None) -> list[str]:

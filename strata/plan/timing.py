@@ -192,7 +192,7 @@ def _context_traffic(
     q, kv = m.n_heads * m.head_size / tp, m.kv_heads * m.head_size / tp
     act = 2 if cfg.train.bf16_compute else 4
     forwards = 2 if cfg.activations.recompute != "none" else 1
-    mode = attention_mode(par.cp_mode, m.n_heads // tp, m.kv_heads // tp, cp, cfg.data.document_mask)
+    mode = attention_mode(par.cp_mode, m.n_heads // tp, m.kv_heads // tp, cp)
     if mode == "alltoall":
         return traffic.context_exchange(cluster, layout, tokens * (2 * q + 2 * kv) * act, mode).scaled(
             layers * (forwards + 1)

@@ -1,8 +1,9 @@
 """Packed documents (`data.document_mask`, `data.reset_positions`): a sequence holding several documents
 attends only inside each, with rotary positions restarting at each, so its per-token losses are those
-of each document run on its own; trained through `strata train`, also with the sequence split over
-context-parallel ranks (all-to-all attention), the run equals one process's; and what cannot work is
-one clear error at start-up."""
+of each document run on its own; trained through `strata train` with the sequence split over
+context-parallel ranks (all-to-all or ring attention) or the layers over interleaved pipeline stages,
+the run equals one process's (training and evaluation losses, final weights); and data without a
+recorded end-of-document token is one clear error at start-up."""
 
 from __future__ import annotations
 
@@ -84,41 +85,71 @@ def short_documents(tmp_path_factory):
     return out
 
 
-SETTINGS = {"log.interval": 1, "checkpoint.save_final": True, "data.document_mask": True, "data.reset_positions": True}
+SETTINGS = {
+    "log.interval": 1,
+    "checkpoint.save_final": True,
+    "train.eval_interval": 3,
+    "data.document_mask": True,
+    "data.reset_positions": True,
+}
+LAYOUTS = {
+    "cp2-alltoall": {"parallel.cp": 2, "parallel.cp_mode": "alltoall"},
+    "cp2-ring": {"parallel.cp": 2, "parallel.cp_mode": "ring"},
+    "pp2-interleaved": {"parallel.pp": 2, "parallel.virtual_stages": 2, "model.n_layers": 4},
+    "pp2-zbv": {
+        "parallel.pp": 2,
+        "parallel.virtual_stages": 2,
+        "parallel.schedule": "zbv_zero_bubble",
+        "model.n_layers": 4,
+    },
+    "cp2-ring-pp2": {"parallel.cp": 2, "parallel.cp_mode": "ring", "parallel.pp": 2, "model.n_layers": 4},
+}
 
 
-@pytest.mark.slow  # worlds of 1 and 2 processes
-def test_training_on_packed_documents_split_over_context_parallel_ranks_matches_one_process(short_documents, tmp_path):
+def eval_losses(run_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+
+
+@pytest.fixture(scope="module")
+def one_process(short_documents, tmp_path_factory):
+    """One process's run on packed documents, for each model depth the layouts use."""
+    runs = {}
+    for layers in (2, 4):
+        root = tmp_path_factory.mktemp(f"one{layers}")
+        train_run(short_documents, root, 1, **SETTINGS, **{"model.n_layers": layers})
+        runs[layers] = root / "t"
+    return runs
+
+
+@pytest.mark.slow  # worlds of 2 and 4 processes
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_training_on_packed_documents_split_over_ranks_matches_one_process(
+    short_documents, one_process, tmp_path, layout
+):
     meta = json.loads((short_documents / "meta.json").read_text())
     assert meta["eot"] == 256 and meta["documents"] >= 300
-    runs = {}
-    for name, nproc, extra in (("one", 1, {}), ("cp2", 2, {"parallel.cp": 2, "parallel.cp_mode": "alltoall"})):
-        train_run(short_documents, tmp_path / name, nproc, **SETTINGS, **extra)
-        runs[name] = losses_from(tmp_path / name / "t"), final_params(tmp_path / name / "t" / "checkpoints")
-    train_run(short_documents, tmp_path / "plain", 1, **{"log.interval": 1})
-    (losses, params), (ref_losses, ref_params) = runs["cp2"], runs["one"]
+    settings = {**SETTINGS, **LAYOUTS[layout]}
+    train_run(short_documents, tmp_path, settings.get("parallel.cp", 1) * settings.get("parallel.pp", 1), **settings)
+    ref = one_process[settings.get("model.n_layers", 2)]
+    losses, ref_losses = losses_from(tmp_path / "t"), losses_from(ref)
     assert losses.keys() == ref_losses.keys()
     for step, loss in ref_losses.items():
         assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
-    for key, ref in ref_params.items():
-        torch.testing.assert_close(params[key], ref, rtol=1e-4, atol=1e-4)
-    plain = losses_from(tmp_path / "plain" / "t")
-    assert any(abs(plain[s] - ref_losses[s]) > 1e-4 for s in plain if s > 1)  # the masks changed the run
+    evals, ref_evals = eval_losses(tmp_path / "t"), eval_losses(ref)
+    assert ref_evals and evals.keys() == ref_evals.keys()
+    for step, loss in ref_evals.items():
+        assert evals[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    params, ref_params = final_params(tmp_path / "t" / "checkpoints"), final_params(ref / "checkpoints")
+    for key, want in ref_params.items():
+        torch.testing.assert_close(params[key], want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(
-    "extra, expected",
-    [
-        ({"parallel.pp": 2}, "data.document_mask with parallel.pp=2"),
-        ({"parallel.cp": 2, "parallel.cp_mode": "ring"}, "data.document_mask with parallel.cp=2 needs the all-to-all"),
-    ],
-)
-def test_what_document_masks_cannot_do_yet_is_one_clear_error(small_data_dir, tmp_path, capsys, extra, expected):
-    experiment = tmp_path / "e.yaml"
-    experiment.write_text("{}\n")
-    overrides = tiny_overrides(small_data_dir, tmp_path, **{"data.document_mask": True, **extra})
-    code, out = run_cli(["config", "show", str(experiment), *overrides, "--world-size", "2"], capsys)
-    assert code == 2 and expected in out, out
+@pytest.mark.slow
+def test_document_masks_change_the_run(short_documents, one_process, tmp_path):
+    train_run(short_documents, tmp_path, 1, **{"log.interval": 1})
+    plain, masked = losses_from(tmp_path / "t"), losses_from(one_process[2])
+    assert any(abs(plain[s] - masked[s]) > 1e-4 for s in plain if s > 1)
 
 
 def test_data_without_a_recorded_end_of_document_token_is_refused(small_data_dir, tmp_path, capsys):
