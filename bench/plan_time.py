@@ -111,6 +111,9 @@ LAYOUTS_ONE_PER_NODE: dict[str, dict[str, Any]] = {
     "moe-dp2": MOE,
     "moe-ep2": {**MOE, "parallel.ep": 2},
     "moe-ep2-flat": {**MOE, "parallel.ep": 2, "parallel.ep_dispatch": "flat"},
+    # each sequence over both nodes: K/V blocks round the ring, or the all-to-all into the head split
+    "cp2-ring": {"parallel.cp": 2, "parallel.cp_mode": "ring"},
+    "cp2-alltoall": {"parallel.cp": 2, "parallel.cp_mode": "alltoall"},
 }
 
 
