@@ -20,6 +20,7 @@ from torch import nn
 
 from strata.config.schema import ModelConfig
 from strata.config.vocabulary import padded_vocab_size
+from strata.kv_cache import KVCache
 from strata.moe import MoE
 from strata.rope import apply_rope, rope_tables
 
@@ -95,11 +96,12 @@ def causal_attention(
 
 class Attention(nn.Module):
     """Causal self-attention with rotary positions and grouped-query heads (`kv_heads` shared by
-    `n_heads`): q/k/v projections (optional bias), optional per-head q/k RMSNorm, SDPA, output projection."""
+    `n_heads`): q/k/v projections (optional bias), optional per-head q/k RMSNorm, SDPA, output projection.
+    Given a `KVCache` (decoding), it attends to the cached keys and values of the tokens before as well."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.head_dim = cfg.head_size
+        self.head_dim, self.layer = cfg.head_size, layer
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.qkv_bias)
@@ -110,7 +112,12 @@ class Attention(nn.Module):
         self.attend: Callable[..., torch.Tensor] = causal_attention
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: Documents | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         q = self.wq(x)
         b, s, _ = q.shape  # from q, not x: a sequence-parallel x may hold only part of the sequence
@@ -120,7 +127,11 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attend(q, k, v, documents)
+        if cache is None:
+            out = self.attend(q, k, v, documents)
+        else:
+            k, v = cache.update(self.layer, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask(), enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -145,19 +156,25 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, index)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp: nn.Module = MoE(cfg) if cfg.moe.is_moe_layer(index) else SwiGLU(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: Documents | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, documents)
+        x = x + self.attn(self.attn_norm(x), cos, sin, documents, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class GPT(nn.Module):
-    """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
+    """Token ids (batch, seq) -> logits (batch, seq, vocab); with a `KVCache`, the tokens after those
+    it holds (decoding: the rotary positions and the mask are the cache's)."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
@@ -176,13 +193,19 @@ class GPT(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, documents: Documents | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
         cos, sin = cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin)
+        if cache is not None:
+            documents = Documents(None, cache.begin(tokens.shape[1])[0])
         if documents is not None:
             cos, sin = documents.rotary(cos, sin)
         for layer in self.layers:
-            x = layer(x, cos, sin, documents)
+            x = layer(x, cos, sin, documents, cache)
+        if cache is not None:
+            cache.end(tokens.shape[1])
         return self.output(self.norm(x))
 
     def init_weights(self, seed: int) -> None:

@@ -92,10 +92,12 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq_len, head_size/2) for rotary position embedding (YaRN's
-    attention factor included)."""
-    angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64, device="cpu"), rope_frequencies(cfg))
+def rope_tables(cfg: ModelConfig, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (length, head_size/2) for rotary position embedding (YaRN's
+    attention factor included): `length` positions (default model.seq_len) at the frequencies of
+    model.seq_len (a dynamic NTK scaling's are those of a sequence of seq_len tokens)."""
+    positions = torch.arange(cfg.seq_len if length is None else length, dtype=torch.float64, device="cpu")
+    angles = torch.outer(positions, rope_frequencies(cfg))
     scale = attention_factor(cfg)
     return (angles.cos() * scale).float(), (angles.sin() * scale).float()
 

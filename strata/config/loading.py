@@ -107,9 +107,18 @@ def merge_groups(base: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def from_yaml(data: bytes | str) -> Config:
-    """Build and validate a Config from a YAML document (a checkpoint's config.yaml)."""
-    return from_dict(yaml.safe_load(data))
+def from_yaml(data: bytes | str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build and validate a Config from a YAML document (a checkpoint's config.yaml), with
+    `key.sub=value` overrides applied."""
+    if not overrides:
+        return from_dict(yaml.safe_load(data))
+    problems: list[str] = []
+    raw = yaml.safe_load(data)
+    for item in overrides:
+        _apply_override(raw, item, problems)
+    cfg = _build(raw, problems)
+    _check_and_raise(cfg, problems, None)
+    return cfg
 
 
 def from_dict(raw: dict[str, Any], world_size: int | None = None) -> Config:

@@ -1,0 +1,148 @@
+"""`strata generate`: text from a trained model, in this process: a Strata checkpoint (any layout),
+a Hugging Face model directory or a DCP checkpoint, its own tokenizer, a key/value cache, greedy or
+sampled decoding (`strata.inference`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from strata.errors import StrataError
+from strata.launch.commands.common import FORMATTER, OVERRIDES, epilog, whole
+
+if TYPE_CHECKING:
+    from strata.launch.commands.common import Subparsers
+
+DTYPES = ("fp32", "bf16")
+
+
+def add_parser(subparsers: Subparsers) -> None:
+    """Add `strata generate` to the `strata` parser."""
+    g = subparsers.add_parser(
+        "generate",
+        help="continue prompts with a trained model (a checkpoint of any layout, a Hugging Face directory)",
+        formatter_class=FORMATTER,
+        usage="strata generate CKPT_OR_HF_DIR [--prompt TEXT ... | --prompts FILE] [--max-new-tokens N]\n"
+        "                       [--temperature T --top-k K --top-p P --seed S] [--stream] [key=value ...]",
+        description="Continue each prompt with up to --max-new-tokens tokens, decoded with the model's own\n"
+        "tokenizer (the run's prepared data's, or the Hugging Face directory's), stopping at its\n"
+        "end-of-text id. Greedy unless --temperature > 0. Prompts of different lengths run as one batch.",
+        epilog=epilog(
+            "strata generate runs/tiny/checkpoints --prompt 'def main(' --max-new-tokens 64",
+            "strata generate ./Qwen2-0.5B --prompts prompts.txt --temperature 0.8 --top-p 0.95 --seed 1",
+            "strata generate runs/tiny/checkpoints/step_000100 --prompt 'import ' --stream",
+            "strata generate dcp_ckpt/ --config configs/tiny.yaml --prompt 'x = '",
+        ),
+    )
+    g.add_argument(
+        "path",
+        metavar="CKPT_OR_HF_DIR",
+        help="a run's checkpoint directory, a step_* directory, a "
+        "Hugging Face model directory, or a DCP checkpoint (with --config)",
+    )
+    g.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    g.add_argument("--prompts", help='a file of prompts: one per line, or JSON lines with a "prompt" field')
+    g.add_argument("--max-new-tokens", type=whole(1), default=128, help="tokens to add to each prompt (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
+    g.add_argument("--top-k", type=whole(0), default=0, help="sample from the k most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
+    g.add_argument("--seed", type=int, default=0, help="the sampling seed (one seed, one output)")
+    g.add_argument("--stream", action="store_true", help="print the tokens as they come (one prompt)")
+    g.add_argument("--config", help="a YAML experiment in place of the one the checkpoint carries (needed for DCP)")
+    g.add_argument("--dtype", choices=DTYPES, default="fp32", help="the weights' and activations' type")
+    g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    g.set_defaults(func=run)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """--prompt's and --prompts' prompts, in order."""
+    prompts = list(args.prompt)
+    if args.prompts:
+        path = Path(args.prompts)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise StrataError(f"--prompts {path}: cannot be read as UTF-8 text ({e})") from e
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    prompts.append(str(json.loads(line)["prompt"]))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise StrataError(f'--prompts {path}:{n}: expected a JSON object with a "prompt" ({e})') from e
+            else:
+                prompts.append(line)
+    if not prompts:
+        raise StrataError("strata generate: no prompt; give --prompt TEXT (repeatable) or --prompts FILE")
+    if args.stream and len(prompts) > 1:
+        raise StrataError(f"--stream prints one prompt's tokens as they come; got {len(prompts)} prompts")
+    return prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate and print each prompt's continuation; timing on stderr."""
+    import torch
+
+    from strata.inference.generate import generate
+    from strata.inference.sampling import Sampling
+    from strata.inference.source import open_model
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    problems = sampling.problems()
+    if problems:
+        raise StrataError("; ".join(problems))
+    prompts = read_prompts(args)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise StrataError(f"--device {args.device}: no CUDA device here; use --device cpu")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    config = Path(args.config) if args.config else None
+    opened = open_model(Path(args.path), config, args.overrides, dtype)
+    model = opened.model.to(args.device)
+    ids = [opened.tokenizer.encode(p) for p in prompts]
+    if any(not i for i in ids):
+        raise StrataError("strata generate: a prompt encodes to no tokens; give it some text")
+    longest = max(len(i) for i in ids) + args.max_new_tokens
+    print(f"model: {opened.what}", file=sys.stderr)
+    if longest > opened.cfg.model.seq_len:
+        print(
+            f"note: {longest} tokens run past the {opened.cfg.model.seq_len} the model was trained on", file=sys.stderr
+        )
+    stream = _Stream(opened.tokenizer) if args.stream else None
+    if stream:
+        print(prompts[0], end="", flush=True)
+    result = generate(model, ids, args.max_new_tokens, sampling, opened.stop_ids, stream)
+    if stream:
+        print()
+    else:
+        for prompt, new in zip(prompts, result.tokens):
+            print(prompt + opened.tokenizer.decode([t for t in new if t not in opened.stop_ids]))
+            print("-" * 40)
+    rate = result.new_tokens / result.decode_s if result.decode_s > 0 else float("inf")
+    print(
+        f"{result.new_tokens} new tokens over {len(prompts)} prompt(s); prefill {result.prefill_s:.3f} s, "
+        f"decoding {result.decode_s:.3f} s ({rate:.1f} tokens/s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+class _Stream:
+    """Prints one row's text as its tokens come: the whole decoded so far, less what was printed (a
+    token may be part of a character, or change how the one before decodes)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    def __call__(self, tokens: list[int | None]) -> None:
+        if tokens[0] is None:
+            return
+        self.ids.append(tokens[0])
+        text = self.tokenizer.decode(self.ids)
+        if text.startswith(self.shown) and not text.endswith("\ufffd"):
+            print(text[len(self.shown) :], end="", flush=True)
+            self.shown = text

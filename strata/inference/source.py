@@ -1,0 +1,170 @@
+"""A trained model opened for use in one process: from a Strata checkpoint (saved in any layout:
+each tensor is read whole), a Hugging Face model directory, or a checkpoint torch.distributed.checkpoint
+wrote alone (its config given with --config); with the tokenizer it was trained with and the ids
+that end a generation.
+
+The weights are read straight into a plain `strata.model.GPT`'s tensors through the readers every
+resume uses (`Checkpoint`, `hf_weights.open_weights`, `DcpCheckpoint`), checked as they are read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from strata.checkpoint import store
+from strata.checkpoint.pieces import whole_piece
+from strata.config import Config
+from strata.errors import CheckpointError, ConfigError, DataError
+from strata.model import GPT
+from strata.rope import rope_tables
+from strata.trainer.tokenize import ByteTokenizer, load_file_tokenizer
+
+
+class Tokenizer:
+    """Text to ids and back: a tokenizer.json (the `tokenizers` library, special tokens added as the
+    file's post-processor says, as transformers' fast tokenizers do), or UTF-8 bytes (`path` None)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._tok = load_file_tokenizer(path) if path is not None else None
+
+    def encode(self, text: str) -> list[int]:
+        if self._tok is None:
+            return ByteTokenizer().encode(text.encode()).tolist()
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self._tok is None:
+            return ByteTokenizer().decode(ids)
+        return self._tok.decode(ids)
+
+
+@dataclass
+class Opened:
+    """A model ready to run, and what it came from."""
+
+    model: GPT
+    cfg: Config
+    tokenizer: Tokenizer
+    stop_ids: set[int]  # a generation ends at any of these
+    what: str  # the source, for the console
+
+
+def open_model(
+    path: Path, config_path: Path | None = None, overrides: list[str] | None = None, dtype: torch.dtype = torch.float32
+) -> Opened:
+    """The model at `path`, on the CPU in `dtype` (move it with `.to`); `config_path` and
+    `overrides` replace or amend the config it carries."""
+    from strata.config import loading
+
+    path, overrides = Path(path), list(overrides or [])
+    if not path.exists():
+        raise CheckpointError(
+            f"{path}: no such file or directory; give a run's checkpoint directory, a step_* directory, a "
+            "Hugging Face model directory or a DCP checkpoint"
+        )
+    if (path / "config.json").is_file():
+        cfg = loading.load(config_path, [*overrides, f"model.init_from={path}"])
+        return _open_hf(path, cfg, dtype)
+    if store.is_dcp_only(path):
+        if config_path is None:
+            raise ConfigError(
+                f"{path} is a checkpoint torch.distributed.checkpoint wrote alone: it holds no model shape; "
+                "give the experiment's config with --config CFG"
+            )
+        from strata.checkpoint.dcp_source import DcpCheckpoint
+
+        cfg = loading.load(config_path, overrides)
+        tokenizer, stop = _run_tokenizer(cfg)
+        model = _read_into_model(DcpCheckpoint(path, cfg.model), cfg, dtype, str(path))
+        return Opened(model, cfg, tokenizer, stop, f"DCP checkpoint {path}")
+    from strata.checkpoint.export import verified_config
+    from strata.checkpoint.reader import Checkpoint
+
+    ckpt = Checkpoint(path)
+    if config_path is None:
+        cfg = loading.from_yaml(verified_config(ckpt), overrides)
+    else:
+        cfg = loading.load(config_path, overrides)
+    what = f"Strata checkpoint {ckpt.path} (step {ckpt.step})"
+    tokenizer, stop = _run_tokenizer(cfg)
+    return Opened(_read_into_model(ckpt, cfg, dtype, str(ckpt.path)), cfg, tokenizer, stop, what)
+
+
+def _open_hf(path: Path, cfg: Config, dtype: torch.dtype) -> Opened:
+    from strata.checkpoint import hf_weights
+
+    if not (path / "tokenizer.json").is_file():
+        raise CheckpointError(f"{path}: no tokenizer.json; generation needs the model's fast tokenizer beside it")
+    model = _read_into_model(hf_weights.open_weights(path, cfg.model), cfg, dtype, str(path))
+    return Opened(model, cfg, Tokenizer(path / "tokenizer.json"), _hf_stop_ids(path), f"Hugging Face model {path}")
+
+
+def _hf_stop_ids(path: Path) -> set[int]:
+    """eos_token_id of generation_config.json, else of config.json (an id or a list of ids)."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((path / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if eos is not None:
+            return {eos} if isinstance(eos, int) else {int(e) for e in eos}
+    return set()
+
+
+def _run_tokenizer(cfg: Config) -> tuple[Tokenizer, set[int]]:
+    """The tokenizer of the run's prepared data (its meta.json names it) and its end-of-document
+    id; bytes for the built-in corpus."""
+    from strata.trainer.data import read_meta
+
+    source = cfg.data.path or (cfg.data.sources[0].path if cfg.data.sources else None)
+    if not source:
+        return Tokenizer(None), {ByteTokenizer.eot}
+    try:
+        meta = read_meta(Path(source), "data.path").raw
+    except DataError as e:
+        raise DataError(
+            f"{e}\n(the run's data names its tokenizer: give data.path=DIR for where the prepared data is now)"
+        ) from e
+    info, eot = meta.get("tokenizer"), meta.get("eot")
+    file = info.get("file") if isinstance(info, dict) else None
+    if not isinstance(eot, int):
+        eot = None if file else ByteTokenizer.eot
+    return Tokenizer(Path(source) / file if file else None), set() if eot is None else {eot}
+
+
+def _read_into_model(source, cfg: Config, dtype: torch.dtype, what: str) -> GPT:
+    """A plain GPT of `cfg` holding the weights `source` (a checkpoint reader) has."""
+    shapes = source.shapes("model.")  # by name without the prefix
+    embedding = shapes.get("tok_embeddings.weight")
+    if embedding is None:
+        raise CheckpointError(f"{what}: holds no model.tok_embeddings.weight; is it a model checkpoint?")
+    with torch.device("meta"):
+        model = GPT(cfg.model, embedding[0])
+    model = model.to_empty(device="cpu")
+    state = model.state_dict()
+    missing = [f"model.{n}" for n in state if n not in shapes]
+    if missing:
+        raise CheckpointError(f"{what}: lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    try:
+        problems = source.read([whole_piece(f"model.{n}", t) for n, t in state.items()])
+    finally:
+        source.close()
+    if problems:
+        raise CheckpointError(f"{what} is damaged:\n  " + "\n  ".join(problems))
+    cos, sin = rope_tables(cfg.model)
+    model.rope_cos, model.rope_sin = cos, sin
+    return model.to(dtype).eval()
+
+
+def extend_positions(model: GPT, length: int) -> None:
+    """Rotary tables for `length` positions when the model's are shorter (generating past
+    model.seq_len: the frequencies stay those the model was trained with)."""
+    if length > model.rope_cos.shape[0]:
+        cos, sin = rope_tables(model.cfg, length)
+        device = model.rope_cos.device
+        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
