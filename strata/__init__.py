@@ -4,10 +4,12 @@ parallelism, ZeRO partitioning, memory tiers and resharding checkpoints.
 This folder is the package `strata`; its own modules are the base every other layer stands on and
 that imports nothing of Strata's: `errors` (user errors), `config` (the experiment schema and its
 checks), `hf` (Hugging Face config.json and tensor names), `model` (the plain transformer), `moe`
-(its Mixture-of-Experts feed-forward), `rope` (rotary positions and their scalings), `atomic`
-(atomic file writes), `net` (a free port) and `runlock` (one writer per run directory). The layers
-above are `strata.parallel`, then `strata.offload`, `strata.checkpoint` and `strata.plan` (the
-planner), then `strata.trainer` (the loop), then `strata.launch` (the command line and launchers).
+(its Mixture-of-Experts feed-forward), `rope` (rotary positions and their scalings), `kv_cache`
+(the keys and values decoding keeps), `atomic` (atomic file writes), `net` (a free port) and
+`runlock` (one writer per run directory). The layers above are `strata.parallel`, then
+`strata.offload`, `strata.checkpoint` and `strata.plan` (the planner), then `strata.trainer` (the
+loop), then `strata.inference` (a trained model sampled in one process), then `strata.launch` (the
+command line and launchers).
 The subpackages `parallel`, `offload`, `checkpoint`, `trainer` and `launch` are symbolic links to
 the repository's top-level folders of those names; docs/ARCHITECTURE.md is the map.
 """

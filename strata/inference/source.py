@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from strata.checkpoint import store
 from strata.checkpoint.pieces import whole_piece
 from strata.config import Config
-from strata.errors import CheckpointError, ConfigError, DataError
+from strata.errors import CheckpointError, DataError, StrataError
 from strata.model import GPT
 from strata.rope import rope_tables
 from strata.trainer.tokenize import ByteTokenizer, load_file_tokenizer
@@ -72,7 +73,7 @@ def open_model(
         return _open_hf(path, cfg, dtype)
     if store.is_dcp_only(path):
         if config_path is None:
-            raise ConfigError(
+            raise StrataError(
                 f"{path} is a checkpoint torch.distributed.checkpoint wrote alone: it holds no model shape; "
                 "give the experiment's config with --config CFG"
             )
@@ -164,7 +165,7 @@ def _read_into_model(source, cfg: Config, dtype: torch.dtype, what: str) -> GPT:
 def extend_positions(model: GPT, length: int) -> None:
     """Rotary tables for `length` positions when the model's are shorter (generating past
     model.seq_len: the frequencies stay those the model was trained with)."""
-    if length > model.rope_cos.shape[0]:
+    have = cast(torch.Tensor, model.rope_cos)
+    if length > have.shape[0]:
         cos, sin = rope_tables(model.cfg, length)
-        device = model.rope_cos.device
-        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+        model.rope_cos, model.rope_sin = cos.to(have.device), sin.to(have.device)

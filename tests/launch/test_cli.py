@@ -416,12 +416,15 @@ def test_every_command_shows_examples_that_parse_and_the_exit_codes(capsys):
 @pytest.mark.parametrize(
     "argv",
     [[], ["nope"], ["--nope"]]
-    + [[name, "--no-such-option"] for name in ("train", "launch", "store", "config", "plan", "data", "ckpt", "plot")],
+    + [
+        [name, "--no-such-option"]
+        for name in ("train", "launch", "store", "config", "plan", "data", "ckpt", "generate", "plot")
+    ],
 )
 def test_usage_errors_exit_2(argv, capsys):
     from strata.launch.cli import main
 
-    assert set(_commands()) == {"train", "launch", "store", "config", "plan", "data", "ckpt", "plot"}
+    assert set(_commands()) == {"train", "launch", "store", "config", "plan", "data", "ckpt", "generate", "plot"}
     with pytest.raises(SystemExit) as done:
         main(argv)
     assert done.value.code == 2
