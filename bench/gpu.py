@@ -25,6 +25,8 @@ time is recorded as failed, with the tail of its output, and the next row runs:
   moe         bench/moe_layer.py, bf16, a Qwen3-30B-A3B-shaped layer (d_model 2048, 64 experts of 768,
               top 8, 16384 tokens): the experts' grouped matmul against the per-expert loop, and the
               layer's step against transformers' Qwen3MoeSparseMoeBlock (goal <= 1.0)
+  generate    bench/generate.py, bf16, a 16-layer d_model 2048 Llama: greedy decoding of 8 and of 1
+              prompt(s), 128 new tokens each, tokens/s against transformers' generate (goal >= 1.0)
 
 Results go to --out (default $OUT if set, else bench/gpu-results/): results.json, results.md (the
 table) and log.txt (every row's whole output), rewritten after each row, and the table is printed.
@@ -315,6 +317,15 @@ def moe_cmd(ctx: Ctx) -> list[str]:
     return [ctx.python, str(BENCH / "moe_layer.py"), *MOE_ARGS]
 
 
+GENERATE_ARGS = ("--device", "cuda", "--dtype", "bf16", "--layers", "16", "--d-model", "2048", "--heads", "16")
+GENERATE_ARGS += ("--kv-heads", "8", "--vocab", "32000", "--new", "128", "--batches", "8,1", "--reps", "2")
+
+
+def generate_cmd(ctx: Ctx) -> list[str]:
+    out = Path(ctx.work or "<work>") / "generate.json"
+    return [ctx.python, str(BENCH / "generate.py"), *GENERATE_ARGS, "--out", str(out)]
+
+
 def checkpoint_cmd(ctx: Ctx) -> list[str]:
     out = Path(ctx.work or "<work>") / "checkpoint.json"
     return [ctx.python, str(BENCH / "checkpoint_vs_dcp.py"), *CHECKPOINT_ARGS, "--out", str(out)]
@@ -339,7 +350,7 @@ ROWS = (
     Row("peak", 15, "bf16 and fp8 matmul peaks (8192^3, fastest half of 20)", lambda c: []),
     Row(
         "mfu",
-        120,
+        110,
         f"{PRESET} preset, {' / '.join(MFU_VARIANTS)}: tokens/s, MFU against the measured bf16 peak",
         lambda c: [compile_cmd(c, v, c.steps, c.warmup) for v in MFU_VARIANTS],
         needs=("peak",),
@@ -352,7 +363,7 @@ ROWS = (
     ),
     Row(
         "fp8-speed",
-        100,
+        90,
         f"{PRESET} preset, {' / '.join(FP8_VARIANTS)} against compiled bf16",
         lambda c: [compile_cmd(c, v, c.steps, c.warmup) for v in FP8_VARIANTS],
     ),
@@ -376,6 +387,12 @@ ROWS = (
         lambda c: [checkpoint_cmd(c)],
     ),
     Row("moe", 20, "moe_layer.py on the GPU: grouped matmul against the per-expert loop", lambda c: [moe_cmd(c)]),
+    Row(
+        "generate",
+        20,
+        "generate.py on the GPU, bf16: decoding tokens/s against transformers' generate",
+        lambda c: [generate_cmd(c)],
+    ),
 )
 ROW_NAMES = tuple(r.name for r in ROWS)
 
@@ -704,7 +721,16 @@ def row_checkpoint(ctx: Ctx) -> bool:
 
 
 def row_moe(ctx: Ctx) -> bool:
-    rc, lines = stream(moe_cmd(ctx), child_env(ctx))
+    return _result_row(moe_cmd(ctx), ctx)
+
+
+def row_generate(ctx: Ctx) -> bool:
+    return _result_row(generate_cmd(ctx), ctx)
+
+
+def _result_row(cmd: list[str], ctx: Ctx) -> bool:
+    """A row whose benchmark prints its figures as one RESULT line."""
+    rc, lines = stream(cmd, child_env(ctx))
     result = tagged(lines, "RESULT ")
     if rc or result is None:
         emit({"error": f"exit {rc}", "tail": tail(lines)})
@@ -724,6 +750,7 @@ ROW_FUNCS: dict[str, Callable[[Ctx], bool]] = {
     "gpu-tests": row_gpu_tests,
     "checkpoint": row_checkpoint,
     "moe": row_moe,
+    "generate": row_generate,
 }
 
 
@@ -983,6 +1010,10 @@ def figures(rows: dict) -> list[tuple[str, str, str, bool | None]]:
     if moe.get("ratio"):
         value = f"grouped / loop {moe['grouped_over_loop']:.2f}; layer step Strata / transformers {moe['ratio']:.2f}"
         out.append(("MoE layer (bf16)", value, "<= 1.0", moe["ratio"] <= 1.0))
+    gen = data("generate")
+    if gen.get("ratio"):
+        value = f"Strata {gen['tokens_per_s']:.0f} tokens/s (batch {gen['batch']}), {gen['ratio']:.2f}x transformers"
+        out.append(("generation (bf16)", value, ">= 1.0", gen["ratio"] >= 1.0))
     return out
 
 

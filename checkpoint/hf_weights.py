@@ -100,6 +100,9 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
         problems.append(
             f"tensors this model has no place for (a feature Strata lacks, or other layers): {listed(unused)}"
         )
+    untied = _untied_head(directory, found, model_cfg)
+    if untied:
+        problems.append(untied)
     if problems:
         raise CheckpointError(
             f"{directory}: the weights do not fit the model its config.json describes: " + "; ".join(problems)
@@ -122,6 +125,46 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
             + ". Use the config.json the weights were saved with"
         )
     return Checkpoint.foreign(directory, {"tensors": tensors, "objects": {}}, sizes)
+
+
+def _untied_head(directory: Path, found: dict[str, tuple[str, dict, int]], model_cfg: hf.ModelShape) -> str | None:
+    """Why a tied model's files cannot load as tied: they hold an output projection that is not the
+    embedding (transformers would untie the two and warn; Strata refuses, so that the trained model
+    is the one the files describe). None when untied, or when the head is absent or equal."""
+    embed_name = hf.hf_sources(model_cfg)["tok_embeddings.weight"]
+    if not model_cfg.tie_embeddings or "lm_head.weight" not in found or embed_name not in found:
+        return None
+    (head_file, head, head_start), (embed_file, embed, embed_start) = found["lm_head.weight"], found[embed_name]
+    same = head.get("dtype") == embed.get("dtype") and head.get("shape") == embed.get("shape")
+    try:
+        same = same and _same_bytes(
+            directory / head_file,
+            head_start + int(head["data_offsets"][0]),
+            directory / embed_file,
+            embed_start + int(embed["data_offsets"][0]),
+            int(head["data_offsets"][1]) - int(head["data_offsets"][0]),
+        )
+    except (KeyError, TypeError, ValueError, IndexError, OSError):
+        same = False
+    if same:
+        return None
+    return (
+        f"config.json ties the word embeddings (tie_word_embeddings: true), but {head_file} holds an lm_head.weight "
+        f"that differs from {embed_name} (transformers would untie them, with a warning). Set tie_word_embeddings: "
+        "false in config.json to load both as they are, or delete lm_head.weight to tie the head to the embedding"
+    )
+
+
+def _same_bytes(a: Path, a_start: int, b: Path, b_start: int, length: int, block: int = 16 * 2**20) -> bool:
+    """Whether `length` bytes of file `a` from `a_start` equal those of `b` from `b_start`."""
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        fa.seek(a_start)
+        fb.seek(b_start)
+        for done in range(0, length, block):
+            n = min(block, length - done)
+            if fa.read(n) != fb.read(n):
+                return False
+    return True
 
 
 def _chunk(

@@ -5,6 +5,7 @@ global shape, size and number of saved boxes."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,8 +15,8 @@ from strata.checkpoint import dcp_meta, integrity, store
 from strata.checkpoint.pieces import whole_piece
 from strata.checkpoint.reader import Checkpoint
 from strata.checkpoint.write_plan import torch_dtype
-from strata.config.schema import CheckpointConfig
-from strata.errors import CheckpointError
+from strata.config.schema import CheckpointConfig, Config
+from strata.errors import CheckpointError, StrataError
 
 
 def _size(n: float) -> str:
@@ -62,14 +63,18 @@ def _storage(meta: Metadata) -> dict[tuple[str, tuple[int, ...] | None], tuple[s
     }
 
 
-def verify_report(path: Path) -> tuple[bool, str]:
+def verify_report(path: Path, read_config: Callable[[bytes], Config] | None = None) -> tuple[bool, str]:
     """(ok, report) for `strata ckpt verify`: the structural check every load makes, every data
-    block's checksum, and DCP's `.metadata` against the index."""
+    block's checksum, DCP's `.metadata` against the index, and (given `read_config`, which turns
+    config.yaml into a Config: this layer reads only the schema) the model tensors' shapes against
+    the model config.yaml describes, which an imported checkpoint's config must match too."""
     ckpt = store.resolve(path)
     record = store.marker(ckpt)  # unreadable, or not a JSON object: CheckpointError, one message
     index, problems = integrity.checkpoint_problems(ckpt, record, checksums=True)
     if not problems:
         problems = _metadata_problems(ckpt, index)
+    if not problems and read_config is not None:
+        problems = model_shape_problems(ckpt, index, read_config)
     if problems:
         return False, f"{ckpt}: DAMAGED\n  " + "\n  ".join(problems)
     report = f"{ckpt}: ok ({len(record['files'])} files match their sizes and CRC-32C checksums)"
@@ -81,6 +86,34 @@ def verify_report(path: Path) -> tuple[bool, str]:
             "be the one to resume"
         )
     return True, report
+
+
+def model_shape_problems(ckpt: Path, index: dict, read_config: Callable[[bytes], Config]) -> list[str]:
+    """Each model tensor whose saved shape is not the one config.yaml's model gives it, and each the
+    model has that the checkpoint lacks (the vocabulary is the saved embedding's)."""
+    from strata.model import GPT
+
+    try:
+        cfg = read_config((ckpt / "config.yaml").read_bytes())
+    except (OSError, StrataError) as e:
+        return [f"{ckpt / 'config.yaml'}: not a config this Strata reads ({e})"]
+    aliases, tensors = index.get("aliases", {}), index["tensors"]
+    saved = {k: tuple(tensors[aliases.get(k, k)]["shape"]) for k in [*tensors, *aliases] if k.startswith("model.")}
+    embedding = saved.get("model.tok_embeddings.weight")
+    if embedding is None:
+        return []  # no model in it (an optimizer-only save): nothing to hold against the config
+    with torch.device("meta"):
+        model = GPT(cfg.model, embedding[0])
+    problems = []
+    for name, t in model.state_dict().items():
+        have = saved.get(f"model.{name}")
+        if have is None:
+            problems.append(f"model.{name} is missing (config.yaml's model has it)")
+        elif have != tuple(t.shape):
+            problems.append(f"model.{name} is {have}, config.yaml's model makes it {tuple(t.shape)}")
+    return [f"the weights contradict config.yaml: {p}" for p in problems[:8]] + (
+        [f"... and {len(problems) - 8} more"] if len(problems) > 8 else []
+    )
 
 
 IMPLAUSIBLE_WEIGHT = CheckpointConfig().max_abs_weight  # the ceiling a save is refused above, by default

@@ -98,8 +98,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     from strata.checkpoint import inspect
+    from strata.config.loading import from_yaml
 
-    ok, report = inspect.verify_report(Path(args.path))
+    ok, report = inspect.verify_report(Path(args.path), from_yaml)
     print(report)
     return 0 if ok else 1
 

@@ -255,7 +255,33 @@ BAD = {
         lambda src, dst: (_copy_model(src, dst), (dst / "model.safetensors").unlink()),
         "no model.safetensors or model.safetensors.index.json",
     ),
+    "tied config, a head of its own": (  # llama's lm_head is not its embedding
+        lambda src, dst: _edit_config(_copy_model(src, dst), tie_word_embeddings=True),
+        "holds an lm_head.weight that differs from model.embed_tokens.weight",
+    ),
 }
+
+
+def test_a_tied_config_loads_a_saved_head_equal_to_the_embedding_and_refuses_another(hf_dirs, tmp_path, capsys):
+    """transformers unties (and warns) when a tied config's files hold a different head; Strata refuses
+    it, naming both fixes, on import as on training; a head equal to the embedding (a .bin-era save
+    that wrote both names) loads as tied."""
+    from strata.checkpoint import hf_weights
+
+    from conftest import run_cli
+
+    equal = _copy_model(hf_dirs["qwen2"], tmp_path / "equal")
+    tensors = load_file(equal / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, equal / "model.safetensors", metadata={"format": "pt"})
+    cfg = config.load(None, [f"model.init_from={equal}", f"model.seq_len={SEQ}"])
+    ckpt = hf_weights.open_weights(equal, cfg.model)
+    assert torch.equal(ckpt.tensors("model.")["output.weight"], tensors["model.embed_tokens.weight"])
+    ckpt.close()
+    other = _edit_config(_copy_model(hf_dirs["llama"], tmp_path / "other"), tie_word_embeddings=True)
+    code, out = run_cli(["ckpt", "import-hf", str(other), str(tmp_path / "imported"), f"model.seq_len={SEQ}"], capsys)
+    assert code == 2 and "holds an lm_head.weight that differs" in out and "tie_word_embeddings: false" in out, out
+    assert not (tmp_path / "imported").exists()
 
 
 @pytest.mark.slow  # each case a fresh `strata train` interpreter: 4-6 s on 2 cores
@@ -335,3 +361,24 @@ def test_a_torchtitan_dcp_checkpoint_starts_a_run_at_transformers_loss(hf_dirs, 
     ]
     cfg = config.load(None, overrides)
     assert run(cfg, start()).losses[1] == pytest.approx(_hf_loss(hf_dirs["llama"], cfg), abs=1e-5)
+
+
+def test_verify_holds_an_imported_checkpoints_weights_against_its_config(hf_dirs, tmp_path, capsys):
+    """`strata ckpt verify` checks what an import checks: every model tensor has the shape the saved
+    config.yaml's model gives it."""
+    from strata.checkpoint import hf_weights
+    from strata.config import dump
+
+    from conftest import run_cli
+
+    cfg = config.load(None, [f"model.init_from={hf_dirs['llama']}", f"model.seq_len={SEQ}"])
+    good = hf_weights.import_hf(hf_dirs["llama"], tmp_path / "good", dump(cfg), cfg.model)
+    code, out = run_cli(["ckpt", "verify", str(good)], capsys)
+    assert code == 0 and ": ok" in out, out
+    raw = yaml.safe_load(dump(cfg))
+    raw["model"]["ffn_hidden"] = 128  # the weights are 96 wide
+    bad = hf_weights.import_hf(hf_dirs["llama"], tmp_path / "bad", yaml.safe_dump(raw), cfg.model)
+    code, out = run_cli(["ckpt", "verify", str(bad)], capsys)
+    assert code == 1 and "DAMAGED" in out, out
+    assert "the weights contradict config.yaml: model.layers.0.mlp.w1.weight is (96, 64), config.yaml's model " in out
+    assert "makes it (128, 64)" in out

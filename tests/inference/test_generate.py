@@ -223,3 +223,28 @@ def test_the_prompts_file_takes_lines_and_json_lines(tmp_path):
     assert read_prompts(ns) == ["x", "first prompt", "second"]
     ns.prompts = str(jsonl)
     assert read_prompts(ns) == ["x", "a\nb"]
+
+
+def test_strata_generate_reads_a_checkpoint_dcp_wrote_alone_with_its_config(tmp_path, capsys):
+    """A plain `dcp.save` of a model's state_dict (the model's own names) and the experiment's config:
+    the command's greedy tokens are those of the saved model in memory."""
+    import torch.distributed.checkpoint as dcp
+
+    from strata import config
+    from strata.trainer.tokenize import ByteTokenizer
+
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text("model: {n_layers: 2, d_model: 32, n_heads: 4, n_kv_heads: 2, seq_len: 32, vocab_size: 264}\n")
+    cfg = config.load(cfg_file)
+    model = build_model(cfg.model, 264, seed=3).eval()
+    dcp.save({k: v.clone() for k, v in model.state_dict().items()}, checkpoint_id=str(tmp_path / "dcp"))
+    prompt = "def f("
+    want = generate(model, [list(prompt.encode())], 10, stop_ids={ByteTokenizer.eot}).tokens[0]
+    code, out = run_cli(
+        ["generate", str(tmp_path / "dcp"), "--config", str(cfg_file), "--prompt", prompt, "--max-new-tokens", "10"],
+        capsys,
+    )
+    assert code == 0, out
+    assert prompt + ByteTokenizer().decode(want) + "\n" + "-" * 40 in out, out
+    code, out = run_cli(["generate", str(tmp_path / "dcp"), "--prompt", prompt], capsys)
+    assert code == 2 and "give the experiment's config with --config CFG" in out, out

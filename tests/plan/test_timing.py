@@ -1,9 +1,10 @@
 """`strata plan`'s step-time model against step times measured on a real bandwidth-limited network:
-bench/plan_time.py on 2 namespaced nodes × 2 ranks at 100 Mbit/s, three layouts whose step times
-differ by far more than the noise (pipeline stages across the nodes send only activations; data
-parallelism sends the gradient once; flat ZeRO-3 gathers every parameter twice per step and
-reduce-scatters the gradient over the slow link). The reference is the measurement: the predicted
-order must be the measured one, and each prediction within a generous factor of its measurement.
+bench/plan_time.py on 2 namespaced nodes × 2 ranks at 100 Mbit/s, two layouts whose step
+times differ by far more than the noise (pipeline stages across the nodes send only activations;
+flat ZeRO-3 gathers every parameter twice per step and reduce-scatters the gradient over the slow
+link), one timed step each after a warm-up (docs/BENCHMARKS.md has the full harness). The
+reference is the measurement: the predicted order must be the measured one, and each prediction
+within a generous factor of its measurement.
 
 Needs root with CAP_NET_ADMIN; skipped without it, except where STRATA_REQUIRE_NETNS=1 (CI) makes a
 missing capability a failure."""
@@ -22,7 +23,7 @@ from worlds import REPO
 
 pytestmark = [pytest.mark.slow, netns]
 
-LAYOUTS = ("pp2-dp2", "dp4", "dp4-zero3")
+LAYOUTS = ("pp2-dp2", "dp4-zero3")
 FACTOR = 2.0  # each prediction within [measured / FACTOR, measured · FACTOR]
 APART = 1.25  # pairs whose measured times differ by at least this ratio must be predicted in order
 
@@ -31,7 +32,7 @@ APART = 1.25  # pairs whose measured times differ by at least this ratio must be
 def bench(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("plan-time")
     argv = [
-        *("--layouts", ",".join(LAYOUTS), "--rate", "100mbit", "--steps", "2", "--warmup", "1"),
+        *("--layouts", ",".join(LAYOUTS), "--rate", "100mbit", "--steps", "1", "--warmup", "1"),
         *("--link-mb", "2", "--link-repeats", "2", "--max-load", "1000", "--timeout", "240"),
         *("--calibrations", "1"),
         *("--out", str(out / "plan_time.json"), "--measured-out", str(out / "measured.json")),

@@ -91,9 +91,17 @@ def test_retention_keeps_the_newest_checkpoint_saved_before_the_guard_fired(tmp_
 
 
 def test_verify_warns_about_finite_but_implausible_weights(tmp_path, capsys):
+    from strata.config import ModelConfig
+    from strata.model import build_model
+
+    shape = {"n_layers": 1, "d_model": 4, "n_heads": 1, "seq_len": 8, "vocab_size": 8, "tie_embeddings": False}
+
     def checkpoint(root, scale):
-        tensors = {"model.tok_embeddings.weight": torch.ones(8, 4) * scale, "model.norm.weight": torch.ones(4)}
-        return write_whole(root, 3, tensors, {"trainer": {"step": 3}}, {}, "model: {}\n", {})
+        model = build_model(ModelConfig(**shape), 8, seed=0)
+        tensors = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+        tensors["model.tok_embeddings.weight"] = torch.ones(8, 4) * scale
+        config_yaml = "model: {" + ", ".join(f"{k}: {str(v).lower()}" for k, v in shape.items()) + "}\n"
+        return write_whole(root, 3, tensors, {"trainer": {"step": 3}}, {}, config_yaml, {})
 
     sound = checkpoint(tmp_path / "sound", 0.02)
     code, out = run_cli(["ckpt", "verify", str(sound)], capsys)
