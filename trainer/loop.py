@@ -580,6 +580,12 @@ class Trainer:
     def _eval_and_log(self, log: MetricsLogger) -> float:
         loss = self.evaluate()
         log.write({"step": self.step, "eval_loss": loss})
+        sequences = self.cfg.train.eval_batches * self.cfg.train.micro_batch_size * self.topo.data_size
+        perplexity = f"{math.exp(loss):.2f}" if loss < 50 else "overflow"
+        log.print(
+            f"step {self.step}: eval loss {loss:.4f} (perplexity {perplexity}) on the validation split's first "
+            f"{sequences} sequences (train.eval_batches × micro_batch_size × dp)"
+        )
         return loss
 
     def _throughput(self, steps: int, seconds: float) -> dict:

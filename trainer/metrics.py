@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,10 +51,15 @@ class MetricsLogger:
         config: dict | None = None,
         tensorboard: bool = False,
         peak_tflops: float | None = None,
+        terminal: bool | None = None,
     ):
-        """`peak_tflops` (see `mfu_peak`) adds `mfu` to records that carry `tflops_per_rank` but no `mfu`."""
+        """`peak_tflops` (see `mfu_peak`) adds `mfu` to records that carry `tflops_per_rank` but no `mfu`.
+        `progress` is a bar on a terminal (`terminal`: whether stderr is one, asked when None); in a log
+        file (a Slurm job's, a redirect) a bar's redraws are noise, so each logged step is one line."""
         self.enabled = enabled
         self.bar = None
+        self.total_steps = total_steps
+        self.lines = False  # progress as one line per logged step
         self.wandb = None
         self.tensorboard: Any = None
         self.peak_tflops = peak_tflops
@@ -66,7 +72,9 @@ class MetricsLogger:
             self.tensorboard = _start_tensorboard(run_dir / "tensorboard")
         self.set_aside = _set_aside_earlier_log(run_dir / "metrics.jsonl") if start_step == 0 else None
         self.file = open(run_dir / "metrics.jsonl", "a")
-        if progress:
+        on_terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.lines = progress and not on_terminal
+        if progress and on_terminal:
             self.bar = tqdm(
                 total=total_steps,
                 initial=start_step,
@@ -88,6 +96,13 @@ class MetricsLogger:
                 self.bar.set_postfix(
                     loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):,.0f}", refresh=False
                 )
+        elif self.lines and "loss" in record:
+            loss = record["loss"]
+            shown = f"{loss:.4f}" if isinstance(loss, float) and math.isfinite(loss) else str(loss)
+            print(
+                f"step {step}/{self.total_steps}  loss {shown}  {record.get('tokens_per_s', 0):,.0f} tokens/s",
+                flush=True,
+            )
         if record:
             self.write({"step": step, **record})
 

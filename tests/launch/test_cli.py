@@ -32,6 +32,9 @@ def test_train_tiny_config_end_to_end(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "done: step 40" in proc.stdout and "tokens/s" in proc.stdout
+    # not a terminal: progress as one line per logged step, and each evaluation on the console
+    assert "step 40/40  loss " in proc.stdout and "\r" not in proc.stderr
+    assert "step 20: eval loss " in proc.stdout and "(train.eval_batches × micro_batch_size × dp)" in proc.stdout
     run_dir = tmp_path / "tiny"
     summary = json.loads((run_dir / "summary.json").read_text())
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])

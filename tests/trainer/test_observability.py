@@ -336,3 +336,22 @@ def test_cuda_out_of_memory_leaves_a_snapshot(tmp_path):
     with pytest.raises(torch.cuda.OutOfMemoryError), prof.step(1):
         torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # a petabyte
     assert prof.oom_path.stat().st_size > 0
+
+
+# --- the console ------------------------------------------------------------------------------
+
+
+def test_progress_is_a_bar_on_a_terminal_and_a_line_per_logged_step_in_a_log(tmp_path, capsys):
+    on_terminal = MetricsLogger(tmp_path / "a", 10, 0, enabled=True, progress=True, terminal=True)
+    assert on_terminal.bar is not None
+    on_terminal.close()
+    capsys.readouterr()
+    in_a_log = MetricsLogger(tmp_path / "b", 10, 0, enabled=True, progress=True, terminal=False)
+    assert in_a_log.bar is None
+    in_a_log.step(1, {})  # a step that is not logged prints nothing
+    for step, record in enumerate(RECORDS, start=2):
+        in_a_log.step(step, record)
+    in_a_log.close()
+    out = capsys.readouterr()
+    assert out.out.splitlines() == ["step 2/10  loss 5.5000  1,000 tokens/s", "step 3/10  loss 4.2500  0 tokens/s"]
+    assert "\r" not in out.err + out.out  # no bar redraws in a log file

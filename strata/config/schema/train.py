@@ -39,7 +39,12 @@ class TrainConfig:
         "emulation): fp8 numerics on any device, CPUs included, for tests; slow, never for training",
     )
     eval_interval: int = opt(100, "evaluate every N steps and at the end (0: only at the end)", min=0)
-    eval_batches: int = opt(8, "validation micro-batches per evaluation on each rank", min=1)
+    eval_batches: int = opt(
+        8,
+        "validation micro-batches per evaluation on each rank: every evaluation reads the same first "
+        "eval_batches × micro_batch_size × dp sequences of the validation split, not all of it",
+        min=1,
+    )
     threads: int | None = opt(None, "torch intra-op CPU threads (null: torch's default; torchrun sets 1)", min=1)
     nonfinite: str = opt(
         "skip",
