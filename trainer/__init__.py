@@ -3,7 +3,8 @@
 `loop` (the Trainer: set a run up, step, evaluate, log, save and resume), `signals` (stopping on a
 signal with a checkpoint, exit 75), `lr_schedule` (warm-up and decay), `parallelize` (one
 function that lays the model out over the ranks and memory tiers and returns the one object the loop
-drives), `state` (`TrainState`: what a checkpoint or an in-memory snapshot of a rank holds), `data`
+drives), `evaluate` (the validation loss over a split's evaluation batches), `state`
+(`TrainState`: what a checkpoint or an in-memory snapshot of a rank holds), `data`
 (token files, blended sources and the deterministic, resumable data-parallel loader), `metrics`
 (progress bar, metrics.jsonl, TensorBoard, wandb), `plots` (run curves, pipeline schedule
 timelines), `divergence` (the loss-spike guard), `routing` (MoE routing statistics
@@ -13,7 +14,7 @@ step), `tokenize` and `prepare` (tokenizers and `strata data prepare`) and `prof
 (torch.profiler traces, memory snapshots).
 
 This layer imports the base (`strata`), `strata.parallel`, `strata.offload`, `strata.checkpoint` and
-`strata.plan`; only `strata.launch` imports it.
+`strata.plan`; `strata.inference` and `strata.launch` import it.
 """
 
 if __name__ != "strata.trainer":  # this folder imported by its own name, e.g. from the repository root

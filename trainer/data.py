@@ -343,8 +343,14 @@ def eval_batches(
     dataset: TokenDataset | Mixture, n_batches: int, micro_batch: int, dp_rank: int, dp_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The same validation micro-batches at every evaluation: the first n_batches·micro_batch·dp
-    windows in order (wrapping if the split is small), rank r taking every dp-th micro-batch."""
+    windows in order (wrapping if the split is small), rank r taking every dp-th micro-batch. With
+    n_batches 0, every window of the split once: the last micro-batches shorter, or none for a rank
+    the split's end leaves out."""
     n = len(dataset)
+    if n_batches == 0:
+        for first in range(dp_rank * micro_batch, n, dp_size * micro_batch):
+            yield dataset.batch(list(range(first, min(first + micro_batch, n))))
+        return
     for b in range(n_batches):
         first = (b * dp_size + dp_rank) * micro_batch
         yield dataset.batch([(first + k) % n for k in range(micro_batch)])

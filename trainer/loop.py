@@ -43,12 +43,12 @@ from strata.trainer.data import (
     check_data_config,
     end_of_document,
     ensure_default_corpus,
-    eval_batches,
     make_loader,
     open_mixture,
     read_meta,
 )
 from strata.trainer.divergence import DivergedError, SpikeGuard
+from strata.trainer.evaluate import Evaluation, evaluate
 from strata.trainer.lr_schedule import lr_at
 from strata.trainer.metrics import MetricsLogger, mfu_peak
 from strata.trainer.parallelize import ParallelModel, parallelize
@@ -303,18 +303,10 @@ class Trainer:
         """`value` summed over the data-parallel ranks (in place)."""
         return comm.all_reduce(value, self.topo.group("dp"), dim="dp")
 
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean validation loss over the fixed evaluation batches of all dp ranks."""
-        self.model.train(False)
-        total = torch.zeros((), device=self.rt.device)
-        n = self.cfg.train.eval_batches
-        for inputs, targets in eval_batches(
-            self.val_set, n, self.cfg.train.micro_batch_size, self.topo.data_rank, self.topo.data_size
-        ):
-            total += self.model.eval_loss(inputs, targets)
-        self.model.train(True)
-        return self._dp_sum(total).item() / (n * self.topo.dp_size)
+    def evaluate(self) -> Evaluation:
+        """The validation loss over the evaluation batches of all dp ranks (`trainer.evaluate`)."""
+        train = self.cfg.train
+        return evaluate(self.model, self.val_set, train.eval_batches, train.micro_batch_size, self.topo)
 
     # --- saving and resuming ----------------------------------------------------------------
     def save(self) -> bool:
@@ -578,15 +570,10 @@ class Trainer:
         log.write({"step": self.step, "checkpoint_refused": note})
 
     def _eval_and_log(self, log: MetricsLogger) -> float:
-        loss = self.evaluate()
-        log.write({"step": self.step, "eval_loss": loss})
-        sequences = self.cfg.train.eval_batches * self.cfg.train.micro_batch_size * self.topo.data_size
-        perplexity = f"{math.exp(loss):.2f}" if loss < 50 else "overflow"
-        log.print(
-            f"step {self.step}: eval loss {loss:.4f} (perplexity {perplexity}) on the validation split's first "
-            f"{sequences} sequences (train.eval_batches × micro_batch_size × dp)"
-        )
-        return loss
+        result = self.evaluate()
+        log.write({"step": self.step, "eval_loss": result.loss})
+        log.print(result.line(self.step))
+        return result.loss
 
     def _throughput(self, steps: int, seconds: float) -> dict:
         tokens_per_s = steps * self.tokens_per_step / max(seconds, 1e-9)

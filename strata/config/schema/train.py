@@ -42,8 +42,9 @@ class TrainConfig:
     eval_batches: int = opt(
         8,
         "validation micro-batches per evaluation on each rank: every evaluation reads the same first "
-        "eval_batches × micro_batch_size × dp sequences of the validation split, not all of it",
-        min=1,
+        "eval_batches × micro_batch_size × dp sequences of the validation split, not all of it (0: every "
+        "sequence of the split, once)",
+        min=0,
     )
     threads: int | None = opt(None, "torch intra-op CPU threads (null: torch's default; torchrun sets 1)", min=1)
     nonfinite: str = opt(

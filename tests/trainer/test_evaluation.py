@@ -1,0 +1,90 @@
+"""The training loop's evaluation: by default the same first eval_batches × micro_batch_size × dp
+sequences of the validation split at every evaluation; with train.eval_batches 0 every sequence of
+the split once, whatever the layout. The reference is a plain pass of the saved model over every
+validation window, and one process for the parallel layouts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from strata import config
+from strata.model import build_model, lm_loss
+from strata.trainer.data import TokenDataset, eval_batches
+
+from worlds import final_params, train_run
+
+
+class Windows:
+    """A split of `n` windows whose batch is the window indices."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def batch(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.tensor(idx)
+        return t, t
+
+
+@pytest.mark.parametrize("n, micro, dp", [(23, 2, 1), (23, 3, 2), (23, 2, 4), (5, 4, 4), (8, 2, 2)])
+def test_the_whole_split_is_every_window_once_over_the_ranks(n, micro, dp):
+    seen = [int(i) for r in range(dp) for inputs, _ in eval_batches(Windows(n), 0, micro, r, dp) for i in inputs]
+    assert sorted(seen) == list(range(n))
+    for r in range(dp):
+        assert all(0 < len(b[0]) <= micro for b in eval_batches(Windows(n), 0, micro, r, dp))
+
+
+def test_the_default_reads_the_same_first_windows_every_time():
+    first = [b[0].tolist() for b in eval_batches(Windows(100), 3, 2, 1, 2)]
+    assert first == [[2, 3], [6, 7], [10, 11]]
+    assert first == [b[0].tolist() for b in eval_batches(Windows(100), 3, 2, 1, 2)]
+
+
+def eval_losses(run_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+
+
+SEQ = 40  # the split then has a number of windows the ranks' micro-batches do not divide
+SETTINGS = {
+    "train.eval_batches": 0,
+    "train.eval_interval": 3,
+    "checkpoint.save_final": True,
+    "model.n_layers": 4,
+    "model.seq_len": SEQ,
+}
+
+
+@pytest.mark.slow  # a 1-process run and a world of 4
+def test_whole_split_evaluation_is_a_plain_pass_over_every_window_in_any_layout(small_data_dir, tmp_path):
+    out = train_run(small_data_dir, tmp_path / "one", 1, **SETTINGS)
+    one = eval_losses(tmp_path / "one" / "t")
+    cfg = config.load(
+        None,
+        [
+            f"data.path={small_data_dir}",
+            "model.n_layers=4",
+            "model.d_model=32",
+            "model.n_heads=4",
+            f"model.seq_len={SEQ}",
+        ],
+    )
+    val = TokenDataset(small_data_dir, "val", SEQ)
+    params = final_params(tmp_path / "one" / "t" / "checkpoints")
+    model = build_model(cfg.model, params["tok_embeddings.weight"].shape[0], seed=0).eval()
+    model.load_state_dict(params)
+    with torch.no_grad():
+        per_window = [float(lm_loss(model(x), y)) for x, y in (val.batch([i]) for i in range(len(val)))]
+    assert one[6] == pytest.approx(sum(per_window) / len(per_window), rel=1e-5)
+    assert f"on all {len(val)} sequences of the validation split" in out
+    assert len(val) % 4  # the split's end leaves the last micro-batch short (and a replica without one)
+    train_run(small_data_dir, tmp_path / "dp2-pp2", 4, **SETTINGS, **{"parallel.pp": 2})
+    got = eval_losses(tmp_path / "dp2-pp2" / "t")
+    assert got.keys() == one.keys()
+    for step, loss in one.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
