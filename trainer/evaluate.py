@@ -1,19 +1,23 @@
 """Evaluation on held-out data: the mean loss over the evaluation batches of a validation split
 (`data.eval_batches`: its first eval_batches × micro_batch_size × dp sequences, or with 0 every
 sequence once), each sequence weighing the same, summed over the data-parallel ranks whatever the
-layout; and the line the console shows for it."""
+layout; and the line the console shows for it. `evaluate_checkpoint` is `strata eval`: a checkpoint's
+loss, perplexity and bits per byte on each held-out split, in any layout."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from strata.config import Config
 from strata.parallel import comm
 from strata.parallel.topology import Topology
-from strata.trainer.data import Mixture, TokenDataset, eval_batches
+from strata.trainer.data import Mixture, TokenDataset, eval_batches, read_meta
 from strata.trainer.parallelize import ParallelModel
+from strata.trainer.tokenize import ByteTokenizer, load_file_tokenizer
 
 
 @dataclass(frozen=True)
@@ -51,3 +55,49 @@ def evaluate(
     total, sequences = comm.all_reduce(sums, topo.group("dp"), dim="dp").tolist()
     # the dp group holds each replica's cp ranks, which read the same sequences
     return Evaluation(total / sequences, round(sequences / topo.layout.cp), batches == 0)
+
+
+# --- `strata eval`: a checkpoint on held-out data ------------------------------------------------
+
+
+def target_bytes(data_dir: Path, dataset: TokenDataset) -> int:
+    """The UTF-8 bytes the whole split's scored tokens (every window's targets) spell, for bits per
+    byte: each end-of-document token spells none; a tokenizer.json's tokens are decoded window by
+    window; byte-level tokens are one byte each."""
+    meta = read_meta(data_dir).raw
+    info = meta.get("tokenizer")
+    file = info.get("file") if isinstance(info, dict) else None
+    eot = meta.get("eot")
+    windows = (dataset.window(i)[1:] for i in range(len(dataset)))
+    if not file:
+        return sum(int((w < ByteTokenizer.eot).sum()) for w in windows)
+    tok = load_file_tokenizer(data_dir / file)
+    return sum(len(tok.decode([int(t) for t in w if t != eot]).encode("utf-8")) for w in windows)
+
+
+def evaluate_checkpoint(cfg: Config, runtime, source: Path, data_dirs: list[Path]) -> dict:
+    """Every held-out split's loss, perplexity and bits per byte under the checkpoint `source`
+    (collective: every rank of any layout calls it): `data_dirs`' validation splits, else each of
+    the config's data sources apart. Whole splits, every sequence once."""
+    from strata.trainer.loop import Trainer
+
+    trainer = Trainer(cfg, runtime, writes=[])
+    trainer.resume(source)
+    if not data_dirs:
+        data_dirs = [Path(s.path) for s in cfg.data.sources or ()] or [trainer.data_dir]
+    results: dict[str, dict] = {}
+    for data_dir in data_dirs:
+        dataset = TokenDataset(data_dir, "val", cfg.model.seq_len, key="--data")
+        found = evaluate(trainer.model, dataset, 0, cfg.train.micro_batch_size, trainer.topo)
+        tokens = found.sequences * cfg.model.seq_len
+        nats = found.loss * tokens
+        spelt = target_bytes(data_dir, dataset) if runtime.rank == 0 else 0
+        results[str(data_dir)] = {
+            "loss": found.loss,
+            "perplexity": math.exp(found.loss) if found.loss < 50 else None,  # None: overflows
+            "bits_per_byte": nats / math.log(2) / spelt if spelt else None,
+            "sequences": found.sequences,
+            "tokens": tokens,
+            "bytes": spelt,
+        }
+    return {"step": trainer.step, "checkpoint": str(source), "splits": results}

@@ -102,6 +102,7 @@ class Trainer:
             check_data_config(data_dir, cfg)  # data.tokenizer and model.vocab_size against meta.json
             self.train_set = TokenDataset(data_dir, "train", cfg.model.seq_len)
             self.val_set = TokenDataset(data_dir, "val", cfg.model.seq_len)
+        self.data_dir = data_dir  # the (first) prepared directory
         self.data_description = self._describe_data()
         self.model: ParallelModel = parallelize(cfg, self.topo, runtime.device, self.train_set.vocab_size)
         if cfg.data.document_mask or cfg.data.reset_positions:

@@ -3,8 +3,8 @@ argparse parser: options, help text, examples) and `run(args)` (what it does; th
 
 `train` (train in this process or as a torchrun worker), `launch` (torchrun or Slurm), `store` (a
 standalone rendezvous store), `config` (show, explain), `plan` (memory and step time of a layout;
-search), `data` (prepare token files), `ckpt` (inspect, verify, reshard, export, import), `generate`
-(continue prompts with a trained model) and `plot`
+search), `data` (prepare token files), `ckpt` (inspect, verify, reshard, export, import), `eval` (a checkpoint's
+loss on held-out data), `generate` (continue prompts with a trained model) and `plot`
 (run curves, pipeline schedules); `common` holds what several of them share. `COMMANDS` lists them
 in the order `strata --help` does; `strata.launch.cli` builds the top-level parser from them and
 dispatches. (The fork server preloads this package: everything the CLI imports but itself.)
@@ -14,7 +14,7 @@ the config and the trainer are imported inside `run`, so that `strata launch` ch
 importing torch before torchrun starts.
 """
 
-from strata.launch.commands import ckpt, config, data, generate, launch, plan, plot, store, train
+from strata.launch.commands import ckpt, config, data, eval, generate, launch, plan, plot, store, train
 
 # The commands in the order `strata --help` lists them.
-COMMANDS = (train, launch, store, config, plan, data, ckpt, generate, plot)
+COMMANDS = (train, launch, store, config, plan, data, ckpt, eval, generate, plot)

@@ -34,7 +34,10 @@ def test_train_tiny_config_end_to_end(tmp_path):
     assert "done: step 40" in proc.stdout and "tokens/s" in proc.stdout
     # not a terminal: progress as one line per logged step, and each evaluation on the console
     assert "step 40/40  loss " in proc.stdout and "\r" not in proc.stderr
-    assert "step 20: eval loss " in proc.stdout and "(train.eval_batches × micro_batch_size × dp)" in proc.stdout
+    assert (
+        "step 20: eval loss " in proc.stdout
+        and "(train.eval_batches × micro_batch_size × dp; 0 reads all of it)" in proc.stdout
+    )
     run_dir = tmp_path / "tiny"
     summary = json.loads((run_dir / "summary.json").read_text())
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
@@ -421,13 +424,24 @@ def test_every_command_shows_examples_that_parse_and_the_exit_codes(capsys):
     [[], ["nope"], ["--nope"]]
     + [
         [name, "--no-such-option"]
-        for name in ("train", "launch", "store", "config", "plan", "data", "ckpt", "generate", "plot")
+        for name in ("train", "launch", "store", "config", "plan", "data", "ckpt", "eval", "generate", "plot")
     ],
 )
 def test_usage_errors_exit_2(argv, capsys):
     from strata.launch.cli import main
 
-    assert set(_commands()) == {"train", "launch", "store", "config", "plan", "data", "ckpt", "generate", "plot"}
+    assert set(_commands()) == {
+        "train",
+        "launch",
+        "store",
+        "config",
+        "plan",
+        "data",
+        "ckpt",
+        "eval",
+        "generate",
+        "plot",
+    }
     with pytest.raises(SystemExit) as done:
         main(argv)
     assert done.value.code == 2

@@ -6,6 +6,7 @@ validation window, and one process for the parallel layouts."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from strata import config
 from strata.model import build_model, lm_loss
 from strata.trainer.data import TokenDataset, eval_batches
 
-from worlds import final_params, train_run
+from conftest import tiny_overrides
+from worlds import _train_rank, final_params, run_world, train_run
 
 
 class Windows:
@@ -88,3 +90,31 @@ def test_whole_split_evaluation_is_a_plain_pass_over_every_window_in_any_layout(
     assert got.keys() == one.keys()
     for step, loss in one.items():
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+
+    # `strata eval` on the run's checkpoint, in one process and in a tp2·dp2 world: the same numbers
+    ckpt = tmp_path / "one" / "t" / "checkpoints"
+    experiment = tmp_path / "one" / "e.yaml"
+    experiment.write_text("{}\n")
+    common = ["--resume", str(ckpt), "--data", str(small_data_dir), *tiny_overrides(small_data_dir, tmp_path / "ev")]
+    common += ["model.n_layers=4", f"model.seq_len={SEQ}"]
+    for name, nproc, layout in (("one", 1, []), ("tp2-dp2", 4, ["parallel.tp=2"])):
+        out = tmp_path / f"eval-{name}.json"
+        (tmp_path / f"ranks-{name}").mkdir()
+        codes = run_world(
+            _train_rank,
+            nproc,
+            tmp_path / f"ranks-{name}",
+            ["eval", str(experiment), *common, *layout, "--out", str(out)],
+            exit_codes=True,
+        )
+        assert codes == [0] * nproc, (tmp_path / f"ranks-{name}" / "rank0.out").read_text()[-3000:]
+        split = json.loads(out.read_text())["splits"][str(small_data_dir)]
+        assert split["loss"] == pytest.approx(one[6], rel=1e-5), name
+        assert split["sequences"] == len(val) and split["tokens"] == len(val) * SEQ
+        # byte-level data: a byte a token, none for an end-of-document token
+        spelt = sum(int((val.window(i)[1:] < 256).sum()) for i in range(len(val)))
+        assert split["bytes"] == spelt
+        assert split["bits_per_byte"] == pytest.approx(split["loss"] * split["tokens"] / math.log(2) / spelt)
+        assert split["perplexity"] == pytest.approx(math.exp(split["loss"]))
+    record = json.loads((tmp_path / "ev" / "t" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 6 and record["eval"][str(small_data_dir)]["loss"] == pytest.approx(one[6], rel=1e-5)

@@ -100,11 +100,11 @@ def test_parallel_layout_matches_single_process(small_data_dir, tmp_path, name):
         assert_same_params(final_params(resumed_cfg.checkpoint_dir()), ref_params)
 
     if tp == 1 and pp == 1 and not any(key.startswith("zero.") for key in parallel):
-        # The bucketed all-reduce moved every gradient once per step (fp32), plus one scalar
-        # loss per step and one scalar per evaluation (steps 3 and 6).
+        # The bucketed all-reduce moved every gradient once per step (fp32), plus one scalar loss per
+        # step and, per evaluation (steps 3 and 6), its loss sum and sequence count (two float64).
         n_params = sum(t.numel() for t in ref_params.values())
         summary = json.loads((tmp_path / "par" / "t" / "summary.json").read_text())
-        payload = 6 * (4 * n_params + 4) + 2 * 4
+        payload = 6 * (4 * n_params + 4) + 2 * 16
         assert summary["comm_bytes"]["dp/all_reduce"] == payload
         # On the wire a 2-rank ring all-reduce sends 2·(n−1)/n = 1× the payload, over the link the
         # dp group spans: one node by default (torchrun's LOCAL_WORLD_SIZE = 2), two nodes when
