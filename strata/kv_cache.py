@@ -35,10 +35,10 @@ class KVCache:
         self.max_len, self.length = max_len, 0
         self._mask: torch.Tensor | None = None  # of the forward pass under way (`begin`)
 
-    def begin(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start a forward pass over `n` more tokens per row: their rotary positions (batch, n) and
-        the attention mask (batch, 1, n, length + n), True where a query may attend: the keys of real
-        tokens up to itself. A padding slot's query attends only to itself (its output is never
+    def begin(self, n: int) -> torch.Tensor:
+        """Start a forward pass over `n` more tokens per row: their rotary positions (batch, n); the
+        pass's attention mask (`mask`: batch, 1, n, length + n) is True where a query may attend: the
+        keys of real tokens up to itself. A padding slot's query attends only to itself (its output is never
         used, but a row with nothing to attend would be NaN, which a masked key would still carry
         into the real queries' sums)."""
         if self.length + n > self.max_len:
@@ -49,7 +49,7 @@ class KVCache:
         causal = keys.unsqueeze(0) <= at.unsqueeze(1)  # (n, keys)
         itself = keys.unsqueeze(0) == at.unsqueeze(1)
         self._mask = ((real.unsqueeze(1) & causal) | itself).unsqueeze(1)
-        return (at.unsqueeze(0) - self.pad.unsqueeze(1)).clamp(min=0), self._mask
+        return (at.unsqueeze(0) - self.pad.unsqueeze(1)).clamp(min=0)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store layer `layer`'s keys and values of this pass's tokens (batch, kv_heads, n, head_dim);

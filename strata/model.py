@@ -199,7 +199,7 @@ class GPT(nn.Module):
         x = self.tok_embeddings(tokens)
         cos, sin = cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin)
         if cache is not None:
-            documents = Documents(None, cache.begin(tokens.shape[1])[0])
+            documents = Documents(None, cache.begin(tokens.shape[1]))
         if documents is not None:
             cos, sin = documents.rotary(cos, sin)
         for layer in self.layers:

@@ -130,6 +130,17 @@ def read_meta(data_dir: Path, key: str = "data.path") -> TokenMeta:
     return TokenMeta(meta["dtype"], vocab, tokenizer if isinstance(tokenizer, str) else "unknown", meta)
 
 
+def prepared_tokenizer(data_dir: Path, key: str = "data.path") -> tuple[Path | None, int | None]:
+    """The tokenizer.json a prepared directory was tokenized with (None: byte-level tokens) and its
+    end-of-document id (None when a tokenizer.json's is not recorded), from its meta.json."""
+    meta = read_meta(data_dir, key).raw
+    info, eot = meta.get("tokenizer"), meta.get("eot")
+    file = info.get("file") if isinstance(info, dict) else None
+    if not isinstance(eot, int):
+        eot = None if file else ByteTokenizer.eot
+    return (Path(data_dir) / file if file else None), eot
+
+
 def end_of_document(data_dir: Path, key: str = "data.path") -> int:
     """The end-of-document token id `strata data prepare` recorded in meta.json ("eot"), which
     data.document_mask and data.reset_positions split packed sequences at; a DataError without one."""

@@ -15,7 +15,7 @@ import torch
 from strata.config import Config
 from strata.parallel import comm
 from strata.parallel.topology import Topology
-from strata.trainer.data import Mixture, TokenDataset, eval_batches, read_meta
+from strata.trainer.data import Mixture, TokenDataset, eval_batches, prepared_tokenizer
 from strata.trainer.parallelize import ParallelModel
 from strata.trainer.tokenize import ByteTokenizer, load_file_tokenizer
 
@@ -64,14 +64,11 @@ def target_bytes(data_dir: Path, dataset: TokenDataset) -> int:
     """The UTF-8 bytes the whole split's scored tokens (every window's targets) spell, for bits per
     byte: each end-of-document token spells none; a tokenizer.json's tokens are decoded window by
     window; byte-level tokens are one byte each."""
-    meta = read_meta(data_dir).raw
-    info = meta.get("tokenizer")
-    file = info.get("file") if isinstance(info, dict) else None
-    eot = meta.get("eot")
+    file, eot = prepared_tokenizer(data_dir, "--data")
     windows = (dataset.window(i)[1:] for i in range(len(dataset)))
-    if not file:
+    if file is None:
         return sum(int((w < ByteTokenizer.eot).sum()) for w in windows)
-    tok = load_file_tokenizer(data_dir / file)
+    tok = load_file_tokenizer(file)
     return sum(len(tok.decode([int(t) for t in w if t != eot]).encode("utf-8")) for w in windows)
 
 

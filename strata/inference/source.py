@@ -120,22 +120,18 @@ def _hf_stop_ids(path: Path) -> set[int]:
 def _run_tokenizer(cfg: Config) -> tuple[Tokenizer, set[int]]:
     """The tokenizer of the run's prepared data (its meta.json names it) and its end-of-document
     id; bytes for the built-in corpus."""
-    from strata.trainer.data import read_meta
+    from strata.trainer.data import prepared_tokenizer
 
     source = cfg.data.path or (cfg.data.sources[0].path if cfg.data.sources else None)
     if not source:
         return Tokenizer(None), {ByteTokenizer.eot}
     try:
-        meta = read_meta(Path(source), "data.path").raw
+        file, eot = prepared_tokenizer(Path(source))
     except DataError as e:
         raise DataError(
             f"{e}\n(the run's data names its tokenizer: give data.path=DIR for where the prepared data is now)"
         ) from e
-    info, eot = meta.get("tokenizer"), meta.get("eot")
-    file = info.get("file") if isinstance(info, dict) else None
-    if not isinstance(eot, int):
-        eot = None if file else ByteTokenizer.eot
-    return Tokenizer(Path(source) / file if file else None), set() if eot is None else {eot}
+    return Tokenizer(file), set() if eot is None else {eot}
 
 
 def _read_into_model(source, cfg: Config, dtype: torch.dtype, what: str) -> GPT:
