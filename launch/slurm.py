@@ -66,13 +66,16 @@ def sbatch_script(
     resume: str | None,
     workdir: str,
     interpreter: str = sys.executable,
+    extra: tuple[str, ...] = (),
+    command: str = "train",
 ) -> str:
     """The sbatch script for `job`: its #SBATCH directives, the environment every node's torchrun
     needs (the venv's Python, the rendezvous on the first node, signal and NCCL settings), then the
     job step (one torchrun per node under srun, each beside its snapshot agent when `job.snapshots`)
-    under the traps that pass a stop on and requeue after the time-limit warning."""
+    under the traps that pass a stop on and requeue after the time-limit warning. Each worker runs
+    `strata COMMAND` (train, or eval) with `extra` flags."""
     # torchrun runs it as a module: -m strata.launch.cli
-    worker = shlex.join(worker_args(config_path, overrides, resume))
+    worker = shlex.join(worker_args(config_path, overrides, resume, extra, command))
     python, path_line = job_python(interpreter)
     torchrun = (
         f"{python} -m torch.distributed.run --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} "

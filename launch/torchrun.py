@@ -269,14 +269,26 @@ def torchrun_args(plan: LaunchPlan) -> list[str]:
     ]
 
 
-def worker_args(config_path: str, overrides: list[str], resume: str | None, extra: tuple[str, ...] = ()) -> list[str]:
-    """The `strata train` arguments each worker runs with (as a module, so no console script is needed)."""
-    args = ["-m", "strata.launch.cli", "train", config_path, *overrides]
+def worker_args(
+    config_path: str,
+    overrides: list[str],
+    resume: str | None,
+    extra: tuple[str, ...] = (),
+    command: str = "train",
+) -> list[str]:
+    """The `strata train` (or `strata eval`) arguments each worker runs with (as a module, so no
+    console script is needed)."""
+    args = ["-m", "strata.launch.cli", command, config_path, *overrides]
     return args + (["--resume", resume] if resume else []) + list(extra)
 
 
 def torchrun_command(
-    plan: LaunchPlan, config_path: str, overrides: list[str], resume: str | None, extra: tuple[str, ...] = ()
+    plan: LaunchPlan,
+    config_path: str,
+    overrides: list[str],
+    resume: str | None,
+    extra: tuple[str, ...] = (),
+    command: str = "train",
 ) -> list[str]:
     """The command that starts this node's workers: torchrun (or `strata.launch.elastic`, its fork
     server variant, when `worker_start` is forkserver on Linux) with the plan's arguments and
@@ -287,7 +299,7 @@ def torchrun_command(
         "-m",
         "strata.launch.elastic" if forked else "torch.distributed.run",
         *torchrun_args(plan),
-        *worker_args(config_path, overrides, resume, extra),
+        *worker_args(config_path, overrides, resume, extra, command),
     ]
 
 
@@ -604,11 +616,17 @@ def _stop_agent(agent: subprocess.Popen, socket_path: str) -> None:
 
 
 def run_local(
-    plan: LaunchPlan, config_path: str, overrides: list[str], resume: str | None, extra: tuple[str, ...] = ()
+    plan: LaunchPlan,
+    config_path: str,
+    overrides: list[str],
+    resume: str | None,
+    extra: tuple[str, ...] = (),
+    command: str = "train",
 ) -> int:
     """Run torchrun in the foreground (and the node's snapshot agent beside it); returns torchrun's
     exit code, or 128 + the signal that stopped the job, or PREEMPTED_EXIT (75) when every worker
-    saved and stopped on that signal (see `Supervisor.wait`). `extra`: more `strata train` flags."""
+    saved and stopped on that signal (see `Supervisor.wait`). `command`: what each worker runs
+    (`train` or `eval`); `extra`: more flags of it."""
     check_plan(plan)
     env = launch_env(plan)
     problem = interface_problem(plan, env)
@@ -625,7 +643,7 @@ def run_local(
                 supervisor.watch = keeper.check
             if supervisor.pending:  # stopped while the agent was starting: start no workers
                 return 128 + supervisor.pending[0]
-            cmd = torchrun_command(plan, config_path, overrides, resume, extra)
+            cmd = torchrun_command(plan, config_path, overrides, resume, extra, command)
             print("strata launch:", shlex.join(cmd), flush=True)
             return supervisor.run(cmd, env)
         finally:

@@ -455,6 +455,8 @@ class Trainer:
         interval_start, interval_steps = time.perf_counter(), 0
         link_bytes_before = Counter(comm.bytes_by_link)
         train_start, start_step = time.perf_counter(), self.step
+        if cfg.train.eval_at_start and self.step == 0:
+            result.eval_losses[0] = self._eval_and_log(log)
         while self.step < cfg.train.steps:
             with self.profiler.step(self.step + 1):
                 loss, grad_norm = self.train_step()

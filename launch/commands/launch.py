@@ -1,6 +1,6 @@
 """`strata launch`: check the job (config, data, earlier checkpoints, the planner's memory warning)
 without importing torch, then start N workers under torchrun on this node, or write (and submit) a
-Slurm job."""
+Slurm job. The workers train, or with --eval evaluate a checkpoint (`strata eval` on every rank)."""
 
 from __future__ import annotations
 
@@ -39,12 +39,21 @@ def add_parser(subparsers: Subparsers) -> None:
             "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --rdzv-endpoint node0:29400 --net-ifname eth0",
             "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --node-rank 1 --master-addr node0",
             "strata launch configs/llama-1b.yaml --slurm --nodes 4 --gpus-per-node 8 --partition gpu",
+            "strata launch configs/tiny.yaml --nproc 4 parallel.tp=2 --eval --resume runs/tiny/checkpoints",
             extra=EXIT_CODES,
         ),
     )
     la.add_argument("config", help="YAML experiment")
     la.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
     la.add_argument("--resume", help="checkpoint directory the workers resume from")
+    la.add_argument(
+        "--eval",
+        action="store_true",
+        help="the workers evaluate the --resume checkpoint on held-out data (`strata eval` on every rank) instead "
+        "of training",
+    )
+    la.add_argument("--data", action="append", default=[], help="with --eval: a prepared directory (repeatable)")
+    la.add_argument("--out", help="with --eval: where the JSON goes (default: RUN_DIR/eval.json)")
     _add_torchrun_options(la)
     _add_slurm_options(la)
     la.set_defaults(func=run)
@@ -116,7 +125,19 @@ def _add_slurm_options(la: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Launch the job: torchrun's exit code (or 128 + a signal), or sbatch's."""
+    if (args.data or args.out) and not args.eval:
+        raise StrataError("--data and --out belong to an evaluation: add --eval (and --resume CKPT)")
+    if args.eval and not args.resume:
+        raise StrataError("--eval evaluates a checkpoint: give it with --resume CKPT")
     return _run_slurm(args) if args.slurm else _run_torchrun(args)
+
+
+def _worker(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
+    """What each worker runs: `train`, or `eval` with its flags."""
+    if not args.eval:
+        return "train", ()
+    flags = [f for d in args.data for f in ("--data", str(Path(d).resolve()))]
+    return "eval", tuple(flags + (["--out", str(Path(args.out).resolve())] if args.out else []))
 
 
 def _run_slurm(args: argparse.Namespace) -> int:
@@ -137,8 +158,15 @@ def _run_slurm(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         snapshots=cfg.snapshot.every_steps > 0,
     )
+    command, extra = _worker(args)
     script = slurm.sbatch_script(
-        job, str(Path(args.config).resolve()), args.overrides, args.resume, workdir=str(Path.cwd())
+        job,
+        str(Path(args.config).resolve()),
+        args.overrides,
+        args.resume,
+        workdir=str(Path.cwd()),
+        extra=extra,
+        command=command,
     )
     path = Path(args.script or cfg.run_dir() / "job.sbatch")
     with file_errors("strata launch --slurm"):
@@ -158,8 +186,10 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     problem = config.snapshot_nodes_problem(cfg.snapshot, args.nnodes)
     if problem:
         raise StrataError(problem)
-    _check_data(cfg)
-    _check_checkpoints(cfg, args.resume)
+    _check_data(cfg, [Path(d) for d in args.data])
+    # A node that joins a running job of several nodes (a replacement) finds that job's own lock held:
+    # there, only the workers' own lock refuses a second job.
+    _check_checkpoints(cfg, args.resume, locks=not args.eval and args.nnodes == 1)
     warn_memory(cfg, args.nnodes, args.nproc)
     plan = torchrun.LaunchPlan(
         nproc_per_node=args.nproc,
@@ -169,36 +199,43 @@ def _run_torchrun(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         external_store=args.rdzv_store == "external",
         join_timeout_s=args.join_timeout,
-        snapshots=cfg.snapshot.every_steps > 0,
+        snapshots=cfg.snapshot.every_steps > 0 and not args.eval,
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
         net_ifname=args.net_ifname,
         worker_start=args.worker_start,
     )
-    return torchrun.run_local(plan, args.config, args.overrides, args.resume)
+    command, extra = _worker(args)
+    return torchrun.run_local(plan, args.config, args.overrides, args.resume, extra, command)
 
 
-def _check_data(cfg: Config) -> None:
-    """The data directory's problems, before any worker starts (each worker would hit them alone)."""
-    from strata.trainer.data import check_data_dir, open_mixture
+def _check_data(cfg: Config, eval_dirs: list[Path]) -> None:
+    """The data directory's problems (or those of the directories an evaluation reads), before any
+    worker starts (each worker would hit them alone)."""
+    from strata.trainer.data import TokenDataset, check_data_config, check_data_dir, open_mixture
 
+    for d in eval_dirs:  # an evaluation reads only the validation split
+        check_data_config(d, cfg)
+        TokenDataset(d, "val", cfg.model.seq_len)
+    if eval_dirs:
+        return
     if cfg.data.path:
         check_data_dir(Path(cfg.data.path), cfg.model.seq_len, cfg)
     elif cfg.data.sources:
         open_mixture(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
 
 
-def _check_checkpoints(cfg: Config, resume: str | None) -> None:
+def _check_checkpoints(cfg: Config, resume: str | None, locks: bool = True) -> None:
     """What the workers' start would refuse about checkpoints, before they start: the run directory or
-    checkpoint.dir locked by a job still writing it, a --resume without
+    checkpoint.dir locked by a job still writing it (with `locks`), a --resume without
     a committed checkpoint, or a new run (no --resume, no snapshots to recover) in a checkpoint.dir
     holding an earlier run's committed checkpoints without checkpoint.overwrite."""
     from strata.checkpoint import store
     from strata.runlock import check_free
 
-    # a job writing this run already: refused now, rather than by every worker once started
-    check_free([(cfg.run_dir(), "run directory"), (cfg.checkpoint_dir(), "checkpoint.dir")])
+    if locks:  # a job writing this run already: refused now, rather than by every worker once started
+        check_free([(cfg.run_dir(), "run directory"), (cfg.checkpoint_dir(), "checkpoint.dir")])
     if resume and not store.is_dcp_only(Path(resume)):
         store.marker(store.resolve(Path(resume)))  # a damaged commit marker: one error, before any worker
         return

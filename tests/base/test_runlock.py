@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from strata.checkpoint import store
+from strata.launch import torchrun
 from strata.runlock import LOCK_NAME, RunLocked, RunLocks, check_free, holder
 
-from conftest import tiny_overrides
+from conftest import run_cli, tiny_overrides
 from worlds import start_strata, strata
 
 
@@ -61,12 +62,13 @@ def test_locks_are_shared_within_a_process_and_refused_to_another(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_second_writer_and_a_resume_of_a_running_run_are_refused(small_data_dir, tmp_path):
+def test_a_second_writer_and_a_resume_of_a_running_run_are_refused(small_data_dir, tmp_path, monkeypatch, capsys):
     proc = start_long_run(small_data_dir, tmp_path / "a")
     try:
         experiment = tmp_path / "a" / "experiment.yaml"
         overrides = tiny_overrides(small_data_dir, tmp_path / "a", **{"train.steps": 3})
-        for extra in ([], ["--resume", str(tmp_path / "a" / "t" / "checkpoints")], ["checkpoint.overwrite=true"]):
+        resume = ["--resume", str(tmp_path / "a" / "t" / "checkpoints")]
+        for extra in ([], resume, ["checkpoint.overwrite=true"]):
             second = strata("train", str(experiment), *overrides, *extra)
             assert second.returncode == 2, second.stdout + second.stderr
             assert f"is in use by pid {proc.pid} on host" in second.stderr, second.stderr
@@ -74,6 +76,13 @@ def test_a_second_writer_and_a_resume_of_a_running_run_are_refused(small_data_di
         # the launcher refuses before it starts any worker
         launched = strata("launch", str(experiment), *overrides, "--nproc", "2")
         assert launched.returncode == 2 and f"pid {proc.pid}" in launched.stderr, launched.stderr
+        # but a node joining a job of several nodes (a replacement for a lost one) finds that job's own
+        # lock held: it starts its workers, whose own lock would refuse a second job
+        started: list[torchrun.LaunchPlan] = []
+        monkeypatch.setattr(torchrun, "run_local", lambda plan, *args: started.append(plan) or 0)
+        joined = ["launch", str(experiment), *overrides, *resume, "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"]
+        code, said = run_cli(joined, capsys)
+        assert code == 0 and [p.nnodes for p in started] == [2], said
         assert proc.poll() is None  # the first run trains on
         records = [json.loads(line) for line in (tmp_path / "a" / "t" / "metrics.jsonl").read_text().splitlines()]
         steps = [r["step"] for r in records if "loss" in r]

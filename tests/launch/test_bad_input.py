@@ -313,6 +313,8 @@ CASES = [
     Case("launch-beta-one", launch("optim.beta1=1.0"), ("optim.beta1", "beta < 1")),
     Case("launch-long-name", launch(f"log.name={LONG}"), ("log.name", "255")),
     Case("launch-resume-not-ckpt", launch_resume_plain, ("plain", "no committed checkpoint")),
+    Case("launch-eval-no-resume", launch("--eval", "--nproc", "2"), ("--eval", "--resume CKPT")),
+    Case("launch-data-no-eval", launch("--data", "d", "--resume", "r"), ("--data", "add --eval")),
     Case("launch-over-earlier-run", launch_over_earlier_run, ("step_00000002", "checkpoint.overwrite=true")),
     Case("config-world-size-zero", show("--world-size", "0"), ("--world-size", ">= 1")),
     Case("store-port-range", lambda tmp: ["store", "--port", "70000"], ("--port", "65535")),

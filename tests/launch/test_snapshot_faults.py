@@ -149,8 +149,9 @@ class Cluster:
         while any(self.nodes[n].poll() is None for n in names):
             self._check(deadline, "the end of the run")
             time.sleep(0.1)
-        for n in names:
-            assert self.nodes[n].returncode == 0, f"node {n} failed:\n{self.log(n)[-6000:]}"
+        for n in names:  # every node's log: a node's failure is often another's doing
+            logs = "\n".join(f"--- {m}\n{self.log(m)[-4000:]}" for m in self.nodes)
+            assert self.nodes[n].returncode == 0, f"node {n} failed:\n{logs}"
 
     def _check(self, deadline: float, what: str) -> None:
         if time.monotonic() > deadline:

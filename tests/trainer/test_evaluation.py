@@ -16,7 +16,7 @@ from strata.model import build_model, lm_loss
 from strata.trainer.data import TokenDataset, eval_batches
 
 from conftest import tiny_overrides
-from worlds import _train_rank, final_params, run_world, train_run
+from worlds import _train_rank, final_params, run_world, strata, train_run
 
 
 class Windows:
@@ -56,6 +56,7 @@ SEQ = 40  # the split then has a number of windows the ranks' micro-batches do n
 SETTINGS = {
     "train.eval_batches": 0,
     "train.eval_interval": 3,
+    "train.eval_at_start": True,
     "checkpoint.save_final": True,
     "model.n_layers": 4,
     "model.seq_len": SEQ,
@@ -83,6 +84,9 @@ def test_whole_split_evaluation_is_a_plain_pass_over_every_window_in_any_layout(
     with torch.no_grad():
         per_window = [float(lm_loss(model(x), y)) for x, y in (val.batch([i]) for i in range(len(val)))]
     assert one[6] == pytest.approx(sum(per_window) / len(per_window), rel=1e-5)
+    # the baseline before the first step: an untrained model's loss is that of guessing among its outputs
+    vocab = params["tok_embeddings.weight"].shape[0]
+    assert sorted(one) == [0, 3, 6] and abs(one[0] - math.log(vocab)) < 0.05 < one[0] - one[6]
     assert f"on all {len(val)} sequences of the validation split" in out
     assert len(val) % 4  # the split's end leaves the last micro-batch short (and a replica without one)
     train_run(small_data_dir, tmp_path / "dp2-pp2", 4, **SETTINGS, **{"parallel.pp": 2})
@@ -91,24 +95,37 @@ def test_whole_split_evaluation_is_a_plain_pass_over_every_window_in_any_layout(
     for step, loss in one.items():
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
 
-    # `strata eval` on the run's checkpoint, in one process and in a tp2·dp2 world: the same numbers
+    # `strata eval` on the run's checkpoint, in one process and as `strata launch --eval` of a tp2·dp2
+    # world: the same numbers
     ckpt = tmp_path / "one" / "t" / "checkpoints"
     experiment = tmp_path / "one" / "e.yaml"
     experiment.write_text("{}\n")
     common = ["--resume", str(ckpt), "--data", str(small_data_dir), *tiny_overrides(small_data_dir, tmp_path / "ev")]
     common += ["model.n_layers=4", f"model.seq_len={SEQ}"]
-    for name, nproc, layout in (("one", 1, []), ("tp2-dp2", 4, ["parallel.tp=2"])):
-        out = tmp_path / f"eval-{name}.json"
-        (tmp_path / f"ranks-{name}").mkdir()
-        codes = run_world(
-            _train_rank,
-            nproc,
-            tmp_path / f"ranks-{name}",
-            ["eval", str(experiment), *common, *layout, "--out", str(out)],
-            exit_codes=True,
-        )
-        assert codes == [0] * nproc, (tmp_path / f"ranks-{name}" / "rank0.out").read_text()[-3000:]
-        split = json.loads(out.read_text())["splits"][str(small_data_dir)]
+    (tmp_path / "ranks-one").mkdir()
+    codes = run_world(
+        _train_rank,
+        1,
+        tmp_path / "ranks-one",
+        ["eval", str(experiment), *common, "--out", str(tmp_path / "eval-one.json")],
+        exit_codes=True,
+    )
+    assert codes == [0], (tmp_path / "ranks-one" / "rank0.out").read_text()[-3000:]
+    launched = strata(
+        "launch",
+        str(experiment),
+        *common,
+        "parallel.tp=2",
+        "--nproc",
+        "4",
+        "--eval",
+        "--out",
+        str(tmp_path / "eval-tp2-dp2.json"),
+    )
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    assert "loss" in launched.stdout and "bits/byte" in launched.stdout  # rank 0's table
+    for name in ("one", "tp2-dp2"):
+        split = json.loads((tmp_path / f"eval-{name}.json").read_text())["splits"][str(small_data_dir)]
         assert split["loss"] == pytest.approx(one[6], rel=1e-5), name
         assert split["sequences"] == len(val) and split["tokens"] == len(val) * SEQ
         # byte-level data: a byte a token, none for an end-of-document token

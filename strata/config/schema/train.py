@@ -39,6 +39,9 @@ class TrainConfig:
         "emulation): fp8 numerics on any device, CPUs included, for tests; slow, never for training",
     )
     eval_interval: int = opt(100, "evaluate every N steps and at the end (0: only at the end)", min=0)
+    eval_at_start: bool = opt(
+        False, "also evaluate before the first step (step 0) of a run that starts from scratch, as a baseline"
+    )
     eval_batches: int = opt(
         8,
         "validation micro-batches per evaluation on each rank: every evaluation reads the same first "
