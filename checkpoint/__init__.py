@@ -8,7 +8,8 @@ side), `store` (committed step directories), `integrity` (CRC-32C per block), `d
 `.metadata`). Loading: `reader` (box intersection, reading only the bytes needed) and `layout`
 (matching keys and shapes); foreign sources read through the reader's interface: `hf_weights` (a
 Hugging Face directory's safetensors) and `dcp_source` (checkpoints DCP wrote alone). Tools behind
-`strata ckpt`: `inspect`, `export` (safetensors), `deepspeed_import`. Snapshots: `snapshot`
+`strata ckpt`: `inspect`, `export` (safetensors and Hugging Face; `hf_metadata`: what a Hugging
+Face export carries besides the weights), `deepspeed_import`. Snapshots: `snapshot`
 (stage, hand to the node's agent, restore), `agent_protocol` (the worker–agent messages),
 `channel` (authenticated TCP between agents), `erasure` (ISA-L Reed–Solomon).
 

@@ -15,7 +15,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from safetensors.torch import save as safetensors_bytes
 from strata import hf
 from strata.atomic import atomic_directory, write_file_atomic
 from strata.checkpoint import integrity, store
+from strata.checkpoint.hf_metadata import hf_metadata
 from strata.checkpoint.pieces import Piece, whole_piece
 from strata.checkpoint.reader import Checkpoint
 from strata.checkpoint.write_plan import torch_dtype
@@ -36,7 +37,7 @@ SHARD_BYTES = 2 * 2**30  # per safetensors shard of an hf export (transformers' 
 # What an hf export writes: an --overwrite replaces a directory holding nothing else.
 HF_FILES = re.compile(
     r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|"
-    r"tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json"
+    r"tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|chat_template\.jinja"
 )
 
 
@@ -111,18 +112,20 @@ def export(
     fmt: str = "safetensors",
     overwrite: bool = False,
     read_config: Callable[[bytes], Config] | None = None,
+    force: bool = False,
+    note: Callable[[str], None] = print,
 ) -> tuple[Path, Path]:
     """Write the weights of the checkpoint at `path` and its verified config to the files `out`
     names (see `outputs`); returns (weights file, config file). Everything is checked before
     anything is written. The Hugging Face format needs `read_config`, which turns the checkpoint's
     config.yaml into a validated Config (`strata.config.loading.from_yaml`: this layer reads only
-    the schema)."""
+    the schema); `force` and `note` are the Hugging Face export's (`export_hf`)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; supported: {', '.join(FORMATS)}")
     if fmt == "hf":
         if read_config is None:
             raise ValueError("export to the hf format needs read_config")
-        return export_hf(Path(path), Path(out), read_config, overwrite)
+        return export_hf(Path(path), Path(out), read_config, overwrite, force, note)
     weights, config = outputs(Path(out))
     check_destination(weights, config, overwrite)
     ckpt = Checkpoint(path)
@@ -138,13 +141,20 @@ def export(
 
 
 def export_hf(
-    path: Path, out: Path, read_config: Callable[[bytes], Config], overwrite: bool = False
+    path: Path,
+    out: Path,
+    read_config: Callable[[bytes], Config],
+    overwrite: bool = False,
+    force: bool = False,
+    note: Callable[[str], None] = print,
 ) -> tuple[Path, Path]:
     """Write the checkpoint at `path` as a Hugging Face model directory `out`: config.json for the
     architecture that computes what Strata's model does, the weights under HF's names in shards of
     at most SHARD_BYTES (read one shard at a time, never the whole model) with
-    model.safetensors.index.json, and the run's tokenizer when its data was prepared with one. The
-    directory appears complete or not at all. Returns (out, its config.json)."""
+    model.safetensors.index.json, the tokenizer and generation_config.json, with what the source
+    model said carried (`hf_metadata`: `force` exports where fields would be lost; each field set
+    from the run's config goes to `note`). The directory appears complete or not at all. Returns
+    (out, its config.json)."""
     out = Path(out)
     _check_hf_destination(out, overwrite)
     ckpt = Checkpoint(path)
@@ -159,13 +169,12 @@ def export_hf(
             raise CheckpointError(f"{ckpt.path}: does not hold the model its config.yaml describes: {problems[:5]}")
         hf_cfg = hf.hf_config(cfg.model, shapes["tok_embeddings.weight"][0])
         hf_cfg["torch_dtype"] = dtypes["model.tok_embeddings.weight"]
-        tokenizer = _tokenizer_files(cfg)
-        hf_cfg.update(tokenizer.special_ids)
+        metadata = hf_metadata(cfg, hf_cfg, force)
         outputs = [_Output(hf_name, n, None) for n, hf_name in names.items()]
         outputs += [_Output(row_name, n, e) for n, rows in experts.items() for e, row_name in enumerate(rows)]
         dtype_of = {o.strata: torch_dtype(dtypes[f"model.{o.strata}"]) for o in outputs}
         shards = _shards(outputs, shapes, dtype_of)
-        _refuse_what_this_export_does_not_write(out, _hf_outputs(len(shards), tokenizer.files))
+        _refuse_what_this_export_does_not_write(out, _hf_outputs(len(shards), metadata.files))
         with atomic_directory(out) as tmp:
             weight_map = {}
             for i, shard in enumerate(shards):
@@ -184,22 +193,24 @@ def export_hf(
                 total = sum(o.nbytes(shapes[o.strata], dtype_of[o.strata]) for o in outputs)
                 index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
                 (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-            (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-            for name, data in tokenizer.files.items():
+            (tmp / "config.json").write_text(json.dumps(metadata.config, indent=2) + "\n")
+            for name, data in metadata.files.items():
                 (tmp / name).write_bytes(data)
     finally:
         ckpt.close()
+    for line in metadata.notes:
+        note(f"note: {line}")
     return out, out / "config.json"
 
 
-def _hf_outputs(shards: int, tokenizer_files: dict[str, bytes]) -> set[str]:
+def _hf_outputs(shards: int, other_files: dict[str, bytes]) -> set[str]:
     """The names of the files a Hugging Face export of `shards` weight files writes."""
     if shards == 1:
         weights = {"model.safetensors"}
     else:
         weights = {f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)}
         weights.add("model.safetensors.index.json")
-    return {"config.json", *weights, *tokenizer_files}
+    return {"config.json", *weights, *other_files}
 
 
 def _refuse_what_this_export_does_not_write(out: Path, writes: set[str]) -> None:
@@ -274,37 +285,3 @@ def _shards(
         shards[-1].append(out)
         size += n
     return shards
-
-
-@dataclass
-class _Tokenizer:
-    files: dict[str, bytes] = field(default_factory=dict)  # file name in OUT -> contents
-    special_ids: dict[str, int] = field(default_factory=dict)  # for config.json
-    note: str = ""
-
-
-def _tokenizer_files(cfg: Config) -> _Tokenizer:
-    """The tokenizer of the run's prepared data (data.path's meta.json names it), as the files an
-    AutoTokenizer loads; none for byte-level data, which has no Hugging Face tokenizer."""
-    sources = cfg.data.sources or ()
-    data = Path(cfg.data.path) if cfg.data.path else Path(sources[0].path) if sources else None  # one tokenizer
-    try:
-        meta = json.loads((data / "meta.json").read_text()) if data else None
-    except (OSError, ValueError):
-        meta = None
-    info = meta.get("tokenizer") if isinstance(meta, dict) else None
-    if not isinstance(info, dict) or not info.get("file") or data is None:
-        return _Tokenizer(note="the run's data has no tokenizer.json (byte-level, or not found): none exported")
-    try:
-        tokenizer_json = (data / info["file"]).read_bytes()
-    except OSError as e:
-        return _Tokenizer(note=f"the run's tokenizer {data / info['file']} cannot be read ({e}): none exported")
-    eot_token, eot = info.get("eot_token"), meta.get("eot") if isinstance(meta, dict) else None
-    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.model.seq_len}
-    if isinstance(eot_token, str):
-        settings["eos_token"] = eot_token
-    files = {
-        "tokenizer.json": tokenizer_json,
-        "tokenizer_config.json": (json.dumps(settings, indent=2) + "\n").encode(),
-    }
-    return _Tokenizer(files, {"eos_token_id": eot} if isinstance(eot, int) else {})

@@ -215,6 +215,11 @@ def _rope(hf: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     return field, params
 
 
+def rope_parameters(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """A config.json's RoPE parameters in transformers 5's form (`rope_type`, `rope_theta`, ...)."""
+    return _rope(hf_config)[1]
+
+
 def _sliding_window(hf: Mapping[str, Any]) -> int | None:
     """The attention window of the layers that slide, or None when none does (transformers' rules:
     Mistral slides every layer whenever sliding_window is set; Qwen2/3 only with use_sliding_window,

@@ -57,7 +57,7 @@ def _yarn(cfg: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # transformers': no division by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp
     return inv_freq / factor * (1 - keep) + inv_freq * keep
 

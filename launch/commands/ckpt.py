@@ -23,7 +23,7 @@ def add_parser(subparsers: Subparsers) -> None:
         formatter_class=FORMATTER,
         usage="strata ckpt inspect DIR\n       strata ckpt verify DIR\n"
         "       strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..[,vs=..] [key=value ...]\n"
-        "       strata ckpt export DIR OUT [--format safetensors|hf] [--overwrite]\n"
+        "       strata ckpt export DIR OUT [--format safetensors|hf] [--overwrite] [--force]\n"
         "       strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG\n"
         "       strata ckpt import-hf HF_DIR OUT [key=value ...] [--config CFG]",
         description="Inspect, verify, reshard, export or import a checkpoint.",
@@ -32,6 +32,7 @@ def add_parser(subparsers: Subparsers) -> None:
             "strata ckpt verify runs/tiny/checkpoints/step_00000500   # exit 1 if damaged",
             "strata ckpt reshard runs/tiny/checkpoints resharded --to tp=2,pp=1,dp=1",
             "strata ckpt export runs/tiny/checkpoints tiny.safetensors",
+            "strata ckpt export runs/qwen-ft/checkpoints qwen-ft-hf --format hf   # carries Qwen's own config",
             "strata ckpt import-deepspeed ds_ckpt/ imported/ --config configs/tiny.yaml",
             extra=EXIT_CODES,
         ),
@@ -59,7 +60,8 @@ def add_parser(subparsers: Subparsers) -> None:
         default="safetensors",
         choices=["safetensors", "hf"],
         help="export format: one safetensors file of Strata's names, or hf: a Hugging Face model directory "
-        "(config.json, sharded safetensors, the tokenizer) for transformers' from_pretrained",
+        "(config.json, sharded safetensors, the tokenizer and its config, generation_config.json, carried from "
+        "the model the run started from) for transformers' from_pretrained",
     )
     ck.add_argument(
         "--overwrite",
@@ -67,6 +69,12 @@ def add_parser(subparsers: Subparsers) -> None:
         help="export: replace the weights and config files OUT names if they exist; reshard, import-deepspeed, "
         "import-hf: write into an OUT that already holds committed checkpoints (only the step written is "
         "replaced; nothing is removed)",
+    )
+    ck.add_argument(
+        "--force",
+        action="store_true",
+        help="export --format hf: export even where fields would be lost (the model the run started from, "
+        "model.init_from, is gone, or the run's tokenizer cannot be read); the notes say what was set instead",
     )
     ck.add_argument(
         "--config",
@@ -123,7 +131,9 @@ def _export(args: argparse.Namespace) -> int:
     if not args.out:
         raise StrataError("strata ckpt export DIR OUT: give OUT, a .safetensors file or a directory")
     with file_errors("strata ckpt export"):
-        weights, config_file = export.export(Path(args.path), Path(args.out), args.format, args.overwrite, from_yaml)
+        weights, config_file = export.export(
+            Path(args.path), Path(args.out), args.format, args.overwrite, from_yaml, args.force
+        )
     print(f"wrote {weights} and {config_file}")
     return 0
 

@@ -1,0 +1,228 @@
+"""What a Hugging Face export writes besides the weights: config.json's fields beyond the model's
+shape (context length and RoPE scaling, special-token ids, sliding window), the tokenizer with its
+config (chat template, bos/eos/pad tokens, model_max_length) and generation_config.json.
+
+They are carried from the model the run started from (`model.init_from`, a Hugging Face directory)
+while the run's model is still that model (same shapes, same RoPE), so an imported model exports as
+it came in; what the source does not say, or what the run changed, is set from the run's own
+config, and a note says so. A source that is gone, or a tokenizer the run's data names but that
+cannot be read, would lose fields: the export refuses, unless forced (the notes then say what is
+lost)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from strata import hf
+from strata.config.schema import Config
+from strata.errors import CheckpointError, ConfigError
+
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# The tokenizer's files besides tokenizer.json that a source model directory may hold
+TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@dataclass
+class Metadata:
+    """config.json, the other files (name -> bytes) and the notes for the console."""
+
+    config: dict[str, Any]
+    files: dict[str, bytes] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Source:
+    """The Hugging Face model directory the run started from, and its config.json."""
+
+    path: Path
+    config: dict[str, Any]
+
+    def file(self, name: str) -> bytes | None:
+        try:
+            return (self.path / name).read_bytes()
+        except OSError:
+            return None
+
+
+@dataclass
+class _RunTokenizer:
+    """The tokenizer the run's prepared data names (None: byte-level, or no data found)."""
+
+    data: bytes | None
+    eot_token: str | None
+    eot: int | None
+
+
+def hf_metadata(cfg: Config, computed: dict[str, Any], force: bool = False) -> Metadata:
+    """The export's config.json and other files for the run of `cfg`, whose model's own config.json
+    (`strata.hf.hf_config`, with the checkpoint's dtype) is `computed`. Raises CheckpointError where
+    fields would be lost, unless `force`."""
+    source = _source(cfg, force)
+    run_tok = _run_tokenizer(cfg, force)
+    same = source is not None and _same_model(source.config, cfg, computed)
+    out = Metadata(dict(computed))
+    if source is not None and not same:
+        out.notes.append(
+            f"the run's model is no longer that of {source.path} (its shape or RoPE changed): config.json is set "
+            "from the run's config"
+        )
+    kept = source if same else None
+    if kept is not None:
+        _carry_config(out, kept, cfg, computed)
+    if kept is not None and run_tok.data is not None:
+        source_tok = kept.file("tokenizer.json")
+        if source_tok is None or _digest(source_tok) != _digest(run_tok.data):
+            kept = None  # the run's data was tokenized otherwise: the source's token settings do not apply
+    if kept is None:
+        _set_token_ids(out, cfg, run_tok, carried=same)
+    _tokenizer(out, run_tok, kept)
+    _generation_config(out, kept)
+    return out
+
+
+def _source(cfg: Config, force: bool) -> _Source | None:
+    """The Hugging Face directory model.init_from names, if the run started from one."""
+    if not cfg.model.init_from:
+        return None
+    path = Path(cfg.model.init_from)
+    if (path / "config.json").is_file():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            config = None
+        if isinstance(config, dict):
+            return _Source(path, config)
+    elif path.is_dir() and not (path / "config.json").exists():
+        return None  # a Strata or DCP checkpoint: no Hugging Face fields to carry
+    if not force:
+        raise CheckpointError(
+            f"strata ckpt export: the run started from the Hugging Face model {str(path)!r} (model.init_from), "
+            "which is gone or unreadable: its context length, special-token ids, tokenizer config, chat template "
+            "and generation config cannot be carried into the export. Put it back, or pass --force to set them "
+            "from the run's config"
+        )
+    return None
+
+
+def _run_tokenizer(cfg: Config, force: bool) -> _RunTokenizer:
+    """The tokenizer.json the run's prepared data names (data.path, or the first source's: one
+    tokenizer), with its end-of-document token."""
+    sources = cfg.data.sources or ()
+    data = Path(cfg.data.path) if cfg.data.path else Path(sources[0].path) if sources else None
+    try:
+        meta = json.loads((data / "meta.json").read_text()) if data else None
+    except (OSError, ValueError):
+        meta = None
+    info = meta.get("tokenizer") if isinstance(meta, dict) else None
+    if data is None or not isinstance(info, dict) or not info.get("file"):
+        return _RunTokenizer(None, None, None)
+    eot_token = info.get("eot_token") if isinstance(info.get("eot_token"), str) else None
+    eot = meta.get("eot") if isinstance(meta, dict) and isinstance(meta.get("eot"), int) else None
+    try:
+        return _RunTokenizer((data / info["file"]).read_bytes(), eot_token, eot)
+    except OSError as e:
+        if not force:
+            raise CheckpointError(
+                f"strata ckpt export: the run's tokenizer {data / info['file']} cannot be read ({e}); the export "
+                "would have none. Restore it, or pass --force to export without a tokenizer"
+            ) from e
+        return _RunTokenizer(None, eot_token, eot)
+
+
+def _same_model(source: dict[str, Any], cfg: Config, computed: dict[str, Any]) -> bool:
+    """Whether the run's model is still the source's: every model.* value the source's config.json
+    implies equals the run's, and the vocabulary has its size."""
+    try:
+        settings = hf.model_settings(source, cfg.model.seq_len)
+    except ConfigError:
+        return False
+    for key, value in settings.items():
+        if key == "moe":
+            moe: dict = value  # type: ignore[assignment]
+            if any(getattr(cfg.model.moe, k) != v for k, v in moe.items()):
+                return False
+        elif key == "vocab_size":
+            if value != computed["vocab_size"]:
+                return False
+        elif getattr(cfg.model, key) != value:
+            return False
+    return True
+
+
+def _carry_config(out: Metadata, source: _Source, cfg: Config, computed: dict[str, Any]) -> None:
+    """The source's config.json, in the checkpoint's dtype; its context length raised to the run's
+    when the run trained longer (not for dynamic NTK, whose base grows past it)."""
+    out.config = {**source.config}
+    keys = [k for k in ("torch_dtype", "dtype") if k in source.config] or ["torch_dtype"]
+    out.config.update(dict.fromkeys(keys, computed["torch_dtype"]))
+    rope = hf.rope_parameters(source.config)
+    longest = source.config.get("max_position_embeddings")
+    if isinstance(longest, int) and cfg.model.seq_len > longest and rope["rope_type"] != "dynamic":
+        out.config["max_position_embeddings"] = cfg.model.seq_len
+        out.notes.append(
+            f"max_position_embeddings: {cfg.model.seq_len}, the run's model.seq_len (the source's {longest} is shorter)"
+        )
+
+
+def _set_token_ids(out: Metadata, cfg: Config, run_tok: _RunTokenizer, carried: bool) -> None:
+    """Token ids from the run's tokenizer (its end-of-document token ends a generation), and a note
+    of what the run's config decided."""
+    for key in TOKEN_IDS:
+        out.config.pop(key, None)
+    if run_tok.eot is not None:
+        out.config["eos_token_id"] = run_tok.eot
+    what = (
+        ""
+        if carried
+        else f"max_position_embeddings {out.config['max_position_embeddings']} (model.seq_len "
+        f"{cfg.model.seq_len}), no sliding window, "
+    )
+    out.notes.append(
+        f"config.json from the run's config and tokenizer: {what}eos_token_id "
+        f"{out.config.get('eos_token_id', 'none')} (the run's end-of-document token), no bos or pad token"
+    )
+
+
+def _tokenizer(out: Metadata, run_tok: _RunTokenizer, source: _Source | None) -> None:
+    """tokenizer.json (the run's, else the source's) and its config: the source's files when its
+    tokenizer is the one the run used (`source` given), else one set from the run's config."""
+    tokenizer = run_tok.data
+    if source is not None:
+        tokenizer = tokenizer or source.file("tokenizer.json")
+        out.files.update((n, d) for n in TOKENIZER_EXTRAS if (d := source.file(n)) is not None)
+    if tokenizer is None:
+        out.notes.append("no tokenizer exported: the run's data is byte-level (or its tokenizer was not found)")
+        return
+    out.files["tokenizer.json"] = tokenizer
+    if "tokenizer_config.json" in out.files:
+        return
+    settings: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": out.config["max_position_embeddings"],
+    }
+    if run_tok.eot_token is not None:
+        settings["eos_token"] = run_tok.eot_token
+    out.files["tokenizer_config.json"] = (json.dumps(settings, indent=2) + "\n").encode()
+    out.notes.append(
+        f"tokenizer_config.json from the run's config: model_max_length {settings['model_max_length']}, "
+        f"eos_token {settings.get('eos_token', 'none')}, no chat template"
+    )
+
+
+def _generation_config(out: Metadata, source: _Source | None) -> None:
+    """The source's generation_config.json, else the one transformers makes from config.json's ids."""
+    data = source.file("generation_config.json") if source is not None else None
+    if data is None:
+        ids = {k: out.config[k] for k in TOKEN_IDS if out.config.get(k) is not None}
+        data = (json.dumps({"_from_model_config": True, **ids}, indent=2) + "\n").encode()
+        out.notes.append("generation_config.json from config.json's token ids (greedy decoding by default)")
+    out.files["generation_config.json"] = data
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

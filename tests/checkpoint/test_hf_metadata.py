@@ -1,0 +1,170 @@
+"""A Hugging Face export keeps what the model it came from said: a Qwen2 with a long context and YaRN
+scaling, bos/eos/pad ids, a sliding window, a tokenizer with a chat template and a generation config,
+made with transformers offline, comes back from HF → Strata → HF (an import, and a fine-tuning run
+on data its own tokenizer prepared) with an equal config.json, tokenizer config, chat template and
+generation config, and the tokenizer and model behave as the original's. Where fields would be
+lost (the source is gone) the export refuses, and --force says what it set instead."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from strata.checkpoint import store
+
+from conftest import hf_run_overrides
+from worlds import REPO, strata
+
+transformers = pytest.importorskip("transformers")
+
+SEQ = 32
+# The config.json fields beyond the model's shape an export must carry
+FIELDS = (
+    "max_position_embeddings",
+    "rope_parameters",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
+    "tie_word_embeddings",
+    "model_type",
+    "architectures",
+)
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """A tiny Qwen2 directory with every field an export must keep, its tokenizer and generation config."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("source")
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([(REPO / "README.md").read_text()[:20000]], trainer)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=32768,
+        chat_template=TEMPLATE,
+    ).save_pretrained(root)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        use_sliding_window=True,
+        sliding_window=4096,
+        max_window_layers=1,
+        tie_word_embeddings=True,
+    )
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(root)
+    transformers.GenerationConfig(
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, do_sample=True, temperature=0.7, top_p=0.8
+    ).save_pretrained(root)
+    return root
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def assert_kept(src: Path, out: Path) -> None:
+    """config.json (every listed field, then the whole), the tokenizer's files, the generation config,
+    the chat template's output and the model's logits: the source's."""
+    want, got = _json(src / "config.json"), _json(out / "config.json")
+    for key in FIELDS:
+        assert key in want, key  # the source really has it
+        assert got.get(key) == want[key], key
+    assert got == want
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (src / name).exists():
+            assert _json(out / name) == _json(src / name), name
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    ours, theirs = transformers.AutoTokenizer.from_pretrained(out), transformers.AutoTokenizer.from_pretrained(src)
+    assert ours.apply_chat_template(CHAT, tokenize=False) == theirs.apply_chat_template(CHAT, tokenize=False)
+    assert (ours.bos_token, ours.eos_token, ours.pad_token, ours.model_max_length) == ("<s>", "</s>", "<pad>", 32768)
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert (generation.temperature, generation.top_p, generation.pad_token_id) == (0.7, 0.8, 0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.config.sliding_window == 4096 and model.config.layer_types == want["layer_types"]
+
+
+def test_an_import_exports_everything_its_source_said(source, tmp_path):
+    imported = strata("ckpt", "import-hf", str(source), str(tmp_path / "imported"), f"model.seq_len={SEQ}")
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    out = tmp_path / "out"
+    exported = strata("ckpt", "export", str(store.step_dir(tmp_path / "imported", 0)), str(out), "--format", "hf")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert "note:" not in exported.stdout  # nothing was set from the run's config
+    assert_kept(source, out)
+    tokens = torch.randint(0, 300, (2, SEQ))
+    with torch.no_grad():
+        want = transformers.AutoModelForCausalLM.from_pretrained(source).eval()(tokens).logits
+        got = transformers.AutoModelForCausalLM.from_pretrained(out).eval()(tokens).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.slow  # data prepare, a 4-step run and an export (CLI processes)
+def test_a_fine_tuned_import_exports_everything_its_source_said(source, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = (REPO / "README.md").read_text()
+    for i in range(6):
+        (corpus / f"doc{i}.txt").write_text(text[i * 3000 : (i + 1) * 3000])
+    data = tmp_path / "data"
+    prep = strata("data", "prepare", str(corpus), "--out", str(data), "--tokenizer", str(source), "--workers", "1")
+    assert prep.returncode == 0, prep.stderr[-3000:]
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text("{}\n")
+    trained = strata("train", str(experiment), *hf_run_overrides(source, data, tmp_path / "runs", SEQ))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    out = tmp_path / "out"
+    ckpt = store.step_dir(tmp_path / "runs" / "t" / "checkpoints", 4)
+    exported = strata("ckpt", "export", str(ckpt), str(out), "--format", "hf")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert_kept(source, out)
+
+
+def test_a_lost_source_is_refused_unless_forced_which_says_what_it_set(source, tmp_path):
+    copy = tmp_path / "source"
+    shutil.copytree(source, copy)
+    imported = strata("ckpt", "import-hf", str(copy), str(tmp_path / "imported"), f"model.seq_len={SEQ}")
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    shutil.rmtree(copy)
+    step0 = str(store.step_dir(tmp_path / "imported", 0))
+    refused = strata("ckpt", "export", step0, str(tmp_path / "out"), "--format", "hf")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert str(copy) in refused.stderr and "--force" in refused.stderr
+    assert not (tmp_path / "out").exists()
+    forced = strata("ckpt", "export", step0, str(tmp_path / "out"), "--format", "hf", "--force")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert "note: config.json from the run's config" in forced.stdout
+    assert "note: no tokenizer exported" in forced.stdout
+    config = _json(tmp_path / "out" / "config.json")
+    assert "bos_token_id" not in config and "pad_token_id" not in config
+    assert _json(tmp_path / "out" / "generation_config.json") == {"_from_model_config": True}
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
