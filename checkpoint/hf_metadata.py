@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from strata import hf
+from strata.checkpoint import store
 from strata.config.schema import Config
 from strata.errors import CheckpointError, ConfigError
 
@@ -86,19 +89,16 @@ def hf_metadata(cfg: Config, computed: dict[str, Any], force: bool = False) -> M
 
 
 def _source(cfg: Config, force: bool) -> _Source | None:
-    """The Hugging Face directory model.init_from names, if the run started from one."""
-    if not cfg.model.init_from:
+    """The Hugging Face directory the run's weights came from, if they came from one."""
+    path = _origin(cfg.model.init_from)
+    if path is None:
         return None
-    path = Path(cfg.model.init_from)
-    if (path / "config.json").is_file():
-        try:
-            config = json.loads((path / "config.json").read_text())
-        except (OSError, ValueError):
-            config = None
-        if isinstance(config, dict):
-            return _Source(path, config)
-    elif path.is_dir() and not (path / "config.json").exists():
-        return None  # a Strata or DCP checkpoint: no Hugging Face fields to carry
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    if isinstance(config, dict):
+        return _Source(path, config)
     if not force:
         raise CheckpointError(
             f"strata ckpt export: the run started from the Hugging Face model {str(path)!r} (model.init_from), "
@@ -106,6 +106,25 @@ def _source(cfg: Config, force: bool) -> _Source | None:
             "and generation config cannot be carried into the export. Put it back, or pass --force to set them "
             "from the run's config"
         )
+    return None
+
+
+def _origin(init_from: str | None) -> Path | None:
+    """model.init_from when it names a Hugging Face directory (or a path that is gone); when it names
+    a Strata checkpoint, the directory that checkpoint's run started from, followed through each
+    config.yaml. None: the weights came from no Hugging Face model (or a checkpoint DCP wrote)."""
+    for _ in range(16):  # a chain of runs, each started from the last one's checkpoint
+        if not init_from:
+            return None
+        path = Path(init_from)
+        if (path / "config.json").exists() or not path.exists():
+            return path
+        try:
+            data = yaml.safe_load((store.resolve(path) / "config.yaml").read_text())
+        except (CheckpointError, OSError, yaml.YAMLError):
+            return None
+        model = data.get("model") if isinstance(data, dict) else None
+        init_from = model.get("init_from") if isinstance(model, dict) else None
     return None
 
 

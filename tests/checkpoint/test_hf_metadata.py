@@ -7,6 +7,7 @@ lost (the source is gone) the export refuses, and --force says what it set inste
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from strata import config, hf
 from strata.checkpoint import store
+from strata.checkpoint.hf_metadata import hf_metadata
 
 from conftest import hf_run_overrides
 from worlds import REPO, strata
@@ -126,6 +129,13 @@ def test_an_import_exports_everything_its_source_said(source, tmp_path):
         want = transformers.AutoModelForCausalLM.from_pretrained(source).eval()(tokens).logits
         got = transformers.AutoModelForCausalLM.from_pretrained(out).eval()(tokens).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # a run started from that checkpoint (model.init_from a Strata checkpoint) still finds the source
+    step0 = store.step_dir(tmp_path / "imported", 0)
+    cfg = config.from_yaml((step0 / "config.yaml").read_bytes())
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=str(step0)))
+    computed = {**hf.hf_config(cfg.model, 320), "torch_dtype": "float32"}
+    metadata = hf_metadata(cfg, computed)
+    assert metadata.config == _json(source / "config.json") and not metadata.notes
 
 
 @pytest.mark.slow  # data prepare, a 4-step run and an export (CLI processes)
