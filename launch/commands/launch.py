@@ -156,7 +156,7 @@ def _run_slurm(args: argparse.Namespace) -> int:
         account=args.account,
         time=args.time,
         max_restarts=args.max_restarts,
-        snapshots=cfg.snapshot.every_steps > 0,
+        snapshots=cfg.snapshot.every_steps > 0 and not args.eval,
     )
     command, extra = _worker(args)
     script = slurm.sbatch_script(

@@ -13,11 +13,12 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import runs_unless, tiny_overrides
-from worlds import strata
+from conftest import run_cli, runs_unless, tiny_overrides
+from worlds import REPO, strata
 
 # sacct's end states: the job will not run again.
 FINAL_STATES = {
@@ -153,3 +154,20 @@ def test_job_script_runs_the_launching_interpreter(tmp_path):
     assert "export PATH=" not in script and "python -m" not in script.replace(f"{lone_bin}/python3 -m", "")
     assert script.count(f"{lone_bin}/python3 -m") == 2  # the snapshot agent and torchrun
     assert f"$({lone_bin}/python3 -c" in script  # the snapshot secret
+
+
+def test_an_evaluation_job_runs_strata_eval_on_every_rank(tmp_path, capsys):
+    """`strata launch --slurm --eval` writes a job whose workers evaluate the checkpoint (no snapshot
+    agent: nothing trains), with the evaluation's flags."""
+    script = tmp_path / "eval.sbatch"
+    argv = ["launch", str(REPO / "configs" / "tiny.yaml"), f"log.dir={tmp_path}", "snapshot.every_steps=1"]
+    argv += ["--slurm", "--nodes", "2", "--gpus-per-node", "1", "--no-submit", "--script", str(script)]
+    argv += ["--eval", "--resume", "runs/tiny/checkpoints", "--data", "data/books", "--out", "e.json"]
+    code, said = run_cli(argv, capsys)
+    assert code == 0, said
+    text = script.read_text()
+    worker = text[text.index("strata.launch.cli") :].splitlines()[0]
+    assert worker.startswith(f"strata.launch.cli eval {REPO / 'configs' / 'tiny.yaml'}")
+    assert "--resume runs/tiny/checkpoints" in worker
+    assert f"--data {Path('data/books').resolve()}" in worker and f"--out {Path('e.json').resolve()}" in worker
+    assert "snapshot_agent" not in text
