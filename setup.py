@@ -41,6 +41,9 @@ setup(
             "deepspeed==0.19.8",
             "transformers>=4.56",  # the reference for Hugging Face import and export (tiny models built offline)
             "torchao==0.18.0",  # tests/trainer/test_float8.py: float8 training, emulated on CPU
+            # tests/inference/test_harness.py: the strata model of lm-eval against lm-eval's own hf backend
+            "lm-eval==0.4.13",
+            "accelerate>=1.0",
         ],
         # dev: the tools .ci/check and .ci/package_check run (lint, types, import layers, an editor's import
         # resolution, sdist/wheel build), pinned.
@@ -48,6 +51,9 @@ setup(
         "wandb": ["wandb"],
         "fp8": ["torchao==0.18.0"],  # train.precision=fp8: torchao's float8 training (torch >= 2.11)
         "tensorboard": ["tensorboard"],  # log.tensorboard
+        # strata eval --tasks and python -m strata.inference.harness: lm-evaluation-harness tasks;
+        # accelerate for lm-eval's own Hugging Face backend (`--model hf`), the reference on an exported model.
+        "eval": ["lm-eval==0.4.13", "accelerate>=1.0"],
     },
     entry_points={"console_scripts": ["strata=strata.launch.cli:main"]},
 )

@@ -1,5 +1,7 @@
 """`strata eval`: a checkpoint's loss, perplexity and bits per byte on held-out data, in this process
-or as each rank of a torchrun world of any layout (`strata.trainer.evaluate.evaluate_checkpoint`)."""
+or as each rank of a world of any layout (`strata launch --eval`; `strata.trainer.evaluate.evaluate_checkpoint`);
+with --tasks, its scores on lm-evaluation-harness tasks instead, in this process
+(`strata.inference.harness.run_tasks`)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from strata.launch.commands.common import FORMATTER, OVERRIDES, epilog, file_errors
+from strata.errors import StrataError
+from strata.launch.commands.common import FORMATTER, OVERRIDES, epilog, file_errors, whole
 
 if TYPE_CHECKING:
     from strata.launch.commands.common import Subparsers
@@ -19,30 +22,51 @@ def add_parser(subparsers: Subparsers) -> None:
     """Add `strata eval` to the `strata` parser."""
     e = subparsers.add_parser(
         "eval",
-        help="a checkpoint's loss, perplexity and bits per byte on held-out data",
+        help="a checkpoint's loss, perplexity and bits per byte on held-out data, or its lm-eval task scores",
         formatter_class=FORMATTER,
-        usage="strata eval CFG --resume CKPT [--data DIR ...] [--out JSON] [key=value ...]",
+        usage="strata eval CFG --resume CKPT [--data DIR ...] [--out JSON] [key=value ...]\n"
+        "       strata eval CFG --resume CKPT --tasks T1,T2 [--include-path DIR] [--limit N] [--num-fewshot N]",
         description="Evaluate a checkpoint on the validation split of each prepared directory (--data), or\n"
-        "of each of the config's data sources apart: every sequence once, in the config's layout (run it\n"
-        "as torchrun's workers for a parallel one). Prints a table, writes JSON (--out, default\n"
-        "RUN_DIR/eval.json) and an `eval` record into the run's metrics.jsonl. In a parallel layout, every\n"
-        "rank runs it: torchrun --nproc-per-node 4 -m strata.launch.cli eval cfg.yaml --resume CKPT parallel.tp=2",
+        "of each of the config's data sources apart: every sequence once, in the config's layout (for a\n"
+        "parallel one, every rank runs it: strata launch CFG --nproc N --eval --resume CKPT). Prints a\n"
+        "table, writes JSON (--out, default RUN_DIR/eval.json) and an `eval` record into the run's\n"
+        "metrics.jsonl.\n\n"
+        "With --tasks, the checkpoint runs lm-evaluation-harness tasks instead (the eval extra:\n"
+        "pip install 'strata-train[eval]'), in this one process on the whole model (the first GPU if\n"
+        "there is one): lm-eval's table, its results as JSON (--out, default RUN_DIR/eval_tasks.json)\n"
+        "and an `eval` record of each task's metrics in metrics.jsonl. lm-eval's own command line with\n"
+        "the same model: python -m strata.inference.harness --model strata --model_args checkpoint=CKPT ...",
         epilog=epilog(
             "strata eval configs/tiny.yaml --resume runs/tiny/checkpoints",
             "strata eval configs/tiny.yaml --resume runs/tiny/checkpoints --data data/books --data data/code",
-            "strata eval cfg.yaml --resume CKPT parallel.tp=2 parallel.dp=2   # under torchrun, 4 workers",
+            "strata launch cfg.yaml --resume CKPT parallel.tp=2 parallel.dp=2 --nproc 4 --eval   # 4 workers",
+            "strata eval cfg.yaml --resume runs/x/checkpoints --tasks hellaswag,arc_easy --limit 200",
+            "strata eval cfg.yaml --resume CKPT --tasks my_task --include-path tasks/ --num-fewshot 5",
         ),
     )
     e.add_argument("config", help="the YAML experiment the checkpoint was trained with")
     e.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
     e.add_argument("--resume", required=True, help="the checkpoint (a step_* dir, or a checkpoints dir: latest)")
     e.add_argument("--data", action="append", default=[], help="a prepared directory to evaluate on (repeatable)")
-    e.add_argument("--out", help="where the JSON goes (default: RUN_DIR/eval.json)")
+    e.add_argument(
+        "--out", help="where the JSON goes (default: RUN_DIR/eval.json, with --tasks RUN_DIR/eval_tasks.json)"
+    )
+    t = e.add_argument_group("lm-evaluation-harness tasks (in place of the held-out loss)")
+    t.add_argument(
+        "--tasks", action="append", default=[], metavar="T1,T2", help="lm-eval task names (comma-separated, repeatable)"
+    )
+    t.add_argument("--include-path", metavar="DIR", help="a directory of task YAML files: local tasks for --tasks")
+    t.add_argument("--limit", type=whole(1), metavar="N", help="at most N examples of each task")
+    t.add_argument(
+        "--num-fewshot", type=whole(0), metavar="N", help="examples in each prompt (default: each task's own)"
+    )
     e.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate on every rank; rank 0 prints the table and writes the JSON and the metrics record."""
+    if args.tasks or args.include_path or args.limit is not None or args.num_fewshot is not None:
+        return run_tasks(args)
     from strata import config
     from strata.parallel import runtime
     from strata.trainer.evaluate import evaluate_checkpoint
@@ -71,3 +95,61 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {out}")
     runtime.stop()
     return 0
+
+
+def task_names(args: argparse.Namespace) -> list[str]:
+    """--tasks' names, in order: each flag's comma-separated list; the flags that go with it checked."""
+    names = [name.strip() for flag in args.tasks for name in flag.split(",") if name.strip()]
+    if not names:
+        raise StrataError("--include-path, --limit and --num-fewshot go with lm-eval tasks: give --tasks T1,T2")
+    if args.data:
+        raise StrataError(
+            "--data is the held-out evaluation's and --tasks runs lm-eval's tasks in its place: "
+            "run them as two commands"
+        )
+    from strata.parallel import runtime
+
+    if runtime.world_size_from_env() > 1:
+        raise StrataError("--tasks runs in one process on the whole model: start `strata eval` itself, not torchrun")
+    return names
+
+
+def run_tasks(args: argparse.Namespace) -> int:
+    """lm-eval's tasks on the checkpoint, in this process: the table, the JSON and the metrics record."""
+    from strata import config
+    from strata.inference import harness
+
+    names = task_names(args)
+    harness.require_lm_eval()
+    cfg = config.load(args.config, args.overrides)
+    result = harness.run_tasks(
+        Path(args.resume),
+        names,
+        config_path=Path(args.config),
+        overrides=args.overrides,
+        include_path=Path(args.include_path) if args.include_path else None,
+        limit=args.limit,
+        num_fewshot=args.num_fewshot,
+    )
+    step = checkpoint_step(Path(args.resume))
+    out = Path(args.out) if args.out else cfg.run_dir() / "eval_tasks.json"
+    with file_errors("strata eval"):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"step": step, "checkpoint": args.resume, **result}, indent=1) + "\n")
+        cfg.run_dir().mkdir(parents=True, exist_ok=True)
+        with open(cfg.run_dir() / "metrics.jsonl", "a") as f:  # appended: the run's own records stay
+            f.write(json.dumps({"time": time.time(), "step": step, "eval": result["results"]}) + "\n")
+    print(f"step {step} of {args.resume}:" if step is not None else f"{args.resume}:")
+    print(harness.results_table(result))
+    print(f"wrote {out}")
+    return 0
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of the Strata checkpoint at `path` (a step_* directory, or the newest under a
+    checkpoints directory); None for a Hugging Face directory or a checkpoint DCP wrote alone."""
+    from strata.checkpoint import store
+
+    if (path / "config.json").is_file() or store.is_dcp_only(path):
+        return None
+    return int(store.marker(store.resolve(path))["step"])

@@ -42,10 +42,11 @@ def generate(
     max_new_tokens: int,
     sampling: Sampling = GREEDY,
     stop_ids: set[int] | frozenset[int] = frozenset(),
-    on_step: Callable[[list[int | None]], None] | None = None,
+    on_step: Callable[[list[int | None]], bool | None] | None = None,
 ) -> Generation:
     """Continue each prompt (token ids) with up to `max_new_tokens` tokens. `on_step` gets each
-    step's token per row (None for a row already stopped), for streaming."""
+    step's token per row (None for a row already stopped), for streaming; it returns True to end
+    the generation there (its caller's own stop rule, such as stop strings, ended every row)."""
     if not prompts or any(not p for p in prompts):
         raise ValueError("every prompt needs at least one token")
     param = next(model.parameters())
@@ -73,9 +74,8 @@ def generate(
                 if running[i]:
                     out[i].append(t)
                     running[i] = t not in stop_ids
-            if on_step is not None:
-                on_step(shown)
-            if not any(running) or step + 1 == max_new_tokens:
+            ended = on_step is not None and on_step(shown)
+            if ended or not any(running) or step + 1 == max_new_tokens:
                 break
             logits = model(chosen.unsqueeze(1), cache=cache)[:, -1]
     return Generation(out, prefill, time.perf_counter() - start - prefill)

@@ -10,6 +10,7 @@ resume uses (`Checkpoint`, `hf_weights.open_weights`, `DcpCheckpoint`), checked 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -33,15 +34,19 @@ class Tokenizer:
         self.path = path
         self._tok = load_file_tokenizer(path) if path is not None else None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """The ids of `text`, with the tokenizer's special tokens added unless not `special` (bytes
+        have none to add)."""
         if self._tok is None:
             return ByteTokenizer().encode(text.encode()).tolist()
-        return self._tok.encode(text).ids
+        return self._tok.encode(text, add_special_tokens=special).ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """The text of `ids`, special tokens left out unless not `skip_special` (the byte
+        tokenizer's end-of-document id decodes to nothing)."""
         if self._tok is None:
             return ByteTokenizer().decode(ids)
-        return self._tok.decode(ids)
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 
 
 @dataclass

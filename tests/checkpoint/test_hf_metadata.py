@@ -116,6 +116,7 @@ def assert_kept(src: Path, out: Path) -> None:
     assert model.config.sliding_window == 4096 and model.config.layer_types == want["layer_types"]
 
 
+@pytest.mark.slow  # an import and an export (CLI processes)
 def test_an_import_exports_everything_its_source_said(source, tmp_path):
     imported = strata("ckpt", "import-hf", str(source), str(tmp_path / "imported"), f"model.seq_len={SEQ}")
     assert imported.returncode == 0, imported.stderr[-3000:]
@@ -159,6 +160,7 @@ def test_a_fine_tuned_import_exports_everything_its_source_said(source, tmp_path
     assert_kept(source, out)
 
 
+@pytest.mark.slow  # an import and two exports (CLI processes)
 def test_a_lost_source_is_refused_unless_forced_which_says_what_it_set(source, tmp_path):
     copy = tmp_path / "source"
     shutil.copytree(source, copy)
