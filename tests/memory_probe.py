@@ -65,7 +65,7 @@ VOCAB = 256
 # parameters (4 layers of d=128 over 2 x 128 tokens: ~2.6 MB saved per block and micro-batch).
 BASE: dict[str, Any] = {
     "model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 128, "vocab_size": VOCAB},
-    "train": {"micro_batch_size": 2, "global_batch_size": 16, "steps": STEPS, "precision": "fp32"},
+    "train": {"micro_batch_size": 2, "global_batch_size": 8, "steps": STEPS, "precision": "fp32"},
     "optim": {"warmup_steps": 1},
     "parallel": {"ranks_per_node": WORLD},
     "log": {"progress": False},
@@ -124,7 +124,12 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "parallel": {"ep": 4},
         "zero": {"params": G, "grads": G, "optim": G, "prefetch_blocks": 1},
     },
-    "moe-tp2-sp-ep4": {"model": {"moe": MOE}, "parallel": {"tp": 2, "sequence_parallel": True, "ep": 4}},
+    # the fullest rank's share of the routed rows approaches the capacity bound over more micro-batches
+    "moe-tp2-sp-ep4": {
+        "model": {"moe": MOE},
+        "parallel": {"tp": 2, "sequence_parallel": True, "ep": 4},
+        "train": {"global_batch_size": 16},
+    },
     "moe-ep2-pp2": {"model": {"moe": MOE | {"shared_experts": 1}}, "parallel": {"ep": 2, "pp": 2}},
     # context parallelism: each sequence over cp ranks of the 4
     "cp2-ring": {"parallel": {"cp": 2, "cp_mode": "ring"}},

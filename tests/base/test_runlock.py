@@ -118,16 +118,13 @@ def test_a_multi_process_job_holds_one_lock(small_data_dir, tmp_path):
 
 @pytest.mark.slow
 def test_reshard_refuses_another_runs_checkpoints_and_prunes_nothing(small_data_dir, tmp_path):
-    experiment = tmp_path / "experiment.yaml"
-    tmp_path.mkdir(exist_ok=True)
-    experiment.write_text("{}\n")
+    from strata.parallel.runtime import start
+    from strata.trainer.loop import run
+
+    from conftest import tiny_config
+
     for name in ("src", "other"):
-        done = strata(
-            "train",
-            str(experiment),
-            *tiny_overrides(small_data_dir, tmp_path / name, **{"train.steps": 4, "checkpoint.interval": 1}),
-        )
-        assert done.returncode == 0, done.stderr[-4000:]
+        run(tiny_config(small_data_dir, tmp_path / name, **{"train.steps": 4, "checkpoint.interval": 1}), start())
     other = tmp_path / "other" / "t" / "checkpoints"
     before = sorted(p.name for p in store.committed(other))
     assert len(before) == 2  # keep_last 2

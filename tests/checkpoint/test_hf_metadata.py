@@ -19,7 +19,7 @@ from strata import config, hf
 from strata.checkpoint import store
 from strata.checkpoint.hf_metadata import hf_metadata
 
-from conftest import hf_run_overrides
+from conftest import hf_run_overrides, run_cli
 from worlds import REPO, strata
 
 transformers = pytest.importorskip("transformers")
@@ -116,14 +116,17 @@ def assert_kept(src: Path, out: Path) -> None:
     assert model.config.sliding_window == 4096 and model.config.layer_types == want["layer_types"]
 
 
-@pytest.mark.slow  # an import and an export (CLI processes)
-def test_an_import_exports_everything_its_source_said(source, tmp_path):
-    imported = strata("ckpt", "import-hf", str(source), str(tmp_path / "imported"), f"model.seq_len={SEQ}")
-    assert imported.returncode == 0, imported.stderr[-3000:]
+@pytest.mark.slow  # an import, three exports and transformers' models
+def test_an_import_exports_everything_its_source_said_and_refuses_once_it_is_gone(source, tmp_path, capsys):
+    copy = tmp_path / "source"
+    shutil.copytree(source, copy)
+    code, said = run_cli(["ckpt", "import-hf", str(copy), str(tmp_path / "imported"), f"model.seq_len={SEQ}"], capsys)
+    assert code == 0, said
+    step0 = store.step_dir(tmp_path / "imported", 0)
     out = tmp_path / "out"
-    exported = strata("ckpt", "export", str(store.step_dir(tmp_path / "imported", 0)), str(out), "--format", "hf")
-    assert exported.returncode == 0, exported.stderr[-3000:]
-    assert "note:" not in exported.stdout  # nothing was set from the run's config
+    code, said = run_cli(["ckpt", "export", str(step0), str(out), "--format", "hf"], capsys)
+    assert code == 0, said
+    assert "note:" not in said  # nothing was set from the run's config
     assert_kept(source, out)
     tokens = torch.randint(0, 300, (2, SEQ))
     with torch.no_grad():
@@ -131,12 +134,24 @@ def test_an_import_exports_everything_its_source_said(source, tmp_path):
         got = transformers.AutoModelForCausalLM.from_pretrained(out).eval()(tokens).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     # a run started from that checkpoint (model.init_from a Strata checkpoint) still finds the source
-    step0 = store.step_dir(tmp_path / "imported", 0)
     cfg = config.from_yaml((step0 / "config.yaml").read_bytes())
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=str(step0)))
     computed = {**hf.hf_config(cfg.model, 320), "torch_dtype": "float32"}
     metadata = hf_metadata(cfg, computed)
     assert metadata.config == _json(source / "config.json") and not metadata.notes
+
+    # the source gone: refused (its fields would be lost), unless forced, which says what it set
+    shutil.rmtree(copy)
+    code, said = run_cli(["ckpt", "export", str(step0), str(tmp_path / "lost"), "--format", "hf"], capsys)
+    assert code == 2 and str(copy) in said and "--force" in said and "Traceback" not in said
+    assert not (tmp_path / "lost").exists()
+    code, said = run_cli(["ckpt", "export", str(step0), str(tmp_path / "lost"), "--format", "hf", "--force"], capsys)
+    assert code == 0, said
+    assert "note: config.json from the run's config" in said and "note: no tokenizer exported" in said
+    lost = _json(tmp_path / "lost" / "config.json")
+    assert "bos_token_id" not in lost and "pad_token_id" not in lost
+    assert _json(tmp_path / "lost" / "generation_config.json") == {"_from_model_config": True}
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lost")
 
 
 @pytest.mark.slow  # data prepare, a 4-step run and an export (CLI processes)
@@ -158,25 +173,3 @@ def test_a_fine_tuned_import_exports_everything_its_source_said(source, tmp_path
     exported = strata("ckpt", "export", str(ckpt), str(out), "--format", "hf")
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert_kept(source, out)
-
-
-@pytest.mark.slow  # an import and two exports (CLI processes)
-def test_a_lost_source_is_refused_unless_forced_which_says_what_it_set(source, tmp_path):
-    copy = tmp_path / "source"
-    shutil.copytree(source, copy)
-    imported = strata("ckpt", "import-hf", str(copy), str(tmp_path / "imported"), f"model.seq_len={SEQ}")
-    assert imported.returncode == 0, imported.stderr[-3000:]
-    shutil.rmtree(copy)
-    step0 = str(store.step_dir(tmp_path / "imported", 0))
-    refused = strata("ckpt", "export", step0, str(tmp_path / "out"), "--format", "hf")
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert str(copy) in refused.stderr and "--force" in refused.stderr
-    assert not (tmp_path / "out").exists()
-    forced = strata("ckpt", "export", step0, str(tmp_path / "out"), "--format", "hf", "--force")
-    assert forced.returncode == 0, forced.stderr[-3000:]
-    assert "note: config.json from the run's config" in forced.stdout
-    assert "note: no tokenizer exported" in forced.stdout
-    config = _json(tmp_path / "out" / "config.json")
-    assert "bos_token_id" not in config and "pad_token_id" not in config
-    assert _json(tmp_path / "out" / "generation_config.json") == {"_from_model_config": True}
-    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")

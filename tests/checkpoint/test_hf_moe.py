@@ -23,7 +23,7 @@ from strata.model import build_model
 from strata.parallel.runtime import start
 from strata.trainer.loop import Trainer, run
 
-from conftest import hf_run_overrides
+from conftest import hf_run_overrides, run_cli
 from worlds import strata
 
 transformers = pytest.importorskip("transformers")
@@ -100,15 +100,17 @@ def test_a_run_from_a_hugging_face_moe_computes_transformers_logits_and_loss(hf_
     assert float(loss) == pytest.approx(float(want), abs=1e-5)
 
 
-@pytest.mark.slow  # two CLI processes per family
+@pytest.mark.slow  # an import and an export, run as the `strata` command in this process
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-def test_import_then_export_is_bit_exact(hf_dirs, tmp_path, name):
-    imported = strata("ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / "imported"), f"model.seq_len={SEQ}")
-    assert imported.returncode == 0, imported.stderr[-3000:]
+def test_import_then_export_is_bit_exact(hf_dirs, tmp_path, name, capsys):
+    code, said = run_cli(
+        ["ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / "imported"), f"model.seq_len={SEQ}"], capsys
+    )
+    assert code == 0, said
     step0 = store.step_dir(tmp_path / "imported", 0)
     assert Checkpoint(step0).shapes("model.")["layers.1.mlp.experts.w1"][0] == (8 if name == "qwen3_moe" else 4)
-    exported = strata("ckpt", "export", str(step0), str(tmp_path / "out"), "--format", "hf")
-    assert exported.returncode == 0, exported.stderr[-3000:]
+    code, said = run_cli(["ckpt", "export", str(step0), str(tmp_path / "out"), "--format", "hf"], capsys)
+    assert code == 0, said
     want, got = load_file(hf_dirs[name] / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert got.keys() == want.keys()
     for key, value in want.items():

@@ -24,7 +24,7 @@ from strata.parallel.runtime import start
 from strata.trainer.data import BatchLoader, TokenDataset
 from strata.trainer.loop import run
 
-from conftest import hf_run_overrides
+from conftest import hf_run_overrides, run_cli
 from worlds import REPO, strata, train_world
 
 transformers = pytest.importorskip("transformers")
@@ -175,14 +175,16 @@ def test_an_exported_run_loads_in_transformers_with_its_tokenizer(hf_dirs, tmp_p
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == meta["eot"]
 
 
-@pytest.mark.slow  # two CLI processes per family (7 s on 2 cores)
+@pytest.mark.slow  # an import and an export, run as the `strata` command in this process
 @pytest.mark.parametrize("name", FAMILIES)
-def test_import_then_export_is_bit_exact(hf_dirs, tmp_path, name):
-    imported = strata("ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / "imported"), f"model.seq_len={SEQ}")
-    assert imported.returncode == 0, imported.stderr[-3000:]
+def test_import_then_export_is_bit_exact(hf_dirs, tmp_path, name, capsys):
+    code, said = run_cli(
+        ["ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / "imported"), f"model.seq_len={SEQ}"], capsys
+    )
+    assert code == 0, said
     step0 = store.step_dir(tmp_path / "imported", 0)
-    exported = strata("ckpt", "export", str(step0), str(tmp_path / "out"), "--format", "hf")
-    assert exported.returncode == 0, exported.stderr[-3000:]
+    code, said = run_cli(["ckpt", "export", str(step0), str(tmp_path / "out"), "--format", "hf"], capsys)
+    assert code == 0, said
     want, got = load_file(hf_dirs[name] / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert got.keys() == want.keys()
     for key, value in want.items():

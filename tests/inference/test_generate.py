@@ -42,6 +42,14 @@ def test_batched_cached_greedy_decoding_gives_each_prompt_its_own_tokens():
     assert got == [uncached_greedy(model, p, 12) for p in PROMPTS]
 
 
+def test_bf16_decoding_runs_in_bf16_and_agrees_with_the_uncached_model():
+    # a GPU decodes in bf16: the cache, the masks and the sampling must take the model's dtype
+    model = build_model(CFG, 64, seed=0).eval().to(torch.bfloat16)
+    got = generate(model, PROMPTS, 6).tokens
+    assert [len(t) for t in got] == [6, 6, 6] and all(0 <= t < 64 for row in got for t in row)
+    assert got[0][0] == uncached_greedy(model, PROMPTS[0], 1)[0]  # the longest prompt: no padding
+
+
 def test_decoding_past_the_trained_context_extends_the_rotary_tables():
     model = build_model(CFG, 64, seed=0).eval()
     got = generate(model, [PROMPTS[0]], 40).tokens[0]  # 7 + 40 tokens > seq_len 32

@@ -69,6 +69,7 @@ LAYOUTS = {
         {"model.n_layers": 4, "activations.min_bytes": 0},
     ),
 }
+RESUMED = {"pp2-dp2-zero3-full-offload"}  # a compiled resume, once: each compiles the world anew
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -86,6 +87,8 @@ def test_compiled_layouts_match_the_eager_single_process_run(small_data_dir, tmp
     ref_params = final_params(reference_cfg.checkpoint_dir())
     assert_same_params(final_params(tmp_path / "par" / "t" / "checkpoints"), ref_params)
 
+    if name not in RESUMED:
+        return
     # the compiled run resumed from its own step-3 checkpoint ends where it did
     train_run(
         small_data_dir,
