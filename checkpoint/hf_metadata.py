@@ -131,8 +131,8 @@ def _origin(init_from: str | None) -> Path | None:
 def _run_tokenizer(cfg: Config, force: bool) -> _RunTokenizer:
     """The tokenizer.json the run's prepared data names (data.path, or the first source's: one
     tokenizer), with its end-of-document token."""
-    sources = cfg.data.sources or ()
-    data = Path(cfg.data.path) if cfg.data.path else Path(sources[0].path) if sources else None
+    prepared = cfg.data.prepared_dir()
+    data = Path(prepared) if prepared else None
     try:
         meta = json.loads((data / "meta.json").read_text()) if data else None
     except (OSError, ValueError):

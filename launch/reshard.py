@@ -60,13 +60,8 @@ def reshard(src: Path, out: Path, spec: str, overrides: list[str], overwrite: bo
         )
         if refusal is not None:
             raise refusal
-        code = torchrun.run_local(
-            torchrun.LaunchPlan(nproc_per_node=world),
-            str(ckpt / "config.yaml"),
-            settings,
-            str(ckpt),
-            ("--save-to", str(out)),
-        )
+        worker = torchrun.WorkerCommand(str(ckpt / "config.yaml"), tuple(settings), str(ckpt), ("--save-to", str(out)))
+        code = torchrun.run_local(torchrun.LaunchPlan(nproc_per_node=world), worker)
     if code == 0:
         print(f"wrote {store.committed(out)[-1]} for tp {target['tp']}, pp {target['pp']}, dp {target['dp']}")
     return code

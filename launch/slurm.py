@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from strata.launch.torchrun import FORWARDED_SIGNALS, worker_args
+from strata.launch.torchrun import FORWARDED_SIGNALS, WorkerCommand
 
 # Slurm warns the batch shell this many seconds before the time limit (`--signal=B:USR1@SECONDS`):
 # time for the step in progress, a checkpoint of it and the exit. A config key `slurm.stop_warning_s`
@@ -59,28 +59,18 @@ def job_python(interpreter: str) -> tuple[str, str]:
     return shlex.quote(interpreter), ""
 
 
-def sbatch_script(
-    job: SlurmJob,
-    config_path: str,
-    overrides: list[str],
-    resume: str | None,
-    workdir: str,
-    interpreter: str = sys.executable,
-    extra: tuple[str, ...] = (),
-    command: str = "train",
-) -> str:
+def sbatch_script(job: SlurmJob, worker: WorkerCommand, workdir: str, interpreter: str = sys.executable) -> str:
     """The sbatch script for `job`: its #SBATCH directives, the environment every node's torchrun
     needs (the venv's Python, the rendezvous on the first node, signal and NCCL settings), then the
     job step (one torchrun per node under srun, each beside its snapshot agent when `job.snapshots`)
-    under the traps that pass a stop on and requeue after the time-limit warning. Each worker runs
-    `strata COMMAND` (train, or eval) with `extra` flags."""
-    # torchrun runs it as a module: -m strata.launch.cli
-    worker = shlex.join(worker_args(config_path, overrides, resume, extra, command))
+    under the traps that pass a stop on and requeue after the time-limit warning; each worker runs
+    `worker`."""
+    worker_line = shlex.join(worker.args())
     python, path_line = job_python(interpreter)
     torchrun = (
         f"{python} -m torch.distributed.run --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} "
         '--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$SLURM_JOB_ID" '
-        f"--max-restarts={job.max_restarts} {worker}"
+        f"--max-restarts={job.max_restarts} {worker_line}"
     )
     lines = [
         "#!/bin/bash",

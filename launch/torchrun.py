@@ -269,37 +269,33 @@ def torchrun_args(plan: LaunchPlan) -> list[str]:
     ]
 
 
-def worker_args(
-    config_path: str,
-    overrides: list[str],
-    resume: str | None,
-    extra: tuple[str, ...] = (),
-    command: str = "train",
-) -> list[str]:
-    """The `strata train` (or `strata eval`) arguments each worker runs with (as a module, so no
-    console script is needed)."""
-    args = ["-m", "strata.launch.cli", command, config_path, *overrides]
-    return args + (["--resume", resume] if resume else []) + list(extra)
+@dataclass(frozen=True)
+class WorkerCommand:
+    """What each worker runs: `strata COMMAND CONFIG [key=value ...] [--resume R] [EXTRA ...]`
+    (`train`, or `eval`; as a module, so no console script is needed)."""
+
+    config_path: str
+    overrides: tuple[str, ...] = ()
+    resume: str | None = None
+    extra: tuple[str, ...] = ()
+    command: str = "train"
+
+    def args(self) -> list[str]:
+        args = ["-m", "strata.launch.cli", self.command, self.config_path, *self.overrides]
+        return args + (["--resume", self.resume] if self.resume else []) + list(self.extra)
 
 
-def torchrun_command(
-    plan: LaunchPlan,
-    config_path: str,
-    overrides: list[str],
-    resume: str | None,
-    extra: tuple[str, ...] = (),
-    command: str = "train",
-) -> list[str]:
+def torchrun_command(plan: LaunchPlan, worker: WorkerCommand) -> list[str]:
     """The command that starts this node's workers: torchrun (or `strata.launch.elastic`, its fork
     server variant, when `worker_start` is forkserver on Linux) with the plan's arguments and
-    each worker's `strata train` command line."""
+    each worker's command line."""
     forked = plan.worker_start == "forkserver" and sys.platform.startswith("linux")
     return [
         sys.executable,
         "-m",
         "strata.launch.elastic" if forked else "torch.distributed.run",
         *torchrun_args(plan),
-        *worker_args(config_path, overrides, resume, extra, command),
+        *worker.args(),
     ]
 
 
@@ -615,18 +611,10 @@ def _stop_agent(agent: subprocess.Popen, socket_path: str) -> None:
     Path(socket_path).parent.rmdir()
 
 
-def run_local(
-    plan: LaunchPlan,
-    config_path: str,
-    overrides: list[str],
-    resume: str | None,
-    extra: tuple[str, ...] = (),
-    command: str = "train",
-) -> int:
+def run_local(plan: LaunchPlan, worker: WorkerCommand) -> int:
     """Run torchrun in the foreground (and the node's snapshot agent beside it); returns torchrun's
     exit code, or 128 + the signal that stopped the job, or PREEMPTED_EXIT (75) when every worker
-    saved and stopped on that signal (see `Supervisor.wait`). `command`: what each worker runs
-    (`train` or `eval`); `extra`: more flags of it."""
+    saved and stopped on that signal (see `Supervisor.wait`); each worker runs `worker`."""
     check_plan(plan)
     env = launch_env(plan)
     problem = interface_problem(plan, env)
@@ -643,7 +631,7 @@ def run_local(
                 supervisor.watch = keeper.check
             if supervisor.pending:  # stopped while the agent was starting: start no workers
                 return 128 + supervisor.pending[0]
-            cmd = torchrun_command(plan, config_path, overrides, resume, extra, command)
+            cmd = torchrun_command(plan, worker)
             print("strata launch:", shlex.join(cmd), flush=True)
             return supervisor.run(cmd, env)
         finally:

@@ -73,6 +73,21 @@ def small_data_dir(tmp_path_factory) -> Path:
     return out
 
 
+def prepare_readme(out: Path, tokenizer: str) -> Path:
+    """The README cut into 8 documents of 2000 characters, prepared with `strata data prepare
+    --tokenizer TOKENIZER` (bpe:N trains one) into `out`, as a user prepares text."""
+    from worlds import REPO, strata
+
+    corpus = out.with_name(out.name + "-corpus")
+    corpus.mkdir(parents=True)
+    text = (REPO / "README.md").read_text()
+    for i in range(8):
+        (corpus / f"doc{i}.txt").write_text(text[i * 2000 : (i + 1) * 2000])
+    prep = strata("data", "prepare", str(corpus), "--out", str(out), "--tokenizer", tokenizer, "--workers", "1")
+    assert prep.returncode == 0, prep.stderr[-3000:]
+    return out
+
+
 def hf_run_overrides(hf_dir: Path | str, data_dir: Path, run_root: Path, seq_len: int, **extra) -> list[str]:
     """A short run from the Hugging Face directory `hf_dir`: only the keys its config.json leaves to the user."""
     base = {

@@ -93,7 +93,7 @@ def planned_vocab(cfg: Config) -> int:
         return cfg.model.vocab_size
     from strata.config import padded_vocab_size
 
-    source = cfg.data.sources[0].path if cfg.data.sources else cfg.data.path
+    source = cfg.data.prepared_dir()
     if source and (Path(source) / "meta.json").is_file():
         return padded_vocab_size(cfg.model, read_meta(Path(source)).vocab_size)
     return padded_vocab_size(cfg.model, BYTE_VOCAB)

@@ -28,8 +28,13 @@ class Evaluation:
     sequences: int
     whole: bool
 
+    @property
+    def perplexity(self) -> float | None:
+        """exp(loss); None where that overflows what is worth printing (loss >= 50)."""
+        return math.exp(self.loss) if self.loss < 50 else None
+
     def line(self, step: int) -> str:
-        perplexity = f"{math.exp(self.loss):.2f}" if self.loss < 50 else "overflow"
+        perplexity = f"{self.perplexity:.2f}" if self.perplexity is not None else "overflow"
         read = (
             f"all {self.sequences} sequences of the validation split"
             if self.whole
@@ -91,7 +96,7 @@ def evaluate_checkpoint(cfg: Config, runtime, source: Path, data_dirs: list[Path
         spelt = target_bytes(data_dir, dataset) if runtime.rank == 0 else 0
         results[str(data_dir)] = {
             "loss": found.loss,
-            "perplexity": math.exp(found.loss) if found.loss < 50 else None,  # None: overflows
+            "perplexity": found.perplexity,
             "bits_per_byte": nats / math.log(2) / spelt if spelt else None,
             "sequences": found.sequences,
             "tokens": tokens,

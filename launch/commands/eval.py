@@ -15,6 +15,7 @@ from strata.errors import StrataError
 from strata.launch.commands.common import FORMATTER, OVERRIDES, epilog, file_errors, whole
 
 if TYPE_CHECKING:
+    from strata.config import Config
     from strata.launch.commands.common import Subparsers
 
 
@@ -80,12 +81,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     if rt.rank == 0:
         out = Path(args.out) if args.out else cfg.run_dir() / "eval.json"
-        with file_errors("strata eval"):
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=1) + "\n")
-            cfg.run_dir().mkdir(parents=True, exist_ok=True)
-            with open(cfg.run_dir() / "metrics.jsonl", "a") as f:  # appended: the run's own records stay
-                f.write(json.dumps({"time": time.time(), "step": result["step"], "eval": result["splits"]}) + "\n")
+        _write(cfg, out, result, result["step"], result["splits"])
         print(f"step {result['step']} of {result['checkpoint']}:")
         print(f"{'split':<40} {'loss':>8} {'perplexity':>11} {'bits/byte':>10} {'sequences':>10}")
         for name, r in result["splits"].items():
@@ -95,6 +91,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {out}")
     runtime.stop()
     return 0
+
+
+def _write(cfg: Config, out: Path, document: dict, step: int | None, record: dict) -> None:
+    """The results as JSON at `out` (atomically), and an `eval` record of `record` appended to the
+    run's metrics.jsonl (the run's own records stay)."""
+    from strata.atomic import write_file_atomic
+
+    with file_errors("strata eval"):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(out, (json.dumps(document, indent=1) + "\n").encode())
+        cfg.run_dir().mkdir(parents=True, exist_ok=True)
+        with open(cfg.run_dir() / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), "step": step, "eval": record}) + "\n")
 
 
 def task_names(args: argparse.Namespace) -> list[str]:
@@ -133,12 +142,7 @@ def run_tasks(args: argparse.Namespace) -> int:
     )
     step = checkpoint_step(Path(args.resume))
     out = Path(args.out) if args.out else cfg.run_dir() / "eval_tasks.json"
-    with file_errors("strata eval"):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"step": step, "checkpoint": args.resume, **result}, indent=1) + "\n")
-        cfg.run_dir().mkdir(parents=True, exist_ok=True)
-        with open(cfg.run_dir() / "metrics.jsonl", "a") as f:  # appended: the run's own records stay
-            f.write(json.dumps({"time": time.time(), "step": step, "eval": result["results"]}) + "\n")
+    _write(cfg, out, {"step": step, "checkpoint": args.resume, **result}, step, result["results"])
     print(f"step {step} of {args.resume}:" if step is not None else f"{args.resume}:")
     print(harness.results_table(result))
     print(f"wrote {out}")

@@ -23,6 +23,7 @@ from strata.launch.commands.common import (
 if TYPE_CHECKING:
     from strata.config import Config
     from strata.launch.commands.common import Subparsers
+    from strata.launch.torchrun import WorkerCommand
 
 
 def add_parser(subparsers: Subparsers) -> None:
@@ -132,12 +133,16 @@ def run(args: argparse.Namespace) -> int:
     return _run_slurm(args) if args.slurm else _run_torchrun(args)
 
 
-def _worker(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
-    """What each worker runs: `train`, or `eval` with its flags."""
-    if not args.eval:
-        return "train", ()
-    flags = [f for d in args.data for f in ("--data", str(Path(d).resolve()))]
-    return "eval", tuple(flags + (["--out", str(Path(args.out).resolve())] if args.out else []))
+def _worker(args: argparse.Namespace, config_path: str) -> WorkerCommand:
+    """What each worker runs: `strata train`, or `strata eval` with its flags."""
+    from strata.launch.torchrun import WorkerCommand
+
+    extra: list[str] = []
+    if args.eval:
+        extra = [f for d in args.data for f in ("--data", str(Path(d).resolve()))]
+        extra += ["--out", str(Path(args.out).resolve())] if args.out else []
+    command = "eval" if args.eval else "train"
+    return WorkerCommand(config_path, tuple(args.overrides), args.resume, tuple(extra), command)
 
 
 def _run_slurm(args: argparse.Namespace) -> int:
@@ -158,16 +163,7 @@ def _run_slurm(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         snapshots=cfg.snapshot.every_steps > 0 and not args.eval,
     )
-    command, extra = _worker(args)
-    script = slurm.sbatch_script(
-        job,
-        str(Path(args.config).resolve()),
-        args.overrides,
-        args.resume,
-        workdir=str(Path.cwd()),
-        extra=extra,
-        command=command,
-    )
+    script = slurm.sbatch_script(job, _worker(args, str(Path(args.config).resolve())), workdir=str(Path.cwd()))
     path = Path(args.script or cfg.run_dir() / "job.sbatch")
     with file_errors("strata launch --slurm"):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,8 +202,7 @@ def _run_torchrun(args: argparse.Namespace) -> int:
         net_ifname=args.net_ifname,
         worker_start=args.worker_start,
     )
-    command, extra = _worker(args)
-    return torchrun.run_local(plan, args.config, args.overrides, args.resume, extra, command)
+    return torchrun.run_local(plan, _worker(args, args.config))
 
 
 def _check_data(cfg: Config, eval_dirs: list[Path]) -> None:

@@ -127,7 +127,7 @@ def _run_tokenizer(cfg: Config) -> tuple[Tokenizer, set[int]]:
     id; bytes for the built-in corpus."""
     from strata.trainer.data import prepared_tokenizer
 
-    source = cfg.data.path or (cfg.data.sources[0].path if cfg.data.sources else None)
+    source = cfg.data.prepared_dir()
     if not source:
         return Tokenizer(None), {ByteTokenizer.eot}
     try:

@@ -19,7 +19,7 @@ from strata import config, hf
 from strata.checkpoint import store
 from strata.checkpoint.hf_metadata import hf_metadata
 
-from conftest import hf_run_overrides, run_cli
+from conftest import hf_run_overrides, prepare_readme, run_cli
 from worlds import REPO, strata
 
 transformers = pytest.importorskip("transformers")
@@ -156,14 +156,7 @@ def test_an_import_exports_everything_its_source_said_and_refuses_once_it_is_gon
 
 @pytest.mark.slow  # data prepare, a 4-step run and an export (CLI processes)
 def test_a_fine_tuned_import_exports_everything_its_source_said(source, tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    text = (REPO / "README.md").read_text()
-    for i in range(6):
-        (corpus / f"doc{i}.txt").write_text(text[i * 3000 : (i + 1) * 3000])
-    data = tmp_path / "data"
-    prep = strata("data", "prepare", str(corpus), "--out", str(data), "--tokenizer", str(source), "--workers", "1")
-    assert prep.returncode == 0, prep.stderr[-3000:]
+    data = prepare_readme(tmp_path / "data", str(source))
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
     trained = strata("train", str(experiment), *hf_run_overrides(source, data, tmp_path / "runs", SEQ))

@@ -24,8 +24,8 @@ from strata.parallel.runtime import start
 from strata.trainer.data import BatchLoader, TokenDataset
 from strata.trainer.loop import run
 
-from conftest import hf_run_overrides, run_cli
-from worlds import REPO, strata, train_world
+from conftest import hf_run_overrides, prepare_readme, run_cli
+from worlds import strata, train_world
 
 transformers = pytest.importorskip("transformers")
 
@@ -143,14 +143,7 @@ def test_training_from_a_hugging_face_model_in_parallel_matches_one_process(
 
 @pytest.mark.slow  # prepares data with a trained BPE, trains, exports, loads in transformers
 def test_an_exported_run_loads_in_transformers_with_its_tokenizer(hf_dirs, tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    text = (REPO / "README.md").read_text()
-    for i in range(8):
-        (corpus / f"doc{i}.txt").write_text(text[i * 2000 : (i + 1) * 2000])
-    data = tmp_path / "data"
-    prep = strata("data", "prepare", str(corpus), "--out", str(data), "--tokenizer", "bpe:300", "--workers", "1")
-    assert prep.returncode == 0, prep.stderr[-3000:]
+    data = prepare_readme(tmp_path / "data", "bpe:300")
     trained = strata("train", str(_experiment(tmp_path)), *_overrides(hf_dirs["llama"], data, tmp_path / "runs"))
     assert trained.returncode == 0, trained.stderr[-3000:]
     ckpt = store.step_dir(tmp_path / "runs" / "t" / "checkpoints", 4)

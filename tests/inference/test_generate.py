@@ -20,8 +20,8 @@ from strata.inference.generate import generate
 from strata.inference.sampling import Sampling, filtered_scores, next_tokens
 from strata.model import build_model
 
-from conftest import run_cli, tiny_overrides
-from worlds import REPO, strata, train_world
+from conftest import prepare_readme, run_cli, tiny_overrides
+from worlds import strata, train_world
 
 CFG = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, seq_len=32, vocab_size=64)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [10, 11, 12, 13]]
@@ -100,14 +100,7 @@ def test_the_sampling_filter_is_transformers_warpers(temperature, top_k, top_p):
 
 @pytest.fixture(scope="module")
 def bpe_data(tmp_path_factory):
-    corpus = tmp_path_factory.mktemp("corpus")
-    text = (REPO / "README.md").read_text()
-    for i in range(8):
-        (corpus / f"doc{i}.txt").write_text(text[i * 2000 : (i + 1) * 2000])
-    data = tmp_path_factory.mktemp("data") / "bpe"
-    prep = strata("data", "prepare", str(corpus), "--out", str(data), "--tokenizer", "bpe:300", "--workers", "1")
-    assert prep.returncode == 0, prep.stderr[-3000:]
-    return data
+    return prepare_readme(tmp_path_factory.mktemp("data") / "bpe", "bpe:300")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
 from strata.errors import StrataError
 from strata.launch.elastic import AdoptedWorker, ForkServer, install_rendezvous_poll, rendezvous_poll_s
-from strata.launch.torchrun import LaunchPlan, torchrun_command
+from strata.launch.torchrun import LaunchPlan, WorkerCommand, torchrun_command
 
 from conftest import tiny_overrides
 from worlds import kill_marked, marked_processes, start_strata
@@ -189,13 +189,13 @@ def test_a_server_started_before_torchrun_serves_workers_like_it_and_is_replaced
 
 def test_launch_runs_torchrun_with_the_fork_server_unless_told_not_to():
     endpoint = "127.0.0.1:29400"
-    default = torchrun_command(LaunchPlan(2, rdzv_endpoint=endpoint), "c.yaml", [], None)
+    default = torchrun_command(LaunchPlan(2, rdzv_endpoint=endpoint), WorkerCommand("c.yaml"))
     assert default[1:3] == ["-m", "strata.launch.elastic"]
-    plain = torchrun_command(LaunchPlan(2, rdzv_endpoint=endpoint, worker_start="fresh"), "c.yaml", [], None)
+    plain = torchrun_command(LaunchPlan(2, rdzv_endpoint=endpoint, worker_start="fresh"), WorkerCommand("c.yaml"))
     assert plain[1:3] == ["-m", "torch.distributed.run"]
     assert default[3:] == plain[3:]  # the same torchrun flags and worker command otherwise
     with pytest.raises(StrataError, match="--worker-start 'spawn': must be one of forkserver, fresh"):
-        torchrun_command(LaunchPlan(2, worker_start="spawn"), "c.yaml", [], None)
+        torchrun_command(LaunchPlan(2, worker_start="spawn"), WorkerCommand("c.yaml"))
 
 
 def test_a_waiting_node_reads_the_rendezvous_state_more_often_than_once_a_second(monkeypatch):

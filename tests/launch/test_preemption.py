@@ -197,8 +197,9 @@ def test_the_batch_script_passes_a_signal_on_and_requeues_after_the_warning(tmp_
     """The batch shell (`--signal=B:USR1@…`) passes the signal on to the job step and waits for it to
     end; after the time-limit warning it requeues the job, after SIGTERM (scancel) it does not."""
     from strata.launch.slurm import SlurmJob, sbatch_script
+    from strata.launch.torchrun import WorkerCommand
 
-    script = sbatch_script(SlurmJob(name="t", nodes=2, gpus_per_node=1), "cfg.yaml", [], None, str(tmp_path))
+    script = sbatch_script(SlurmJob(name="t", nodes=2, gpus_per_node=1), WorkerCommand("cfg.yaml"), str(tmp_path))
     assert "#SBATCH --signal=B:USR1@" in script and "#SBATCH --requeue" in script
     assert "#SBATCH --open-mode=append" in script and "TORCH_NCCL_TRACE_BUFFER_SIZE=2000" in script
     (tmp_path / "job.sbatch").write_text(script)

@@ -136,13 +136,14 @@ def test_job_script_runs_the_launching_interpreter(tmp_path):
     interpreter whose folder has no `python` of its own (Debian's /usr/bin/python3) is called by
     its absolute path, so the job never runs some other `python`."""
     from strata.launch.slurm import SlurmJob, sbatch_script
+    from strata.launch.torchrun import WorkerCommand
 
     job = SlurmJob(name="t", nodes=2, gpus_per_node=1, snapshots=True)
     venv_bin = tmp_path / "venv" / "bin"
     venv_bin.mkdir(parents=True)
     (venv_bin / "python").symlink_to(sys.executable)
     (venv_bin / "python3").symlink_to("python")
-    script = sbatch_script(job, "cfg.yaml", [], None, str(tmp_path), interpreter=str(venv_bin / "python3"))
+    script = sbatch_script(job, WorkerCommand("cfg.yaml"), str(tmp_path), interpreter=str(venv_bin / "python3"))
     assert f'export PATH={venv_bin}:"$PATH"' in script
     assert script.index("export PATH=") < script.index("head_addr=$(srun")  # before any step starts
 
@@ -150,7 +151,7 @@ def test_job_script_runs_the_launching_interpreter(tmp_path):
     lone_bin.mkdir(parents=True)
     (lone_bin / "python3").symlink_to(sys.executable)
     (lone_bin / "python").write_text("#!/bin/sh\necho not this one\n")
-    script = sbatch_script(job, "cfg.yaml", [], None, str(tmp_path), interpreter=str(lone_bin / "python3"))
+    script = sbatch_script(job, WorkerCommand("cfg.yaml"), str(tmp_path), interpreter=str(lone_bin / "python3"))
     assert "export PATH=" not in script and "python -m" not in script.replace(f"{lone_bin}/python3 -m", "")
     assert script.count(f"{lone_bin}/python3 -m") == 2  # the snapshot agent and torchrun
     assert f"$({lone_bin}/python3 -c" in script  # the snapshot secret

@@ -51,6 +51,11 @@ class DataConfig:
         "(a path by its content). null: whatever the data says. The built-in corpus is bytes",
     )
 
+    def prepared_dir(self) -> str | None:
+        """The prepared directory whose meta.json says the run's tokenizer: data.path, or the first of
+        data.sources (a mixture's sources share one); None for the built-in corpus."""
+        return self.sources[0].path if self.sources else self.path
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
