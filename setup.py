@@ -1,8 +1,8 @@
 """Strata: train large transformers with composed parallelism, memory tiers and resharding checkpoints.
 
-The folder `strata/` is the package `strata`, and its subpackages `parallel`, `offload`, `checkpoint`,
-`trainer` and `launch` are symbolic links to the product's top-level folders of those names. Build
-settings are in pyproject.toml.
+The folder `strata/` is the package `strata` with all its subpackages; the top-level folders `parallel`,
+`offload`, `checkpoint`, `trainer` and `launch` are symbolic links into it (the repository's layout), and
+nothing is packaged through them. Build settings are in pyproject.toml.
 """
 
 from setuptools import find_packages, setup
@@ -12,7 +12,7 @@ setup(
     version="0.2.0",
     description="YAML-driven trainer for large transformer models (TP/PP/DP, ZeRO, offload, checkpoints)",
     python_requires=">=3.10",
-    packages=find_packages(include=["strata", "strata.*"]),  # through the links
+    packages=find_packages(include=["strata", "strata.*"]),
     package_data={"strata": ["py.typed"]},
     # torch is pinned by the installer (CPU build on CI: `pip install torch==2.13.0` first);
     # a range that the pinned build satisfies keeps pip from fetching a CUDA build.

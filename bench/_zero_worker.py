@@ -40,9 +40,10 @@ import torch
 import torch.distributed as dist
 
 from strata import config as config_mod
+from strata.data.loader import BatchLoader
+from strata.data.tokens import TokenDataset
 from strata.model import GPT, count_params, initial_value, lm_loss, set_rope_buffers
 from strata.parallel.runtime import proc_status_bytes, reset_peak_rss
-from strata.trainer.data import BatchLoader, TokenDataset
 from strata.trainer.lr_schedule import lr_at
 from strata.trainer.parallelize import build_optimizer
 
@@ -315,7 +316,7 @@ class StrataSide:
             )
 
     def tiers(self):
-        """The trainer's memory tiers (offload/tiers.py), None without offload."""
+        """The trainer's memory tiers (strata/offload/tiers.py), None without offload."""
         return self.trainer.model.tiers
 
     def offload_metrics(self) -> dict:

@@ -1,4 +1,4 @@
-"""Activation offload (offload/activations.py) against keeping activations and against full and
+"""Activation offload (strata/offload/activations.py) against keeping activations and against full and
 selective recomputation, on Strata's GPT: the peak bytes of saved tensors held at once (the hooks'
 exact counter; for keep and recompute a counting-only hook, which does not see what selective
 recomputation keeps inside its checkpoints: compare VmHWM there), the process's peak memory above a

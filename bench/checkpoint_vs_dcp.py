@@ -78,8 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def launch(args: argparse.Namespace) -> int:
     from strata.config import DataConfig
+    from strata.data.prepare import ensure_default_corpus
     from strata.launch.torchrun import LaunchPlan, torchrun_args
-    from strata.trainer.data import ensure_default_corpus
 
     ensure_default_corpus(DataConfig().cache_dir, DataConfig().val_fraction)  # once, before the ranks start
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))

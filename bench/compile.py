@@ -244,7 +244,7 @@ def main() -> None:
 
     import torch
 
-    from strata.trainer.data import ensure_default_corpus
+    from strata.data.prepare import ensure_default_corpus
 
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"

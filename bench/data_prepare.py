@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from strata.trainer.prepare import stdlib_corpus_files
+from strata.data.prepare import stdlib_corpus_files
 
 PEER_BATCH = 1024
 

@@ -278,7 +278,7 @@ def pip_strata_cmd(ctx: Ctx) -> list[str]:
     return [ctx.python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-e", "."]
 
 
-CORPUS = "from strata.trainer.data import ensure_default_corpus; print('CORPUS', ensure_default_corpus(None, 0.05))"
+CORPUS = "from strata.data.prepare import ensure_default_corpus; print('CORPUS', ensure_default_corpus(None, 0.05))"
 PROBE = r"""import importlib, json, sys
 out = {"python": sys.version.split()[0]}
 try:
@@ -477,7 +477,7 @@ def in_parallel(jobs: dict[str, Callable[[], Any]]) -> dict[str, Any]:
 
 def corpus(ctx: Ctx) -> str:
     if not ctx.data:
-        from strata.trainer.data import ensure_default_corpus
+        from strata.data.prepare import ensure_default_corpus
 
         ctx.data = str(ensure_default_corpus(None, 0.05))
     return ctx.data

@@ -238,7 +238,7 @@ def warm_page_cache(model: Path) -> None:
 
 def launch(args: argparse.Namespace) -> int:
     from strata.config import DataConfig
-    from strata.trainer.data import ensure_default_corpus
+    from strata.data.prepare import ensure_default_corpus
 
     args.work.mkdir(parents=True, exist_ok=True)
     model = model_dir(args)

@@ -22,8 +22,9 @@ import tempfile
 from pathlib import Path
 
 from strata import config as config_mod
+from strata.data.prepare import ensure_default_corpus
+from strata.data.tokens import read_meta
 from strata.model import count_params
-from strata.trainer.data import ensure_default_corpus, read_meta
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from strata.trainer.data import ensure_default_corpus
+from strata.data.prepare import ensure_default_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTS = ("forkserver", "fresh")

@@ -1,4 +1,4 @@
-"""Strata's swap I/O engine (offload/io_engine.py) against the disk's raw sequential bandwidth,
+"""Strata's swap I/O engine (strata/offload/io_engine.py) against the disk's raw sequential bandwidth,
 measured in the same run: `dd` with O_DIRECT (and `fio`, when installed) writing and reading the
 same number of bytes in the same directory, with as many streams as the engine has threads. Rounds
 alternate which side goes first, because this kind of disk changes speed from minute to minute;

@@ -68,7 +68,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported, 
 import torch  # noqa: E402
 
 from strata import config as config_mod  # noqa: E402
-from strata.trainer.data import ensure_default_corpus  # noqa: E402
+from strata.data.prepare import ensure_default_corpus  # noqa: E402
 
 # bench/ is sys.path[0] when a bench runs as a script
 from zero_vs_deepspeed import REPO, ZERO3, bench_overrides, mib, rel_diff, run_worker, summarize  # noqa: E402

@@ -47,9 +47,10 @@ import torch
 import torch.nn.functional as F
 
 from strata import config as config_mod
+from strata.data.prepare import prepare, stdlib_corpus_files
+from strata.data.tokens import read_meta
 from strata.model import build_model
 from strata.parallel import runtime as runtime_mod
-from strata.trainer.data import prepare, read_meta, stdlib_corpus_files
 from strata.trainer.loop import Trainer
 
 GOAL = 1.05

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_WAIT_POLICY", "")
 
 from strata import config as config_mod  # noqa: E402
-from strata.trainer.data import ensure_default_corpus  # noqa: E402
+from strata.data.prepare import ensure_default_corpus  # noqa: E402
 from tests.cluster import Cluster, unavailable  # noqa: E402
 
 NODES, RANKS_PER_NODE = 2, 2

@@ -85,9 +85,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 from strata.checkpoint.agent_protocol import SOCKET_ENV, agent_stats  # noqa: E402
 from strata.checkpoint.erasure import Code  # noqa: E402
+from strata.data.prepare import ensure_default_corpus  # noqa: E402
 from strata.launch.torchrun import SECRET_ENV  # noqa: E402
 from strata.net import free_port  # noqa: E402
-from strata.trainer.data import ensure_default_corpus  # noqa: E402
 
 MARKER = "STRATA_BENCH_ID"
 STALL_GOAL = 0.05

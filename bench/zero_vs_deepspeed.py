@@ -44,9 +44,9 @@ from pathlib import Path
 import torch
 
 from strata import config as config_mod
+from strata.data.prepare import ensure_default_corpus
 from strata.launch.cli import TORCH_ENV_DEFAULTS
 from strata.launch.torchrun import LaunchPlan, torchrun_args
-from strata.trainer.data import ensure_default_corpus
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from strata import config
-from strata.trainer.data import prepare
+from strata.data.prepare import prepare
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # A handful of real stdlib sources: enough tokens for tiny runs, prepared in well under a second.

@@ -20,10 +20,10 @@ import torch
 from strata.checkpoint import store
 from strata.checkpoint.pieces import whole_piece
 from strata.config import Config
+from strata.data.tokenize import ByteTokenizer, load_file_tokenizer
 from strata.errors import CheckpointError, DataError, StrataError
 from strata.model import GPT
 from strata.rope import rope_tables
-from strata.trainer.tokenize import ByteTokenizer, load_file_tokenizer
 
 
 class Tokenizer:
@@ -125,7 +125,7 @@ def _hf_stop_ids(path: Path) -> set[int]:
 def _run_tokenizer(cfg: Config) -> tuple[Tokenizer, set[int]]:
     """The tokenizer of the run's prepared data (its meta.json names it) and its end-of-document
     id; bytes for the built-in corpus."""
-    from strata.trainer.data import prepared_tokenizer
+    from strata.data.tokens import prepared_tokenizer
 
     source = cfg.data.prepared_dir()
     if not source:

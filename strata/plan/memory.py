@@ -1,6 +1,6 @@
 """The memory model: per-rank bytes by kind of state and by tier (device, host, NVMe), from the
 resolved config and a cluster description alone. Pure functions; every placement they assume is
-the one the trainer makes (parallel/zero.py, offload/, checkpoint/), and tests/plan/test_memory.py
+the one the trainer makes (strata/parallel/zero.py, offload/, checkpoint/), and tests/plan/test_memory.py
 checks them against the bytes real runs hold.
 
 Kinds: params, grads, optim (each at its ZeRO level and tier), gathered (ZeRO-3 groups gathered
@@ -309,7 +309,7 @@ def _gathered_peak(groups: list[Group], window: int) -> int:
 
 
 def _add_resident_shards(out: RankMemory, cfg: Config, groups: list[Group], budget: float, ranks: int) -> None:
-    """NVMe parameter shards on the device: those `budget` bytes keep resident (offload/params.py
+    """NVMe parameter shards on the device: those `budget` bytes keep resident (strata/offload/params.py
     takes them in the update's order while they fit), then the `keep_groups` kept after use and
     the `read_ahead` read in front of the gathers, the largest of the others at once."""
     resident, others = [], []

@@ -283,7 +283,7 @@ class _Reductions:
 
 
 def _reductions(cfg: Config, cluster: Cluster, layout: Layout, groups: list[Group], m: int, vocab: int) -> _Reductions:
-    """The engine's collectives per flat group (see parallel/zero.py): ZeRO-3 gathers per micro-batch
+    """The engine's collectives per flat group (see strata/parallel/zero.py): ZeRO-3 gathers per micro-batch
     (forward from the params level; backward and later micro-batches from the hpZ copy when there
     is one), reduce-scatters to the grads level per micro-batch, the final reduce-scatter to the
     optimizer's chunk and all-reduce over its copies, and the rebuild gather after the update."""

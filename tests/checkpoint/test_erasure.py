@@ -1,4 +1,4 @@
-"""checkpoint/erasure.py against references that do not share its code: decoding from every k-subset
+"""strata/checkpoint/erasure.py against references that do not share its code: decoding from every k-subset
 back to the original bytes, parity equal to pyeclib's own ISA-L Cauchy backend, and parity computed
 byte by byte in pure-Python GF(2^8)."""
 

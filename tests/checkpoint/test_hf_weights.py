@@ -19,9 +19,10 @@ from safetensors.torch import load_file, save_file
 from strata import config
 from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
+from strata.data.loader import BatchLoader
+from strata.data.tokens import TokenDataset
 from strata.model import build_model
 from strata.parallel.runtime import start
-from strata.trainer.data import BatchLoader, TokenDataset
 from strata.trainer.loop import run
 
 from conftest import hf_run_overrides, prepare_readme, run_cli

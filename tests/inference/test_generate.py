@@ -232,7 +232,7 @@ def test_strata_generate_reads_a_checkpoint_dcp_wrote_alone_with_its_config(tmp_
     import torch.distributed.checkpoint as dcp
 
     from strata import config
-    from strata.trainer.tokenize import ByteTokenizer
+    from strata.data.tokenize import ByteTokenizer
 
     cfg_file = tmp_path / "cfg.yaml"
     cfg_file.write_text("model: {n_layers: 2, d_model: 32, n_heads: 4, n_kv_heads: 2, seq_len: 32, vocab_size: 264}\n")

@@ -14,10 +14,10 @@ import torch
 from strata.checkpoint import store
 from strata.checkpoint.manager import CheckpointManager
 from strata.checkpoint.pieces import FixedState, Piece, StateContents
+from strata.data.prepare import expand_inputs, prepare
 from strata.errors import CheckpointError, DataError
 from strata.launch.cli import main as strata_main
 from strata.parallel.flat import Box
-from strata.trainer.data import expand_inputs, prepare
 
 TEXT = {"a.txt": "first document\n" * 20, "b.txt": "second document\n" * 20, "c.txt": "third\n" * 30}
 

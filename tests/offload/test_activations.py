@@ -1,4 +1,4 @@
-"""Activation offload and recomputation (offload/activations.py) on a tiny GPT, fp32, two
+"""Activation offload and recomputation (strata/offload/activations.py) on a tiny GPT, fp32, two
 micro-batches accumulated as the trainer does: loss and every gradient bit-identical to keeping
 activations, for host and swap-file offload, full and selective recomputation, and both together
 (selective recomputation repeating the element-wise ops and none of the matmuls); and the behaviour

@@ -1,4 +1,4 @@
-"""The swap I/O engine (offload/io_engine.py): aligned O_DIRECT reads and writes on a thread pool
+"""The swap I/O engine (strata/offload/io_engine.py): aligned O_DIRECT reads and writes on a thread pool
 come back byte for byte, and every failure names the file, offset, size and errno; a swap directory
 that cannot hold the state is refused at start-up."""
 

@@ -1,4 +1,4 @@
-"""Deep Optimizer States placement (offload/placement.py): the pure model with injected numbers,
+"""Deep Optimizer States placement (strata/offload/placement.py): the pure model with injected numbers,
 hand-checked on small cases, and calibration on this machine (the CUDA branch where there is one)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The offload host pool (offload/pool.py): one arena, page-aligned slabs reused across transfers,
+"""The offload host pool (strata/offload/pool.py): one arena, page-aligned slabs reused across transfers,
 a budget that is never exceeded — a borrow beyond it waits for a slab to come back, or fails
 naming who holds them — each stream's guaranteed share, and pinning once when CUDA exists."""
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism (parallel/tensor.py), with and without sequence parallelism, in real gloo
+"""Tensor parallelism (strata/parallel/tensor.py), with and without sequence parallelism, in real gloo
 worlds of 2 and 4 processes (torch.multiprocessing) checked against the single-process model.
 
 One world per size runs every case (process start-up dominates the cost); each rank writes what

@@ -1,4 +1,4 @@
-"""Hang detection (parallel/watchdog.py) in real gloo worlds of 3 processes: one rank stops (SIGSTOP),
+"""Hang detection (strata/parallel/watchdog.py) in real gloo worlds of 3 processes: one rank stops (SIGSTOP),
 stays busy outside any collective, or waits in a collective the others never join. Every rank must
 exit within a few seconds of the hang timeout, far below the collective timeout, with one verdict
 naming the stuck rank, its host and its last collective; a long checkpoint phase is not a hang."""

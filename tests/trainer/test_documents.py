@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.config import ModelConfig
+from strata.data.prepare import prepare
 from strata.model import build_model, documents_of
-from strata.trainer.data import prepare
 
 from conftest import run_cli, tiny_overrides
 from worlds import final_params, losses_from, train_run

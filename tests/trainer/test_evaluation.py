@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from strata import config
+from strata.data.loader import eval_batches
+from strata.data.tokens import TokenDataset
 from strata.model import build_model, lm_loss
-from strata.trainer.data import TokenDataset, eval_batches
 
 from conftest import tiny_overrides
 from worlds import _train_rank, final_params, run_world, strata, train_run

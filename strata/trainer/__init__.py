@@ -1,0 +1,20 @@
+"""strata.trainer: the training loop and what it needs around it.
+
+`loop` (the Trainer: set a run up, step, evaluate, log, save and resume), `signals` (stopping on a
+signal with a checkpoint, exit 75), `lr_schedule` (warm-up and decay), `parallelize` (one
+function that lays the model out over the ranks and memory tiers and returns the one object the loop
+drives), `evaluate` (the validation loss over a split's evaluation batches), `state`
+(`TrainState`: what a checkpoint or an in-memory snapshot of a rank holds), `metrics`
+(progress bar, metrics.jsonl, TensorBoard, wandb), `plots` (run curves, pipeline schedule
+timelines), `divergence` (the loss-spike guard), `routing` (MoE routing statistics
+and the auxiliary-loss-free bias update), `compile` (regional compilation), `float8` (float8
+linear layers), `calibrate` (the planner's measurement of this machine, timing the trainer's own
+step) and `profiling`
+(torch.profiler traces, memory snapshots).
+
+This layer imports the base (`strata`), `strata.parallel`, `strata.offload`, `strata.checkpoint`,
+`strata.plan` and `strata.data`; `strata.inference` and `strata.launch` import it.
+"""
+
+if __name__ != "strata.trainer":  # imported by the top-level link's name, e.g. from the repository root
+    raise ImportError(f"import strata.trainer, not {__name__}: the folder trainer/ links to strata/trainer/")

@@ -1,0 +1,107 @@
+"""Evaluation on held-out data: the mean loss over the evaluation batches of a validation split
+(`data.eval_batches`: its first eval_batches × micro_batch_size × dp sequences, or with 0 every
+sequence once), each sequence weighing the same, summed over the data-parallel ranks whatever the
+layout; and the line the console shows for it. `evaluate_checkpoint` is `strata eval`: a checkpoint's
+loss, perplexity and bits per byte on each held-out split, in any layout."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from strata.config import Config
+from strata.data.loader import eval_batches
+from strata.data.mixture import Mixture
+from strata.data.tokenize import ByteTokenizer, load_file_tokenizer
+from strata.data.tokens import TokenDataset, prepared_tokenizer
+from strata.parallel import comm
+from strata.parallel.topology import Topology
+from strata.trainer.parallelize import ParallelModel
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One evaluation's mean loss, over how many sequences, and whether they were the whole split."""
+
+    loss: float
+    sequences: int
+    whole: bool
+
+    @property
+    def perplexity(self) -> float | None:
+        """exp(loss); None where that overflows what is worth printing (loss >= 50)."""
+        return math.exp(self.loss) if self.loss < 50 else None
+
+    def line(self, step: int) -> str:
+        perplexity = f"{self.perplexity:.2f}" if self.perplexity is not None else "overflow"
+        read = (
+            f"all {self.sequences} sequences of the validation split"
+            if self.whole
+            else f"the validation split's first {self.sequences} sequences (train.eval_batches × "
+            "micro_batch_size × dp; 0 reads all of it)"
+        )
+        return f"step {step}: eval loss {self.loss:.4f} (perplexity {perplexity}) on {read}"
+
+
+@torch.no_grad()
+def evaluate(
+    model: ParallelModel, dataset: TokenDataset | Mixture, batches: int, micro_batch: int, topo: Topology
+) -> Evaluation:
+    """`model`'s loss on `dataset`'s evaluation batches (`eval_batches`), in eval mode (collective
+    over the data-parallel group). A shorter last micro-batch of the whole split counts for its
+    sequences; a replica the split's end leaves without one adds nothing."""
+    model.train(False)
+    sums = torch.zeros(2, dtype=torch.float64, device=model.device)  # loss × sequences, sequences
+    for inputs, targets in eval_batches(dataset, batches, micro_batch, topo.data_rank, topo.data_size):
+        sums[0] += model.eval_loss(inputs, targets).double() * len(inputs)
+        sums[1] += len(inputs)
+    model.train(True)
+    total, sequences = comm.all_reduce(sums, topo.group("dp"), dim="dp").tolist()
+    # the dp group holds each replica's cp ranks, which read the same sequences
+    return Evaluation(total / sequences, round(sequences / topo.layout.cp), batches == 0)
+
+
+# --- `strata eval`: a checkpoint on held-out data ------------------------------------------------
+
+
+def target_bytes(data_dir: Path, dataset: TokenDataset) -> int:
+    """The UTF-8 bytes the whole split's scored tokens (every window's targets) spell, for bits per
+    byte: each end-of-document token spells none; a tokenizer.json's tokens are decoded window by
+    window; byte-level tokens are one byte each."""
+    file, eot = prepared_tokenizer(data_dir, "--data")
+    windows = (dataset.window(i)[1:] for i in range(len(dataset)))
+    if file is None:
+        return sum(int((w < ByteTokenizer.eot).sum()) for w in windows)
+    tok = load_file_tokenizer(file)
+    return sum(len(tok.decode([int(t) for t in w if t != eot]).encode("utf-8")) for w in windows)
+
+
+def evaluate_checkpoint(cfg: Config, runtime, source: Path, data_dirs: list[Path]) -> dict:
+    """Every held-out split's loss, perplexity and bits per byte under the checkpoint `source`
+    (collective: every rank of any layout calls it): `data_dirs`' validation splits, else each of
+    the config's data sources apart. Whole splits, every sequence once."""
+    from strata.trainer.loop import Trainer
+
+    trainer = Trainer(cfg, runtime, writes=[])
+    trainer.resume(source)
+    if not data_dirs:
+        data_dirs = [Path(s.path) for s in cfg.data.sources or ()] or [trainer.data_dir]
+    results: dict[str, dict] = {}
+    for data_dir in data_dirs:
+        dataset = TokenDataset(data_dir, "val", cfg.model.seq_len, key="--data")
+        found = evaluate(trainer.model, dataset, 0, cfg.train.micro_batch_size, trainer.topo)
+        tokens = found.sequences * cfg.model.seq_len
+        nats = found.loss * tokens
+        spelt = target_bytes(data_dir, dataset) if runtime.rank == 0 else 0
+        results[str(data_dir)] = {
+            "loss": found.loss,
+            "perplexity": found.perplexity,
+            "bits_per_byte": nats / math.log(2) / spelt if spelt else None,
+            "sequences": found.sequences,
+            "tokens": tokens,
+            "bytes": spelt,
+        }
+    return {"step": trainer.step, "checkpoint": str(source), "splits": results}
