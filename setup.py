@@ -47,9 +47,17 @@ setup(
         ],
         # dev: the tools .ci/check and .ci/package_check run (lint, types, import layers, an editor's import
         # resolution, sdist/wheel build), pinned.
-        "dev": ["ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17", "build==1.6.1", "pyright==1.1.414"],
+        "dev": [
+            "ruff==0.17.6",
+            "mypy==2.4.1",
+            "import-linter==2.17",
+            "build==1.6.1",
+            "pyright==1.1.414",
+        ],
         "wandb": ["wandb"],
-        "fp8": ["torchao==0.18.0"],  # train.precision=fp8: torchao's float8 training (torch >= 2.11)
+        "fp8": [
+            "torchao==0.18.0"
+        ],  # train.precision=fp8: torchao's float8 training (torch >= 2.11)
         "tensorboard": ["tensorboard"],  # log.tensorboard
         # strata eval --tasks and python -m strata.inference.harness: lm-evaluation-harness tasks;
         # accelerate for lm-eval's own Hugging Face backend (`--model hf`), the reference on an exported model.

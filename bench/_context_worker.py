@@ -35,7 +35,9 @@ def ulysses(group):
     deepspeed.comm.init_distributed(dist_backend="gloo")  # wraps the world torch already has
 
     def local(q, k, v, *args, **kwargs):  # (b, s, h, d) -> causal SDPA over the whole sequence
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         return out.transpose(1, 2)
 
     attention = DistributedAttention(local, group, scatter_idx=2, gather_idx=1)
@@ -71,7 +73,11 @@ def time_system(name: str, attend, args: argparse.Namespace, group) -> dict:
         q.grad = k.grad = v.grad = None
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank is done
-    return {"step_s": statistics.median(slowest.tolist()), "times_s": slowest.tolist(), "bytes_per_rank": moved}
+    return {
+        "step_s": statistics.median(slowest.tolist()),
+        "times_s": slowest.tolist(),
+        "bytes_per_rank": moved,
+    }
 
 
 def memory(args: argparse.Namespace) -> dict:

@@ -46,7 +46,13 @@ SYSTEMS = {  # Strata layouts: zero.* shard levels (params, grads, optim) and ex
             "hierarchical": False,
         }
     },
-    "zero3-hier": {"zero": {"params": {"shard_over": G}, "grads": {"shard_over": G}, "optim": {"shard_over": G}}},
+    "zero3-hier": {
+        "zero": {
+            "params": {"shard_over": G},
+            "grads": {"shard_over": G},
+            "optim": {"shard_over": G},
+        }
+    },
     "hpz": {
         "zero": {
             "params": {"shard_over": G},
@@ -55,7 +61,13 @@ SYSTEMS = {  # Strata layouts: zero.* shard levels (params, grads, optim) and ex
             "secondary_params": {"shard_over": "node"},
         }
     },
-    "3level": {"zero": {"params": {"shard_over": "node"}, "grads": {"shard_over": "node"}, "optim": {"shard_over": G}}},
+    "3level": {
+        "zero": {
+            "params": {"shard_over": "node"},
+            "grads": {"shard_over": "node"},
+            "optim": {"shard_over": G},
+        }
+    },
     # CO2 across the nodes, each rank's optimizer state partitioned inside its node: each rank's
     # outer exchange is its half of the model, not all of it
     "co2": {"co2": {"enabled": True, "outer_every": 4}, "zero": {"optim": {"shard_over": "node"}}},
@@ -77,7 +89,9 @@ def chain(vocab: int, seed: int = 7, successors: int = 4) -> torch.Tensor:
     return torch.randint(0, vocab, (vocab, successors), generator=gen)
 
 
-def markov_batch(table: torch.Tensor, n: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def markov_batch(
+    table: torch.Tensor, n: int, seq: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.empty(n, seq + 1, dtype=torch.long)
     tokens[:, 0] = torch.randint(0, table.shape[0], (n,), generator=gen)
@@ -110,7 +124,9 @@ class Run:
             if system == "fsdp2":
                 mesh = init_device_mesh("cpu", (world,))
             else:
-                mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
+                mesh = init_device_mesh(
+                    "cpu", (world // local, local), mesh_dim_names=("replicate", "shard")
+                )
             for block in model.layers:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
@@ -126,7 +142,11 @@ class Run:
                 "seq_len": a.seq,
                 "vocab_size": a.vocab,
             },
-            "train": {"global_batch_size": a.micro * a.accum * self.world, "micro_batch_size": a.micro, "seed": 11},
+            "train": {
+                "global_batch_size": a.micro * a.accum * self.world,
+                "micro_batch_size": a.micro,
+                "seed": 11,
+            },
             "optim": {"lr": a.lr, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
             "parallel": {"bucket_mb": a.bucket_mb},
         }
@@ -135,7 +155,8 @@ class Run:
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         a = self.args
         return [
-            markov_batch(self.table, a.micro, a.seq, 1_000_000 * step + 1000 * m + self.rank) for m in range(a.accum)
+            markov_batch(self.table, a.micro, a.seq, 1_000_000 * step + 1000 * m + self.rank)
+            for m in range(a.accum)
         ]
 
     def step(self, step: int) -> float:
@@ -148,7 +169,11 @@ class Run:
         total = 0.0
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
-            sync = self.model.no_sync() if self.system == "ddp" and not last else contextlib.nullcontext()
+            sync = (
+                self.model.no_sync()
+                if self.system == "ddp" and not last
+                else contextlib.nullcontext()
+            )
             if self.system in ("fsdp2", "hsdp"):
                 self.model.set_requires_gradient_sync(last)
             with sync:
@@ -162,7 +187,10 @@ class Run:
 
     def eval_loss(self) -> float:
         """Mean loss on held-out batches (the same on every system and rank)."""
-        batches = [markov_batch(self.table, self.args.micro, self.args.seq, 7_000_000 + i) for i in range(4)]
+        batches = [
+            markov_batch(self.table, self.args.micro, self.args.seq, 7_000_000 + i)
+            for i in range(4)
+        ]
         with torch.no_grad():
             if self.pm is not None:
                 self.pm.close_co2_round()
@@ -172,7 +200,9 @@ class Run:
 
 def link_counters(ifname: str) -> dict[str, int]:
     base = Path("/sys/class/net") / ifname / "statistics"
-    return {k: int((base / k).read_text()) for k in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")}
+    return {
+        k: int((base / k).read_text()) for k in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
+    }
 
 
 def main() -> None:
@@ -213,7 +243,11 @@ def main() -> None:
         after_link = link_counters(ifname) if before_link is not None else None
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         eval_loss = run.eval_loss()
-        link = {k: after_link[k] - before_link[k] for k in after_link} if after_link and before_link else None
+        link = (
+            {k: after_link[k] - before_link[k] for k in after_link}
+            if after_link and before_link
+            else None
+        )
         gathered = [None] * world
         dist.all_gather_object(gathered, {"counted": counted, "link": link})
         results[system] = {
@@ -228,7 +262,9 @@ def main() -> None:
         dist.barrier()
     if rank == 0:
         Path(args.out).write_text(
-            json.dumps({"results": results, "args": vars(args), "ln_vocab": math.log(args.vocab)}, indent=1)
+            json.dumps(
+                {"results": results, "args": vars(args), "ln_vocab": math.log(args.vocab)}, indent=1
+            )
         )
     dist.destroy_process_group()
 

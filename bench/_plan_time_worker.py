@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 
-def one_way(src: int, dst: int, nbytes: int, repeats: int, peers: list[tuple[int, int]]) -> float | None:
+def one_way(
+    src: int, dst: int, nbytes: int, repeats: int, peers: list[tuple[int, int]]
+) -> float | None:
     """Seconds for `repeats` sends of `nbytes` from `src` to `dst`, each pair of `peers` sending at the
     same time (this rank takes part if it is in one); None on ranks that only watch. Every pair's
     ranks report, so the slowest of them covers the whole time the link was shared."""
@@ -99,7 +101,9 @@ def main() -> None:
             res["one_way_gbps"] = nbytes * args.repeats * 8 / t / 1e9
             res["latency_s"] = lat
         res["all_reduce_s"] = all_reduce_s(nbytes, args.repeats)
-        res["all_reduce_gbps"] = nbytes * 8 / res["all_reduce_s"] / 1e9  # each direction carries it once
+        res["all_reduce_gbps"] = (
+            nbytes * 8 / res["all_reduce_s"] / 1e9
+        )  # each direction carries it once
         res["small_all_reduce_s"] = all_reduce_s(4, args.rounds)
     else:  # two ranks per node: ranks 0, 1 on node 0 and 2, 3 on node 1
         half = world // 2
@@ -109,7 +113,9 @@ def main() -> None:
         dist.all_gather_object(times, t)
         slowest = max(x for x in times if x is not None)
         res["concurrent_one_way_s"] = slowest
-        res["concurrent_one_way_gbps"] = nbytes * args.repeats * half * 8 / slowest / 1e9  # the node's whole link
+        res["concurrent_one_way_gbps"] = (
+            nbytes * args.repeats * half * 8 / slowest / 1e9
+        )  # the node's whole link
         res["all_reduce_s"] = all_reduce_s(nbytes, args.repeats)
         # the data-parallel inter-node hop: each rank all-reduces with its peer on the other node,
         # every pair at once (each direction of the node's link carries `half` times the tensor)

@@ -68,14 +68,18 @@ def hwm() -> int:
 def io_bytes() -> dict[str, int]:
     """Bytes this process (all its threads) caused to be read from / written to storage."""
     try:
-        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines() if line)
+        fields = dict(
+            line.split(": ") for line in Path("/proc/self/io").read_text().splitlines() if line
+        )
         return {"read": int(fields["read_bytes"]), "write": int(fields["write_bytes"])}
     except (OSError, KeyError, ValueError):
         return {}
 
 
 def delta(after: dict, before: dict) -> dict:
-    return {k: after[k] - before[k] for k in after if k in before and isinstance(after[k], (int, float))}
+    return {
+        k: after[k] - before[k] for k in after if k in before and isinstance(after[k], (int, float))
+    }
 
 
 def dir_bytes(path: str | Path | None) -> dict[str, int] | None:
@@ -142,7 +146,9 @@ def deepspeed_config(
         zero["sub_group_size"] = int(sub_group_size)
     if off.params.device != "none":
         if largest_param is None:
-            raise ValueError("offload_param needs largest_param: its swap buffers must hold the largest parameter")
+            raise ValueError(
+                "offload_param needs largest_param: its swap buffers must hold the largest parameter"
+            )
         zero["offload_param"] = {
             "device": off.params.device,
             "nvme_path": off.nvme_path,
@@ -176,11 +182,17 @@ def deepspeed_cpu_adam(opt: torch.optim.Optimizer):
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     groups = [
-        {k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")} for g in opt.param_groups
+        {k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
+        for g in opt.param_groups
     ]
     d = opt.defaults
     return DeepSpeedCPUAdam(
-        groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"], adamw_mode=True
+        groups,
+        lr=d["lr"],
+        betas=d["betas"],
+        eps=d["eps"],
+        weight_decay=d["weight_decay"],
+        adamw_mode=True,
     )
 
 
@@ -193,7 +205,9 @@ class DeepSpeedSide:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cfg, self.data_dir, self.args = cfg, data_dir, args
         self.offload = {
-            k: v for k, v in (("params", cfg.offload.params.device), ("optim", cfg.offload.optim.device)) if v != "none"
+            k: v
+            for k, v in (("params", cfg.offload.params.device), ("optim", cfg.offload.optim.device))
+            if v != "none"
         }
 
     def build(self) -> None:
@@ -201,7 +215,9 @@ class DeepSpeedSide:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         train_set = TokenDataset(self.data_dir, "train", cfg.model.seq_len)
-        largest = largest_param_numel(cfg, config_mod.padded_vocab_size(cfg.model, train_set.vocab_size))
+        largest = largest_param_numel(
+            cfg, config_mod.padded_vocab_size(cfg.model, train_set.vocab_size)
+        )
         ds = self.ds_config = deepspeed_config(
             cfg,
             self.world,
@@ -216,24 +232,40 @@ class DeepSpeedSide:
             model = GPT(cfg.model, config_mod.padded_vocab_size(cfg.model, train_set.vocab_size))
         # A partition swapped out to NVMe holds a placeholder (a half scalar); its swapper's dtype is the real one.
         wrong = {
-            str(p.nvme_swapper.dtype if getattr(p.ds_tensor, "final_location", None) == "nvme" else p.ds_tensor.dtype)
+            str(
+                p.nvme_swapper.dtype
+                if getattr(p.ds_tensor, "final_location", None) == "nvme"
+                else p.ds_tensor.dtype
+            )
             for p in model.parameters()
         } - {"torch.float32"}
         assert not wrong, f"DeepSpeed built {wrong} parameters; this bench compares fp32"
-        set_rope_buffers(model, cfg.model, torch.device("cpu"))  # exact tables (zero.Init casts tensors it creates)
-        for name, p in model.named_parameters():  # Strata's initial values, one whole parameter at a time
+        set_rope_buffers(
+            model, cfg.model, torch.device("cpu")
+        )  # exact tables (zero.Init casts tensors it creates)
+        for (
+            name,
+            p,
+        ) in model.named_parameters():  # Strata's initial values, one whole parameter at a time
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
                 if self.rank == 0:
                     p.data.copy_(initial_value(cfg.model, name, tuple(p.ds_shape), cfg.train.seed))
         # Strata's AdamW and weight-decay groups; a partitioned parameter's own shape is empty, its
         # ds_shape is the real one.
         params = list(model.parameters())
-        self.opt = build_optimizer(params, cfg.optim, torch.device("cpu"), shape_of=lambda p: tuple(p.ds_shape))
+        self.opt = build_optimizer(
+            params, cfg.optim, torch.device("cpu"), shape_of=lambda p: tuple(p.ds_shape)
+        )
         if self.args.ds_optimizer == "cpu_adam":
             self.opt = deepspeed_cpu_adam(self.opt)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.opt, config=ds)
         self.loader = BatchLoader(
-            train_set, cfg.train.seed, cfg.train.global_batch_size, cfg.train.micro_batch_size, self.rank, self.world
+            train_set,
+            cfg.train.seed,
+            cfg.train.global_batch_size,
+            cfg.train.micro_batch_size,
+            self.rank,
+            self.world,
         )
         self.step_index = 0
         self.n_params = sum(int(p.ds_numel) for p in params)
@@ -272,7 +304,9 @@ class DeepSpeedSide:
             label += " offload " + ", ".join(f"{k} {v}" for k, v in self.offload.items())
             label += f" ({type(self.opt).__name__}"
             if "sub_group_size" in self.ds_config["zero_optimization"]:
-                label += f", sub_group_size {self.ds_config['zero_optimization']['sub_group_size']:.0e}"
+                label += (
+                    f", sub_group_size {self.ds_config['zero_optimization']['sub_group_size']:.0e}"
+                )
             label += ")"
         return label
 
@@ -301,7 +335,9 @@ class StrataSide:
         self.rank, self.world = self.rt.rank, self.rt.world_size
         self.cfg, self.args = cfg, args
         self.offload = {
-            k: v for k, v in (("params", cfg.offload.params.device), ("optim", cfg.offload.optim.device)) if v != "none"
+            k: v
+            for k, v in (("params", cfg.offload.params.device), ("optim", cfg.offload.optim.device))
+            if v != "none"
         }
 
     def build(self) -> None:
@@ -355,7 +391,10 @@ class StrataSide:
         return label
 
     def info(self) -> dict:
-        return {"offload_active": self.tiers() is not None, "optimizer": type(self.trainer.model.optimizer).__name__}
+        return {
+            "offload_active": self.tiers() is not None,
+            "optimizer": type(self.trainer.model.optimizer).__name__,
+        }
 
     def close(self) -> None:
         """The trainer's (or else its tiers') own clean-up, where this tree has one: swap files, I/O threads."""
@@ -379,7 +418,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="JSON written by rank 0")
     ap.add_argument("config", help="Strata YAML config")
     ap.add_argument("overrides", nargs="*", help="key=value overrides (data.path must be set)")
-    ap.add_argument("--stop-after", type=int, help="train only this many of the config's steps (same LR schedule)")
+    ap.add_argument(
+        "--stop-after",
+        type=int,
+        help="train only this many of the config's steps (same LR schedule)",
+    )
     ap.add_argument(
         "--save-dir",
         type=Path,
@@ -398,8 +441,12 @@ def main() -> None:
         default=None,
         help="deepspeed: zero_optimization.sub_group_size in elements (default: DeepSpeed's, 1e9)",
     )
-    ap.add_argument("--ds-param-buffers", type=int, default=5, help="deepspeed: offload_param.buffer_count")
-    ap.add_argument("--ds-optim-buffers", type=int, default=12, help="deepspeed: offload_optimizer.buffer_count")
+    ap.add_argument(
+        "--ds-param-buffers", type=int, default=5, help="deepspeed: offload_param.buffer_count"
+    )
+    ap.add_argument(
+        "--ds-optim-buffers", type=int, default=12, help="deepspeed: offload_optimizer.buffer_count"
+    )
     ap.add_argument(
         "--allow-inactive-offload",
         action="store_true",

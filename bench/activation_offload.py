@@ -56,7 +56,9 @@ def worker(args: argparse.Namespace) -> dict:
             torch.backends.cuda.enable_flash_sdp(False)
             torch.backends.cuda.enable_mem_efficient_sdp(False)
             torch.backends.cuda.enable_cudnn_sdp(False)
-    cfg = ModelConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, seq_len=args.seq)
+    cfg = ModelConfig(
+        n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, seq_len=args.seq
+    )
     model = GPT(cfg, args.vocab).to(device)
     model.init_weights(0)
     gen = torch.Generator().manual_seed(1)
@@ -83,7 +85,9 @@ def worker(args: argparse.Namespace) -> dict:
             cleanup.callback(mover.close)
         if args.variant in ("recompute", "selective"):
             apply_recompute([model], "full" if args.variant == "recompute" else "selective")
-        mode = args.variant if args.variant in ("cpu", "nvme") else "none"  # none: the counting-only hook
+        mode = (
+            args.variant if args.variant in ("cpu", "nvme") else "none"
+        )  # none: the counting-only hook
         bound = None if args.max_inflight_mb is None else int(args.max_inflight_mb * MiB)
         off = ActivationOffloader(mode, args.min_bytes, mover, swap_file, max_inflight_bytes=bound)
         off.attach([model])
@@ -117,7 +121,9 @@ def worker(args: argparse.Namespace) -> dict:
             if device.type == "cuda":
                 cuda_above.append(torch.cuda.max_memory_allocated(device) - cuda_base)
             if i == 0:
-                torch.save({n: p.grad.detach().cpu() for n, p in model.named_parameters()}, args.grads)
+                torch.save(
+                    {n: p.grad.detach().cpu() for n, p in model.named_parameters()}, args.grads
+                )
         stats = off.stats
     return {
         "variant": args.variant,
@@ -137,7 +143,9 @@ def compare(grads: Path, reference: Path) -> tuple[bool, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=512)
@@ -145,8 +153,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
-    ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches accumulated per step")
-    ap.add_argument("--steps", type=int, default=3, help="measured steps per variant (after one warm-up step)")
+    ap.add_argument(
+        "--micro-batches", type=int, default=1, help="micro-batches accumulated per step"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=3, help="measured steps per variant (after one warm-up step)"
+    )
     ap.add_argument("--min-bytes", type=int, default=1 << 20, help="activations.min_bytes")
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--host-buffer-mb", type=int, default=64)
@@ -156,7 +168,9 @@ def main() -> None:
         default=None,
         help="bound the originals held for unfinished writes (default: unbounded)",
     )
-    ap.add_argument("--dir", default=None, help="swap directory for nvme (default: a temporary one under /tmp)")
+    ap.add_argument(
+        "--dir", default=None, help="swap directory for nvme (default: a temporary one under /tmp)"
+    )
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument(
         "--deterministic",
@@ -164,7 +178,9 @@ def main() -> None:
         help="deterministic kernels, math attention on CUDA (so gradients compare bit for bit)",
     )
     ap.add_argument("--json", default=None, help="also write the results here")
-    ap.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant in this process
+    ap.add_argument(
+        "--variant", help=argparse.SUPPRESS
+    )  # internal: run one variant in this process
     ap.add_argument("--grads", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
@@ -175,20 +191,27 @@ def main() -> None:
     swap_root = Path(args.dir) if args.dir else scratch
     # Freed activations go back to the OS at once instead of staying in glibc's heap, so RSS
     # measures what is live (glibc otherwise raises its mmap threshold after the first frees).
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": str(128 << 10),
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    }
     shape = (
         f"GPT d_model {args.d_model}, {args.layers} layers, seq {args.seq}, vocab {args.vocab}, micro batch "
         f"{args.micro_batch} x {args.micro_batches}, fp32, {args.device}, min_bytes {args.min_bytes}"
     )
     print(
-        shape + f"; {args.steps} measured steps after 1 warm-up; torch threads {torch.get_num_threads()}, "
+        shape
+        + f"; {args.steps} measured steps after 1 warm-up; torch threads {torch.get_num_threads()}, "
         f"{os.cpu_count()} CPUs",
         flush=True,
     )
     results = {}
     try:
         for i, variant in enumerate(args.variants.split(",")):
-            label = variant if variant not in results else f"{variant}#{i}"  # a repeat: run-to-run noise
+            label = (
+                variant if variant not in results else f"{variant}#{i}"
+            )  # a repeat: run-to-run noise
             cmd = [
                 sys.executable,
                 __file__,
@@ -211,7 +234,9 @@ def main() -> None:
         ref = results.get("keep")
         for label, r in results.items():
             if ref is not None:
-                r["grads_equal"], r["grads_max_rel_diff"] = compare(scratch / f"{label}.pt", scratch / "keep.pt")
+                r["grads_equal"], r["grads_max_rel_diff"] = compare(
+                    scratch / f"{label}.pt", scratch / "keep.pt"
+                )
         report(results, args)
         if args.json:
             Path(args.json).write_text(json.dumps({"config": shape, "results": results}, indent=2))
@@ -224,7 +249,9 @@ def report(results: dict, args: argparse.Namespace) -> None:
     cuda = any(r["cuda_peak_above_bytes"] is not None for r in results.values())
 
     def ratio(value: float, key: float, floor: float = MiB) -> str:
-        return f"{value / key:.2f}x" if ref and key and key >= floor else "-"  # under a MiB: noise, no ratio
+        return (
+            f"{value / key:.2f}x" if ref and key and key >= floor else "-"
+        )  # under a MiB: noise, no ratio
 
     print()
     head = (
@@ -245,14 +272,22 @@ def report(results: dict, args: argparse.Namespace) -> None:
                 f" {r['cuda_peak_above_bytes'] / MiB:>10.0f} "
                 f"{ratio(r['cuda_peak_above_bytes'], ref and ref['cuda_peak_above_bytes']):>8}"
             )
-        grads = "identical" if r.get("grads_equal") else f"{r.get('grads_max_rel_diff', float('nan')):.1e}"
+        grads = (
+            "identical"
+            if r.get("grads_equal")
+            else f"{r.get('grads_max_rel_diff', float('nan')):.1e}"
+        )
         row += f" {r['step_s']:>7.2f} {ratio(r['step_s'], ref and ref['step_s'], 0):>8} {grads:>10}"
         if s["writes"]:
             row += (
                 f"  {s['bytes_offloaded'] / 2**30 / (args.steps + 1):.2f} GiB/step out, {s['writes']} writes, "
                 f"{s['reads']} reads, {s['forwarded']} forwarded, {s['deduplicated']} dedup, "
                 f"stalled {s['io_stall_s']:.2f} s"
-                + (f", host buffers {s['host_reserved_bytes'] / MiB:.0f} MiB" if s["host_reserved_bytes"] else "")
+                + (
+                    f", host buffers {s['host_reserved_bytes'] / MiB:.0f} MiB"
+                    if s["host_reserved_bytes"]
+                    else ""
+                )
             )
         print(row)
     print(

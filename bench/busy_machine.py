@@ -58,7 +58,9 @@ def wait_until_idle(limit_s: float = 180) -> None:
     while cpus_busy() and time.monotonic() < deadline:
         time.sleep(5)
     if cpus_busy():
-        print(f"warning: the machine is still busy after {limit_s:.0f} s: the idle figures are not idle")
+        print(
+            f"warning: the machine is still busy after {limit_s:.0f} s: the idle figures are not idle"
+        )
 
 
 def one_run(steps: int, variant: dict[str, str | None], workdir: Path) -> float:
@@ -68,7 +70,12 @@ def one_run(steps: int, variant: dict[str, str | None], workdir: Path) -> float:
     env.update({k: v for k, v in variant.items() if v is not None})
     name = f"r{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "strata.launch.cli", "train", str(REPO / "configs/tiny.yaml")]
-    cmd += [f"train.steps={steps}", "train.eval_interval=0", "checkpoint.save_final=false", "log.progress=false"]
+    cmd += [
+        f"train.steps={steps}",
+        "train.eval_interval=0",
+        "checkpoint.save_final=false",
+        "log.progress=false",
+    ]
     cmd += [f"log.dir={workdir}", f"log.name={name}", f"data.cache_dir={workdir / 'cache'}"]
     subprocess.run(cmd, check=True, env=env, cwd=REPO, capture_output=True, timeout=3600)
     return json.loads((workdir / name / "summary.json").read_text())["tokens_per_s"]
@@ -79,8 +86,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="steps per run on the idle machine")
     ap.add_argument("--busy-steps", type=int, default=10, help="steps per run beside the burners")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--burners", type=int, default=2 * (os.cpu_count() or 2) - 2, help="CPU-bound processes")
-    ap.add_argument("--variants", default="libgomp,strata,passive", help=f"of {', '.join(VARIANTS)}")
+    ap.add_argument(
+        "--burners", type=int, default=2 * (os.cpu_count() or 2) - 2, help="CPU-bound processes"
+    )
+    ap.add_argument(
+        "--variants", default="libgomp,strata,passive", help=f"of {', '.join(VARIANTS)}"
+    )
     args = ap.parse_args()
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,7 +104,10 @@ def main() -> None:
             burners: list[mp.Process] = []
             if machine == "busy":
                 stop_at = time.time() + 3600
-                burners = [mp.Process(target=burn, args=(stop_at,), daemon=True) for _ in range(args.burners)]
+                burners = [
+                    mp.Process(target=burn, args=(stop_at,), daemon=True)
+                    for _ in range(args.burners)
+                ]
                 for b in burners:
                     b.start()
             try:
@@ -106,11 +120,16 @@ def main() -> None:
             finally:
                 for b in burners:
                     b.kill()
-    print(f"tokens/s, configs/tiny.yaml, {os.cpu_count()} cores, median of {args.repeats}; ratio to libgomp's own")
+    print(
+        f"tokens/s, configs/tiny.yaml, {os.cpu_count()} cores, median of {args.repeats}; ratio to libgomp's own"
+    )
     print(f"{'machine':8s}" + "".join(f"{label:>20s}" for label in chosen))
     for machine, row in results.items():
         base = row.get("libgomp")
-        cells = [f"{row[label]:,.0f}" + (f" ({row[label] / base:.2f})" if base else "") for label in chosen]
+        cells = [
+            f"{row[label]:,.0f}" + (f" ({row[label] / base:.2f})" if base else "")
+            for label in chosen
+        ]
         print(f"{machine:8s}" + "".join(f"{cell:>20s}" for cell in cells))
     print(json.dumps(results))
 

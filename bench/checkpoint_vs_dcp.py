@@ -52,12 +52,21 @@ GiB = 2**30
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the training state lives")
-    p.add_argument("--nproc", type=int, default=None, help="ranks (default: 4 on cpu, one per GPU on cuda)")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where the training state lives"
+    )
+    p.add_argument(
+        "--nproc", type=int, default=None, help="ranks (default: 4 on cpu, one per GPU on cuda)"
+    )
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--rounds", type=int, default=3, help="saves of each kind (medians reported)")
-    p.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default: a temp dir on /tmp's disk)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where checkpoints go (default: a temp dir on /tmp's disk)",
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -66,11 +75,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
         gpus = torch.cuda.device_count()
         if not gpus:
-            p.error("--device cuda: torch sees no GPU here (run it on a GPU machine, or use --device cpu)")
+            p.error(
+                "--device cuda: torch sees no GPU here (run it on a GPU machine, or use --device cpu)"
+            )
         if args.nproc is None:
             args.nproc = gpus
         elif args.nproc > gpus:
-            p.error(f"--device cuda: {args.nproc} ranks on {gpus} GPU(s); NCCL takes one rank per GPU: --nproc {gpus}")
+            p.error(
+                f"--device cuda: {args.nproc} ranks on {gpus} GPU(s); NCCL takes one rank per GPU: --nproc {gpus}"
+            )
     if args.nproc is None:
         args.nproc = 4
     return args
@@ -81,7 +94,9 @@ def launch(args: argparse.Namespace) -> int:
     from strata.data.prepare import ensure_default_corpus
     from strata.launch.torchrun import LaunchPlan, torchrun_args
 
-    ensure_default_corpus(DataConfig().cache_dir, DataConfig().val_fraction)  # once, before the ranks start
+    ensure_default_corpus(
+        DataConfig().cache_dir, DataConfig().val_fraction
+    )  # once, before the ranks start
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     cmd = [
         sys.executable,
@@ -119,16 +134,22 @@ def worker(args: argparse.Namespace) -> None:
     from strata.parallel import runtime
     from strata.trainer.loop import Trainer
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # DCP: "use DTensor" (it cannot shard flat ranges)
+    warnings.filterwarnings(
+        "ignore", category=FutureWarning
+    )  # DCP: "use DTensor" (it cannot shard flat ranges)
     warnings.filterwarnings("ignore", category=UserWarning)
     cuda = args.device == "cuda"
     rt = runtime.start("nccl" if cuda else "gloo", 1800)
     rank, world = rt.rank, rt.world_size
-    if not dist.is_initialized():  # a world of one (one GPU): DCP and the timings still need a group
+    if (
+        not dist.is_initialized()
+    ):  # a world of one (one GPU): DCP and the timings still need a group
         dist.init_process_group("gloo")
     work = args.dir
     group = dist.new_group(backend="gloo")  # DCP's collectives, apart from training's
-    clock = dist.new_group(backend="gloo")  # the timings' (`group` may be busy in DCP's async-save thread)
+    clock = dist.new_group(
+        backend="gloo"
+    )  # the timings' (`group` may be busy in DCP's async-save thread)
     zero3 = [f"zero.{k}.shard_over=global" for k in ("params", "grads", "optim")]
     common = [
         f"model.d_model={args.d_model}",
@@ -144,7 +165,9 @@ def worker(args: argparse.Namespace) -> None:
         "checkpoint.async=true",
         *zero3,
     ]
-    cfg = config.load(REPO / "configs" / "tiny.yaml", [*common, f"checkpoint.dir={work / 'strata'}"], world)
+    cfg = config.load(
+        REPO / "configs" / "tiny.yaml", [*common, f"checkpoint.dir={work / 'strata'}"], world
+    )
     trainer = Trainer(cfg, rt)
     trainer.train_step()  # the optimizer state exists from here
 
@@ -180,7 +203,9 @@ def worker(args: argparse.Namespace) -> None:
 
     first = store.committed(work / "strata")[-1]
     saved_bytes = sum(p.stat().st_size for p in first.glob("__*_0.distcp"))
-    figures["copy_floor_s"] = copy_floor((first / store.data_file(rank)).stat().st_size, cuda, timed)
+    figures["copy_floor_s"] = copy_floor(
+        (first / store.data_file(rank)).stat().st_size, cuda, timed
+    )
     raw_before = raw_bandwidth(work, rank, (first / store.data_file(rank)).stat().st_size, clock)
     stalls, e2e = zip(*[save() for _ in range(args.rounds)])
     raw_after = raw_bandwidth(work, rank, (first / store.data_file(rank)).stat().st_size, clock)
@@ -203,7 +228,9 @@ def worker(args: argparse.Namespace) -> None:
         path = work / f"dcp_sync{i}"
         t, _ = timed(
             lambda: dcp.save(
-                state, storage_writer=FileSystemWriter(path, thread_count=2, sync_files=True), process_group=group
+                state,
+                storage_writer=FileSystemWriter(path, thread_count=2, sync_files=True),
+                process_group=group,
             )
         )
         sync.append(t)
@@ -212,7 +239,9 @@ def worker(args: argparse.Namespace) -> None:
         path = work / f"dcp_async{i}"
         stall, fut = timed(
             lambda: dcp.async_save(
-                state, storage_writer=FileSystemWriter(path, thread_count=2, sync_files=True), process_group=group
+                state,
+                storage_writer=FileSystemWriter(path, thread_count=2, sync_files=True),
+                process_group=group,
             )
         )
         total, _ = timed(fut.result)
@@ -229,7 +258,9 @@ def worker(args: argparse.Namespace) -> None:
     # --- load into tp2·dp2 (or, for a world of one, the same layout) -------------------------------
     reshard = ["parallel.tp=2"] if world % 2 == 0 else []
     figures["load_layout"] = f"tp2·dp{world // 2}" if reshard else f"dp{world} (the saving layout)"
-    target = config.load(REPO / "configs" / "tiny.yaml", [*common, *reshard, f"checkpoint.dir={work / 'x'}"], world)
+    target = config.load(
+        REPO / "configs" / "tiny.yaml", [*common, *reshard, f"checkpoint.dir={work / 'x'}"], world
+    )
     loader = Trainer(target, rt)
     loads = {}
     from torch.distributed.checkpoint import FileSystemReader
@@ -246,7 +277,9 @@ def worker(args: argparse.Namespace) -> None:
             loader.cfg = config.replace(target, "checkpoint.verify_on_load", verify)
             if cache == "cold":
                 drop_cache(strata_dir, rank, clock)
-            loads[f"strata_load_{cache}_{'crc' if verify else 'nocrc'}_s"], _ = timed(lambda: loader.resume(strata_dir))
+            loads[f"strata_load_{cache}_{'crc' if verify else 'nocrc'}_s"], _ = timed(
+                lambda: loader.resume(strata_dir)
+            )
         if cache == "cold":
             drop_cache(dcp_dir, rank, clock)
         loads[f"dcp_load_{cache}_s"], pairs = timed(dcp_load)
@@ -275,12 +308,16 @@ def dcp_state(trainer, group, rank: int, clock, fresh: bool = False) -> tuple[di
 
     from strata.checkpoint.write_plan import Descriptor, assign, dtype_name
 
-    pieces = [p for p in trainer.state.contents(trainer.step).pieces if not p.key.startswith("rng.")]
+    pieces = [
+        p for p in trainer.state.contents(trainer.step).pieces if not p.key.startswith("rng.")
+    ]
     descs = [Descriptor(p.key, tuple(p.global_shape), dtype_name(p.dtype), p.box) for p in pieces]
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, descs, group=clock)
     where = [str(pieces[0].tensor.device) if pieces else "cpu"] * len(every)
-    dist.all_gather_object(where, where[rank], group=clock)  # each rank's device, for the shard metadata
+    dist.all_gather_object(
+        where, where[rank], group=clock
+    )  # each rank's device, for the shard metadata
     by_key: dict[str, list] = {}
     for r, rank_items in enumerate(assign(every)):
         for it in rank_items:
@@ -301,15 +338,25 @@ def dcp_state(trainer, group, rank: int, clock, fresh: bool = False) -> tuple[di
                 state[key] = view(mine[0])
             continue
         local = [
-            Shard(view(it), ShardMetadata(list(it.box.offsets), list(it.box.sizes), f"rank:{rank}/{where[rank]}"))
+            Shard(
+                view(it),
+                ShardMetadata(
+                    list(it.box.offsets), list(it.box.sizes), f"rank:{rank}/{where[rank]}"
+                ),
+            )
             for it in mine
         ]
         meta = ShardedTensorMetadata(
-            [ShardMetadata(list(it.box.offsets), list(it.box.sizes), f"rank:{r}/{where[r]}") for r, it in holders],
+            [
+                ShardMetadata(list(it.box.offsets), list(it.box.sizes), f"rank:{r}/{where[r]}")
+                for r, it in holders
+            ],
             torch.Size(shape),
             TensorProperties(dtype=getattr(torch, holders[0][1].dtype)),
         )
-        state[key] = ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=group)
+        state[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
+            local, meta, process_group=group
+        )
     return state, pairs
 
 
@@ -355,7 +402,15 @@ def raw_bandwidth(work: Path, rank: int, file_bytes: int, clock) -> float:
     dist.barrier(group=clock)
     t0 = time.perf_counter()
     subprocess.run(
-        ["dd", f"if={src}", f"of={work / f'raw-{rank}'}", "bs=16M", f"count={blocks}", "oflag=direct", "conv=fsync"],
+        [
+            "dd",
+            f"if={src}",
+            f"of={work / f'raw-{rank}'}",
+            "bs=16M",
+            f"count={blocks}",
+            "oflag=direct",
+            "conv=fsync",
+        ],
         check=True,
         capture_output=True,
     )
@@ -398,7 +453,11 @@ def report(f: dict) -> None:
         f"{med(f['dcp_save_s']) / med(f['strata_save_s']):.2f}x (goal > 1)"
     )
     for cache in ("cold", "warm"):
-        crc, nocrc, ref = (f[f"strata_load_{cache}_crc_s"], f[f"strata_load_{cache}_nocrc_s"], f[f"dcp_load_{cache}_s"])
+        crc, nocrc, ref = (
+            f[f"strata_load_{cache}_crc_s"],
+            f[f"strata_load_{cache}_nocrc_s"],
+            f[f"dcp_load_{cache}_s"],
+        )
         print(
             f"load {cache}, dp{f['ranks']} ZeRO-3 -> {f['load_layout']} ZeRO-3: Strata {crc:.3f} s (CRCs checked), "
             f"{nocrc:.3f} s (not)   "

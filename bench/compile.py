@@ -86,8 +86,16 @@ VARIANTS = {
     "compiled-full": {"train.compile": True, "activations.recompute": "full"},
     # FP8 training (torchao float8 linears, bf16 autocast elsewhere; needs train.compile on a GPU). A
     # variant's values come after the preset's in `overrides`, so its train.precision wins.
-    "compiled-fp8": {"train.compile": True, "train.precision": "fp8", "train.fp8_recipe": "tensorwise"},
-    "compiled-fp8-rowwise": {"train.compile": True, "train.precision": "fp8", "train.fp8_recipe": "rowwise"},
+    "compiled-fp8": {
+        "train.compile": True,
+        "train.precision": "fp8",
+        "train.fp8_recipe": "tensorwise",
+    },
+    "compiled-fp8-rowwise": {
+        "train.compile": True,
+        "train.precision": "fp8",
+        "train.fp8_recipe": "rowwise",
+    },
 }
 
 
@@ -135,7 +143,9 @@ def worker(args: argparse.Namespace) -> None:
     from strata.trainer.loop import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        ov = overrides(args.preset, args.variant, args.steps, Path(args.data), args.peak, args.device, args.set)
+        ov = overrides(
+            args.preset, args.variant, args.steps, Path(args.data), args.peak, args.device, args.set
+        )
         ov.append(f"log.dir={tmp}")
         cfg = config_mod.load(None, ov, world_size=1)
         rt = runtime_mod.start(cfg.parallel.backend, cfg.parallel.timeout_s)
@@ -203,7 +213,16 @@ def matmul_peak_tflops() -> float:
 
 def run_variant(args: argparse.Namespace, variant: str, data: Path, peak: float | None) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--preset", args.preset]
-    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--data", str(data), "--device", args.device]
+    cmd += [
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--data",
+        str(data),
+        "--device",
+        args.device,
+    ]
     if peak:
         cmd += ["--peak", str(peak)]
     for item in args.set:
@@ -219,11 +238,19 @@ def run_variant(args: argparse.Namespace, variant: str, data: Path, peak: float 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="cpu (default on CPU), tiny or 1b")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    ap.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None, help="cpu (default on CPU), tiny or 1b"
+    )
+    ap.add_argument(
+        "--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available"
+    )
     ap.add_argument("--variants", default="eager,compiled")
-    ap.add_argument("--steps", type=int, default=None, help="steps per variant (default 12 CPU, 14 GPU)")
-    ap.add_argument("--warmup", type=int, default=None, help="steps left out (default 2 CPU, 4 GPU)")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="steps per variant (default 12 CPU, 14 GPU)"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="steps left out (default 2 CPU, 4 GPU)"
+    )
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument(
@@ -261,7 +288,9 @@ def main() -> None:
     results = {v: run_variant(args, v, data, peak) for v in variants}
 
     base = results[variants[0]]
-    print(f"\n{args.preset} on {base['device']}, {args.steps} steps, median of steps {args.warmup + 1}..{args.steps}")
+    print(
+        f"\n{args.preset} on {base['device']}, {args.steps} steps, median of steps {args.warmup + 1}..{args.steps}"
+    )
     if peak:
         print(f"bf16 matmul peak measured: {peak:.0f} TFLOP/s")
     print(

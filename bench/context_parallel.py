@@ -43,9 +43,19 @@ ALLOCATORS = {"glibc default": {}, "mmap threshold 64 KiB": {"MALLOC_MMAP_THRESH
 
 
 def local(nproc: int, args: list[str], out: Path, env_extra: dict | None = None) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), WORKER]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        WORKER,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    proc = subprocess.run([*cmd, *args, "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [*cmd, *args, "--out", str(out)], env=env, capture_output=True, text=True, timeout=900
+    )
     if proc.returncode:
         raise SystemExit(f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -53,21 +63,30 @@ def local(nproc: int, args: list[str], out: Path, env_extra: dict | None = None)
 
 def table(title: str, result: dict) -> list[str]:
     systems = result["systems"]
-    lines = [f"### {title}", "", "| system | step s (fwd+bwd) | MB sent per rank (counted) |", "|---|---|---|"]
+    lines = [
+        f"### {title}",
+        "",
+        "| system | step s (fwd+bwd) | MB sent per rank (counted) |",
+        "|---|---|---|",
+    ]
     for name, r in systems.items():
         mb = f"{r['bytes_per_rank'] / 1e6:.1f}" if r["bytes_per_rank"] else "(not counted)"
         lines.append(f"| {name} | {r['step_s']:.3f} | {mb} |")
     ours, peer = systems.get("strata-alltoall"), systems.get("deepspeed-ulysses")
     ring = systems.get("strata-ring")
     if ours and peer:
-        lines.append(f"\nStrata all-to-all / DeepSpeed Ulysses: {ours['step_s'] / peer['step_s']:.2f} (goal <= 1.0)")
+        lines.append(
+            f"\nStrata all-to-all / DeepSpeed Ulysses: {ours['step_s'] / peer['step_s']:.2f} (goal <= 1.0)"
+        )
     if ours and ring:
         lines.append(f"ring / all-to-all: {ring['step_s'] / ours['step_s']:.2f}")
     return [*lines, ""]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -80,7 +99,10 @@ def main() -> None:
     shape = ["--seq", str(args.seq), "--heads", str(args.heads), "--head-dim", str(args.head_dim)]
     shape += ["--reps", str(args.reps)]
     results: dict = {"args": vars(args)}
-    lines = [f"## causal attention, seq {args.seq}, {args.heads} heads of {args.head_dim}, cp = 4", ""]
+    lines = [
+        f"## causal attention, seq {args.seq}, {args.heads} heads of {args.head_dim}, cp = 4",
+        "",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         results["local"] = local(4, shape, Path(tmp) / "local.json")
         lines += table("one machine, 4 ranks (loopback)", results["local"])
@@ -90,11 +112,16 @@ def main() -> None:
         else:
             with Cluster(2, args.rate) as cluster:
                 out = Path(tmp) / "cluster.json"
-                cluster.torchrun(2, [WORKER, *shape, "--out", str(out)], dict(os.environ), 900, ROOT)
+                cluster.torchrun(
+                    2, [WORKER, *shape, "--out", str(out)], dict(os.environ), 900, ROOT
+                )
                 results["cluster"] = json.loads(out.read_text())
             lines += table(f"2 nodes × 2 ranks, link {args.rate}", results["cluster"])
         mem = ["--memory", "--seq", str(args.mem_seq), "--heads", str(args.heads)]
-        lines += [f"### memory: one forward + backward, 2 layers, d_model 256, seq {args.mem_seq}", ""]
+        lines += [
+            f"### memory: one forward + backward, 2 layers, d_model 256, seq {args.mem_seq}",
+            "",
+        ]
         results["memory"] = {}
         for allocator, env in ALLOCATORS.items():
             one = local(1, mem, Path(tmp) / "mem1.json", env)["memory"]

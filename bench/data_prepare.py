@@ -109,7 +109,16 @@ def peer(shards: list[Path], tokenizer: Path, out: Path) -> int:
 
 
 def strata_prepare(shards: list[Path], tokenizer: Path, out: Path, workers: int | None) -> None:
-    cmd = [sys.executable, "-m", "strata.launch.cli", "data", "prepare", *map(str, shards), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "strata.launch.cli",
+        "data",
+        "prepare",
+        *map(str, shards),
+        "--out",
+        str(out),
+    ]
     cmd += ["--tokenizer", str(tokenizer), "--val-fraction", "0"]
     if workers:
         cmd += ["--workers", str(workers)]
@@ -120,7 +129,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=int, default=64, help="corpus size in MiB")
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--workers", type=int, default=None, help="strata data prepare --workers (default: one per CPU)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="strata data prepare --workers (default: one per CPU)",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="timed runs of each; the best counts")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="strata-bench-data-") as tmp_name:
@@ -129,9 +143,15 @@ def main() -> None:
         tok = tmp / "tokenizer.json"
         t = time.perf_counter()
         train_tokenizer(shards[0], args.vocab, tok)
-        print(f"corpus: {len(shards)} shards, {sum(s.stat().st_size for s in shards) / 2**20:.0f} MiB of JSON Lines")
-        print(f"trained a {args.vocab}-id byte-level BPE on {shards[0].name} in {time.perf_counter() - t:.1f} s")
-        print(f"cpus: {os.cpu_count()}, load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print(
+            f"corpus: {len(shards)} shards, {sum(s.stat().st_size for s in shards) / 2**20:.0f} MiB of JSON Lines"
+        )
+        print(
+            f"trained a {args.vocab}-id byte-level BPE on {shards[0].name} in {time.perf_counter() - t:.1f} s"
+        )
+        print(
+            f"cpus: {os.cpu_count()}, load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        )
         best_peer = best_strata = float("inf")
         tokens = 0
         for _ in range(args.repeats):
@@ -144,10 +164,14 @@ def main() -> None:
         same = (tmp / "peer.bin").read_bytes() == (tmp / "out" / "train.bin").read_bytes()
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         print(f"tokens: {tokens:,}; outputs identical: {same}")
-        print(f"peer (tokenizers encode_batch, 1 process): {best_peer:6.2f} s  {tokens / best_peer / 1e6:6.2f} M tok/s")
+        print(
+            f"peer (tokenizers encode_batch, 1 process): {best_peer:6.2f} s  {tokens / best_peer / 1e6:6.2f} M tok/s"
+        )
         workers = args.workers or os.cpu_count()
         rate = tokens / best_strata / 1e6
-        print(f"strata data prepare --workers {workers}:     {best_strata:6.2f} s  {rate:6.2f} M tok/s")
+        print(
+            f"strata data prepare --workers {workers}:     {best_strata:6.2f} s  {rate:6.2f} M tok/s"
+        )
         print(f"ratio (strata / peer tokens/s): {best_peer / best_strata:.2f}x")
         if not same:
             sys.exit("outputs differ")

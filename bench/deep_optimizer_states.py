@@ -41,7 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=8, help="steps per variant; the first 2 are warm-up")
+    p.add_argument(
+        "--steps", type=int, default=8, help="steps per variant; the first 2 are warm-up"
+    )
     p.add_argument("--slab-mb", type=float, default=64.0, help="slab = optimizer sub-group size")
     p.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
     return p.parse_args(argv)
@@ -144,7 +146,10 @@ def main(argv=None) -> int:
         print(f"max |param({name}) - param(cpu)| after {args.steps} steps: {diff:.3g}")
     if args.out:
         args.out.write_text(
-            json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "params"} for k, v in results.items()}, indent=1)
+            json.dumps(
+                {k: {kk: vv for kk, vv in v.items() if kk != "params"} for k, v in results.items()},
+                indent=1,
+            )
         )
     return 0
 

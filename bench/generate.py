@@ -44,7 +44,9 @@ def save_model(directory: Path, args: argparse.Namespace) -> None:
         tie_word_embeddings=False,
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(directory)
-    Tokenizer(WordLevel({str(i): i for i in range(args.vocab)}, unk_token="0")).save(str(directory / "tokenizer.json"))
+    Tokenizer(WordLevel({str(i): i for i in range(args.vocab)}, unk_token="0")).save(
+        str(directory / "tokenizer.json")
+    )
 
 
 def prompts(batch: int, vocab: int) -> list[list[int]]:
@@ -97,7 +99,10 @@ def measure(ours, theirs, batch: list[list[int]], args: argparse.Namespace) -> d
     times: dict[str, list[float]] = {"strata": [], "transformers": []}
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.reps):
-        for name, fn, model in (("strata", run_strata, ours), ("transformers", run_transformers, theirs)):
+        for name, fn, model in (
+            ("strata", run_strata, ours),
+            ("transformers", run_transformers, theirs),
+        ):
             seconds, outputs[name] = fn(model, batch, args.new)
             times[name].append(seconds)
     tokens = len(batch) * args.new
@@ -115,7 +120,9 @@ def measure(ours, theirs, batch: list[list[int]], args: argparse.Namespace) -> d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
@@ -136,11 +143,26 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         save_model(Path(tmp), args)
-        ours = open_model(Path(tmp), overrides=["model.seq_len=512"], dtype=dtype).model.to(args.device)
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(args.device).eval()
-    results = {"args": vars(args), "torch": torch.__version__, "transformers": transformers.__version__, "rows": []}
-    print(f"## greedy decoding, {args.layers} layers, d_model {args.d_model}, {args.device} {args.dtype}")
-    print("\n| batch | prompt tokens | Strata tokens/s | transformers tokens/s | Strata / transformers | same rows |")
+        ours = open_model(Path(tmp), overrides=["model.seq_len=512"], dtype=dtype).model.to(
+            args.device
+        )
+        theirs = (
+            transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
+            .to(args.device)
+            .eval()
+        )
+    results = {
+        "args": vars(args),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "rows": [],
+    }
+    print(
+        f"## greedy decoding, {args.layers} layers, d_model {args.d_model}, {args.device} {args.dtype}"
+    )
+    print(
+        "\n| batch | prompt tokens | Strata tokens/s | transformers tokens/s | Strata / transformers | same rows |"
+    )
     print("|---|---|---|---|---|---|")
     for b in (int(x) for x in args.batches.split(",")):
         row = measure(ours, theirs, prompts(b, args.vocab), args)
@@ -152,7 +174,11 @@ def main() -> None:
         )
     Path(args.out).write_text(json.dumps(results, indent=1))
     first = results["rows"][0]  # the batch the figure is quoted at
-    summary = {"ratio": first["ratio"], "tokens_per_s": first["tokens_per_s"]["strata"], "batch": first["batch"]}
+    summary = {
+        "ratio": first["ratio"],
+        "tokens_per_s": first["tokens_per_s"]["strata"],
+        "batch": first["batch"],
+    }
     summary["ratios"] = {r["batch"]: r["ratio"] for r in results["rows"]}
     print(f"\nRESULT {json.dumps(summary)}")
     print(f"raw figures: {args.out}")

@@ -69,7 +69,9 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-DEVICE_COMMAND = 'run(command="PYTHONUNBUFFERED=1 python3 bench/gpu.py", carry=[".whl"], timeout_s=590)'
+DEVICE_COMMAND = (
+    'run(command="PYTHONUNBUFFERED=1 python3 bench/gpu.py", carry=[".whl"], timeout_s=590)'
+)
 TOTAL_BUDGET_S = 480  # the rows' budgets add up to this: 8 minutes of a 15-minute lease
 TRAVEL_LIMIT = 64 * 2**20  # what one device call may carry
 MARK = "GPU-BENCH "  # a row's result lines on its stdout: JSON objects, merged in order
@@ -87,9 +89,24 @@ class Wheel:
 
 WHEELS = (
     Wheel("torchao", "0.18.0", True, "FP8 training (train.precision=fp8: torchao float8 linears)"),
-    Wheel("crc32c", "2.7.1", True, "Strata's install_requires (checkpoint CRCs), not in the lent image"),
-    Wheel("pyeclib", "1.8.0", True, "Strata's install_requires (erasure-coded snapshots), not in the lent image"),
-    Wheel("torchtitan", "0.3.0", False, "the peer, if it imports there (unlikely: its own needs are not in the image)"),
+    Wheel(
+        "crc32c",
+        "2.7.1",
+        True,
+        "Strata's install_requires (checkpoint CRCs), not in the lent image",
+    ),
+    Wheel(
+        "pyeclib",
+        "1.8.0",
+        True,
+        "Strata's install_requires (erasure-coded snapshots), not in the lent image",
+    ),
+    Wheel(
+        "torchtitan",
+        "0.3.0",
+        False,
+        "the peer, if it imports there (unlikely: its own needs are not in the image)",
+    ),
 )
 PLATFORMS = (
     "manylinux_2_28_x86_64",
@@ -98,7 +115,12 @@ PLATFORMS = (
     "manylinux2014_x86_64",
     "manylinux1_x86_64",
 )
-MORE_PLATFORMS = ("manylinux_2_24_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64")
+MORE_PLATFORMS = (
+    "manylinux_2_24_x86_64",
+    "manylinux_2_31_x86_64",
+    "manylinux_2_34_x86_64",
+    "manylinux_2_35_x86_64",
+)
 
 # The lent machines' image ('cuda'): /work/.library/device/KINDS.md, "Python packages already there"
 # (read 2026-11-17), and the versions its "pip list" row gives. Python 3.12.3, x86-64 Linux.
@@ -162,7 +184,10 @@ PRESET = "1b"  # bench/compile.py's: configs/llama-1b.yaml's model, bf16, 8 x 20
 MFU_VARIANTS = ("eager", "compiled", "compiled-selective")
 FP8_VARIANTS = ("compiled-fp8", "compiled-fp8-rowwise")
 LOSS_VARIANTS = ("compiled", "compiled-fp8")
-LOSS_SHAPE = ("model.n_layers=4", "model.seq_len=1024")  # the 1b preset's width, fewer layers, shorter
+LOSS_SHAPE = (
+    "model.n_layers=4",
+    "model.seq_len=1024",
+)  # the 1b preset's width, fewer layers, shorter
 LOSS_TAIL = 10  # final loss: the mean of the last this-many steps
 RESUME_MODEL = {
     "model.n_layers": 2,
@@ -209,10 +234,29 @@ class Ctx:
         return sorted(Path(self.wheels).glob("*.whl"))
 
 
-def compile_cmd(ctx: Ctx, variant: str, steps: int, warmup: int, extra: tuple[str, ...] = ()) -> list[str]:
+def compile_cmd(
+    ctx: Ctx, variant: str, steps: int, warmup: int, extra: tuple[str, ...] = ()
+) -> list[str]:
     """bench/compile.py's worker for one variant of the 1b preset (prints `RESULT {json}`)."""
-    cmd = [ctx.python, str(BENCH / "compile.py"), "--worker", "--variant", variant, "--preset", PRESET]
-    cmd += ["--steps", str(steps), "--warmup", str(warmup), "--data", ctx.data or "<corpus>", "--device", "cuda"]
+    cmd = [
+        ctx.python,
+        str(BENCH / "compile.py"),
+        "--worker",
+        "--variant",
+        variant,
+        "--preset",
+        PRESET,
+    ]
+    cmd += [
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--data",
+        ctx.data or "<corpus>",
+        "--device",
+        "cuda",
+    ]
     if ctx.peak:
         cmd += ["--peak", f"{ctx.peak:.1f}"]
     for item in extra:
@@ -221,7 +265,15 @@ def compile_cmd(ctx: Ctx, variant: str, steps: int, warmup: int, extra: tuple[st
 
 
 def peer_cmd(ctx: Ctx) -> list[str]:
-    return [ctx.python, str(Path(__file__).resolve()), "--peer-worker", "--preset", PRESET, "--device", "cuda"] + [
+    return [
+        ctx.python,
+        str(Path(__file__).resolve()),
+        "--peer-worker",
+        "--preset",
+        PRESET,
+        "--device",
+        "cuda",
+    ] + [
         "--steps",
         str(ctx.steps),
         "--warmup",
@@ -266,7 +318,17 @@ def resume_cmds(ctx: Ctx, first: str, second: str) -> list[list[str]]:
 
 
 def pip_wheels_cmd(ctx: Ctx) -> list[str]:
-    return [ctx.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir"] + [
+    return [
+        ctx.python,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+    ] + [
         "--upgrade",
         "--target",
         ctx.site,
@@ -275,7 +337,18 @@ def pip_wheels_cmd(ctx: Ctx) -> list[str]:
 
 
 def pip_strata_cmd(ctx: Ctx) -> list[str]:
-    return [ctx.python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-e", "."]
+    return [
+        ctx.python,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-e",
+        ".",
+    ]
 
 
 CORPUS = "from strata.data.prepare import ensure_default_corpus; print('CORPUS', ensure_default_corpus(None, 0.05))"
@@ -306,10 +379,33 @@ TITAN_PROBE = "import torchtitan, torchtitan.train, torchtitan.models.llama3; pr
 
 
 def pytest_cmd(ctx: Ctx) -> list[str]:
-    return [ctx.python, "-m", "pytest", "-q", "-m", "gpu", "tests", "-x", "-p", "no:cacheprovider", "--timeout=120"]
+    return [
+        ctx.python,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "gpu",
+        "tests",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "--timeout=120",
+    ]
 
 
-MOE_ARGS = ("--device", "cuda", "--dtype", "bf16", "--d-model", "2048", "--ffn", "768", "--experts-n", "64")
+MOE_ARGS = (
+    "--device",
+    "cuda",
+    "--dtype",
+    "bf16",
+    "--d-model",
+    "2048",
+    "--ffn",
+    "768",
+    "--experts-n",
+    "64",
+)
 MOE_ARGS += ("--top-k", "8", "--tokens", "16384", "--reps", "10")
 
 
@@ -317,8 +413,30 @@ def moe_cmd(ctx: Ctx) -> list[str]:
     return [ctx.python, str(BENCH / "moe_layer.py"), *MOE_ARGS]
 
 
-GENERATE_ARGS = ("--device", "cuda", "--dtype", "bf16", "--layers", "16", "--d-model", "2048", "--heads", "16")
-GENERATE_ARGS += ("--kv-heads", "8", "--vocab", "32000", "--new", "128", "--batches", "8,1", "--reps", "2")
+GENERATE_ARGS = (
+    "--device",
+    "cuda",
+    "--dtype",
+    "bf16",
+    "--layers",
+    "16",
+    "--d-model",
+    "2048",
+    "--heads",
+    "16",
+)
+GENERATE_ARGS += (
+    "--kv-heads",
+    "8",
+    "--vocab",
+    "32000",
+    "--new",
+    "128",
+    "--batches",
+    "8,1",
+    "--reps",
+    "2",
+)
 
 
 def generate_cmd(ctx: Ctx) -> list[str]:
@@ -345,7 +463,12 @@ ROWS = (
         "setup",
         30,
         "carried wheels, strata installed, the corpus; torch, GPU, what imports",
-        lambda c: [pip_wheels_cmd(c), pip_strata_cmd(c), [c.python, "-c", CORPUS], [c.python, "-c", PROBE]],
+        lambda c: [
+            pip_wheels_cmd(c),
+            pip_strata_cmd(c),
+            [c.python, "-c", CORPUS],
+            [c.python, "-c", PROBE],
+        ],
     ),
     Row("peak", 15, "bf16 and fp8 matmul peaks (8192^3, fastest half of 20)", lambda c: []),
     Row(
@@ -386,7 +509,12 @@ ROWS = (
         "checkpoint_vs_dcp.py on the GPU: Strata's save stall against dcp.save",
         lambda c: [checkpoint_cmd(c)],
     ),
-    Row("moe", 20, "moe_layer.py on the GPU: grouped matmul against the per-expert loop", lambda c: [moe_cmd(c)]),
+    Row(
+        "moe",
+        20,
+        "moe_layer.py on the GPU: grouped matmul against the per-expert loop",
+        lambda c: [moe_cmd(c)],
+    ),
     Row(
         "generate",
         20,
@@ -405,7 +533,12 @@ def build_plan(ctx: Ctx, rows: tuple[Row, ...] = ROWS) -> list[dict]:
     """Each row with its budget, its own command and the commands it runs inside."""
     state = Path(ctx.work or "<work>") / "state.json"
     return [
-        {"name": r.name, "budget_s": r.budget_s, "command": row_cmd(ctx, r, state), "inner": r.commands(ctx)}
+        {
+            "name": r.name,
+            "budget_s": r.budget_s,
+            "command": row_cmd(ctx, r, state),
+            "inner": r.commands(ctx),
+        }
         for r in rows
     ]
 
@@ -438,7 +571,9 @@ def stream(cmd: list[str], env: dict[str, str], prefix: str = "") -> tuple[int, 
     """Run cmd (in this row's process group, which the parent kills at the row's deadline), relaying
     its output line by line; return its exit status and its lines."""
     print(f"{prefix}$ {shlex.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
+    )
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:
@@ -502,25 +637,42 @@ def row_setup(ctx: Ctx) -> bool:
         emit({"wheels": [w.name for w in wheels], "wheels_installed": rc == 0, "site": ctx.site})
         ok &= rc == 0
     else:
-        emit({"wheels": [], "note": f"no wheels in {ctx.wheels}: nothing carried (FP8 rows need torchao)"})
+        emit(
+            {
+                "wheels": [],
+                "note": f"no wheels in {ctx.wheels}: nothing carried (FP8 rows need torchao)",
+            }
+        )
     if strata_imports(ctx, env):
         emit({"strata_installed": "already importable"})
     else:
         rc, lines = stream(pip_strata_cmd(ctx), env)
         how = "editable install"
-        if rc or not strata_imports(ctx, env):  # no editable install: a plain one into the carried site
+        if rc or not strata_imports(
+            ctx, env
+        ):  # no editable install: a plain one into the carried site
             rc, lines = stream(pip_strata_cmd(ctx)[:-2] + ["--target", ctx.site, "."], env)
             how = f"installed into {ctx.site}"
         if not strata_imports(ctx, env):
-            root = {**env, "PYTHONPATH": os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)}
+            root = {
+                **env,
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p
+                ),
+            }
             if strata_imports(ctx, root):  # strata/ at the root of the tree: importable from there
                 emit({"pythonpath_root": True})
-                env, how = root, f"not installed (exit {rc}); the repository root on PYTHONPATH instead"
+                env, how = (
+                    root,
+                    f"not installed (exit {rc}); the repository root on PYTHONPATH instead",
+                )
             else:
                 how, ok = f"failed (exit {rc}): strata does not import", False
         emit({"strata_installed": how})
     rc, lines = stream([ctx.python, "-c", CORPUS], env)
-    data = next((line.split(None, 1)[1].strip() for line in lines if line.startswith("CORPUS ")), None)
+    data = next(
+        (line.split(None, 1)[1].strip() for line in lines if line.startswith("CORPUS ")), None
+    )
     emit({"data": data})
     ok &= data is not None
     rc, lines = stream([ctx.python, "-c", PROBE, *CARRIED_IMPORTS], env)
@@ -532,7 +684,10 @@ def row_setup(ctx: Ctx) -> bool:
 def strata_imports(ctx: Ctx, env: dict[str, str]) -> bool:
     """Whether strata and its layers import from outside the tree (as bench scripts import them)."""
     check = "import strata.config, strata.trainer, strata.launch, strata.checkpoint"
-    return subprocess.run([ctx.python, "-c", check], env=env, cwd="/", capture_output=True).returncode == 0
+    return (
+        subprocess.run([ctx.python, "-c", check], env=env, cwd="/", capture_output=True).returncode
+        == 0
+    )
 
 
 def fp8_matmul_peak_tflops() -> float:
@@ -542,11 +697,15 @@ def fp8_matmul_peak_tflops() -> float:
 
     n = 8192
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    b = (
+        torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    )  # column-major, as _scaled_mm wants
     one = torch.tensor(1.0, device="cuda")
 
     def mm() -> Any:
-        return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
+        return torch._scaled_mm(
+            a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True
+        )
 
     for _ in range(5):
         mm()
@@ -567,7 +726,12 @@ def row_peak(ctx: Ctx) -> bool:
     if not torch.cuda.is_available():
         emit({"error": "torch sees no GPU"})
         return False
-    emit({"gpu": torch.cuda.get_device_name(), "bf16_tflops": load_compile_bench().matmul_peak_tflops()})
+    emit(
+        {
+            "gpu": torch.cuda.get_device_name(),
+            "bf16_tflops": load_compile_bench().matmul_peak_tflops(),
+        }
+    )
     capability = torch.cuda.get_device_capability()
     if capability < (8, 9):
         emit({"fp8_tflops": None, "fp8_note": f"capability {capability}: no fp8 tensor cores"})
@@ -600,7 +764,9 @@ def row_fp8_speed(ctx: Ctx) -> bool:
 
 def row_peer(ctx: Ctx) -> bool:
     env = child_env(ctx)
-    probe = subprocess.run([ctx.python, "-c", TITAN_PROBE], env=env, cwd=ROOT, capture_output=True, text=True)
+    probe = subprocess.run(
+        [ctx.python, "-c", TITAN_PROBE], env=env, cwd=ROOT, capture_output=True, text=True
+    )
     if probe.returncode:
         last = (probe.stderr.strip().splitlines() or ["?"])[-1][:300]
         titan = f"not run: torchtitan does not import here ({last}); the plain FSDP2 peer stands in"
@@ -623,7 +789,11 @@ def row_fp8_loss(ctx: Ctx) -> bool:
     env = child_env(ctx)
     corpus(ctx)
     jobs = {
-        v: (lambda v=v: run_compile_variant(ctx, env, compile_cmd(ctx, v, ctx.loss_steps, 3, LOSS_SHAPE), v))
+        v: (
+            lambda v=v: run_compile_variant(
+                ctx, env, compile_cmd(ctx, v, ctx.loss_steps, 3, LOSS_SHAPE), v
+            )
+        )
         for v in LOSS_VARIANTS
     }
     ok = True
@@ -643,7 +813,11 @@ def read_losses(run_dir: Path) -> dict[int, float]:
     if path.is_file():
         for line in path.read_text().splitlines():
             record = json.loads(line)
-            if "loss" in record and isinstance(record.get("step"), int) and record["loss"] is not None:
+            if (
+                "loss" in record
+                and isinstance(record.get("step"), int)
+                and record["loss"] is not None
+            ):
                 losses[record["step"]] = record["loss"]
     return losses
 
@@ -672,7 +846,9 @@ def row_fp8_resume(ctx: Ctx) -> bool:
         return out
 
     ok = True
-    for name, result in in_parallel({f"{a}->{b}": (lambda a=a, b=b: chain(a, b)) for a, b in RESUME_CHAINS}).items():
+    for name, result in in_parallel(
+        {f"{a}->{b}": (lambda a=a, b=b: chain(a, b)) for a, b in RESUME_CHAINS}
+    ).items():
         if isinstance(result, Exception):
             result = {"error": repr(result)}
         result["ran"] = (
@@ -687,8 +863,18 @@ def row_fp8_resume(ctx: Ctx) -> bool:
 
 def row_gpu_tests(ctx: Ctx) -> bool:
     rc, lines = stream(pytest_cmd(ctx), child_env(ctx))
-    summary = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed|error|deselected)", line)), "")
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", summary)}
+    summary = next(
+        (
+            line
+            for line in reversed(lines)
+            if re.search(r"\d+ (passed|failed|error|deselected)", line)
+        ),
+        "",
+    )
+    counts = {
+        k: int(n)
+        for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", summary)
+    }
     emit({"exit": rc, "summary": summary.strip(" =\n"), **counts})
     if rc:
         emit({"tail": tail(lines)})
@@ -783,7 +969,9 @@ def peer_worker(args: argparse.Namespace) -> int:
     if cuda:
         torch.cuda.set_device(device)
     extra = {"device_id": device} if cuda else {}
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, **extra)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, **extra
+    )
     torch.manual_seed(cfg.train.seed)
     start = time.perf_counter()
     vocab = padded_vocab_size(cfg.model, 256)
@@ -795,7 +983,11 @@ def peer_worker(args: argparse.Namespace) -> int:
             if p.dim() >= 2:
                 p.normal_(0.0, cfg.model.init_std)
     bf16 = cfg.train.precision == "bf16"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else None
+    )
     if not args.no_compile:  # torchtitan's apply_compile: each block on its own, fullgraph
         for name, block in list(model.layers.named_children()):
             model.layers.register_module(name, torch.compile(block, fullgraph=True))
@@ -808,13 +1000,21 @@ def peer_worker(args: argparse.Namespace) -> int:
     fused = cuda
 
     def adamw() -> Any:
-        return torch.optim.AdamW(model.parameters(), **adam, **({"fused": True} if fused else {"foreach": True}))
+        return torch.optim.AdamW(
+            model.parameters(), **adam, **({"fused": True} if fused else {"foreach": True})
+        )
 
     opt = adamw()
     build_s = time.perf_counter() - start
-    micro, accum = cfg.train.micro_batch_size, cfg.train.global_batch_size // cfg.train.micro_batch_size
+    micro, accum = (
+        cfg.train.micro_batch_size,
+        cfg.train.global_batch_size // cfg.train.micro_batch_size,
+    )
     gen = torch.Generator(device=device).manual_seed(0)
-    batches = [torch.randint(0, 256, (micro, cfg.model.seq_len + 1), device=device, generator=gen) for _ in range(4)]
+    batches = [
+        torch.randint(0, 256, (micro, cfg.model.seq_len + 1), device=device, generator=gen)
+        for _ in range(4)
+    ]
     times, losses = [], []
     for step in range(args.steps):
         if cuda:
@@ -845,7 +1045,8 @@ def peer_worker(args: argparse.Namespace) -> int:
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
     flops = flops_per_token(cfg.model, vocab) * tokens_per_step / step_s
     result = {
-        "variant": "peer: FSDP2 + per-block compile" + ("" if not args.no_compile else " (not compiled)"),
+        "variant": "peer: FSDP2 + per-block compile"
+        + ("" if not args.no_compile else " (not compiled)"),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "step_s": step_s,
         "first_step_s": times[0],
@@ -878,7 +1079,13 @@ def run_row(cmd: list[str], env: dict, timeout: float, log: Any) -> dict:
     merged into the row's data (so a row cut short keeps what it had measured)."""
     start = time.monotonic()
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
     )
     data: dict = {}
     lines: list[str] = []
@@ -938,14 +1145,21 @@ def figures(rows: dict) -> list[tuple[str, str, str, bool | None]]:
         gpu = f"{setup.get('gpu', '?')} (capability {setup.get('capability')}), torch {setup.get('torch')}"
         out.append(("device", gpu, "", None))
         imports = setup.get("imports", {})
-        out.append(("carried imports", ", ".join(f"{k} {v}" for k, v in imports.items())[:400], "", None))
+        out.append(
+            ("carried imports", ", ".join(f"{k} {v}" for k, v in imports.items())[:400], "", None)
+        )
     peak = data("peak")
     bf16, fp8 = peak.get("bf16_tflops"), peak.get("fp8_tflops")
     if bf16:
         out.append(("bf16 matmul peak", f"{bf16:.0f} TFLOP/s", "", None))
     if fp8:
         out.append(
-            ("fp8 matmul peak (tensorwise, fast accum)", f"{fp8:.0f} TFLOP/s ({fp8 / bf16:.2f}x bf16)", "", None)
+            (
+                "fp8 matmul peak (tensorwise, fast accum)",
+                f"{fp8:.0f} TFLOP/s ({fp8 / bf16:.2f}x bf16)",
+                "",
+                None,
+            )
         )
     mfu = data("mfu").get("variants", {})
     for v in MFU_VARIANTS:
@@ -956,7 +1170,14 @@ def figures(rows: dict) -> list[tuple[str, str, str, bool | None]]:
             met = (m >= GOALS["mfu"]) if (m is not None and goal) else None
             compile_s = r["first_step_s"] - r["step_s"]
             value = f"MFU {fmt(m, '.1%')}, {r['tokens_per_s']:,.0f} tokens/s, first step {r['first_step_s']:.0f} s"
-            out.append((f"{PRESET} {v}", value + f" ({compile_s:+.0f}), {r['peak_mem_gib']:.0f} GiB", goal, met))
+            out.append(
+                (
+                    f"{PRESET} {v}",
+                    value + f" ({compile_s:+.0f}), {r['peak_mem_gib']:.0f} GiB",
+                    goal,
+                    met,
+                )
+            )
         elif r:
             out.append((f"{PRESET} {v}", "failed", "", False))
     peer = data("peer").get("result")
@@ -966,9 +1187,16 @@ def figures(rows: dict) -> list[tuple[str, str, str, bool | None]]:
             r = mfu.get(v)
             if r and "tokens_per_s" in r:
                 ratio = r["tokens_per_s"] / peer["tokens_per_s"]
-                goal = f">= {GOALS['peer']:.1f}" if v == "compiled" else "(recomputes; peer does not)"
+                goal = (
+                    f">= {GOALS['peer']:.1f}" if v == "compiled" else "(recomputes; peer does not)"
+                )
                 out.append(
-                    (f"Strata {v} / peer", f"{ratio:.2f}x", goal, ratio >= GOALS["peer"] if v == "compiled" else None)
+                    (
+                        f"Strata {v} / peer",
+                        f"{ratio:.2f}x",
+                        goal,
+                        ratio >= GOALS["peer"] if v == "compiled" else None,
+                    )
                 )
     if data("peer").get("torchtitan"):
         out.append(("torchtitan", data("peer")["torchtitan"][:200], "", None))
@@ -979,17 +1207,37 @@ def figures(rows: dict) -> list[tuple[str, str, str, bool | None]]:
         if r and "tokens_per_s" in r and base:
             ratio = r["tokens_per_s"] / base
             out.append(
-                (f"{v} / compiled bf16", f"{ratio:.2f}x", f">= {GOALS['fp8_speed']}x", ratio >= GOALS["fp8_speed"])
+                (
+                    f"{v} / compiled bf16",
+                    f"{ratio:.2f}x",
+                    f">= {GOALS['fp8_speed']}x",
+                    ratio >= GOALS["fp8_speed"],
+                )
             )
         elif r:
-            out.append((f"{v} / compiled bf16", "failed" if "error" in r else "no bf16 baseline", "", False))
+            out.append(
+                (
+                    f"{v} / compiled bf16",
+                    "failed" if "error" in r else "no bf16 baseline",
+                    "",
+                    False,
+                )
+            )
     loss = data("fp8-loss").get("variants", {})
-    a, b = loss.get("compiled", {}).get("final_loss"), loss.get("compiled-fp8", {}).get("final_loss")
+    a, b = (
+        loss.get("compiled", {}).get("final_loss"),
+        loss.get("compiled-fp8", {}).get("final_loss"),
+    )
     if a and b:
         rel = abs(b - a) / abs(a)
         value = f"fp8 {b:.4f} vs bf16 {a:.4f}: {rel:.2%}"
         out.append(
-            ("fp8 final loss (200 steps, 4 layers, seq 1024)", value, f"<= {GOALS['fp8_loss']:.0%}", rel <= 0.01)
+            (
+                "fp8 final loss (200 steps, 4 layers, seq 1024)",
+                value,
+                f"<= {GOALS['fp8_loss']:.0%}",
+                rel <= 0.01,
+            )
         )
     elif loss:
         out.append(("fp8 final loss", "failed", f"<= {GOALS['fp8_loss']:.0%}", False))
@@ -997,7 +1245,9 @@ def figures(rows: dict) -> list[tuple[str, str, str, bool | None]]:
         first = (c.get("resumed_losses") or [None])[0]
         value = f"saved at step {RESUME_SAVE_STEPS} loss {fmt(c.get('saved_last_loss'), '.4f')}, resumed step "
         value += f"{c.get('resumed_first_step')} loss {fmt(first, '.4f')}"
-        out.append((f"resume {name}", value if c.get("ran") else "failed", "both run", bool(c.get("ran"))))
+        out.append(
+            (f"resume {name}", value if c.get("ran") else "failed", "both run", bool(c.get("ran")))
+        )
     tests = data("gpu-tests")
     if tests:
         value = tests.get("summary") or f"exit {tests.get('exit')}"
@@ -1005,7 +1255,14 @@ def figures(rows: dict) -> list[tuple[str, str, str, bool | None]]:
     ck = data("checkpoint")
     if ck.get("ratio"):
         value = f"Strata stall {ck['strata_stall_s']:.3f} s, dcp.save {ck['dcp_save_s']:.2f} s: {ck['ratio']:.0f}x"
-        out.append(("checkpoint stall", value, f">= {GOALS['checkpoint']:.0f}x", ck["ratio"] >= GOALS["checkpoint"]))
+        out.append(
+            (
+                "checkpoint stall",
+                value,
+                f">= {GOALS['checkpoint']:.0f}x",
+                ck["ratio"] >= GOALS["checkpoint"],
+            )
+        )
     moe = data("moe")
     if moe.get("ratio"):
         value = f"grouped / loop {moe['grouped_over_loop']:.2f}; layer step Strata / transformers {moe['ratio']:.2f}"
@@ -1018,7 +1275,12 @@ def figures(rows: dict) -> list[tuple[str, str, str, bool | None]]:
 
 
 def markdown(results: dict) -> str:
-    lines = [f"bench/gpu.py, {results['started']}", "", "| row | status | seconds (budget) |", "|---|---|---|"]
+    lines = [
+        f"bench/gpu.py, {results['started']}",
+        "",
+        "| row | status | seconds (budget) |",
+        "|---|---|---|",
+    ]
     for name, r in results["rows"].items():
         lines.append(f"| {name} | {r['status']} | {r.get('elapsed_s', 0):.0f} ({r['budget_s']}) |")
     lines += ["", "| figure | value | goal | met |", "|---|---|---|---|"]
@@ -1066,7 +1328,9 @@ def orchestrate(args: argparse.Namespace) -> int:
         "budget_scale": args.budget_scale,
         "rows": {},
     }
-    print(f"bench/gpu.py: {len(rows)} rows, {sum(r.budget_s for r in rows) * args.budget_scale:.0f} s of budgets")
+    print(
+        f"bench/gpu.py: {len(rows)} rows, {sum(r.budget_s for r in rows) * args.budget_scale:.0f} s of budgets"
+    )
     t0, planned, failed = time.monotonic(), 0.0, 0
     with open(out / "log.txt", "w") as log:
         for row in rows:
@@ -1086,18 +1350,26 @@ def orchestrate(args: argparse.Namespace) -> int:
                 result = run_row(row_cmd(ctx, row, state), env, timeout, log)
             result["budget_s"] = row.budget_s
             results["rows"][row.name] = result
-            if result["data"].get("pythonpath_root"):  # setup could not install strata, but it imports so
-                env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
+            if result["data"].get(
+                "pythonpath_root"
+            ):  # setup could not install strata, but it imports so
+                env["PYTHONPATH"] = os.pathsep.join(
+                    p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p
+                )
             failed += result["status"] != "ok"
             total = time.monotonic() - t0
-            print(f"== {row.name}: {result['status']} in {result['elapsed_s']:.0f} s (total {total:.0f} s)")
+            print(
+                f"== {row.name}: {result['status']} in {result['elapsed_s']:.0f} s (total {total:.0f} s)"
+            )
             if result["status"] != "ok":
                 print("   " + "\n   ".join(result.get("tail", "").splitlines()[-15:]))
             write_results(out, results)
     results["total_s"] = round(time.monotonic() - t0, 1)
     write_results(out, results)
     print("\n" + markdown(results))
-    print(f"written: {out / 'results.json'}, {out / 'results.md'}, {out / 'log.txt'}; {failed} rows not ok")
+    print(
+        f"written: {out / 'results.json'}, {out / 'results.md'}, {out / 'log.txt'}; {failed} rows not ok"
+    )
     return 1 if failed else 0
 
 
@@ -1117,7 +1389,9 @@ def wheel_fields(path: Path) -> tuple[str, str, str, str, str]:
 def wheel_fits_image(path: Path) -> bool:
     """Whether the wheel installs on CPython 3.12, x86-64 Linux."""
     _, _, py, abi, plat = wheel_fields(path)
-    platform_ok = any(p == "any" or (("linux" in p) and p.endswith("x86_64")) for p in plat.split("."))
+    platform_ok = any(
+        p == "any" or (("linux" in p) and p.endswith("x86_64")) for p in plat.split(".")
+    )
     pys = py.split(".")
     python_ok = any(p in ("py3", "cp312", "py312") for p in pys) or (
         abi == "abi3" and any(re.fullmatch(r"cp3(\d+)", p) and int(p[3:]) <= 12 for p in pys)
@@ -1191,7 +1465,9 @@ def travel_bytes(wheels: Path) -> tuple[int, int]:
         path = ROOT / os.fsdecode(name)
         if name and os.path.lexists(path):
             tree += os.lstat(path).st_size
-    carried = sum(p.stat().st_size for p in wheels.rglob("*") if p.is_file()) if wheels.is_dir() else 0
+    carried = (
+        sum(p.stat().st_size for p in wheels.rglob("*") if p.is_file()) if wheels.is_dir() else 0
+    )
     return tree, carried
 
 
@@ -1211,7 +1487,10 @@ def check_configs(ctx: Ctx, problems: list[str]) -> int:
             sets.append((None, ov, f"compile.py {PRESET}/{v}"))
     for first, second in RESUME_CHAINS:
         save, resume, _ = resume_overrides(ctx, first, second)
-        sets += [(ROOT / "configs" / "tiny.yaml", save, f"{first} save"), (ROOT / "configs" / "tiny.yaml", resume, "")]
+        sets += [
+            (ROOT / "configs" / "tiny.yaml", save, f"{first} save"),
+            (ROOT / "configs" / "tiny.yaml", resume, ""),
+        ]
     for path, ov, label in sets:
         try:
             config_mod.load(path, ov, world_size=1)
@@ -1234,7 +1513,11 @@ def dry_run(args: argparse.Namespace) -> int:
         for cmd in r["inner"]:
             shown = shlex.join(cmd).replace("\n", "; ")
             print(f"      {shown[:220]}{'...' if len(shown) > 220 else ''}")
-        bad = [c for c in [r["command"], *r["inner"]] if not c or not all(isinstance(a, str) and a for a in c)]
+        bad = [
+            c
+            for c in [r["command"], *r["inner"]]
+            if not c or not all(isinstance(a, str) and a for a in c)
+        ]
         if bad or r["budget_s"] <= 0 or r["name"] not in ROW_FUNCS:
             problems.append(f"row {r['name']}: a command, its budget or its function is missing")
     if total > TOTAL_BUDGET_S:
@@ -1242,14 +1525,20 @@ def dry_run(args: argparse.Namespace) -> int:
 
     cb = load_compile_bench()
     named = set(MFU_VARIANTS + FP8_VARIANTS + LOSS_VARIANTS)
-    missing = sorted(v for v in named if v not in cb.VARIANTS) + ([PRESET] if PRESET not in cb.PRESETS else [])
+    missing = sorted(v for v in named if v not in cb.VARIANTS) + (
+        [PRESET] if PRESET not in cb.PRESETS else []
+    )
     if missing:
         problems.append(f"bench/compile.py lacks {missing}")
     else:
         ov = cb.overrides(PRESET, "compiled-fp8", 1, Path("."), None, "cuda")
         if "train.precision=fp8" not in ov:
-            problems.append("bench/compile.py: the fp8 variant's train.precision does not override the preset's")
-        print(f"compile.py: preset {PRESET} and variants {', '.join(sorted(named))} exist; fp8 overrides the preset")
+            problems.append(
+                "bench/compile.py: the fp8 variant's train.precision does not override the preset's"
+            )
+        print(
+            f"compile.py: preset {PRESET} and variants {', '.join(sorted(named))} exist; fp8 overrides the preset"
+        )
     try:
         try:
             import strata.config  # noqa: F401
@@ -1284,7 +1573,9 @@ def dry_run(args: argparse.Namespace) -> int:
             name = wheel_fields(f)[0]
             required = next((w.required for w in WHEELS if normalize(w.name) == name), True)
             if not wheel_fits_image(f):
-                (problems if required else notes).append(f"{f.name}: not for CPython 3.12 on x86-64 Linux")
+                (problems if required else notes).append(
+                    f"{f.name}: not for CPython 3.12 on x86-64 Linux"
+                )
             unmet = [why for req in requires(f) for miss, why in [where_met(req, carried)] if miss]
             if unmet and required:
                 problems.append(f"{f.name} needs what the lent machine lacks: " + "; ".join(unmet))
@@ -1292,7 +1583,9 @@ def dry_run(args: argparse.Namespace) -> int:
                 notes.append(f"{f.name} (optional) will not import: it needs " + "; ".join(unmet))
             else:
                 print(f"  {f.name}: every requirement met ({len(requires(f))} listed)")
-        unmet = [why for req in install_requires() for miss, why in [where_met(req, carried)] if miss]
+        unmet = [
+            why for req in install_requires() for miss, why in [where_met(req, carried)] if miss
+        ]
         if unmet:
             problems.append("strata's install_requires not met there: " + "; ".join(unmet))
         else:
@@ -1324,7 +1617,16 @@ def fetch_wheels(args: argparse.Namespace) -> int:
             name, version, *_ = wheel_fields(old)
             if name == normalize(w.name) and version != w.version:
                 old.unlink()
-        base = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12"]
+        base = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+        ]
         base += ["--implementation", "cp", "-d", str(dest), f"{w.name}=={w.version}"]
         for platforms in (PLATFORMS, PLATFORMS + MORE_PLATFORMS):
             cmd = base + [a for p in platforms for a in ("--platform", p)]
@@ -1341,18 +1643,33 @@ def fetch_wheels(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="where results go (default: $OUT if set, else bench/gpu-results/)")
-    ap.add_argument("--only", help="rows to run, comma-separated (setup, and what they need, run too)")
+    ap.add_argument(
+        "--out", help="where results go (default: $OUT if set, else bench/gpu-results/)"
+    )
+    ap.add_argument(
+        "--only", help="rows to run, comma-separated (setup, and what they need, run too)"
+    )
     ap.add_argument("--skip", help="rows to leave out, comma-separated")
-    ap.add_argument("--dry-run", action="store_true", help="check the plan, the wheels and the size here (CPU)")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="check the plan, the wheels and the size here (CPU)"
+    )
     ap.add_argument("--no-wheels", action="store_true", help="with --dry-run: check the plan only")
-    ap.add_argument("--fetch-wheels", action="store_true", help="download the wheels to carry into --wheels")
-    ap.add_argument("--wheels", default=str(ROOT / ".whl"), help="the carried wheels (default: .whl/)")
+    ap.add_argument(
+        "--fetch-wheels", action="store_true", help="download the wheels to carry into --wheels"
+    )
+    ap.add_argument(
+        "--wheels", default=str(ROOT / ".whl"), help="the carried wheels (default: .whl/)"
+    )
     ap.add_argument("--site", default="/tmp/site", help="where the carried wheels are installed")
     ap.add_argument("--steps", type=int, default=10, help="steps per speed variant")
     ap.add_argument("--warmup", type=int, default=3, help="of those, left out of the median")
     ap.add_argument("--loss-steps", type=int, default=200, help="steps of the fp8-loss runs")
-    ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every row's budget (a rerun of some)")
+    ap.add_argument(
+        "--budget-scale",
+        type=float,
+        default=1.0,
+        help="multiply every row's budget (a rerun of some)",
+    )
     ap.add_argument("--row", choices=ROW_NAMES, help=argparse.SUPPRESS)
     ap.add_argument("--state", help=argparse.SUPPRESS)
     ap.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)

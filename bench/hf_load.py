@@ -45,18 +45,29 @@ GiB = 2**30
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--work", type=Path, default=Path("/tmp/strata-bench-hf-load"), help="model and runs (cached)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the saved weights' dtype")
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/strata-bench-hf-load"),
+        help="model and runs (cached)",
+    )
+    p.add_argument(
+        "--dtype", choices=("bf16", "fp32"), default="bf16", help="the saved weights' dtype"
+    )
     p.add_argument("--hidden", type=int, default=1536)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--ffn", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--rounds", type=int, default=2, help="runs of each variant, interleaved (medians reported)")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="runs of each variant, interleaved (medians reported)"
+    )
     p.add_argument("--no-tp2", action="store_true", help="skip the 2-rank tp2 variant")
     p.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
-    p.add_argument("--worker", choices=("strata", "hf", "build"), default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--worker", choices=("strata", "hf", "build"), default=None, help=argparse.SUPPRESS
+    )
     p.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -71,7 +82,10 @@ def memory() -> dict[str, float]:
     import resource
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    fields: dict[str, float] = {"cpu_s": usage.ru_utime + usage.ru_stime, "minor_faults": usage.ru_minflt}
+    fields: dict[str, float] = {
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "minor_faults": usage.ru_minflt,
+    }
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, value = line.partition(":")
         if key in ("VmHWM", "VmRSS", "RssFile", "RssAnon"):
@@ -170,7 +184,9 @@ def build_worker(args: argparse.Namespace) -> None:
         tie_word_embeddings=False,
         max_position_embeddings=2048,
     )
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    model = transformers.LlamaForCausalLM(cfg).to(
+        torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    )
     tmp = args.model.with_name(args.model.name + ".tmp")
     model.save_pretrained(tmp)
     tmp.rename(args.model)
@@ -215,7 +231,9 @@ def run_variant(args: argparse.Namespace, name: str, model: Path) -> dict:
     wall = time.time() - t
     ranks = results(proc.stdout)
     if proc.returncode or not ranks:
-        sys.exit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        sys.exit(
+            f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     ranks.sort(key=lambda r: r["rank"])
     return {
         "wall_s": wall,
@@ -246,10 +264,21 @@ def launch(args: argparse.Namespace) -> int:
         print(f"building {model.name} (once) ...", flush=True)
         t = time.time()
         subprocess.run(
-            [sys.executable, __file__, "--worker", "build", "--model", str(model), *build_flags(args)], check=True
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                "build",
+                "--model",
+                str(model),
+                *build_flags(args),
+            ],
+            check=True,
         )
         print(f"  built in {time.time() - t:.1f} s", flush=True)
-    ensure_default_corpus(DataConfig().cache_dir, DataConfig().val_fraction)  # once, before any variant
+    ensure_default_corpus(
+        DataConfig().cache_dir, DataConfig().val_fraction
+    )  # once, before any variant
     warm_page_cache(model)
     size = sum(f.stat().st_size for f in model.glob("*.safetensors")) / GiB
     print(f"model: {model} ({size:.2f} GiB of safetensors, {args.dtype}); {os.cpu_count()} cores")
@@ -267,12 +296,18 @@ def launch(args: argparse.Namespace) -> int:
                 f"peak {x['VmHWM']:.2f} GiB (file-backed now {x['RssFile']:.2f})"
                 for x in r["ranks"]
             )
-            print(f"round {i + 1} {name:13s} wall {r['wall_s']:6.2f} s, load avg {r['load_avg_1m']:.2f} | {per_rank}")
+            print(
+                f"round {i + 1} {name:13s} wall {r['wall_s']:6.2f} s, load avg {r['load_avg_1m']:.2f} | {per_rank}"
+            )
 
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[name])
 
-    hf_t, hf_m, hf_c = med("transformers", "total_s"), med("transformers", "peak_gib"), med("transformers", "cpu_s")
+    hf_t, hf_m, hf_c = (
+        med("transformers", "total_s"),
+        med("transformers", "peak_gib"),
+        med("transformers", "cpu_s"),
+    )
     summary: dict = {
         "model": str(model),
         "dtype": args.dtype,
@@ -280,19 +315,29 @@ def launch(args: argparse.Namespace) -> int:
         "rounds": args.rounds,
         "load_avg": os.getloadavg(),
     }
-    print(f"\nmedians over {args.rounds} round(s); time from process start to a trainable fp32 model")
+    print(
+        f"\nmedians over {args.rounds} round(s); time from process start to a trainable fp32 model"
+    )
     print(
         f"{'':14s} {'time s':>7s} {'peak RSS GiB':>12s} {'CPU s':>6s} "
         f"{'time ratio':>10s} {'RSS ratio':>9s} {'CPU ratio':>9s}"
     )
     for name in names:
         t, m, c = med(name, "total_s"), med(name, "peak_gib"), med(name, "cpu_s")
-        summary[name] = {"time_s": t, "peak_gib": m, "cpu_s": c, "wall_s": med(name, "wall_s"), "runs": runs[name]}
+        summary[name] = {
+            "time_s": t,
+            "peak_gib": m,
+            "cpu_s": c,
+            "wall_s": med(name, "wall_s"),
+            "runs": runs[name],
+        }
         if name == "transformers":
             print(f"{name:14s} {t:7.2f} {m:12.2f} {c:6.2f}")
         else:
             summary[name].update(time_ratio=t / hf_t, rss_ratio=m / hf_m, cpu_ratio=c / hf_c)
-            print(f"{name:14s} {t:7.2f} {m:12.2f} {c:6.2f} {t / hf_t:10.3f} {m / hf_m:9.3f} {c / hf_c:9.3f}")
+            print(
+                f"{name:14s} {t:7.2f} {m:12.2f} {c:6.2f} {t / hf_t:10.3f} {m / hf_m:9.3f} {c / hf_c:9.3f}"
+            )
     if "strata tp2" in runs:
         print(
             f"(strata tp2: time is the slowest rank's, RSS the larger rank's, CPU both ranks'; launcher wall time "

@@ -48,7 +48,9 @@ MODEL = {"model.n_layers": 4, "model.d_model": 64, "model.n_heads": 4, "model.se
 
 def overrides(scheme: dict, micro: int, run_root: Path, name: str) -> list[str]:
     zero = {
-        f"zero.{k}.shard_over" if k in ("params", "grads", "optim", "secondary_params") else f"zero.{k}": v
+        f"zero.{k}.shard_over"
+        if k in ("params", "grads", "optim", "secondary_params")
+        else f"zero.{k}": v
         for k, v in scheme.items()
     }
     settings = {
@@ -92,7 +94,9 @@ def run(scheme: dict, micro: int, run_root: Path, name: str) -> dict[str, float]
     )
     if proc.returncode:
         raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_root / name / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (run_root / name / "metrics.jsonl").read_text().splitlines()
+    ]
     steps = [r["wire_bytes_per_step"] for r in records if "wire_bytes_per_step" in r]
     return {link: sum(s.get(link, 0) for s in steps) / len(steps) for link in LINKS}
 
@@ -117,7 +121,11 @@ def main(argv=None) -> None:
         f"bytes per rank per step, in N = {n / 2**20:.2f} MiB (one fp32 copy of the parameters); "
         f"8 ranks = 2 nodes × 2 GPUs × 2 GCDs"
     )
-    print(f"{'scheme':30s} {'M':>2s} " + " ".join(f"{link:>11s}" for link in LINKS) + "  inter-node vs flat")
+    print(
+        f"{'scheme':30s} {'M':>2s} "
+        + " ".join(f"{link:>11s}" for link in LINKS)
+        + "  inter-node vs flat"
+    )
     for (label, micro), got in results.items():
         flat = results[("flat ZeRO-3", micro)]["inter-node"]
         print(
@@ -131,7 +139,8 @@ def main(argv=None) -> None:
                 {
                     "model_bytes": n,
                     "runs": [
-                        {"scheme": label, "micro_batches": micro, **got} for (label, micro), got in results.items()
+                        {"scheme": label, "micro_batches": micro, **got}
+                        for (label, micro), got in results.items()
                     ],
                 },
                 indent=1,

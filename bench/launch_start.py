@@ -50,7 +50,9 @@ def one_job(start: str, nproc: int, root: Path, data: Path) -> dict:
     argv += [f"data.path={data}", f"log.dir={root}", "log.name=t", "checkpoint.overwrite=true"]
     argv += ["--nproc", str(nproc), "--worker-start", start]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     ready = None
     assert proc.stdout is not None
     lines = []
@@ -79,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
                 r = one_job(start, args.nproc, Path(tmp) / f"{start}-{i}", data)
                 runs[start].append(r)
                 print(f"{start}: ready {r['ready_s']:.2f} s, exit {r['total_s']:.2f} s", flush=True)
-    med = {s: {k: statistics.median(r[k] for r in runs[s]) for k in ("ready_s", "total_s")} for s in STARTS}
+    med = {
+        s: {k: statistics.median(r[k] for r in runs[s]) for k in ("ready_s", "total_s")}
+        for s in STARTS
+    }
     print(f"\n{args.nproc} processes, median of {args.repeats} jobs each:")
     print("| workers | ready s | exit s |\n|---|---|---|")
     for s in STARTS:
@@ -88,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     ready = med["forkserver"]["ready_s"] / med["fresh"]["ready_s"]
     print(f"\nforked / fresh (plain torchrun): exit {ratio:.2f}, ready {ready:.2f}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"nproc": args.nproc, "runs": runs, "median": med}, indent=1))
+        Path(args.out).write_text(
+            json.dumps({"nproc": args.nproc, "runs": runs, "median": med}, indent=1)
+        )
     return 0
 
 

@@ -32,7 +32,14 @@ def train(run_root: Path, name: str, steps: int, rate: float) -> list[dict]:
         f"train.eval_interval={steps}",
         "log.progress=false",
     ]
-    cmd = [sys.executable, "-m", "strata.launch.cli", "train", str(ROOT / "configs" / "moe-tiny.yaml"), *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "strata.launch.cli",
+        "train",
+        str(ROOT / "configs" / "moe-tiny.yaml"),
+        *overrides,
+    ]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     lines = (run_root / name / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
@@ -41,11 +48,16 @@ def train(run_root: Path, name: str, steps: int, rate: float) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--rate", type=float, default=0.001, help="the bias update rate of the balanced run")
+    ap.add_argument(
+        "--rate", type=float, default=0.001, help="the bias update rate of the balanced run"
+    )
     ap.add_argument("--every", type=int, default=30, help="print every this many steps")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {name: train(Path(tmp), name, args.steps, rate) for name, rate in (("bias", args.rate), ("none", 0.0))}
+        runs = {
+            name: train(Path(tmp), name, args.steps, rate)
+            for name, rate in (("bias", args.rate), ("none", 0.0))
+        }
     steps = {name: {r["step"]: r for r in records if "moe" in r} for name, records in runs.items()}
     lines = [
         f"| step | max/mean load, bias {args.rate} | max/mean load, no bias | loss, bias | loss, no bias |",
@@ -66,7 +78,9 @@ def main() -> None:
         for name, records in runs.items()
     }
     print("\n".join(lines))
-    print(f"\neval loss after {args.steps} steps: {evals['bias']:.3f} with the bias, {evals['none']:.3f} without")
+    print(
+        f"\neval loss after {args.steps} steps: {evals['bias']:.3f} with the bias, {evals['none']:.3f} without"
+    )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,26 @@ sys.path.insert(0, str(ROOT))
 from bench.network import payload, run_cluster  # noqa: E402
 from tests.cluster import Cluster, unavailable  # noqa: E402
 
-SYSTEMS = ["strata-moe-flat-m1", "strata-moe-hierarchical-m1", "strata-moe-flat", "strata-moe-hierarchical"]
-MODEL = ["--layers", "2", "--d-model", "128", "--heads", "4", "--seq", "128", "--micro", "8", "--accum", "1"]
+SYSTEMS = [
+    "strata-moe-flat-m1",
+    "strata-moe-hierarchical-m1",
+    "strata-moe-flat",
+    "strata-moe-hierarchical",
+]
+MODEL = [
+    "--layers",
+    "2",
+    "--d-model",
+    "128",
+    "--heads",
+    "4",
+    "--seq",
+    "128",
+    "--micro",
+    "8",
+    "--accum",
+    "1",
+]
 GOALS = {"bytes": 0.6, "step": 0.8}  # hierarchical / flat at M = 1
 
 
@@ -60,7 +78,11 @@ def report(data: dict, rate: str) -> tuple[list[str], dict]:
             f"{counted / link:.3f} |"
         )
     ratios = {}
-    lines += ["", "| routing | bytes hierarchical / flat | step hierarchical / flat | loss gap |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "| routing | bytes hierarchical / flat | step hierarchical / flat | loss gap |",
+        "|---|---|---|---|",
+    ]
     for suffix, label in (("-m1", "node-limited, M = 1"), ("", "any node")):
         flat, hier = res[f"strata-moe-flat{suffix}"], res[f"strata-moe-hierarchical{suffix}"]
         b = hier["counted_inter_node_bytes"] / flat["counted_inter_node_bytes"]
@@ -101,7 +123,9 @@ def main() -> None:
     ap.add_argument("--rate", default="200mbit", help="tc rate of the inter-node link")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per system")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--loss-steps", type=int, default=100, help="steps of the loss comparison (0: skip)")
+    ap.add_argument(
+        "--loss-steps", type=int, default=100, help="steps of the loss comparison (0: skip)"
+    )
     ap.add_argument("--out", default="moe_dispatch.json")
     ap.add_argument("--timeout", type=float, default=1200)
     args = ap.parse_args()
@@ -111,7 +135,15 @@ def main() -> None:
     everything: dict = {}
     with Cluster(2) as cluster, tempfile.TemporaryDirectory() as tmp:
         cluster.shape(args.rate)
-        flags = ["--systems", ",".join(SYSTEMS), "--steps", str(args.steps), "--warmup", str(args.warmup), *MODEL]
+        flags = [
+            "--systems",
+            ",".join(SYSTEMS),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            *MODEL,
+        ]
         data = run_cluster(cluster, flags, Path(tmp) / "dispatch.json", args.timeout)
         lines, everything["ratios"] = report(data, args.rate)
         everything["dispatch"] = data

@@ -35,7 +35,9 @@ def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     cfg = ModelConfig(
         d_model=args.d_model,
         n_heads=8,
-        moe=MoEConfig(num_experts=args.experts_n, top_k=args.top_k, expert_ffn=args.ffn, norm_topk=True),
+        moe=MoEConfig(
+            num_experts=args.experts_n, top_k=args.top_k, expert_ffn=args.ffn, norm_topk=True
+        ),
     )
     torch.manual_seed(0)
     ours = MoE(cfg)
@@ -69,7 +71,9 @@ def timed(fn, device: torch.device) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--ffn", type=int, default=1024, help="each expert's SwiGLU width")
     parser.add_argument("--experts-n", type=int, default=8)
@@ -80,7 +84,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args()
-    device, dtype = torch.device(args.device), {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    device, dtype = (
+        torch.device(args.device),
+        {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype],
+    )
     ours, hf = build(args, device, dtype)
     if args.experts == "loop":
         ours.experts.forward = ours.experts.loop  # type: ignore[method-assign]
@@ -89,7 +96,11 @@ def main() -> None:
         diff = (ours(x) - hf(x)).abs().max().item()
     routing = ours.router(x.view(-1, args.d_model))
     counts = torch.bincount(routing.experts.flatten(), minlength=args.experts_n)
-    sorted_x = x.view(-1, args.d_model)[routing.experts.flatten().argsort() // args.top_k].detach().requires_grad_()
+    sorted_x = (
+        x.view(-1, args.d_model)[routing.experts.flatten().argsort() // args.top_k]
+        .detach()
+        .requires_grad_()
+    )
 
     def step(layer):
         def run():
@@ -129,8 +140,15 @@ def main() -> None:
     ratio = med["strata"] / med["transformers"]
     print(f"step ratio Strata / transformers: {ratio:.2f} (goal <= 1.0)")
     grouped = med["strata experts"] / med["loop experts"]
-    print(f"expert products alone (same token counts): grouped matmul / per-expert loop = {grouped:.2f}")
-    result = {"ms": {k: v * 1e3 for k, v in med.items()}, "ratio": ratio, "grouped_over_loop": grouped, "diff": diff}
+    print(
+        f"expert products alone (same token counts): grouped matmul / per-expert loop = {grouped:.2f}"
+    )
+    result = {
+        "ms": {k: v * 1e3 for k, v in med.items()},
+        "ratio": ratio,
+        "grouped_over_loop": grouped,
+        "diff": diff,
+    }
     print("RESULT " + json.dumps(result), flush=True)
 
 

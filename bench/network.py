@@ -72,27 +72,39 @@ def report(rate: str, data: dict) -> list[str]:
     for name, r in res.items():
         exposed = f"{r['step_s'] - base:.2f}" if base is not None and name != "local" else "—"
         link = payload(r["links"]) if r["links"] else 0
-        ratio = f"{r['counted_inter_node_bytes'] / link:.3f}" if name.startswith("strata") and link else "—"
+        ratio = (
+            f"{r['counted_inter_node_bytes'] / link:.3f}"
+            if name.startswith("strata") and link
+            else "—"
+        )
         lines.append(f"| {name} | {r['step_s']:.2f} | {exposed} | {r['eval_loss']:.3f} | {ratio} |")
     lines += ["", "| Strata | peer | time ratio | goal |", "|---|---|---|---|"]
     for ours, peer, goal in PAIRS:
         if ours in res and peer in res:
             ratio = res[ours]["step_s"] / res[peer]["step_s"]
             met = "" if goal is None else (" met" if ratio <= goal else " NOT met")
-            lines.append(f"| {ours} | {peer} | {ratio:.2f} | {'—' if goal is None else f'<= {goal:.2f}'}{met} |")
+            lines.append(
+                f"| {ours} | {peer} | {ratio:.2f} | {'—' if goal is None else f'<= {goal:.2f}'}{met} |"
+            )
     if "strata-co2" in res and "ddp" in res:
         gap = res["strata-co2"]["eval_loss"] / res["ddp"]["eval_loss"] - 1
-        lines.append(f"\nCO2 eval loss vs DDP: {gap:+.1%} (goal within 3 %; ln V = {data['ln_vocab']:.2f})")
+        lines.append(
+            f"\nCO2 eval loss vs DDP: {gap:+.1%} (goal within 3 %; ln V = {data['ln_vocab']:.2f})"
+        )
     return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rates", default="1gbit,200mbit", help="comma-separated tc rates of the inter-node link")
+    ap.add_argument(
+        "--rates", default="1gbit,200mbit", help="comma-separated tc rates of the inter-node link"
+    )
     ap.add_argument("--systems", default=ALL)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per system")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--co2-steps", type=int, default=60, help="CO2 against DDP: steps each trains (0: skip)")
+    ap.add_argument(
+        "--co2-steps", type=int, default=60, help="CO2 against DDP: steps each trains (0: skip)"
+    )
     ap.add_argument("--co2-rate", default="200mbit", help="the link rate of the CO2 comparison")
     ap.add_argument("--out", default="network.json")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -105,16 +117,37 @@ def main() -> None:
     with Cluster(2) as cluster, tempfile.TemporaryDirectory() as tmp:
         for rate in filter(None, args.rates.split(",")):
             cluster.shape(rate)
-            flags = ["--systems", args.systems, "--steps", str(args.steps), "--warmup", str(args.warmup), *args.worker]
+            flags = [
+                "--systems",
+                args.systems,
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                *args.worker,
+            ]
             data = run_cluster(cluster, flags, Path(tmp) / f"{rate}.json", args.timeout)
             everything[rate] = data
             print("\n".join(report(rate, data)), flush=True)
         if args.co2_steps:  # long enough for the losses to say something
             cluster.shape(args.co2_rate)
-            flags = ["--systems", "ddp,strata-co2", "--steps", str(args.co2_steps), "--warmup", "0", *args.worker]
+            flags = [
+                "--systems",
+                "ddp,strata-co2",
+                "--steps",
+                str(args.co2_steps),
+                "--warmup",
+                "0",
+                *args.worker,
+            ]
             data = run_cluster(cluster, flags, Path(tmp) / "co2.json", args.timeout)
             everything["co2"] = data
-            print("\n".join(report(f"CO2 against DDP, {args.co2_rate}, {args.co2_steps} steps", data)), flush=True)
+            print(
+                "\n".join(
+                    report(f"CO2 against DDP, {args.co2_rate}, {args.co2_steps} steps", data)
+                ),
+                flush=True,
+            )
     Path(args.out).write_text(json.dumps(everything, indent=1))
     print(f"\nraw figures: {args.out}")
 

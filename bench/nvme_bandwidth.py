@@ -34,7 +34,9 @@ def engine_pass(path: Path, buf: torch.Tensor, op: str, threads: int, chunk: int
         t0 = time.perf_counter()
         getattr(engine, op)(path, buf).wait()
         if op == "write":
-            fd = os.open(path, os.O_RDONLY)  # fsync through any descriptor flushes the file, as dd's conv=fsync
+            fd = os.open(
+                path, os.O_RDONLY
+            )  # fsync through any descriptor flushes the file, as dd's conv=fsync
             try:
                 os.fsync(fd)
             finally:
@@ -65,7 +67,9 @@ def dd_pass(path: Path, source: Path, nbytes: int, op: str, streams: int) -> flo
         )
         procs.append(
             subprocess.Popen(
-                ["dd", *args, f"bs={BS}", f"count={count}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                ["dd", *args, f"bs={BS}", f"count={count}"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
         )
     if any(p.wait() for p in procs):
@@ -113,7 +117,9 @@ def main() -> None:
     nbytes = int(args.gib * 2**30) // BS * BS
     work = Path(tempfile.mkdtemp(prefix="nvme-bench-", dir=args.dir))
     source = Path("/dev/shm") / f"nvme-bench-{os.getpid()}"
-    buf = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # page-aligned, like the pool's slabs
+    buf = torch.frombuffer(
+        mmap.mmap(-1, nbytes), dtype=torch.uint8
+    )  # page-aligned, like the pool's slabs
     buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))  # incompressible
     source.write_bytes(buf.numpy().tobytes())
     times: dict[str, list[float]] = {}
@@ -144,7 +150,9 @@ def main() -> None:
     for op in ("write", "read"):
         raw = [gbps[f"{s}_{op}"] for s in ("dd", "fio") if f"{s}_{op}" in gbps]
         best = max(raw)
-        line = "  ".join(f"{s} {gbps[f'{s}_{op}']:.2f}" for s in ("dd", "fio") if f"{s}_{op}" in gbps)
+        line = "  ".join(
+            f"{s} {gbps[f'{s}_{op}']:.2f}" for s in ("dd", "fio") if f"{s}_{op}" in gbps
+        )
         print(
             f"{op:5s}  engine {gbps[f'engine_{op}']:.2f} GB/s   raw: {line} GB/s   "
             f"engine / best raw {gbps[f'engine_{op}'] / best:.2f} (goal >= 0.9)"

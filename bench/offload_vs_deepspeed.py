@@ -80,23 +80,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("overrides", nargs="*", help="extra key=value config overrides for both sides (applied last)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="extra key=value config overrides for both sides (applied last)",
+    )
     p.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
     p.add_argument("--nproc", type=int, default=1, help="ranks (world size) for both sides")
-    p.add_argument("--devices", default="nvme,cpu", help="offload devices to compare, in this order")
-    p.add_argument("--sides", default="deepspeed,strata", help="which workers to run (first run's order)")
+    p.add_argument(
+        "--devices", default="nvme,cpu", help="offload devices to compare, in this order"
+    )
+    p.add_argument(
+        "--sides", default="deepspeed,strata", help="which workers to run (first run's order)"
+    )
     p.add_argument(
         "--rounds",
         type=int,
         default=1,
         help="runs of each side per device; which side goes first alternates run by run",
     )
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per run (timed: steps 3..N)")
+    p.add_argument(
+        "--steps", type=int, default=8, help="optimizer steps per run (timed: steps 3..N)"
+    )
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--global-batch", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-4, help="optim.lr (configs/tiny.yaml's 3e-3 spikes at 100M)")
+    p.add_argument(
+        "--lr", type=float, default=3e-4, help="optim.lr (configs/tiny.yaml's 3e-3 spikes at 100M)"
+    )
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument(
         "--threads",
@@ -104,8 +116,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="torch threads per rank (default: CPUs / nproc; torchrun alone would give 1)",
     )
-    p.add_argument("--host-buffer-mb", type=float, default=64, help="Strata: offload.host_buffer_mb")
-    p.add_argument("--slab-mb", type=float, default=4, help="Strata: offload.slab_mb (also DeepSpeed's aio block_size)")
+    p.add_argument(
+        "--host-buffer-mb", type=float, default=64, help="Strata: offload.host_buffer_mb"
+    )
+    p.add_argument(
+        "--slab-mb",
+        type=float,
+        default=4,
+        help="Strata: offload.slab_mb (also DeepSpeed's aio block_size)",
+    )
     p.add_argument(
         "--ds-optimizer",
         choices=("torch", "cpu_adam"),
@@ -119,7 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="DeepSpeed zero_optimization.sub_group_size in elements, for both devices (default: 1e7 for "
         "nvme, its lowest-memory working setting here; DeepSpeed's own 1e9 for cpu, its fastest)",
     )
-    p.add_argument("--ds-param-buffers", type=int, default=5, help="DeepSpeed offload_param.buffer_count")
+    p.add_argument(
+        "--ds-param-buffers", type=int, default=5, help="DeepSpeed offload_param.buffer_count"
+    )
     p.add_argument(
         "--ds-optim-buffers",
         type=int,
@@ -127,21 +148,30 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="DeepSpeed offload_optimizer.buffer_count, buffers of one sub-group each (its default 4, and "
         "8, run out with pipelined swapping of more than one sub-group)",
     )
-    p.add_argument("--rtol", type=float, default=1e-5, help="losses must be allclose(strata, deepspeed, rtol, atol=0)")
+    p.add_argument(
+        "--rtol",
+        type=float,
+        default=1e-5,
+        help="losses must be allclose(strata, deepspeed, rtol, atol=0)",
+    )
     p.add_argument(
         "--swap-dir",
         type=Path,
         default=None,
         help="parent of the runs' nvme_path directories (default: a temp dir under $TMPDIR or /tmp)",
     )
-    p.add_argument("--allow-tmpfs", action="store_true", help="accept a --swap-dir on tmpfs (no real disk I/O)")
+    p.add_argument(
+        "--allow-tmpfs", action="store_true", help="accept a --swap-dir on tmpfs (no real disk I/O)"
+    )
     p.add_argument(
         "--allow-inactive-offload",
         action="store_true",
         help="run Strata even when its trainer has no offload tiers (then it is plain ZeRO-3; labelled so)",
     )
     p.add_argument("--timeout", type=int, default=600, help="seconds per worker run")
-    p.add_argument("--out", type=Path, default=None, help="also write everything measured as JSON here")
+    p.add_argument(
+        "--out", type=Path, default=None, help="also write everything measured as JSON here"
+    )
     p.add_argument("--verbose", action="store_true", help="stream the workers' output")
     return p.parse_args(argv)
 
@@ -160,7 +190,9 @@ def fs_type(path: Path) -> str:
     return kind
 
 
-def prepare_ops(devices: list[str], ds_optimizer: str, run_deepspeed: bool) -> tuple[list[str], dict]:
+def prepare_ops(
+    devices: list[str], ds_optimizer: str, run_deepspeed: bool
+) -> tuple[list[str], dict]:
     """Loads (building once, if not cached) the DeepSpeed ops the runs need, here rather than in a
     timed worker. Drops nvme when DeepSpeed's async_io op cannot work here, printing the reason."""
     info: dict = {}
@@ -189,12 +221,16 @@ def prepare_ops(devices: list[str], ds_optimizer: str, run_deepspeed: bool) -> t
             t = time.perf_counter()
             builder.load(verbose=False)
             info["async_io"] = {"compatible": True, "load_s": round(time.perf_counter() - t, 1)}
-            print(f"DeepSpeed async_io op ready in {info['async_io']['load_s']} s (a build, not cached, takes ~189 s)")
+            print(
+                f"DeepSpeed async_io op ready in {info['async_io']['load_s']} s (a build, not cached, takes ~189 s)"
+            )
     if ds_optimizer == "cpu_adam":
         t = time.perf_counter()
         CPUAdamBuilder().load(verbose=False)
         info["cpu_adam"] = {"load_s": round(time.perf_counter() - t, 1)}
-        print(f"DeepSpeed cpu_adam op ready in {info['cpu_adam']['load_s']} s (a build takes ~44 s)")
+        print(
+            f"DeepSpeed cpu_adam op ready in {info['cpu_adam']['load_s']} s (a build takes ~44 s)"
+        )
     return devices, info
 
 
@@ -254,7 +290,11 @@ def offload_summary(runs: list[dict]) -> dict:
     for name in ("io_read_bytes", "io_write_bytes"):
         if any(name in m for m in metrics):
             tiers[name + "_per_step"] = sum(m.get(name, 0) for m in metrics) / steps
-    host_peaks = [r["offload_metrics"].get("host_peak_bytes") for r in first["ranks"] if r.get("offload_metrics")]
+    host_peaks = [
+        r["offload_metrics"].get("host_peak_bytes")
+        for r in first["ranks"]
+        if r.get("offload_metrics")
+    ]
     if any(h is not None for h in host_peaks):
         tiers["host_peak_bytes"] = max(h for h in host_peaks if h is not None)
     return {
@@ -276,7 +316,12 @@ def offload_summary(runs: list[dict]) -> dict:
 
 
 def losses_match(a: list[float], b: list[float], rtol: float) -> bool:
-    return torch.allclose(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64), rtol=rtol, atol=0)
+    return torch.allclose(
+        torch.tensor(a, dtype=torch.float64),
+        torch.tensor(b, dtype=torch.float64),
+        rtol=rtol,
+        atol=0,
+    )
 
 
 def failure_reason(text: str) -> str:
@@ -303,12 +348,18 @@ def fmt_bytes(n) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    command = shlex.join([sys.executable, "bench/offload_vs_deepspeed.py", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(
+        [sys.executable, "bench/offload_vs_deepspeed.py", *(sys.argv[1:] if argv is None else argv)]
+    )
     sides = args.sides.split(",")
     devices = args.devices.split(",")
-    unknown = [d for d in devices if d not in DEVICES] + [s for s in sides if s not in ("deepspeed", "strata")]
+    unknown = [d for d in devices if d not in DEVICES] + [
+        s for s in sides if s not in ("deepspeed", "strata")
+    ]
     if unknown:
-        raise SystemExit(f"unknown device(s)/side(s) {unknown}: devices are {DEVICES}, sides deepspeed and strata")
+        raise SystemExit(
+            f"unknown device(s)/side(s) {unknown}: devices are {DEVICES}, sides deepspeed and strata"
+        )
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
     shared = argparse.Namespace(
         **{
@@ -324,10 +375,14 @@ def main(argv=None) -> int:
     overrides = bench_overrides(shared) + ZERO3  # DeepSpeed is ZeRO-3 whatever the zero.* keys say
     cfg = config_mod.load(args.config, overrides, world_size=args.nproc)
     if not cfg.data.path:  # prepare the built-in corpus once, here, and point both sides at it
-        overrides.append(f"data.path={ensure_default_corpus(cfg.data.cache_dir, cfg.data.val_fraction)}")
+        overrides.append(
+            f"data.path={ensure_default_corpus(cfg.data.cache_dir, cfg.data.val_fraction)}"
+        )
     for device in devices:  # fail here, not in a worker
         config_mod.load(
-            args.config, overrides + offload_overrides(args, device, Path("/nonexistent")), world_size=args.nproc
+            args.config,
+            overrides + offload_overrides(args, device, Path("/nonexistent")),
+            world_size=args.nproc,
         )
     cfg = config_mod.load(args.config, overrides, world_size=args.nproc)
 
@@ -373,13 +428,17 @@ def main(argv=None) -> int:
                         run = run_worker(
                             side,
                             args,
-                            overrides + offload_overrides(args, device, nvme_path) + worker_flags(args, device),
+                            overrides
+                            + offload_overrides(args, device, nvme_path)
+                            + worker_flags(args, device),
                             tmp / f"{device}-{side}-{r}.json",
                             tmp,
                         )
                     except (SystemExit, subprocess.TimeoutExpired) as e:
                         errors[device][side] = str(e.code if isinstance(e, SystemExit) else e)
-                        print(f"  {side} FAILED: {failure_reason(errors[device][side])}", flush=True)
+                        print(
+                            f"  {side} FAILED: {failure_reason(errors[device][side])}", flush=True
+                        )
                         continue
                     finally:
                         if nvme_path is not None:
@@ -449,7 +508,9 @@ def main(argv=None) -> int:
             print(
                 "  peak RSS above baseline per rank (MiB): "
                 + "; ".join(
-                    f"{side} " + " ".join(mib(x) for x in r["peak"]) + f" (sum {mib(r['sum_peak'])})"
+                    f"{side} "
+                    + " ".join(mib(x) for x in r["peak"])
+                    + f" (sum {mib(r['sum_peak'])})"
                     for side, r in res.items()
                 )
             )
@@ -457,7 +518,8 @@ def main(argv=None) -> int:
             print(
                 "  per-round median step ms: "
                 + "; ".join(
-                    f"{side} " + " ".join(f"{t * 1e3:.0f}" for t in r["round_median_step_s"]) for side, r in res.items()
+                    f"{side} " + " ".join(f"{t * 1e3:.0f}" for t in r["round_median_step_s"])
+                    for side, r in res.items()
                 )
             )
         if "deepspeed" in res:
@@ -485,7 +547,9 @@ def main(argv=None) -> int:
             )
         print(
             "loss per step: "
-            + "; ".join(f"{side} " + " ".join(f"{x:.6f}" for x in r["losses"]) for side, r in res.items())
+            + "; ".join(
+                f"{side} " + " ".join(f"{x:.6f}" for x in r["losses"]) for side, r in res.items()
+            )
         )
         for side, r in res.items():
             if not r["rounds_identical"]:

@@ -69,7 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--steps-per-round", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps of each side before the rounds")
+    p.add_argument(
+        "--warmup", type=int, default=5, help="untimed steps of each side before the rounds"
+    )
     p.add_argument(
         "--check-steps",
         type=int,
@@ -96,7 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="A/A run: a second plain loop, built where the Trainer would be, takes Strata's place; "
         "the ratio then shows the measurement's noise floor",
     )
-    p.add_argument("--json", type=Path, default=None, help="also write the raw per-step times and losses here")
+    p.add_argument(
+        "--json", type=Path, default=None, help="also write the raw per-step times and losses here"
+    )
     p.add_argument("--check", action="store_true", help=f"exit 1 if the ratio exceeds {GOAL}")
     return p.parse_args(argv)
 
@@ -133,7 +137,9 @@ def strata_config(args, data_dir: Path, total_steps: int, run_root: Path) -> con
 class PlainLoop:
     """The peer: what one would write by hand around the same module, optimizer and data."""
 
-    def __init__(self, cfg: config_mod.Config, data_dir: Path, device: torch.device, prebuilt_steps: int = 0):
+    def __init__(
+        self, cfg: config_mod.Config, data_dir: Path, device: torch.device, prebuilt_steps: int = 0
+    ):
         m, o, t = cfg.model, cfg.optim, cfg.train
         self.device, self.seq_len, self.seed = device, m.seq_len, t.seed
         self.micro, self.accum = t.micro_batch_size, t.global_batch_size // t.micro_batch_size
@@ -155,7 +161,9 @@ class PlainLoop:
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ]
         kernel = {"fused": True} if o.impl in ("fused", "auto") else {"foreach": True}
-        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kernel)
+        self.optimizer = torch.optim.AdamW(
+            groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kernel
+        )
         self.params = params
         self.prebuilt = [self.read_step() for _ in range(prebuilt_steps)]
 
@@ -228,7 +236,9 @@ def main(argv=None) -> int:
         # The Trainer is built first, then the peer (an --aa run puts a second peer in its place).
         trainer = PlainLoop(cfg, data_dir, device) if args.aa else Trainer(cfg, rt)
         plain = PlainLoop(cfg, data_dir, device, n_steps if args.plain_data == "prebuilt" else 0)
-        torch.set_num_threads(args.threads)  # both sides see the same setting (Trainer also sets it)
+        torch.set_num_threads(
+            args.threads
+        )  # both sides see the same setting (Trainer also sets it)
 
         n_params = sum(p.numel() for p in trainer.model.params)
         print(
@@ -238,7 +248,9 @@ def main(argv=None) -> int:
             f"AdamW {'fused' if cfg.optim.impl != 'foreach' else 'foreach'}, peer data: {args.plain_data}"
         )
         if args.aa:
-            print("  A/A run: the 'strata' side is a second plain loop; the ratio is the noise floor")
+            print(
+                "  A/A run: the 'strata' side is a second plain loop; the ratio is the noise floor"
+            )
         print(
             f"  {args.check_steps} check + {args.warmup} warmup steps, then {args.rounds} rounds x {k} steps "
             f"of each side, alternating which goes first"
@@ -268,7 +280,9 @@ def main(argv=None) -> int:
             this_round = {side: run(side, k) for side in order}
             for side, ts in this_round.items():
                 step_times[side] += ts
-            round_ratios.append(statistics.median(this_round["strata"]) / statistics.median(this_round["plain"]))
+            round_ratios.append(
+                statistics.median(this_round["strata"]) / statistics.median(this_round["plain"])
+            )
 
     print("\nloss check (same model, data, optimizer and schedule on both sides):")
     for i in range(min(args.check_steps, len(losses["plain"]))):
@@ -298,7 +312,9 @@ def main(argv=None) -> int:
     print(f"\nstep time, median of {len(step_times['plain'])} steps each:")
     for side in ("plain", "strata"):
         ts = step_times[side]
-        print(f"  {side:6s} {med[side] * 1e3:8.2f} ms   (min {min(ts) * 1e3:.2f}, max {max(ts) * 1e3:.2f})")
+        print(
+            f"  {side:6s} {med[side] * 1e3:8.2f} ms   (min {min(ts) * 1e3:.2f}, max {max(ts) * 1e3:.2f})"
+        )
     print(f"  ratio of medians strata/plain: {ratio:.3f}")
     cpu_med = {side: statistics.median(ts) for side, ts in cpu_times.items()}
     print(
@@ -306,7 +322,9 @@ def main(argv=None) -> int:
         f"{cpu_med['strata'] * 1e3:.2f} ms, ratio {cpu_med['strata'] / cpu_med['plain']:.3f}"
     )
     q1, q2, q3 = (
-        statistics.quantiles(round_ratios, n=4, method="inclusive") if len(round_ratios) > 1 else round_ratios * 3
+        statistics.quantiles(round_ratios, n=4, method="inclusive")
+        if len(round_ratios) > 1
+        else round_ratios * 3
     )
     print(
         f"  per-round ratio over {args.rounds} rounds: median {q2:.3f}, interquartile {q1:.3f}-{q3:.3f}, "

@@ -95,7 +95,9 @@ def stages_of_rank(rank: int, pp: int, virtual: int, style: str) -> list[int]:
     return [k * pp + rank for k in range(virtual)]
 
 
-def theory_bubble(name: str, pp: int, microbatches: int, t_f: float, t_bi: float, t_w: float) -> float:
+def theory_bubble(
+    name: str, pp: int, microbatches: int, t_f: float, t_bi: float, t_w: float
+) -> float:
     """Bubble time / compute time per rank that theory gives for `name` (t_f, t_bi, t_w: forward,
     input-gradient and weight-gradient seconds per micro-batch and rank).
 
@@ -156,7 +158,15 @@ class TimedStage(pipelining.PipelineStage):
     def _timed(self, kind: str, mb: int, fn, *args: Any, **kwargs: Any):
         start = time.perf_counter()
         out = fn(mb, *args, **kwargs)
-        self.log.append({"kind": kind, "stage": self.stage_index, "mb": mb, "start": start, "end": time.perf_counter()})
+        self.log.append(
+            {
+                "kind": kind,
+                "stage": self.stage_index,
+                "mb": mb,
+                "start": start,
+                "end": time.perf_counter(),
+            }
+        )
         return out
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any):
@@ -183,9 +193,14 @@ class _Runner:
         t_f, t_b = cfg["t_forward"] / v, cfg["t_backward"] / v
         t_w = t_b * cfg["w_fraction"] if self.spec.split_backward else 0.0
         own = stages_of_rank(rank, pp, v, self.spec.style)
-        self.stages = [TimedStage(SyntheticStage(t_f, t_b - t_w, t_w), s, n_stages, torch.device("cpu")) for s in own]
+        self.stages = [
+            TimedStage(SyntheticStage(t_f, t_b - t_w, t_w), s, n_stages, torch.device("cpu"))
+            for s in own
+        ]
         cls = getattr(pipelining, self.spec.cls)
-        self.schedule = cls(self.stages if v > 1 else self.stages[0], n_microbatches=m, loss_fn=_loss)
+        self.schedule = cls(
+            self.stages if v > 1 else self.stages[0], n_microbatches=m, loss_fn=_loss
+        )
         x, target = torch.randn(m, WIDTH), torch.zeros(m, WIDTH)
         self.args = (x,) if 0 in own else ()
         self.target = target if n_stages - 1 in own else None
@@ -214,12 +229,18 @@ class _Runner:
             "pp": pp,
             "virtual_stages": v,
             "microbatches": self.cfg["microbatches"],
-            "stage_map": {str(s): r for r in range(pp) for s in stages_of_rank(r, pp, v, self.spec.style)},
+            "stage_map": {
+                str(s): r for r in range(pp) for s in stages_of_rank(r, pp, v, self.spec.style)
+            },
             "t_forward": self.cfg["t_forward"],
             "t_backward": self.cfg["t_backward"],
             "w_fraction": self.cfg["w_fraction"] if self.spec.split_backward else 0.0,
             "ranks": [
-                [{**a, "start": a["start"] - origin, "end": a["end"] - origin} for a in r["actions"]] for r in everyone
+                [
+                    {**a, "start": a["start"] - origin, "end": a["end"] - origin}
+                    for a in r["actions"]
+                ]
+                for r in everyone
             ],
             "step_time": max(r["end"] for r in everyone) - origin,
         }
@@ -231,7 +252,9 @@ def _worker(rank: int, cfg: dict[str, Any], port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    dist.init_process_group("gloo", rank=rank, world_size=cfg["pp"], timeout=datetime.timedelta(seconds=cfg["timeout"]))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=cfg["pp"], timeout=datetime.timedelta(seconds=cfg["timeout"])
+    )
     try:
         names = list(cfg["schedules"])
         runners = {name: _Runner(name, rank, cfg) for name in names}
@@ -299,11 +322,15 @@ def replay_step_time(record: dict[str, Any]) -> float:
                 free[r] = done[(a["kind"], a["stage"], a["mb"])] = start + a["end"] - a["start"]
                 progressed = True
         if not progressed:
-            raise RuntimeError(f"{record['schedule']}: recorded order deadlocks on {[q[0] for q in queues if q]}")
+            raise RuntimeError(
+                f"{record['schedule']}: recorded order deadlocks on {[q[0] for q in queues if q]}"
+            )
     return max(free)
 
 
-def summarize(records: list[dict[str, Any]], pp: int, m: int, t_f: float, t_b: float) -> dict[str, Any]:
+def summarize(
+    records: list[dict[str, Any]], pp: int, m: int, t_f: float, t_b: float
+) -> dict[str, Any]:
     """Figures of one schedule from its measured steps; `record` is the median step's record."""
     record = sorted(records, key=lambda r: r["step_time"])[len(records) // 2]
     replay = replay_step_time(record)
@@ -335,13 +362,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks (processes), P")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step, M")
-    p.add_argument("--t-forward", type=float, default=0.02, help="forward seconds per micro-batch per rank")
-    p.add_argument("--t-backward", type=float, default=0.04, help="backward seconds per micro-batch per rank")
+    p.add_argument(
+        "--t-forward", type=float, default=0.02, help="forward seconds per micro-batch per rank"
+    )
+    p.add_argument(
+        "--t-backward", type=float, default=0.04, help="backward seconds per micro-batch per rank"
+    )
     p.add_argument(
         "--w-fraction",
         type=float,
         default=0.5,
-        help="share of the backward that is weight-gradient work (deferred as W by zero-bubble schedules)",
+        help="share of the backward that is weight-gradient work (deferred as W by zero-bubble "
+        "schedules)",
     )
     p.add_argument(
         "--steps",
@@ -350,9 +382,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="measured rounds, one step of each schedule per round (the median step is reported)",
     )
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per schedule first")
-    p.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated subset of {', '.join(SCHEDULES)}")
-    p.add_argument("--record-dir", type=Path, help="write the median step's timeline per schedule here (JSON)")
-    p.add_argument("--timeout", type=int, default=60, help="process-group timeout (s): a hang fails fast")
+    p.add_argument(
+        "--schedules",
+        default=",".join(SCHEDULES),
+        help=f"comma-separated subset of {', '.join(SCHEDULES)}",
+    )
+    p.add_argument(
+        "--record-dir", type=Path, help="write the median step's timeline per schedule here (JSON)"
+    )
+    p.add_argument(
+        "--timeout", type=int, default=60, help="process-group timeout (s): a hang fails fast"
+    )
     p.add_argument(
         "--check",
         action="store_true",
@@ -384,9 +424,12 @@ def main(argv: list[str] | None = None) -> int:
         "timeout": args.timeout,
     }
     print(
-        f"bench/pipeline_schedule: P={pp} ranks (gloo, spawn), M={m} micro-batches, per micro-batch and rank "
-        f"t_f={t_f * 1e3:g} ms, t_b={t_b * 1e3:g} ms (W share {args.w_fraction:g} in zero-bubble schedules); "
-        f"ideal compute M·(t_f+t_b) = {m * (t_f + t_b) * 1e3:.0f} ms; {args.warmup} warm-up step(s) each + "
+        f"bench/pipeline_schedule: P={pp} ranks (gloo, spawn), M={m} micro-batches, per "
+        "micro-batch and rank "
+        f"t_f={t_f * 1e3:g} ms, t_b={t_b * 1e3:g} ms (W share {args.w_fraction:g} in zero-bubble "
+        "schedules); "
+        f"ideal compute M·(t_f+t_b) = {m * (t_f + t_b) * 1e3:.0f} ms; {args.warmup} warm-up "
+        "step(s) each + "
         f"{args.steps} measured rounds; torch {torch.__version__}"
     )
     load_start, t0 = os.getloadavg()[0], time.perf_counter()
@@ -394,19 +437,24 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - t0
 
     header = (
-        f"{'schedule':<22} {'V':>2} {'step ms':>8} {'idle':>6} {'idle th':>7} {'bubble':>7} {'theory':>7} {'replay':>7}"
+        f"{'schedule':<22} {'V':>2} {'step ms':>8} {'idle':>6} {'idle th':>7} {'bubble':>7} "
+        f"{'theory':>7} {'replay':>7}"
     )
     print(f"\n{header}\n{'-' * len(header)}")
     for r in results.values():
         print(
             f"{r['schedule']:<22} {r['V']:>2} {r['step_time'] * 1e3:>8.1f} {r['idle']:>6.3f} "
-            f"{r['theory_idle']:>7.3f} {r['bubble']:>7.3f} {r['theory']:>7.3f} {r['replay_bubble']:>7.3f}"
+            f"{r['theory_idle']:>7.3f} {r['bubble']:>7.3f} {r['theory']:>7.3f} "
+            f"{r['replay_bubble']:>7.3f}"
         )
     print(
-        "  step: median of the measured steps; idle: mean over ranks of 1 - busy/step (idle th = theory/(1+theory))\n"
+        "  step: median of the measured steps; idle: mean over ranks of 1 - busy/step (idle th = "
+        "theory/(1+theory))\n"
         "  bubble: mean over ranks of idle/busy; theory: (P-1)/(V·M) for 1F1B and interleaved,\n"
-        "  ZB1P (P-1)(t_F+t_B-t_W)/(V·M·(t_F+t_B+t_W)), ZBV the pipeline fill (P-1)·t_F/(V·M·(t_F+t_B+t_W)) "
-        "(paper: 'zero')\n  replay: the bubble of torch's recorded action order with the recorded durations and "
+        "  ZB1P (P-1)(t_F+t_B-t_W)/(V·M·(t_F+t_B+t_W)), ZBV the pipeline fill "
+        "(P-1)·t_F/(V·M·(t_F+t_B+t_W)) "
+        "(paper: 'zero')\n  replay: the bubble of torch's recorded action order with the recorded "
+        "durations and "
         "instant communication"
     )
 
@@ -414,7 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     if "1F1B" in results and "Interleaved1F1B" in results:
         v = SCHEDULES["Interleaved1F1B"].virtual
         ratio = results["Interleaved1F1B"]["step_time"] / results["1F1B"]["step_time"]
-        rounds = [a / b for a, b in zip(results["Interleaved1F1B"]["step_times"], results["1F1B"]["step_times"])]
+        rounds = [
+            a / b
+            for a, b in zip(results["Interleaved1F1B"]["step_times"], results["1F1B"]["step_times"])
+        ]
         expect = (1 + (pp - 1) / (v * m)) / (1 + (pp - 1) / m)
         print(
             f"\ninterleaved/1F1B step-time ratio = {ratio:.3f} (theory {expect:.3f}; per round "
@@ -425,15 +476,24 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"interleaved is not faster than 1F1B (ratio {ratio:.3f})")
     for r in results.values():
         if not within(r["idle"], r["theory_idle"]):
-            failures.append(f"{r['schedule']}: idle fraction {r['idle']:.3f} vs theory {r['theory_idle']:.3f}")
+            failures.append(
+                f"{r['schedule']}: idle fraction {r['idle']:.3f} vs theory {r['theory_idle']:.3f}"
+            )
     if args.record_dir:
         args.record_dir.mkdir(parents=True, exist_ok=True)
         for name, r in results.items():
             (args.record_dir / f"{name.lower()}.json").write_text(json.dumps(r["record"], indent=1))
         print(f"records: {args.record_dir}/{{{','.join(n.lower() for n in results)}}}.json")
     load_end, cpus = os.getloadavg()[0], os.cpu_count() or 1
-    busy_note = " (busy machine: wake-up delays inflate the bubbles)" if max(load_start, load_end) > cpus else ""
-    print(f"elapsed {elapsed:.1f} s; 1-min load average {load_start:.2f} -> {load_end:.2f} on {cpus} CPUs{busy_note}")
+    busy_note = (
+        " (busy machine: wake-up delays inflate the bubbles)"
+        if max(load_start, load_end) > cpus
+        else ""
+    )
+    print(
+        f"elapsed {elapsed:.1f} s; 1-min load average {load_start:.2f} -> {load_end:.2f} on "
+        f"{cpus} CPUs{busy_note}"
+    )
     if failures:
         print("outside the expected range:\n  " + "\n  ".join(failures))
     return 1 if args.check and failures else 0

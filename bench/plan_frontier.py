@@ -22,8 +22,21 @@ from strata.plan.timing import estimate_time  # noqa: E402
 
 VOCAB = 51200
 MODELS = {  # GPT-3 175B and the 1T model of Narayanan et al., with the Frontier runs' tp·pp (Dash et al.)
-    "175B": (["model.n_layers=96", "model.d_model=12288", "model.n_heads=96", "model.ffn_hidden=32768"], 128, (4, 16)),
-    "1T": (["model.n_layers=128", "model.d_model=25600", "model.n_heads=160", "model.ffn_hidden=68272"], 384, (4, 128)),
+    "175B": (
+        ["model.n_layers=96", "model.d_model=12288", "model.n_heads=96", "model.ffn_hidden=32768"],
+        128,
+        (4, 16),
+    ),
+    "1T": (
+        [
+            "model.n_layers=128",
+            "model.d_model=25600",
+            "model.n_heads=160",
+            "model.ffn_hidden=68272",
+        ],
+        384,
+        (4, 128),
+    ),
 }
 COMMON = [
     "model.seq_len=2048",
@@ -39,12 +52,18 @@ def rows(name: str) -> list[str]:
     keys, nodes, paper = MODELS[name]
     cluster = preset("frontier", nodes)
     out = []
-    for label, (tp, pp) in {"tp1 pp1 (ZeRO only)": (1, 1), f"tp{paper[0]} pp{paper[1]}": paper}.items():
+    for label, (tp, pp) in {
+        "tp1 pp1 (ZeRO only)": (1, 1),
+        f"tp{paper[0]} pp{paper[1]}": paper,
+    }.items():
         best = None
         for scheme, levels in ZERO_SCHEMES.items():
             changes = {"parallel.tp": tp, "parallel.pp": pp, "parallel.sequence_parallel": tp > 1}
             changes.update(
-                {f"zero.{k}.shard_over": v for k, v in zip(("params", "grads", "optim", "secondary_params"), levels)}
+                {
+                    f"zero.{k}.shard_over": v
+                    for k, v in zip(("params", "grads", "optim", "secondary_params"), levels)
+                }
             )
             cfg = with_layout(config.load(None, [*keys, *COMMON]), cluster, changes)
             problems = config.cross_problems(cfg, cluster.world_size)
@@ -60,7 +79,9 @@ def rows(name: str) -> list[str]:
             figures = f"{device} | {est.step_s:.1f} | {est.mfu:.1%} | {level_bytes}"
             out.append(f"| {name} | {label} | {scheme} | {where} | {figures} |")
         if best:
-            out.append(f"| {name} | {label} | **plan picks {best[0]}** | | | {best[1]:.1f} | | | | |")
+            out.append(
+                f"| {name} | {label} | **plan picks {best[0]}** | | | {best[1]:.1f} | | | | |"
+            )
     return out
 
 

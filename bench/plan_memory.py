@@ -26,7 +26,10 @@ from memory_probe import LAYOUTS, UNCOMPARED, compare, run_probe  # noqa: E402
 
 def table(measured: dict[str, list[dict]], nvme_dir: str | Path) -> tuple[list[str], float]:
     """Markdown lines and the largest |error| (a share) over the compared rows that have a measurement."""
-    lines = ["| layout | stage | kind | predicted | measured | error % |", "| --- | --- | --- | ---: | ---: | ---: |"]
+    lines = [
+        "| layout | stage | kind | predicted | measured | error % |",
+        "| --- | --- | --- | ---: | ---: | ---: |",
+    ]
     worst = 0.0
     for name, ranks in measured.items():
         rows: dict[tuple[int, str], dict] = {}
@@ -38,9 +41,13 @@ def table(measured: dict[str, list[dict]], nvme_dir: str | Path) -> tuple[list[s
             err = row["error"]
             compared = kind.split("/")[0] not in UNCOMPARED
             worst = max(worst, abs(err)) if compared else worst
-            shown = ("n/a" if math.isinf(err) else f"{100 * err:+.1f}") + ("" if compared else " (not compared)")
+            shown = ("n/a" if math.isinf(err) else f"{100 * err:+.1f}") + (
+                "" if compared else " (not compared)"
+            )
             flag = "" if row["ok"] else " ✗"
-            lines.append(f"| {name} | {stage} | {kind} | {row['predicted']:,} | {row['measured']:,} | {shown}{flag} |")
+            lines.append(
+                f"| {name} | {stage} | {kind} | {row['predicted']:,} | {row['measured']:,} | {shown}{flag} |"
+            )
     return lines, worst
 
 

@@ -148,7 +148,9 @@ class Run:
     recompute: bool
     published_tflops: float  # per rank, in the source's counting
     published_pct: float  # of peak, as the source prints it
-    counted_passes: int  # passes over each transformer layer in the source's count: 4 (recompute) or 3
+    counted_passes: (
+        int  # passes over each transformer layer in the source's count: 4 (recompute) or 3
+    )
     overlap_grad_reduce: bool = True
     zero1: bool = False
     attention: str = "fused"  # "unfused": the score matrix goes through memory (Megatron-LM before flash attention)
@@ -273,7 +275,16 @@ FRONTIER: list[Run] = [
 
 
 def _megatron_h100(
-    name: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int, tflops: float, mfu: int
+    name: str,
+    heads: int,
+    hidden: int,
+    layers: int,
+    tp: int,
+    pp: int,
+    gpus: int,
+    batch: int,
+    tflops: float,
+    mfu: int,
 ) -> Run:
     return Run(
         name=name,
@@ -418,7 +429,11 @@ def table(comparisons: list[Comparison], parts: bool = False) -> str:
     rows = [head, "|" + " --- |" * 9]
     for c in comparisons:
         r = c.run
-        verdict = ("yes" if c.within else "**no**") if r.asserted else ("(yes)" if c.within else "(no)") + " indicative"
+        verdict = (
+            ("yes" if c.within else "**no**")
+            if r.asserted
+            else ("(yes)" if c.within else "(no)") + " indicative"
+        )
         rows.append(
             f"| {r.name} ({r.system}) | {r.source} | {r.ranks} | {layout(r)} | {r.published_tflops:.1f} "
             f"({r.published_pct:g} %) | {c.predicted_tflops:.1f} | {c.ratio:.2f} | {verdict} "
@@ -426,7 +441,10 @@ def table(comparisons: list[Comparison], parts: bool = False) -> str:
         )
     out = "\n".join(rows)
     if parts:
-        lines = ["| model | system | step published s | step predicted s | parts (s) |", "|" + " --- |" * 5]
+        lines = [
+            "| model | system | step published s | step predicted s | parts (s) |",
+            "|" + " --- |" * 5,
+        ]
         for c in comparisons:
             p = ", ".join(f"{k} {v:.3g}" for k, v in c.estimate.parts.items() if v > 0)
             lines.append(
@@ -438,7 +456,9 @@ def table(comparisons: list[Comparison], parts: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("--parts", action="store_true", help="also print each prediction's parts")
     args = ap.parse_args(argv)
     comparisons = [compare(r) for r in RUNS]

@@ -84,7 +84,11 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "zero.optim.shard_over": G,
         "zero.hierarchical": False,
     },
-    "dp4-zero3-hier": {"zero.params.shard_over": "node", "zero.grads.shard_over": G, "zero.optim.shard_over": G},
+    "dp4-zero3-hier": {
+        "zero.params.shard_over": "node",
+        "zero.grads.shard_over": G,
+        "zero.optim.shard_over": G,
+    },
     "tp2-dp2": {"parallel.tp": 2},
     "pp2-dp2": {"parallel.pp": 2, "train.micro_batch_size": 4},
     "tp2-pp2": {"parallel.tp": 2, "parallel.pp": 2},
@@ -128,7 +132,10 @@ def configure(ranks_per_node: int) -> None:
 
 def overrides(layout: str, extra: dict[str, Any] | None = None) -> list[str]:
     values = BASE | LAYOUTS[layout] | (extra or {})
-    return [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+    return [
+        f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
+        for k, v in values.items()
+    ]
 
 
 def layout_config(layout: str) -> config_mod.Config:
@@ -143,7 +150,9 @@ def wait_for_idle(max_load: float, patience_s: float) -> float:
         if load < max_load:
             return load
         if time.monotonic() > deadline:
-            print(f"warning: load average {load:.2f} still >= {max_load} after {patience_s:.0f} s; measuring anyway")
+            print(
+                f"warning: load average {load:.2f} still >= {max_load} after {patience_s:.0f} s; measuring anyway"
+            )
             return load
         print(f"load average {load:.2f} >= {max_load}: waiting", flush=True)
         time.sleep(20)
@@ -155,13 +164,25 @@ def measure_link(cluster: Cluster, env: dict[str, str], mb: float, repeats: int,
     res = {}
     for nproc in sorted({1, RANKS_PER_NODE}):
         out = tmp / f"link{nproc}.json"
-        cluster.torchrun(nproc, [worker, "--mb", str(mb), "--repeats", str(repeats), "--out", str(out)], env, 300, ROOT)
+        cluster.torchrun(
+            nproc,
+            [worker, "--mb", str(mb), "--repeats", str(repeats), "--out", str(out)],
+            env,
+            300,
+            ROOT,
+        )
         res[f"{nproc}_per_node"] = json.loads(out.read_text())
     return res
 
 
 def measure_layout(
-    cluster: Cluster, layout: str, warmup: int, steps: int, env: dict[str, str], tmp: Path, timeout_s: float
+    cluster: Cluster,
+    layout: str,
+    warmup: int,
+    steps: int,
+    env: dict[str, str],
+    tmp: Path,
+    timeout_s: float,
 ) -> dict:
     """Train `layout` for warmup + steps steps with `strata train` on every node; its step times."""
     extra = {"train.steps": warmup + steps, "log.dir": str(tmp / "runs"), "log.name": layout}
@@ -171,7 +192,10 @@ def measure_layout(
     argv = ["-m", "strata.launch.cli", "train", str(experiment), *overrides(layout, extra)]
     cluster.torchrun(RANKS_PER_NODE, argv, env, timeout_s, ROOT)
     wall = time.perf_counter() - start
-    records = [json.loads(line) for line in (tmp / "runs" / layout / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line)
+        for line in (tmp / "runs" / layout / "metrics.jsonl").read_text().splitlines()
+    ]
     per_step = {r["step"]: r for r in records if "step_time_s" in r}
     timed = [per_step[s]["step_time_s"] for s in sorted(per_step) if s > warmup]
     cfg = layout_config(layout)
@@ -183,7 +207,9 @@ def measure_layout(
         "step_s": step_s,
         "step_times_s": timed,
         "warmup_times_s": [per_step[s]["step_time_s"] for s in sorted(per_step) if s <= warmup],
-        "rank0_wire_bytes_per_step": {k: statistics.fmean(w.get(k, 0.0) for w in wire) for k in wire[0]}
+        "rank0_wire_bytes_per_step": {
+            k: statistics.fmean(w.get(k, 0.0) for w in wire) for k in wire[0]
+        }
         if wire
         else {},
         "overrides": overrides(layout),
@@ -226,10 +252,15 @@ def measure(args: argparse.Namespace) -> dict:
         for name in layouts:
             result["loads"][name] = wait_for_idle(args.max_load, args.patience)
             r = measure_layout(cluster, name, args.warmup, args.steps, env, tmp, args.timeout)
-            r["load_after"] = float(Path("/proc/loadavg").read_text().split()[0])  # this run's own 4 ranks included
+            r["load_after"] = float(
+                Path("/proc/loadavg").read_text().split()[0]
+            )  # this run's own 4 ranks included
             result["layouts"][name] = r
             times = ", ".join(f"{t:.2f}" for t in r["step_times_s"])
-            print(f"{name}: {r['step_s']:.2f} s/step (steps {times}; load {result['loads'][name]:.2f})", flush=True)
+            print(
+                f"{name}: {r['step_s']:.2f} s/step (steps {times}; load {result['loads'][name]:.2f})",
+                flush=True,
+            )
             if args.baseline:
                 cluster.shape(None)
                 b = measure_layout(cluster, name, args.warmup, args.steps, env, tmp, args.timeout)
@@ -244,7 +275,9 @@ def calibrate_compute(result: dict, tries: int = 1) -> None:
     fastest of `tries` (another process on the machine only ever slows a try down)."""
     from strata.trainer.calibrate import calibrate_local
 
-    cals = [calibrate_local(layout_config(CALIBRATION_LAYOUT), VOCAB, ranks=WORLD) for _ in range(tries)]
+    cals = [
+        calibrate_local(layout_config(CALIBRATION_LAYOUT), VOCAB, ranks=WORLD) for _ in range(tries)
+    ]
     cal = max(cals, key=lambda c: c.device.peak_tflops)
     result["calibration"] = {
         "layout": CALIBRATION_LAYOUT,
@@ -267,7 +300,12 @@ def plan_cluster(result: dict, link: dict) -> Any:
 
     c = result["calibration"]
     device = Device(
-        "cpu (calibrated)", c["mem_gib"], c["peak_tflops"], c["matmul_efficiency"], c["mem_bw_gbs"], measured=True
+        "cpu (calibrated)",
+        c["mem_gib"],
+        c["peak_tflops"],
+        c["matmul_efficiency"],
+        c["mem_bw_gbs"],
+        measured=True,
     )
     intra_lat = c["intra_node_latency_s"]
     return PlanCluster(
@@ -278,9 +316,14 @@ def plan_cluster(result: dict, link: dict) -> Any:
         inter_node_gbps=link["2_per_node"]["concurrent_one_way_gbps"]
         if RANKS_PER_NODE == 2
         else link["1_per_node"]["one_way_gbps"],
-        latency_s={"intra-gpu": intra_lat, "intra-node": intra_lat, "inter-node": link["1_per_node"]["latency_s"]},
+        latency_s={
+            "intra-gpu": intra_lat,
+            "intra-node": intra_lat,
+            "inter-node": link["1_per_node"]["latency_s"],
+        },
         cpu_adam_gparams_s=c["adam_gparams_s"],
-        shared_cores=WORLD > (os.cpu_count() or 1),  # both namespaced nodes are this machine's cores
+        shared_cores=WORLD
+        > (os.cpu_count() or 1),  # both namespaced nodes are this machine's cores
     )
 
 
@@ -369,7 +412,9 @@ def bytes_table(result: dict, cluster: Any) -> list[str]:
     for name, r in result["layouts"].items():
         pred = r["predicted_link_bytes"].get("inter-node", 0.0)
         counted = r.get("rank0_wire_bytes_per_step", {}).get("inter-node", 0.0)
-        lines.append(f"| {name} | {pred / 1e6:.2f} | {counted / 1e6:.2f} | {pred * RANKS_PER_NODE / bw:.2f} |")
+        lines.append(
+            f"| {name} | {pred / 1e6:.2f} | {counted / 1e6:.2f} | {pred * RANKS_PER_NODE / bw:.2f} |"
+        )
     return lines
 
 
@@ -407,22 +452,49 @@ def baseline_table(result: dict, shaped: Any) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", default="100mbit", help="tc rate of each node's link")
-    ap.add_argument("--ranks-per-node", type=int, default=2, choices=(1, 2), help="1: each rank a core of its own")
-    ap.add_argument("--layouts", default=None, help="comma-separated (default: every layout of the shape)")
+    ap.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=2,
+        choices=(1, 2),
+        help="1: each rank a core of its own",
+    )
+    ap.add_argument(
+        "--layouts", default=None, help="comma-separated (default: every layout of the shape)"
+    )
     ap.add_argument("--steps", type=int, default=6, help="timed steps per layout")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--link-mb", type=float, default=8.0, help="message size of the link calibration")
+    ap.add_argument(
+        "--link-mb", type=float, default=8.0, help="message size of the link calibration"
+    )
     ap.add_argument("--link-repeats", type=int, default=4)
-    ap.add_argument("--calibrations", type=int, default=3, help="local calibrations; the fastest is used")
-    ap.add_argument("--max-load", type=float, default=1.5, help="wait for the 1-minute load average to fall below")
-    ap.add_argument("--patience", type=float, default=600, help="seconds to wait for it before measuring anyway")
+    ap.add_argument(
+        "--calibrations", type=int, default=3, help="local calibrations; the fastest is used"
+    )
+    ap.add_argument(
+        "--max-load",
+        type=float,
+        default=1.5,
+        help="wait for the 1-minute load average to fall below",
+    )
+    ap.add_argument(
+        "--patience", type=float, default=600, help="seconds to wait for it before measuring anyway"
+    )
     ap.add_argument("--timeout", type=float, default=900, help="per layout run")
-    ap.add_argument("--baseline", action="store_true", help="also run every layout with the link unshaped")
-    ap.add_argument("--measured", help="a JSON from an earlier --out (or --measured-out): predict only, no runs")
-    ap.add_argument("--measured-out", default="/tmp/plantime/measured.json", help="the measurements alone")
+    ap.add_argument(
+        "--baseline", action="store_true", help="also run every layout with the link unshaped"
+    )
+    ap.add_argument(
+        "--measured", help="a JSON from an earlier --out (or --measured-out): predict only, no runs"
+    )
+    ap.add_argument(
+        "--measured-out", default="/tmp/plantime/measured.json", help="the measurements alone"
+    )
     ap.add_argument("--out", default="plan_time.json")
     args = ap.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the cluster's namespaces are removed on the way out
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # the cluster's namespaces are removed on the way out
     if args.measured:
         result = json.loads(Path(args.measured).read_text())
         configure(result.get("ranks_per_node", 2))

@@ -233,7 +233,9 @@ def environ_of(pid: int) -> dict[str, str] | None:
         return None
     if state == "Z":
         return None
-    return dict(item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return dict(
+        item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item
+    )
 
 
 def processes(marker: str, **env: str) -> dict[int, dict[str, str]]:
@@ -285,7 +287,12 @@ def cpu_by_role(marker: str, job: str) -> dict[str, float]:
     tick = os.sysconf("SC_CLK_TCK")
     for pid in processes(marker, STRATA_BENCH_JOB=job):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmd = (
+                Path(f"/proc/{pid}/cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
@@ -299,7 +306,14 @@ class Job:
     time-stamped line by line into <dir>/<node>.log."""
 
     def __init__(
-        self, args, marker: str, name: str, root: Path, settings: dict, max_restarts: int = 0, breakdown: bool = True
+        self,
+        args,
+        marker: str,
+        name: str,
+        root: Path,
+        settings: dict,
+        max_restarts: int = 0,
+        breakdown: bool = True,
     ):
         self.args, self.name, self.marker = args, name, marker
         self.dir = root / name
@@ -342,7 +356,9 @@ class Job:
             str(max_restarts),
         ]
         self.procs: dict[str, subprocess.Popen] = {}
-        self.lines: list[tuple[float, str, str]] = []  # (time, node, line) of every launcher's output
+        self.lines: list[
+            tuple[float, str, str]
+        ] = []  # (time, node, line) of every launcher's output
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
@@ -430,7 +446,9 @@ class Job:
             codes = {n: self.procs[n].poll() for n in self.nodes()}
             bad = {n: c for n, c in codes.items() if c not in (None, 0)}
             if bad:
-                raise RuntimeError(f"{self.name}: node(s) {bad} failed; see {self.dir}/*.log:\n{self.tail()}")
+                raise RuntimeError(
+                    f"{self.name}: node(s) {bad} failed; see {self.dir}/*.log:\n{self.tail()}"
+                )
             if until is None and all(c == 0 for c in codes.values()):
                 for t in self._threads:
                     t.join(timeout=5)
@@ -464,7 +482,9 @@ class Job:
                 pass
 
     def timings(self) -> list[dict]:
-        return [json.loads(p.read_text()) for p in sorted((self.dir / "timings").glob("timings-*.json"))]
+        return [
+            json.loads(p.read_text()) for p in sorted((self.dir / "timings").glob("timings-*.json"))
+        ]
 
     def events(self) -> list[dict]:
         out = []
@@ -475,7 +495,9 @@ class Job:
 
 def agents_stats(marker: str, job: str) -> list[dict]:
     """Every agent of the job's op "stats", reached through the socket its workers were given."""
-    sockets = sorted({e[SOCKET_ENV] for e in processes(marker, STRATA_BENCH_JOB=job).values() if SOCKET_ENV in e})
+    sockets = sorted(
+        {e[SOCKET_ENV] for e in processes(marker, STRATA_BENCH_JOB=job).values() if SOCKET_ENV in e}
+    )
     out = []
     for path in sockets:
         try:
@@ -507,11 +529,17 @@ def codec_bench(mib: int, reps: int, image_bytes: int) -> list[dict]:
     def row(what, times):
         best, med = times
         rows.append({"what": what, "best_gbps": n / best / 1e9, "median_gbps": n / med / 1e9})
-        print(f"  {what:<28} best {n / best / 1e9:6.2f} GB/s   median {n / med / 1e9:6.2f} GB/s", flush=True)
+        print(
+            f"  {what:<28} best {n / best / 1e9:6.2f} GB/s   median {n / med / 1e9:6.2f} GB/s",
+            flush=True,
+        )
 
     row("numpy.copyto", best_and_median(lambda: np.copyto(dst, src), reps))
     ts, td = torch.from_numpy(src), torch.from_numpy(dst)
-    row(f"torch copy_ ({torch.get_num_threads()} threads)", best_and_median(lambda: td.copy_(ts), reps))
+    row(
+        f"torch copy_ ({torch.get_num_threads()} threads)",
+        best_and_median(lambda: td.copy_(ts), reps),
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -527,9 +555,14 @@ def codec_bench(mib: int, reps: int, image_bytes: int) -> list[dict]:
         parity = [np.empty(frag, np.uint8) for _ in range(m)]
         row(f"Code({k},{m}) encode", best_and_median(lambda: code.encode(data, parity), reps))
         lost = list(range(min(m, k)))  # m data fragments gone: decoding has to invert
-        have = {j: data[j] for j in range(k) if j not in lost} | {k + i: parity[i] for i in range(m)}
+        have = {j: data[j] for j in range(k) if j not in lost} | {
+            k + i: parity[i] for i in range(m)
+        }
         want = {j: np.empty(frag, np.uint8) for j in lost}
-        row(f"Code({k},{m}) decode (lose {len(lost)})", best_and_median(lambda: code.decode(have, want), reps))
+        row(
+            f"Code({k},{m}) decode (lose {len(lost)})",
+            best_and_median(lambda: code.decode(have, want), reps),
+        )
         if not all(np.array_equal(want[j], data[j]) for j in lost):
             raise RuntimeError(f"Code({k},{m}) did not rebuild the dropped fragments")
     # The agent's placement path for one rank's image: a CRC-32C, then encode into a fresh bytearray.
@@ -547,8 +580,13 @@ def codec_bench(mib: int, reps: int, image_bytes: int) -> list[dict]:
         ("  same, fresh bytearray parity", lambda: code.encode([img], [bytearray(frag)])),
     ):
         best, med = best_and_median(fn, reps * 5)
-        rows.append({"what": what, "best_gbps": small / best / 1e9, "median_gbps": small / med / 1e9})
-        print(f"  {what:<28} best {small / best / 1e9:6.2f} GB/s   median {small / med / 1e9:6.2f} GB/s", flush=True)
+        rows.append(
+            {"what": what, "best_gbps": small / best / 1e9, "median_gbps": small / med / 1e9}
+        )
+        print(
+            f"  {what:<28} best {small / best / 1e9:6.2f} GB/s   median {small / med / 1e9:6.2f} GB/s",
+            flush=True,
+        )
     return rows
 
 
@@ -562,8 +600,20 @@ def pieces_bench(args, root: Path) -> list[dict]:
     import json as json_mod
 
     from strata import config as config_mod
-    from strata.checkpoint.pieces import model_pieces, optimizer_entries, optimizer_pieces, rng_piece
-    from strata.checkpoint.stage import copy_pieces, descriptors, image_views, index_of, objects_blob, plan_staging
+    from strata.checkpoint.pieces import (
+        model_pieces,
+        optimizer_entries,
+        optimizer_pieces,
+        rng_piece,
+    )
+    from strata.checkpoint.stage import (
+        copy_pieces,
+        descriptors,
+        image_views,
+        index_of,
+        objects_blob,
+        plan_staging,
+    )
     from strata.checkpoint.stage import stage as stage_views
     from strata.parallel import runtime as runtime_mod
     from strata.trainer.loop import Trainer
@@ -604,7 +654,11 @@ def pieces_bench(args, root: Path) -> list[dict]:
 
         def made_anew() -> list:
             entries = optimizer_entries(m.engine, m.canonical)
-            return model_pieces(m.engine, m.canonical) + optimizer_pieces(m.optimizer, entries) + [rng_piece(0)]
+            return (
+                model_pieces(m.engine, m.canonical)
+                + optimizer_pieces(m.optimizer, entries)
+                + [rng_piece(0)]
+            )
 
         def take_fresh() -> bool:  # a new RNG piece, as at every save
             return staging.sources.take(trainer.state.contents(trainer.step).pieces)
@@ -615,14 +669,22 @@ def pieces_bench(args, root: Path) -> list[dict]:
             ("contents + Sources.take (plan holds?)", take_fresh),
             ("  descriptors(pieces) compared", lambda: descriptors(pieces) == descs),
             ("stage (views made once per plan)", lambda: stage_views(views, staging.sources)),
-            ("  copy_pieces (views sliced anew)", lambda: copy_pieces(image, staging.items, pieces)),
+            (
+                "  copy_pieces (views sliced anew)",
+                lambda: copy_pieces(image, staging.items, pieces),
+            ),
             ("  one memcpy of the image's bytes", lambda: image.copy_(flat_src)),
             ("rank 0's trailer, index cached", lambda: json_mod.dumps(objects_blob(objects)[1])),
-            ("  the index, once per plan", lambda: json_mod.dumps(index_of(1, layout, staging, {}, aliases))),
+            (
+                "  the index, once per plan",
+                lambda: json_mod.dumps(index_of(1, layout, staging, {}, aliases)),
+            ),
         ):
             best, med = best_and_median(fn, args.reps * 20)
             rows.append({"what": what, "best_ms": 1e3 * best, "median_ms": 1e3 * med})
-            print(f"  {what:<40} best {1e3 * best:7.3f} ms   median {1e3 * med:7.3f} ms", flush=True)
+            print(
+                f"  {what:<40} best {1e3 * best:7.3f} ms   median {1e3 * med:7.3f} ms", flush=True
+            )
         return rows
     finally:
         torch.set_num_threads(threads)
@@ -640,7 +702,9 @@ VARIANT_SETTINGS = {
 
 def schedule(args) -> list[str]:
     """off, snap, sync, async, then reversed rounds: ABBA against drift."""
-    want = [v for v in ("off", "snap") if "stall" in args.parts or (v == "off" and "disk" in args.parts)]
+    want = [
+        v for v in ("off", "snap") if "stall" in args.parts or (v == "off" and "disk" in args.parts)
+    ]
     disk = [v for v in ("sync", "async") if "disk" in args.parts]
     out = []
     for r in range(max(args.repeats, args.disk_repeats if disk else 0)):
@@ -654,10 +718,15 @@ def run_variant(args, marker: str, root: Path, variant: str, i: int) -> dict:
     if variant == "snap":
         settings.update({"snapshot.k": 1, "snapshot.m": 1 if args.nodes > 1 else 0})
     job = Job(args, marker, f"{variant}-{i}", root, settings, breakdown=args.breakdown)
-    print(f"  [{time.strftime('%H:%M:%S')}] {job.name}: starting (load {os.getloadavg()[0]:.2f})", flush=True)
+    print(
+        f"  [{time.strftime('%H:%M:%S')}] {job.name}: starting (load {os.getloadavg()[0]:.2f})",
+        flush=True,
+    )
     stats, samples = [], []
     first = args.log_interval * args.skip_intervals
-    late = max(first + args.log_interval, (int(args.steps * 0.8) // args.log_interval) * args.log_interval)
+    late = max(
+        first + args.log_interval, (int(args.steps * 0.8) // args.log_interval) * args.log_interval
+    )
 
     def logged() -> int:
         return max((r["step"] for r in job.records() if "loss" in r), default=0)
@@ -677,7 +746,9 @@ def run_variant(args, marker: str, root: Path, variant: str, i: int) -> dict:
     recs = [r for r in job.records() if "step_time_s" in r]
     measured = [r for r in recs if r["step"] > args.log_interval * args.skip_intervals]
     if not measured:
-        raise RuntimeError(f"{job.name}: no step records past the skipped intervals in {job.metrics_path}")
+        raise RuntimeError(
+            f"{job.name}: no step records past the skipped intervals in {job.metrics_path}"
+        )
     out = {
         "name": job.name,
         "variant": variant,
@@ -694,7 +765,11 @@ def run_variant(args, marker: str, root: Path, variant: str, i: int) -> dict:
     }
     print(
         f"  [{time.strftime('%H:%M:%S')}] {job.name}: step {fmt(1e3 * out['step_s'], '.1f', ' ms')}"
-        + (f", stall {fmt(out['stall_ms'], '.2f', ' ms')}, skipped {out['skipped']}" if variant == "snap" else "")
+        + (
+            f", stall {fmt(out['stall_ms'], '.2f', ' ms')}, skipped {out['skipped']}"
+            if variant == "snap"
+            else ""
+        )
         + f" ({out['wall_s']:.0f} s)",
         flush=True,
     )
@@ -710,13 +785,18 @@ def breakdown_of(runs: list[dict], per_step: int) -> dict:
                 per_rank.setdefault(name, {}).setdefault(t["rank"], []).extend(ds)
     out = {}
     for name, ranks in per_rank.items():
-        every = [d for ds in ranks.values() for d in ds[per_step:]]  # the first interval out, as above
+        every = [
+            d for ds in ranks.values() for d in ds[per_step:]
+        ]  # the first interval out, as above
         if every:
             out[name] = {
                 "median_ms": 1e3 * median(every),
                 "p95_ms": 1e3 * pct(every, 0.95),
-                "worst_rank_median_ms": 1e3 * max(median(ds[per_step:] or ds) for ds in ranks.values()),
-                "rank0_median_ms": 1e3 * median(ranks[0][per_step:] or ranks[0]) if 0 in ranks else None,
+                "worst_rank_median_ms": 1e3
+                * max(median(ds[per_step:] or ds) for ds in ranks.values()),
+                "rank0_median_ms": 1e3 * median(ranks[0][per_step:] or ranks[0])
+                if 0 in ranks
+                else None,
                 "calls": len(every),
             }
     return out
@@ -749,14 +829,25 @@ def mttr(args, marker: str, root: Path) -> dict:
         starts = args.mttr_starts if i % 2 == 0 else args.mttr_starts[::-1]
         runs += [mttr_run(args, marker, root, start, i + 1) for start in starts]
     by_start = {
-        start: {key: median([r[key] for r in runs if r["worker_start"] == start]) for key in MTTR_KEYS}
+        start: {
+            key: median([r[key] for r in runs if r["worker_start"] == start]) for key in MTTR_KEYS
+        }
         for start in args.mttr_starts
     }
-    return {"runs": runs, "by_start": by_start, "fault": runs[0]["fault"], "hang_timeout_s": runs[0]["hang_timeout_s"]}
+    return {
+        "runs": runs,
+        "by_start": by_start,
+        "fault": runs[0]["fault"],
+        "hang_timeout_s": runs[0]["hang_timeout_s"],
+    }
 
 
 def mttr_run(args, marker: str, root: Path, start: str, i: int) -> dict:
-    settings = {"snapshot.every_steps": 1, "snapshot.k": 1, "snapshot.m": 1 if args.nodes > 1 else 0}
+    settings = {
+        "snapshot.every_steps": 1,
+        "snapshot.k": 1,
+        "snapshot.m": 1 if args.nodes > 1 else 0,
+    }
     settings["parallel.backend"] = "gloo"  # CPU workers, also on a machine with a GPU
     fault = signal.SIGSTOP if args.mttr_fault == "stop" else signal.SIGKILL
     if fault == signal.SIGSTOP:
@@ -765,17 +856,26 @@ def mttr_run(args, marker: str, root: Path, start: str, i: int) -> dict:
     name = f"mttr-{start}-{i}"
     job = Job(run_args, marker, name, root, settings, max_restarts=3, breakdown=args.breakdown)
     job.launch += ["--worker-start", start]
-    print(f"  [{time.strftime('%H:%M:%S')}] {name}: starting (load {os.getloadavg()[0]:.2f})", flush=True)
+    print(
+        f"  [{time.strftime('%H:%M:%S')}] {name}: starting (load {os.getloadavg()[0]:.2f})",
+        flush=True,
+    )
     gone: list[float] = []
 
     def old_workers_gone(old: set[int]) -> bool:
-        if not gone and all(environ_of(pid) is None for pid in old):  # None: exited (a zombie) or reaped
+        if not gone and all(
+            environ_of(pid) is None for pid in old
+        ):  # None: exited (a zombie) or reaped
             gone.append(time.time())
         return any("resumed" in r for r in job.records())
 
     try:
         job.start()
-        job.wait(until=lambda: any(r.get("step", 0) >= args.kill_step and "loss" in r for r in job.records()))
+        job.wait(
+            until=lambda: any(
+                r.get("step", 0) >= args.kill_step and "loss" in r for r in job.records()
+            )
+        )
         victims = processes(marker, STRATA_BENCH_JOB=name, RANK="1")
         if len(victims) != 1:
             raise RuntimeError(f"{name}: expected one worker with RANK=1, found {sorted(victims)}")
@@ -843,8 +943,13 @@ def mttr_run(args, marker: str, root: Path, start: str, i: int) -> dict:
         "first_step": first_step["step"] if first_step else None,
         "exit_codes": codes,
         "in_memory": "resumed from in-memory step" in text,
-        "forked": sum(not part.split(")")[0].endswith("restart 0") for part in text.split("strata: worker pid")[1:]),
-        "log_excerpt": [line for line in text.splitlines() if "snapshot:" in line or "resumed" in line][:6],
+        "forked": sum(
+            not part.split(")")[0].endswith("restart 0")
+            for part in text.split("strata: worker pid")[1:]
+        ),
+        "log_excerpt": [
+            line for line in text.splitlines() if "snapshot:" in line or "resumed" in line
+        ][:6],
         "load_after": os.getloadavg()[0],
     }
     print(
@@ -870,15 +975,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--parts", default=",".join(PARTS), help="which of " + ",".join(PARTS) + " to run")
-    p.add_argument("--nodes", type=int, default=2, help="simulated nodes (1: one node, snapshot.m=0)")
+    p.add_argument(
+        "--parts", default=",".join(PARTS), help="which of " + ",".join(PARTS) + " to run"
+    )
+    p.add_argument(
+        "--nodes", type=int, default=2, help="simulated nodes (1: one node, snapshot.m=0)"
+    )
     p.add_argument("--nproc", type=int, default=2, help="ranks per node")
     p.add_argument("--steps", type=int, default=60, help="steps per step-time job")
-    p.add_argument("--micro-batch", type=int, default=4, help="train.micro_batch_size (16 sequences a step)")
+    p.add_argument(
+        "--micro-batch", type=int, default=4, help="train.micro_batch_size (16 sequences a step)"
+    )
     p.add_argument("--log-interval", type=int, default=10, help="steps per metrics record")
-    p.add_argument("--skip-intervals", type=int, default=1, help="leading metrics records dropped (start-up)")
+    p.add_argument(
+        "--skip-intervals", type=int, default=1, help="leading metrics records dropped (start-up)"
+    )
     p.add_argument("--repeats", type=int, default=2, help="jobs each of off and snap")
-    p.add_argument("--disk-repeats", type=int, default=1, help="jobs each of sync and async checkpoints")
+    p.add_argument(
+        "--disk-repeats", type=int, default=1, help="jobs each of sync and async checkpoints"
+    )
     p.add_argument("--mttr-steps", type=int, default=40, help="steps of the MTTR job")
     p.add_argument(
         "--mttr-starts",
@@ -886,7 +1001,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="MTTR: one job per `strata launch --worker-start` value, in this order (reversed every other repeat)",
     )
     p.add_argument("--mttr-repeats", type=int, default=1, help="MTTR: jobs per worker start")
-    p.add_argument("--kill-step", type=int, default=20, help="MTTR: signal rank 1 once rank 0 logged this step")
+    p.add_argument(
+        "--kill-step", type=int, default=20, help="MTTR: signal rank 1 once rank 0 logged this step"
+    )
     p.add_argument(
         "--mttr-fault",
         choices=("kill", "stop"),
@@ -894,7 +1011,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="MTTR: SIGKILL rank 1 (a crash), or SIGSTOP it (a hang, found by the watchdog)",
     )
     p.add_argument(
-        "--hang-timeout", type=float, default=3.0, help="MTTR with --mttr-fault stop: parallel.hang_timeout_s"
+        "--hang-timeout",
+        type=float,
+        default=3.0,
+        help="MTTR with --mttr-fault stop: parallel.hang_timeout_s",
     )
     p.add_argument("--codec-mib", type=int, default=64)
     p.add_argument("--reps", type=int, default=9, help="codec: timed repetitions per row")
@@ -941,18 +1061,28 @@ def main(argv=None) -> int:
         flush=True,
     )
     ensure_default_corpus(None, 0.05)  # prepared once here, not raced by 4 workers
-    result: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    result: dict = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    }
     try:
         if "codec" in args.parts:
-            print(f"\n[codec] {args.codec_mib} MiB, best/median of {args.reps}, GB/s of image bytes", flush=True)
+            print(
+                f"\n[codec] {args.codec_mib} MiB, best/median of {args.reps}, GB/s of image bytes",
+                flush=True,
+            )
             result["codec"] = codec_bench(args.codec_mib, args.reps, args.image_bytes)
         if "pieces" in args.parts:
-            print("\n[pieces] one rank's snapshot work, quiet, in this process (1 thread)", flush=True)
+            print(
+                "\n[pieces] one rank's snapshot work, quiet, in this process (1 thread)", flush=True
+            )
             result["pieces"] = pieces_bench(args, root)
         runs = []
         order = schedule(args) if {"stall", "disk"} & set(args.parts) else []
         if order:
-            print(f"\n[steps] jobs in this order: {', '.join(order)}; {args.steps} steps each", flush=True)
+            print(
+                f"\n[steps] jobs in this order: {', '.join(order)}; {args.steps} steps each",
+                flush=True,
+            )
         seen: dict[str, int] = {}
         for variant in order:
             seen[variant] = seen.get(variant, 0) + 1
@@ -968,7 +1098,11 @@ def main(argv=None) -> int:
     if runs:
         report_steps(args, runs, result)
     if "codec" in result:
-        print("\n[codec] " + ", ".join(f"{r['what']}: {r['best_gbps']:.2f}" for r in result["codec"]) + " GB/s (best)")
+        print(
+            "\n[codec] "
+            + ", ".join(f"{r['what']}: {r['best_gbps']:.2f}" for r in result["codec"])
+            + " GB/s (best)"
+        )
     if "mttr" in result:
         report_mttr(result["mttr"])
     verdicts(result)
@@ -990,14 +1124,17 @@ def report_steps(args, runs: list[dict], result: dict) -> None:
         "step_ms_runs": {v: [1e3 * r["step_s"] for r in rs] for v, rs in by.items()},
     }
     per_step = args.log_interval * args.skip_intervals
-    bd = s["breakdown"] = {v: breakdown_of(rs, per_step) for v, rs in by.items()} if args.breakdown else {}
+    bd = s["breakdown"] = (
+        {v: breakdown_of(rs, per_step) for v, rs in by.items()} if args.breakdown else {}
+    )
     roles = [
         r
         for r in ("worker", "agent", "writer", "torchrun", "launcher", "store", "other")
         if any(r in run["cpu_ms_per_step"] for run in runs)
     ]
     cpu = s["cpu_ms_per_step"] = {
-        v: {role: median([r["cpu_ms_per_step"].get(role, 0.0) for r in rs]) for role in roles} for v, rs in by.items()
+        v: {role: median([r["cpu_ms_per_step"].get(role, 0.0) for r in rs]) for role in roles}
+        for v, rs in by.items()
     }
     print(
         f"\n[steps] per variant: median over runs of each run's median step time (log intervals "
@@ -1055,11 +1192,15 @@ def report_steps(args, runs: list[dict], result: dict) -> None:
                 f"= {100 * s['call_over_step']:.1f} % of the step"
             )
         if s["snap_over_off"] is not None:
-            print(f"  step time snap/off: {s['snap_over_off']:.3f} ({s['snap_cost_ms']:+.1f} ms a step)")
+            print(
+                f"  step time snap/off: {s['snap_over_off']:.3f} ({s['snap_cost_ms']:+.1f} ms a step)"
+            )
         for a in s["agents"]:
             print(f"  agent stats: {a}")
         if "snap" in bd:
-            print("\n  snapshot pieces, per call, ms (every rank's calls; the first interval dropped)")
+            print(
+                "\n  snapshot pieces, per call, ms (every rank's calls; the first interval dropped)"
+            )
             names = [
                 "trainer_snapshot",
                 "trainer_snapshot (cpu)",
@@ -1124,15 +1265,25 @@ def report_steps(args, runs: list[dict], result: dict) -> None:
             s[f"{v}_save_ms"] = bd[v]["trainer_save"]["rank0_median_ms"]
     if "snap" in by and any(v in by for v in ("sync", "async")):
         rows = [
-            ["snapshot (every step)", fmt(s["snap_cost_ms"], ".1f"), fmt(s["snapshot_call_ms"], ".2f"), "1.0", "1.0"]
+            [
+                "snapshot (every step)",
+                fmt(s["snap_cost_ms"], ".1f"),
+                fmt(s["snapshot_call_ms"], ".2f"),
+                "1.0",
+                "1.0",
+            ]
         ]
         for v in ("sync", "async"):
             if v not in by:
                 continue
             direct, cost = s.get(f"{v}_save_ms"), s.get(f"{v}_cost_ms")
-            s[f"{v}_over_snapshot"] = direct / s["snapshot_call_ms"] if direct and s["snapshot_call_ms"] else None
+            s[f"{v}_over_snapshot"] = (
+                direct / s["snapshot_call_ms"] if direct and s["snapshot_call_ms"] else None
+            )
             s[f"{v}_over_snapshot_steptime"] = (
-                cost / s["snap_cost_ms"] if cost is not None and s["snap_cost_ms"] and s["snap_cost_ms"] > 0 else None
+                cost / s["snap_cost_ms"]
+                if cost is not None and s["snap_cost_ms"] and s["snap_cost_ms"] > 0
+                else None
             )  # n/a: lost in the noise
             rows.append(
                 [
@@ -1147,7 +1298,10 @@ def report_steps(args, runs: list[dict], result: dict) -> None:
             "\n  against disk checkpoints of the same state (ms a step; stall = the Trainer.snapshot / Trainer.save "
             "call, rank 0's median)"
         )
-        table(rows, ["save", "step time - off", "stall", "stall / snapshot's", "(step - off) / snapshot's"])
+        table(
+            rows,
+            ["save", "step time - off", "stall", "stall / snapshot's", "(step - off) / snapshot's"],
+        )
 
 
 def report_mttr(m: dict) -> None:
@@ -1170,8 +1324,17 @@ def report_mttr(m: dict) -> None:
         ["trainer restore_s (inside)", "restore_s"],
     ]
     if m["hang_timeout_s"] is not None:
-        rows.insert(0, [f"hang verdict printed (parallel.hang_timeout_s={m['hang_timeout_s']:g})", "verdict_s"])
-    table([[label, *[fmt(by[start][key]) for start in starts]] for label, key in rows], ["event", *starts])
+        rows.insert(
+            0,
+            [
+                f"hang verdict printed (parallel.hang_timeout_s={m['hang_timeout_s']:g})",
+                "verdict_s",
+            ],
+        )
+    table(
+        [[label, *[fmt(by[start][key]) for start in starts]] for label, key in rows],
+        ["event", *starts],
+    )
     for start in starts:
         for r in runs[start]:
             print(
@@ -1220,7 +1383,11 @@ def verdicts(result: dict) -> None:
                 f"(goal <= {MTTR_GOAL_S:g} s: {met}): "
                 f"{'resumed from memory, every node exit 0' if ok else 'FAILED: ' + str(runs)}"
             )
-        if {"fresh", "forkserver"} <= set(by) and by["fresh"]["first_step_s"] and by["forkserver"]["first_step_s"]:
+        if (
+            {"fresh", "forkserver"} <= set(by)
+            and by["fresh"]["first_step_s"]
+            and by["forkserver"]["first_step_s"]
+        ):
             print(
                 f"  forkserver / fresh MTTR = {by['forkserver']['first_step_s'] / by['fresh']['first_step_s']:.2f} "
                 "(same run)"

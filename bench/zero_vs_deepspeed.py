@@ -51,7 +51,11 @@ from strata.launch.torchrun import LaunchPlan, torchrun_args
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 WORKER = BENCH / "_zero_worker.py"
-ZERO3 = ["zero.params.shard_over=global", "zero.grads.shard_over=global", "zero.optim.shard_over=global"]
+ZERO3 = [
+    "zero.params.shard_over=global",
+    "zero.grads.shard_over=global",
+    "zero.optim.shard_over=global",
+]
 MiB = 2**20
 
 
@@ -62,7 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides (applied last)")
     p.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
     p.add_argument("--nproc", type=int, default=2, help="ranks (world size) for both sides")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps per side (timed: steps 3..N)")
+    p.add_argument(
+        "--steps", type=int, default=20, help="optimizer steps per side (timed: steps 3..N)"
+    )
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--global-batch", type=int, default=16)
@@ -73,7 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         help="Strata's mode: zero3, plain data parallelism, or zero3 when the config has a zero group",
     )
-    p.add_argument("--sides", default="deepspeed,strata", help="which workers to run, in this order")
+    p.add_argument(
+        "--sides", default="deepspeed,strata", help="which workers to run, in this order"
+    )
     p.add_argument(
         "--rounds",
         type=int,
@@ -87,9 +95,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="compare both sides' losses with a single-process plain torch run; exit 1 if they differ",
     )
     p.add_argument("--check-steps", type=int, default=5)
-    p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference --check accepts")
+    p.add_argument(
+        "--tol", type=float, default=1e-4, help="largest relative loss difference --check accepts"
+    )
     p.add_argument("--timeout", type=int, default=300, help="seconds per worker run")
-    p.add_argument("--out", type=Path, default=None, help="also write everything measured as JSON here")
+    p.add_argument(
+        "--out", type=Path, default=None, help="also write everything measured as JSON here"
+    )
     p.add_argument("--verbose", action="store_true", help="stream the workers' output")
     return p.parse_args(argv)
 
@@ -130,9 +142,15 @@ def run_worker(side: str, args, overrides: list[str], out: Path, tmp: Path) -> d
         *overrides,
     ]
     env = dict(
-        os.environ, TMPDIR=str(tmp), DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore::FutureWarning"
+        os.environ,
+        TMPDIR=str(tmp),
+        DS_ACCELERATOR="cpu",
+        PYTHONUNBUFFERED="1",
+        PYTHONWARNINGS="ignore::FutureWarning",
     )  # gloo's all_gather_into_tensor deprecation, per call
-    if side == "strata":  # what the `strata` command sets for its workers (each side as its own tool runs it)
+    if (
+        side == "strata"
+    ):  # what the `strata` command sets for its workers (each side as its own tool runs it)
         env = {**TORCH_ENV_DEFAULTS, **env}
     log = tmp / f"{side}.log"
     with open(log, "w") as f:
@@ -159,7 +177,8 @@ def summarize(runs: list[dict]) -> dict:
 
     # a step lasts as long as its slowest rank
     step_s = [
-        [max(r["step_s"][i] for r in run["ranks"]) for i in range(len(run["ranks"][0]["step_s"]))] for run in runs
+        [max(r["step_s"][i] for r in run["ranks"]) for i in range(len(run["ranks"][0]["step_s"]))]
+        for run in runs
     ]
     steps = len(step_s[0])
     timed_by_round = [run[2:] or run for run in step_s]
@@ -175,8 +194,12 @@ def summarize(runs: list[dict]) -> dict:
         "timed_steps": f"3..{steps}" if steps > 2 else f"1..{steps}",
         "peak_rss_above_baseline": peak,
         "max_peak_rss_above_baseline": max(peak),
-        "lifetime_peak_rss_above_baseline": per_rank(lambda r: r["peak_rss_lifetime"] - r["rss_baseline"]),
-        "rss_after_init_above_baseline": per_rank(lambda r: r["rss_after_init"] - r["rss_baseline"]),
+        "lifetime_peak_rss_above_baseline": per_rank(
+            lambda r: r["peak_rss_lifetime"] - r["rss_baseline"]
+        ),
+        "rss_after_init_above_baseline": per_rank(
+            lambda r: r["rss_after_init"] - r["rss_baseline"]
+        ),
         "held_bytes": [r["held"] for r in runs[0]["ranks"]],
         "init_s": max(r["init_s"] for run in runs for r in run["ranks"]),
         "threads_per_rank": runs[0]["ranks"][0]["threads"],
@@ -208,10 +231,14 @@ def main(argv=None) -> int:
     overrides = bench_overrides(args)
     cfg = config_mod.load(args.config, overrides, world_size=args.nproc)
     if not cfg.data.path:  # prepare the built-in corpus once, here, and point both sides at it
-        overrides.append(f"data.path={ensure_default_corpus(cfg.data.cache_dir, cfg.data.val_fraction)}")
+        overrides.append(
+            f"data.path={ensure_default_corpus(cfg.data.cache_dir, cfg.data.val_fraction)}"
+        )
         cfg = config_mod.load(args.config, overrides, world_size=args.nproc)
     strata_overrides = overrides + (ZERO3 if mode == "zero3" else [])
-    config_mod.load(args.config, strata_overrides, world_size=args.nproc)  # fail here, not in a worker
+    config_mod.load(
+        args.config, strata_overrides, world_size=args.nproc
+    )  # fail here, not in a worker
 
     load_start = os.getloadavg()[0]
     raw: dict[str, list[dict]] = {side: [] for side in sides}
@@ -227,7 +254,11 @@ def main(argv=None) -> int:
                 )
                 raw[side].append(
                     run_worker(
-                        side, args, strata_overrides if side == "strata" else overrides, tmp / f"{side}-{r}.json", tmp
+                        side,
+                        args,
+                        strata_overrides if side == "strata" else overrides,
+                        tmp / f"{side}-{r}.json",
+                        tmp,
                     )
                 )
                 raw[side][-1]["load_avg_before"] = load
@@ -267,7 +298,9 @@ def main(argv=None) -> int:
             "peak_rss": s["max_peak_rss_above_baseline"] / d["max_peak_rss_above_baseline"],
             "max_rel_loss_diff": rel_diff(s["losses"], d["losses"]),
         }
-        ratios["step_time_best_rounds"] = min(s["round_median_step_s"]) / min(d["round_median_step_s"])
+        ratios["step_time_best_rounds"] = min(s["round_median_step_s"]) / min(
+            d["round_median_step_s"]
+        )
         print(
             f"\nstrata/deepspeed: step time {ratios['step_time']:.3f} (median of steps {s['timed_steps']}), "
             f"peak RSS above baseline {ratios['peak_rss']:.3f} (largest rank of each)"
@@ -284,7 +317,9 @@ def main(argv=None) -> int:
 
     print("\nloss per step" + (" (reference: single-process plain torch)" if reference else ""))
     print(
-        f"{'step':>4s} " + " ".join(f"{side:>10s}" for side in results) + (f" {'reference':>10s}" if reference else "")
+        f"{'step':>4s} "
+        + " ".join(f"{side:>10s}" for side in results)
+        + (f" {'reference':>10s}" if reference else "")
     )
     for i in range(args.steps):
         row = " ".join(f"{r['losses'][i]:10.6f}" for r in results.values())

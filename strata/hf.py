@@ -24,14 +24,20 @@ _MOE_MISSING = {
     "deepseek_v3": "multi-head latent attention (MLA) and grouped top-k routing",
     "deepseek_v2": "multi-head latent attention (MLA) and grouped top-k routing",
     "gpt_oss": "attention sinks, clamped SwiGLU with biases and alternating sliding-window layers",
-    "qwen2_moe": "Qwen2-MoE's per-layer sparse step with shared-expert gating as transformers lays it out",
+    "qwen2_moe": "Qwen2-MoE's per-layer sparse step with shared-expert gating as transformers "
+    "lays it out",
 }
 
 # Defaults of transformers' config classes for fields a config.json may leave out.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
     "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
-    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
+    "qwen2": {
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
     "qwen3": {
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 32768,
@@ -42,8 +48,20 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "norm_topk_prob": False},
     "mixtral": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32},
 }
-_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+_REQUIRED = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+_MOE_FIELDS = (
+    "num_local_experts",
+    "num_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
 _DEFAULT_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
 _ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
 # model.* key <- rope_parameters key, for the scalings that have it
@@ -60,10 +78,19 @@ _ROPE_KEYS = {
     "rope_truncate": "truncate",
 }
 # transformers' defaults for the optional ones, and the keys that are not floats
-_ROPE_DEFAULTS: dict[str, object] = {"rope_beta_fast": 32.0, "rope_beta_slow": 1.0, "rope_truncate": True}
+_ROPE_DEFAULTS: dict[str, object] = {
+    "rope_beta_fast": 32.0,
+    "rope_beta_slow": 1.0,
+    "rope_truncate": True,
+}
 _ROPE_TYPE: dict[str, type] = {"rope_original_max_position_embeddings": int, "rope_truncate": bool}
 _ROPE_USES = {
-    "llama3": ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings"),
+    "llama3": (
+        "rope_factor",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+        "rope_original_max_position_embeddings",
+    ),
     "linear": ("rope_factor",),
     "dynamic": ("rope_factor",),
     "yarn": (
@@ -242,12 +269,21 @@ def _moe_unsupported(hf: Mapping[str, Any]) -> list[str]:
     model_type, out = hf.get("model_type"), []
     moe = [f"{key}={hf[key]}" for key in _MOE_FIELDS if hf.get(key)]
     if moe and model_type not in MOE_FAMILIES:
-        out.append(f"{', '.join(moe)}: mixture-of-experts layers of model_type {model_type!r} are not implemented")
+        out.append(
+            f"{', '.join(moe)}: mixture-of-experts layers of model_type {model_type!r} are "
+            "not implemented"
+        )
     if model_type == "qwen3_moe":
         if hf.get("mlp_only_layers"):
-            out.append(f"mlp_only_layers={hf['mlp_only_layers']}: dense layers among the MoE ones are not implemented")
+            out.append(
+                f"mlp_only_layers={hf['mlp_only_layers']}: dense layers among the MoE ones "
+                "are not implemented"
+            )
         if hf.get("decoder_sparse_step", 1) != 1:
-            out.append(f"decoder_sparse_step={hf['decoder_sparse_step']}: MoE in every other layer is not implemented")
+            out.append(
+                f"decoder_sparse_step={hf['decoder_sparse_step']}: MoE in every other "
+                "layer is not implemented"
+            )
     return out
 
 
@@ -259,7 +295,10 @@ def unsupported(hf_config: Mapping[str, Any], seq_len: int) -> list[str]:
     hf = hf_config
     model_type = hf.get("model_type")
     if model_type in _MOE_MISSING:
-        return [f"model_type={model_type!r} is not supported: Strata's MoE model lacks {_MOE_MISSING[model_type]}"]
+        return [
+            f"model_type={model_type!r} is not supported: Strata's MoE model lacks "
+            f"{_MOE_MISSING[model_type]}"
+        ]
     if model_type not in SUPPORTED:
         return [f"model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED)})"]
     out = [f"{key} is missing (the model's shape needs it)" for key in _REQUIRED if key not in hf]
@@ -268,12 +307,14 @@ def unsupported(hf_config: Mapping[str, Any], seq_len: int) -> list[str]:
     if window is not None and seq_len > window:
         flag = " with use_sliding_window=true" if model_type != "mistral" else ""
         out.append(
-            f"sliding_window={window}{flag}: sliding-window attention is not implemented; it equals full causal "
+            f"sliding_window={window}{flag}: sliding-window attention is not implemented; it "
+            "equals full causal "
             f"attention only for model.seq_len <= {window} (model.seq_len={seq_len})"
         )
     if hf.get("attention_bias"):
         out.append(
-            "attention_bias=true: biases on the attention's output projection are not implemented (Strata has "
+            "attention_bias=true: biases on the attention's output projection are not implemented "
+            "(Strata has "
             "biases on q/k/v only, model.qkv_bias)"
         )
     if hf.get("mlp_bias"):
@@ -286,13 +327,20 @@ def unsupported(hf_config: Mapping[str, Any], seq_len: int) -> list[str]:
         out.append(f"{field}: RoPE parameters per layer type are not implemented")
     elif rope["rope_type"] not in _ROPE_TYPES:
         key = "rope_type" if "rope_type" in (hf.get(field) or {}) else "type"
-        out.append(f"{field}.{key}={rope['rope_type']!r}: only {', '.join(_ROPE_TYPES)} RoPE are implemented")
+        out.append(
+            f"{field}.{key}={rope['rope_type']!r}: only {', '.join(_ROPE_TYPES)} RoPE are "
+            "implemented"
+        )
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         out.append(
-            f"partial_rotary_factor={rope['partial_rotary_factor']}: RoPE on part of each head is not implemented"
+            f"partial_rotary_factor={rope['partial_rotary_factor']}: RoPE on part of each head is "
+            "not implemented"
         )
     if hf.get("quantization_config"):
-        out.append("quantization_config: quantized weights are not supported (use a full-precision checkpoint)")
+        out.append(
+            "quantization_config: quantized weights are not supported (use a "
+            "full-precision checkpoint)"
+        )
     return out
 
 
@@ -321,7 +369,8 @@ def model_settings(hf_config: Mapping[str, Any], seq_len: int) -> dict[str, obje
         "rope_scaling": "none",
         "norm_eps": float(_get(hf, "rms_norm_eps")),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": model_type == "qwen2",  # Qwen2 always has them; elsewhere attention_bias is unsupported
+        "qkv_bias": model_type
+        == "qwen2",  # Qwen2 always has them; elsewhere attention_bias is unsupported
         "qk_norm": model_type in ("qwen3", "qwen3_moe"),
     }
     if model_type in MOE_FAMILIES:
@@ -329,7 +378,9 @@ def model_settings(hf_config: Mapping[str, Any], seq_len: int) -> dict[str, obje
         out["moe"] = {
             "num_experts": experts,
             "top_k": hf["num_experts_per_tok"],
-            "expert_ffn": hf["moe_intermediate_size"] if model_type == "qwen3_moe" else hf["intermediate_size"],
+            "expert_ffn": hf["moe_intermediate_size"]
+            if model_type == "qwen3_moe"
+            else hf["intermediate_size"],
             "norm_topk": bool(_get(hf, "norm_topk_prob")) if model_type == "qwen3_moe" else True,
             "router": "softmax",
         }
@@ -348,12 +399,15 @@ def _rope_settings(hf: Mapping[str, Any], rope: Mapping[str, Any]) -> dict[str, 
     out: dict[str, object] = {"rope_scaling": kind}
     for key in _ROPE_USES[kind]:
         value = rope.get(_ROPE_KEYS[key])
-        value = _ROPE_DEFAULTS.get(key) if value is None else value  # transformers' `get(...) or default`
+        # transformers' `get(...) or default`
+        value = _ROPE_DEFAULTS.get(key) if value is None else value
         out[key] = None if value is None else _ROPE_TYPE.get(key, float)(value)
     if kind == "dynamic":
         out["rope_original_max_position_embeddings"] = int(_get(hf, "max_position_embeddings"))
     if kind == "yarn" and rope.get("factor") is None:
-        out["rope_factor"] = _get(hf, "max_position_embeddings") / rope["original_max_position_embeddings"]
+        out["rope_factor"] = (
+            _get(hf, "max_position_embeddings") / rope["original_max_position_embeddings"]
+        )
     return out
 
 
@@ -368,7 +422,8 @@ def conflicts(explicit: Mapping[str, object], derived: Mapping[str, object]) -> 
     explicit null: null means "derive it", and the Hugging Face config is where it is derived from."""
     out = []
     for key, value in explicit.items():
-        if isinstance(value, Mapping) and isinstance(derived.get(key), Mapping):  # the model.moe group
+        # the model.moe group
+        if isinstance(value, Mapping) and isinstance(derived.get(key), Mapping):
             nested = conflicts(value, derived[key])  # type: ignore[arg-type]
             out += [m.replace("model.", f"model.{key}.", 1) for m in nested]
             continue
@@ -376,7 +431,8 @@ def conflicts(explicit: Mapping[str, object], derived: Mapping[str, object]) -> 
             continue
         want = _show(derived[key])
         out.append(
-            f"model.{key}={_show(value)} disagrees with the Hugging Face config ({_SOURCE.get(key, key)} gives "
+            f"model.{key}={_show(value)} disagrees with the Hugging Face config "
+            f"({_SOURCE.get(key, key)} gives "
             f"{want}); remove model.{key} or set it to {want}"
         )
     return out
@@ -394,11 +450,14 @@ def hf_config(model_cfg: ModelShape, vocab_size: int | None = None) -> dict[str,
     m = model_cfg
     vocab = vocab_size or m.vocab_size
     if not vocab:
-        raise ConfigError(["hf_config needs the vocabulary size: model.vocab_size is null and none was given"])
+        raise ConfigError(
+            ["hf_config needs the vocabulary size: model.vocab_size is null and none was given"]
+        )
     if m.qk_norm and m.qkv_bias:
         raise ConfigError(
             [
-                "model.qkv_bias with model.qk_norm has no Hugging Face family (Qwen3's attention_bias also puts "
+                "model.qkv_bias with model.qk_norm has no Hugging Face family (Qwen3's "
+                "attention_bias also puts "
                 "a bias on the output projection)"
             ]
         )
@@ -418,9 +477,11 @@ def hf_config(model_cfg: ModelShape, vocab_size: int | None = None) -> dict[str,
                 rope[_ROPE_KEYS[key]] = value
         rope["rope_type"] = m.rope_scaling
     if m.rope_scaling in ("llama3", "yarn"):
-        max_positions = int(m.rope_original_max_position_embeddings * m.rope_factor)  # as Llama 3.1's config
+        # as Llama 3.1's config
+        max_positions = int(m.rope_original_max_position_embeddings * m.rope_factor)
     elif m.rope_scaling == "dynamic":
-        max_positions = m.rope_original_max_position_embeddings  # the length beyond which the base grows
+        # the length beyond which the base grows
+        max_positions = m.rope_original_max_position_embeddings
     out: dict[str, Any] = {
         "architectures": [arch],
         "model_type": model_type,
@@ -432,7 +493,9 @@ def hf_config(model_cfg: ModelShape, vocab_size: int | None = None) -> dict[str,
         "num_key_value_heads": m.kv_heads,
         "head_dim": m.head_size,
         "hidden_act": "silu",
-        "max_position_embeddings": max_positions if m.rope_scaling == "dynamic" else max(m.seq_len, max_positions),
+        "max_position_embeddings": max_positions
+        if m.rope_scaling == "dynamic"
+        else max(m.seq_len, max_positions),
         "rms_norm_eps": m.norm_eps,
         "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": m.init_std,
@@ -460,12 +523,42 @@ def _moe_config(m: ModelShape, dense: dict[str, Any]) -> dict[str, Any]:
     problems = [
         f"model.moe.{key}={value}: {why}"
         for key, value, bad, why in (
-            ("shared_experts", moe.shared_experts, moe.shared_experts > 0, "neither Qwen3-MoE nor Mixtral has them"),
-            ("router", moe.router, moe.router != "softmax", "Qwen3-MoE and Mixtral route by softmax"),
-            ("first_dense_layers", moe.first_dense_layers, moe.first_dense_layers > 0, "every layer is MoE in both"),
-            ("bias_update_rate", moe.bias_update_rate, moe.bias_update_rate > 0, "the selection bias has no place"),
-            ("routed_scale", moe.routed_scale, moe.routed_scale != 1.0, "the gate weights are not scaled in both"),
-            ("route_groups", moe.route_groups, moe.route_groups > 1, "both route over every expert, without groups"),
+            (
+                "shared_experts",
+                moe.shared_experts,
+                moe.shared_experts > 0,
+                "neither Qwen3-MoE nor Mixtral has them",
+            ),
+            (
+                "router",
+                moe.router,
+                moe.router != "softmax",
+                "Qwen3-MoE and Mixtral route by softmax",
+            ),
+            (
+                "first_dense_layers",
+                moe.first_dense_layers,
+                moe.first_dense_layers > 0,
+                "every layer is MoE in both",
+            ),
+            (
+                "bias_update_rate",
+                moe.bias_update_rate,
+                moe.bias_update_rate > 0,
+                "the selection bias has no place",
+            ),
+            (
+                "routed_scale",
+                moe.routed_scale,
+                moe.routed_scale != 1.0,
+                "the gate weights are not scaled in both",
+            ),
+            (
+                "route_groups",
+                moe.route_groups,
+                moe.route_groups > 1,
+                "both route over every expert, without groups",
+            ),
             ("qkv_bias", m.qkv_bias, m.qkv_bias, "neither family has q/k/v biases"),
         )
         if bad
@@ -473,20 +566,42 @@ def _moe_config(m: ModelShape, dense: dict[str, Any]) -> dict[str, Any]:
     family = moe_family(m)
     if family == "mixtral" and not moe.norm_topk:
         problems.append(
-            "model.moe.norm_topk=false: Mixtral renormalises the top-k weights (set model.qk_norm for Qwen3-MoE)"
+            "model.moe.norm_topk=false: Mixtral renormalises the top-k weights (set model.qk_norm "
+            "for Qwen3-MoE)"
         )
     if problems:
         raise ConfigError(problems)
     out = {k: v for k, v in dense.items() if k not in ("architectures", "model_type")}
-    experts = {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k, "output_router_logits": False}
+    experts = {
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "output_router_logits": False,
+    }
     if family == "qwen3_moe":
         expert_ffn = moe.expert_ffn or m.ffn_size
-        extra: dict[str, Any] = {"moe_intermediate_size": expert_ffn, "norm_topk_prob": moe.norm_topk}
-        extra.update(decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, sliding_window=None)
+        extra: dict[str, Any] = {
+            "moe_intermediate_size": expert_ffn,
+            "norm_topk_prob": moe.norm_topk,
+        }
+        extra.update(
+            decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, sliding_window=None
+        )
         extra["attention_bias"] = False
-        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **out, **experts, **extra}
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            **out,
+            **experts,
+            **extra,
+        }
     out["intermediate_size"] = moe.expert_ffn or m.ffn_size
-    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **out, **experts, "sliding_window": None}
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        **out,
+        **experts,
+        "sliding_window": None,
+    }
 
 
 def moe_family(model_cfg: ModelShape) -> str:
@@ -521,7 +636,8 @@ _TOP_BACK = {v: k for k, v in _TOP.items()}
 _LAYER_BACK = {v: k for k, v in _LAYER.items()}
 _STRATA_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_HF_BUFFERS = re.compile(r".*\.rotary_emb\.inv_freq")  # older checkpoints saved RoPE's buffer: recomputed
+# older checkpoints saved RoPE's buffer: recomputed
+_HF_BUFFERS = re.compile(r".*\.rotary_emb\.inv_freq")
 
 
 def to_hf(strata_name: str) -> str:
@@ -588,7 +704,11 @@ def strata_names(model_cfg: ModelShape) -> list[str]:
     if model_cfg.qk_norm:
         per_layer += ["attn.q_norm.weight", "attn.k_norm.weight"]
     per_layer.append("mlp_norm.weight")
-    ffn = ["mlp.router.weight"] if model_cfg.moe.enabled else ["mlp.w1.weight", "mlp.w3.weight", "mlp.w2.weight"]
+    ffn = (
+        ["mlp.router.weight"]
+        if model_cfg.moe.enabled
+        else ["mlp.w1.weight", "mlp.w3.weight", "mlp.w2.weight"]
+    )
     layers = [f"layers.{i}.{name}" for i in range(model_cfg.n_layers) for name in per_layer + ffn]
     return ["tok_embeddings.weight", *layers, "norm.weight", "output.weight"]
 
@@ -627,7 +747,9 @@ def unused(hf_names: Iterable[str], model_cfg: ModelShape) -> list[str]:
     those safe to drop (RoPE buffers; lm_head.weight of a tied model): weights of a feature Strata
     lacks (an output-projection bias, say), or of more layers than model.n_layers. An importer
     should refuse a checkpoint for which this is not empty."""
-    read = set(hf_sources(model_cfg).values()) | {n for rows in expert_names(model_cfg).values() for n in rows}
+    read = set(hf_sources(model_cfg).values()) | {
+        n for rows in expert_names(model_cfg).values() for n in rows
+    }
     if model_cfg.tie_embeddings:
         read.add(_TOP["output.weight"])
     return [name for name in hf_names if name not in read and not _HF_BUFFERS.fullmatch(name)]
@@ -636,5 +758,8 @@ def unused(hf_names: Iterable[str], model_cfg: ModelShape) -> list[str]:
 def missing(hf_names: Iterable[str], model_cfg: ModelShape) -> list[str]:
     """The tensors `hf_sources` needs that a HF checkpoint lacks (an importer refuses it then)."""
     have = set(hf_names)
-    needed = [*hf_sources(model_cfg).values(), *(n for rows in expert_names(model_cfg).values() for n in rows)]
+    needed = [
+        *hf_sources(model_cfg).values(),
+        *(n for rows in expert_names(model_cfg).values() for n in rows),
+    ]
     return sorted({name for name in needed if name not in have})

@@ -42,7 +42,9 @@ class KVCache:
         used, but a row with nothing to attend would be NaN, which a masked key would still carry
         into the real queries' sums)."""
         if self.length + n > self.max_len:
-            raise ValueError(f"the cache holds {self.max_len} tokens per row; {self.length} + {n} do not fit")
+            raise ValueError(
+                f"the cache holds {self.max_len} tokens per row; {self.length} + {n} do not fit"
+            )
         at = torch.arange(self.length, self.length + n, device=self.pad.device)
         keys = torch.arange(self.length + n, device=self.pad.device)
         real = keys.unsqueeze(0) >= self.pad.unsqueeze(1)  # (batch, keys)
@@ -51,7 +53,9 @@ class KVCache:
         self._mask = ((real.unsqueeze(1) & causal) | itself).unsqueeze(1)
         return (at.unsqueeze(0) - self.pad.unsqueeze(1)).clamp(min=0)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store layer `layer`'s keys and values of this pass's tokens (batch, kv_heads, n, head_dim);
         returns all of the layer's so far (batch, kv_heads, length + n, head_dim)."""
         end = self.length + k.shape[2]

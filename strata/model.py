@@ -76,7 +76,9 @@ def documents_of(tokens: torch.Tensor, eot: int, mask: bool, reset_positions: bo
     positions = None
     if reset_positions:
         index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        starts = torch.where(ids != F.pad(ids, (1, 0), value=-1)[:, :-1], index, torch.zeros_like(index))
+        starts = torch.where(
+            ids != F.pad(ids, (1, 0), value=-1)[:, :-1], index, torch.zeros_like(index)
+        )
         positions = index - starts.cummax(dim=1).values
     return Documents(ids if mask else None, positions)
 
@@ -131,7 +133,9 @@ class Attention(nn.Module):
             out = self.attend(q, k, v, documents)
         else:
             k, v = cache.update(self.layer, k, v)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask(), enable_gqa=q.shape[1] != k.shape[1])
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=cache.mask(), enable_gqa=q.shape[1] != k.shape[1]
+            )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -180,10 +184,13 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
-        # Given its weight, the embedding skips its own init, whose normal_ on the meta device (where
-        # parallelize builds the model) imports torch._dynamo, as rope_frequencies explains. Every
-        # user of the model fills the weights itself (init_weights, materialize, a checkpoint).
-        self.tok_embeddings = nn.Embedding(vocab_size, cfg.d_model, _weight=torch.empty(vocab_size, cfg.d_model))
+        # Given its weight, the embedding skips its own init, whose normal_ on the meta device
+        # (where parallelize builds the model) imports torch._dynamo, as rope_frequencies explains.
+        # Every user of the model fills the weights itself (init_weights, materialize, a
+        # checkpoint).
+        self.tok_embeddings = nn.Embedding(
+            vocab_size, cfg.d_model, _weight=torch.empty(vocab_size, cfg.d_model)
+        )
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, vocab_size, bias=False)
@@ -219,13 +226,19 @@ def named_blocks(part: nn.Module) -> list[tuple[str, nn.Module]]:
     """The transformer blocks of a GPT, or of a pipeline stage (whose `layers` is an nn.ModuleDict
     keyed by the block's index in the whole model), with those keys, in forward order."""
     layers = part.layers
-    keyed = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(cast(nn.ModuleList, layers))
+    keyed = (
+        layers.items()
+        if isinstance(layers, nn.ModuleDict)
+        else enumerate(cast(nn.ModuleList, layers))
+    )
     return [(str(key), block) for key, block in keyed]
 
 
 def moe_layers(part: nn.Module) -> list[tuple[int, MoE]]:
     """(layer index in the whole model, layer) of every MoE feed-forward in a model or pipeline stage."""
-    return [(int(key), block.mlp) for key, block in named_blocks(part) if isinstance(block.mlp, MoE)]
+    return [
+        (int(key), block.mlp) for key, block in named_blocks(part) if isinstance(block.mlp, MoE)
+    ]
 
 
 def set_rope_buffers(
@@ -254,7 +267,9 @@ def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int
         name = "tok_embeddings.weight"  # one tensor under two names
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    scaled = name.endswith(("attn.wo.weight", "mlp.w2.weight", "mlp.experts.w2", "mlp.shared.w2.weight"))
+    scaled = name.endswith(
+        ("attn.wo.weight", "mlp.w2.weight", "mlp.experts.w2", "mlp.shared.w2.weight")
+    )
     std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if scaled else cfg.init_std
     return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(std)
 
@@ -294,7 +309,9 @@ def moe_ffn_params(cfg: ModelConfig, active: bool = False) -> int:
     experts and their gate."""
     moe, d = cfg.moe, cfg.d_model
     routed = (moe.top_k if active else moe.num_experts) * 3 * d * moe.expert_ffn_size(cfg)
-    shared = 3 * d * moe.shared_ffn_size(cfg) + (d if moe.shared_experts and moe.shared_expert_gate else 0)
+    shared = 3 * d * moe.shared_ffn_size(cfg) + (
+        d if moe.shared_experts and moe.shared_expert_gate else 0
+    )
     return moe.num_experts * d + routed + shared
 
 
@@ -310,7 +327,10 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
     d, s, L = cfg.d_model, cfg.seq_len, cfg.n_layers
     q, kv = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
     ffn = sum(
-        moe_ffn_params(cfg, active=True) if cfg.moe.is_moe_layer(i) else 3 * d * ffn_hidden_size(cfg) for i in range(L)
+        moe_ffn_params(cfg, active=True)
+        if cfg.moe.is_moe_layer(i)
+        else 3 * d * ffn_hidden_size(cfg)
+        for i in range(L)
     )
     linear = L * (2 * d * q + 2 * d * kv) + ffn + d * vocab_size
     attention = L * 2 * s * q

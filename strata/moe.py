@@ -44,7 +44,11 @@ class AuxLossGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=torch.float32, device=grad.device), None
+        return (
+            grad,
+            torch.full(ctx.aux_shape, ctx.scale, dtype=torch.float32, device=grad.device),
+            None,
+        )
 
 
 @dataclass
@@ -66,7 +70,11 @@ class Router(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.num_experts, self.top_k, self.kind = moe.num_experts, moe.top_k, moe.router
-        self.norm_topk, self.scale, self.capacity_factor = moe.norm_topk, moe.routed_scale, moe.capacity_factor
+        self.norm_topk, self.scale, self.capacity_factor = (
+            moe.norm_topk,
+            moe.routed_scale,
+            moe.capacity_factor,
+        )
         self.groups, self.group_limit = moe.route_groups, moe.route_group_limit
         self.weight = nn.Parameter(torch.empty(moe.num_experts, cfg.d_model))
         if moe.bias_update_rate > 0:  # saved with the model, changed only by update_expert_bias
@@ -97,7 +105,9 @@ def limit_groups(choice: torch.Tensor, groups: int, limit: int) -> torch.Tensor:
     tokens, experts = choice.shape
     grouped = choice.view(tokens, groups, experts // groups)
     best = grouped.topk(min(2, experts // groups), dim=-1).values.sum(dim=-1)
-    chosen = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(limit, dim=-1).indices, True)
+    chosen = torch.zeros_like(best, dtype=torch.bool).scatter_(
+        1, best.topk(limit, dim=-1).indices, True
+    )
     return grouped.masked_fill(~chosen.unsqueeze(-1), float("-inf")).view(tokens, experts)
 
 
@@ -108,7 +118,8 @@ def within_capacity(routing: Routing, num_experts: int, factor: float) -> torch.
     capacity = math.ceil(factor * tokens * k / num_experts)
     flat_expert, flat_weight = routing.experts.flatten(), routing.weights.detach().flatten()
     by_weight = flat_weight.argsort(descending=True, stable=True)
-    order = by_weight[flat_expert[by_weight].argsort(stable=True)]  # by expert, then weight descending
+    # by expert, then weight descending
+    order = by_weight[flat_expert[by_weight].argsort(stable=True)]
     counts = torch.bincount(flat_expert, minlength=num_experts)
     starts = counts.cumsum(0) - counts
     rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[flat_expert[order]]
@@ -135,7 +146,10 @@ class Experts(nn.Module):
             x, offsets = x.to(dtype), counts.cumsum(0).to(torch.int32)
             w1, w3, w2 = (w.to(dtype).transpose(1, 2) for w in (self.w1, self.w3, self.w2))
             with torch.autocast(kind, enabled=False):
-                gate, up = torch._grouped_mm(x, w1, offs=offsets), torch._grouped_mm(x, w3, offs=offsets)
+                gate, up = (
+                    torch._grouped_mm(x, w1, offs=offsets),
+                    torch._grouped_mm(x, w3, offs=offsets),
+                )
                 return torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets)
         return self.loop(x, counts)
 
@@ -143,7 +157,11 @@ class Experts(nn.Module):
         """The same product expert by expert (the reference, and where grouped GEMM cannot run)."""
         outs = []
         for e, part in enumerate(x.split(counts.tolist())):
-            outs.append(F.linear(F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e]), self.w2[e]))
+            outs.append(
+                F.linear(
+                    F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e]), self.w2[e]
+                )
+            )
         return torch.cat(outs) if outs else x[:0]
 
 
@@ -163,7 +181,9 @@ class Dispatch(Protocol):
     def __call__(self, x: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor: ...
 
 
-def sort_by_expert(experts: torch.Tensor, kept: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_by_expert(
+    experts: torch.Tensor, kept: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept assignments' flat (token·k + slot) indices ordered by expert, stable in token order."""
     flat = experts.flatten()
     index = torch.arange(flat.numel(), device=flat.device)
@@ -225,7 +245,10 @@ class RoutingStats:
     ) -> None:
         """One forward call's routing: `losses` = (aux, seq_aux, z), zero where off; `calls` this
         rank's share of the call (1/shards when sequence shards split it)."""
-        one, device = torch.ones(1, dtype=torch.float64, device=per_expert.device), per_expert.device
+        one, device = (
+            torch.ones(1, dtype=torch.float64, device=per_expert.device),
+            per_expert.device,
+        )
         row = torch.cat(
             [per_expert.double(), one * calls, one * tokens, dropped.double().view(1)]
             + [loss.detach().double().view(1).to(device) for loss in losses]
@@ -252,9 +275,11 @@ class MoE(nn.Module):
         hidden = moe.shared_ffn_size(cfg)
         self.shared = SharedExperts(cfg.d_model, hidden, moe.shared_expert_gate) if hidden else None
         self.dispatch: Dispatch = LocalDispatch()
-        self.aux_grad_scale = 1.0  # the weight of this micro-batch in the step's loss (set by the trainer)
+        # the weight of this micro-batch in the step's loss (set by the trainer)
+        self.aux_grad_scale = 1.0
         self.stats = RoutingStats(moe.num_experts)
-        self.shards: TokenShards = WholeSequences()  # sequence parallelism sets its tensor-parallel group
+        # sequence parallelism sets its tensor-parallel group
+        self.shards: TokenShards = WholeSequences()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -276,7 +301,11 @@ class MoE(nn.Module):
         experts = routing.experts
         zero = torch.zeros((), device=experts.device)
         aux = load_balancing_loss(routing, E, shards) if moe.aux_loss_coef > 0 else zero
-        seq = sequence_balance_loss(routing, E, sequences, shards) if moe.seq_aux_loss_coef > 0 else zero
+        seq = (
+            sequence_balance_loss(routing, E, sequences, shards)
+            if moe.seq_aux_loss_coef > 0
+            else zero
+        )
         z = zero
         if moe.z_loss_coef > 0:
             z = routing.logits.logsumexp(dim=-1).square().sum() / (experts.shape[0] * shards.size)
@@ -312,7 +341,9 @@ class WholeSequences:
         return counts
 
 
-def load_balancing_loss(routing: Routing, num_experts: int, shards: TokenShards | None = None) -> torch.Tensor:
+def load_balancing_loss(
+    routing: Routing, num_experts: int, shards: TokenShards | None = None
+) -> torch.Tensor:
     """Switch Transformer's load-balancing loss as transformers computes it for Mixtral and
     Qwen3-MoE: E · Σ_e f_e · P_e, f_e the fraction of tokens with e among their top-k choices (so Σ f
     = k), P_e the mean softmax probability of e. Balanced routing gives k; one expert for all, E·k.
@@ -336,7 +367,9 @@ def sequence_balance_loss(
     whole = per_seq * shards.size
     seq_of = torch.arange(tokens, device=routing.experts.device).div(per_seq, rounding_mode="floor")
     slots = (seq_of.unsqueeze(1) * num_experts + routing.experts).flatten()
-    counts = shards.sum(torch.bincount(slots, minlength=sequences * num_experts)).view(sequences, num_experts)
+    counts = shards.sum(torch.bincount(slots, minlength=sequences * num_experts)).view(
+        sequences, num_experts
+    )
     f = counts.float() * num_experts / (k * whole)
     scores = routing.scores / routing.scores.sum(dim=-1, keepdim=True)
     p = scores.view(sequences, per_seq, num_experts).sum(dim=1) / whole

@@ -48,7 +48,8 @@ def bind_errno(family: int, addr: tuple[Any, ...]) -> int:
     """0 when a listening socket could bind `addr` now, else the errno (EADDRNOTAVAIL: not an address of
     this node; EADDRINUSE: something listens there)."""
     with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore: TIME_WAIT leftovers do not count
+        # as TCPStore: TIME_WAIT leftovers do not count
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(addr)
         except OSError as e:
@@ -63,7 +64,8 @@ def interface_address(ifname: str) -> str | None:
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
+            # SIOCGIFADDR
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
         except OSError:
             return None
     return socket.inet_ntoa(packed[20:24])

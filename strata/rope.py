@@ -36,7 +36,11 @@ def _llama3(cfg: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
 def _dynamic_theta(cfg: ModelConfig) -> float:
     """transformers' `_compute_dynamic_ntk_parameters` for a sequence of model.seq_len tokens: the
     base grows once the sequence is longer than the original context."""
-    dim, factor, original = cfg.head_size, cfg.rope_factor, cfg.rope_original_max_position_embeddings
+    dim, factor, original = (
+        cfg.head_size,
+        cfg.rope_factor,
+        cfg.rope_original_max_position_embeddings,
+    )
     length = max(cfg.seq_len, original)
     return cfg.rope_theta * ((factor * length / original) - (factor - 1)) ** (dim / (dim - 2))
 
@@ -49,7 +53,9 @@ def _yarn(cfg: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
     original = cfg.rope_original_max_position_embeddings
 
     def correction_dim(rotations: float) -> float:
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(cfg.rope_theta))
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (
+            2 * math.log(cfg.rope_theta)
+        )
 
     low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
     if cfg.rope_truncate:
@@ -57,7 +63,9 @@ def _yarn(cfg: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # transformers': no division by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    ramp = (
+        (torch.arange(dim // 2, dtype=torch.float64, device=inv_freq.device) - low) / (high - low)
+    ).clamp(0, 1)
     keep = 1 - ramp
     return inv_freq / factor * (1 - keep) + inv_freq * keep
 
@@ -73,7 +81,9 @@ def attention_factor(cfg: ModelConfig) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
     if cfg.rope_mscale and cfg.rope_mscale_all_dim:
-        return mscale(cfg.rope_factor, cfg.rope_mscale) / mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+        return mscale(cfg.rope_factor, cfg.rope_mscale) / mscale(
+            cfg.rope_factor, cfg.rope_mscale_all_dim
+        )
     return mscale(cfg.rope_factor)
 
 
@@ -96,7 +106,9 @@ def rope_tables(cfg: ModelConfig, length: int | None = None) -> tuple[torch.Tens
     """cos/sin tables of shape (length, head_size/2) for rotary position embedding (YaRN's
     attention factor included): `length` positions (default model.seq_len) at the frequencies of
     model.seq_len (a dynamic NTK scaling's are those of a sequence of seq_len tokens)."""
-    positions = torch.arange(cfg.seq_len if length is None else length, dtype=torch.float64, device="cpu")
+    positions = torch.arange(
+        cfg.seq_len if length is None else length, dtype=torch.float64, device="cpu"
+    )
     angles = torch.outer(positions, rope_frequencies(cfg))
     scale = attention_factor(cfg)
     return (angles.cos() * scale).float(), (angles.sin() * scale).float()

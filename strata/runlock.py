@@ -47,9 +47,14 @@ def describe_holder(record: dict) -> str:
     if not record:
         return "another process (it has not recorded itself yet)"
     started = record.get("started")
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    when = (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+        if isinstance(started, (int, float))
+        else "?"
+    )
     return (
-        f"pid {record.get('pid', '?')} on host {record.get('host', '?')}, started {when} ({record.get('command', '?')})"
+        f"pid {record.get('pid', '?')} on host {record.get('host', '?')}, started {when} "
+        f"({record.get('command', '?')})"
     )
 
 
@@ -65,8 +70,10 @@ def holder(directory: Path) -> dict:
 def in_use(directory: Path, what: str) -> RunLocked:
     """The refusal of a second writer of `directory`, naming the holder."""
     return RunLocked(
-        f"{what} {directory} is in use by {describe_holder(holder(directory))}: two writers would mix their "
-        "logs and replace each other's checkpoints. Wait for it to end (or stop it), or choose another "
+        f"{what} {directory} is in use by {describe_holder(holder(directory))}: two writers would "
+        "mix their "
+        "logs and replace each other's checkpoints. Wait for it to end (or stop it), or choose "
+        "another "
         "directory (log.name, checkpoint.dir)"
     )
 
@@ -98,11 +105,14 @@ class DirectoryLock:
                 raise in_use(self.directory, self.what) from None
             if e.errno in UNSUPPORTED:
                 self.warning = (
-                    f"warning: {path}: this file system offers no locks ({os.strerror(e.errno)}); nothing stops a "
+                    f"warning: {path}: this file system offers no locks ({os.strerror(e.errno)}); "
+                    "nothing stops a "
                     "second job from writing the same run (on Lustre, mount with -o flock)"
                 )
                 return
-            raise StrataError(f"{path}: cannot be locked ({e.strerror}); check the directory's permissions") from e
+            raise StrataError(
+                f"{path}: cannot be locked ({e.strerror}); check the directory's permissions"
+            ) from e
         record = {
             "host": socket.gethostname(),
             "pid": os.getpid(),

@@ -53,7 +53,12 @@ def unavailable() -> str | None:
     if missing:
         return f"needs {', '.join(missing)} on PATH (iproute2, util-linux)"
     caps = next(
-        (line.split()[1] for line in Path("/proc/self/status").read_text().splitlines() if "CapEff" in line), "0"
+        (
+            line.split()[1]
+            for line in Path("/proc/self/status").read_text().splitlines()
+            if "CapEff" in line
+        ),
+        "0",
     )
     if not int(caps, 16) & (1 << 12):
         return "needs CAP_NET_ADMIN"
@@ -62,10 +67,37 @@ def unavailable() -> str | None:
     if made.returncode != 0:
         return f"cannot make a network namespace: {made.stderr.strip()}"
     try:
-        veth = _ip("-n", probe, "link", "add", "name", "a", "type", "veth", "peer", "name", "b", check=False)
+        veth = _ip(
+            "-n",
+            probe,
+            "link",
+            "add",
+            "name",
+            "a",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "b",
+            check=False,
+        )
         if veth.returncode != 0:
             return f"cannot make a veth pair: {veth.stderr.strip()}"
-        tbf = _tc(probe, "qdisc", "add", "dev", "a", "root", "tbf", "rate", "1mbit", "burst", "32kb", "latency", "50ms")
+        tbf = _tc(
+            probe,
+            "qdisc",
+            "add",
+            "dev",
+            "a",
+            "root",
+            "tbf",
+            "rate",
+            "1mbit",
+            "burst",
+            "32kb",
+            "latency",
+            "50ms",
+        )
         if tbf.returncode != 0:
             return f"no tbf qdisc: {tbf.stderr.strip()}"
     finally:
@@ -130,7 +162,9 @@ def _kill_netns(netns: str, timeout_s: float = 10) -> None:
                 os.kill(pid, signal.SIGKILL)
         if time.monotonic() > deadline:
             raise RuntimeError(f"processes {pids} in {netns} did not die after SIGKILL")
-        time.sleep(0.02)  # a dead process (a zombie, too) has left the namespace: `ip netns pids` skips it
+        time.sleep(
+            0.02
+        )  # a dead process (a zombie, too) has left the namespace: `ip netns pids` skips it
 
 
 def _remove(prefix: str, names: list[str]) -> None:
@@ -145,7 +179,9 @@ def _remove(prefix: str, names: list[str]) -> None:
 def remove_all(stale_only: bool = False) -> list[str]:
     """Remove this harness's namespaces (only those whose maker is dead with `stale_only`); returns them."""
     removed = []
-    for line in _ip("netns", "list", check=False).stdout.splitlines():  # an `unavailable` probe's, if it died
+    for line in _ip(
+        "netns", "list", check=False
+    ).stdout.splitlines():  # an `unavailable` probe's, if it died
         probe = re.match(r"^stprobe-(\d+)\b", line)
         if probe and (not stale_only or not Path(f"/proc/{probe[1]}").exists()):
             _ip("netns", "del", probe[0], check=False)
@@ -156,7 +192,11 @@ def remove_all(stale_only: bool = False) -> list[str]:
             removed += names
     for path in NETNS_ETC.glob("st*-*"):  # a dir whose namespace is gone
         m = NAME.match(path.name)
-        if m and not (Path("/run/netns") / path.name).exists() and (not stale_only or not _owner_alive(m[1])):
+        if (
+            m
+            and not (Path("/run/netns") / path.name).exists()
+            and (not stale_only or not _owner_alive(m[1]))
+        ):
             shutil.rmtree(path, ignore_errors=True)
     return removed
 
@@ -166,17 +206,26 @@ class Cluster:
     `rate` (tc's syntax, e.g. 200mbit) shapes every link both ways. A context manager; `start()` and
     `close()` otherwise (close is idempotent and also runs at interpreter exit)."""
 
-    def __init__(self, nodes: int, rate: str | None = None, prefix: str | None = None, subnet: str | None = None):
+    def __init__(
+        self,
+        nodes: int,
+        rate: str | None = None,
+        prefix: str | None = None,
+        subnet: str | None = None,
+    ):
         if nodes < 1 or nodes > 250:
             raise ValueError(f"nodes {nodes}: 1..250")
         self.prefix = prefix or f"st{secrets.token_hex(4)}"
         if not NAME.match(f"{self.prefix}-sw"):
-            raise ValueError(f"prefix {self.prefix!r}: 'st' and 8 hex digits, as remove_all finds them")
+            raise ValueError(
+                f"prefix {self.prefix!r}: 'st' and 8 hex digits, as remove_all finds them"
+            )
         net = subnet or f"10.{secrets.randbelow(200) + 50}.{secrets.randbelow(256)}.0/24"
         base = net.split("/")[0].rsplit(".", 1)[0]
         self.switch = f"{self.prefix}-sw"
         self.nodes = [
-            Node(i, f"{self.prefix}-n{i}", f"{self.prefix}-n{i}", f"{base}.{i + 1}", NODE_IF) for i in range(nodes)
+            Node(i, f"{self.prefix}-n{i}", f"{self.prefix}-n{i}", f"{base}.{i + 1}", NODE_IF)
+            for i in range(nodes)
         ]
         self.rate = rate
         self._started = self._closed = False
@@ -208,7 +257,9 @@ class Cluster:
         sw = ["-n", self.switch]
         _ip(*sw, "link", "add", "name", BRIDGE, "type", "bridge")
         _ip(*sw, "link", "set", BRIDGE, "up")
-        hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(f"{n.address} {n.hostname}\n" for n in self.nodes)
+        hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
+            f"{n.address} {n.hostname}\n" for n in self.nodes
+        )
         for n in self.nodes:
             _ip("netns", "add", n.netns)
             etc = NETNS_ETC / n.netns
@@ -216,7 +267,20 @@ class Cluster:
             (etc / "hosts").write_text(hosts)
             (etc / "hostname").write_text(n.hostname + "\n")
             port = SWITCH_IF.format(n.index)
-            _ip(*sw, "link", "add", "name", port, "type", "veth", "peer", "name", n.ifname, "netns", n.netns)
+            _ip(
+                *sw,
+                "link",
+                "add",
+                "name",
+                port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                n.ifname,
+                "netns",
+                n.netns,
+            )
             _ip(*sw, "link", "set", port, "master", BRIDGE, "up")
             _ip("-n", n.netns, "addr", "add", f"{n.address}/24", "dev", n.ifname)
             _ip("-n", n.netns, "link", "set", n.ifname, "up")
@@ -225,7 +289,11 @@ class Cluster:
 
     def _links(self) -> list[tuple[str, str]]:
         """(namespace, interface) of both ends of every node's link."""
-        return [end for n in self.nodes for end in ((n.netns, n.ifname), (self.switch, SWITCH_IF.format(n.index)))]
+        return [
+            end
+            for n in self.nodes
+            for end in ((n.netns, n.ifname), (self.switch, SWITCH_IF.format(n.index)))
+        ]
 
     def shape(self, rate: str | None) -> None:
         """Limit every link to `rate` in both directions (tbf), or remove the limit (None)."""
@@ -238,7 +306,21 @@ class Cluster:
             # A burst of 10 ms at the rate (at least 64 KiB, a whole TSO segment: a smaller bucket
             # drops or splits them and the link runs well below the rate); 100 ms of queue.
             burst = max(64 * 1024, per_s // 100)
-            _tc(netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", str(burst), "latency", "100ms")
+            _tc(
+                netns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                str(burst),
+                "latency",
+                "100ms",
+            )
 
     def set_link(self, node: int, up: bool, timeout_s: float = 10) -> None:
         """Cut (`up=False`) or restore node `node`'s link to the switch. A restore returns once both
@@ -262,23 +344,39 @@ class Cluster:
         """Per node: (bytes sent, bytes received) on its link, as the node's interface counts them."""
         counts = {}
         for n in self.nodes:
-            stats = json.loads(_ip("-n", n.netns, "-s", "-j", "link", "show", n.ifname).stdout)[0]["stats64"]
+            stats = json.loads(_ip("-n", n.netns, "-s", "-j", "link", "show", n.ifname).stdout)[0][
+                "stats64"
+            ]
             counts[n.index] = (stats["tx"]["bytes"], stats["rx"]["bytes"])
         return counts
 
     def command(self, node: int, cmd: list[str]) -> list[str]:
         """`cmd` as run inside node `node` (its network, and a UTS namespace with its hostname)."""
         n = self.nodes[node]
-        wrap = ["ip", "netns", "exec", n.netns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"']
+        wrap = [
+            "ip",
+            "netns",
+            "exec",
+            n.netns,
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+        ]
         return [*wrap, n.hostname, *cmd]
 
-    def popen(self, node: int, cmd: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    def popen(
+        self, node: int, cmd: list[str], env: dict[str, str] | None = None, **kwargs
+    ) -> subprocess.Popen:
         return subprocess.Popen(self.command(node, cmd), env=env, **kwargs)
 
     def run(self, node: int, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(node, cmd), **kwargs)
 
-    def torchrun(self, nproc: int, target: list[str], env: dict[str, str], timeout_s: float, cwd: Path) -> None:
+    def torchrun(
+        self, nproc: int, target: list[str], env: dict[str, str], timeout_s: float, cwd: Path
+    ) -> None:
         """`target` (a script and its arguments, or -m MODULE ...) under torchrun on every node:
         static rendezvous at node 0's address, gloo on each node's own interface, one
         thread per rank; a module's workers are forks of the node's fork server, as `strata
@@ -289,12 +387,18 @@ class Cluster:
         procs = []
         runner = "strata.launch.elastic" if target[:1] == ["-m"] else "torch.distributed.run"
         for n in self.nodes:
-            node_env = dict(env, GLOO_SOCKET_IFNAME=n.ifname, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+            node_env = dict(
+                env, GLOO_SOCKET_IFNAME=n.ifname, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"
+            )
             cmd = [sys.executable, "-m", runner, "--nnodes", str(len(self.nodes))]
             cmd += ["--nproc-per-node", str(nproc), "--node-rank", str(n.index)]
             cmd += ["--master-addr", self.nodes[0].address, "--master-port", str(port), *target]
             out = subprocess.PIPE
-            procs.append(self.popen(n.index, cmd, env=node_env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT))
+            procs.append(
+                self.popen(
+                    n.index, cmd, env=node_env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT
+                )
+            )
         try:
             outs = [p.communicate(timeout=timeout_s)[0].decode(errors="replace") for p in procs]
         except subprocess.TimeoutExpired:
@@ -304,7 +408,10 @@ class Cluster:
                 p.kill()
         codes = [p.wait() for p in procs]
         if any(codes):
-            tail = "\n".join(f"--- node {i} (exit {c}) ---\n{o[-3000:]}" for i, (c, o) in enumerate(zip(codes, outs)))
+            tail = "\n".join(
+                f"--- node {i} (exit {c}) ---\n{o[-3000:]}"
+                for i, (c, o) in enumerate(zip(codes, outs))
+            )
             raise RuntimeError(f"a node's torchrun failed: exit codes {codes}\n{tail}")
 
     def kill_node(self, node: int) -> None:
@@ -321,9 +428,13 @@ class Cluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tests.cluster", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tests.cluster", description=__doc__.split("\n\n")[0]
+    )
     sub = p.add_subparsers(dest="action", required=True)
-    up = sub.add_parser("up", help="make a cluster, print its nodes as JSON, keep it until SIGINT/SIGTERM")
+    up = sub.add_parser(
+        "up", help="make a cluster, print its nodes as JSON, keep it until SIGINT/SIGTERM"
+    )
     up.add_argument("--nodes", type=int, default=2)
     up.add_argument("--rate", help="tc rate of every link, e.g. 200mbit (default: unshaped)")
     sub.add_parser("down", help="remove every namespace this harness made")

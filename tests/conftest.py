@@ -37,7 +37,9 @@ def _isolated(tmp_path_factory, monkeypatch):
     signal ignored on its way out, and an ignored signal is inherited by every process started after
     (a shell starts a background job with SIGINT ignored too: each test runs as in the foreground)."""
     before = dict(os.environ)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    handlers = {
+        sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    }
     if (
         handlers[signal.SIGINT] == signal.SIG_IGN
     ):  # a suite started in the background (`pytest &`): as in the foreground
@@ -83,12 +85,24 @@ def prepare_readme(out: Path, tokenizer: str) -> Path:
     text = (REPO / "README.md").read_text()
     for i in range(8):
         (corpus / f"doc{i}.txt").write_text(text[i * 2000 : (i + 1) * 2000])
-    prep = strata("data", "prepare", str(corpus), "--out", str(out), "--tokenizer", tokenizer, "--workers", "1")
+    prep = strata(
+        "data",
+        "prepare",
+        str(corpus),
+        "--out",
+        str(out),
+        "--tokenizer",
+        tokenizer,
+        "--workers",
+        "1",
+    )
     assert prep.returncode == 0, prep.stderr[-3000:]
     return out
 
 
-def hf_run_overrides(hf_dir: Path | str, data_dir: Path, run_root: Path, seq_len: int, **extra) -> list[str]:
+def hf_run_overrides(
+    hf_dir: Path | str, data_dir: Path, run_root: Path, seq_len: int, **extra
+) -> list[str]:
     """A short run from the Hugging Face directory `hf_dir`: only the keys its config.json leaves to the user."""
     base = {
         "model.init_from": hf_dir,
@@ -132,10 +146,15 @@ def tiny_overrides(data_dir: Path, run_root: Path, **extra) -> list[str]:
         "checkpoint.save_final": False,
     }
     base.update(extra)
-    return [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}" for k, v in base.items()]
+    return [
+        f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
+        for k, v in base.items()
+    ]
 
 
-def tiny_config(data_dir: Path, run_root: Path, world_size: int | None = 1, **extra) -> config.Config:
+def tiny_config(
+    data_dir: Path, run_root: Path, world_size: int | None = 1, **extra
+) -> config.Config:
     return config.load(None, tiny_overrides(data_dir, run_root, **extra), world_size=world_size)
 
 
@@ -159,7 +178,9 @@ def _netns():
     from cluster import unavailable
 
     problem = unavailable()
-    runs_unless(problem and f"network namespaces cannot be made here: {problem}", "STRATA_REQUIRE_NETNS")
+    runs_unless(
+        problem and f"network namespaces cannot be made here: {problem}", "STRATA_REQUIRE_NETNS"
+    )
 
 
 def runs_unless(problem: str | None, required_by: str) -> None:

@@ -73,7 +73,13 @@ BASE: dict[str, Any] = {
 G = {"shard_over": "global"}
 # A capacity of 1.0 bounds the rows an expert's rank receives (dropless routing has no bound: the
 # planner assumes balance, which a randomly initialised router only approaches)
-MOE = {"num_experts": 8, "top_k": 2, "expert_ffn": 256, "aux_loss_coef": 0.01, "capacity_factor": 1.0}
+MOE = {
+    "num_experts": 8,
+    "top_k": 2,
+    "expert_ffn": 256,
+    "aux_loss_coef": 0.01,
+    "capacity_factor": 1.0,
+}
 NVME = "{nvme}"  # replaced by a scratch directory of the rank's run
 
 # name -> overrides of BASE (nested like the YAML file)
@@ -114,7 +120,12 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     },
     "optim-offload-nvme": {
         "zero": {"optim": G},
-        "offload": {"optim": {"device": "nvme"}, "nvme_path": NVME, "host_buffer_mb": 2, "slab_mb": 0.25},
+        "offload": {
+            "optim": {"device": "nvme"},
+            "nvme_path": NVME,
+            "host_buffer_mb": 2,
+            "slab_mb": 0.25,
+        },
     },
     "bf16": {"train": {"precision": "bf16"}},
     # MoE: 8 experts of 256, top 2, every block; experts split over ep ranks of the 4
@@ -136,7 +147,10 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "cp4-ring": {"parallel": {"cp": 4, "cp_mode": "ring"}},
     "cp2-alltoall": {"parallel": {"cp": 2, "cp_mode": "alltoall"}},
     "cp2-tp2-sp": {"parallel": {"cp": 2, "tp": 2, "sequence_parallel": True}},
-    "cp2-zero3": {"parallel": {"cp": 2}, "zero": {"params": G, "grads": G, "optim": G, "prefetch_blocks": 1}},
+    "cp2-zero3": {
+        "parallel": {"cp": 2},
+        "zero": {"params": G, "grads": G, "optim": G, "prefetch_blocks": 1},
+    },
 }
 
 KINDS = ("params", "grads", "optim", "gathered", "buckets", "activations", "pool", "staging")
@@ -148,9 +162,13 @@ def _substitute(raw: Any, nvme: str) -> Any:
     return nvme if raw == NVME else raw
 
 
-def layout_config(name: str, nvme_dir: str | Path = "/tmp/memprobe-nvme", world: int = WORLD) -> Config:
+def layout_config(
+    name: str, nvme_dir: str | Path = "/tmp/memprobe-nvme", world: int = WORLD
+) -> Config:
     """The validated config of layout `name` for a world of `world` ranks."""
-    return config.from_dict(_substitute(config.merge_groups(BASE, LAYOUTS[name]), str(nvme_dir)), world_size=world)
+    return config.from_dict(
+        _substitute(config.merge_groups(BASE, LAYOUTS[name]), str(nvme_dir)), world_size=world
+    )
 
 
 # --- bookkeeping of live bytes ---------------------------------------------------------------------
@@ -204,7 +222,13 @@ class _Holder:
         self.inner = inner
 
 
-_VIEW_NODES = ("TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0", "ExpandBackward0")
+_VIEW_NODES = (
+    "TBackward0",
+    "ViewBackward0",
+    "TransposeBackward0",
+    "PermuteBackward0",
+    "ExpandBackward0",
+)
 
 
 def _is_weight_copy(t: torch.Tensor) -> bool:
@@ -252,12 +276,16 @@ class SavedTensors:
             torch_checkpoint._recomputation_hook = real  # type: ignore[misc]
         self.sample_offload()
 
-    def counted_storage(self, t: torch.Tensor, state: set[int] | None = None) -> torch.UntypedStorage | None:
+    def counted_storage(
+        self, t: torch.Tensor, state: set[int] | None = None
+    ) -> torch.UntypedStorage | None:
         """`t`'s storage if it counts as an activation (`state`: the state_ptrs, if at hand), else None."""
         if t.device.type == "meta" or t.layout is not torch.strided:
             return None
         storage = t.untyped_storage()
-        if storage.nbytes() == 0 or storage.data_ptr() in (self.state_ptrs() if state is None else state):
+        if storage.nbytes() == 0 or storage.data_ptr() in (
+            self.state_ptrs() if state is None else state
+        ):
             return None
         return storage
 
@@ -321,7 +349,12 @@ class SavedTensors:
                 if e.region is not None:
                     nvme += e.region.nbytes
             reserved = off._host.reserved_bytes
-        now = {"device": device, "host": sum(host.values()), "nvme": nvme, "host_reserved": reserved}
+        now = {
+            "device": device,
+            "host": sum(host.values()),
+            "nvme": nvme,
+            "host_reserved": reserved,
+        }
         for k, v in now.items():
             self.offload_peak[k] = max(self.offload_peak[k], v)
 
@@ -330,7 +363,9 @@ class _CountedRecomputation(torch_checkpoint._recomputation_hook):  # type: igno
     """torch.utils.checkpoint's hooks for a block's recomputation in backward, which also count
     each tensor the recomputation saves until its handle (dropped when backward takes it) goes."""
 
-    def __init__(self, probe: SavedTensors, target_frame_ref: weakref.ReferenceType, gid: Any) -> None:
+    def __init__(
+        self, probe: SavedTensors, target_frame_ref: weakref.ReferenceType, gid: Any
+    ) -> None:
         super().__init__(target_frame_ref, gid)
         real_pack = self.pack_hook
 
@@ -341,7 +376,11 @@ class _CountedRecomputation(torch_checkpoint._recomputation_hook):  # type: igno
                 frame = target_frame_ref()
                 if frame is not None:
                     index = frame.recomp_counter[gid] - 1
-                    holder = frame.weak_holders[index]() if 0 <= index < len(frame.weak_holders) else None
+                    holder = (
+                        frame.weak_holders[index]()
+                        if 0 <= index < len(frame.weak_holders)
+                        else None
+                    )
                     handle = holder.handles.get(gid) if holder is not None else None
                     if handle is not None:
                         probe.count(x, handle)
@@ -414,7 +453,9 @@ def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def micro_batches(cfg: Config, rank: int, step: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def micro_batches(
+    cfg: Config, rank: int, step: int, world: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Random tokens for this rank's micro-batches of `step`."""
     gen = torch.Generator().manual_seed(1000 * step + rank)
     tr, m = cfg.train, cfg.model
@@ -485,12 +526,18 @@ def measure(cfg: Config, topo: Topology, world: int) -> dict[str, Any]:
         leftover = saved.saved.now
     finally:
         model.close()
-    measured: dict[str, int] = {"params/device": held["params"], "grads/device": held["grads"], **tiers}
+    measured: dict[str, int] = {
+        "params/device": held["params"],
+        "grads/device": held["grads"],
+        **tiers,
+    }
     if offloader is None:
         measured["activations/device"] = saved.saved.peak
     else:
         peaks = dict(saved.offload_peak)
-        measured["activations.host_reserved/host"] = peaks.pop("host_reserved")  # in use or kept for reuse
+        measured["activations.host_reserved/host"] = peaks.pop(
+            "host_reserved"
+        )  # in use or kept for reuse
         measured.update({f"activations/{t}": v for t, v in peaks.items() if v})
         measured["activations.saved/device"] = saved.saved.peak  # what keeping them all would hold
     if saved.copies.peak:
@@ -506,14 +553,19 @@ def measure(cfg: Config, topo: Topology, world: int) -> dict[str, Any]:
         "tp_rank": coords["tp"],
         "dp_rank": coords["dp"],
         "measured": {k: int(v) for k, v in sorted(measured.items())},
-        "info": {"seconds": round(time.perf_counter() - start, 2), "saved_left_after_step": leftover},
+        "info": {
+            "seconds": round(time.perf_counter() - start, 2),
+            "saved_left_after_step": leftover,
+        },
     }
 
 
 # --- the world ------------------------------------------------------------------------------------
 
 
-def probe_worker(rank: int, size: int, port: int, out_dir: str, names: list[str], nvme_root: str) -> None:
+def probe_worker(
+    rank: int, size: int, port: int, out_dir: str, names: list[str], nvme_root: str
+) -> None:
     """One rank of the probe's world: every layout of `names` in turn; saves rank<r>.pt."""
     join_world(rank, size, port, timeout_s=120)
     results: dict[str, Any] = {}
@@ -531,13 +583,17 @@ def probe_worker(rank: int, size: int, port: int, out_dir: str, names: list[str]
         dist.destroy_process_group()
 
 
-def run_probe(names: list[str], out_dir: str | Path, nvme_root: str | Path, timeout_s: float = 600) -> dict:
+def run_probe(
+    names: list[str], out_dir: str | Path, nvme_root: str | Path, timeout_s: float = 600
+) -> dict:
     """Run the layouts `names` in one world of WORLD processes; {layout: [rank results]}."""
     out_dir, nvme_root = Path(out_dir), Path(nvme_root)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in names:
         (nvme_root / name).mkdir(parents=True, exist_ok=True)
-    ranks = run_world(probe_worker, WORLD, out_dir, list(names), str(nvme_root), timeout_s=timeout_s)
+    ranks = run_world(
+        probe_worker, WORLD, out_dir, list(names), str(nvme_root), timeout_s=timeout_s
+    )
     return {name: [r[name] for r in ranks] for name in names}
 
 
@@ -570,7 +626,9 @@ def within(predicted_bytes: int, measured_bytes: int) -> bool:
 UNCOMPARED = {"buckets"}
 
 
-def compare(name: str, ranks: list[dict], nvme_dir: str | Path = "/tmp/memprobe-nvme") -> list[dict]:
+def compare(
+    name: str, ranks: list[dict], nvme_dir: str | Path = "/tmp/memprobe-nvme"
+) -> list[dict]:
     """One row per rank and (kind, tier) that either side has, for the kinds the model covers:
     {"layout", "rank", "pp_stage", "key", "predicted", "measured", "error", "ok"}; error is
     (predicted − measured) / measured (inf when nothing was measured)."""
@@ -582,12 +640,17 @@ def compare(name: str, ranks: list[dict], nvme_dir: str | Path = "/tmp/memprobe-
             fullest[(r["pp_stage"], key)] = max(fullest.get((r["pp_stage"], key), 0), v)
     rows = []
     for r in ranks:
-        want = {f"{k}/{t}": v for (k, t), v in estimate.stage(r["pp_stage"]).bytes.items() if k in KINDS}
+        want = {
+            f"{k}/{t}": v for (k, t), v in estimate.stage(r["pp_stage"]).bytes.items() if k in KINDS
+        }
         got = {k: v for k, v in r["measured"].items() if k.split("/")[0] in KINDS}
         if cfg.model.moe.enabled:
             # A rank's activations hold the rows its experts received, which routing decides; the
             # model plans the fullest rank's (at the capacity's bound), so that is what is compared.
-            got = {k: fullest[(r["pp_stage"], k)] if k.startswith("activations/") else v for k, v in got.items()}
+            got = {
+                k: fullest[(r["pp_stage"], k)] if k.startswith("activations/") else v
+                for k, v in got.items()
+            }
         for key in sorted(set(want) | set(got)):
             p, m = int(want.get(key, 0)), int(got.get(key, 0))
             error = (p - m) / m if m else (0.0 if p == 0 else math.inf)

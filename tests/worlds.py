@@ -57,7 +57,9 @@ import torch.multiprocessing as mp
 
 from strata.net import free_port
 
-TESTS = Path(__file__).resolve().parent  # on sys.path (pyproject: pythonpath), as conftest and cluster are
+TESTS = (
+    Path(__file__).resolve().parent
+)  # on sys.path (pyproject: pythonpath), as conftest and cluster are
 REPO = TESTS.parent
 CLI = "strata.launch.cli"
 MARKER_ENV = "STRATA_TEST_ID"
@@ -77,8 +79,17 @@ PRELOAD = [
 
 # Settings of the runs compared across layouts (tests/trainer/test_parallelize.py and the features
 # composed with parallelism): every step logged, checkpoints and evaluations at steps 3 and 6.
-COMMON = {"log.interval": 1, "checkpoint.save_final": True, "checkpoint.interval": 3, "train.eval_interval": 3}
-ZERO3 = {"zero.params.shard_over": "global", "zero.grads.shard_over": "global", "zero.optim.shard_over": "global"}
+COMMON = {
+    "log.interval": 1,
+    "checkpoint.save_final": True,
+    "checkpoint.interval": 3,
+    "train.eval_interval": 3,
+}
+ZERO3 = {
+    "zero.params.shard_over": "global",
+    "zero.grads.shard_over": "global",
+    "zero.optim.shard_over": "global",
+}
 
 
 # --- in-process gloo worlds ------------------------------------------------------------------------
@@ -106,20 +117,28 @@ def run_world(
     if start_method == "forkserver":
         mp.set_forkserver_preload(PRELOAD)
     ctx = mp.start_processes(
-        worker, args=(size, free_port(), str(out_dir), *args), nprocs=size, join=False, start_method=start_method
+        worker,
+        args=(size, free_port(), str(out_dir), *args),
+        nprocs=size,
+        join=False,
+        start_method=start_method,
     )
     deadline = time.monotonic() + timeout_s
 
     def overdue() -> None:
         for p in ctx.processes:
             p.kill()
-        pytest.fail(f"world of {size} did not finish within {timeout_s}s{': ' + late if late else ''}")
+        pytest.fail(
+            f"world of {size} did not finish within {timeout_s}s{': ' + late if late else ''}"
+        )
 
     if exit_codes:
         while any(p.is_alive() for p in ctx.processes):
             if time.monotonic() > deadline:
                 overdue()
-            multiprocessing.connection.wait([p.sentinel for p in ctx.processes if p.is_alive()], timeout=0.05)
+            multiprocessing.connection.wait(
+                [p.sentinel for p in ctx.processes if p.is_alive()], timeout=0.05
+            )
         return [p.exitcode for p in ctx.processes]
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):  # raises if a rank failed
         if time.monotonic() > deadline:
@@ -180,14 +199,24 @@ def _tree_cpu_seconds(pid: int) -> float:
 
 
 def run_guarded(
-    cmd: list[str], cwd: Path | str, env: dict[str, str] | None, stall_s: float, limit_s: float = 3600
+    cmd: list[str],
+    cwd: Path | str,
+    env: dict[str, str] | None,
+    stall_s: float,
+    limit_s: float = 3600,
 ) -> subprocess.CompletedProcess:
     """Run `cmd` to its end like subprocess.run(capture_output=True, text=True), killing it (and every
     process it started) only when it stalls: no output and under 0.5 CPU-second in `stall_s` seconds
     (a hang waits without computing), or past `limit_s` in all. A run that is slow because the machine
     is busy keeps computing, so it is never taken for a hang."""
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     out: dict[str, list[str]] = {"stdout": [], "stderr": []}
 
@@ -209,7 +238,11 @@ def run_guarded(
             break
         except subprocess.TimeoutExpired:
             pass
-        now, lines, used = time.monotonic(), len(out["stdout"]) + len(out["stderr"]), _tree_cpu_seconds(proc.pid)
+        now, lines, used = (
+            time.monotonic(),
+            len(out["stdout"]) + len(out["stderr"]),
+            _tree_cpu_seconds(proc.pid),
+        )
         if lines > seen or used > cpu + 0.5:
             seen, cpu, last_progress = lines, used, now
         if now - last_progress > stall_s or now - began > limit_s:
@@ -218,20 +251,31 @@ def run_guarded(
             proc.wait()
             for reader in readers:
                 reader.join(5)
-            raise subprocess.TimeoutExpired(cmd, stall_s, "".join(out["stdout"]), "".join(out["stderr"]))
+            raise subprocess.TimeoutExpired(
+                cmd, stall_s, "".join(out["stdout"]), "".join(out["stderr"])
+            )
     for reader in readers:
         reader.join()
-    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(out["stdout"]), "".join(out["stderr"]))
+    return subprocess.CompletedProcess(
+        cmd, proc.returncode, "".join(out["stdout"]), "".join(out["stderr"])
+    )
 
 
-def launch_run(data_dir, run_root, nproc: int, *extra: str, **settings) -> subprocess.CompletedProcess:
+def launch_run(
+    data_dir, run_root, nproc: int, *extra: str, **settings
+) -> subprocess.CompletedProcess:
     """`strata launch` of the tiny experiment with `settings` on `nproc` processes, writing under
     run_root/t; fails the test (with the output) unless it succeeds."""
     from conftest import tiny_overrides
 
     experiment = _empty_experiment(run_root)
     proc = strata(
-        "launch", str(experiment), *tiny_overrides(data_dir, run_root, **settings), *extra, "--nproc", str(nproc)
+        "launch",
+        str(experiment),
+        *tiny_overrides(data_dir, run_root, **settings),
+        *extra,
+        "--nproc",
+        str(nproc),
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return proc
@@ -247,7 +291,9 @@ def train_run(data_dir, run_root, nproc: int, *extra: str, **settings) -> str:
     from conftest import tiny_overrides
 
     experiment = _empty_experiment(run_root)
-    return train_world([str(experiment), *tiny_overrides(data_dir, run_root, **settings), *extra], nproc, run_root)
+    return train_world(
+        [str(experiment), *tiny_overrides(data_dir, run_root, **settings), *extra], nproc, run_root
+    )
 
 
 def train_world(args: list[str], nproc: int, run_root: Path) -> str:
@@ -303,7 +349,9 @@ def _train_rank(rank: int, size: int, port: int, out_dir: str, argv: list[str]) 
 
 def losses_from(run_dir) -> dict[int, float]:
     """step -> training loss, from a run's metrics.jsonl."""
-    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
@@ -325,10 +373,22 @@ def assert_same_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
 
 
 def torchrun(
-    *target: str, nproc: int = 2, cwd: Path | str = REPO, env: dict[str, str] | None = None, timeout: float = 300
+    *target: str,
+    nproc: int = 2,
+    cwd: Path | str = REPO,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
 ) -> subprocess.CompletedProcess:
     """A peer's script (and its arguments) on `nproc` local processes under torchrun, to its end."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *target]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        *target,
+    ]
     return run_guarded(cmd, cwd, env, stall_s=timeout)
 
 
@@ -350,7 +410,12 @@ def start(
     `new_session`: its own session and process group (os.killpg(proc.pid, ...) reaches it and the
     children that stay in its group)."""
     environ = {**os.environ, **(env or {}), **({MARKER_ENV: marker} if marker else {})}
-    kwargs = {"cwd": cwd, "env": environ, "stderr": subprocess.STDOUT, "start_new_session": new_session}
+    kwargs = {
+        "cwd": cwd,
+        "env": environ,
+        "stderr": subprocess.STDOUT,
+        "start_new_session": new_session,
+    }
     if log is None:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, **kwargs)
     with open(log, "ab") as out:  # the child has its own descriptor
@@ -366,7 +431,9 @@ def start_strata(
     new_session: bool = False,
 ) -> subprocess.Popen:
     """`strata ARGS` (`launch`, `train`, `store`, ...) in the background, as `start` starts a command."""
-    return start(strata_command(*args), marker=marker, log=log, cwd=cwd, env=env, new_session=new_session)
+    return start(
+        strata_command(*args), marker=marker, log=log, cwd=cwd, env=env, new_session=new_session
+    )
 
 
 def start_agents(sockets: list[str], secret: str, timeout_s: float = 20) -> list[subprocess.Popen]:
@@ -375,7 +442,13 @@ def start_agents(sockets: list[str], secret: str, timeout_s: float = 20) -> list
     procs = []
     for path in sockets:
         cmd = strata_command(
-            "--socket", path, "--advertise", "127.0.0.1", "--bind", "127.0.0.1", module="strata.launch.snapshot_agent"
+            "--socket",
+            path,
+            "--advertise",
+            "127.0.0.1",
+            "--bind",
+            "127.0.0.1",
+            module="strata.launch.snapshot_agent",
         )
         env = {**os.environ, "STRATA_SNAPSHOT_SECRET": secret}
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))

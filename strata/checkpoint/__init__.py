@@ -16,5 +16,9 @@ Face export carries besides the weights), `deepspeed_import`. Snapshots: `snapsh
 It imports the base (`strata`) and `strata.parallel`.
 """
 
-if __name__ != "strata.checkpoint":  # imported by the top-level link's name, e.g. from the repository root
-    raise ImportError(f"import strata.checkpoint, not {__name__}: the folder checkpoint/ links to strata/checkpoint/")
+# imported by the top-level link's name, e.g. from the repository root
+if __name__ != "strata.checkpoint":
+    raise ImportError(
+        f"import strata.checkpoint, not {__name__}: the folder checkpoint/ links to "
+        "strata/checkpoint/"
+    )

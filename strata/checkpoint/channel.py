@@ -53,7 +53,9 @@ def secret_from_env(env: Mapping[str, str] = os.environ) -> bytes:
     )
     value = env.get(SECRET_ENV)
     if value is None:
-        raise StrataError(f"{SECRET_ENV} is not set; snapshot agents authenticate each other with it: {how}")
+        raise StrataError(
+            f"{SECRET_ENV} is not set; snapshot agents authenticate each other with it: {how}"
+        )
     value = value.strip()
     if not re.fullmatch(r"[0-9a-fA-F]{64}", value):  # never echo the value: it is a secret
         raise StrataError(
@@ -74,7 +76,9 @@ def _recv_into(sock: socket.socket, view: memoryview) -> int:
     while got < n:
         r = sock.recv_into(view[got:])
         if not r:
-            raise ChannelError(f"peer closed the connection mid-frame ({got} of {n} bytes received)")
+            raise ChannelError(
+                f"peer closed the connection mid-frame ({got} of {n} bytes received)"
+            )
         crc = crc32c.crc32c(view[got : got + r], crc)
         got += r
     return crc
@@ -100,7 +104,8 @@ def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
 
 def _byte_view(buf) -> memoryview:
     view = memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")  # cast: C-contiguous only
+    # cast: C-contiguous only
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _handshake(sock: socket.socket, secret: bytes, server: bool) -> bytes:
@@ -185,10 +190,13 @@ class Channel:
         """Send one frame: `header` (a JSON-serializable dict) and `payload` (any C-contiguous
         buffer-protocol object, or None), sent straight from the caller's buffer."""
         if any(k in header for k in _INTERNAL):
-            raise ValueError(f"header keys {_INTERNAL} are reserved for the channel: {sorted(header)}")
+            raise ValueError(
+                f"header keys {_INTERNAL} are reserved for the channel: {sorted(header)}"
+            )
         view = _byte_view(payload) if payload is not None else memoryview(b"")
         head = json.dumps(
-            {**header, "seq": self._send_seq, "nbytes": view.nbytes, "crc": crc32c.crc32c(view)}, separators=(",", ":")
+            {**header, "seq": self._send_seq, "nbytes": view.nbytes, "crc": crc32c.crc32c(view)},
+            separators=(",", ":"),
         ).encode()
         if len(head) > MAX_HEADER:
             raise ValueError(f"frame header is {len(head)} bytes; the limit is {MAX_HEADER}")
@@ -220,7 +228,9 @@ class Channel:
 
     def _recv_rest(self, length: int, into) -> tuple[dict, object]:
         if length > MAX_HEADER:
-            raise ChannelError(f"frame header length {length} exceeds {MAX_HEADER} (not a snapshot channel?)")
+            raise ChannelError(
+                f"frame header length {length} exceeds {MAX_HEADER} (not a snapshot channel?)"
+            )
         raw = _recv_exact(self._sock, length + MAC)
         head, mac = raw[:length], raw[length:]
         if not hmac.compare_digest(mac, _mac(self._key, self._recv_role + head)):
@@ -242,7 +252,9 @@ class Channel:
                     f"{view.nbytes} bytes for a {nbytes}-byte payload"
                 )
             if _recv_into(self._sock, view) != header["crc"]:
-                raise ChannelError(f"payload from {self.peer} fails its CRC-32C ({nbytes} bytes, corrupted)")
+                raise ChannelError(
+                    f"payload from {self.peer} fails its CRC-32C ({nbytes} bytes, corrupted)"
+                )
         return {k: v for k, v in header.items() if k not in _INTERNAL}, payload
 
     @staticmethod
@@ -251,11 +263,15 @@ class Channel:
             header = json.loads(head)
         except ValueError as e:
             raise ChannelError(f"frame header is not JSON: {e}") from e
-        if not isinstance(header, dict) or not all(type(header.get(k)) is int and header[k] >= 0 for k in _INTERNAL):
+        if not isinstance(header, dict) or not all(
+            type(header.get(k)) is int and header[k] >= 0 for k in _INTERNAL
+        ):
             raise ChannelError("frame header lacks a non-negative integer seq, nbytes or crc")
         return header
 
-    def request(self, header: dict, payload=None, into: Callable[[dict], object] | None = None) -> tuple[dict, object]:
+    def request(
+        self, header: dict, payload=None, into: Callable[[dict], object] | None = None
+    ) -> tuple[dict, object]:
         """Send a frame, then receive the reply (see `recv`)."""
         self.send(header, payload)
         return self.recv(into)

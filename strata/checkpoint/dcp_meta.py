@@ -51,21 +51,33 @@ def build(index: dict, checkpoint_id: str) -> Metadata:
     storage: dict[MetadataIndex, _StorageInfo] = {}
     planner: dict[str, Any] = {}
     tensors = dict(index["tensors"])
-    tensors.update({alias: index["tensors"][key] for alias, key in index.get("aliases", {}).items()})
+    tensors.update(
+        {alias: index["tensors"][key] for alias, key in index.get("aliases", {}).items()}
+    )
     objects = dict(index.get("objects", {}))
-    # dcp.load with {"optimizer": get_optimizer_state_dict(...)} (torchtitan's key) finds the same bytes
+    # dcp.load with {"optimizer": get_optimizer_state_dict(...)} (torchtitan's key) finds the same
+    # bytes
     for entries in (tensors, objects):
         entries.update(
-            {"optimizer." + k[len("optim.") :]: v for k, v in list(entries.items()) if k.startswith("optim.")}
+            {
+                "optimizer." + k[len("optim.") :]: v
+                for k, v in list(entries.items())
+                if k.startswith("optim.")
+            }
         )
     for key, entry in tensors.items():
         sdm[key] = TensorStorageMetadata(
             TensorProperties(dtype=torch_dtype(entry["dtype"])),
             torch.Size(entry["shape"]),
-            [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in entry["chunks"]],
+            [
+                ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"]))
+                for c in entry["chunks"]
+            ],
         )
         for c in entry["chunks"]:
-            storage[MetadataIndex(key, torch.Size(c["offsets"]))] = _StorageInfo(c["file"], c["offset"], c["length"])
+            storage[MetadataIndex(key, torch.Size(c["offsets"]))] = _StorageInfo(
+                c["file"], c["offset"], c["length"]
+            )
         planner[key] = _path(key)
     for key, where in objects.items():
         sdm[key] = BytesStorageMetadata()

@@ -38,8 +38,11 @@ _TORCHTITAN = [
     (re.compile(r"^(layers\.\d+\.)ffn_norm\."), r"\1mlp_norm."),
     (re.compile(r"^lm_head\.weight$"), "output.weight"),
 ]
-_TORCHTITAN_NAME = re.compile(r"(^|\.)(attention|feed_forward|attention_norm|ffn_norm)\.|^lm_head\.weight$")
-_ROTATED = re.compile(r"^layers\.\d+\.attn\.w([qk])\.weight$")  # RoPE pairs: torchtitan's differ from Strata's
+_TORCHTITAN_NAME = re.compile(
+    r"(^|\.)(attention|feed_forward|attention_norm|ffn_norm)\.|^lm_head\.weight$"
+)
+# RoPE pairs: torchtitan's differ from Strata's
+_ROTATED = re.compile(r"^layers\.\d+\.attn\.w([qk])\.weight$")
 
 
 @dataclass
@@ -81,7 +84,11 @@ class DcpCheckpoint:
     step = 0  # a foreign checkpoint's step and data position are not read: the run counts from 0
 
     def _map(self, model_cfg: hf.ModelShape) -> None:
-        tensors = {k: v for k, v in self.meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        tensors = {
+            k: v
+            for k, v in self.meta.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)
+        }
         model_keys, optim_keys, unmatched = {}, {}, []
         known = set(hf.strata_names(model_cfg))
         for key, md in tensors.items():
@@ -104,9 +111,12 @@ class DcpCheckpoint:
                 rows = md.size[0] // (heads if m[1] == "q" else kv_heads)
             self.sources[f"model.{name}"] = _Source(key, tuple(md.size), md.properties.dtype, rows)
         if model_cfg.tie_embeddings and "model.tok_embeddings.weight" in self.sources:
-            self.sources.setdefault("model.output.weight", self.sources["model.tok_embeddings.weight"])
+            self.sources.setdefault(
+                "model.output.weight", self.sources["model.tok_embeddings.weight"]
+            )
         by_name = {v[0]: v for v in model_keys.values()}
-        missing = [n for n in hf.hf_targets(model_cfg) if n not in by_name]  # a tied output is the embedding
+        # a tied output is the embedding
+        missing = [n for n in hf.hf_targets(model_cfg) if n not in by_name]
         if missing:
             self.problems.append(
                 f"{self.path}: no weights for {listed(missing)} "
@@ -114,7 +124,8 @@ class DcpCheckpoint:
             )
         if unmatched:
             self.problems.append(
-                f"{self.path}: tensors that match no parameter of this model: {listed(sorted(unmatched))}"
+                f"{self.path}: tensors that match no parameter of this model: "
+                f"{listed(sorted(unmatched))}"
             )
         self._map_optimizer(optim_keys, by_name)
 
@@ -128,8 +139,12 @@ class DcpCheckpoint:
             if param is None or kind not in ("exp_avg", "exp_avg_sq", "step"):
                 continue
             rows = param.rows_per_head if kind != "step" else 0
-            found.setdefault(strata, {})[kind] = _Source(key, tuple(md.size), md.properties.dtype, rows)
-        complete = by_name and all(set(found.get(n, {})) >= {"exp_avg", "exp_avg_sq"} for n in by_name)
+            found.setdefault(strata, {})[kind] = _Source(
+                key, tuple(md.size), md.properties.dtype, rows
+            )
+        complete = by_name and all(
+            set(found.get(n, {})) >= {"exp_avg", "exp_avg_sq"} for n in by_name
+        )
         if complete:
             for name, kinds in found.items():
                 for kind, src in kinds.items():
@@ -164,10 +179,15 @@ class DcpCheckpoint:
                 problems.append(f"{self.path}: no tensor {t.key}")
                 continue
             if src.shape != tuple(t.global_shape):
-                problems.append(f"{self.path}: {t.key} has shape {src.shape}, the model's is {tuple(t.global_shape)}")
+                problems.append(
+                    f"{self.path}: {t.key} has shape {src.shape}, the model's is "
+                    f"{tuple(t.global_shape)}"
+                )
                 continue
             whole = self._whole(src)
-            t.tensor.copy_(whole[tuple(slice(o, o + n) for o, n in zip(t.box.offsets, t.box.sizes))])
+            t.tensor.copy_(
+                whole[tuple(slice(o, o + n) for o, n in zip(t.box.offsets, t.box.sizes))]
+            )
         self._cache = None
         return problems
 
@@ -181,10 +201,14 @@ class DcpCheckpoint:
         for chunk in md.chunks:  # type: ignore[union-attr]
             data = self._chunk(src.key, tuple(chunk.offsets))
             box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
-            out[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))] = data.view(box.sizes)
+            out[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))] = data.view(
+                box.sizes
+            )
             covered += math.prod(box.sizes)
         if covered != math.prod(src.shape):
-            raise CheckpointError(f"{self.path}: the chunks of {src.key} do not cover it (an incomplete save)")
+            raise CheckpointError(
+                f"{self.path}: the chunks of {src.key} do not cover it (an incomplete save)"
+            )
         if src.rows_per_head:
             out = _halves_from_pairs(out, src.rows_per_head)
         self._cache = (src.key, out)
@@ -193,7 +217,9 @@ class DcpCheckpoint:
     def _chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
         info = self.meta.storage_data[MetadataIndex(key, torch.Size(offsets))]
         if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(f"{self.path}: {key} is stored transformed ({info.transform_descriptors}); not read")
+            raise CheckpointError(
+                f"{self.path}: {key} is stored transformed ({info.transform_descriptors}); not read"
+            )
         path = self.path / info.relative_path
         try:
             with open(path, "rb") as f:
@@ -206,7 +232,9 @@ class DcpCheckpoint:
         try:
             return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         except Exception as e:  # a damaged blob
-            raise CheckpointError(f"{path}: {key} at byte {info.offset} is not a saved tensor ({e})") from e
+            raise CheckpointError(
+                f"{path}: {key} at byte {info.offset} is not a saved tensor ({e})"
+            ) from e
 
     def close(self) -> None:
         self._cache = None
@@ -218,4 +246,6 @@ def _halves_from_pairs(w: torch.Tensor, rows_per_head: int) -> torch.Tensor:
     (i, i + rows/2) — the permutation of Hugging Face's Llama conversion script."""
     heads = w.shape[0] // rows_per_head
     rest = w.shape[1:]
-    return w.reshape(heads, rows_per_head // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+    return (
+        w.reshape(heads, rows_per_head // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+    )

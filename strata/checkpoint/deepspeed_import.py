@@ -72,9 +72,16 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict]:
     param_groups) of a DeepSpeed ZeRO checkpoint."""
     tag = _tag_dir(path)
     model_states = _load(sorted(tag.glob("*model_states.pt"), key=_natural)[0])
-    shapes = [(name, tuple(shape)) for group in model_states["param_shapes"] for name, shape in group.items()]
+    shapes = [
+        (name, tuple(shape))
+        for group in model_states["param_shapes"]
+        for name, shape in group.items()
+    ]
     group_of = {name: gi for gi, group in enumerate(model_states["param_shapes"]) for name in group}
-    ranks = [_load(f)["optimizer_state_dict"] for f in sorted(tag.glob("*_optim_states.pt"), key=_natural)]
+    ranks = [
+        _load(f)["optimizer_state_dict"]
+        for f in sorted(tag.glob("*_optim_states.pt"), key=_natural)
+    ]
     stage, world = int(ranks[0]["zero_stage"]), len(ranks)
     weights = {name: torch.full(shape, float("nan")) for name, shape in shapes}
     states: dict[str, dict] = {name: {} for name, _ in shapes}
@@ -94,8 +101,20 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict]:
                 part = math.ceil(n / world)
                 a, b, off = min(r * part, n), min((r + 1) * part, n), offsets[gi]
                 pieces = {"param": flat[gi][off : off + b - a]}
-                pieces.update({k: v[off : off + b - a] for k, v in inner[gi].items() if torch.is_tensor(v) and v.ndim})
-                put(name, a, b, pieces, {k: v for k, v in inner[gi].items() if not (torch.is_tensor(v) and v.ndim)})
+                pieces.update(
+                    {
+                        k: v[off : off + b - a]
+                        for k, v in inner[gi].items()
+                        if torch.is_tensor(v) and v.ndim
+                    }
+                )
+                put(
+                    name,
+                    a,
+                    b,
+                    pieces,
+                    {k: v for k, v in inner[gi].items() if not (torch.is_tensor(v) and v.ndim)},
+                )
                 offsets[gi] += part
         else:
             flat, inner = o["single_partition_of_fp32_groups"], o["base_optimizer_state"]["state"]
@@ -110,14 +129,22 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict]:
                         s = a - lo
                         pieces = {"param": flat[gi][s : s + b - a]}
                         pieces.update(
-                            {k: v[s : s + b - a] for k, v in inner[gi].items() if torch.is_tensor(v) and v.ndim}
+                            {
+                                k: v[s : s + b - a]
+                                for k, v in inner[gi].items()
+                                if torch.is_tensor(v) and v.ndim
+                            }
                         )
                         put(
                             name,
                             a - start,
                             b - start,
                             pieces,
-                            {k: v for k, v in inner[gi].items() if not (torch.is_tensor(v) and v.ndim)},
+                            {
+                                k: v
+                                for k, v in inner[gi].items()
+                                if not (torch.is_tensor(v) and v.ndim)
+                            },
                         )
                     start += n + (padding[gi][pi] if padding else 0)
     unfilled = [name for name, t in weights.items() if torch.isnan(t).any()]
@@ -132,13 +159,19 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict]:
         "dp": world,
         "global_steps": int(model_states["global_steps"]),
         "global_samples": int(model_states["global_samples"]),
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner0["param_groups"]],
+        "param_groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in inner0["param_groups"]
+        ],
     }
     return weights, states, meta
 
 
 def import_checkpoint(
-    path: Path, out_root: Path, config_yaml: str, aliases: dict[str, str] | None = None, overwrite: bool = False
+    path: Path,
+    out_root: Path,
+    config_yaml: str,
+    aliases: dict[str, str] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write DeepSpeed checkpoint `path` as the Strata checkpoint of its step under `out_root`,
     with `config_yaml` (the Strata config to continue with) as its config. `aliases` adds names
@@ -150,7 +183,9 @@ def import_checkpoint(
     for name, entry in states.items():
         for kind, value in entry.items():
             tensors[f"optim.state.{name}.{kind}"] = (
-                torch.as_tensor(value, dtype=torch.float32) if not torch.is_tensor(value) or value.ndim == 0 else value
+                torch.as_tensor(value, dtype=torch.float32)
+                if not torch.is_tensor(value) or value.ndim == 0
+                else value
             )
     trainer_state = {
         "step": meta["global_steps"],

@@ -3,12 +3,12 @@ ISA-L's Cauchy code, called through ctypes, so that any k of the k+m fragments r
 
 from __future__ import annotations
 
-# Why ctypes straight to ISA-L rather than pyeclib's Python API (docs/design/snapshot.md §1): that API
-# takes only `bytes` (no memoryview of a shared-memory image), holds the GIL, prefixes every fragment
-# with an 80-byte header and allocates fresh outputs per call: 0.5–0.95 GB/s at 64 MiB. The same
-# library through ctypes reads the caller's buffers in place, writes parity into preallocated ones,
-# releases the GIL, and ran at ~12 GB/s on one thread. We still install pyeclib: its wheel bundles
-# ISA-L. This module imports no torch (it runs in the snapshot agent) and no numpy.
+# Why ctypes straight to ISA-L rather than pyeclib's Python API (docs/design/snapshot.md §1): that
+# API takes only `bytes` (no memoryview of a shared-memory image), holds the GIL, prefixes every
+# fragment with an 80-byte header and allocates fresh outputs per call: 0.5–0.95 GB/s at 64 MiB. The
+# same library through ctypes reads the caller's buffers in place, writes parity into preallocated
+# ones, releases the GIL, and ran at ~12 GB/s on one thread. We still install pyeclib: its wheel
+# bundles ISA-L. This module imports no torch (it runs in the snapshot agent) and no numpy.
 import ctypes
 import ctypes.util
 import functools
@@ -40,7 +40,9 @@ def library_path() -> str:
     system = ctypes.util.find_library("isal")
     if system:
         return system
-    raise StrataError("erasure coding needs ISA-L: pip install pyeclib==1.8.0 (its wheel bundles it)")
+    raise StrataError(
+        "erasure coding needs ISA-L: pip install pyeclib==1.8.0 (its wheel bundles it)"
+    )
 
 
 @functools.cache
@@ -48,15 +50,25 @@ def _lib() -> ctypes.CDLL:
     path = library_path()
     try:
         lib = ctypes.CDLL(path)
-        for name in ("gf_gen_cauchy1_matrix", "ec_init_tables", "ec_encode_data", "gf_invert_matrix", "gf_mul"):
+        for name in (
+            "gf_gen_cauchy1_matrix",
+            "ec_init_tables",
+            "ec_encode_data",
+            "gf_invert_matrix",
+            "gf_mul",
+        ):
             getattr(lib, name)
     except (OSError, AttributeError) as e:
         raise StrataError(
-            f"erasure coding: cannot use ISA-L at {path}: {e}; pip install pyeclib==1.8.0 (its wheel bundles it)"
+            f"erasure coding: cannot use ISA-L at {path}: {e}; pip install pyeclib==1.8.0 (its "
+            "wheel bundles it)"
         ) from e
     u8, u8p, ptrs = ctypes.c_ubyte, ctypes.POINTER(ctypes.c_ubyte), ctypes.POINTER(ctypes.c_void_p)
     c_int = ctypes.c_int
-    lib.gf_gen_cauchy1_matrix.argtypes, lib.gf_gen_cauchy1_matrix.restype = [u8p, c_int, c_int], None
+    lib.gf_gen_cauchy1_matrix.argtypes, lib.gf_gen_cauchy1_matrix.restype = (
+        [u8p, c_int, c_int],
+        None,
+    )
     lib.ec_init_tables.argtypes, lib.ec_init_tables.restype = [c_int, c_int, u8p, u8p], None
     lib.ec_encode_data.argtypes = [c_int, c_int, c_int, u8p, ptrs, ptrs]
     lib.ec_encode_data.restype = None
@@ -88,10 +100,12 @@ class _PyBuffer(ctypes.Structure):
 
 _PyBUF_SIMPLE, _PyBUF_WRITABLE = 0, 1  # both ask for a C-contiguous buffer
 # Own prototypes, so that the argtypes of the shared ctypes.pythonapi functions stay untouched.
-_get_buffer = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int)(
-    ("PyObject_GetBuffer", ctypes.pythonapi)
+_get_buffer = ctypes.PYFUNCTYPE(
+    ctypes.c_int, ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int
+)(("PyObject_GetBuffer", ctypes.pythonapi))
+_release_buffer = ctypes.PYFUNCTYPE(None, ctypes.POINTER(_PyBuffer))(
+    ("PyBuffer_Release", ctypes.pythonapi)
 )
-_release_buffer = ctypes.PYFUNCTYPE(None, ctypes.POINTER(_PyBuffer))(("PyBuffer_Release", ctypes.pythonapi))
 
 
 class _Pinned:
@@ -205,11 +219,14 @@ def _decode_tables(k: int, m: int, survivors: tuple[int, ...], wanted: tuple[int
     B the survivors' rows of the matrix A, data = B^-1 · survivors, so fragment w = A[w] · B^-1 ·
     survivors (for data w, A[w] · B^-1 is just row w of B^-1)."""
     lib, a = _lib(), _matrix(k, m)
-    b = (ctypes.c_ubyte * (k * k)).from_buffer_copy(b"".join(a[s * k : (s + 1) * k] for s in survivors))
+    b = (ctypes.c_ubyte * (k * k)).from_buffer_copy(
+        b"".join(a[s * k : (s + 1) * k] for s in survivors)
+    )
     inv = (ctypes.c_ubyte * (k * k))()
     if lib.gf_invert_matrix(b, inv, k) != 0:  # cannot happen for a Cauchy matrix; a broken library?
         raise StrataError(
-            f"erasure coding: ISA-L at {library_path()} found the k={k}, m={m} Cauchy rows {list(survivors)} singular"
+            f"erasure coding: ISA-L at {library_path()} found the k={k}, m={m} Cauchy rows "
+            f"{list(survivors)} singular"
         )
     rows = bytearray()
     for w in wanted:
@@ -233,7 +250,10 @@ class Code:
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"snapshot.m must be an integer >= 0, got {m!r}")
         if k + m > MAX_FRAGMENTS:
-            raise ValueError(f"snapshot.k + snapshot.m must be <= {MAX_FRAGMENTS} (GF(2^8)), got {k} + {m} = {k + m}")
+            raise ValueError(
+                f"snapshot.k + snapshot.m must be <= {MAX_FRAGMENTS} (GF(2^8)), got "
+                f"{k} + {m} = {k + m}"
+            )
         self.k, self.m = k, m
         self._encode = _encode_tables(k, m) if m else None
 
@@ -253,7 +273,8 @@ class Code:
         one length F >= ALIGN. Reads and writes in place: no copies."""
         if len(data) != self.k or len(parity) != self.m:
             raise ValueError(
-                f"{self!r}.encode takes {self.k} data and {self.m} parity buffers, got {len(data)} and {len(parity)}"
+                f"{self!r}.encode takes {self.k} data and {self.m} parity buffers, got "
+                f"{len(data)} and {len(parity)}"
             )
         with _Pinned() as pin:
             srcs, n = self._pin(
@@ -270,20 +291,35 @@ class Code:
         `have`'s) is filled with the fragment of its index, data or parity."""
         k, n_frag = self.k, self.k + self.m
         for what, d in (("have", have), ("want", want)):
-            bad = [i for i in d if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_frag]
+            bad = [
+                i for i in d if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_frag
+            ]
             if bad:
-                raise ValueError(f"{self!r}.decode: {what} has fragment indices {bad}; valid are 0..{n_frag - 1}")
+                raise ValueError(
+                    f"{self!r}.decode: {what} has fragment indices {bad}; valid are 0..{n_frag - 1}"
+                )
         if len(have) < k:
-            raise ValueError(f"{self!r}.decode: only {len(have)} of the k={k} fragments needed (have {sorted(have)})")
+            raise ValueError(
+                f"{self!r}.decode: only {len(have)} of the k={k} fragments needed "
+                f"(have {sorted(have)})"
+            )
         survivors = tuple(sorted(have)[:k])  # data first: their rows of the matrix are unit rows
         wanted = tuple(sorted(want))
         with _Pinned() as pin:
             addrs, n = self._pin(
                 pin,
-                [(f"have[{i}]", have[i], False) for i in survivors] + [(f"want[{i}]", want[i], True) for i in wanted],
+                [(f"have[{i}]", have[i], False) for i in survivors]
+                + [(f"want[{i}]", want[i], True) for i in wanted],
             )
             if wanted:
-                _run(_decode_tables(k, self.m, survivors, wanted), k, len(wanted), addrs[:k], addrs[k:], n)
+                _run(
+                    _decode_tables(k, self.m, survivors, wanted),
+                    k,
+                    len(wanted),
+                    addrs[:k],
+                    addrs[k:],
+                    n,
+                )
 
     def _pin(self, pin: _Pinned, buffers: list[tuple[str, Buffer, bool]]) -> tuple[list[int], int]:
         """Addresses of all buffers and their common length, checked."""
@@ -296,7 +332,8 @@ class Code:
         odd = [f"{what}={length}" for what, length in lengths if length != n]
         if odd:
             raise ValueError(
-                f"{self!r}: all fragments must have one length, got {lengths[0][0]}={n} but {', '.join(odd)}"
+                f"{self!r}: all fragments must have one length, got {lengths[0][0]}={n} but "
+                f"{', '.join(odd)}"
             )
         if n < ALIGN:
             raise ValueError(f"{self!r}: fragments must be at least {ALIGN} bytes, got {n}")

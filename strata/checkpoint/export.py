@@ -33,7 +33,8 @@ from strata.errors import CheckpointError
 from strata.parallel.flat import Box
 
 FORMATS = ("safetensors", "hf")
-SHARD_BYTES = 2 * 2**30  # per safetensors shard of an hf export (transformers' save_pretrained: 5 GB)
+# per safetensors shard of an hf export (transformers' save_pretrained: 5 GB)
+SHARD_BYTES = 2 * 2**30
 # What an hf export writes: an --overwrite replaces a directory holding nothing else.
 HF_FILES = re.compile(
     r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|"
@@ -50,7 +51,8 @@ def outputs(out: Path) -> tuple[Path, Path]:
         return out, out.with_name(f"{out.stem}.config.yaml")
     if out.exists() and not out.is_dir():
         raise CheckpointError(
-            f"strata ckpt export: OUT {str(out)!r} is an existing file; give a .safetensors file name or a directory"
+            f"strata ckpt export: OUT {str(out)!r} is an existing file; give a .safetensors file "
+            "name or a directory"
         )
     return out / "model.safetensors", out / "config.yaml"
 
@@ -75,13 +77,15 @@ def check_destination(weights: Path, config: Path, overwrite: bool) -> None:
     inside = checkpoint_destination(weights.parent)
     if inside is not None:
         raise CheckpointError(
-            f"strata ckpt export: OUT {str(weights.parent)!r} is in the checkpoint directory {str(inside)!r}; "
+            f"strata ckpt export: OUT {str(weights.parent)!r} is in the checkpoint directory "
+            f"{str(inside)!r}; "
             "writing there would alter checkpoints, so give an OUT outside it"
         )
     existing = [str(p) for p in (weights, config) if p.exists() or p.is_symlink()]
     if existing and not overwrite:
         raise CheckpointError(
-            f"strata ckpt export: {' and '.join(existing)} already exist(s); give another OUT, or pass "
+            f"strata ckpt export: {' and '.join(existing)} already exist(s); give another OUT, or "
+            "pass "
             "--overwrite to replace them"
         )
 
@@ -91,7 +95,9 @@ def verified_config(ckpt: Checkpoint) -> bytes:
     path = ckpt.path / "config.yaml"
     want = ckpt.files.get("config.yaml")
     if not isinstance(want, dict):
-        raise CheckpointError(f"{ckpt.path / store.MARKER} records no checksum for config.yaml; it cannot be verified")
+        raise CheckpointError(
+            f"{ckpt.path / store.MARKER} records no checksum for config.yaml; it cannot be verified"
+        )
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -100,7 +106,8 @@ def verified_config(ckpt: Checkpoint) -> bytes:
     crcs = integrity.block_checksums(data, block) if block else [integrity.checksum(data)]
     if len(data) != want.get("bytes") or crcs != integrity.checksums_of(want):
         raise CheckpointError(
-            f"{path}: does not match the checksum in its commit marker (corrupted); nothing was exported. "
+            f"{path}: does not match the checksum in its commit marker (corrupted); nothing was "
+            "exported. "
             "Export another checkpoint (`strata ckpt verify` checks one)"
         )
     return data
@@ -131,7 +138,8 @@ def export(
     ckpt = Checkpoint(path)
     try:
         config_yaml = verified_config(ckpt)
-        tensors = ckpt.tensors("model.")  # a tied weight's names are separate copies (safetensors wants that)
+        # a tied weight's names are separate copies (safetensors wants that)
+        tensors = ckpt.tensors("model.")
     finally:
         ckpt.close()
     metadata = {"format": "pt", "strata_step": str(ckpt.step), "strata_checkpoint": str(ckpt.path)}
@@ -161,17 +169,27 @@ def export_hf(
     try:
         cfg = read_config(verified_config(ckpt))
         shapes = ckpt.shapes("model.")
-        dtypes = {k: ckpt.index["tensors"][k]["dtype"] for k in ckpt.index["tensors"] if k.startswith("model.")}
+        dtypes = {
+            k: ckpt.index["tensors"][k]["dtype"]
+            for k in ckpt.index["tensors"]
+            if k.startswith("model.")
+        }
         names = hf.hf_targets(cfg.model)  # Strata name -> HF name (a tied output is the embedding)
         experts = hf.expert_names(cfg.model)  # a stacked expert weight -> the HF name of each row
         problems = [f"no tensor model.{n}" for n in [*names, *experts] if n not in shapes]
         if problems:
-            raise CheckpointError(f"{ckpt.path}: does not hold the model its config.yaml describes: {problems[:5]}")
+            raise CheckpointError(
+                f"{ckpt.path}: does not hold the model its config.yaml describes: {problems[:5]}"
+            )
         hf_cfg = hf.hf_config(cfg.model, shapes["tok_embeddings.weight"][0])
         hf_cfg["torch_dtype"] = dtypes["model.tok_embeddings.weight"]
         metadata = hf_metadata(cfg, hf_cfg, force)
         outputs = [_Output(hf_name, n, None) for n, hf_name in names.items()]
-        outputs += [_Output(row_name, n, e) for n, rows in experts.items() for e, row_name in enumerate(rows)]
+        outputs += [
+            _Output(row_name, n, e)
+            for n, rows in experts.items()
+            for e, row_name in enumerate(rows)
+        ]
         dtype_of = {o.strata: torch_dtype(dtypes[f"model.{o.strata}"]) for o in outputs}
         shards = _shards(outputs, shapes, dtype_of)
         _refuse_what_this_export_does_not_write(out, _hf_outputs(len(shards), metadata.files))
@@ -179,20 +197,31 @@ def export_hf(
             weight_map = {}
             for i, shard in enumerate(shards):
                 file = (
-                    "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                    "model.safetensors"
+                    if len(shards) == 1
+                    else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                 )
                 pieces = [o.piece(shapes[o.strata], dtype_of[o.strata]) for o in shard]
                 problems = ckpt.read(pieces)
                 if problems:
-                    raise CheckpointError(f"{ckpt.path} is damaged; nothing was exported:\n  " + "\n  ".join(problems))
-                tensors = {o.hf: p.tensor if o.row is None else p.tensor[0] for o, p in zip(shard, pieces)}
+                    raise CheckpointError(
+                        f"{ckpt.path} is damaged; nothing was exported:\n  " + "\n  ".join(problems)
+                    )
+                tensors = {
+                    o.hf: p.tensor if o.row is None else p.tensor[0] for o, p in zip(shard, pieces)
+                }
                 (tmp / file).write_bytes(safetensors_bytes(tensors, metadata={"format": "pt"}))
                 weight_map.update(dict.fromkeys(tensors, file))
                 del pieces, tensors
             if len(shards) > 1:
                 total = sum(o.nbytes(shapes[o.strata], dtype_of[o.strata]) for o in outputs)
-                index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+                index = {
+                    "metadata": {"total_size": total},
+                    "weight_map": dict(sorted(weight_map.items())),
+                }
+                (tmp / "model.safetensors.index.json").write_text(
+                    json.dumps(index, indent=2) + "\n"
+                )
             (tmp / "config.json").write_text(json.dumps(metadata.config, indent=2) + "\n")
             for name, data in metadata.files.items():
                 (tmp / name).write_bytes(data)
@@ -220,8 +249,10 @@ def _refuse_what_this_export_does_not_write(out: Path, writes: set[str]) -> None
     kept = [name for name in present if name not in writes]
     if kept:
         raise CheckpointError(
-            f"strata ckpt export: {str(out)!r} holds files this export does not write ({', '.join(kept[:5])}), "
-            "which replacing the directory would delete; --overwrite replaces only what the export writes: move "
+            f"strata ckpt export: {str(out)!r} holds files this export does not write "
+            f"({', '.join(kept[:5])}), "
+            "which replacing the directory would delete; --overwrite replaces only what the "
+            "export writes: move "
             "them, or give another OUT"
         )
 
@@ -230,23 +261,28 @@ def _check_hf_destination(out: Path, overwrite: bool) -> None:
     """OUT must be a new or empty directory outside any checkpoint, or, with --overwrite, an
     earlier export holding only the files an export writes (nothing else of the user's is lost)."""
     if out.exists() and not out.is_dir():
-        raise CheckpointError(f"strata ckpt export --format hf: OUT {str(out)!r} is a file; give a directory")
+        raise CheckpointError(
+            f"strata ckpt export --format hf: OUT {str(out)!r} is a file; give a directory"
+        )
     inside = checkpoint_destination(out if out.exists() else out.parent)
     if inside is not None:
         raise CheckpointError(
-            f"strata ckpt export: OUT {str(out)!r} is in the checkpoint directory {str(inside)!r}; writing there "
+            f"strata ckpt export: OUT {str(out)!r} is in the checkpoint directory "
+            f"{str(inside)!r}; writing there "
             "would alter checkpoints, so give an OUT outside it"
         )
     present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if present and not overwrite:
         raise CheckpointError(
-            f"strata ckpt export: {str(out)!r} is not empty; give a new directory, or pass --overwrite to replace "
+            f"strata ckpt export: {str(out)!r} is not empty; give a new directory, or pass "
+            "--overwrite to replace "
             "an earlier export there"
         )
     foreign = [name for name in present if not HF_FILES.fullmatch(name)]
     if foreign:
         raise CheckpointError(
-            f"strata ckpt export: {str(out)!r} holds files an export does not write ({', '.join(foreign[:5])}); "
+            f"strata ckpt export: {str(out)!r} holds files an export does not write "
+            f"({', '.join(foreign[:5])}); "
             "--overwrite replaces only an earlier export: give another OUT"
         )
 
@@ -268,7 +304,9 @@ class _Output:
         if self.row is None:
             return whole_piece(f"model.{self.strata}", torch.empty(shape, dtype=dtype))
         box = Box((self.row,) + (0,) * (len(shape) - 1), (1, *shape[1:]))
-        return Piece(f"model.{self.strata}", tuple(shape), box, torch.empty((1, *shape[1:]), dtype=dtype))
+        return Piece(
+            f"model.{self.strata}", tuple(shape), box, torch.empty((1, *shape[1:]), dtype=dtype)
+        )
 
 
 def _shards(

@@ -71,7 +71,8 @@ def hf_metadata(cfg: Config, computed: dict[str, Any], force: bool = False) -> M
     out = Metadata(dict(computed))
     if source is not None and not same:
         out.notes.append(
-            f"the run's model is no longer that of {source.path} (its shape or RoPE changed): config.json is set "
+            f"the run's model is no longer that of {source.path} (its shape or RoPE changed): "
+            "config.json is set "
             "from the run's config"
         )
     kept = source if same else None
@@ -80,7 +81,8 @@ def hf_metadata(cfg: Config, computed: dict[str, Any], force: bool = False) -> M
     if kept is not None and run_tok.data is not None:
         source_tok = kept.file("tokenizer.json")
         if source_tok is None or _digest(source_tok) != _digest(run_tok.data):
-            kept = None  # the run's data was tokenized otherwise: the source's token settings do not apply
+            # the run's data was tokenized otherwise: the source's token settings do not apply
+            kept = None
     if kept is None:
         _set_token_ids(out, cfg, run_tok, carried=same)
     _tokenizer(out, run_tok, kept)
@@ -101,9 +103,12 @@ def _source(cfg: Config, force: bool) -> _Source | None:
         return _Source(path, config)
     if not force:
         raise CheckpointError(
-            f"strata ckpt export: the run started from the Hugging Face model {str(path)!r} (model.init_from), "
-            "which is gone or unreadable: its context length, special-token ids, tokenizer config, chat template "
-            "and generation config cannot be carried into the export. Put it back, or pass --force to set them "
+            f"strata ckpt export: the run started from the Hugging Face model {str(path)!r} "
+            "(model.init_from), "
+            "which is gone or unreadable: its context length, special-token ids, tokenizer "
+            "config, chat template "
+            "and generation config cannot be carried into the export. Put it back, or pass "
+            "--force to set them "
             "from the run's config"
         )
     return None
@@ -147,7 +152,8 @@ def _run_tokenizer(cfg: Config, force: bool) -> _RunTokenizer:
     except OSError as e:
         if not force:
             raise CheckpointError(
-                f"strata ckpt export: the run's tokenizer {data / info['file']} cannot be read ({e}); the export "
+                f"strata ckpt export: the run's tokenizer {data / info['file']} cannot be read "
+                f"({e}); the export "
                 "would have none. Restore it, or pass --force to export without a tokenizer"
             ) from e
         return _RunTokenizer(None, eot_token, eot)
@@ -184,7 +190,8 @@ def _carry_config(out: Metadata, source: _Source, cfg: Config, computed: dict[st
     if isinstance(longest, int) and cfg.model.seq_len > longest and rope["rope_type"] != "dynamic":
         out.config["max_position_embeddings"] = cfg.model.seq_len
         out.notes.append(
-            f"max_position_embeddings: {cfg.model.seq_len}, the run's model.seq_len (the source's {longest} is shorter)"
+            f"max_position_embeddings: {cfg.model.seq_len}, the run's model.seq_len (the source's "
+            f"{longest} is shorter)"
         )
 
 
@@ -203,7 +210,8 @@ def _set_token_ids(out: Metadata, cfg: Config, run_tok: _RunTokenizer, carried: 
     )
     out.notes.append(
         f"config.json from the run's config and tokenizer: {what}eos_token_id "
-        f"{out.config.get('eos_token_id', 'none')} (the run's end-of-document token), no bos or pad token"
+        f"{out.config.get('eos_token_id', 'none')} (the run's end-of-document token), no bos or "
+        "pad token"
     )
 
 
@@ -215,7 +223,9 @@ def _tokenizer(out: Metadata, run_tok: _RunTokenizer, source: _Source | None) ->
         tokenizer = tokenizer or source.file("tokenizer.json")
         out.files.update((n, d) for n in TOKENIZER_EXTRAS if (d := source.file(n)) is not None)
     if tokenizer is None:
-        out.notes.append("no tokenizer exported: the run's data is byte-level (or its tokenizer was not found)")
+        out.notes.append(
+            "no tokenizer exported: the run's data is byte-level (or its tokenizer was not found)"
+        )
         return
     out.files["tokenizer.json"] = tokenizer
     if "tokenizer_config.json" in out.files:
@@ -228,7 +238,8 @@ def _tokenizer(out: Metadata, run_tok: _RunTokenizer, source: _Source | None) ->
         settings["eos_token"] = run_tok.eot_token
     out.files["tokenizer_config.json"] = (json.dumps(settings, indent=2) + "\n").encode()
     out.notes.append(
-        f"tokenizer_config.json from the run's config: model_max_length {settings['model_max_length']}, "
+        "tokenizer_config.json from the run's config: model_max_length "
+        f"{settings['model_max_length']}, "
         f"eos_token {settings.get('eos_token', 'none')}, no chat template"
     )
 
@@ -239,7 +250,9 @@ def _generation_config(out: Metadata, source: _Source | None) -> None:
     if data is None:
         ids = {k: out.config[k] for k in TOKEN_IDS if out.config.get(k) is not None}
         data = (json.dumps({"_from_model_config": True, **ids}, indent=2) + "\n").encode()
-        out.notes.append("generation_config.json from config.json's token ids (greedy decoding by default)")
+        out.notes.append(
+            "generation_config.json from config.json's token ids (greedy decoding by default)"
+        )
     out.files["generation_config.json"] = data
 
 

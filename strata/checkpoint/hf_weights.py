@@ -44,14 +44,19 @@ def weight_files(directory: Path) -> list[str]:
     directory = Path(directory)
     if (directory / SHARD_INDEX).is_file():
         try:
-            weight_map = json.loads((directory / SHARD_INDEX).read_text(encoding="utf-8"))["weight_map"]
+            weight_map = json.loads((directory / SHARD_INDEX).read_text(encoding="utf-8"))[
+                "weight_map"
+            ]
             files = sorted(set(weight_map.values()))
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{directory / SHARD_INDEX}: not a safetensors shard index ({e})") from e
+            raise CheckpointError(
+                f"{directory / SHARD_INDEX}: not a safetensors shard index ({e})"
+            ) from e
         missing = [f for f in files if not (directory / f).is_file()]
         if missing:
             raise CheckpointError(
-                f"{directory}: {SHARD_INDEX} lists shards that are not there: {', '.join(missing[:5])}"
+                f"{directory}: {SHARD_INDEX} lists shards that are not there: "
+                f"{', '.join(missing[:5])}"
                 f"{' ...' if len(missing) > 5 else ''}; copy the whole model directory"
             )
         return files
@@ -98,14 +103,16 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
     unused = hf.unused(found, model_cfg)
     if unused:
         problems.append(
-            f"tensors this model has no place for (a feature Strata lacks, or other layers): {listed(unused)}"
+            "tensors this model has no place for (a feature Strata lacks, or other layers): "
+            f"{listed(unused)}"
         )
     untied = _untied_head(directory, found, model_cfg)
     if untied:
         problems.append(untied)
     if problems:
         raise CheckpointError(
-            f"{directory}: the weights do not fit the model its config.json describes: " + "; ".join(problems)
+            f"{directory}: the weights do not fit the model its config.json describes: "
+            + "; ".join(problems)
         )
     tensors = {}
     expected = _model_shapes(model_cfg, found)
@@ -116,25 +123,34 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
         if want is not None and tuple(shape) != want:
             mismatched.append(f"{hf_name} is {tuple(shape)}, config.json makes it {want}")
         tensors[f"model.{strata_name}"] = {"shape": shape, "dtype": dtype, "chunks": [chunk]}
-    for strata_name, rows in hf.expert_names(model_cfg).items():  # one HF tensor per expert: rows of one
-        tensors[f"model.{strata_name}"] = _stacked(directory, rows, found, sizes, expected.get(strata_name), mismatched)
+    # one HF tensor per expert: rows of one
+    for strata_name, rows in hf.expert_names(model_cfg).items():
+        tensors[f"model.{strata_name}"] = _stacked(
+            directory, rows, found, sizes, expected.get(strata_name), mismatched
+        )
     if mismatched:
         raise CheckpointError(
-            f"{directory}: the weights' shapes contradict its config.json, {len(mismatched)} shape mismatches: "
+            f"{directory}: the weights' shapes contradict its config.json, {len(mismatched)} "
+            "shape mismatches: "
             + "; ".join(mismatched[:8])
             + ". Use the config.json the weights were saved with"
         )
     return Checkpoint.foreign(directory, {"tensors": tensors, "objects": {}}, sizes)
 
 
-def _untied_head(directory: Path, found: dict[str, tuple[str, dict, int]], model_cfg: hf.ModelShape) -> str | None:
+def _untied_head(
+    directory: Path, found: dict[str, tuple[str, dict, int]], model_cfg: hf.ModelShape
+) -> str | None:
     """Why a tied model's files cannot load as tied: they hold an output projection that is not the
     embedding (transformers would untie the two and warn; Strata refuses, so that the trained model
     is the one the files describe). None when untied, or when the head is absent or equal."""
     embed_name = hf.hf_sources(model_cfg)["tok_embeddings.weight"]
     if not model_cfg.tie_embeddings or "lm_head.weight" not in found or embed_name not in found:
         return None
-    (head_file, head, head_start), (embed_file, embed, embed_start) = found["lm_head.weight"], found[embed_name]
+    (head_file, head, head_start), (embed_file, embed, embed_start) = (
+        found["lm_head.weight"],
+        found[embed_name],
+    )
     same = head.get("dtype") == embed.get("dtype") and head.get("shape") == embed.get("shape")
     try:
         same = same and _same_bytes(
@@ -149,13 +165,18 @@ def _untied_head(directory: Path, found: dict[str, tuple[str, dict, int]], model
     if same:
         return None
     return (
-        f"config.json ties the word embeddings (tie_word_embeddings: true), but {head_file} holds an lm_head.weight "
-        f"that differs from {embed_name} (transformers would untie them, with a warning). Set tie_word_embeddings: "
-        "false in config.json to load both as they are, or delete lm_head.weight to tie the head to the embedding"
+        f"config.json ties the word embeddings (tie_word_embeddings: true), but {head_file} holds "
+        "an lm_head.weight "
+        f"that differs from {embed_name} (transformers would untie them, with a warning). Set "
+        "tie_word_embeddings: "
+        "false in config.json to load both as they are, or delete lm_head.weight to tie the head "
+        "to the embedding"
     )
 
 
-def _same_bytes(a: Path, a_start: int, b: Path, b_start: int, length: int, block: int = 16 * 2**20) -> bool:
+def _same_bytes(
+    a: Path, a_start: int, b: Path, b_start: int, length: int, block: int = 16 * 2**20
+) -> bool:
     """Whether `length` bytes of file `a` from `a_start` equal those of `b` from `b_start`."""
     with open(a, "rb") as fa, open(b, "rb") as fb:
         fa.seek(a_start)
@@ -178,10 +199,13 @@ def _chunk(
         shape = [int(d) for d in entry["shape"]]
         lo, hi = (int(x) for x in entry["data_offsets"])
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{directory / file}: a malformed header entry for {hf_name} ({e!r})") from e
+        raise CheckpointError(
+            f"{directory / file}: a malformed header entry for {hf_name} ({e!r})"
+        ) from e
     if start + hi > sizes[file] or lo > hi:
         raise CheckpointError(
-            f"{directory / file}: {hf_name} points at bytes {lo}–{hi} past the file's end (truncated?)"
+            f"{directory / file}: {hf_name} points at bytes {lo}–{hi} past the file's end "
+            "(truncated?)"
         )
     chunk = {"offsets": [0] * len(shape), "sizes": shape, "file": file, "offset": start + lo}
     return dtype, shape, {**chunk, "length": hi - lo, "data_offset": start + lo}
@@ -207,7 +231,9 @@ def _stacked(
     return {"shape": [len(rows), *(shape or [])], "dtype": dtype, "chunks": chunks}
 
 
-def _model_shapes(model_cfg: hf.ModelShape, found: dict[str, tuple[str, dict, int]]) -> dict[str, tuple[int, ...]]:
+def _model_shapes(
+    model_cfg: hf.ModelShape, found: dict[str, tuple[str, dict, int]]
+) -> dict[str, tuple[int, ...]]:
     """Every parameter's shape in the model `model_cfg` describes (built on the meta device, so no
     memory), by Strata name; the vocabulary is config.json's, else the embedding's rows."""
     import torch
@@ -224,7 +250,11 @@ def _model_shapes(model_cfg: hf.ModelShape, found: dict[str, tuple[str, dict, in
 
 
 def import_hf(
-    directory: Path, out_root: Path, config_yaml: str, model_cfg: hf.ModelShape, overwrite: bool = False
+    directory: Path,
+    out_root: Path,
+    config_yaml: str,
+    model_cfg: hf.ModelShape,
+    overwrite: bool = False,
 ) -> Path:
     """Write the model directory's weights, as saved (same dtype), as the Strata checkpoint of step 0
     under `out_root`, with no optimizer state: `--resume` it (the optimizer starts fresh) or name it

@@ -31,7 +31,8 @@ def _layout(layout: dict) -> str:
     if "imported_from" in layout:
         return f"imported from {layout['imported_from']}"
     text = (
-        f"world {layout.get('world')}: tp {layout.get('tp')}, pp {layout.get('pp')}, virtual stages "
+        f"world {layout.get('world')}: tp {layout.get('tp')}, pp {layout.get('pp')}, virtual "
+        "stages "
         f"{layout.get('virtual_stages')}, dp {layout.get('dp')}"
     )
     if layout.get("zero"):
@@ -50,7 +51,10 @@ def _metadata_problems(ckpt: Path, index: dict) -> list[str]:
     if set(meta.state_dict_metadata) != set(want.state_dict_metadata):
         return [f"{ckpt / '.metadata'}: does not list the same entries as index.json"]
     if _storage(meta) != _storage(want):
-        return [f"{ckpt / '.metadata'}: points DCP at other files or bytes than index.json does (damaged)"]
+        return [
+            f"{ckpt / '.metadata'}: points DCP at other files or bytes than index.json does "
+            "(damaged)"
+        ]
     return []
 
 
@@ -58,12 +62,18 @@ def _storage(meta: Metadata) -> dict[tuple[str, tuple[int, ...] | None], tuple[s
     """Where DCP reads each entry from: {(key, chunk offsets): (file, offset, length)} — so a
     `.metadata` cannot send a plain DCP load outside the files the index (checked) names."""
     return {
-        (i.fqn, None if i.offset is None else tuple(i.offset)): (str(s.relative_path), s.offset, s.length)
+        (i.fqn, None if i.offset is None else tuple(i.offset)): (
+            str(s.relative_path),
+            s.offset,
+            s.length,
+        )
         for i, s in meta.storage_data.items()
     }
 
 
-def verify_report(path: Path, read_config: Callable[[bytes], Config] | None = None) -> tuple[bool, str]:
+def verify_report(
+    path: Path, read_config: Callable[[bytes], Config] | None = None
+) -> tuple[bool, str]:
     """(ok, report) for `strata ckpt verify`: the structural check every load makes, every data
     block's checksum, DCP's `.metadata` against the index, and (given `read_config`, which turns
     config.yaml into a Config: this layer reads only the schema) the model tensors' shapes against
@@ -81,14 +91,18 @@ def verify_report(path: Path, read_config: Callable[[bytes], Config] | None = No
     largest = largest_weight(ckpt)
     if largest is not None and largest[1] > IMPLAUSIBLE_WEIGHT:
         report += (
-            f"\n  warning: the weights are finite but implausible: |{largest[0]}| reaches {largest[1]:.3g} (trained "
-            f"transformers stay below ~1e3): the run that saved it had likely diverged; an earlier checkpoint may "
+            f"\n  warning: the weights are finite but implausible: |{largest[0]}| reaches "
+            f"{largest[1]:.3g} (trained "
+            "transformers stay below ~1e3): the run that saved it had likely diverged; an "
+            "earlier checkpoint may "
             "be the one to resume"
         )
     return True, report
 
 
-def model_shape_problems(ckpt: Path, index: dict, read_config: Callable[[bytes], Config]) -> list[str]:
+def model_shape_problems(
+    ckpt: Path, index: dict, read_config: Callable[[bytes], Config]
+) -> list[str]:
     """Each model tensor whose saved shape is not the one config.yaml's model gives it, and each the
     model has that the checkpoint lacks (the vocabulary is the saved embedding's)."""
     from strata.model import GPT
@@ -98,7 +112,11 @@ def model_shape_problems(ckpt: Path, index: dict, read_config: Callable[[bytes],
     except (OSError, StrataError) as e:
         return [f"{ckpt / 'config.yaml'}: not a config this Strata reads ({e})"]
     aliases, tensors = index.get("aliases", {}), index["tensors"]
-    saved = {k: tuple(tensors[aliases.get(k, k)]["shape"]) for k in [*tensors, *aliases] if k.startswith("model.")}
+    saved = {
+        k: tuple(tensors[aliases.get(k, k)]["shape"])
+        for k in [*tensors, *aliases]
+        if k.startswith("model.")
+    }
     embedding = saved.get("model.tok_embeddings.weight")
     if embedding is None:
         return []  # no model in it (an optimizer-only save): nothing to hold against the config
@@ -110,13 +128,16 @@ def model_shape_problems(ckpt: Path, index: dict, read_config: Callable[[bytes],
         if have is None:
             problems.append(f"model.{name} is missing (config.yaml's model has it)")
         elif have != tuple(t.shape):
-            problems.append(f"model.{name} is {have}, config.yaml's model makes it {tuple(t.shape)}")
+            problems.append(
+                f"model.{name} is {have}, config.yaml's model makes it {tuple(t.shape)}"
+            )
     return [f"the weights contradict config.yaml: {p}" for p in problems[:8]] + (
         [f"... and {len(problems) - 8} more"] if len(problems) > 8 else []
     )
 
 
-IMPLAUSIBLE_WEIGHT = CheckpointConfig().max_abs_weight  # the ceiling a save is refused above, by default
+# the ceiling a save is refused above, by default
+IMPLAUSIBLE_WEIGHT = CheckpointConfig().max_abs_weight
 
 
 def largest_weight(ckpt: Path) -> tuple[str, float] | None:
@@ -126,9 +147,13 @@ def largest_weight(ckpt: Path) -> tuple[str, float] | None:
     try:
         best: tuple[str, float] | None = None
         for key, entry in reader.index["tensors"].items():
-            if not key.startswith("model.") or not str(entry.get("dtype", "")).startswith(("float", "bfloat")):
+            if not key.startswith("model.") or not str(entry.get("dtype", "")).startswith(
+                ("float", "bfloat")
+            ):
                 continue
-            piece = whole_piece(key, torch.empty(tuple(entry["shape"]), dtype=torch_dtype(entry["dtype"])))
+            piece = whole_piece(
+                key, torch.empty(tuple(entry["shape"]), dtype=torch_dtype(entry["dtype"]))
+            )
             if reader.read([piece]) or not piece.tensor.numel():
                 continue
             value = float(piece.tensor.abs().max())
@@ -158,7 +183,9 @@ def inspect_report(path: Path) -> tuple[bool, str]:
     ]
     for name, entry in ckpt.files.items():
         check = (
-            f"{len(entry['block_crc32c'])} block crc32cs" if "block_crc32c" in entry else f"crc32c {entry['crc32c']}"
+            f"{len(entry['block_crc32c'])} block crc32cs"
+            if "block_crc32c" in entry
+            else f"crc32c {entry['crc32c']}"
         )
         lines.append(f"  {name:22s} {_size(entry['bytes']):>10s}  {check}")
     if not ok:
@@ -171,7 +198,8 @@ def inspect_report(path: Path) -> tuple[bool, str]:
         return math.prod(entry["shape"]) * torch_dtype(entry["dtype"]).itemsize
 
     lines.append(
-        f"model: {len(model)} tensors, {sum(math.prod(e['shape']) for e in model.values()):,} elements "
+        f"model: {len(model)} tensors, {sum(math.prod(e['shape']) for e in model.values()):,} "
+        "elements "
         f"({_size(sum(nbytes(e) for e in model.values()))}), global shapes:"
     )
     lines += [

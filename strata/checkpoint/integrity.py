@@ -22,7 +22,8 @@ import crc32c
 from strata.errors import CheckpointError
 
 MARKER = "COMMITTED"
-REQUIRED = ("index.json", ".metadata", "config.yaml")  # written by every commit, read by DCP or export
+# written by every commit, read by DCP or export
+REQUIRED = ("index.json", ".metadata", "config.yaml")
 _PLAIN_NAME = re.compile(r"^[\w.\-]+$")
 _MAX_INDEX_PROBLEMS = 20  # a wholly wrong index would otherwise list every chunk
 
@@ -65,18 +66,26 @@ def problems(directory: Path, files: dict[str, dict], checksums: bool = True) ->
         path = directory / name
         try:
             target = path.resolve()
-        except (RuntimeError, OSError) as e:  # a symbolic link loop (RuntimeError before Python 3.13)
-            out.append(f"{path}: cannot be resolved ({e}): a symbolic link loop (damaged or tampered)")
+        # a symbolic link loop (RuntimeError before Python 3.13)
+        except (RuntimeError, OSError) as e:
+            out.append(
+                f"{path}: cannot be resolved ({e}): a symbolic link loop (damaged or tampered)"
+            )
             continue
         if target.parent != home:
-            out.append(f"{path}: resolves to {target}, outside the checkpoint directory (damaged or tampered)")
+            out.append(
+                f"{path}: resolves to {target}, outside the checkpoint directory (damaged "
+                "or tampered)"
+            )
             continue
         if not path.is_file():
             out.append(f"{path}: missing")
             continue
         size = path.stat().st_size
         if size != want["bytes"]:
-            out.append(f"{path}: {size} bytes, the manifest says {want['bytes']} (truncated or rewritten)")
+            out.append(
+                f"{path}: {size} bytes, the manifest says {want['bytes']} (truncated or rewritten)"
+            )
             continue
         if not checksums and "block" in want:
             continue
@@ -84,7 +93,11 @@ def problems(directory: Path, files: dict[str, dict], checksums: bool = True) ->
         with open(path, "rb") as f:
             bad = [i for i, crc in enumerate(checksums_of(want)) if checksum(f.read(block)) != crc]
         if bad:
-            where = f"block(s) {', '.join(map(str, bad[:8]))} of {block} bytes" if "block" in want else "its bytes"
+            where = (
+                f"block(s) {', '.join(map(str, bad[:8]))} of {block} bytes"
+                if "block" in want
+                else "its bytes"
+            )
             out.append(f"{path}: checksum mismatch in {where} (corrupted)")
     return out
 
@@ -98,7 +111,8 @@ def checkpoint_problems(directory: Path, record: dict, checksums: bool) -> tuple
     files = record.get("files") if isinstance(record, dict) else None
     if not isinstance(files, dict) or "index.json" not in files:
         raise CheckpointError(
-            f"{directory} is not in this version's checkpoint format (no index.json in its commit marker); "
+            f"{directory} is not in this version's checkpoint format (no index.json in its commit "
+            "marker); "
             "it was written by an older Strata"
         )
     out, plain = _marker_problems(directory, files)
@@ -118,12 +132,19 @@ def _marker_problems(directory: Path, files: dict) -> tuple[list[str], dict[str,
     out, plain = [], {}
     for name, want in files.items():
         if not _PLAIN_NAME.match(name) or set(name) == {"."}:
-            out.append(f"{where}: names {name!r}, which is outside the checkpoint directory (damaged, or not Strata's)")
+            out.append(
+                f"{where}: names {name!r}, which is outside the checkpoint directory "
+                "(damaged, or not Strata's)"
+            )
         elif not _entry_ok(want):
             out.append(f"{where}: the entry for {name} is malformed (damaged)")
         else:
             plain[name] = want
-    out += [f"{where}: records no checksum for {name} (damaged)" for name in REQUIRED if name not in files]
+    out += [
+        f"{where}: records no checksum for {name} (damaged)"
+        for name in REQUIRED
+        if name not in files
+    ]
     return out, plain
 
 
@@ -154,28 +175,42 @@ def _index_problems(directory: Path, files: dict[str, dict]) -> tuple[dict, list
         index = json.loads(path.read_bytes())
     except (OSError, ValueError) as e:
         return {}, [f"{path}: unreadable ({e}) (a damaged index)"]
-    if not isinstance(index, dict) or not all(isinstance(index.get(k, {}), dict) for k in ("tensors", "objects")):
+    if not isinstance(index, dict) or not all(
+        isinstance(index.get(k, {}), dict) for k in ("tensors", "objects")
+    ):
         return {}, [f"{path}: not a checkpoint index (a damaged index)"]
     index.setdefault("tensors", {})
     index.setdefault("objects", {})
     aliases = index.setdefault("aliases", {})
-    out = [f"{path}: {line} (a damaged index)" for line in _tensor_problems(index["tensors"], files)]
+    out = [
+        f"{path}: {line} (a damaged index)" for line in _tensor_problems(index["tensors"], files)
+    ]
     for key, where in index["objects"].items():
-        out += [f"{path}: {line} (a damaged index)" for line in _range_problems(f"object {key}", where, files)]
+        out += [
+            f"{path}: {line} (a damaged index)"
+            for line in _range_problems(f"object {key}", where, files)
+        ]
     if not isinstance(aliases, dict) or any(v not in index["tensors"] for v in aliases.values()):
         out.append(f"{path}: an alias names a tensor the index does not have (a damaged index)")
     if len(out) > _MAX_INDEX_PROBLEMS:
-        out = out[:_MAX_INDEX_PROBLEMS] + [f"{path}: and {len(out) - _MAX_INDEX_PROBLEMS} more problems"]
+        out = out[:_MAX_INDEX_PROBLEMS] + [
+            f"{path}: and {len(out) - _MAX_INDEX_PROBLEMS} more problems"
+        ]
     return index, out
 
 
 def _tensor_problems(tensors: dict, files: dict[str, dict]) -> list[str]:
-    from strata.checkpoint.blob import torch_dtype  # torch: not for the writer processes importing this
+    # torch: not for the writer processes importing this
+    from strata.checkpoint.blob import torch_dtype
 
     out = []
     for key, entry in tensors.items():
         shape = entry.get("shape") if isinstance(entry, dict) else None
-        if not isinstance(shape, list) or not all(map(_count, shape)) or not isinstance(entry.get("chunks"), list):
+        if (
+            not isinstance(shape, list)
+            or not all(map(_count, shape))
+            or not isinstance(entry.get("chunks"), list)
+        ):
             out.append(f"tensor {key} has no valid shape and chunk list")
             continue
         try:
@@ -188,21 +223,32 @@ def _tensor_problems(tensors: dict, files: dict[str, dict]) -> list[str]:
     return out
 
 
-def _chunk_problems(what: str, chunk, shape: list[int], itemsize: int, files: dict[str, dict]) -> list[str]:
+def _chunk_problems(
+    what: str, chunk, shape: list[int], itemsize: int, files: dict[str, dict]
+) -> list[str]:
     """A chunk's box must lie in its tensor and its data (box's bytes) inside its blob in a file."""
     if not isinstance(chunk, dict):
         return [f"{what} is not a chunk"]
     offsets, sizes = chunk.get("offsets"), chunk.get("sizes")
-    if not (isinstance(offsets, list) and isinstance(sizes, list) and len(offsets) == len(sizes) == len(shape)):
+    if not (
+        isinstance(offsets, list)
+        and isinstance(sizes, list)
+        and len(offsets) == len(sizes) == len(shape)
+    ):
         return [f"{what} has no box of {len(shape)} dimensions"]
-    if not all(map(_count, [*offsets, *sizes])) or any(o + n > s for o, n, s in zip(offsets, sizes, shape)):
+    if not all(map(_count, [*offsets, *sizes])) or any(
+        o + n > s for o, n, s in zip(offsets, sizes, shape)
+    ):
         return [f"{what} box at {offsets} of size {sizes} lies outside the shape {shape}"]
     bad = _range_problems(what, chunk, files)
     if bad:
         return bad
     lo, hi = chunk.get("data_offset"), chunk["offset"] + chunk["length"]
     if not _count(lo) or lo < chunk["offset"] or lo + math.prod(sizes) * itemsize > hi:
-        return [f"{what} has its data at {lo!r}, outside its bytes {chunk['offset']}–{hi} of {chunk['file']}"]
+        return [
+            f"{what} has its data at {lo!r}, outside its bytes {chunk['offset']}–{hi} of "
+            f"{chunk['file']}"
+        ]
     return []
 
 
@@ -212,8 +258,13 @@ def _range_problems(what: str, where, files: dict[str, dict]) -> list[str]:
         return [f"{what} names no file"]
     name = where["file"]
     if name not in files:
-        return [f"{what} is in {name!r}, which is not a file of this checkpoint (outside it, or not recorded)"]
+        return [
+            f"{what} is in {name!r}, which is not a file of this checkpoint (outside it, or "
+            "not recorded)"
+        ]
     lo, n = where.get("offset"), where.get("length")
     if not _count(lo) or not _count(n) or lo + n > files[name]["bytes"]:
-        return [f"{what} points at bytes {lo!r}+{n!r} of {name}, which has {files[name]['bytes']} bytes"]
+        return [
+            f"{what} points at bytes {lo!r}+{n!r} of {name}, which has {files[name]['bytes']} bytes"
+        ]
     return []

@@ -14,7 +14,9 @@ def listed(keys: list[str]) -> str:
     return ", ".join(keys[:8]) + (f" … ({len(keys)} in all)" if len(keys) > 8 else "")
 
 
-def model_state_problems(expected: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]]) -> list[str]:
+def model_state_problems(
+    expected: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]]
+) -> list[str]:
     """How a checkpoint's {name: global shape} differs from the model's: missing keys, unexpected
     keys, shape mismatches (each kind on one line, keys listed)."""
 
@@ -32,7 +34,9 @@ def model_state_problems(expected: dict[str, tuple[int, ...]], saved: dict[str, 
     )
 
 
-def optimizer_problems(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]]) -> list[str]:
+def optimizer_problems(
+    optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]]
+) -> list[str]:
     """Why the saved optimizer state does not fit `optimizer` (a different number of parameter
     groups), as messages; empty when it fits."""
     if len(saved_groups) != len(optimizer.param_groups):
@@ -44,16 +48,23 @@ def optimizer_problems(optimizer: torch.optim.Optimizer, saved_groups: list[dict
 
 
 def load_optimizer(
-    optimizer: torch.optim.Optimizer, state: dict[int, dict[str, Any]], saved_groups: list[dict[str, Any]]
+    optimizer: torch.optim.Optimizer,
+    state: dict[int, dict[str, Any]],
+    saved_groups: list[dict[str, Any]],
 ) -> None:
     """Load per-index state with the saved hyper-parameters of each parameter group (checked
     with `optimizer_problems` first; the saved groups' `params` name parameters, not indices)."""
     sd = optimizer.state_dict()
-    groups = [{**saved, "params": g["params"]} for saved, g in zip(saved_groups, sd["param_groups"])]
+    groups = [
+        {**saved, "params": g["params"]} for saved, g in zip(saved_groups, sd["param_groups"])
+    ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each parameter group's hyper-parameters (lr, betas, weight decay, ...), without its `params`:
     what a checkpoint saves beside the per-parameter state."""
-    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+    return [
+        {k: v for k, v in g.items() if k != "params"}
+        for g in optimizer.state_dict()["param_groups"]
+    ]

@@ -81,13 +81,16 @@ class CheckpointManager:
         self.root, self.rank, self.world, self.config_yaml = Path(root), rank, world, config_yaml
         self.keep_last, self.async_save, self.group = keep_last, async_save, group
         self.on_disk_full = on_disk_full
-        self.skipped: dict[int, str] = {}  # steps whose save found no room and was skipped (retry): why
+        # steps whose save found no room and was skipped (retry): why
+        self.skipped: dict[int, str] = {}
         self._staging: Staging | None = None
         self._dsts: list[torch.Tensor] = []  # the staging image's view for each item of the plan
         self._inflight: _Save | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
-        self.agree(_writable(self.root, rank), f"checkpoint.dir {self.root} cannot hold checkpoints")
+        self.agree(
+            _writable(self.root, rank), f"checkpoint.dir {self.root} cannot hold checkpoints"
+        )
         if rank == 0:  # saves an earlier run left unfinished: never loaded, and they fill the disk
             store.clean_partials(self.root)
 
@@ -95,7 +98,9 @@ class CheckpointManager:
     def agree(self, problems: list[str], what: str) -> None:
         """Raise the same CheckpointError on every rank if any rank has problems."""
         every = comm.all_gather_objects(problems, self.group)
-        found = [f"rank {r}: {p}" if self.world > 1 else p for r, ps in enumerate(every) for p in ps]
+        found = [
+            f"rank {r}: {p}" if self.world > 1 else p for r, ps in enumerate(every) for p in ps
+        ]
         if found:
             raise CheckpointError(_listed(what, found))
 
@@ -106,7 +111,9 @@ class CheckpointManager:
         fill the disk; then every rank raises the same error, unless every failure was a full disk
         and `on_disk_full` is "retry": then the save is skipped (False) and rank 0 warns."""
         every = comm.all_gather_objects((problems, no_room), self.group)
-        found = [f"rank {r}: {p}" if self.world > 1 else p for r, (ps, _) in enumerate(every) for p in ps]
+        found = [
+            f"rank {r}: {p}" if self.world > 1 else p for r, (ps, _) in enumerate(every) for p in ps
+        ]
         if not found:
             return True
         if self.rank == 0:
@@ -114,7 +121,8 @@ class CheckpointManager:
         disk_full = all(full for ps, full in every if ps)
         if disk_full and self.on_disk_full == "retry":
             note = (
-                f"checkpoint step {step} was not saved: no room under {self.root}; the checkpoints committed "
+                f"checkpoint step {step} was not saved: no room under {self.root}; the "
+                "checkpoints committed "
                 f"before it are intact, training goes on and the next checkpoint tries again "
                 f"(checkpoint.on_disk_full: retry): {found[0]}"
             )
@@ -131,7 +139,9 @@ class CheckpointManager:
         raise CheckpointError(_listed(what, found))
 
     # --- saving ----------------------------------------------------------------------------
-    def save(self, step: int, state: SavableState, finite_only: bool = False, suspect: bool = False) -> bool:
+    def save(
+        self, step: int, state: SavableState, finite_only: bool = False, suspect: bool = False
+    ) -> bool:
         """Save this rank's `state` as checkpoint `step`: its pieces, and rank 0's objects (trainer
         state, optimizer hyper-parameters) as DCP byte entries. Returns once the data is staged
         (async) or committed (sync). With `finite_only`, a state with a non-finite floating-point
@@ -146,7 +156,8 @@ class CheckpointManager:
         contents = state.contents(step)
         pieces = contents.pieces
         step_dir = store.partial_dir(self.root, step)
-        if self.rank == 0:  # files of an interrupted earlier attempt; the others write after the agreement
+        # files of an interrupted earlier attempt; the others write after the agreement
+        if self.rank == 0:
             shutil.rmtree(step_dir, ignore_errors=True)
         staging = self._staging
         same = staging is not None and staging.sources.take(pieces)
@@ -166,7 +177,15 @@ class CheckpointManager:
             blob, where = objects_blob(contents.objects)
             extra = {OBJECTS_FILE: blob}
             index = index_of(step, contents.layout, staging, where, contents.aliases)
-            commit_args = (step_dir, step, self.world, index, self.config_yaml, self.keep_last, suspect)
+            commit_args = (
+                step_dir,
+                step,
+                self.world,
+                index,
+                self.config_yaml,
+                self.keep_last,
+                suspect,
+            )
         if self.async_save:
             conn = self._start_writer()
             conn.send(("write", step_dir, self.rank, staging.nbytes, extra))
@@ -192,11 +211,15 @@ class CheckpointManager:
             _image(self._staging).close()
             self._staging = None
 
-    def _write_inline(self, step: int, step_dir: Path, staging: Staging, extra: dict, commit_args: tuple) -> None:
+    def _write_inline(
+        self, step: int, step_dir: Path, staging: Staging, extra: dict, commit_args: tuple
+    ) -> None:
         problems: list[str] = []
         no_room = False
         try:
-            writer.write_rank(step_dir, self.rank, memoryview(_image(staging).map), staging.nbytes, extra)
+            writer.write_rank(
+                step_dir, self.rank, memoryview(_image(staging).map), staging.nbytes, extra
+            )
         except Exception as e:  # every rank must reach agree(), whatever went wrong
             problems.append(f"writing {step_dir}: {type(e).__name__}: {e}")
             no_room = isinstance(e, writer.DiskFullError)
@@ -212,7 +235,8 @@ class CheckpointManager:
 
     def _failed(self, step: int) -> str:
         return (
-            f"checkpoint step {step} was not saved under {self.root}; the checkpoints committed before it are "
+            f"checkpoint step {step} was not saved under {self.root}; the checkpoints committed "
+            "before it are "
             "intact (`strata ckpt verify` checks one)"
         )
 
@@ -233,7 +257,14 @@ class CheckpointManager:
         ours, theirs = socket.socketpair()
         fds = (_image(staging).fd, theirs.fileno())
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "strata.checkpoint.writer", str(fds[0]), str(max(staging.nbytes, 1)), str(fds[1])],
+            [
+                sys.executable,
+                "-m",
+                "strata.checkpoint.writer",
+                str(fds[0]),
+                str(max(staging.nbytes, 1)),
+                str(fds[1]),
+            ],
             pass_fds=fds,
         )
         theirs.close()  # else a dead writer's end stays open here and recv() never sees EOF
@@ -276,7 +307,9 @@ class CheckpointManager:
         except (EOFError, OSError):
             pass
         if save.error is None and save.state != DONE and proc.poll() is not None:
-            save.error = f"the checkpoint writer (pid {proc.pid}) died (exit code {proc.returncode})"
+            save.error = (
+                f"the checkpoint writer (pid {proc.pid}) died (exit code {proc.returncode})"
+            )
 
     def poll(self) -> None:
         """Once per training step while a save is in flight (collective): commit it when every
@@ -289,7 +322,8 @@ class CheckpointManager:
         comm.all_reduce(flags, self.group, dim="checkpoint", op=dist.ReduceOp.MAX)
         if flags[0]:
             self._inflight = None
-            self._stop_writer(kill=True)  # it may still be writing this save: a new one starts for the next
+            # it may still be writing this save: a new one starts for the next
+            self._stop_writer(kill=True)
             self._agree_saved([save.error] if save.error else [], save.step, save.no_room)
             return
         lowest = -int(flags[1])
@@ -317,7 +351,11 @@ class CheckpointManager:
 
 
 def _listed(what: str, found: list[str]) -> str:
-    return f"{what}:\n  " + "\n  ".join(found[:20]) + (f"\n  … {len(found) - 20} more" if len(found) > 20 else "")
+    return (
+        f"{what}:\n  "
+        + "\n  ".join(found[:20])
+        + (f"\n  … {len(found) - 20} more" if len(found) > 20 else "")
+    )
 
 
 def _writable(root: Path, rank: int) -> list[str]:
@@ -327,7 +365,9 @@ def _writable(root: Path, rank: int) -> list[str]:
     refuse only the write)."""
     probe = root / f".probe.rank{rank}.{os.getpid()}"
     if root.exists() and not root.is_dir():
-        return [f"{root} is not a directory; set checkpoint.dir to a directory every rank can write to"]
+        return [
+            f"{root} is not a directory; set checkpoint.dir to a directory every rank can write to"
+        ]
     try:
         root.mkdir(parents=True, exist_ok=True)
         try:
@@ -339,9 +379,12 @@ def _writable(root: Path, rank: int) -> list[str]:
             with contextlib.suppress(OSError):
                 probe.unlink()
     except OSError as e:
-        name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else type(e).__name__
+        name = (
+            errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else type(e).__name__
+        )
         return [
-            f"cannot create a file in {root} ({name}: {e.strerror or e}); set checkpoint.dir to a directory "
+            f"cannot create a file in {root} ({name}: {e.strerror or e}); set checkpoint.dir to a "
+            "directory "
             "every rank can write to"
         ]
     return []

@@ -61,19 +61,29 @@ def _range_pieces(
     out, pos = [], 0
     for box in range_to_boxes(local_shape, start, start + flat.numel()):
         out.append(
-            Piece(key, placement.global_shape, box.shifted(outer.offsets), flat[pos : pos + box.numel].view(box.sizes))
+            Piece(
+                key,
+                placement.global_shape,
+                box.shifted(outer.offsets),
+                flat[pos : pos + box.numel].view(box.sizes),
+            )
         )
         pos += box.numel
     return out
 
 
-def state_pieces(fqn: str, entry: dict, placement: Placement, local_shape: tuple[int, ...], start: int) -> list[Piece]:
+def state_pieces(
+    fqn: str, entry: dict, placement: Placement, local_shape: tuple[int, ...], start: int
+) -> list[Piece]:
     """Pieces of one parameter's optimizer state (its tensors cover the same flat range as the
     parameter piece; 0-d values such as `step` are whole)."""
     out = []
     for kind, value in entry.items():
         if not torch.is_tensor(value):
-            raise TypeError(f"optimizer state {fqn}.{kind} is a {type(value).__name__}; checkpoints hold tensors")
+            raise TypeError(
+                f"optimizer state {fqn}.{kind} is a {type(value).__name__}; "
+                "checkpoints hold tensors"
+            )
         key = f"optim.state.{fqn}.{kind}"
         if value.ndim == 0:
             out.append(Piece(key, (), Box((), ()), value.view(())))
@@ -143,11 +153,14 @@ class CachedPieces:
         self._groups: list = []
         self._entries: list = []
         self._kinds: list[tuple[str, ...]] = []
-        self._tensors: list = []  # the source tensors themselves: kept alive, so `is` stays meaningful
+        # the source tensors themselves: kept alive, so `is` stays meaningful
+        self._tensors: list = []
         self._marks: list[tuple] = []
         self._pieces: list[Piece] = []
 
-    def get(self, engine: ZeroEngine, optimizer: torch.optim.Optimizer, canonical: dict[str, str]) -> list[Piece]:
+    def get(
+        self, engine: ZeroEngine, optimizer: torch.optim.Optimizer, canonical: dict[str, str]
+    ) -> list[Piece]:
         """This rank's model and optimizer pieces (a new list; the Piece objects are shared while
         unchanged, which `checkpoint.stage` uses to skip re-checking their layout)."""
         owners = (engine, optimizer, canonical)
@@ -169,7 +182,9 @@ class CachedPieces:
             or any(a is not b for a, b in zip(tensors, self._tensors))
             or marks != self._marks
         ):
-            self._pieces = model_pieces(engine, canonical) + optimizer_pieces(optimizer, self._entries)
+            self._pieces = model_pieces(engine, canonical) + optimizer_pieces(
+                optimizer, self._entries
+            )
             self._kinds, self._tensors, self._marks = kinds, tensors, marks
         return list(self._pieces)
 

@@ -55,7 +55,8 @@ class _Read:
         self.contiguous = last - first + 1 == math.prod(self.sizes)  # one run of bytes in the file
 
 
-READ_AHEAD = 64 << 20  # bytes of the reads after the current one the kernel is asked to fetch meanwhile
+# bytes of the reads after the current one the kernel is asked to fetch meanwhile
+READ_AHEAD = 64 << 20
 
 
 class _ReadAhead:
@@ -72,16 +73,21 @@ class _ReadAhead:
     def advise(self, i: int) -> None:
         if i:
             self.consumed += self.reads[i - 1].hi - self.reads[i - 1].lo
-        while self.next < len(self.reads) and (self.next <= i or self.advised - self.consumed < READ_AHEAD):
+        while self.next < len(self.reads) and (
+            self.next <= i or self.advised - self.consumed < READ_AHEAD
+        ):
             r = self.reads[self.next]
             name = r.chunk["file"]
             want = self.ckpt.files.get(name)
             if want is not None and r.hi <= want["bytes"]:
                 block = want.get("block") or max(want["bytes"], 1)
                 lo, hi = r.lo // block * block, min(-(-r.hi // block) * block, want["bytes"])
-                with contextlib.suppress(OSError):  # only advice: the read itself reports what is wrong
+                # only advice: the read itself reports what is wrong
+                with contextlib.suppress(OSError):
                     base = self.ckpt._bases.get(name, 0)
-                    os.posix_fadvise(self.ckpt._fd(name), base + lo, hi - lo, os.POSIX_FADV_WILLNEED)
+                    os.posix_fadvise(
+                        self.ckpt._fd(name), base + lo, hi - lo, os.POSIX_FADV_WILLNEED
+                    )
             self.advised += r.hi - r.lo
             self.next += 1
 
@@ -95,16 +101,21 @@ class Checkpoint:
         self.path = store.resolve(path)
         self.marker = store.marker(self.path)
         # the structural check `strata ckpt verify` makes too; block checksums as data is read
-        self.index, self.problems = integrity.checkpoint_problems(self.path, self.marker, checksums=False)
+        self.index, self.problems = integrity.checkpoint_problems(
+            self.path, self.marker, checksums=False
+        )
         self.files: dict[str, dict] = self.marker["files"]
         self._fds: dict[str, int] = {}
-        self._bases: dict[str, int] = {}  # where each file starts in its descriptor (0 for real files)
+        # where each file starts in its descriptor (0 for real files)
+        self._bases: dict[str, int] = {}
         self.checksummed = True
         self._verified: dict[str, set[int]] = {}  # blocks whose CRC was checked, per file
         self._window: dict[str, tuple[int, int, torch.Tensor]] = {}  # the last bytes read, per file
 
     @classmethod
-    def from_images(cls, label: str, step: int, index: dict, files: dict[str, tuple[int, int, int]]) -> Checkpoint:
+    def from_images(
+        cls, label: str, step: int, index: dict, files: dict[str, tuple[int, int, int]]
+    ) -> Checkpoint:
         """A checkpoint held in memory (an in-memory snapshot): `files` maps each file name of the
         index to (descriptor, offset of the file in it, bytes). The images were checked as wholes
         when they were assembled, so reads are not verified per block."""
@@ -119,7 +130,9 @@ class Checkpoint:
         return self
 
     @classmethod
-    def foreign(cls, path: Path, index: dict, file_bytes: dict[str, int], step: int = 0) -> Checkpoint:
+    def foreign(
+        cls, path: Path, index: dict, file_bytes: dict[str, int], step: int = 0
+    ) -> Checkpoint:
         """Files another tool wrote (a Hugging Face model's safetensors, a plain DCP save), read in
         place through an `index` built from their own headers. They carry no checksums; their sizes
         are checked against what the index points at, as for Strata's own."""
@@ -139,7 +152,11 @@ class Checkpoint:
         """{name without prefix: global shape} of the tensors under `prefix`, aliases included."""
         tensors = self.index["tensors"]
         keys = {**{k: k for k in tensors}, **self.index.get("aliases", {})}
-        return {k[len(prefix) :]: tuple(tensors[src]["shape"]) for k, src in keys.items() if k.startswith(prefix)}
+        return {
+            k[len(prefix) :]: tuple(tensors[src]["shape"])
+            for k, src in keys.items()
+            if k.startswith(prefix)
+        }
 
     def has(self, key: str) -> bool:
         return self.index.get("aliases", {}).get(key, key) in self.index["tensors"]
@@ -152,15 +169,23 @@ class Checkpoint:
         where = self.index["objects"].get(key)
         if where is None:
             raise CheckpointError(f"{self.path}: the checkpoint has no {key!r} entry")
-        data = self._bytes(where["file"], where["offset"], where["offset"] + where["length"], self.checksummed, key)
+        data = self._bytes(
+            where["file"], where["offset"], where["offset"] + where["length"], self.checksummed, key
+        )
         return torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=True)
 
     # --- tensors ---------------------------------------------------------------------------
     def tensors(self, prefix: str = "model.") -> dict[str, torch.Tensor]:
         """Whole tensors under `prefix` (aliases included, as copies), by name without the prefix."""
         if self.problems:
-            raise CheckpointError(f"checkpoint {self.path} is damaged:\n  " + "\n  ".join(self.problems))
-        names = [k for k in [*self.index["tensors"], *self.index.get("aliases", {})] if k.startswith(prefix)]
+            raise CheckpointError(
+                f"checkpoint {self.path} is damaged:\n  " + "\n  ".join(self.problems)
+            )
+        names = [
+            k
+            for k in [*self.index["tensors"], *self.index.get("aliases", {})]
+            if k.startswith(prefix)
+        ]
         out = {}
         for key in names:
             entry = self.index["tensors"][self.index.get("aliases", {}).get(key, key)]
@@ -185,18 +210,24 @@ class Checkpoint:
                 continue
             if tuple(entry["shape"]) != tuple(t.global_shape):
                 problems.append(
-                    f"{self.path}: {t.key} has shape {tuple(entry['shape'])}, the model's is {tuple(t.global_shape)}"
+                    f"{self.path}: {t.key} has shape {tuple(entry['shape'])}, the model's is "
+                    f"{tuple(t.global_shape)}"
                 )
                 continue
             covered = 0
             for chunk in entry["chunks"]:
                 found = t.box.intersect(Box(tuple(chunk["offsets"]), tuple(chunk["sizes"])))
                 if found is not None:
-                    reads.append(_Read(t, key, torch_dtype(entry["dtype"]), chunk, found.offsets, found.sizes))
+                    reads.append(
+                        _Read(
+                            t, key, torch_dtype(entry["dtype"]), chunk, found.offsets, found.sizes
+                        )
+                    )
                     covered += found.numel
             if covered != math.prod(t.box.sizes):
                 problems.append(
-                    f"{self.path}: {t.key} box at {t.box.offsets} of size {t.box.sizes} is only partly saved"
+                    f"{self.path}: {t.key} box at {t.box.offsets} of size {t.box.sizes} is only "
+                    "partly saved"
                 )
         ordered = sorted(reads, key=lambda r: (r.chunk["file"], r.lo))
         ahead = _ReadAhead(self, ordered)
@@ -217,9 +248,16 @@ class Checkpoint:
 
     def _copy(self, r: _Read, verify: bool) -> None:
         dst = r.target.tensor[
-            tuple(slice(o - b, o - b + n) for o, b, n in zip(r.offsets, r.target.box.offsets, r.sizes))
+            tuple(
+                slice(o - b, o - b + n) for o, b, n in zip(r.offsets, r.target.box.offsets, r.sizes)
+            )
         ]
-        if r.contiguous and dst.is_contiguous() and dst.dtype == r.dtype and dst.device.type == "cpu":
+        if (
+            r.contiguous
+            and dst.is_contiguous()
+            and dst.dtype == r.dtype
+            and dst.device.type == "cpu"
+        ):
             into = dst.reshape(-1).view(torch.uint8)
             self._bytes(r.chunk["file"], r.lo, r.hi, False, r.key, into=into)  # straight into place
             if verify:
@@ -237,8 +275,19 @@ class Checkpoint:
         block = want.get("block") or max(want["bytes"], 1)
         first, end = -(-r.lo // block), r.hi // block  # blocks wholly inside
         if first < end:
-            self._verify(name, want, data[first * block - r.lo : end * block - r.lo], first * block, block, r.key)
-        for i in {r.lo // block, (r.hi - 1) // block} - set(range(first, end)) - self._verified.get(name, set()):
+            self._verify(
+                name,
+                want,
+                data[first * block - r.lo : end * block - r.lo],
+                first * block,
+                block,
+                r.key,
+            )
+        for i in (
+            {r.lo // block, (r.hi - 1) // block}
+            - set(range(first, end))
+            - self._verified.get(name, set())
+        ):
             lo, hi = i * block, min((i + 1) * block, want["bytes"])
             self._bytes(name, lo, hi, True, r.key)
 
@@ -259,16 +308,31 @@ class Checkpoint:
             return window[2][lo - window[0] : hi - window[0]]
         fd = self._fd(name)
         block = want.get("block") or max(want["bytes"], 1)  # a small file has one CRC for all of it
-        blo, bhi = (lo // block * block, min(-(-hi // block) * block, want["bytes"])) if verify else (lo, hi)
-        buf = into.reshape(-1).view(torch.uint8) if into is not None else torch.empty(bhi - blo, dtype=torch.uint8)
-        if bhi > blo and os.preadv(fd, [buf.numpy().data], blo + self._bases.get(name, 0)) != bhi - blo:
-            raise CheckpointError(f"{self.path / name}: short read at offset {blo} (truncated while loading?)")
+        blo, bhi = (
+            (lo // block * block, min(-(-hi // block) * block, want["bytes"]))
+            if verify
+            else (lo, hi)
+        )
+        buf = (
+            into.reshape(-1).view(torch.uint8)
+            if into is not None
+            else torch.empty(bhi - blo, dtype=torch.uint8)
+        )
+        if (
+            bhi > blo
+            and os.preadv(fd, [buf.numpy().data], blo + self._bases.get(name, 0)) != bhi - blo
+        ):
+            raise CheckpointError(
+                f"{self.path / name}: short read at offset {blo} (truncated while loading?)"
+            )
         if verify:
             self._verify(name, want, buf, blo, block, key)
         self._window[name] = (blo, bhi, buf)
         return buf[lo - blo : hi - blo]
 
-    def _verify(self, name: str, want: dict, buf: torch.Tensor, start: int, block: int, key: str) -> None:
+    def _verify(
+        self, name: str, want: dict, buf: torch.Tensor, start: int, block: int, key: str
+    ) -> None:
         """Check the blocks of `buf` (file bytes from `start`, a block boundary) not checked before."""
         crcs = integrity.checksums_of(want)
         done = self._verified.setdefault(name, set())

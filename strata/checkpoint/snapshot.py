@@ -62,7 +62,8 @@ class _Mapped:
     map: mmap.mmap
     tensor: torch.Tensor
     plan: int = -1  # the staging plan whose templates (and `views`) the slot holds
-    views: list[torch.Tensor] = field(default_factory=list)  # the slot's view for each item of that plan
+    # the slot's view for each item of that plan
+    views: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -70,7 +71,8 @@ class _Pending:
     """A snapshot copied into its slot, waiting for every rank's agreement to be committed."""
 
     step: int
-    flags: torch.Tensor  # [plan unchanged, slot leased, agent reachable]: MIN over the ranks once `work` is done
+    # [plan unchanged, slot leased, agent reachable]: MIN over the ranks once `work` is done
+    flags: torch.Tensor
     work: comm.AsyncWork
     lease: int | None
     meta: dict
@@ -130,13 +132,16 @@ class SnapshotManager:
         path = env.get(SOCKET_ENV)
         if not path:
             raise StrataError(
-                f"snapshot.every_steps={cfg.every_steps} needs the node's snapshot agent, which `strata "
+                f"snapshot.every_steps={cfg.every_steps} needs the node's snapshot agent, which "
+                "`strata "
                 f"launch` starts; set {SOCKET_ENV} if you start torchrun yourself, or set "
                 "snapshot.every_steps=0"
             )
         self.path = path
         try:
-            self.sock, self.hello = self._connect(patience=min(cfg.agent_timeout_s, START_PATIENCE_S))
+            self.sock, self.hello = self._connect(
+                patience=min(cfg.agent_timeout_s, START_PATIENCE_S)
+            )
             unreachable = ""
         except OSError as e:
             unreachable = f"cannot reach the snapshot agent at {path} ({e})"
@@ -147,7 +152,8 @@ class SnapshotManager:
             raise AgentUnreachable(
                 unreachable or "another node cannot reach its snapshot agent",
             )
-        self.broken: str | None = None  # why this rank's connection to its agent broke, until it is back
+        # why this rank's connection to its agent broke, until it is back
+        self.broken: str | None = None
         self._staging: Staging | None = None
         self._plan = 0
         self._replan_due = False  # some rank's pieces changed: plan again at the next snapshot
@@ -187,8 +193,15 @@ class SnapshotManager:
     def _introduce(self, every: list[tuple[str, str, int]]) -> None:
         """Tell this rank's agent every rank's agent (gathered: `every`), the node order and the code."""
         self.agent_of_rank = [a for a, _, _ in every]
-        self.nodes = list(dict.fromkeys(self.agent_of_rank))  # node order: by the lowest rank on each
-        msg = {"op": "peers", "agents": sorted(set(every)), "nodes": self.nodes, "k": self.cfg.k, "m": self.cfg.m}
+        # node order: by the lowest rank on each
+        self.nodes = list(dict.fromkeys(self.agent_of_rank))
+        msg = {
+            "op": "peers",
+            "agents": sorted(set(every)),
+            "nodes": self.nodes,
+            "k": self.cfg.k,
+            "m": self.cfg.m,
+        }
         request(self.sock, msg)
 
     def _lost(self, step: int | None, error: OSError) -> None:
@@ -228,7 +241,10 @@ class SnapshotManager:
         if not comm.all_true(introduced, self.group, dim="checkpoint"):
             return False
         if self.broken is not None:
-            print(f"strata: rank {self.rank}: reconnected to the snapshot agent at step {step}", flush=True)
+            print(
+                f"strata: rank {self.rank}: reconnected to the snapshot agent at step {step}",
+                flush=True,
+            )
         self.broken = None
         self.reconnects += 1
         return True
@@ -246,7 +262,8 @@ class SnapshotManager:
             return False
         contents = state.contents(step)
         pieces = contents.pieces
-        if self._staging is None or self._replan_due:  # every rank knows: the first snapshot, or agreed
+        # every rank knows: the first snapshot, or agreed
+        if self._staging is None or self._replan_due:
             self._staging = replan(pieces, self.rank, self.group)
             self._plan, self._index_json, self._replan_due = self._plan + 1, None, False
             same = True
@@ -255,7 +272,9 @@ class SnapshotManager:
         staging = self._staging
         lease, trailer = (None, b"")
         if same and self.broken is None:
-            trailer, lease = self._lease_for(step, contents.objects, contents.aliases, contents.layout)
+            trailer, lease = self._lease_for(
+                step, contents.objects, contents.aliases, contents.layout
+            )
         nbytes = staging.nbytes + len(trailer)
         if lease is not None:
             slot = self._slots[lease]
@@ -289,7 +308,9 @@ class SnapshotManager:
             self._skip()
             return
         try:
-            reply, _ = request(self.sock, {"op": "commit", "slot": pending.lease, "meta": pending.meta})
+            reply, _ = request(
+                self.sock, {"op": "commit", "slot": pending.lease, "meta": pending.meta}
+            )
         except OSError as e:  # the agent died with the image: this step's snapshot is incomplete
             self._lost(pending.step, e)
             self._skip()
@@ -316,7 +337,9 @@ class SnapshotManager:
         with self._counts:
             self.skipped += 1
 
-    def _lease_for(self, step: int, objects: dict, aliases: dict, layout: dict) -> tuple[bytes, int | None]:
+    def _lease_for(
+        self, step: int, objects: dict, aliases: dict, layout: dict
+    ) -> tuple[bytes, int | None]:
         staging = self._staging
         assert staging is not None  # called with a plan in place
         trailer = self._trailer(step, staging, objects, aliases, layout)
@@ -329,15 +352,20 @@ class SnapshotManager:
             except OSError as e:
                 self._lost(step, e)
 
-    def _trailer(self, step: int, staging: Staging, objects: dict, aliases: dict, layout: dict) -> bytes:
+    def _trailer(
+        self, step: int, staging: Staging, objects: dict, aliases: dict, layout: dict
+    ) -> bytes:
         """What follows the file image in a rank's slot: on rank 0 the objects file and the index
         (so both are protected like the data), elsewhere nothing."""
         if self.rank != 0:
             return b""
         blob, where = objects_blob(objects)
-        if self._index_json is None:  # the tensors' chunks, by far the largest part, change with the plan only
+        # the tensors' chunks, by far the largest part, change with the plan only
+        if self._index_json is None:
             fixed = {
-                k: v for k, v in index_of(step, layout, staging, {}, aliases).items() if k not in ("step", "objects")
+                k: v
+                for k, v in index_of(step, layout, staging, {}, aliases).items()
+                if k not in ("step", "objects")
             }
             self._index_json = json.dumps(fixed)
         index = self._index_json[:-1] + f', "step": {step}, "objects": {json.dumps(where)}}}'
@@ -356,7 +384,9 @@ class SnapshotManager:
         if fds:
             mapped = mmap.mmap(fds[0], reply["size"], flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
             os.close(fds[0])
-            self._slots[reply["slot"]] = _Mapped(mapped, torch.frombuffer(mapped, dtype=torch.uint8))
+            self._slots[reply["slot"]] = _Mapped(
+                mapped, torch.frombuffer(mapped, dtype=torch.uint8)
+            )
         return reply["slot"]
 
     def stats(self) -> dict:
@@ -379,7 +409,8 @@ class SnapshotManager:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         try:
             holdings, _ = request(self.sock, {"op": "holdings"})
-        except OSError as e:  # the agent died just now: it holds nothing, and the next snapshot reconnects
+        # the agent died just now: it holds nothing, and the next snapshot reconnects
+        except OSError as e:
             self._lost(None, e)
             holdings = {"agent": f"lost by rank {self.rank}", "full": [], "frags": []}
         every = comm.all_gather_objects((restarted, holdings), self.group)
@@ -394,11 +425,19 @@ class SnapshotManager:
                 raise ConnectionError(self.broken)
             reply, fds = request(
                 self.sock,
-                {"op": "fetch", "step": step, "ranks": ranks, "sources": {str(r): sources[step][r] for r in ranks}},
+                {
+                    "op": "fetch",
+                    "step": step,
+                    "ranks": ranks,
+                    "sources": {str(r): sources[step][r] for r in ranks},
+                },
             )
         except OSError as e:
             self._lost(None, e)
-            reply, fds = {"ok": False, "error": f"rank {self.rank} lost its snapshot agent ({e})"}, []
+            reply, fds = (
+                {"ok": False, "error": f"rank {self.rank} lost its snapshot agent ({e})"},
+                [],
+            )
         ok = comm.all_true(reply["ok"], self.group, dim="checkpoint")
         if not ok:
             for fd in fds:
@@ -408,7 +447,9 @@ class SnapshotManager:
         images = dict(zip(ranks, fds))
         metas = {r: reply["metas"][str(r)] for r in ranks}
         how = {r: reply["how"][str(r)] for r in ranks}
-        return Recovery(_open(step, images, metas), f"in-memory step {step} ({_describe(how)})", True)
+        return Recovery(
+            _open(step, images, metas), f"in-memory step {step} ({_describe(how)})", True
+        )
 
     def close(self) -> None:
         """Commit the snapshot in flight, then disconnect."""
@@ -446,7 +487,10 @@ def _sources(holdings: dict[str, dict]) -> dict[int, dict[int, dict]]:
             entry["frags"][str(j)] = agent
     out: dict[int, dict[int, dict]] = {}
     for (step, rank), found in versions.items():
-        best = max(found.values(), key=lambda e: (bool(e["full"]), e["meta"].get("saved_at", 0.0), len(e["frags"])))
+        best = max(
+            found.values(),
+            key=lambda e: (bool(e["full"]), e["meta"].get("saved_at", 0.0), len(e["frags"])),
+        )
         out.setdefault(step, {})[rank] = best
     return out
 
@@ -497,4 +541,8 @@ def _describe(how: dict[int, str]) -> str:
 def _span(ranks: list[int]) -> str:
     if len(ranks) == 1:
         return str(ranks[0])
-    return f"{ranks[0]}–{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else ",".join(map(str, ranks))
+    return (
+        f"{ranks[0]}–{ranks[-1]}"
+        if ranks == list(range(ranks[0], ranks[-1] + 1))
+        else ",".join(map(str, ranks))
+    )

@@ -46,9 +46,13 @@ class SharedImage:
         self.tensor.zero_()  # fault the pages in now, not during the first save's copy
         self.pinned = pin_host(self.tensor)  # copies from a GPU then run at full speed
         # Also if the image is dropped without close(): a mapping unmapped while CUDA still has it
-        # registered makes a later, unrelated CUDA call fail (cudaErrorAlreadyMapped, seen on an H200).
-        self._release = weakref.finalize(self, _release, self.fd, self.tensor if self.pinned else None)
-        self._release.atexit = False  # at exit the process's mappings go with it, and CUDA may be gone first
+        # registered makes a later, unrelated CUDA call fail (cudaErrorAlreadyMapped, seen on an
+        # H200).
+        self._release = weakref.finalize(
+            self, _release, self.fd, self.tensor if self.pinned else None
+        )
+        # at exit the process's mappings go with it, and CUDA may be gone first
+        self._release.atexit = False
 
     def close(self) -> None:
         self._release()
@@ -166,10 +170,13 @@ def copy_pieces(image: torch.Tensor, items: list[Item], pieces: list[Piece]) -> 
     for it in items:
         n = it.box.numel
         dst = image[it.data_offset : it.data_offset + n * torch_dtype(it.dtype).itemsize]
-        dst.view(torch_dtype(it.dtype)).copy_(pieces[it.piece].tensor.reshape(-1)[it.start : it.start + n])
+        dst.view(torch_dtype(it.dtype)).copy_(
+            pieces[it.piece].tensor.reshape(-1)[it.start : it.start + n]
+        )
 
 
-CHECK_GRAIN = 1 << 18  # elements copied, then checked, at a time: 1 MiB of fp32 stays in cache between the two
+# elements copied, then checked, at a time: 1 MiB of fp32 stays in cache between the two
+CHECK_GRAIN = 1 << 18
 
 
 def image_views(image: torch.Tensor, items: list[Item]) -> list[torch.Tensor]:
@@ -177,7 +184,9 @@ def image_views(image: torch.Tensor, items: list[Item]) -> list[torch.Tensor]:
     out = []
     for it in items:
         dtype = torch_dtype(it.dtype)
-        out.append(image[it.data_offset : it.data_offset + it.box.numel * dtype.itemsize].view(dtype))
+        out.append(
+            image[it.data_offset : it.data_offset + it.box.numel * dtype.itemsize].view(dtype)
+        )
     return out
 
 
@@ -217,7 +226,9 @@ def _finite(t: torch.Tensor) -> bool:
 _SIDE_STREAMS: dict = {}
 
 
-def _stage_from_device(dsts: list[torch.Tensor], srcs: list[torch.Tensor], check_finite: bool) -> bool:
+def _stage_from_device(
+    dsts: list[torch.Tensor], srcs: list[torch.Tensor], check_finite: bool
+) -> bool:
     """Pieces on a GPU: device-to-host copies into the (pinned) image, all queued on a side stream
     that first waits for the training stream's work, then one synchronisation; the finiteness
     check runs on the device, so the host never reads the state."""
@@ -250,7 +261,9 @@ def objects_blob(objects: dict) -> tuple[bytes, dict]:
     return b"".join(blobs), where
 
 
-def index_of(step: int, layout: dict, staging: Staging, objects_where: dict, aliases: dict[str, str]) -> dict:
+def index_of(
+    step: int, layout: dict, staging: Staging, objects_where: dict, aliases: dict[str, str]
+) -> dict:
     """The checkpoint's index (`index.json`): tensors with their chunks, objects, aliases."""
     return {
         "step": step,

@@ -59,7 +59,12 @@ def owned(path: Path) -> bool:
     or delete only these, so a user's directory that merely looks like one is never touched."""
     path = Path(path)
     name = _STEP_DIR.match(path.name)
-    if name is None or path.is_symlink() or not path.is_dir() or not (path / "index.json").is_file():
+    if (
+        name is None
+        or path.is_symlink()
+        or not path.is_dir()
+        or not (path / "index.json").is_file()
+    ):
         return False
     try:
         record = marker(path)
@@ -71,7 +76,11 @@ def owned(path: Path) -> bool:
 def is_dcp_only(path: Path) -> bool:
     """A directory DCP wrote that is not a Strata checkpoint (no commit marker, no index)."""
     path = Path(path)
-    return (path / DCP_METADATA).is_file() and not (path / MARKER).exists() and not (path / "index.json").exists()
+    return (
+        (path / DCP_METADATA).is_file()
+        and not (path / MARKER).exists()
+        and not (path / "index.json").exists()
+    )
 
 
 def is_checkpoint_name(name: str) -> bool:
@@ -108,8 +117,10 @@ def publish(partial: Path, final: Path) -> None:
     old = final.with_name(f".{final.name}.replaced")
     if (final.exists() or final.is_symlink()) and not owned(final):
         raise CheckpointError(
-            f"{final} exists and is not a checkpoint Strata committed (no COMMITTED marker for step "
-            f"{final.name[5:].lstrip('0') or 0} beside an index.json), so it is not replaced; move it out of "
+            f"{final} exists and is not a checkpoint Strata committed (no COMMITTED marker for "
+            "step "
+            f"{final.name[5:].lstrip('0') or 0} beside an index.json), so it is not replaced; "
+            "move it out of "
             f"{final.parent}, or set checkpoint.dir to another directory"
         )
     if final.exists():
@@ -176,14 +187,18 @@ def earlier_run_error(root: Path, found: list[str]) -> CheckpointError:
     """The refusal of a new run in a checkpoint directory that holds `found`, an earlier run's
     committed checkpoints (oldest first), which the new run's saves and `keep_last` would replace."""
     return CheckpointError(
-        f"checkpoint.dir {root} holds {len(found)} committed checkpoint(s) of an earlier run (newest: "
+        f"checkpoint.dir {root} holds {len(found)} committed checkpoint(s) of an earlier run "
+        "(newest: "
         f"{found[-1]}), which a new run would replace: continue that run with --resume {root}, set "
-        "checkpoint.overwrite=true to start afresh and replace them, or choose another checkpoint.dir "
+        "checkpoint.overwrite=true to start afresh and replace them, or choose another "
+        "checkpoint.dir "
         "(or log.name)"
     )
 
 
-def output_refusal(root: Path, step: int | None, overwrite: bool, command: str) -> CheckpointError | None:
+def output_refusal(
+    root: Path, step: int | None, overwrite: bool, command: str
+) -> CheckpointError | None:
     """Why a command that writes checkpoints outside a training job (an import, a reshard) must not
     write under `root`: it holds committed checkpoints of another run and `--overwrite` was not
     given. With it, the command replaces only the step directory it writes (`step`, when known) and
@@ -195,8 +210,10 @@ def output_refusal(root: Path, step: int | None, overwrite: bool, command: str) 
     if step is not None and step_dir(root, step).exists():
         clash = f"; {step_dir(root, step).name} would be replaced"
     return CheckpointError(
-        f"{command}: {root} already holds {len(found)} committed checkpoint(s) (newest: {found[-1]}){clash}. "
-        "Give an empty or new directory, or --overwrite to write beside them (only the step this command "
+        f"{command}: {root} already holds {len(found)} committed checkpoint(s) (newest: "
+        f"{found[-1]}){clash}. "
+        "Give an empty or new directory, or --overwrite to write beside them (only the step this "
+        "command "
         "writes is replaced; nothing else is removed)"
     )
 
@@ -228,11 +245,13 @@ def marker(ckpt: Path) -> dict:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(
-            f"{path}: unreadable commit marker ({e}); the checkpoint is damaged, resume from another one"
+            f"{path}: unreadable commit marker ({e}); the checkpoint is damaged, resume from "
+            "another one"
         ) from e
     if not isinstance(record, dict):
         raise CheckpointError(
-            f"{path}: damaged commit marker (it holds a JSON {_JSON_KINDS.get(type(record), 'value')}, not an object); "
+            f"{path}: damaged commit marker (it holds a JSON "
+            f"{_JSON_KINDS.get(type(record), 'value')}, not an object); "
             "the checkpoint is damaged, resume from another one"
         )
     return record

@@ -83,7 +83,9 @@ def assign(descs: list[list[Descriptor]]) -> list[list[Item]]:
         for j, (rank, i) in enumerate(group):
             lo, hi = j * n // m, (j + 1) * n // m
             for sub in range_to_boxes(d.box.sizes, lo, hi) if hi > lo else []:
-                out[rank].append(Item(d.key, d.global_shape, d.dtype, sub.shifted(d.box.offsets), i, lo))
+                out[rank].append(
+                    Item(d.key, d.global_shape, d.dtype, sub.shifted(d.box.offsets), i, lo)
+                )
                 lo += sub.numel
     return out
 
@@ -102,7 +104,10 @@ def _check_tiling(holders: dict[Descriptor, list]) -> None:
             continue
         covered = sum(math.prod(d.box.sizes) for d in ds)
         if covered != math.prod(ds[0].global_shape):
-            problems.append(f"{key}: the ranks' boxes cover {covered} of {math.prod(ds[0].global_shape)} elements")
+            problems.append(
+                f"{key}: the ranks' boxes cover {covered} of "
+                f"{math.prod(ds[0].global_shape)} elements"
+            )
         elif _any_overlap([d.box for d in ds]):
             problems.append(f"{key}: two ranks hold overlapping, different boxes")
     if problems:
@@ -120,7 +125,9 @@ def place(items: list[Item]) -> tuple[list[Item], int]:
         head, tail = template(it.box.sizes, torch_dtype(it.dtype))
         nbytes = math.prod(it.box.sizes) * torch_dtype(it.dtype).itemsize
         length = len(head) + nbytes + len(tail)
-        out.append(Item(**{**it.__dict__, "offset": pos, "length": length, "data_offset": pos + len(head)}))
+        out.append(
+            Item(**{**it.__dict__, "offset": pos, "length": length, "data_offset": pos + len(head)})
+        )
         pos += length
     return out, -(-pos // FILE_ALIGN) * FILE_ALIGN
 
@@ -136,7 +143,9 @@ def tensor_index(placed: list[list[Item]], descs: list[list[Descriptor]]) -> dic
     }
     for rank, items in enumerate(placed):
         for it in items:
-            entry = out.setdefault(it.key, {"shape": list(it.global_shape), "dtype": it.dtype, "chunks": []})
+            entry = out.setdefault(
+                it.key, {"shape": list(it.global_shape), "dtype": it.dtype, "chunks": []}
+            )
             entry["chunks"].append(
                 {
                     "offsets": list(it.box.offsets),

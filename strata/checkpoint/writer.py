@@ -30,11 +30,13 @@ CHUNK = 16 * integrity.BLOCK  # a whole number of checksum blocks, so chunks' bl
 DELAY_ENV = "STRATA_CKPT_TEST_WRITE_DELAY_S"  # tests: a slow writer, to kill it mid-save
 
 
-# The errors that mean "no room": `checkpoint.on_disk_full` decides what they do, unlike other failures.
+# The errors that mean "no room": `checkpoint.on_disk_full` decides what they do, unlike other
+# failures.
 NO_ROOM = {
     errno.ENOSPC: "the file system is full",
     errno.EDQUOT: "the disk quota is used up",
-    errno.EFBIG: "the file would outgrow the size this process (ulimit -f) or the file system allows",
+    errno.EFBIG: "the file would outgrow the size this process (ulimit -f) or the file system "
+    "allows",
 }
 
 
@@ -69,7 +71,8 @@ def no_room(e: OSError, path: Path, nbytes: int, written: int = 0) -> DiskFullEr
     assert e.errno is not None  # only called for errnos in NO_ROOM
     free = free_bytes(path)
     message = (
-        f"no room for {path}: {errno.errorcode[e.errno]}, {NO_ROOM[e.errno]}: {_sized(nbytes - written)} of its "
+        f"no room for {path}: {errno.errorcode[e.errno]}, {NO_ROOM[e.errno]}: "
+        f"{_sized(nbytes - written)} of its "
         f"{nbytes} could not be written; "
         + (f"{_sized(free)} free on its file system" if free is not None else "free space unknown")
     )
@@ -127,10 +130,13 @@ def write_data(path: Path, image: memoryview, nbytes: int) -> dict:
                 try:
                     _pwrite_all(fd, view[pos : pos + n], pos)
                 except OSError as e:
-                    if e.errno in NO_ROOM:  # the file holds what was written before (a fresh file, written in order)
+                    # the file holds what was written before (a fresh file, written in order)
+                    if e.errno in NO_ROOM:
                         raise no_room(e, path, nbytes, min(os.fstat(fd).st_size, nbytes)) from e
                     if not direct or e.errno != errno.EINVAL:
-                        raise OSError(e.errno, f"writing {n} bytes at offset {pos} of {path}: {e.strerror}") from e
+                        raise OSError(
+                            e.errno, f"writing {n} bytes at offset {pos} of {path}: {e.strerror}"
+                        ) from e
                     os.close(fd)  # O_DIRECT refused this buffer: go on buffered
                     fd, direct = os.open(path, os.O_WRONLY), False
                     continue
@@ -146,7 +152,9 @@ def write_data(path: Path, image: memoryview, nbytes: int) -> dict:
     return {"bytes": nbytes, "block": integrity.BLOCK, "block_crc32c": block_crcs}
 
 
-def write_rank(step_dir: Path, rank: int, image: memoryview, nbytes: int, extra: dict[str, bytes]) -> None:
+def write_rank(
+    step_dir: Path, rank: int, image: memoryview, nbytes: int, extra: dict[str, bytes]
+) -> None:
     """One rank's part of a save: its data file, any extra small files, then its manifest."""
     step_dir = Path(step_dir)
     step_dir.mkdir(parents=True, exist_ok=True)
@@ -163,7 +171,13 @@ def _write_small(path: Path, data: bytes) -> None:
 
 
 def commit(
-    step_dir: Path, step: int, world: int, index: dict, config_yaml: str, keep_last: int, suspect: bool = False
+    step_dir: Path,
+    step: int,
+    world: int,
+    index: dict,
+    config_yaml: str,
+    keep_last: int,
+    suspect: bool = False,
 ) -> None:
     """Rank 0, once every rank's part is in the partial directory `step_dir`: index.json, .metadata,
     config.yaml, then COMMITTED (with every file's checksums; `suspect` when the run's spike guard
@@ -182,7 +196,12 @@ def commit(
     for name, data in small.items():
         _write_small(step_dir / name, data)
         files[name] = integrity.entry(data)
-    record = {"step": step, "files": files, "time": time.time(), **({"suspect": True} if suspect else {})}
+    record = {
+        "step": step,
+        "files": files,
+        "time": time.time(),
+        **({"suspect": True} if suspect else {}),
+    }
     _write_small(step_dir / store.MARKER, json.dumps(record).encode())
     final = store.step_dir(step_dir.parent, step)
     store.publish(step_dir, final)
@@ -214,10 +233,10 @@ def serve(image: memoryview, conn: Connection) -> None:
 
 def main(argv: list[str]) -> None:
     """Entry of the writer process: IMAGE_FD NBYTES CONN_FD, both descriptors inherited."""
-    # Stop signals reach the writer with its trainer (Slurm signals every process of a step; torchrun
-    # signals each worker's process group, the writer included) but are for the trainer, which then
-    # saves through this writer: the writer must outlive them. It ends when its trainer closes the
-    # connection or dies (end of file), and SIGKILL still ends it.
+    # Stop signals reach the writer with its trainer (Slurm signals every process of a step;
+    # torchrun signals each worker's process group, the writer included) but are for the trainer,
+    # which then saves through this writer: the writer must outlive them. It ends when its trainer
+    # closes the connection or dies (end of file), and SIGKILL still ends it.
     for sig in (signal.SIGUSR1, signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     image_fd, nbytes, conn_fd = (int(a) for a in argv)

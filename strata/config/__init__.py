@@ -18,7 +18,16 @@ the names below are the package's own surface (the entry points and what code im
 """
 
 from strata.config.checks import check_trainable, cross_problems, start_up_warnings
-from strata.config.loading import _build_group, _coerce, dump, from_dict, from_yaml, load, merge_groups, to_dict
+from strata.config.loading import (
+    _build_group,
+    _coerce,
+    dump,
+    from_dict,
+    from_yaml,
+    load,
+    merge_groups,
+    to_dict,
+)
 from strata.config.reference import all_keys, explain, reference_markdown
 from strata.config.schema import (
     GROUPS,

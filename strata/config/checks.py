@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import math
 
-from strata.config.schema import Config, DataConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from strata.config.schema import (
+    Config,
+    DataConfig,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from strata.config.schema.keys import get
 from strata.config.vocabulary import (
     LEVELS,
@@ -69,15 +76,19 @@ def start_up_warnings(cfg: Config) -> list[str]:
     w: list[str] = []
     if cfg.optim.warmup_steps > cfg.train.steps:
         w.append(
-            f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps={cfg.train.steps}: the warm-up is cut "
-            f"short to the {cfg.train.steps} steps (the learning rate reaches optim.lr at the last step and never "
+            f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps={cfg.train.steps}: "
+            "the warm-up is cut "
+            f"short to the {cfg.train.steps} steps (the learning rate reaches optim.lr at the "
+            "last step and never "
             "decays); lower optim.warmup_steps or train longer"
         )
     default_fraction = DataConfig().val_fraction
     if (cfg.data.path or cfg.data.sources) and cfg.data.val_fraction != default_fraction:
         w.append(
-            f"data.val_fraction={cfg.data.val_fraction:g} applies to the built-in corpus only: this run's data "
-            "was split when it was prepared (`strata data prepare --val-fraction`), so it has no effect here"
+            f"data.val_fraction={cfg.data.val_fraction:g} applies to the built-in corpus only: "
+            "this run's data "
+            "was split when it was prepared (`strata data prepare --val-fraction`), so it has no "
+            "effect here"
         )
     return w
 
@@ -98,10 +109,13 @@ def path_problem(key: str, value: str) -> str | None:
     """Why the path (or path component) `value` of `key` cannot name a file, or None."""
     if "\0" in value:
         return f"{key}: {value!r} contains a NUL character, which no path may hold; remove it"
-    long = next((c for c in value.split("/") if len(c.encode("utf-8", "surrogateescape")) > NAME_MAX), None)
+    long = next(
+        (c for c in value.split("/") if len(c.encode("utf-8", "surrogateescape")) > NAME_MAX), None
+    )
     if long is not None:
         return (
-            f"{key}: the path component {long[:40]!r}... is {len(long.encode('utf-8', 'surrogateescape'))} bytes; "
+            f"{key}: the path component {long[:40]!r}... is "
+            f"{len(long.encode('utf-8', 'surrogateescape'))} bytes; "
             f"file systems allow {NAME_MAX}, so use a shorter name"
         )
     return None
@@ -132,13 +146,16 @@ def _data_checks(d: DataConfig) -> list[str]:
     p: list[str] = []
     if d.path is not None and d.sources:
         p.append(
-            f"data.path={d.path!r} and data.sources (of {len(d.sources)}) are both set: give one, data.path "
+            f"data.path={d.path!r} and data.sources (of {len(d.sources)}) are both set: give one, "
+            "data.path "
             "for one prepared directory or data.sources for a mixture of several"
         )
     weights = [source.weight for source in d.sources or ()]
-    if weights and not math.isfinite(sum(weights)):  # fsum raises on overflow; a plain sum gives inf
+    # fsum raises on overflow; a plain sum gives inf
+    if weights and not math.isfinite(sum(weights)):
         p.append(
-            f"data.sources: the weights' sum overflows ({', '.join(f'{w:g}' for w in weights[:4])}): give weights "
+            "data.sources: the weights' sum overflows "
+            f"({', '.join(f'{w:g}' for w in weights[:4])}): give weights "
             "of a sensible scale, e.g. the shares in percent"
         )
     first: dict[str, int] = {}
@@ -148,7 +165,8 @@ def _data_checks(d: DataConfig) -> list[str]:
             p.append(f"{key}: empty; give the directory made by `strata data prepare`")
         elif source.path in first:
             p.append(
-                f"{key}={source.path!r} is also data.sources[{first[source.path]}]: give each directory once "
+                f"{key}={source.path!r} is also data.sources[{first[source.path]}]: give each "
+                "directory once "
                 "(with the sum of the weights)"
             )
         else:
@@ -160,12 +178,16 @@ def _data_checks(d: DataConfig) -> list[str]:
     if t is None or t == "bytes":
         return p
     if not t.strip():
-        return [*p, "data.tokenizer: empty; give bytes, bpe:N, a tokenizer.json path, or null (the data's)"]
+        return [
+            *p,
+            "data.tokenizer: empty; give bytes, bpe:N, a tokenizer.json path, or null (the data's)",
+        ]
     if (problem := bpe_problem(t)) is not None:
         return [*p, f"data.{problem}"]
     if d.path is None and not d.sources:
         p.append(
-            f"data.tokenizer={t!r} needs data.path or data.sources (the built-in corpus is byte-level): prepare "
+            f"data.tokenizer={t!r} needs data.path or data.sources (the built-in corpus is "
+            "byte-level): prepare "
             f"the data with `strata data prepare ... --tokenizer {t}` and set data.path to it"
         )
     return p
@@ -175,24 +197,35 @@ def _model_checks(m: ModelConfig) -> list[str]:
     """The attention heads' shapes and the RoPE scaling's frequency bounds."""
     p: list[str] = []
     if m.head_dim is None and m.d_model % m.n_heads:
-        p.append(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} (or set model.head_dim)")
+        p.append(
+            f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} (or set "
+            "model.head_dim)"
+        )
     kv = m.kv_heads
     if m.n_heads % kv:
         p.append(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads}")
     elif m.head_dim is not None and m.head_dim % 2:
         p.append(f"model.head_dim={m.head_dim} must be even for RoPE")
     elif m.head_dim is None and not m.d_model % m.n_heads and m.head_size % 2:
-        p.append(f"head size d_model/n_heads={m.head_size} must be even for RoPE (or set an even model.head_dim)")
+        p.append(
+            f"head size d_model/n_heads={m.head_size} must be even for RoPE (or set an even "
+            "model.head_dim)"
+        )
     if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         p.append(
             f"model.rope_high_freq_factor={m.rope_high_freq_factor:g} must exceed "
-            f"model.rope_low_freq_factor={m.rope_low_freq_factor:g} (llama3 RoPE scaling interpolates between them)"
+            f"model.rope_low_freq_factor={m.rope_low_freq_factor:g} (llama3 RoPE scaling "
+            "interpolates between them)"
         )
     if m.rope_scaling == "dynamic" and m.head_size <= 2:
-        p.append(f"dynamic RoPE scaling needs a head size above 2 (it is {m.head_size}): set a larger model.head_dim")
+        p.append(
+            f"dynamic RoPE scaling needs a head size above 2 (it is {m.head_size}): set a "
+            "larger model.head_dim"
+        )
     if m.rope_scaling == "yarn" and m.rope_beta_fast <= m.rope_beta_slow:
         p.append(
-            f"model.rope_beta_fast={m.rope_beta_fast:g} must exceed model.rope_beta_slow={m.rope_beta_slow:g} "
+            f"model.rope_beta_fast={m.rope_beta_fast:g} must exceed "
+            f"model.rope_beta_slow={m.rope_beta_slow:g} "
             "(yarn RoPE scaling ramps between them)"
         )
     return p
@@ -208,7 +241,8 @@ def _split_checks(m: ModelConfig, par: ParallelConfig) -> list[str]:
     stages = par.pp * par.virtual_stages
     if m.n_layers % stages:
         p.append(
-            f"parallel.pp·virtual_stages = {par.pp}·{par.virtual_stages} = {stages} pipeline stages must divide "
+            f"parallel.pp·virtual_stages = {par.pp}·{par.virtual_stages} = {stages} pipeline "
+            "stages must divide "
             f"model.n_layers={m.n_layers} (stages are balanced by layers)"
         )
     return p
@@ -219,13 +253,17 @@ def _switch_checks(par: ParallelConfig, tr: TrainConfig) -> list[str]:
     p: list[str] = []
     if par.hang_timeout_s is not None and par.hang_timeout_s >= par.timeout_s:
         p.append(
-            f"parallel.hang_timeout_s={par.hang_timeout_s:g} must be below parallel.timeout_s={par.timeout_s} (the "
-            "collective timeout would end the job first, without naming the stuck rank); lower it, or 0 for off"
+            f"parallel.hang_timeout_s={par.hang_timeout_s:g} must be below "
+            f"parallel.timeout_s={par.timeout_s} (the "
+            "collective timeout would end the job first, without naming the stuck rank); lower "
+            "it, or 0 for off"
         )
     if tr.precision == "fp8" and not tr.compile and not tr.fp8_emulate:
         p.append(
-            "train.precision=fp8 needs train.compile=true: uncompiled, float8's casts and scaling run as separate "
-            "kernels and the step is slower than bf16 (torchao and torchtitan require compilation too)"
+            "train.precision=fp8 needs train.compile=true: uncompiled, float8's casts and scaling "
+            "run as separate "
+            "kernels and the step is slower than bf16 (torchao and torchtitan require compilation "
+            "too)"
         )
     return p
 
@@ -235,7 +273,8 @@ def _tp_size_checks(m: ModelConfig, par: ParallelConfig) -> list[str]:
     p: list[str] = []
     if par.sequence_parallel and par.tp > 1 and m.seq_len % par.tp:
         p.append(
-            f"parallel.sequence_parallel splits the sequence over tp={par.tp} ranks: model.seq_len={m.seq_len} "
+            f"parallel.sequence_parallel splits the sequence over tp={par.tp} ranks: "
+            f"model.seq_len={m.seq_len} "
             "must be a multiple of tp"
         )
     if m.ffn_hidden and m.ffn_hidden % par.tp:
@@ -246,8 +285,10 @@ def _tp_size_checks(m: ModelConfig, par: ParallelConfig) -> list[str]:
         p.append(f"parallel.tp={par.tp} must divide model.vocab_size={m.vocab_size}")
     if not m.vocab_size and m.pad_vocab_multiple % par.tp:
         p.append(
-            f"parallel.tp={par.tp} must divide model.pad_vocab_multiple={m.pad_vocab_multiple} (the vocabulary "
-            "is padded to a multiple of it and split over tp ranks); use a multiple of tp such as 128"
+            f"parallel.tp={par.tp} must divide model.pad_vocab_multiple={m.pad_vocab_multiple} "
+            "(the vocabulary "
+            "is padded to a multiple of it and split over tp ranks); use a multiple of tp such as "
+            "128"
         )
     return p
 
@@ -260,18 +301,21 @@ def _context_checks(cfg: Config) -> list[str]:
         return p
     if m.seq_len % (2 * par.cp):
         p.append(
-            f"model.seq_len={m.seq_len} must be a multiple of 2·parallel.cp = {2 * par.cp} (each sequence is cut "
+            f"model.seq_len={m.seq_len} must be a multiple of 2·parallel.cp = {2 * par.cp} (each "
+            "sequence is cut "
             "into 2·cp chunks, two per context-parallel rank)"
         )
     elif par.sequence_parallel and par.tp > 1 and (m.seq_len // par.cp) % par.tp:
         p.append(
-            f"parallel.sequence_parallel splits each context-parallel rank's {m.seq_len // par.cp} tokens over "
+            "parallel.sequence_parallel splits each context-parallel rank's "
+            f"{m.seq_len // par.cp} tokens over "
             f"tp={par.tp} ranks: model.seq_len/cp must be a multiple of tp"
         )
     heads = m.n_heads // par.tp if m.n_heads % par.tp == 0 else m.n_heads
     if par.cp_mode == "alltoall" and heads % par.cp:
         p.append(
-            f"parallel.cp_mode=alltoall needs parallel.cp={par.cp} to divide the {heads} attention heads of a "
+            f"parallel.cp_mode=alltoall needs parallel.cp={par.cp} to divide the {heads} "
+            "attention heads of a "
             "tensor-parallel rank (model.n_heads/tp); use cp_mode=ring (or auto)"
         )
     return p
@@ -286,28 +330,37 @@ def _moe_checks(cfg: Config, world_size: int | None) -> list[str]:
             p.append(f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={moe.num_experts}")
         if moe.first_dense_layers >= m.n_layers:
             p.append(
-                f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer of model.n_layers="
+                f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer of "
+                "model.n_layers="
                 f"{m.n_layers}; lower it, or set model.moe.num_experts=0 for a dense model"
             )
         p += _route_group_checks(moe)
         if par.tp > 1 and not par.sequence_parallel:
             p.append(
-                f"MoE layers with parallel.tp={par.tp} need parallel.sequence_parallel=true (each tensor-parallel rank "
+                f"MoE layers with parallel.tp={par.tp} need parallel.sequence_parallel=true (each "
+                "tensor-parallel rank "
                 "routes its own part of the sequence, as Megatron-core requires)"
             )
     if par.ep > 1:
         if not moe.enabled:
-            p.append(f"parallel.ep={par.ep} needs an MoE model (model.moe.num_experts > 0); set parallel.ep=1")
+            p.append(
+                f"parallel.ep={par.ep} needs an MoE model (model.moe.num_experts > 0); set "
+                "parallel.ep=1"
+            )
         elif moe.num_experts % par.ep:
             p.append(f"parallel.ep={par.ep} must divide model.moe.num_experts={moe.num_experts}")
         if cfg.co2.enabled:
-            p.append("parallel.ep > 1 with co2.enabled: CO2's outer update needs every parameter replicated over dp")
+            p.append(
+                "parallel.ep > 1 with co2.enabled: CO2's outer update needs every parameter "
+                "replicated over dp"
+            )
         if world_size is not None and not layout_problems(par, world_size):
             replicas = cfg.dp_size(world_size) * par.cp
             pool = par.tp * replicas
             if pool % par.ep:
                 p.append(
-                    f"parallel.ep={par.ep} must divide a pipeline stage's tp·dp·cp = {par.tp}·{replicas} = {pool} ranks"
+                    f"parallel.ep={par.ep} must divide a pipeline stage's tp·dp·cp = "
+                    f"{par.tp}·{replicas} = {pool} ranks"
                 )
     return p
 
@@ -317,13 +370,17 @@ def _route_group_checks(moe: MoEConfig) -> list[str]:
     p: list[str] = []
     groups, limit = moe.route_groups, moe.route_group_limit
     if moe.num_experts % groups:
-        p.append(f"model.moe.route_groups={groups} must divide model.moe.num_experts={moe.num_experts}")
+        p.append(
+            f"model.moe.route_groups={groups} must divide model.moe.num_experts={moe.num_experts}"
+        )
     elif limit > groups:
         p.append(f"model.moe.route_group_limit={limit} exceeds model.moe.route_groups={groups}")
     elif groups > 1 and moe.top_k > limit * (moe.num_experts // groups):
         p.append(
-            f"model.moe.top_k={moe.top_k} exceeds the {limit * (moe.num_experts // groups)} experts of "
-            f"route_group_limit={limit} groups of {moe.num_experts // groups}; raise route_group_limit"
+            f"model.moe.top_k={moe.top_k} exceeds the {limit * (moe.num_experts // groups)} "
+            "experts of "
+            f"route_group_limit={limit} groups of {moe.num_experts // groups}; raise "
+            "route_group_limit"
         )
     return p
 
@@ -334,7 +391,8 @@ def _batch_checks(cfg: Config, world_size: int | None) -> list[str]:
     p: list[str] = []
     if tr.global_batch_size % tr.micro_batch_size:
         p.append(
-            f"train.micro_batch_size={tr.micro_batch_size} must divide train.global_batch_size={tr.global_batch_size}"
+            f"train.micro_batch_size={tr.micro_batch_size} must divide "
+            f"train.global_batch_size={tr.global_batch_size}"
         )
     if world_size is not None:
         layout_issues = layout_problems(par, world_size)
@@ -355,14 +413,21 @@ def _schedule_checks(par: ParallelConfig) -> list[str]:
     p: list[str] = []
     v, name = par.virtual_stages, par.schedule
     if v > 1 and par.pp == 1:
-        p.append(f"parallel.virtual_stages={v} needs pipeline parallelism: set parallel.pp > 1 or virtual_stages=1")
+        p.append(
+            f"parallel.virtual_stages={v} needs pipeline parallelism: set parallel.pp > 1 or "
+            "virtual_stages=1"
+        )
     if name in SINGLE_STAGE_SCHEDULES and v > 1:
         p.append(
-            f"parallel.schedule={name} runs one stage per rank but virtual_stages={v}; use interleaved_1f1b, "
+            f"parallel.schedule={name} runs one stage per rank but virtual_stages={v}; use "
+            "interleaved_1f1b, "
             "looped_bfs or interleaved_zero_bubble, or set virtual_stages=1"
         )
     if name in V_SHAPED_SCHEDULES and v != 2:
-        p.append(f"parallel.schedule={name} needs exactly two stages per rank: set parallel.virtual_stages=2")
+        p.append(
+            f"parallel.schedule={name} needs exactly two stages per rank: set "
+            "parallel.virtual_stages=2"
+        )
     return p
 
 
@@ -374,17 +439,22 @@ def _offload_checks(cfg: Config) -> list[str]:
     devices = offload_devices(cfg)
     needed = SLABS_PER_STREAM * len(pool_streams(devices))
     if slab % 4096:
-        p.append(f"offload.slab_mb={off.slab_mb:g} is not a multiple of 4 KiB (O_DIRECT transfers); use e.g. 4")
+        p.append(
+            f"offload.slab_mb={off.slab_mb:g} is not a multiple of 4 KiB (O_DIRECT "
+            "transfers); use e.g. 4"
+        )
     elif needed and off.host_buffer_mb * 2**20 < needed * slab:
         p.append(
             f"offload.host_buffer_mb={off.host_buffer_mb:g} holds fewer than the {needed} slabs of "
-            f"offload.slab_mb={off.slab_mb:g} that {needed // SLABS_PER_STREAM} offload streams need "
+            f"offload.slab_mb={off.slab_mb:g} that {needed // SLABS_PER_STREAM} offload streams "
+            "need "
             f"({SLABS_PER_STREAM} each); set it to at least {needed * off.slab_mb:g}"
         )
     nvme = [OFFLOAD_STREAM_KEYS[s] for s, d in devices.items() if d == "nvme"]
     if nvme and not off.nvme_path:
         p.append(
-            f"{' and '.join(nvme)}=nvme need{'s' if len(nvme) == 1 else ''} offload.nvme_path: a directory on a "
+            f"{' and '.join(nvme)}=nvme need{'s' if len(nvme) == 1 else ''} offload.nvme_path: a "
+            "directory on a "
             "local SSD for the swap files"
         )
     if off.params.device != "none":
@@ -395,8 +465,10 @@ def _offload_checks(cfg: Config) -> list[str]:
             )
         elif z.params.shard_over != z.optim.shard_over:
             p.append(
-                f"offload.params.device={off.params.device} needs zero.optim.shard_over = zero.params.shard_over "
-                f"(now {z.optim.shard_over} vs {z.params.shard_over}): each rank steps exactly the shard it swaps"
+                f"offload.params.device={off.params.device} needs zero.optim.shard_over = "
+                "zero.params.shard_over "
+                f"(now {z.optim.shard_over} vs {z.params.shard_over}): each rank steps exactly "
+                "the shard it swaps"
             )
     if off.optim.device != "none" and coarseness(z.optim.shard_over) <= coarseness("none"):
         p.append(
@@ -405,12 +477,14 @@ def _offload_checks(cfg: Config) -> list[str]:
         )
     if off.enabled and cfg.optim.impl == "foreach":
         p.append(
-            "offload steps sub-groups with torch's fused AdamW kernel (6.5x faster on CPU than foreach): set "
+            "offload steps sub-groups with torch's fused AdamW kernel (6.5x faster on CPU than "
+            "foreach): set "
             "optim.impl=auto or fused"
         )
     if off.enabled and cfg.co2.enabled:
         p.append(
-            "co2.enabled with offload: CO2's outer update walks every optimizer chunk at once, which offload "
+            "co2.enabled with offload: CO2's outer update walks every optimizer chunk at once, "
+            "which offload "
             "keeps on disk or host; turn one of them off"
         )
     return p
@@ -421,21 +495,30 @@ def _zero_checks(cfg: Config, world_size: int | None) -> list[str]:
     parameters); CO2 needs whole nodes as replicas."""
     p: list[str] = []
     z, par = cfg.zero, cfg.parallel
-    level = {name: getattr(z, name).shard_over for name in ("params", "grads", "optim", "secondary_params")}
+    level = {
+        name: getattr(z, name).shard_over
+        for name in ("params", "grads", "optim", "secondary_params")
+    }
     for name in ("params", "grads"):
         if coarseness(level[name]) > coarseness(level["optim"]):
             what = {"params": "parameters", "grads": "gradients"}[name]
             p.append(
-                f"zero.{name}.shard_over={level[name]} is coarser than zero.optim.shard_over={level['optim']}: "
-                f"a rank steps only the optimizer state inside the {what} it holds; set zero.optim.shard_over="
+                f"zero.{name}.shard_over={level[name]} is coarser than "
+                f"zero.optim.shard_over={level['optim']}: "
+                f"a rank steps only the optimizer state inside the {what} it holds; set "
+                "zero.optim.shard_over="
                 f"{level[name]} or zero.{name}.shard_over={level['optim']}"
             )
     sec = level["secondary_params"]
     if sec != "none" and coarseness(sec) >= coarseness(level["params"]):
-        finer = [lv for lv in LEVELS if coarseness("none") < coarseness(lv) < coarseness(level["params"])]
+        finer = [
+            lv for lv in LEVELS if coarseness("none") < coarseness(lv) < coarseness(level["params"])
+        ]
         p.append(
-            f"zero.secondary_params.shard_over={sec} must be finer than zero.params.shard_over={level['params']} "
-            f"(hpZ is a less partitioned second copy); use {' or '.join([*finer, 'none (hpZ off)'])}"
+            f"zero.secondary_params.shard_over={sec} must be finer than "
+            f"zero.params.shard_over={level['params']} "
+            "(hpZ is a less partitioned second copy); use "
+            f"{' or '.join([*finer, 'none (hpZ off)'])}"
         )
     sharded = [
         f"zero.{name}.shard_over={level[name]}"
@@ -444,25 +527,33 @@ def _zero_checks(cfg: Config, world_size: int | None) -> list[str]:
     ]
     if sharded and par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES:
         p.append(
-            f"parallel.schedule={par.schedule} with {' and '.join(sharded)}: split-backward schedules set "
-            "weight gradients directly in a later pass, past the hooks through which the ZeRO engine collects "
-            "gradients; use parallel.schedule=interleaved_1f1b (or 1f1b/gpipe/looped_bfs), or no zero block"
+            f"parallel.schedule={par.schedule} with {' and '.join(sharded)}: split-backward "
+            "schedules set "
+            "weight gradients directly in a later pass, past the hooks through which the ZeRO "
+            "engine collects "
+            "gradients; use parallel.schedule=interleaved_1f1b (or 1f1b/gpipe/looped_bfs), or no "
+            "zero block"
         )
     if cfg.co2.enabled:
         for name, lv in level.items():
             if coarseness(lv) > coarseness("node"):
                 p.append(
-                    f"co2.enabled needs nodes to be independent replicas but zero.{name}.shard_over={lv} "
+                    "co2.enabled needs nodes to be independent replicas but "
+                    f"zero.{name}.shard_over={lv} "
                     "partitions across nodes; set it to node or finer, or co2.enabled=false"
                 )
         for key in ("clip", "staleness_penalty"):
             if getattr(cfg.co2, key) > 0 and par.tp * par.pp > 1:
                 p.append(
-                    f"co2.{key}={getattr(cfg.co2, key)} with parallel.tp={par.tp}, pp={par.pp}: its norm is taken "
-                    "over one model replica's data-parallel pieces only, not yet across tensor/pipeline shards "
-                    f"(copies of replicated weights would drift apart); set co2.{key}=0 or use tp=pp=1"
+                    f"co2.{key}={getattr(cfg.co2, key)} with parallel.tp={par.tp}, pp={par.pp}: "
+                    "its norm is taken "
+                    "over one model replica's data-parallel pieces only, not yet across "
+                    "tensor/pipeline shards "
+                    f"(copies of replicated weights would drift apart); set co2.{key}=0 or use "
+                    "tp=pp=1"
                 )
-        per_node = par.ranks_per_node  # null: the launcher decides, so the node count is unknown here
+        # null: the launcher decides, so the node count is unknown here
+        per_node = par.ranks_per_node
         if (
             world_size is not None
             and per_node is not None
@@ -470,8 +561,10 @@ def _zero_checks(cfg: Config, world_size: int | None) -> list[str]:
             and world_size // per_node < 2
         ):
             p.append(
-                f"co2.enabled needs at least 2 nodes but world size {world_size} / parallel.ranks_per_node="
-                f"{per_node} = {world_size // per_node}; run on more nodes, lower parallel.ranks_per_node, or "
+                f"co2.enabled needs at least 2 nodes but world size {world_size} / "
+                "parallel.ranks_per_node="
+                f"{per_node} = {world_size // per_node}; run on more nodes, lower "
+                "parallel.ranks_per_node, or "
                 "set co2.enabled=false"
             )
     return p
@@ -483,25 +576,33 @@ def _microbatch_checks(cfg: Config, derived: int, dp: int) -> list[str]:
     p: list[str] = []
     if par.microbatches is not None and par.microbatches != derived:
         mbs = tr.global_batch_size / (par.microbatches * dp)
-        fix = f"set train.micro_batch_size={int(mbs)}" if mbs == int(mbs) and mbs >= 1 else "change global_batch_size"
+        fix = (
+            f"set train.micro_batch_size={int(mbs)}"
+            if mbs == int(mbs) and mbs >= 1
+            else "change global_batch_size"
+        )
         p.append(
-            f"parallel.microbatches={par.microbatches} disagrees with global_batch_size/(micro_batch_size·dp) = "
+            f"parallel.microbatches={par.microbatches} disagrees with "
+            "global_batch_size/(micro_batch_size·dp) = "
             f"{derived}; {fix} or leave parallel.microbatches null"
         )
         return p
     if par.pp > 1 and par.schedule == "dualpipev" and derived < 2 * par.pp:
         p.append(
-            f"parallel.schedule=dualpipev needs at least as many micro-batches as stages (2·pp = {2 * par.pp}) "
+            "parallel.schedule=dualpipev needs at least as many micro-batches as stages (2·pp = "
+            f"{2 * par.pp}) "
             f"but gets {derived}; lower train.micro_batch_size or raise train.global_batch_size"
         )
     elif par.pp > 1 and derived < par.pp:
         p.append(
-            f"pipeline needs at least pp={par.pp} micro-batches per step but gets {derived} (global_batch_size/"
+            f"pipeline needs at least pp={par.pp} micro-batches per step but gets {derived} "
+            "(global_batch_size/"
             f"(micro_batch_size·dp)); lower train.micro_batch_size or raise train.global_batch_size"
         )
     elif par.pp > 1 and par.virtual_stages > 1 and derived % max(1, derived // par.pp):
         p.append(
-            f"interleaved schedules run micro-batches in rounds of about pp={par.pp}: {derived} micro-batches "
+            f"interleaved schedules run micro-batches in rounds of about pp={par.pp}: {derived} "
+            "micro-batches "
             f"must be a multiple of {derived // par.pp}; use a multiple of pp"
         )
     return p
@@ -514,12 +615,16 @@ def _snapshot_checks(cfg: Config) -> list[str]:
     p = []
     if cfg.co2.enabled:
         p.append(
-            "snapshot.every_steps with co2.enabled: a snapshot would have to close CO2's round (as a "
-            "checkpoint does), which changes the training; use checkpoint.interval, or set co2.enabled=false"
+            "snapshot.every_steps with co2.enabled: a snapshot would have to close CO2's round "
+            "(as a "
+            "checkpoint does), which changes the training; use checkpoint.interval, or set "
+            "co2.enabled=false"
         )
     if cfg.offload.enabled:
         p.append(
-            "snapshot.every_steps with offload.params.device or offload.optim.device: every snapshot would read "
-            "the offloaded state back into memory; use checkpoint.interval, or set both devices to none"
+            "snapshot.every_steps with offload.params.device or offload.optim.device: every "
+            "snapshot would read "
+            "the offloaded state back into memory; use checkpoint.interval, or set both devices "
+            "to none"
         )
     return p

@@ -37,7 +37,9 @@ from strata.errors import ConfigError
 
 
 def load(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    world_size: int | None = None,
 ) -> Config:
     """Read a YAML experiment, apply `key.sub=value` overrides and validate everything.
 
@@ -70,7 +72,8 @@ def _derive_from_hf(raw: dict[str, Any], problems: list[str]) -> None:
         return  # unset, or a problem the type and path checks report
     if not Path(source).is_dir():
         problems.append(
-            f"model.init_from: {source!r} is not a directory; give a local Hugging Face model directory "
+            f"model.init_from: {source!r} is not a directory; give a local Hugging Face model "
+            "directory "
             "(config.json + model.safetensors) or a Strata checkpoint directory"
         )
         return
@@ -134,7 +137,11 @@ def _check_and_raise(cfg: Config, problems: list[str], world_size: int | None) -
     already rejected holds its default, so cross-checks that name it would mislead: drop those."""
     bad_keys = [re.escape(p.split(":", 1)[0]) for p in problems]
     names_bad_key = re.compile(rf"\b({'|'.join(bad_keys)})\b(?!\.)(?=\W|$)") if bad_keys else None
-    problems.extend(p for p in cross_problems(cfg, world_size) if not (names_bad_key and names_bad_key.search(p)))
+    problems.extend(
+        p
+        for p in cross_problems(cfg, world_size)
+        if not (names_bad_key and names_bad_key.search(p))
+    )
     if problems:
         raise ConfigError(problems)
 
@@ -174,7 +181,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc, unused-ignore]
                 seen[key] = line
             else:
                 raise _PlainYAMLError(
-                    f"line {line}: duplicate key {key!r} (first given on line {first}); keep one of them"
+                    f"line {line}: duplicate key {key!r} (first given on line {first}); keep one "
+                    "of them"
                 )
         mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
         return mapping
@@ -193,18 +201,28 @@ def _safe_load(text: str) -> Any:
 
 def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
     if path.is_dir():
-        problems.append(f"config file {str(path)!r} is a directory; pass the path to a YAML experiment (see configs/)")
+        problems.append(
+            f"config file {str(path)!r} is a directory; pass the path to a YAML "
+            "experiment (see configs/)"
+        )
         return {}
     if not path.is_file():
-        problems.append(f"config file {str(path)!r} does not exist; pass the path to a YAML experiment (see configs/)")
+        problems.append(
+            f"config file {str(path)!r} does not exist; pass the path to a YAML "
+            "experiment (see configs/)"
+        )
         return {}
     try:
         raw = _safe_load(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
-        problems.append(f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); save it as UTF-8")
+        problems.append(
+            f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); save it as UTF-8"
+        )
         return {}
     except OSError as e:
-        problems.append(f"config file {str(path)!r} cannot be read ({e.strerror}); check its permissions")
+        problems.append(
+            f"config file {str(path)!r} cannot be read ({e.strerror}); check its permissions"
+        )
         return {}
     except _PlainYAMLError as e:
         problems.append(f"{path}: {e}")
@@ -216,7 +234,8 @@ def _read_yaml(path: Path, problems: list[str]) -> dict[str, Any]:
         return {}
     if not isinstance(raw, dict):
         problems.append(
-            f"{path}: the top level must be a mapping of groups ({', '.join(GROUPS)}), got {type(raw).__name__}"
+            f"{path}: the top level must be a mapping of groups ({', '.join(GROUPS)}), got "
+            f"{type(raw).__name__}"
         )
         return {}
     return raw
@@ -242,7 +261,8 @@ def _apply_override(raw: dict[str, Any], item: str, problems: list[str]) -> None
         target = target[name]
         if not isinstance(target, dict):
             problems.append(
-                f"override {item!r}: {'.'.join(path[: depth + 1])} is not a mapping (it is {target!r}), "
+                f"override {item!r}: {'.'.join(path[: depth + 1])} is not a mapping (it is "
+                f"{target!r}), "
                 "so it has no keys to set"
             )
             return
@@ -257,7 +277,8 @@ def _build(raw: dict[str, Any], problems: list[str]) -> Config:
     if isinstance(data, dict) and isinstance(data.get("sources"), list) and not data["sources"]:
         # an empty list would read as "no mixture" and train on data.path or the built-in corpus
         problems.append(
-            "data.sources: an empty list names no data; list at least one prepared directory ([{path: DIR, "
+            "data.sources: an empty list names no data; list at least one prepared directory "
+            "([{path: DIR, "
             "weight: 1}]), or remove the key to train on data.path"
         )
     cfg: Config = _build_group("", Config, raw, problems)
@@ -282,7 +303,9 @@ def _build_group(prefix: str, cls: type, values: dict[str, Any], problems: list[
     return cls(**kwargs)
 
 
-def _build_value(key: str, f: dataclasses.Field[Any], hint: Any, value: Any, problems: list[str]) -> tuple[bool, Any]:
+def _build_value(
+    key: str, f: dataclasses.Field[Any], hint: Any, value: Any, problems: list[str]
+) -> tuple[bool, Any]:
     """(True, the value of the field `f`) built from YAML's `value`: a group, a list of records or
     one value; (False, None), with the problem added, when it is wrong."""
     if is_group(hint):
@@ -299,13 +322,16 @@ def _build_value(key: str, f: dataclasses.Field[Any], hint: Any, value: Any, pro
         return items is not None, items
     if isinstance(value, dict):
         problems.append(
-            f"{key}: expected {type_name(hint)}, got the mapping {value!r} ({key} is one value, not a group of keys)"
+            f"{key}: expected {type_name(hint)}, got the mapping {value!r} ({key} is one value, "
+            "not a group of keys)"
         )
         return False, None
     ok, converted, why = _coerce(value, hint)
     if not ok:
         problems.append(
-            f"{key}: {why}" if why.startswith("item ") else f"{key}: expected {type_name(hint)}, got {value!r} ({why})"
+            f"{key}: {why}"
+            if why.startswith("item ")
+            else f"{key}: expected {type_name(hint)}, got {value!r} ({why})"
         )
         return False, None
     if isinstance(converted, tuple):
@@ -335,9 +361,13 @@ def _build_records(key: str, cls: type, value: Any, problems: list[str]) -> tupl
             problems.append(f"{where}: expected a mapping like {example}, got {item!r}")
             continue
         known = {k: v for k, v in item.items() if k in fields}
-        problems += [f"{where}.{k}: unknown key; valid: {', '.join(fields)}" for k in item if k not in fields]
+        problems += [
+            f"{where}.{k}: unknown key; valid: {', '.join(fields)}" for k in item if k not in fields
+        ]
         missing = [name for name, f in fields.items() if required(f) and name not in item]
-        problems += [f"{where}.{name}: missing; give the {fields[name].metadata['doc']}" for name in missing]
+        problems += [
+            f"{where}.{name}: missing; give the {fields[name].metadata['doc']}" for name in missing
+        ]
         if not missing:
             items.append(_build_group(where, cls, known, problems))
     return tuple(items) if len(problems) == before else None
@@ -375,7 +405,11 @@ def _coerce_list(value: Any, item_hint: Any) -> tuple[bool, Any, str]:
     for i, item in enumerate(value, 1):
         ok, converted, why = _coerce(item, item_hint)
         if not ok:
-            return False, None, f"item {i} is {item!r}, " + (f"not {why[4:]}" if why.startswith("use ") else why)
+            return (
+                False,
+                None,
+                f"item {i} is {item!r}, " + (f"not {why[4:]}" if why.startswith("use ") else why),
+            )
         items.append(converted)
     return True, tuple(items), ""
 

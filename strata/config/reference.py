@@ -69,14 +69,21 @@ def reference_markdown() -> str:
         out += [f"## `{group}`", "", cls.__doc__ or "", ""]
         rows = []
         for key, f, hint in walk(cls, group):
-            doc = f.metadata["doc"] + (f" ({', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else "")
+            doc = f.metadata["doc"] + (
+                f" ({', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
+            )
             if is_group(hint):
                 rows.append(f"| `{key}` | group | | {doc} |")
                 continue
             value = plain(f.default)
-            default = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+            default = (
+                yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+            )
             rows.append(f"| `{key}` | {type_name(hint)} | `{default}` | {doc} |")
-            rows += [f"| `{key}[i].{sub}` | {type_name(h)} | {d} | {doc} |" for sub, h, d, doc in _record_keys(hint)]
+            rows += [
+                f"| `{key}[i].{sub}` | {type_name(h)} | {d} | {doc} |"
+                for sub, h, d, doc in _record_keys(hint)
+            ]
         if not rows:
             out += ["(no keys yet)", ""]
             continue
@@ -91,6 +98,11 @@ def _record_keys(hint: Any) -> list[tuple[str, Any, str, str]]:
         return []
     hints = typing.get_type_hints(record)
     return [
-        (key_of(f), hints[f.name], "required" if required(f) else f"`{plain(f.default)!r}`", f.metadata["doc"])
+        (
+            key_of(f),
+            hints[f.name],
+            "required" if required(f) else f"`{plain(f.default)!r}`",
+            f.metadata["doc"],
+        )
         for f in dataclasses.fields(record)
     ]

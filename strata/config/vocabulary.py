@@ -45,7 +45,8 @@ PIPELINE_SCHEDULES = (
     "interleaved_zero_bubble",
     *V_SHAPED_SCHEDULES,
 )
-# These compute weight gradients in a later pass than the input gradients (past the ZeRO engine's hooks).
+# These compute weight gradients in a later pass than the input gradients (past the ZeRO engine's
+# hooks).
 SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", *V_SHAPED_SCHEDULES)
 
 
@@ -119,18 +120,25 @@ class TiersShape(Protocol):
 
 
 # --- the parallel layout -------------------------------------------------------------------------
-def ranks_per_node(par: ParallelShape, world_size: int, local_world_size: int | None) -> tuple[int, str]:
+def ranks_per_node(
+    par: ParallelShape, world_size: int, local_world_size: int | None
+) -> tuple[int, str]:
     """How many ranks one node runs, and where that number came from (for messages): a set
     parallel.ranks_per_node wins over the launcher's LOCAL_WORLD_SIZE, so one machine can stand in
     for several nodes; with neither, the world is one node."""
     if par.ranks_per_node is not None:
         return par.ranks_per_node, f"parallel.ranks_per_node={par.ranks_per_node}"
     if local_world_size is not None:
-        return local_world_size, f"parallel.ranks_per_node (null: the launcher's LOCAL_WORLD_SIZE={local_world_size})"
+        return (
+            local_world_size,
+            f"parallel.ranks_per_node (null: the launcher's LOCAL_WORLD_SIZE={local_world_size})",
+        )
     return world_size, f"parallel.ranks_per_node (null, no launcher: the world size {world_size})"
 
 
-def layout_problems(par: ParallelShape, world_size: int, local_world_size: int | None = None) -> list[str]:
+def layout_problems(
+    par: ParallelShape, world_size: int, local_world_size: int | None = None
+) -> list[str]:
     """Why `par` cannot lay out a world of `world_size` ranks: the degrees must multiply to it, nodes
     must hold whole GPUs and equal rank counts, and tp groups may not straddle nodes partway
     (`parallel.topology.layout_from_config` builds the layout once these pass)."""
@@ -161,8 +169,10 @@ def layout_problems(par: ParallelShape, world_size: int, local_world_size: int |
     if tp % per_node and per_node % tp:
         fits = [d for d in range(1, per_node + 1) if per_node % d == 0]
         problems.append(
-            f"parallel.tp={tp} would straddle node boundaries unevenly: with {source}, tp must divide "
-            f"it ({', '.join(map(str, fits))}) or be a multiple of it, so each tensor-parallel group "
+            f"parallel.tp={tp} would straddle node boundaries unevenly: with {source}, tp must "
+            "divide "
+            f"it ({', '.join(map(str, fits))}) or be a multiple of it, so each tensor-parallel "
+            "group "
             f"stays inside one node (as Megatron does) or spans whole nodes"
         )
     return problems
@@ -196,7 +206,8 @@ def bpe_problem(spec: str) -> str | None:
     if n.isdigit() and BPE_MIN_VOCAB <= int(n) <= BPE_MAX_VOCAB:
         return None
     return (
-        f"tokenizer {spec!r}: bpe:N needs a whole vocabulary size N in {BPE_MIN_VOCAB}..{BPE_MAX_VOCAB} "
+        f"tokenizer {spec!r}: bpe:N needs a whole vocabulary size N in "
+        f"{BPE_MIN_VOCAB}..{BPE_MAX_VOCAB} "
         "(256 bytes plus the end-of-document token at least), e.g. bpe:8192"
     )
 
@@ -234,7 +245,9 @@ def snapshot_nodes_problem(snap: SnapshotShape, nodes: int) -> str | None:
     if not snap.every_steps or snap.k + snap.m <= nodes:
         return None
     return (
-        f"snapshot.k + snapshot.m = {snap.k} + {snap.m} fragments of each rank's snapshot go to as many nodes, "
-        f"but this job has {nodes}; set snapshot.m={max(nodes - snap.k, 0)} (m=0: local snapshots, which survive "
+        f"snapshot.k + snapshot.m = {snap.k} + {snap.m} fragments of each rank's snapshot go to "
+        "as many nodes, "
+        f"but this job has {nodes}; set snapshot.m={max(nodes - snap.k, 0)} (m=0: local "
+        "snapshots, which survive "
         "worker crashes but not the loss of a node)"
     )

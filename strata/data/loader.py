@@ -55,7 +55,8 @@ class _StepSplit(abc.ABC):
     ):
         if global_batch % (micro_batch * dp_size):
             raise DataError(
-                f"global batch {global_batch} is not a multiple of micro_batch·dp = {micro_batch}·{dp_size}"
+                f"global batch {global_batch} is not a multiple of micro_batch·dp = "
+                f"{micro_batch}·{dp_size}"
             )
         self.seed, self.shuffle = seed, shuffle
         self.global_batch, self.micro_batch = global_batch, micro_batch
@@ -97,7 +98,11 @@ class BatchLoader(_StepSplit):
         return [self.dataset.batch(mb) for mb in self.step_indices()]
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "n_samples": len(self.dataset)}
+        return {
+            "consumed_samples": self.consumed_samples,
+            "seed": self.seed,
+            "n_samples": len(self.dataset),
+        }
 
     def state_problems(self, state: dict) -> list[str]:
         """Why a saved position does not fit this loader (nothing: it does). A state without
@@ -105,13 +110,20 @@ class BatchLoader(_StepSplit):
         if "sources" in state:
             return [
                 f"cannot resume the data position: the checkpoint was taken over a mixture of "
-                f"{len(state['sources'])} sources (data.sources: {describe_sources(state['sources'])}), this run reads "
-                f"one dataset of {len(self.dataset)} samples (data.path); resume with the same data.sources"
+                f"{len(state['sources'])} sources (data.sources: "
+                f"{describe_sources(state['sources'])}), this run reads "
+                f"one dataset of {len(self.dataset)} samples (data.path); resume with the same "
+                "data.sources"
             ]
-        if state.get("n_samples", len(self.dataset)) != len(self.dataset) or state.get("seed", self.seed) != self.seed:
+        if (
+            state.get("n_samples", len(self.dataset)) != len(self.dataset)
+            or state.get("seed", self.seed) != self.seed
+        ):
             return [
-                f"cannot resume the data position: the checkpoint was taken with seed {state['seed']} over "
-                f"{state['n_samples']} samples, this run has seed {self.seed} over {len(self.dataset)}; "
+                "cannot resume the data position: the checkpoint was taken with seed "
+                f"{state['seed']} over "
+                f"{state['n_samples']} samples, this run has seed {self.seed} over "
+                f"{len(self.dataset)}; "
                 "resume with the same data, model.seq_len and train.seed"
             ]
         return []
@@ -169,17 +181,24 @@ class MixtureLoader(_StepSplit):
         blend from the nearer of here and the start)."""
         value = int(value)
         if value >= self._consumed:
-            _, _, counts = blend(self.dataset.shares, value - self._consumed, self._consumed, self.source_samples)
+            _, _, counts = blend(
+                self.dataset.shares, value - self._consumed, self._consumed, self.source_samples
+            )
         else:
             _, _, counts = blend(self.dataset.shares, value)
         self._consumed, self.source_samples = value, counts
 
     def step_indices(self) -> list[list[tuple[int, int]]]:
         """This rank's (source, sample) pairs for the next optimizer step, as micro-batches; advances."""
-        sources, positions, counts = blend(self.dataset.shares, self.global_batch, self._consumed, self.source_samples)
+        sources, positions, counts = blend(
+            self.dataset.shares, self.global_batch, self._consumed, self.source_samples
+        )
         per_rank = self.global_batch // self.dp_size
         first = self.dp_rank * per_rank
-        pairs = [(j, self._orders[j].at(k)) for j, k in zip(sources[first : first + per_rank], positions[first:])]
+        pairs = [
+            (j, self._orders[j].at(k))
+            for j, k in zip(sources[first : first + per_rank], positions[first:])
+        ]
         self._consumed += self.global_batch
         self.source_samples = counts
         return [pairs[k : k + self.micro_batch] for k in range(0, per_rank, self.micro_batch)]
@@ -219,7 +238,8 @@ class MixtureLoader(_StepSplit):
             ]
         if state.get("seed", self.seed) != self.seed:
             return [
-                f"cannot resume the data position: the checkpoint was taken with seed {state['seed']}, "
+                "cannot resume the data position: the checkpoint was taken with seed "
+                f"{state['seed']}, "
                 f"this run has seed {self.seed}; {fix}"
             ]
         saved = state.get("sources")
@@ -230,7 +250,8 @@ class MixtureLoader(_StepSplit):
             tuple(a.get(k) for k in key) != tuple(b[k] for k in key) for a, b in zip(saved, mine)
         ):
             return [
-                f"cannot resume the data position: the checkpoint blends data.sources {describe_sources(saved)}, "
+                "cannot resume the data position: the checkpoint blends data.sources "
+                f"{describe_sources(saved)}, "
                 f"this run blends {describe_sources(mine)}; {fix}"
             ]
         counts = state.get("source_samples")
@@ -242,7 +263,8 @@ class MixtureLoader(_StepSplit):
             or any(abs(c - s["weight"] * consumed) > 2 for c, s in zip(counts, mine))
         ):
             return [
-                f"cannot resume the data position: the checkpoint's per-source counts {counts} are not what "
+                f"cannot resume the data position: the checkpoint's per-source counts {counts} "
+                "are not what "
                 f"blending {consumed} samples gives; the checkpoint's trainer state is damaged"
             ]
         return []
@@ -257,11 +279,19 @@ class MixtureLoader(_StepSplit):
             self._consumed, self.source_samples = 0, [0] * len(self.source_samples)
             self.consumed_samples = int(state["consumed_samples"])
         else:
-            self._consumed, self.source_samples = int(state["consumed_samples"]), [int(c) for c in counts]
+            self._consumed, self.source_samples = (
+                int(state["consumed_samples"]),
+                [int(c) for c in counts],
+            )
 
 
 def make_loader(
-    train: TokenDataset | Mixture, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
+    train: TokenDataset | Mixture,
+    seed: int,
+    global_batch: int,
+    micro_batch: int,
+    dp_rank: int,
+    dp_size: int,
 ) -> BatchLoader | MixtureLoader:
     """The loader for a training split: one dataset's, or a mixture's."""
     if isinstance(train, Mixture):

@@ -71,13 +71,18 @@ def _tokenizer_identity(meta: TokenMeta) -> str:
     if kind == "bytes":
         return "bytes"
     sha = recorded.get("sha256")
-    return f"{kind} (tokenizer.json sha256 {sha[:12]})" if isinstance(sha, str) else f"{kind} {recorded.get('source')}"
+    return (
+        f"{kind} (tokenizer.json sha256 {sha[:12]})"
+        if isinstance(sha, str)
+        else f"{kind} {recorded.get('source')}"
+    )
 
 
 def describe_sources(sources: list[dict]) -> str:
     """A state's source signatures in words, for messages."""
     return "; ".join(
-        f"{s.get('path')} (weight {s.get('weight', 0):.4g}, {s.get('n_samples')} samples, id {s.get('id')})"
+        f"{s.get('path')} (weight {s.get('weight', 0):.4g}, {s.get('n_samples')} samples, id "
+        f"{s.get('id')})"
         for s in sources
     )
 
@@ -88,7 +93,13 @@ class Mixture:
     source sources[i], in each source's own order without shuffling, so evaluation reads the first
     windows of every source's val split in the training proportions."""
 
-    def __init__(self, datasets: list[TokenDataset], weights: Sequence[float], names: list[str], ids: list[str]):
+    def __init__(
+        self,
+        datasets: list[TokenDataset],
+        weights: Sequence[float],
+        names: list[str],
+        ids: list[str],
+    ):
         self.datasets, self.names, self.ids = datasets, names, ids
         self.weights = [float(w) for w in weights]
         self.shares = normalise(weights)
@@ -120,14 +131,18 @@ class Mixture:
         if need > len(self._sources):  # the blend of samples 0..need-1, kept for later evaluations
             self._sources, self._positions, _ = blend(self.shares, need)
         rows = [
-            self.datasets[self._sources[i]].window(self._positions[i] % len(self.datasets[self._sources[i]]))
+            self.datasets[self._sources[i]].window(
+                self._positions[i] % len(self.datasets[self._sources[i]])
+            )
             for i in indices
         ]
         stacked = torch.from_numpy(np.stack(rows))
         return stacked[:, :-1], stacked[:, 1:]
 
 
-def open_mixture(data: DataConfig, seq_len: int, model_vocab: int | None = None) -> tuple[Mixture, Mixture]:
+def open_mixture(
+    data: DataConfig, seq_len: int, model_vocab: int | None = None
+) -> tuple[Mixture, Mixture]:
     """The train and val splits of data.sources, after checking every source as `data.path` is
     checked, and that all of them share one vocabulary and tokenizer (their ids mean the same
     tokens). One DataError or ConfigError naming the sources that disagree."""
@@ -140,7 +155,8 @@ def open_mixture(data: DataConfig, seq_len: int, model_vocab: int | None = None)
         a, b = _tokenizer_identity(first), _tokenizer_identity(meta)
         if meta.vocab_size != first.vocab_size or (a != b and "unknown" not in (a, b)):
             raise DataError(
-                f"{keys[i]}={names[i]!r} was prepared with another vocabulary than {keys[0]}={names[0]!r}: "
+                f"{keys[i]}={names[i]!r} was prepared with another vocabulary than "
+                f"{keys[0]}={names[0]!r}: "
                 f"{names[0]} has vocab_size={first.vocab_size}, tokenizer {a}; {names[i]} has "
                 f"vocab_size={meta.vocab_size}, tokenizer {b}; prepare every source with the same "
                 "--tokenizer (`strata data prepare`)"
@@ -153,7 +169,8 @@ def open_mixture(data: DataConfig, seq_len: int, model_vocab: int | None = None)
                 problems.append(problem)
     if model_vocab and model_vocab < first.vocab_size:
         problems.append(
-            f"model.vocab_size={model_vocab} is smaller than the data's vocabulary: data.sources say "
+            f"model.vocab_size={model_vocab} is smaller than the data's vocabulary: data.sources "
+            "say "
             f"vocab_size={first.vocab_size} (tokenizer {first.tokenizer}); set model.vocab_size >= "
             f"{first.vocab_size} or leave it null"
         )
@@ -162,7 +179,12 @@ def open_mixture(data: DataConfig, seq_len: int, model_vocab: int | None = None)
     ids = [content_id(Path(name)) for name in names]
     weights = [s.weight for s in sources]
     splits = (
-        Mixture([TokenDataset(Path(n), split, seq_len, k) for n, k in zip(names, keys)], weights, names, ids)
+        Mixture(
+            [TokenDataset(Path(n), split, seq_len, k) for n, k in zip(names, keys)],
+            weights,
+            names,
+            ids,
+        )
         for split in ("train", "val")
     )
     train, val = splits

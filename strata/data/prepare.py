@@ -99,8 +99,13 @@ def _open_parquet(path: str, text_field: str):
             "name the text column with --text-field"
         )
     kind = schema.field(text_field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
-        raise DataError(f"{path}: column {text_field!r} holds {kind}, not text; name the text column with --text-field")
+    if not (
+        pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+    ):
+        raise DataError(
+            f"{path}: column {text_field!r} holds {kind}, not text; name the text "
+            "column with --text-field"
+        )
     return pf
 
 
@@ -119,7 +124,9 @@ def _jsonl_tasks(path: Path, name: str, chunk_bytes: int) -> Iterator[Task]:
             line += data.count(b"\n")
 
 
-def plan(files: list[Path], root: Path | None, text_field: str, chunk_bytes: int = CHUNK_BYTES) -> list[Task]:
+def plan(
+    files: list[Path], root: Path | None, text_field: str, chunk_bytes: int = CHUNK_BYTES
+) -> list[Task]:
     """The tasks for `files`, in output order. Parquet files are opened here, so a file that is not
     Parquet or lacks the text column fails before any work starts."""
     tasks: list[Task] = []
@@ -155,7 +162,9 @@ def plan(files: list[Path], root: Path | None, text_field: str, chunk_bytes: int
 # --- reading documents (in a worker, or the parent when training a BPE) ----------------------
 
 
-def read_documents(task: Task, text_field: str, as_bytes: bool) -> Iterator[tuple[str, str | bytes]]:
+def read_documents(
+    task: Task, text_field: str, as_bytes: bool
+) -> Iterator[tuple[str, str | bytes]]:
     """(split key, document) for each document of the task, in order; bytes when `as_bytes`."""
     if task.fmt == "text":
         return _text_documents(task, as_bytes)
@@ -171,7 +180,9 @@ def _text_documents(task: Task, as_bytes: bool) -> Iterator[tuple[str, str | byt
         yield name, data if as_bytes else data.decode("utf-8", errors="replace")
 
 
-def _jsonl_documents(task: Task, text_field: str, as_bytes: bool) -> Iterator[tuple[str, str | bytes]]:
+def _jsonl_documents(
+    task: Task, text_field: str, as_bytes: bool
+) -> Iterator[tuple[str, str | bytes]]:
     """The `text_field` of each line in the task's byte range, keyed by name and line number; blank
     lines and null texts are skipped, any other line that holds no text is a DataError naming it."""
     path, name = task.items[0]
@@ -195,7 +206,9 @@ def _jsonl_text(line: bytes, where: str, text_field: str) -> str | None:
     except ValueError as e:
         raise DataError(f"{where}: not valid JSON ({e}); each line must be one JSON object") from e
     if not isinstance(obj, dict):
-        raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object with a {text_field!r} field")
+        raise DataError(
+            f"{where}: a JSON {type(obj).__name__}, not an object with a {text_field!r} field"
+        )
     if text_field not in obj:
         raise DataError(
             f"{where}: no {text_field!r} field (fields: {', '.join(list(obj)[:10])}); "
@@ -207,7 +220,9 @@ def _jsonl_text(line: bytes, where: str, text_field: str) -> str | None:
     return text
 
 
-def _parquet_documents(task: Task, text_field: str, as_bytes: bool) -> Iterator[tuple[str, str | bytes]]:
+def _parquet_documents(
+    task: Task, text_field: str, as_bytes: bool
+) -> Iterator[tuple[str, str | bytes]]:
     """The non-null `text_field` of each row of the task's row group, keyed by name and row number;
     a DataError when the row group cannot be read."""
     import pyarrow as pa
@@ -216,14 +231,18 @@ def _parquet_documents(task: Task, text_field: str, as_bytes: bool) -> Iterator[
     pf = _open_parquet(path, text_field)
     row = task.first
     try:
-        batches = pf.iter_batches(batch_size=PARQUET_ROWS_PER_BATCH, row_groups=[task.row_group], columns=[text_field])
+        batches = pf.iter_batches(
+            batch_size=PARQUET_ROWS_PER_BATCH, row_groups=[task.row_group], columns=[text_field]
+        )
         for batch in batches:
             for text in batch.column(0).to_pylist():
                 if text is not None:
                     yield f"{name}:{row}", text.encode() if as_bytes else text
                 row += 1
     except (pa.ArrowException, OSError) as e:
-        raise DataError(f"{path}: row group {task.row_group} cannot be read ({e}); the Parquet file is damaged") from e
+        raise DataError(
+            f"{path}: row group {task.row_group} cannot be read ({e}); the Parquet file is damaged"
+        ) from e
 
 
 def run_task(
@@ -255,7 +274,9 @@ def _results(tasks: list[Task], args: tuple, workers: int, tok_path: str | None)
             yield run_task(t, *args)
         return
     ctx = get_context("spawn")  # fork after the tokenizers library has started its threads can hang
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=tokenize.start_worker, initargs=(tok_path, False))
+    pool = ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=tokenize.start_worker, initargs=(tok_path, False)
+    )
     try:
         pending: deque[Future] = deque()
         todo = iter(tasks)
@@ -279,7 +300,9 @@ def _copy_range(src: Path, dst: Path, start: int) -> None:
         shutil.copyfileobj(fi, fo, 1 << 20)
 
 
-def _ensure_val_split(tmp: Path, itemsize: int, n_train: int, n_val: int, val_fraction: float) -> tuple[int, int]:
+def _ensure_val_split(
+    tmp: Path, itemsize: int, n_train: int, n_val: int, val_fraction: float
+) -> tuple[int, int]:
     """If the hash left one split empty (e.g. one input file), val becomes the last val_fraction of
     the token stream, moved on disk without reading the stream into memory."""
     total = n_train + n_val
@@ -298,7 +321,12 @@ def _progress(enabled: bool):
     from tqdm import tqdm
 
     return tqdm(
-        desc="data prepare", unit="tok", unit_scale=True, file=sys.stderr, disable=None if enabled else True, leave=True
+        desc="data prepare",
+        unit="tok",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=None if enabled else True,
+        leave=True,
     )
 
 
@@ -326,7 +354,8 @@ def prepare(
     progress bar on stderr when it is a terminal."""
     if not files:
         raise DataError(
-            "data prepare: no input files; give text, .jsonl or .parquet files, or directories holding them"
+            "data prepare: no input files; give text, .jsonl or .parquet files, or directories "
+            "holding them"
         )
     check_output(Path(out_dir), files)
     bpe = tokenize.bpe_vocab(tokenizer)
@@ -336,7 +365,8 @@ def prepare(
         info, tok_src = tokenize.file_info(tokenizer, eot_token)
     elif eot_token is not None:
         raise DataError(
-            f"--eot-token names a token of a tokenizer.json; --tokenizer {tokenizer} has its own end-of-document token"
+            f"--eot-token names a token of a tokenizer.json; --tokenizer {tokenizer} has its own "
+            "end-of-document token"
         )
     tasks = plan(list(files), root, text_field, chunk_bytes)
     workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
@@ -345,7 +375,9 @@ def prepare(
     with atomic_directory(Path(out_dir)) as tmp:
         tok_file = tmp / tokenize.TOKENIZER_FILE
         if bpe is not None:
-            docs = (str(doc) for t in tasks for _, doc in read_documents(t, text_field, as_bytes=False))
+            docs = (
+                str(doc) for t in tasks for _, doc in read_documents(t, text_field, as_bytes=False)
+            )
             info = tokenize.train_bpe(bpe, docs, tok_file)
         elif tok_src is not None:
             shutil.copyfile(tok_src, tok_file)
@@ -353,7 +385,9 @@ def prepare(
         args = (text_field, val_fraction, info.eot, dtype)
         bar = _progress(progress)
         with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f, bar:
-            for train, val, n in _results(tasks, args, workers, None if info.kind == "bytes" else str(tok_file)):
+            for train, val, n in _results(
+                tasks, args, workers, None if info.kind == "bytes" else str(tok_file)
+            ):
                 train.tofile(train_f)
                 val.tofile(val_f)
                 counts["train"] += len(train)
@@ -362,7 +396,9 @@ def prepare(
                 bar.update(len(train) + len(val))
                 bar.set_postfix_str(f"{n_docs:,} documents", refresh=False)
         itemsize = np.dtype(dtype).itemsize
-        n_train, n_val = _ensure_val_split(tmp, itemsize, counts["train"], counts["val"], val_fraction)
+        n_train, n_val = _ensure_val_split(
+            tmp, itemsize, counts["train"], counts["val"], val_fraction
+        )
         meta = {
             "format": FORMAT_VERSION,
             "dtype": dtype,
@@ -413,7 +449,8 @@ def check_output(out_dir: Path, files: list[Path]) -> None:
     out_dir = Path(out_dir)
     if out_dir.is_symlink():
         raise DataError(
-            f"data prepare: --out {str(out_dir)!r} is a symbolic link; name the directory it points to, or a new one"
+            f"data prepare: --out {str(out_dir)!r} is a symbolic link; name the directory it "
+            "points to, or a new one"
         )
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(
@@ -423,7 +460,8 @@ def check_output(out_dir: Path, files: list[Path]) -> None:
     inside = [f for f in files if _inside(Path(f), out_dir)]
     if inside:
         raise DataError(
-            f"data prepare: input {str(inside[0])!r} lies inside --out {str(out_dir)!r}, which is replaced "
+            f"data prepare: input {str(inside[0])!r} lies inside --out {str(out_dir)!r}, which is "
+            "replaced "
             "by the output; name an --out directory outside the inputs"
         )
     if out_dir.is_dir() and any(out_dir.iterdir()) and not _is_earlier_output(out_dir):
@@ -435,7 +473,8 @@ def check_output(out_dir: Path, files: list[Path]) -> None:
         else:
             what = "its meta.json is not one `strata data prepare` wrote"
         raise DataError(
-            f"data prepare: --out {str(out_dir)!r} is not empty and not an earlier `strata data prepare` "
+            f"data prepare: --out {str(out_dir)!r} is not empty and not an earlier `strata data "
+            "prepare` "
             f"output ({what}); it would be replaced, so name a new or empty directory"
         )
 
@@ -445,12 +484,15 @@ def check_output_outside_inputs(out_dir: Path, input_dirs: list[Path]) -> None:
     for d in input_dirs:
         if _inside(Path(out_dir), Path(d)):
             raise DataError(
-                f"data prepare: --out {str(out_dir)!r} lies inside the input directory {str(d)!r}, so a later "
+                f"data prepare: --out {str(out_dir)!r} lies inside the input directory "
+                f"{str(d)!r}, so a later "
                 "run would tokenize its own output; name an --out directory outside the inputs"
             )
 
 
-def expand_inputs(inputs: list[str], pattern: str = "*", out_dir: Path | None = None) -> tuple[list[Path], Path | None]:
+def expand_inputs(
+    inputs: list[str], pattern: str = "*", out_dir: Path | None = None
+) -> tuple[list[Path], Path | None]:
     """Files named directly, plus files matching `pattern` under named directories, sorted;
     with `out_dir`, refuse it when it lies inside one of the directories."""
     if out_dir is not None:

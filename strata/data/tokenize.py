@@ -54,7 +54,9 @@ def bpe_vocab(spec: str) -> int | None:
 def spec_problem(spec: str) -> str | None:
     """Why `spec` cannot name a tokenizer, without touching files (None: it can)."""
     if not isinstance(spec, str) or not spec.strip():
-        return "expected bytes, bpe:N, or the path of a tokenizer.json or of a directory holding one"
+        return (
+            "expected bytes, bpe:N, or the path of a tokenizer.json or of a directory holding one"
+        )
     try:
         bpe_vocab(spec)
     except DataError as e:
@@ -69,12 +71,14 @@ def tokenizer_file(spec: str) -> Path:
         p = p / TOKENIZER_FILE
         if not p.is_file():
             raise DataError(
-                f"tokenizer {spec!r}: the directory holds no {TOKENIZER_FILE}; name a Hugging Face model directory "
+                f"tokenizer {spec!r}: the directory holds no {TOKENIZER_FILE}; name a Hugging "
+                "Face model directory "
                 "with a fast tokenizer (tokenizer.json), the file itself, bytes, or bpe:N"
             )
     elif not p.is_file():
         raise DataError(
-            f"tokenizer {spec!r}: no such file or directory; give bytes, bpe:N, or the path of a tokenizer.json "
+            f"tokenizer {spec!r}: no such file or directory; give bytes, bpe:N, or the path of a "
+            "tokenizer.json "
             "or of a Hugging Face model directory holding one"
         )
     return p.resolve()
@@ -107,7 +111,8 @@ class TokenizerInfo:
 
     kind: str  # bytes, file or bpe
     source: str  # the spec as given: bytes, bpe:N, or the path (resolved)
-    file: str | None  # tokenizer.json in the prepared directory (a copy, or the trained BPE); None for bytes
+    # tokenizer.json in the prepared directory (a copy, or the trained BPE); None for bytes
+    file: str | None
     sha256: str | None  # of that file
     eot_token: str
     eot: int
@@ -127,7 +132,9 @@ class TokenizerInfo:
         }
 
 
-BYTES_INFO = TokenizerInfo("bytes", "bytes", None, None, "<byte 256>", ByteTokenizer.eot, ByteTokenizer.vocab_size)
+BYTES_INFO = TokenizerInfo(
+    "bytes", "bytes", None, None, "<byte 256>", ByteTokenizer.eot, ByteTokenizer.vocab_size
+)
 
 
 def load_file_tokenizer(path: Path):
@@ -136,8 +143,11 @@ def load_file_tokenizer(path: Path):
 
     try:
         return Tokenizer.from_file(str(path))
-    except Exception as e:  # the library raises its own Exception subclass for every kind of bad file
-        raise DataError(f"tokenizer {str(path)!r}: not a tokenizer.json the tokenizers library reads ({e})") from e
+    # the library raises its own Exception subclass for every kind of bad file
+    except Exception as e:
+        raise DataError(
+            f"tokenizer {str(path)!r}: not a tokenizer.json the tokenizers library reads ({e})"
+        ) from e
 
 
 def vocab_size_of(tok) -> int:
@@ -150,14 +160,18 @@ def find_eot(tok, path: Path, eot_token: str | None) -> tuple[str, int]:
     vocab = tok.get_vocab(with_added_tokens=True)
     if eot_token is not None:
         if eot_token not in vocab:
-            raise DataError(f"--eot-token {eot_token!r} is not a token of {str(path)!r}; name one of its tokens")
+            raise DataError(
+                f"--eot-token {eot_token!r} is not a token of {str(path)!r}; name one of its tokens"
+            )
         return eot_token, vocab[eot_token]
     for name in (_config_eos(path.parent), *EOT_CANDIDATES):
         if name is not None and name in vocab:
             return name, vocab[name]
     raise DataError(
-        f"tokenizer {str(path)!r} has none of the usual end-of-document tokens ({', '.join(EOT_CANDIDATES)}) and no "
-        "eos_token in a tokenizer_config.json beside it; name its end-of-document token with --eot-token"
+        f"tokenizer {str(path)!r} has none of the usual end-of-document tokens "
+        f"({', '.join(EOT_CANDIDATES)}) and no "
+        "eos_token in a tokenizer_config.json beside it; name its end-of-document token with "
+        "--eot-token"
     )
 
 
@@ -166,7 +180,9 @@ def file_info(spec: str, eot_token: str | None) -> tuple[TokenizerInfo, Path]:
     path = tokenizer_file(spec)
     tok = load_file_tokenizer(path)
     name, eot = find_eot(tok, path, eot_token)
-    info = TokenizerInfo("file", str(path), TOKENIZER_FILE, sha256_file(path), name, eot, vocab_size_of(tok))
+    info = TokenizerInfo(
+        "file", str(path), TOKENIZER_FILE, sha256_file(path), name, eot, vocab_size_of(tok)
+    )
     return info, path
 
 
@@ -188,7 +204,9 @@ def train_bpe(vocab_size: int, documents: Iterator[str], out: Path) -> Tokenizer
     tok.save(str(out))
     eot = tok.token_to_id(BPE_EOT)
     assert eot is not None  # a special token of the trainer: always in the vocabulary
-    return TokenizerInfo("bpe", f"bpe:{vocab_size}", out.name, sha256_file(out), BPE_EOT, eot, vocab_size_of(tok))
+    return TokenizerInfo(
+        "bpe", f"bpe:{vocab_size}", out.name, sha256_file(out), BPE_EOT, eot, vocab_size_of(tok)
+    )
 
 
 # --- encoding in a worker -------------------------------------------------------------------
@@ -214,7 +232,9 @@ def encode_documents(docs: list, eot: int, dtype: str) -> np.ndarray:
         return np.zeros(0, dtype)
     if isinstance(tok, ByteTokenizer):
         sep = np.array([eot], np.uint16)
-        return np.concatenate([part for d in docs for part in (tok.encode(d), sep)]).astype(dtype, copy=False)
+        return np.concatenate([part for d in docs for part in (tok.encode(d), sep)]).astype(
+            dtype, copy=False
+        )
     assert tok is not None
     out: list[int] = []
     for enc in tok.encode_batch_fast(docs):
@@ -229,14 +249,18 @@ def tokenizer_problem(setting: str, meta: dict, data_dir: Path) -> str | None:
     recorded = meta.get("tokenizer")
     if isinstance(recorded, str):  # format 1: only byte-level data existed
         recorded = (
-            {"kind": "bytes", "source": "bytes"} if recorded == "byte" else {"kind": recorded, "source": recorded}
+            {"kind": "bytes", "source": "bytes"}
+            if recorded == "byte"
+            else {"kind": recorded, "source": recorded}
         )
     if not isinstance(recorded, dict):
         recorded = {"kind": "unknown", "source": "unknown"}
     was = f"{data_dir / 'meta.json'} records tokenizer {recorded.get('source')!r}"
     fix = "set data.tokenizer to null (use the data's), to what it was prepared with, or prepare the data again"
     if setting == "bytes" or setting.startswith("bpe:"):
-        if recorded.get("source") != setting or (setting == "bytes") != (recorded.get("kind") == "bytes"):
+        if recorded.get("source") != setting or (setting == "bytes") != (
+            recorded.get("kind") == "bytes"
+        ):
             return f"data.tokenizer={setting!r} but {was}; {fix}"
         return None
     try:

@@ -65,23 +65,35 @@ def read_meta(data_dir: Path, key: str = "data.path") -> TokenMeta:
         meta = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise DataError(
-            f"{path}: not valid JSON ({e}); rewrite it with `strata data prepare`, or fix it to hold "
+            f"{path}: not valid JSON ({e}); rewrite it with `strata data prepare`, or fix it to "
+            "hold "
             '{"dtype": "uint16", "vocab_size": N}'
         ) from e
     if not isinstance(meta, dict):
-        raise DataError(f'{path}: must be a JSON object like {{"dtype": "uint16", "vocab_size": N}}, got {meta!r:.60}')
+        raise DataError(
+            f'{path}: must be a JSON object like {{"dtype": "uint16", "vocab_size": '
+            f"N}}, got {meta!r:.60}"
+        )
     vocab = meta.get("vocab_size")
-    if meta.get("dtype") not in ("uint16", "uint32") or not isinstance(vocab, int) or isinstance(vocab, bool):
+    if (
+        meta.get("dtype") not in ("uint16", "uint32")
+        or not isinstance(vocab, int)
+        or isinstance(vocab, bool)
+    ):
         raise DataError(
             f'{path}: needs "dtype" (uint16 or uint32) and an integer "vocab_size"; '
             f"got dtype={meta.get('dtype')!r}, vocab_size={vocab!r}"
         )
     if vocab < 1:
-        raise DataError(f'{path}: "vocab_size" is {vocab}; it must be >= 1 (the number of distinct token ids)')
+        raise DataError(
+            f'{path}: "vocab_size" is {vocab}; it must be >= 1 (the number of distinct token ids)'
+        )
     tokenizer = meta.get("tokenizer", "unknown")
     if isinstance(tokenizer, dict):
         tokenizer = tokenizer.get("source", "unknown")
-    return TokenMeta(meta["dtype"], vocab, tokenizer if isinstance(tokenizer, str) else "unknown", meta)
+    return TokenMeta(
+        meta["dtype"], vocab, tokenizer if isinstance(tokenizer, str) else "unknown", meta
+    )
 
 
 def prepared_tokenizer(data_dir: Path, key: str = "data.path") -> tuple[Path | None, int | None]:
@@ -102,8 +114,10 @@ def end_of_document(data_dir: Path, key: str = "data.path") -> int:
     eot = meta.raw.get("eot")
     if not isinstance(eot, int) or isinstance(eot, bool) or not 0 <= eot < meta.vocab_size:
         raise DataError(
-            f"{key}={str(data_dir)!r}: data.document_mask and data.reset_positions need the end-of-document token "
-            f'id as "eot" in meta.json (found {eot!r}); prepare the data again with `strata data prepare`, which '
+            f"{key}={str(data_dir)!r}: data.document_mask and data.reset_positions need the "
+            "end-of-document token "
+            f'id as "eot" in meta.json (found {eot!r}); prepare the data again with `strata data '
+            "prepare`, which "
             "records it, or turn both off"
         )
     return eot
@@ -117,8 +131,10 @@ def _open_tokens(path: Path, dtype: str) -> np.ndarray:
         return np.zeros(0, dtype=np.dtype(dtype))
     if size % itemsize:
         raise DataError(
-            f"{path}: {size} bytes is not a whole number of {dtype} tokens ({itemsize} bytes each); the file is "
-            "truncated or meta.json names the wrong dtype: prepare the data again with `strata data prepare`"
+            f"{path}: {size} bytes is not a whole number of {dtype} tokens ({itemsize} bytes "
+            "each); the file is "
+            "truncated or meta.json names the wrong dtype: prepare the data again with `strata "
+            "data prepare`"
         )
     return np.memmap(path, dtype=np.dtype(dtype), mode="r")
 
@@ -131,7 +147,8 @@ def _check_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
     top = int(tokens.max())
     if top >= vocab_size:
         raise DataError(
-            f"{path}: holds token id {top}, but meta.json says vocab_size={vocab_size} (ids must be below it); "
+            f"{path}: holds token id {top}, but meta.json says vocab_size={vocab_size} (ids must "
+            "be below it); "
             f"set vocab_size to at least {top + 1}, or prepare the data again"
         )
 
@@ -183,7 +200,8 @@ def check_data_config(data_dir: Path, cfg: Config) -> None:
     if cfg.model.vocab_size and cfg.model.vocab_size < meta.vocab_size:
         problems.append(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary: "
-            f"{Path(data_dir) / 'meta.json'} says vocab_size={meta.vocab_size} (tokenizer {meta.tokenizer}); "
+            f"{Path(data_dir) / 'meta.json'} says vocab_size={meta.vocab_size} (tokenizer "
+            f"{meta.tokenizer}); "
             f"set model.vocab_size >= {meta.vocab_size} or leave it null"
         )
     if problems:

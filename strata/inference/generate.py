@@ -57,7 +57,15 @@ def generate(
         batch[i, int(pad[i]) :] = torch.tensor(p)
     extend_positions(model, longest + max_new_tokens)
     cfg = model.cfg
-    cache = KVCache(cfg.n_layers, pad, cfg.kv_heads, cfg.head_size, longest + max_new_tokens, param.dtype, device)
+    cache = KVCache(
+        cfg.n_layers,
+        pad,
+        cfg.kv_heads,
+        cfg.head_size,
+        longest + max_new_tokens,
+        param.dtype,
+        device,
+    )
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
     out: list[list[int]] = [[] for _ in prompts]
     running = [True] * rows

@@ -45,7 +45,12 @@ from strata.inference.source import Tokenizer
 
 LM_EVAL = "0.4.13"
 INSTALL = f"pip install 'strata-train[eval]' (lm-eval {LM_EVAL})"
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 MAX_GEN_TOKS = 256  # lm-eval's default for a task that names none, as its Hugging Face backend's
 
 # A request as TemplateLM hands it to _loglikelihood_tokens: the strings (None for a rolling
@@ -58,7 +63,9 @@ def require_lm_eval() -> None:
     try:
         import lm_eval  # type: ignore[import-not-found,import-untyped,unused-ignore]  # noqa: F401
     except ImportError as e:
-        raise StrataError(f"evaluating on lm-evaluation-harness tasks needs lm-eval: {INSTALL}") from e
+        raise StrataError(
+            f"evaluating on lm-evaluation-harness tasks needs lm-eval: {INSTALL}"
+        ) from e
 
 
 class _StopWatch:
@@ -119,7 +126,9 @@ def _batch_size(value: int | str) -> int:
     try:
         size = int(value)
     except ValueError:
-        raise StrataError(f"batch_size={value!r}: give a whole number of requests a pass (no auto)") from None
+        raise StrataError(
+            f"batch_size={value!r}: give a whole number of requests a pass (no auto)"
+        ) from None
     if size < 1:
         raise StrataError(f"batch_size={size}: must be >= 1")
     return size
@@ -154,24 +163,34 @@ class _Scoring:
         max_length: int | None = None,
         max_gen_toks: int = MAX_GEN_TOKS,
         prefix_token_id: int | None = None,
-        max_batch_size: int | None = None,  # lm-eval passes it to every model; no automatic batch size here
+        max_batch_size: int
+        | None = None,  # lm-eval passes it to every model; no automatic batch size here
         **unknown: Any,
     ):
         super().__init__()
         if unknown:
             raise StrataError(
-                f"model_args {', '.join(sorted(unknown))}: not arguments of the strata model; it takes checkpoint, "
-                "config, overrides, dtype, device, batch_size, max_length, max_gen_toks, prefix_token_id"
+                f"model_args {', '.join(sorted(unknown))}: not arguments of the strata model; it "
+                "takes checkpoint, "
+                "config, overrides, dtype, device, batch_size, max_length, max_gen_toks, "
+                "prefix_token_id"
             )
         from strata.inference.source import extend_positions, open_model
 
         if checkpoint is None:
-            raise StrataError("the strata model reads a checkpoint: give checkpoint=DIR in model_args")
+            raise StrataError(
+                "the strata model reads a checkpoint: give checkpoint=DIR in model_args"
+            )
         if str(dtype) not in DTYPES:
             raise StrataError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
         if isinstance(overrides, str):
             overrides = overrides.split()
-        opened = open_model(Path(str(checkpoint)), Path(str(config)) if config else None, overrides, DTYPES[str(dtype)])
+        opened = open_model(
+            Path(str(checkpoint)),
+            Path(str(config)) if config else None,
+            overrides,
+            DTYPES[str(dtype)],
+        )
         self.what, self.stop_ids = opened.what, opened.stop_ids
         self._device = _device(device)
         self.model = opened.model.to(self._device)
@@ -189,7 +208,8 @@ class _Scoring:
         """The end-of-text id: the model's stop id (the smallest, where its directory names several)."""
         if not self.stop_ids:
             raise StrataError(
-                f"{self.what}: its tokenizer names no end-of-text token; give prefix_token_id=ID in model_args"
+                f"{self.what}: its tokenizer names no end-of-text token; give prefix_token_id=ID "
+                "in model_args"
             )
         return min(self.stop_ids)
 
@@ -209,10 +229,16 @@ class _Scoring:
     def device(self) -> torch.device:
         return self._device
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, **kwargs: Any
+    ) -> list[int]:
         """The tokens of `string`, the tokenizer's special tokens added unless told not to or the
         string starts with the prefix token's text already (as the Hugging Face backend)."""
-        special = add_special_tokens if add_special_tokens is not None else not self._starts_with_prefix(string)
+        special = (
+            add_special_tokens
+            if add_special_tokens is not None
+            else not self._starts_with_prefix(string)
+        )
         return self.codec.encode(string, special)
 
     def _starts_with_prefix(self, string: str) -> bool:
@@ -225,7 +251,10 @@ class _Scoring:
         return self.codec.decode(tokens, skip_special_tokens)
 
     def get_model_info(self) -> dict[str, Any]:
-        return {"model_source": self.what, "model_num_parameters": sum(p.numel() for p in self.model.parameters())}
+        return {
+            "model_source": self.what,
+            "model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+        }
 
     # --- loglikelihood ------------------------------------------------------------------------------
 
@@ -235,12 +264,19 @@ class _Scoring:
         """Each continuation's log-probability after its context, and whether it is the greedy one."""
         from lm_eval.models.utils import Collator  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
-        order = Collator(requests, sort_fn=_longest_first, group_by="contexts", group_fn=_same_but_last)
+        order = Collator(
+            requests, sort_fn=_longest_first, group_by="contexts", group_fn=_same_but_last
+        )
         results: list[tuple[float, bool]] = []
         for chunk in order.get_batched(n=self.batch_size):
-            for (strings, context, continuation), scores in zip(chunk, self._continuation_logprobs(chunk)):
+            for (strings, context, continuation), scores in zip(
+                chunk, self._continuation_logprobs(chunk)
+            ):
                 shared = order.get_cache(
-                    req_str=strings, cxt_toks=context, cont_toks=continuation, logits=scores.unsqueeze(0)
+                    req_str=strings,
+                    cxt_toks=context,
+                    cont_toks=continuation,
+                    logits=scores.unsqueeze(0),
                 )
                 for key, tokens, logprobs in shared:
                     answer = _answer(logprobs[0], tokens)
@@ -252,7 +288,10 @@ class _Scoring:
     def _continuation_logprobs(self, chunk: list[Request]) -> list[torch.Tensor]:
         """One pass over a batch (right-padded; the oldest tokens dropped past max_length): each
         request's log-probabilities (continuation, vocab) at its continuation's positions."""
-        inputs = [(context + continuation)[-(self.max_length + 1) :][:-1] for _, context, continuation in chunk]
+        inputs = [
+            (context + continuation)[-(self.max_length + 1) :][:-1]
+            for _, context, continuation in chunk
+        ]
         batch = torch.zeros(len(inputs), max(len(i) for i in inputs), dtype=torch.long)
         for row, tokens in enumerate(inputs):
             batch[row, : len(tokens)] = torch.tensor(tokens)
@@ -282,7 +321,9 @@ class _Scoring:
                 windows.append((None, *make_disjoint_window(window)))
                 owners.append(index)
         totals = [0.0] * len(requests)
-        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows, disable_tqdm=True)):
+        for owner, (logprob, _) in zip(
+            owners, self._loglikelihood_tokens(windows, disable_tqdm=True)
+        ):
             totals[owner] += logprob
         for request, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
@@ -324,8 +365,10 @@ class _Scoring:
         room = self.max_length - budget
         if room <= 0:
             raise StrataError(
-                f"max_gen_toks {budget} leaves no room for a context in the model's {self.max_length} positions: "
-                "give the task fewer (generation_kwargs: max_gen_toks) or the model a larger max_length"
+                f"max_gen_toks {budget} leaves no room for a context in the model's "
+                f"{self.max_length} positions: "
+                "give the task fewer (generation_kwargs: max_gen_toks) or the model a larger "
+                "max_length"
             )
         prompts = [self.tok_encode(c)[-room:] or [self.prefix_token_id] for c in contexts]
         watch = _StopWatch(self.codec, len(prompts), self.stop_ids, until)
@@ -385,7 +428,11 @@ def run_tasks(
     from lm_eval.utils import handle_non_serializable  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
     manager = task_manager(include_path, tasks)
-    model_args: dict[str, Any] = {"checkpoint": str(checkpoint), "dtype": dtype, "overrides": list(overrides or [])}
+    model_args: dict[str, Any] = {
+        "checkpoint": str(checkpoint),
+        "dtype": dtype,
+        "overrides": list(overrides or []),
+    }
     if config_path is not None:
         model_args["config"] = str(config_path)
     results = simple_evaluate(

@@ -31,7 +31,9 @@ class Sampling:
         return p
 
 
-def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+def next_tokens(
+    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
+) -> torch.Tensor:
     """One token per row of `logits` (batch, vocab)."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1)

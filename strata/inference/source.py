@@ -61,7 +61,10 @@ class Opened:
 
 
 def open_model(
-    path: Path, config_path: Path | None = None, overrides: list[str] | None = None, dtype: torch.dtype = torch.float32
+    path: Path,
+    config_path: Path | None = None,
+    overrides: list[str] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Opened:
     """The model at `path`, on the CPU in `dtype` (move it with `.to`); `config_path` and
     `overrides` replace or amend the config it carries."""
@@ -70,7 +73,8 @@ def open_model(
     path, overrides = Path(path), list(overrides or [])
     if not path.exists():
         raise CheckpointError(
-            f"{path}: no such file or directory; give a run's checkpoint directory, a step_* directory, a "
+            f"{path}: no such file or directory; give a run's checkpoint directory, a step_* "
+            "directory, a "
             "Hugging Face model directory or a DCP checkpoint"
         )
     if (path / "config.json").is_file():
@@ -79,7 +83,8 @@ def open_model(
     if store.is_dcp_only(path):
         if config_path is None:
             raise StrataError(
-                f"{path} is a checkpoint torch.distributed.checkpoint wrote alone: it holds no model shape; "
+                f"{path} is a checkpoint torch.distributed.checkpoint wrote alone: it holds no "
+                "model shape; "
                 "give the experiment's config with --config CFG"
             )
         from strata.checkpoint.dcp_source import DcpCheckpoint
@@ -105,9 +110,17 @@ def _open_hf(path: Path, cfg: Config, dtype: torch.dtype) -> Opened:
     from strata.checkpoint import hf_weights
 
     if not (path / "tokenizer.json").is_file():
-        raise CheckpointError(f"{path}: no tokenizer.json; generation needs the model's fast tokenizer beside it")
+        raise CheckpointError(
+            f"{path}: no tokenizer.json; generation needs the model's fast tokenizer beside it"
+        )
     model = _read_into_model(hf_weights.open_weights(path, cfg.model), cfg, dtype, str(path))
-    return Opened(model, cfg, Tokenizer(path / "tokenizer.json"), _hf_stop_ids(path), f"Hugging Face model {path}")
+    return Opened(
+        model,
+        cfg,
+        Tokenizer(path / "tokenizer.json"),
+        _hf_stop_ids(path),
+        f"Hugging Face model {path}",
+    )
 
 
 def _hf_stop_ids(path: Path) -> set[int]:
@@ -134,7 +147,8 @@ def _run_tokenizer(cfg: Config) -> tuple[Tokenizer, set[int]]:
         file, eot = prepared_tokenizer(Path(source))
     except DataError as e:
         raise DataError(
-            f"{e}\n(the run's data names its tokenizer: give data.path=DIR for where the prepared data is now)"
+            f"{e}\n(the run's data names its tokenizer: give data.path=DIR for where the prepared "
+            "data is now)"
         ) from e
     return Tokenizer(file), set() if eot is None else {eot}
 
@@ -144,14 +158,18 @@ def _read_into_model(source, cfg: Config, dtype: torch.dtype, what: str) -> GPT:
     shapes = source.shapes("model.")  # by name without the prefix
     embedding = shapes.get("tok_embeddings.weight")
     if embedding is None:
-        raise CheckpointError(f"{what}: holds no model.tok_embeddings.weight; is it a model checkpoint?")
+        raise CheckpointError(
+            f"{what}: holds no model.tok_embeddings.weight; is it a model checkpoint?"
+        )
     with torch.device("meta"):
         model = GPT(cfg.model, embedding[0])
     model = model.to_empty(device="cpu")
     state = model.state_dict()
     missing = [f"model.{n}" for n in state if n not in shapes]
     if missing:
-        raise CheckpointError(f"{what}: lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        raise CheckpointError(
+            f"{what}: lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+        )
     try:
         problems = source.read([whole_piece(f"model.{n}", t) for n, t in state.items()])
     finally:

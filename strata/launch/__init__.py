@@ -10,5 +10,8 @@ node keeping the in-memory snapshots).
 It may import every other layer; nothing imports it.
 """
 
-if __name__ != "strata.launch":  # imported by the top-level link's name, e.g. from the repository root
-    raise ImportError(f"import strata.launch, not {__name__}: the folder launch/ links to strata/launch/")
+# imported by the top-level link's name, e.g. from the repository root
+if __name__ != "strata.launch":
+    raise ImportError(
+        f"import strata.launch, not {__name__}: the folder launch/ links to strata/launch/"
+    )

@@ -66,11 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # Environment for torch that must be set before torch is imported, in this process and so in every
-# worker it starts (torchrun, the fork server and the workers inherit it); a value the user set wins.
-# THP_MEM_ALLOC_ENABLE puts torch's host allocations of 2 MiB and more on transparent huge pages:
-# ZeRO-3 allocates each gathered group's flat buffer at every use, and with 4 KiB pages faulting it
-# in cost as much as the gather's copy (an NVMe-offload step on CPU: 7.9 s against 6.7 s). Where
-# the kernel has THP off it changes nothing.
+# worker it starts (torchrun, the fork server and the workers inherit it); a value the user set
+# wins. THP_MEM_ALLOC_ENABLE puts torch's host allocations of 2 MiB and more on transparent huge
+# pages: ZeRO-3 allocates each gathered group's flat buffer at every use, and with 4 KiB pages
+# faulting it in cost as much as the gather's copy (an NVMe-offload step on CPU: 7.9 s against 6.7
+# s). Where the kernel has THP off it changes nothing.
 TORCH_ENV_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
@@ -80,7 +80,11 @@ def cpus_busy(samples: list[str] | None = None, cores: int | None = None) -> boo
     (`samples`: those texts, read when not given). Runnable tasks, not the load average, which lags
     a minute behind what just ended."""
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else (os.cpu_count() or 1)
+        )
     try:
         if samples is None:
             samples = []

@@ -31,7 +31,8 @@ from strata.launch.forkserver import PRELOAD, ROOM_ENV, encode, environment_prob
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37  # prctl(2)
 READY_TIMEOUT_S = 600.0  # the server's imports, on a loaded node
 ARGV_SLACK, ENV_SLACK = 1024, 8192  # room beyond the first worker's, for later attempts' values
-PER_WORKER_ROOM = 4096  # a worker's own variables (RANK, TORCHELASTIC_*, ...: about 1 KiB) before the first is known
+# a worker's own variables (RANK, TORCHELASTIC_*, ...: about 1 KiB) before the first is known
+PER_WORKER_ROOM = 4096
 TORCHRUN_FLAGS = ("-u",)  # the interpreter flags torchrun starts a `python -m` worker with
 # The rendezvous store's load while nodes wait for each other: state reads a second, all nodes
 # together. torch reads once a second per node, which on a restart costs up to a second per wait
@@ -59,7 +60,8 @@ class AdoptedWorker:
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped elsewhere: its status is lost, as subprocess says too
+            # reaped elsewhere: its status is lost, as subprocess says too
+            except ChildProcessError:
                 self.returncode = 0
             else:
                 if pid:
@@ -148,20 +150,32 @@ class ForkServer:
         (no -m), which the server would not fork."""
         if not {"-m", "--module"} & set(argv):
             return
-        worker_bound = encode([sys.executable, *TORCHRUN_FLAGS, "-m", *argv])  # the worker's command is inside argv
-        self._launch(list(TORCHRUN_FLAGS), len(worker_bound) + ARGV_SLACK, PER_WORKER_ROOM + ENV_SLACK)
+        # the worker's command is inside argv
+        worker_bound = encode([sys.executable, *TORCHRUN_FLAGS, "-m", *argv])
+        self._launch(
+            list(TORCHRUN_FLAGS), len(worker_bound) + ARGV_SLACK, PER_WORKER_ROOM + ENV_SLACK
+        )
 
     def _launch(self, flags: list[str], argv_room: int, env_room: int) -> None:
         """Start the server process, leaving its ready message on the socket for `_await_ready`."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cmd = [sys.executable, *flags, "-m", "strata.launch.forkserver", "--fd", str(theirs.fileno())]
+        cmd = [
+            sys.executable,
+            *flags,
+            "-m",
+            "strata.launch.forkserver",
+            "--fd",
+            str(theirs.fileno()),
+        ]
         cmd += ["--preload", ",".join(self.preload), "--room", ""]
         # Room in the server's argument and environment strings for each worker's own (see
         # forkserver.show_in_proc).
         cmd[-1] = "x" * max(1, argv_room - len(encode(cmd)))
         self.started = Started(flags, dict(os.environ), argv_room, env_room)
         try:
-            self.proc = subprocess.Popen(cmd, env={**os.environ, ROOM_ENV: "x" * env_room}, pass_fds=(theirs.fileno(),))
+            self.proc = subprocess.Popen(
+                cmd, env={**os.environ, ROOM_ENV: "x" * env_room}, pass_fds=(theirs.fileno(),)
+            )
         finally:
             theirs.close()
         self.sock = mine
@@ -189,7 +203,9 @@ class ForkServer:
         assert self.sock is not None and self.proc is not None
         self.sock.settimeout(self.ready_timeout_s)
         try:
-            reply = json.loads(self.sock.recv(1 << 16) or b'{"error": "it exited before it was ready"}')
+            reply = json.loads(
+                self.sock.recv(1 << 16) or b'{"error": "it exited before it was ready"}'
+            )
         except (OSError, ValueError) as e:
             reply = {"error": f"no word from it within {self.ready_timeout_s:.0f} s ({e})"}
         self.sock.settimeout(None)
@@ -198,7 +214,8 @@ class ForkServer:
             self._break(f"the fork server did not start: {reply['error']}")
             return
         say(
-            f"fork server ready (pid {self.proc.pid}; torch and Strata imported in {reply['import_s']:.1f} s): "
+            f"fork server ready (pid {self.proc.pid}; torch and Strata imported in "
+            f"{reply['import_s']:.1f} s): "
             "workers start as its forks"
         )
 
@@ -211,7 +228,9 @@ class ForkServer:
             self.warned.add(why)
             say(f"warning: starting a worker as a fresh Python: {why}")
 
-    def spawn(self, argv: Sequence[str], env: dict[str, str], stdio: Sequence[int | None]) -> AdoptedWorker | None:
+    def spawn(
+        self, argv: Sequence[str], env: dict[str, str], stdio: Sequence[int | None]
+    ) -> AdoptedWorker | None:
         """Fork a worker running `argv` with environment `env` and `stdio` as its 0, 1, 2 (None: as
         this process's), or None (with a warning once per reason) when the server cannot."""
         argv = [str(a) for a in argv]
@@ -246,7 +265,8 @@ class ForkServer:
             return None
         say(
             f"worker pid {reply['pid']} (local rank {env.get('LOCAL_RANK', '?')}, restart "
-            f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}) forked in {1000 * (time.perf_counter() - t0):.0f} ms"
+            f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}) forked in "
+            f"{1000 * (time.perf_counter() - t0):.0f} ms"
         )
         return AdoptedWorker(reply["pid"], argv)
 
@@ -306,11 +326,16 @@ def install_rendezvous_poll(poll_s: float) -> bool:
         return False
     delay = getattr(dynamic_rendezvous, "_delay", None)
     holder = getattr(dynamic_rendezvous, "_BackendRendezvousStateHolder", None)
-    if delay is None or holder is None or "cache_duration" not in inspect.signature(holder.__init__).parameters:
+    if (
+        delay is None
+        or holder is None
+        or "cache_duration" not in inspect.signature(holder.__init__).parameters
+    ):
         return False
 
     def _delay(seconds: float | tuple[float, float]) -> None:
-        delay(poll_s if seconds == 1 else seconds)  # its other delays (a random back-off) as they are
+        # its other delays (a random back-off) as they are
+        delay(poll_s if seconds == 1 else seconds)
 
     init = holder.__init__
 
@@ -358,7 +383,8 @@ def _run_reporting_failures(torchrun, argv: list[str] | None) -> int:
         torchrun(argv)
     except ChildFailedError as e:
         failed = ", ".join(
-            f"local rank {f.local_rank} (pid {f.pid}) exited with {f.exitcode}" for f in e.failures.values()
+            f"local rank {f.local_rank} (pid {f.pid}) exited with {f.exitcode}"
+            for f in e.failures.values()
         )
         say(f"worker failure: {failed}; its output above says why")
         return 1
@@ -367,7 +393,8 @@ def _run_reporting_failures(torchrun, argv: list[str] | None) -> int:
         return 1
     except RendezvousError as e:
         say(
-            f"the rendezvous failed: {e} (timed out waiting for the other nodes, or their store is out of reach): "
+            f"the rendezvous failed: {e} (timed out waiting for the other nodes, or their store "
+            "is out of reach): "
             "check --rdzv-endpoint and that every node started with the same --nnodes"
         )
         return 1

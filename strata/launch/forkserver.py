@@ -96,7 +96,9 @@ class Job:
 # --- the request ------------------------------------------------------------------------------
 
 
-def split_command(argv: list[str], executable: str = sys.executable) -> tuple[list[str], str, list[str]] | None:
+def split_command(
+    argv: list[str], executable: str = sys.executable
+) -> tuple[list[str], str, list[str]] | None:
     """(interpreter flags, module, arguments) of `executable [flags] -m module args`, or None for
     any other command (another interpreter, a script, flags other than -u)."""
     if not argv or argv[0] != executable or "-m" not in argv[1:]:
@@ -155,7 +157,10 @@ def proc_areas_problem() -> str | None:
             span, perms = line.split()[:2]
             lo, hi = (int(x, 16) for x in span.split("-"))
             mapped = mapped or (lo <= start and end <= hi and perms.startswith("rw"))
-        if not mapped or ctypes.string_at(start, end - start) != Path(f"/proc/self/{name}").read_bytes():
+        if (
+            not mapped
+            or ctypes.string_at(start, end - start) != Path(f"/proc/self/{name}").read_bytes()
+        ):
             return f"/proc/self/{name} does not show this process's own {name} memory"
     return None
 
@@ -204,7 +209,8 @@ class Server:
 
     sock: socket.socket
     environment: dict[str, str]
-    handlers: dict[int, Any] = field(default_factory=dict)  # the ones the server changed, as they were
+    # the ones the server changed, as they were
+    handlers: dict[int, Any] = field(default_factory=dict)
     collecting: bool = True  # whether the garbage collector was on before the server turned it off
     proc_problem: str | None = None  # why workers could not show their own command line in /proc
 
@@ -260,10 +266,14 @@ class Server:
         if self.proc_problem:
             return self.proc_problem
         argv_room, env_room = room()
-        argv_bytes, env_bytes = len(encode(request["argv"])), len(encode(env_strings(request["env"])))
+        argv_bytes, env_bytes = (
+            len(encode(request["argv"])),
+            len(encode(env_strings(request["env"]))),
+        )
         if argv_bytes > argv_room or env_bytes > env_room:
             return (
-                f"its command line ({argv_bytes} bytes) or environment ({env_bytes} bytes) does not fit the room the "
+                f"its command line ({argv_bytes} bytes) or environment ({env_bytes} bytes) does "
+                "not fit the room the "
                 f"fork server reserved ({argv_room}, {env_room})"
             )
         return environment_problem(self.environment, request["env"])
@@ -302,7 +312,8 @@ class Server:
     def become(self, request: dict, fds: list[int], intermediate: int) -> Job:
         """In the forked worker (whose parent was `intermediate`): everything a fresh `python -m`
         started by torchrun would have."""
-        while os.getppid() == intermediate:  # until adopted: from the start, torchrun's child, as a fresh one is
+        # until adopted: from the start, torchrun's child, as a fresh one is
+        while os.getppid() == intermediate:
             time.sleep(0.0001)
         os.setsid()  # torchrun starts each worker in a session of its own and signals its group
         self.sock.close()
@@ -328,13 +339,21 @@ def serve(fd: int, preload: list[str]) -> Job | None:
     """Import `preload`, say so on the socket at `fd`, then fork a worker per request. Returns only
     in a forked worker, with what it runs."""
     handlers: dict[int, Any] = {}
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # torchrun's to pass on, not the server's
+    # torchrun's to pass on, not the server's
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         handlers[sig] = signal.signal(sig, signal.SIG_IGN)
-    server = Server(socket.socket(fileno=fd), {k: v for k, v in os.environ.items() if k != ROOM_ENV}, handlers)
+    server = Server(
+        socket.socket(fileno=fd), {k: v for k, v in os.environ.items() if k != ROOM_ENV}, handlers
+    )
     server.proc_problem = proc_areas_problem()
     replace_environ(server.environment)
     if server.proc_problem is None:
-        title = [sys.executable, "-m", "strata.launch.forkserver", "(torchrun's worker fork server)"]
+        title = [
+            sys.executable,
+            "-m",
+            "strata.launch.forkserver",
+            "(torchrun's worker fork server)",
+        ]
         show_in_proc(title, server.environment)
     ready = server.preload(preload)
     try:
@@ -347,17 +366,24 @@ def serve(fd: int, preload: list[str]) -> Job | None:
 def main(argv: list[str] | None = None) -> Job | None:
     """The fork server's command line (`--fd`, `--preload`, `--room`): serve until torchrun's side
     closes. Returns a forked worker's Job (None in the server)."""
-    p = argparse.ArgumentParser(prog="python -m strata.launch.forkserver", description=__doc__.split("\n\n")[0])
-    p.add_argument("--fd", type=int, required=True, help="the socket torchrun's side holds the other end of")
+    p = argparse.ArgumentParser(
+        prog="python -m strata.launch.forkserver", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--fd", type=int, required=True, help="the socket torchrun's side holds the other end of"
+    )
     p.add_argument("--preload", default=",".join(PRELOAD), help="modules to import before forking")
-    p.add_argument("--room", default="", help="placeholder reserving room for the workers' command lines")
+    p.add_argument(
+        "--room", default="", help="placeholder reserving room for the workers' command lines"
+    )
     args = p.parse_args(argv)
     return serve(args.fd, [m for m in args.preload.split(",") if m])
 
 
 if __name__ == "__main__":
     job = main()
-    if job is None:  # the server, its torchrun gone: nothing of its own to finalise (a torch teardown: ~0.4 s)
+    # the server, its torchrun gone: nothing of its own to finalise (a torch teardown: ~0.4 s)
+    if job is None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -18,7 +18,12 @@ from strata.errors import CheckpointError, StrataError
 from strata.launch import torchrun
 from strata.runlock import locked
 
-TARGET_KEYS = {"tp": "parallel.tp", "pp": "parallel.pp", "dp": "parallel.dp", "vs": "parallel.virtual_stages"}
+TARGET_KEYS = {
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "dp": "parallel.dp",
+    "vs": "parallel.virtual_stages",
+}
 
 
 def parse_target(spec: str) -> dict[str, int]:
@@ -26,7 +31,12 @@ def parse_target(spec: str) -> dict[str, int]:
     out = {}
     for part in filter(None, spec.split(",")):
         key, eq, value = part.partition("=")
-        if key.strip() not in TARGET_KEYS or not eq or not value.strip().isdigit() or int(value) < 1:
+        if (
+            key.strip() not in TARGET_KEYS
+            or not eq
+            or not value.strip().isdigit()
+            or int(value) < 1
+        ):
             raise StrataError(
                 f"--to {spec!r}: {part!r} is not one of {', '.join(k + '=N' for k in TARGET_KEYS)} "
                 "with N a positive whole number"
@@ -46,13 +56,22 @@ def reshard(src: Path, out: Path, spec: str, overrides: list[str], overwrite: bo
     target = parse_target(spec)
     world = target["tp"] * target["pp"] * target["dp"]
     settings = [f"{TARGET_KEYS[k]}={v}" for k, v in target.items()]
-    settings += ["checkpoint.async=false", "checkpoint.keep_last=0", "log.progress=false", "log.wandb=false"]
+    settings += [
+        "checkpoint.async=false",
+        "checkpoint.keep_last=0",
+        "log.progress=false",
+        "log.wandb=false",
+    ]
     settings += overrides
-    config.load(ckpt / "config.yaml", settings, world_size=world)  # a layout that does not fit fails here, clearly
+    # a layout that does not fit fails here, clearly
+    config.load(ckpt / "config.yaml", settings, world_size=world)
     record = store.marker(ckpt)
-    _, damage = integrity.checkpoint_problems(ckpt, record, checksums=False)  # before any worker starts
+    # before any worker starts
+    _, damage = integrity.checkpoint_problems(ckpt, record, checksums=False)
     if damage:
-        raise CheckpointError(f"{ckpt} is damaged, nothing was resharded:\n  " + "\n  ".join(damage))
+        raise CheckpointError(
+            f"{ckpt} is damaged, nothing was resharded:\n  " + "\n  ".join(damage)
+        )
     step = record.get("step")
     with locked([(Path(out), "checkpoint directory")]):
         refusal = store.output_refusal(
@@ -60,8 +79,13 @@ def reshard(src: Path, out: Path, spec: str, overrides: list[str], overwrite: bo
         )
         if refusal is not None:
             raise refusal
-        worker = torchrun.WorkerCommand(str(ckpt / "config.yaml"), tuple(settings), str(ckpt), ("--save-to", str(out)))
+        worker = torchrun.WorkerCommand(
+            str(ckpt / "config.yaml"), tuple(settings), str(ckpt), ("--save-to", str(out))
+        )
         code = torchrun.run_local(torchrun.LaunchPlan(nproc_per_node=world), worker)
     if code == 0:
-        print(f"wrote {store.committed(out)[-1]} for tp {target['tp']}, pp {target['pp']}, dp {target['dp']}")
+        print(
+            f"wrote {store.committed(out)[-1]} for tp {target['tp']}, pp {target['pp']}, dp "
+            f"{target['dp']}"
+        )
     return code

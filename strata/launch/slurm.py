@@ -15,8 +15,8 @@ from pathlib import Path
 from strata.launch.torchrun import FORWARDED_SIGNALS, WorkerCommand
 
 # Slurm warns the batch shell this many seconds before the time limit (`--signal=B:USR1@SECONDS`):
-# time for the step in progress, a checkpoint of it and the exit. A config key `slurm.stop_warning_s`
-# would replace this constant.
+# time for the step in progress, a checkpoint of it and the exit. A config key
+# `slurm.stop_warning_s` would replace this constant.
 STOP_WARNING_S = 120
 # How long torchrun waits for its workers after passing a signal on, before it kills them: the
 # warning less a margin for torchrun's own exit and the requeue.
@@ -37,7 +37,8 @@ class SlurmJob:
     rdzv_port: int = 29500
     max_restarts: int = 0
     snapshots: bool = False  # start each node's snapshot agent beside its torchrun
-    stop_warning_s: int = STOP_WARNING_S  # SIGUSR1 this long before the time limit: save, exit, requeue
+    # SIGUSR1 this long before the time limit: save, exit, requeue
+    stop_warning_s: int = STOP_WARNING_S
 
 
 def job_python(interpreter: str) -> tuple[str, str]:
@@ -59,7 +60,9 @@ def job_python(interpreter: str) -> tuple[str, str]:
     return shlex.quote(interpreter), ""
 
 
-def sbatch_script(job: SlurmJob, worker: WorkerCommand, workdir: str, interpreter: str = sys.executable) -> str:
+def sbatch_script(
+    job: SlurmJob, worker: WorkerCommand, workdir: str, interpreter: str = sys.executable
+) -> str:
     """The sbatch script for `job`: its #SBATCH directives, the environment every node's torchrun
     needs (the venv's Python, the rendezvous on the first node, signal and NCCL settings), then the
     job step (one torchrun per node under srun, each beside its snapshot agent when `job.snapshots`)
@@ -68,7 +71,8 @@ def sbatch_script(job: SlurmJob, worker: WorkerCommand, workdir: str, interprete
     worker_line = shlex.join(worker.args())
     python, path_line = job_python(interpreter)
     torchrun = (
-        f"{python} -m torch.distributed.run --nnodes={job.nodes} --nproc-per-node={job.gpus_per_node} "
+        f"{python} -m torch.distributed.run --nnodes={job.nodes} "
+        f"--nproc-per-node={job.gpus_per_node} "
         '--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$SLURM_JOB_ID" '
         f"--max-restarts={job.max_restarts} {worker_line}"
     )
@@ -117,27 +121,35 @@ def _environment(job: SlurmJob, workdir: str, path_line: str) -> list[str]:
     """The script's set-up before the job step: the working directory, the venv's Python on PATH
     (`path_line`, from `job_python`), the rendezvous endpoint on the allocation's first node, and
     the variables torchrun and NCCL read (signals passed on, the shutdown grace, the flight recorder)."""
-    path_lines = ["# The Python that ran `strata launch` (its venv), here and through srun on every node.", path_line]
+    path_lines = [
+        "# The Python that ran `strata launch` (its venv), here and through srun on every node.",
+        path_line,
+    ]
     return [
         "set -euo pipefail",
         f"cd {shlex.quote(workdir)}",
         *(path_lines if path_line else []),
-        "# Rendezvous on the first node of the allocation (c10d store hosted by that node's torchrun).",
+        "# Rendezvous on the first node of the allocation (c10d store hosted by that node's "
+        "torchrun).",
         # an array, not `| head -n 1`: under pipefail head's early exit SIGPIPEs scontrol
         'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
         "head_node=${nodes[0]}",
-        "head_addr=$(srun --nodes=1 --ntasks=1 -w \"$head_node\" hostname --ip-address | awk '{print $1}')",
+        'head_addr=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk '
+        "'{print $1}')",
         f'export RDZV_ENDPOINT="$head_addr:{job.rdzv_port}"',
         "# torch <= 2.13 restarts only with a fresh store per attempt (pytorch/pytorch#135712)",
         "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-        "# torchrun passes these signals on to every worker (SIGUSR1 too: the time-limit warning), and",
+        "# torchrun passes these signals on to every worker (SIGUSR1 too: the time-limit "
+        "warning), and",
         "# gives the workers this long to save a checkpoint and exit before it kills them.",
         f"export PET_SIGNALS_TO_HANDLE={','.join(sig.name for sig in FORWARDED_SIGNALS)}",
         f"export PET_SHUTDOWN_TIMEOUT={max(job.stop_warning_s - (STOP_WARNING_S - STOP_GRACE_S), 10)}",
-        "# NCCL's flight recorder: on a collective timeout each rank dumps its last 2000 collectives.",
+        "# NCCL's flight recorder: on a collective timeout each rank dumps its last 2000 "
+        "collectives.",
         "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000",
         "export TORCH_NCCL_DUMP_ON_TIMEOUT=1",
-        'echo "strata: $SLURM_JOB_NUM_NODES nodes, rendezvous at $RDZV_ENDPOINT (restart ${SLURM_RESTART_COUNT:-0})"',
+        'echo "strata: $SLURM_JOB_NUM_NODES nodes, rendezvous at $RDZV_ENDPOINT (restart '
+        '${SLURM_RESTART_COUNT:-0})"',
         "",
     ]
 
@@ -149,7 +161,8 @@ def _snapshot_step(python: str, torchrun: str) -> tuple[str, str]:
     # srun passes the environment on. Each node starts its agent, then becomes its torchrun
     # (exec keeps the pid the agent watches).
     node = (
-        "trap '' USR1; "  # the agent ignores the warning (torchrun handles it again: PET_SIGNALS_TO_HANDLE)
+        # the agent ignores the warning (torchrun handles it again: PET_SIGNALS_TO_HANDLE)
+        "trap '' USR1; "
         'dir=$(mktemp -d); sock="$dir/agent.sock"; '
         f"{python} -m strata.launch.snapshot_agent"
         ' --socket "$sock" --advertise "$(hostname)" --parent $$ & '
@@ -169,7 +182,8 @@ def _stop_and_requeue(step: str) -> list[str]:
     requeues by Slurm's own PreemptMode) it does not, or a cancelled job would never end. `wait`
     returns early when a trapped signal arrives, so it is called until srun is gone."""
     return [
-        "# A stop signal goes on to the job step; after the time-limit warning the job requeues itself.",
+        "# A stop signal goes on to the job step; after the time-limit warning the job requeues "
+        "itself.",
         'stop_signal=""',
         'forward() { stop_signal=$1 trapped=1; kill -s "$1" "$step_pid" 2>/dev/null || true; }',
         "trap 'forward USR1' USR1",
@@ -182,8 +196,10 @@ def _stop_and_requeue(step: str) -> list[str]:
         '  if [ -n "$trapped" ]; then status=""; fi',
         "done",
         'if [ "$stop_signal" = USR1 ]; then',
-        '  echo "strata: SIGUSR1 (time limit near): the workers saved a checkpoint; requeueing job $SLURM_JOB_ID"',
-        '  scontrol requeue "$SLURM_JOB_ID" || echo "strata: requeue failed; resubmit to resume" >&2',
+        '  echo "strata: SIGUSR1 (time limit near): the workers saved a checkpoint; requeueing '
+        'job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID" || echo "strata: requeue failed; resubmit to resume" '
+        ">&2",
         "  exit 0",
         "fi",
         'exit "$status"',
@@ -194,7 +210,10 @@ def _stop_and_requeue(step: str) -> list[str]:
 def submit(script_path: Path) -> int:
     """sbatch the script if Slurm is installed; otherwise say where it is. Returns an exit code."""
     if shutil.which("sbatch") is None:
-        print(f"strata launch: sbatch not found; wrote {script_path} (submit it with: sbatch {script_path})")
+        print(
+            f"strata launch: sbatch not found; wrote {script_path} (submit it with: sbatch "
+            f"{script_path})"
+        )
         return 0
     out = subprocess.run(["sbatch", str(script_path)], capture_output=True, text=True)
     print(out.stdout.strip() or out.stderr.strip())

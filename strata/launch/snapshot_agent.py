@@ -56,7 +56,8 @@ class Slot:
 
 def _memfd(size: int) -> tuple[int, mmap.mmap]:
     fd = os.memfd_create("strata-snapshot", os.MFD_CLOEXEC)
-    os.posix_fallocate(fd, 0, size)  # pages exist before a worker's first copy (§3.1: 5–8× slower otherwise)
+    # pages exist before a worker's first copy (§3.1: 5–8× slower otherwise)
+    os.posix_fallocate(fd, 0, size)
     return fd, mmap.mmap(fd, size)
 
 
@@ -71,12 +72,21 @@ class Agent:
     images and other nodes' erasure-coded fragments it keeps, its peers, and the threads serving
     the workers' Unix socket and the peers' TCP listener."""
 
-    def __init__(self, socket_path: str, advertise: str, bind: str, port: int, secret: bytes, parent: int | None):
+    def __init__(
+        self,
+        socket_path: str,
+        advertise: str,
+        bind: str,
+        port: int,
+        secret: bytes,
+        parent: int | None,
+    ):
         self.id = uuid.uuid4().hex[:12]
         self.secret, self.parent = secret, parent
         self.lock = threading.Lock()
         self.slots: dict[int, Slot] = {}
-        self.frags: dict[tuple[int, int, int], tuple[bytearray, dict]] = {}  # (rank, step, j) -> (bytes, meta)
+        # (rank, step, j) -> (bytes, meta)
+        self.frags: dict[tuple[int, int, int], tuple[bytearray, dict]] = {}
         # (rank, step) -> fd, map, meta, how
         self.restored: dict[tuple[int, int], tuple[int, mmap.mmap, dict, str]] = {}
         self.agents: dict[str, tuple[str, int]] = {}  # agent id -> (host, port)
@@ -98,7 +108,12 @@ class Agent:
 
     # --- serving ------------------------------------------------------------------------------
     def serve(self) -> None:
-        for target in (self._accept_local, self._accept_peers, self._place_loop, self._watch_parent):
+        for target in (
+            self._accept_local,
+            self._accept_peers,
+            self._place_loop,
+            self._watch_parent,
+        ):
             threading.Thread(target=target, daemon=True).start()
         threading.Event().wait()
 
@@ -135,7 +150,8 @@ class Agent:
                 send_msg(conn, reply, out_fds)
                 for fd in out_fds if reply.get("close_fds") else ():
                     os.close(fd)
-                if then is not None:  # work the reply need not wait for (a worker may be waiting on it)
+                # work the reply need not wait for (a worker may be waiting on it)
+                if then is not None:
                     then()
         except OSError:
             return
@@ -165,19 +181,29 @@ class Agent:
         with self.lock:
             newest = self._committed(rank)[-1:] or [None]
             if newest[0] is not None and not newest[0].placed.is_set():
-                return {"ok": False, "busy": True, "error": f"step {newest[0].step} is still being placed"}, []
+                return {
+                    "ok": False,
+                    "busy": True,
+                    "error": f"step {newest[0].step} is still being placed",
+                }, []
             keep = {id(s) for s in self._committed(rank)[-KEEP:]}
-            # A slot keeps its rank: the worker wrote its blob headers there once and only rewrites the data.
+            # A slot keeps its rank: the worker wrote its blob headers there once and only rewrites
+            # the data.
             free = [
                 s
                 for s in self.slots.values()
-                if s.state == "free" and s.size >= nbytes and id(s) not in keep and s.rank in (rank, -1)
+                if s.state == "free"
+                and s.size >= nbytes
+                and id(s) not in keep
+                and s.rank in (rank, -1)
             ]
             slot = free[0] if free else None
             if slot is None:
                 fd, mapped = _memfd(_capacity(nbytes, self.k))
                 self._next_slot += 1
-                slot = self.slots[self._next_slot] = Slot(self._next_slot, fd, mapped.size(), mapped)
+                slot = self.slots[self._next_slot] = Slot(
+                    self._next_slot, fd, mapped.size(), mapped
+                )
             slot.state, slot.owner, slot.rank = "writing", conn, rank
         fds = [] if slot.id in sent else [slot.fd]
         sent.add(slot.id)
@@ -208,18 +234,23 @@ class Agent:
             slot.placed.clear()
             for old in self._committed(slot.rank)[:-KEEP]:
                 old.state = "free"
-            for fd, mapped, _, _ in self.restored.values():  # every worker has restored before it trains
+            # every worker has restored before it trains
+            for fd, mapped, _, _ in self.restored.values():
                 mapped.close()
                 os.close(fd)
             self.restored.clear()
-        # Placement starts once the reply is sent: woken first, the placing thread would hold the GIL
-        # for up to a switch interval (5 ms) while the worker waits for this reply.
+        # Placement starts once the reply is sent: woken first, the placing thread would hold the
+        # GIL for up to a switch interval (5 ms) while the worker waits for this reply.
         return {"ok": True}, [], lambda: self.placements.put(slot)
 
     def op_holdings(self, msg, conn, sent):
         """What this agent can serve: whole images and fragments, with their metadata."""
         with self.lock:
-            full = [[s.rank, s.step, dict(s.meta)] for s in self.slots.values() if s.state == "committed"]
+            full = [
+                [s.rank, s.step, dict(s.meta)]
+                for s in self.slots.values()
+                if s.state == "committed"
+            ]
             frags = [[r, st, j, dict(meta)] for (r, st, j), (_, meta) in self.frags.items()]
         return {"ok": True, "agent": self.id, "full": full, "frags": frags}, []
 
@@ -253,7 +284,12 @@ class Agent:
         """A descriptor of (a copy of) rank's image at step, and how it was obtained."""
         with self.lock:
             local = next(
-                (s for s in self.slots.values() if s.state == "committed" and (s.rank, s.step) == (rank, step)), None
+                (
+                    s
+                    for s in self.slots.values()
+                    if s.state == "committed" and (s.rank, s.step) == (rank, step)
+                ),
+                None,
             )
             if local is not None:
                 return os.dup(local.fd), local.meta, "local"
@@ -284,13 +320,17 @@ class Agent:
                     self._get(agent, rank, step, j, into)
                 have[j] = into
             if len(have) < k:
-                raise RuntimeError(f"only {len(have)} of the k={k} fragments of rank {rank} step {step} survive")
+                raise RuntimeError(
+                    f"only {len(have)} of the k={k} fragments of rank {rank} step {step} survive"
+                )
             missing = {j: view[j * frag : (j + 1) * frag] for j in range(k) if j not in have}
             if missing:
                 code.decode(have, missing)
             via = f"rebuilt from fragments {sorted(have)}"
         if f"{crc32c.crc32c(view[:nbytes]):08x}" != meta["crc"]:
-            raise RuntimeError(f"the assembled image of rank {rank} step {step} ({via}) fails its checksum")
+            raise RuntimeError(
+                f"the assembled image of rank {rank} step {step} ({via}) fails its checksum"
+            )
         del view
         with self.lock:
             self.restored[(rank, step)] = (fd, mapped, meta, via)
@@ -302,9 +342,11 @@ class Agent:
             slot = self.placements.get()
             try:
                 self._place(slot)
-            except Exception as e:  # a peer is gone: the version stays local, the next lease says so
+            # a peer is gone: the version stays local, the next lease says so
+            except Exception as e:
                 print(
-                    f"snapshot agent {self.id}: placing rank {slot.rank} step {slot.step} failed: {e}",
+                    f"snapshot agent {self.id}: placing rank {slot.rank} step {slot.step} failed: "
+                    f"{e}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -334,7 +376,11 @@ class Agent:
         for j in range(1, k + m):
             target = nodes[(home + j) % len(nodes)]
             payload = data[j] if j < k else parity[j - k]
-            self._call(target, {"op": "put", "rank": slot.rank, "step": slot.step, "j": j, "meta": meta}, payload)
+            self._call(
+                target,
+                {"op": "put", "rank": slot.rank, "step": slot.step, "j": j, "meta": meta},
+                payload,
+            )
 
     # --- agent ↔ agent ------------------------------------------------------------------------
     def _call(self, agent: str, header: dict, payload=None, into=None) -> tuple[dict, object]:
@@ -364,7 +410,9 @@ class Agent:
         return reply, data
 
     def _get(self, agent: str, rank: int, step: int, j: int, into) -> None:
-        self._call(agent, {"op": "get", "rank": rank, "step": step, "j": j}, into=lambda header: into)
+        self._call(
+            agent, {"op": "get", "rank": rank, "step": step, "j": j}, into=lambda header: into
+        )
 
     def _accept_peers(self) -> None:
         while True:
@@ -408,7 +456,11 @@ class Agent:
         with self.lock:
             if j == FULL:
                 slot = next(
-                    (s for s in self.slots.values() if s.state == "committed" and (s.rank, s.step) == (rank, step)),
+                    (
+                        s
+                        for s in self.slots.values()
+                        if s.state == "committed" and (s.rank, s.step) == (rank, step)
+                    ),
                     None,
                 )
                 if slot is not None:
@@ -421,27 +473,38 @@ class Agent:
     def _committed(self, rank: int) -> list[Slot]:
         """The rank's committed slots, oldest commit first (callers hold the lock)."""
         return sorted(
-            (s for s in self.slots.values() if s.state == "committed" and s.rank == rank), key=lambda s: s.seq
+            (s for s in self.slots.values() if s.state == "committed" and s.rank == rank),
+            key=lambda s: s.seq,
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the agent: parse the command line, check the erasure code, listen on the workers' socket
     and a peer port, and serve until the launcher (`--parent`) is gone."""
-    p = argparse.ArgumentParser(prog="python -m strata.launch.snapshot_agent", description=__doc__.splitlines()[0])
-    p.add_argument("--socket", required=True, help="path of the workers' Unix socket (in a 0700 directory)")
-    p.add_argument("--advertise", default=socket.getfqdn(), help="host name other nodes' agents reach this one at")
+    p = argparse.ArgumentParser(
+        prog="python -m strata.launch.snapshot_agent", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--socket", required=True, help="path of the workers' Unix socket (in a 0700 directory)"
+    )
+    p.add_argument(
+        "--advertise",
+        default=socket.getfqdn(),
+        help="host name other nodes' agents reach this one at",
+    )
     p.add_argument("--bind", default="0.0.0.0", help="address the peer listener binds")
     p.add_argument("--port", type=int, default=0, help="peer port (0: any free port)")
     p.add_argument("--parent", type=int, help="exit when this process (the launcher) is gone")
     args = p.parse_args(argv)
-    # A worker's lease waits for the thread serving it to get the GIL, which a placing thread between
-    # its (GIL-free) copies and sends holds for up to a switch interval: 5 ms by default, 0.5 ms here.
+    # A worker's lease waits for the thread serving it to get the GIL, which a placing thread
+    # between its (GIL-free) copies and sends holds for up to a switch interval: 5 ms by default,
+    # 0.5 ms here.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     self_test()
     agent = Agent(args.socket, args.advertise, args.bind, args.port, secret_from_env(), args.parent)
     print(
-        f"snapshot agent {agent.id}: workers at {args.socket}, peers at {agent.address[0]}:{agent.address[1]}",
+        f"snapshot agent {agent.id}: workers at {args.socket}, peers at "
+        f"{agent.address[0]}:{agent.address[1]}",
         flush=True,
     )
     agent.serve()

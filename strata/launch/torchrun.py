@@ -27,7 +27,14 @@ from types import FrameType
 
 from strata.checkpoint.agent_protocol import SOCKET_ENV
 from strata.errors import StrataError
-from strata.net import bind_errno, free_port, interface_address, is_loopback, resolve, split_endpoint
+from strata.net import (
+    bind_errno,
+    free_port,
+    interface_address,
+    is_loopback,
+    resolve,
+    split_endpoint,
+)
 
 SECRET_ENV = "STRATA_SNAPSHOT_SECRET"
 # A private directory (0700) where each worker notes how it ended (`note_worker_status`): a worker
@@ -38,7 +45,8 @@ STATUS_ENV = "STRATA_LAUNCH_STATUS_DIR"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # a second one of these kills at once
 STOP_GRACE_S = 30  # after a signal, how long workers have to exit before they are killed
-KILL_MARGIN_S = 5  # torchrun kills its workers after STOP_GRACE_S; the launcher does, this much later
+# torchrun kills its workers after STOP_GRACE_S; the launcher does, this much later
+KILL_MARGIN_S = 5
 POLL_S = 0.05
 
 
@@ -52,7 +60,8 @@ class LaunchPlan:
     rdzv_id: str = "strata"
     max_restarts: int = 0
     external_store: bool = False  # the c10d store runs in `strata store`, not in the first torchrun
-    join_timeout_s: int = 600  # how long a rendezvous waits for every node (a replacement, after a loss)
+    # how long a rendezvous waits for every node (a replacement, after a loss)
+    join_timeout_s: int = 600
     snapshots: bool = False  # start this node's snapshot agent
     # Static rendezvous (torchrun's --node-rank/--master-addr/--master-port): a fixed node rank and
     # node 0's address instead of a c10d endpoint; no restarts.
@@ -79,7 +88,9 @@ def check_plan(plan: LaunchPlan) -> None:
     missing a part or mixed with c10d's flags; an interface this node does not have; and counts
     torchrun would refuse with a traceback."""
     if plan.worker_start not in WORKER_STARTS:
-        raise StrataError(f"--worker-start {plan.worker_start!r}: must be one of {', '.join(WORKER_STARTS)}")
+        raise StrataError(
+            f"--worker-start {plan.worker_start!r}: must be one of {', '.join(WORKER_STARTS)}"
+        )
     for flag, value, least in (
         ("--nproc", plan.nproc_per_node, 1),
         ("--nnodes", plan.nnodes, 1),
@@ -103,9 +114,12 @@ def check_plan(plan: LaunchPlan) -> None:
         )
     if plan.nnodes > 1:
         raise StrataError(
-            f"--nnodes {plan.nnodes} needs a rendezvous every node can reach: add --rdzv-endpoint HOST:PORT "
-            "with the first node's address (the same on every node), or run `strata store --port PORT` on a "
-            "host and give every node --rdzv-store external --rdzv-endpoint HOST:PORT, or give every node "
+            f"--nnodes {plan.nnodes} needs a rendezvous every node can reach: add --rdzv-endpoint "
+            "HOST:PORT "
+            "with the first node's address (the same on every node), or run `strata store --port "
+            "PORT` on a "
+            "host and give every node --rdzv-store external --rdzv-endpoint HOST:PORT, or give "
+            "every node "
             "--node-rank R --master-addr HOST (static: node 0's address, R = 0..N-1)"
         )
 
@@ -114,7 +128,8 @@ def _check_static(plan: LaunchPlan) -> None:
     """A static rendezvous: every part given, nothing of c10d's, a node rank in range."""
     if plan.rdzv_endpoint:
         raise StrataError(
-            "--node-rank/--master-addr/--master-port (static rendezvous) and --rdzv-endpoint (c10d) are two ways "
+            "--node-rank/--master-addr/--master-port (static rendezvous) and --rdzv-endpoint "
+            "(c10d) are two ways "
             "for nodes to meet: give one of them"
         )
     if plan.external_store:
@@ -124,21 +139,27 @@ def _check_static(plan: LaunchPlan) -> None:
         )
     if plan.node_rank is None:
         raise StrataError(
-            f"static rendezvous needs --node-rank R on every node: a different R in 0..{plan.nnodes - 1}, node 0 "
+            "static rendezvous needs --node-rank R on every node: a different R in "
+            f"0..{plan.nnodes - 1}, node 0 "
             "at --master-addr"
         )
     if not 0 <= plan.node_rank < plan.nnodes:
-        raise StrataError(f"--node-rank {plan.node_rank}: must be 0..{plan.nnodes - 1} with --nnodes {plan.nnodes}")
+        raise StrataError(
+            f"--node-rank {plan.node_rank}: must be 0..{plan.nnodes - 1} with "
+            f"--nnodes {plan.nnodes}"
+        )
     if not plan.master_addr:
         raise StrataError(
-            "static rendezvous needs --master-addr HOST: the address of the node with --node-rank 0, the same "
+            "static rendezvous needs --master-addr HOST: the address of the node with --node-rank "
+            "0, the same "
             "on every node"
         )
     if plan.master_port is not None and not 1 <= plan.master_port <= 65535:
         raise StrataError(f"--master-port {plan.master_port}: must be 1..65535")
     if plan.max_restarts:
         raise StrataError(
-            f"--max-restarts {plan.max_restarts} needs a c10d rendezvous (--rdzv-endpoint): with a static one a "
+            f"--max-restarts {plan.max_restarts} needs a c10d rendezvous (--rdzv-endpoint): with "
+            "a static one a "
             "node restarts only its own workers, which the other nodes never rejoin"
         )
 
@@ -147,7 +168,9 @@ def _check_ifname(ifname: str) -> None:
     """--net-ifname names an interface of this node (its network namespace)."""
     names = sorted(name for _, name in socket.if_nameindex())
     if ifname not in names and not Path("/sys/class/net", ifname).exists():
-        raise StrataError(f"--net-ifname {ifname!r}: this node has no such interface; it has {', '.join(names)}")
+        raise StrataError(
+            f"--net-ifname {ifname!r}: this node has no such interface; it has {', '.join(names)}"
+        )
 
 
 def _check_endpoint(endpoint: str) -> None:
@@ -157,7 +180,10 @@ def _check_endpoint(endpoint: str) -> None:
     except ValueError:
         host = ""
     if not host:
-        raise StrataError(f"--rdzv-endpoint {endpoint!r}: write it as HOST:PORT with a port 1..65535, e.g. node1:29400")
+        raise StrataError(
+            f"--rdzv-endpoint {endpoint!r}: write it as HOST:PORT with a port "
+            "1..65535, e.g. node1:29400"
+        )
 
 
 def rdzv_is_host(endpoint: str, external_store: bool = False) -> bool | None:
@@ -178,8 +204,13 @@ def rdzv_is_host(endpoint: str, external_store: bool = False) -> bool | None:
         return None
     addresses = resolve(host)
     if not addresses or any(is_loopback(addr[0]) for _, addr in addresses):
-        return None if addresses else False  # e.g. this machine's own name on 127.0.1.1: torch's guess
-    local = [(family, addr) for family, addr in addresses if bind_errno(family, (addr[0], 0, *addr[2:])) == 0]
+        # e.g. this machine's own name on 127.0.1.1: torch's guess
+        return None if addresses else False
+    local = [
+        (family, addr)
+        for family, addr in addresses
+        if bind_errno(family, (addr[0], 0, *addr[2:])) == 0
+    ]
     if not local:
         return False
     family, addr = local[0]
@@ -222,8 +253,10 @@ def interface_problem(plan: LaunchPlan, env: dict[str, str]) -> str | None:
     if not addresses or not all(is_loopback(addr[0]) for _, addr in addresses):
         return None
     return (
-        f"this machine's hostname {name!r} resolves to {addresses[0][1][0]} (loopback), which gloo binds: workers "
-        "on the other nodes will not reach these; add --net-ifname IF (the interface the nodes share, e.g. eth0)"
+        f"this machine's hostname {name!r} resolves to {addresses[0][1][0]} (loopback), which "
+        "gloo binds: workers "
+        "on the other nodes will not reach these; add --net-ifname IF (the interface the nodes "
+        "share, e.g. eth0)"
     )
 
 
@@ -313,7 +346,8 @@ def launch_env(plan: LaunchPlan) -> dict[str, str]:
     # never connect (pytorch/pytorch#135712): a fresh store per attempt makes --max-restarts work.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     # torchrun's --signals-to-handle and --shutdown-timeout, as environment variables (PET_*) so
-    # that a torch without those flags still starts: SIGUSR1 must reach the workers, not kill torchrun.
+    # that a torch without those flags still starts: SIGUSR1 must reach the workers, not kill
+    # torchrun.
     env["PET_SIGNALS_TO_HANDLE"] = ",".join(sig.name for sig in FORWARDED_SIGNALS)
     env["PET_SHUTDOWN_TIMEOUT"] = str(STOP_GRACE_S)
     if plan.net_ifname:  # without the flag, values the environment already has pass through
@@ -332,14 +366,17 @@ def launch_env(plan: LaunchPlan) -> dict[str, str]:
 def start_agent(plan: LaunchPlan, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     """This node's snapshot agent, in a session of its own (not a child of torchrun's workers, so a
     worker crash leaves it running); returns it and its socket path, once it listens."""
-    directory = tempfile.mkdtemp(prefix="strata-snapshot-")  # 0700: only this user reaches the socket
+    # 0700: only this user reaches the socket
+    directory = tempfile.mkdtemp(prefix="strata-snapshot-")
     path = os.path.join(directory, "agent.sock")
     proc = _spawn_agent(plan, env, path)
     deadline = time.monotonic() + 30
     while not os.path.exists(path):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise StrataError(f"the snapshot agent did not start (exit code {proc.poll()}); see its message above")
+            raise StrataError(
+                f"the snapshot agent did not start (exit code {proc.poll()}); see its message above"
+            )
         time.sleep(0.02)
     return proc, path
 
@@ -362,7 +399,8 @@ def _spawn_agent(plan: LaunchPlan, env: dict[str, str], path: str) -> subprocess
         "--bind",
         "127.0.0.1" if local else "0.0.0.0",
     ]
-    return subprocess.Popen(cmd, env=env, start_new_session=True)  # finds the package as the workers do
+    # finds the package as the workers do
+    return subprocess.Popen(cmd, env=env, start_new_session=True)
 
 
 def _how_it_ended(code: int) -> str:
@@ -406,15 +444,21 @@ class AgentKeeper:
         if len(self.deaths) > self.MAX_RESTARTS:
             self.given_up = True
             print(
-                f"strata launch: warning: the snapshot agent exited ({how}), {len(self.deaths)} times within "
-                f"{self.RESTART_WINDOW_S:.0f} s; not restarting it: in-memory snapshots are off for the rest of "
+                f"strata launch: warning: the snapshot agent exited ({how}), {len(self.deaths)} "
+                "times within "
+                f"{self.RESTART_WINDOW_S:.0f} s; not restarting it: in-memory snapshots are off "
+                "for the rest of "
                 "this run (training continues; disk checkpoints still protect it)",
                 file=sys.stderr,
                 flush=True,
             )
             return
         self.proc = _spawn_agent(self.plan, self.env, self.path)
-        print(f"strata launch: the snapshot agent exited ({how}); restarted it", file=sys.stderr, flush=True)
+        print(
+            f"strata launch: the snapshot agent exited ({how}); restarted it",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def stop(self) -> None:
         _stop_agent(self.proc, self.path)
@@ -428,7 +472,8 @@ def _proc_table() -> dict[int, tuple[int, int]]:
             continue
         try:
             with open(os.path.join(entry.path, "stat")) as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+                # the name in parentheses may hold spaces
+                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if fields[0] != "Z":
@@ -440,7 +485,9 @@ def worker_sessions(torchrun_pid: int) -> set[int]:
     """The sessions of torchrun's workers. torchrun starts each worker as a session leader, so a
     signal to torchrun's process group misses them; a session keeps its id after torchrun is gone,
     so it still finds a worker (and the processes the worker started) then."""
-    return {pid for pid, (ppid, sid) in _proc_table().items() if ppid == torchrun_pid and sid == pid}
+    return {
+        pid for pid, (ppid, sid) in _proc_table().items() if ppid == torchrun_pid and sid == pid
+    }
 
 
 def session_members(sessions: set[int]) -> list[int]:
@@ -508,12 +555,14 @@ class Supervisor:
     every worker's session, and kills them after STOP_GRACE_S); workers still alive KILL_MARGIN_S
     later, or at a second stop signal, are killed with their sessions."""
 
-    pending: list[int] = field(default_factory=list)  # filled by the signal handler, handled by `wait`
+    # filled by the signal handler, handled by `wait`
+    pending: list[int] = field(default_factory=list)
     first: int | None = None  # the signal that started the stop
     sessions: set[int] = field(default_factory=set)  # worker sessions seen since the stop began
     deadline: float = float("inf")  # when the launcher kills whatever is left
     killed: bool = False
-    watch: Callable[[], None] | None = None  # called every POLL_S while torchrun runs and no stop began
+    # called every POLL_S while torchrun runs and no stop began
+    watch: Callable[[], None] | None = None
     # the code every worker noted after saving and stopping (PREEMPTED_EXIT), else None
     preempted: Callable[[], int | None] = lambda: None
 
@@ -524,7 +573,9 @@ class Supervisor:
     def handling(self) -> Iterator[None]:
         """Catch FORWARDED_SIGNALS for the block (in the main thread; elsewhere Python cannot)."""
         main = threading.current_thread() is threading.main_thread()
-        previous = {sig: signal.signal(sig, self.on_signal) for sig in FORWARDED_SIGNALS} if main else {}
+        previous = (
+            {sig: signal.signal(sig, self.on_signal) for sig in FORWARDED_SIGNALS} if main else {}
+        )
         try:
             yield
         finally:
@@ -540,7 +591,9 @@ class Supervisor:
             cmd,
             env=env,
             start_new_session=True,
-            preexec_fn=functools.partial(_die_with_launcher, os.getpid(), ctypes.CDLL(None).prctl) if linux else None,
+            preexec_fn=functools.partial(_die_with_launcher, os.getpid(), ctypes.CDLL(None).prctl)
+            if linux
+            else None,
         )
         try:
             return self.wait(torchrun)
@@ -568,8 +621,12 @@ class Supervisor:
                 elif not session_members(self.sessions):
                     return self.preempted() or 128 + self.first
                 if time.monotonic() >= self.deadline:
-                    if self.killed:  # SIGKILL did not end them (uninterruptible sleep): give up on them
-                        print("strata launch: processes did not die after SIGKILL; leaving", file=sys.stderr)
+                    # SIGKILL did not end them (uninterruptible sleep): give up on them
+                    if self.killed:
+                        print(
+                            "strata launch: processes did not die after SIGKILL; leaving",
+                            file=sys.stderr,
+                        )
                         return 128 + self.first
                     self._kill(torchrun)
             time.sleep(POLL_S)
@@ -579,7 +636,8 @@ class Supervisor:
         if self.first is None:
             self.first, self.deadline = signum, time.monotonic() + STOP_GRACE_S + KILL_MARGIN_S
             print(
-                f"strata launch: {name}: stopping torchrun and its workers (killed if still running after "
+                f"strata launch: {name}: stopping torchrun and its workers (killed if still "
+                "running after "
                 f"{STOP_GRACE_S + KILL_MARGIN_S} s; send SIGINT or SIGTERM again to kill them now)",
                 file=sys.stderr,
                 flush=True,
@@ -588,13 +646,18 @@ class Supervisor:
                 self.sessions |= worker_sessions(torchrun.pid)
                 _signal_quietly(torchrun.pid, signum)
         elif signum in STOP_SIGNALS and not self.killed:
-            print(f"strata launch: {name} again: killing torchrun and its workers", file=sys.stderr, flush=True)
+            print(
+                f"strata launch: {name} again: killing torchrun and its workers",
+                file=sys.stderr,
+                flush=True,
+            )
             self._kill(torchrun)
 
     def _kill(self, torchrun: subprocess.Popen) -> None:
         if torchrun.poll() is None:  # not reaped yet, so its pid is still its own
             self.sessions |= worker_sessions(torchrun.pid)
-            _signal_quietly(torchrun.pid, signal.SIGKILL, group=True)  # torchrun leads its own group
+            # torchrun leads its own group
+            _signal_quietly(torchrun.pid, signal.SIGKILL, group=True)
         for pid in session_members(self.sessions):
             _signal_quietly(pid, signal.SIGKILL)
         self.killed, self.deadline = True, time.monotonic() + KILL_MARGIN_S
@@ -621,7 +684,9 @@ def run_local(plan: LaunchPlan, worker: WorkerCommand) -> int:
     if problem:
         print(f"strata launch: warning: {problem}", file=sys.stderr, flush=True)
     status = env[STATUS_ENV] = tempfile.mkdtemp(prefix="strata-status-")  # 0700
-    supervisor = Supervisor(preempted=functools.partial(workers_preempted, status, plan.nproc_per_node))
+    supervisor = Supervisor(
+        preempted=functools.partial(workers_preempted, status, plan.nproc_per_node)
+    )
     with supervisor.handling():
         keeper = None
         try:

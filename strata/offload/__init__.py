@@ -10,5 +10,8 @@ asks for over a ZeRO engine, with every start-up check).
 It imports the base (`strata`) and `strata.parallel`.
 """
 
-if __name__ != "strata.offload":  # imported by the top-level link's name, e.g. from the repository root
-    raise ImportError(f"import strata.offload, not {__name__}: the folder offload/ links to strata/offload/")
+# imported by the top-level link's name, e.g. from the repository root
+if __name__ != "strata.offload":
+    raise ImportError(
+        f"import strata.offload, not {__name__}: the folder offload/ links to strata/offload/"
+    )

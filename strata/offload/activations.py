@@ -28,9 +28,12 @@ from strata.offload.io_engine import aligned
 from strata.offload.swap import FileRegion, Mover, Transfer
 from strata.parallel.runtime import pin_host, unpin_host
 
-MODES = ("none", "cpu", "nvme")  # none: nothing moves, saved bytes are only counted (the bench's "keep")
-GROW_MIN = 64 << 20  # the swap file grows in steps of at least this, so a first step grows it a few times only
-WRITE_WINDOW = 2  # writes handed to the mover at once: enough to keep it busy, few for a read to queue behind
+# none: nothing moves, saved bytes are only counted (the bench's "keep")
+MODES = ("none", "cpu", "nvme")
+# the swap file grows in steps of at least this, so a first step grows it a few times only
+GROW_MIN = 64 << 20
+# writes handed to the mover at once: enough to keep it busy, few for a read to queue behind
+WRITE_WINDOW = 2
 
 Key = tuple[int, int, int]  # (part, micro-batch, layer)
 
@@ -50,12 +53,14 @@ class _Entry:
     kept: bool  # held by reference: small, or mode "none"
     storage: weakref.ref  # the live storage it stands for (dedup)
     handles: int = 0
-    src: torch.UntypedStorage | None = None  # the original, until its copy is written (or not needed)
+    # the original, until its copy is written (or not needed)
+    src: torch.UntypedStorage | None = None
     write: Transfer | None = None  # submitted, not yet reaped
     host: torch.Tensor | None = None  # mode cpu: the host buffer holding the copy
     region: FileRegion | None = None  # mode nvme
     read: Transfer | None = None
-    loaded: torch.UntypedStorage | None = None  # what unpack rebuilds from: src forwarded, or read back
+    # what unpack rebuilds from: src forwarded, or read back
+    loaded: torch.UntypedStorage | None = None
     released: bool = False
     held: tuple[int, int] = (0, 0)  # (device, host) bytes counted for it now
 
@@ -70,11 +75,26 @@ class _Saved:
     autograd when the saved variable goes (after the last backward that needs it, which for a
     zero-bubble schedule is not the first unpack) — that, not unpacking, releases the entry."""
 
-    __slots__ = ("owner", "entry", "dtype", "offset", "size", "stride", "tensor", "origin", "version")
+    __slots__ = (
+        "owner",
+        "entry",
+        "dtype",
+        "offset",
+        "size",
+        "stride",
+        "tensor",
+        "origin",
+        "version",
+    )
 
     def __init__(self, owner: ActivationOffloader, entry: _Entry, t: torch.Tensor):
         self.owner, self.entry = owner, entry
-        self.dtype, self.offset, self.size, self.stride = t.dtype, t.storage_offset(), t.size(), t.stride()
+        self.dtype, self.offset, self.size, self.stride = (
+            t.dtype,
+            t.storage_offset(),
+            t.size(),
+            t.stride(),
+        )
         # detached: holding an op's own output (with its grad_fn) from its node would be a cycle
         self.tensor = t.detach() if entry.kept else None
         self.origin, self.version = weakref.ref(t), t._version
@@ -162,7 +182,9 @@ class ActivationOffloader:
         max_inflight_bytes: int | None = None,
     ):
         if mode not in MODES:
-            raise ValueError(f"activation offload mode {mode!r}: expected one of {', '.join(MODES)}")
+            raise ValueError(
+                f"activation offload mode {mode!r}: expected one of {', '.join(MODES)}"
+            )
         if mode == "nvme" and (mover is None or swap_file is None):
             raise ValueError("activations.offload=nvme needs a mover and the activation swap file")
         self.mode, self.min_bytes = mode, min_bytes
@@ -170,14 +192,16 @@ class ActivationOffloader:
         self.max_inflight_bytes = max_inflight_bytes
         self._host = _HostBuffers()
         self._lock = threading.Lock()
-        self._dropped: deque[_Entry] = deque()  # entries of handles autograd dropped, not yet processed
+        # entries of handles autograd dropped, not yet processed
+        self._dropped: deque[_Entry] = deque()
         self._hooks: list[Any] = []
         self._mb: dict[int, int] = {}
         self._current: Key = (0, 0, 0)
         self._file_peak = 0
         self._new_step()
         self._live_handles = 0
-        self._live = [0, 0]  # bytes held now: [on the tensors' device, host copies of device tensors]
+        # bytes held now: [on the tensors' device, host copies of device tensors]
+        self._live = [0, 0]
         self._peak = [0, 0]
         self._count = dict(
             packed=0,
@@ -203,7 +227,9 @@ class ActivationOffloader:
         the block index, and each forward of a part's first block starts a new micro-batch."""
         for pi, part in enumerate(parts):
             for li, block in enumerate(blocks_of(part)):
-                self._hooks.append(block.register_forward_pre_hook(functools.partial(self._enter_block, pi, li)))
+                self._hooks.append(
+                    block.register_forward_pre_hook(functools.partial(self._enter_block, pi, li))
+                )
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
@@ -321,7 +347,8 @@ class ActivationOffloader:
         origin = saved.origin()
         if origin is not None and origin._version != saved.version:
             raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
+                "one of the variables needed for gradient computation has been modified by an "
+                "inplace "
                 f"operation: saved at version {saved.version}, now at version {origin._version} "
                 "(activation offload keeps autograd's check)"
             )
@@ -370,7 +397,9 @@ class ActivationOffloader:
                 self._unwritten_bytes += nbytes
         self._account(entry)
         if self.max_inflight_bytes is not None:
-            while self._unwritten_bytes > self.max_inflight_bytes and (self._queue or self._pending):
+            while self._unwritten_bytes > self.max_inflight_bytes and (
+                self._queue or self._pending
+            ):
                 if not self._pending:
                     self._pump(window=1)
                 if self._pending:
@@ -442,15 +471,18 @@ class ActivationOffloader:
         if self.mover is None:  # mode cpu, copied on this thread: the copy is in host memory
             dst.copy_(_host_copy(entry))
         else:
-            entry.read = self.mover.read(dst, entry.region if entry.region is not None else _host_copy(entry))
+            entry.read = self.mover.read(
+                dst, entry.region if entry.region is not None else _host_copy(entry)
+            )
             self._transfers.append(entry.read)
         self._count["reads"] += 1
         self._count["bytes_read"] += entry.nbytes
         self._account(entry)
 
     def _handle_dropped(self, entry: _Entry) -> None:
-        # Runs in __del__, on whichever thread autograd frees the graph on, possibly while this thread
-        # holds the lock (a garbage collection inside the hooks): never block, leave it queued then.
+        # Runs in __del__, on whichever thread autograd frees the graph on, possibly while this
+        # thread holds the lock (a garbage collection inside the hooks): never block, leave it
+        # queued then.
         self._dropped.append(entry)
         if self._lock.acquire(blocking=False):
             try:
@@ -480,7 +512,9 @@ class ActivationOffloader:
             self._process_dropped()
 
     def _account(self, entry: _Entry) -> None:
-        on_device = entry.kept and not entry.released or entry.src is not None or entry.loaded is not None
+        on_device = (
+            entry.kept and not entry.released or entry.src is not None or entry.loaded is not None
+        )
         device = entry.nbytes if on_device else 0
         host = 0
         if entry.host is not None:
@@ -498,7 +532,8 @@ class ActivationOffloader:
         for transfer in self._transfers:
             transfer.wait()
         self._reap(window=0)
-        while self._queue:  # copies never handed to the mover: backward is over, none will be needed
+        # copies never handed to the mover: backward is over, none will be needed
+        while self._queue:
             self._count["writes_skipped"] += 1
             self._drop_src(self._queue.popleft())
         for group in self._groups.values():
@@ -521,7 +556,8 @@ class ActivationOffloader:
             target = aligned(max(self._cursor, f.allocated + max(GROW_MIN, f.allocated // 8)))
             if target > f.size:
                 f.region(target - f.size)
-            f.preallocate("activations.offload")  # ENOSPC names activations.offload and offload.nvme_path
+            # ENOSPC names activations.offload and offload.nvme_path
+            f.preallocate("activations.offload")
             self._count["file_grows"] += 1
         return FileRegion(f, offset, size)
 
@@ -599,7 +635,9 @@ class _Recomputed:
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
         if self.selective:
-            return checkpoint(self.inner, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
+            return checkpoint(
+                self.inner, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs
+            )
         return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 

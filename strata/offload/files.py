@@ -54,8 +54,10 @@ def _setup_message(key: str, path: Path, nbytes: int, err: OSError) -> str:
     except OSError:
         free = "free space unknown"
     return (
-        f"{key}: cannot reserve {nbytes / 2**20:.1f} MiB for swap file {path} ({err.strerror or err}, errno "
-        f"{err.errno} {name}; {free}); point offload.nvme_path at a writable local SSD with room, or offload "
+        f"{key}: cannot reserve {nbytes / 2**20:.1f} MiB for swap file {path} "
+        f"({err.strerror or err}, errno "
+        f"{err.errno} {name}; {free}); point offload.nvme_path at a writable local SSD with room, "
+        "or offload "
         "less"
     )
 

@@ -34,7 +34,8 @@ class SwapIOError(StrataError):
 def _describe(op: str, path: Path, offset: int, nbytes: int, err: OSError) -> str:
     name = errno_names.errorcode.get(err.errno, "?") if err.errno else "?"
     return (
-        f"{op} of {nbytes} bytes at offset {offset} of {path} failed: {err.strerror or err} (errno {err.errno} {name})"
+        f"{op} of {nbytes} bytes at offset {offset} of {path} failed: {err.strerror or err} "
+        f"(errno {err.errno} {name})"
     )
 
 
@@ -91,7 +92,9 @@ class IOEngine:
         view = _aligned_bytes(buffer, offset)
         fd = self._fd(path)
         futures = [
-            self._pool.submit(self._run, op, fd, path, view[pos : pos + self.chunk_bytes], offset + pos)
+            self._pool.submit(
+                self._run, op, fd, path, view[pos : pos + self.chunk_bytes], offset + pos
+            )
             for pos in range(0, len(view), self.chunk_bytes)
         ]
         return Handle(futures)
@@ -130,7 +133,8 @@ class IOEngine:
             except OSError as e:
                 if not (self.direct and e.errno == errno_names.EINVAL):
                     raise SwapIOError(_describe("open", path, 0, 0, e)) from e
-                fd = os.open(path, flags, 0o600)  # e.g. tmpfs: no O_DIRECT, go through the page cache
+                # e.g. tmpfs: no O_DIRECT, go through the page cache
+                fd = os.open(path, flags, 0o600)
                 self.buffered_paths.add(path)
             self._fds[path] = fd
             return fd
@@ -143,7 +147,8 @@ def _aligned_bytes(buffer: torch.Tensor, offset: int) -> memoryview:
     nbytes = buffer.numel() * buffer.element_size()
     if buffer.data_ptr() % ALIGN or nbytes % ALIGN or offset % ALIGN:
         raise ValueError(
-            f"swap I/O needs {ALIGN}-byte alignment of the buffer address ({buffer.data_ptr() % ALIGN} "
+            f"swap I/O needs {ALIGN}-byte alignment of the buffer address "
+            f"({buffer.data_ptr() % ALIGN} "
             f"off), its size ({nbytes}) and the file offset ({offset}); take buffers from the "
             "offload buffer pool"
         )
@@ -162,11 +167,15 @@ def check_swap_dir(path: Path, needed_bytes: int) -> None:
             "offload.nvme_path at a writable directory on a local SSD"
         ) from e
     if not path.is_dir():
-        raise SwapIOError(f"offload.nvme_path {path} is not a directory; point it at a directory on a local SSD")
+        raise SwapIOError(
+            f"offload.nvme_path {path} is not a directory; point it at a directory on a local SSD"
+        )
     st = os.statvfs(path)
     free = st.f_bavail * st.f_frsize
     if st.f_flag & os.ST_RDONLY:
-        raise SwapIOError(f"offload.nvme_path {path} is on a read-only file system; point it at a writable SSD")
+        raise SwapIOError(
+            f"offload.nvme_path {path} is on a read-only file system; point it at a writable SSD"
+        )
     if free < needed_bytes:
         raise SwapIOError(
             f"offload.nvme_path {path} has {free / 2**30:.2f} GiB free, the swapped state needs "

@@ -34,7 +34,8 @@ Moments = tuple[torch.Tensor, ...]  # one tensor per name in MOMENTS
 # The device keeps fp32 parameters, so the CPU path brings parameter and gradient down and the
 # parameter up; the GPU path takes both moments up and back.
 TRAFFIC = (8, 4, 8, 8)
-KIND_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}  # offload.optim.device -> where the moments live
+# offload.optim.device -> where the moments live
+KIND_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}
 
 
 @dataclass
@@ -65,7 +66,9 @@ class SubGroup:
 
     def grads(self) -> torch.Tensor:
         reduced = self.group.reduced
-        assert reduced is not None, "a sub-group's gradients exist after the engine's reduce-scatter"
+        assert reduced is not None, (
+            "a sub-group's gradients exist after the engine's reduce-scatter"
+        )
         return reduced[self.start : self.start + self.size]
 
 
@@ -112,21 +115,30 @@ class OptimTier:
         self._moments: dict[str, Moments] = {}
         for g in groups:
             if g.shard.dtype != torch.float32:
-                raise ValueError(f"optimizer offload steps fp32 master parameters; group {g.name} is {g.shard.dtype}")
+                raise ValueError(
+                    f"optimizer offload steps fp32 master parameters; group {g.name} "
+                    f"is {g.shard.dtype}"
+                )
             if kind == "device":
                 self._moments[g.name] = (
                     torch.zeros(g.optim_size, device=self.device),
                     torch.zeros(g.optim_size, device=self.device),
                 )
             elif kind == "host":  # the arena is fresh anonymous memory: zeros
-                self._moments[g.name] = tuple(pool.resident(g.optim_size * 4, torch.float32) for _ in MOMENTS)
+                self._moments[g.name] = tuple(
+                    pool.resident(g.optim_size * 4, torch.float32) for _ in MOMENTS
+                )
         if kind == "nvme":
             if swap_file is None:
                 raise ValueError("optimizer moments on nvme need a swap file")
             for sg in self.subgroups:
-                sg.regions = tuple(FileRegion(swap_file, swap_file.region(sg.size * 4), sg.size * 4) for _ in MOMENTS)
+                sg.regions = tuple(
+                    FileRegion(swap_file, swap_file.region(sg.size * 4), sg.size * 4)
+                    for _ in MOMENTS
+                )
         self._elems = elems
-        self._scratch: list[dict[str, torch.Tensor]] = []  # per side stream: the moments of a device update
+        # per side stream: the moments of a device update
+        self._scratch: list[dict[str, torch.Tensor]] = []
         self._sides: list = []
         # The CPU path on a GPU: parameters and gradients come down into these two pinned buffers
         # (the pool's resident region, planned by `needs_resident_bytes`); never borrowed slabs,
@@ -140,7 +152,9 @@ class OptimTier:
         self._state_init()
 
     @staticmethod
-    def needs_resident_bytes(groups: list[FlatGroup], kind: str, device: torch.device, slab_bytes: int) -> int:
+    def needs_resident_bytes(
+        groups: list[FlatGroup], kind: str, device: torch.device, slab_bytes: int
+    ) -> int:
         """Host bytes this tier takes from the pool's resident region: the moments ("host" kind)
         and, on a GPU, the CPU path's two buffers."""
         moments = sum(2 * aligned(g.optim_size * 4) for g in groups) if kind == "host" else 0
@@ -154,7 +168,11 @@ class OptimTier:
     # --- optimizer.state as the checkpoint code sees it ----------------------------------------
     def _pieces(self) -> list[tuple[FlatGroup, int, nn.Parameter]]:
         """(group, offset in its optimizer chunk, piece) for every optimizer piece."""
-        return [(g, slot.range[0] + a - g.optim_start, piece) for g in self.groups for slot, piece, a, _ in g.segments]
+        return [
+            (g, slot.range[0] + a - g.optim_start, piece)
+            for g in self.groups
+            for slot, piece, a, _ in g.segments
+        ]
 
     def _state_init(self) -> None:
         fused = self.optimizer.param_groups[0].get("fused")
@@ -177,7 +195,9 @@ class OptimTier:
         assert self.mover is not None, "an nvme tier has a mover"
         self._swap(self.mover.read, flat)
         for g, at, piece in self._pieces():
-            self.optimizer.state[piece].update({k: m[at : at + piece.numel()] for k, m in zip(MOMENTS, flat[g.name])})
+            self.optimizer.state[piece].update(
+                {k: m[at : at + piece.numel()] for k, m in zip(MOMENTS, flat[g.name])}
+            )
         try:
             yield
         finally:
@@ -187,7 +207,10 @@ class OptimTier:
 
     def adopt(self) -> None:
         """Take over the moments `optimizer.load_state_dict` left in `optimizer.state` (a resume)."""
-        flat = {g.name: tuple(torch.zeros(g.optim_size, device=self.device) for _ in MOMENTS) for g in self.groups}
+        flat = {
+            g.name: tuple(torch.zeros(g.optim_size, device=self.device) for _ in MOMENTS)
+            for g in self.groups
+        }
         for g, at, piece in self._pieces():
             state = self.optimizer.state[piece]
             for k, m in zip(MOMENTS, flat[g.name]):
@@ -210,7 +233,11 @@ class OptimTier:
     def device_bytes(self) -> int:
         """Bytes of moments held on the training device (the "device" kind only; the others live
         in host memory or on NVMe, counted by the pool and the swap files)."""
-        return sum(g.optim_size * 4 * len(MOMENTS) for g in self.groups) if self.kind == "device" else 0
+        return (
+            sum(g.optim_size * 4 * len(MOMENTS) for g in self.groups)
+            if self.kind == "device"
+            else 0
+        )
 
     # --- the step ------------------------------------------------------------------------------
     def step(self) -> None:
@@ -220,8 +247,11 @@ class OptimTier:
         for _, _, piece in self._pieces():
             self.optimizer.state[piece]["step"] += 1
         hyper = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
-        self._steps = {"here": {id(p): self.optimizer.state[p]["step"] for _, _, p in self._pieces()}}
-        if self.device.type != "cpu":  # the CPU path's kernel needs the counts on the CPU: copied once
+        self._steps = {
+            "here": {id(p): self.optimizer.state[p]["step"] for _, _, p in self._pieces()}
+        }
+        # the CPU path's kernel needs the counts on the CPU: copied once
+        if self.device.type != "cpu":
             self._steps["cpu"] = {k: t.cpu() for k, t in self._steps["here"].items()}
         sides = self._side_streams()
         on_device = 0
@@ -237,7 +267,8 @@ class OptimTier:
                     done = self._update_on_device(sg, moments, hyper, on_device % 2, sides)
                     on_device += 1
                     if self.kind == "nvme" and done is not None:
-                        done.synchronize()  # the slabs go to disk next: their copies must have landed
+                        # the slabs go to disk next: their copies must have landed
+                        done.synchronize()
                 else:
                     self._update_here(sg, moments, hyper)
                 loads.put_back(i, sg)
@@ -268,7 +299,9 @@ class OptimTier:
             self.param_tier.write_back(done)
         if nxt is not None:
             self.param_tier.hold(nxt)
-            later = list(dict.fromkeys(sg.group for sg in self.subgroups[at:] if sg.group is not nxt))
+            later = list(
+                dict.fromkeys(sg.group for sg in self.subgroups[at:] if sg.group is not nxt)
+            )
             self.param_tier.read_ahead(later[:1])
         else:
             self.param_tier.finish_writes(self.groups)
@@ -284,7 +317,9 @@ class OptimTier:
             self._scratch.append({k: torch.empty(self._elems, device=self.device) for k in MOMENTS})
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             scratch = self._scratch[lane]
-            work = tuple(scratch[k][: sg.size].copy_(m, non_blocking=True) for k, m in zip(MOMENTS, moments))
+            work = tuple(
+                scratch[k][: sg.size].copy_(m, non_blocking=True) for k, m in zip(MOMENTS, moments)
+            )
             _fused_step(sg, sg.params(), sg.grads(), work, hyper, self._steps["here"])
             for m, w in zip(moments, work):
                 m.copy_(w, non_blocking=side is not None)
@@ -301,7 +336,8 @@ class OptimTier:
         host_p, host_g = (t[: sg.size] for t in self._host_scratch)
         host_p.copy_(params, non_blocking=True)
         host_g.copy_(grads, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()  # also the previous sub-group's copy up
+        # also the previous sub-group's copy up
+        torch.cuda.current_stream(self.device).synchronize()
         _fused_step(sg, host_p, host_g, moments, hyper, self._steps["cpu"])
         params.copy_(host_p, non_blocking=True)
 
@@ -333,7 +369,9 @@ class _Pipeline:
             return tuple(m[sg.start : sg.start + sg.size] for m in tier._moments[sg.group.name])
         while self.next_read <= i:
             self._issue(self.next_read, blocking=True)
-        while self.next_read <= min(i + tier.read_ahead, len(self.subgroups) - 1) and self._issue(self.next_read):
+        while self.next_read <= min(i + tier.read_ahead, len(self.subgroups) - 1) and self._issue(
+            self.next_read
+        ):
             pass
         slabs, handles = self.reads.pop(i)
         for h in handles:
@@ -347,7 +385,10 @@ class _Pipeline:
         slabs = self.taken.pop(i)
         io = self.tier.io
         assert io is not None, "an nvme tier has an I/O engine"
-        handles = [io.write(r.file.path, s.tensor[: aligned(r.nbytes)], r.offset) for s, r in zip(slabs, sg.regions)]
+        handles = [
+            io.write(r.file.path, s.tensor[: aligned(r.nbytes)], r.offset)
+            for s, r in zip(slabs, sg.regions)
+        ]
         self.writes.append((slabs, handles))
         while self.writes and all(h.done() for h in self.writes[0][1]):
             self._finish_write()
@@ -379,7 +420,10 @@ class _Pipeline:
             slabs.append(slab or pool.borrow("optim"))
         io = self.tier.io
         assert io is not None, "an nvme tier has an I/O engine"
-        handles = [io.read(r.file.path, s.tensor[: aligned(r.nbytes)], r.offset) for s, r in zip(slabs, sg.regions)]
+        handles = [
+            io.read(r.file.path, s.tensor[: aligned(r.nbytes)], r.offset)
+            for s, r in zip(slabs, sg.regions)
+        ]
         self.reads[i] = (slabs, handles)
         self.next_read = i + 1
         return True
@@ -395,7 +439,12 @@ class _Pipeline:
 
 
 def _fused_step(
-    sg: SubGroup, params: torch.Tensor, grads: torch.Tensor, moments, hyper: dict, steps: dict[int, torch.Tensor]
+    sg: SubGroup,
+    params: torch.Tensor,
+    grads: torch.Tensor,
+    moments,
+    hyper: dict,
+    steps: dict[int, torch.Tensor],
 ) -> None:
     """torch's fused AdamW on each span, one kernel call per parameter group (weight decay differs);
     `steps`: each piece's step count, already advanced, on the kernel's device."""

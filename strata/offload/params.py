@@ -38,13 +38,20 @@ class ParamTier:
         resident_bytes: int | None = 0,
         measure_free: Callable[[], int] | None = None,
     ):
-        self.groups, self.mover, self.where, self.read_ahead_groups = groups, mover, where, read_ahead
+        self.groups, self.mover, self.where, self.read_ahead_groups = (
+            groups,
+            mover,
+            where,
+            read_ahead,
+        )
         self.keep_groups = keep_groups
         # bytes of shards that stay in memory for good; None: `settle` sizes it after the first step
         self.resident_budget = resident_bytes
         self.measure_free = measure_free  # the device's free bytes now (for `step_done`)
-        self.resident: set[str] = set()  # never dropped, never written back (their swap copy is stale)
-        self._kept: OrderedDict[str, FlatGroup] = OrderedDict()  # clean, unused, resident: least recent first
+        # never dropped, never written back (their swap copy is stale)
+        self.resident: set[str] = set()
+        # clean, unused, resident: least recent first
+        self._kept: OrderedDict[str, FlatGroup] = OrderedDict()
         self._reads: dict[str, Transfer] = {}
         self._writes: dict[str, Transfer] = {}
         self._pinned: set[str] = set()  # kept resident for the step or a checkpoint
@@ -87,7 +94,9 @@ class ParamTier:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(g.shard.numel() * g.shard.element_size() for g in self.groups if g.name in self.resident)
+        return sum(
+            g.shard.numel() * g.shard.element_size() for g in self.groups if g.name in self.resident
+        )
 
     # --- the hooks FlatGroup and ZeroEngine call ------------------------------------------------
     def prefetch(self, group: FlatGroup) -> None:

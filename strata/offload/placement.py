@@ -49,7 +49,13 @@ class Measured:
     def as_record(self) -> dict:
         return {
             k: (
-                v if isinstance(v, bool) else list(v) if isinstance(v, tuple) else int(v) if k == "m_free" else float(v)
+                v
+                if isinstance(v, bool)
+                else list(v)
+                if isinstance(v, tuple)
+                else int(v)
+                if k == "m_free"
+                else float(v)
             )
             for k, v in asdict(self).items()
         }
@@ -124,7 +130,8 @@ class _Schedule:
         self.m = m
         self.cpu = self.gpu = 0.0
         self.h2d, self.d2h = _Link(m.b_h2d), _Link(m.b_d2h)
-        self.in_flight: list[tuple[float, int]] = []  # GPU sub-groups: (write-back end, bytes), sorted
+        # GPU sub-groups: (write-back end, bytes), sorted
+        self.in_flight: list[tuple[float, int]] = []
 
     def cpu_path(self, n: int) -> dict[str, list[tuple[float, float]]]:
         down, up = self.m.traffic[:2]
@@ -203,15 +210,25 @@ def plan(sizes: list[int], m: Measured, force: str = "auto") -> Placement:
     if not m.cuda:
         t = sum(sizes) / m.r_cpu if m.r_cpu > 0 else 0.0
         if force == "auto":
-            return Placement((False,) * count, t, t, f"no CUDA device: all {count} sub-groups on the CPU")
+            return Placement(
+                (False,) * count, t, t, f"no CUDA device: all {count} sub-groups on the CPU"
+            )
         where = "on the CPU" if force == "cpu" else "on the GPU path, run on the CPU"
-        return Placement((force == "gpu",) * count, t, t, f"forced: all {count} sub-groups {where} (no CUDA device)")
+        return Placement(
+            (force == "gpu",) * count,
+            t,
+            t,
+            f"forced: all {count} sub-groups {where} (no CUDA device)",
+        )
 
     _, all_cpu_s = _schedule(sizes, m, "cpu")
     on_gpu, t = _schedule(sizes, m, force)
     if force == "cpu":
-        return Placement(on_gpu, t, all_cpu_s, f"forced: all {count} sub-groups on the CPU, predicted {t:.3g} s")
-    if force == "auto" and t > all_cpu_s:  # greedy, so it can lose to all-CPU (a few % of random cases)
+        return Placement(
+            on_gpu, t, all_cpu_s, f"forced: all {count} sub-groups on the CPU, predicted {t:.3g} s"
+        )
+    # greedy, so it can lose to all-CPU (a few % of random cases)
+    if force == "auto" and t > all_cpu_s:
         return Placement(
             (False,) * count,
             all_cpu_s,
@@ -223,20 +240,26 @@ def plan(sizes: list[int], m: Measured, force: str = "auto") -> Placement:
     too_big = sum(m.traffic[2] * n > m.m_free for n in sizes)
     tail = (
         (
-            f"; {too_big} {'need more than' if force == 'gpu' else 'too large for'} the {m.m_free / 2**30:.3g} GiB "
+            f"; {too_big} {'need more than' if force == 'gpu' else 'too large for'} the "
+            f"{m.m_free / 2**30:.3g} GiB "
             "of free GPU memory"
         )
         if too_big
         else ""
     )
     return Placement(
-        on_gpu, t, all_cpu_s, f"{head} sub-groups on the GPU, predicted {t:.3g} s vs {all_cpu_s:.3g} s all-CPU{tail}"
+        on_gpu,
+        t,
+        all_cpu_s,
+        f"{head} sub-groups on the GPU, predicted {t:.3g} s vs {all_cpu_s:.3g} s all-CPU{tail}",
     )
 
 
 # --- calibration ------------------------------------------------------------------------------
 def _adam_state(n: int, device: torch.device | str) -> list[list[torch.Tensor]]:
-    p, g, m, v = (torch.full((n,), x, dtype=torch.float32, device=device) for x in (1.0, 1e-2, 1e-3, 1e-4))
+    p, g, m, v = (
+        torch.full((n,), x, dtype=torch.float32, device=device) for x in (1.0, 1e-2, 1e-3, 1e-4)
+    )
     return [[p], [g], [m], [v], [], [torch.zeros((), dtype=torch.float32, device=device)]]
 
 
@@ -325,7 +348,11 @@ def calibrate(device: torch.device, sample_elems: int = 1 << 22, repeats: int = 
 
 
 def _measure_cuda(
-    device: torch.device, host: torch.Tensor, cpu_state: list[list[torch.Tensor]], t_cpu: float, repeats: int
+    device: torch.device,
+    host: torch.Tensor,
+    cpu_state: list[list[torch.Tensor]],
+    t_cpu: float,
+    repeats: int,
 ) -> tuple[float, float, float, float]:
     """(b_h2d, b_d2h, GPU Adam seconds, κ); its device tensors are freed on return."""
     nbytes = host.numel()

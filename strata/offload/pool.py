@@ -53,7 +53,9 @@ class HostPool:
         min_slabs: dict[str, int] | None = None,
     ):
         if slab_bytes <= 0 or slab_bytes % ALIGN:
-            raise ConfigError([f"offload slab size {slab_bytes} must be a positive multiple of {ALIGN} bytes"])
+            raise ConfigError(
+                [f"offload slab size {slab_bytes} must be a positive multiple of {ALIGN} bytes"]
+            )
         self.slab_bytes, self.n_slabs = slab_bytes, staging_bytes // slab_bytes
         self.min_slabs = dict(min_slabs or {})
         reserved = sum(self.min_slabs.values())
@@ -61,14 +63,17 @@ class HostPool:
             need = max(reserved, 1) * slab_bytes / 2**20
             raise ConfigError(
                 [
-                    f"offload.host_buffer_mb={staging_bytes / 2**20:g} holds {self.n_slabs} slabs of "
-                    f"{slab_bytes / 2**20:g} MiB, fewer than the {max(reserved, 1)} the streams need at "
+                    f"offload.host_buffer_mb={staging_bytes / 2**20:g} holds {self.n_slabs} slabs "
+                    "of "
+                    f"{slab_bytes / 2**20:g} MiB, fewer than the {max(reserved, 1)} the streams "
+                    "need at "
                     f"least ({self.min_slabs}); set it to at least {need:g}"
                 ]
             )
         self.resident_bytes = aligned(resident_bytes)
         total = self.resident_bytes + self.n_slabs * slab_bytes
-        self._arena = mmap.mmap(-1, total)  # page-aligned; lives as long as the pool (views keep it)
+        # page-aligned; lives as long as the pool (views keep it)
+        self._arena = mmap.mmap(-1, total)
         self.arena = torch.frombuffer(self._arena, dtype=torch.uint8)
         self.pinned = pin_host(self.arena)
         self._resident_used = 0
@@ -136,15 +141,20 @@ class HostPool:
         if self._held.get(stream, 0) < self.min_slabs.get(stream, 0):
             return True  # within the stream's guaranteed share
         shared = self.n_slabs - sum(self.min_slabs.values())
-        borrowed_beyond_minimum = sum(max(0, n - self.min_slabs.get(s, 0)) for s, n in self._held.items())
+        borrowed_beyond_minimum = sum(
+            max(0, n - self.min_slabs.get(s, 0)) for s, n in self._held.items()
+        )
         return borrowed_beyond_minimum < shared
 
     def _exhausted(self, stream: str, timeout_s: float) -> str:
         held = " ".join(f"{s}:{n}" for s, n in sorted(self._held.items()) if n)
         return (
-            f"offload.host_buffer_mb={self.n_slabs * self.slab_bytes / 2**20:g} ({self.n_slabs} slabs of "
-            f"{self.slab_bytes / 2**20:g} MiB) stayed exhausted for {timeout_s:g} s while {stream!r} waited for a "
-            f"slab; held by {held or 'nobody'}. Raise offload.host_buffer_mb, or read fewer blocks ahead"
+            f"offload.host_buffer_mb={self.n_slabs * self.slab_bytes / 2**20:g} ({self.n_slabs} "
+            "slabs of "
+            f"{self.slab_bytes / 2**20:g} MiB) stayed exhausted for {timeout_s:g} s while "
+            f"{stream!r} waited for a "
+            f"slab; held by {held or 'nobody'}. Raise offload.host_buffer_mb, or read fewer "
+            "blocks ahead"
         )
 
     @property

@@ -56,7 +56,14 @@ class Mover:
     transfer is one copy. CUDA tensors are copied on a side stream of their own, after the work
     queued so far on the caller's stream (so a write sees the values the caller computed)."""
 
-    def __init__(self, pool: HostPool, engine: IOEngine | None, stream: str, depth: int = 4, timeout_s: float = 120.0):
+    def __init__(
+        self,
+        pool: HostPool,
+        engine: IOEngine | None,
+        stream: str,
+        depth: int = 4,
+        timeout_s: float = 120.0,
+    ):
         self.pool, self.engine, self.stream = pool, engine, stream
         self.depth, self.timeout_s = max(1, depth), timeout_s
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"strata-{stream}")
@@ -99,7 +106,9 @@ class Mover:
 
     def _file_engine(self) -> IOEngine:
         if self.engine is None:
-            raise ValueError(f"the {self.stream} mover has no I/O engine: it moves host tensors only")
+            raise ValueError(
+                f"the {self.stream} mover has no I/O engine: it moves host tensors only"
+            )
         return self.engine
 
     def _write(self, src: torch.Tensor, where: Where, ready) -> None:
@@ -112,7 +121,10 @@ class Mover:
         with _InFlight(self) as flight:
             for pos, n, slab in flight.chunks(data.numel()):
                 self._copy(slab.tensor[:n], data[pos : pos + n], ready)
-                flight.add(engine.write(where.file.path, slab.tensor[: aligned(n)], where.offset + pos), slab)
+                flight.add(
+                    engine.write(where.file.path, slab.tensor[: aligned(n)], where.offset + pos),
+                    slab,
+                )
 
     def _read(self, dst: torch.Tensor, where: Where, ready) -> None:
         data = _bytes(dst)
@@ -124,7 +136,11 @@ class Mover:
         with _InFlight(self) as flight:
             for pos, n, slab in flight.chunks(data.numel()):
                 handle = engine.read(where.file.path, slab.tensor[: aligned(n)], where.offset + pos)
-                flight.add(handle, slab, lambda s=slab, p=pos, n=n: self._copy(data[p : p + n], s.tensor[:n], ready))
+                flight.add(
+                    handle,
+                    slab,
+                    lambda s=slab, p=pos, n=n: self._copy(data[p : p + n], s.tensor[:n], ready),
+                )
 
 
 class _InFlight:
@@ -184,5 +200,6 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def _check_fits(data: torch.Tensor, where: FileRegion) -> None:
     if data.numel() > where.nbytes:
         raise ValueError(
-            f"{data.numel()} bytes do not fit the {where.nbytes}-byte region at {where.offset} of {where.file.path}"
+            f"{data.numel()} bytes do not fit the {where.nbytes}-byte region at {where.offset} of "
+            f"{where.file.path}"
         )

@@ -13,7 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from strata.config.vocabulary import OFFLOAD_STREAM_KEYS, SLABS_PER_STREAM, offload_devices, pool_streams
+from strata.config.vocabulary import (
+    OFFLOAD_STREAM_KEYS,
+    SLABS_PER_STREAM,
+    offload_devices,
+    pool_streams,
+)
 from strata.errors import ConfigError
 from strata.offload.activations import ActivationOffloader
 from strata.offload.files import SwapDir, SwapFile
@@ -43,7 +48,8 @@ class Tiers:
             # copies per use and saves nothing (the tier's copy path runs on GPU machines)
             devices["params"] = "none"
             self.notes.append(
-                "offload.params.device=cpu: the parameters already live in host memory (no GPU), nothing to move"
+                "offload.params.device=cpu: the parameters already live in host memory (no GPU), "
+                "nothing to move"
             )
         streams = pool_streams(devices)
         groups = engine.groups if engine is not None else []
@@ -52,12 +58,18 @@ class Tiers:
             resident += sum(aligned(g.shard.numel() * g.shard.element_size()) for g in groups)
         slab = int(off.slab_mb * 2**20)
         if devices["optim"] != "none":
-            resident += OptimTier.needs_resident_bytes(groups, KIND_OF[devices["optim"]], device, slab)
+            resident += OptimTier.needs_resident_bytes(
+                groups, KIND_OF[devices["optim"]], device, slab
+            )
         _check_host_memory(resident)
-        self.pool = HostPool(int(off.host_buffer_mb * 2**20), slab, resident, {s: SLABS_PER_STREAM for s in streams})
+        self.pool = HostPool(
+            int(off.host_buffer_mb * 2**20), slab, resident, {s: SLABS_PER_STREAM for s in streams}
+        )
         self.swap: SwapDir | None = None
         if "nvme" in devices.values():
-            assert off.nvme_path is not None, "the config's checks require offload.nvme_path for nvme"
+            assert off.nvme_path is not None, (
+                "the config's checks require offload.nvme_path for nvme"
+            )
             self.swap = SwapDir(off.nvme_path, rank)
         self.io = IOEngine(off.io_threads, slab, off.direct_io) if self.swap else None
         self.movers = {s: Mover(self.pool, self.io, s) for s in streams}
@@ -102,7 +114,11 @@ class Tiers:
                 else:
                     where[g.name] = self.pool.resident(nbytes, g.shard.dtype)
             resident = None if params.resident_mb is None else int(params.resident_mb * 2**20)
-            sharing = engine.topo.layout.node_size if device.type == "cpu" else engine.topo.layout.ranks_per_gpu
+            sharing = (
+                engine.topo.layout.node_size
+                if device.type == "cpu"
+                else engine.topo.layout.ranks_per_gpu
+            )
             self.param_tier = ParamTier(
                 groups,
                 self.movers["params"],
@@ -124,10 +140,15 @@ class Tiers:
             mover=self.movers.get("optim"),
         )
         if kind != "device":
-            # a sample as large as the state (up to 16M elements): a cache-sized one overstates CPU Adam
+            # a sample as large as the state (up to 16M elements): a cache-sized one overstates CPU
+            # Adam
             total = sum(sg.size for sg in optim_tier.subgroups)
-            self.measured = replace(calibrate(device, sample_elems=min(1 << 24, max(1 << 20, total))), traffic=TRAFFIC)
-            self.placement = plan([sg.size for sg in optim_tier.subgroups], self.measured, update_on)
+            self.measured = replace(
+                calibrate(device, sample_elems=min(1 << 24, max(1 << 20, total))), traffic=TRAFFIC
+            )
+            self.placement = plan(
+                [sg.size for sg in optim_tier.subgroups], self.measured, update_on
+            )
             optim_tier.place(list(self.placement.on_gpu))
         engine.use_tiers(self.param_tier, self.optim_tier)
 
@@ -173,7 +194,14 @@ class Tiers:
             stats = self.activations.stats
             out["activations"] = {
                 k: stats[k]
-                for k in ("packed", "deduplicated", "bytes_offloaded", "reads", "forwarded", "peak_live_saved_bytes")
+                for k in (
+                    "packed",
+                    "deduplicated",
+                    "bytes_offloaded",
+                    "reads",
+                    "forwarded",
+                    "peak_live_saved_bytes",
+                )
             }
         return out
 
@@ -232,8 +260,10 @@ def _check_host_memory(nbytes: int) -> None:
     if nbytes > 0.9 * available:
         raise ConfigError(
             [
-                f"offload to cpu needs {nbytes / 2**30:.2f} GiB of host memory on this rank, but only "
-                f"{available / 2**30:.2f} GiB is available; offload to nvme instead (offload.nvme_path), "
+                f"offload to cpu needs {nbytes / 2**30:.2f} GiB of host memory on this rank, but "
+                "only "
+                f"{available / 2**30:.2f} GiB is available; offload to nvme instead "
+                "(offload.nvme_path), "
                 "or use more ranks"
             ]
         )

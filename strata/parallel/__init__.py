@@ -17,5 +17,8 @@ updates across nodes) and `clipping` (the global gradient norm).
 It imports only the base, the package `strata`.
 """
 
-if __name__ != "strata.parallel":  # imported by the top-level link's name, e.g. from the repository root
-    raise ImportError(f"import strata.parallel, not {__name__}: the folder parallel/ links to strata/parallel/")
+# imported by the top-level link's name, e.g. from the repository root
+if __name__ != "strata.parallel":
+    raise ImportError(
+        f"import strata.parallel, not {__name__}: the folder parallel/ links to strata/parallel/"
+    )

@@ -24,7 +24,9 @@ def global_grad_norm(
     pieces (a ZeRO rank whose optimizer chunk is all padding). `extra_sq`: a squared norm already
     summed over this pipeline stage (the MoE experts', reduced over their own groups), added before
     the sum over stages."""
-    zero = torch.zeros((), dtype=torch.float32, device=device or (tp_sharded or replicated)[0].device)
+    zero = torch.zeros(
+        (), dtype=torch.float32, device=device or (tp_sharded or replicated)[0].device
+    )
     sharded_sq = sum((g.float().pow(2).sum() for g in tp_sharded), zero.clone())
     replicated_sq = sum((g.float().pow(2).sum() for g in replicated), zero.clone())
     total_sq = comm.all_reduce(sharded_sq, tp_group, dim="tp") + replicated_sq

@@ -119,12 +119,14 @@ class CO2:
         self.rounds = 0  # rounds ended
         self.pending: tuple[comm.AsyncWork, torch.Tensor] | None = None
         self.last_clip_scale = 1.0
-        self._numel: int | None = None  # parameters over norm_group (computed once, when first needed)
+        # parameters over norm_group (computed once, when first needed)
+        self._numel: int | None = None
 
     # --- flat views of the parameters ----------------------------------------------------------
 
     def _flat(self) -> torch.Tensor:
-        if not self.params:  # a ZeRO rank whose chunk is all padding still takes part in the collectives
+        # a ZeRO rank whose chunk is all padding still takes part in the collectives
+        if not self.params:
             return torch.zeros(0)
         return torch.cat([p.detach().reshape(-1).float() for p in self.params])
 
@@ -178,7 +180,8 @@ class CO2:
             comm.all_reduce_async(delta, self.group, dim="co2").wait()
             self._outer_step(delta.div_(self.world))
             self.rounds += 1
-            self.steps += self.every - self.steps % self.every  # closed: a second finish() changes nothing
+            # closed: a second finish() changes nothing
+            self.steps += self.every - self.steps % self.every
         self.start.copy_(self.anchor)
         self._load(self.start)
 
@@ -257,22 +260,31 @@ class CO2:
         the same outer world). Leaves the parameters alone: the trainer restores those itself."""
         if state["numel"] != self.anchor.numel():
             raise ValueError(
-                f"CO2 state holds {state['numel']} parameter elements, these parameters have {self.anchor.numel()}"
+                f"CO2 state holds {state['numel']} parameter elements, these parameters have "
+                f"{self.anchor.numel()}"
             )
         if state["world"] != self.world:
-            raise ValueError(f"CO2 state was saved with {state['world']} replicas, this outer group has {self.world}")
+            raise ValueError(
+                f"CO2 state was saved with {state['world']} replicas, this outer "
+                f"group has {self.world}"
+            )
         self.anchor.copy_(state["anchor"])
         self.start.copy_(state["start"])
         self.momentum.copy_(state["momentum"])
         pending = state["pending"]
-        self.pending = None if pending is None else (comm.AsyncWork(None, 0.0), pending.clone().float())
+        self.pending = (
+            None if pending is None else (comm.AsyncWork(None, 0.0), pending.clone().float())
+        )
         self.steps, self.rounds = int(state["steps"]), int(state["rounds"])
         self.last_clip_scale = float(state["last_clip_scale"])
 
     def momentum_views(self) -> list[torch.Tensor]:
         """The outer momentum as one tensor per parameter (views, shaped like the parameters): how
         the trainer saves it in the global layout, beside the parameter's optimizer state."""
-        return [m.view_as(p) for m, p in zip(self.momentum.split([p.numel() for p in self.params]), self.params)]
+        return [
+            m.view_as(p)
+            for m, p in zip(self.momentum.split([p.numel() for p in self.params]), self.params)
+        ]
 
     @torch.no_grad()
     def restart(self, steps: int, momentum: list[torch.Tensor] | None = None) -> None:

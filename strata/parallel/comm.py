@@ -23,7 +23,8 @@ bytes_moved: Counter = Counter()
 bytes_by_link: Counter = Counter()
 _lock = threading.Lock()
 _link_of_group: dict = {}  # process group -> the link level its members span (see register_group)
-_ring_of_group: dict = {}  # process group -> the link level of each edge of its ring, in member order
+# process group -> the link level of each edge of its ring, in member order
+_ring_of_group: dict = {}
 
 # Bytes one rank sends for a collective over n ranks whose local input is `size` bytes, with
 # ring algorithms (NCCL's and gloo's defaults): all-reduce = reduce-scatter + all-gather.
@@ -62,7 +63,8 @@ def register_link_resolver(resolver) -> None:
 
 # --- simulated slow links (benchmarks, tests): opt-in, off by default --------------------------
 
-_link_delay_s_per_byte: dict[str, float] = {}  # link level -> seconds per wire byte; empty: no delay
+# link level -> seconds per wire byte; empty: no delay
+_link_delay_s_per_byte: dict[str, float] = {}
 
 
 def set_link_delay(link: str, seconds_per_byte: float) -> None:
@@ -78,7 +80,9 @@ def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _count(dim: str, op: str, tensor: torch.Tensor | int, group=None, peer: int | None = None) -> float:
+def _count(
+    dim: str, op: str, tensor: torch.Tensor | int, group=None, peer: int | None = None
+) -> float:
     """Count an operation's bytes (`tensor`'s, or a byte count): the payload per (dim, op), and
     the wire bytes on the link level that `group` (or the point-to-point `peer`) spans. Returns
     the simulated delay, in seconds, that the operation should add (0 unless `set_link_delay`
@@ -110,7 +114,9 @@ def _hold(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def all_reduce(tensor: torch.Tensor, group, dim: str, op: RedOp = dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(
+    tensor: torch.Tensor, group, dim: str, op: RedOp = dist.ReduceOp.SUM
+) -> torch.Tensor:
     """In-place all-reduce of `tensor` over `group` (no-op without one)."""
     if group is not None:
         delay = _count(dim, "all_reduce", tensor, group)
@@ -136,7 +142,9 @@ class AsyncWork:
         self._work, self._ready_at, self._name = work, ready_at, name
 
     def is_completed(self) -> bool:
-        return (self._work is None or self._work.is_completed()) and time.monotonic() >= self._ready_at
+        return (
+            self._work is None or self._work.is_completed()
+        ) and time.monotonic() >= self._ready_at
 
     def wait(self) -> None:
         with collective(self._name):
@@ -147,13 +155,19 @@ class AsyncWork:
                 time.sleep(remaining)
 
 
-def all_reduce_async(tensor: torch.Tensor, group, dim: str, op: RedOp = dist.ReduceOp.SUM) -> AsyncWork:
+def all_reduce_async(
+    tensor: torch.Tensor, group, dim: str, op: RedOp = dist.ReduceOp.SUM
+) -> AsyncWork:
     """Start an in-place all-reduce of `tensor` over `group` and return at once; the caller must
     not touch `tensor` until `wait()` returns. Counted like `all_reduce`."""
     if group is None:
         return AsyncWork(None, 0.0)
     ready_at = time.monotonic() + _count(dim, "all_reduce", tensor, group)
-    return AsyncWork(dist.all_reduce(tensor, op=op, group=group, async_op=True), ready_at, f"all_reduce over {dim}")
+    return AsyncWork(
+        dist.all_reduce(tensor, op=op, group=group, async_op=True),
+        ready_at,
+        f"all_reduce over {dim}",
+    )
 
 
 def all_gather(tensor: torch.Tensor, group, dim: str) -> list[torch.Tensor]:
@@ -183,7 +197,9 @@ def all_gather_into_views(
     if tensor.device.type == "cpu" and dist.get_backend(group) == "gloo" and _one_link(group):
         work = _exchange_all_gather(views, tensor, group)
     else:
-        work = dist.all_gather(views, tensor.clone() if async_op else tensor, group=group, async_op=True)
+        work = dist.all_gather(
+            views, tensor.clone() if async_op else tensor, group=group, async_op=True
+        )
     if async_op:
         return AsyncWork(work, time.monotonic() + delay, f"all_gather over {dim}")
     with collective("all_gather", dim):
@@ -211,7 +227,9 @@ class _Works:
         return all(work.is_completed() for work in self.works)
 
 
-def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group) -> _Works:
+def _exchange(
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group
+) -> _Works:
     """Point-to-point sends and receives (tensor, global rank) on gloo, every receive posted before
     any send. The order matters on a slow link: two ranks exchanging 10.6 MB over a 100 Mbit/s tbf
     link took 0.88-0.93 s with receives first every time, but 1.76 s (the two directions one after
@@ -235,10 +253,14 @@ def _exchange_all_gather(views: list[torch.Tensor], tensor: torch.Tensor, group)
     if views[r].data_ptr() != tensor.data_ptr():
         views[r].copy_(tensor)
     others = [k for k in range(n) if k != r]
-    return _exchange([(tensor, ranks[k]) for k in others], [(views[k], ranks[k]) for k in others], group)
+    return _exchange(
+        [(tensor, ranks[k]) for k in others], [(views[k], ranks[k]) for k in others], group
+    )
 
 
-def reduce_scatter_views_async(out: torch.Tensor, views: list[torch.Tensor], group, dim: str) -> AsyncWork:
+def reduce_scatter_views_async(
+    out: torch.Tensor, views: list[torch.Tensor], group, dim: str
+) -> AsyncWork:
     """Start `out` ← the sum over the group of every member's `views[my group rank]` (a
     reduce-scatter whose input chunks may be any views of one buffer; counts the bytes of the whole
     input) and return: `out` holds the result after `wait()`, and neither `out` nor `views` may be
@@ -266,9 +288,11 @@ def _ring_reduce_scatter(out: torch.Tensor, views: list[torch.Tensor], group) ->
     after, before = ranks[(r + 1) % n], ranks[(r - 1) % n]
     send = views[(r - 1) % n]
     for k in range(n - 1):
-        got = out if k == n - 2 else torch.empty_like(views[0])  # the last step's sum is ours: made in `out`
+        # the last step's sum is ours: made in `out`
+        got = out if k == n - 2 else torch.empty_like(views[0])
         _exchange([(send, after)], [(got, before)], group).wait()
-        send = got.add_(views[(r - k - 2) % n])  # the chunk the next step passes on; the last is ours
+        # the chunk the next step passes on; the last is ours
+        send = got.add_(views[(r - k - 2) % n])
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
@@ -278,7 +302,9 @@ def send_tensor(tensor: torch.Tensor, dst: int, dim: str) -> None:
     """Blocking send of a tensor of any shape to global rank `dst`: a header (dtype, ndim,
     shape), then the data. Pair with `recv_tensor`."""
     header = torch.tensor(
-        [_DTYPES.index(tensor.dtype), tensor.ndim, *tensor.shape], dtype=torch.int64, device=tensor.device
+        [_DTYPES.index(tensor.dtype), tensor.ndim, *tensor.shape],
+        dtype=torch.int64,
+        device=tensor.device,
     )  # on the data's device: NCCL sends only GPU tensors
     delay = _count(dim, "send", tensor, peer=dst)
     with collective(f"send to rank {dst}", dim):
@@ -348,7 +374,9 @@ def reduce_scatter_along(
     return out.movedim(0, axis).contiguous()
 
 
-def shift_async(tensors: list[torch.Tensor], group, dim: str) -> tuple[list[torch.Tensor], AsyncWork]:
+def shift_async(
+    tensors: list[torch.Tensor], group, dim: str
+) -> tuple[list[torch.Tensor], AsyncWork]:
     """Send `tensors` to the next member of `group` (group rank r+1, wrapping) and receive the
     previous member's, of the same shapes, into new tensors: a ring's step, started and returned
     at once (read the received tensors, and touch the sent ones, only after `wait()`). Without a
@@ -370,7 +398,9 @@ def shift_async(tensors: list[torch.Tensor], group, dim: str) -> tuple[list[torc
     return got, AsyncWork(work, time.monotonic() + delay, f"ring shift over {dim}")
 
 
-def all_to_all(tensor: torch.Tensor, send_rows: list[int], recv_rows: list[int], group, dim: str) -> torch.Tensor:
+def all_to_all(
+    tensor: torch.Tensor, send_rows: list[int], recv_rows: list[int], group, dim: str
+) -> torch.Tensor:
     """Rows [sum(send_rows[:j]), +send_rows[j]) of `tensor` to group rank j; returns the rows every
     member sent this one, in group-rank order (`recv_rows[j]` from rank j). Without a group,
     `tensor` itself. The payload counted is what leaves this rank, and the wire bytes go to the
@@ -400,7 +430,11 @@ def all_to_all(tensor: torch.Tensor, send_rows: list[int], recv_rows: list[int],
             ins, outs = tensor.split(send_rows), out.split(recv_rows)
             outs[me].copy_(ins[me])
             others = [j for j in range(len(members)) if j != me]
-            _exchange([(ins[j], members[j]) for j in others], [(outs[j], members[j]) for j in others], group).wait()
+            _exchange(
+                [(ins[j], members[j]) for j in others],
+                [(outs[j], members[j]) for j in others],
+                group,
+            ).wait()
         else:
             dist.all_to_all_single(out, tensor, recv_rows, send_rows, group=group)
         _hold(delay)

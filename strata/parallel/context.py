@@ -81,11 +81,18 @@ def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A boolean attention mask as the additive one the fused kernels take (0 kept, −inf masked)."""
     if mask is None:
         return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, float("-inf")
+    )
 
 
 def _block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp (b, heads, s_q) in float32) of q attending to k/v, causally or where the
     boolean `mask` (b, 1, s_q, s_k) allows; a row the mask empties gets output 0 and log-sum-exp −inf
@@ -129,16 +136,32 @@ def _block_backward(
     else:
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, ke, ve, bias, out, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale
+            dout,
+            q,
+            ke,
+            ve,
+            bias,
+            out,
+            lse,
+            seed,
+            seed,
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
         )
     return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+def _merge(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
     """Fold a block's partial attention into the running one, in place (float32 `out` and `lse`;
     the running `lse` finite, as it is after a rank's own block, where every token sees itself)."""
     new = torch.logaddexp(lse, block_lse)
-    out.mul_((lse - new).exp().unsqueeze(-1)).add_(block_out.float() * (block_lse - new).exp().unsqueeze(-1))
+    out.mul_((lse - new).exp().unsqueeze(-1)).add_(
+        block_out.float() * (block_lse - new).exp().unsqueeze(-1)
+    )
     lse.copy_(new)
 
 
@@ -176,7 +199,9 @@ class _Blocks:
     def __init__(self, ids: torch.Tensor | None, seq_len: int, cp: int, rank: int):
         self.ids, self.cp, self.rank = ids, cp, rank
         self.n = seq_len // (2 * cp)
-        self.order = None if ids is None else _group_order(seq_len, cp, ids.device).view(cp, 2 * self.n)
+        self.order = (
+            None if ids is None else _group_order(seq_len, cp, ids.device).view(cp, 2 * self.n)
+        )
 
     def __call__(self, step: int) -> tuple[slice, slice, bool, torch.Tensor | None, bool]:
         rows, keys, causal = _block_of(step, self.rank, self.cp, self.n)
@@ -219,7 +244,8 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = [k, v]
-        dkv: list[torch.Tensor] | None = None  # the K/V gradient of the block held now, from the ranks before
+        # the K/V gradient of the block held now, from the ranks before
+        dkv: list[torch.Tensor] | None = None
         incoming = None
         for step in range(cp):
             ahead = comm.shift_async(kv, group, "cp") if step + 1 < cp else None
@@ -245,7 +271,8 @@ class _RingAttention(torch.autograd.Function):
                 dkv[0][:, :, keys] += dkb
                 dkv[1][:, :, keys] += dvb
                 del dqb, dkb, dvb  # not alive through the next block's kernel
-            incoming = comm.shift_async(dkv, group, "cp")  # on to the next rank, which sees this block next
+            # on to the next rank, which sees this block next
+            incoming = comm.shift_async(dkv, group, "cp")
             if ahead is not None:
                 ahead[1].wait()
                 kv = ahead[0]
@@ -272,7 +299,9 @@ def ring_attention(
     cp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     ids = None if documents is None else documents.ids
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ids, group, cp, rank, scale)
+    return _RingAttention.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), ids, group, cp, rank, scale
+    )
 
 
 # --- all-to-all (Ulysses) attention ----------------------------------------------------------------
@@ -282,7 +311,8 @@ def _seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     """(b, h, s_local, d), the sequence split -> (b, h/cp, s, d) in sequence order, the heads split."""
     b, h, s, d = x.shape
     parts = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).reshape(cp, -1)
-    got = comm.all_to_all(parts, [1] * cp, [1] * cp, group, "cp")  # row j: rank j's tokens of our heads
+    # row j: rank j's tokens of our heads
+    got = comm.all_to_all(parts, [1] * cp, [1] * cp, group, "cp")
     whole = got.view(cp, b, h // cp, s, d).permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
     return whole.index_select(2, torch.argsort(_group_order(cp * s, cp, x.device)))
 
@@ -291,9 +321,11 @@ def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     """The inverse of `_seq_to_heads`."""
     b, hl, total, d = x.shape
     s = total // cp
-    ranks_order = x.index_select(2, _group_order(total, cp, x.device))  # rank 0's tokens, then rank 1's, ...
+    # rank 0's tokens, then rank 1's, ...
+    ranks_order = x.index_select(2, _group_order(total, cp, x.device))
     mine = ranks_order.view(b, hl, cp, s, d).permute(2, 0, 1, 3, 4).reshape(cp, -1)
-    got = comm.all_to_all(mine, [1] * cp, [1] * cp, group, "cp")  # row j: our tokens of rank j's heads
+    # row j: our tokens of rank j's heads
+    got = comm.all_to_all(mine, [1] * cp, [1] * cp, group, "cp")
     return got.view(cp, b, hl, s, d).transpose(0, 1).reshape(b, cp * hl, s, d)
 
 
@@ -333,12 +365,18 @@ def alltoall_attention(
 
 
 def _whole_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, documents: Documents | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    documents: Documents | None,
 ) -> torch.Tensor:
     """Causal SDPA over whole sequences (inside each document when `documents` says where they are)."""
     mask = None if documents is None or documents.ids is None else documents.mask()
     gqa = q.shape[1] != k.shape[1]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+    )
 
 
 # --- on a model -----------------------------------------------------------------------------------

@@ -30,10 +30,10 @@ from strata.parallel import comm
 from strata.parallel.tensor import Placement, set_placement
 from strata.parallel.topology import Topology
 
-# The ZeRO engine reduces and partitions a parameter over its *domain*'s data-parallel ranks: "" (the
-# default) the dp group; EXPERTS the expert-data-parallel ranks of `expert_layout(layout, ep)`; ROUTING
-# (the router and shared experts of MoE layers under tensor parallelism, which each tp rank trains
-# on its own part of the sequence) all tp·dp ranks of the stage, `expert_layout(layout, 1)`.
+# The ZeRO engine reduces and partitions a parameter over its *domain*'s data-parallel ranks: ""
+# (the default) the dp group; EXPERTS the expert-data-parallel ranks of `expert_layout(layout, ep)`;
+# ROUTING (the router and shared experts of MoE layers under tensor parallelism, which each tp rank
+# trains on its own part of the sequence) all tp·dp ranks of the stage, `expert_layout(layout, 1)`.
 EXPERTS, ROUTING = "experts", "routing"
 _DOMAIN = "reduce_domain"  # the attribute a parameter carries its domain in
 
@@ -71,7 +71,11 @@ def expert_major(counts: torch.Tensor) -> torch.Tensor:
         for e in range(local)
         for s in range(sources)
     ]
-    return torch.cat(pieces).to(counts.device) if pieces else torch.zeros(0, dtype=torch.long, device=counts.device)
+    return (
+        torch.cat(pieces).to(counts.device)
+        if pieces
+        else torch.zeros(0, dtype=torch.long, device=counts.device)
+    )
 
 
 class AllToAllDispatch:
@@ -89,9 +93,12 @@ class AllToAllDispatch:
         received = _Exchange.apply(x[order // k], send, recv, self.group)
         by_expert = expert_major(counts)
         done = experts(received[by_expert], counts.sum(dim=0))
-        returned = _Exchange.apply(done[by_expert.argsort()], recv, send, self.group)  # back in arrival order
+        # back in arrival order
+        returned = _Exchange.apply(done[by_expert.argsort()], recv, send, self.group)
         weights = routing.weights.flatten()[order].unsqueeze(1).to(returned.dtype)
-        return x.new_zeros(x.shape, dtype=returned.dtype).index_add_(0, order // k, returned * weights)
+        return x.new_zeros(x.shape, dtype=returned.dtype).index_add_(
+            0, order // k, returned * weights
+        )
 
 
 class HierarchicalDispatch:
@@ -117,15 +124,21 @@ class HierarchicalDispatch:
         on[token_of[kept], node_of[kept]] = True
         dest, token = on.t().nonzero(as_tuple=True)  # the copies by destination node, then token
         per_node = on.sum(dim=0)
-        arriving = comm.all_to_all(per_node, [1] * self.nodes, [1] * self.nodes, self.across, dim="ep")
+        arriving = comm.all_to_all(
+            per_node, [1] * self.nodes, [1] * self.nodes, self.across, dim="ep"
+        )
         send, recv = per_node.tolist(), arriving.tolist()
         there = (node_of[token] == dest.unsqueeze(1)) & kept[token]  # each copy's slots on its node
-        local_ids = torch.where(there, routing.experts[token] - dest.unsqueeze(1) * self.per_node, -1)
+        local_ids = torch.where(
+            there, routing.experts[token] - dest.unsqueeze(1) * self.per_node, -1
+        )
         ids = comm.all_to_all(local_ids.to(torch.int32), send, recv, self.across, dim="ep").long()
         rows = _Exchange.apply(x[token], send, recv, self.across)
         gates = _Exchange.apply(routing.weights[token], send, recv, self.across)
         empty = gates.new_zeros(0)
-        partial = self.inner(rows, Routing(ids.clamp(min=0), gates, empty, empty, kept=ids >= 0), experts)
+        partial = self.inner(
+            rows, Routing(ids.clamp(min=0), gates, empty, empty, kept=ids >= 0), experts
+        )
         back = _Exchange.apply(partial, recv, send, self.across)
         return x.new_zeros(x.shape, dtype=back.dtype).index_add_(0, token, back)
 
@@ -137,7 +150,8 @@ def make_dispatch(topo: Topology, size: int, num_experts: int, kind: str) -> Dis
     if kind == "hierarchical" and split is None:
         raise ConfigError(
             [
-                f"parallel.ep_dispatch=hierarchical needs the expert-parallel group of {size} ranks to span several "
+                f"parallel.ep_dispatch=hierarchical needs the expert-parallel group of {size} "
+                "ranks to span several "
                 f"nodes of {topo.layout.node_size} ranks each; use ep_dispatch=flat or auto"
             ]
         )
@@ -145,10 +159,14 @@ def make_dispatch(topo: Topology, size: int, num_experts: int, kind: str) -> Dis
         return AllToAllDispatch(topo.group("tp"), size, num_experts)
     pieces, columns = split
     across = topo.group("tp_across_nodes")
-    return HierarchicalDispatch(across, len(columns[0]), topo.group("tp_in_node"), len(pieces[0]), num_experts)
+    return HierarchicalDispatch(
+        across, len(columns[0]), topo.group("tp_in_node"), len(pieces[0]), num_experts
+    )
 
 
-def apply_expert_parallel(model: GPT, topo: Topology, size: int, tp: int, dispatch: str = "auto") -> None:
+def apply_expert_parallel(
+    model: GPT, topo: Topology, size: int, tp: int, dispatch: str = "auto"
+) -> None:
     """Keep this rank's slice of every MoE layer's experts (of the whole, initialised or meta,
     weights) and dispatch their tokens over the expert-parallel groups of the experts' topology
     `topo` (size > 1; `dispatch` is parallel.ep_dispatch); mark every expert weight EXPERTS, and
@@ -167,7 +185,10 @@ def apply_expert_parallel(model: GPT, topo: Topology, size: int, tp: int, dispat
                 setattr(moe.experts, name, p)
             setattr(p, _DOMAIN, EXPERTS)
         if tp > 1:
-            for p in [moe.router.weight, *(moe.shared.parameters() if moe.shared is not None else [])]:
+            for p in [
+                moe.router.weight,
+                *(moe.shared.parameters() if moe.shared is not None else []),
+            ]:
                 setattr(p, _DOMAIN, ROUTING)
         if size > 1:
             moe.dispatch = make_dispatch(topo, size, moe.router.num_experts, dispatch)

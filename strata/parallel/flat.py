@@ -26,7 +26,10 @@ class Box:
     def intersect(self, other: Box) -> Box | None:
         """The box both cover, or None if they are disjoint."""
         lo = [max(a, b) for a, b in zip(self.offsets, other.offsets)]
-        hi = [min(a + n, b + m) for a, n, b, m in zip(self.offsets, self.sizes, other.offsets, other.sizes)]
+        hi = [
+            min(a + n, b + m)
+            for a, n, b, m in zip(self.offsets, self.sizes, other.offsets, other.sizes)
+        ]
         if any(h <= low for low, h in zip(lo, hi)):
             return None
         return Box(tuple(lo), tuple(h - low for low, h in zip(lo, hi)))
@@ -64,7 +67,9 @@ def range_to_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
     if end % row:
         whole_to = last
     if whole_to > whole_from:
-        boxes.append(Box((whole_from, *[0] * (len(shape) - 1)), (whole_to - whole_from, *shape[1:])))
+        boxes.append(
+            Box((whole_from, *[0] * (len(shape) - 1)), (whole_to - whole_from, *shape[1:]))
+        )
     if end % row:
         boxes += within(last, 0, end % row)
     return boxes

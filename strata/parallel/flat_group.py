@@ -92,7 +92,8 @@ class FlatGroup:
         sync_level: str = "global",
     ):
         self.name, self.plan, self.routes, self.tied_copy = name, plan, routes, tied_copy
-        self.sync_level = sync_level  # how far gradients are summed: every dp rank, or the node's (CO2)
+        # how far gradients are summed: every dp rank, or the node's (CO2)
+        self.sync_level = sync_level
         first = named_params[0][1]
         self.slots, offset = [], 0
         for pname, p in named_params:
@@ -101,7 +102,11 @@ class FlatGroup:
                     f"{pname}: {p.dtype} on {p.device}, but {named_params[0][0]} is {first.dtype} "
                     f"on {first.device}; a flat group holds one dtype on one device"
                 )
-            self.slots.append(_Slot(Segment(pname, tuple(p.shape), offset), p, tuple(dict.fromkeys(aliases[id(p)]))))
+            self.slots.append(
+                _Slot(
+                    Segment(pname, tuple(p.shape), offset), p, tuple(dict.fromkeys(aliases[id(p)]))
+                )
+            )
             offset += p.numel()
         unit = routes.count("global")
         self.padded = math.ceil(offset / unit) * unit
@@ -123,7 +128,11 @@ class FlatGroup:
                 slot.param.data = view
                 slot.param.__dict__.pop("unfilled", None)
         self.param_start, size = routes.span(plan.params, self.padded)
-        self.shard = self.full[self.param_start : self.param_start + size].clone() if plan.shards_params else self.full
+        self.shard = (
+            self.full[self.param_start : self.param_start + size].clone()
+            if plan.shards_params
+            else self.full
+        )
         self.secondary: torch.Tensor | None = None
         self.secondary_valid = False
         self.gathered = True
@@ -139,7 +148,8 @@ class FlatGroup:
             self.grad_shard = self.full.new_zeros(routes.span(plan.grads, self.padded)[1])
         self.waiting = len(self.slots)  # gradients still to arrive in this micro-batch's backward
         # Overlapped reduction (`expect_backwards`): backward passes this group sees per step, those
-        # seen so far, the per-micro-batch reduce-scatter not yet added in, and the step's whole chain.
+        # seen so far, the per-micro-batch reduce-scatter not yet added in, and the step's whole
+        # chain.
         self.reducer: Reducer | None = None
         self.reduce_routes: Routes | None = None
         self.expected, self.backwards, self.uses = 0, 0, 1
@@ -179,7 +189,9 @@ class FlatGroup:
         if self.tier is not None and not use_secondary:
             self.tier.ensure(self)  # released in `wait`, once the gather is done reading the shard
             self._holds_tier_shard = True
-        self._pending_gather = self.routes.gather(source, "none", level, self.full, self.padded, async_op)
+        self._pending_gather = self.routes.gather(
+            source, "none", level, self.full, self.padded, async_op
+        )
         if not async_op:
             self.wait()
 
@@ -265,23 +277,30 @@ class FlatGroup:
         self.waiting = len(self.slots)
         self.backwards += 1
         if not (self.opens_forward and self.backward_to_come()):
-            self.free()  # else the next micro-batch's forward starts with it: kept, not gathered again
+            # else the next micro-batch's forward starts with it: kept, not gathered again
+            self.free()
         overlap = overlap and self.reducer is not None
         last = overlap and self.backwards == self.expected
         if self.plan.grads != "none" and self.grad_full is not None:
             assert self.grad_shard is not None  # gradients partitioned: allocated in __init__
             self._settle()  # the previous micro-batch's sum goes in first: the serial path's order
             if not overlap:
-                self.grad_shard.add_(self.routes.reduce_scatter(self._grads(), "none", self.plan.grads, self.padded))
+                self.grad_shard.add_(
+                    self.routes.reduce_scatter(self._grads(), "none", self.plan.grads, self.padded)
+                )
             elif last:
                 self.reduction = self._start(self._grads(), "none", add_into_shard=True)
             else:
                 self.partial = self._start(self._grads(), "none", to=self.plan.grads)
             self.grad_full = None
         elif last:
-            self.reduction = self._start(self._grads() if self.grad_full is not None else None, "none")
+            self.reduction = self._start(
+                self._grads() if self.grad_full is not None else None, "none"
+            )
 
-    def _start(self, buf: torch.Tensor | None, fine: str, add_into_shard: bool = False, to: str = "") -> Reduction:
+    def _start(
+        self, buf: torch.Tensor | None, fine: str, add_into_shard: bool = False, to: str = ""
+    ) -> Reduction:
         """Start reducing `buf` (this rank's `fine` chunk) to the `grads` level (`to`), or on to the
         optimizer's chunk summed within the sync level; `add_into_shard`: the gradients accumulated
         at the `grads` level are added in on the way, as the serial path does (same arithmetic)."""
@@ -294,13 +313,19 @@ class FlatGroup:
         """The chain `_start` runs (building it makes the dedicated groups it needs)."""
         assert self.reduce_routes is not None  # only with overlap on
         routes, plan = self.reduce_routes, self.plan
-        hops = routes.reduce_scatter_hops(fine, plan.grads if add_into_shard or to else plan.optim, self.padded)
+        hops = routes.reduce_scatter_hops(
+            fine, plan.grads if add_into_shard or to else plan.optim, self.padded
+        )
         if add_into_shard:
             shard = self.grad_shard
             assert shard is not None  # gradients partitioned
             hops.append(Hop(None, lambda reduced: (shard.add_(reduced), None)))
         if not to:
-            hops += routes.reduce_scatter_hops(plan.grads, plan.optim, self.padded) if add_into_shard else []
+            hops += (
+                routes.reduce_scatter_hops(plan.grads, plan.optim, self.padded)
+                if add_into_shard
+                else []
+            )
             hops += routes.all_reduce_hops(plan.optim, self.sync_level, self.padded)
         return hops
 
@@ -314,7 +339,8 @@ class FlatGroup:
     def finish_grads(self, scale: float) -> torch.Tensor:
         """This rank's `optim` chunk of the gradients summed over the dp ranks within `sync_level`
         (all of them, or the node's under CO2), times `scale`."""
-        self.free()  # nothing gathered outlives the step: the optimizer is about to change the shard
+        # nothing gathered outlives the step: the optimizer is about to change the shard
+        self.free()
         # Gradients set on the parameters directly, past the hooks (the weight pass of torch
         # pipelining's split-backward schedules does that): whole-step sums, taken in here.
         stray = [slot for slot in self.slots if slot.param.grad is not None]
@@ -325,17 +351,21 @@ class FlatGroup:
             )
         if stray and self.reduction is not None:
             raise RuntimeError(
-                f"{stray[0].segment.name}: a gradient arrived past the hooks after its group's reduction "
+                f"{stray[0].segment.name}: a gradient arrived past the hooks after its group's "
+                "reduction "
                 "had started; set parallel.overlap_grad_reduce=false for this schedule"
             )
         for slot in stray:
             self._take_grad(slot)
         if self.waiting != len(self.slots):
-            self.end_backward(overlap=False)  # some parameters got no gradient this step: they count as zero
+            # some parameters got no gradient this step: they count as zero
+            self.end_backward(overlap=False)
         plan = self.plan
         self._settle()
         if plan.grads == "none":
-            source = self._grads() if self.grad_full is not None else self.full.new_zeros(self.padded)
+            source = (
+                self._grads() if self.grad_full is not None else self.full.new_zeros(self.padded)
+            )
         else:
             assert self.grad_shard is not None  # gradients partitioned: allocated in __init__
             source = self.grad_shard
@@ -347,7 +377,8 @@ class FlatGroup:
             reduced = self.routes.all_reduce(
                 reduced, plan.optim, self.sync_level, self.padded
             )  # the chunk's other copies
-        if reduced is source and plan.grads == "none":  # nothing scattered: the chunk is a view of the buffer
+        # nothing scattered: the chunk is a view of the buffer
+        if reduced is source and plan.grads == "none":
             reduced = source[self.optim_start : self.optim_start + self.optim_size]
         self.backwards = 0
         self.reduced = reduced.mul_(scale)
@@ -381,7 +412,11 @@ class FlatGroup:
         if self.plan.optim != self.plan.params:
             lo = self.optim_start - self.param_start
             self.routes.gather(
-                self.shard[lo : lo + self.optim_size], self.plan.params, self.plan.optim, self.shard, self.padded
+                self.shard[lo : lo + self.optim_size],
+                self.plan.params,
+                self.plan.optim,
+                self.shard,
+                self.padded,
             ).wait()
         self.secondary_valid = False
 
@@ -395,5 +430,9 @@ class FlatGroup:
 
 def storage_bytes(tensors: list[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    seen = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tensors
+        if t is not None
+    }
     return sum(seen.values())

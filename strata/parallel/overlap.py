@@ -30,11 +30,13 @@ class Reduction:
 
     def __init__(self, hops: list[Hop]):
         self.hops = hops
-        # collective hop index -> (its input, the work that must finish first), set by the hop before
+        # collective hop index -> (its input, the work that must finish first), set by the hop
+        # before
         self._handed: dict[int, tuple[torch.Tensor, AsyncWork | None]] = {}
         self._ready = threading.Condition()
         self._collectives = [i for i, hop in enumerate(hops) if hop.key is not None]
-        self._done: tuple[torch.Tensor, AsyncWork | None, int] | None = None  # output, its work, local hops from
+        # output, its work, local hops from
+        self._done: tuple[torch.Tensor, AsyncWork | None, int] | None = None
         self._error: BaseException | None = None
 
     def _hand(self, i: int, buf: torch.Tensor, work: AsyncWork | None) -> None:

@@ -53,7 +53,10 @@ class Stage(nn.Module):
         self.register_buffer("rope_sin", rope_sin, persistent=False)
 
     def forward(
-        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, doc_positions: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        doc_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.plan.is_first:
             x = self.tok_embeddings(x)
@@ -69,7 +72,9 @@ class Stage(nn.Module):
         return x
 
 
-def split_stages(model: GPT, pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[Stage]:
+def split_stages(
+    model: GPT, pp_rank: int, pp: int, virtual_stages: int, schedule: str
+) -> list[Stage]:
     """This pipeline rank's stages of `model`, in execution order (on the model's device, which
     may be meta: materialise them before building the `Pipeline`)."""
     plans = plan_stages(
@@ -92,9 +97,12 @@ class StageShapes:
 
     def stage_args(self, plan: StagePlan, device: torch.device) -> dict:
         """PipelineStage's input_args/output_args for a stage (static metadata: no inference run)."""
-        # requires_grad marks what carries a gradient back (torch derives the backward metadata from it)
+        # requires_grad marks what carries a gradient back (torch derives the backward metadata from
+        # it)
         hidden = torch.empty(self.hidden, device=device, requires_grad=True)
-        inputs = torch.empty(self.tokens, dtype=torch.long, device=device) if plan.is_first else hidden
+        inputs = (
+            torch.empty(self.tokens, dtype=torch.long, device=device) if plan.is_first else hidden
+        )
         outputs = (
             torch.empty(self.logits, dtype=self.logits_dtype, device=device, requires_grad=True)
             if plan.is_last
@@ -127,19 +135,26 @@ class Pipeline:
         self.has_first = any(p.plan.is_first for p in parts)
         self.has_last = any(p.plan.is_last for p in parts)
         # A tied embedding lives on the first and the last stage; when those are different ranks,
-        # each holds a copy whose gradients the engine sums over `tied_group` (Megatron's embedding group).
+        # each holds a copy whose gradients the engine sums over `tied_group` (Megatron's embedding
+        # group).
         self.tied_weight = None
         if tied_group is not None and self.has_first != self.has_last:
             edge = next(p for p in parts if p.plan.is_first or p.plan.is_last)
             self.tied_weight = edge.tok_embeddings.weight if self.has_first else edge.output.weight
         stages = [
             pipelining.PipelineStage(
-                part, part.plan.index, num_stages, device, group=group, **shapes.stage_args(part.plan, device)
+                part,
+                part.plan.index,
+                num_stages,
+                device,
+                group=group,
+                **shapes.stage_args(part.plan, device),
             )
             for part in parts
         ]
-        # Gradients are averaged over micro-batches by the engine, not by the schedule: its scale_grads
-        # divides per stage, so a tied embedding held by two local stages would be divided twice.
+        # Gradients are averaged over micro-batches by the engine, not by the schedule: its
+        # scale_grads divides per stage, so a tied embedding held by two local stages would be
+        # divided twice.
         cls = SCHEDULES[self.name]
         self.schedule = cls(
             stages[0] if self.name in SINGLE_STAGE_SCHEDULES else stages,
@@ -166,11 +181,15 @@ class Pipeline:
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
         with collective("pipeline schedule (stage sends and receives)", "pp"):
             self.schedule.step(*args, **kwargs, **_stage_kwargs(documents))
-        loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=inputs.device)
+        loss = (
+            torch.stack(losses).mean().detach() if losses else torch.zeros((), device=inputs.device)
+        )
         return comm.all_reduce(loss.float(), self.group, dim="pp")
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+    def evaluate(
+        self, inputs: torch.Tensor, targets: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
         """Loss of one micro-batch, forward only, on every pipeline rank. Runs the stages in
         order with plain send/recv (every rank walks the same stage sequence, so it cannot
         deadlock): evaluation needs no schedule, and its micro-batch count need not be M."""

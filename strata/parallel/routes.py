@@ -32,7 +32,9 @@ class Routes:
     beside the main thread's collectives. Those are made by `steps` on first use, so every rank
     must ask for the same steps in the same order before any runs."""
 
-    def __init__(self, topo: Topology, hierarchical: bool, dim: str = "dp", dedicated: bool = False):
+    def __init__(
+        self, topo: Topology, hierarchical: bool, dim: str = "dp", dedicated: bool = False
+    ):
         self.topo, self.hierarchical, self.dim, self.dedicated = topo, hierarchical, dim, dedicated
         self._chunks: dict[tuple[int, str], tuple[int, int]] = {}
         self._groups: dict[tuple[str, str, str], tuple[object, list[int]]] = {}
@@ -51,7 +53,9 @@ class Routes:
     def count(self, level: str) -> int:
         return self.chunk(level)[1]
 
-    def steps(self, fine: str, coarse: str, op: str = "") -> list[tuple[str, str, object, list[int]]]:
+    def steps(
+        self, fine: str, coarse: str, op: str = ""
+    ) -> list[tuple[str, str, object, list[int]]]:
         """The collectives from partitioning at `fine` to `coarse`: (inner, outer, group, members).
         With `dedicated` routes, each `op` (rs, ag, ar) over a pair of levels has a group of its own."""
         out = []
@@ -74,7 +78,10 @@ class Routes:
 
     def levels_apart(self, fine: str, coarse: str) -> int:
         """How many collectives `steps(fine, coarse)` takes (without making dedicated groups)."""
-        return sum(self.topo.digit_group(inner, outer)[0] is not None for inner, outer in self._pairs(fine, coarse))
+        return sum(
+            self.topo.digit_group(inner, outer)[0] is not None
+            for inner, outer in self._pairs(fine, coarse)
+        )
 
     def _pairs(self, fine: str, coarse: str) -> list[tuple[str, str]]:
         return level_pairs(fine, coarse, self.hierarchical)
@@ -139,7 +146,13 @@ class Routes:
         return _run(self.all_reduce_hops(fine, coarse, numel), buf)
 
     def gather(
-        self, chunk: torch.Tensor, fine: str, coarse: str, out: torch.Tensor, numel: int, async_op: bool = False
+        self,
+        chunk: torch.Tensor,
+        fine: str,
+        coarse: str,
+        out: torch.Tensor,
+        numel: int,
+        async_op: bool = False,
     ) -> PendingGather:
         """Fill `out` (this rank's `fine` chunk) from every rank's `coarse` chunk, this rank's
         being `chunk` (which must stay unchanged until `wait()`). With `async_op` the first
@@ -150,7 +163,10 @@ class Routes:
         def step(i: int, source: torch.Tensor, async_first: bool):
             inner, outer, group, members = steps[i]
             size = numel // self.count(outer)
-            views = [out[s - base : s - base + size] for s in (self.span(outer, numel, m)[0] for m in members)]
+            views = [
+                out[s - base : s - base + size]
+                for s in (self.span(outer, numel, m)[0] for m in members)
+            ]
             return comm.all_gather_into_views(views, source, group, self.dim, async_op=async_first)
 
         def rest():

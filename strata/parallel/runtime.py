@@ -25,7 +25,8 @@ class Runtime:
     world_size: int
     local_rank: int
     device: torch.device
-    local_world_size: int | None = None  # ranks on this node, as the launcher says (None: not launched)
+    # ranks on this node, as the launcher says (None: not launched)
+    local_world_size: int | None = None
 
     @property
     def distributed(self) -> bool:
@@ -78,7 +79,8 @@ def pin_host(buffer: torch.Tensor) -> bool:
         return True
     _clear_cuda_error()
     warnings.warn(
-        f"cudaHostRegister of a {nbytes}-byte host buffer failed ({cudart.cudaGetErrorString(err)}); it "
+        f"cudaHostRegister of a {nbytes}-byte host buffer failed "
+        f"({cudart.cudaGetErrorString(err)}); it "
         "stays pageable: host-device copies through it will be slower",
         stacklevel=2,
     )
@@ -135,6 +137,7 @@ def reset_peak_rss() -> bool:
     kernel refuses or the peak does not drop, so VmHWM stays the lifetime peak."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
-        return proc_status_bytes("VmHWM") <= proc_status_bytes("VmRSS") + 2**20  # within pages of RSS
+        # within pages of RSS
+        return proc_status_bytes("VmHWM") <= proc_status_bytes("VmRSS") + 2**20
     except (OSError, KeyError):
         return False

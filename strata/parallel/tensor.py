@@ -64,7 +64,8 @@ class Placement:
         return full.chunk(self.num_shards, dim=self.shard_dim)[self.shard_index]
 
 
-_PLACEMENT = "placement"  # the attribute a shard carries its Placement in (torch.Tensor declares none)
+# the attribute a shard carries its Placement in (torch.Tensor declares none)
+_PLACEMENT = "placement"
 
 
 def placement_of(p: torch.Tensor) -> Placement:
@@ -145,11 +146,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
         logits = logits.float()
-        logits_max = comm.all_reduce(logits.max(dim=-1).values, group, dim="tp", op=dist.ReduceOp.MAX)
+        logits_max = comm.all_reduce(
+            logits.max(dim=-1).values, group, dim="tp", op=dist.ReduceOp.MAX
+        )
         shifted = logits - logits_max.unsqueeze(-1)
         outside = (targets < vocab_start) | (targets >= vocab_start + logits.shape[-1])
         local_targets = (targets - vocab_start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = (
+            shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        )
         comm.all_reduce(target_logit, group, dim="tp")
         exp = shifted.exp()
         sum_exp = comm.all_reduce(exp.sum(dim=-1), group, dim="tp")
@@ -173,7 +178,8 @@ def _shard_parameter(full: torch.Tensor, dim: int, rank: int, size: int) -> nn.P
     if full.shape[dim] % size:
         raise ConfigError(
             [
-                f"parallel.tp={size} must divide a weight's dimension {dim} of size {full.shape[dim]} "
+                f"parallel.tp={size} must divide a weight's dimension {dim} of size "
+                f"{full.shape[dim]} "
                 f"(shape {tuple(full.shape)}); choose model sizes divisible by tp"
             ]
         )
@@ -185,8 +191,9 @@ def _shard_parameter(full: torch.Tensor, dim: int, rank: int, size: int) -> nn.P
 
 _COLUMN_ENTRIES = ("copy", "gather", "ready")
 
-# The local product of a tensor-parallel linear layer, (x, weight shard, bias shard) -> y: F.linear, or
-# a float8 matmul that train.precision=fp8 puts in its place (the collectives around it stay the same).
+# The local product of a tensor-parallel linear layer, (x, weight shard, bias shard) -> y: F.linear,
+# or a float8 matmul that train.precision=fp8 puts in its place (the collectives around it stay the
+# same).
 LocalMatmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
@@ -201,7 +208,9 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group, rank: int, size: int, entry: str = "copy"):
         super().__init__()
         if entry not in _COLUMN_ENTRIES:
-            raise ValueError(f"ColumnParallelLinear entry={entry!r}; expected one of {_COLUMN_ENTRIES}")
+            raise ValueError(
+                f"ColumnParallelLinear entry={entry!r}; expected one of {_COLUMN_ENTRIES}"
+            )
         self.group, self.entry = group, entry
         self.weight = _shard_parameter(linear.weight, 0, rank, size)
         self.bias = None if linear.bias is None else _shard_parameter(linear.bias, 0, rank, size)
@@ -220,7 +229,9 @@ class RowParallelLinear(nn.Module):
     an all-reduce, or with `sequence_parallel` a reduce-scatter along the sequence (each rank
     keeps the summed output of its s/tp positions)."""
 
-    def __init__(self, linear: nn.Linear, group, rank: int, size: int, sequence_parallel: bool = False):
+    def __init__(
+        self, linear: nn.Linear, group, rank: int, size: int, sequence_parallel: bool = False
+    ):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _shard_parameter(linear.weight, 1, rank, size)
@@ -235,7 +246,9 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding rows split over ranks; each looks up the ids it owns, the rest are summed in (with
     `sequence_parallel`, reduce-scattered along the sequence: each rank gets its s/tp positions)."""
 
-    def __init__(self, embedding: nn.Embedding, group, rank: int, size: int, sequence_parallel: bool = False):
+    def __init__(
+        self, embedding: nn.Embedding, group, rank: int, size: int, sequence_parallel: bool = False
+    ):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _shard_parameter(embedding.weight, 0, rank, size)
@@ -269,16 +282,25 @@ class TensorParallelRMSNorm(nn.Module):
 
     def __init__(self, norm: RMSNorm, group, sequence_parallel: bool, enter: bool = True):
         super().__init__()
-        self.group, self.sequence_parallel, self.enter, self.eps = group, sequence_parallel, enter, norm.eps
+        self.group, self.sequence_parallel, self.enter, self.eps = (
+            group,
+            sequence_parallel,
+            enter,
+            norm.eps,
+        )
         self.weight = norm.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same computation as strata.model.RMSNorm.forward.
-        weight = _CopyToGroup.apply(self.weight, self.group) if self.sequence_parallel else self.weight
+        weight = (
+            _CopyToGroup.apply(self.weight, self.group) if self.sequence_parallel else self.weight
+        )
         y = F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         if not self.enter:
             return y
-        return (_GatherFromSequence if self.sequence_parallel else _CopyToGroup).apply(y, self.group)
+        return (_GatherFromSequence if self.sequence_parallel else _CopyToGroup).apply(
+            y, self.group
+        )
 
 
 class TensorParallelHeadNorm(nn.Module):
@@ -319,7 +341,9 @@ class VocabParallelLoss:
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         start = self.rank * logits.shape[-1]
-        per_token = _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), start, self.group)
+        per_token = _VocabParallelCrossEntropy.apply(
+            logits.flatten(0, 1), targets.flatten(), start, self.group
+        )
         return per_token.mean()
 
 
@@ -360,15 +384,25 @@ def apply_tensor_parallel(
         assert isinstance(block, Block)
         attn, mlp = block.attn, block.mlp
         # An MoE feed-forward (strata.moe; sequence parallelism required) is no tensor-parallel
-        # region: each rank routes its own part of the sequence (parallel.experts lays the experts out).
+        # region: each rank routes its own part of the sequence (parallel.experts lays the experts
+        # out).
         moe = isinstance(mlp, MoE)
         _swap(
             block,
             attn_norm=TensorParallelRMSNorm(block.attn_norm, group, sp),
             mlp_norm=TensorParallelRMSNorm(block.mlp_norm, group, sp, enter=not moe),
         )
-        wq, wk, wv = (ColumnParallelLinear(m, group, rank, size, entry="ready") for m in (attn.wq, attn.wk, attn.wv))
-        _swap(attn, wq=wq, wk=wk, wv=wv, wo=RowParallelLinear(attn.wo, group, rank, size, sequence_parallel=sp))
+        wq, wk, wv = (
+            ColumnParallelLinear(m, group, rank, size, entry="ready")
+            for m in (attn.wq, attn.wk, attn.wv)
+        )
+        _swap(
+            attn,
+            wq=wq,
+            wk=wk,
+            wv=wv,
+            wo=RowParallelLinear(attn.wo, group, rank, size, sequence_parallel=sp),
+        )
         if attn.q_norm is not None and attn.k_norm is not None and size > 1:
             _swap(
                 attn,
@@ -377,16 +411,24 @@ def apply_tensor_parallel(
             )
         if isinstance(mlp, MoE):
             if not sp:
-                raise ConfigError(["MoE layers under tensor parallelism need parallel.sequence_parallel=true"])
+                raise ConfigError(
+                    ["MoE layers under tensor parallelism need parallel.sequence_parallel=true"]
+                )
             mlp.shards = SequenceShards(group, size)
             continue
         assert isinstance(mlp, SwiGLU)
-        w1, w3 = (ColumnParallelLinear(m, group, rank, size, entry="ready") for m in (mlp.w1, mlp.w3))
-        _swap(mlp, w1=w1, w3=w3, w2=RowParallelLinear(mlp.w2, group, rank, size, sequence_parallel=sp))
+        w1, w3 = (
+            ColumnParallelLinear(m, group, rank, size, entry="ready") for m in (mlp.w1, mlp.w3)
+        )
+        _swap(
+            mlp, w1=w1, w3=w3, w2=RowParallelLinear(mlp.w2, group, rank, size, sequence_parallel=sp)
+        )
     if sp:
         _swap(model, norm=TensorParallelRMSNorm(model.norm, group, sp, enter=False))
     tied = model.output.weight is model.tok_embeddings.weight
-    embedding = VocabParallelEmbedding(model.tok_embeddings, group, rank, size, sequence_parallel=sp)
+    embedding = VocabParallelEmbedding(
+        model.tok_embeddings, group, rank, size, sequence_parallel=sp
+    )
     _swap(model, tok_embeddings=embedding)
     output = ColumnParallelLinear(model.output, group, rank, size, entry="gather" if sp else "copy")
     if tied:

@@ -63,10 +63,12 @@ class Layout:
 
     tp: int = 1
     pp: int = 1
-    dp: int = 1  # every rank of a pipeline stage's replica group: data parallel times context parallel
+    # every rank of a pipeline stage's replica group: data parallel times context parallel
+    dp: int = 1
     ranks_per_node: int | None = None
     ranks_per_gpu: int = 1
-    cp: int = 1  # context parallel: consecutive runs of cp ranks of each dp group share their sequences
+    # context parallel: consecutive runs of cp ranks of each dp group share their sequences
+    cp: int = 1
 
     def __post_init__(self):
         # Programmer errors only: layout_from_config reports user mistakes before we get here.
@@ -82,10 +84,14 @@ class Layout:
         if bad:
             raise ValueError(f"Layout: {bad} must be positive integers")
         if self.dp % self.cp:
-            raise ValueError(f"Layout: cp={self.cp} must divide dp={self.dp} (dp counts the context-parallel ranks)")
+            raise ValueError(
+                f"Layout: cp={self.cp} must divide dp={self.dp} (dp counts the "
+                "context-parallel ranks)"
+            )
         if self.world_size % self.node_size or self.node_size % self.ranks_per_gpu:
             raise ValueError(
-                f"Layout: need ranks_per_gpu={self.ranks_per_gpu} | ranks_per_node={self.node_size} "
+                f"Layout: need ranks_per_gpu={self.ranks_per_gpu} | "
+                f"ranks_per_node={self.node_size} "
                 f"| world size {self.world_size}"
             )
 
@@ -121,7 +127,9 @@ class Layout:
 
     def context_groups(self) -> list[list[int]]:
         """Each dp group cut into runs of cp consecutive members: the ranks that split one sequence."""
-        return [g[i : i + self.cp] for g in self.group_ranks("dp") for i in range(0, self.dp, self.cp)]
+        return [
+            g[i : i + self.cp] for g in self.group_ranks("dp") for i in range(0, self.dp, self.cp)
+        ]
 
     def group_ranks(self, dim: str) -> list[list[int]]:
         """All groups along `dim`: each list holds the ranks that differ only in that coordinate,
@@ -140,7 +148,11 @@ class Layout:
         """{'node': n, 'gpu': g, 'gcd': c}: the node, the GPU's index within the node and the
         GCD's index within the GPU (0 unless ranks_per_gpu > 1)."""
         g = self.ranks_per_gpu
-        return {"node": rank // self.node_size, "gpu": (rank % self.node_size) // g, "gcd": rank % g}
+        return {
+            "node": rank // self.node_size,
+            "gpu": (rank % self.node_size) // g,
+            "gcd": rank % g,
+        }
 
     def pipeline_end_ranks(self) -> list[list[int]]:
         """For every pipeline, its first and last rank: the two holders of a tied embedding
@@ -162,7 +174,13 @@ class Layout:
 
     def level_size(self, level: str) -> int:
         """Ranks in one unit of `level`."""
-        sizes = {"none": 1, "gcd": 1, "gpu": self.ranks_per_gpu, "node": self.node_size, "global": self.world_size}
+        sizes = {
+            "none": 1,
+            "gcd": 1,
+            "gpu": self.ranks_per_gpu,
+            "node": self.node_size,
+            "global": self.world_size,
+        }
         if level not in sizes:
             raise ValueError(f"unknown hierarchy level {level!r}; expected one of {LEVELS}")
         return sizes[level]
@@ -189,11 +207,16 @@ class Layout:
         if len(sizes) > 1:
             raise ConfigError(
                 [
-                    f"partitioning within each {level} needs every {level} to hold equally many ranks of a "
-                    f"data-parallel group, but with parallel.tp={self.tp}, pp={self.pp}, dp={self.dp}, "
-                    f"ranks_per_node={self.node_size}, ranks_per_gpu={self.ranks_per_gpu} the dp group {group} "
-                    f"is split into pieces of {sizes} ranks; make a pipeline stage's tp·dp = {self.tp * self.dp} "
-                    f"ranks a multiple or a divisor of the {self.level_size(level)} ranks of a {level}"
+                    f"partitioning within each {level} needs every {level} to hold equally many "
+                    "ranks of a "
+                    f"data-parallel group, but with parallel.tp={self.tp}, pp={self.pp}, "
+                    f"dp={self.dp}, "
+                    f"ranks_per_node={self.node_size}, ranks_per_gpu={self.ranks_per_gpu} the dp "
+                    f"group {group} "
+                    f"is split into pieces of {sizes} ranks; make a pipeline stage's tp·dp = "
+                    f"{self.tp * self.dp} "
+                    f"ranks a multiple or a divisor of the {self.level_size(level)} ranks of a "
+                    f"{level}"
                 ]
             )
         return pieces
@@ -216,7 +239,9 @@ class Layout:
         for group in self.group_ranks("dp"):
             self._even_pieces(group, outer)
             inners = self._even_pieces(group, inner)
-            for _, same_outer in itertools.groupby(inners, key=lambda piece: piece[0] // outer_size):
+            for _, same_outer in itertools.groupby(
+                inners, key=lambda piece: piece[0] // outer_size
+            ):
                 pieces = list(same_outer)
                 out += [[q[j] for q in pieces] for j in range(len(pieces[0]))]
         return out
@@ -379,7 +404,9 @@ class Topology:
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 mine = group
-                comm.register_group(group, self.layout.link_level(ranks), self.layout.ring_links(ranks))
+                comm.register_group(
+                    group, self.layout.link_level(ranks), self.layout.ring_links(ranks)
+                )
         return mine
 
     def level_group(self, level: str, within_dp: bool = False, replica: bool = False):
@@ -433,7 +460,9 @@ def build_topology(layout: Layout, rank: int, reuse: Topology | None = None) -> 
     if not dist.is_initialized() or layout.world_size == 1:
         return topo
     made: dict[tuple[int, ...], object] = (
-        dict(reuse.made) if reuse is not None else {tuple(range(layout.world_size)): dist.group.WORLD}
+        dict(reuse.made)
+        if reuse is not None
+        else {tuple(range(layout.world_size)): dist.group.WORLD}
     )
     for name, groups in _named_group_ranks(layout):
         for ranks in groups:
@@ -445,7 +474,9 @@ def build_topology(layout: Layout, rank: int, reuse: Topology | None = None) -> 
                 topo.groups[name] = made[tuple(ranks)]
     for members, group in made.items():  # byte accounting per link level
         if rank in members and len(members) > 1:
-            comm.register_group(group, layout.link_level(list(members)), layout.ring_links(list(members)))
+            comm.register_group(
+                group, layout.link_level(list(members)), layout.ring_links(list(members))
+            )
     comm.register_link_resolver(lambda a, b: layout.link_level([a, b]))
     topo.made = made
     return topo

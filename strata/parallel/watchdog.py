@@ -66,7 +66,8 @@ class _Inside:
         if not self.marks:
             return
         progress.seq += 1
-        if self.before[1]:  # a collective inside another (all_true inside a save): back to the outer one
+        # a collective inside another (all_true inside a save): back to the outer one
+        if self.before[1]:
             progress.doing, progress.inside = self.before
         else:
             progress.inside = False
@@ -124,7 +125,13 @@ class Watchdog:
 
     def publish(self, done: bool = False) -> None:
         self.beat += 1
-        record = {**asdict(progress), "beat": self.beat, "host": self.host, "pid": self.pid, "done": done}
+        record = {
+            **asdict(progress),
+            "beat": self.beat,
+            "host": self.host,
+            "pid": self.pid,
+            "done": done,
+        }
         self.store.set(self._key(f"rank{self.rank}"), json.dumps(record))
 
     def start(self) -> None:
@@ -146,8 +153,10 @@ class Watchdog:
                 verdict = self.check()
             except Exception as e:  # noqa: BLE001 - the store's host is gone or unreachable: say so, stop
                 message = (
-                    f"the job's store stopped answering the watchdog of rank {self.rank} ({type(e).__name__}: {e}): "
-                    f"the node that hosts it (torchrun's on the first node, or `strata store`) is down, or "
+                    f"the job's store stopped answering the watchdog of rank {self.rank} "
+                    f"({type(e).__name__}: {e}): "
+                    "the node that hosts it (torchrun's on the first node, or `strata store`) is "
+                    "down, or "
                     f"{socket.gethostname()} lost its link to it"
                 )
                 verdict = json.dumps({"message": message, "stuck": [], "answering": 0})
@@ -188,26 +197,37 @@ class Watchdog:
         if len(self.seen) < self.world or progress.step <= self.start_step:
             return None  # armed once every rank has reported and this rank has finished a step
         limit = self.hang_after_s
-        silent = [r for r, s in self.seen.items() if now - s.beat_at > limit and not s.record["done"]]
+        silent = [
+            r for r, s in self.seen.items() if now - s.beat_at > limit and not s.record["done"]
+        ]
         if silent:
-            return self._verdict(silent, "is not responding (stopped, frozen or gone)", now, answering=False)
+            return self._verdict(
+                silent, "is not responding (stopped, frozen or gone)", now, answering=False
+            )
         if now - max(s.progress_at for s in self.seen.values()) <= limit:
             return None
         records = {r: s.record for r, s in self.seen.items()}
         outside = [r for r, rec in records.items() if not rec["inside"]]
         if outside:
-            return self._verdict(outside, "is busy outside any collective (compute, data, or a deadlock there)", now)
+            return self._verdict(
+                outside, "is busy outside any collective (compute, data, or a deadlock there)", now
+            )
         steps = {rec["step"] for rec in records.values()}
         if len(steps) > 1:
             behind = [r for r, rec in records.items() if rec["step"] == min(steps)]
-            return self._verdict(behind, f"is still in step {min(steps) + 1} while others are ahead", now)
+            return self._verdict(
+                behind, f"is still in step {min(steps) + 1} while others are ahead", now
+            )
         usual, _ = Counter(rec["doing"] for rec in records.values()).most_common(1)[0]
         odd = [r for r, rec in records.items() if rec["doing"] != usual]
         if odd:
-            return self._verdict(odd, f"waits in a different collective than the others ({usual})", now)
+            return self._verdict(
+                odd, f"waits in a different collective than the others ({usual})", now
+            )
         return self._verdict(
             sorted(records),
-            "waits, as every rank does, in the same collective: no rank is missing from it, so the collective "
+            "waits, as every rank does, in the same collective: no rank is missing from it, so "
+            "the collective "
             "itself (the network or the backend) hangs",
             now,
         )
@@ -221,17 +241,27 @@ class Watchdog:
             return f"rank {r} (host {rec['host']}, pid {rec['pid']}; last collective: {where} {rec['doing']})"
 
         waiting = sorted(
-            {rec.record["doing"] for r, rec in self.seen.items() if r not in stuck and rec.record["inside"]}
+            {
+                rec.record["doing"]
+                for r, rec in self.seen.items()
+                if r not in stuck and rec.record["inside"]
+            }
         )
         message = (
             f"hang: {'; '.join(who(r) for r in stuck[:8])}{' and more' if len(stuck) > 8 else ''} "
             f"{why}; no progress for {since:.0f} s"
             + (f"; the other ranks wait in {', '.join(waiting)}" if waiting else "")
-            + f". Every rank stops (exit {HANG_EXIT}); a restart (--max-restarts) resumes from the newest snapshot or "
-            f"checkpoint. Noticed by rank {self.rank} after parallel.hang_timeout_s={self.hang_after_s:g}"
+            + f". Every rank stops (exit {HANG_EXIT}); a restart (--max-restarts) resumes from "
+            "the newest snapshot or "
+            f"checkpoint. Noticed by rank {self.rank} after "
+            f"parallel.hang_timeout_s={self.hang_after_s:g}"
         )
         return json.dumps(
-            {"message": message, "stuck": stuck, "answering": self.world - (0 if answering else len(stuck))}
+            {
+                "message": message,
+                "stuck": stuck,
+                "answering": self.world - (0 if answering else len(stuck)),
+            }
         )
 
     @contextlib.contextmanager
@@ -242,8 +272,8 @@ class Watchdog:
             yield
         except RuntimeError:  # what torch raises for a broken connection (DistBackendError is one)
             # A rank leaves on a verdict only after the verdict is in the store (`check` puts it
-            # there before `_exit`), so a failure its exit caused finds it there at once. No verdict:
-            # a peer crashed; raise now, as waiting for one would only delay the restart.
+            # there before `_exit`), so a failure its exit caused finds it there at once. No
+            # verdict: a peer crashed; raise now, as waiting for one would only delay the restart.
             key = self._key("verdict")
             try:
                 if not self._stop.is_set() and self.store.check([key]):
@@ -267,7 +297,8 @@ class Watchdog:
         print(f"strata: rank {self.rank}: {found['message']}", file=sys.stderr, flush=True)
         _record_for_torchrun(found["message"])
         self._wait_for_the_others(found["answering"])
-        os._exit(HANG_EXIT)  # the training thread is blocked in a collective: nothing cleaner can end it
+        # the training thread is blocked in a collective: nothing cleaner can end it
+        os._exit(HANG_EXIT)
 
     def _wait_for_the_others(self, answering: int) -> None:
         """Exit together: the first rank to leave breaks the others' collectives, whose training
@@ -314,7 +345,13 @@ def store_from_env(timeout_s: float):
         return None
     from torch.distributed import TCPStore
 
-    return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return TCPStore(
+        host,
+        int(port),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def start(store, token: str, rank: int, world_size: int, hang_after_s: float) -> Watchdog:

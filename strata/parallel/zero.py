@@ -86,7 +86,9 @@ class ZeroPlan:
                 f"coarser than optim ({self.optim})"
             )
         if self.secondary != "none" and order(self.secondary) >= order(self.params):
-            raise ValueError(f"ZeroPlan: secondary ({self.secondary}) must be finer than params ({self.params})")
+            raise ValueError(
+                f"ZeroPlan: secondary ({self.secondary}) must be finer than params ({self.params})"
+            )
 
     @property
     def shards_params(self) -> bool:
@@ -105,7 +107,14 @@ class StepTier(Protocol):
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the optimizer's tensor state (moments; scalar step counters left out), each storage once."""
-    return storage_bytes([t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.ndim > 0])
+    return storage_bytes(
+        [
+            t
+            for s in optimizer.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.ndim > 0
+        ]
+    )
 
 
 def units_of(part: nn.Module) -> list[tuple[str, list[nn.Module]]]:
@@ -165,13 +174,20 @@ class ZeroEngine:
     ):
         self.plan, self.topo, self.tied_group, self.count_tied = plan, topo, tied_group, count_tied
         self.routes, self.sync_level = Routes(topo, plan.hierarchical), sync_level
-        self.domains = dict(domains or {})  # parameter domain (parallel.experts.domain_of) -> its topology
-        self.domain_routes = {name: Routes(t, plan.hierarchical) for name, t in self.domains.items()}
+        # parameter domain (parallel.experts.domain_of) -> its topology
+        self.domains = dict(domains or {})
+        self.domain_routes = {
+            name: Routes(t, plan.hierarchical) for name, t in self.domains.items()
+        }
         self.groups: list[FlatGroup] = []
         self._plan_groups(parts, {id(p) for p in tied_copies or []})
         self.reducer = self._overlap() if overlap else None
         self.params = [piece for g in self.groups for _, piece, _, _ in g.segments]
-        shapes = {id(piece): tuple(slot.param.shape) for g in self.groups for slot, piece, _, _ in g.segments}
+        shapes = {
+            id(piece): tuple(slot.param.shape)
+            for g in self.groups
+            for slot, piece, _, _ in g.segments
+        }
         self.optimizer = make_optimizer(self.params, lambda piece: shapes[id(piece)])
         self.param_tier: ShardTier | None = None  # memory tiers (offload/), attached by `use_tiers`
         self.optim_tier: StepTier | None = None
@@ -202,13 +218,16 @@ class ZeroEngine:
                         if id(p) not in owner and p.requires_grad:
                             tied = id(p) in tied_ids or len(set(names[id(p)])) > 1
                             domain = domain_of(p) if domain_of(p) in self.domains else ""
-                            owner[id(p)] = "tied" if tied else f"{unit}@{domain}" if domain else unit
+                            owner[id(p)] = (
+                                "tied" if tied else f"{unit}@{domain}" if domain else unit
+                            )
                             members.setdefault(owner[id(p)], []).append((names[id(p)][0], p))
                             part_of.setdefault(owner[id(p)], pi)
                         ids.append(id(p))
                 used[(pi, ui)] = ids
         merged: list[tuple[str, list]] = []
-        for key, named in members.items():  # blocks merge only with their neighbours in the same stage
+        # blocks merge only with their neighbours in the same stage
+        for key, named in members.items():
             last = merged[-1] if merged else None
             if (
                 last
@@ -235,7 +254,8 @@ class ZeroEngine:
         ]
         group_of = {id(slot.param): g for g in self.groups for slot in g.slots}
         self.unit_groups = {
-            k: list(dict.fromkeys(group_of[i] for i in ids if i in group_of)) for k, ids in used.items()
+            k: list(dict.fromkeys(group_of[i] for i in ids if i in group_of))
+            for k, ids in used.items()
         }
 
     def _install_hooks(self, parts: list[nn.Module]) -> None:
@@ -252,7 +272,9 @@ class ZeroEngine:
                 modules[0].register_forward_pre_hook(
                     lambda m, args, o=order, u=ui: self._pre_forward(o, u), prepend=True
                 )
-                modules[-1].register_forward_hook(lambda m, args, out, o=order, u=ui: self._post_forward(o, u, out))
+                modules[-1].register_forward_hook(
+                    lambda m, args, out, o=order, u=ui: self._post_forward(o, u, out)
+                )
 
     def _overlap(self) -> Reducer | None:
         """Reductions behind backward: process groups of their own for every hop a reduction takes
@@ -260,11 +282,14 @@ class ZeroEngine:
         to. None when there is nothing to reduce (a single data-parallel rank)."""
         plan = self.plan
         widest = max(plan.optim, self.sync_level, key=CHAIN.index)
-        if not self.groups or not any(r.steps("none", widest) for r in [self.routes, *self.domain_routes.values()]):
+        if not self.groups or not any(
+            r.steps("none", widest) for r in [self.routes, *self.domain_routes.values()]
+        ):
             return None
         reducer = Reducer()
         dedicated = {
-            name: Routes(t, plan.hierarchical, dedicated=True) for name, t in [("", self.topo), *self.domains.items()]
+            name: Routes(t, plan.hierarchical, dedicated=True)
+            for name, t in [("", self.topo), *self.domains.items()]
         }
         uses: dict[int, set[int]] = {}
         for (pi, _), groups in self.unit_groups.items():
@@ -272,8 +297,10 @@ class ZeroEngine:
                 uses.setdefault(id(g), set()).add(pi)
         for g in self.groups:
             g.reducer, g.reduce_routes = reducer, dedicated[_domain(g.name)]
-            g.uses = len(uses.get(id(g), {0}))  # a weight in two pipeline stages: two backwards per micro-batch
-        # Every chain a group can start, built once now: each makes its groups, in the same order on every rank.
+            # a weight in two pipeline stages: two backwards per micro-batch
+            g.uses = len(uses.get(id(g), {0}))
+        # Every chain a group can start, built once now: each makes its groups, in the same order on
+        # every rank.
         for name in dedicated:
             first = next((g for g in self.groups if _domain(g.name) == name), None)
             if first is None:
@@ -287,7 +314,8 @@ class ZeroEngine:
         """The step about to run has this many micro-batches (each part runs backward once per
         micro-batch): a group's reduction starts after its last backward of the step."""
         for g in self.groups:
-            g.free()  # a step starts with nothing gathered (one that failed part-way may have left some)
+            # a step starts with nothing gathered (one that failed part-way may have left some)
+            g.free()
             g.expected, g.backwards = micro_batches * g.uses, 0
 
     # --- hooks (ZeRO-3) --------------------------------------------------------------------
@@ -302,7 +330,9 @@ class ZeroEngine:
         ahead = self.plan.prefetch_blocks
         self._prefetch(order, range(u + 1, min(len(order), u + 1 + ahead)))
         if self.param_tier is not None:  # shards read one step further ahead than the gathers
-            self._read_ahead(order[u + 1 + ahead : u + 1 + ahead + self.param_tier.read_ahead_groups])
+            self._read_ahead(
+                order[u + 1 + ahead : u + 1 + ahead + self.param_tier.read_ahead_groups]
+            )
 
     def _post_forward(self, order: list[list[FlatGroup]], u: int, out):
         backward = torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
@@ -311,7 +341,9 @@ class ZeroEngine:
             # The last unit's backward runs first: when one is still to come this step
             # (`expect_backwards`), its groups stay gathered until their gradients are in (the
             # peak is no higher: they are the running unit when backward starts).
-            if id(g) not in later and not (backward and u == len(order) - 1 and g.backward_to_come()):
+            if id(g) not in later and not (
+                backward and u == len(order) - 1 and g.backward_to_come()
+            ):
                 g.free()
         if backward:
             out.register_hook(lambda grad, o=order, v=u: self._pre_backward(o, v))
@@ -324,11 +356,17 @@ class ZeroEngine:
         self._prefetch(order, range(u - 1, max(-1, u - 1 - ahead), -1))
         if self.param_tier is not None:
             start = u - 1 - ahead
-            self._read_ahead(order[max(0, start - self.param_tier.read_ahead_groups + 1) : max(0, start + 1)][::-1])
+            self._read_ahead(
+                order[max(0, start - self.param_tier.read_ahead_groups + 1) : max(0, start + 1)][
+                    ::-1
+                ]
+            )
 
     def _read_ahead(self, units: list[list[FlatGroup]]) -> None:
         assert self.param_tier is not None  # called only with a parameter tier
-        self.param_tier.read_ahead([g for groups in units for g in groups if not (g.gathered or g.secondary_valid)])
+        self.param_tier.read_ahead(
+            [g for groups in units for g in groups if not (g.gathered or g.secondary_valid)]
+        )
 
     # --- the step --------------------------------------------------------------------------
     def finish_grads(self, scale: float) -> None:
@@ -343,8 +381,8 @@ class ZeroEngine:
         partition, _ = self.topo.digit_group("none", self.plan.optim)
         others = [g for g in self.groups if _domain(g.name)]
         if tp_group is None and pp_group is None and partition is None and not others:
-            # This rank's segments are the whole gradient, in the model's parameter order: torch's own
-            # clip_grad_norm_ gives, bit for bit, what a plain training loop computes.
+            # This rank's segments are the whole gradient, in the model's parameter order: torch's
+            # own clip_grad_norm_ gives, bit for bit, what a plain training loop computes.
             return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         counted = [
             (slot, piece)
@@ -352,14 +390,28 @@ class ZeroEngine:
             if (self.count_tied or not g.tied_copy) and not _domain(g.name)
             for slot, piece, _, _ in g.segments
         ]
-        sharded = [_grad(piece) for slot, piece in counted if placement_of(slot.param).shard_dim is not None]
-        replicated = [_grad(piece) for slot, piece in counted if placement_of(slot.param).shard_dim is None]
+        sharded = [
+            _grad(piece)
+            for slot, piece in counted
+            if placement_of(slot.param).shard_dim is not None
+        ]
+        replicated = [
+            _grad(piece) for slot, piece in counted if placement_of(slot.param).shard_dim is None
+        ]
         device = self.groups[0].full.device
         total = global_grad_norm(
-            sharded, replicated, tp_group, pp_group, partition, device, extra_sq=self._domains_sq(others, device)
+            sharded,
+            replicated,
+            tp_group,
+            pp_group,
+            partition,
+            device,
+            extra_sq=self._domains_sq(others, device),
         )
         if math.isfinite(max_norm):
-            scale_to_norm([piece.grad for piece in self.params if piece.grad is not None], max_norm, total)
+            scale_to_norm(
+                [piece.grad for piece in self.params if piece.grad is not None], max_norm, total
+            )
         return total
 
     def _domains_sq(self, groups: list[FlatGroup], device: torch.device) -> torch.Tensor | None:
@@ -409,7 +461,9 @@ class ZeroEngine:
             for k, v in g.held_bytes().items():
                 out[k] += v
         out["optim"] = (
-            self.optim_tier.device_bytes() if self.optim_tier is not None else optimizer_state_bytes(self.optimizer)
+            self.optim_tier.device_bytes()
+            if self.optim_tier is not None
+            else optimizer_state_bytes(self.optimizer)
         )
         return out
 

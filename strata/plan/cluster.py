@@ -27,9 +27,12 @@ class Device:
     peak_tflops: float  # dense bf16 peak (fp32 for a CPU): MFU's denominator
     matmul_efficiency: float  # share of peak that large matmuls sustain (1.0 when measured)
     mem_bw_gbs: float  # memory bandwidth in GB/s, which element-wise work is bound by
-    fp32_tflops: float = 0.0  # fp32 rate (0: the bf16 one), the model's rate under train.precision=fp32
-    measured: bool = False  # calibrated: peak_tflops is a whole forward/backward's rate, element-wise work included
-    host_memory: bool = False  # a CPU rank: its "device" is host memory, so moving state to the host moves nothing
+    # fp32 rate (0: the bf16 one), the model's rate under train.precision=fp32
+    fp32_tflops: float = 0.0
+    # calibrated: peak_tflops is a whole forward/backward's rate, element-wise work included
+    measured: bool = False
+    # a CPU rank: its "device" is host memory, so moving state to the host moves nothing
+    host_memory: bool = False
 
     @property
     def sustained_tflops(self) -> float:
@@ -77,7 +80,8 @@ class Cluster:
     host_mem_gib: float = 1024.0  # per node
     host_link_gbps: float = 200.0  # device <-> host, per GPU (PCIe 4 x16: about 25 GB/s)
     nvme_gbps: float = 50.0  # per node, read or write (a few NVMe drives)
-    cpu_adam_gparams_s: float = 1.0  # AdamW updates per second on the host, per rank, in 1e9 parameters
+    # AdamW updates per second on the host, per rank, in 1e9 parameters
+    cpu_adam_gparams_s: float = 1.0
     # Every rank runs on one machine's cores (a namespaced test cluster, calibrated with all ranks
     # computing at once): a rank that waits frees its share for the others, so compute is the job's
     # work spread evenly over the ranks, and a pipeline's bubble idles no core.
@@ -101,10 +105,13 @@ class Cluster:
         return gbps[link] * 1e9 / 8
 
     def describe(self) -> str:
-        gpus = f"{self.gpus_per_node} GPUs" + (f" × {self.ranks_per_gpu} GCDs" if self.ranks_per_gpu > 1 else "")
+        gpus = f"{self.gpus_per_node} GPUs" + (
+            f" × {self.ranks_per_gpu} GCDs" if self.ranks_per_gpu > 1 else ""
+        )
         return (
             f"{self.nodes} node(s) × {gpus} of {self.device.name} ({self.device.mem_gib:g} GiB, "
-            f"{self.device.peak_tflops:g} TFLOP/s peak); links: intra-node {self.intra_node_gbps:g} Gbit/s per GPU, "
+            f"{self.device.peak_tflops:g} TFLOP/s peak); links: intra-node "
+            f"{self.intra_node_gbps:g} Gbit/s per GPU, "
             f"inter-node {self.inter_node_gbps:g} Gbit/s per node"
             + (f", intra-gpu {self.intra_gpu_gbps:g} Gbit/s" if self.ranks_per_gpu > 1 else "")
         )
@@ -158,7 +165,10 @@ def device_named(name: str) -> Device:
     key = name.lower()
     if key not in DEVICES:
         raise ConfigError(
-            [f"--gpu {name!r} is not a known device; known: {', '.join(DEVICES)} (or give --gpu-mem-gb and --tflops)"]
+            [
+                f"--gpu {name!r} is not a known device; known: {', '.join(DEVICES)} (or give "
+                "--gpu-mem-gb and --tflops)"
+            ]
         )
     return DEVICES[key]
 
@@ -172,7 +182,14 @@ def preset(name: str, nodes: int, **changes) -> Cluster:
     return replace(Cluster(nodes=nodes, **values), **changes)
 
 
-def cpu_cluster(nodes: int, ranks_per_node: int, ranks_per_gpu: int = 1, tflops: float = 0.01) -> Cluster:
+def cpu_cluster(
+    nodes: int, ranks_per_node: int, ranks_per_gpu: int = 1, tflops: float = 0.01
+) -> Cluster:
     """This kind of machine, CPU ranks standing in for GPUs (memory figures only need the shape)."""
     cpu = Device("cpu", 1e9, tflops, 1.0, 10.0, measured=True, host_memory=True)
-    return Cluster(nodes=nodes, gpus_per_node=ranks_per_node // ranks_per_gpu, device=cpu, ranks_per_gpu=ranks_per_gpu)
+    return Cluster(
+        nodes=nodes,
+        gpus_per_node=ranks_per_node // ranks_per_gpu,
+        device=cpu,
+        ranks_per_gpu=ranks_per_gpu,
+    )

@@ -35,7 +35,17 @@ from strata.plan.shapes import (
 )
 
 TIERS = ("device", "host", "nvme")
-KINDS = ("params", "grads", "optim", "gathered", "buckets", "activations", "pool", "staging", "snapshot")
+KINDS = (
+    "params",
+    "grads",
+    "optim",
+    "gathered",
+    "buckets",
+    "activations",
+    "pool",
+    "staging",
+    "snapshot",
+)
 FP32 = 4
 ADAM_MOMENTS = 2
 TIER_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}  # an offload device setting's tier
@@ -57,7 +67,9 @@ class RankMemory:
         return sum(v for (_, t), v in self.bytes.items() if t == tier)
 
     def kind(self, kind: str, tier: str | None = None) -> int:
-        return sum(v for (k, t), v in self.bytes.items() if k == kind and (tier is None or t == tier))
+        return sum(
+            v for (k, t), v in self.bytes.items() if k == kind and (tier is None or t == tier)
+        )
 
 
 @dataclass
@@ -86,7 +98,10 @@ class MemoryEstimate:
         return int(self.cluster.host_mem_gib * 2**30 / self.cluster.ranks_per_node)
 
     def fits(self) -> bool:
-        return self.peak("device") <= self.device_budget and self.peak("host") <= self.host_budget_per_rank
+        return (
+            self.peak("device") <= self.device_budget
+            and self.peak("host") <= self.host_budget_per_rank
+        )
 
     def problems(self) -> list[str]:
         """Why the layout does not fit, one line per tier over its budget."""
@@ -94,10 +109,13 @@ class MemoryEstimate:
         for tier, budget in (("device", self.device_budget), ("host", self.host_budget_per_rank)):
             worst = self.worst(tier)
             if worst.total(tier) > budget:
-                top = sorted(((v, k) for (k, t), v in worst.bytes.items() if t == tier), reverse=True)[:3]
+                top = sorted(
+                    ((v, k) for (k, t), v in worst.bytes.items() if t == tier), reverse=True
+                )[:3]
                 parts = ", ".join(f"{k} {gib(v)}" for v, k in top)
                 out.append(
-                    f"{tier} memory: pipeline stage {worst.pp_rank} needs {gib(worst.total(tier))} per rank "
+                    f"{tier} memory: pipeline stage {worst.pp_rank} needs "
+                    f"{gib(worst.total(tier))} per rank "
                     f"(largest: {parts}) but has {gib(budget)}"
                 )
         return out
@@ -111,7 +129,9 @@ def gib(nbytes: float) -> str:
 def layout_of(cfg: Config, cluster: Cluster) -> Layout:
     """The topology's Layout of `cfg` on `cluster`, whose shape wins over the config's ranks per
     node and per GPU (ConfigError, as at launch, when the layout does not fit the cluster)."""
-    par = dataclasses.replace(cfg.parallel, ranks_per_node=cluster.ranks_per_node, ranks_per_gpu=cluster.ranks_per_gpu)
+    par = dataclasses.replace(
+        cfg.parallel, ranks_per_node=cluster.ranks_per_node, ranks_per_gpu=cluster.ranks_per_gpu
+    )
     return layout_from_config(par, cluster.world_size)
 
 
@@ -152,7 +172,9 @@ def flat_groups(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> list[G
 
 def micro_batches(cfg: Config, layout: Layout) -> int:
     """Micro-batches per step on each data-parallel rank (at least 1)."""
-    return max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.data_parallel))
+    return max(
+        1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.data_parallel)
+    )
 
 
 def in_flight(cfg: Config, layout: Layout, pp_rank: int) -> float:
@@ -192,7 +214,8 @@ def activation_bytes(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> d
     act, m = cfg.activations, cfg.model
     tp, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
     parts = parts_of(cfg, pp_rank)
-    tokens = cfg.train.micro_batch_size * m.seq_len // cfg.parallel.cp  # a context-parallel rank's share
+    # a context-parallel rank's share
+    tokens = cfg.train.micro_batch_size * m.seq_len // cfg.parallel.cp
     indices = [p.first_layer + i for p in parts for i in range(p.n_layers)]
     layers = len(indices)
     flight = in_flight(cfg, layout, pp_rank)
@@ -232,11 +255,15 @@ def estimate_memory(cfg: Config, cluster: Cluster, vocab: int) -> MemoryEstimate
     """Per-rank bytes by kind and tier for every pipeline stage of `cfg` on `cluster`."""
     layout = layout_of(cfg, cluster)
     return MemoryEstimate(
-        [_rank_memory(cfg, cluster, layout, vocab, s) for s in range(cfg.parallel.pp)], cluster, layout
+        [_rank_memory(cfg, cluster, layout, vocab, s) for s in range(cfg.parallel.pp)],
+        cluster,
+        layout,
     )
 
 
-def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_rank: int) -> RankMemory:
+def _rank_memory(
+    cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_rank: int
+) -> RankMemory:
     out = RankMemory(pp_rank)
     levels, counts = zero_levels(cfg), domain_counts(cfg, layout)
     groups = flat_groups(cfg, layout, vocab, pp_rank)
@@ -250,10 +277,15 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
 
     # parameters: the shard at the params level (+ the hpZ copy), or the whole flat buffer
     shard = share("params") * FP32
-    params_tier = "device" if cluster.device.host_memory and devices["params"] == "cpu" else TIER_OF[devices["params"]]
+    params_tier = (
+        "device"
+        if cluster.device.host_memory and devices["params"] == "cpu"
+        else TIER_OF[devices["params"]]
+    )
     out.add("params", params_tier, shard)
     resident_mb = cfg.offload.params.resident_mb
-    if params_tier == "nvme" and resident_mb is not None:  # resident shards, those kept after use and read ahead
+    # resident shards, those kept after use and read ahead
+    if params_tier == "nvme" and resident_mb is not None:
         _add_resident_shards(out, cfg, groups, resident_mb * 2**20, counts[""][levels["params"]])
     if levels["secondary"] != "none" and sharded:
         out.add("params", "device", share("secondary") * FP32)
@@ -269,8 +301,12 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
         # one being reduced while the network keeps pace with backward. Where it does not (gloo on
         # a loaded CPU), reductions queue and hold more, up to every group's at once.
         out.add("buckets", "device", 2 * max(g.padded for g in groups) * FP32)
-    finer = [g for g in groups if counts[g.domain][levels["optim"]] != counts[g.domain][levels["grads"]]]
-    out.add("grads", "device", sum(g.padded / counts[g.domain][levels["optim"]] for g in finer) * FP32)
+    finer = [
+        g for g in groups if counts[g.domain][levels["optim"]] != counts[g.domain][levels["grads"]]
+    ]
+    out.add(
+        "grads", "device", sum(g.padded / counts[g.domain][levels["optim"]] for g in finer) * FP32
+    )
 
     # optimizer: AdamW's two fp32 moments of the optimizer chunk, wherever offload puts them
     moments = ADAM_MOMENTS * share("optim") * FP32
@@ -281,7 +317,8 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
 
     if cfg.offload.enabled or cfg.activations.offload != "none":
         out.add("pool", "host", cfg.offload.host_buffer_mb * 2**20)
-        if not cluster.device.host_memory and devices["optim"] != "none":  # the CPU update's two pinned buffers
+        # the CPU update's two pinned buffers
+        if not cluster.device.host_memory and devices["optim"] != "none":
             out.add("pool", "host", 2 * cfg.offload.slab_mb * 2**20)
 
     image = sum(g.padded * FP32 * (1 + ADAM_MOMENTS) / counts[g.domain]["global"] for g in groups)
@@ -292,7 +329,8 @@ def _rank_memory(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_r
         # the rank's own image, and its share of the fragments the node's agent keeps: every
         # rank's image is cut into k pieces plus m parity pieces stored on k + m nodes
         out.add("snapshot", "host", image * (1 + (snap.k + snap.m) / snap.k))
-    if params_tier == "nvme" and resident_mb is None:  # sized at run time from what the device has free, less 10%
+    # sized at run time from what the device has free, less 10%
+    if params_tier == "nvme" and resident_mb is None:
         free = 0.9 * cluster.device.mem_gib * 2**30 - out.total("device")
         _add_resident_shards(out, cfg, groups, free, counts[""][levels["params"]])
     return out
@@ -308,7 +346,9 @@ def _gathered_peak(groups: list[Group], window: int) -> int:
     return max(sum(sizes[i : i + window]) for i in range(len(sizes)))
 
 
-def _add_resident_shards(out: RankMemory, cfg: Config, groups: list[Group], budget: float, ranks: int) -> None:
+def _add_resident_shards(
+    out: RankMemory, cfg: Config, groups: list[Group], budget: float, ranks: int
+) -> None:
     """NVMe parameter shards on the device: those `budget` bytes keep resident (strata/offload/params.py
     takes them in the update's order while they fit), then the `keep_groups` kept after use and
     the `read_ahead` read in front of the gathers, the largest of the others at once."""

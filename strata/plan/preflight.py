@@ -17,7 +17,9 @@ def this_machine(nodes: int, ranks_per_node: int, ranks_per_gpu: int = 1) -> Clu
     rank's share of the physical memory (where device and host are one memory)."""
     device = _gpu()
     if device is not None:
-        return Cluster(nodes, ranks_per_node // ranks_per_gpu, device, ranks_per_gpu, host_mem_gib=ram_gib())
+        return Cluster(
+            nodes, ranks_per_node // ranks_per_gpu, device, ranks_per_gpu, host_mem_gib=ram_gib()
+        )
     share = ram_gib() / ranks_per_node
     return Cluster(
         nodes,
@@ -31,7 +33,8 @@ def this_machine(nodes: int, ranks_per_node: int, ranks_per_gpu: int = 1) -> Clu
 def _gpu() -> Device | None:
     """This machine's first GPU as CUDA describes it, or None."""
     if not any(Path(node).exists() for node in GPU_DRIVER_NODES):
-        return None  # CUDA (HIP) cannot be available, and `strata launch` is spared importing torch (seconds)
+        # CUDA (HIP) cannot be available, and `strata launch` is spared importing torch (seconds)
+        return None
     import torch
 
     if not torch.cuda.is_available():
@@ -55,6 +58,8 @@ def memory_warning(cfg: Config, nodes: int, ranks_per_node: int, vocab: int) -> 
         return None
     what = "GPU memory" if not cluster.device.host_memory else "its share of this machine's memory"
     return (
-        f"predicted memory per rank is {gib(need)} (pipeline stage {worst.pp_rank}) but a rank has {gib(budget)} of "
-        f"{what}; the job will likely run out of memory. `strata plan CONFIG --search` lists layouts that fit"
+        f"predicted memory per rank is {gib(need)} (pipeline stage {worst.pp_rank}) but a rank "
+        f"has {gib(budget)} of "
+        f"{what}; the job will likely run out of memory. `strata plan CONFIG --search` lists "
+        "layouts that fit"
     )

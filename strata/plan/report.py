@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from strata.config.schema import Config
 from strata.plan.cluster import LINKS, Cluster
-from strata.plan.memory import KINDS, TIERS, MemoryEstimate, gib, layout_of, micro_batches, zero_levels
+from strata.plan.memory import (
+    KINDS,
+    TIERS,
+    MemoryEstimate,
+    gib,
+    layout_of,
+    micro_batches,
+    zero_levels,
+)
 from strata.plan.search import SearchResult
 from strata.plan.timing import TimeEstimate
 
@@ -27,7 +35,8 @@ def layout_line(cfg: Config, cluster: Cluster) -> str:
     return (
         f"tp={par.tp} pp={par.pp} V={par.virtual_stages}{context} dp={dp}; "
         f"micro-batch {cfg.train.micro_batch_size} × {m}; "
-        f"zero {zero}; offload params={cfg.offload.params.device} optim={cfg.offload.optim.device}; "
+        f"zero {zero}; offload params={cfg.offload.params.device} "
+        f"optim={cfg.offload.optim.device}; "
         f"activations recompute={cfg.activations.recompute} offload={cfg.activations.offload}; "
         f"precision {cfg.train.precision}"
     )
@@ -46,10 +55,13 @@ def memory_table(memory: MemoryEstimate) -> list[str]:
         if any(row):
             lines.append(f"  {kind:<12}" + "".join(f"{v / 2**30:>10.3f}" for v in row))
     lines.append(f"  {'total':<12}" + "".join(f"{worst.total(t) / 2**30:>10.3f}" for t in TIERS))
-    lines.append(f"  {'budget':<12}{memory.device_budget / 2**30:>10.3f}{memory.host_budget_per_rank / 2**30:>10.3f}")
+    lines.append(
+        f"  {'budget':<12}{memory.device_budget / 2**30:>10.3f}{memory.host_budget_per_rank / 2**30:>10.3f}"
+    )
     if len(memory.stages) > 1:
         lines.append(
-            "  device total by stage: " + ", ".join(f"{r.pp_rank}: {gib(r.total('device'))}" for r in memory.stages)
+            "  device total by stage: "
+            + ", ".join(f"{r.pp_rank}: {gib(r.total('device'))}" for r in memory.stages)
         )
     return lines
 
@@ -76,16 +88,20 @@ def search_table(result: SearchResult, cluster: Cluster, top: int) -> list[str]:
     """The search's result as table lines: the `top` fitting layouts fastest first, then the layout
     families none of whose layouts fit, and why."""
     lines = [f"{len(result.fitting)} of {result.considered} layouts fit; fastest first:"]
-    lines.append(f"  {'#':>3}  {'step s':>9}  {'MFU':>6}  {'device GiB':>10}  {'host GiB':>9}  layout")
+    lines.append(
+        f"  {'#':>3}  {'step s':>9}  {'MFU':>6}  {'device GiB':>10}  {'host GiB':>9}  layout"
+    )
     for i, p in enumerate(result.fitting[:top], 1):
         lines.append(
-            f"  {i:>3}  {p.time.step_s:>9.4f}  {p.time.mfu:>6.1%}  {p.memory.peak('device') / 2**30:>10.2f}  "
+            f"  {i:>3}  {p.time.step_s:>9.4f}  {p.time.mfu:>6.1%}  "
+            f"{p.memory.peak('device') / 2**30:>10.2f}  "
             f"{p.memory.peak('host') / 2**30:>9.2f}  {p.candidate.describe()}"
         )
     if result.rejected:
         lines.append("families with no layout that fits (tp, pp, V, ep, cp):")
         lines += [
-            f"  tp={tp} pp={pp} V={v}{f' ep={ep}' if ep > 1 else ''}{f' cp={cp}' if cp > 1 else ''}: {why}"
+            f"  tp={tp} pp={pp} "
+            f"V={v}{f' ep={ep}' if ep > 1 else ''}{f' cp={cp}' if cp > 1 else ''}: {why}"
             for (tp, pp, v, ep, cp), why in result.rejected.items()
         ]
     return lines

@@ -32,7 +32,8 @@ class Candidate:
     zero: str  # a ZERO_SCHEMES name
     offload: str  # an OFFLOADS name
     recompute: str
-    ep: int = 1  # expert parallelism (MoE models): over the stage's tp·dp ranks, folded across tp when ep > dp
+    # expert parallelism (MoE models): over the stage's tp·dp ranks, folded across tp when ep > dp
+    ep: int = 1
     cp: int = 1  # context parallelism: each sequence over cp ranks carved out of dp
 
     @property
@@ -53,7 +54,9 @@ class Candidate:
             "train.micro_batch_size": self.micro_batch_size,
             "activations.recompute": self.recompute,
         }
-        levels = dict(zip(("params", "grads", "optim", "secondary_params"), ZERO_SCHEMES[self.zero]))
+        levels = dict(
+            zip(("params", "grads", "optim", "secondary_params"), ZERO_SCHEMES[self.zero])
+        )
         out.update({f"zero.{k}.shard_over": v for k, v in levels.items()})
         params, optim = OFFLOADS[self.offload]
         out.update({"offload.params.device": params, "offload.optim.device": optim})
@@ -63,7 +66,8 @@ class Candidate:
         experts = f" ep={self.ep}" if self.ep > 1 else ""
         context = f" cp={self.cp}" if self.cp > 1 else ""
         return (
-            f"tp={self.tp} pp={self.pp} V={self.virtual_stages}{experts}{context} mbs={self.micro_batch_size} "
+            f"tp={self.tp} pp={self.pp} V={self.virtual_stages}{experts}{context} "
+            f"mbs={self.micro_batch_size} "
             f"zero={self.zero} "
             f"offload={self.offload} recompute={self.recompute}"
         )
@@ -103,7 +107,8 @@ class SearchResult:
     (tp, pp, V) does not fit, and how many layouts were considered."""
 
     fitting: list[Planned]
-    rejected: dict[tuple[int, int, int, int, int], str] = field(default_factory=dict)  # family -> why none fits
+    # family -> why none fits
+    rejected: dict[tuple[int, int, int, int, int], str] = field(default_factory=dict)
     considered: int = 0
 
 
@@ -119,7 +124,8 @@ def with_layout(cfg: Config, cluster: Cluster, changes: dict[str, object]) -> Co
     return cfg
 
 
-MAX_CANDIDATES = 50_000  # layouts --search may try (a few ms each): past it, one error naming the count
+# layouts --search may try (a few ms each): past it, one error naming the count
+MAX_CANDIDATES = 50_000
 
 
 def _divisors(n: int) -> list[int]:
@@ -152,20 +158,28 @@ def _family(cfg: Config, nvme: bool, tp: int, pp: int, cp: int, dp: int) -> list
     """Every candidate of one (tp, pp, cp) with `dp` data-parallel replicas."""
     vs = [1] if pp == 1 else [1, 2, 4]
     per_replica = cfg.train.global_batch_size // dp if cfg.train.global_batch_size % dp == 0 else 0
-    mbs = [b for b in _divisors(per_replica) if b <= 16] if per_replica else [cfg.train.micro_batch_size]
+    mbs = (
+        [b for b in _divisors(per_replica) if b <= 16]
+        if per_replica
+        else [cfg.train.micro_batch_size]
+    )
     zeros = ["none"] if dp * cp == 1 else list(ZERO_SCHEMES)
     offloads = [o for o in OFFLOADS if nvme or "nvme" not in o]
     experts = cfg.model.moe.num_experts
     eps = [e for e in _divisors(tp * dp * cp) if experts % e == 0] if experts else [1]
     out = []
-    for v, b, z, o, r, e in itertools.product(vs, mbs, zeros, offloads, ("none", "selective", "full"), eps):
+    for v, b, z, o, r, e in itertools.product(
+        vs, mbs, zeros, offloads, ("none", "selective", "full"), eps
+    ):
         if o == "all-nvme" and ZERO_SCHEMES[z][0] == "none":
             continue  # parameter offload needs ZeRO-3
         out.append(Candidate(tp, pp, v, b, z, o, r, e, cp))
     return out
 
 
-def search(cfg: Config, cluster: Cluster, vocab: int, problems_of: Callable[[Config, int], list[str]]) -> SearchResult:
+def search(
+    cfg: Config, cluster: Cluster, vocab: int, problems_of: Callable[[Config, int], list[str]]
+) -> SearchResult:
     """Layouts that fit, fastest first, and why each (tp, pp, V, ep, cp) family has none. `problems_of(cfg,
     world_size)` is the config's own validation (`strata.config.checks.cross_problems`), which weeds
     out layouts a run would refuse."""
@@ -176,7 +190,8 @@ def search(cfg: Config, cluster: Cluster, vocab: int, problems_of: Callable[[Con
     tries = candidates(cfg, cluster, nvme)
     if len(tries) > MAX_CANDIDATES:
         raise StrataError(
-            f"strata plan --search would try {len(tries):,} layouts (more than {MAX_CANDIDATES:,}, minutes of work): "
+            f"strata plan --search would try {len(tries):,} layouts (more than "
+            f"{MAX_CANDIDATES:,}, minutes of work): "
             "plan fewer nodes or GPUs per node, or check the config's layout without --search"
         )
     for cand in tries:
@@ -198,7 +213,9 @@ def search(cfg: Config, cluster: Cluster, vocab: int, problems_of: Callable[[Con
         if family in fits:
             continue
         if family in best_memory:
-            result.rejected[family] = f"memory: even its leanest variant does not fit ({best_memory[family][1]})"
+            result.rejected[family] = (
+                f"memory: even its leanest variant does not fit ({best_memory[family][1]})"
+            )
         else:
             result.rejected[family] = f"invalid: {why[family][0]}"
     result.fitting.sort(key=lambda p: p.time.step_s)

@@ -42,7 +42,12 @@ class Part:
 def block_elements(m: ModelConfig, tp: int, ffn: bool = True) -> int:
     """Parameters of one dense transformer block on one tensor-parallel rank (norms replicated);
     without `ffn`, all but its feed-forward."""
-    d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size if ffn else 0
+    d, q, kv, f = (
+        m.d_model,
+        m.n_heads * m.head_size,
+        m.kv_heads * m.head_size,
+        m.ffn_size if ffn else 0,
+    )
     n = (2 * d * q + 2 * d * kv + 3 * d * f) // tp + 2 * d
     if m.qkv_bias:
         n += (q + 2 * kv) // tp
@@ -56,7 +61,9 @@ def parts_of(cfg: Config, pp_rank: int) -> list[Part]:
     par = cfg.parallel
     if par.pp == 1:
         return [Part(cfg.model.n_layers, True, True)]
-    indices = stage_indices(pp_rank, par.pp, par.virtual_stages, schedule_name(par.schedule, par.virtual_stages))
+    indices = stage_indices(
+        pp_rank, par.pp, par.virtual_stages, schedule_name(par.schedule, par.virtual_stages)
+    )
     return [
         Part(p.n_layers, p.is_first, p.is_last, p.first_layer)
         for p in plan_stages(cfg.model.n_layers, par.pp * par.virtual_stages, indices)
@@ -83,7 +90,9 @@ def block_domains(cfg: Config, index: int) -> dict[str, int]:
     return {"": attention, "routing": routing, "experts": experts}
 
 
-def groups_of(cfg: Config, vocab: int, pp_rank: int, pad_to: dict[str, int], bucket_bytes: int) -> list[Group]:
+def groups_of(
+    cfg: Config, vocab: int, pp_rank: int, pad_to: dict[str, int], bucket_bytes: int
+) -> list[Group]:
     """The flat groups of pipeline rank `pp_rank`, as `ZeroEngine` plans them: one per unit
     (embedding, each block, final norm + output) and parameter domain, a tied embedding in a group
     of its own, consecutive blocks of one chunk and one domain merged while the group holds less
@@ -99,16 +108,26 @@ def groups_of(cfg: Config, vocab: int, pp_rank: int, pad_to: dict[str, int], buc
         for i in range(part.n_layers):
             for domain, elements in block_domains(cfg, part.first_layer + i).items():
                 last = out[-1] if out else None
-                if last and last[2] > 0 and last[3] == pi and last[4] == domain and last[1] * 4 < bucket_bytes:
+                if (
+                    last
+                    and last[2] > 0
+                    and last[3] == pi
+                    and last[4] == domain
+                    and last[1] * 4 < bucket_bytes
+                ):
                     last[1] += elements
                     last[2] += 1
                 else:
                     out.append([f"layers.{part.first_layer + i}", elements, 1, pi, domain])
         if part.last:
             out.append(["head", m.d_model + (0 if tied else embed), 0, pi, ""])
-            if tied and not part.first:  # the last stage's copy of a tied embedding: a group of its own
+            # the last stage's copy of a tied embedding: a group of its own
+            if tied and not part.first:
                 out.append(["tied", embed, 0, pi, ""])
-    return [Group(n, e, math.ceil(e / pad_to[dom]) * pad_to[dom], layers, pi, dom) for n, e, layers, pi, dom in out]
+    return [
+        Group(n, e, math.ceil(e / pad_to[dom]) * pad_to[dom], layers, pi, dom)
+        for n, e, layers, pi, dom in out
+    ]
 
 
 @lru_cache(maxsize=256)
@@ -126,7 +145,11 @@ def layer_flops(m: ModelConfig, tp: int, index: int = 0) -> float:
     d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
     if m.moe.is_moe_layer(index):
         moe = m.moe
-        ffn = moe.num_experts * d / 3 + moe.top_k * d * moe.expert_ffn_size(m) + d * moe.shared_ffn_size(m)
+        ffn = (
+            moe.num_experts * d / 3
+            + moe.top_k * d * moe.expert_ffn_size(m)
+            + d * moe.shared_ffn_size(m)
+        )
         return 2 * (2 * d * q + 2 * d * kv + 3 * ffn) / tp + 0.5 * 4 * m.seq_len * q / tp
     return 2 * (2 * d * q + 2 * d * kv + 3 * d * f) / tp + 0.5 * 4 * m.seq_len * q / tp
 
@@ -141,7 +164,9 @@ def backward_flops(m: ModelConfig, group: Group, vocab: int, tp: int) -> float:
     head's group, the output layer's; an embedding's backward (a scatter-add) counts as nothing.
     (An MoE block's groups of other domains each count the block's work: a bound, not a split.)"""
     first = int(group.name.split(".")[1]) if group.name.startswith("layers.") else 0
-    return group.layers * layer_flops(m, tp, first) + (head_flops(m, vocab, tp) if group.name == "head" else 0.0)
+    return group.layers * layer_flops(m, tp, first) + (
+        head_flops(m, vocab, tp) if group.name == "head" else 0.0
+    )
 
 
 # --- activations ----------------------------------------------------------------------------
@@ -170,7 +195,8 @@ def block_saved(cfg: Config, index: int = 0) -> list[Saved]:
     bf16 = cfg.train.bf16_compute
     act = 2 if bf16 else 4
     sp = cfg.parallel.sequence_parallel and tp > 1
-    stream = d / tp if sp else d  # sequence parallelism shards the residual stream over the tp ranks
+    # sequence parallelism shards the residual stream over the tp ranks
+    stream = d / tp if sp else d
     rstd = 1 / tp if sp else 1
     saved = [
         Saved("residual into attn_norm", stream, 4),
@@ -268,10 +294,16 @@ def block_constant_bytes(cfg: Config, index: int = 0) -> int:
         return 0
     m, tp = cfg.model, cfg.parallel.tp
     d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
-    if m.moe.is_moe_layer(index):  # the experts' (one stacked copy each) and the shared experts' weights
+    # the experts' (one stacked copy each) and the shared experts' weights
+    if m.moe.is_moe_layer(index):
         moe = m.moe
         weights = (2 * d * q + 2 * d * kv) // tp * 2
-        weights += (moe.num_experts // cfg.parallel.ep * moe.expert_ffn_size(m) + moe.shared_ffn_size(m)) * 3 * d * 2
+        weights += (
+            (moe.num_experts // cfg.parallel.ep * moe.expert_ffn_size(m) + moe.shared_ffn_size(m))
+            * 3
+            * d
+            * 2
+        )
     else:
         weights = (2 * d * q + 2 * d * kv + 3 * d * f) // tp * 2
     rope = 8 * m.seq_len * (m.head_size // 2) * 2

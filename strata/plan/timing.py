@@ -50,13 +50,14 @@ from strata.plan.shapes import (
 )
 
 ADAM_BYTES = 32  # per element of the optimizer chunk: parameter r/w, gradient r, two moments r/w
-# Unfused attention (scores, mask, softmax and dropout as separate kernels, as Megatron-LM ran before
-# flash attention) moves each element of the batch·heads·seq² score matrix through memory: in
+# Unfused attention (scores, mask, softmax and dropout as separate kernels, as Megatron-LM ran
+# before flash attention) moves each element of the batch·heads·seq² score matrix through memory: in
 # 16-bit, forward writes the scores, reads them for the masked softmax and writes its output, and
-# dropout reads that and writes its result and a byte mask (13 bytes); backward reads and writes
-# as much again twice over. Strata's own attention (SDPA) is fused and keeps no score matrix.
+# dropout reads that and writes its result and a byte mask (13 bytes); backward reads and writes as
+# much again twice over. Strata's own attention (SDPA) is fused and keeps no score matrix.
 UNFUSED_SCORE_BYTES = {"forward": 13, "backward": 26}
-ELEMENTWISE_PASSES = 4  # saved activations written in forward, read in backward, their gradients too
+# saved activations written in forward, read in backward, their gradients too
+ELEMENTWISE_PASSES = 4
 
 
 @dataclass
@@ -95,7 +96,8 @@ class _Stage:
     send: float  # one pipeline send of a micro-batch's activations (or their gradients)
     chunks: int  # model chunks this rank runs (V)
     ep: traffic.Traffic = field(default_factory=traffic.Traffic)  # MoE all-to-alls per micro-batch
-    cp: traffic.Traffic = field(default_factory=traffic.Traffic)  # context parallelism's, seconds exposed
+    # context parallelism's, seconds exposed
+    cp: traffic.Traffic = field(default_factory=traffic.Traffic)
 
     @property
     def micro_batch(self) -> float:
@@ -129,7 +131,9 @@ def bubble_factor(cfg: Config) -> float:
     return (p - 1.0) / 6  # zbv_zero_bubble, dualpipev: V-shaped, two chunks per rank
 
 
-def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_rank: int, attention: str) -> _Stage:
+def _stage_time(
+    cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_rank: int, attention: str
+) -> _Stage:
     m, par, dev = cfg.model, cfg.parallel, cluster.device
     tp = par.tp
     tokens = cfg.train.micro_batch_size * m.seq_len // par.cp  # a context-parallel rank's share
@@ -151,7 +155,14 @@ def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_ra
         # only that; full's matmuls are counted above)
         bwd += 2 * moved / 3 + (moved / 3 if recompute != "none" else 0.0)
     if attention == "unfused":
-        scores = cfg.train.micro_batch_size * m.n_heads / tp * m.seq_len**2 * layers / (dev.mem_bw_gbs * 1e9)
+        scores = (
+            cfg.train.micro_batch_size
+            * m.n_heads
+            / tp
+            * m.seq_len**2
+            * layers
+            / (dev.mem_bw_gbs * 1e9)
+        )
         again = 1 if recompute == "full" else 0
         fwd += scores * UNFUSED_SCORE_BYTES["forward"]
         bwd += scores * (UNFUSED_SCORE_BYTES["backward"] + again * UNFUSED_SCORE_BYTES["forward"])
@@ -167,9 +178,12 @@ def _stage_time(cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_ra
     send = 0.0
     if par.pp > 1:
         local_seq = m.seq_len // par.cp // (tp if par.sequence_parallel and tp > 1 else 1)
-        send = traffic.pipeline_send(cluster, layout, cfg.train.micro_batch_size * local_seq * m.d_model * 4).seconds
+        send = traffic.pipeline_send(
+            cluster, layout, cfg.train.micro_batch_size * local_seq * m.d_model * 4
+        ).seconds
     ep = _expert_traffic(cfg, cluster, layout, indices)
-    attend_s = tokens * 2 * m.seq_len * m.n_heads * m.head_size / tp / rate  # a layer's causal attention forward
+    # a layer's causal attention forward
+    attend_s = tokens * 2 * m.seq_len * m.n_heads * m.head_size / tp / rate
     cp = _context_traffic(cfg, cluster, layout, layers, tokens, attend_s)
     return _Stage(fwd, bwd, tp_traffic, send, len(parts), ep, cp)
 
@@ -194,9 +208,9 @@ def _context_traffic(
     forwards = 2 if cfg.activations.recompute != "none" else 1
     mode = attention_mode(par.cp_mode, m.n_heads // tp, m.kv_heads // tp, cp)
     if mode == "alltoall":
-        return traffic.context_exchange(cluster, layout, tokens * (2 * q + 2 * kv) * act, mode).scaled(
-            layers * (forwards + 1)
-        )
+        return traffic.context_exchange(
+            cluster, layout, tokens * (2 * q + 2 * kv) * act, mode
+        ).scaled(layers * (forwards + 1))
     shift = traffic.context_exchange(cluster, layout, tokens * 2 * kv * act, mode)
     grads = traffic.context_exchange(cluster, layout, tokens * 2 * kv * 4, mode)
     block = attention / cp
@@ -211,7 +225,9 @@ def _context_traffic(
     return out
 
 
-def _expert_traffic(cfg: Config, cluster: Cluster, layout: Layout, indices: list[int]) -> traffic.Traffic:
+def _expert_traffic(
+    cfg: Config, cluster: Cluster, layout: Layout, indices: list[int]
+) -> traffic.Traffic:
     """The all-to-alls of a micro-batch's MoE layers among `indices` under expert parallelism: each
     layer's dispatch and return forward, and both again backward (and forward again when
     recomputed). Each tensor-parallel rank routes 1/tp of the micro-batch's tokens."""
@@ -222,7 +238,9 @@ def _expert_traffic(cfg: Config, cluster: Cluster, layout: Layout, indices: list
     tokens = cfg.train.micro_batch_size * m.seq_len / par.cp / par.tp
     row = m.d_model * (2 if cfg.train.bf16_compute else 4)
     nodes_per_token = _nodes_per_token(cfg, layout)
-    one = traffic.expert_exchange(cluster, layout, par.ep, tokens, row, m.moe.top_k, nodes_per_token)
+    one = traffic.expert_exchange(
+        cluster, layout, par.ep, tokens, row, m.moe.top_k, nodes_per_token
+    )
     exchanges = 4 + (2 if cfg.activations.recompute != "none" else 0)
     return one.scaled(moe_layers * exchanges)
 
@@ -282,7 +300,9 @@ class _Reductions:
         return out
 
 
-def _reductions(cfg: Config, cluster: Cluster, layout: Layout, groups: list[Group], m: int, vocab: int) -> _Reductions:
+def _reductions(
+    cfg: Config, cluster: Cluster, layout: Layout, groups: list[Group], m: int, vocab: int
+) -> _Reductions:
     """The engine's collectives per flat group (see strata/parallel/zero.py): ZeRO-3 gathers per micro-batch
     (forward from the params level; backward and later micro-batches from the hpZ copy when there
     is one), reduce-scatters to the grads level per micro-batch, the final reduce-scatter to the
@@ -320,13 +340,17 @@ def _reductions(cfg: Config, cluster: Cluster, layout: Layout, groups: list[Grou
     return out
 
 
-def estimate_time(cfg: Config, cluster: Cluster, vocab: int, attention: str = "fused") -> TimeEstimate:
+def estimate_time(
+    cfg: Config, cluster: Cluster, vocab: int, attention: str = "fused"
+) -> TimeEstimate:
     """Seconds per optimizer step of `cfg` on `cluster` (see the module docstring). `attention`:
     "fused" (Strata's SDPA, flash attention) or "unfused" (another framework that materialises
     the score matrix, for comparing with its published runs)."""
     layout = layout_of(cfg, cluster)
     m = micro_batches(cfg, layout)
-    stages = [_stage_time(cfg, cluster, layout, vocab, s, attention) for s in range(cfg.parallel.pp)]
+    stages = [
+        _stage_time(cfg, cluster, layout, vocab, s, attention) for s in range(cfg.parallel.pp)
+    ]
     slow = max(stages, key=lambda s: s.micro_batch)
     bubble = bubble_factor(cfg) * slow.micro_batch
     compute = m * (slow.fwd + slow.bwd)
@@ -405,7 +429,14 @@ def _update_time(cfg: Config, cluster: Cluster, elements: float, where: str) -> 
 
 
 def _offload_io(
-    cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_rank: int, groups: list[Group], st: _Stage, m: int
+    cfg: Config,
+    cluster: Cluster,
+    layout: Layout,
+    vocab: int,
+    pp_rank: int,
+    groups: list[Group],
+    st: _Stage,
+    m: int,
 ) -> float:
     """Exposed offload I/O: parameter shards read from NVMe for each pass (those kept in memory
     after use excepted) and written back after the update; saved activations written during
@@ -423,7 +454,9 @@ def _offload_io(
     elif devices["params"] == "cpu" and not cluster.device.host_memory:
         exposed += max(0.0, 2 * m * shard / host - m * (st.fwd + st.bwd)) + shard / host
     if cfg.activations.offload != "none":
-        moved = activation_bytes(cfg, layout, vocab, pp_rank).get(TIER_OF[cfg.activations.offload], 0)
+        moved = activation_bytes(cfg, layout, vocab, pp_rank).get(
+            TIER_OF[cfg.activations.offload], 0
+        )
         bw = nvme if cfg.activations.offload == "nvme" else host
         if cluster.device.host_memory and cfg.activations.offload == "cpu":
             bw = cluster.device.mem_bw_gbs * 1e9

@@ -56,7 +56,9 @@ def edge_load(layout: Layout, groups: Groups) -> dict[str, int]:
     return load
 
 
-def ring_time(cluster: Cluster, layout: Layout, groups: Groups, per_edge: float, steps: int) -> Traffic:
+def ring_time(
+    cluster: Cluster, layout: Layout, groups: Groups, per_edge: float, steps: int
+) -> Traffic:
     """A ring collective over each of `groups` at once sending `per_edge` bytes on every edge in
     `steps` latency-bound steps: the bytes a rank of rank 0's ring sends per level (on average
     over its members: each sends on its own edge), and the time of the most loaded link."""
@@ -89,7 +91,9 @@ def _groups(layout: Layout, inner: str, outer: str) -> Groups:
     return tuple(tuple(g) for g in layout.digit_groups(inner, outer))
 
 
-def _hops(layout: Layout, fine: str, coarse: str, hierarchical: bool) -> list[tuple[str, Groups, int]]:
+def _hops(
+    layout: Layout, fine: str, coarse: str, hierarchical: bool
+) -> list[tuple[str, Groups, int]]:
     """(inner level, digit groups, group size) of each hop that has more than one rank in it."""
     out = []
     for inner, outer in level_pairs(fine, coarse, hierarchical):
@@ -100,7 +104,12 @@ def _hops(layout: Layout, fine: str, coarse: str, hierarchical: bool) -> list[tu
 
 
 def reduce_scatter(
-    cluster: Cluster, layout: Layout, padded_bytes: float, fine: str, coarse: str, hierarchical: bool
+    cluster: Cluster,
+    layout: Layout,
+    padded_bytes: float,
+    fine: str,
+    coarse: str,
+    hierarchical: bool,
 ) -> Traffic:
     """A flat buffer (`padded_bytes` whole) partitioned at `fine` reduce-scattered to `coarse`.
     An all-gather from `coarse` back to `fine` moves the same bytes the other way."""
@@ -112,7 +121,12 @@ def reduce_scatter(
 
 
 def all_reduce(
-    cluster: Cluster, layout: Layout, padded_bytes: float, fine: str, coarse: str, hierarchical: bool
+    cluster: Cluster,
+    layout: Layout,
+    padded_bytes: float,
+    fine: str,
+    coarse: str,
+    hierarchical: bool,
 ) -> Traffic:
     """Sum a `fine` chunk over its copies up to `coarse`: one all-reduce over one level, else a
     reduce-scatter up and an all-gather back down (`Routes.all_reduce_hops`)."""
@@ -121,13 +135,17 @@ def all_reduce(
         return reduce_scatter(cluster, layout, padded_bytes, fine, coarse, hierarchical).scaled(2)
     out = Traffic()
     for inner, groups, _ in hops:
-        out.add(ring_all_reduce(cluster, layout, groups, padded_bytes / chunk_counts(layout)[inner]))
+        out.add(
+            ring_all_reduce(cluster, layout, groups, padded_bytes / chunk_counts(layout)[inner])
+        )
     return out
 
 
 def dim_all_reduce(cluster: Cluster, layout: Layout, dim: str, nbytes: float) -> Traffic:
     """An all-reduce of `nbytes` over every `dim` group at once (tensor parallelism's)."""
-    return ring_all_reduce(cluster, layout, tuple(tuple(g) for g in layout.group_ranks(dim)), nbytes)
+    return ring_all_reduce(
+        cluster, layout, tuple(tuple(g) for g in layout.group_ranks(dim)), nbytes
+    )
 
 
 def context_exchange(cluster: Cluster, layout: Layout, nbytes: float, mode: str) -> Traffic:
@@ -170,7 +188,8 @@ def expert_exchange(
     Hierarchical: `nodes_per_token` rows per token to distinct nodes (one of them may be this rank's
     own), each with its k expert ids and gates, then the node's fan-out over its own links."""
     out = Traffic()
-    local, nodes = expert_layout(layout, ep).node_span("tp")  # the expert-parallel group per node, its nodes
+    # the expert-parallel group per node, its nodes
+    local, nodes = expert_layout(layout, ep).node_span("tp")
     rows = tokens * top_k
     if nodes_per_token is None:
         inter = rows * (ep - local) / ep * row_bytes
@@ -181,10 +200,13 @@ def expert_exchange(
     out.bytes["inter-node"], out.bytes["intra-node"] = inter, intra
     if inter:  # every rank of the node sends across at once
         out.seconds += (
-            layout.node_size * inter / cluster.bandwidth_bytes_s("inter-node") + cluster.latency_s["inter-node"]
+            layout.node_size * inter / cluster.bandwidth_bytes_s("inter-node")
+            + cluster.latency_s["inter-node"]
         )
     if intra:
-        out.seconds += intra / cluster.bandwidth_bytes_s("intra-node") + cluster.latency_s["intra-node"]
+        out.seconds += (
+            intra / cluster.bandwidth_bytes_s("intra-node") + cluster.latency_s["intra-node"]
+        )
     if nodes_per_token is None and inter and intra:  # one exchange: the two links carry it at once
         out.seconds -= min(
             layout.node_size * inter / cluster.bandwidth_bytes_s("inter-node"),

@@ -16,5 +16,8 @@ This layer imports the base (`strata`), `strata.parallel`, `strata.offload`, `st
 `strata.plan` and `strata.data`; `strata.inference` and `strata.launch` import it.
 """
 
-if __name__ != "strata.trainer":  # imported by the top-level link's name, e.g. from the repository root
-    raise ImportError(f"import strata.trainer, not {__name__}: the folder trainer/ links to strata/trainer/")
+# imported by the top-level link's name, e.g. from the repository root
+if __name__ != "strata.trainer":
+    raise ImportError(
+        f"import strata.trainer, not {__name__}: the folder trainer/ links to strata/trainer/"
+    )

@@ -86,7 +86,8 @@ def _compute_worker(rank: int, cfg: Config, seconds: float, barrier, results) ->
         elements = sum(p.numel() for p in trainer.model.params)
         flat = torch.nn.Parameter(torch.zeros(elements))
         flat.grad = torch.ones_like(flat)
-        kernel = {k: trainer.model.optimizer.defaults[k] for k in ("fused", "foreach")}  # the step's own AdamW
+        # the step's own AdamW
+        kernel = {k: trainer.model.optimizer.defaults[k] for k in ("fused", "foreach")}
         adam = torch.optim.AdamW([flat], lr=1e-3, **kernel)
         adam.step()
         start = time.perf_counter()
@@ -94,7 +95,8 @@ def _compute_worker(rank: int, cfg: Config, seconds: float, barrier, results) ->
             adam.step()
         adam_s = (time.perf_counter() - start) / 3
         # Training's steps end together (the gradients' reduction waits for every rank), so each
-        # timed step ends at a barrier too: on shared cores a step takes as long as its slowest rank.
+        # timed step ends at a barrier too: on shared cores a step takes as long as its slowest
+        # rank.
         if rank == 0:  # every rank must take as many steps: rank 0's warm-up decides
             results["steps"] = max(2, round(seconds / warm_s))
         barrier.wait()
@@ -134,7 +136,8 @@ def _link_worker(rank: int, port: int, results) -> None:
         latency = timed(small, 50) / 2  # a 2-rank all-reduce: two steps
         seconds = timed(big, 3)
         if rank == 0:
-            results[0] = (big.numel() * 4 / seconds, latency)  # 2 ranks: each sends its whole buffer once
+            # 2 ranks: each sends its whole buffer once
+            results[0] = (big.numel() * 4 / seconds, latency)
     finally:
         dist.destroy_process_group()
 
@@ -145,7 +148,8 @@ def calibrate_local(cfg: Config, vocab: int, ranks: int = 1, seconds: float = 3.
     if one_rank.data.path is None and not one_rank.data.sources:
         from strata.data.prepare import ensure_default_corpus
 
-        ensure_default_corpus(one_rank.data.cache_dir, one_rank.data.val_fraction)  # once, not by every process
+        # once, not by every process
+        ensure_default_corpus(one_rank.data.cache_dir, one_rank.data.val_fraction)
     # Every process is a fork of one server that has imported torch and the trainer once: spawning
     # each would import them anew (seconds apiece, with the cores the others are measuring on).
     ctx = mp.get_context("forkserver")
@@ -154,12 +158,17 @@ def calibrate_local(cfg: Config, vocab: int, ranks: int = 1, seconds: float = 3.
         results = manager.dict()
         barrier = manager.Barrier(ranks)
         mp.start_processes(
-            _compute_worker, args=(one_rank, seconds, barrier, results), nprocs=ranks, start_method="forkserver"
+            _compute_worker,
+            args=(one_rank, seconds, barrier, results),
+            nprocs=ranks,
+            start_method="forkserver",
         )
         per_step = sum(results[r][0] for r in range(ranks)) / ranks
         adam = sum(results[r][1] for r in range(ranks)) / ranks
         link = manager.dict()
-        mp.start_processes(_link_worker, args=(free_port(), link), nprocs=2, start_method="forkserver")
+        mp.start_processes(
+            _link_worker, args=(free_port(), link), nprocs=2, start_method="forkserver"
+        )
         bytes_s, latency = link[0]
     rate = executed_flops(cfg, vocab, cfg.train.micro_batch_size * cfg.model.seq_len) / per_step
     mem_gib = ram_gib() / ranks

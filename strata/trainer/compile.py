@@ -24,7 +24,8 @@ from strata.parallel.tensor import COMMUNICATING
 def apply_compile(parts: list[nn.Module]) -> int:
     """Compile every transformer block of `parts` in place (after the other transformations: a
     block's `forward` may already be a recomputation wrapper). Returns how many blocks."""
-    import torch  # torch.compile pulls in torch._dynamo (about a second): only runs that compile pay it
+    # torch.compile pulls in torch._dynamo (about a second): only runs that compile pay it
+    import torch
 
     blocks = 0
     for part in parts:

@@ -68,7 +68,9 @@ class SpikeGuard:
         return self.last_spike_step >= 0 and step - self.last_spike_step < self.window
 
 
-def _above(history: deque[float], value: float, sigma: float, min_steps: int, what: str) -> str | None:
+def _above(
+    history: deque[float], value: float, sigma: float, min_steps: int, what: str
+) -> str | None:
     """Why `value` lies more than `sigma` deviations above `history`'s mean (None if it does not)."""
     if len(history) < min_steps:
         return None
@@ -79,5 +81,6 @@ def _above(history: deque[float], value: float, sigma: float, min_steps: int, wh
     if value <= limit:
         return None
     return (
-        f"{what} {value:.4g} is above {limit:.4g} (mean {mean:.4g} + {sigma:g} x {std:.3g} over {len(history)} steps)"
+        f"{what} {value:.4g} is above {limit:.4g} (mean {mean:.4g} + {sigma:g} x {std:.3g} over "
+        f"{len(history)} steps)"
     )

@@ -48,14 +48,20 @@ class Evaluation:
 
 @torch.no_grad()
 def evaluate(
-    model: ParallelModel, dataset: TokenDataset | Mixture, batches: int, micro_batch: int, topo: Topology
+    model: ParallelModel,
+    dataset: TokenDataset | Mixture,
+    batches: int,
+    micro_batch: int,
+    topo: Topology,
 ) -> Evaluation:
     """`model`'s loss on `dataset`'s evaluation batches (`eval_batches`), in eval mode (collective
     over the data-parallel group). A shorter last micro-batch of the whole split counts for its
     sequences; a replica the split's end leaves without one adds nothing."""
     model.train(False)
     sums = torch.zeros(2, dtype=torch.float64, device=model.device)  # loss × sequences, sequences
-    for inputs, targets in eval_batches(dataset, batches, micro_batch, topo.data_rank, topo.data_size):
+    for inputs, targets in eval_batches(
+        dataset, batches, micro_batch, topo.data_rank, topo.data_size
+    ):
         sums[0] += model.eval_loss(inputs, targets).double() * len(inputs)
         sums[1] += len(inputs)
     model.train(True)

@@ -59,29 +59,34 @@ def float8_problems(train: TrainConfig, device: torch.device) -> list[str]:
     version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
     if version < MIN_TORCH:
         p.append(
-            f"train.precision=fp8 needs torch >= {'.'.join(map(str, MIN_TORCH))} (torchao's float8 training); "
+            f"train.precision=fp8 needs torch >= {'.'.join(map(str, MIN_TORCH))} (torchao's "
+            "float8 training); "
             f"this is torch {torch.__version__}: upgrade torch, or use precision=bf16"
         )
     try:
         _import_torchao()
     except ImportError:
         p.append(
-            "train.precision=fp8 needs torchao: pip install 'strata-train[fp8]' (torchao 0.18), or use precision=bf16"
+            "train.precision=fp8 needs torchao: pip install 'strata-train[fp8]' (torchao 0.18), "
+            "or use precision=bf16"
         )
     if train.fp8_emulate:
         return p
     if device.type != "cuda":
         p.append(
             f"train.precision=fp8 needs an NVIDIA GPU with FP8 tensor cores (compute capability "
-            f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+: L4, L40S, H100, H200, B200); this process trains on "
-            f"{device.type}: use precision=bf16 (train.fp8_emulate=true only checks fp8's numerics, slowly)"
+            f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+: L4, L40S, H100, H200, B200); this process "
+            "trains on "
+            f"{device.type}: use precision=bf16 (train.fp8_emulate=true only checks fp8's "
+            "numerics, slowly)"
         )
     else:
         capability = torch.cuda.get_device_capability(device)
         if capability < MIN_CAPABILITY:
             p.append(
                 f"train.precision=fp8 needs FP8 tensor cores (compute capability "
-                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+); {torch.cuda.get_device_name(device)} has "
+                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+); {torch.cuda.get_device_name(device)} "
+                "has "
                 f"{capability[0]}.{capability[1]}: use precision=bf16"
             )
     return p
@@ -113,7 +118,9 @@ def float8_matmul(config: Any) -> LocalMatmul:
         return ScaledMMConfig(config.emulate, g.use_fast_accum, False, config.pad_inner_dim)
 
     mm_config = LinearMMConfig(
-        gemm(config.gemm_config_output), gemm(config.gemm_config_grad_input), gemm(config.gemm_config_grad_weight)
+        gemm(config.gemm_config_output),
+        gemm(config.gemm_config_grad_input),
+        gemm(config.gemm_config_grad_weight),
     )
 
     def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -152,7 +159,9 @@ def apply_float8(parts: list[nn.Module], train: TrainConfig, compile_matmul: boo
     for part in parts:
         for _, block in named_blocks(part):
             for module in block.modules():
-                if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and _fits(module.weight):
+                if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and _fits(
+                    module.weight
+                ):
                     module.matmul = local
                     converted += 1
             convert_to_float8_training(block, module_filter_fn=plain, config=config)

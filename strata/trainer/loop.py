@@ -87,17 +87,22 @@ class Trainer:
         self.train_set: TokenDataset | Mixture
         self.val_set: TokenDataset | Mixture
         if cfg.data.sources:
-            self.train_set, self.val_set = open_mixture(cfg.data, cfg.model.seq_len, cfg.model.vocab_size)
+            self.train_set, self.val_set = open_mixture(
+                cfg.data, cfg.model.seq_len, cfg.model.vocab_size
+            )
             data_dir, key = Path(cfg.data.sources[0].path), "data.sources[0].path"
         else:
             data_dir = Path(cfg.data.path) if cfg.data.path else self._default_corpus()
             key = "data.path"
-            check_data_config(data_dir, cfg)  # data.tokenizer and model.vocab_size against meta.json
+            # data.tokenizer and model.vocab_size against meta.json
+            check_data_config(data_dir, cfg)
             self.train_set = TokenDataset(data_dir, "train", cfg.model.seq_len)
             self.val_set = TokenDataset(data_dir, "val", cfg.model.seq_len)
         self.data_dir = data_dir  # the (first) prepared directory
         self.data_description = self._describe_data()
-        self.model: ParallelModel = parallelize(cfg, self.topo, runtime.device, self.train_set.vocab_size)
+        self.model: ParallelModel = parallelize(
+            cfg, self.topo, runtime.device, self.train_set.vocab_size
+        )
         if cfg.data.document_mask or cfg.data.reset_positions:
             eot = end_of_document(data_dir, key)
             self.model.documents = (eot, cfg.data.document_mask, cfg.data.reset_positions)
@@ -111,8 +116,11 @@ class Trainer:
             self.topo.data_size,
         )
         self.state = TrainState(cfg, self.model, self.loader, runtime.rank)
-        self.profiler = StepProfiler.from_config(cfg.log, cfg.run_dir(), runtime.rank, runtime.device)
-        control = comm.new_gloo_group() if runtime.distributed else None  # saves' and snapshots' collectives
+        self.profiler = StepProfiler.from_config(
+            cfg.log, cfg.run_dir(), runtime.rank, runtime.device
+        )
+        # saves' and snapshots' collectives
+        control = comm.new_gloo_group() if runtime.distributed else None
         self.checkpoints = CheckpointManager(
             cfg.checkpoint_dir(),
             runtime.rank,
@@ -128,10 +136,13 @@ class Trainer:
         self.step_skipped = False  # the last step's loss or gradient norm was not finite
         self.skipped_steps = self.nonfinite_in_a_row = 0
         self.spikes = SpikeGuard.from_config(cfg.train)
-        self.routing = RoutingMonitor(cfg, self.model.parts, self.topo) if cfg.model.moe.enabled else None
+        self.routing = (
+            RoutingMonitor(cfg, self.model.parts, self.topo) if cfg.model.moe.enabled else None
+        )
         self.spike: str | None = None  # why the last step was a spike
         self.stop_request = StopRequest()  # installed by `fit`
-        self.stop_signal = 0  # the signal every rank agreed to stop on after the last step (0: none)
+        # the signal every rank agreed to stop on after the last step (0: none)
+        self.stop_signal = 0
         self.saved_step = -1  # the step of the last save started, so a stop does not save it twice
         self.flops_per_token = flops_per_token(cfg.model, self.model.vocab_size)
 
@@ -175,7 +186,8 @@ class Trainer:
             if not _restarted_attempt():
                 raise
             self.start_notes.append(
-                f"warning: {e}: this attempt runs without in-memory snapshots, from the newest disk checkpoint"
+                f"warning: {e}: this attempt runs without in-memory snapshots, from the newest "
+                "disk checkpoint"
             )
             return None
 
@@ -192,7 +204,8 @@ class Trainer:
         if data.path:
             return f"{data.path} (tokenizer: {read_meta(Path(data.path)).tokenizer})"
         return (
-            f"the built-in corpus (Python's standard library sources, byte-level tokens, {data.val_fraction:g} held "
+            "the built-in corpus (Python's standard library sources, byte-level tokens, "
+            f"{data.val_fraction:g} held "
             "out); set data.path to a directory `strata data prepare` made to train on your own"
         )
 
@@ -218,9 +231,13 @@ class Trainer:
         if self.routing:
             self.routing.start_step()
         loss = model.forward_backward(self.loader.next_step())
-        grad_norm = model.reduce_and_clip(self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf)
+        grad_norm = model.reduce_and_clip(
+            self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
+        )
         loss = self._dp_sum(loss) / self.topo.dp_size
-        nonfinite, self.stop_signal, loss_value, norm_value = self._agree_after_step(loss, grad_norm)
+        nonfinite, self.stop_signal, loss_value, norm_value = self._agree_after_step(
+            loss, grad_norm
+        )
         self.spike = None
         if not nonfinite and self.spikes is not None:
             self.spike = self.spikes.judge(self.step + 1, loss_value, norm_value)
@@ -243,7 +260,9 @@ class Trainer:
             self._stop_if_spiking()
         return loss, grad_norm
 
-    def _agree_after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, int, float, float]:
+    def _agree_after_step(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor
+    ) -> tuple[bool, int, float, float]:
         """Whether any rank saw a non-finite dp-averaged loss or gradient norm, and the stop signal
         any rank caught (0 for none). One small MAX all-reduce over the whole world decides both for
         all: the loss lives on the last pipeline stage, and under CO2 each node has its own gradient
@@ -255,7 +274,9 @@ class Trainer:
         # the loss and gradient norm ride along for the spike guard: the loss only the last pipeline
         # stage knows (the others hold 0; a loss is never negative), the norm every rank
         values = [0.0, 0.0] if bad else [float(loss), float(grad_norm)]
-        flags = torch.tensor([float(bad), float(self.stop_request.signum), *values], dtype=torch.float64)
+        flags = torch.tensor(
+            [float(bad), float(self.stop_request.signum), *values], dtype=torch.float64
+        )
         comm.all_reduce(flags, self.checkpoints.group, dim="nonfinite", op=dist.ReduceOp.MAX)
         return bool(flags[0].item()), int(flags[1].item()), float(flags[2]), float(flags[3])
 
@@ -269,12 +290,16 @@ class Trainer:
         why = (
             "train.nonfinite=stop"
             if tr.nonfinite == "stop"
-            else f"{self.nonfinite_in_a_row} steps in a row, train.max_nonfinite_steps={tr.max_nonfinite_steps}"
+            else f"{self.nonfinite_in_a_row} steps in a row, "
+            f"train.max_nonfinite_steps={tr.max_nonfinite_steps}"
         )
         raise NonFiniteError(
-            f"step {self.step}: loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}: not finite ({why}); "
-            f"training stopped and this state was not saved. Resume from the newest committed checkpoint with "
-            f"--resume {self.cfg.checkpoint_dir()} and a lower optim.lr (or a longer optim.warmup_steps, or "
+            f"step {self.step}: loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}: not "
+            f"finite ({why}); "
+            "training stopped and this state was not saved. Resume from the newest committed "
+            "checkpoint with "
+            f"--resume {self.cfg.checkpoint_dir()} and a lower optim.lr (or a longer "
+            "optim.warmup_steps, or "
             "optim.grad_clip > 0)"
         )
 
@@ -287,10 +312,14 @@ class Trainer:
             return
         self.checkpoints.close()
         raise DivergedError(
-            f"step {self.step}: {limit} steps in a row were loss spikes, the last one's {self.spike}: the run "
-            f"diverged, and training stopped (their updates were dropped, nothing of them was saved). Resume from "
-            f"the newest committed checkpoint with --resume {self.cfg.checkpoint_dir()} and a lower optim.lr (or a "
-            "longer optim.warmup_steps); train.spike_sigma sets how far above its history a step may go"
+            f"step {self.step}: {limit} steps in a row were loss spikes, the last one's "
+            f"{self.spike}: the run "
+            "diverged, and training stopped (their updates were dropped, nothing of them was "
+            "saved). Resume from "
+            f"the newest committed checkpoint with --resume {self.cfg.checkpoint_dir()} and a "
+            "lower optim.lr (or a "
+            "longer optim.warmup_steps); train.spike_sigma sets how far above its history a step "
+            "may go"
         )
 
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -300,7 +329,9 @@ class Trainer:
     def evaluate(self) -> Evaluation:
         """The validation loss over the evaluation batches of all dp ranks (`trainer.evaluate`)."""
         train = self.cfg.train
-        return evaluate(self.model, self.val_set, train.eval_batches, train.micro_batch_size, self.topo)
+        return evaluate(
+            self.model, self.val_set, train.eval_batches, train.micro_batch_size, self.topo
+        )
 
     # --- saving and resuming ----------------------------------------------------------------
     def save(self) -> bool:
@@ -325,16 +356,23 @@ class Trainer:
         if not limit:
             return
         params = [p.detach() for p in self.model.params if p.numel()]
-        local = max((float(n) for n in torch._foreach_norm(params, math.inf)), default=0.0) if params else 0.0
+        local = (
+            max((float(n) for n in torch._foreach_norm(params, math.inf)), default=0.0)
+            if params
+            else 0.0
+        )
         largest = torch.tensor([local if math.isfinite(local) else 0.0], dtype=torch.float64)
         comm.all_reduce(largest, self.checkpoints.group, dim="checkpoint", op=dist.ReduceOp.MAX)
         if largest.item() <= limit:
             return
         self.checkpoints.close()
         raise DivergedError(
-            f"step {self.step}: a parameter reached magnitude {largest.item():.3g}, above checkpoint.max_abs_weight="
-            f"{limit:g}: the run diverged, and this state was not saved. Resume from the newest committed checkpoint "
-            f"with --resume {self.cfg.checkpoint_dir()} and a lower optim.lr (or raise checkpoint.max_abs_weight if "
+            f"step {self.step}: a parameter reached magnitude {largest.item():.3g}, above "
+            "checkpoint.max_abs_weight="
+            f"{limit:g}: the run diverged, and this state was not saved. Resume from the newest "
+            "committed checkpoint "
+            f"with --resume {self.cfg.checkpoint_dir()} and a lower optim.lr (or raise "
+            "checkpoint.max_abs_weight if "
             "such weights are intended)"
         )
 
@@ -364,7 +402,8 @@ class Trainer:
         is taken from it and what starts fresh)."""
         if not store.is_dcp_only(path):
             return Checkpoint(path)
-        # torch.distributed.checkpoint takes ~1.3 s to import (DTensor, sympy): only runs that read one pay
+        # torch.distributed.checkpoint takes ~1.3 s to import (DTensor, sympy): only runs that read
+        # one pay
         from strata.checkpoint.dcp_source import DcpCheckpoint
 
         ckpt = DcpCheckpoint(path, self.cfg.model)
@@ -387,7 +426,8 @@ class Trainer:
             return (
                 ""
                 if not found.restarted
-                else f"{lead}; no committed checkpoint under {self.cfg.checkpoint_dir()} either: starting from step 0"
+                else f"{lead}; no committed checkpoint under {self.cfg.checkpoint_dir()} either: "
+                "starting from step 0"
             )
         return f"{lead}; resumed from disk checkpoint {self.resume(disk)}"
 
@@ -436,7 +476,9 @@ class Trainer:
         token = comm.all_gather_objects(uuid.uuid4().hex, self.checkpoints.group)[0]
         store = watchdog.store_from_env(timeout_s=max(10.0, after))
         if store is None:
-            log.print("warning: no MASTER_ADDR/MASTER_PORT in the environment: hangs are not watched for")
+            log.print(
+                "warning: no MASTER_ADDR/MASTER_PORT in the environment: hangs are not watched for"
+            )
             return None
         return watchdog.start(store, token, self.rt.rank, self.rt.world_size, after)
 
@@ -474,14 +516,23 @@ class Trainer:
         return result
 
     def _interval_record(
-        self, steps: int, seconds: float, moved: Counter[str], loss: torch.Tensor, grad_norm: torch.Tensor
+        self,
+        steps: int,
+        seconds: float,
+        moved: Counter[str],
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
     ) -> dict:
         """The metrics of the `steps` steps logged at once (`seconds` long, `moved` bytes per link
         level): throughput, bytes per step, this step's loss, gradient norm and learning rate, and
         the skipped steps, memory tiers, snapshots and data mixture when there are any."""
         record = self._throughput(steps, seconds)
         record["wire_bytes_per_step"] = {link: n / steps for link, n in sorted(moved.items())}
-        record.update(loss=loss.item(), grad_norm=grad_norm.item(), lr=self.model.optimizer.param_groups[0]["lr"])
+        record.update(
+            loss=loss.item(),
+            grad_norm=grad_norm.item(),
+            lr=self.model.optimizer.param_groups[0]["lr"],
+        )
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps
         if self.routing:
@@ -498,11 +549,19 @@ class Trainer:
         """What follows a logged step: the interval checkpoint, and before the last step evaluation,
         a snapshot, and stopping with a committed checkpoint when a stop signal came."""
         cfg = self.cfg
-        if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 and self.step < cfg.train.steps:
+        if (
+            cfg.train.eval_interval
+            and self.step % cfg.train.eval_interval == 0
+            and self.step < cfg.train.steps
+        ):
             result.eval_losses[self.step] = self._eval_and_log(log)
         if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
             self._save_or_warn(log)
-        if self.snapshots and self.step % cfg.snapshot.every_steps == 0 and self.step < cfg.train.steps:
+        if (
+            self.snapshots
+            and self.step % cfg.snapshot.every_steps == 0
+            and self.step < cfg.train.steps
+        ):
             self.snapshot()
         if self.stop_signal and self.step < cfg.train.steps:
             self._stop_on_signal(log)
@@ -513,7 +572,9 @@ class Trainer:
         cfg = self.cfg
         self.model.close_co2_round()  # CO2's last exchange: every node ends on the same parameters
         result.eval_losses[self.step] = self._eval_and_log(log)
-        if cfg.checkpoint.save_final and not (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0):
+        if cfg.checkpoint.save_final and not (
+            cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
+        ):
             self._save_or_warn(log)
         with watchdog.paused("the final checkpoint's commit"):
             self.checkpoints.close()  # the last save is committed before the run reports done
@@ -526,7 +587,8 @@ class Trainer:
             note = f"loss spike: {self.spike}; update skipped ({self.skipped_steps} skipped in all)"
         else:
             note = (
-                f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}: not finite, update skipped "
+                f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}: not finite, "
+                "update skipped "
                 f"({self.nonfinite_in_a_row} in a row, {self.skipped_steps} in all)"
             )
         log.print(f"warning: step {self.step}: {note}")
@@ -559,7 +621,8 @@ class Trainer:
         if saved:
             return
         note = (
-            f"the training state is not finite: checkpoint step {self.step} not saved, so the newest committed "
+            f"the training state is not finite: checkpoint step {self.step} not saved, so the "
+            "newest committed "
             f"checkpoint under {self.cfg.checkpoint_dir()} stays the newest (and is kept)"
         )
         log.print(f"warning: step {self.step}: {note}")
@@ -574,7 +637,11 @@ class Trainer:
     def _throughput(self, steps: int, seconds: float) -> dict:
         tokens_per_s = steps * self.tokens_per_step / max(seconds, 1e-9)
         tflops = tokens_per_s * self.flops_per_token / 1e12 / self.rt.world_size
-        return {"tokens_per_s": tokens_per_s, "tflops_per_rank": tflops, "step_time_s": seconds / steps}
+        return {
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_rank": tflops,
+            "step_time_s": seconds / steps,
+        }
 
 
 def rewrite_checkpoint(cfg: Config, runtime: Runtime, source: Path, out: Path) -> None:
@@ -584,7 +651,9 @@ def rewrite_checkpoint(cfg: Config, runtime: Runtime, source: Path, out: Path) -
     trainer = Trainer(config_mod.replace(cfg, "checkpoint.dir", str(out)), runtime, writes=[])
     trainer.resume(source)
     if not trainer.save():
-        raise CheckpointError(f"{source} holds parameters or optimizer states that are not finite; {out} not written")
+        raise CheckpointError(
+            f"{source} holds parameters or optimizer states that are not finite; {out} not written"
+        )
     trainer.checkpoints.close()
 
 
@@ -592,7 +661,10 @@ def _restarted_attempt() -> bool:
     """Whether these workers continue this job's own earlier attempt: torchrun restarted them after a
     failure (`strata launch --max-restarts`), or Slurm requeued the job (after a preemption, or the
     script's own requeue on PREEMPTED_EXIT) and started it again."""
-    counts = (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get("SLURM_RESTART_COUNT", "0"))
+    counts = (
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        os.environ.get("SLURM_RESTART_COUNT", "0"),
+    )
     return any(int(count or "0") > 0 for count in counts)
 
 
@@ -601,7 +673,8 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
     trainer = Trainer(cfg, runtime)
     main = runtime.rank == 0
     start = time.time()
-    if trainer.snapshots:  # a start without --resume deliberately continues from the newest checkpoint
+    # a start without --resume deliberately continues from the newest checkpoint
+    if trainer.snapshots:
         resumed_from, restore_note = None, trainer.restore_on_start(resume)
     else:
         source = trainer.start_from(resume)
@@ -638,11 +711,19 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
         log.print(note)
     log.print(peak_note)
     if log.set_aside is not None:
-        log.print(f"note: an earlier run's metrics.jsonl was kept as {log.set_aside.name}; this run's starts anew")
+        log.print(
+            f"note: an earlier run's metrics.jsonl was kept as {log.set_aside.name}; this "
+            "run's starts anew"
+        )
     if restore_note:
         log.print(restore_note)
         log.write(
-            {"step": trainer.step, "resumed": restore_note, "restore_s": time.time() - start, "wall_time": time.time()}
+            {
+                "step": trainer.step,
+                "resumed": restore_note,
+                "restore_s": time.time() - start,
+                "wall_time": time.time(),
+            }
         )
     if trainer.model.tiers:
         log.write({"step": trainer.step, **trainer.model.tiers.startup_record()})
@@ -653,7 +734,8 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
     try:
         result = trainer.fit(log)
     except Preempted:
-        runtime_mod.stop()  # every rank is done with the world: leave it together, then exit PREEMPTED_EXIT
+        # every rank is done with the world: leave it together, then exit PREEMPTED_EXIT
+        runtime_mod.stop()
         raise
     finally:
         log.close()
@@ -671,7 +753,8 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
         (cfg.run_dir() / "summary.json").write_text(json.dumps(summary, indent=1))
         train_loss = f"{summary['train_loss']:.4f}" if summary["train_loss"] is not None else "n/a"
         print(
-            f"done: step {result.final_step}  train loss {train_loss}  eval loss {summary['eval_loss']:.4f}  "
+            f"done: step {result.final_step}  train loss {train_loss}  eval loss "
+            f"{summary['eval_loss']:.4f}  "
             f"throughput {result.tokens_per_s:,.0f} tokens/s"
         )
     trainer.release_locks()

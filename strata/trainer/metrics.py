@@ -34,7 +34,8 @@ _BF16_PEAKS: tuple[tuple[str, float], ...] = (
     ("MI300X", 1307.4),
     ("MI250X", 191.5),
 )
-_TENSOR_CORE_PRECISIONS = ("bf16", "fp16", "fp8")  # fp8 runs: MFU against the bf16 peak, as torchtitan counts
+# fp8 runs: MFU against the bf16 peak, as torchtitan counts
+_TENSOR_CORE_PRECISIONS = ("bf16", "fp16", "fp8")
 
 
 class MetricsLogger:
@@ -70,7 +71,9 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         if tensorboard:  # first: a missing package must stop the run before anything is written
             self.tensorboard = _start_tensorboard(run_dir / "tensorboard")
-        self.set_aside = _set_aside_earlier_log(run_dir / "metrics.jsonl") if start_step == 0 else None
+        self.set_aside = (
+            _set_aside_earlier_log(run_dir / "metrics.jsonl") if start_step == 0 else None
+        )
         self.file = open(run_dir / "metrics.jsonl", "a")
         on_terminal = sys.stderr.isatty() if terminal is None else terminal
         self.lines = progress and not on_terminal
@@ -94,13 +97,16 @@ class MetricsLogger:
             self.bar.update(step - self.bar.n)
             if "loss" in record:
                 self.bar.set_postfix(
-                    loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):,.0f}", refresh=False
+                    loss=f"{record['loss']:.4f}",
+                    tok_s=f"{record.get('tokens_per_s', 0):,.0f}",
+                    refresh=False,
                 )
         elif self.lines and "loss" in record:
             loss = record["loss"]
             shown = f"{loss:.4f}" if isinstance(loss, float) and math.isfinite(loss) else str(loss)
             print(
-                f"step {step}/{self.total_steps}  loss {shown}  {record.get('tokens_per_s', 0):,.0f} tokens/s",
+                f"step {step}/{self.total_steps}  loss {shown}  "
+                f"{record.get('tokens_per_s', 0):,.0f} tokens/s",
                 flush=True,
             )
         if record:
@@ -115,7 +121,9 @@ class MetricsLogger:
         assert self.file is not None, "write after close"
         if self.peak_tflops and "tflops_per_rank" in record and "mfu" not in record:
             record = {**record, "mfu": record["tflops_per_rank"] / self.peak_tflops}
-        self.file.write(json.dumps(_json_safe({"time": time.time(), **record}), allow_nan=False) + "\n")
+        self.file.write(
+            json.dumps(_json_safe({"time": time.time(), **record}), allow_nan=False) + "\n"
+        )
         self.file.flush()
         scalars = dict(flat_scalars(record))
         step = record.get("step")
@@ -149,7 +157,11 @@ def flat_scalars(record: dict, prefix: str = "") -> Iterator[tuple[str, float]]:
         tag = f"{prefix}{key}"
         if isinstance(value, dict):
             yield from flat_scalars(value, tag + "/")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and tag not in ("step", "time"):
+        elif (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and tag not in ("step", "time")
+        ):
             yield tag, float(value)
 
 
@@ -203,7 +215,9 @@ def peak_tflops(device: str | None, precision: str) -> float | None:
     return next((peak for part, peak in _BF16_PEAKS if part in name), None)
 
 
-def mfu_peak(configured: float | None, device: torch.device, precision: str) -> tuple[float | None, str]:
+def mfu_peak(
+    configured: float | None, device: torch.device, precision: str
+) -> tuple[float | None, str]:
     """The peak MFU is measured against, and a line for the log saying where it came from (or why
     there is no MFU): `log.peak_tflops` when set, else the table's figure for this GPU."""
     if configured:
@@ -213,9 +227,17 @@ def mfu_peak(configured: float | None, device: torch.device, precision: str) -> 
     name = torch.cuda.get_device_name(device)
     peak = peak_tflops(name, precision)
     if peak is None:
-        return None, f"mfu: no known {precision} peak for {name!r}; not reported (set log.peak_tflops to report it)"
+        return (
+            None,
+            f"mfu: no known {precision} peak for {name!r}; not reported (set log.peak_tflops to "
+            "report it)",
+        )
     kind = "bf16" if precision == "fp8" else precision
-    return peak, f"mfu: against {peak:g} TFLOP/s, the dense {kind} peak of {name!r} (log.peak_tflops overrides)"
+    return (
+        peak,
+        f"mfu: against {peak:g} TFLOP/s, the dense {kind} peak of {name!r} (log.peak_tflops "
+        "overrides)",
+    )
 
 
 def _start_wandb(project: str, run_dir: Path, config: dict | None):
@@ -224,7 +246,10 @@ def _start_wandb(project: str, run_dir: Path, config: dict | None):
     try:
         import wandb
     except ImportError:
-        print("log.wandb is true but wandb is not installed (pip install wandb); continuing without it")
+        print(
+            "log.wandb is true but wandb is not installed (pip install wandb); continuing "
+            "without it"
+        )
         return None
     os.environ.setdefault("WANDB_MODE", "offline")
     try:

@@ -23,7 +23,15 @@ from torch import nn
 from strata.checkpoint.pieces import canonical_names
 from strata.config import Config, ModelConfig, OptimConfig, padded_vocab_size
 from strata.errors import ConfigError
-from strata.model import GPT, Documents, documents_of, initial_value, lm_loss, moe_layers, set_rope_buffers
+from strata.model import (
+    GPT,
+    Documents,
+    documents_of,
+    initial_value,
+    lm_loss,
+    moe_layers,
+    set_rope_buffers,
+)
 from strata.parallel.co2 import CO2
 from strata.parallel.runtime import available_bytes
 from strata.parallel.tensor import apply_tensor_parallel, placement_of
@@ -53,11 +61,17 @@ def build_optimizer(
         {"params": [p for p in params if not decays(shape_of(p))], "weight_decay": 0.0},
     ]
     kernel = {"fused": True} if optim.impl in ("fused", "auto") else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel)
+    return torch.optim.AdamW(
+        groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel
+    )
 
 
 def materialize(
-    parts: list[nn.Module], cfg: ModelConfig, seed: int, device: torch.device, positions: torch.Tensor | None = None
+    parts: list[nn.Module],
+    cfg: ModelConfig,
+    seed: int,
+    device: torch.device,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Give meta-device modules real parameters on `device`, each filled with its slice (its
     `placement`) of the whole initial value. One Parameter per meta Parameter, registered
@@ -80,11 +94,14 @@ def materialize(
                     value = torch.empty(p.shape, device=device)
                     if random_init:
                         pl = placement_of(p)
-                        value.copy_(pl.local_slice(initial_value(cfg, names[id(p)], pl.global_shape, seed)))
+                        value.copy_(
+                            pl.local_slice(initial_value(cfg, names[id(p)], pl.global_shape, seed))
+                        )
                     q = nn.Parameter(value, requires_grad=p.requires_grad)
                     q.__dict__.update(p.__dict__)  # placement
                     if not random_init:
-                        q.__dict__["unfilled"] = True  # the ZeRO engine need not copy it into its flat buffer
+                        # the ZeRO engine need not copy it into its flat buffer
+                        q.__dict__["unfilled"] = True
                     fresh[id(p)] = q
                 module._parameters[key] = fresh[id(p)]
             for key, b in module._buffers.items():  # the MoE routers' expert biases start at zero
@@ -110,9 +127,12 @@ def refuse_unallocatable(parts: list[nn.Module], device: torch.device) -> None:
     where = f"{device.type} memory" if device.type == "cuda" else "memory available on this machine"
     raise ConfigError(
         [
-            f"the model's parameters on this rank need {need / 2**30:,.1f} GiB (fp32) before gradients, optimizer "
-            f"state and activations, but the {where} is {free / 2**30:,.1f} GiB: make the model smaller "
-            "(model.d_model, model.n_layers), split it over more ranks (parallel.tp, parallel.pp), or see "
+            f"the model's parameters on this rank need {need / 2**30:,.1f} GiB (fp32) before "
+            "gradients, optimizer "
+            f"state and activations, but the {where} is {free / 2**30:,.1f} GiB: make the model "
+            "smaller "
+            "(model.d_model, model.n_layers), split it over more ranks (parallel.tp, "
+            "parallel.pp), or see "
             "`strata plan CONFIG --search` for layouts that fit"
         ]
     )
@@ -122,7 +142,8 @@ def refuse_unallocatable(parts: list[nn.Module], device: torch.device) -> None:
 class ParallelModel:
     """This rank's share of the model after `parallelize`, and the one step path that trains it."""
 
-    parts: list[nn.Module]  # this rank's model parts: the whole (tp-sharded) model, or its pipeline stages
+    # this rank's model parts: the whole (tp-sharded) model, or its pipeline stages
+    parts: list[nn.Module]
     pipeline: Pipeline | None
     engine: ZeroEngine  # flat parameter groups, gradient reduction and the optimizer step
     tiers: Tiers | None  # offloaded ZeRO state and activations
@@ -185,20 +206,26 @@ class ParallelModel:
         return contextlib.nullcontext()
 
     # --- the step --------------------------------------------------------------------------
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward_backward(
+        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
         """Gradients of this replica's micro-batches into the engine's flat buffers; returns their
         mean loss (a 0-d tensor on the device)."""
         inputs = [i for i, _ in micro_batches]  # cut to this rank's tokens where they are run
         targets = [self.local(t) for _, t in micro_batches]
         offloader = self.tiers.activations if self.tiers else None
-        self.engine.expect_backwards(self.pipeline.microbatches if self.pipeline else len(micro_batches))
+        self.engine.expect_backwards(
+            self.pipeline.microbatches if self.pipeline else len(micro_batches)
+        )
         for part in self.parts:  # an auxiliary loss weighs as much as its micro-batch's loss
             for _, layer in moe_layers(part):
                 layer.aux_grad_scale = 1.0 if self.pipeline else 1 / len(micro_batches)
         with self.autocast(), offloader.saving() if offloader else contextlib.nullcontext():
             if self.pipeline:
                 loss_sum = self.pipeline.forward_backward(
-                    torch.cat([self.local(i) for i in inputs]), torch.cat(targets), self.documents_of(torch.cat(inputs))
+                    torch.cat([self.local(i) for i in inputs]),
+                    torch.cat(targets),
+                    self.documents_of(torch.cat(inputs)),
                 )
             else:
                 model, loss_sum = self.parts[0], torch.zeros((), device=self.device)
@@ -214,7 +241,9 @@ class ParallelModel:
         """Average the gradients over the data-parallel ranks (the pipeline leaves the 1/M of its
         micro-batch mean to the engine too) and clip them to `max_norm` (inf: measure only).
         Returns the gradient norm before clipping."""
-        self.engine.finish_grads(1 / (self.sync_size * (self.pipeline.microbatches if self.pipeline else 1)))
+        self.engine.finish_grads(
+            1 / (self.sync_size * (self.pipeline.microbatches if self.pipeline else 1))
+        )
         return self.engine.clip_grad_norm(max_norm, self.topo.group("tp"), self.topo.group("pp"))
 
     def step(self) -> None:
@@ -236,7 +265,9 @@ class ParallelModel:
         targets = self.local(targets)
         with self.autocast():
             if self.pipeline:
-                return self.pipeline.evaluate(self.local(inputs), targets, self.documents_of(inputs))
+                return self.pipeline.evaluate(
+                    self.local(inputs), targets, self.documents_of(inputs)
+                )
             return self.loss_fn(self.run(self.parts[0], inputs), targets)
 
     def train(self, mode: bool = True) -> None:
@@ -263,7 +294,9 @@ class ParallelModel:
         self.engine.close()
 
 
-def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_size: int) -> ParallelModel:
+def parallelize(
+    cfg: Config, topo: Topology, device: torch.device, data_vocab_size: int
+) -> ParallelModel:
     """The plain model, built on the meta device (no memory), transformed for this rank of `topo`
     in the order of the module docstring. Each rank allocates and initialises only its own slices,
     with the values one process would give them (`initial_value` depends on the parameter's name,
@@ -277,7 +310,11 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
     loss_fn: Callable = lm_loss
     if par.tp > 1:
         loss_fn = apply_tensor_parallel(
-            model, topo.group("tp"), topo.coords["tp"], par.tp, sequence_parallel=par.sequence_parallel
+            model,
+            topo.group("tp"),
+            topo.coords["tp"],
+            par.tp,
+            sequence_parallel=par.sequence_parallel,
         )
 
     domains = _expert_parallel(cfg, topo, model)
@@ -285,7 +322,8 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device, data_vocab_si
 
     stages: list[Stage] = []
     if par.pp > 1:
-        # torch's pipelining (and the torch._dynamo it pulls in, ~1 s) loads only for runs that use it
+        # torch's pipelining (and the torch._dynamo it pulls in, ~1 s) loads only for runs that use
+        # it
         from strata.parallel.pipeline import Pipeline, split_stages
 
         stages = split_stages(model, topo.coords["pp"], par.pp, par.virtual_stages, par.schedule)
@@ -405,9 +443,12 @@ def _expert_parallel(cfg: Config, topo: Topology, model: GPT) -> dict[str, Topol
 
     domains = {EXPERTS: build_topology(expert_layout(topo.layout, par.ep), topo.rank, reuse=topo)}
     if par.tp > 1:
-        routing = expert_layout(topo.layout, 1)  # every tp·dp rank of the stage: the experts' layout when ep = 1
+        # every tp·dp rank of the stage: the experts' layout when ep = 1
+        routing = expert_layout(topo.layout, 1)
         domains[ROUTING] = (
-            domains[EXPERTS] if par.ep == 1 else build_topology(routing, topo.rank, reuse=domains[EXPERTS])
+            domains[EXPERTS]
+            if par.ep == 1
+            else build_topology(routing, topo.rank, reuse=domains[EXPERTS])
         )
     experts = domains[EXPERTS]
     apply_expert_parallel(model, experts, par.ep, par.tp, par.ep_dispatch)
@@ -423,7 +464,8 @@ def _context_parallel(cfg: Config, topo: Topology, model: GPT) -> torch.Tensor |
     from strata.parallel.context import apply_context_parallel, positions
 
     apply_context_parallel(model, topo.group("cp"), par.cp_mode)
-    if cfg.data.reset_positions:  # the whole rotary tables: each token's position comes with its batch
+    # the whole rotary tables: each token's position comes with its batch
+    if cfg.data.reset_positions:
         return None
     return positions(cfg.model.seq_len, par.cp, topo.cp_rank)
 
@@ -456,7 +498,8 @@ def _outer_updates(cfg: Config, topo: Topology, engine: ZeroEngine) -> CO2:
     if layout.nodes < 2:
         raise ConfigError(
             [
-                f"co2.enabled needs at least 2 nodes, but the {layout.world_size} ranks are one node of "
+                f"co2.enabled needs at least 2 nodes, but the {layout.world_size} ranks are one "
+                "node of "
                 f"{layout.node_size}; run on more nodes, set parallel.ranks_per_node to simulate "
                 "them, or set co2.enabled=false"
             ]

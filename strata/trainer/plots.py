@@ -20,7 +20,9 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     try:
         lines = path.read_bytes().decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise StrataError(f"strata plot: cannot read {path} as UTF-8 text ({e}); pass a run directory") from e
+        raise StrataError(
+            f"strata plot: cannot read {path} as UTF-8 text ({e}); pass a run directory"
+        ) from e
     numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
     records = []
     for n, line in numbered:
@@ -32,12 +34,14 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
             records.append(record)
         elif (n, line) == numbered[-1]:
             print(
-                f"strata plot: {path} line {n} is cut off (the run stopped mid-write); plotting the rest",
+                f"strata plot: {path} line {n} is cut off (the run stopped mid-write); plotting "
+                "the rest",
                 file=sys.stderr,
             )
         else:
             raise StrataError(
-                f"strata plot: {path} line {n} is not a JSON record: {line[:60]!r}; fix or delete that line"
+                f"strata plot: {path} line {n} is not a JSON record: {line[:60]!r}; fix or delete "
+                "that line"
             )
     return records
 
@@ -60,7 +64,9 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     if evals:
-        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
+        ax_loss.plot(
+            [r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval"
+        )
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     ax_loss.legend()
     ax_tput.plot([r["step"] for r in train], [r.get("tokens_per_s", 0) for r in train])
@@ -75,10 +81,17 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
 
 def _numbers(record: dict[str, Any], *keys: str) -> bool:
     """Whether every key of `record` holds a number (a record without them is not plotted)."""
-    return all(isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool) for k in keys)
+    return all(
+        isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool)
+        for k in keys
+    )
 
 
-SCHEDULE_COLORS = {"F": ("#1f5fa8", "#7fb0e6"), "B": ("#2e8b3a", "#93d69b"), "W": ("#c0701a", "#f2b877")}
+SCHEDULE_COLORS = {
+    "F": ("#1f5fa8", "#7fb0e6"),
+    "B": ("#2e8b3a", "#93d69b"),
+    "W": ("#c0701a", "#f2b877"),
+}
 
 
 def plot_schedule(record_path: Path, out: Path | None = None) -> Path:
@@ -109,13 +122,19 @@ def plot_schedule(record_path: Path, out: Path | None = None) -> Path:
         ) from e
     unknown = sorted({kind for _, kind, *_ in actions} - set(SCHEDULE_COLORS))
     if unknown:
-        raise StrataError(f"strata plot schedule: {record_path} has action kinds {unknown}; valid: F, B, W")
+        raise StrataError(
+            f"strata plot schedule: {record_path} has action kinds {unknown}; valid: F, B, W"
+        )
 
     fig, ax = plt.subplots(figsize=(14, 0.7 * len(ranks) + 1.6))
     for rank, kind, stage, mb, start, end in actions:
         color = SCHEDULE_COLORS[kind][0 if stage < pp else 1]
         ax.broken_barh(
-            [(start * 1e3, (end - start) * 1e3)], (rank - 0.4, 0.8), facecolors=color, edgecolors="black", linewidth=0.4
+            [(start * 1e3, (end - start) * 1e3)],
+            (rank - 0.4, 0.8),
+            facecolors=color,
+            edgecolors="black",
+            linewidth=0.4,
         )
         if end - start > 0.012 * step_time:  # label boxes wide enough to hold it
             ax.text(
@@ -137,7 +156,11 @@ def plot_schedule(record_path: Path, out: Path | None = None) -> Path:
     ax.legend(
         handles=[
             Patch(color=SCHEDULE_COLORS[k][0], label=label)
-            for k, label in (("F", "F forward"), ("B", "B backward (dI, or full)"), ("W", "W weight grad"))
+            for k, label in (
+                ("F", "F forward"),
+                ("B", "B backward (dI, or full)"),
+                ("W", "W weight grad"),
+            )
         ],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.25 if len(ranks) < 4 else -0.12),

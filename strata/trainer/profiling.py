@@ -60,7 +60,9 @@ class StepProfiler:
     `rank{r}_memory.pickle`; an out-of-memory error in any step leaves `rank{r}_oom.pickle`.
     A run resumed inside the window profiles the rest of it."""
 
-    def __init__(self, first: int | None, last: int | None, out_dir: Path, rank: int, device: torch.device):
+    def __init__(
+        self, first: int | None, last: int | None, out_dir: Path, rank: int, device: torch.device
+    ):
         self.first, self.last = first, last
         self.out_dir, self.rank = out_dir, rank
         self.cuda = device.type == "cuda"
@@ -70,7 +72,9 @@ class StepProfiler:
         self.oom_observer = self.cuda and _watch_out_of_memory(self)
 
     @classmethod
-    def from_config(cls, log: LogConfig, run_dir: Path, rank: int, device: torch.device) -> StepProfiler:
+    def from_config(
+        cls, log: LogConfig, run_dir: Path, rank: int, device: torch.device
+    ) -> StepProfiler:
         """The window `log.profile_steps` = [first, last] asks for (null: none), written to run_dir/profile."""
         first, last = log.profile_steps or (None, None)
         return cls(first, last, run_dir / "profile", rank, device)
@@ -97,7 +101,11 @@ class StepProfiler:
         recorded so far (the steps before a crash are what one wants to see)."""
         self.step_begin(step)
         try:
-            with record_function(f"step {step}") if self.prof is not None else contextlib.nullcontext():
+            with (
+                record_function(f"step {step}")
+                if self.prof is not None
+                else contextlib.nullcontext()
+            ):
                 yield
         except torch.cuda.OutOfMemoryError:
             if not self.oom_observed:

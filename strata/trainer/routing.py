@@ -22,7 +22,12 @@ class RoutingMonitor:
 
     def __init__(self, cfg: Config, parts: list[nn.Module], topo: Topology):
         moe = cfg.model.moe
-        self.topo, self.num_experts, self.top_k, self.rate = topo, moe.num_experts, moe.top_k, moe.bias_update_rate
+        self.topo, self.num_experts, self.top_k, self.rate = (
+            topo,
+            moe.num_experts,
+            moe.top_k,
+            moe.bias_update_rate,
+        )
         self.indices = [i for i in range(cfg.model.n_layers) if moe.is_moe_layer(i)]
         self.row = {layer: row for row, layer in enumerate(self.indices)}
         self.layers: list[tuple[int, MoE]] = [pair for part in parts for pair in moe_layers(part)]
@@ -36,16 +41,23 @@ class RoutingMonitor:
         """Sum the step's statistics over every rank; with `updated` (the step changed the weights)
         move the expert biases toward balance."""
         width = self.num_experts + len(RoutingStats.FIELDS)
-        device = next(iter(self.layers[0][1].parameters())).device if self.layers else torch.device("cpu")
+        device = (
+            next(iter(self.layers[0][1].parameters())).device
+            if self.layers
+            else torch.device("cpu")
+        )
         totals = torch.zeros(len(self.indices), width, dtype=torch.float64, device=device)
         for index, layer in self.layers:
             totals[self.row[index]] = layer.stats.as_tensor().to(device)
-        for dim in ("dp", "tp", "pp"):  # tokens routed by other replicas and sequence parts; other stages' layers
+        # tokens routed by other replicas and sequence parts; other stages' layers
+        for dim in ("dp", "tp", "pp"):
             comm.all_reduce(totals, self.topo.group(dim), dim=dim)
         self.totals = totals.cpu()
         if updated and self.rate > 0:
             for index, layer in self.layers:
-                update_expert_bias(layer, self.totals[self.row[index], : self.num_experts], self.rate)
+                update_expert_bias(
+                    layer, self.totals[self.row[index], : self.num_experts], self.rate
+                )
 
     def record(self) -> dict:
         """{"moe": {"layer_N": {...}}, with each MoE layer's load max/mean, dropped fraction and
@@ -64,5 +76,8 @@ class RoutingMonitor:
                 "seq_aux_loss": seq_aux / calls,
                 "z_loss": z / calls,
             }
-        summary = {key: sum(v[key] for v in layers.values()) / len(layers) for key in next(iter(layers.values()))}
+        summary = {
+            key: sum(v[key] for v in layers.values()) / len(layers)
+            for key in next(iter(layers.values()))
+        }
         return {"moe": {**{f"mean_{k}": v for k, v in summary.items()}, **layers}}

@@ -13,13 +13,14 @@ import time
 # Slurm script requeues the job on it, and a requeued job resumes from the newest checkpoint.
 PREEMPTED_EXIT = 75
 # Signals that make every rank finish its step, save a checkpoint and exit: SIGTERM (a scheduler's
-# stop), SIGUSR1 (Slurm's warning before the time limit, `--signal=B:USR1@SECONDS`), SIGINT (Ctrl-C).
+# stop), SIGUSR1 (Slurm's warning before the time limit, `--signal=B:USR1@SECONDS`), SIGINT
+# (Ctrl-C).
 GRACEFUL_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 # A repeat of the first signal this soon after it is the same request arriving twice, not a second
-# one: under Slurm a signal reaches a worker both from slurmstepd (which signals every process of the
-# step) and through torchrun, which passes it on.
+# one: under Slurm a signal reaches a worker both from slurmstepd (which signals every process of
+# the step) and through torchrun, which passes it on.
 REPEAT_WINDOW_S = 0.5
 
 

@@ -13,7 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from strata.checkpoint.layout import hyperparameters, load_optimizer, model_state_problems, optimizer_problems
+from strata.checkpoint.layout import (
+    hyperparameters,
+    load_optimizer,
+    model_state_problems,
+    optimizer_problems,
+)
 from strata.checkpoint.pieces import (
     CachedPieces,
     Piece,
@@ -38,7 +43,9 @@ class TrainState:
     """This rank's training state: the parallel model (parameters and optimizer state, wherever the
     engine and tiers keep them), the data position, the RNG and the step."""
 
-    def __init__(self, cfg: Config, model: ParallelModel, loader: BatchLoader | MixtureLoader, rank: int):
+    def __init__(
+        self, cfg: Config, model: ParallelModel, loader: BatchLoader | MixtureLoader, rank: int
+    ):
         self.model, self.loader, self.rank = model, loader, rank
         self.step = 0
         self._pieces = CachedPieces()  # made again only when a tensor they view is replaced
@@ -49,7 +56,11 @@ class TrainState:
             "pp": layout.pp,
             "dp": layout.dp,
             "virtual_stages": cfg.parallel.virtual_stages,
-            "zero": {"params": zero.params.shard_over, "grads": zero.grads.shard_over, "optim": zero.optim.shard_over}
+            "zero": {
+                "params": zero.params.shard_over,
+                "grads": zero.grads.shard_over,
+                "optim": zero.optim.shard_over,
+            }
             if zero.enabled
             else None,
         }
@@ -59,13 +70,24 @@ class TrainState:
         """What a checkpoint or snapshot of `step` holds from this rank (live views: the managers
         copy them before training goes on)."""
         m = self.model
-        pieces = self._pieces.get(m.engine, m.optimizer, m.canonical) + self._buffer_pieces() + [rng_piece(self.rank)]
+        pieces = (
+            self._pieces.get(m.engine, m.optimizer, m.canonical)
+            + self._buffer_pieces()
+            + [rng_piece(self.rank)]
+        )
         objects = (
-            {"trainer": {"step": step, "data": self.loader.state_dict()}, "optim.param_groups": self._param_groups()}
+            {
+                "trainer": {"step": step, "data": self.loader.state_dict()},
+                "optim.param_groups": self._param_groups(),
+            }
             if self.rank == 0
             else {}
         )
-        aliases = {f"model.{name}": f"model.{first}" for name, first in m.canonical.items() if name != first}
+        aliases = {
+            f"model.{name}": f"model.{first}"
+            for name, first in m.canonical.items()
+            if name != first
+        }
         return StateContents(pieces, objects, aliases, self.layout)
 
     @contextlib.contextmanager
@@ -77,7 +99,8 @@ class TrainState:
         if m.co2:
             m.close_co2_round()
             for p, mom in zip(m.params, m.co2.momentum_views()):
-                m.optimizer.state[p]["co2_momentum"] = mom.clone()  # staged (copied) before a save returns
+                # staged (copied) before a save returns
+                m.optimizer.state[p]["co2_momentum"] = mom.clone()
         try:
             with m.state_in_memory():
                 yield
@@ -87,7 +110,9 @@ class TrainState:
 
     def _buffer_pieces(self) -> list[Piece]:
         """The model's persistent buffers (whole on every rank that holds their layer)."""
-        return [whole_piece(f"model.{name}", b) for name, b in self.model.persistent_buffers().items()]
+        return [
+            whole_piece(f"model.{name}", b) for name, b in self.model.persistent_buffers().items()
+        ]
 
     def _param_groups(self) -> list[dict]:
         """The optimizer's hyper-parameters with each group's parameters named as in the plain model,
@@ -97,17 +122,30 @@ class TrainState:
         shapes = self.model.global_shapes
         matrix = [n for n in names if decays(shapes[n])]
         other = [n for n in names if not decays(shapes[n])]
-        return [{**h, "params": group} for h, group in zip(hyperparameters(self.model.optimizer), (matrix, other))]
+        return [
+            {**h, "params": group}
+            for h, group in zip(hyperparameters(self.model.optimizer), (matrix, other))
+        ]
 
     # --- loading ---------------------------------------------------------------------------
-    def load(self, ckpt: Checkpoint | DcpCheckpoint, verify: bool, agree: Callable[[list[str], str], None]) -> Path:
+    def load(
+        self,
+        ckpt: Checkpoint | DcpCheckpoint,
+        verify: bool,
+        agree: Callable[[list[str], str], None],
+    ) -> Path:
         """Load a checkpoint saved from any layout into this one. Every check and every read (into
         fresh tensors) happens first, and all ranks `agree` on the verdict (raising together), before
         any state changes. Offloaded state is in memory meanwhile, and goes back to its tier after."""
         with self.model.state_in_memory(changed=True):
             return self._load(ckpt, verify, agree)
 
-    def _load(self, ckpt: Checkpoint | DcpCheckpoint, verify: bool, agree: Callable[[list[str], str], None]) -> Path:
+    def _load(
+        self,
+        ckpt: Checkpoint | DcpCheckpoint,
+        verify: bool,
+        agree: Callable[[list[str], str], None],
+    ) -> Path:
         m = self.model
         misfit: list[str] = []
         try:
@@ -121,7 +159,11 @@ class TrainState:
             if not problems:
                 problems = ckpt.read(fresh + optim_targets + rng, verify)
                 # an imported model's checkpoint has no optimizer: it starts fresh
-                keys = ("trainer", "optim.param_groups") if ckpt.has_object("optim.param_groups") else ("trainer",)
+                keys = (
+                    ("trainer", "optim.param_groups")
+                    if ckpt.has_object("optim.param_groups")
+                    else ("trainer",)
+                )
                 objects = {k: ckpt.object(k) for k in keys}
                 misfit = self.loader.state_problems(objects["trainer"]["data"])
                 if "optim.param_groups" in objects:
@@ -143,7 +185,11 @@ class TrainState:
             for dst, src in zip(live, fresh):
                 dst.tensor.copy_(src.tensor)
         # a checkpoint without hyper-parameters (imported, or DCP's alone) keeps this run's
-        load_optimizer(m.optimizer, optim_state, objects.get("optim.param_groups", hyperparameters(m.optimizer)))
+        load_optimizer(
+            m.optimizer,
+            optim_state,
+            objects.get("optim.param_groups", hyperparameters(m.optimizer)),
+        )
         m.engine.invalidate_secondary()
         state = objects["trainer"]
         self.loader.load_state_dict(state["data"])
@@ -155,7 +201,9 @@ class TrainState:
             m.co2.restart(self.step, None if any(x is None for x in momentum) else momentum)
         return ckpt.path
 
-    def load_weights(self, ckpt: Checkpoint | DcpCheckpoint, agree: Callable[[list[str], str], None]) -> None:
+    def load_weights(
+        self, ckpt: Checkpoint | DcpCheckpoint, agree: Callable[[list[str], str], None]
+    ) -> None:
         """Only the model's weights from `ckpt` (a Hugging Face model, another checkpoint), into
         this layout at the start of a new run, each rank reading just its own boxes straight into its
         parameters (no second copy of the model: there is no earlier state to keep intact, and a
@@ -163,13 +211,21 @@ class TrainState:
         rank agrees on the verdict before training can start."""
         with self.model.state_in_memory(changed=True):
             m = self.model
-            first = {k: v for k, v in m.global_shapes.items() if m.canonical.get(k, k) == k}  # tied: one name
+            # tied: one name
+            first = {k: v for k, v in m.global_shapes.items() if m.canonical.get(k, k) == k}
             try:
-                saved = {k: v for k, v in ckpt.shapes("model.").items() if m.canonical.get(k, k) == k}
-                # buffers a source lacks (an MoE router's expert bias in a Hugging Face model) start at zero
-                buffers = [b for b in self._buffer_pieces() if b.key.removeprefix("model.") in saved]
+                saved = {
+                    k: v for k, v in ckpt.shapes("model.").items() if m.canonical.get(k, k) == k
+                }
+                # buffers a source lacks (an MoE router's expert bias in a Hugging Face model) start
+                # at zero
+                buffers = [
+                    b for b in self._buffer_pieces() if b.key.removeprefix("model.") in saved
+                ]
                 fresh = set(m.persistent_buffers()) - set(saved)
-                problems = model_state_problems({k: v for k, v in first.items() if k not in fresh}, saved)
+                problems = model_state_problems(
+                    {k: v for k, v in first.items() if k not in fresh}, saved
+                )
                 if not problems:
                     with torch.no_grad():
                         problems = ckpt.read(model_pieces(m.engine, m.canonical) + buffers)
@@ -186,7 +242,9 @@ class TrainState:
         keys = [k for k in (f"rng.cpu.rank{self.rank}", "rng.cpu.rank0") if ckpt.has(k)]
         return [whole_piece(keys[0], torch.get_rng_state())] if keys else []
 
-    def _fresh_optimizer_state(self, ckpt: Checkpoint | DcpCheckpoint) -> tuple[dict[int, dict], list[Piece]]:
+    def _fresh_optimizer_state(
+        self, ckpt: Checkpoint | DcpCheckpoint
+    ) -> tuple[dict[int, dict], list[Piece]]:
         """New optimizer-state tensors for every kind the checkpoint holds (torch index → entry),
         and the pieces that read into them."""
         m = self.model
@@ -194,12 +252,16 @@ class TrainState:
         for key, shape in ckpt.shapes("optim.state.").items():
             fqn, kind = key.rsplit(".", 1)
             saved.setdefault(fqn, {})[kind] = shape
-        index = {id(p): i for i, p in enumerate(p for g in m.optimizer.param_groups for p in g["params"])}
+        index = {
+            id(p): i for i, p in enumerate(p for g in m.optimizer.param_groups for p in g["params"])
+        }
         state, targets = {}, []
         for param, fqn, placement, shape, start in optimizer_entries(m.engine, m.canonical):
             if fqn in saved:
                 entry = {
-                    kind: torch.empty((), dtype=torch.float32) if not s else torch.empty_like(param.data)
+                    kind: torch.empty((), dtype=torch.float32)
+                    if not s
+                    else torch.empty_like(param.data)
                     for kind, s in saved[fqn].items()
                 }
                 state[index[id(param)]] = entry

@@ -12,7 +12,16 @@ import pytest
 import yaml
 
 from strata import config
-from strata.config import CO2Config, Config, ModelConfig, OptimConfig, ShardSpec, TrainConfig, ZeroConfig, opt
+from strata.config import (
+    CO2Config,
+    Config,
+    ModelConfig,
+    OptimConfig,
+    ShardSpec,
+    TrainConfig,
+    ZeroConfig,
+    opt,
+)
 from strata.errors import ConfigError, StrataError
 from strata.parallel.topology import LEVELS
 
@@ -84,7 +93,9 @@ optim:
         assert text in msg, f"missing {text!r} in:\n{msg}"
     assert header_count(err) == len(expected) == 10
     assert msg.startswith("invalid config (10 problems):\n")
-    assert "warmup_steps" not in msg  # a warm-up longer than the run is a start-up warning, not an error
+    assert (
+        "warmup_steps" not in msg
+    )  # a warm-up longer than the run is a start-up warning, not an error
 
 
 def test_single_problem_header_is_singular():
@@ -153,7 +164,10 @@ def test_wrong_types_are_rejected(override, expected):
         ("train.precision=fp16", "train.precision: 'fp16' is not one of: fp32, bf16, fp8"),
         ("optim.schedule=step", "optim.schedule: 'step' is not one of: cosine, linear, constant"),
         ("parallel.backend=mpi", "parallel.backend: 'mpi' is not one of: auto, gloo, nccl"),
-        ("zero.optim.shard_over=rack", "zero.optim.shard_over: 'rack' is not one of: none, gcd, gpu, node, global"),
+        (
+            "zero.optim.shard_over=rack",
+            "zero.optim.shard_over: 'rack' is not one of: none, gcd, gpu, node, global",
+        ),
         ("co2.outer_momentum=1", "co2.outer_momentum: 1.0 must be < 1"),
         ("co2.outer_every=0", "co2.outer_every: 0 must be >= 1"),
         ("zero.prefetch_blocks=-1", "zero.prefetch_blocks: -1 must be >= 0"),
@@ -165,8 +179,15 @@ def test_out_of_range_values_are_rejected(override, expected):
 
 
 def test_range_limits_are_inclusive_where_documented():
-    cfg = config.load(None, ["optim.lr=0", "optim.beta1=1", "optim.min_lr_ratio=0", "optim.warmup_steps=0"])
-    assert (cfg.optim.lr, cfg.optim.beta1, cfg.optim.min_lr_ratio, cfg.optim.warmup_steps) == (0.0, 1.0, 0.0, 0)
+    cfg = config.load(
+        None, ["optim.lr=0", "optim.beta1=1", "optim.min_lr_ratio=0", "optim.warmup_steps=0"]
+    )
+    assert (cfg.optim.lr, cfg.optim.beta1, cfg.optim.min_lr_ratio, cfg.optim.warmup_steps) == (
+        0.0,
+        1.0,
+        0.0,
+        0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -175,7 +196,11 @@ def test_range_limits_are_inclusive_where_documented():
         (["model.d_model=130"], None, "model.n_heads=4 must divide model.d_model=130"),
         (["model.n_kv_heads=3"], None, "model.n_kv_heads=3 must divide model.n_heads=4"),
         (["model.d_model=12"], None, "head size d_model/n_heads=3 must be even for RoPE"),
-        (["train.micro_batch_size=5"], None, "train.micro_batch_size=5 must divide train.global_batch_size=16"),
+        (
+            ["train.micro_batch_size=5"],
+            None,
+            "train.micro_batch_size=5 must divide train.global_batch_size=16",
+        ),
         (["parallel.dp=3"], 4, "parallel: tp·pp·dp = 1·1·3 = 3 but the world size is 4"),
         ([], 4, "train.global_batch_size=16 must be a multiple of train.micro_batch_size·dp = 8·4"),
         (
@@ -196,14 +221,23 @@ def test_cross_key_constraints(overrides, world_size, expected):
     [
         (["parallel.cp=3"], None, "model.seq_len=128 must be a multiple of 2·parallel.cp = 6"),
         (["parallel.cp=3"], 4, "world size 4 is not divisible by parallel.tp·pp·cp = 1·1·3 = 3"),
-        (["parallel.cp=2", "parallel.dp=3"], 4, "parallel: tp·pp·cp·dp = 1·1·2·3 = 6 but the world size is 4"),
+        (
+            ["parallel.cp=2", "parallel.dp=3"],
+            4,
+            "parallel: tp·pp·cp·dp = 1·1·2·3 = 6 but the world size is 4",
+        ),
         (
             ["parallel.cp=8", "parallel.cp_mode=alltoall"],
             None,
             "parallel.cp_mode=alltoall needs parallel.cp=8 to divide the 4 attention heads",
         ),
         (
-            ["parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_len=20"],
+            [
+                "parallel.cp=2",
+                "parallel.tp=4",
+                "parallel.sequence_parallel=true",
+                "model.seq_len=20",
+            ],
             None,
             "parallel.sequence_parallel splits each context-parallel rank's 10 tokens over tp=4",
         ),
@@ -215,7 +249,10 @@ def test_context_parallel_errors_name_the_fix(overrides, world_size, expected):
 
 
 def test_context_parallel_takes_its_ranks_out_of_data_parallel():
-    cfg = config.load(None, ["parallel.cp=2", "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=2"])
+    cfg = config.load(
+        None,
+        ["parallel.cp=2", "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=2"],
+    )
     assert cfg.dp_size(8) == 2 and cfg.grad_accum_steps(8) == 2  # 8 ranks: tp 2 · cp 2 · dp 2
 
 
@@ -228,7 +265,10 @@ def test_tensor_parallel_must_divide_heads():
 
 def test_pipeline_layout_errors_name_the_fix():
     err = load_error(None, ["parallel.pp=2", "parallel.virtual_stages=2", "model.n_layers=6"])
-    assert any("pp·virtual_stages = 2·2 = 4 pipeline stages must divide model.n_layers=6" in p for p in err.problems)
+    assert any(
+        "pp·virtual_stages = 2·2 = 4 pipeline stages must divide model.n_layers=6" in p
+        for p in err.problems
+    )
     err = load_error(None, ["parallel.pp=2", "parallel.virtual_stages=2", "parallel.schedule=1f1b"])
     assert any("schedule=1f1b runs one stage per rank" in p for p in err.problems)
     err = load_error(None, ["parallel.pp=2", "parallel.schedule=zbv_zero_bubble"])
@@ -238,21 +278,32 @@ def test_pipeline_layout_errors_name_the_fix():
     # M = 16 / (8·1) = 2 micro-batches cannot fill 4 pipeline stages
     err = load_error(None, ["parallel.pp=4"], world_size=4)
     assert any("at least pp=4 micro-batches per step but gets 2" in p for p in err.problems)
-    err = load_error(None, ["parallel.pp=2", "parallel.virtual_stages=2", "parallel.schedule=dualpipev"], world_size=2)
+    err = load_error(
+        None,
+        ["parallel.pp=2", "parallel.virtual_stages=2", "parallel.schedule=dualpipev"],
+        world_size=2,
+    )
     assert any(
-        "dualpipev needs at least as many micro-batches as stages (2·pp = 4) but gets 2" in p for p in err.problems
+        "dualpipev needs at least as many micro-batches as stages (2·pp = 4) but gets 2" in p
+        for p in err.problems
     )
     err = load_error(None, ["parallel.pp=2", "parallel.microbatches=4"], world_size=2)
     assert any("set train.micro_batch_size=4" in p for p in err.problems)
     err = load_error(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=33"])
     assert any("model.seq_len=33 must be a multiple of tp" in p for p in err.problems)
-    cfg = config.load(None, ["parallel.pp=2", "parallel.virtual_stages=2", "train.micro_batch_size=4"], world_size=2)
+    cfg = config.load(
+        None,
+        ["parallel.pp=2", "parallel.virtual_stages=2", "train.micro_batch_size=4"],
+        world_size=2,
+    )
     assert cfg.grad_accum_steps(2) == 4 and cfg.parallel.schedule == "auto"
 
 
 def test_world_size_not_divisible_by_model_parallel():
     err = load_error(None, ["parallel.pp=3", "model.n_layers=6"], world_size=4)
-    assert any(p.startswith("world size 4 is not divisible by parallel.tp·pp = 1·3") for p in err.problems)
+    assert any(
+        p.startswith("world size 4 is not divisible by parallel.tp·pp = 1·3") for p in err.problems
+    )
 
 
 def test_valid_layouts_pass():
@@ -276,11 +327,17 @@ def test_warmup_longer_than_the_run_loads_with_a_warning():
     warm-up is cut short, which rank 0 prints as a warning at start-up."""
     cfg = config.load(None, ["optim.warmup_steps=301"])
     (warning,) = config.start_up_warnings(cfg)
-    assert warning.startswith("optim.warmup_steps=301 exceeds train.steps=300: the warm-up is cut short")
+    assert warning.startswith(
+        "optim.warmup_steps=301 exceeds train.steps=300: the warm-up is cut short"
+    )
     assert "lower optim.warmup_steps or train longer" in warning
     assert config.start_up_warnings(config.load(None, ["optim.warmup_steps=300"])) == []
-    tiny = config.load(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml", ["train.steps=4"])
-    assert [w.split(":")[0] for w in config.start_up_warnings(tiny)] == ["optim.warmup_steps=50 exceeds train.steps=4"]
+    tiny = config.load(
+        Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml", ["train.steps=4"]
+    )
+    assert [w.split(":")[0] for w in config.start_up_warnings(tiny)] == [
+        "optim.warmup_steps=50 exceeds train.steps=4"
+    ]
 
 
 def test_cross_check_does_not_report_the_default_of_a_rejected_micro_batch():
@@ -315,7 +372,9 @@ log:
 """,
     )
     cfg = config.load(path)
-    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)  # 3e-4 is a YAML string
+    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(
+        cfg.optim.lr, float
+    )  # 3e-4 is a YAML string
     assert cfg.optim.eps == pytest.approx(1e-6) and isinstance(cfg.optim.eps, float)
     assert cfg.train.steps == 100 and cfg.model.n_kv_heads == 2 and cfg.log.progress is True
 
@@ -337,13 +396,18 @@ log:
     assert cfg.log.progress is False
     assert cfg.model.n_kv_heads is None
     assert cfg.train.threads == 3
-    assert cfg.optim.grad_clip == 2.0 and isinstance(cfg.optim.grad_clip, float)  # int widens to float
+    assert cfg.optim.grad_clip == 2.0 and isinstance(
+        cfg.optim.grad_clip, float
+    )  # int widens to float
     assert cfg.data.path == "/some/where"
     # values of the file that were not overridden survive
     assert cfg.model.d_model == 64 and cfg.train.seed == 7 and cfg.optim.warmup_steps == 10
     assert cfg.optim.eps == pytest.approx(1e-6)
     # keys in neither keep their defaults
-    assert cfg.model.n_layers == ModelConfig().n_layers and cfg.train.precision == TrainConfig().precision
+    assert (
+        cfg.model.n_layers == ModelConfig().n_layers
+        and cfg.train.precision == TrainConfig().precision
+    )
     # an empty override value is null, and a null name falls back to the file's stem
     assert cfg.log.name == "exp"
 
@@ -356,7 +420,9 @@ def test_later_override_wins_and_spaces_around_key_are_ignored():
 def test_override_into_a_non_mapping_group_is_reported(tmp_path):
     path = write_yaml(tmp_path / "x.yaml", "train: 5\n")
     err = load_error(path, ["train.steps=3"])
-    assert any("override 'train.steps=3': train is not a mapping" in p for p in err.problems), err.problems
+    assert any("override 'train.steps=3': train is not a mapping" in p for p in err.problems), (
+        err.problems
+    )
 
 
 def test_override_value_that_is_not_valid_yaml_is_a_config_error():
@@ -368,7 +434,9 @@ def test_override_value_that_is_not_valid_yaml_is_a_config_error():
         assert any("log.name" in p for p in e.problems), e.problems
         assert any(p.startswith("optim.lr:") for p in e.problems), e.problems
     except Exception as e:  # noqa: BLE001 - the bug: a yaml.YAMLError escapes
-        pytest.fail(f"malformed override value raised {type(e).__name__} instead of ConfigError: {e}")
+        pytest.fail(
+            f"malformed override value raised {type(e).__name__} instead of ConfigError: {e}"
+        )
     else:
         pytest.fail("malformed override value was accepted")
 
@@ -444,7 +512,11 @@ def _leaves(cls: type, prefix: str) -> list[str]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         name, hint = f.metadata.get("key") or f.name, hints[f.name]
-        out += _leaves(hint, f"{prefix}.{name}") if dataclasses.is_dataclass(hint) else [f"{prefix}.{name}"]
+        out += (
+            _leaves(hint, f"{prefix}.{name}")
+            if dataclasses.is_dataclass(hint)
+            else [f"{prefix}.{name}"]
+        )
     return out
 
 
@@ -464,7 +536,9 @@ def test_every_key_has_a_doc():
     keys = config.all_keys()
     expected = [key for g, cls in config.GROUPS.items() for key in _leaves(cls, g)]
     assert keys == expected and len(keys) == len(set(keys)) > 30
-    assert "zero.params.shard_over" in keys and "zero.params" not in keys and "co2.outer_every" in keys
+    assert (
+        "zero.params.shard_over" in keys and "zero.params" not in keys and "co2.outer_every" in keys
+    )
     assert max(k.count(".") for k in keys) <= 2  # nesting depth <= 3
     for key in keys:
         doc = _field(key).metadata.get("doc")
@@ -503,7 +577,11 @@ def test_explain_every_key_and_group():
 def test_explain_nested_key_and_groups():
     text = config.explain("zero.params.shard_over")
     assert text.startswith("zero.params.shard_over: ")
-    assert "type: str" in text and "default: 'none'" in text and "choices: none, gcd, gpu, node, global" in text
+    assert (
+        "type: str" in text
+        and "default: 'none'" in text
+        and "choices: none, gcd, gpu, node, global" in text
+    )
     text = config.explain("zero")
     assert text.startswith(f"zero: {ZeroConfig.__doc__}")
     assert "\n  zero.params: where parameters are partitioned" in text
@@ -518,7 +596,8 @@ def test_explain_nested_key_and_groups():
 
 
 @pytest.mark.parametrize(
-    "key, suggestion", [("optim.lrr", "optim.lr"), ("model.n_head", "model.n_heads"), ("trian", "train")]
+    "key, suggestion",
+    [("optim.lrr", "optim.lr"), ("model.n_head", "model.n_heads"), ("trian", "train")],
 )
 def test_explain_unknown_key_suggests(key, suggestion):
     with pytest.raises(ConfigError) as info:
@@ -540,12 +619,17 @@ def test_explain_key_with_misspelt_group_suggests_the_full_key():
 
 def test_python_object_tags_are_rejected_not_executed(tmp_path):
     marker = tmp_path / "pwned"
-    path = write_yaml(tmp_path / "evil.yaml", f'log:\n  name: !!python/object/apply:os.system ["touch {marker}"]\n')
+    path = write_yaml(
+        tmp_path / "evil.yaml",
+        f'log:\n  name: !!python/object/apply:os.system ["touch {marker}"]\n',
+    )
     err = load_error(path)
     assert not marker.exists(), "the YAML file ran a command"
     assert any(str(path) in p for p in err.problems)
 
-    path2 = write_yaml(tmp_path / "evil2.yaml", f'!!python/object/apply:os.system ["touch {marker}"]\n')
+    path2 = write_yaml(
+        tmp_path / "evil2.yaml", f'!!python/object/apply:os.system ["touch {marker}"]\n'
+    )
     load_error(path2)
     assert not marker.exists()
 
@@ -629,7 +713,11 @@ def test_nested_key_from_the_command_line():
     )
     assert cfg.zero.optim == ShardSpec("global") and cfg.zero.grads.shard_over == "node"
     assert cfg.zero.params.shard_over == "none" and cfg.zero.prefetch_blocks == 2
-    assert cfg.co2.outer_momentum == 0.9 and cfg.co2.outer_lr == 1.0 and isinstance(cfg.co2.outer_lr, float)
+    assert (
+        cfg.co2.outer_momentum == 0.9
+        and cfg.co2.outer_lr == 1.0
+        and isinstance(cfg.co2.outer_lr, float)
+    )
     assert cfg.zero.enabled
 
 
@@ -672,13 +760,18 @@ def test_scalar_intermediate_is_an_error(tmp_path):
         "optim.lr: expected float, got the mapping {'x': 1} (optim.lr is one value, not a group of keys)"
     ]
     # an earlier value in the way of a deeper override
-    err = load_error(write_yaml(tmp_path / "s.yaml", "zero:\n  params: global\n"), ["zero.params.shard_over=node"])
+    err = load_error(
+        write_yaml(tmp_path / "s.yaml", "zero:\n  params: global\n"),
+        ["zero.params.shard_over=node"],
+    )
     assert (
         "override 'zero.params.shard_over=node': zero.params is not a mapping (it is 'global'), so it has no "
         "keys to set" in err.problems
     )
     err = load_error(None, ["zero..shard_over=node"])
-    assert err.problems[0].startswith("override 'zero..shard_over=node': write it as group.key=value")
+    assert err.problems[0].startswith(
+        "override 'zero..shard_over=node': write it as group.key=value"
+    )
 
 
 def test_replace_nested_key():
@@ -686,7 +779,9 @@ def test_replace_nested_key():
     assert cfg.zero.optim.shard_over == "global"
     assert cfg.zero.params == cfg.zero.grads == ShardSpec() and cfg.model == ModelConfig()
     assert Config().zero.optim.shard_over == "none"
-    assert config.replace(Config(), "zero.params", ShardSpec("node")).zero.params.shard_over == "node"
+    assert (
+        config.replace(Config(), "zero.params", ShardSpec("node")).zero.params.shard_over == "node"
+    )
 
 
 def test_nested_groups_round_trip_through_dump_and_load(tmp_path):
@@ -718,12 +813,24 @@ def test_nested_groups_round_trip_through_dump_and_load(tmp_path):
     "overrides, world_size, key",
     [
         # ZeRO levels nest: parameters and gradients inside the optimizer shard
-        (["zero.params.shard_over=global", "zero.optim.shard_over=node"], None, "zero.params.shard_over=global"),
-        (["zero.grads.shard_over=node", "zero.optim.shard_over=gpu"], None, "zero.grads.shard_over=node"),
+        (
+            ["zero.params.shard_over=global", "zero.optim.shard_over=node"],
+            None,
+            "zero.params.shard_over=global",
+        ),
+        (
+            ["zero.grads.shard_over=node", "zero.optim.shard_over=gpu"],
+            None,
+            "zero.grads.shard_over=node",
+        ),
         (["zero.grads.shard_over=gpu"], None, "zero.grads.shard_over=gpu"),
         # hpZ strictly finer than the primary parameters
         (
-            ["zero.params.shard_over=node", "zero.optim.shard_over=node", "zero.secondary_params.shard_over=node"],
+            [
+                "zero.params.shard_over=node",
+                "zero.optim.shard_over=node",
+                "zero.secondary_params.shard_over=node",
+            ],
             None,
             "zero.secondary_params.shard_over=node",
         ),
@@ -751,13 +858,25 @@ def test_nested_groups_round_trip_through_dump_and_load(tmp_path):
             "parallel.schedule=dualpipev",
         ),
         # CO2: nodes are independent replicas, and there are at least two of them
-        (["co2.enabled=true", "zero.optim.shard_over=global"], None, "zero.optim.shard_over=global"),
+        (
+            ["co2.enabled=true", "zero.optim.shard_over=global"],
+            None,
+            "zero.optim.shard_over=global",
+        ),
         (["co2.enabled=true", "parallel.ranks_per_node=2"], 2, "parallel.ranks_per_node=2"),
         (["co2.enabled=true", "co2.clip=1", "parallel.tp=2"], None, "co2.clip=1.0"),
-        (["co2.enabled=true", "co2.staleness_penalty=0.5", "parallel.pp=2"], None, "co2.staleness_penalty=0.5"),
+        (
+            ["co2.enabled=true", "co2.staleness_penalty=0.5", "parallel.pp=2"],
+            None,
+            "co2.staleness_penalty=0.5",
+        ),
         # ZeRO-1 too: the split-backward schedules set weight gradients past the engine's hooks
         (
-            ["zero.optim.shard_over=global", "parallel.pp=2", "parallel.schedule=interleaved_zero_bubble"],
+            [
+                "zero.optim.shard_over=global",
+                "parallel.pp=2",
+                "parallel.schedule=interleaved_zero_bubble",
+            ],
             None,
             "parallel.schedule=interleaved_zero_bubble",
         ),
@@ -774,15 +893,23 @@ def test_zero_and_co2_cross_checks(overrides, world_size, key):
     err = load_error(None, overrides, world_size=world_size)
     assert len(err.problems) == 1, err.problems
     assert key in err.problems[0], err.problems
-    assert "; " in err.problems[0] and (" set " in err.problems[0] or " use " in err.problems[0]), err.problems
+    assert "; " in err.problems[0] and (" set " in err.problems[0] or " use " in err.problems[0]), (
+        err.problems
+    )
 
 
 def test_cross_check_messages_name_the_fix():
-    (p,) = load_error(None, ["zero.params.shard_over=global", "zero.optim.shard_over=node"]).problems
+    (p,) = load_error(
+        None, ["zero.params.shard_over=global", "zero.optim.shard_over=node"]
+    ).problems
     assert p.endswith("set zero.optim.shard_over=global or zero.params.shard_over=node")
     (p,) = load_error(
         None,
-        ["zero.params.shard_over=global", "zero.optim.shard_over=global", "zero.secondary_params.shard_over=global"],
+        [
+            "zero.params.shard_over=global",
+            "zero.optim.shard_over=global",
+            "zero.secondary_params.shard_over=global",
+        ],
     ).problems
     assert p.endswith("use gpu or node or none (hpZ off)")
     (p,) = load_error(
@@ -795,8 +922,13 @@ def test_cross_check_messages_name_the_fix():
         ],
     ).problems
     assert "zero.grads.shard_over=global" in p and "parallel.schedule=interleaved_1f1b" in p
-    (p,) = load_error(None, ["co2.enabled=true", "parallel.ranks_per_node=2"], world_size=2).problems
-    assert "co2.enabled needs at least 2 nodes" in p and "world size 2 / parallel.ranks_per_node=2 = 1" in p
+    (p,) = load_error(
+        None, ["co2.enabled=true", "parallel.ranks_per_node=2"], world_size=2
+    ).problems
+    assert (
+        "co2.enabled needs at least 2 nodes" in p
+        and "world size 2 / parallel.ranks_per_node=2 = 1" in p
+    )
 
 
 @pytest.mark.parametrize(
@@ -810,12 +942,20 @@ def test_cross_check_messages_name_the_fix():
             None,
         ),  # hpZ
         (
-            ["zero.params.shard_over=gpu", "zero.grads.shard_over=node", "zero.optim.shard_over=global"],
+            [
+                "zero.params.shard_over=gpu",
+                "zero.grads.shard_over=node",
+                "zero.optim.shard_over=global",
+            ],
             None,
         ),  # 3 levels
         (["zero.params.shard_over=gcd", "zero.optim.shard_over=none"], None),  # gcd = none
         (
-            ["zero.grads.shard_over=node", "zero.optim.shard_over=node", "parallel.schedule=interleaved_zero_bubble"],
+            [
+                "zero.grads.shard_over=node",
+                "zero.optim.shard_over=node",
+                "parallel.schedule=interleaved_zero_bubble",
+            ],
             None,
         ),  # no pipeline: unused
         (
@@ -838,7 +978,9 @@ def test_zero_and_co2_valid_settings_pass(overrides, world_size):
 def test_cross_check_naming_a_rejected_nested_key_is_dropped():
     # zero.optim.shard_over is rejected (keeps none), so "params coarser than optim=none" would mislead
     err = load_error(None, ["zero.params.shard_over=global", "zero.optim.shard_over=rack"])
-    assert len(err.problems) == 1 and err.problems[0].startswith("zero.optim.shard_over: 'rack'"), err.problems
+    assert len(err.problems) == 1 and err.problems[0].startswith("zero.optim.shard_over: 'rack'"), (
+        err.problems
+    )
 
 
 # --- list keys ---------------------------------------------------------------------------------
@@ -895,7 +1037,9 @@ def test_a_list_key_survives_the_config_yaml_a_checkpoint_saves(small_data_dir, 
     from conftest import tiny_config
 
     cfg = tiny_config(
-        small_data_dir, tmp_path, **{"train.steps": 1, "checkpoint.save_final": True, "log.profile_steps": [1, 1]}
+        small_data_dir,
+        tmp_path,
+        **{"train.steps": 1, "checkpoint.save_final": True, "log.profile_steps": [1, 1]},
     )
     run(cfg, start())
     saved = store.committed(cfg.checkpoint_dir())[-1] / "config.yaml"
@@ -906,7 +1050,9 @@ def test_a_list_key_survives_the_config_yaml_a_checkpoint_saves(small_data_dir, 
 def test_list_keys_show_their_type_and_default():
     assert "type: list of int or null" in config.explain("log.profile_steps")
     assert "default: None" in config.explain("log.profile_steps")
-    row = next(line for line in config.reference_markdown().splitlines() if "`log.profile_steps`" in line)
+    row = next(
+        line for line in config.reference_markdown().splitlines() if "`log.profile_steps`" in line
+    )
     assert row.startswith("| `log.profile_steps` | list of int or null | `null` | [first, last]: ")
     assert config._type_name(tuple[float, ...]) == "list of float"
     assert config._type_name(tuple[str, ...] | None) == "list of str or null"
@@ -941,4 +1087,7 @@ def test_list_items_are_coerced_and_checked_one_by_one():
 
 def test_every_problem_of_a_list_key_is_reported_with_the_others():
     err = load_error(None, ["log.profile_steps=[0, x]", "train.steps=0"])
-    assert err.problems == ["log.profile_steps: item 2 is 'x', not a whole number", "train.steps: 0 must be >= 1"]
+    assert err.problems == [
+        "log.profile_steps: item 2 is 'x', not a whole number",
+        "train.steps: 0 must be >= 1",
+    ]

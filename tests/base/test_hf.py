@@ -28,7 +28,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SEQ = 16
 VOCAB = 96
 TOL = 1e-5
-SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+)
 LLAMA3_ROPE = dict(
     rope_type="llama3",
     rope_theta=10000.0,
@@ -42,17 +48,32 @@ LLAMA3_ROPE = dict(
 
 # name: (config class, settings beyond SHAPE)
 FAMILIES = {
-    "llama-gqa-head_dim": ("LlamaConfig", dict(num_key_value_heads=2, head_dim=16, rope_parameters=None)),
+    "llama-gqa-head_dim": (
+        "LlamaConfig",
+        dict(num_key_value_heads=2, head_dim=16, rope_parameters=None),
+    ),
     "llama-tied": ("LlamaConfig", dict(tie_word_embeddings=True, rms_norm_eps=1e-5)),
     "llama3-rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_parameters=LLAMA3_ROPE)),
     "mistral-window-covers-seq": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=SEQ)),
-    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
-    "qwen3-head_dim": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=12, tie_word_embeddings=True)),
+    "qwen2": (
+        "Qwen2Config",
+        dict(num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    ),
+    "qwen3-head_dim": (
+        "Qwen3Config",
+        dict(num_key_value_heads=2, head_dim=12, tie_word_embeddings=True),
+    ),
     # Each long-context scaling at a sequence (SEQ = 16) twice its original context (8).
-    "llama-linear-rope": ("LlamaConfig", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
+    "llama-linear-rope": (
+        "LlamaConfig",
+        dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)),
+    ),
     "llama-dynamic-rope": (
         "LlamaConfig",
-        dict(max_position_embeddings=8, rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)),
+        dict(
+            max_position_embeddings=8,
+            rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0),
+        ),
     ),
     "qwen2-yarn-rope": (
         "Qwen2Config",
@@ -60,7 +81,9 @@ FAMILIES = {
             num_key_value_heads=2,
             head_dim=16,
             max_position_embeddings=32,
-            rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=8),
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=8
+            ),
         ),
     ),
 }
@@ -68,13 +91,23 @@ FAMILIES = {
 
 def hf_model(name: str):
     cls, extra = FAMILIES[name]
-    kw = {**SHAPE, "max_position_embeddings": 128, **{k: v for k, v in extra.items() if v is not None}}
+    kw = {
+        **SHAPE,
+        "max_position_embeddings": 128,
+        **{k: v for k, v in extra.items() if v is not None},
+    }
     config = getattr(transformers, cls)(**kw)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():  # norms start at one and biases at zero: randomise them so their mapping is checked
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    with (
+        torch.no_grad()
+    ):  # norms start at one and biases at zero: randomise them so their mapping is checked
         for p in model.parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.15) + (1.0 if p.ndim == 1 else 0.0))
+            p.copy_(
+                torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.15) + (1.0 if p.ndim == 1 else 0.0)
+            )
     return model.eval()
 
 
@@ -89,7 +122,9 @@ def strata_from_hf_dir(path: Path) -> GPT:
     tensors = load_file(path / "model.safetensors")
     assert hf.unused(tensors, cfg) == [] and hf.missing(tensors, cfg) == []
     model = GPT(cfg, cfg.vocab_size or 0)
-    model.load_state_dict({name: tensors[src] for name, src in hf.hf_sources(cfg).items()}, strict=True)
+    model.load_state_dict(
+        {name: tensors[src] for name, src in hf.hf_sources(cfg).items()}, strict=True
+    )
     return model.eval()
 
 
@@ -99,7 +134,9 @@ def test_hf_checkpoint_loads_into_strata_with_equal_logits(tmp_path, name):
     reference.save_pretrained(tmp_path)
     model = strata_from_hf_dir(tmp_path)
     if reference.config.tie_word_embeddings:
-        assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")  # the case hf_sources covers
+        assert "lm_head.weight" not in load_file(
+            tmp_path / "model.safetensors"
+        )  # the case hf_sources covers
         assert model.output.weight is model.tok_embeddings.weight
     x = tokens()
     with torch.no_grad():
@@ -113,12 +150,22 @@ def test_hf_checkpoint_loads_into_strata_with_equal_logits(tmp_path, name):
     [
         dict(),
         dict(n_kv_heads=2, tie_embeddings=True, rope_theta=5e5),
-        dict(n_kv_heads=2, head_dim=16, rope_scaling="llama3", rope_original_max_position_embeddings=64),
+        dict(
+            n_kv_heads=2,
+            head_dim=16,
+            rope_scaling="llama3",
+            rope_original_max_position_embeddings=64,
+        ),
         dict(qkv_bias=True, n_kv_heads=1, norm_eps=1e-6),
         dict(qk_norm=True, head_dim=12, n_kv_heads=2, tie_embeddings=True),
         dict(rope_scaling="linear", rope_factor=2.0),
         dict(rope_scaling="dynamic", rope_factor=2.0, rope_original_max_position_embeddings=8),
-        dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max_position_embeddings=8, head_dim=16),
+        dict(
+            rope_scaling="yarn",
+            rope_factor=4.0,
+            rope_original_max_position_embeddings=8,
+            head_dim=16,
+        ),
         dict(
             qkv_bias=True,
             rope_scaling="yarn",
@@ -132,14 +179,22 @@ def test_hf_checkpoint_loads_into_strata_with_equal_logits(tmp_path, name):
     ],
 )
 def test_strata_model_exports_to_transformers_with_equal_logits(tmp_path, kw):
-    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, ffn_hidden=48, seq_len=SEQ, vocab_size=VOCAB, **kw)
+    cfg = ModelConfig(
+        n_layers=2, d_model=32, n_heads=4, ffn_hidden=48, seq_len=SEQ, vocab_size=VOCAB, **kw
+    )
     model = build_model(cfg, VOCAB, seed=3).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.15) + (1.0 if name.endswith("norm.weight") else 0))
+            p.copy_(
+                torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.15)
+                + (1.0 if name.endswith("norm.weight") else 0)
+            )
     state = model.state_dict()
     (tmp_path / "config.json").write_text(json.dumps(hf.hf_config(cfg)))
-    save_file({dst: state[src].contiguous() for src, dst in hf.hf_targets(cfg).items()}, tmp_path / "model.safetensors")
+    save_file(
+        {dst: state[src].contiguous() for src, dst in hf.hf_targets(cfg).items()},
+        tmp_path / "model.safetensors",
+    )
     reference, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, attn_implementation="eager", dtype=torch.float32, output_loading_info=True
     )
@@ -163,22 +218,35 @@ def test_llama3_rope_frequencies_equal_transformers():
     ours = rope_frequencies(cfg)
     torch.testing.assert_close(ours.float(), expected, rtol=1e-6, atol=0)
     plain = rope_frequencies(ModelConfig(d_model=32, n_heads=4))
-    assert (ours < plain).any() and (ours == plain.float().double()).sum() >= 1  # scaled and kept bands both occur
+    assert (ours < plain).any() and (
+        ours == plain.float().double()
+    ).sum() >= 1  # scaled and kept bands both occur
 
 
 # --- config.json -> model settings ---------------------------------------------------------------
 
 
 def test_old_and_new_rope_styles_give_the_same_settings():
-    new = transformers.LlamaConfig(**SHAPE, rope_parameters={**LLAMA3_ROPE, "rope_theta": 5e5}).to_dict()
+    new = transformers.LlamaConfig(
+        **SHAPE, rope_parameters={**LLAMA3_ROPE, "rope_theta": 5e5}
+    ).to_dict()
     assert "rope_parameters" in new
     old = {k: v for k, v in new.items() if k != "rope_parameters"}
-    old.update(rope_theta=5e5, rope_scaling={k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"})
+    old.update(
+        rope_theta=5e5, rope_scaling={k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    )
     assert hf.model_settings(old, SEQ) == hf.model_settings(new, SEQ)
     settings = hf.model_settings(new, SEQ)
-    assert settings["rope_theta"] == 5e5 and settings["rope_scaling"] == "llama3" and settings["rope_factor"] == 8.0
+    assert (
+        settings["rope_theta"] == 5e5
+        and settings["rope_scaling"] == "llama3"
+        and settings["rope_factor"] == 8.0
+    )
     assert settings["rope_original_max_position_embeddings"] == 64
-    old["rope_scaling"] = {"type": "llama3", **{k: v for k, v in old["rope_scaling"].items() if k != "rope_type"}}
+    old["rope_scaling"] = {
+        "type": "llama3",
+        **{k: v for k, v in old["rope_scaling"].items() if k != "rope_type"},
+    }
     assert hf.model_settings(old, SEQ) == settings  # the oldest form names the type `type`
 
 
@@ -193,14 +261,22 @@ def llama(**kw) -> dict:
         ({**transformers.Qwen2Config(**SHAPE).to_dict(), "num_experts": 4}, "num_experts"),
         (transformers.MistralConfig(**SHAPE, sliding_window=8).to_dict(), "sliding_window"),
         (
-            transformers.Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=1).to_dict(),
+            transformers.Qwen2Config(
+                **SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=1
+            ).to_dict(),
             "sliding_window",
         ),
         (llama(attention_bias=True), "attention_bias"),
         (llama(mlp_bias=True), "mlp_bias"),
         (llama(hidden_act="gelu"), "hidden_act"),
-        (llama(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope_parameters.rope_type"),
-        ({**llama(rope_scaling={"type": "su", "factor": 2.0}), "rope_parameters": None}, "rope_scaling.type"),
+        (
+            llama(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}),
+            "rope_parameters.rope_type",
+        ),
+        (
+            {**llama(rope_scaling={"type": "su", "factor": 2.0}), "rope_parameters": None},
+            "rope_scaling.type",
+        ),
         (llama(partial_rotary_factor=0.5), "partial_rotary_factor"),
         (llama(quantization_config={"quant_method": "gptq"}), "quantization_config"),
         ({k: v for k, v in llama().items() if k != "intermediate_size"}, "intermediate_size"),
@@ -215,7 +291,9 @@ def test_unsupported_features_are_named(config, field):
 
 def test_unknown_family_names_model_type_and_the_supported_ones():
     (problem,) = hf.unsupported({**llama(), "model_type": "gemma"}, SEQ)
-    assert "model_type='gemma'" in problem and all(t in problem for t in ("llama", "mistral", "qwen2", "qwen3"))
+    assert "model_type='gemma'" in problem and all(
+        t in problem for t in ("llama", "mistral", "qwen2", "qwen3")
+    )
 
 
 def test_sliding_window_that_never_slides_is_accepted():
@@ -224,26 +302,48 @@ def test_sliding_window_that_never_slides_is_accepted():
     mistral = transformers.MistralConfig(**SHAPE, sliding_window=SEQ).to_dict()
     assert hf.unsupported(mistral, SEQ) == [] and hf.unsupported(mistral, SEQ + 1) != []
     qwen = dict(**SHAPE, sliding_window=8)
-    assert hf.unsupported(transformers.Qwen2Config(**qwen, use_sliding_window=False).to_dict(), SEQ) == []
-    no_layer = transformers.Qwen3Config(**qwen, use_sliding_window=True, max_window_layers=2).to_dict()
+    assert (
+        hf.unsupported(transformers.Qwen2Config(**qwen, use_sliding_window=False).to_dict(), SEQ)
+        == []
+    )
+    no_layer = transformers.Qwen3Config(
+        **qwen, use_sliding_window=True, max_window_layers=2
+    ).to_dict()
     assert no_layer["layer_types"] == ["full_attention"] * 2 and hf.unsupported(no_layer, SEQ) == []
 
 
 def test_conflicts_name_each_explicit_key_that_disagrees():
-    derived = hf.model_settings(transformers.Qwen3Config(**SHAPE, num_key_value_heads=2, head_dim=8).to_dict(), SEQ)
-    explicit = {"d_model": 64, "n_layers": 2, "n_kv_heads": None, "qk_norm": False, "seq_len": 128, "init_std": 0.1}
+    derived = hf.model_settings(
+        transformers.Qwen3Config(**SHAPE, num_key_value_heads=2, head_dim=8).to_dict(), SEQ
+    )
+    explicit = {
+        "d_model": 64,
+        "n_layers": 2,
+        "n_kv_heads": None,
+        "qk_norm": False,
+        "seq_len": 128,
+        "init_std": 0.1,
+    }
     problems = hf.conflicts(explicit, derived)
     assert len(problems) == 2, problems
     assert "model.d_model=64" in problems[0] and "hidden_size gives 32" in problems[0]
     assert "model.qk_norm=false" in problems[1] and "true" in problems[1]
-    assert hf.conflicts({k: derived[k] for k in ("d_model", "rope_theta", "tie_embeddings")}, derived) == []
+    assert (
+        hf.conflicts({k: derived[k] for k in ("d_model", "rope_theta", "tie_embeddings")}, derived)
+        == []
+    )
 
 
 # --- tensor names ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(), dict(tie_embeddings=True), dict(qkv_bias=True, qk_norm=True, head_dim=12, n_kv_heads=2)]
+    "kw",
+    [
+        dict(),
+        dict(tie_embeddings=True),
+        dict(qkv_bias=True, qk_norm=True, head_dim=12, n_kv_heads=2),
+    ],
 )
 def test_names_cover_the_state_dict_and_round_trip(kw):
     cfg = ModelConfig(n_layers=3, d_model=32, n_heads=4, seq_len=SEQ, **kw)

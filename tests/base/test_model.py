@@ -51,7 +51,9 @@ def ref_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * w.double()
 
 
-def ref_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def ref_swiglu(
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
     x = x.double()
     gate = x @ w1.double().T
     silu = gate * (1.0 / (1.0 + torch.exp(-gate)))
@@ -80,7 +82,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def ref_attention(
-    x: torch.Tensor, wq, wk, wv, wo, n_heads: int, n_kv_heads: int, theta: float, biases=(None, None, None), norms=None
+    x: torch.Tensor,
+    wq,
+    wk,
+    wv,
+    wo,
+    n_heads: int,
+    n_kv_heads: int,
+    theta: float,
+    biases=(None, None, None),
+    norms=None,
 ) -> torch.Tensor:
     """Naive causal multi-head attention with GQA by repeating each kv head (Llama's repeat_kv);
     optional q/k/v biases (Qwen2) and q/k RMSNorms over each head before RoPE (Qwen3)."""
@@ -135,7 +146,12 @@ def ref_gpt(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
             **attention_extras(a, cfg.norm_eps),
         )
         m = layer.mlp
-        x = x + ref_swiglu(ref_rmsnorm(x, layer.mlp_norm.weight, cfg.norm_eps), m.w1.weight, m.w3.weight, m.w2.weight)
+        x = x + ref_swiglu(
+            ref_rmsnorm(x, layer.mlp_norm.weight, cfg.norm_eps),
+            m.w1.weight,
+            m.w3.weight,
+            m.w2.weight,
+        )
     return ref_rmsnorm(x, model.norm.weight, cfg.norm_eps) @ model.output.weight.double().T
 
 
@@ -209,11 +225,15 @@ def test_future_tokens_do_not_change_earlier_logits(kv):
         base = model(tokens)
         for t in (1, 7, 15):
             changed = tokens.clone()
-            changed[:, t:] = (changed[:, t:] + 1 + torch.randint(0, 62, changed[:, t:].shape, generator=gen)) % 64
+            changed[:, t:] = (
+                changed[:, t:] + 1 + torch.randint(0, 62, changed[:, t:].shape, generator=gen)
+            ) % 64
             assert (changed[:, t:] != tokens[:, t:]).all()
             out = model(changed)
             torch.testing.assert_close(out[:, :t], base[:, :t], atol=1e-5, rtol=1e-5)
-            assert (out[:, t] - base[:, t]).abs().max() > 1e-3  # the changed position itself does change
+            assert (
+                out[:, t] - base[:, t]
+            ).abs().max() > 1e-3  # the changed position itself does change
 
 
 def test_same_seed_same_init_different_seed_different():
@@ -232,7 +252,9 @@ def test_same_seed_same_init_different_seed_different():
 
 
 def test_init_statistics():
-    cfg = ModelConfig(n_layers=4, d_model=128, n_heads=4, seq_len=16, init_std=0.05, qkv_bias=True, qk_norm=True)
+    cfg = ModelConfig(
+        n_layers=4, d_model=128, n_heads=4, seq_len=16, init_std=0.05, qkv_bias=True, qk_norm=True
+    )
     model = build_model(cfg, 257, seed=0)
     out_std = 0.05 / math.sqrt(2 * 4)
     for name, p in model.named_parameters():
@@ -255,10 +277,14 @@ def test_rmsnorm_matches_formula():
     with torch.no_grad():
         norm.weight.copy_(torch.randn(24, generator=gen))
     x = 3 * torch.randn(2, 5, 24, generator=gen)
-    torch.testing.assert_close(norm(x).double(), ref_rmsnorm(x, norm.weight, 1e-3), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        norm(x).double(), ref_rmsnorm(x, norm.weight, 1e-3), atol=1e-5, rtol=1e-5
+    )
     # eps matters for small inputs
     small = 1e-2 * torch.randn(3, 24, generator=gen)
-    torch.testing.assert_close(norm(small).double(), ref_rmsnorm(small, norm.weight, 1e-3), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        norm(small).double(), ref_rmsnorm(small, norm.weight, 1e-3), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("ffn", [None, 40])
@@ -269,11 +295,16 @@ def test_swiglu_matches_formula(ffn):
     assert mlp.w1.out_features == mlp.w3.out_features == mlp.w2.in_features == hidden
     x = torch.randn(2, 7, 48, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(
-        mlp(x).double(), ref_swiglu(x, mlp.w1.weight, mlp.w3.weight, mlp.w2.weight), atol=1e-5, rtol=1e-5
+        mlp(x).double(),
+        ref_swiglu(x, mlp.w1.weight, mlp.w3.weight, mlp.w2.weight),
+        atol=1e-5,
+        rtol=1e-5,
     )
 
 
-@pytest.mark.parametrize("d_model, expected", [(128, 352), (96, 256), (100, 288), (32, 96), (4096, 10944)])
+@pytest.mark.parametrize(
+    "d_model, expected", [(128, 352), (96, 256), (100, 288), (32, 96), (4096, 10944)]
+)
 def test_ffn_hidden_follows_llama_rule(d_model, expected):
     # Llama: hidden = int(2 * 4d / 3), rounded up to multiple_of (32 here). Hand-computed values.
     assert ffn_hidden_size(ModelConfig(d_model=d_model, n_heads=4)) == expected
@@ -291,7 +322,15 @@ def test_ffn_hidden_follows_llama_rule(d_model, expected):
     ],
 )
 def test_attention_matches_naive_reference(n_heads, kv, theta, extra):
-    cfg = tiny(d_model=64, n_heads=n_heads, n_kv_heads=kv, rope_theta=theta, seq_len=24, init_std=0.25, **extra)
+    cfg = tiny(
+        d_model=64,
+        n_heads=n_heads,
+        n_kv_heads=kv,
+        rope_theta=theta,
+        seq_len=24,
+        init_std=0.25,
+        **extra,
+    )
     model = build_model(cfg, 64, seed=5)
     randomize_norms(model)
     attn: Attention = model.layers[0].attn
@@ -299,7 +338,9 @@ def test_attention_matches_naive_reference(n_heads, kv, theta, extra):
         for b in (attn.wq.bias, attn.wk.bias, attn.wv.bias):
             if b is not None:
                 b.normal_(0, 0.5)
-    x = torch.randn(2, 13, 64, generator=torch.Generator().manual_seed(1))  # shorter than the rope tables
+    x = torch.randn(
+        2, 13, 64, generator=torch.Generator().manual_seed(1)
+    )  # shorter than the rope tables
     cos, sin = rope_tables(cfg)
     out = attn(x, cos, sin)
     ref = ref_attention(
@@ -341,7 +382,9 @@ def test_whole_model_matches_reference(kw):
     randomize_norms(model)
     tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens).double(), ref_gpt(model, tokens), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            model(tokens).double(), ref_gpt(model, tokens), atol=1e-4, rtol=1e-4
+        )
 
 
 def test_lm_loss_is_mean_next_token_cross_entropy():
@@ -399,7 +442,9 @@ def test_count_params_matches_built_model(kw, data_vocab):
     assert count_params(cfg, model.vocab_size) == actual
     if cfg.tie_embeddings:
         untied = build_model(tiny(**{**kw, "tie_embeddings": False}), data_vocab, seed=0)
-        assert sum(p.numel() for p in untied.parameters()) - actual == model.vocab_size * cfg.d_model
+        assert (
+            sum(p.numel() for p in untied.parameters()) - actual == model.vocab_size * cfg.d_model
+        )
 
 
 def forward_matmul_flops_per_token(model: GPT, batch: int = 2) -> float:
@@ -433,4 +478,6 @@ def test_flops_per_token_matches_instrumented_count(kw):
     model = build_model(cfg, 257, seed=0)
     n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert n_linear == cfg.n_layers * 7 + 1
-    assert flops_per_token(cfg, model.vocab_size) == pytest.approx(3 * forward_matmul_flops_per_token(model), rel=1e-12)
+    assert flops_per_token(cfg, model.vocab_size) == pytest.approx(
+        3 * forward_matmul_flops_per_token(model), rel=1e-12
+    )

@@ -69,7 +69,11 @@ def test_matches_transformers_qwen3_moe_block(norm_topk):
     moe = layer(cfg)
     hf = Qwen3MoeSparseMoeBlock(
         Qwen3MoeConfig(
-            hidden_size=32, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=norm_topk
+            hidden_size=32,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=norm_topk,
         )
     )
     with torch.no_grad():
@@ -128,7 +132,9 @@ def test_auxiliary_losses_train_the_router_as_if_added_to_the_loss():
         + 0.05 * routing.logits.logsumexp(-1).square().mean()
     )
     ((plain(x) * r).sum() + explicit).backward()
-    torch.testing.assert_close(with_aux.router.weight.grad, plain.router.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        with_aux.router.weight.grad, plain.router.weight.grad, rtol=1e-5, atol=1e-6
+    )
     stats = with_aux.stats.as_tensor()[4:].tolist()  # calls, tokens, dropped, aux, seq_aux, z
     assert stats[:3] == [1, 16, 0]
     assert stats[3] == pytest.approx(float(load_balancing_loss(routing, 4)), rel=1e-6)
@@ -180,7 +186,8 @@ def test_sigmoid_router_bias_changes_the_choice_not_the_weights_and_moves_toward
     assert set(biased.experts.flatten().tolist()) == {0, 1}
     torch.testing.assert_close(
         biased.weights,
-        before.scores.gather(1, biased.experts) / before.scores.gather(1, biased.experts).sum(-1, keepdim=True),
+        before.scores.gather(1, biased.experts)
+        / before.scores.gather(1, biased.experts).sum(-1, keepdim=True),
     )
     load = torch.tensor([40.0, 24.0, 0.0, 0.0])
     update_expert_bias(moe, load, 0.01)
@@ -206,7 +213,12 @@ def test_group_limited_router_equals_transformers_deepseek_v3():
         )
     )
     hf_cfg = DeepseekV3Config(
-        hidden_size=32, n_routed_experts=16, num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5
+        hidden_size=32,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
     )
     ref = DeepseekV3TopkRouter(hf_cfg)
     assert moe.router.expert_bias is not None
@@ -232,7 +244,12 @@ def test_model_counts_and_names():
         n_heads=4,
         seq_len=8,
         moe=MoEConfig(
-            num_experts=4, top_k=2, expert_ffn=16, first_dense_layers=1, shared_experts=1, shared_expert_gate=True
+            num_experts=4,
+            top_k=2,
+            expert_ffn=16,
+            first_dense_layers=1,
+            shared_experts=1,
+            shared_expert_gate=True,
         ),
     )
     model = build_model(cfg, 64, seed=0)
@@ -242,7 +259,9 @@ def test_model_counts_and_names():
     assert names["layers.2.mlp.experts.w2"].shape == (4, 32, 16)
     per_moe_layer = 4 * 32 + 4 * 3 * 32 * 16 + 3 * 32 * 16 + 32  # router, experts, shared, gate
     active_moe_layer = 4 * 32 + 2 * 3 * 32 * 16 + 3 * 32 * 16 + 32
-    assert count_params(cfg, 64) - count_params(cfg, 64, active=True) == 2 * (per_moe_layer - active_moe_layer)
+    assert count_params(cfg, 64) - count_params(cfg, 64, active=True) == 2 * (
+        per_moe_layer - active_moe_layer
+    )
     dense = ModelConfig(n_layers=3, d_model=32, n_heads=4, seq_len=8)
     extra = 2 * (active_moe_layer - 3 * 32 * dense.ffn_size)
     assert flops_per_token(cfg, 64) - flops_per_token(dense, 64) == pytest.approx(6 * extra)
@@ -252,7 +271,10 @@ def test_moe_config_problems_are_named():
     with pytest.raises(ConfigError) as info:
         from_dict(
             {
-                "model": {"n_layers": 2, "moe": {"num_experts": 3, "top_k": 4, "first_dense_layers": 2}},
+                "model": {
+                    "n_layers": 2,
+                    "moe": {"num_experts": 3, "top_k": 4, "first_dense_layers": 2},
+                },
                 "parallel": {"ep": 2, "tp": 2},
             },
             world_size=4,
@@ -266,7 +288,13 @@ def test_moe_config_problems_are_named():
     ):
         assert part in text
     with pytest.raises(ConfigError) as info:
-        from_dict({"model": {"moe": {"num_experts": 8, "top_k": 3, "route_groups": 4, "route_group_limit": 1}}})
+        from_dict(
+            {
+                "model": {
+                    "moe": {"num_experts": 8, "top_k": 3, "route_groups": 4, "route_group_limit": 1}
+                }
+            }
+        )
     assert "top_k=3 exceeds the 2 experts of route_group_limit=1 groups of 2" in str(info.value)
     with pytest.raises(ConfigError, match="route_groups=3 must divide model.moe.num_experts=8"):
         from_dict({"model": {"moe": {"num_experts": 8, "route_groups": 3}}})
@@ -283,6 +311,10 @@ def test_export_refuses_what_qwen3_moe_and_mixtral_cannot_hold():
     with pytest.raises(ConfigError) as info:
         hf_config(cfg, 64)
     text = str(info.value)
-    for part in ("shared_experts=1", "router=sigmoid", "route_groups=2: both route over every expert"):
+    for part in (
+        "shared_experts=1",
+        "router=sigmoid",
+        "route_groups=2: both route over every expert",
+    ):
         assert part in text
     assert hf_config(moe_cfg(), 64)["model_type"] == "mixtral"

@@ -15,23 +15,36 @@ from strata.rope import attention_factor, rope_frequencies, rope_tables
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-SHAPE = dict(vocab_size=256, hidden_size=512, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8)
+SHAPE = dict(
+    vocab_size=256,
+    hidden_size=512,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=8,
+)
 
 
 def _reference(rope: dict, max_positions: int, seq_len: int) -> tuple[torch.Tensor, float]:
-    config = transformers.LlamaConfig(**SHAPE, max_position_embeddings=max_positions, rope_parameters=dict(rope))
+    config = transformers.LlamaConfig(
+        **SHAPE, max_position_embeddings=max_positions, rope_parameters=dict(rope)
+    )
     return ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu", seq_len=seq_len)
 
 
 def _ours(rope: dict, max_positions: int, seq_len: int) -> ModelConfig:
-    config = transformers.LlamaConfig(**SHAPE, max_position_embeddings=max_positions, rope_parameters=dict(rope))
+    config = transformers.LlamaConfig(
+        **SHAPE, max_position_embeddings=max_positions, rope_parameters=dict(rope)
+    )
     return ModelConfig(**hf.model_settings(config.to_dict(), seq_len), seq_len=seq_len)  # type: ignore[arg-type]
 
 
 CASES = {
     "linear": (dict(rope_type="linear", rope_theta=10000.0, factor=4.0), 4096),
     "dynamic": (dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0), 4096),
-    "yarn": (dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=4096), 16384),
+    "yarn": (
+        dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=4096),
+        16384,
+    ),
     "yarn-deepseek-mscale": (
         dict(
             rope_type="yarn",
@@ -73,7 +86,9 @@ def test_scaled_frequencies_equal_transformers(name, seq_len):
     if name != "dynamic" or seq_len > max_positions:
         assert not torch.allclose(ours, plain)  # the scaling changed something at this length
     else:
-        assert torch.equal(ours, plain)  # dynamic NTK leaves a sequence within the original context alone
+        assert torch.equal(
+            ours, plain
+        )  # dynamic NTK leaves a sequence within the original context alone
 
 
 def test_yarn_tables_carry_the_attention_factor():
@@ -86,6 +101,8 @@ def test_yarn_tables_carry_the_attention_factor():
 
 def test_bad_scaling_settings_are_clear_errors():
     with pytest.raises(ConfigError, match="rope_beta_fast=1 must exceed model.rope_beta_slow=2"):
-        loading.load(None, ["model.rope_scaling=yarn", "model.rope_beta_fast=1", "model.rope_beta_slow=2"])
+        loading.load(
+            None, ["model.rope_scaling=yarn", "model.rope_beta_fast=1", "model.rope_beta_slow=2"]
+        )
     with pytest.raises(ConfigError, match="rope_scaling"):
         loading.load(None, ["model.rope_scaling=ntk"])

@@ -29,10 +29,14 @@ def start_long_run(data_dir: Path, root: Path, **settings) -> subprocess.Popen:
     experiment = root / "experiment.yaml"
     root.mkdir(parents=True, exist_ok=True)
     experiment.write_text("{}\n")
-    overrides = tiny_overrides(data_dir, root, **{"train.steps": 100000, "checkpoint.interval": 2, **settings})
+    overrides = tiny_overrides(
+        data_dir, root, **{"train.steps": 100000, "checkpoint.interval": 2, **settings}
+    )
     proc = start_strata("train", str(experiment), *overrides, new_session=True)
     deadline = time.monotonic() + 120
-    while holder(root / "t").get("pid") != proc.pid or not store.committed(root / "t" / "checkpoints"):
+    while holder(root / "t").get("pid") != proc.pid or not store.committed(
+        root / "t" / "checkpoints"
+    ):
         assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
         assert time.monotonic() < deadline, "the run never took its lock and saved"
         time.sleep(0.2)
@@ -40,9 +44,14 @@ def start_long_run(data_dir: Path, root: Path, **settings) -> subprocess.Popen:
 
 
 def test_locks_are_shared_within_a_process_and_refused_to_another(tmp_path):
-    directories = [(tmp_path / "run", "run directory"), (tmp_path / "run" / "checkpoints", "checkpoint.dir")]
+    directories = [
+        (tmp_path / "run", "run directory"),
+        (tmp_path / "run" / "checkpoints", "checkpoint.dir"),
+    ]
     first = RunLocks(directories).acquire()
-    second = RunLocks(directories).acquire()  # a test building two trainers of one run in one process
+    second = RunLocks(
+        directories
+    ).acquire()  # a test building two trainers of one run in one process
     record = holder(tmp_path / "run")
     assert record["pid"] == os.getpid() and record["host"]
     probe = (
@@ -50,19 +59,29 @@ def test_locks_are_shared_within_a_process_and_refused_to_another(tmp_path):
         "try:\n    RunLocks([(Path(sys.argv[1]), 'run directory')]).acquire()\n"
         "except Exception as e:\n    print(type(e).__name__, e); sys.exit(3)\n"
     )
-    refused = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "run")], capture_output=True, text=True)
-    assert refused.returncode == 3 and "RunLocked" in refused.stdout and f"pid {os.getpid()}" in refused.stdout
+    refused = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path / "run")], capture_output=True, text=True
+    )
+    assert (
+        refused.returncode == 3
+        and "RunLocked" in refused.stdout
+        and f"pid {os.getpid()}" in refused.stdout
+    )
     with pytest.raises(RunLocked):
         check_free([(tmp_path / "run" / "checkpoints", "checkpoint.dir")])
     first.release()
-    assert subprocess.run([sys.executable, "-c", probe, str(tmp_path / "run")]).returncode == 3  # still shared
+    assert (
+        subprocess.run([sys.executable, "-c", probe, str(tmp_path / "run")]).returncode == 3
+    )  # still shared
     second.release()
     assert subprocess.run([sys.executable, "-c", probe, str(tmp_path / "run")]).returncode == 0
     check_free(directories)
 
 
 @pytest.mark.slow
-def test_a_second_writer_and_a_resume_of_a_running_run_are_refused(small_data_dir, tmp_path, monkeypatch, capsys):
+def test_a_second_writer_and_a_resume_of_a_running_run_are_refused(
+    small_data_dir, tmp_path, monkeypatch, capsys
+):
     proc = start_long_run(small_data_dir, tmp_path / "a")
     try:
         experiment = tmp_path / "a" / "experiment.yaml"
@@ -80,13 +99,27 @@ def test_a_second_writer_and_a_resume_of_a_running_run_are_refused(small_data_di
         # lock held: it starts its workers, whose own lock would refuse a second job
         started: list[torchrun.LaunchPlan] = []
         monkeypatch.setattr(torchrun, "run_local", lambda plan, *args: started.append(plan) or 0)
-        joined = ["launch", str(experiment), *overrides, *resume, "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"]
+        joined = [
+            "launch",
+            str(experiment),
+            *overrides,
+            *resume,
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            "127.0.0.1:1",
+        ]
         code, said = run_cli(joined, capsys)
         assert code == 0 and [p.nnodes for p in started] == [2], said
         assert proc.poll() is None  # the first run trains on
-        records = [json.loads(line) for line in (tmp_path / "a" / "t" / "metrics.jsonl").read_text().splitlines()]
+        records = [
+            json.loads(line)
+            for line in (tmp_path / "a" / "t" / "metrics.jsonl").read_text().splitlines()
+        ]
         steps = [r["step"] for r in records if "loss" in r]
-        assert steps == sorted(steps) and len(set(steps)) == len(steps)  # one run's records, not two mixed
+        assert steps == sorted(steps) and len(set(steps)) == len(
+            steps
+        )  # one run's records, not two mixed
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -95,7 +128,9 @@ def test_a_second_writer_and_a_resume_of_a_running_run_are_refused(small_data_di
     resumed = strata(
         "train",
         str(tmp_path / "a" / "experiment.yaml"),
-        *tiny_overrides(small_data_dir, tmp_path / "a", **{"train.steps": newest + 2, "checkpoint.interval": 2}),
+        *tiny_overrides(
+            small_data_dir, tmp_path / "a", **{"train.steps": newest + 2, "checkpoint.interval": 2}
+        ),
         "--resume",
         str(tmp_path / "a" / "t" / "checkpoints"),
     )
@@ -112,7 +147,9 @@ def test_a_multi_process_job_holds_one_lock(small_data_dir, tmp_path):
     job = strata("launch", str(experiment), *overrides, "--nproc", "2")
     assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-4000:]
     record = holder(tmp_path / "t")
-    assert record["pid"] and record["command"].startswith("strata ")  # rank 0 held it; released at exit
+    assert record["pid"] and record["command"].startswith(
+        "strata "
+    )  # rank 0 held it; released at exit
     check_free([(tmp_path / "t", "run directory")])
 
 
@@ -124,13 +161,20 @@ def test_reshard_refuses_another_runs_checkpoints_and_prunes_nothing(small_data_
     from conftest import tiny_config
 
     for name in ("src", "other"):
-        run(tiny_config(small_data_dir, tmp_path / name, **{"train.steps": 4, "checkpoint.interval": 1}), start())
+        run(
+            tiny_config(
+                small_data_dir, tmp_path / name, **{"train.steps": 4, "checkpoint.interval": 1}
+            ),
+            start(),
+        )
     other = tmp_path / "other" / "t" / "checkpoints"
     before = sorted(p.name for p in store.committed(other))
     assert len(before) == 2  # keep_last 2
     src = tmp_path / "src" / "t" / "checkpoints"
     refused = strata("ckpt", "reshard", str(src), str(other), "--to", "dp=2")
-    assert refused.returncode == 2 and "already holds 2 committed checkpoint(s)" in refused.stderr, refused.stderr
+    assert (
+        refused.returncode == 2 and "already holds 2 committed checkpoint(s)" in refused.stderr
+    ), refused.stderr
     assert sorted(p.name for p in store.committed(other)) == before
     beside = strata("ckpt", "reshard", str(src), str(other), "--to", "dp=2", "--overwrite")
     assert beside.returncode == 0, beside.stderr[-4000:]
@@ -143,7 +187,11 @@ def test_import_hf_refuses_a_directory_with_checkpoints(tmp_path):
     transformers = pytest.importorskip("transformers")
     hf_dir = tmp_path / "hf"
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(hf_dir)
     out = tmp_path / "out"
@@ -151,7 +199,9 @@ def test_import_hf_refuses_a_directory_with_checkpoints(tmp_path):
     assert first.returncode == 0, first.stderr[-4000:]
     marker = (store.step_dir(out, 0) / store.MARKER).read_bytes()
     again = strata("ckpt", "import-hf", str(hf_dir), str(out))
-    assert again.returncode == 2 and "already holds 1 committed checkpoint(s)" in again.stderr, again.stderr
+    assert again.returncode == 2 and "already holds 1 committed checkpoint(s)" in again.stderr, (
+        again.stderr
+    )
     assert "step_00000000 would be replaced" in again.stderr and "Traceback" not in again.stderr
     assert (store.step_dir(out, 0) / store.MARKER).read_bytes() == marker
     assert strata("ckpt", "import-hf", str(hf_dir), str(out), "--overwrite").returncode == 0
@@ -164,11 +214,17 @@ def test_a_fresh_start_keeps_an_earlier_runs_metrics_apart(small_data_dir, tmp_p
 
     from conftest import tiny_config
 
-    run(tiny_config(small_data_dir, tmp_path, **{"train.steps": 2, "checkpoint.save_final": True}), start())
+    run(
+        tiny_config(small_data_dir, tmp_path, **{"train.steps": 2, "checkpoint.save_final": True}),
+        start(),
+    )
     first = (tmp_path / "t" / "metrics.jsonl").read_text()
     cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 3, "checkpoint.overwrite": True})
     run(cfg, start())
     kept = [p for p in (tmp_path / "t").glob("metrics-*.jsonl")]
     assert len(kept) == 1 and kept[0].read_text() == first
-    steps = [json.loads(line)["step"] for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line)["step"]
+        for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert steps == sorted(steps) and max(steps) == 3 and steps.count(1) <= 1

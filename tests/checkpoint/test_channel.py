@@ -12,7 +12,14 @@ import tracemalloc
 
 import pytest
 
-from strata.checkpoint.channel import MAX_HEADER, SECRET_ENV, AuthError, Channel, ChannelError, secret_from_env
+from strata.checkpoint.channel import (
+    MAX_HEADER,
+    SECRET_ENV,
+    AuthError,
+    Channel,
+    ChannelError,
+    secret_from_env,
+)
 from strata.errors import StrataError
 
 SECRET = bytes(range(32))
@@ -34,7 +41,9 @@ class Server:
     """Accepts `clients` connections in a thread and runs `handler(channel)` on each that passes the
     handshake; every exception raised on the server side lands in `errors`, in order."""
 
-    def __init__(self, handler=None, clients: int = 1, secret: bytes = SECRET, timeout: float = TIMEOUT):
+    def __init__(
+        self, handler=None, clients: int = 1, secret: bytes = SECRET, timeout: float = TIMEOUT
+    ):
         self.handler, self.secret, self.timeout, self.errors = handler, secret, timeout, []
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
@@ -190,9 +199,16 @@ def test_several_frames_both_directions_count_separately():
             client.send({"i": i}, bytes([i]) * (i + 1))
         for i in range(5):
             server.send({"reply": i})
-        assert [server.recv() for _ in range(3)] == [({"i": i}, bytearray([i]) * (i + 1)) for i in range(3)]
+        assert [server.recv() for _ in range(3)] == [
+            ({"i": i}, bytearray([i]) * (i + 1)) for i in range(3)
+        ]
         assert [client.recv() for _ in range(5)] == [({"reply": i}, None) for i in range(5)]
-        assert (client._send_seq, client._recv_seq, server._send_seq, server._recv_seq) == (3, 5, 5, 3)
+        assert (client._send_seq, client._recv_seq, server._send_seq, server._recv_seq) == (
+            3,
+            5,
+            5,
+            3,
+        )
 
 
 def test_reserved_or_oversize_header_is_refused_before_sending():
@@ -291,13 +307,16 @@ def test_tampered_header_or_mac_is_an_auth_error(where):
     def c2s(i, frame):
         return flip(frame, 4 + 3 if where == "header" else len(frame) - 1000 - 1)
 
-    errors, _ = _through_proxy(c2s, client_side=lambda ch: ch.send({"kind": "put", "step": 4}, bytes(1000)))
+    errors, _ = _through_proxy(
+        c2s, client_side=lambda ch: ch.send({"kind": "put", "step": 4}, bytes(1000))
+    )
     assert len(errors) == 1 and isinstance(errors[0], AuthError) and "bad MAC" in str(errors[0])
 
 
 def test_tampered_payload_is_a_crc_error():
     errors, _ = _through_proxy(
-        lambda i, frame: flip(frame, len(frame) - 10), client_side=lambda ch: ch.send({"kind": "put"}, os.urandom(1000))
+        lambda i, frame: flip(frame, len(frame) - 10),
+        client_side=lambda ch: ch.send({"kind": "put"}, os.urandom(1000)),
     )
     assert len(errors) == 1 and isinstance(errors[0], ChannelError) and "CRC" in str(errors[0])
 
@@ -321,12 +340,20 @@ def test_replayed_frame_is_an_auth_error():
 
     errors, _ = _through_proxy(c2s, handler=handler, client_side=client_side)
     assert got == [({"kind": "durable", "step": 1}, None)]
-    assert len(errors) == 1 and isinstance(errors[0], AuthError) and "sequence number 0, expected 1" in str(errors[0])
+    assert (
+        len(errors) == 1
+        and isinstance(errors[0], AuthError)
+        and "sequence number 0, expected 1" in str(errors[0])
+    )
 
 
 def test_frame_from_another_connection_is_an_auth_error():
-    first = _through_proxy(client_side=lambda ch: ch.send({"kind": "durable", "step": 1}))[1]["c2s"][0]
-    errors, _ = _through_proxy(lambda i, frame: first, client_side=lambda ch: ch.send({"kind": "durable", "step": 1}))
+    first = _through_proxy(client_side=lambda ch: ch.send({"kind": "durable", "step": 1}))[1][
+        "c2s"
+    ][0]
+    errors, _ = _through_proxy(
+        lambda i, frame: first, client_side=lambda ch: ch.send({"kind": "durable", "step": 1})
+    )
     assert len(errors) == 1 and isinstance(errors[0], AuthError) and "bad MAC" in str(errors[0])
 
 
@@ -354,7 +381,9 @@ def test_connection_closed_mid_frame_is_a_channel_error():
     errors, _ = _through_proxy(
         lambda i, frame: frame[:-90], client_side=lambda ch: ch.send({"kind": "put"}, bytes(100))
     )
-    assert len(errors) == 1 and isinstance(errors[0], ChannelError) and "mid-frame" in str(errors[0])
+    assert (
+        len(errors) == 1 and isinstance(errors[0], ChannelError) and "mid-frame" in str(errors[0])
+    )
 
 
 @pytest.mark.parametrize("length", [MAX_HEADER + 1, 0xFFFFFFFF])

@@ -22,7 +22,13 @@ from worlds import strata, torchrun, train_world
 
 pytestmark = pytest.mark.slow  # torchrun worlds (FSDP2, then Strata)
 
-MODEL = {"model.n_layers": 2, "model.d_model": 32, "model.n_heads": 4, "model.seq_len": 32, "model.vocab_size": 320}
+MODEL = {
+    "model.n_layers": 2,
+    "model.d_model": 32,
+    "model.n_heads": 4,
+    "model.seq_len": 32,
+    "model.vocab_size": 320,
+}
 
 FSDP2_JOB = textwrap.dedent(
     """
@@ -72,32 +78,50 @@ def fsdp2_checkpoint(tmp_path_factory) -> tuple[Path, dict]:
     return ckpt, torch.load(tmp / "whole.pt", weights_only=False)  # written just now by DCP itself
 
 
-def test_strata_resumes_an_fsdp2_checkpoint_with_its_weights_and_adam_state(fsdp2_checkpoint, tmp_path):
+def test_strata_resumes_an_fsdp2_checkpoint_with_its_weights_and_adam_state(
+    fsdp2_checkpoint, tmp_path
+):
     ckpt, whole = fsdp2_checkpoint
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
     out = tmp_path / "rewritten"
-    proc = strata("train", str(experiment), *_model_overrides(), "--resume", str(ckpt), "--save-to", str(out))
+    proc = strata(
+        "train", str(experiment), *_model_overrides(), "--resume", str(ckpt), "--save-to", str(out)
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = Checkpoint(store.step_dir(out, 0)).tensors("")
     for name, value in whole["model"].items():
         assert torch.equal(got[f"model.{name}"], value), name
     for name, state in whole["optimizer"]["state"].items():
         for kind, value in state.items():
-            assert torch.equal(got[f"optim.state.{name}.{kind}"].to(value.dtype), value), f"{name}.{kind}"
+            assert torch.equal(got[f"optim.state.{name}.{kind}"].to(value.dtype), value), (
+                f"{name}.{kind}"
+            )
 
 
-def test_training_on_from_an_fsdp2_checkpoint_in_tp2_matches_one_process(fsdp2_checkpoint, small_data_dir, tmp_path):
+def test_training_on_from_an_fsdp2_checkpoint_in_tp2_matches_one_process(
+    fsdp2_checkpoint, small_data_dir, tmp_path
+):
     ckpt, _ = fsdp2_checkpoint
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
     settings = {**MODEL, "train.steps": 3, "log.interval": 1}
     one = strata(
-        "train", str(experiment), *tiny_overrides(small_data_dir, tmp_path / "one", **settings), "--resume", str(ckpt)
+        "train",
+        str(experiment),
+        *tiny_overrides(small_data_dir, tmp_path / "one", **settings),
+        "--resume",
+        str(ckpt),
     )
     assert one.returncode == 0, one.stderr[-4000:]
-    assert "a checkpoint DCP wrote alone: Adam state taken from the checkpoint" in one.stdout + one.stderr
-    tp2 = [str(experiment), *tiny_overrides(small_data_dir, tmp_path / "tp2", **settings, **{"parallel.tp": 2})]
+    assert (
+        "a checkpoint DCP wrote alone: Adam state taken from the checkpoint"
+        in one.stdout + one.stderr
+    )
+    tp2 = [
+        str(experiment),
+        *tiny_overrides(small_data_dir, tmp_path / "tp2", **settings, **{"parallel.tp": 2}),
+    ]
     train_world([*tp2, "--resume", str(ckpt)], 2, tmp_path / "tp2")
     import json
 
@@ -123,9 +147,18 @@ def test_a_dcp_checkpoint_of_another_model_is_one_error_listing_its_keys(tmp_pat
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
     proc = strata(
-        "train", str(experiment), *_model_overrides(), "--resume", str(foreign), "--save-to", str(tmp_path / "o")
+        "train",
+        str(experiment),
+        *_model_overrides(),
+        "--resume",
+        str(foreign),
+        "--save-to",
+        str(tmp_path / "o"),
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert "tensors that match no parameter of this model: model.decoder.bias, model.encoder.weight" in proc.stderr
+    assert (
+        "tensors that match no parameter of this model: model.decoder.bias, model.encoder.weight"
+        in proc.stderr
+    )
     assert "no weights for tok_embeddings.weight" in proc.stderr

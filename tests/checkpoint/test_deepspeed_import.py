@@ -57,10 +57,14 @@ def test_deepspeed_zero3_checkpoint_continues_in_strata(small_data_dir, tmp_path
     assert sorted(resumed.losses) == [4, 5, 6]
     for step, loss in resumed.losses.items():
         assert loss == pytest.approx(reference.losses[step], rel=1e-5), step
-    assert_same_params(final_params(resumed_cfg.checkpoint_dir()), final_params(reference_cfg.checkpoint_dir()))
+    assert_same_params(
+        final_params(resumed_cfg.checkpoint_dir()), final_params(reference_cfg.checkpoint_dir())
+    )
 
 
-def _deepspeed_job(tmp_path, experiment, overrides: list[str], env: dict) -> subprocess.CompletedProcess:
+def _deepspeed_job(
+    tmp_path, experiment, overrides: list[str], env: dict
+) -> subprocess.CompletedProcess:
     """DeepSpeed ZeRO-3 on 2 ranks (bench/_zero_worker.py), stopped after 3 steps with a checkpoint."""
     return torchrun(
         "bench/_zero_worker.py",

@@ -137,11 +137,17 @@ print(json.dumps({"after": "saved 3"}))
 
 
 def _save_without_room(root: Path, policy: str, async_save: bool) -> list[dict]:
-    return run_script(SAVE_WITHOUT_ROOM.replace("ASYNC", str(async_save)).replace("POLICY", repr(policy)), root)
+    return run_script(
+        SAVE_WITHOUT_ROOM.replace("ASYNC", str(async_save)).replace("POLICY", repr(policy)), root
+    )
 
 
-@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)])  # a writer process
-def test_no_room_with_policy_stop_raises_naming_the_file_and_bytes_and_the_last_checkpoint_loads(tmp_path, async_save):
+@pytest.mark.parametrize(
+    "async_save", [False, pytest.param(True, marks=pytest.mark.slow)]
+)  # a writer process
+def test_no_room_with_policy_stop_raises_naming_the_file_and_bytes_and_the_last_checkpoint_loads(
+    tmp_path, async_save
+):
     root = tmp_path / "ckpts"
     result, _ = _save_without_room(root, "stop", async_save)
     error = result["error"]
@@ -149,7 +155,9 @@ def test_no_room_with_policy_stop_raises_naming_the_file_and_bytes_and_the_last_
     data_file = store.partial_dir(root, 2) / store.data_file(0)
     assert f"no room for {data_file}" in error and "EFBIG" in error
     assert "could not be written" in error and "free on its file system" in error
-    missing, size = (int(n) for n in re.search(r"(\d+) bytes \([\d.]+ MiB\) of its (\d+) could", error).groups())
+    missing, size = (
+        int(n) for n in re.search(r"(\d+) bytes \([\d.]+ MiB\) of its (\d+) could", error).groups()
+    )
     assert 0 < missing < size  # the bytes the limit let through were written
     assert "checkpoint.on_disk_full: retry" in error  # says how to train on instead
     assert not store.partial_dir(root, 2).exists()  # the failed save's partial directory is gone
@@ -157,7 +165,9 @@ def test_no_room_with_policy_stop_raises_naming_the_file_and_bytes_and_the_last_
     assert_loads(root, 1)
 
 
-@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)])  # a writer process
+@pytest.mark.parametrize(
+    "async_save", [False, pytest.param(True, marks=pytest.mark.slow)]
+)  # a writer process
 def test_no_room_with_policy_retry_warns_trains_on_and_the_next_save_commits(tmp_path, async_save):
     root = tmp_path / "ckpts"
     result, after, err = _save_without_room(root, "retry", async_save)
@@ -181,20 +191,26 @@ def small_disk(tmp_path):
     mount.mkdir()
     if shutil.which("mount") is None or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root and mount(8)")
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
+    )
     if made.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
     try:
         yield mount
     finally:
         if subprocess.run(["umount", str(mount)]).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount)], check=True)  # busy: detach it now, freed when let go
+            subprocess.run(
+                ["umount", "-l", str(mount)], check=True
+            )  # busy: detach it now, freed when let go
 
 
 def fill(disk: Path) -> Path:
     """A file taking all the free space of `disk`."""
     filler = disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)  # unbuffered: nothing left to fail at close
+    fd = os.open(
+        filler, os.O_WRONLY | os.O_CREAT, 0o644
+    )  # unbuffered: nothing left to fail at close
     try:
         while True:
             os.write(fd, b"\0" * 4096)
@@ -206,7 +222,9 @@ def fill(disk: Path) -> Path:
 
 
 @pytest.mark.parametrize("policy", ["stop", "retry"])
-def test_a_full_tmpfs_gives_enospc_naming_the_file_and_the_policy_applies(small_disk, policy, capfd):
+def test_a_full_tmpfs_gives_enospc_naming_the_file_and_the_policy_applies(
+    small_disk, policy, capfd
+):
     root = small_disk / "ckpts"
     mgr = CheckpointManager(root, 0, 1, on_disk_full=policy)
     save(mgr, 1)
@@ -249,7 +267,9 @@ def _two_rank_worker(rank: int, size: int, port: int, out_dir: str, policy: str)
         resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         save(mgr, 3)
         mgr.close()
-        torch.save({"error": error, "skipped": sorted(mgr.skipped)}, Path(out_dir) / f"rank{rank}.pt")
+        torch.save(
+            {"error": error, "skipped": sorted(mgr.skipped)}, Path(out_dir) / f"rank{rank}.pt"
+        )
     finally:
         dist.destroy_process_group()
 
@@ -262,10 +282,16 @@ def test_one_ranks_full_disk_stops_or_skips_the_save_on_every_rank(tmp_path, pol
     if policy == "stop":
         for r in ranks:
             assert r["error"] is not None and "checkpoint step 2 was not saved" in r["error"]
-            assert f"rank 1: writing {store.partial_dir(root, 2)}" in r["error"] and "EFBIG" in r["error"]
+            assert (
+                f"rank 1: writing {store.partial_dir(root, 2)}" in r["error"]
+                and "EFBIG" in r["error"]
+            )
             assert "rank 0:" not in r["error"]
     else:
-        assert [r["error"] for r in ranks] == [None, None] and [r["skipped"] for r in ranks] == [[2], [2]]
+        assert [r["error"] for r in ranks] == [None, None] and [r["skipped"] for r in ranks] == [
+            [2],
+            [2],
+        ]
     assert [p.name for p in store.committed(root)] == ["step_00000001", "step_00000003"]
     assert not store.partial_dir(root, 2).exists()
     assert_loads(store.step_dir(root, 1), 1)

@@ -85,7 +85,10 @@ def test_parity_matches_pyeclib(k, m):
     lost = list(range(m))  # data fragments, so decoding must invert
     want = {i: bytearray(f) for i in lost}
     Code(k, m).decode({i: payloads[i] for i in range(k + m) if i not in lost}, want)
-    assert b"".join(bytes(want[i]) if i in want else payloads[i] for i in range(k))[: len(image)] == image
+    assert (
+        b"".join(bytes(want[i]) if i in want else payloads[i] for i in range(k))[: len(image)]
+        == image
+    )
 
 
 def _gf_tables():
@@ -235,7 +238,11 @@ def test_buffer_kinds(tmp_path):
             {1: ro, 2: memoryview(store)[f : 2 * f], 3: np.frombuffer(ref[3], np.uint8)},
             {0: out_data, 2: out_np, 3: memoryview(out_mv)[5 : 5 + f]},
         )
-        assert out_data[:] == ref[0] and out_np.tobytes() == ref[2] and bytes(out_mv[5 : 5 + f]) == ref[3]
+        assert (
+            out_data[:] == ref[0]
+            and out_np.tobytes() == ref[2]
+            and bytes(out_mv[5 : 5 + f]) == ref[3]
+        )
         anon.close()
         out_data.close()
     # numpy inputs, including a non-byte dtype: lengths are in bytes

@@ -23,10 +23,14 @@ def test_overwrite_replaces_only_what_the_export_writes(small_data_dir, tmp_path
     assert code == 0, text
     written = sorted(p.name for p in out.iterdir())
     assert "tokenizer.json" not in written  # byte-level data: no tokenizer to export
-    code, text = run_cli(["ckpt", "export", str(ckpt), str(out), "--format", "hf", "--overwrite"], capsys)
+    code, text = run_cli(
+        ["ckpt", "export", str(ckpt), str(out), "--format", "hf", "--overwrite"], capsys
+    )
     assert code == 0, text  # an earlier export of the same files is replaced
     (out / "tokenizer.json").write_text('{"the user": "put this here"}')
-    code, text = run_cli(["ckpt", "export", str(ckpt), str(out), "--format", "hf", "--overwrite"], capsys)
+    code, text = run_cli(
+        ["ckpt", "export", str(ckpt), str(out), "--format", "hf", "--overwrite"], capsys
+    )
     assert code == 2 and "holds files this export does not write (tokenizer.json)" in text, text
     assert "Traceback" not in text
     assert (out / "tokenizer.json").read_text() == '{"the user": "put this here"}'

@@ -107,9 +107,19 @@ def assert_kept(src: Path, out: Path) -> None:
         if (src / name).exists():
             assert _json(out / name) == _json(src / name), name
     assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
-    ours, theirs = transformers.AutoTokenizer.from_pretrained(out), transformers.AutoTokenizer.from_pretrained(src)
-    assert ours.apply_chat_template(CHAT, tokenize=False) == theirs.apply_chat_template(CHAT, tokenize=False)
-    assert (ours.bos_token, ours.eos_token, ours.pad_token, ours.model_max_length) == ("<s>", "</s>", "<pad>", 32768)
+    ours, theirs = (
+        transformers.AutoTokenizer.from_pretrained(out),
+        transformers.AutoTokenizer.from_pretrained(src),
+    )
+    assert ours.apply_chat_template(CHAT, tokenize=False) == theirs.apply_chat_template(
+        CHAT, tokenize=False
+    )
+    assert (ours.bos_token, ours.eos_token, ours.pad_token, ours.model_max_length) == (
+        "<s>",
+        "</s>",
+        "<pad>",
+        32768,
+    )
     generation = transformers.GenerationConfig.from_pretrained(out)
     assert (generation.temperature, generation.top_p, generation.pad_token_id) == (0.7, 0.8, 0)
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
@@ -117,10 +127,14 @@ def assert_kept(src: Path, out: Path) -> None:
 
 
 @pytest.mark.slow  # an import, three exports and transformers' models
-def test_an_import_exports_everything_its_source_said_and_refuses_once_it_is_gone(source, tmp_path, capsys):
+def test_an_import_exports_everything_its_source_said_and_refuses_once_it_is_gone(
+    source, tmp_path, capsys
+):
     copy = tmp_path / "source"
     shutil.copytree(source, copy)
-    code, said = run_cli(["ckpt", "import-hf", str(copy), str(tmp_path / "imported"), f"model.seq_len={SEQ}"], capsys)
+    code, said = run_cli(
+        ["ckpt", "import-hf", str(copy), str(tmp_path / "imported"), f"model.seq_len={SEQ}"], capsys
+    )
     assert code == 0, said
     step0 = store.step_dir(tmp_path / "imported", 0)
     out = tmp_path / "out"
@@ -142,12 +156,18 @@ def test_an_import_exports_everything_its_source_said_and_refuses_once_it_is_gon
 
     # the source gone: refused (its fields would be lost), unless forced, which says what it set
     shutil.rmtree(copy)
-    code, said = run_cli(["ckpt", "export", str(step0), str(tmp_path / "lost"), "--format", "hf"], capsys)
+    code, said = run_cli(
+        ["ckpt", "export", str(step0), str(tmp_path / "lost"), "--format", "hf"], capsys
+    )
     assert code == 2 and str(copy) in said and "--force" in said and "Traceback" not in said
     assert not (tmp_path / "lost").exists()
-    code, said = run_cli(["ckpt", "export", str(step0), str(tmp_path / "lost"), "--format", "hf", "--force"], capsys)
+    code, said = run_cli(
+        ["ckpt", "export", str(step0), str(tmp_path / "lost"), "--format", "hf", "--force"], capsys
+    )
     assert code == 0, said
-    assert "note: config.json from the run's config" in said and "note: no tokenizer exported" in said
+    assert (
+        "note: config.json from the run's config" in said and "note: no tokenizer exported" in said
+    )
     lost = _json(tmp_path / "lost" / "config.json")
     assert "bos_token_id" not in lost and "pad_token_id" not in lost
     assert _json(tmp_path / "lost" / "generation_config.json") == {"_from_model_config": True}
@@ -159,7 +179,9 @@ def test_a_fine_tuned_import_exports_everything_its_source_said(source, tmp_path
     data = prepare_readme(tmp_path / "data", str(source))
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
-    trained = strata("train", str(experiment), *hf_run_overrides(source, data, tmp_path / "runs", SEQ))
+    trained = strata(
+        "train", str(experiment), *hf_run_overrides(source, data, tmp_path / "runs", SEQ)
+    )
     assert trained.returncode == 0, trained.stderr[-3000:]
     out = tmp_path / "out"
     ckpt = store.step_dir(tmp_path / "runs" / "t" / "checkpoints", 4)

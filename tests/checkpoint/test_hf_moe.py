@@ -46,16 +46,24 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     moe = {"num_experts_per_tok": 2}
     models = {
         "qwen3_moe": transformers.Qwen3MoeForCausalLM(
-            transformers.Qwen3MoeConfig(**SHAPE, **moe, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True)
+            transformers.Qwen3MoeConfig(
+                **SHAPE, **moe, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True
+            )
         ),
         "qwen3_moe-unnormalised": transformers.Qwen3MoeForCausalLM(
-            transformers.Qwen3MoeConfig(**SHAPE, **moe, num_experts=4, moe_intermediate_size=32, norm_topk_prob=False)
+            transformers.Qwen3MoeConfig(
+                **SHAPE, **moe, num_experts=4, moe_intermediate_size=32, norm_topk_prob=False
+            )
         ),
-        "mixtral": transformers.MixtralForCausalLM(transformers.MixtralConfig(**SHAPE, **moe, num_local_experts=4)),
+        "mixtral": transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(**SHAPE, **moe, num_local_experts=4)
+        ),
     }
     out = {}
     for name, model in models.items():
-        with torch.no_grad():  # transformers zero-initialises some routers: random ones route for real
+        with (
+            torch.no_grad()
+        ):  # transformers zero-initialises some routers: random ones route for real
             for p in model.parameters():
                 if p.dim() >= 2:
                     p.normal_(0, 0.1)
@@ -69,7 +77,12 @@ FAMILIES = ["qwen3_moe", "qwen3_moe-unnormalised", "mixtral"]
 
 def overrides(hf_dir: Path | str, data_dir: Path, run_root: Path, **extra) -> list[str]:
     """One short step of 4 sequences from `hf_dir`."""
-    small = {"train.steps": 1, "train.global_batch_size": 4, "train.eval_batches": 1, "optim.warmup_steps": 1}
+    small = {
+        "train.steps": 1,
+        "train.global_batch_size": 4,
+        "train.eval_batches": 1,
+        "optim.warmup_steps": 1,
+    }
     return hf_run_overrides(hf_dir, data_dir, run_root, SEQ, **{**small, **extra})
 
 
@@ -78,11 +91,15 @@ def hf_model(directory: Path):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_a_run_from_a_hugging_face_moe_computes_transformers_logits_and_loss(hf_dirs, small_data_dir, tmp_path, name):
+def test_a_run_from_a_hugging_face_moe_computes_transformers_logits_and_loss(
+    hf_dirs, small_data_dir, tmp_path, name
+):
     cfg = config.load(None, overrides(hf_dirs[name], small_data_dir, tmp_path))
     moe = cfg.model.moe
     assert moe.num_experts == (8 if name == "qwen3_moe" else 4) and moe.top_k == 2
-    assert moe.norm_topk == (name != "qwen3_moe-unnormalised") and cfg.model.qk_norm == name.startswith("qwen3")
+    assert moe.norm_topk == (
+        name != "qwen3_moe-unnormalised"
+    ) and cfg.model.qk_norm == name.startswith("qwen3")
     assert moe.expert_ffn == (32 if name.startswith("qwen3") else 96)
     trainer = Trainer(cfg, start())
     trainer.init_weights()
@@ -92,9 +109,14 @@ def test_a_run_from_a_hugging_face_moe_computes_transformers_logits_and_loss(hf_
     trainer.loader.load_state_dict(position)  # the step below trains on these micro-batches
     with torch.no_grad():
         for inputs, _ in micro:
-            torch.testing.assert_close(trainer.model.parts[0](inputs), reference(inputs).logits, rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                trainer.model.parts[0](inputs), reference(inputs).logits, rtol=0, atol=1e-5
+            )
         want = torch.stack(
-            [torch.nn.functional.cross_entropy(reference(x).logits.flatten(0, 1), y.flatten()) for x, y in micro]
+            [
+                torch.nn.functional.cross_entropy(reference(x).logits.flatten(0, 1), y.flatten())
+                for x, y in micro
+            ]
         ).mean()
     loss, _ = trainer.train_step()
     assert float(loss) == pytest.approx(float(want), abs=1e-5)
@@ -104,14 +126,28 @@ def test_a_run_from_a_hugging_face_moe_computes_transformers_logits_and_loss(hf_
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_import_then_export_is_bit_exact(hf_dirs, tmp_path, name, capsys):
     code, said = run_cli(
-        ["ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / "imported"), f"model.seq_len={SEQ}"], capsys
+        [
+            "ckpt",
+            "import-hf",
+            str(hf_dirs[name]),
+            str(tmp_path / "imported"),
+            f"model.seq_len={SEQ}",
+        ],
+        capsys,
     )
     assert code == 0, said
     step0 = store.step_dir(tmp_path / "imported", 0)
-    assert Checkpoint(step0).shapes("model.")["layers.1.mlp.experts.w1"][0] == (8 if name == "qwen3_moe" else 4)
-    code, said = run_cli(["ckpt", "export", str(step0), str(tmp_path / "out"), "--format", "hf"], capsys)
+    assert Checkpoint(step0).shapes("model.")["layers.1.mlp.experts.w1"][0] == (
+        8 if name == "qwen3_moe" else 4
+    )
+    code, said = run_cli(
+        ["ckpt", "export", str(step0), str(tmp_path / "out"), "--format", "hf"], capsys
+    )
     assert code == 0, said
-    want, got = load_file(hf_dirs[name] / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    want, got = (
+        load_file(hf_dirs[name] / "model.safetensors"),
+        load_file(tmp_path / "out" / "model.safetensors"),
+    )
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
@@ -134,7 +170,9 @@ def test_a_trained_moe_run_exports_to_transformers_with_its_logits(small_data_di
         "model.moe.aux_loss_coef": 0.01,
         "model.vocab_size": 320,
     }
-    cfg = config.load(None, overrides("null", small_data_dir, tmp_path, **{"train.steps": 2, **settings}))
+    cfg = config.load(
+        None, overrides("null", small_data_dir, tmp_path, **{"train.steps": 2, **settings})
+    )
     run(cfg, start())
     step = store.step_dir(tmp_path / "t" / "checkpoints", 2)
     exported = strata("ckpt", "export", str(step), str(tmp_path / "out"), "--format", "hf")

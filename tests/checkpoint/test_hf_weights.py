@@ -54,11 +54,15 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     llama = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**shape, tie_word_embeddings=False, rope_theta=500000.0)
     )
-    qwen2 = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape, tie_word_embeddings=True))
+    qwen2 = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**shape, tie_word_embeddings=True)
+    )
     qwen3 = transformers.Qwen3ForCausalLM(  # q/k norms, and heads wider than hidden_size / heads
         transformers.Qwen3Config(**shape, head_dim=32, tie_word_embeddings=False)
     )
-    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**shape, sliding_window=None))
+    mistral = transformers.MistralForCausalLM(
+        transformers.MistralConfig(**shape, sliding_window=None)
+    )
     models = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "mistral": mistral}
     return {name: _save(model, root / name) for name, model in models.items()}
 
@@ -83,9 +87,16 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 def _hf_loss(hf_dir: Path, cfg: config.Config) -> float:
     """transformers' loss on the first batch Strata's loader gives (mean over micro-batches)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, torch_dtype=torch.float32
+    ).eval()
     loader = BatchLoader(
-        TokenDataset(Path(cfg.data.path), "train", SEQ), cfg.train.seed, cfg.train.global_batch_size, 2, 0, 1
+        TokenDataset(Path(cfg.data.path), "train", SEQ),
+        cfg.train.seed,
+        cfg.train.global_batch_size,
+        2,
+        0,
+        1,
     )
     with torch.no_grad():
         losses = [
@@ -96,11 +107,17 @@ def _hf_loss(hf_dir: Path, cfg: config.Config) -> float:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_a_run_from_a_hugging_face_model_starts_at_transformers_loss(hf_dirs, small_data_dir, tmp_path, name):
-    cfg = config.load(None, _overrides(hf_dirs[name], small_data_dir, tmp_path, **{"train.steps": 1}))
+def test_a_run_from_a_hugging_face_model_starts_at_transformers_loss(
+    hf_dirs, small_data_dir, tmp_path, name
+):
+    cfg = config.load(
+        None, _overrides(hf_dirs[name], small_data_dir, tmp_path, **{"train.steps": 1})
+    )
     assert cfg.model.d_model == 64 and cfg.model.n_kv_heads == 2 and cfg.model.vocab_size == 320
     assert cfg.model.qkv_bias == (name == "qwen2") and cfg.model.tie_embeddings == (name == "qwen2")
-    assert cfg.model.qk_norm == (name == "qwen3") and cfg.model.head_size == (32 if name == "qwen3" else 16)
+    assert cfg.model.qk_norm == (name == "qwen3") and cfg.model.head_size == (
+        32 if name == "qwen3" else 16
+    )
     result = run(cfg, start())
     assert result.losses[1] == pytest.approx(_hf_loss(hf_dirs[name], cfg), abs=1e-5)
 
@@ -114,7 +131,11 @@ def test_a_run_from_a_hugging_face_model_starts_at_transformers_loss(hf_dirs, sm
         (
             "llama",
             2,
-            {"zero.params.shard_over": "global", "zero.grads.shard_over": "global", "zero.optim.shard_over": "global"},
+            {
+                "zero.params.shard_over": "global",
+                "zero.grads.shard_over": "global",
+                "zero.optim.shard_over": "global",
+            },
         ),
         ("qwen2", 2, {"zero.optim.shard_over": "global", "offload.optim.device": "cpu"}),
     ],
@@ -129,7 +150,11 @@ def test_training_from_a_hugging_face_model_in_parallel_matches_one_process(
     hf_dirs, small_data_dir, tmp_path, name, nproc, layout
 ):
     experiment = str(_experiment(tmp_path))
-    train_world([experiment, *_overrides(hf_dirs[name], small_data_dir, tmp_path / "one")], 1, tmp_path / "one")
+    train_world(
+        [experiment, *_overrides(hf_dirs[name], small_data_dir, tmp_path / "one")],
+        1,
+        tmp_path / "one",
+    )
     par = [experiment, *_overrides(hf_dirs[name], small_data_dir, tmp_path / "par", **layout)]
     train_world(par, nproc, tmp_path / "par")
     want, got = _losses(tmp_path / "one" / "t"), _losses(tmp_path / "par" / "t")
@@ -139,13 +164,17 @@ def test_training_from_a_hugging_face_model_in_parallel_matches_one_process(
     ref = Checkpoint(store.step_dir(tmp_path / "one" / "t" / "checkpoints", 4)).tensors("model.")
     out = Checkpoint(store.step_dir(tmp_path / "par" / "t" / "checkpoints", 4)).tensors("model.")
     for key, value in ref.items():
-        torch.testing.assert_close(out[key], value, rtol=1e-4, atol=5e-5, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            out[key], value, rtol=1e-4, atol=5e-5, msg=lambda m: f"{key}: {m}"
+        )
 
 
 @pytest.mark.slow  # prepares data with a trained BPE, trains, exports, loads in transformers
 def test_an_exported_run_loads_in_transformers_with_its_tokenizer(hf_dirs, tmp_path):
     data = prepare_readme(tmp_path / "data", "bpe:300")
-    trained = strata("train", str(_experiment(tmp_path)), *_overrides(hf_dirs["llama"], data, tmp_path / "runs"))
+    trained = strata(
+        "train", str(_experiment(tmp_path)), *_overrides(hf_dirs["llama"], data, tmp_path / "runs")
+    )
     assert trained.returncode == 0, trained.stderr[-3000:]
     ckpt = store.step_dir(tmp_path / "runs" / "t" / "checkpoints", 4)
     out = tmp_path / "exported"
@@ -164,7 +193,10 @@ def test_an_exported_run_loads_in_transformers_with_its_tokenizer(hf_dirs, tmp_p
 
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     sample = "Strata trains transformers on many machines."
-    assert hf_tok(sample)["input_ids"] == Tokenizer.from_file(str(data / "tokenizer.json")).encode(sample).ids
+    assert (
+        hf_tok(sample)["input_ids"]
+        == Tokenizer.from_file(str(data / "tokenizer.json")).encode(sample).ids
+    )
     meta = json.loads((data / "meta.json").read_text())
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == meta["eot"]
 
@@ -173,17 +205,31 @@ def test_an_exported_run_loads_in_transformers_with_its_tokenizer(hf_dirs, tmp_p
 @pytest.mark.parametrize("name", FAMILIES)
 def test_import_then_export_is_bit_exact(hf_dirs, tmp_path, name, capsys):
     code, said = run_cli(
-        ["ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / "imported"), f"model.seq_len={SEQ}"], capsys
+        [
+            "ckpt",
+            "import-hf",
+            str(hf_dirs[name]),
+            str(tmp_path / "imported"),
+            f"model.seq_len={SEQ}",
+        ],
+        capsys,
     )
     assert code == 0, said
     step0 = store.step_dir(tmp_path / "imported", 0)
-    code, said = run_cli(["ckpt", "export", str(step0), str(tmp_path / "out"), "--format", "hf"], capsys)
+    code, said = run_cli(
+        ["ckpt", "export", str(step0), str(tmp_path / "out"), "--format", "hf"], capsys
+    )
     assert code == 0, said
-    want, got = load_file(hf_dirs[name] / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    want, got = (
+        load_file(hf_dirs[name] / "model.safetensors"),
+        load_file(tmp_path / "out" / "model.safetensors"),
+    )
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
-    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # loads: no missing or unexpected keys
+    transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out"
+    )  # loads: no missing or unexpected keys
 
 
 def test_an_export_in_several_shards_loads_in_transformers(hf_dirs, tmp_path, monkeypatch):
@@ -224,7 +270,9 @@ def _shard(src: Path, dst: Path) -> Path:
     for file, keys in half.items():
         save_file({k: tensors[k] for k in keys}, dst / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(keys, file))
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (dst / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     return dst
 
 
@@ -258,7 +306,9 @@ BAD = {
 }
 
 
-def test_a_tied_config_loads_a_saved_head_equal_to_the_embedding_and_refuses_another(hf_dirs, tmp_path, capsys):
+def test_a_tied_config_loads_a_saved_head_equal_to_the_embedding_and_refuses_another(
+    hf_dirs, tmp_path, capsys
+):
     """transformers unties (and warns) when a tied config's files hold a different head; Strata refuses
     it, naming both fixes, on import as on training; a head equal to the embedding (a .bin-era save
     that wrote both names) loads as tied."""
@@ -272,11 +322,22 @@ def test_a_tied_config_loads_a_saved_head_equal_to_the_embedding_and_refuses_ano
     save_file(tensors, equal / "model.safetensors", metadata={"format": "pt"})
     cfg = config.load(None, [f"model.init_from={equal}", f"model.seq_len={SEQ}"])
     ckpt = hf_weights.open_weights(equal, cfg.model)
-    assert torch.equal(ckpt.tensors("model.")["output.weight"], tensors["model.embed_tokens.weight"])
+    assert torch.equal(
+        ckpt.tensors("model.")["output.weight"], tensors["model.embed_tokens.weight"]
+    )
     ckpt.close()
-    other = _edit_config(_copy_model(hf_dirs["llama"], tmp_path / "other"), tie_word_embeddings=True)
-    code, out = run_cli(["ckpt", "import-hf", str(other), str(tmp_path / "imported"), f"model.seq_len={SEQ}"], capsys)
-    assert code == 2 and "holds an lm_head.weight that differs" in out and "tie_word_embeddings: false" in out, out
+    other = _edit_config(
+        _copy_model(hf_dirs["llama"], tmp_path / "other"), tie_word_embeddings=True
+    )
+    code, out = run_cli(
+        ["ckpt", "import-hf", str(other), str(tmp_path / "imported"), f"model.seq_len={SEQ}"],
+        capsys,
+    )
+    assert (
+        code == 2
+        and "holds an lm_head.weight that differs" in out
+        and "tie_word_embeddings: false" in out
+    ), out
     assert not (tmp_path / "imported").exists()
 
 
@@ -286,7 +347,9 @@ def test_bad_hugging_face_input_is_one_clear_error(hf_dirs, small_data_dir, tmp_
     make, message = BAD[case]
     bad = tmp_path / "model"
     make(hf_dirs["llama"], bad)
-    proc = strata("train", str(_experiment(tmp_path)), *_overrides(bad, small_data_dir, tmp_path / "runs"))
+    proc = strata(
+        "train", str(_experiment(tmp_path)), *_overrides(bad, small_data_dir, tmp_path / "runs")
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -301,14 +364,20 @@ def test_a_sharded_model_loads_like_the_single_file(hf_dirs, small_data_dir, tmp
     assert run(cfg, start()).losses[1] == pytest.approx(_hf_loss(hf_dirs["llama"], cfg), abs=1e-5)
 
 
-def _torchtitan_names(hf_state: dict[str, torch.Tensor], cfg: config.Config, new: bool) -> dict[str, torch.Tensor]:
+def _torchtitan_names(
+    hf_state: dict[str, torch.Tensor], cfg: config.Config, new: bool
+) -> dict[str, torch.Tensor]:
     """A Hugging Face Llama's weights as torchtitan's Llama holds them: its names (0.3's
     `attention.qkv_linear.wq`/`lm_head`, or the older `attention.wq`/`output`) and its RoPE's q/k row
     order, by the reverse permutation torchtitan's own Llama3StateDictAdapter.from_hf applies."""
     m = cfg.model
 
-    def reverse_permute(w: torch.Tensor, heads: int) -> torch.Tensor:  # torchtitan's, verbatim in effect
-        return w.view(heads, 2, w.shape[0] // heads // 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+    def reverse_permute(
+        w: torch.Tensor, heads: int
+    ) -> torch.Tensor:  # torchtitan's, verbatim in effect
+        return (
+            w.view(heads, 2, w.shape[0] // heads // 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+        )
 
     qkv = "attention.qkv_linear" if new else "attention"
     names = {
@@ -341,16 +410,24 @@ def _torchtitan_names(hf_state: dict[str, torch.Tensor], cfg: config.Config, new
     return out
 
 
-@pytest.mark.parametrize(("new", "prefix"), [(True, ""), (False, "model.")], ids=["torchtitan-0.3", "older-prefixed"])
-def test_a_torchtitan_dcp_checkpoint_starts_a_run_at_transformers_loss(hf_dirs, small_data_dir, tmp_path, new, prefix):
+@pytest.mark.parametrize(
+    ("new", "prefix"), [(True, ""), (False, "model.")], ids=["torchtitan-0.3", "older-prefixed"]
+)
+def test_a_torchtitan_dcp_checkpoint_starts_a_run_at_transformers_loss(
+    hf_dirs, small_data_dir, tmp_path, new, prefix
+):
     import torch.distributed.checkpoint as dcp
 
     derived = config.load(None, [f"model.init_from={hf_dirs['llama']}", f"model.seq_len={SEQ}"])
     titan = _torchtitan_names(load_file(hf_dirs["llama"] / "model.safetensors"), derived, new)
     state = {"model": titan} if prefix else titan
     dcp.save(state, checkpoint_id=tmp_path / "titan", no_dist=True)
-    model_keys = {k: v for k, v in config.to_dict(derived)["model"].items() if k not in ("init_from", "moe")}
-    overrides = _overrides(tmp_path / "titan", small_data_dir, tmp_path / "runs", **{"train.steps": 1})
+    model_keys = {
+        k: v for k, v in config.to_dict(derived)["model"].items() if k not in ("init_from", "moe")
+    }
+    overrides = _overrides(
+        tmp_path / "titan", small_data_dir, tmp_path / "runs", **{"train.steps": 1}
+    )
     overrides += [
         f"model.{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
         for k, v in model_keys.items()
@@ -376,5 +453,8 @@ def test_verify_holds_an_imported_checkpoints_weights_against_its_config(hf_dirs
     bad = hf_weights.import_hf(hf_dirs["llama"], tmp_path / "bad", yaml.safe_dump(raw), cfg.model)
     code, out = run_cli(["ckpt", "verify", str(bad)], capsys)
     assert code == 1 and "DAMAGED" in out, out
-    assert "the weights contradict config.yaml: model.layers.0.mlp.w1.weight is (96, 64), config.yaml's model " in out
+    assert (
+        "the weights contradict config.yaml: model.layers.0.mlp.w1.weight is (96, 64), config.yaml's model "
+        in out
+    )
     assert "makes it (128, 64)" in out

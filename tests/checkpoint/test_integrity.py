@@ -27,7 +27,9 @@ from conftest import tiny_config, tiny_overrides
 
 @pytest.fixture
 def saved(small_data_dir, tmp_path) -> Path:
-    cfg = tiny_config(small_data_dir, tmp_path / "a", **{"train.steps": 2, "checkpoint.save_final": True})
+    cfg = tiny_config(
+        small_data_dir, tmp_path / "a", **{"train.steps": 2, "checkpoint.save_final": True}
+    )
     run(cfg, start())
     return store.committed(cfg.checkpoint_dir())[-1]
 
@@ -67,7 +69,9 @@ def flip_weight(ckpt: Path) -> None:
 
 
 def escape_relative(ckpt: Path) -> None:
-    (ckpt.parent / "__0_0.distcp").write_bytes((ckpt / "__0_0.distcp").read_bytes())  # a file is there
+    (ckpt.parent / "__0_0.distcp").write_bytes(
+        (ckpt / "__0_0.distcp").read_bytes()
+    )  # a file is there
     edit_first_chunk(ckpt, lambda c: c.update(file="../__0_0.distcp"))
 
 
@@ -79,7 +83,9 @@ def escape_absolute(ckpt: Path) -> None:
 
 def beyond_end(ckpt: Path) -> None:
     size = (ckpt / "__0_0.distcp").stat().st_size
-    edit_first_chunk(ckpt, lambda c: c.update(offset=size, data_offset=size + c["data_offset"] - c["offset"]))
+    edit_first_chunk(
+        ckpt, lambda c: c.update(offset=size, data_offset=size + c["data_offset"] - c["offset"])
+    )
 
 
 def truncate(ckpt: Path) -> None:
@@ -89,7 +95,9 @@ def truncate(ckpt: Path) -> None:
 
 def link_out(ckpt: Path) -> None:
     outside = ckpt.parent / "config.yaml"
-    outside.write_bytes((ckpt / "config.yaml").read_bytes())  # the same bytes: only the link is wrong
+    outside.write_bytes(
+        (ckpt / "config.yaml").read_bytes()
+    )  # the same bytes: only the link is wrong
     (ckpt / "config.yaml").unlink()
     os.symlink(outside, ckpt / "config.yaml")
 
@@ -116,7 +124,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_every_reader_refuses_the_same_damage_naming_the_file(saved, small_data_dir, tmp_path, capsys, case):
+def test_every_reader_refuses_the_same_damage_naming_the_file(
+    saved, small_data_dir, tmp_path, capsys, case
+):
     damage, name, words, structural = CASES[case]
     damage(saved)
     named = str(saved / name)
@@ -152,7 +162,9 @@ def test_every_reader_refuses_the_same_damage_naming_the_file(saved, small_data_
 def test_structure_is_checked_on_resume_without_block_checksums(saved, small_data_dir, tmp_path):
     """checkpoint.verify_on_load: false skips the data blocks' checksums, never the structure."""
     escape_relative(saved)
-    trainer = Trainer(tiny_config(small_data_dir, tmp_path / "b", **{"checkpoint.verify_on_load": False}), start())
+    trainer = Trainer(
+        tiny_config(small_data_dir, tmp_path / "b", **{"checkpoint.verify_on_load": False}), start()
+    )
     with pytest.raises(CheckpointError, match=r"\.\./__0_0\.distcp"):
         trainer.resume(saved)
     assert trainer.step == 0
@@ -198,7 +210,9 @@ def test_inspect_exits_0_on_an_intact_checkpoint(saved, capsys):
 
 
 @pytest.mark.parametrize("text", ["[]", "3", '"step"', "null", "{not json"])
-def test_a_damaged_commit_marker_is_one_clear_problem_everywhere(saved, small_data_dir, tmp_path, capsys, text):
+def test_a_damaged_commit_marker_is_one_clear_problem_everywhere(
+    saved, small_data_dir, tmp_path, capsys, text
+):
     """A COMMITTED marker that is not a JSON object (or not JSON): verify, inspect and --resume
     refuse it with one error naming it (exit 2, as for any checkpoint they cannot open), and
     retention never deletes it."""
@@ -207,7 +221,9 @@ def test_a_damaged_commit_marker_is_one_clear_problem_everywhere(saved, small_da
     for verb in ("verify", "inspect"):
         assert strata_main(["ckpt", verb, str(saved)]) == 2
         err = capsys.readouterr().err
-        assert named in err and "commit marker" in err and "damaged" in err and "Traceback" not in err
+        assert (
+            named in err and "commit marker" in err and "damaged" in err and "Traceback" not in err
+        )
     with pytest.raises(CheckpointError, match="commit marker"):
         store.verify(saved)
 
@@ -218,12 +234,20 @@ def test_a_damaged_commit_marker_is_one_clear_problem_everywhere(saved, small_da
 
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
-    launch = ["launch", str(experiment), *tiny_overrides(small_data_dir, tmp_path / "c"), "--resume", str(saved)]
+    launch = [
+        "launch",
+        str(experiment),
+        *tiny_overrides(small_data_dir, tmp_path / "c"),
+        "--resume",
+        str(saved),
+    ]
     assert strata_main(launch) == 2  # refused before torchrun starts
     err_text = capsys.readouterr().err
     assert named in err_text and "commit marker" in err_text and "Traceback" not in err_text
 
     root = saved.parent
-    assert store.committed(root) == [saved] and not store.owned(saved)  # listed, never Strata's to delete
+    assert store.committed(root) == [saved] and not store.owned(
+        saved
+    )  # listed, never Strata's to delete
     store.prune(root, keep_last=1, newest=store.step_dir(root, 99))
     assert (saved / store.MARKER).read_text() == text

@@ -27,7 +27,9 @@ from conftest import tiny_config
 
 @pytest.fixture
 def saved(small_data_dir, tmp_path):
-    cfg = tiny_config(small_data_dir, tmp_path / "a", **{"train.steps": 2, "checkpoint.save_final": True})
+    cfg = tiny_config(
+        small_data_dir, tmp_path / "a", **{"train.steps": 2, "checkpoint.save_final": True}
+    )
     run(cfg, start())
     return store.committed(cfg.checkpoint_dir())[-1]
 
@@ -65,7 +67,9 @@ def test_intact_checkpoint_verifies_and_inspects(saved, capsys):
         ("__0_1.distcp", "flip", "corrupted"),
     ],
 )
-def test_damaged_file_is_named_and_nothing_is_loaded(saved, small_data_dir, tmp_path, capsys, name, damage, words):
+def test_damaged_file_is_named_and_nothing_is_loaded(
+    saved, small_data_dir, tmp_path, capsys, name, damage, words
+):
     target = saved / name
     data = bytearray(target.read_bytes())
     if damage == "truncate":
@@ -126,7 +130,9 @@ def test_damaged_dcp_metadata_fails_verify(saved, capsys):
     marker = store.marker(saved)
     evil = pickle.dumps(os.system)
     (saved / ".metadata").write_bytes(evil)
-    marker["files"][".metadata"] = integrity.entry(evil)  # a checksum that matches: only the unpickler stands
+    marker["files"][".metadata"] = integrity.entry(
+        evil
+    )  # a checksum that matches: only the unpickler stands
     (saved / store.MARKER).write_text(json.dumps(marker))
     assert strata_main(["ckpt", "verify", str(saved)]) == 1
     assert "posix.system is not allowed" in capsys.readouterr().out
@@ -136,7 +142,11 @@ def test_damaged_dcp_metadata_fails_verify(saved, capsys):
 def test_dcp_alone_loads_weights_and_optimizer_into_plain_torch(saved, optimizer_key):
     """torch.distributed.checkpoint's own state_dict helpers and load, a plain GPT and a torch AdamW:
     the weights and every Adam moment equal what Strata saved; the hyper-parameters come along."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_state_dict,
+    )
 
     from strata.config import load
     from strata.model import GPT
@@ -146,10 +156,17 @@ def test_dcp_alone_loads_weights_and_optimizer_into_plain_torch(saved, optimizer
     cfg = load(saved / "config.yaml")
     want = Checkpoint(saved).tensors("")
     model = GPT(cfg.model, want["model.tok_embeddings.weight"].shape[0])
-    opt = build_optimizer(list(model.parameters()), dataclasses.replace(cfg.optim, lr=123.0), torch.device("cpu"))
-    state = {"model": get_model_state_dict(model), optimizer_key: get_optimizer_state_dict(model, opt)}
+    opt = build_optimizer(
+        list(model.parameters()), dataclasses.replace(cfg.optim, lr=123.0), torch.device("cpu")
+    )
+    state = {
+        "model": get_model_state_dict(model),
+        optimizer_key: get_optimizer_state_dict(model, opt),
+    }
     dcp.load(state, checkpoint_id=str(saved))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state[optimizer_key])
+    set_state_dict(
+        model, opt, model_state_dict=state["model"], optim_state_dict=state[optimizer_key]
+    )
     named = dict(model.named_parameters())
     for key, t in want.items():
         if key.startswith("model."):
@@ -157,5 +174,9 @@ def test_dcp_alone_loads_weights_and_optimizer_into_plain_torch(saved, optimizer
         elif key.startswith("optim.state."):
             fqn, kind = key[len("optim.state.") :].rsplit(".", 1)
             assert torch.equal(opt.state[named[fqn]][kind], t), key
-    last_lr = lr_at(1, cfg.optim, cfg.train.steps)  # the schedule's lr at the saved run's last step (step 2)
-    assert opt.param_groups[1]["weight_decay"] == 0.0 and opt.param_groups[0]["lr"] == pytest.approx(last_lr)
+    last_lr = lr_at(
+        1, cfg.optim, cfg.train.steps
+    )  # the schedule's lr at the saved run's last step (step 2)
+    assert opt.param_groups[1]["weight_decay"] == 0.0 and opt.param_groups[0][
+        "lr"
+    ] == pytest.approx(last_lr)

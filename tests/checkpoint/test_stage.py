@@ -25,7 +25,14 @@ from strata.checkpoint.pieces import (
     whole_piece,
 )
 from strata.checkpoint.reader import Checkpoint
-from strata.checkpoint.stage import CHECK_GRAIN, copy_pieces, descriptors, image_views, plan_staging, stage
+from strata.checkpoint.stage import (
+    CHECK_GRAIN,
+    copy_pieces,
+    descriptors,
+    image_views,
+    plan_staging,
+    stage,
+)
 from strata.checkpoint.write_plan import Descriptor
 from strata.parallel.flat import Box
 from strata.parallel.runtime import start
@@ -43,8 +50,12 @@ def _flat_pieces(flat: torch.Tensor, key: str, shape: tuple[int, ...], start: in
 
 def state(seed: int) -> list[Piece]:
     g = torch.Generator().manual_seed(seed)
-    out = _flat_pieces(torch.randn(12, generator=g), "model.w", (6, 7), 0)  # a whole row and a partial one
-    out += _flat_pieces(torch.randn(30, generator=g), "model.w", (6, 7), 12)  # the rest: partial, whole rows
+    out = _flat_pieces(
+        torch.randn(12, generator=g), "model.w", (6, 7), 0
+    )  # a whole row and a partial one
+    out += _flat_pieces(
+        torch.randn(30, generator=g), "model.w", (6, 7), 12
+    )  # the rest: partial, whole rows
     out.append(whole_piece("model.b", torch.randn(9, generator=g)))
     out.append(Piece("optim.state.w.step", (), Box((), ()), torch.tensor(float(seed)).view(())))
     out.append(whole_piece("rng", torch.randint(0, 255, (40,), dtype=torch.uint8, generator=g)))
@@ -80,7 +91,9 @@ def test_cached_views_follow_values_replaced_and_rebound_tensors():
     staged.stage(pieces)
     assert torch.equal(staged.image, staged.reference(pieces))
 
-    fresh = state(2)  # new tensors (and Piece objects) with the same boxes: a resume's new optimizer state
+    fresh = state(
+        2
+    )  # new tensors (and Piece objects) with the same boxes: a resume's new optimizer state
     staged.stage(fresh)
     assert torch.equal(staged.image, staged.reference(fresh))
 
@@ -146,7 +159,9 @@ def test_finite_values_whose_sum_overflows_are_finite():
 
 def _uncached(trainer: Trainer) -> list[Piece]:
     m = trainer.model
-    return model_pieces(m.engine, m.canonical) + optimizer_pieces(m.optimizer, optimizer_entries(m.engine, m.canonical))
+    return model_pieces(m.engine, m.canonical) + optimizer_pieces(
+        m.optimizer, optimizer_entries(m.engine, m.canonical)
+    )
 
 
 def _assert_same_pieces(cached: list[Piece], reference: list[Piece]) -> None:
@@ -155,14 +170,20 @@ def _assert_same_pieces(cached: list[Piece], reference: list[Piece]) -> None:
     ]
     for a, b in zip(cached, reference):
         assert torch.equal(a.tensor, b.tensor), a.key
-        assert a.tensor.data_ptr() == b.tensor.data_ptr(), a.key  # views of the live state, not copies
+        assert a.tensor.data_ptr() == b.tensor.data_ptr(), (
+            a.key
+        )  # views of the live state, not copies
 
 
-def test_cached_pieces_follow_the_state_through_steps_resumes_and_replaced_tensors(small_data_dir, tmp_path):
+def test_cached_pieces_follow_the_state_through_steps_resumes_and_replaced_tensors(
+    small_data_dir, tmp_path
+):
     cfg = tiny_config(small_data_dir, tmp_path, **{"checkpoint.keep_last": 0})
     trainer = Trainer(cfg, start())
     pieces = trainer.state.contents(0).pieces[:-1]  # the RNG state is a new piece at every call
-    assert not any(p.key.startswith("optim.") for p in pieces)  # no optimizer state before the first step
+    assert not any(
+        p.key.startswith("optim.") for p in pieces
+    )  # no optimizer state before the first step
     _assert_same_pieces(pieces, _uncached(trainer))
     trainer.train_step()  # the optimizer state appears
     _assert_same_pieces(trainer.state.contents(1).pieces[:-1], _uncached(trainer))
@@ -174,7 +195,9 @@ def test_cached_pieces_follow_the_state_through_steps_resumes_and_replaced_tenso
     _assert_same_pieces(trainer.state.contents(1).pieces[:-1], _uncached(trainer))
     opt = trainer.model.optimizer
     param = next(p for p in opt.state if opt.state[p])
-    opt.state[param]["exp_avg"] = opt.state[param]["exp_avg"].clone() + 1  # replaced by another tensor
+    opt.state[param]["exp_avg"] = (
+        opt.state[param]["exp_avg"].clone() + 1
+    )  # replaced by another tensor
     opt.state[param]["exp_avg_sq"].data = opt.state[param]["exp_avg_sq"].clone()  # rebound
     _assert_same_pieces(trainer.state.contents(1).pieces[:-1], _uncached(trainer))
     opt.state[param]["step"] = 3  # not a tensor: refused, as before any cache
@@ -188,7 +211,9 @@ def test_saves_after_steps_and_a_resume_hold_the_live_state(small_data_dir, tmp_
     """Save, train, save; resume the first and train the same step again: its save must equal the
     second bit for bit (a cache still viewing the optimizer state from before the resume would
     save the old moments)."""
-    cfg = tiny_config(small_data_dir, tmp_path, **{"checkpoint.keep_last": 0, "checkpoint.async": True})
+    cfg = tiny_config(
+        small_data_dir, tmp_path, **{"checkpoint.keep_last": 0, "checkpoint.async": True}
+    )
     trainer = Trainer(cfg, start())
     trainer.train_step()
     assert trainer.save()
@@ -197,8 +222,14 @@ def test_saves_after_steps_and_a_resume_hold_the_live_state(small_data_dir, tmp_
     trainer.checkpoints.wait()
     root = cfg.checkpoint_dir()
     second = Checkpoint(store.step_dir(root, 2)).tensors("")
-    live = {p.key: p.tensor.clone() for p in trainer.state.contents(2).pieces if not p.key.startswith("rng")}
-    assert all(torch.equal(second[k], v) for k, v in live.items())  # whole tensors in a world of one
+    live = {
+        p.key: p.tensor.clone()
+        for p in trainer.state.contents(2).pieces
+        if not p.key.startswith("rng")
+    }
+    assert all(
+        torch.equal(second[k], v) for k, v in live.items()
+    )  # whole tensors in a world of one
 
     trainer.resume(store.step_dir(root, 1))
     trainer.train_step()
@@ -214,10 +245,17 @@ def _fixed(pieces: list[Piece], step: int) -> FixedState:
     return FixedState(StateContents(pieces, {"trainer": {"step": step}}, {}, {"world": 1}))
 
 
-@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)])  # writer processes
-def test_a_plan_change_between_saves_gets_a_new_image_and_the_old_plan_comes_back(tmp_path, async_save):
+@pytest.mark.parametrize(
+    "async_save", [False, pytest.param(True, marks=pytest.mark.slow)]
+)  # writer processes
+def test_a_plan_change_between_saves_gets_a_new_image_and_the_old_plan_comes_back(
+    tmp_path, async_save
+):
     mgr = CheckpointManager(tmp_path, 0, 1, async_save=async_save, config_yaml="model: {}\n")
-    states = {1: state(1), 2: [whole_piece("model.w", torch.randn(4, 4)), whole_piece("model.c", torch.randn(3))]}
+    states = {
+        1: state(1),
+        2: [whole_piece("model.w", torch.randn(4, 4)), whole_piece("model.c", torch.randn(3))],
+    }
     states[3] = state(1)
     for p in states[3]:  # the first plan again, other values
         p.tensor.copy_(torch.full_like(p.tensor, 3))
@@ -287,7 +325,9 @@ def test_snapshots_hold_the_live_state_through_changes_and_a_new_plan(agent):
     from strata.checkpoint.snapshot import SnapshotManager
     from strata.config import SnapshotConfig
 
-    manager = SnapshotManager(SnapshotConfig(every_steps=1, m=0), 0, 1, None, env={"STRATA_SNAPSHOT_SOCKET": agent})
+    manager = SnapshotManager(
+        SnapshotConfig(every_steps=1, m=0), 0, 1, None, env={"STRATA_SNAPSHOT_SOCKET": agent}
+    )
     try:
         pieces = state(1)
         assert manager.save(1, _fixed(pieces, 1))
@@ -305,7 +345,9 @@ def test_snapshots_hold_the_live_state_through_changes_and_a_new_plan(agent):
         assert step == 3 and _equal(got, _whole(pieces))
 
         other = [whole_piece("model.w", torch.randn(4, 4)), whole_piece("model.c", torch.randn(3))]
-        assert not manager.save(4, _fixed(other, 4))  # another plan: this one is skipped, the next plans
+        assert not manager.save(
+            4, _fixed(other, 4)
+        )  # another plan: this one is skipped, the next plans
         step, got = _restored(manager, 3)
         assert step == 3 and _equal(got, _whole(pieces))
         assert manager.save(5, _fixed(other, 5))
@@ -322,7 +364,9 @@ def test_snapshot_views_are_not_shared_between_slots(agent):
     from strata.checkpoint.snapshot import SnapshotManager
     from strata.config import SnapshotConfig
 
-    manager = SnapshotManager(SnapshotConfig(every_steps=1, m=0), 0, 1, None, env={"STRATA_SNAPSHOT_SOCKET": agent})
+    manager = SnapshotManager(
+        SnapshotConfig(every_steps=1, m=0), 0, 1, None, env={"STRATA_SNAPSHOT_SOCKET": agent}
+    )
     try:
         pieces = state(1)
         for step in range(1, 6):  # 3 slots rotate (2 kept, 1 written)
@@ -366,7 +410,9 @@ def test_device_pieces_stage_into_a_pinned_image_as_host_copies_would():
     from strata.parallel.runtime import pin_host, unpin_host
 
     host = state(4)
-    pieces = [Piece(p.key, p.global_shape, p.box, p.tensor.cuda()) for p in host[:-1]] + host[-1:]  # RNG stays
+    pieces = [Piece(p.key, p.global_shape, p.box, p.tensor.cuda()) for p in host[:-1]] + host[
+        -1:
+    ]  # RNG stays
     staged = Staged(pieces)
     pinned = pin_host(staged.image)
     try:
@@ -376,7 +422,8 @@ def test_device_pieces_stage_into_a_pinned_image_as_host_copies_would():
             p.tensor.mul_(3)  # on the device, in the training stream: the copy must wait for it
         assert staged.stage(pieces, check_finite=True)
         assert torch.equal(
-            staged.image, staged.reference([Piece(p.key, p.global_shape, p.box, p.tensor.cpu()) for p in pieces])
+            staged.image,
+            staged.reference([Piece(p.key, p.global_shape, p.box, p.tensor.cpu()) for p in pieces]),
         )
         pieces[1].tensor[0] = float("inf")
         assert not staged.stage(pieces, check_finite=True)
@@ -388,15 +435,25 @@ def test_device_pieces_stage_into_a_pinned_image_as_host_copies_would():
 @pytest.mark.gpu
 @needs_gpu
 def test_a_gpu_run_saves_and_resumes_its_state_exactly(small_data_dir, tmp_path):
-    cfg = tiny_config(small_data_dir, tmp_path, **{"checkpoint.keep_last": 0, "checkpoint.async": True})
+    cfg = tiny_config(
+        small_data_dir, tmp_path, **{"checkpoint.keep_last": 0, "checkpoint.async": True}
+    )
     trainer = Trainer(cfg, start())
     assert trainer.rt.device.type == "cuda"
     trainer.train_step()
     assert trainer.save()
-    saved = {p.key: p.tensor.cpu() for p in trainer.state.contents(1).pieces if not p.key.startswith("rng")}
+    saved = {
+        p.key: p.tensor.cpu()
+        for p in trainer.state.contents(1).pieces
+        if not p.key.startswith("rng")
+    }
     trainer.train_step()
     trainer.checkpoints.wait()
     trainer.resume(store.step_dir(cfg.checkpoint_dir(), 1))
-    now = {p.key: p.tensor.cpu() for p in trainer.state.contents(1).pieces if not p.key.startswith("rng")}
+    now = {
+        p.key: p.tensor.cpu()
+        for p in trainer.state.contents(1).pieces
+        if not p.key.startswith("rng")
+    }
     trainer.checkpoints.close()
     assert now.keys() == saved.keys() and all(torch.equal(now[k], saved[k]) for k in saved)

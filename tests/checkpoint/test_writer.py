@@ -37,7 +37,9 @@ def pieces(step: int) -> list[Piece]:
 
 def save(mgr: CheckpointManager, step: int) -> None:
     mgr.config_yaml = "model: {}\n"
-    mgr.save(step, FixedState(StateContents(pieces(step), {"trainer": {"step": step}}, {}, {"world": 1})))
+    mgr.save(
+        step, FixedState(StateContents(pieces(step), {"trainer": {"step": step}}, {}, {"world": 1}))
+    )
 
 
 def assert_loads(path: Path, step: int) -> None:
@@ -78,14 +80,18 @@ def test_async_save_returns_before_the_write_and_the_next_waits_for_it(tmp_path,
 
 
 @pytest.mark.slow  # the writer waits 1 s before and between writes: ~8 s
-def test_killed_writer_is_reported_at_the_next_step_and_the_previous_checkpoint_loads(tmp_path, slow_writer):
+def test_killed_writer_is_reported_at_the_next_step_and_the_previous_checkpoint_loads(
+    tmp_path, slow_writer
+):
     mgr = CheckpointManager(tmp_path, 0, 1, async_save=True)
     save(mgr, 1)
     mgr.wait()
     save(mgr, 2)
     os.kill(mgr.writer_pid, signal.SIGKILL)  # mid-save: the writer is in its delay, then its writes
     wait_for(lambda: mgr._proc.poll() is not None)
-    with pytest.raises(CheckpointError, match=r"step 2 was not saved.*\n.*writer .* died \(exit code -9\)"):
+    with pytest.raises(
+        CheckpointError, match=r"step 2 was not saved.*\n.*writer .* died \(exit code -9\)"
+    ):
         mgr.poll()
     assert not store.step_dir(tmp_path, 2).exists()
     assert store.resolve(tmp_path) == store.step_dir(tmp_path, 1)
@@ -108,11 +114,17 @@ def test_writer_error_names_the_problem_at_the_next_step(tmp_path):
 def test_keep_last_deletes_only_older_committed_checkpoints(tmp_path):
     mgr = CheckpointManager(tmp_path, 0, 1, keep_last=2, async_save=True)
     crashed = store.partial_dir(tmp_path, 0)
-    crashed.mkdir(parents=True)  # an interrupted save: retention leaves it (the next start removes it)
+    crashed.mkdir(
+        parents=True
+    )  # an interrupted save: retention leaves it (the next start removes it)
     for step in (1, 2, 3, 4):
         save(mgr, step)
     mgr.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [crashed.name, "step_00000003", "step_00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        crashed.name,
+        "step_00000003",
+        "step_00000004",
+    ]
 
 
 def test_a_run_resumed_from_an_earlier_step_replaces_and_outlives_the_old_timeline(tmp_path):
@@ -144,7 +156,9 @@ def holder_of(path: Path) -> int | None:
 
 
 @pytest.mark.slow  # a 2-process `strata launch` world
-def test_two_rank_run_killed_mid_save_fails_on_every_rank_and_resumes_from_the_last_commit(small_data_dir, tmp_path):
+def test_two_rank_run_killed_mid_save_fails_on_every_rank_and_resumes_from_the_last_commit(
+    small_data_dir, tmp_path
+):
     """Two ranks, ZeRO-3 (each saves its own shard), background saves every 2 steps; rank 1's writer
     is killed with SIGKILL while it writes step 4. Both ranks stop with the error; step 2 verifies,
     and one process resumed from the checkpoints directory runs steps 3–6 as an uninterrupted run."""
@@ -155,7 +169,12 @@ def test_two_rank_run_killed_mid_save_fails_on_every_rank_and_resumes_from_the_l
     from conftest import tiny_config
     from worlds import ZERO3, losses_from, start_strata
 
-    settings = {"log.interval": 1, "checkpoint.interval": 2, "checkpoint.async": True, "train.micro_batch_size": 2}
+    settings = {
+        "log.interval": 1,
+        "checkpoint.interval": 2,
+        "checkpoint.async": True,
+        "train.micro_batch_size": 2,
+    }
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
     proc = start_strata(
@@ -183,7 +202,9 @@ def test_two_rank_run_killed_mid_save_fails_on_every_rank_and_resumes_from_the_l
 
     common = {"log.interval": 1, "train.micro_batch_size": 2}
     reference = run(tiny_config(small_data_dir, tmp_path / "reference", **common), start()).losses
-    resumed = run(tiny_config(small_data_dir, tmp_path / "resumed", **common), start(), resume=ckpts).losses
+    resumed = run(
+        tiny_config(small_data_dir, tmp_path / "resumed", **common), start(), resume=ckpts
+    ).losses
     assert sorted(resumed) == [3, 4, 5, 6]
     for step, loss in resumed.items():
         assert loss == pytest.approx(reference[step], rel=1e-5), step

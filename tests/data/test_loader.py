@@ -104,7 +104,11 @@ def test_prepare_round_trip(tmp_path):
 
     on_disk = json.loads((out / "meta.json").read_text())
     assert on_disk == meta
-    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 257 and meta["tokenizer"]["kind"] == "bytes"
+    assert (
+        meta["dtype"] == "uint16"
+        and meta["vocab_size"] == 257
+        and meta["tokenizer"]["kind"] == "bytes"
+    )
     assert meta["eot"] == EOT and meta["documents"] == len(DOCS) and meta["format"] == 2
     assert meta["train_tokens"] == len(train) == sum(len(d.encode()) + 1 for d in train_docs)
     assert meta["val_tokens"] == len(val) == sum(len(d.encode()) + 1 for d in val_docs)
@@ -117,7 +121,12 @@ def test_split_depends_only_on_document_name(tmp_path):
     a = write_docs(tmp_path / "a" / "src", DOCS)
     b = write_docs(tmp_path / "b" / "deeper" / "src", DOCS)
     prepare(a, tmp_path / "out_a", val_fraction=0.5, root=tmp_path / "a" / "src")
-    prepare(list(reversed(b)), tmp_path / "out_b", val_fraction=0.5, root=tmp_path / "b" / "deeper" / "src")
+    prepare(
+        list(reversed(b)),
+        tmp_path / "out_b",
+        val_fraction=0.5,
+        root=tmp_path / "b" / "deeper" / "src",
+    )
     for split in ("train", "val"):
         da = split_documents(np.fromfile(tmp_path / "out_a" / f"{split}.bin", dtype=np.uint16))
         db = split_documents(np.fromfile(tmp_path / "out_b" / f"{split}.bin", dtype=np.uint16))
@@ -127,7 +136,12 @@ def test_split_depends_only_on_document_name(tmp_path):
 def test_prepare_replaces_existing_directory_atomically(tmp_path):
     src = tmp_path / "src"
     out = tmp_path / "tokens"
-    prepare(write_docs(src, {"old1.txt": "old " * 50, "old2.txt": "older " * 50}), out, val_fraction=0.5, root=src)
+    prepare(
+        write_docs(src, {"old1.txt": "old " * 50, "old2.txt": "older " * 50}),
+        out,
+        val_fraction=0.5,
+        root=src,
+    )
     (out / "val.bin").unlink()  # an earlier output missing a file is still one prepare may replace
 
     new_src = tmp_path / "src2"
@@ -219,7 +233,8 @@ def test_prepared_data_loads_as_windows(small_data_dir):
     assert inputs.shape == targets.shape == (3, L) and inputs.dtype == targets.dtype == torch.int64
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
     assert (
-        inputs[0].tolist() == raw[3 * L : 4 * L].tolist() and targets[0].tolist() == raw[3 * L + 1 : 4 * L + 1].tolist()
+        inputs[0].tolist() == raw[3 * L : 4 * L].tolist()
+        and targets[0].tolist() == raw[3 * L + 1 : 4 * L + 1].tolist()
     )
 
 
@@ -292,13 +307,18 @@ def gather_step(ds, seed, gb, mb, dp, consumed: int, shuffle: bool = True) -> li
 def test_each_sample_once_per_epoch_for_any_dp(tmp_path, dp):
     n, gb, mb = 48, 8, 2
     ds = indexed_dataset(tmp_path, n)
-    loaders = [BatchLoader(ds, seed=5, global_batch=gb, micro_batch=mb, dp_rank=r, dp_size=dp) for r in range(dp)]
+    loaders = [
+        BatchLoader(ds, seed=5, global_batch=gb, micro_batch=mb, dp_rank=r, dp_size=dp)
+        for r in range(dp)
+    ]
     reference = BatchLoader(ds, seed=5, global_batch=gb, micro_batch=mb)  # dp = 1
     seen = []
     for _ in range(2 * n // gb):  # two epochs
         per_rank = [loader.step_indices() for loader in loaders]
         for micro_batches in per_rank:
-            assert len(micro_batches) == gb // (mb * dp) and all(len(m) == mb for m in micro_batches)
+            assert len(micro_batches) == gb // (mb * dp) and all(
+                len(m) == mb for m in micro_batches
+            )
         step = [i for micro_batches in per_rank for m in micro_batches for i in m]
         assert step == [i for m in reference.step_indices() for i in m]  # same samples, same order
         assert len(set(step)) == gb  # ranks are disjoint
@@ -419,7 +439,10 @@ def test_loader_over_prepared_corpus_covers_each_window_once(small_data_dir):
     ds = TokenDataset(small_data_dir, "train", 32)
     n = len(ds)
     gb = 16
-    loaders = [BatchLoader(ds, seed=1234, global_batch=gb, micro_batch=4, dp_rank=r, dp_size=2) for r in range(2)]
+    loaders = [
+        BatchLoader(ds, seed=1234, global_batch=gb, micro_batch=4, dp_rank=r, dp_size=2)
+        for r in range(2)
+    ]
     seen = []
     for _ in range(-(-n // gb)):
         for loader in loaders:

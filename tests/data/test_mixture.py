@@ -46,13 +46,17 @@ def indexed_source(root: Path, j: int, n: int, n_val: int = 7, vocab: int = 6000
     d.mkdir(parents=True, exist_ok=True)
     (np.arange(n * L + 1) + j * OFFSET).astype(np.uint16).tofile(d / "train.bin")
     (np.arange(n_val * L + 1) + j * OFFSET + 10000).astype(np.uint16).tofile(d / "val.bin")
-    (d / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": vocab, "tokenizer": "byte"}))
+    (d / "meta.json").write_text(
+        json.dumps({"dtype": "uint16", "vocab_size": vocab, "tokenizer": "byte"})
+    )
     return d
 
 
 def mixture(root: Path, sizes: list[int], weights: list[float], split: str = "train") -> Mixture:
     dirs = [indexed_source(root, j, n) for j, n in enumerate(sizes)]
-    data = config.load(None, [f"data.sources={[{'path': str(d), 'weight': w} for d, w in zip(dirs, weights)]}"]).data
+    data = config.load(
+        None, [f"data.sources={[{'path': str(d), 'weight': w} for d, w in zip(dirs, weights)]}"]
+    ).data
     train, val = open_mixture(data, L)
     return train if split == "train" else val
 
@@ -94,7 +98,9 @@ def test_blend_is_megatrons():
         size = 5000
         index = np.zeros(size, dtype=np.int16)
         sample = np.zeros(size, dtype=np.int64)
-        helpers.build_blending_indices(index, sample, np.asarray(normalise(weights)), len(weights), size, False)
+        helpers.build_blending_indices(
+            index, sample, np.asarray(normalise(weights)), len(weights), size, False
+        )
         sources, positions, _ = blend(normalise(weights), size)
         assert sources == index.tolist() and positions == sample.tolist()
 
@@ -144,7 +150,9 @@ def test_one_source_reads_what_data_path_reads(tmp_path):
     single = BatchLoader(TokenDataset(tmp_path / "src0", "train", L), 4, 8, 2)
     loader = MixtureLoader(mix, 4, 8, 2)
     for _ in range(12):
-        assert [i for m in single.step_indices() for i in m] == [i for m in loader.step_indices() for _, i in m]
+        assert [i for m in single.step_indices() for i in m] == [
+            i for m in loader.step_indices() for _, i in m
+        ]
 
 
 def test_batches_hold_the_blended_windows(tmp_path):
@@ -166,7 +174,10 @@ def test_resume_continues_every_source_exactly(tmp_path, k):
     first = MixtureLoader(mix, 9, 8, 2)
     before = stream([first], k)
     state = json.loads(json.dumps(first.state_dict()))  # survives serialisation
-    assert state["source_samples"] == [per_source(before, 0).__len__(), per_source(before, 1).__len__()]
+    assert state["source_samples"] == [
+        per_source(before, 0).__len__(),
+        per_source(before, 1).__len__(),
+    ]
     resumed = MixtureLoader(mix, 9, 8, 2)
     resumed.load_state_dict(state)
     after = stream([resumed], 20 - k)
@@ -216,8 +227,12 @@ def test_resume_with_other_sources_or_weights_is_refused(tmp_path):
     loader = MixtureLoader(mix, 1, 8, 2)
     stream([loader], 3)
     state = loader.state_dict()
-    MixtureLoader(mixture(tmp_path / "a", [19, 33], [2, 6]), 1, 8, 2).load_state_dict(state)  # same shares
-    MixtureLoader(mixture(tmp_path / "moved", [19, 33], [1, 3]), 1, 8, 2).load_state_dict(state)  # moved
+    MixtureLoader(mixture(tmp_path / "a", [19, 33], [2, 6]), 1, 8, 2).load_state_dict(
+        state
+    )  # same shares
+    MixtureLoader(mixture(tmp_path / "moved", [19, 33], [1, 3]), 1, 8, 2).load_state_dict(
+        state
+    )  # moved
     for other in (
         mixture(tmp_path / "b", [19, 33], [1, 2]),  # weights
         mixture(tmp_path / "c", [19, 34], [1, 3]),  # a source's size
@@ -231,7 +246,9 @@ def test_resume_with_other_sources_or_weights_is_refused(tmp_path):
     with pytest.raises(DataError, match="damaged"):
         MixtureLoader(mix, 1, 8, 2).load_state_dict({**state, "source_samples": [24, 0]})
     with pytest.raises(DataError, match="one dataset"):
-        MixtureLoader(mix, 1, 8, 2).load_state_dict({"consumed_samples": 8, "seed": 1, "n_samples": 19})
+        MixtureLoader(mix, 1, 8, 2).load_state_dict(
+            {"consumed_samples": 8, "seed": 1, "n_samples": 19}
+        )
     with pytest.raises(DataError, match="mixture of 2 sources"):
         BatchLoader(mix.datasets[0], 1, 8, 2).load_state_dict(state)
 
@@ -243,7 +260,9 @@ def test_evaluation_blends_the_val_splits_by_weight(tmp_path):
     pairs = [p for x, _ in eval_batches(val, 3, 4, 0, 1) for p in decode(x)]
     sources, positions, _ = blend(normalise([1, 3]), 12)
     assert [s for s, _ in pairs] == sources
-    assert [i - 2500 for _, i in pairs] == [p % 7 for p in positions]  # val window k starts at 10000 + k·L
+    assert [i - 2500 for _, i in pairs] == [
+        p % 7 for p in positions
+    ]  # val window k starts at 10000 + k·L
     assert max(positions) >= 7  # source 1 wrapped
     two = [p for r in range(2) for x, _ in eval_batches(val, 3, 2, r, 2) for p in decode(x)]
     assert sorted(two) == sorted(pairs)  # ranks partition the same samples
@@ -299,7 +318,10 @@ def _train(tmp_path: Path, capsys, *overrides: str) -> tuple[int, str]:
 def byte_sources(tmp_path_factory) -> list[Path]:
     """Two byte-level sources of different stdlib files (the same tokenizer)."""
     root = tmp_path_factory.mktemp("sources")
-    files = [["argparse.py", "textwrap.py", "shlex.py"], ["dataclasses.py", "difflib.py", "json/decoder.py"]]
+    files = [
+        ["argparse.py", "textwrap.py", "shlex.py"],
+        ["dataclasses.py", "difflib.py", "json/decoder.py"],
+    ]
     for j, names in enumerate(files):
         prepare([STDLIB / f for f in names], root / f"s{j}", val_fraction=0.34, root=STDLIB)
     return [root / "s0", root / "s1"]
@@ -318,11 +340,23 @@ def test_bad_input_exits_2_with_one_message(tmp_path, capsys, byte_sources, case
     if case == "vocabulary":
         other = indexed_source(tmp_path, 0, 200, vocab=60000)
         args = [sources_override([byte_sources[0], other], [1, 1])]
-        want = ["another vocabulary", str(byte_sources[0]), str(other), "vocab_size=257", "vocab_size=60000"]
+        want = [
+            "another vocabulary",
+            str(byte_sources[0]),
+            str(other),
+            "vocab_size=257",
+            "vocab_size=60000",
+        ]
     elif case == "weight-zero":
-        args, want = [sources_override(byte_sources, [1, 0])], ["data.sources[1].weight: 0.0 must be > 0"]
+        args, want = (
+            [sources_override(byte_sources, [1, 0])],
+            ["data.sources[1].weight: 0.0 must be > 0"],
+        )
     elif case == "weight-negative":
-        args, want = [sources_override(byte_sources, [-1, 1])], ["data.sources[0].weight: -1.0 must be > 0"]
+        args, want = (
+            [sources_override(byte_sources, [-1, 1])],
+            ["data.sources[0].weight: -1.0 must be > 0"],
+        )
     elif case == "missing-path":
         args = [sources_override([byte_sources[0], tmp_path / "absent"], [1, 1])]
         want = [f"data.sources[1].path={str(tmp_path / 'absent')!r}: no meta.json there"]
@@ -339,23 +373,36 @@ def test_bad_input_exits_2_with_one_message(tmp_path, capsys, byte_sources, case
 # --- training on a mixture ----------------------------------------------------------------------
 
 
-def test_training_on_a_mixture_resumes_bit_for_bit_and_logs_the_counts(tmp_path, byte_sources, one_thread):
-    extra = {"train.steps": 6, "checkpoint.interval": 3, "checkpoint.keep_last": 0, "log.interval": 1}
+def test_training_on_a_mixture_resumes_bit_for_bit_and_logs_the_counts(
+    tmp_path, byte_sources, one_thread
+):
+    extra = {
+        "train.steps": 6,
+        "checkpoint.interval": 3,
+        "checkpoint.keep_last": 0,
+        "log.interval": 1,
+    }
     over = tiny_overrides(None, tmp_path / "full", **{**extra, "data.path": None})
     over.append(sources_override(byte_sources, [1, 3]))
     full_cfg = config.load(None, over, world_size=1)
     full = run(full_cfg, start())
-    records = [json.loads(x) for x in (tmp_path / "full" / "t" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(x) for x in (tmp_path / "full" / "t" / "metrics.jsonl").read_text().splitlines()
+    ]
     counts = [r["data"]["source_samples"] for r in records if "data" in r]
     assert counts[-1] == {str(byte_sources[0]): 12, str(byte_sources[1]): 36}  # 6 steps of 8, 1:3
 
-    resumed_cfg = config.load(None, [x.replace(str(tmp_path / "full"), str(tmp_path / "res")) for x in over], 1)
+    resumed_cfg = config.load(
+        None, [x.replace(str(tmp_path / "full"), str(tmp_path / "res")) for x in over], 1
+    )
     resumed = run(resumed_cfg, start(), resume=store.step_dir(full_cfg.checkpoint_dir(), 3))
     assert sorted(resumed.losses) == [4, 5, 6]
     assert all(resumed.losses[s] == full.losses[s] for s in resumed.losses)
 
     swapped = config.load(
-        None, [*over[:-1], sources_override(byte_sources, [3, 1]), f"log.dir={tmp_path / 'sw'}"], world_size=1
+        None,
+        [*over[:-1], sources_override(byte_sources, [3, 1]), f"log.dir={tmp_path / 'sw'}"],
+        world_size=1,
     )
     with pytest.raises(CheckpointError, match="cannot resume the data position"):
         run(swapped, start(), resume=store.step_dir(full_cfg.checkpoint_dir(), 3))
@@ -366,7 +413,12 @@ def test_a_two_process_mixture_resumes_in_one_process(tmp_path, byte_sources):
     """`strata launch --nproc 2` (dp=2) for 6 steps checkpointing at 3, then `strata train` in one
     process from step 3: steps 4..6 read exactly the samples the two-process run read (the same
     losses, up to the dp reduction's summation order)."""
-    extra = {"train.steps": 6, "checkpoint.interval": 3, "checkpoint.keep_last": 0, "log.interval": 1}
+    extra = {
+        "train.steps": 6,
+        "checkpoint.interval": 3,
+        "checkpoint.keep_last": 0,
+        "log.interval": 1,
+    }
     over = tiny_overrides(None, tmp_path / "two", **{**extra, "data.path": None})
     over.append(sources_override(byte_sources, [1, 3]))
     done = strata("launch", str(REPO / "configs/tiny.yaml"), "--nproc", "2", *over, cwd=tmp_path)
@@ -374,7 +426,12 @@ def test_a_two_process_mixture_resumes_in_one_process(tmp_path, byte_sources):
     ckpt = tmp_path / "two" / "t" / "checkpoints"
     one = [x.replace(str(tmp_path / "two"), str(tmp_path / "one")) for x in over]
     done = strata(
-        "train", str(REPO / "configs/tiny.yaml"), *one, "--resume", str(store.step_dir(ckpt, 3)), cwd=tmp_path
+        "train",
+        str(REPO / "configs/tiny.yaml"),
+        *one,
+        "--resume",
+        str(store.step_dir(ckpt, 3)),
+        cwd=tmp_path,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
 

@@ -33,12 +33,15 @@ WORDS = "the quick brown fox jumps over a lazy dog while über-naïve cafés ser
 def sentences(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     return [
-        " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40))) + rng.choice(["", "\n", ".\n\n"])
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
+        + rng.choice(["", "\n", ".\n\n"])
         for _ in range(n)
     ]
 
 
-def train_reference_bpe(path: Path, vocab: int = 400, special: tuple[str, ...] = ("<|endoftext|>",)) -> Tokenizer:
+def train_reference_bpe(
+    path: Path, vocab: int = 400, special: tuple[str, ...] = ("<|endoftext|>",)
+) -> Tokenizer:
     """A byte-level BPE made with the tokenizers library directly (not through Strata)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -85,7 +88,9 @@ def write_corpus(root: Path) -> list[str]:
     docs += lines
     rows = sentences(30, 3)
     pq.write_table(
-        pa.table({"body": [*rows[:5], None, *rows[5:]], "n": list(range(31))}), root / "c.parquet", row_group_size=16
+        pa.table({"body": [*rows[:5], None, *rows[5:]], "n": list(range(31))}),
+        root / "c.parquet",
+        row_group_size=16,
     )
     docs += rows
     return docs
@@ -105,7 +110,11 @@ def test_tokenizer_json_gives_the_librarys_ids_for_text_jsonl_and_parquet(tmp_pa
     eot = tok.token_to_id("<|endoftext|>")
     assert tokens(out).tolist() == expected_ids(tok, docs, eot)
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["eot"] == eot and meta["vocab_size"] == tok.get_vocab_size() and meta["dtype"] == "uint16"
+    assert (
+        meta["eot"] == eot
+        and meta["vocab_size"] == tok.get_vocab_size()
+        and meta["dtype"] == "uint16"
+    )
     assert meta["tokenizer"]["kind"] == "file" and meta["tokenizer"]["source"] == str(bpe.resolve())
     assert meta["tokenizer"]["eot_token"] == "<|endoftext|>" and meta["documents"] == len(docs)
     assert (out / "tokenizer.json").read_bytes() == bpe.read_bytes()
@@ -115,7 +124,17 @@ def test_documents_split_between_train_and_val_whole(tmp_path, bpe, capsys):
     docs = write_corpus(tmp_path / "in")
     out = tmp_path / "out"
     code, text = run(
-        ["data", "prepare", str(tmp_path / "in"), "--out", str(out), "--tokenizer", str(bpe), "--text-field", "body"]
+        [
+            "data",
+            "prepare",
+            str(tmp_path / "in"),
+            "--out",
+            str(out),
+            "--tokenizer",
+            str(bpe),
+            "--text-field",
+            "body",
+        ]
         + ["--val-fraction", "0.3"],
         capsys,
     )
@@ -144,14 +163,24 @@ def test_model_directory_uses_its_eos_token_and_matches_transformers(tmp_path, c
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     out = tmp_path / "out"
-    argv = ["data", "prepare", str(tmp_path / "in"), "--out", str(out), "--tokenizer", str(model_dir)]
+    argv = [
+        "data",
+        "prepare",
+        str(tmp_path / "in"),
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(model_dir),
+    ]
     code, text = run([*argv, "--val-fraction", "0"], capsys)
     assert code == 0, text
     eos = fast.convert_tokens_to_ids("</s>")
     assert read_meta(out).raw["eot"] == eos != tok.token_to_id("<|endoftext|>")
     reference = fast(docs)["input_ids"]
     assert tokens(out).tolist() == [t for ids in reference for t in [*ids, eos]]
-    assert tokens(out).tolist() == expected_ids(Tokenizer.from_file(str(model_dir / "tokenizer.json")), docs, eos)
+    assert tokens(out).tolist() == expected_ids(
+        Tokenizer.from_file(str(model_dir / "tokenizer.json")), docs, eos
+    )
 
 
 def test_bpe_is_trained_saved_and_its_ids_written(tmp_path, capsys):
@@ -163,7 +192,9 @@ def test_bpe_is_trained_saved_and_its_ids_written(tmp_path, capsys):
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     meta = read_meta(out).raw
     assert meta["tokenizer"]["kind"] == "bpe" and meta["tokenizer"]["source"] == "bpe:300"
-    assert meta["vocab_size"] == tok.get_vocab_size() <= 300 and meta["eot"] == tok.token_to_id("<|endoftext|>")
+    assert meta["vocab_size"] == tok.get_vocab_size() <= 300 and meta["eot"] == tok.token_to_id(
+        "<|endoftext|>"
+    )
     assert tokens(out).tolist() == expected_ids(tok, docs, meta["eot"])
     assert tok.decode(tok.encode(docs[0]).ids) == docs[0]  # byte-level: any text round-trips
 
@@ -241,16 +272,32 @@ def bad_jsonl(root: Path, lines: list[str]) -> Path:
 @pytest.mark.parametrize(
     ("make", "extra", "message"),
     [
-        (lambda r: bad_jsonl(r, ['{"text": "a"}', '{"body": "b"}']), [], "d.jsonl:2: no 'text' field (fields: body)"),
-        (lambda r: bad_jsonl(r, ['{"text": "a"}', "", '{"text": "b"']), [], "d.jsonl:3: not valid JSON"),
-        (lambda r: bad_jsonl(r, ['{"text": 3}']), [], "d.jsonl:1: field 'text' holds a int, not text"),
+        (
+            lambda r: bad_jsonl(r, ['{"text": "a"}', '{"body": "b"}']),
+            [],
+            "d.jsonl:2: no 'text' field (fields: body)",
+        ),
+        (
+            lambda r: bad_jsonl(r, ['{"text": "a"}', "", '{"text": "b"']),
+            [],
+            "d.jsonl:3: not valid JSON",
+        ),
+        (
+            lambda r: bad_jsonl(r, ['{"text": 3}']),
+            [],
+            "d.jsonl:1: field 'text' holds a int, not text",
+        ),
         (lambda r: bad_jsonl(r, ["[1, 2]"]), [], "d.jsonl:1: a JSON list, not an object"),
         (
             lambda r: bad_jsonl(r, ['{"text": "a"}']),
             ["--tokenizer", "missing/tokenizer.json"],
             "no such file or directory",
         ),
-        (lambda r: bad_jsonl(r, ['{"text": "a"}']), ["--tokenizer", "bpe:12"], "bpe:N needs a whole vocabulary size"),
+        (
+            lambda r: bad_jsonl(r, ['{"text": "a"}']),
+            ["--tokenizer", "bpe:12"],
+            "bpe:N needs a whole vocabulary size",
+        ),
         (
             lambda r: bad_jsonl(r, ['{"text": "a"}']),
             ["--eot-token", "</s>"],
@@ -258,7 +305,9 @@ def bad_jsonl(root: Path, lines: list[str]) -> Path:
         ),
     ],
 )
-def test_bad_jsonl_or_tokenizer_is_one_clear_error(tmp_path, monkeypatch, capsys, make, extra, message):
+def test_bad_jsonl_or_tokenizer_is_one_clear_error(
+    tmp_path, monkeypatch, capsys, make, extra, message
+):
     monkeypatch.chdir(tmp_path)
     src = make(tmp_path / "in")
     code, out = run(["data", "prepare", str(src), "--out", str(tmp_path / "out"), *extra], capsys)
@@ -270,12 +319,21 @@ def test_bad_parquet_is_one_clear_error(tmp_path, capsys):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "x.parquet").write_bytes(b"PAR1 this is not parquet")
     code, out = run(["data", "prepare", str(tmp_path / "a"), "--out", str(tmp_path / "o")], capsys)
-    assert code == 2 and "x.parquet: not a readable Parquet file" in out and "Traceback" not in out, out
+    assert (
+        code == 2 and "x.parquet: not a readable Parquet file" in out and "Traceback" not in out
+    ), out
     (tmp_path / "b").mkdir()
     pq.write_table(pa.table({"content": ["a"], "n": [1]}), tmp_path / "b" / "y.parquet")
     code, out = run(["data", "prepare", str(tmp_path / "b"), "--out", str(tmp_path / "o")], capsys)
-    assert code == 2 and "y.parquet: no column 'text' (columns: content, n)" in out and "--text-field" in out, out
-    code, out = run(["data", "prepare", str(tmp_path / "b"), "--out", str(tmp_path / "o"), "--text-field", "n"], capsys)
+    assert (
+        code == 2
+        and "y.parquet: no column 'text' (columns: content, n)" in out
+        and "--text-field" in out
+    ), out
+    code, out = run(
+        ["data", "prepare", str(tmp_path / "b"), "--out", str(tmp_path / "o"), "--text-field", "n"],
+        capsys,
+    )
     assert code == 2 and "column 'n' holds int64, not text" in out, out
 
 
@@ -283,14 +341,24 @@ def test_a_tokenizer_without_an_end_of_document_token_asks_for_one(tmp_path, cap
     tok_path = tmp_path / "plain.json"
     train_reference_bpe(tok_path, special=("<pad>",))
     bad_jsonl(tmp_path / "in", ['{"text": "hello"}'])
-    argv = ["data", "prepare", str(tmp_path / "in"), "--out", str(tmp_path / "o"), "--tokenizer", str(tok_path)]
+    argv = [
+        "data",
+        "prepare",
+        str(tmp_path / "in"),
+        "--out",
+        str(tmp_path / "o"),
+        "--tokenizer",
+        str(tok_path),
+    ]
     code, out = run(argv, capsys)
     assert code == 2 and "name its end-of-document token with --eot-token" in out, out
     code, out = run([*argv, "--eot-token", "<unk>"], capsys)
     assert code == 2 and "--eot-token '<unk>' is not a token of" in out, out
     code, out = run([*argv, "--eot-token", "<pad>", "--val-fraction", "0"], capsys)
     assert code == 0, out
-    assert read_meta(tmp_path / "o").raw["eot"] == Tokenizer.from_file(str(tok_path)).token_to_id("<pad>")
+    assert read_meta(tmp_path / "o").raw["eot"] == Tokenizer.from_file(str(tok_path)).token_to_id(
+        "<pad>"
+    )
 
 
 @pytest.fixture
@@ -304,14 +372,20 @@ def bpe_data(tmp_path, bpe) -> Path:
 
 
 def cfg_for(data: Path, **keys) -> config.Config:
-    return config.load(None, [f"data.path={data}", *(f"{k}={v}" for k, v in keys.items())], world_size=1)
+    return config.load(
+        None, [f"data.path={data}", *(f"{k}={v}" for k, v in keys.items())], world_size=1
+    )
 
 
 def test_config_tokenizer_must_be_the_datas(bpe_data, bpe, tmp_path):
     check_data_config(bpe_data, cfg_for(bpe_data))  # null: the data's
     check_data_config(bpe_data, cfg_for(bpe_data, **{"data.tokenizer": str(bpe)}))
-    check_data_config(bpe_data, cfg_for(bpe_data, **{"data.tokenizer": str(bpe_data / "tokenizer.json")}))
-    check_data_config(bpe_data, cfg_for(bpe_data, **{"data.tokenizer": str(bpe.parent)}))  # its directory
+    check_data_config(
+        bpe_data, cfg_for(bpe_data, **{"data.tokenizer": str(bpe_data / "tokenizer.json")})
+    )
+    check_data_config(
+        bpe_data, cfg_for(bpe_data, **{"data.tokenizer": str(bpe.parent)})
+    )  # its directory
     other = tmp_path / "other.json"
     train_reference_bpe(other, special=("<|endoftext|>", "<pad>"))
     for setting, message in [
@@ -333,29 +407,47 @@ def test_config_tokenizer_form_is_checked_when_loading():
     assert config.load(None, ["data.tokenizer=bytes"], world_size=1).data.tokenizer == "bytes"
 
 
-def test_a_model_vocabulary_smaller_than_the_datas_is_refused_naming_both(bpe_data, tmp_path, capsys):
+def test_a_model_vocabulary_smaller_than_the_datas_is_refused_naming_both(
+    bpe_data, tmp_path, capsys
+):
     vocab = read_meta(bpe_data).vocab_size
     with pytest.raises(ConfigError) as e:
         check_data_config(bpe_data, cfg_for(bpe_data, **{"model.vocab_size": 256}))
     assert "model.vocab_size=256 is smaller than the data's vocabulary" in str(e.value)
     assert f"vocab_size={vocab}" in str(e.value)
-    argv = ["train", TINY, f"data.path={bpe_data}", f"log.dir={tmp_path / 'runs'}", "model.vocab_size=256"]
+    argv = [
+        "train",
+        TINY,
+        f"data.path={bpe_data}",
+        f"log.dir={tmp_path / 'runs'}",
+        "model.vocab_size=256",
+    ]
     code, out = run([*argv, "model.seq_len=16"], capsys)
-    assert code == 2 and "model.vocab_size=256" in out and str(vocab) in out and "Traceback" not in out, out
+    assert (
+        code == 2 and "model.vocab_size=256" in out and str(vocab) in out and "Traceback" not in out
+    ), out
 
 
-def test_an_earlier_output_with_its_tokenizer_is_replaced_but_a_users_tokenizer_json_is_kept(tmp_path, bpe, capsys):
+def test_an_earlier_output_with_its_tokenizer_is_replaced_but_a_users_tokenizer_json_is_kept(
+    tmp_path, bpe, capsys
+):
     bad_jsonl(tmp_path / "in", ['{"text": "hello world"}', '{"text": "again"}'])
     out = tmp_path / "out"
     argv = ["data", "prepare", str(tmp_path / "in"), "--out", str(out)]
-    assert run([*argv, "--tokenizer", str(bpe)], capsys)[0] == 0 and (out / "tokenizer.json").is_file()
+    assert (
+        run([*argv, "--tokenizer", str(bpe)], capsys)[0] == 0 and (out / "tokenizer.json").is_file()
+    )
     assert run(argv, capsys)[0] == 0  # bytes now: the whole directory is replaced
     assert not (out / "tokenizer.json").exists() and read_meta(out).tokenizer == "bytes"
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "tokenizer.json").write_bytes(bpe.read_bytes())
     code, text = run(["data", "prepare", str(tmp_path / "in"), "--out", str(mine)], capsys)
-    assert code == 2 and "it has no meta.json" in text and (mine / "tokenizer.json").read_bytes() == bpe.read_bytes()
+    assert (
+        code == 2
+        and "it has no meta.json" in text
+        and (mine / "tokenizer.json").read_bytes() == bpe.read_bytes()
+    )
 
 
 @pytest.mark.parametrize("command", ["train", "launch"])
@@ -363,7 +455,13 @@ def test_strata_refuses_a_run_whose_tokenizer_is_not_the_datas(bpe_data, tmp_pat
     """Before anything trains (and, under `strata launch`, before any worker starts): exit 2."""
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
-    argv = [command, str(experiment), f"data.path={bpe_data}", "data.tokenizer=bytes", f"log.dir={tmp_path / 'runs'}"]
+    argv = [
+        command,
+        str(experiment),
+        f"data.path={bpe_data}",
+        "data.tokenizer=bytes",
+        f"log.dir={tmp_path / 'runs'}",
+    ]
     if command == "launch":
         argv += ["--nproc", "2"]
     proc = strata(*argv)

@@ -71,12 +71,16 @@ def test_sampling_is_one_output_per_seed():
     sampling = Sampling(temperature=1.0, top_k=20, top_p=0.9, seed=5)
     first = generate(model, PROMPTS, 16, sampling).tokens
     assert generate(model, PROMPTS, 16, sampling).tokens == first
-    other = generate(model, PROMPTS, 16, Sampling(temperature=1.0, top_k=20, top_p=0.9, seed=6)).tokens
+    other = generate(
+        model, PROMPTS, 16, Sampling(temperature=1.0, top_k=20, top_p=0.9, seed=6)
+    ).tokens
     assert other != first
     assert first != generate(model, PROMPTS, 16).tokens  # not greedy
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 10, 0.5)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 10, 0.5)]
+)
 def test_the_sampling_filter_is_transformers_warpers(temperature, top_k, top_p):
     transformers = pytest.importorskip("transformers")
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
@@ -90,7 +94,12 @@ def test_the_sampling_filter_is_transformers_warpers(temperature, top_k, top_p):
     assert torch.equal(got.isinf(), want.isinf())
     torch.testing.assert_close(got[~got.isinf()], want[~want.isinf()])
     draws = torch.stack(
-        [next_tokens(logits, Sampling(temperature, top_k, top_p), torch.Generator().manual_seed(i)) for i in range(50)]
+        [
+            next_tokens(
+                logits, Sampling(temperature, top_k, top_p), torch.Generator().manual_seed(i)
+            )
+            for i in range(50)
+        ]
     )
     assert not want.isinf().gather(1, draws.T).any()  # never a token the filter removed
 
@@ -109,7 +118,9 @@ def trained(bpe_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     experiment = root / "e.yaml"
     experiment.write_text("{}\n")
-    overrides = tiny_overrides(bpe_data, root, **{"parallel.tp": 2, "checkpoint.save_final": True, "optim.lr": 3e-2})
+    overrides = tiny_overrides(
+        bpe_data, root, **{"parallel.tp": 2, "checkpoint.save_final": True, "optim.lr": 3e-2}
+    )
     train_world([str(experiment), *overrides], 2, root)
     ckpt = store.step_dir(root / "t" / "checkpoints", 6)
     exported = strata("ckpt", "export", str(ckpt), str(root / "hf"), "--format", "hf")
@@ -129,7 +140,9 @@ def transformers_greedy(hf_dir, texts: list[str], n: int) -> list[list[int]]:
     for text in texts:
         ids = tok(text, return_tensors="pt")["input_ids"]
         with torch.no_grad():
-            gen = model.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids))
+            gen = model.generate(
+                ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids)
+            )
         out.append(gen[0, ids.shape[1] :].tolist())
     return out
 
@@ -144,7 +157,9 @@ def test_greedy_from_a_checkpoint_equals_transformers_generate_on_its_export(tra
     got = generate(opened.model, ids, 20, stop_ids=opened.stop_ids).tokens
     want = transformers_greedy(hf_dir, TEXTS, 20)
     for mine, theirs in zip(got, want):
-        assert mine == theirs[: len(mine)] and (len(mine) == len(theirs) or mine[-1] in opened.stop_ids)
+        assert mine == theirs[: len(mine)] and (
+            len(mine) == len(theirs) or mine[-1] in opened.stop_ids
+        )
 
 
 @pytest.mark.slow
@@ -153,16 +168,30 @@ def test_strata_generate_reads_a_checkpoint_and_a_hugging_face_directory_alike(t
     outputs = []
     for source in (ckpt.parent, hf_dir):  # the run's checkpoint root (its newest step), the export
         code, out = run_cli(
-            ["generate", str(source), "--prompt", TEXTS[0], "--prompt", TEXTS[1], "--max-new-tokens", "12"], capsys
+            [
+                "generate",
+                str(source),
+                "--prompt",
+                TEXTS[0],
+                "--prompt",
+                TEXTS[1],
+                "--max-new-tokens",
+                "12",
+            ],
+            capsys,
         )
         assert code == 0, out
         outputs.append(out)
-    assert outputs[0].split("model:")[0] == outputs[1].split("model:")[0] or _texts(outputs[0]) == _texts(outputs[1])
+    assert outputs[0].split("model:")[0] == outputs[1].split("model:")[0] or _texts(
+        outputs[0]
+    ) == _texts(outputs[1])
     assert TEXTS[0] in outputs[0] and TEXTS[1] in outputs[0]
 
 
 def _texts(out: str) -> list[str]:
-    return [block.strip() for block in out.split("-" * 40) if block.strip() and "model:" not in block]
+    return [
+        block.strip() for block in out.split("-" * 40) if block.strip() and "model:" not in block
+    ]
 
 
 @pytest.mark.slow
@@ -235,14 +264,27 @@ def test_strata_generate_reads_a_checkpoint_dcp_wrote_alone_with_its_config(tmp_
     from strata.data.tokenize import ByteTokenizer
 
     cfg_file = tmp_path / "cfg.yaml"
-    cfg_file.write_text("model: {n_layers: 2, d_model: 32, n_heads: 4, n_kv_heads: 2, seq_len: 32, vocab_size: 264}\n")
+    cfg_file.write_text(
+        "model: {n_layers: 2, d_model: 32, n_heads: 4, n_kv_heads: 2, seq_len: 32, vocab_size: 264}\n"
+    )
     cfg = config.load(cfg_file)
     model = build_model(cfg.model, 264, seed=3).eval()
-    dcp.save({k: v.clone() for k, v in model.state_dict().items()}, checkpoint_id=str(tmp_path / "dcp"))
+    dcp.save(
+        {k: v.clone() for k, v in model.state_dict().items()}, checkpoint_id=str(tmp_path / "dcp")
+    )
     prompt = "def f("
     want = generate(model, [list(prompt.encode())], 10, stop_ids={ByteTokenizer.eot}).tokens[0]
     code, out = run_cli(
-        ["generate", str(tmp_path / "dcp"), "--config", str(cfg_file), "--prompt", prompt, "--max-new-tokens", "10"],
+        [
+            "generate",
+            str(tmp_path / "dcp"),
+            "--config",
+            str(cfg_file),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "10",
+        ],
         capsys,
     )
     assert code == 0, out

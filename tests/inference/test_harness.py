@@ -33,19 +33,30 @@ CHOICES = [
         "choices": [" experiment file", " of"],
         "answer": 0,
     },
-    {"question": "The architecture map is", "choices": [" `docs/ARCHITECTURE.md`", " in the"], "answer": 1},
+    {
+        "question": "The architecture map is",
+        "choices": [" `docs/ARCHITECTURE.md`", " in the"],
+        "answer": 1,
+    },
     {
         "question": "Parallelism is described in",
         "choices": [" `docs/PARALLELISM.md`", " red wine", " the"],
         "answer": 2,
     },
     {"question": "data-parallel processes under", "choices": [" torchrun", " water"], "answer": 0},
-    {"question": "", "choices": ["Strata", "Banana"], "answer": 0},  # empty context: the prefix token before it
+    {
+        "question": "",
+        "choices": ["Strata", "Banana"],
+        "answer": 0,
+    },  # empty context: the prefix token before it
 ]
 PROMPTS = [
     {"prompt": "Train GPT/Llama-style transformers from", "target": " one YAML experiment file"},
     {"prompt": "The architecture map is", "target": " in mo"},
-    {"prompt": "checkpoints in torch.distributed.checkpoint's format that save in the background", "target": " and"},
+    {
+        "prompt": "checkpoints in torch.distributed.checkpoint's format that save in the background",
+        "target": " and",
+    },
     {"prompt": "Install and run the demo", "target": " (a"},
 ]
 # Documents longer than the model's 32 positions: several rolling windows each.
@@ -92,7 +103,10 @@ def offline(tmp_path_factory):
         mp.setenv("HF_DATASETS_OFFLINE", "1")
         mp.setenv("HF_HOME", str(cache))
         mp.setenv("HF_DATASETS_CACHE", str(cache / "datasets"))
-        flags = [("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE")]
+        flags = [
+            ("huggingface_hub.constants", "HF_HUB_OFFLINE"),
+            ("datasets.config", "HF_HUB_OFFLINE"),
+        ]
         for module, flag in [*flags, ("datasets.config", "HF_DATASETS_OFFLINE")]:
             if module in sys.modules:
                 mp.setattr(sys.modules[module], flag, True)
@@ -124,7 +138,12 @@ def trained(bpe_data, tmp_path_factory):  # noqa: F811 (bpe_data is the imported
     overrides = tiny_overrides(
         bpe_data,
         root,
-        **{"train.steps": STEPS, "train.micro_batch_size": 8, "optim.lr": 3e-2, "checkpoint.save_final": True},
+        **{
+            "train.steps": STEPS,
+            "train.micro_batch_size": 8,
+            "optim.lr": 3e-2,
+            "checkpoint.save_final": True,
+        },
     )
     train_world([str(experiment), *overrides], 1, root)
     ckpt = store.step_dir(root / "t" / "checkpoints", STEPS)
@@ -180,7 +199,9 @@ def test_scores_equal_the_hugging_face_backend_on_the_export(both):
     for task in TASKS:
         assert_close_values(ours["results"][task], theirs["results"][task], task)
     choices = [r[0][0] for s in ours["samples"]["tiny_choice"] for r in s["resps"]]
-    assert len(choices) == 11 and len({round(c, 3) for c in choices}) == 11  # every choice scored, none alike
+    assert (
+        len(choices) == 11 and len({round(c, 3) for c in choices}) == 11
+    )  # every choice scored, none alike
     assert 1 < ours["results"]["tiny_docs"]["byte_perplexity,none"] < math.inf
     assert ours["config"]["model"] == "strata" and theirs["config"]["model"] == "hf"
 
@@ -219,7 +240,8 @@ def generations(lm, until: list[str], prompts: list[dict] = PROMPTS) -> list[str
 
     kwargs = {"until": until, "max_gen_toks": MAX_NEW, "do_sample": False}
     requests = [
-        Instance("generate_until", {}, (p["prompt"], dict(kwargs)), i, ("t", i, 1)) for i, p in enumerate(prompts)
+        Instance("generate_until", {}, (p["prompt"], dict(kwargs)), i, ("t", i, 1))
+        for i, p in enumerate(prompts)
     ]
     return lm.generate_until(requests, disable_tqdm=True)
 
@@ -229,7 +251,12 @@ def test_until_strings_end_generation_and_are_cut_off_as_the_hugging_face_backen
     free = generations(hf, [])
     assert generations(ours, []) == free
     # a stop string from the first half of one of the Hugging Face backend's own texts, where it first occurs
-    row, at = next((i, k) for i, t in enumerate(free) for k in range(1, len(t) // 2) if t.find(t[k : k + 2]) == k)
+    row, at = next(
+        (i, k)
+        for i, t in enumerate(free)
+        for k in range(1, len(t) // 2)
+        if t.find(t[k : k + 2]) == k
+    )
     stop = free[row][at : at + 2]
     cut = generations(hf, [stop, "§"])
     assert cut[row] == free[row][:at] and any(c != f for c, f in zip(cut, free))
@@ -248,16 +275,25 @@ def test_loglikelihoods_of_requests_equal_the_hugging_face_backends(models):
     from lm_eval.api.instance import Instance
 
     ours, hf = models
-    pairs = [("Strata trains", " large models"), ("", "The checkpoint format"), ("A run ", "of steps")]
+    pairs = [
+        ("Strata trains", " large models"),
+        ("", "The checkpoint format"),
+        ("A run ", "of steps"),
+    ]
     requests = [Instance("loglikelihood", {}, pair, i, ("t", i, 1)) for i, pair in enumerate(pairs)]
-    got, want = ours.loglikelihood(requests, disable_tqdm=True), hf.loglikelihood(requests, disable_tqdm=True)
+    got, want = (
+        ours.loglikelihood(requests, disable_tqdm=True),
+        hf.loglikelihood(requests, disable_tqdm=True),
+    )
     for (g, greedy), (w, their_greedy) in zip(got, want):
         assert g == pytest.approx(w, rel=1e-5) and greedy == their_greedy
     assert ours.eot_token_id == hf.eot_token_id and ours.prefix_token_id == hf.prefix_token_id
     assert ours.max_length == hf.max_length == 32
 
 
-def test_strata_eval_tasks_writes_the_harness_results_and_a_metrics_record(both, trained, tasks, tmp_path, capsys):
+def test_strata_eval_tasks_writes_the_harness_results_and_a_metrics_record(
+    both, trained, tasks, tmp_path, capsys
+):
     ours, _ = both
     ckpt, _, experiment, overrides = trained
     out = tmp_path / "tasks.json"
@@ -282,7 +318,10 @@ def test_a_missing_checkpoint_or_task_is_one_clear_error(trained, tasks, tmp_pat
 
     with pytest.raises(CheckpointError, match="no such file or directory"):
         run_tasks(tmp_path / "nothing", ["tiny_choice"], include_path=tasks)
-    with pytest.raises(StrataError, match="task 'tiny_choise': lm-eval knows no such task; did you mean tiny_choice"):
+    with pytest.raises(
+        StrataError,
+        match="task 'tiny_choise': lm-eval knows no such task; did you mean tiny_choice",
+    ):
         run_tasks(trained[0], ["tiny_choise"], include_path=tasks)
     _, _, experiment, overrides = trained
     code, out = run_cli(
@@ -296,21 +335,31 @@ def test_a_missing_checkpoint_or_task_is_one_clear_error(trained, tasks, tmp_pat
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--limit", "3"], "--include-path, --limit and --num-fewshot go with lm-eval tasks: give --tasks"),
+        (
+            ["--limit", "3"],
+            "--include-path, --limit and --num-fewshot go with lm-eval tasks: give --tasks",
+        ),
         (["--tasks", "x", "--data", "d"], "--data is the held-out evaluation's"),
-        (["--tasks", "x", "--include-path", "/no/such/dir"], "--include-path /no/such/dir: not a directory"),
+        (
+            ["--tasks", "x", "--include-path", "/no/such/dir"],
+            "--include-path /no/such/dir: not a directory",
+        ),
     ],
 )
 def test_bad_task_arguments_are_one_clear_error(tmp_path, capsys, args, expected):
     (tmp_path / "e.yaml").write_text("{}\n")
-    code, out = run_cli(["eval", str(tmp_path / "e.yaml"), "--resume", str(tmp_path), *args], capsys)
+    code, out = run_cli(
+        ["eval", str(tmp_path / "e.yaml"), "--resume", str(tmp_path), *args], capsys
+    )
     assert code == 2 and expected in out, out
 
 
 def test_bad_model_arguments_are_one_clear_error(tmp_path):
     from strata.inference.harness import lm_class
 
-    with pytest.raises(StrataError, match="model_args pretrained: not arguments of the strata model"):
+    with pytest.raises(
+        StrataError, match="model_args pretrained: not arguments of the strata model"
+    ):
         lm_class()(checkpoint=str(tmp_path), pretrained="gpt2")
     with pytest.raises(StrataError, match="dtype='float8': expected one of float32"):
         lm_class()(checkpoint=str(tmp_path), dtype="float8")
@@ -324,9 +373,13 @@ def test_without_lm_eval_the_error_names_the_extra(monkeypatch, tmp_path, capsys
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
     with pytest.raises(StrataError, match=r"needs lm-eval: pip install 'strata-train\[eval\]'"):
         run_tasks(tmp_path, ["x"])
-    code, out = run_cli(["eval", str(tmp_path / "e.yaml"), "--resume", str(tmp_path), "--tasks", "x"], capsys)
+    code, out = run_cli(
+        ["eval", str(tmp_path / "e.yaml"), "--resume", str(tmp_path), "--tasks", "x"], capsys
+    )
     assert code == 2 and "pip install 'strata-train[eval]'" in out, out
-    from strata.inference.harness import main  # lm-eval's command line: the same message, exit status 2
+    from strata.inference.harness import (
+        main,
+    )  # lm-eval's command line: the same message, exit status 2
 
     monkeypatch.setattr(sys, "argv", ["harness", "--model", "strata", "--tasks", "x"])
     with pytest.raises(SystemExit) as done:
@@ -335,13 +388,26 @@ def test_without_lm_eval_the_error_names_the_extra(monkeypatch, tmp_path, capsys
 
 
 @pytest.mark.slow  # lm-eval's command line indexes its own tasks (13 s)
-def test_the_lm_eval_command_line_finds_the_strata_model(trained, tasks, tmp_path, monkeypatch, capsys):
+def test_the_lm_eval_command_line_finds_the_strata_model(
+    trained, tasks, tmp_path, monkeypatch, capsys
+):
     """`python -m strata.inference.harness` is lm-eval's command line with `strata` registered."""
     from strata.inference import harness
 
     ckpt = trained[0]
-    argv = ["--model", "strata", "--model_args", f"checkpoint={ckpt}", "--batch_size", "2", "--tasks", "tiny_choice"]
-    monkeypatch.setattr(sys, "argv", ["harness", *argv, "--include_path", str(tasks), "--limit", "2"])
+    argv = [
+        "--model",
+        "strata",
+        "--model_args",
+        f"checkpoint={ckpt}",
+        "--batch_size",
+        "2",
+        "--tasks",
+        "tiny_choice",
+    ]
+    monkeypatch.setattr(
+        sys, "argv", ["harness", *argv, "--include_path", str(tasks), "--limit", "2"]
+    )
     harness.main()
     printed = capsys.readouterr().out
     assert "strata (" in printed and "|tiny_choice|" in printed.replace(" ", ""), printed
@@ -356,5 +422,8 @@ def test_the_model_runs_in_bfloat16(models, trained):
     half = lm_class()(checkpoint=str(trained[0]), dtype="bf16")
     assert next(half.model.parameters()).dtype == torch.bfloat16
     request = [Instance("loglikelihood", {}, ("Strata trains", " large models"), 0, ("t", 0, 1))]
-    (got, _), (want, _) = half.loglikelihood(request, disable_tqdm=True)[0], ours.loglikelihood(request)[0]
+    (got, _), (want, _) = (
+        half.loglikelihood(request, disable_tqdm=True)[0],
+        ours.loglikelihood(request)[0],
+    )
     assert got == pytest.approx(want, rel=0.05)

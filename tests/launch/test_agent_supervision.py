@@ -44,7 +44,14 @@ class Launch:
         }
         overrides = tiny_overrides(data_dir, tmp / "runs", **settings)
         self.proc = start_strata(
-            "launch", str(experiment), "--nproc", "2", *flags, *overrides, marker=self.marker, log=tmp / "launch.log"
+            "launch",
+            str(experiment),
+            "--nproc",
+            "2",
+            *flags,
+            *overrides,
+            marker=self.marker,
+            log=tmp / "launch.log",
         )
 
     def agents(self) -> list[int]:
@@ -120,14 +127,20 @@ def test_a_killed_agent_is_restarted_and_snapshots_resume(launch):
 
     os.kill(agent, signal.SIGKILL)
     killed_at, killed_wall, killed_step = time.monotonic(), time.time(), _step_now(run)
-    restarted_at = run.wait_until(lambda: run.agents() and run.agents() != [agent], "restarted agent")
+    restarted_at = run.wait_until(
+        lambda: run.agents() and run.agents() != [agent], "restarted agent"
+    )
     assert "strata launch: the snapshot agent exited (signal SIGKILL); restarted it" in run.log()
 
     def snapshot_after_kill() -> dict | None:
         later = [r for r in run.records() if r.get("step", 0) > killed_step and "loss" in r]
-        return next((r for r in later if _snapshot_taken(r) and r["snapshot"]["reconnects"] >= 1), None)
+        return next(
+            (r for r in later if _snapshot_taken(r) and r["snapshot"]["reconnects"] >= 1), None
+        )
 
-    resumed_at = run.wait_until(lambda: snapshot_after_kill() is not None, "snapshot after the agent restart")
+    resumed_at = run.wait_until(
+        lambda: snapshot_after_kill() is not None, "snapshot after the agent restart"
+    )
     first = snapshot_after_kill()
     assert first is not None
     print(
@@ -135,8 +148,12 @@ def test_a_killed_agent_is_restarted_and_snapshots_resume(launch):
         f"snapshot into it logged with step {first['step']}, {first['time'] - killed_wall:.2f} s after the "
         f"kill ({resumed_at - killed_at:.2f} s until the test saw it)"
     )
-    assert first["time"] - killed_wall < 10  # a few steps: the agent restarts in well under a second
-    assert "lost the snapshot agent" in run.log() and "reconnected to the snapshot agent" in run.log()
+    assert (
+        first["time"] - killed_wall < 10
+    )  # a few steps: the agent restarts in well under a second
+    assert (
+        "lost the snapshot agent" in run.log() and "reconnected to the snapshot agent" in run.log()
+    )
 
     # A worker killed now: the restarted workers resume from a snapshot the new agent holds.
     after = first["step"] + 2
@@ -148,7 +165,9 @@ def test_a_killed_agent_is_restarted_and_snapshots_resume(launch):
     assert len(resumed) == 1, resumed
     note = resumed[0]["resumed"]
     assert note.startswith("snapshot: resumed from in-memory step"), note
-    assert int(note.split("in-memory step ")[1].split()[0]) >= first["step"] - 1, note  # taken by the new agent
+    assert int(note.split("in-memory step ")[1].split()[0]) >= first["step"] - 1, (
+        note
+    )  # taken by the new agent
     assert _step_now(run) == 400
 
 
@@ -164,7 +183,9 @@ def test_an_agent_that_keeps_dying_is_given_up_and_training_goes_on(launch):
         os.kill(agent, signal.SIGKILL)
     run.wait_until(lambda: "not restarting it" in run.log(), "the launcher to give up")
     gave_up_step = _step_now(run)
-    run.wait_until(lambda: _step_now(run) >= max(gave_up_step, 20) + 2, "a disk checkpoint after giving up")
+    run.wait_until(
+        lambda: _step_now(run) >= max(gave_up_step, 20) + 2, "a disk checkpoint after giving up"
+    )
     [worker] = marked_processes(run.marker, RANK="1")
     os.kill(worker, signal.SIGKILL)
     assert run.proc.wait(DEADLINE_S) == 0, run.log()[-6000:]
@@ -172,15 +193,24 @@ def test_an_agent_that_keeps_dying_is_given_up_and_training_goes_on(launch):
     assert run.log().count("restarted it") == AgentKeeper.MAX_RESTARTS
     assert "in-memory snapshots are off for the rest of this run" in run.log()
     late = [r for r in run.records() if "loss" in r and r["step"] > gave_up_step + 1]
-    assert late and not any(_snapshot_taken(r) for r in late)  # skipped, not failed: training went on
+    assert late and not any(
+        _snapshot_taken(r) for r in late
+    )  # skipped, not failed: training went on
     # Workers restarted then (a worker killed) find no agent: they go on from the disk checkpoint.
-    assert "this attempt runs without in-memory snapshots, from the newest disk checkpoint" in run.log()
+    assert (
+        "this attempt runs without in-memory snapshots, from the newest disk checkpoint"
+        in run.log()
+    )
     found = re.findall(r"resumed from \S*/checkpoints/step_(\d+)", run.log())
     assert len(found) == 1 and int(found[0]) >= 20, found  # checkpoint.interval 20
-    assert late[-1]["step"] == 600 and any((r.get("snapshot") or {}).get("skipped", 0) > 0 for r in late)
+    assert late[-1]["step"] == 600 and any(
+        (r.get("snapshot") or {}).get("skipped", 0) > 0 for r in late
+    )
 
 
-def test_the_keeper_restarts_a_dead_agent_on_its_socket_until_the_limit(tmp_path, capsys, monkeypatch):
+def test_the_keeper_restarts_a_dead_agent_on_its_socket_until_the_limit(
+    tmp_path, capsys, monkeypatch
+):
     """AgentKeeper alone, on real agent processes: each death within the window is restarted on the
     same socket path; one more is given up on."""
     monkeypatch.setenv("STRATA_SNAPSHOT_SECRET", "ab" * 32)
@@ -197,7 +227,10 @@ def test_the_keeper_restarts_a_dead_agent_on_its_socket_until_the_limit(tmp_path
             keeper.check()
             if i < AgentKeeper.MAX_RESTARTS:
                 assert keeper.proc is not first and keeper.proc.poll() is None
-                assert "the snapshot agent exited (signal SIGKILL); restarted it" in capsys.readouterr().err
+                assert (
+                    "the snapshot agent exited (signal SIGKILL); restarted it"
+                    in capsys.readouterr().err
+                )
                 _wait_for_socket(path)
                 sock = connect(path, 5)  # the new agent answers on the same path
                 assert request(sock, {"op": "hello", "rank": 0})[0]["ok"]

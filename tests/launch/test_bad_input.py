@@ -63,7 +63,10 @@ def token_dir(
         if isinstance(value, str) and value == "absent":
             continue
         value = good if value is None else value
-        write(d / name, value if isinstance(value, bytes) else np.asarray(value, dtype=np.uint16).tobytes())
+        write(
+            d / name,
+            value if isinstance(value, bytes) else np.asarray(value, dtype=np.uint16).tobytes(),
+        )
     if meta != "absent":
         meta = {"dtype": "uint16", "vocab_size": 257, "tokenizer": "byte"} if meta is None else meta
         write(d / "meta.json", json.dumps(meta) if isinstance(meta, (dict, list)) else meta)
@@ -138,7 +141,9 @@ def truncated_checkpoint(tmp: Path) -> Path:
 
     from conftest import tiny_config
 
-    cfg = tiny_config(token_dir(tmp), tmp / "runs", **{"train.steps": 2, "checkpoint.save_final": True})
+    cfg = tiny_config(
+        token_dir(tmp), tmp / "runs", **{"train.steps": 2, "checkpoint.save_final": True}
+    )
     run(cfg, start())
     ckpt = store.committed(cfg.checkpoint_dir())[-1]
     data = (ckpt / "__0_0.distcp").read_bytes()
@@ -154,7 +159,9 @@ def good_checkpoint(tmp: Path) -> Path:
 
     from conftest import tiny_config
 
-    cfg = tiny_config(token_dir(tmp), tmp / "runs", **{"train.steps": 2, "checkpoint.save_final": True})
+    cfg = tiny_config(
+        token_dir(tmp), tmp / "runs", **{"train.steps": 2, "checkpoint.save_final": True}
+    )
     run(cfg, start())
     return store.committed(cfg.checkpoint_dir())[-1]
 
@@ -171,7 +178,11 @@ def hf_model_contradicting_its_config(tmp: Path) -> Path:
     """A tiny Hugging Face Llama whose config.json says a narrower MLP than its weights hold."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp / "hf")
     config = json.loads((tmp / "hf" / "config.json").read_text())
@@ -208,28 +219,64 @@ CASES = [
     Case("yaml-bad-indent", show_yaml("train:\n  steps: 5\n seed: 3\n"), ("not valid YAML",)),
     Case("yaml-tab-indent", show_yaml("train:\n\tsteps: 5\n"), ("not valid YAML",)),
     Case("yaml-top-level-list", show_yaml("- a\n- b\n"), ("top level must be a mapping", "list")),
-    Case("yaml-top-level-string", show_yaml("just words\n"), ("top level must be a mapping", "str")),
+    Case(
+        "yaml-top-level-string", show_yaml("just words\n"), ("top level must be a mapping", "str")
+    ),
     Case("yaml-group-is-a-number", show_yaml("train: 5\n"), ("train: must be a mapping",)),
-    Case("yaml-python-tag", show_yaml("train:\n  steps: !!python/object/apply:os.system [ls]\n"), ("not valid YAML",)),
+    Case(
+        "yaml-python-tag",
+        show_yaml("train:\n  steps: !!python/object/apply:os.system [ls]\n"),
+        ("not valid YAML",),
+    ),
     Case("yaml-undefined-alias", show_yaml("train:\n  steps: *n\n"), ("not valid YAML", "'n'")),
-    Case("yaml-missing-file", lambda tmp: ["config", "show", str(tmp / "nope.yaml")], ("nope.yaml", "does not exist")),
+    Case(
+        "yaml-missing-file",
+        lambda tmp: ["config", "show", str(tmp / "nope.yaml")],
+        ("nope.yaml", "does not exist"),
+    ),
     Case("yaml-directory", lambda tmp: ["config", "show", str(tmp)], ("is a directory",)),
     # --- duplicate keys: an error naming the key and the line
-    Case("dup-group", show_yaml("train:\n  steps: 5\ntrain:\n  seed: 3\n"), ("duplicate key 'train'", "line 3")),
-    Case("dup-key", show_yaml("train:\n  steps: 5\n  steps: 6\n"), ("duplicate key 'steps'", "line 3", "line 2")),
+    Case(
+        "dup-group",
+        show_yaml("train:\n  steps: 5\ntrain:\n  seed: 3\n"),
+        ("duplicate key 'train'", "line 3"),
+    ),
+    Case(
+        "dup-key",
+        show_yaml("train:\n  steps: 5\n  steps: 6\n"),
+        ("duplicate key 'steps'", "line 3", "line 2"),
+    ),
     Case("dup-flow", show_yaml("train: {steps: 5, steps: 6}\n"), ("duplicate key 'steps'",)),
-    Case("dup-nested", show_yaml("zero:\n  params:\n    shard_over: node\n    shard_over: gpu\n"), ("'shard_over'",)),
+    Case(
+        "dup-nested",
+        show_yaml("zero:\n  params:\n    shard_over: node\n    shard_over: gpu\n"),
+        ("'shard_over'",),
+    ),
     # --- encodings
-    Case("non-utf8-latin1", show_yaml(b"log:\n  name: caf\xe9\n"), ("exp.yaml", "not UTF-8", "0xe9")),
-    Case("non-utf8-utf16", show_yaml("train:\n  steps: 5\n".encode("utf-16")), ("exp.yaml", "not UTF-8")),
+    Case(
+        "non-utf8-latin1", show_yaml(b"log:\n  name: caf\xe9\n"), ("exp.yaml", "not UTF-8", "0xe9")
+    ),
+    Case(
+        "non-utf8-utf16",
+        show_yaml("train:\n  steps: 5\n".encode("utf-16")),
+        ("exp.yaml", "not UTF-8"),
+    ),
     Case("non-utf8-binary", show_yaml(b"\x89PNG\r\n\x1a\n\x00\x00"), ("exp.yaml", "not UTF-8")),
     # --- types
     Case("type-steps-word", show_yaml("train:\n  steps: five\n"), ("train.steps", "whole number")),
     Case("type-steps-float", show_yaml("train:\n  steps: 1.5\n"), ("train.steps", "whole number")),
     Case("type-steps-bool", show_yaml("train:\n  steps: true\n"), ("train.steps",)),
     Case("type-lr-word", show_yaml("optim:\n  lr: fast\n"), ("optim.lr", "number")),
-    Case("type-bool-string", show_yaml("log:\n  progress: sometimes\n"), ("log.progress", "true or false")),
-    Case("type-value-is-mapping", show_yaml("model:\n  n_layers: {a: 1}\n"), ("model.n_layers", "mapping")),
+    Case(
+        "type-bool-string",
+        show_yaml("log:\n  progress: sometimes\n"),
+        ("log.progress", "true or false"),
+    ),
+    Case(
+        "type-value-is-mapping",
+        show_yaml("model:\n  n_layers: {a: 1}\n"),
+        ("model.n_layers", "mapping"),
+    ),
     Case("type-name-list", show_yaml("log:\n  name: [a, b]\n"), ("log.name", "string")),
     Case("type-date", show_yaml("train:\n  steps: 2024-01-01\n"), ("train.steps",)),
     # --- ranges and overflow
@@ -241,29 +288,81 @@ CASES = [
     Case("range-min-lr-ratio", show_yaml("optim:\n  min_lr_ratio: 2\n"), ("optim.min_lr_ratio",)),
     Case("range-lr-nan", show_yaml("optim:\n  lr: .nan\n"), ("optim.lr", "finite")),
     Case("range-lr-inf", show_yaml("optim:\n  lr: .inf\n"), ("optim.lr", "finite")),
-    Case("range-lr-overflows-to-inf", show_yaml("optim:\n  lr: 1.0e+400\n"), ("optim.lr", "finite")),
+    Case(
+        "range-lr-overflows-to-inf", show_yaml("optim:\n  lr: 1.0e+400\n"), ("optim.lr", "finite")
+    ),
     Case("range-choice", show_yaml("train:\n  precision: fp16\n"), ("train.precision", "fp32")),
     Case("overflow-steps", show_yaml(f"train:\n  steps: {10**30}\n"), ("train.steps", "64-bit")),
     Case("overflow-seed", show_yaml(f"train:\n  seed: {2**64}\n"), ("train.seed", "64-bit")),
     Case("overflow-float-from-int", show(f"optim.lr={10**400}"), ("optim.lr", "too large")),
-    Case("overflow-int-digits", show(f"model.d_model={'9' * 5000}"), ("model.d_model", "4300 digits")),
-    Case("yaml-impossible-date", show_yaml("train:\n  seed: 2024-13-45\n"), ("exp.yaml", "month must be in 1..12")),
+    Case(
+        "overflow-int-digits", show(f"model.d_model={'9' * 5000}"), ("model.d_model", "4300 digits")
+    ),
+    Case(
+        "yaml-impossible-date",
+        show_yaml("train:\n  seed: 2024-13-45\n"),
+        ("exp.yaml", "month must be in 1..12"),
+    ),
     Case("range-seed-negative", show_yaml("train:\n  seed: -5\n"), ("train.seed", ">= 0")),
     # --- list keys: log.profile_steps is [first, last]
-    Case("list-profile-steps-number", show_yaml("log:\n  profile_steps: 3\n"), ("log.profile_steps", "list of int")),
-    Case("list-profile-steps-string", show("log.profile_steps=3-5"), ("log.profile_steps", "list of int", "'3-5'")),
-    Case("list-profile-steps-one-item", show("log.profile_steps=[3]"), ("log.profile_steps", "1 item", "exactly 2")),
-    Case("list-profile-steps-three-items", show("log.profile_steps=[1,2,3]"), ("log.profile_steps", "exactly 2")),
-    Case("list-profile-steps-reversed", show("log.profile_steps=[5,3]"), ("log.profile_steps", "reversed", "[3, 5]")),
-    Case("list-profile-steps-word", show_yaml("log:\n  profile_steps: [1, x]\n"), ("item 2 is 'x'", "whole number")),
-    Case("list-profile-steps-float", show("log.profile_steps=[1,2.5]"), ("log.profile_steps", "item 2 is 2.5")),
-    Case("list-profile-steps-zero", show("log.profile_steps=[0,2]"), ("log.profile_steps", "item 1 is 0", ">= 1")),
-    Case("list-profile-steps-unclosed", show("log.profile_steps=[3,5"), ("log.profile_steps=[3,5", "not valid YAML")),
-    Case("list-profile-start-removed", show("log.profile_start=2"), ("log.profile_start", "log.profile_steps")),
+    Case(
+        "list-profile-steps-number",
+        show_yaml("log:\n  profile_steps: 3\n"),
+        ("log.profile_steps", "list of int"),
+    ),
+    Case(
+        "list-profile-steps-string",
+        show("log.profile_steps=3-5"),
+        ("log.profile_steps", "list of int", "'3-5'"),
+    ),
+    Case(
+        "list-profile-steps-one-item",
+        show("log.profile_steps=[3]"),
+        ("log.profile_steps", "1 item", "exactly 2"),
+    ),
+    Case(
+        "list-profile-steps-three-items",
+        show("log.profile_steps=[1,2,3]"),
+        ("log.profile_steps", "exactly 2"),
+    ),
+    Case(
+        "list-profile-steps-reversed",
+        show("log.profile_steps=[5,3]"),
+        ("log.profile_steps", "reversed", "[3, 5]"),
+    ),
+    Case(
+        "list-profile-steps-word",
+        show_yaml("log:\n  profile_steps: [1, x]\n"),
+        ("item 2 is 'x'", "whole number"),
+    ),
+    Case(
+        "list-profile-steps-float",
+        show("log.profile_steps=[1,2.5]"),
+        ("log.profile_steps", "item 2 is 2.5"),
+    ),
+    Case(
+        "list-profile-steps-zero",
+        show("log.profile_steps=[0,2]"),
+        ("log.profile_steps", "item 1 is 0", ">= 1"),
+    ),
+    Case(
+        "list-profile-steps-unclosed",
+        show("log.profile_steps=[3,5"),
+        ("log.profile_steps=[3,5", "not valid YAML"),
+    ),
+    Case(
+        "list-profile-start-removed",
+        show("log.profile_start=2"),
+        ("log.profile_start", "log.profile_steps"),
+    ),
     # --- names no file system takes
-    Case("path-log-name-300", show_yaml(f"log:\n  name: {LONG}\n"), ("log.name", "300 bytes", "255")),
+    Case(
+        "path-log-name-300", show_yaml(f"log:\n  name: {LONG}\n"), ("log.name", "300 bytes", "255")
+    ),
     Case("path-log-name-bytes", show(f"log.name={'é' * 200}"), ("log.name", "400 bytes")),
-    Case("path-ckpt-dir-component", show(f"checkpoint.dir=runs/{LONG}/ck"), ("checkpoint.dir", "255")),
+    Case(
+        "path-ckpt-dir-component", show(f"checkpoint.dir=runs/{LONG}/ck"), ("checkpoint.dir", "255")
+    ),
     Case("path-log-dir-nul", show_yaml('log:\n  dir: "runs\\0x"\n'), ("log.dir", "NUL")),
     # --- unknown keys
     Case("unknown-group", show_yaml("trian:\n  steps: 5\n"), ("trian", "did you mean")),
@@ -271,9 +370,21 @@ CASES = [
     Case("unknown-override-group", show("nope.x=1"), ("nope", "unknown key")),
     # --- cross-key checks, and against the world size
     Case("cross-heads", show_yaml("model:\n  d_model: 100\n  n_heads: 3\n"), ("model.n_heads",)),
-    Case("cross-batch", show_yaml("train:\n  global_batch_size: 10\n  micro_batch_size: 4\n"), ("micro_batch_size",)),
-    Case("cross-pp-layers", show_yaml("model:\n  n_layers: 3\nparallel:\n  pp: 2\n"), ("model.n_layers=3",)),
-    Case("cross-vocab-tp", show_yaml("model:\n  vocab_size: 257\nparallel:\n  tp: 2\n"), ("model.vocab_size=257",)),
+    Case(
+        "cross-batch",
+        show_yaml("train:\n  global_batch_size: 10\n  micro_batch_size: 4\n"),
+        ("micro_batch_size",),
+    ),
+    Case(
+        "cross-pp-layers",
+        show_yaml("model:\n  n_layers: 3\nparallel:\n  pp: 2\n"),
+        ("model.n_layers=3",),
+    ),
+    Case(
+        "cross-vocab-tp",
+        show_yaml("model:\n  vocab_size: 257\nparallel:\n  tp: 2\n"),
+        ("model.vocab_size=257",),
+    ),
     Case("cross-world-size", show("parallel.tp=2", "--world-size", "3"), ("world size 3",)),
     # --- overrides: malformed key=value
     Case("override-no-equals", show("train.steps"), ("'train.steps'", "group.key=value")),
@@ -282,16 +393,24 @@ CASES = [
     Case("override-empty-part", show("train..steps=1"), ("'train..steps=1'",)),
     Case("override-leading-dot", show(".steps=1"), ("'.steps=1'",)),
     Case("override-bad-yaml", show("train.steps=[1"), ("train.steps=[1", "not valid YAML")),
-    Case("override-dup-key", show("train.steps={a: 1, a: 2}"), ("train.steps", "duplicate key 'a'")),
+    Case(
+        "override-dup-key", show("train.steps={a: 1, a: 2}"), ("train.steps", "duplicate key 'a'")
+    ),
     Case("override-alias", show("train.steps=*a"), ("train.steps", "alias")),
-    Case("override-python-tag", show("train.steps=!!python/name:os.system"), ("train.steps", "not valid YAML")),
+    Case(
+        "override-python-tag",
+        show("train.steps=!!python/name:os.system"),
+        ("train.steps", "not valid YAML"),
+    ),
     Case("override-below-a-value", show("train.steps.x=1"), ("train.steps is not a mapping",)),
     Case("override-1e30", show("train.steps=1e30"), ("train.steps", "whole number")),
     Case("override-float-1e30", show("train.steps=1.0e+30"), ("train.steps", "whole number")),
     Case("override-huge-int", show(f"train.steps={10**25}"), ("train.steps", "64-bit")),
     Case("override-eps-zero", show("optim.eps=0"), ("optim.eps",)),
     Case("override-lr-negative", show("optim.lr=-1e-3"), ("optim.lr",)),
-    Case("override-choice", show("zero.params.shard_over=planet"), ("zero.params.shard_over", "node")),
+    Case(
+        "override-choice", show("zero.params.shard_over=planet"), ("zero.params.shard_over", "node")
+    ),
     # --- launch flags and pre-launch checks (torchrun never starts)
     Case("launch-nproc-zero", launch("--nproc", "0"), ("--nproc", ">= 1")),
     Case("launch-nproc-negative", launch("--nproc", "-2", "--nnodes", "-1"), ("--nproc",)),
@@ -299,10 +418,24 @@ CASES = [
     Case("launch-nnodes-zero", launch("--nnodes", "0"), ("--nnodes", ">= 1")),
     Case("launch-max-restarts", launch("--max-restarts", "-1"), ("--max-restarts",)),
     Case("launch-join-timeout", launch("--join-timeout", "0"), ("--join-timeout",)),
-    Case("launch-endpoint-port", launch("--rdzv-endpoint", "node1:http"), ("--rdzv-endpoint", "HOST:PORT")),
-    Case("launch-endpoint-range", launch("--rdzv-endpoint", "node1:70000"), ("--rdzv-endpoint", "65535")),
-    Case("launch-slurm-nodes", launch("--slurm", "--nodes", "0", "--no-submit"), ("--nodes", ">= 1")),
-    Case("launch-slurm-gpus", launch("--slurm", "--gpus-per-node", "-8", "--no-submit"), ("--gpus-per-node",)),
+    Case(
+        "launch-endpoint-port",
+        launch("--rdzv-endpoint", "node1:http"),
+        ("--rdzv-endpoint", "HOST:PORT"),
+    ),
+    Case(
+        "launch-endpoint-range",
+        launch("--rdzv-endpoint", "node1:70000"),
+        ("--rdzv-endpoint", "65535"),
+    ),
+    Case(
+        "launch-slurm-nodes", launch("--slurm", "--nodes", "0", "--no-submit"), ("--nodes", ">= 1")
+    ),
+    Case(
+        "launch-slurm-gpus",
+        launch("--slurm", "--gpus-per-node", "-8", "--no-submit"),
+        ("--gpus-per-node",),
+    ),
     Case(
         "launch-slurm-script-name",
         launch("--slurm", "--gpus-per-node", "1", "--script", f"{LONG}/job.sbatch", "--no-submit"),
@@ -315,7 +448,11 @@ CASES = [
     Case("launch-resume-not-ckpt", launch_resume_plain, ("plain", "no committed checkpoint")),
     Case("launch-eval-no-resume", launch("--eval", "--nproc", "2"), ("--eval", "--resume CKPT")),
     Case("launch-data-no-eval", launch("--data", "d", "--resume", "r"), ("--data", "add --eval")),
-    Case("launch-over-earlier-run", launch_over_earlier_run, ("step_00000002", "checkpoint.overwrite=true")),
+    Case(
+        "launch-over-earlier-run",
+        launch_over_earlier_run,
+        ("step_00000002", "checkpoint.overwrite=true"),
+    ),
     Case("config-world-size-zero", show("--world-size", "0"), ("--world-size", ">= 1")),
     Case("store-port-range", lambda tmp: ["store", "--port", "70000"], ("--port", "65535")),
     Case("store-port-negative", lambda tmp: ["store", "--port", "-1"], ("--port",)),
@@ -331,7 +468,13 @@ CASES = [
     ),
     Case(
         "data-prepare-out-name-too-long",
-        lambda tmp: ["data", "prepare", str(write(tmp / "in.txt", "hello")), "--out", str(tmp / LONG)],
+        lambda tmp: [
+            "data",
+            "prepare",
+            str(write(tmp / "in.txt", "hello")),
+            "--out",
+            str(tmp / LONG),
+        ],
         ("data prepare", "File name too long"),
     ),
     # --- data that names nothing, weights that overflow, numbers without end
@@ -342,21 +485,37 @@ CASES = [
         ("data.sources", "overflows"),
     ),
     Case(
-        "plan-memory-infinite", lambda tmp: [*PLAN, "--gpu-mem-gb", "inf", "--tflops", "1"], ("--gpu-mem-gb", "finite")
+        "plan-memory-infinite",
+        lambda tmp: [*PLAN, "--gpu-mem-gb", "inf", "--tflops", "1"],
+        ("--gpu-mem-gb", "finite"),
     ),
     Case(
-        "plan-link-infinite", lambda tmp: [*PLAN, "--gpu", "h100", "--inter-node-gbps", "inf"], ("--inter-node-gbps",)
+        "plan-link-infinite",
+        lambda tmp: [*PLAN, "--gpu", "h100", "--inter-node-gbps", "inf"],
+        ("--inter-node-gbps",),
     ),
     # --- a model that cannot be allocated: refused before any allocation, naming the sizes
     Case(
         "model-too-large",
-        lambda tmp: ["train", TINY, "model.d_model=262144", "model.n_layers=64", f"log.dir={tmp / 'runs'}"],
+        lambda tmp: [
+            "train",
+            TINY,
+            "model.d_model=262144",
+            "model.n_layers=64",
+            f"log.dir={tmp / 'runs'}",
+        ],
         ("parameters on this rank need", "GiB", "parallel.tp"),
     ),
     # --- checkpoints: a symbolic link loop, an unwritable OUT, weights contradicting config.json
     Case(
         "resume-symlink-loop",
-        lambda tmp: ["train", TINY, f"log.dir={tmp / 'again'}", "--resume", str(symlink_loop_checkpoint(tmp))],
+        lambda tmp: [
+            "train",
+            TINY,
+            f"log.dir={tmp / 'again'}",
+            "--resume",
+            str(symlink_loop_checkpoint(tmp)),
+        ],
         ("symbolic link loop",),
         slow=True,
     ),
@@ -368,7 +527,12 @@ CASES = [
     ),
     Case(
         "import-hf-shapes-contradict-config",
-        lambda tmp: ["ckpt", "import-hf", str(hf_model_contradicting_its_config(tmp)), str(tmp / "out")],
+        lambda tmp: [
+            "ckpt",
+            "import-hf",
+            str(hf_model_contradicting_its_config(tmp)),
+            str(tmp / "out"),
+        ],
         ("contradict its config.json", "gate_proj", "(48, 32)"),
         slow=True,
     ),
@@ -376,15 +540,39 @@ CASES = [
     Case("data-no-meta", launch_data(meta="absent"), ("meta.json", "strata data prepare")),
     Case("data-meta-not-json", launch_data(meta="{dtype: uint16"), ("meta.json", "not valid JSON")),
     Case("data-meta-empty", launch_data(meta=""), ("meta.json", "not valid JSON")),
-    Case("data-meta-not-utf8", launch_data(meta=b'{"dtype": "uint16\xff"}'), ("meta.json", "not valid JSON")),
+    Case(
+        "data-meta-not-utf8",
+        launch_data(meta=b'{"dtype": "uint16\xff"}'),
+        ("meta.json", "not valid JSON"),
+    ),
     Case("data-meta-list", launch_data(meta=[1, 2]), ("meta.json", "JSON object")),
     Case("data-meta-no-vocab", launch_data(meta={"dtype": "uint16"}), ("meta.json", "vocab_size")),
-    Case("data-meta-vocab-str", launch_data(meta={"dtype": "uint16", "vocab_size": "257"}), ("vocab_size='257'",)),
-    Case("data-meta-vocab-bool", launch_data(meta={"dtype": "uint16", "vocab_size": True}), ("vocab_size=True",)),
-    Case("data-meta-vocab-zero", launch_data(meta={"dtype": "uint16", "vocab_size": 0}), ("vocab_size", ">= 1")),
-    Case("data-meta-dtype", launch_data(meta={"dtype": "float32", "vocab_size": 257}), ("dtype='float32'",)),
+    Case(
+        "data-meta-vocab-str",
+        launch_data(meta={"dtype": "uint16", "vocab_size": "257"}),
+        ("vocab_size='257'",),
+    ),
+    Case(
+        "data-meta-vocab-bool",
+        launch_data(meta={"dtype": "uint16", "vocab_size": True}),
+        ("vocab_size=True",),
+    ),
+    Case(
+        "data-meta-vocab-zero",
+        launch_data(meta={"dtype": "uint16", "vocab_size": 0}),
+        ("vocab_size", ">= 1"),
+    ),
+    Case(
+        "data-meta-dtype",
+        launch_data(meta={"dtype": "float32", "vocab_size": 257}),
+        ("dtype='float32'",),
+    ),
     Case("data-train-empty", launch_data(train=b""), ("train.bin", "too few")),
-    Case("data-train-truncated", launch_data(train=b"\x01\x00" * 500 + b"\x01"), ("train.bin", "1001 bytes")),
+    Case(
+        "data-train-truncated",
+        launch_data(train=b"\x01\x00" * 500 + b"\x01"),
+        ("train.bin", "1001 bytes"),
+    ),
     Case("data-val-missing", launch_data(val="absent"), ("val.bin",)),
     Case(
         "data-vocab-below-ids",
@@ -397,12 +585,22 @@ CASES = [
         ("val.bin", "token id 300"),
     ),
     # --- checkpoints
-    Case("ckpt-inspect-plain-dir", not_a_checkpoint("inspect"), ("plain", "no committed checkpoint")),
+    Case(
+        "ckpt-inspect-plain-dir", not_a_checkpoint("inspect"), ("plain", "no committed checkpoint")
+    ),
     Case("ckpt-verify-plain-dir", not_a_checkpoint("verify"), ("plain", "no committed checkpoint")),
     Case("ckpt-export-plain-dir", not_a_checkpoint("export", "out.safetensors"), ("plain",)),
-    Case("ckpt-inspect-extra-args", not_a_checkpoint("inspect", "extra"), ("takes one directory", "extra")),
+    Case(
+        "ckpt-inspect-extra-args",
+        not_a_checkpoint("inspect", "extra"),
+        ("takes one directory", "extra"),
+    ),
     Case("ckpt-unfinished-save", checkpoint_with_marker(None), ("step_00000002", "did not finish")),
-    Case("ckpt-truncated-marker", checkpoint_with_marker('{"step": 2, "fil'), ("COMMITTED", "unreadable")),
+    Case(
+        "ckpt-truncated-marker",
+        checkpoint_with_marker('{"step": 2, "fil'),
+        ("COMMITTED", "unreadable"),
+    ),
     Case(
         "ckpt-export-truncated-data",
         lambda tmp: ["ckpt", "export", str(truncated_checkpoint(tmp)), str(tmp / "w.safetensors")],
@@ -411,22 +609,41 @@ CASES = [
     Case(
         "train-resume-truncated-data",
         lambda tmp: (
-            ["train", TINY, f"data.path={token_dir(tmp)}", f"log.dir={tmp / 'again'}", "model.seq_len=32"]
-            + ["model.n_layers=2", "model.d_model=32", "train.global_batch_size=8", "train.micro_batch_size=2"]
+            [
+                "train",
+                TINY,
+                f"data.path={token_dir(tmp)}",
+                f"log.dir={tmp / 'again'}",
+                "model.seq_len=32",
+            ]
+            + [
+                "model.n_layers=2",
+                "model.d_model=32",
+                "train.global_batch_size=8",
+                "train.micro_batch_size=2",
+            ]
             + ["--resume", str(truncated_checkpoint(tmp))]
         ),
         ("__0_0.distcp", "truncated"),
     ),
     # --- metrics and schedule records for `strata plot`
     Case("plot-no-metrics", lambda tmp: ["plot", str(tmp)], ("metrics.jsonl", "no metrics")),
-    Case("plot-damaged-middle-line", metrics(f'{{"step": 1, "lo\n{GOOD_LINE}\n'), ("metrics.jsonl line 1",)),
+    Case(
+        "plot-damaged-middle-line",
+        metrics(f'{{"step": 1, "lo\n{GOOD_LINE}\n'),
+        ("metrics.jsonl line 1",),
+    ),
     Case("plot-not-utf8", metrics(b"\xff\xfe{}\n"), ("metrics.jsonl", "UTF-8")),
     Case(
         "plot-out-missing-dir",
         lambda tmp: [*metrics(GOOD_LINE + "\n")(tmp), "--out", str(tmp / "absent" / "c.png")],
         ("strata plot", "absent"),
     ),
-    Case("plot-schedule-not-json", lambda tmp: ["plot", "schedule", str(write(tmp / "r.json", "{"))], ("r.json",)),
+    Case(
+        "plot-schedule-not-json",
+        lambda tmp: ["plot", "schedule", str(write(tmp / "r.json", "{"))],
+        ("r.json",),
+    ),
 ]
 
 
@@ -474,11 +691,21 @@ def test_the_same_key_in_different_groups_is_not_a_duplicate(tmp_path, capsys):
     assert code == 0, out
 
 
-def test_a_valid_launch_reaches_torchrun_and_data_at_the_vocabulary_edge_passes(tmp_path, capsys, _no_torchrun):
+def test_a_valid_launch_reaches_torchrun_and_data_at_the_vocabulary_edge_passes(
+    tmp_path, capsys, _no_torchrun
+):
     """ids up to vocab_size - 1 are fine; so is a vocabulary too large for the dtype to hold an id
     beyond (no scan needed)."""
     d = token_dir(tmp_path, meta={"dtype": "uint16", "vocab_size": 200})
-    argv = ["launch", TINY, f"data.path={d}", f"log.dir={tmp_path}", "model.seq_len=32", "--nproc", "2"]
+    argv = [
+        "launch",
+        TINY,
+        f"data.path={d}",
+        f"log.dir={tmp_path}",
+        "model.seq_len=32",
+        "--nproc",
+        "2",
+    ]
     code, out = run_cli(argv, capsys)
     assert code == 0, out
     assert [p.nproc_per_node for p in _no_torchrun] == [2]
@@ -503,7 +730,9 @@ def test_beta_of_one_is_a_valid_config_but_not_trainable(capsys):
 
 
 def test_plot_skips_a_cut_off_last_line(tmp_path, capsys):
-    lines = [json.dumps({"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 1000.0}) for s in range(1, 6)]
+    lines = [
+        json.dumps({"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 1000.0}) for s in range(1, 6)
+    ]
     write(tmp_path / "metrics.jsonl", "\n".join(lines) + '\n{"step": 6, "loss": 4.')
     code, out = run_cli(["plot", str(tmp_path)], capsys)
     assert code == 0, out
@@ -524,7 +753,10 @@ def test_in_a_subprocess_bad_input_is_one_message_and_exit_2(tmp_path):
         (["config", "show", dup], "duplicate key 'steps'"),
         (["train", latin1], "not UTF-8"),
         (["launch", TINY, "--nproc", "0"], "--nproc"),
-        (["launch", TINY, f"data.path={data}", f"log.dir={tmp_path}", "model.seq_len=32"], "vocab_size=100"),
+        (
+            ["launch", TINY, f"data.path={data}", f"log.dir={tmp_path}", "model.seq_len=32"],
+            "vocab_size=100",
+        ),
     ]
     for argv, needle in runs:
         proc = strata(*argv, cwd=tmp_path, env={"PYTHONPATH": ""}, timeout=120)

@@ -16,9 +16,21 @@ from strata.launch import cli
     [
         (["0.10 0.20 0.30 1/128 999"] * 5, 2, False),  # idle: this process alone is runnable
         (["4.43 4.42 3.71 5/128 999"] * 5, 2, True),  # four others runnable on 2 cores
-        (["3.00 3.00 3.00 1/128 999"] * 5, 2, False),  # a load that lingers from work that has ended
-        (["0.5 0.4 0.3 3/128 999"] * 4 + ["0.5 0.4 0.3 1/128 999"], 2, True),  # the median of the readings
-        (["0.5 0.4 0.3 9/128 999"] + ["0.5 0.4 0.3 1/128 999"] * 4, 2, False),  # one busy reading alone
+        (
+            ["3.00 3.00 3.00 1/128 999"] * 5,
+            2,
+            False,
+        ),  # a load that lingers from work that has ended
+        (
+            ["0.5 0.4 0.3 3/128 999"] * 4 + ["0.5 0.4 0.3 1/128 999"],
+            2,
+            True,
+        ),  # the median of the readings
+        (
+            ["0.5 0.4 0.3 9/128 999"] + ["0.5 0.4 0.3 1/128 999"] * 4,
+            2,
+            False,
+        ),  # one busy reading alone
         (["1.90 1.00 0.50 3/128 999"] * 5, 16, False),  # the same on 16 cores is idle
     ],
 )

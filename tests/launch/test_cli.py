@@ -82,11 +82,15 @@ def test_config_show_round_trips_and_explain(tmp_path):
 
 
 def test_data_prepare_from_files(tmp_path):
-    proc = strata("data", "prepare", str(STDLIB / "json"), "--glob", "*.py", "--out", str(tmp_path / "tok"))
+    proc = strata(
+        "data", "prepare", str(STDLIB / "json"), "--glob", "*.py", "--out", str(tmp_path / "tok")
+    )
     assert proc.returncode == 0, proc.stderr
     meta = json.loads((tmp_path / "tok" / "meta.json").read_text())
     n_files = len(list((STDLIB / "json").rglob("*.py")))
-    total = sum(p.stat().st_size for p in (STDLIB / "json").rglob("*.py")) + n_files  # + one EOT per file
+    total = (
+        sum(p.stat().st_size for p in (STDLIB / "json").rglob("*.py")) + n_files
+    )  # + one EOT per file
     assert meta["documents"] == n_files
     assert meta["train_tokens"] + meta["val_tokens"] == total
     assert (tmp_path / "tok" / "train.bin").stat().st_size == 2 * meta["train_tokens"]
@@ -152,7 +156,13 @@ def test_slurm_script_is_valid_and_rendezvous_on_head_node(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env={**os.environ, **env, "SLURM_JOB_NODELIST": "node-[a-d]", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "4"},
+        env={
+            **os.environ,
+            **env,
+            "SLURM_JOB_NODELIST": "node-[a-d]",
+            "SLURM_JOB_ID": "42",
+            "SLURM_JOB_NUM_NODES": "4",
+        },
     )
     assert done.returncode == 0, done.stderr
     calls = log.read_text().splitlines()
@@ -187,13 +197,22 @@ def test_slurm_script_with_snapshots_starts_an_agent_per_node(tmp_path):
     assert proc.returncode == 0, proc.stderr
     text = script.read_text()
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    assert "export STRATA_SNAPSHOT_SECRET=$(python" in text and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
+    assert (
+        "export STRATA_SNAPSHOT_SECRET=$(python" in text
+        and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
+    )
     done = subprocess.run(
         ["bash", str(script)],
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env={**os.environ, **env, "SLURM_JOB_NODELIST": "node-[a-d]", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "4"},
+        env={
+            **os.environ,
+            **env,
+            "SLURM_JOB_NODELIST": "node-[a-d]",
+            "SLURM_JOB_ID": "42",
+            "SLURM_JOB_NUM_NODES": "4",
+        },
     )
     assert done.returncode == 0, done.stderr
     node = next(c for c in log.read_text().splitlines() if "torch.distributed.run" in c)
@@ -202,13 +221,17 @@ def test_slurm_script_with_snapshots_starts_an_agent_per_node(tmp_path):
     inner = node.split("bash -c ", 1)[1]
     assert subprocess.run(["bash", "-n", "-c", inner]).returncode == 0
     assert "launch.snapshot_agent --socket" in inner and "--parent $$" in inner
-    assert inner.index("STRATA_SNAPSHOT_SOCKET") < inner.index("exec python -m torch.distributed.run")
+    assert inner.index("STRATA_SNAPSHOT_SOCKET") < inner.index(
+        "exec python -m torch.distributed.run"
+    )
     assert "--max-restarts=3" in inner and "snapshot.every_steps=5" in inner
 
 
 def test_slurm_without_sbatch_writes_script_and_says_where(tmp_path):
     script = tmp_path / "job.sbatch"
-    env = {"PATH": os.path.dirname(sys.executable)}  # the interpreter's folder only: no Slurm client on it
+    env = {
+        "PATH": os.path.dirname(sys.executable)
+    }  # the interpreter's folder only: no Slurm client on it
     proc = strata(
         "launch",
         "configs/tiny.yaml",
@@ -238,7 +261,11 @@ def test_shipped_configs_validate_and_docs_match_schema(tmp_path):
     from strata import config
 
     tiny = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
     )
     transformers.LlamaForCausalLM(tiny).save_pretrained(tmp_path / "hf")
     for path in sorted(Path(REPO, "configs").glob("*.yaml")):
@@ -267,14 +294,23 @@ def test_launch_env_makes_restarts_work_and_multi_node_snapshots_need_one_secret
 
     monkeypatch.delenv("STRATA_SNAPSHOT_SECRET", raising=False)
     env = launch_env(LaunchPlan(2, snapshots=True))
-    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and len(bytes.fromhex(env["STRATA_SNAPSHOT_SECRET"])) == 32
+    assert (
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+        and len(bytes.fromhex(env["STRATA_SNAPSHOT_SECRET"])) == 32
+    )
     with pytest.raises(StrataError, match="export STRATA_SNAPSHOT_SECRET="):
         launch_env(LaunchPlan(2, nnodes=2, snapshots=True))
     args = torchrun_args(
-        LaunchPlan(2, nnodes=2, rdzv_endpoint="h:1", external_store=True, join_timeout_s=30, max_restarts=3)
+        LaunchPlan(
+            2, nnodes=2, rdzv_endpoint="h:1", external_store=True, join_timeout_s=30, max_restarts=3
+        )
     )
     conf = args[args.index("--rdzv-conf") + 1]
-    assert "is_host=false" in conf and "join_timeout=30" in conf and args[args.index("--max-restarts") + 1] == "3"
+    assert (
+        "is_host=false" in conf
+        and "join_timeout=30" in conf
+        and args[args.index("--max-restarts") + 1] == "3"
+    )
 
 
 def test_several_workers_on_a_node_get_one_thread_each_unless_the_user_says_otherwise(monkeypatch):
@@ -308,7 +344,9 @@ def test_strata_launch_checks_the_job_without_importing_torch(small_data_dir, tm
     argv = [
         str(experiment),
         *tiny_overrides(
-            small_data_dir, tmp_path, **{f"zero.{s}.shard_over": "global" for s in ("params", "grads", "optim")}
+            small_data_dir,
+            tmp_path,
+            **{f"zero.{s}.shard_over": "global" for s in ("params", "grads", "optim")},
         ),
     ]
     proc = subprocess.run(
@@ -364,13 +402,31 @@ def test_options_and_overrides_come_in_any_order():
 def test_config_show_takes_overrides_before_or_after_options():
     shown = [
         strata(
-            "config", "show", "configs/tiny.yaml", "optim.lr=1e-4", "train.global_batch_size=32", "--world-size", "2"
+            "config",
+            "show",
+            "configs/tiny.yaml",
+            "optim.lr=1e-4",
+            "train.global_batch_size=32",
+            "--world-size",
+            "2",
         ),
         strata(
-            "config", "show", "configs/tiny.yaml", "optim.lr=1e-4", "--world-size", "2", "train.global_batch_size=32"
+            "config",
+            "show",
+            "configs/tiny.yaml",
+            "optim.lr=1e-4",
+            "--world-size",
+            "2",
+            "train.global_batch_size=32",
         ),
         strata(
-            "config", "show", "--world-size", "2", "configs/tiny.yaml", "optim.lr=1e-4", "train.global_batch_size=32"
+            "config",
+            "show",
+            "--world-size",
+            "2",
+            "configs/tiny.yaml",
+            "optim.lr=1e-4",
+            "train.global_batch_size=32",
         ),
     ]
     assert [p.returncode for p in shown] == [0, 0, 0], shown[0].stderr
@@ -378,7 +434,11 @@ def test_config_show_takes_overrides_before_or_after_options():
     assert "lr: 0.0001" in shown[0].stdout and "global_batch_size: 32" in shown[0].stdout
     # the world size after an override still takes part in the check
     bad = strata("config", "show", "configs/tiny.yaml", "parallel.dp=3", "--world-size", "2")
-    assert bad.returncode == 2 and "but the world size is 2" in bad.stderr and "Traceback" not in bad.stderr
+    assert (
+        bad.returncode == 2
+        and "but the world size is 2" in bad.stderr
+        and "Traceback" not in bad.stderr
+    )
 
 
 def test_version():
@@ -415,7 +475,10 @@ def test_every_command_shows_examples_that_parse_and_the_exit_codes(capsys):
             top = text
     codes = top.split("exit codes:", 1)[1]
     assert "0      done" in codes and "2      user error" in codes and "no traceback" in codes
-    assert "1 e.g. when `strata ckpt verify` or `inspect` finds damage" in codes and "crashed worker" in codes
+    assert (
+        "1 e.g. when `strata ckpt verify` or `inspect` finds damage" in codes
+        and "crashed worker" in codes
+    )
     assert "75     stopped by a signal" in codes and "128+N" in codes
 
 
@@ -424,7 +487,18 @@ def test_every_command_shows_examples_that_parse_and_the_exit_codes(capsys):
     [[], ["nope"], ["--nope"]]
     + [
         [name, "--no-such-option"]
-        for name in ("train", "launch", "store", "config", "plan", "data", "ckpt", "eval", "generate", "plot")
+        for name in (
+            "train",
+            "launch",
+            "store",
+            "config",
+            "plan",
+            "data",
+            "ckpt",
+            "eval",
+            "generate",
+            "plot",
+        )
     ],
 )
 def test_usage_errors_exit_2(argv, capsys):
@@ -482,7 +556,8 @@ print(os.environ["THP_MEM_ALLOC_ENABLE"], next(int(line.split()[1]) for line in 
 
 
 @pytest.mark.skipif(
-    not os.path.isfile(THP) or "[never]" in open(THP).read(), reason="the kernel has transparent huge pages off"
+    not os.path.isfile(THP) or "[never]" in open(THP).read(),
+    reason="the kernel has transparent huge pages off",
 )
 @pytest.mark.slow  # two fresh interpreters import torch and allocate: ~6 s on 2 cores
 def test_the_strata_command_puts_torchs_large_host_allocations_on_huge_pages():
@@ -493,7 +568,11 @@ def test_the_strata_command_puts_torchs_large_host_allocations_on_huge_pages():
     for user_value, want_flag in ((None, "1"), ("0", "0")):
         env = clean if user_value is None else {**clean, "THP_MEM_ALLOC_ENABLE": user_value}
         proc = subprocess.run(
-            [sys.executable, "-c", HUGE_PAGES_AFTER_A_COMMAND], cwd=REPO, capture_output=True, text=True, env=env
+            [sys.executable, "-c", HUGE_PAGES_AFTER_A_COMMAND],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env=env,
         )
         assert proc.returncode == 0, proc.stderr
         flag, huge_kib = proc.stdout.split()

@@ -19,7 +19,11 @@ from strata.errors import CheckpointError, DataError
 from strata.launch.cli import main as strata_main
 from strata.parallel.flat import Box
 
-TEXT = {"a.txt": "first document\n" * 20, "b.txt": "second document\n" * 20, "c.txt": "third\n" * 30}
+TEXT = {
+    "a.txt": "first document\n" * 20,
+    "b.txt": "second document\n" * 20,
+    "c.txt": "third\n" * 30,
+}
 
 
 def corpus(root: Path) -> list[Path]:
@@ -31,7 +35,9 @@ def corpus(root: Path) -> list[Path]:
 
 def contents(root: Path) -> dict[str, bytes]:
     """Every file under root by relative path, with its bytes."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 # --- data prepare ---------------------------------------------------------------------------
@@ -77,7 +83,9 @@ def test_prepare_will_not_replace_an_earlier_output_with_extra_files_or_a_foreig
         prepare(files, out, root=tmp_path / "src")
     assert (out / "notes.md").read_text() == "the user's"
 
-    hand_made = tmp_path / "nanogpt"  # a nanoGPT-style directory the user made: same names, their meta
+    hand_made = (
+        tmp_path / "nanogpt"
+    )  # a nanoGPT-style directory the user made: same names, their meta
     hand_made.mkdir()
     (hand_made / "train.bin").write_bytes(b"\x01\x00" * 8)
     (hand_made / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 50257}))
@@ -126,7 +134,9 @@ def save(mgr: CheckpointManager, step: int) -> None:
     t = torch.full((4, 3), float(step))
     piece = Piece("model.w", (4, 3), Box((0, 0), (4, 3)), t)
     mgr.config_yaml = "model: {}\n"
-    mgr.save(step, FixedState(StateContents([piece], {"trainer": {"step": step}}, {}, {"world": 1})))
+    mgr.save(
+        step, FixedState(StateContents([piece], {"trainer": {"step": step}}, {}, {"world": 1}))
+    )
 
 
 def lookalike(root: Path, name: str, marker: dict | None = None) -> Path:
@@ -141,11 +151,17 @@ def lookalike(root: Path, name: str, marker: dict | None = None) -> Path:
     return d
 
 
-@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)])  # a writer process: ~8 s
-def test_a_save_never_replaces_a_users_lookalike_directory_and_leaves_no_partial(tmp_path, async_save):
+@pytest.mark.parametrize(
+    "async_save", [False, pytest.param(True, marks=pytest.mark.slow)]
+)  # a writer process: ~8 s
+def test_a_save_never_replaces_a_users_lookalike_directory_and_leaves_no_partial(
+    tmp_path, async_save
+):
     user = lookalike(tmp_path, "step_00000001")
     mgr = CheckpointManager(tmp_path, 0, 1, keep_last=1, async_save=async_save)
-    with pytest.raises(CheckpointError, match=r"step_00000001 exists and is not a checkpoint Strata committed"):
+    with pytest.raises(
+        CheckpointError, match=r"step_00000001 exists and is not a checkpoint Strata committed"
+    ):
         save(mgr, 1)
         mgr.wait()
     assert (user / "results.csv").read_text() == "precious"
@@ -157,14 +173,22 @@ def test_a_save_never_replaces_a_users_lookalike_directory_and_leaves_no_partial
 
 def test_retention_deletes_only_checkpoints_strata_committed(tmp_path):
     plain = lookalike(tmp_path, "step_00000001")
-    mismatched = lookalike(tmp_path, "step_00000002", marker={"step": 9, "time": 0.0})  # not this step's
+    mismatched = lookalike(
+        tmp_path, "step_00000002", marker={"step": 9, "time": 0.0}
+    )  # not this step's
     outside = lookalike(tmp_path / "elsewhere", "data")
     (tmp_path / "step_00000003").symlink_to(outside)
     mgr = CheckpointManager(tmp_path, 0, 1, keep_last=1)
     for step in (4, 5, 6):
         save(mgr, step)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["elsewhere", "step_00000001", "step_00000002", "step_00000003", "step_00000006"]
+    assert names == [
+        "elsewhere",
+        "step_00000001",
+        "step_00000002",
+        "step_00000003",
+        "step_00000006",
+    ]
     for d in (plain, mismatched, outside):
         assert (d / "results.csv").read_text() == "precious"
     assert (mismatched / store.MARKER).is_file()
@@ -175,7 +199,10 @@ def test_partial_directories_of_interrupted_saves_are_cleaned_at_start(tmp_path)
     interrupted = store.partial_dir(tmp_path, 7)
     interrupted.mkdir(parents=True)
     (interrupted / "__0_0.distcp").write_bytes(b"\0" * 4096)
-    kept = [lookalike(tmp_path, ".step_7.partial"), lookalike(tmp_path, ".step_00000008.partial.bak")]
+    kept = [
+        lookalike(tmp_path, ".step_7.partial"),
+        lookalike(tmp_path, ".step_00000008.partial.bak"),
+    ]
     (tmp_path / ".step_00000009.partial").symlink_to(lookalike(tmp_path / "elsewhere", "data"))
     CheckpointManager(tmp_path, 1, 2)  # only rank 0 cleans
     assert interrupted.is_dir()
@@ -197,7 +224,9 @@ def ckpt(tmp_path) -> Path:
     return store.step_dir(tmp_path / "ckpts", 3)
 
 
-def test_export_to_a_file_keeps_a_config_yaml_beside_it_and_needs_overwrite_to_replace(ckpt, tmp_path, capsys):
+def test_export_to_a_file_keeps_a_config_yaml_beside_it_and_needs_overwrite_to_replace(
+    ckpt, tmp_path, capsys
+):
     from safetensors.torch import load_file
 
     mine = tmp_path / "config.yaml"
@@ -232,7 +261,10 @@ def test_export_refuses_a_config_that_fails_its_checksum(ckpt, tmp_path, capsys)
     (ckpt / "config.yaml").write_text("model: []\n")  # the same length: only the checksum tells
     assert strata_main(["ckpt", "export", str(ckpt), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
-    assert f"{ckpt / 'config.yaml'}: does not match the checksum" in err and "nothing was exported" in err
+    assert (
+        f"{ckpt / 'config.yaml'}: does not match the checksum" in err
+        and "nothing was exported" in err
+    )
     assert not (tmp_path / "hf").exists()
 
 

@@ -25,7 +25,12 @@ import torch
 from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
 from strata.errors import StrataError
-from strata.launch.elastic import AdoptedWorker, ForkServer, install_rendezvous_poll, rendezvous_poll_s
+from strata.launch.elastic import (
+    AdoptedWorker,
+    ForkServer,
+    install_rendezvous_poll,
+    rendezvous_poll_s,
+)
 from strata.launch.torchrun import LaunchPlan, WorkerCommand, torchrun_command
 
 from conftest import tiny_overrides
@@ -66,13 +71,20 @@ def probe(tmp_path, monkeypatch):
 
 @pytest.fixture
 def server():
-    made = ForkServer(preload=["json"])  # a light server: these tests are about the process, not the imports
+    made = ForkServer(
+        preload=["json"]
+    )  # a light server: these tests are about the process, not the imports
     yield made
     made.close()
 
 
 def worker_env(rank: int) -> dict[str, str]:
-    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "TORCHELASTIC_RESTART_COUNT": "1"}
+    return {
+        **os.environ,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "TORCHELASTIC_RESTART_COUNT": "1",
+    }
 
 
 def fresh(argv: list[str], env: dict[str, str], out) -> subprocess.Popen:
@@ -133,7 +145,9 @@ def test_exit_status_signals_and_stops_are_the_workers_own(tmp_path, probe, serv
             os.killpg(worker.pid, sig)  # torchrun's way: the worker's session, its process group
             codes.append(worker.wait(30))
         assert codes[0] == codes[1], sig.name
-        assert codes[0] == -sig  # SIGINT too: Python ends by SIGINT after an uncaught KeyboardInterrupt
+        assert (
+            codes[0] == -sig
+        )  # SIGINT too: Python ends by SIGINT after an uncaught KeyboardInterrupt
 
 
 def test_a_worker_the_server_must_not_fork_starts_fresh(tmp_path, probe, server, capsys):
@@ -150,7 +164,9 @@ def test_a_worker_the_server_must_not_fork_starts_fresh(tmp_path, probe, server,
     server.proc.wait()
     assert server.spawn(probe("0"), worker_env(0), (0, 1, 2)) is None
     assert "the fork server" in capsys.readouterr().err
-    assert server.spawn(probe("0"), worker_env(0), (0, 1, 2)) is None  # and stays off, without a second try
+    assert (
+        server.spawn(probe("0"), worker_env(0), (0, 1, 2)) is None
+    )  # and stays off, without a second try
 
 
 def test_a_server_started_before_torchrun_serves_workers_like_it_and_is_replaced_for_others(
@@ -191,10 +207,14 @@ def test_launch_runs_torchrun_with_the_fork_server_unless_told_not_to():
     endpoint = "127.0.0.1:29400"
     default = torchrun_command(LaunchPlan(2, rdzv_endpoint=endpoint), WorkerCommand("c.yaml"))
     assert default[1:3] == ["-m", "strata.launch.elastic"]
-    plain = torchrun_command(LaunchPlan(2, rdzv_endpoint=endpoint, worker_start="fresh"), WorkerCommand("c.yaml"))
+    plain = torchrun_command(
+        LaunchPlan(2, rdzv_endpoint=endpoint, worker_start="fresh"), WorkerCommand("c.yaml")
+    )
     assert plain[1:3] == ["-m", "torch.distributed.run"]
     assert default[3:] == plain[3:]  # the same torchrun flags and worker command otherwise
-    with pytest.raises(StrataError, match="--worker-start 'spawn': must be one of forkserver, fresh"):
+    with pytest.raises(
+        StrataError, match="--worker-start 'spawn': must be one of forkserver, fresh"
+    ):
         torchrun_command(LaunchPlan(2, worker_start="spawn"), WorkerCommand("c.yaml"))
 
 
@@ -202,10 +222,15 @@ def test_a_waiting_node_reads_the_rendezvous_state_more_often_than_once_a_second
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     holder = dynamic_rendezvous._BackendRendezvousStateHolder
-    monkeypatch.setattr(dynamic_rendezvous, "_delay", dynamic_rendezvous._delay)  # put back afterwards
+    monkeypatch.setattr(
+        dynamic_rendezvous, "_delay", dynamic_rendezvous._delay
+    )  # put back afterwards
     monkeypatch.setattr(holder, "__init__", holder.__init__)
     assert install_rendezvous_poll(0.05)
-    for asked, low, high in ((1, 0.04, 0.5), (0.3, 0.29, 0.8)):  # the poll's 1 s, and any other delay as asked
+    for asked, low, high in (
+        (1, 0.04, 0.5),
+        (0.3, 0.29, 0.8),
+    ):  # the poll's 1 s, and any other delay as asked
         t0 = time.perf_counter()
         dynamic_rendezvous._delay(seconds=asked)
         assert low <= time.perf_counter() - t0 < high, asked
@@ -219,14 +244,18 @@ def test_a_waiting_node_reads_the_rendezvous_state_more_often_than_once_a_second
             reads.append(time.monotonic())
             return None
 
-    settings = types.SimpleNamespace(keep_alive_interval=timedelta(seconds=1), keep_alive_max_attempt=2)
+    settings = types.SimpleNamespace(
+        keep_alive_interval=timedelta(seconds=1), keep_alive_max_attempt=2
+    )
     state = holder(Backend(), settings)
     state.sync()
     state.sync()  # within the poll: from the cache
     time.sleep(0.06)
     state.sync()
     assert len(reads) == 2
-    assert rendezvous_poll_s(2) < rendezvous_poll_s(8) < rendezvous_poll_s(1000) == 1.0  # torch's for large jobs
+    assert (
+        rendezvous_poll_s(2) < rendezvous_poll_s(8) < rendezvous_poll_s(1000) == 1.0
+    )  # torch's for large jobs
 
 
 # --- a real restart -------------------------------------------------------------------------------
@@ -250,7 +279,14 @@ def launch(tmp: Path, data_dir: Path, *flags: str) -> tuple[subprocess.Popen, st
     experiment.write_text("{}\n")
     overrides = tiny_overrides(data_dir, tmp / "runs", **SETTINGS)
     proc = start_strata(
-        "launch", str(experiment), "--nproc", "2", *flags, *overrides, marker=marker, log=tmp / "launch.log"
+        "launch",
+        str(experiment),
+        "--nproc",
+        "2",
+        *flags,
+        *overrides,
+        marker=marker,
+        log=tmp / "launch.log",
     )
     return proc, marker
 
@@ -271,7 +307,10 @@ def logged_steps(tmp: Path) -> list[int]:
 def final_state(tmp: Path) -> dict[str, torch.Tensor]:
     ckpt = Checkpoint(store.step_dir(tmp / "runs" / "t" / "checkpoints", STEPS))
     try:
-        return {**ckpt.tensors("model."), **{f"optim.{k}": v for k, v in ckpt.tensors("optim.").items()}}
+        return {
+            **ckpt.tensors("model."),
+            **{f"optim.{k}": v for k, v in ckpt.tensors("optim.").items()},
+        }
     finally:
         ckpt.close()
 
@@ -287,7 +326,9 @@ def finish(proc: subprocess.Popen, marker: str, tmp: Path) -> str:
 
 
 @pytest.mark.slow  # two real 2-worker launches, one killed and restarted
-def test_a_killed_worker_restarts_as_a_fork_and_ends_as_an_uninterrupted_fresh_run(tmp_path, small_data_dir):
+def test_a_killed_worker_restarts_as_a_fork_and_ends_as_an_uninterrupted_fresh_run(
+    tmp_path, small_data_dir
+):
     ref_dir, run_dir = tmp_path / "fresh", tmp_path / "forked"
     ref_dir.mkdir()
     run_dir.mkdir()
@@ -298,14 +339,21 @@ def test_a_killed_worker_restarts_as_a_fork_and_ends_as_an_uninterrupted_fresh_r
     proc, marker = launch(run_dir, small_data_dir, "--max-restarts", "1")
     deadline = time.monotonic() + 120
     while max(logged_steps(run_dir), default=0) < 10:
-        assert proc.poll() is None and time.monotonic() < deadline, (run_dir / "launch.log").read_text()[-6000:]
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            run_dir / "launch.log"
+        ).read_text()[-6000:]
         time.sleep(0.05)
-    [victim] = marked_processes(marker, RANK="1")  # the forked worker shows its own environment in /proc
+    [victim] = marked_processes(
+        marker, RANK="1"
+    )  # the forked worker shows its own environment in /proc
     assert b"strata.launch.cli\0train\0" in Path(f"/proc/{victim}/cmdline").read_bytes()
     os.kill(victim, signal.SIGKILL)
     log = finish(proc, marker, run_dir)
 
-    forked = {int(m[1]): (m[2], m[3]) for m in re.finditer(r"worker pid (\d+) \(local rank (\d), restart (\d)\)", log)}
+    forked = {
+        int(m[1]): (m[2], m[3])
+        for m in re.finditer(r"worker pid (\d+) \(local rank (\d), restart (\d)\)", log)
+    }
     assert sorted(forked.values()) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], log[-6000:]
     assert forked[victim] == ("1", "0")
     assert "snapshot: resumed from in-memory step" in log, log[-6000:]

@@ -56,13 +56,22 @@ c.close()
 """
 
 
-def _transfer(cluster: Cluster, nbytes: int, src: int = 0, dst: int = 1, timeout_s: float = 30) -> dict:
+def _transfer(
+    cluster: Cluster, nbytes: int, src: int = 0, dst: int = 1, timeout_s: float = 30
+) -> dict:
     """Send `nbytes` over TCP from node `src` to node `dst`; the receiver's count and seconds."""
-    sink = cluster.popen(dst, [sys.executable, "-c", SINK, str(PORT)], stdout=subprocess.PIPE, text=True)
+    sink = cluster.popen(
+        dst, [sys.executable, "-c", SINK, str(PORT)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert sink.stdout.readline().strip() == "ready"
         address = cluster.nodes[dst].address
-        cluster.run(src, [sys.executable, "-c", SOURCE, address, str(PORT), str(nbytes), "10"], check=True, timeout=60)
+        cluster.run(
+            src,
+            [sys.executable, "-c", SOURCE, address, str(PORT), str(nbytes), "10"],
+            check=True,
+            timeout=60,
+        )
         out, _ = sink.communicate(timeout=timeout_s)
     finally:
         sink.kill()
@@ -85,7 +94,10 @@ def test_shaped_bandwidth_and_byte_counts():
         rate = nbytes * 8 / done["seconds"]
         assert 0.80 * 200e6 <= rate <= 1.05 * 200e6, f"{rate / 1e6:.0f} Mbit/s"
         sent, received = after[0][0] - before[0][0], after[1][1] - before[1][1]
-        assert nbytes <= sent <= 1.05 * nbytes and nbytes <= received <= 1.05 * nbytes, (sent, received)
+        assert nbytes <= sent <= 1.05 * nbytes and nbytes <= received <= 1.05 * nbytes, (
+            sent,
+            received,
+        )
 
         cluster.shape(None)
         done = _transfer(cluster, 4 * nbytes)
@@ -102,7 +114,11 @@ def test_each_node_has_its_own_hostname_and_resolves_the_others():
         names = [n.hostname for n in cluster.nodes]
         for n in cluster.nodes:
             done = cluster.run(
-                n.index, [sys.executable, "-c", probe, *names], capture_output=True, text=True, check=True
+                n.index,
+                [sys.executable, "-c", probe, *names],
+                capture_output=True,
+                text=True,
+                check=True,
             )
             host, fqdn, *addresses = json.loads(done.stdout)
             assert host == fqdn == n.hostname
@@ -117,7 +133,12 @@ def test_kill_node_kills_only_that_node():
         time.sleep(0.3)
         cluster.kill_node(0)
         assert [p.wait(5) for p in procs[:2]] == [-9, -9] and grandchild.wait(5) == -9
-        assert subprocess.run(["ip", "netns", "pids", cluster.nodes[0].netns], capture_output=True).stdout == b""
+        assert (
+            subprocess.run(
+                ["ip", "netns", "pids", cluster.nodes[0].netns], capture_output=True
+            ).stdout
+            == b""
+        )
         assert procs[2].poll() is None
         cluster.kill_node(1)
         assert procs[2].wait(5) == -9
@@ -136,7 +157,9 @@ def test_a_cut_link_refuses_connections_until_restored():
             text=True,
             timeout=30,
         )
-        assert refused.returncode != 0 and ("timed out" in refused.stderr or "No route" in refused.stderr)
+        assert refused.returncode != 0 and (
+            "timed out" in refused.stderr or "No route" in refused.stderr
+        )
         cluster.set_link(1, up=True)
         assert _transfer(cluster, 1_000_000)["bytes"] == 1_000_000
 
@@ -179,25 +202,47 @@ def _flag(args: list[str], name: str) -> str | None:
 
 
 def test_static_rendezvous_flags_and_their_errors():
-    plan = LaunchPlan(2, nnodes=2, node_rank=1, master_addr="203.0.113.7", master_port=29511, join_timeout_s=30)
+    plan = LaunchPlan(
+        2, nnodes=2, node_rank=1, master_addr="203.0.113.7", master_port=29511, join_timeout_s=30
+    )
     args = torchrun_args(plan)
-    assert (_flag(args, "--node-rank"), _flag(args, "--master-addr"), _flag(args, "--master-port")) == (
+    assert (
+        _flag(args, "--node-rank"),
+        _flag(args, "--master-addr"),
+        _flag(args, "--master-port"),
+    ) == (
         "1",
         "203.0.113.7",
         "29511",
     )
-    assert "--rdzv-backend" not in args and "--rdzv-endpoint" not in args and _flag(args, "--max-restarts") == "0"
-    assert _flag(torchrun_args(LaunchPlan(1, node_rank=0, master_addr="n0")), "--master-port") == "29500"
+    assert (
+        "--rdzv-backend" not in args
+        and "--rdzv-endpoint" not in args
+        and _flag(args, "--max-restarts") == "0"
+    )
+    assert (
+        _flag(torchrun_args(LaunchPlan(1, node_rank=0, master_addr="n0")), "--master-port")
+        == "29500"
+    )
     for plan, message in (
-        (LaunchPlan(1, nnodes=2, node_rank=2, master_addr="n0"), r"--node-rank 2: must be 0\.\.1 with --nnodes 2"),
+        (
+            LaunchPlan(1, nnodes=2, node_rank=2, master_addr="n0"),
+            r"--node-rank 2: must be 0\.\.1 with --nnodes 2",
+        ),
         (LaunchPlan(1, nnodes=2, node_rank=0), "needs --master-addr HOST"),
         (LaunchPlan(1, nnodes=2, master_addr="n0"), "needs --node-rank R"),
-        (LaunchPlan(1, nnodes=2, node_rank=0, master_addr="n0", rdzv_endpoint="n0:1"), "give one of them"),
+        (
+            LaunchPlan(1, nnodes=2, node_rank=0, master_addr="n0", rdzv_endpoint="n0:1"),
+            "give one of them",
+        ),
         (
             LaunchPlan(1, nnodes=2, node_rank=0, master_addr="n0", external_store=True),
             "--rdzv-store external hosts a c10d rendezvous",
         ),
-        (LaunchPlan(1, nnodes=2, node_rank=0, master_addr="n0", max_restarts=1), "--max-restarts 1 needs a c10d"),
+        (
+            LaunchPlan(1, nnodes=2, node_rank=0, master_addr="n0", max_restarts=1),
+            "--max-restarts 1 needs a c10d",
+        ),
         (LaunchPlan(1, nnodes=2, node_rank=0, master_addr="n0", master_port=0), "--master-port 0"),
         (LaunchPlan(2), None),
     ):
@@ -206,7 +251,9 @@ def test_static_rendezvous_flags_and_their_errors():
             continue
         with pytest.raises(StrataError, match=message):
             check_plan(plan)
-    with pytest.raises(StrataError, match="--node-rank R --master-addr HOST"):  # named where nodes cannot meet
+    with pytest.raises(
+        StrataError, match="--node-rank R --master-addr HOST"
+    ):  # named where nodes cannot meet
         check_plan(LaunchPlan(1, nnodes=2))
 
 
@@ -214,11 +261,16 @@ def test_net_ifname_sets_the_workers_interface_and_must_exist(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "from-env")
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     env = launch_env(LaunchPlan(1))
-    assert env["GLOO_SOCKET_IFNAME"] == "from-env" and "NCCL_SOCKET_IFNAME" not in env  # passes through
+    assert (
+        env["GLOO_SOCKET_IFNAME"] == "from-env" and "NCCL_SOCKET_IFNAME" not in env
+    )  # passes through
     env = launch_env(LaunchPlan(1, net_ifname="lo"))
     assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo"
     check_plan(LaunchPlan(1, net_ifname="lo"))
-    with pytest.raises(StrataError, match=r"--net-ifname 'nosuch0': this node has no such interface; it has .*\blo\b"):
+    with pytest.raises(
+        StrataError,
+        match=r"--net-ifname 'nosuch0': this node has no such interface; it has .*\blo\b",
+    ):
         check_plan(LaunchPlan(1, net_ifname="nosuch0"))
 
 
@@ -227,16 +279,25 @@ def test_a_loopback_hostname_without_an_interface_is_warned_about(monkeypatch):
     plan = LaunchPlan(1, nnodes=2, rdzv_endpoint="203.0.113.7:29400")
     assert "add --net-ifname IF" in interface_problem(plan, {})
     assert interface_problem(plan, {"GLOO_SOCKET_IFNAME": "eth0"}) is None
-    assert interface_problem(LaunchPlan(1, nnodes=2, rdzv_endpoint="203.0.113.7:29400", net_ifname="lo"), {}) is None
+    assert (
+        interface_problem(
+            LaunchPlan(1, nnodes=2, rdzv_endpoint="203.0.113.7:29400", net_ifname="lo"), {}
+        )
+        is None
+    )
     assert interface_problem(LaunchPlan(1), {}) is None  # one node: loopback is right
 
 
 def test_who_hosts_the_rendezvous_store_off_the_loopback():
-    assert rdzv_is_host("127.0.0.1:29400") is None and rdzv_is_host("localhost:29400") is None  # torch's guess
+    assert (
+        rdzv_is_host("127.0.0.1:29400") is None and rdzv_is_host("localhost:29400") is None
+    )  # torch's guess
     assert rdzv_is_host("203.0.113.7:29400") is False  # not an address of this machine
     assert rdzv_is_host("no-such-host.invalid:29400") is False
     assert rdzv_is_host("127.0.0.1:29400", external_store=True) is False  # `strata store` hosts it
-    conf = _flag(torchrun_args(LaunchPlan(1, nnodes=2, rdzv_endpoint="127.0.0.1:29400")), "--rdzv-conf")
+    conf = _flag(
+        torchrun_args(LaunchPlan(1, nnodes=2, rdzv_endpoint="127.0.0.1:29400")), "--rdzv-conf"
+    )
     assert "is_host" not in conf
 
 
@@ -257,7 +318,10 @@ def test_who_hosts_the_rendezvous_store_between_nodes():
     with Cluster(2) as cluster:
         n0, n1 = cluster.nodes
         done = cluster.run(
-            0, [sys.executable, "-c", IS_HOST, n0.address, n0.hostname, n1.address], capture_output=True, text=True
+            0,
+            [sys.executable, "-c", IS_HOST, n0.address, n0.hostname, n1.address],
+            capture_output=True,
+            text=True,
         )
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout) == [True, False, True, False, True]
@@ -265,7 +329,12 @@ def test_who_hosts_the_rendezvous_store_between_nodes():
 
 # --- `strata launch` across nodes ------------------------------------------------------------------------
 
-LAUNCH_SETTINGS = {"log.interval": 1, "train.steps": 3, "checkpoint.save_final": True, "parallel.timeout_s": 30}
+LAUNCH_SETTINGS = {
+    "log.interval": 1,
+    "train.steps": 3,
+    "checkpoint.save_final": True,
+    "parallel.timeout_s": 30,
+}
 LAUNCH_WAIT_S = 150
 
 
@@ -286,7 +355,9 @@ def _debian_hosts(cluster: Cluster) -> None:
     would give them): torch's guesses of who hosts the store and which address the workers use go wrong."""
     for n in cluster.nodes:
         others = "".join(f"{m.address} {m.hostname}\n" for m in cluster.nodes if m is not n)
-        (Path("/etc/netns") / n.netns / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {n.hostname}\n{others}")
+        (Path("/etc/netns") / n.netns / "hosts").write_text(
+            f"127.0.0.1 localhost\n127.0.1.1 {n.hostname}\n{others}"
+        )
 
 
 def _launch_on_nodes(tmp: Path, data_dir: Path, mode: str, nproc: int) -> dict[int, float]:
@@ -303,9 +374,22 @@ def _launch_on_nodes(tmp: Path, data_dir: Path, mode: str, nproc: int) -> dict[i
             log = tmp / f"{name}.log"
             logs.append(log)
             with open(log, "wb") as out:
-                procs.append(cluster.popen(node, strata_command(*args), cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+                procs.append(
+                    cluster.popen(
+                        node, strata_command(*args), cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+                    )
+                )
 
-        flags = ["--nnodes", "2", "--nproc", str(nproc), "--join-timeout", "60", "--net-ifname", NODE_IF]
+        flags = [
+            "--nnodes",
+            "2",
+            "--nproc",
+            str(nproc),
+            "--join-timeout",
+            "60",
+            "--net-ifname",
+            NODE_IF,
+        ]
         if mode == "external":
             start(0, "store", ["store", "--port", "29400"])
             deadline = time.monotonic() + 30
@@ -317,27 +401,41 @@ def _launch_on_nodes(tmp: Path, data_dir: Path, mode: str, nproc: int) -> dict[i
             flags += ["--rdzv-endpoint", f"{head}:29400"]
         launchers = []
         for n in cluster.nodes:
-            node_flags = ["--node-rank", str(n.index), "--master-addr", head] if mode == "static" else []
-            start(n.index, f"node{n.index}", ["launch", str(experiment), *overrides, *flags, *node_flags])
+            node_flags = (
+                ["--node-rank", str(n.index), "--master-addr", head] if mode == "static" else []
+            )
+            start(
+                n.index,
+                f"node{n.index}",
+                ["launch", str(experiment), *overrides, *flags, *node_flags],
+            )
             launchers.append(procs[-1])
         try:
             codes = [p.wait(LAUNCH_WAIT_S) for p in launchers]
         except subprocess.TimeoutExpired:
             codes = None
-        tails = "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in logs)
+        tails = "\n".join(
+            f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in logs
+        )
         assert codes == [0, 0], tails
     return losses_from(tmp / "runs" / "t")
 
 
 def losses_from(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 @netns
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "nproc"), [("c10d", 2), ("static", 1), ("external", 1)])
-def test_launch_across_nodes_ends_where_one_process_does(tmp_path, small_data_dir, reference_losses, mode, nproc):
+def test_launch_across_nodes_ends_where_one_process_does(
+    tmp_path, small_data_dir, reference_losses, mode, nproc
+):
     """2 nodes whose own hostnames resolve to 127.0.1.1 (Debian's default), each `strata launch
     --net-ifname eth0`: a c10d rendezvous at node 0's address, a static one, and one in a `strata
     store` on node 0 all train, and log the losses of one process with the same global batch."""

@@ -42,7 +42,10 @@ def _steps_logged(run_dir: Path) -> int:
 
 
 def _stopped_note(run_dir: Path) -> str:
-    notes = [json.loads(line).get("stopped") for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    notes = [
+        json.loads(line).get("stopped")
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     found = [note for note in notes if note]
     assert len(found) == 1, found
     return found[0]
@@ -50,7 +53,9 @@ def _stopped_note(run_dir: Path) -> str:
 
 def _committed_steps(run_dir: Path) -> list[int]:
     root = run_dir / "checkpoints"
-    return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if (p / "COMMITTED").is_file())
+    return sorted(
+        int(p.name.split("_")[1]) for p in root.glob("step_*") if (p / "COMMITTED").is_file()
+    )
 
 
 def _signalled_train_run(tmp_path: Path, small_data_dir: Path, signals: list[int]) -> Path:
@@ -60,9 +65,13 @@ def _signalled_train_run(tmp_path: Path, small_data_dir: Path, signals: list[int
 
     marker = uuid.uuid4().hex
     run_dir = tmp_path / "runs" / "t"
-    overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **{"train.steps": 100000, "log.interval": 1})
+    overrides = tiny_overrides(
+        small_data_dir, tmp_path / "runs", **{"train.steps": 100000, "log.interval": 1}
+    )
     try:
-        worker = start_strata(*TRAIN, *overrides, marker=marker, log=tmp_path / "launch.log", cwd=tmp_path)
+        worker = start_strata(
+            *TRAIN, *overrides, marker=marker, log=tmp_path / "launch.log", cwd=tmp_path
+        )
         wait_for(lambda: _steps_logged(run_dir) >= 3, 120, "three steps")
         for i, sig in enumerate(signals):
             if i:
@@ -85,22 +94,33 @@ def _launch_to_end(overrides: list[str], cwd: Path, extra: list[str] = ()) -> No
 def reference_losses(small_data_dir, tmp_path_factory) -> dict[int, float]:
     """The uninterrupted run every interrupted-and-resumed one must reproduce."""
     root = tmp_path_factory.mktemp("reference")
-    _launch_to_end(tiny_overrides(small_data_dir, root / "runs", **{"train.steps": STEPS, "log.interval": 1}), root)
+    _launch_to_end(
+        tiny_overrides(small_data_dir, root / "runs", **{"train.steps": STEPS, "log.interval": 1}),
+        root,
+    )
     losses = _losses(root / "runs" / "t")
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGUSR1], ids=["SIGUSR1"])  # SIGTERM: tests/launch/test_signals.py
-def test_a_signal_saves_the_step_and_the_resumed_run_matches(tmp_path, small_data_dir, reference_losses, sig):
+@pytest.mark.parametrize(
+    "sig", [signal.SIGUSR1], ids=["SIGUSR1"]
+)  # SIGTERM: tests/launch/test_signals.py
+def test_a_signal_saves_the_step_and_the_resumed_run_matches(
+    tmp_path, small_data_dir, reference_losses, sig
+):
     from strata.trainer.signals import PREEMPTED_EXIT
 
     marker = uuid.uuid4().hex
     run_dir = tmp_path / "runs" / "t"
-    overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **{"train.steps": STEPS, "log.interval": 1})
+    overrides = tiny_overrides(
+        small_data_dir, tmp_path / "runs", **{"train.steps": STEPS, "log.interval": 1}
+    )
     try:
-        launcher = start_strata(*LAUNCH, *overrides, marker=marker, log=tmp_path / "launch.log", cwd=tmp_path)
+        launcher = start_strata(
+            *LAUNCH, *overrides, marker=marker, log=tmp_path / "launch.log", cwd=tmp_path
+        )
         wait_for(lambda: _steps_logged(run_dir) >= 3, 120, "three steps")
         sent = time.time()
         launcher.send_signal(sig)
@@ -121,11 +141,15 @@ def test_a_signal_saves_the_step_and_the_resumed_run_matches(tmp_path, small_dat
     assert _stopped_note(run_dir) == f"{expected}; resume with --resume {checkpoints}"
     assert expected in output
     committed = (checkpoints / f"step_{stopped_at:08d}" / "COMMITTED").stat().st_mtime - sent
-    print(f"{sig.name}: checkpoint of step {stopped_at} committed {committed:.2f} s, every process gone {gone:.2f} s")
+    print(
+        f"{sig.name}: checkpoint of step {stopped_at} committed {committed:.2f} s, every process gone {gone:.2f} s"
+    )
     assert gone < 30, gone  # well inside torchrun's grace period: nobody was killed
 
     _launch_to_end(overrides, tmp_path, ["--resume", str(checkpoints)])
-    assert _losses(run_dir) == reference_losses  # bit-exact: every step's loss, before and after the stop
+    assert (
+        _losses(run_dir) == reference_losses
+    )  # bit-exact: every step's loss, before and after the stop
 
 
 @pytest.mark.slow
@@ -147,10 +171,17 @@ def test_a_second_signal_aborts_without_saving(tmp_path, small_data_dir):
     marker = uuid.uuid4().hex
     run_dir = tmp_path / "runs" / "t"
     settings = {"train.steps": 100000, "log.interval": 1, "model.d_model": 512, "model.n_layers": 4}
-    settings |= {"model.seq_len": 256, "train.global_batch_size": 16, "train.micro_batch_size": 8, "train.threads": 1}
+    settings |= {
+        "model.seq_len": 256,
+        "train.global_batch_size": 16,
+        "train.micro_batch_size": 8,
+        "train.threads": 1,
+    }
     overrides = tiny_overrides(small_data_dir, tmp_path / "runs", **settings)
     try:
-        worker = start_strata(*TRAIN, *overrides, marker=marker, log=tmp_path / "launch.log", cwd=tmp_path)
+        worker = start_strata(
+            *TRAIN, *overrides, marker=marker, log=tmp_path / "launch.log", cwd=tmp_path
+        )
         wait_for(lambda: _steps_logged(run_dir) >= 1, 300, "the first step")
         worker.send_signal(signal.SIGTERM)
         time.sleep(REPEAT_WINDOW_S + 0.3)
@@ -161,7 +192,9 @@ def test_a_second_signal_aborts_without_saving(tmp_path, small_data_dir):
     finally:
         kill_marked(marker)
     assert code == -signal.SIGTERM, (tmp_path / "launch.log").read_text()[-3000:]
-    assert _committed_steps(run_dir) == [] and _steps_logged(run_dir) == 1  # step 2 neither finished nor saved
+    assert (
+        _committed_steps(run_dir) == [] and _steps_logged(run_dir) == 1
+    )  # step 2 neither finished nor saved
     assert seconds < 2, seconds
     print(f"second SIGTERM: worker gone {seconds:.2f} s after it")
 
@@ -192,14 +225,20 @@ def _stand_in_slurm(bin_dir: Path, log: Path) -> None:
         (bin_dir / name).chmod(0o755)
 
 
-@pytest.mark.parametrize("sig, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)], ids=["USR1", "TERM"])
-def test_the_batch_script_passes_a_signal_on_and_requeues_after_the_warning(tmp_path, sig, requeued):
+@pytest.mark.parametrize(
+    "sig, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)], ids=["USR1", "TERM"]
+)
+def test_the_batch_script_passes_a_signal_on_and_requeues_after_the_warning(
+    tmp_path, sig, requeued
+):
     """The batch shell (`--signal=B:USR1@…`) passes the signal on to the job step and waits for it to
     end; after the time-limit warning it requeues the job, after SIGTERM (scancel) it does not."""
     from strata.launch.slurm import SlurmJob, sbatch_script
     from strata.launch.torchrun import WorkerCommand
 
-    script = sbatch_script(SlurmJob(name="t", nodes=2, gpus_per_node=1), WorkerCommand("cfg.yaml"), str(tmp_path))
+    script = sbatch_script(
+        SlurmJob(name="t", nodes=2, gpus_per_node=1), WorkerCommand("cfg.yaml"), str(tmp_path)
+    )
     assert "#SBATCH --signal=B:USR1@" in script and "#SBATCH --requeue" in script
     assert "#SBATCH --open-mode=append" in script and "TORCH_NCCL_TRACE_BUFFER_SIZE=2000" in script
     (tmp_path / "job.sbatch").write_text(script)
@@ -207,7 +246,9 @@ def test_the_batch_script_passes_a_signal_on_and_requeues_after_the_warning(tmp_
     _stand_in_slurm(tmp_path / "bin", log)
     env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"}
     env |= {"SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_NUM_NODES": "2"}
-    job = subprocess.Popen(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, stdout=subprocess.PIPE)
+    job = subprocess.Popen(
+        ["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, stdout=subprocess.PIPE
+    )
     try:
         wait_for(lambda: log.exists() and "step started" in log.read_text(), 30, "the job step")
         job.send_signal(sig)
@@ -217,12 +258,16 @@ def test_the_batch_script_passes_a_signal_on_and_requeues_after_the_warning(tmp_
     calls = log.read_text().splitlines()
     assert f"step got {128 + sig}" in calls  # passed on to the step, which the script waited for
     assert ("scontrol requeue 42" in calls) == requeued, calls
-    assert job.returncode == (0 if requeued else 1)  # after a requeue, the step's own status otherwise
+    assert job.returncode == (
+        0 if requeued else 1
+    )  # after a requeue, the step's own status otherwise
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("slurm_cluster")
-def test_a_slurm_job_warned_of_its_time_limit_requeues_and_resumes(tmp_path, small_data_dir, reference_losses):
+def test_a_slurm_job_warned_of_its_time_limit_requeues_and_resumes(
+    tmp_path, small_data_dir, reference_losses
+):
     """On a real cluster (.ci/slurm_cluster.sh): the time-limit warning, sent early with `scancel
     --signal=USR1 --batch`, reaches the batch shell as `--signal=B:USR1@…` would; the workers on
     both nodes save and stop, the script requeues the job, and the requeued job resumes from that
@@ -256,13 +301,17 @@ def test_a_slurm_job_warned_of_its_time_limit_requeues_and_resumes(tmp_path, sma
     assert state == "COMPLETED", f"job {job_id}: {state}\n{output[-3000:]}"
     assert "requeueing job" in output and "(restart 1)" in output, output[-3000:]
     stopped_at = int(_stopped_note(run_dir).split(" at step ")[1].split(":")[0])
-    assert stopped_at in _committed_steps(run_dir) and 3 <= stopped_at < STEPS  # (and tiny.yaml's interval saves)
+    assert (
+        stopped_at in _committed_steps(run_dir) and 3 <= stopped_at < STEPS
+    )  # (and tiny.yaml's interval saves)
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped_at:08d}'}" in output
     assert _losses(run_dir) == reference_losses
 
 
 @pytest.mark.slow  # three runs of the trainer: 5-9 s on 2 cores
-def test_a_requeued_job_continues_from_its_own_newest_checkpoint(small_data_dir, tmp_path, monkeypatch):
+def test_a_requeued_job_continues_from_its_own_newest_checkpoint(
+    small_data_dir, tmp_path, monkeypatch
+):
     """A requeued job runs its first arguments again, `--resume` included: with SLURM_RESTART_COUNT
     above 0 it continues from checkpoint.dir's newest checkpoint (its own progress), not from the
     older one it was submitted with; a first start still takes `--resume` as given."""
@@ -274,7 +323,9 @@ def test_a_requeued_job_continues_from_its_own_newest_checkpoint(small_data_dir,
     cfg = tiny_config(small_data_dir, tmp_path, **extra)
     run(cfg, start())
     submitted_with = store.step_dir(cfg.checkpoint_dir(), 2)
-    again = tiny_config(small_data_dir, tmp_path, **{**extra, "train.steps": 6, "checkpoint.interval": 0})
+    again = tiny_config(
+        small_data_dir, tmp_path, **{**extra, "train.steps": 6, "checkpoint.interval": 0}
+    )
     assert sorted(run(again, start(), resume=submitted_with).losses) == [3, 4, 5, 6]
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     assert sorted(run(again, start(), resume=submitted_with).losses) == [5, 6]

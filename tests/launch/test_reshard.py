@@ -23,21 +23,38 @@ from worlds import assert_same_params, final_params, losses_from, train_run
 
 pytestmark = pytest.mark.slow  # each case saves in one world and resumes in another
 
-SHARED = {"model.n_layers": 4, "log.interval": 1, "checkpoint.interval": 3, "checkpoint.save_final": True}
+SHARED = {
+    "model.n_layers": 4,
+    "log.interval": 1,
+    "checkpoint.interval": 3,
+    "checkpoint.save_final": True,
+}
 ZERO3 = {f"zero.{k}.shard_over": "global" for k in ("params", "grads", "optim")}
 ONE = (1, {})
 CASES = {  # name: (saved by (processes, settings), resumed by (processes, settings))
     "tp2-pp2-dp2-to-one-process": ((8, {"parallel.tp": 2, "parallel.pp": 2}), ONE),
     "one-process-to-tp2-pp2": (ONE, (4, {"parallel.tp": 2, "parallel.pp": 2})),
     "dp2-zero3-to-dp4-zero1": ((2, ZERO3), (4, {"zero.optim.shard_over": "global"})),
-    "pp2-v2-to-pp4": ((2, {"parallel.pp": 2, "parallel.virtual_stages": 2}), (4, {"parallel.pp": 4})),
+    "pp2-v2-to-pp4": (
+        (2, {"parallel.pp": 2, "parallel.virtual_stages": 2}),
+        (4, {"parallel.pp": 4}),
+    ),
 }
 
 
 def train(small_data_dir, root, nproc: int, settings: dict, resume=None) -> dict[int, float]:
     if nproc == 1:
-        return run(tiny_config(small_data_dir, root, **SHARED, **settings), start(), resume=resume).losses
-    train_run(small_data_dir, root, nproc, *(["--resume", str(resume)] if resume else []), **SHARED, **settings)
+        return run(
+            tiny_config(small_data_dir, root, **SHARED, **settings), start(), resume=resume
+        ).losses
+    train_run(
+        small_data_dir,
+        root,
+        nproc,
+        *(["--resume", str(resume)] if resume else []),
+        **SHARED,
+        **settings,
+    )
     return losses_from(root / "t")
 
 
@@ -52,7 +69,9 @@ def reference(small_data_dir, tmp_path_factory):
 def weights_by_dcp_alone(ckpt_dir) -> dict[str, torch.Tensor]:
     """A plain GPT's state_dict filled by torch.distributed.checkpoint.load (no Strata code reads)."""
     cfg = config.load(ckpt_dir / "config.yaml")
-    vocab = json.loads((ckpt_dir / "index.json").read_text())["tensors"]["model.tok_embeddings.weight"]["shape"][0]
+    vocab = json.loads((ckpt_dir / "index.json").read_text())["tensors"][
+        "model.tok_embeddings.weight"
+    ]["shape"][0]
     model = GPT(cfg.model, vocab)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(ckpt_dir))
@@ -76,7 +95,9 @@ def test_resume_in_another_layout_continues_the_run(small_data_dir, tmp_path, re
     assert_same_params(final_params(tmp_path / "resumed" / "t" / "checkpoints"), want_params)
 
 
-def test_offline_reshard_rewrites_every_tensor_exactly_one_file_per_target_rank(small_data_dir, tmp_path):
+def test_offline_reshard_rewrites_every_tensor_exactly_one_file_per_target_rank(
+    small_data_dir, tmp_path
+):
     """`strata ckpt reshard DIR OUT --to tp=2,pp=2` (4 processes started by the command): the same
     parameters and optimizer states, bit for bit, now saved by the four ranks of the new layout."""
     from worlds import strata

@@ -42,7 +42,9 @@ STAND_IN = textwrap.dedent(
 STAND_IN_PROCESSES = 6  # launcher, torchrun, two workers, their two children
 
 
-def _stop_and_measure(launcher: subprocess.Popen, marker: str, signals: list[int], timeout: float) -> tuple[int, float]:
+def _stop_and_measure(
+    launcher: subprocess.Popen, marker: str, signals: list[int], timeout: float
+) -> tuple[int, float]:
     """Send `signals` (0.3 s apart) to the launcher; its exit code and the seconds from the first
     signal until no process of the test is left."""
     began = time.monotonic()
@@ -51,11 +53,17 @@ def _stop_and_measure(launcher: subprocess.Popen, marker: str, signals: list[int
             time.sleep(0.3)
         launcher.send_signal(sig)
     code = launcher.wait(timeout)
-    wait_for(lambda: not marked_processes(marker), timeout - (time.monotonic() - began), "every process to exit")
+    wait_for(
+        lambda: not marked_processes(marker),
+        timeout - (time.monotonic() - began),
+        "every process to exit",
+    )
     return code, time.monotonic() - began
 
 
-def _stand_in_launch(tmp_path: Path, marker: str, grace_s: int, margin_s: int, stubborn: bool) -> subprocess.Popen:
+def _stand_in_launch(
+    tmp_path: Path, marker: str, grace_s: int, margin_s: int, stubborn: bool
+) -> subprocess.Popen:
     """A launcher (the real Supervisor, with short limits) over the stand-ins; returns once all of
     them run."""
     script = tmp_path / "stand_in.py"
@@ -71,8 +79,12 @@ def _stand_in_launch(tmp_path: Path, marker: str, grace_s: int, margin_s: int, s
             sys.exit(supervisor.run([sys.executable, {str(script)!r}, "torchrun", {kind!r}], dict(os.environ)))
         """
     )
-    proc = start([sys.executable, "-c", launcher], marker=marker, log=tmp_path / "launch.log", cwd=tmp_path)
-    wait_for(lambda: len(marked_processes(marker)) == STAND_IN_PROCESSES, 30, "the stand-ins to start")
+    proc = start(
+        [sys.executable, "-c", launcher], marker=marker, log=tmp_path / "launch.log", cwd=tmp_path
+    )
+    wait_for(
+        lambda: len(marked_processes(marker)) == STAND_IN_PROCESSES, 30, "the stand-ins to start"
+    )
     return proc
 
 
@@ -91,7 +103,9 @@ def test_a_second_signal_kills_at_once(tmp_path):
     marker = uuid.uuid4().hex
     try:
         launcher = _stand_in_launch(tmp_path, marker, grace_s=60, margin_s=5, stubborn=True)
-        code, seconds = _stop_and_measure(launcher, marker, [signal.SIGINT, signal.SIGINT], timeout=20)
+        code, seconds = _stop_and_measure(
+            launcher, marker, [signal.SIGINT, signal.SIGINT], timeout=20
+        )
         assert code == 128 + signal.SIGINT
         assert seconds < 10, seconds  # long before the 65 s the first signal alone would take
         assert "again: killing torchrun and its workers" in (tmp_path / "launch.log").read_text()
@@ -106,7 +120,9 @@ def test_torchrun_stops_when_the_launcher_is_killed(tmp_path):
     try:
         launcher = _stand_in_launch(tmp_path, marker, grace_s=60, margin_s=5, stubborn=False)
         torchrun = [
-            pid for pid in marked_processes(marker) if b"\0torchrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            pid
+            for pid in marked_processes(marker)
+            if b"\0torchrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
         ]
         assert len(torchrun) == 1
         launcher.kill()
@@ -117,9 +133,14 @@ def test_torchrun_stops_when_the_launcher_is_killed(tmp_path):
 
 
 def test_nnodes_without_a_rendezvous_endpoint_is_an_error(tmp_path):
-    done = strata("launch", str(REPO / "configs/tiny.yaml"), "--nnodes", "2", cwd=tmp_path, timeout=120)
+    done = strata(
+        "launch", str(REPO / "configs/tiny.yaml"), "--nnodes", "2", cwd=tmp_path, timeout=120
+    )
     assert done.returncode == 2, done.stderr
-    assert "--nnodes 2 needs a rendezvous" in done.stderr and "--rdzv-endpoint HOST:PORT" in done.stderr
+    assert (
+        "--nnodes 2 needs a rendezvous" in done.stderr
+        and "--rdzv-endpoint HOST:PORT" in done.stderr
+    )
     assert "--rdzv-store external" in done.stderr and "Traceback" not in done.stderr
 
 
@@ -129,13 +150,17 @@ def test_an_external_store_needs_its_address():
 
     with pytest.raises(StrataError, match="--rdzv-endpoint HOST:PORT"):
         check_plan(LaunchPlan(2, external_store=True))
-    check_plan(LaunchPlan(2, nnodes=2, rdzv_endpoint="127.0.0.1:29400"))  # a reachable rendezvous is fine
+    check_plan(
+        LaunchPlan(2, nnodes=2, rdzv_endpoint="127.0.0.1:29400")
+    )  # a reachable rendezvous is fine
 
 
 def _first_step_logged(run_dir: Path) -> bool:
     metrics = run_dir / "metrics.jsonl"
     try:
-        return any("step" in json.loads(line) for line in metrics.read_text().splitlines() if line.strip())
+        return any(
+            "step" in json.loads(line) for line in metrics.read_text().splitlines() if line.strip()
+        )
     except (OSError, ValueError):
         return False
 
@@ -159,7 +184,9 @@ ASYNC = (signal.SIGINT, {**BUSY, "checkpoint.async": True})
     ],
     ids=["SIGTERM", "SIGINT-busy", "SIGINT-busy-async", "SIGTERM-async", "SIGUSR1"],
 )
-def test_a_signal_to_strata_launch_stops_torchrun_and_every_worker(tmp_path, small_data_dir, sig, extra):
+def test_a_signal_to_strata_launch_stops_torchrun_and_every_worker(
+    tmp_path, small_data_dir, sig, extra
+):
     """Every worker saves and stops: `strata launch` exits PREEMPTED_EXIT, as each worker did
     (torchrun alone would report the signal)."""
     from strata.trainer.signals import PREEMPTED_EXIT
@@ -167,13 +194,17 @@ def test_a_signal_to_strata_launch_stops_torchrun_and_every_worker(tmp_path, sma
     marker = uuid.uuid4().hex
     try:
         launcher = _launch(tmp_path, marker, small_data_dir, extra)
-        assert len(marked_processes(marker)) >= 4 + (1 if extra else 0)  # launcher, torchrun, two workers (agent)
+        assert len(marked_processes(marker)) >= 4 + (
+            1 if extra else 0
+        )  # launcher, torchrun, two workers (agent)
         code, seconds = _stop_and_measure(launcher, marker, [sig], timeout=60)
         log = (tmp_path / "launch.log").read_text()
         assert code == PREEMPTED_EXIT, log[-3000:]
         assert f"stopped by {signal.Signals(sig).name} at step" in log
         assert store.committed(tmp_path / "runs" / "t" / "checkpoints")
-        assert seconds < 30, seconds  # the workers exit on the signal: no waiting for the grace period
+        assert seconds < 30, (
+            seconds
+        )  # the workers exit on the signal: no waiting for the grace period
         print(f"{signal.Signals(sig).name}: every process gone {seconds:.2f} s after the signal")
     finally:
         kill_marked(marker)
@@ -206,8 +237,14 @@ def _launch(tmp_path: Path, marker: str, data_dir: Path, extra: dict) -> subproc
     cmd = ["launch", str(REPO / "configs/tiny.yaml"), "--nproc", "2", *overrides]
     launcher = start_strata(*cmd, marker=marker, log=tmp_path / "launch.log", cwd=tmp_path)
     wait_for(lambda: _first_step_logged(tmp_path / "runs" / "t"), 120, "the workers' first step")
-    if "checkpoint.interval" in extra:  # the asynchronous writers start with the first save: signal after it
-        wait_for(lambda: store.committed(tmp_path / "runs" / "t" / "checkpoints"), 120, "the first checkpoint")
+    if (
+        "checkpoint.interval" in extra
+    ):  # the asynchronous writers start with the first save: signal after it
+        wait_for(
+            lambda: store.committed(tmp_path / "runs" / "t" / "checkpoints"),
+            120,
+            "the first checkpoint",
+        )
     return launcher
 
 
@@ -217,7 +254,11 @@ def test_the_launcher_reads_the_saved_and_stopped_code_of_the_latest_attempt(tmp
     from strata.launch.torchrun import STATUS_ENV, note_worker_status, workers_preempted
 
     def note(attempt: int, local: int, status: str) -> None:
-        env = {STATUS_ENV: str(tmp_path), "TORCHELASTIC_RESTART_COUNT": str(attempt), "LOCAL_RANK": str(local)}
+        env = {
+            STATUS_ENV: str(tmp_path),
+            "TORCHELASTIC_RESTART_COUNT": str(attempt),
+            "LOCAL_RANK": str(local),
+        }
         note_worker_status(status, env)
 
     assert workers_preempted(str(tmp_path), 2) is None  # nothing started
@@ -228,7 +269,9 @@ def test_the_launcher_reads_the_saved_and_stopped_code_of_the_latest_attempt(tmp
     assert workers_preempted(str(tmp_path), 2) is None  # one of two saved
     note(0, 1, "75")
     assert workers_preempted(str(tmp_path), 2) == 75
-    note(1, 0, "running")  # a restarted attempt (torchrun restarts after a failure) that did not stop so
+    note(
+        1, 0, "running"
+    )  # a restarted attempt (torchrun restarts after a failure) that did not stop so
     assert workers_preempted(str(tmp_path), 2) is None
     assert workers_preempted(str(tmp_path / "gone"), 2) is None
     note_worker_status("75", {})  # not under `strata launch`: nothing to do

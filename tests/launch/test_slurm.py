@@ -39,15 +39,25 @@ def _cluster_problem() -> str | None:
     """Why this machine cannot run the test, or None when a cluster answers."""
     if os.geteuid() != 0:
         return "runs as root, as the CI cluster's jobs do (.ci/slurm_cluster.sh)"
-    if shutil.which("sinfo") is None or shutil.which("sbatch") is None or shutil.which("sacct") is None:
+    if (
+        shutil.which("sinfo") is None
+        or shutil.which("sbatch") is None
+        or shutil.which("sacct") is None
+    ):
         return "no Slurm client (sinfo, sbatch, sacct) on PATH"
-    info = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=30)
+    info = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=30
+    )
     if info.returncode != 0:
         return f"no Slurm cluster answers (sinfo: {info.stderr.strip()}); start one with .ci/slurm_cluster.sh start"
-    usable = [word for word in info.stdout.split() if word in ("idle", "mix", "alloc")]  # node states
+    usable = [
+        word for word in info.stdout.split() if word in ("idle", "mix", "alloc")
+    ]  # node states
     if len(usable) < 2:
         return f"needs two usable Slurm nodes, sinfo says: {info.stdout.strip()!r}"
-    acct = subprocess.run(["sacct", "-n", "-X", "-S", "now"], capture_output=True, text=True, timeout=30)
+    acct = subprocess.run(
+        ["sacct", "-n", "-X", "-S", "now"], capture_output=True, text=True, timeout=30
+    )
     if acct.returncode != 0:
         return f"sacct does not work (accounting storage off?): {acct.stderr.strip()}"
     return None
@@ -60,7 +70,10 @@ def slurm_cluster() -> None:
 
 def _sacct(job_id: str, fields: str) -> str:
     out = subprocess.run(
-        ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", fields], capture_output=True, text=True, timeout=30
+        ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", fields],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     return out.stdout.strip()
 
@@ -79,7 +92,9 @@ def _wait_for_job(job_id: str, timeout_s: float) -> str:
 
 
 @pytest.mark.slow
-def test_launched_slurm_job_trains_on_two_nodes_and_completes(slurm_cluster, small_data_dir, tmp_path):
+def test_launched_slurm_job_trains_on_two_nodes_and_completes(
+    slurm_cluster, small_data_dir, tmp_path
+):
     """`strata launch --slurm --nodes 2` submits a job whose two torchruns (one per node) rendezvous
     on the first node, train 6 steps with 2 ranks, and commit checkpoints at steps 3 and 6; sacct
     records the job COMPLETED on two nodes."""
@@ -118,7 +133,9 @@ def test_launched_slurm_job_trains_on_two_nodes_and_completes(slurm_cluster, sma
     for step in (3, 6):
         step_dir = run_dir / "checkpoints" / f"step_{step:08d}"
         assert (step_dir / "COMMITTED").is_file(), step_dir
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     assert steps[-1] == 6
     assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 6
 
@@ -143,7 +160,9 @@ def test_job_script_runs_the_launching_interpreter(tmp_path):
     venv_bin.mkdir(parents=True)
     (venv_bin / "python").symlink_to(sys.executable)
     (venv_bin / "python3").symlink_to("python")
-    script = sbatch_script(job, WorkerCommand("cfg.yaml"), str(tmp_path), interpreter=str(venv_bin / "python3"))
+    script = sbatch_script(
+        job, WorkerCommand("cfg.yaml"), str(tmp_path), interpreter=str(venv_bin / "python3")
+    )
     assert f'export PATH={venv_bin}:"$PATH"' in script
     assert script.index("export PATH=") < script.index("head_addr=$(srun")  # before any step starts
 
@@ -151,8 +170,12 @@ def test_job_script_runs_the_launching_interpreter(tmp_path):
     lone_bin.mkdir(parents=True)
     (lone_bin / "python3").symlink_to(sys.executable)
     (lone_bin / "python").write_text("#!/bin/sh\necho not this one\n")
-    script = sbatch_script(job, WorkerCommand("cfg.yaml"), str(tmp_path), interpreter=str(lone_bin / "python3"))
-    assert "export PATH=" not in script and "python -m" not in script.replace(f"{lone_bin}/python3 -m", "")
+    script = sbatch_script(
+        job, WorkerCommand("cfg.yaml"), str(tmp_path), interpreter=str(lone_bin / "python3")
+    )
+    assert "export PATH=" not in script and "python -m" not in script.replace(
+        f"{lone_bin}/python3 -m", ""
+    )
     assert script.count(f"{lone_bin}/python3 -m") == 2  # the snapshot agent and torchrun
     assert f"$({lone_bin}/python3 -c" in script  # the snapshot secret
 
@@ -161,14 +184,39 @@ def test_an_evaluation_job_runs_strata_eval_on_every_rank(tmp_path, capsys):
     """`strata launch --slurm --eval` writes a job whose workers evaluate the checkpoint (no snapshot
     agent: nothing trains), with the evaluation's flags."""
     script = tmp_path / "eval.sbatch"
-    argv = ["launch", str(REPO / "configs" / "tiny.yaml"), f"log.dir={tmp_path}", "snapshot.every_steps=1"]
-    argv += ["--slurm", "--nodes", "2", "--gpus-per-node", "1", "--no-submit", "--script", str(script)]
-    argv += ["--eval", "--resume", "runs/tiny/checkpoints", "--data", "data/books", "--out", "e.json"]
+    argv = [
+        "launch",
+        str(REPO / "configs" / "tiny.yaml"),
+        f"log.dir={tmp_path}",
+        "snapshot.every_steps=1",
+    ]
+    argv += [
+        "--slurm",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "1",
+        "--no-submit",
+        "--script",
+        str(script),
+    ]
+    argv += [
+        "--eval",
+        "--resume",
+        "runs/tiny/checkpoints",
+        "--data",
+        "data/books",
+        "--out",
+        "e.json",
+    ]
     code, said = run_cli(argv, capsys)
     assert code == 0, said
     text = script.read_text()
     worker = text[text.index("strata.launch.cli") :].splitlines()[0]
     assert worker.startswith(f"strata.launch.cli eval {REPO / 'configs' / 'tiny.yaml'}")
     assert "--resume runs/tiny/checkpoints" in worker
-    assert f"--data {Path('data/books').resolve()}" in worker and f"--out {Path('e.json').resolve()}" in worker
+    assert (
+        f"--data {Path('data/books').resolve()}" in worker
+        and f"--out {Path('e.json').resolve()}" in worker
+    )
     assert "snapshot_agent" not in text

@@ -37,7 +37,9 @@ class Agents:
         agents = [[h["agent"], h["host"], h["port"]] for h in hellos]
         self.ids = [h["agent"] for h in hellos]
         for s in self.socks:
-            assert request(s, {"op": "peers", "agents": agents, "nodes": self.ids, "k": k, "m": m})[0]["ok"]
+            assert request(s, {"op": "peers", "agents": agents, "nodes": self.ids, "k": k, "m": m})[
+                0
+            ]["ok"]
 
     def commit(self, rank: int, step: int, image: bytes, world: int) -> None:
         sock = self.socks[rank]
@@ -47,7 +49,14 @@ class Agents:
             self.maps[(rank, reply["slot"])] = mmap.mmap(fds[0], reply["size"])
             os.close(fds[0])
         self.maps[(rank, reply["slot"])][: len(image)] = image
-        meta = {"rank": rank, "step": step, "world": world, "nbytes": len(image), "data": len(image), "trailer": 0}
+        meta = {
+            "rank": rank,
+            "step": step,
+            "world": world,
+            "nbytes": len(image),
+            "data": len(image),
+            "trailer": 0,
+        }
         assert request(sock, {"op": "commit", "slot": reply["slot"], "meta": meta})[0]["ok"]
 
     def wait_placed(self, step: int) -> None:
@@ -61,12 +70,19 @@ class Agents:
         self.procs[g].kill()
         self.procs[g].wait()
 
-    def fetch(self, via: int, step: int, ranks: list[int], alive: list[int]) -> tuple[dict, dict[int, bytes]]:
+    def fetch(
+        self, via: int, step: int, ranks: list[int], alive: list[int]
+    ) -> tuple[dict, dict[int, bytes]]:
         holdings = {self.ids[g]: request(self.socks[g], {"op": "holdings"})[0] for g in alive}
         sources = _sources(holdings)
         reply, fds = request(
             self.socks[via],
-            {"op": "fetch", "step": step, "ranks": ranks, "sources": {str(r): sources[step][r] for r in ranks}},
+            {
+                "op": "fetch",
+                "step": step,
+                "ranks": ranks,
+                "sources": {str(r): sources[step][r] for r in ranks},
+            },
         )
         images = {}
         for r, fd in zip(ranks, fds):
@@ -97,7 +113,9 @@ def agents(tmp_path):
 @pytest.mark.parametrize("n,k,m", [(3, 2, 1), (6, 4, 2)])
 def test_images_survive_the_loss_of_m_agents_and_not_more(agents, n, k, m):
     a = agents(n, k, m)
-    images = {r: os.urandom(300_000 + 4097 * r) for r in range(n)}  # lengths not multiples of k or 64
+    images = {
+        r: os.urandom(300_000 + 4097 * r) for r in range(n)
+    }  # lengths not multiples of k or 64
     for step in (1, 2):
         for r in range(n):
             a.commit(r, step, images[r] if step == 2 else os.urandom(1000), world=n)
@@ -126,7 +144,12 @@ def test_images_survive_the_loss_of_m_agents_and_not_more(agents, n, k, m):
 
 def test_newest_version_wins_and_rolled_back_versions_go(agents):
     a = agents(2, 1, 1)
-    for step, fill in ((1, b"a"), (2, b"b"), (3, b"c"), (2, b"d")):  # after a restore from 2, step 2 again
+    for step, fill in (
+        (1, b"a"),
+        (2, b"b"),
+        (3, b"c"),
+        (2, b"d"),
+    ):  # after a restore from 2, step 2 again
         for r in range(2):
             a.commit(r, step, fill * 5000, world=2)
         a.wait_placed(step)
@@ -162,8 +185,16 @@ def test_worker_side_errors_name_the_fix(agents):
     with pytest.raises(StrataError, match="STRATA_SNAPSHOT_SOCKET"):
         SnapshotManager(SnapshotConfig(every_steps=1), 0, 1, None, env={})
     a = agents(1, 1, 0)
-    with pytest.raises(StrataError, match=r"snapshot.k \+ snapshot.m = 1 \+ 1 .* this job has 1; set snapshot.m=0"):
-        SnapshotManager(SnapshotConfig(every_steps=1, k=1, m=1), 0, 1, None, env={"STRATA_SNAPSHOT_SOCKET": a.paths[0]})
+    with pytest.raises(
+        StrataError, match=r"snapshot.k \+ snapshot.m = 1 \+ 1 .* this job has 1; set snapshot.m=0"
+    ):
+        SnapshotManager(
+            SnapshotConfig(every_steps=1, k=1, m=1),
+            0,
+            1,
+            None,
+            env={"STRATA_SNAPSHOT_SOCKET": a.paths[0]},
+        )
     manager = SnapshotManager(
         SnapshotConfig(every_steps=1, m=0), 0, 1, None, env={"STRATA_SNAPSHOT_SOCKET": a.paths[0]}
     )
@@ -181,7 +212,14 @@ def test_a_slot_stays_with_its_rank(agents):
             for fd in fds:
                 os.close(fd)
             slots[rank].add(reply["slot"])
-            meta = {"rank": rank, "step": step, "world": 2, "nbytes": 10_000, "data": 10_000, "trailer": 0}
+            meta = {
+                "rank": rank,
+                "step": step,
+                "world": 2,
+                "nbytes": 10_000,
+                "data": 10_000,
+                "trailer": 0,
+            }
             assert request(sock, {"op": "commit", "slot": reply["slot"], "meta": meta})[0]["ok"]
         a.wait_placed(step)
     assert len(slots[0]) == 3 and not slots[0] & slots[1]  # 2 kept + 1 being written, per rank
@@ -192,7 +230,16 @@ def test_two_versions_of_one_step_are_never_combined():
     """A step saved twice (rolled back and replayed, or an agent restarted between) can leave images
     and fragments of both versions; recovery takes one version's pieces only: the one whose home
     agent holds the whole image, else the most recently saved."""
-    old = {"rank": 0, "step": 5, "world": 1, "nbytes": 8, "k": 2, "m": 1, "crc": "0000000a", "saved_at": 1.0}
+    old = {
+        "rank": 0,
+        "step": 5,
+        "world": 1,
+        "nbytes": 8,
+        "k": 2,
+        "m": 1,
+        "crc": "0000000a",
+        "saved_at": 1.0,
+    }
     new = {**old, "crc": "0000000b", "saved_at": 2.0}
     fragments_only = {
         "X": {"full": [], "frags": [[0, 5, 1, old], [0, 5, 2, old]]},
@@ -203,7 +250,14 @@ def test_two_versions_of_one_step_are_never_combined():
     assert entry["meta"]["crc"] == new["crc"] and entry["frags"] == {"0": "Y", "2": "Y", "1": "Z"}
     with_image = {**fragments_only, "W": {"full": [[0, 5, old]], "frags": []}}
     entry = _sources(with_image)[5][0]
-    assert entry["meta"]["crc"] == old["crc"] and entry["full"] == ["W"] and entry["frags"] == {"1": "X", "2": "X"}
-    mixed = {"X": {"full": [], "frags": [[0, 5, 1, old]]}, "Y": {"full": [], "frags": [[0, 5, 0, new]]}}
+    assert (
+        entry["meta"]["crc"] == old["crc"]
+        and entry["full"] == ["W"]
+        and entry["frags"] == {"1": "X", "2": "X"}
+    )
+    mixed = {
+        "X": {"full": [], "frags": [[0, 5, 1, old]]},
+        "Y": {"full": [], "frags": [[0, 5, 0, new]]},
+    }
     step, why = _newest_complete(_sources(mixed))  # one fragment of each: not k=2 of either
     assert step is None and "1 of k=2 fragments" in why

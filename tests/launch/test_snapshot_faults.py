@@ -66,7 +66,10 @@ class Cluster:
         self.port = free_port()
         experiment = tmp / "experiment.yaml"
         experiment.write_text("{}\n")
-        self.args = [str(experiment), *tiny_overrides(data_dir, tmp / "runs", **{**SETTINGS, **settings})]
+        self.args = [
+            str(experiment),
+            *tiny_overrides(data_dir, tmp / "runs", **{**SETTINGS, **settings}),
+        ]
         self.env = {"STRATA_SNAPSHOT_SECRET": os.urandom(32).hex()}
         self.where: dict[str, int] = {}  # node name -> namespace index
         self.host = namespaces.nodes[0].address if namespaces else "127.0.0.1"
@@ -79,7 +82,10 @@ class Cluster:
             return start_strata(*args, marker=self.marker, log=log, env=env)
         self.where[name] = len(self.where)
         return start(
-            self.namespaces.command(self.where[name], strata_command(*args)), marker=self.marker, log=log, env=env
+            self.namespaces.command(self.where[name], strata_command(*args)),
+            marker=self.marker,
+            log=log,
+            env=env,
         )
 
     def start_node(self, name: str) -> None:
@@ -232,7 +238,9 @@ def test_worker_kill_recovers_from_memory(running, reference):
     c.wait(["A", "B"])
     log = c.log("A") + c.log("B")
     assert "snapshot: resumed from in-memory step" in log, log[-6000:]
-    assert "local" in log and "copied from agent" in log  # own ranks from the own agent, the others' from theirs
+    assert (
+        "local" in log and "copied from agent" in log
+    )  # own ranks from the own agent, the others' from theirs
     assert_identical(c, reference)
 
 
@@ -262,7 +270,9 @@ def test_a_stopped_worker_is_named_and_the_restart_resumes_from_memory(cluster, 
     os.kill(pids[0], signal.SIGSTOP)  # alive but frozen: no error reaches torchrun, only silence
     c.wait(["A", "B"])
     log = c.log("A") + c.log("B")
-    assert f"hang: rank 1 (host {os.uname().nodename}, pid {pids[0]}; last collective:" in log, log[-6000:]
+    assert f"hang: rank 1 (host {os.uname().nodename}, pid {pids[0]}; last collective:" in log, log[
+        -6000:
+    ]
     assert "is not responding (stopped, frozen or gone)" in log
     assert "snapshot: resumed from in-memory step" in log, log[-6000:]
     assert_identical(c, reference)
@@ -290,7 +300,9 @@ def real_nodes():
         yield made
 
 
-def test_a_killed_node_is_rebuilt_from_fragments_on_a_fresh_one(tmp_path, small_data_dir, real_nodes, reference):
+def test_a_killed_node_is_rebuilt_from_fragments_on_a_fresh_one(
+    tmp_path, small_data_dir, real_nodes, reference
+):
     """Every process of node B (launcher, torchrun, workers, snapshot agent; on real nodes, all of
     its namespace) is killed; a fresh node C (with its own address on real nodes) joins, and B's
     ranks are rebuilt from the fragments A's agent holds."""
@@ -302,9 +314,13 @@ def test_a_killed_node_is_rebuilt_from_fragments_on_a_fresh_one(tmp_path, small_
         c.kill_node("B")
         c.start_node("C")
         c.wait(["A", "C"])
-        log = c.log("A")  # rank 0 is on A, whichever ranks A's workers had before (the rendezvous may reorder)
+        log = c.log(
+            "A"
+        )  # rank 0 is on A, whichever ranks A's workers had before (the rendezvous may reorder)
         assert "snapshot: resumed from in-memory step" in log, log[-6000:]
-        assert "–" in log and "rebuilt from fragments [1]" in log, log[-6000:]  # B's 2 ranks, from A's fragments
+        assert "–" in log and "rebuilt from fragments [1]" in log, log[
+            -6000:
+        ]  # B's 2 ranks, from A's fragments
         assert_identical(c, reference)
     finally:
         c.close()
@@ -318,7 +334,12 @@ def test_a_partitioned_node_ends_in_recovery_or_one_clear_error_never_a_hang(
     comes back: the job either recovers from memory and ends on the uninterrupted run's state, or
     stops with one clear error, within a bounded time; it never hangs."""
     timeout_s = 12  # the partition outlasts the collective timeout by 5 s
-    c = Cluster(tmp_path, small_data_dir, namespaces, **{"parallel.hang_timeout_s": 4, "parallel.timeout_s": timeout_s})
+    c = Cluster(
+        tmp_path,
+        small_data_dir,
+        namespaces,
+        **{"parallel.hang_timeout_s": 4, "parallel.timeout_s": timeout_s},
+    )
     try:
         c.start_node("A")
         c.start_node("B")
@@ -330,7 +351,9 @@ def test_a_partitioned_node_ends_in_recovery_or_one_clear_error_never_a_hang(
             time.sleep(0.2)
         codes = {n: p.poll() for n, p in c.nodes.items()}
         logs = "\n".join(f"--- {n}\n{c.log(n)[-4000:]}" for n in c.nodes)
-        assert None not in codes.values(), f"still running {DEADLINE_S}s after the partition:\n{logs}"
+        assert None not in codes.values(), (
+            f"still running {DEADLINE_S}s after the partition:\n{logs}"
+        )
         if codes == {"A": 0, "B": 0}:
             assert "resumed from" in c.log("A"), logs
             assert_identical(c, reference)

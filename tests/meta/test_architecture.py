@@ -15,7 +15,9 @@ MAP = ROOT / "docs" / "ARCHITECTURE.md"
 SECTION = "## Where each feature lives"
 NOT_MODULES = {"__init__.py", "__main__.py"}
 
-HEADING = re.compile(r"^\*\*`(strata(?:\.\w+)*)`")  # **`strata.parallel`** or **`strata` (strata/)**
+HEADING = re.compile(
+    r"^\*\*`(strata(?:\.\w+)*)`"
+)  # **`strata.parallel`** or **`strata` (strata/)**
 NAMED = re.compile(r"`([\w.]+)`")
 
 
@@ -90,27 +92,43 @@ def test_every_module_has_a_row():
 
 def test_every_row_names_a_module():
     stale = [f"{name} (line {line})" for name, line in mapped().items() if not exists(name)]
-    assert not stale, f"{MAP.relative_to(ROOT)} has rows for modules that do not exist: " + ", ".join(stale)
+    assert not stale, (
+        f"{MAP.relative_to(ROOT)} has rows for modules that do not exist: " + ", ".join(stale)
+    )
 
 
 def test_package_docstrings_name_their_modules():
     problems = []
     for package, folder in packages().items():
         docstring = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
-        unnamed = [name for name in children(folder) if not re.search(rf"\b{re.escape(name)}\b", docstring)]
+        unnamed = [
+            name for name in children(folder) if not re.search(rf"\b{re.escape(name)}\b", docstring)
+        ]
         if unnamed:
-            problems.append(f"{package} ({folder.relative_to(ROOT)}/__init__.py): {', '.join(unnamed)}")
-    assert not problems, "package docstrings that do not name each of their modules:\n" + "\n".join(problems)
+            problems.append(
+                f"{package} ({folder.relative_to(ROOT)}/__init__.py): {', '.join(unnamed)}"
+            )
+    assert not problems, "package docstrings that do not name each of their modules:\n" + "\n".join(
+        problems
+    )
 
 
 def test_the_walk_finds_the_product():
     """The checks above see every layer (a package they cannot walk would make them pass vacuously)."""
     found = packages()
-    for package in ("strata", "strata.plan", "strata.parallel", "strata.offload", "strata.checkpoint"):
+    for package in (
+        "strata",
+        "strata.plan",
+        "strata.parallel",
+        "strata.offload",
+        "strata.checkpoint",
+    ):
         assert package in found
     for package in ("strata.trainer", "strata.launch", "strata.data"):
         assert package in found
-    assert {"strata.parallel.zero", "strata.trainer.loop", "strata.plan.memory"} <= set(product_modules())
+    assert {"strata.parallel.zero", "strata.trainer.loop", "strata.plan.memory"} <= set(
+        product_modules()
+    )
 
 
 MAX_FILE_LINES = 700

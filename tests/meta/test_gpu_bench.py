@@ -23,7 +23,11 @@ def _gpu_bench():
 
 def _dry_run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
+        [sys.executable, str(SCRIPT), "--dry-run", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
     )
 
 
@@ -48,9 +52,15 @@ def test_the_compile_bench_names_it_uses_exist_and_fp8_overrides_the_preset():
     assert gpu.PRESET in compile_bench.PRESETS
     for variant in gpu.MFU_VARIANTS + gpu.FP8_VARIANTS + gpu.LOSS_VARIANTS:
         assert variant in compile_bench.VARIANTS
-    ov = compile_bench.overrides("1b", "compiled-fp8-rowwise", 5, Path("d"), None, "cuda", ["model.n_layers=4"])
+    ov = compile_bench.overrides(
+        "1b", "compiled-fp8-rowwise", 5, Path("d"), None, "cuda", ["model.n_layers=4"]
+    )
     assert "train.precision=fp8" in ov and "train.precision=bf16" not in ov
-    assert "train.fp8_recipe=rowwise" in ov and "model.n_layers=4" in ov and "model.n_layers=22" not in ov
+    assert (
+        "train.fp8_recipe=rowwise" in ov
+        and "model.n_layers=4" in ov
+        and "model.n_layers=22" not in ov
+    )
 
 
 def test_only_and_skip_choose_rows_setup_and_needs_included():
@@ -70,7 +80,11 @@ def test_the_summary_reads_partial_results():
         "mfu": {
             "data": {
                 "variants": {
-                    "compiled": {"tokens_per_s": 50000.0, "model_tflops": 380.0, "first_step_s": 40.0}
+                    "compiled": {
+                        "tokens_per_s": 50000.0,
+                        "model_tflops": 380.0,
+                        "first_step_s": 40.0,
+                    }
                     | {"step_s": 0.3, "peak_mem_gib": 50.0},
                     "eager": {"error": "exit 1"},
                 }
@@ -94,7 +108,9 @@ def test_plan_only_dry_run_needs_no_wheels():
 
 def test_dry_run_with_the_carried_wheels():
     if not any((ROOT / ".whl").glob("torchao-*.whl")):
-        pytest.skip("no .whl/ with the carried wheels here (python bench/gpu.py --fetch-wheels fills it)")
+        pytest.skip(
+            "no .whl/ with the carried wheels here (python bench/gpu.py --fetch-wheels fills it)"
+        )
     proc = _dry_run()
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

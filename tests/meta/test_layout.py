@@ -29,14 +29,18 @@ def test_top_level_folder_is_a_link_into_strata(name):
         text = path.read_text(errors="replace")[:80]
         pytest.fail(f"{name} is a plain file holding {text!r}, not a symbolic link: {FIX}")
     assert path.is_symlink(), f"{name} is missing or not a symbolic link to strata/{name}: {FIX}"
-    assert os.readlink(path) == f"strata/{name}", f"{name} links to {os.readlink(path)!r}, not strata/{name}"
+    assert os.readlink(path) == f"strata/{name}", (
+        f"{name} links to {os.readlink(path)!r}, not strata/{name}"
+    )
     assert path.resolve() == (ROOT / "strata" / name).resolve()
 
 
 @pytest.mark.parametrize("name", LINKED)
 def test_the_code_lives_under_strata(name):
     folder = ROOT / "strata" / name
-    assert folder.is_dir() and not folder.is_symlink(), f"strata/{name} must be the real folder, not a link"
+    assert folder.is_dir() and not folder.is_symlink(), (
+        f"strata/{name} must be the real folder, not a link"
+    )
     assert (folder / "__init__.py").is_file(), f"strata/{name} has no __init__.py"
 
 
@@ -46,15 +50,23 @@ def test_no_other_links_under_strata():
     assert not links, f"symbolic links under strata/ give modules a second name: {links}"
 
 
-@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout")
+@pytest.mark.skipif(
+    shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout"
+)
 def test_git_records_the_links_as_links():
     """git's index holds each top-level folder as a link (mode 120000) and the files under strata/,
     so `git blame strata/parallel/comm.py` and `git log --follow` work on the path tracebacks print."""
     out = subprocess.run(
-        ["git", "ls-files", "-s", "--", *LINKED], cwd=ROOT, capture_output=True, text=True, check=True
+        ["git", "ls-files", "-s", "--", *LINKED],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.splitlines()
     modes = {line.split("\t")[1]: line.split()[0] for line in out}
-    assert modes == dict.fromkeys(LINKED, "120000"), f"git's index should hold only links for {LINKED}: {modes}"
+    assert modes == dict.fromkeys(LINKED, "120000"), (
+        f"git's index should hold only links for {LINKED}: {modes}"
+    )
     tracked = subprocess.run(
         ["git", "ls-files", "--", "strata/parallel/comm.py", "strata/trainer/loop.py"],
         cwd=ROOT,

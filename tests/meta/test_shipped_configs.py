@@ -48,7 +48,9 @@ LLAMA_3_2_1B = {
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
 def test_a_shipped_config_fits_the_cluster_its_comment_names(path, tmp_path, capsys):
     found = PLAN_LINE.findall(path.read_text())
-    assert len(found) == 1, f"{path.name}: needs one '#   plan: --nodes N --gpus-per-node G --gpu NAME' line"
+    assert len(found) == 1, (
+        f"{path.name}: needs one '#   plan: --nodes N --gpus-per-node G --gpu NAME' line"
+    )
     overrides = []
     if (yaml.safe_load(path.read_text()).get("model") or {}).get("init_from"):
         model = tmp_path / "Llama-3.2-1B"

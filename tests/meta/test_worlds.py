@@ -16,13 +16,18 @@ def test_a_stalled_process_is_taken_for_a_hang(tmp_path):
     began = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
         run_guarded(
-            [sys.executable, "-c", "print('started', flush=True); import time; time.sleep(60)"], tmp_path, None, 2
+            [sys.executable, "-c", "print('started', flush=True); import time; time.sleep(60)"],
+            tmp_path,
+            None,
+            2,
         )
     assert time.monotonic() - began < 20
 
 
 @pytest.mark.slow  # computes for 5 s
 def test_a_silent_but_computing_process_runs_to_its_end(tmp_path):
-    spin = "import time\nend = time.monotonic() + 5\nwhile time.monotonic() < end: pass\nprint('done')"
+    spin = (
+        "import time\nend = time.monotonic() + 5\nwhile time.monotonic() < end: pass\nprint('done')"
+    )
     done = run_guarded([sys.executable, "-c", spin], REPO, None, 2)
     assert done.returncode == 0 and done.stdout == "done\n"

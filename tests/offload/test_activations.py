@@ -20,7 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from strata.config import ModelConfig
 from strata.model import GPT, lm_loss
-from strata.offload.activations import WRITE_WINDOW, ActivationOffloader, _Saved, apply_recompute, blocks_of
+from strata.offload.activations import (
+    WRITE_WINDOW,
+    ActivationOffloader,
+    _Saved,
+    apply_recompute,
+    blocks_of,
+)
 from strata.offload.files import SwapDir
 from strata.offload.io_engine import IOEngine, SwapIOError
 from strata.offload.pool import HostPool
@@ -28,7 +34,9 @@ from strata.offload.swap import Mover
 
 CFG = ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=64)
 VOCAB = 128
-MIN_BYTES = 16 << 10  # (4, 64, 64) fp32 activations are 64 KiB: offloaded; norms' statistics are not
+MIN_BYTES = (
+    16 << 10
+)  # (4, 64, 64) fp32 activations are 64 KiB: offloaded; norms' statistics are not
 SLAB = 256 << 10
 
 
@@ -94,7 +102,12 @@ def train_step(model: GPT, off: ActivationOffloader | None, batches, before_back
 
 
 def run(
-    mode: str | None = None, recompute: bool | str = False, mover=None, swap_file=None, before_backward=None, **kw
+    mode: str | None = None,
+    recompute: bool | str = False,
+    mover=None,
+    swap_file=None,
+    before_backward=None,
+    **kw,
 ) -> tuple[float, dict[str, torch.Tensor], ActivationOffloader | None]:
     model = build()
     if recompute:
@@ -103,7 +116,9 @@ def run(
     if mode:
         off = ActivationOffloader(mode, MIN_BYTES, mover, swap_file, **kw)
         off.attach([model])
-    loss = train_step(model, off, micro_batches(), before_backward and (lambda: before_backward(off)))
+    loss = train_step(
+        model, off, micro_batches(), before_backward and (lambda: before_backward(off))
+    )
     if off:
         off.end_step()
     return loss, {n: p.grad for n, p in model.named_parameters()}, off
@@ -127,7 +142,9 @@ def test_host_offload_gives_identical_gradients_and_stores_each_storage_once(ref
     result = run("cpu")
     assert_identical(result, reference)
     s = result[2].stats
-    assert s["packed"] > 0 and s["deduplicated"] > 0 and s["writes"] == s["packed"] - s["deduplicated"]
+    assert (
+        s["packed"] > 0 and s["deduplicated"] > 0 and s["writes"] == s["packed"] - s["deduplicated"]
+    )
     assert s["skipped_leaf"] > 0 and s["skipped_small"] > 0 and s["live_saved_bytes"] == 0
 
 
@@ -158,12 +175,17 @@ def test_host_offload_through_the_mover_reuses_its_host_buffers_across_steps(ref
 
 def test_swap_file_reads_back_every_storage_when_writes_finish_before_backward(reference, tmp_path):
     with swap_setup(tmp_path) as (mover, swap_file):
-        result = run("nvme", mover=mover, swap_file=swap_file, before_backward=ActivationOffloader.flush)
+        result = run(
+            "nvme", mover=mover, swap_file=swap_file, before_backward=ActivationOffloader.flush
+        )
         s = result[2].stats
         assert_identical(result, reference)
         assert s["writes"] > 0 and s["reads"] == s["writes"] and s["forwarded"] == 0
         assert s["deduplicated"] > 0 and s["bytes_read"] == s["bytes_offloaded"] > 0
-        assert mover.engine.bytes_written >= s["bytes_offloaded"] and mover.engine.bytes_read >= s["bytes_read"]
+        assert (
+            mover.engine.bytes_written >= s["bytes_offloaded"]
+            and mover.engine.bytes_read >= s["bytes_read"]
+        )
         assert os.path.getsize(swap_file.path) == s["file_bytes"] >= s["file_step_peak_bytes"] > 0
 
 
@@ -192,7 +214,11 @@ def test_recompute_gives_identical_gradients_alone_and_with_offload(reference, t
     kept = run("none")[2].stats["counted"]
     with swap_setup(tmp_path) as (mover, swap_file):
         result = run(
-            "nvme", recompute=True, mover=mover, swap_file=swap_file, before_backward=ActivationOffloader.flush
+            "nvme",
+            recompute=True,
+            mover=mover,
+            swap_file=swap_file,
+            before_backward=ActivationOffloader.flush,
         )
     assert_identical(result, reference)
     s = result[2].stats
@@ -238,7 +264,9 @@ def test_selective_recompute_repeats_the_element_wise_ops_but_no_matmul():
     attention = [op for op in full if op.startswith("_scaled_dot_product") and "backward" not in op]
     assert attention and not any(selective[op] > kept[op] for op in attention)
     # what selective recomputes: every block's SwiGLU activation and norms run again in backward
-    norm = "_fused_rms_norm" if full["_fused_rms_norm"] else "rsqrt"  # a kernel, or torch's decomposition
+    norm = (
+        "_fused_rms_norm" if full["_fused_rms_norm"] else "rsqrt"
+    )  # a kernel, or torch's decomposition
     for op in ("silu", norm):
         assert selective[op] == full[op] > kept[op], op
 
@@ -249,7 +277,9 @@ def test_leaves_are_kept_by_reference_and_never_offloaded():
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     packed = []
     pack = off._pack
-    off._pack = lambda t: packed.append((t, pack(t))) or packed[-1][1]  # saving() takes the hooks from here
+    off._pack = lambda t: (
+        packed.append((t, pack(t))) or packed[-1][1]
+    )  # saving() takes the hooks from here
     train_step(model, off, micro_batches(1))
     leaves = [(t, out) for t, out in packed if (t._base if t._base is not None else t).is_leaf]
     assert any(isinstance(t, torch.nn.Parameter) for t, _ in leaves)
@@ -317,7 +347,9 @@ def test_saved_tensors_are_released_when_autograd_drops_them_not_at_first_unpack
             del loss
             if off:
                 off.end_step()
-                assert off.stats["live_saved_bytes"] == 0 and off.stats["reads"] == off.stats["writes"]
+                assert (
+                    off.stats["live_saved_bytes"] == 0 and off.stats["reads"] == off.stats["writes"]
+                )
     for a, b in zip(outs[None], outs["nvme"]):
         assert all(torch.equal(u, v) for u, v in zip(a, b))
 
@@ -336,7 +368,10 @@ def test_file_regions_are_reused_step_after_step(tmp_path):
         assert s["steps"] == 3 and s["file_grows"] == 1 and sizes == [s["file_bytes"]] * 3
         # more bytes went through the file than one step's room: regions were reused. (How much a
         # step offloads varies under load, as writes still in flight keep some activations in memory.)
-        assert s["bytes_offloaded"] > s["file_step_peak_bytes"] * 1.5 and s["file_step_peak_bytes"] <= s["file_bytes"]
+        assert (
+            s["bytes_offloaded"] > s["file_step_peak_bytes"] * 1.5
+            and s["file_step_peak_bytes"] <= s["file_bytes"]
+        )
 
 
 def test_a_full_disk_while_growing_the_file_names_the_keys(tmp_path, monkeypatch):

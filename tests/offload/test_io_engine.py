@@ -21,10 +21,15 @@ def aligned(nbytes: int) -> torch.Tensor:
 def test_written_bytes_read_back_identical_across_chunks_and_threads(tmp_path):
     n = 5 * 64 * ALIGN + 3 * ALIGN  # 5 full chunks and a short one
     data = aligned(n)
-    data.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+    data.copy_(
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    )
     engine = IOEngine(threads=3, chunk_bytes=64 * ALIGN)
     try:
-        first, second = engine.write(tmp_path / "a.swap", data), engine.write(tmp_path / "b.swap", data[: 2 * ALIGN])
+        first, second = (
+            engine.write(tmp_path / "a.swap", data),
+            engine.write(tmp_path / "b.swap", data[: 2 * ALIGN]),
+        )
         first.wait()
         second.wait()
         back = aligned(n)

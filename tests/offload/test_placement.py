@@ -79,7 +79,9 @@ def test_hand_computed_mix_of_two():
 
 def test_balanced_numbers_give_a_mix_no_slower_than_all_cpu():
     # roughly an H100 over PCIe 4: 25 GB/s each way, CPU Adam 1.5 G/s slowed 20 % by the copies
-    m = Measured(cuda=True, b_h2d=25e9, b_d2h=25e9, r_cpu=1.5e9, r_gpu=1e11, kappa=0.8, m_free=40 << 30)
+    m = Measured(
+        cuda=True, b_h2d=25e9, b_d2h=25e9, r_cpu=1.5e9, r_gpu=1e11, kappa=0.8, m_free=40 << 30
+    )
     p = plan([16 << 20] * 12, m)
     assert 0 < sum(p.on_gpu) < 12
     assert p.predicted_s < p.all_cpu_s
@@ -155,7 +157,9 @@ def test_random_plans_respect_memory_and_never_lose_to_all_cpu():
 
 
 def test_records_are_plain_json():
-    m = Measured(cuda=True, b_h2d=2.5e10, b_d2h=2.4e10, r_cpu=1.5e9, r_gpu=1e11, kappa=0.9, m_free=1 << 30)
+    m = Measured(
+        cuda=True, b_h2d=2.5e10, b_d2h=2.4e10, r_cpu=1.5e9, r_gpu=1e11, kappa=0.9, m_free=1 << 30
+    )
     p = plan([1 << 20] * 4, m)
     assert isinstance(p, Placement)
     for record in (m.as_record(), p.as_record()):

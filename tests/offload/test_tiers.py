@@ -23,10 +23,22 @@ from strata.parallel.runtime import start
 from strata.trainer.loop import Trainer, run
 
 from conftest import tiny_config
-from worlds import COMMON, REPO, TESTS, ZERO3, assert_same_params, final_params, launch_run, losses_from
+from worlds import (
+    COMMON,
+    REPO,
+    TESTS,
+    ZERO3,
+    assert_same_params,
+    final_params,
+    launch_run,
+    losses_from,
+)
 
 MODEL = {"model.n_layers": 3, "model.d_model": 64, **ZERO3}
-SMALL_SLABS = {"offload.slab_mb": 0.0625, "offload.host_buffer_mb": 0.25}  # 4 slabs of 64 KiB: 2 streams' minimum
+SMALL_SLABS = {
+    "offload.slab_mb": 0.0625,
+    "offload.host_buffer_mb": 0.25,
+}  # 4 slabs of 64 KiB: 2 streams' minimum
 
 
 def train(cfg, steps: int = 4):
@@ -63,8 +75,15 @@ VARIANTS = {
     "params-cpu": {"offload.params.device": "cpu"},
     "optim-nvme-subgroups": {"offload.optim.device": "nvme", **SMALL_SLABS},
     "optim-cpu": {"offload.optim.device": "cpu"},
-    "optim-cpu-updated-on-device-path": {"offload.optim.device": "cpu", "offload.optim.update_on": "gpu"},
-    "all-nvme-minimum-budget": {"offload.params.device": "nvme", "offload.optim.device": "nvme", **SMALL_SLABS},
+    "optim-cpu-updated-on-device-path": {
+        "offload.optim.device": "cpu",
+        "offload.optim.update_on": "gpu",
+    },
+    "all-nvme-minimum-budget": {
+        "offload.params.device": "nvme",
+        "offload.optim.device": "nvme",
+        **SMALL_SLABS,
+    },
     "all-nvme-buffered-io": {
         "offload.params.device": "nvme",
         "offload.optim.device": "nvme",
@@ -95,25 +114,35 @@ VARIANTS = {
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_offload_trains_exactly_as_without(small_data_dir, tmp_path, reference, name):
     settings = {**MODEL, **VARIANTS[name], "offload.nvme_path": str(tmp_path / "swap")}
-    losses, shards, moments, held, metrics, files = train(tiny_config(small_data_dir, tmp_path, **settings))
+    losses, shards, moments, held, metrics, files = train(
+        tiny_config(small_data_dir, tmp_path, **settings)
+    )
     ref_losses, ref_shards, ref_moments, ref_held, _, _ = reference
     if torch.cuda.is_available():  # a GPU run: CPU and GPU fused AdamW differ in the last bits
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
         torch.testing.assert_close(shards, ref_shards, rtol=1e-3, atol=1e-5)
         return
     assert losses == ref_losses
-    assert len(shards) == len(ref_shards) and all(torch.equal(a, b) for a, b in zip(shards, ref_shards))
-    assert len(moments) == len(ref_moments) and all(torch.equal(a, b) for a, b in zip(moments, ref_moments))
+    assert len(shards) == len(ref_shards) and all(
+        torch.equal(a, b) for a, b in zip(shards, ref_shards)
+    )
+    assert len(moments) == len(ref_moments) and all(
+        torch.equal(a, b) for a, b in zip(moments, ref_moments)
+    )
     if VARIANTS[name].get("offload.params.device") == "nvme":
         assert held["params"] < ref_held["params"]  # shards dropped after the step
-    if VARIANTS[name].get("offload.params.device") == "cpu":  # on a CPU the shards are in host memory already
+    if (
+        VARIANTS[name].get("offload.params.device") == "cpu"
+    ):  # on a CPU the shards are in host memory already
         assert held["params"] == ref_held["params"]
     if "offload.optim.device" in VARIANTS[name]:
         assert held["optim"] == 0 < ref_held["optim"]
     if "nvme" in VARIANTS[name].values():
         assert metrics["io_write_bytes"] > 0 and metrics["io_read_bytes"] > 0
         assert files and all(size > 0 for size in files.values())
-        if "offload.optim.device" in VARIANTS[name]:  # two moments of every parameter element, 4-KiB aligned
+        if (
+            "offload.optim.device" in VARIANTS[name]
+        ):  # two moments of every parameter element, 4-KiB aligned
             n_elems = sum(s.numel() for s in ref_shards)
             assert 2 * 4 * n_elems <= files["optim"] < 2 * 4 * n_elems + 2 * 4096 * 64
         if "offload.params.device" in VARIANTS[name]:
@@ -121,7 +150,9 @@ def test_offload_trains_exactly_as_without(small_data_dir, tmp_path, reference, 
     if VARIANTS[name].get("activations.offload") == "nvme":
         acts = metrics["activations"]
         assert acts["deduplicated"] > 0 and acts["bytes_offloaded"] > 0 and acts["reads"] > 0
-        assert files["activations"] >= acts["bytes_offloaded"] / 4  # one step's worth (of 4) at a time
+        assert (
+            files["activations"] >= acts["bytes_offloaded"] / 4
+        )  # one step's worth (of 4) at a time
     if "offload.host_buffer_mb" in VARIANTS[name]:
         assert 0 < metrics["pool_peak_bytes"] <= VARIANTS[name]["offload.host_buffer_mb"] * 2**20
 
@@ -131,7 +162,12 @@ def test_mover_round_trips_through_slabs_files_and_host_tensors(tmp_path):
     flight, the budget never exceeded) and to host tensors, and come back exactly."""
     swap = SwapDir(tmp_path / "swap", 0)
     f = swap.file("params")
-    sizes = [1, 1025, 70_000, 300_000]  # fp32 elements: under a page, a page and a bit, several slabs
+    sizes = [
+        1,
+        1025,
+        70_000,
+        300_000,
+    ]  # fp32 elements: under a page, a page and a bit, several slabs
     regions = [FileRegion(f, f.region(4 * n), 4 * n) for n in sizes]
     swap.preallocate({})
     pool = HostPool(2 * 65536, 65536, 0, {"params": 2})
@@ -174,12 +210,16 @@ def test_offload_swap_traffic_is_zero_infinity_s(small_data_dir, tmp_path):
         cfg = tiny_config(small_data_dir, tmp_path / str(keep), **settings)
         trainer = Trainer(cfg, start())
         groups = trainer.model.engine.groups
-        shard_bytes = sum(-(-4 * g.shard.numel() // 4096) * 4096 for g in groups)  # O_DIRECT pads to 4 KiB
+        shard_bytes = sum(
+            -(-4 * g.shard.numel() // 4096) * 4096 for g in groups
+        )  # O_DIRECT pads to 4 KiB
         written0 = trainer.model.tiers.io.bytes_written
         assert written0 == shard_bytes  # the initial move
         losses[keep] = [trainer.train_step()[0].item() for _ in range(2)]
         reads[keep] = trainer.model.tiers.io.bytes_read
-        assert trainer.model.tiers.io.bytes_written - written0 == 2 * shard_bytes  # one write-back per step
+        assert (
+            trainer.model.tiers.io.bytes_written - written0 == 2 * shard_bytes
+        )  # one write-back per step
         if keep == 0:
             micro = cfg.grad_accum_steps(1)
             assert reads[0] == 2 * (2 * micro + 1) * shard_bytes
@@ -195,12 +235,18 @@ def _aligned_bytes(group) -> int:
 
 
 @pytest.mark.parametrize("budget", ["auto", "two-groups"])
-def test_resident_shards_are_never_reread_nor_written_back(small_data_dir, tmp_path, reference, budget):
+def test_resident_shards_are_never_reread_nor_written_back(
+    small_data_dir, tmp_path, reference, budget
+):
     """`offload.params.resident_mb`: the shards the budget holds stay in memory once read and are
     never written home; a set budget takes them from the start (the initial move skips them), null
     sizes it from the free memory after the first step. Either way the run trains bit for bit as
     without offload, and the other shards still make their swap traffic."""
-    settings = {**MODEL, "offload.params.device": "nvme", "offload.nvme_path": str(tmp_path / "swap")}
+    settings = {
+        **MODEL,
+        "offload.params.device": "nvme",
+        "offload.nvme_path": str(tmp_path / "swap"),
+    }
     sizes = None
     if budget == "two-groups":  # exactly the first two groups in the update's order
         probe = Trainer(tiny_config(small_data_dir, tmp_path / "probe", **settings), start())
@@ -210,7 +256,11 @@ def test_resident_shards_are_never_reread_nor_written_back(small_data_dir, tmp_p
     else:
         settings["offload.params.resident_mb"] = None
     trainer = Trainer(tiny_config(small_data_dir, tmp_path, **settings), start())
-    tier, io, groups = trainer.model.tiers.param_tier, trainer.model.tiers.io, trainer.model.engine.groups
+    tier, io, groups = (
+        trainer.model.tiers.param_tier,
+        trainer.model.tiers.io,
+        trainer.model.engine.groups,
+    )
     initial = io.bytes_written
     per_step = []
     for _ in range(4):
@@ -223,13 +273,23 @@ def test_resident_shards_are_never_reread_nor_written_back(small_data_dir, tmp_p
     if budget == "two-groups":
         assert [g.name for g in resident] == [g.name for g in groups[:2]]  # nothing else fits
         assert initial == sum(_aligned_bytes(g) for g in others)  # resident shards never went home
-        assert all(w == sum(_aligned_bytes(g) for g in others) for _, w in per_step)  # the others: once a step
+        assert all(
+            w == sum(_aligned_bytes(g) for g in others) for _, w in per_step
+        )  # the others: once a step
         assert all(0 < r for r, _ in per_step)
     else:
-        assert initial == sum(_aligned_bytes(g) for g in groups)  # unknown at start: every shard went home
-        assert len(resident) == len(groups)  # this small model fits the free memory of any test machine
-        assert per_step[0][1] == initial  # the first step writes every changed shard back, as without a budget
-        assert per_step[1][1] == 0 and per_step[1][0] < per_step[0][0]  # the shards not kept are read once more
+        assert initial == sum(
+            _aligned_bytes(g) for g in groups
+        )  # unknown at start: every shard went home
+        assert len(resident) == len(
+            groups
+        )  # this small model fits the free memory of any test machine
+        assert (
+            per_step[0][1] == initial
+        )  # the first step writes every changed shard back, as without a budget
+        assert (
+            per_step[1][1] == 0 and per_step[1][0] < per_step[0][0]
+        )  # the shards not kept are read once more
         assert per_step[2] == per_step[3] == (0, 0)  # then nothing moves
     with trainer.model.state_in_memory():
         shards = [g.shard.clone() for g in groups]
@@ -245,7 +305,13 @@ def test_resident_shards_are_never_reread_nor_written_back(small_data_dir, tmp_p
 def test_offloaded_checkpoint_resumes_with_and_without_offload(small_data_dir, tmp_path):
     """A run offloading everything to NVMe saves at step 3; resumed without offload and with it,
     both finish steps 4-6 on the uninterrupted run's losses and parameters."""
-    extra = {**MODEL, **COMMON, "train.steps": 6, "checkpoint.interval": 3, "checkpoint.keep_last": 0}
+    extra = {
+        **MODEL,
+        **COMMON,
+        "train.steps": 6,
+        "checkpoint.interval": 3,
+        "checkpoint.keep_last": 0,
+    }
     offload = {
         "offload.params.device": "nvme",
         "offload.optim.device": "nvme",
@@ -269,12 +335,20 @@ def test_offloaded_checkpoint_resumes_with_and_without_offload(small_data_dir, t
 def test_swap_dir_problems_fail_at_start_up(small_data_dir, tmp_path):
     settings = {**MODEL, "offload.params.device": "nvme"}
     with pytest.raises(StrataError, match=r"offload.nvme_path /sys/.*cannot create"):
-        Trainer(tiny_config(small_data_dir, tmp_path, **settings, **{"offload.nvme_path": "/sys/strata-swap"}), start())
+        Trainer(
+            tiny_config(
+                small_data_dir, tmp_path, **settings, **{"offload.nvme_path": "/sys/strata-swap"}
+            ),
+            start(),
+        )
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     with pytest.raises(StrataError, match="offload.nvme_path"):
         Trainer(
-            tiny_config(small_data_dir, tmp_path, **settings, **{"offload.nvme_path": str(a_file / "sub")}), start()
+            tiny_config(
+                small_data_dir, tmp_path, **settings, **{"offload.nvme_path": str(a_file / "sub")}
+            ),
+            start(),
         )
 
 
@@ -283,7 +357,9 @@ def test_full_disk_fails_at_start_up_naming_the_key(small_data_dir, tmp_path):
     """RLIMIT_FSIZE makes the file system 'full' for this process: preallocation fails with EFBIG
     before the first step, naming the config key and the bytes needed (root ignores chmod, so a
     read-only directory cannot be simulated with permissions)."""
-    settings = dict(MODEL, **{"offload.optim.device": "nvme", "offload.nvme_path": str(tmp_path / "swap")})
+    settings = dict(
+        MODEL, **{"offload.optim.device": "nvme", "offload.nvme_path": str(tmp_path / "swap")}
+    )
     script = f"""
 import resource, signal, sys
 sys.path.insert(0, {str(TESTS)!r})  # conftest
@@ -315,7 +391,11 @@ except Exception as e:
     [
         ({"offload.params.device": "nvme"}, "need.* offload.nvme_path"),
         (
-            {"offload.params.device": "cpu", "zero.params.shard_over": "none", "zero.grads.shard_over": "none"},
+            {
+                "offload.params.device": "cpu",
+                "zero.params.shard_over": "none",
+                "zero.grads.shard_over": "none",
+            },
             "set zero.params.shard_over",
         ),
         (
@@ -370,7 +450,8 @@ def test_offload_dp2_through_launch_matches_one_process(small_data_dir, tmp_path
     for step, loss in reference.losses.items():
         assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
     assert_same_params(
-        final_params(tmp_path / "par" / "t" / "checkpoints"), final_params(reference_cfg.checkpoint_dir())
+        final_params(tmp_path / "par" / "t" / "checkpoints"),
+        final_params(reference_cfg.checkpoint_dir()),
     )
     summary = json.loads((tmp_path / "par" / "t" / "summary.json").read_text())
     assert summary["offload"]["io_read_bytes"] > 0 and summary["offload"]["io_write_bytes"] > 0

@@ -39,7 +39,9 @@ def make_model() -> nn.Module:
 
 def global_batch(step: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(SEED * 1000 + step)
-    return torch.randn(replicas * BATCH, 8, generator=gen), torch.randn(replicas * BATCH, 1, generator=gen)
+    return torch.randn(replicas * BATCH, 8, generator=gen), torch.randn(
+        replicas * BATCH, 1, generator=gen
+    )
 
 
 def local_grads(model: nn.Module, step: int, rank: int, replicas: int) -> None:
@@ -134,14 +136,19 @@ def _overlap_case(rank: int, size: int, overlap: bool) -> dict:
             if (step + 1) % 3 == 0:
                 out["round_s"].append(time.monotonic() - t)
                 out["in_flight_after"].append(co2.in_flight)
-                out["completed_after"].append(co2.pending[0].is_completed() if co2.in_flight else None)
+                out["completed_after"].append(
+                    co2.pending[0].is_completed() if co2.in_flight else None
+                )
         co2.finish()
     finally:
         comm.set_link_delay("inter-node", 0)
     return out
 
 
-RESUME_STEPS, RESUME_AT = 9, 5  # H = 2: rounds end at 2, 4, 6, 8; step 5 is mid-round with round 2's delta in flight
+RESUME_STEPS, RESUME_AT = (
+    9,
+    5,
+)  # H = 2: rounds end at 2, 4, 6, 8; step 5 is mid-round with round 2's delta in flight
 
 
 def _resume_co2(model: nn.Module, group) -> CO2:
@@ -209,7 +216,10 @@ def _worker(rank: int, size: int, port: int, out_dir: str) -> None:
         if size == 4:  # two nodes of two ranks: dp inside a node, CO2 across nodes
             topo = build_topology(Layout(dp=4, ranks_per_node=2), rank)
             res["sync"] = _sync_case(
-                rank, size, topo.level_group("node", within_dp=True), topo.level_group("node", replica=True)
+                rank,
+                size,
+                topo.level_group("node", within_dp=True),
+                topo.level_group("node", replica=True),
             )
         else:
             res["sync"] = _sync_case(rank, size, None, dist.group.WORLD)
@@ -227,7 +237,11 @@ def _worker(rank: int, size: int, port: int, out_dir: str) -> None:
 def worlds(tmp_path_factory) -> dict[int, list[dict]]:
     return {
         size: run_world(
-            _worker, size, tmp_path_factory.mktemp(f"co2-{size}"), timeout_s=WORLD_TIMEOUT_S, start_method="fork"
+            _worker,
+            size,
+            tmp_path_factory.mktemp(f"co2-{size}"),
+            timeout_s=WORLD_TIMEOUT_S,
+            start_method="fork",
         )
         for size in (2, 4)
     }
@@ -269,7 +283,9 @@ def test_round_average_reaches_parameters_one_round_late(worlds, case):
     penalty = 0.5 if case == "late-penalty" else 0.0
     rounds = len(ranks[0]["after"])
     avg = [torch.stack([r["deltas"][k] for r in ranks]).mean(0) for k in range(rounds)]
-    assert not torch.allclose(ranks[0]["deltas"][0], ranks[1]["deltas"][0])  # replicas saw different data
+    assert not torch.allclose(
+        ranks[0]["deltas"][0], ranks[1]["deltas"][0]
+    )  # replicas saw different data
     # The anchor: round k's average enters it at the end of round k+1, not before.
     expected = [ranks[0]["x0"]]  # after round 0: nothing applied yet
     for k in range(rounds - 1):
@@ -281,10 +297,15 @@ def test_round_average_reaches_parameters_one_round_late(worlds, case):
     for r in ranks:
         for k in range(rounds):
             torch.testing.assert_close(
-                r["after"][k], expected[k] + penalized(-r["deltas"][k], penalty), rtol=1e-6, atol=1e-7
+                r["after"][k],
+                expected[k] + penalized(-r["deltas"][k], penalty),
+                rtol=1e-6,
+                atol=1e-7,
             )
     # So after round 0 a replica's parameters hold none of the other replica's progress.
-    torch.testing.assert_close(ranks[0]["after"][0], ranks[0]["x0"] + penalized(-ranks[0]["deltas"][0], penalty))
+    torch.testing.assert_close(
+        ranks[0]["after"][0], ranks[0]["x0"] + penalized(-ranks[0]["deltas"][0], penalty)
+    )
     if penalty:
         gap = -ranks[0]["deltas"][1]
         assert not torch.allclose(penalized(gap, penalty), gap, rtol=1e-3, atol=1e-6)
@@ -305,7 +326,9 @@ def test_async_reduction_overlaps_local_steps(worlds):
         assert s["in_flight_after"] == [False, False, False] and s["steps_in_flight"] == 0
 
 
-def _clip_run(clip: float | None, delta: torch.Tensor, beta: float = 0.0, rounds: int = 1) -> list[torch.Tensor]:
+def _clip_run(
+    clip: float | None, delta: torch.Tensor, beta: float = 0.0, rounds: int = 1
+) -> list[torch.Tensor]:
     """Single replica (no group), synchronous, H = 1: each round the local step moves the
     parameters by -delta; the anchor after each round."""
     p = nn.Parameter(torch.zeros_like(delta))
@@ -323,12 +346,16 @@ def test_momentum_clip_changes_the_update_only_above_the_threshold():
     delta = torch.tensor([3.0, -4.0])  # norm 5
     unclipped = _clip_run(None, delta)[0]
     torch.testing.assert_close(unclipped, -delta)
-    torch.testing.assert_close(_clip_run(10.0, delta)[0], unclipped)  # below the threshold: untouched
+    torch.testing.assert_close(
+        _clip_run(10.0, delta)[0], unclipped
+    )  # below the threshold: untouched
     clipped = _clip_run(2.0, delta)[0]
     torch.testing.assert_close(clipped, -delta * 2.0 / 5.0)  # above: the step has norm exactly 2
     assert clipped.norm().item() == pytest.approx(2.0)
     # The stored momentum is the clipped one: next round m = 0.5·(clipped m) + delta, clipped again.
-    two = _clip_run(100.0 / 9, delta, beta=0.5, rounds=2)  # 2nd m = 0.5·delta + delta, norm 7.5 < 11.1
+    two = _clip_run(
+        100.0 / 9, delta, beta=0.5, rounds=2
+    )  # 2nd m = 0.5·delta + delta, norm 7.5 < 11.1
     torch.testing.assert_close(two[1], -delta - 1.5 * delta)
     two = _clip_run(2.0, delta, beta=0.5, rounds=2)
     m1 = delta * 2.0 / 5.0
@@ -342,12 +369,16 @@ def test_resume_mid_round_with_a_reduction_in_flight_is_exact(worlds):
     for r in (w["resume"] for w in worlds[2]):
         assert r["in_flight_at_save"] and r["pending_restored"]
         assert r["clip_scale"] < 1.0  # the clip was active, so its state matters too
-        torch.testing.assert_close(r["saved-and-went-on"], r["plain"], rtol=0, atol=0)  # saving changes nothing
+        torch.testing.assert_close(
+            r["saved-and-went-on"], r["plain"], rtol=0, atol=0
+        )  # saving changes nothing
         torch.testing.assert_close(r["resumed"], r["plain"], rtol=0, atol=0)
         torch.testing.assert_close(r["resumed-final"], r["plain-final"], rtol=0, atol=0)
     a, b = (w["resume"] for w in worlds[2])
     assert not torch.equal(a["plain"], b["plain"])  # mid-round, replicas differ...
-    torch.testing.assert_close(a["plain-final"], b["plain-final"], rtol=0, atol=0)  # ...finish() agrees them
+    torch.testing.assert_close(
+        a["plain-final"], b["plain-final"], rtol=0, atol=0
+    )  # ...finish() agrees them
 
 
 def test_state_dict_refuses_other_parameters():
@@ -387,7 +418,11 @@ TWO_NODES = {
     "checkpoint.interval": 3,
     "checkpoint.save_final": True,
 }
-ZERO_NODE = {"zero.params.shard_over": "node", "zero.grads.shard_over": "node", "zero.optim.shard_over": "node"}
+ZERO_NODE = {
+    "zero.params.shard_over": "node",
+    "zero.grads.shard_over": "node",
+    "zero.optim.shard_over": "node",
+}
 
 
 def _train_world(small_data_dir, run_root, *extra: str, **settings):
@@ -404,7 +439,9 @@ def co2_run(small_data_dir, tmp_path_factory):
 
 
 @pytest.mark.slow  # worlds of 4 processes running `strata train`
-def test_trainer_co2_over_zero_chunks_matches_co2_over_whole_replicas(small_data_dir, tmp_path, co2_run):
+def test_trainer_co2_over_zero_chunks_matches_co2_over_whole_replicas(
+    small_data_dir, tmp_path, co2_run
+):
     """Each rank running CO2 on its node-level ZeRO chunk is the same algorithm, element by element."""
     _, (losses, params) = co2_run
     zero_losses, zero_params = _train_world(small_data_dir, tmp_path, **TWO_NODES, **ZERO_NODE)

@@ -29,7 +29,10 @@ LENGTHS = ([3, 9, 1, 12, 7], [2, 6, 6, 4, 6, 8])
 
 
 def documents() -> Documents:
-    ids = [torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)) for lengths in LENGTHS]
+    ids = [
+        torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        for lengths in LENGTHS
+    ]
     return Documents(torch.stack(ids))
 
 
@@ -45,7 +48,9 @@ def reference(kv_heads: int, packed: bool) -> dict[str, torch.Tensor]:
     q, k, v, grad = inputs(kv_heads)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     mask = documents().mask() if packed else None
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not packed, enable_gqa=kv_heads != HEADS)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=not packed, enable_gqa=kv_heads != HEADS
+    )
     out.backward(grad)
     return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
 
@@ -82,7 +87,9 @@ def test_split_attention_matches_one_process(ranks, cp, kind, kv_heads, packed):
     group_ranks = range(cp)  # the first group (ranks 0..cp-1); the second pair computes the same
     for name in ("out", "q", "k", "v"):
         whole = unshard([ranks[r][case][name] for r in group_ranks], dim=2)
-        torch.testing.assert_close(whole, ref[name], rtol=1e-5, atol=1e-5, msg=f"{name} ({kind}, cp={cp})")
+        torch.testing.assert_close(
+            whole, ref[name], rtol=1e-5, atol=1e-5, msg=f"{name} ({kind}, cp={cp})"
+        )
     if cp == 2:
         for name in ("out", "q", "k", "v"):
             torch.testing.assert_close(ranks[2][case][name], ranks[0][case][name])

@@ -31,7 +31,9 @@ MOE = {
 }
 
 
-def train(data_dir, root, nproc: int, *extra: str, **settings) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+def train(
+    data_dir, root, nproc: int, *extra: str, **settings
+) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     train_run(data_dir, root, nproc, *extra, **{**BASE, **settings})
     return losses_from(root / "t"), final_params(root / "t" / "checkpoints")
 
@@ -43,7 +45,9 @@ def assert_same_run(got, want) -> None:
         assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), f"step {step}"
     assert params.keys() == ref_params.keys()
     for key, ref in ref_params.items():
-        torch.testing.assert_close(params[key], ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            params[key], ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{key}: {m}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -93,23 +97,38 @@ def one_process_moe(small_data_dir, tmp_path_factory):
         "cp2-3-level",
     ],
 )
-def test_context_parallel_matches_one_process(one_process, small_data_dir, tmp_path, nproc, settings):
+def test_context_parallel_matches_one_process(
+    one_process, small_data_dir, tmp_path, nproc, settings
+):
     assert_same_run(train(small_data_dir, tmp_path, nproc, **settings), one_process)
 
 
-def test_context_parallel_with_expert_parallel_matches_one_process(one_process_moe, small_data_dir, tmp_path):
+def test_context_parallel_with_expert_parallel_matches_one_process(
+    one_process_moe, small_data_dir, tmp_path
+):
     got = train(small_data_dir, tmp_path, 4, **MOE, **{"parallel.cp": 2, "parallel.ep": 2})
     assert_same_run(got, one_process_moe)
 
 
-@pytest.mark.parametrize(("nproc", "settings"), [(1, {}), (4, {"parallel.cp": 4})], ids=["to-cp1", "to-cp4"])
-def test_a_checkpoint_saved_at_cp2_resumes_at_any_cp(one_process, small_data_dir, tmp_path, nproc, settings):
+@pytest.mark.parametrize(
+    ("nproc", "settings"), [(1, {}), (4, {"parallel.cp": 4})], ids=["to-cp1", "to-cp4"]
+)
+def test_a_checkpoint_saved_at_cp2_resumes_at_any_cp(
+    one_process, small_data_dir, tmp_path, nproc, settings
+):
     """Saved at step 3 by a cp = 2 run (ZeRO-1 over its dp·cp ranks), resumed in another layout: steps
     4-6 and the final weights are the one-process run's."""
     first = tmp_path / "first"
-    train(small_data_dir, first, 2, **{"parallel.cp": 2, "checkpoint.interval": 3, "zero.optim.shard_over": "global"})
+    train(
+        small_data_dir,
+        first,
+        2,
+        **{"parallel.cp": 2, "checkpoint.interval": 3, "zero.optim.shard_over": "global"},
+    )
     saved = store.step_dir(first / "t" / "checkpoints", 3)
-    resumed, params = train(small_data_dir, tmp_path / "resumed", nproc, "--resume", str(saved), **settings)
+    resumed, params = train(
+        small_data_dir, tmp_path / "resumed", nproc, "--resume", str(saved), **settings
+    )
     ref_losses, ref_params = one_process
     assert sorted(resumed) == [4, 5, 6]
     assert_same_run((resumed, params), ({s: ref_losses[s] for s in (4, 5, 6)}, ref_params))

@@ -48,7 +48,13 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(WORLD * TOKENS, D, generator=g), torch.randn(WORLD * TOKENS, D, generator=g)
 
 
-def run(layer: MoE, x: torch.Tensor, grad_out: torch.Tensor, dispatch=None, experts: Experts | None = None) -> dict:
+def run(
+    layer: MoE,
+    x: torch.Tensor,
+    grad_out: torch.Tensor,
+    dispatch=None,
+    experts: Experts | None = None,
+) -> dict:
     x = x.clone().requires_grad_()
     routing = layer.router(x)
     out = (dispatch or layer.dispatch)(x, routing, experts or layer.experts)
@@ -100,7 +106,10 @@ def test_dispatch_across_nodes_matches_one_process(ranks, routing, kind):
     x, grad_out = inputs()
     ref = run(make_layer(ROUTINGS[routing]), x, grad_out)
     got = [r[(routing, kind)] for r in ranks]
-    assert got[0]["dispatch"] == {"flat": "AllToAllDispatch", "hierarchical": "HierarchicalDispatch"}[kind]
+    assert (
+        got[0]["dispatch"]
+        == {"flat": "AllToAllDispatch", "hierarchical": "HierarchicalDispatch"}[kind]
+    )
     close = {"rtol": 1e-5, "atol": 1e-6}
     torch.testing.assert_close(torch.cat([g["out"] for g in got]), ref["out"], **close)
     torch.testing.assert_close(torch.cat([g["x"] for g in got]), ref["x"], **close)
@@ -112,8 +121,12 @@ def test_dispatch_across_nodes_matches_one_process(ranks, routing, kind):
     per_rank, per_node = EXPERTS // WORLD, EXPERTS // (WORLD // PER_NODE)
     want = 0
     for rank, g in enumerate(got):
-        remote = (g["experts_chosen"] // per_node) != rank // PER_NODE  # (tokens, k): slot on the other node
-        if kind == "flat":  # counts to the 2 remote ranks; rows there and back, forward and backward
+        remote = (
+            g["experts_chosen"] // per_node
+        ) != rank // PER_NODE  # (tokens, k): slot on the other node
+        if (
+            kind == "flat"
+        ):  # counts to the 2 remote ranks; rows there and back, forward and backward
             want += 2 * per_rank * 8 + 4 * int(remote.sum()) * D * 4
         else:  # the count to the remote node; per copy: rows and results both ways, gates both ways, ids
             want += 8 + int(remote.any(dim=1).sum()) * (4 * D * 4 + 3 * TOP_K * 4)

@@ -33,7 +33,9 @@ MOE = {
 }
 
 
-def train(data_dir, root, nproc: int, *extra: str, **settings) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+def train(
+    data_dir, root, nproc: int, *extra: str, **settings
+) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     train_run(data_dir, root, nproc, *extra, **{**MOE, **settings})
     return losses_from(root / "t"), final_params(root / "t" / "checkpoints")
 
@@ -50,17 +52,31 @@ def assert_same_run(got, want) -> None:
         assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), f"step {step}"
     assert params.keys() == ref_params.keys()
     for key, ref in ref_params.items():
-        torch.testing.assert_close(params[key], ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            params[key], ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{key}: {m}"
+        )
 
 
 @pytest.mark.parametrize(
     ("nproc", "settings"),
     [
         (4, {"parallel.ep": 4, "parallel.ranks_per_node": 2, **ZERO3}),
-        (4, {"parallel.ep": 2, "zero.optim.shard_over": "global", "zero.grads.shard_over": "global"}),
         (
             4,
-            {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.ep": 4, "zero.optim.shard_over": "global"},
+            {
+                "parallel.ep": 2,
+                "zero.optim.shard_over": "global",
+                "zero.grads.shard_over": "global",
+            },
+        ),
+        (
+            4,
+            {
+                "parallel.tp": 2,
+                "parallel.sequence_parallel": True,
+                "parallel.ep": 4,
+                "zero.optim.shard_over": "global",
+            },
         ),
         (2, {"parallel.tp": 2, "parallel.sequence_parallel": True}),
         (
@@ -75,8 +91,24 @@ def assert_same_run(got, want) -> None:
             },
         ),
         (2, {"parallel.ep": 2, "zero.optim.shard_over": "global", "offload.optim.device": "cpu"}),
-        (2, {"parallel.ep": 2, "zero.optim.shard_over": "global", "offload.optim.device": "nvme", "nvme": True}),
-        (2, {"parallel.ep": 2, "parallel.pp": 1, "activations.recompute": "selective", "train.compile": True}),
+        (
+            2,
+            {
+                "parallel.ep": 2,
+                "zero.optim.shard_over": "global",
+                "offload.optim.device": "nvme",
+                "nvme": True,
+            },
+        ),
+        (
+            2,
+            {
+                "parallel.ep": 2,
+                "parallel.pp": 1,
+                "activations.recompute": "selective",
+                "train.compile": True,
+            },
+        ),
     ],
     ids=[
         "ep4-2nodes-zero3",
@@ -89,7 +121,9 @@ def assert_same_run(got, want) -> None:
         "ep2-compile-selective",
     ],
 )
-def test_expert_parallel_training_matches_one_process(small_data_dir, tmp_path, one_process, nproc, settings):
+def test_expert_parallel_training_matches_one_process(
+    small_data_dir, tmp_path, one_process, nproc, settings
+):
     """Composed with ZeRO at every level (3-level: a GPU's GCD pair, the node, the world, for experts
     and dense state each over their own ranks), optimizer offload to host memory and NVMe, and
     compilation with selective recomputation (the MoE layers run eagerly inside compiled blocks)."""
@@ -110,12 +144,16 @@ def ep4(small_data_dir, tmp_path_factory):
     [(2, {"parallel.ep": 2}), (2, {"parallel.pp": 2})],
     ids=["to-ep2", "to-ep1-pp2"],
 )
-def test_a_checkpoint_saved_at_ep4_resumes_in_other_layouts(small_data_dir, tmp_path, ep4, nproc, settings):
+def test_a_checkpoint_saved_at_ep4_resumes_in_other_layouts(
+    small_data_dir, tmp_path, ep4, nproc, settings
+):
     """Experts resharded like any tensor (rows of the stacked weights), their optimizer state and
     the router biases with them: the resumed run's steps 4-6 and final weights are the saving run's."""
     root, (losses, params) = ep4
     saved = store.step_dir(root / "t" / "checkpoints", 3)
     assert Checkpoint(saved).tensors("model.")["layers.1.mlp.router.expert_bias"].abs().sum() > 0
-    resumed, resumed_params = train(small_data_dir, tmp_path, nproc, "--resume", str(saved), **settings)
+    resumed, resumed_params = train(
+        small_data_dir, tmp_path, nproc, "--resume", str(saved), **settings
+    )
     assert sorted(resumed) == [4, 5, 6]
     assert_same_run((resumed, resumed_params), ({s: losses[s] for s in (4, 5, 6)}, params))

@@ -31,7 +31,11 @@ def test_every_range_maps_to_boxes_that_hold_exactly_its_elements(shape):
 
 def test_two_dimensional_ranges_are_at_most_three_boxes():
     boxes = range_to_boxes((4, 5), 3, 17)  # rest of row 0, rows 1-2, start of row 3
-    assert [(b.offsets, b.sizes) for b in boxes] == [((0, 3), (1, 2)), ((1, 0), (2, 5)), ((3, 0), (1, 2))]
+    assert [(b.offsets, b.sizes) for b in boxes] == [
+        ((0, 3), (1, 2)),
+        ((1, 0), (2, 5)),
+        ((3, 0), (1, 2)),
+    ]
     assert range_to_boxes((4, 5), 5, 15)[0].sizes == (2, 5)  # aligned: one box of whole rows
 
 

@@ -80,7 +80,9 @@ def _train(topo, plan: ZeroPlan, rank: int, overlapped: bool) -> dict:
 
     def logged(name):
         def call(*args, **kwargs):
-            if name != "all_gather_into_views" or kwargs.get("async_op"):  # gathers of ZeRO-3's forward: not ours
+            if name != "all_gather_into_views" or kwargs.get(
+                "async_op"
+            ):  # gathers of ZeRO-3's forward: not ours
                 events.append(("hop", name, threading.current_thread().name))
             return real[name](*args, **kwargs)
 
@@ -123,7 +125,10 @@ def _worker(rank: int, size: int, port: int, out_dir: str) -> None:
         results = {}
         for name, kw in SCHEMES.items():
             plan = ZeroPlan(**kw)
-            results[name] = {"serial": _train(topo, plan, rank, False), "overlap": _train(topo, plan, rank, True)}
+            results[name] = {
+                "serial": _train(topo, plan, rank, False),
+                "overlap": _train(topo, plan, rank, True),
+            }
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -138,7 +143,9 @@ def ranks(tmp_path_factory) -> list[dict]:
 def test_overlapped_reduction_gives_the_serial_parameters_bit_for_bit(ranks, scheme):
     for r, result in enumerate(ranks):
         serial, overlapped = result[scheme]["serial"], result[scheme]["overlap"]
-        assert not [e for e in serial["events"] if e[0] == "start" or e[2] != "MainThread"]  # all after backward
+        assert not [
+            e for e in serial["events"] if e[0] == "start" or e[2] != "MainThread"
+        ]  # all after backward
         for name, want in serial["params"].items():
             assert torch.equal(overlapped["params"][name], want), f"rank {r} {scheme} {name}"
 
@@ -149,7 +156,9 @@ def test_overlapped_training_matches_one_process(ranks, scheme):
     for r, result in enumerate(ranks):
         got = result[scheme]["overlap"]["params"]
         for name, ref in want.items():
-            torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=2e-5, msg=lambda m: f"rank {r} {name}: {m}")
+            torch.testing.assert_close(
+                got[name], ref, rtol=1e-5, atol=2e-5, msg=lambda m: f"rank {r} {name}: {m}"
+            )
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
@@ -177,7 +186,9 @@ def test_hierarchical_chains_run_on_lanes_per_level(ranks):
         # steps each have a lane of their own, so one bucket's outer step can run beside the next
         # bucket's inner step.
         assert hops and not [
-            e for e in run["events"] if e[0] == "hop" and e[2] == "MainThread" and e[1] != "all_gather_into_views"
+            e
+            for e in run["events"]
+            if e[0] == "hop" and e[2] == "MainThread" and e[1] != "all_gather_into_views"
         ]
         lanes = {name for _, _, name in hops}
         assert {"strata-reduce-gpu-node-rs", "strata-reduce-node-global-rs"} <= lanes, lanes

@@ -23,7 +23,9 @@ NAMES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 def run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +66,23 @@ def test_each_stage_and_microbatch_runs_forward_and_backward_once_on_its_owner(r
     owner: dict[int, int] = {}
     for rank, actions in enumerate(rec["ranks"]):
         for a in actions:
-            assert owner.setdefault(a["stage"], rank) == rank, f"stage {a['stage']} runs on two ranks"
+            assert owner.setdefault(a["stage"], rank) == rank, (
+                f"stage {a['stage']} runs on two ranks"
+            )
     assert sorted(owner) == list(range(n_stages))
     assert Counter(owner.values()) == {r: rec["virtual_stages"] for r in range(P)}
     if name == "ZBVZeroBubble":  # the V-shaped map: rank r owns stages r and 2P-1-r
         assert all(owner[r] == owner[2 * P - 1 - r] == r for r in range(P))
     for kind in ("F", "B"):
-        assert Counter((a["stage"], a["mb"]) for acts in rec["ranks"] for a in acts if a["kind"] == kind) == everything
-    weights = Counter((a["stage"], a["mb"]) for acts in rec["ranks"] for a in acts if a["kind"] == "W")
+        assert (
+            Counter(
+                (a["stage"], a["mb"]) for acts in rec["ranks"] for a in acts if a["kind"] == kind
+            )
+            == everything
+        )
+    weights = Counter(
+        (a["stage"], a["mb"]) for acts in rec["ranks"] for a in acts if a["kind"] == "W"
+    )
     # zero-bubble schedules split every backward into B (input grad) and a later W (weight grad)
     assert weights == (everything if "ZeroBubble" in name else Counter())
 
@@ -83,7 +94,9 @@ def test_timeline_is_sequential_per_rank_and_respects_data_dependencies(records,
     for actions in rec["ranks"]:
         ordered = sorted(actions, key=lambda a: a["start"])
         assert all(0 <= a["start"] <= a["end"] <= rec["step_time"] for a in ordered)
-        assert all(a["end"] <= b["start"] for a, b in zip(ordered, ordered[1:])), "overlapping actions on one rank"
+        assert all(a["end"] <= b["start"] for a, b in zip(ordered, ordered[1:])), (
+            "overlapping actions on one rank"
+        )
     at = {(a["kind"], a["stage"], a["mb"]): a for acts in rec["ranks"] for a in acts}
     for (kind, s, m), a in at.items():
         before = {
@@ -91,7 +104,9 @@ def test_timeline_is_sequential_per_rank_and_respects_data_dependencies(records,
             "B": [("F", s, m)] + ([("B", s + 1, m)] if s < last else []),
             "W": [("B", s, m)],
         }[kind]
-        assert all(at[d]["end"] <= a["start"] for d in before), f"{kind}{s}.{m} started before {before} ended"
+        assert all(at[d]["end"] <= a["start"] for d in before), (
+            f"{kind}{s}.{m} started before {before} ended"
+        )
     # the zero-communication replay of the same order and durations is a lower bound of the real step
     assert rec["replay_step_time"] <= rec["step_time"] + 1e-6
 
@@ -122,6 +137,10 @@ def test_plot_schedule_writes_png_and_plain_plot_still_takes_a_run_dir(records, 
     bad = tmp_path / "bad.json"
     bad.write_text('{"schedule": "x"}')
     proc = strata("plot", "schedule", str(bad))
-    assert proc.returncode == 2 and "not a schedule record" in proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "not a schedule record" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
     proc = strata("plot", str(tmp_path / "no-such-run"))  # the run-curves form
     assert proc.returncode == 2 and "no metrics" in proc.stderr

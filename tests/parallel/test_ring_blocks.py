@@ -12,7 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from strata.model import Documents
-from strata.parallel.context import _block_backward, _block_forward, _Blocks, _merge, positions, shard, unshard
+from strata.parallel.context import (
+    _block_backward,
+    _block_forward,
+    _Blocks,
+    _merge,
+    positions,
+    shard,
+    unshard,
+)
 
 DEVICES = [
     pytest.param("cpu", 2, 4, 64, id="cpu"),
@@ -37,7 +45,9 @@ def emulated_ring(q, k, v, dout, cp: int, docs: Documents | None):
     scale = q.shape[-1] ** -0.5
     seq = q.shape[2]
     ids = None if docs is None else docs.ids.to(q.device)
-    qs, ks, vs, ds = ([shard(t, cp, r, dim=2).contiguous() for r in range(cp)] for t in (q, k, v, dout))
+    qs, ks, vs, ds = (
+        [shard(t, cp, r, dim=2).contiguous() for r in range(cp)] for t in (q, k, v, dout)
+    )
     outs, dqs = [], []
     dks = [torch.zeros_like(t, dtype=torch.float32) for t in ks]
     dvs = [torch.zeros_like(t, dtype=torch.float32) for t in vs]
@@ -50,7 +60,12 @@ def emulated_ring(q, k, v, dout, cp: int, docs: Documents | None):
             src = (rank - step) % cp
             if not empty:
                 block_out, block_lse = _block_forward(
-                    qs[rank][:, :, rows], ks[src][:, :, keys], vs[src][:, :, keys], causal, scale, mask
+                    qs[rank][:, :, rows],
+                    ks[src][:, :, keys],
+                    vs[src][:, :, keys],
+                    causal,
+                    scale,
+                    mask,
                 )
                 _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         out = out.to(q.dtype)
@@ -93,7 +108,9 @@ def test_the_ring_blocks_merged_are_whole_sequence_attention(device, cp, kv_head
     got = emulated_ring(q, k, v, dout, cp, docs)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     mask = None if docs is None else docs.mask().to(device)
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=kv_heads != heads)
+    want = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=kv_heads != heads
+    )
     want.backward(dout)
     tol = 1e-5 if device == "cpu" else 2e-4
     for name, x, ref in zip(("out", "dq", "dk", "dv"), got, (want, q.grad, k.grad, v.grad)):
@@ -105,7 +122,11 @@ def test_ring_blocks_cut_the_document_mask_and_skip_the_empty_ones():
     a block no query may attend is marked empty (so no kernel runs on it)."""
     seq, cp = 32, 4
     lengths = ([3, 9, 1, 12, 7], [2, 6, 6, 4, 6, 8])
-    docs = Documents(torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in lengths]))
+    docs = Documents(
+        torch.stack(
+            [torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in lengths]
+        )
+    )
     whole = docs.mask()[:, 0]  # (b, seq, seq)
     empty = 0
     for rank in range(cp):

@@ -50,13 +50,17 @@ CASES = {
 
 
 def model_config(**kw) -> ModelConfig:
-    return ModelConfig(**{"n_layers": 2, "d_model": 32, "n_heads": 4, "seq_len": SEQ, "vocab_size": VOCAB, **kw})
+    return ModelConfig(
+        **{"n_layers": 2, "d_model": 32, "n_heads": 4, "seq_len": SEQ, "vocab_size": VOCAB, **kw}
+    )
 
 
 def make_model(settings: dict):
     model = build_model(model_config(**settings), VOCAB, seed=SEED)
     gen = torch.Generator().manual_seed(SEED + 1)
-    with torch.no_grad():  # norm weights start at one, biases at zero; randomise them so their use is checked too
+    with (
+        torch.no_grad()
+    ):  # norm weights start at one, biases at zero; randomise them so their use is checked too
         for m in model.modules():
             if isinstance(m, RMSNorm):
                 m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=gen))
@@ -69,7 +73,10 @@ def make_model(settings: dict):
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(SEED + 2)
     return [
-        (torch.randint(VOCAB, (BATCH, SEQ), generator=gen), torch.randint(VOCAB, (BATCH, SEQ), generator=gen))
+        (
+            torch.randint(VOCAB, (BATCH, SEQ), generator=gen),
+            torch.randint(VOCAB, (BATCH, SEQ), generator=gen),
+        )
         for _ in range(MICRO_BATCHES)
     ]
 
@@ -97,17 +104,32 @@ def _tp_case(rank: int, size: int, settings: dict, sp: bool) -> dict:
     shapes: dict[str, tuple] = {}
     widest: list[int] = []
     hooks = [
-        layer.register_forward_pre_hook(lambda m, a, i=i: shapes.__setitem__(f"layer{i}", tuple(a[0].shape)))
+        layer.register_forward_pre_hook(
+            lambda m, a, i=i: shapes.__setitem__(f"layer{i}", tuple(a[0].shape))
+        )
         for i, layer in enumerate(model.layers)
     ]
-    hooks.append(model.norm.register_forward_pre_hook(lambda m, a: shapes.__setitem__("norm", tuple(a[0].shape))))
-    hooks.append(model.output.register_forward_hook(lambda m, a, out: shapes.__setitem__("logits", tuple(out.shape))))
-    hooks += [m.register_forward_hook(lambda m, a, out: widest.append(out.shape[-1])) for m in model.modules()]
+    hooks.append(
+        model.norm.register_forward_pre_hook(
+            lambda m, a: shapes.__setitem__("norm", tuple(a[0].shape))
+        )
+    )
+    hooks.append(
+        model.output.register_forward_hook(
+            lambda m, a, out: shapes.__setitem__("logits", tuple(out.shape))
+        )
+    )
+    hooks += [
+        m.register_forward_hook(lambda m, a, out: widest.append(out.shape[-1]))
+        for m in model.modules()
+    ]
 
     losses, fwd_bytes, bwd_bytes, act_bytes = [], Counter(), Counter(), []
     for inputs, targets in batches():
         before = Counter(comm.bytes_moved)
-        loss, saved = saved_activation_bytes(lambda: loss_fn(model(inputs), targets) / MICRO_BATCHES)
+        loss, saved = saved_activation_bytes(
+            lambda: loss_fn(model(inputs), targets) / MICRO_BATCHES
+        )
         mid = Counter(comm.bytes_moved)
         loss.backward()
         fwd_bytes += mid - before
@@ -155,7 +177,11 @@ def worlds(tmp_path_factory) -> dict[int, list[dict]]:
     for size in sorted({c[0] for c in CASES.values()}):
         out_dir = tmp_path_factory.mktemp(f"tp{size}")
         out[size] = run_world(
-            _worker, size, out_dir, [n for n, c in CASES.items() if c[0] == size], timeout_s=WORLD_TIMEOUT_S
+            _worker,
+            size,
+            out_dir,
+            [n for n, c in CASES.items() if c[0] == size],
+            timeout_s=WORLD_TIMEOUT_S,
         )
     return out
 
@@ -183,7 +209,9 @@ def assemble(ranks: list[dict], name: str) -> dict[str, torch.Tensor]:
         if placement.shard_dim is None:
             assert all(pl == placement for _, pl in local), key
             for g, _ in local[1:]:
-                torch.testing.assert_close(g, grad, rtol=0, atol=0, msg=lambda m: f"{key} differs across ranks: {m}")
+                torch.testing.assert_close(
+                    g, grad, rtol=0, atol=0, msg=lambda m: f"{key} differs across ranks: {m}"
+                )
             out[key] = grad
         else:
             out[key] = torch.cat([g for g, _ in local], dim=placement.shard_dim)
@@ -204,7 +232,9 @@ def test_loss_and_gradients_match_single_process(worlds, name):
     grads = assemble(ranks, name)
     assert grads.keys() == ref["grads"].keys()
     for key, g in ref["grads"].items():
-        torch.testing.assert_close(grads[key], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
+        torch.testing.assert_close(
+            grads[key], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}"
+        )
 
 
 @pytest.mark.slow  # the `worlds` fixture: 2- and 4-process gloo worlds
@@ -241,7 +271,9 @@ def test_collectives_per_step(worlds, name):
     per-head q/k norms' gradients are all-reduced in every case (each rank sees only its heads)."""
     size, settings, sp = CASES[name]
     layers, d, tokens = 2, 32, BATCH * SEQ
-    qk_norms = MICRO_BATCHES * layers * 2 * 4 * settings["head_dim"] if settings.get("qk_norm") else 0
+    qk_norms = (
+        MICRO_BATCHES * layers * 2 * 4 * settings["head_dim"] if settings.get("qk_norm") else 0
+    )
     act = MICRO_BATCHES * 4 * tokens * d  # one full (batch, seq, d) fp32 activation per micro-batch
     loss = MICRO_BATCHES * 3 * 4 * tokens  # vocab-parallel CE: max, target logit, sum of exp
     for r in worlds[size]:
@@ -273,7 +305,9 @@ def test_vocab_parallel_loss_equals_cross_entropy(worlds, size):
     ranks = [r["loss-only"] for r in worlds[size]]
     for r in ranks:
         assert r["loss"] == pytest.approx(expected.item(), rel=1e-6)
-    torch.testing.assert_close(torch.cat([r["grad"] for r in ranks], dim=-1), logits.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        torch.cat([r["grad"] for r in ranks], dim=-1), logits.grad, rtol=1e-5, atol=1e-7
+    )
 
 
 def test_sequence_parallel_rejects_indivisible_sequence():

@@ -86,7 +86,9 @@ def _rank_body(rank: int) -> dict[str, float]:
         assert a.shape == b.shape, (name, tuple(a.shape), tuple(b.shape))
         diffs[name] = ((a.detach() - b.detach()).abs().max() / b.detach().abs().max()).item()
 
-    def copy_of(full):  # megatron's init_method: the master weight it then slices is our full weight
+    def copy_of(
+        full,
+    ):  # megatron's init_method: the master weight it then slices is our full weight
         return lambda master: master.copy_(full)
 
     def linear(full):
@@ -219,13 +221,30 @@ def _child_main(out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def diffs(tmp_path_factory) -> dict:
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        pytest.skip("megatron-core not installed (pip install -e '.[test]' installs megatron-core==0.16.1)")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])  # worlds
+    if (
+        importlib.util.find_spec("megatron") is None
+        or importlib.util.find_spec("megatron.core") is None
+    ):
+        pytest.skip(
+            "megatron-core not installed (pip install -e '.[test]' installs megatron-core==0.16.1)"
+        )
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+    }
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )  # worlds
     out_dir = tmp_path_factory.mktemp("megatron")
     proc = subprocess.run(
-        [sys.executable, __file__, str(out_dir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, __file__, str(out_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

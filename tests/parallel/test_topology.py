@@ -81,7 +81,9 @@ def test_layout_groups_partition_the_world(tp, pp, dp):
         assert all(len(g) == degree[dim] for g in groups), (dim, groups)
         flat = [r for g in groups for r in g]
         assert sorted(flat) == list(range(n)), (dim, groups)  # every rank exactly once
-        for g in groups:  # a group is the ranks that differ only in `dim`, ordered by that coordinate
+        for (
+            g
+        ) in groups:  # a group is the ranks that differ only in `dim`, ordered by that coordinate
             assert [layout.coords(r)[dim] for r in g] == list(range(degree[dim])), (dim, g)
             for other in DIMS:
                 if other != dim:
@@ -102,7 +104,11 @@ def test_layout_coords_round_trip(tp, pp, dp):
     for p in range(pp):
         for d in range(dp):
             for t in range(tp):
-                assert layout.coords(layout.rank_of(pp=p, dp=d, tp=t)) == {"pp": p, "dp": d, "tp": t}
+                assert layout.coords(layout.rank_of(pp=p, dp=d, tp=t)) == {
+                    "pp": p,
+                    "dp": d,
+                    "tp": t,
+                }
 
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=IDS)
@@ -153,7 +159,11 @@ def test_hardware_coords_follow_the_launcher(tp, pp, dp, rpn, rpg):
     for r in range(layout.world_size):
         hw = layout.hardware_coords(r)
         assert tuple(hw) == HARDWARE
-        assert 0 <= hw["gcd"] < rpg and 0 <= hw["gpu"] < rpn // rpg and 0 <= hw["node"] < layout.world_size // rpn
+        assert (
+            0 <= hw["gcd"] < rpg
+            and 0 <= hw["gpu"] < rpn // rpg
+            and 0 <= hw["node"] < layout.world_size // rpn
+        )
         # torchrun/srun: node n holds ranks [n·rpn, (n+1)·rpn); local ranks fill GPUs rpg at a time
         assert r == hw["gcd"] + rpg * (hw["gpu"] + (rpn // rpg) * hw["node"]), (r, hw)
         seen.add((hw["node"], hw["gpu"], hw["gcd"]))
@@ -166,19 +176,34 @@ def test_level_groups_are_contiguous_nested_units(tp, pp, dp, rpn, rpg):
     layout = hw_layout(tp, pp, dp, rpn, rpg)
     n = layout.world_size
     expected_size = {"none": 1, "gcd": 1, "gpu": rpg, "node": rpn, "global": n}
-    shared = {"none": HARDWARE + ("rank",), "gcd": HARDWARE, "gpu": ("node", "gpu"), "node": ("node",), "global": ()}
+    shared = {
+        "none": HARDWARE + ("rank",),
+        "gcd": HARDWARE,
+        "gpu": ("node", "gpu"),
+        "node": ("node",),
+        "global": (),
+    }
     for level in LEVELS:
         groups = layout.level_groups(level)
         size = expected_size[level]
         assert layout.level_size(level) == size
-        assert groups == [list(range(s, s + size)) for s in range(0, n, size)], level  # contiguous blocks
+        assert groups == [list(range(s, s + size)) for s in range(0, n, size)], (
+            level
+        )  # contiguous blocks
         for g in groups:  # a unit's ranks share exactly the coordinates above that unit
             hw = [{**layout.hardware_coords(r), "rank": r} for r in g]
             assert all(len({h[k] for h in hw}) == 1 for k in shared[level]), (level, g)
-    for finer, coarser in zip(LEVELS, LEVELS[1:]):  # every unit lies inside one unit of the next level
+    for finer, coarser in zip(
+        LEVELS, LEVELS[1:]
+    ):  # every unit lies inside one unit of the next level
         outer = layout.level_groups(coarser)
-        assert all(any(set(g) <= set(o) for o in outer) for g in layout.level_groups(finer)), (finer, coarser)
-    for r in range(n):  # tp placement rule holds for these layouts: a tp group in one node or whole nodes
+        assert all(any(set(g) <= set(o) for o in outer) for g in layout.level_groups(finer)), (
+            finer,
+            coarser,
+        )
+    for r in range(
+        n
+    ):  # tp placement rule holds for these layouts: a tp group in one node or whole nodes
         tp_group = next(g for g in layout.group_ranks("tp") if r in g)
         nodes = {layout.hardware_coords(x)["node"] for x in tp_group}
         assert len(nodes) == 1 or len(tp_group) == len(nodes) * rpn
@@ -193,10 +218,14 @@ def test_level_groups_within_dp_are_the_intersections(tp, pp, dp, rpn, rpg):
         pieces = layout.level_groups(level, within_dp=True)
         assert _is_partition(pieces, n), level
         # brute force: every non-empty dp-group ∩ unit, members in dp order
-        brute = [[r for r in g if r in set(u)] for g in dp_groups for u in layout.level_groups(level)]
+        brute = [
+            [r for r in g if r in set(u)] for g in dp_groups for u in layout.level_groups(level)
+        ]
         assert sorted(pieces) == sorted(b for b in brute if b), level
         for piece in pieces:
-            assert [layout.coords(r)["dp"] for r in piece] == sorted(layout.coords(r)["dp"] for r in piece)
+            assert [layout.coords(r)["dp"] for r in piece] == sorted(
+                layout.coords(r)["dp"] for r in piece
+            )
         replicas = layout.replica_groups(level)
         assert _is_partition(replicas, n), level
         for g in dp_groups:  # within a dp group, shard pieces × replica groups form a grid
@@ -204,9 +233,17 @@ def test_level_groups_within_dp_are_the_intersections(tp, pp, dp, rpn, rpg):
             mine_r = [q for q in replicas if set(q) <= set(g)]
             assert sorted(r for p in mine_p for r in p) == g
             assert sorted(r for q in mine_r for r in q) == g
-            assert all(len(set(p) & set(q)) == 1 for p in mine_p for q in mine_r), (level, mine_p, mine_r)
-            for q in mine_r:  # a replica group has one member per unit, at the same position in each
-                assert len({tuple(layout.level_groups(level)[r // layout.level_size(level)]) for r in q}) == len(q)
+            assert all(len(set(p) & set(q)) == 1 for p in mine_p for q in mine_r), (
+                level,
+                mine_p,
+                mine_r,
+            )
+            for (
+                q
+            ) in mine_r:  # a replica group has one member per unit, at the same position in each
+                assert len(
+                    {tuple(layout.level_groups(level)[r // layout.level_size(level)]) for r in q}
+                ) == len(q)
                 assert len({next(p for p in mine_p if r in p).index(r) for r in q}) == 1
     # the levels ZeRO cares about, spelled out
     assert layout.level_groups("global", within_dp=True) == dp_groups
@@ -228,7 +265,9 @@ def test_nested_chunks_lie_inside_the_finer_levels_chunks(tp, pp, dp, rpn, rpg):
             count = chunks[0][1]
             assert {c for _, c in chunks} == {count} and dp % count == 0
             held = [i for i, _ in chunks]
-            assert sorted(set(held)) == list(range(count)) and all(held.count(i) == dp // count for i in held)
+            assert sorted(set(held)) == list(range(count)) and all(
+                held.count(i) == dp // count for i in held
+            )
         for r in group:
             for fine, coarse in zip(chain, chain[1:]):
                 (i, n), (j, m) = layout.nested_chunk(r, fine), layout.nested_chunk(r, coarse)
@@ -236,7 +275,9 @@ def test_nested_chunks_lie_inside_the_finer_levels_chunks(tp, pp, dp, rpn, rpg):
     # the digit groups between adjacent levels partition the world, and (none, L) is L's shard group
     for inner, outer in zip(chain, chain[1:]):
         assert _is_partition(layout.digit_groups(inner, outer), layout.world_size)
-        assert sorted(layout.digit_groups("none", outer)) == sorted(layout.level_groups(outer, within_dp=True))
+        assert sorted(layout.digit_groups("none", outer)) == sorted(
+            layout.level_groups(outer, within_dp=True)
+        )
 
 
 def test_frontier_example():
@@ -280,7 +321,9 @@ def test_layout_rejects_impossible_hardware_and_unknown_levels():
 
 
 def test_topology_level_group_lookup():
-    topo = Topology(Layout(dp=4, ranks_per_node=2), 2, {"dp_node": "shard", "dp_node_replica": "replica"})
+    topo = Topology(
+        Layout(dp=4, ranks_per_node=2), 2, {"dp_node": "shard", "dp_node_replica": "replica"}
+    )
     assert topo.hardware_coords == {"node": 1, "gpu": 0, "gcd": 0}
     assert topo.level_group("node", within_dp=True) == "shard"
     assert topo.level_group("node", replica=True) == "replica"
@@ -296,20 +339,29 @@ def test_topology_level_group_lookup():
 
 def test_layout_from_config_valid():
     par = ParallelConfig(tp=2, pp=2, ranks_per_node=4, ranks_per_gpu=2)
-    assert layout_from_config(par, 16, None) == Layout(tp=2, pp=2, dp=4, ranks_per_node=4, ranks_per_gpu=2)
+    assert layout_from_config(par, 16, None) == Layout(
+        tp=2, pp=2, dp=4, ranks_per_node=4, ranks_per_gpu=2
+    )
     # ranks_per_node null: the launcher's LOCAL_WORLD_SIZE; without a launcher, one node
     assert layout_from_config(ParallelConfig(tp=2), 8, 4).ranks_per_node == 4
     assert layout_from_config(ParallelConfig(tp=2), 8, None).ranks_per_node == 8
     # a set ranks_per_node wins (one machine standing in for two nodes)
     assert layout_from_config(ParallelConfig(ranks_per_node=2), 4, 4).ranks_per_node == 2
     # tp spanning whole nodes is allowed; explicit dp that fits is kept
-    assert layout_from_config(ParallelConfig(tp=8, dp=2), 16, 4) == Layout(tp=8, dp=2, ranks_per_node=4)
+    assert layout_from_config(ParallelConfig(tp=8, dp=2), 16, 4) == Layout(
+        tp=8, dp=2, ranks_per_node=4
+    )
 
 
 @pytest.mark.parametrize(
     "par,world,local,expected",
     [
-        (dict(tp=2, pp=2, dp=3), 8, None, [r"tp·pp·dp = 2·2·3 = 12 but the world size is 8; set parallel.dp=2"]),
+        (
+            dict(tp=2, pp=2, dp=3),
+            8,
+            None,
+            [r"tp·pp·dp = 2·2·3 = 12 but the world size is 8; set parallel.dp=2"],
+        ),
         (dict(tp=2, pp=3), 8, None, [r"world size 8 is not divisible by parallel.tp·pp = 2·3 = 6"]),
         (
             dict(ranks_per_node=3),
@@ -356,7 +408,15 @@ def test_layout_from_config_valid():
             ],
         ),
     ],
-    ids=["product", "tp-pp-divide", "per-node", "local-world", "per-gpu", "tp-straddles", "all-at-once"],
+    ids=[
+        "product",
+        "tp-pp-divide",
+        "per-node",
+        "local-world",
+        "per-gpu",
+        "tp-straddles",
+        "all-at-once",
+    ],
 )
 def test_layout_from_config_errors(par, world, local, expected):
     with pytest.raises(ConfigError) as err:
@@ -376,7 +436,9 @@ def test_layout_from_config_errors(par, world, local, expected):
 
 def _run_child(mode: str, layouts: list) -> dict:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])  # worlds
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )  # worlds
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), mode, json.dumps(layouts)],
         cwd=REPO,
@@ -394,7 +456,9 @@ def _real_world_worker(rank: int, world: int, port: int, out_dir: str, layout: L
     try:
         topo = build_topology(layout, rank)
         sums = {}
-        for name in sorted(topo.groups):  # same order everywhere: a mismatched group would hang or mis-sum
+        for name in sorted(
+            topo.groups
+        ):  # same order everywhere: a mismatched group would hang or mis-sum
             t = torch.tensor([float(rank)])
             dist.all_reduce(t, group=topo.groups[name])
             sums[name] = (dist.get_process_group_ranks(topo.groups[name]), t.item())
@@ -403,7 +467,10 @@ def _real_world_worker(rank: int, world: int, port: int, out_dir: str, layout: L
         dist.destroy_process_group()
 
 
-REAL_WORLDS = [(1, 1, 4, 2, 2), (2, 1, 4, 4, 2)]  # 4 ranks: units coincide; 8 ranks: tp on a GCD pair
+REAL_WORLDS = [
+    (1, 1, 4, 2, 2),
+    (2, 1, 4, 4, 2),
+]  # 4 ranks: units coincide; 8 ranks: tp on a GCD pair
 
 
 @pytest.mark.slow  # real gloo worlds of 4 and 8 ranks
@@ -444,7 +511,9 @@ def _expected_groups(layout: Layout) -> list[dict[str, list[int]]]:
                 named.append((digit_key(inner, outer), layout.digit_groups(inner, outer)))
             except ConfigError:
                 pass
-    named.append(("pp_ends", layout.pipeline_end_ranks()))  # only the pipelines' end ranks are members
+    named.append(
+        ("pp_ends", layout.pipeline_end_ranks())
+    )  # only the pipelines' end ranks are members
     split = layout.node_split("tp")  # tp groups spanning nodes: their pieces and columns
     if split is not None:
         named += [("tp_in_node", split[0]), ("tp_across_nodes", split[1])]
@@ -485,7 +554,9 @@ def _megatron_reference(layouts: list[tuple[int, int, int]]) -> dict:
             dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=n)
             try:
                 ps.initialize_model_parallel(
-                    tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=False
+                    tensor_model_parallel_size=tp,
+                    pipeline_model_parallel_size=pp,
+                    create_gloo_process_groups=False,
                 )
                 assert ps.get_data_parallel_world_size() == dp
                 mg = {
@@ -512,8 +583,13 @@ def _megatron_reference(layouts: list[tuple[int, int, int]]) -> dict:
 
 @pytest.fixture(scope="module")
 def megatron_reference() -> dict:
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        pytest.skip("megatron-core not installed (pip install -e '.[test]' installs megatron-core==0.16.1)")
+    if (
+        importlib.util.find_spec("megatron") is None
+        or importlib.util.find_spec("megatron.core") is None
+    ):
+        pytest.skip(
+            "megatron-core not installed (pip install -e '.[test]' installs megatron-core==0.16.1)"
+        )
     return _run_child("megatron", LAYOUTS)
 
 
@@ -527,11 +603,15 @@ def test_membership_and_coords_match_megatron(megatron_reference, tp, pp, dp):
     theirs_all = {dim: set() for dim in DIMS}
     for r, rec in enumerate(per_rank):
         mg = rec["megatron"]
-        assert layout.coords(r) == mg["coords"], f"rank {r}: ours {layout.coords(r)} megatron {mg['coords']}"
+        assert layout.coords(r) == mg["coords"], (
+            f"rank {r}: ours {layout.coords(r)} megatron {mg['coords']}"
+        )
         for dim in DIMS:
             mine = [g for g in ours_all[dim] if r in g]
             assert len(mine) == 1, (dim, r, ours_all[dim])
-            assert mine[0] == mg["groups"][dim], f"rank {r} {dim}: ours {mine[0]} megatron {mg['groups'][dim]}"
+            assert mine[0] == mg["groups"][dim], (
+                f"rank {r} {dim}: ours {mine[0]} megatron {mg['groups'][dim]}"
+            )
             # rank within the group = coordinate along that dimension, in both
             assert mine[0].index(r) == mg["coords"][dim]
             theirs_all[dim].add(tuple(mg["groups"][dim]))
@@ -546,7 +626,9 @@ def test_build_topology_groups_match_megatron(megatron_reference, tp, pp, dp):
     for r, rec in enumerate(megatron_reference[f"{tp},{pp},{dp}"]):
         built, mg = rec["build_topology"], rec["megatron"]["groups"]
         for dim in DIMS:
-            assert built[dim] == mg[dim], f"rank {r} {dim}: build_topology {built[dim]} megatron {mg[dim]}"
+            assert built[dim] == mg[dim], (
+                f"rank {r} {dim}: build_topology {built[dim]} megatron {mg[dim]}"
+            )
         # without a hardware description the world is one node: its level groups are the world
         # (and dp for the within-dp cuts), all reused, never new groups
         assert built == _expected_groups(layout_of(tp, pp, dp))[r], f"rank {r}: {sorted(built)}"
@@ -571,7 +653,9 @@ def _fake_world_builds(layouts: list[tuple[int, int, int, int, int]]) -> dict:
             dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=layout.world_size)
             try:
                 topo = build_topology(layout, r)
-                per_rank.append({name: dist.get_process_group_ranks(g) for name, g in topo.groups.items()})
+                per_rank.append(
+                    {name: dist.get_process_group_ranks(g) for name, g in topo.groups.items()}
+                )
             finally:
                 dist.destroy_process_group()
         out[",".join(map(str, key))] = per_rank
@@ -615,7 +699,14 @@ def test_a_tp_group_spanning_nodes_is_cut_into_node_pieces_and_columns():
 # Context parallelism: carved out of dp, innermost after tp, against megatron-core's groups
 # ---------------------------------------------------------------------------------------------
 
-CP_LAYOUTS = [(1, 1, 2, 1), (1, 1, 2, 2), (2, 1, 2, 2), (2, 2, 2, 1), (1, 2, 4, 1), (2, 1, 4, 1)]  # tp, pp, cp, dp
+CP_LAYOUTS = [
+    (1, 1, 2, 1),
+    (1, 1, 2, 2),
+    (2, 1, 2, 2),
+    (2, 2, 2, 1),
+    (1, 2, 4, 1),
+    (2, 1, 4, 1),
+]  # tp, pp, cp, dp
 
 
 def _megatron_context(layouts: list[tuple[int, int, int, int]]) -> dict:
@@ -659,23 +750,40 @@ def _megatron_context(layouts: list[tuple[int, int, int, int]]) -> dict:
 
 @pytest.mark.slow  # megatron-core's groups, built in a child process
 def test_context_parallel_groups_match_megatron():
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        pytest.skip("megatron-core not installed (pip install -e '.[test]' installs megatron-core==0.16.1)")
+    if (
+        importlib.util.find_spec("megatron") is None
+        or importlib.util.find_spec("megatron.core") is None
+    ):
+        pytest.skip(
+            "megatron-core not installed (pip install -e '.[test]' installs megatron-core==0.16.1)"
+        )
     reference = _run_child("megatron-cp", CP_LAYOUTS)
     for tp, pp, cp, dp in CP_LAYOUTS:
         layout = Layout(tp=tp, pp=pp, dp=dp * cp, cp=cp)
         assert layout.data_parallel == dp
         for r, mg in enumerate(reference[f"{tp},{pp},{cp},{dp}"]):
             topo = Topology(layout, r)
-            assert next(g for g in layout.context_groups() if r in g) == mg["cp"], (tp, pp, cp, dp, r)
+            assert next(g for g in layout.context_groups() if r in g) == mg["cp"], (
+                tp,
+                pp,
+                cp,
+                dp,
+                r,
+            )
             assert topo.cp_rank == mg["cp_rank"]
             ours_dp = next(g for g in layout.group_ranks("dp") if r in g)
-            assert ours_dp == mg["dp_cp"]  # gradients and ZeRO partitions span dp·cp, as megatron reduces them
+            assert (
+                ours_dp == mg["dp_cp"]
+            )  # gradients and ZeRO partitions span dp·cp, as megatron reduces them
             assert [q for q in ours_dp if Topology(layout, q).cp_rank == topo.cp_rank] == mg["dp"]
             assert topo.data_size == dp and mg["dp"].index(r) == topo.data_rank
 
 
 if __name__ == "__main__":  # child process of the megatron_reference / fake_world_builds fixtures
     mode, arg = sys.argv[1], [tuple(x) for x in json.loads(sys.argv[2])]
-    body = {"megatron": _megatron_reference, "hardware": _fake_world_builds, "megatron-cp": _megatron_context}[mode]
+    body = {
+        "megatron": _megatron_reference,
+        "hardware": _fake_world_builds,
+        "megatron-cp": _megatron_context,
+    }[mode]
     print(json.dumps(body(arg)))

@@ -30,7 +30,9 @@ pytestmark = pytest.mark.slow  # 3-process gloo worlds that hang on purpose
 SIZE, STUCK, HANG_AFTER_S = 3, 1, 2.0
 COLLECTIVE_TIMEOUT_S = 60  # what would end the job without the watchdog
 HANG_AT_STEP = 4
-STEP_S = 0.3  # longer than the heartbeat interval, as real steps are: a stopped rank's record is current
+STEP_S = (
+    0.3  # longer than the heartbeat interval, as real steps are: a stopped rank's record is current
+)
 
 
 def _worker(rank: int, size: int, port: int, out_dir: str, store_port: int, scenario: str) -> None:
@@ -58,7 +60,9 @@ def _steps(rank: int, out: Path, scenario: str, pair, t: torch.Tensor) -> None:
                 elif scenario == "busy":
                     time.sleep(3 * COLLECTIVE_TIMEOUT_S)
                 elif scenario == "other collective":
-                    comm.barrier(pair)  # rank STUCK + 1 is in the world's all-reduce instead: deadlock
+                    comm.barrier(
+                        pair
+                    )  # rank STUCK + 1 is in the world's all-reduce instead: deadlock
             elif rank == 0 and scenario == "long save":
                 with watchdog.paused("checkpoint save"):
                     time.sleep(3 * HANG_AFTER_S)  # the others wait for it in the all-reduce below
@@ -90,7 +94,9 @@ def _run(tmp_path: Path, scenario: str) -> tuple[list[int | None], float, dict |
 
 
 def _errors(tmp_path: Path, rank: int) -> list[str]:
-    return [line for line in (tmp_path / f"rank{rank}.err").read_text().splitlines() if "hang:" in line]
+    return [
+        line for line in (tmp_path / f"rank{rank}.err").read_text().splitlines() if "hang:" in line
+    ]
 
 
 @pytest.mark.parametrize(
@@ -98,10 +104,16 @@ def _errors(tmp_path: Path, rank: int) -> list[str]:
     [
         ("stopped", "is not responding (stopped, frozen or gone)", "after all_reduce over dp"),
         ("busy", "is busy outside any collective", "after all_reduce over dp"),
-        ("other collective", "waits in a different collective than the others (all_reduce over dp)", "in barrier"),
+        (
+            "other collective",
+            "waits in a different collective than the others (all_reduce over dp)",
+            "in barrier",
+        ),
     ],
 )
-def test_a_stuck_rank_is_named_and_every_rank_exits_long_before_the_collective_timeout(tmp_path, scenario, why, last):
+def test_a_stuck_rank_is_named_and_every_rank_exits_long_before_the_collective_timeout(
+    tmp_path, scenario, why, last
+):
     codes, took, verdict = _run(tmp_path, scenario)
     assert verdict is not None, [(tmp_path / f"rank{r}.err").read_text() for r in range(SIZE)]
     assert verdict["stuck"] == [STUCK]

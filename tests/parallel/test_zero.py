@@ -101,7 +101,13 @@ def _train(topo, plan: ZeroPlan, rank: int, log: list | None = None) -> dict:
     with engine.gathered():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     padded_bytes = sum(g.padded * g.full.element_size() for g in engine.groups)
-    return {"params": params, "held": held, "wire": wire, "padded_bytes": padded_bytes, "groups": len(engine.groups)}
+    return {
+        "params": params,
+        "held": held,
+        "wire": wire,
+        "padded_bytes": padded_bytes,
+        "groups": len(engine.groups),
+    }
 
 
 def _worker(rank: int, size: int, port: int, out_dir: str) -> None:
@@ -139,7 +145,9 @@ def test_partitioned_training_matches_one_process(ranks, scheme):
         # Reduction order differs; Adam's 1/sqrt(v) turns fp32 noise in near-zero gradients into
         # differences of up to ~1e-3·lr, while a wrong gradient moves a weight by ~lr per step.
         for name, ref in want.items():
-            torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=2e-5, msg=lambda m: f"rank {r} {name}: {m}")
+            torch.testing.assert_close(
+                got[name], ref, rtol=1e-5, atol=2e-5, msg=lambda m: f"rank {r} {name}: {m}"
+            )
 
 
 def _expected_fractions(kw: dict) -> dict[str, float]:
@@ -170,7 +178,11 @@ def _expected_wire(scheme: str, n: float) -> dict[str, float]:
     (k−1)·input, reduce-scatter (k−1)/k·input), for N = padded parameter bytes and M
     micro-batches. Hierarchical collectives walk GCD pair (2) → node (2 GPUs) → nodes (2)."""
     m = MICRO
-    hier_gather = {"intra-gpu": n / 2, "intra-node": n / 4, "inter-node": n / 8}  # global chunk → whole
+    hier_gather = {
+        "intra-gpu": n / 2,
+        "intra-node": n / 4,
+        "inter-node": n / 8,
+    }  # global chunk → whole
     hier_rs = hier_gather  # whole → global chunk: the same bytes the other way
     # A flat group's ring 0→1→…→7→0 crosses GCD pairs on 4 edges of 8, GPUs in a node on 2, nodes
     # on 2; a node's ring 0→1→2→3→0, GCD pairs on 2 edges of 4 and GPUs on 2.
@@ -183,12 +195,19 @@ def _expected_wire(scheme: str, n: float) -> dict[str, float]:
     if scheme == "zero3-flat":
         return split(3 * 7 / 8 * n * m, world_ring)
     if scheme == "hpz-flat":  # first forward from the global partition, the rest inside the node
-        across, inside = split(7 / 8 * n + 7 / 8 * n * m, world_ring), split(3 / 4 * n * (2 * m - 1), node_ring)
+        across, inside = (
+            split(7 / 8 * n + 7 / 8 * n * m, world_ring),
+            split(3 / 4 * n * (2 * m - 1), node_ring),
+        )
         return {k: across.get(k, 0) + inside.get(k, 0) for k in across}
     if scheme == "zero3":
         return {k: 3 * m * v for k, v in hier_gather.items()}
     if scheme == "hpz":  # later gathers start from the node partition: no inter-node step
-        return {"intra-gpu": n / 2 * 3 * m, "intra-node": n / 4 * 3 * m, "inter-node": n / 8 * (1 + m)}
+        return {
+            "intra-gpu": n / 2 * 3 * m,
+            "intra-node": n / 4 * 3 * m,
+            "inter-node": n / 8 * (1 + m),
+        }
     if scheme == "3-level":
         return {"intra-gpu": n / 2 * 3 * m, "intra-node": n / 4 * (m + 1), "inter-node": n / 8 * 2}
     if scheme == "zero1":  # one reduce-scatter and one rebuild gather per step
@@ -207,14 +226,23 @@ def test_bytes_per_link_level_follow_the_scheme(ranks, scheme):
     # Each rank counts what it sends to the next member of each ring: summed over the ranks, the
     # links carry WORLD times the per-rank average.
     got = sum((Counter(result[scheme]["wire"]) for result in ranks), Counter())
-    want = {k: WORLD * v for k, v in _expected_wire(scheme, ranks[0][scheme]["padded_bytes"]).items()}
+    want = {
+        k: WORLD * v for k, v in _expected_wire(scheme, ranks[0][scheme]["padded_bytes"]).items()
+    }
     assert set(got) <= set(want) | {"inter-node", "intra-node"}, got
     for link in set(got) | set(want):
-        assert got.get(link, 0) == pytest.approx(want.get(link, 0), abs=16 * WORLD), (link, got, want)
+        assert got.get(link, 0) == pytest.approx(want.get(link, 0), abs=16 * WORLD), (
+            link,
+            got,
+            want,
+        )
 
 
 def test_three_level_cuts_inter_node_bytes(ranks):
-    flat, three = (sum(r[scheme]["wire"].get("inter-node", 0) for r in ranks) for scheme in ("zero3-flat", "3-level"))
+    flat, three = (
+        sum(r[scheme]["wire"].get("inter-node", 0) for r in ranks)
+        for scheme in ("zero3-flat", "3-level")
+    )
     assert three < flat / 2.5  # 2N/8 against 21N/32 (a quarter of the flat ring's 21N/8) per step
 
 

@@ -36,7 +36,9 @@ def engine_for(plan: ZeroPlan):
     return model, ZeroEngine([model], build_topology(Layout(dp=1), 0), plan, sgd)
 
 
-@pytest.mark.parametrize("plan", [ZeroPlan(optim=G), ZeroPlan(grads=G, optim=G)], ids=["zero1", "zero2"])
+@pytest.mark.parametrize(
+    "plan", [ZeroPlan(optim=G), ZeroPlan(grads=G, optim=G)], ids=["zero1", "zero2"]
+)
 def test_a_parameter_without_a_gradient_counts_as_zero(plan):
     model, engine = engine_for(plan)
     plain = build_model(CFG, CFG.vocab_size, seed=0)
@@ -50,11 +52,15 @@ def test_a_parameter_without_a_gradient_counts_as_zero(plan):
         lm_loss(model(x), y).backward()
         lm_loss(plain(x), y).backward()
         engine.finish_grads(1.0)
-        grads = {slot.segment.name: piece.grad for g in engine.groups for slot, piece, _, _ in g.segments}
+        grads = {
+            slot.segment.name: piece.grad for g in engine.groups for slot, piece, _, _ in g.segments
+        }
         for name, p in plain.named_parameters():
             want = torch.zeros_like(p) if p.grad is None else p.grad
             got = grads[name].view(p.shape)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"step {step} {name}: {m}")
+            torch.testing.assert_close(
+                got, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"step {step} {name}: {m}"
+            )
         engine.step()
         engine.zero_grad()
         plain_opt.step()
@@ -89,7 +95,9 @@ def _train(expect: bool, monkeypatch) -> tuple[dict, list[int], list[dict]]:
         engine.step()
         engine.zero_grad()
         held.append(engine.held_bytes())
-        assert not [g.name for g in engine.groups if g.gathered], "a group stayed gathered past the step"
+        assert not [g.name for g in engine.groups if g.gathered], (
+            "a group stayed gathered past the step"
+        )
     with engine.gathered():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     monkeypatch.undo()

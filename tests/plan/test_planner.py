@@ -27,7 +27,11 @@ VOCAB = 512
 
 
 def load(*overrides: str, world: int) -> config.Config:
-    return config.load(None, ["model.d_model=64", "model.n_heads=4", "model.n_layers=4", *overrides], world_size=world)
+    return config.load(
+        None,
+        ["model.d_model=64", "model.n_heads=4", "model.n_layers=4", *overrides],
+        world_size=world,
+    )
 
 
 def built_units(cfg: config.Config, pp_rank: int) -> list[int]:
@@ -38,7 +42,11 @@ def built_units(cfg: config.Config, pp_rank: int) -> list[int]:
         model = GPT(cfg.model, VOCAB)
         if par.tp > 1:
             apply_tensor_parallel(model, None, 0, par.tp, sequence_parallel=par.sequence_parallel)
-        parts = split_stages(model, pp_rank, par.pp, par.virtual_stages, par.schedule) if par.pp > 1 else [model]
+        parts = (
+            split_stages(model, pp_rank, par.pp, par.virtual_stages, par.schedule)
+            if par.pp > 1
+            else [model]
+        )
     seen: set[int] = set()
     sizes = []
     for part in parts:
@@ -61,7 +69,15 @@ def built_units(cfg: config.Config, pp_rank: int) -> list[int]:
         ((), 1),
         (("parallel.tp=2", "model.qkv_bias=true", "model.qk_norm=true", "model.n_kv_heads=2"), 2),
         (("parallel.pp=2", "parallel.virtual_stages=2", "train.micro_batch_size=2"), 2),
-        (("parallel.pp=2", "model.tie_embeddings=true", "parallel.tp=2", "train.micro_batch_size=4"), 4),
+        (
+            (
+                "parallel.pp=2",
+                "model.tie_embeddings=true",
+                "parallel.tp=2",
+                "train.micro_batch_size=4",
+            ),
+            4,
+        ),
     ],
 )
 def test_flat_groups_hold_the_parameters_strata_builds(overrides, world):
@@ -78,14 +94,26 @@ def test_flat_groups_hold_the_parameters_strata_builds(overrides, world):
     "overrides, world",
     [
         (("parallel.ep=2",), 2),
-        (("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=4", "model.moe.shared_expert_gate=true"), 4),
+        (
+            (
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "parallel.ep=4",
+                "model.moe.shared_expert_gate=true",
+            ),
+            4,
+        ),
         (("parallel.pp=2", "train.micro_batch_size=2"), 2),
     ],
 )
 def test_moe_flat_groups_hold_each_domains_parameters(overrides, world):
     """Per ZeRO domain, the parameters of an MoE model (a dense first block, shared experts) as
     Strata builds and splits them: experts by ep, attention by tp, routers and shared experts whole."""
-    moe = ("model.moe.num_experts=4", "model.moe.first_dense_layers=1", "model.moe.shared_experts=1")
+    moe = (
+        "model.moe.num_experts=4",
+        "model.moe.first_dense_layers=1",
+        "model.moe.shared_experts=1",
+    )
     cfg = load(*moe, *overrides, "parallel.bucket_mb=1e-9", world=world)
     par = cfg.parallel
     with torch.device("meta"):
@@ -106,7 +134,11 @@ def test_moe_flat_groups_hold_each_domains_parameters(overrides, world):
             elif (".mlp.router." in name or ".mlp.shared." in name) and par.tp > 1:
                 domain = "routing"
             want[domain] = want.get(domain, 0) + n
-        groups = [g for g in flat_groups(cfg, layout_of(cfg, cpu_cluster(1, world)), VOCAB, pp_rank) if g.layers]
+        groups = [
+            g
+            for g in flat_groups(cfg, layout_of(cfg, cpu_cluster(1, world)), VOCAB, pp_rank)
+            if g.layers
+        ]
         got: dict[str, int] = {}
         for g in groups:
             got[g.domain] = got.get(g.domain, 0) + g.elements
@@ -141,7 +173,9 @@ def test_zero_placements_hold_the_shares_zero_defines():
 
 def test_pipeline_schedules_keep_the_micro_batches_megatron_counts():
     cluster = cpu_cluster(1, 4)
-    one_f_one_b = load("parallel.pp=4", "train.micro_batch_size=1", "train.global_batch_size=8", world=4)
+    one_f_one_b = load(
+        "parallel.pp=4", "train.micro_batch_size=1", "train.global_batch_size=8", world=4
+    )
     layout = layout_of(one_f_one_b, cluster)
     assert [in_flight(one_f_one_b, layout, r) for r in range(4)] == [4, 3, 2, 1]  # p − rank
     gpipe = config.replace(one_f_one_b, "parallel.schedule", "gpipe")
@@ -211,10 +245,15 @@ def test_context_parallelism_splits_activations_and_its_exchanges_are_counted():
     inter-node link the ring outlasts the blocks it hides behind, and a long sequence that fits no
     device whole is found split by `--search`."""
     long = ["model.d_model=1024", "model.n_heads=8", "model.n_layers=4", "model.seq_len=32768"]
-    base = config.load(None, [*long, "train.micro_batch_size=1", "train.global_batch_size=2", "parallel.cp=1"])
+    base = config.load(
+        None, [*long, "train.micro_batch_size=1", "train.global_batch_size=2", "parallel.cp=1"]
+    )
     cluster = preset("dgx-a100", 1, gpus_per_node=8)
     cfgs = {cp: config.replace(base, "parallel.cp", cp) for cp in (1, 4)}
-    act = {cp: estimate_memory(c, cluster, VOCAB).stage(0).kind("activations", "device") for cp, c in cfgs.items()}
+    act = {
+        cp: estimate_memory(c, cluster, VOCAB).stage(0).kind("activations", "device")
+        for cp, c in cfgs.items()
+    }
     assert act[4] == pytest.approx(act[1] / 4, rel=0.01)
     ring = estimate_time(config.replace(cfgs[4], "parallel.cp_mode", "ring"), cluster, VOCAB)
     a2a = estimate_time(config.replace(cfgs[4], "parallel.cp_mode", "alltoall"), cluster, VOCAB)
@@ -222,14 +261,27 @@ def test_context_parallelism_splits_activations_and_its_exchanges_are_counted():
     m = 2 // 2  # micro-batches per data-parallel replica: 2 sequences over dp = 8 / 4 = 2 replicas
     kv = tokens * 2 * d * 4  # one rank's K and V, fp32
     want_ring = 4 * m * ((4 - 1) * 2 * kv + 4 * kv)  # layers · (K/V fwd + bwd, their gradients)
-    want_a2a = 4 * m * 2 * tokens * 4 * d * 4 * 3 / 4  # layers · both ways · q, k, v, out · (cp-1)/cp
-    assert sum(ring.link_bytes.values()) - sum(ring.dp_bytes.values()) == pytest.approx(want_ring, rel=1e-6)
-    assert sum(a2a.link_bytes.values()) - sum(a2a.dp_bytes.values()) == pytest.approx(want_a2a, rel=1e-6)
+    want_a2a = (
+        4 * m * 2 * tokens * 4 * d * 4 * 3 / 4
+    )  # layers · both ways · q, k, v, out · (cp-1)/cp
+    assert sum(ring.link_bytes.values()) - sum(ring.dp_bytes.values()) == pytest.approx(
+        want_ring, rel=1e-6
+    )
+    assert sum(a2a.link_bytes.values()) - sum(a2a.dp_bytes.values()) == pytest.approx(
+        want_a2a, rel=1e-6
+    )
     slow = preset("dgx-a100", 2, gpus_per_node=2, inter_node_gbps=0.01)
-    assert estimate_time(config.replace(cfgs[4], "parallel.cp_mode", "ring"), slow, VOCAB).parts["cp"] > 0
+    assert (
+        estimate_time(config.replace(cfgs[4], "parallel.cp_mode", "ring"), slow, VOCAB).parts["cp"]
+        > 0
+    )
     small = Device("small", 4.0, 312.0, 0.8, 2000.0)
-    found = search(base, preset("dgx-a100", 1, gpus_per_node=4, device=small), VOCAB, config.cross_problems)
-    assert found.fitting and all(p.candidate.cp > 1 or p.candidate.tp > 1 or p.candidate.pp > 1 for p in found.fitting)
+    found = search(
+        base, preset("dgx-a100", 1, gpus_per_node=4, device=small), VOCAB, config.cross_problems
+    )
+    assert found.fitting and all(
+        p.candidate.cp > 1 or p.candidate.tp > 1 or p.candidate.pp > 1 for p in found.fitting
+    )
     assert any(p.candidate.cp > 1 for p in found.fitting)
 
 
@@ -251,13 +303,20 @@ def test_the_search_rejects_a_family_by_memory_and_says_so():
     result = search(cfg, cluster, VOCAB, config.cross_problems)
     assert result.fitting, "splitting over two devices should fit"
     assert all(p.memory.peak("device") <= 2**30 for p in result.fitting)
-    assert any(p.candidate.zero != "none" or p.candidate.tp > 1 or p.candidate.pp > 1 for p in result.fitting)
-    single = estimate_memory(config.replace(cfg, "parallel.dp", 1), Cluster(1, 1, cluster.device), VOCAB)
+    assert any(
+        p.candidate.zero != "none" or p.candidate.tp > 1 or p.candidate.pp > 1
+        for p in result.fitting
+    )
+    single = estimate_memory(
+        config.replace(cfg, "parallel.dp", 1), Cluster(1, 1, cluster.device), VOCAB
+    )
     assert not single.fits() and "device memory" in single.problems()[0]
 
 
 def test_plan_prints_memory_and_time_for_the_configs_layout():
-    r = strata("plan", "configs/llama2-7b-3d.yaml", "--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100")
+    r = strata(
+        "plan", "configs/llama2-7b-3d.yaml", "--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100"
+    )
     assert r.returncode == 0, r.stderr
     for word in ("activations", "params", "optim", "step", "MFU", "intra-node"):
         assert word in r.stdout
@@ -269,13 +328,18 @@ def test_plan_prints_memory_and_time_for_the_configs_layout():
         (["--nodes", "4", "--gpus-per-node", "8"], "needs the device"),
         (["--nodes", "4", "--gpus-per-node", "8", "--gpu", "v100"], "not a known device"),
         (["--nodes", "4", "--gpus-per-node", "8", "--tflops", "100"], "--gpu-mem-gb"),
-        (["--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100", "--inter-node-gbps", "0"], "must be > 0"),
+        (
+            ["--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100", "--inter-node-gbps", "0"],
+            "must be > 0",
+        ),
         (["--nodes", "3", "--gpus-per-node", "8", "--gpu", "h100"], "not divisible"),
         (["--nodes", "2", "--calibrate"], "--inter-node-gbps"),
     ],
 )
 def test_plan_refuses_bad_input_with_one_clear_error(args, says, capsys):
-    code, out = run_cli(["plan", str(REPO / "configs" / "llama2-7b-3d.yaml"), *args], capsys)  # in this process
+    code, out = run_cli(
+        ["plan", str(REPO / "configs" / "llama2-7b-3d.yaml"), *args], capsys
+    )  # in this process
     assert code == 2, out
     assert says in out and "Traceback" not in out
 
@@ -311,7 +375,11 @@ def test_config_show_and_launch_warn_when_a_rank_will_not_fit(tmp_path):
         "train.global_batch_size=2",
     ]
     r = strata("config", "show", "configs/tiny.yaml", *big, "--world-size", "2")
-    assert r.returncode == 0 and "warning: predicted memory per rank" in r.stderr and "strata plan" in r.stderr
+    assert (
+        r.returncode == 0
+        and "warning: predicted memory per rank" in r.stderr
+        and "strata plan" in r.stderr
+    )
     r = strata(
         "launch",
         "configs/tiny.yaml",

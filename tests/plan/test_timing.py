@@ -38,7 +38,11 @@ def bench(tmp_path_factory) -> dict:
         *("--out", str(out / "plan_time.json"), "--measured-out", str(out / "measured.json")),
     ]
     proc = subprocess.run(
-        [sys.executable, "bench/plan_time.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=600
+        [sys.executable, "bench/plan_time.py", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     print(proc.stdout)

@@ -49,7 +49,10 @@ MISSES = {"frontier-22B", "frontier-175B"}
 
 def _marked(run) -> object:
     if _id(run) in MISSES:
-        return pytest.param(run, marks=pytest.mark.xfail(strict=True, reason="published figure uncertain; see MISSES"))
+        return pytest.param(
+            run,
+            marks=pytest.mark.xfail(strict=True, reason="published figure uncertain; see MISSES"),
+        )
     return run
 
 

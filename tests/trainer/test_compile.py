@@ -40,17 +40,23 @@ def test_compiled_training_matches_eager_and_shares_one_graph(small_data_dir, tm
 
 def test_compile_leaves_hooks_and_communicating_layers_eager(small_data_dir, tmp_path):
     """What the trainer compiles: each block's forward, with its module hooks outside."""
-    cfg = tiny_config(small_data_dir, tmp_path, **{"train.compile": True, "activations.recompute": "selective"})
+    cfg = tiny_config(
+        small_data_dir, tmp_path, **{"train.compile": True, "activations.recompute": "selective"}
+    )
     trainer = Trainer(cfg, start())
     try:
         (part,) = trainer.model.parts
         for block in part.layers:
-            assert "forward" in block.__dict__ and hasattr(block.forward, "_torchdynamo_orig_callable")
+            assert "forward" in block.__dict__ and hasattr(
+                block.forward, "_torchdynamo_orig_callable"
+            )
         calls = []
         part.layers[0].register_forward_pre_hook(lambda m, args: calls.append("pre"))
         trainer.train_step()
         micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
-        assert calls == ["pre"] * micro  # once per real forward: not traced away, not repeated by recompute
+        assert (
+            calls == ["pre"] * micro
+        )  # once per real forward: not traced away, not repeated by recompute
     finally:
         trainer.checkpoints.close()
         trainer.model.close()
@@ -60,7 +66,12 @@ def test_compile_leaves_hooks_and_communicating_layers_eager(small_data_dir, tmp
 LAYOUTS = {
     "tp2-dp2-sp-zero3-selective": (
         4,
-        {**ZERO3, "parallel.tp": 2, "parallel.sequence_parallel": True, "activations.recompute": "selective"},
+        {
+            **ZERO3,
+            "parallel.tp": 2,
+            "parallel.sequence_parallel": True,
+            "activations.recompute": "selective",
+        },
         {},
     ),
     "pp2-dp2-zero3-full-offload": (

@@ -27,7 +27,9 @@ def test_the_guard_judges_against_its_history_and_counts_spikes_in_a_row():
     assert guard.judge(5, 3.2, 1.0) is None  # within 6 deviations
     reason = guard.judge(6, 30.0, 1.0)
     assert reason and reason.startswith("loss 30 is above") and guard.in_a_row == 1
-    assert guard.judge(7, 3.0, 50.0).startswith("gradient norm 50")  # a gradient spike alone counts too
+    assert guard.judge(7, 3.0, 50.0).startswith(
+        "gradient norm 50"
+    )  # a gradient spike alone counts too
     assert guard.in_a_row == 2 and guard.unstable_since(7) and not guard.unstable_since(7 + 8)
     assert guard.judge(8, 3.0, 1.0) is None and guard.in_a_row == 0
     assert 30.0 not in guard.losses and len(guard.losses) == 6  # spikes never join the history
@@ -37,7 +39,9 @@ def test_the_guard_judges_against_its_history_and_counts_spikes_in_a_row():
 
 
 @pytest.mark.slow  # trains until the spike guard fires: ~7 s on 2 cores
-def test_a_diverging_run_stops_before_saving_and_keeps_its_good_checkpoints(small_data_dir, tmp_path, capsys):
+def test_a_diverging_run_stops_before_saving_and_keeps_its_good_checkpoints(
+    small_data_dir, tmp_path, capsys
+):
     # warm-up to a huge learning rate: the loss settles first, then explodes
     settings = {
         "train.steps": 60,
@@ -65,7 +69,9 @@ def test_a_diverging_run_stops_before_saving_and_keeps_its_good_checkpoints(smal
 
 
 def test_a_save_of_implausible_weights_is_refused_and_stops_the_run(small_data_dir, tmp_path):
-    cfg = tiny_config(small_data_dir, tmp_path, **{"checkpoint.interval": 2, "checkpoint.max_abs_weight": 1e-3})
+    cfg = tiny_config(
+        small_data_dir, tmp_path, **{"checkpoint.interval": 2, "checkpoint.max_abs_weight": 1e-3}
+    )
     with pytest.raises(DivergedError, match=r"above checkpoint.max_abs_weight=0.001"):
         run(cfg, start())
     assert store.committed(cfg.checkpoint_dir()) == []
@@ -74,7 +80,11 @@ def test_a_save_of_implausible_weights_is_refused_and_stops_the_run(small_data_d
 def save(mgr: CheckpointManager, step: int, suspect: bool) -> None:
     mgr.config_yaml = "model: {}\n"
     pieces = [whole_piece("model.w", torch.full((4,), float(step)))]
-    mgr.save(step, FixedState(StateContents(pieces, {"trainer": {"step": step}}, {}, {"world": 1})), suspect=suspect)
+    mgr.save(
+        step,
+        FixedState(StateContents(pieces, {"trainer": {"step": step}}, {}, {"world": 1})),
+        suspect=suspect,
+    )
 
 
 def test_retention_keeps_the_newest_checkpoint_saved_before_the_guard_fired(tmp_path):
@@ -83,7 +93,11 @@ def test_retention_keeps_the_newest_checkpoint_saved_before_the_guard_fired(tmp_
         save(mgr, step, suspect)
     mgr.close()
     kept = [store.marker(p)["step"] for p in store.committed(tmp_path)]
-    assert kept == [2, 4, 5]  # the last two, and step 2: the newest saved before the run went unstable
+    assert kept == [
+        2,
+        4,
+        5,
+    ]  # the last two, and step 2: the newest saved before the run went unstable
     mgr = CheckpointManager(tmp_path, 0, 1, keep_last=2)
     save(mgr, 6, False)  # stable again: step 6 is the last good one, and 2 may go
     mgr.close()
@@ -94,13 +108,22 @@ def test_verify_warns_about_finite_but_implausible_weights(tmp_path, capsys):
     from strata.config import ModelConfig
     from strata.model import build_model
 
-    shape = {"n_layers": 1, "d_model": 4, "n_heads": 1, "seq_len": 8, "vocab_size": 8, "tie_embeddings": False}
+    shape = {
+        "n_layers": 1,
+        "d_model": 4,
+        "n_heads": 1,
+        "seq_len": 8,
+        "vocab_size": 8,
+        "tie_embeddings": False,
+    }
 
     def checkpoint(root, scale):
         model = build_model(ModelConfig(**shape), 8, seed=0)
         tensors = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
         tensors["model.tok_embeddings.weight"] = torch.ones(8, 4) * scale
-        config_yaml = "model: {" + ", ".join(f"{k}: {str(v).lower()}" for k, v in shape.items()) + "}\n"
+        config_yaml = (
+            "model: {" + ", ".join(f"{k}: {str(v).lower()}" for k, v in shape.items()) + "}\n"
+        )
         return write_whole(root, 3, tensors, {"trainer": {"step": 3}}, {}, config_yaml, {})
 
     sound = checkpoint(tmp_path / "sound", 0.02)

@@ -50,7 +50,9 @@ def test_a_packed_sequence_scores_each_document_as_if_alone():
     with torch.no_grad():
         got = token_losses(model, tokens, documents_of(tokens[:, :-1], EOT, True, True))[0]
         for start, end in spans:
-            alone = token_losses(model, tokens[:1, start : end + 1])[0]  # the document, and the next token as target
+            alone = token_losses(model, tokens[:1, start : end + 1])[
+                0
+            ]  # the document, and the next token as target
             torch.testing.assert_close(got[start:end], alone, rtol=1e-5, atol=1e-6)
         total = sum(token_losses(model, tokens[:1, s : e + 1])[0].sum() for s, e in spans)
         torch.testing.assert_close(got.sum(), total, rtol=1e-5, atol=1e-5)
@@ -65,7 +67,9 @@ def test_the_mask_and_the_positions_each_change_what_plain_attention_computes():
         masked = model(x, documents_of(x, EOT, True, False))
         moved = model(x, documents_of(x, EOT, False, True))
     first = spans[0][1]
-    torch.testing.assert_close(masked[0, :first], plain[0, :first])  # the first document sees nothing else anyway
+    torch.testing.assert_close(
+        masked[0, :first], plain[0, :first]
+    )  # the first document sees nothing else anyway
     assert (masked[0, first:] - plain[0, first:]).abs().max() > 1e-3
     # rotary attention sees relative positions: restarting them moves only what crosses a boundary
     torch.testing.assert_close(moved[0, :first], plain[0, :first])
@@ -79,7 +83,9 @@ def short_documents(tmp_path_factory):
     rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "pi", "rho", "x", "omega"]
     for i in range(400):
-        (src / f"d{i:03d}.txt").write_text(" ".join(rng.choice(words) for _ in range(rng.randint(1, 5))))
+        (src / f"d{i:03d}.txt").write_text(
+            " ".join(rng.choice(words) for _ in range(rng.randint(1, 5)))
+        )
     out = tmp_path_factory.mktemp("docs") / "prepared"
     prepare(sorted(src.iterdir()), out, val_fraction=0.2, root=src)
     return out
@@ -102,7 +108,12 @@ LAYOUTS = {
         "parallel.schedule": "zbv_zero_bubble",
         "model.n_layers": 4,
     },
-    "cp2-ring-pp2": {"parallel.cp": 2, "parallel.cp_mode": "ring", "parallel.pp": 2, "model.n_layers": 4},
+    "cp2-ring-pp2": {
+        "parallel.cp": 2,
+        "parallel.cp_mode": "ring",
+        "parallel.pp": 2,
+        "model.n_layers": 4,
+    },
 }
 
 
@@ -130,7 +141,12 @@ def test_training_on_packed_documents_split_over_ranks_matches_one_process(
     meta = json.loads((short_documents / "meta.json").read_text())
     assert meta["eot"] == 256 and meta["documents"] >= 300
     settings = {**SETTINGS, **LAYOUTS[layout]}
-    train_run(short_documents, tmp_path, settings.get("parallel.cp", 1) * settings.get("parallel.pp", 1), **settings)
+    train_run(
+        short_documents,
+        tmp_path,
+        settings.get("parallel.cp", 1) * settings.get("parallel.pp", 1),
+        **settings,
+    )
     ref = one_process[settings.get("model.n_layers", 2)]
     losses, ref_losses = losses_from(tmp_path / "t"), losses_from(ref)
     assert losses.keys() == ref_losses.keys()
@@ -140,7 +156,10 @@ def test_training_on_packed_documents_split_over_ranks_matches_one_process(
     assert ref_evals and evals.keys() == ref_evals.keys()
     for step, loss in ref_evals.items():
         assert evals[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
-    params, ref_params = final_params(tmp_path / "t" / "checkpoints"), final_params(ref / "checkpoints")
+    params, ref_params = (
+        final_params(tmp_path / "t" / "checkpoints"),
+        final_params(ref / "checkpoints"),
+    )
     for key, want in ref_params.items():
         torch.testing.assert_close(params[key], want, rtol=1e-4, atol=1e-4)
 

@@ -36,7 +36,12 @@ class Windows:
 
 @pytest.mark.parametrize("n, micro, dp", [(23, 2, 1), (23, 3, 2), (23, 2, 4), (5, 4, 4), (8, 2, 2)])
 def test_the_whole_split_is_every_window_once_over_the_ranks(n, micro, dp):
-    seen = [int(i) for r in range(dp) for inputs, _ in eval_batches(Windows(n), 0, micro, r, dp) for i in inputs]
+    seen = [
+        int(i)
+        for r in range(dp)
+        for inputs, _ in eval_batches(Windows(n), 0, micro, r, dp)
+        for i in inputs
+    ]
     assert sorted(seen) == list(range(n))
     for r in range(dp):
         assert all(0 < len(b[0]) <= micro for b in eval_batches(Windows(n), 0, micro, r, dp))
@@ -65,7 +70,9 @@ SETTINGS = {
 
 
 @pytest.mark.slow  # a 1-process run and a world of 4
-def test_whole_split_evaluation_is_a_plain_pass_over_every_window_in_any_layout(small_data_dir, tmp_path):
+def test_whole_split_evaluation_is_a_plain_pass_over_every_window_in_any_layout(
+    small_data_dir, tmp_path
+):
     out = train_run(small_data_dir, tmp_path / "one", 1, **SETTINGS)
     one = eval_losses(tmp_path / "one" / "t")
     cfg = config.load(
@@ -83,13 +90,17 @@ def test_whole_split_evaluation_is_a_plain_pass_over_every_window_in_any_layout(
     model = build_model(cfg.model, params["tok_embeddings.weight"].shape[0], seed=0).eval()
     model.load_state_dict(params)
     with torch.no_grad():
-        per_window = [float(lm_loss(model(x), y)) for x, y in (val.batch([i]) for i in range(len(val)))]
+        per_window = [
+            float(lm_loss(model(x), y)) for x, y in (val.batch([i]) for i in range(len(val)))
+        ]
     assert one[6] == pytest.approx(sum(per_window) / len(per_window), rel=1e-5)
     # the baseline before the first step: an untrained model's loss is that of guessing among its outputs
     vocab = params["tok_embeddings.weight"].shape[0]
     assert sorted(one) == [0, 3, 6] and abs(one[0] - math.log(vocab)) < 0.05 < one[0] - one[6]
     assert f"on all {len(val)} sequences of the validation split" in out
-    assert len(val) % 4  # the split's end leaves the last micro-batch short (and a replica without one)
+    assert (
+        len(val) % 4
+    )  # the split's end leaves the last micro-batch short (and a replica without one)
     train_run(small_data_dir, tmp_path / "dp2-pp2", 4, **SETTINGS, **{"parallel.pp": 2})
     got = eval_losses(tmp_path / "dp2-pp2" / "t")
     assert got.keys() == one.keys()
@@ -101,7 +112,13 @@ def test_whole_split_evaluation_is_a_plain_pass_over_every_window_in_any_layout(
     ckpt = tmp_path / "one" / "t" / "checkpoints"
     experiment = tmp_path / "one" / "e.yaml"
     experiment.write_text("{}\n")
-    common = ["--resume", str(ckpt), "--data", str(small_data_dir), *tiny_overrides(small_data_dir, tmp_path / "ev")]
+    common = [
+        "--resume",
+        str(ckpt),
+        "--data",
+        str(small_data_dir),
+        *tiny_overrides(small_data_dir, tmp_path / "ev"),
+    ]
     common += ["model.n_layers=4", f"model.seq_len={SEQ}"]
     (tmp_path / "ranks-one").mkdir()
     codes = run_world(
@@ -126,13 +143,19 @@ def test_whole_split_evaluation_is_a_plain_pass_over_every_window_in_any_layout(
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     assert "loss" in launched.stdout and "bits/byte" in launched.stdout  # rank 0's table
     for name in ("one", "tp2-dp2"):
-        split = json.loads((tmp_path / f"eval-{name}.json").read_text())["splits"][str(small_data_dir)]
+        split = json.loads((tmp_path / f"eval-{name}.json").read_text())["splits"][
+            str(small_data_dir)
+        ]
         assert split["loss"] == pytest.approx(one[6], rel=1e-5), name
         assert split["sequences"] == len(val) and split["tokens"] == len(val) * SEQ
         # byte-level data: a byte a token, none for an end-of-document token
         spelt = sum(int((val.window(i)[1:] < 256).sum()) for i in range(len(val)))
         assert split["bytes"] == spelt
-        assert split["bits_per_byte"] == pytest.approx(split["loss"] * split["tokens"] / math.log(2) / spelt)
+        assert split["bits_per_byte"] == pytest.approx(
+            split["loss"] * split["tokens"] / math.log(2) / spelt
+        )
         assert split["perplexity"] == pytest.approx(math.exp(split["loss"]))
     record = json.loads((tmp_path / "ev" / "t" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert record["step"] == 6 and record["eval"][str(small_data_dir)]["loss"] == pytest.approx(one[6], rel=1e-5)
+    assert record["step"] == 6 and record["eval"][str(small_data_dir)]["loss"] == pytest.approx(
+        one[6], rel=1e-5
+    )

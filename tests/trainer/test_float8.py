@@ -36,14 +36,22 @@ def test_fp8_needs_compile_on_a_gpu_and_not_under_emulation(small_data_dir, tmp_
 
 
 def test_fp8_is_refused_on_a_cpu_with_one_message_and_exit_2(small_data_dir, tmp_path, capsys):
-    overrides = tiny_overrides(small_data_dir, tmp_path, **{"train.precision": "fp8", "train.compile": True})
+    overrides = tiny_overrides(
+        small_data_dir, tmp_path, **{"train.precision": "fp8", "train.compile": True}
+    )
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
     code, out = run_cli(["train", str(experiment), *overrides], capsys)
     assert code == 2, out
-    assert "FP8 tensor cores" in out and "this process trains on cpu" in out and "precision=bf16" in out
+    assert (
+        "FP8 tensor cores" in out
+        and "this process trains on cpu" in out
+        and "precision=bf16" in out
+    )
     assert "Traceback" not in out
-    assert not list((tmp_path / "t").glob("checkpoints/step_*")), "nothing may be written before the refusal"
+    assert not list((tmp_path / "t").glob("checkpoints/step_*")), (
+        "nothing may be written before the refusal"
+    )
 
 
 def test_blocks_linears_become_float8_with_the_same_parameters(small_data_dir, tmp_path):
@@ -60,7 +68,9 @@ def test_blocks_linears_become_float8_with_the_same_parameters(small_data_dir, t
         (ref,) = plain.model.parts
         assert list(part.state_dict()) == list(ref.state_dict())  # checkpoints see the same names
         for (name, p), (_, q) in zip(part.named_parameters(), ref.named_parameters()):
-            assert p.dtype == torch.float32 and torch.equal(p, q), name  # fp32 master weights, same init
+            assert p.dtype == torch.float32 and torch.equal(p, q), (
+                name
+            )  # fp32 master weights, same init
     finally:
         for t in (plain, trainer):
             t.checkpoints.close()
@@ -70,10 +80,20 @@ def test_blocks_linears_become_float8_with_the_same_parameters(small_data_dir, t
 @pytest.mark.slow  # emulated fp8 and bf16 runs side by side: ~8 s on 2 cores
 def test_emulated_fp8_trains_close_to_bf16_but_not_equal(small_data_dir, tmp_path):
     shared = {**COMMON, "checkpoint.interval": 0}
-    bf16 = run(tiny_config(small_data_dir, tmp_path / "bf16", **shared, **{"train.precision": "bf16"}), start())
+    bf16 = run(
+        tiny_config(small_data_dir, tmp_path / "bf16", **shared, **{"train.precision": "bf16"}),
+        start(),
+    )
     fp8 = run(tiny_config(small_data_dir, tmp_path / "fp8", **shared, **EMULATED), start())
     rowwise = run(
-        tiny_config(small_data_dir, tmp_path / "row", **shared, **EMULATED, **{"train.fp8_recipe": "rowwise"}), start()
+        tiny_config(
+            small_data_dir,
+            tmp_path / "row",
+            **shared,
+            **EMULATED,
+            **{"train.fp8_recipe": "rowwise"},
+        ),
+        start(),
     )
     for step, loss in bf16.losses.items():
         # float8 rounds each operand to 3 mantissa bits: a different loss, within a few percent
@@ -87,7 +107,10 @@ def test_checkpoints_resume_across_bf16_and_fp8(small_data_dir, tmp_path):
     """Float8 changes only the products: a checkpoint of either precision resumes under the other,
     with every saved tensor loaded as it was."""
     settings = {**COMMON, "checkpoint.interval": 3}
-    for saved, resumed in ((EMULATED, {"train.precision": "bf16"}), ({"train.precision": "bf16"}, EMULATED)):
+    for saved, resumed in (
+        (EMULATED, {"train.precision": "bf16"}),
+        ({"train.precision": "bf16"}, EMULATED),
+    ):
         root = tmp_path / f"{saved['train.precision']}-to-{resumed['train.precision']}"
         first = run(tiny_config(small_data_dir, root / "a", **settings, **saved), start())
         step3 = store.step_dir(root / "a" / "t" / "checkpoints", 3)
@@ -107,7 +130,9 @@ def test_checkpoints_resume_across_bf16_and_fp8(small_data_dir, tmp_path):
         second = run(cfg, start(), resume=step3)
         assert sorted(second.losses) == [4, 5, 6]
         for step, loss in second.losses.items():
-            assert loss == pytest.approx(first.losses[step], rel=0.05), step  # the other precision's rounding
+            assert loss == pytest.approx(first.losses[step], rel=0.05), (
+                step
+            )  # the other precision's rounding
 
 
 # name: (processes, parallel settings, tolerance of the loss against the single-process fp8 run)
@@ -126,7 +151,9 @@ LAYOUTS = {
 def test_fp8_layouts_match_the_single_process_fp8_run(small_data_dir, tmp_path, name):
     nproc, parallel, rel = LAYOUTS[name]
     recipe = {k: v for k, v in parallel.items() if k == "train.fp8_recipe"}
-    reference = run(tiny_config(small_data_dir, tmp_path / "ref", **COMMON, **EMULATED, **recipe), start())
+    reference = run(
+        tiny_config(small_data_dir, tmp_path / "ref", **COMMON, **EMULATED, **recipe), start()
+    )
     train_run(small_data_dir, tmp_path / "par", nproc, **COMMON, **EMULATED, **parallel)
     got = losses_from(tmp_path / "par" / "t")
     assert sorted(got) == sorted(reference.losses)
@@ -136,12 +163,21 @@ def test_fp8_layouts_match_the_single_process_fp8_run(small_data_dir, tmp_path, 
     want = final_params(tmp_path / "ref" / "t" / "checkpoints")
     assert params.keys() == want.keys()
     for key, ref in want.items():
-        torch.testing.assert_close(params[key], ref, rtol=10 * rel, atol=10 * rel, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            params[key], ref, rtol=10 * rel, atol=10 * rel, msg=lambda m: f"{key}: {m}"
+        )
     if parallel.get("parallel.tp", 1) > 1:
         # the tolerance above is wider than float8's own effect: the same layout in bf16 shows the
         # tensor-parallel layers really multiplied in float8
         bf16 = {k: v for k, v in parallel.items() if not k.startswith("train.fp8")}
-        train_run(small_data_dir, tmp_path / "bf16", nproc, **COMMON, **bf16, **{"train.precision": "bf16"})
+        train_run(
+            small_data_dir,
+            tmp_path / "bf16",
+            nproc,
+            **COMMON,
+            **bf16,
+            **{"train.precision": "bf16"},
+        )
         plain = losses_from(tmp_path / "bf16" / "t")
         assert max(abs(got[s] - plain[s]) / plain[s] for s in plain) > 1e-4
 

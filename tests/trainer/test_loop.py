@@ -24,7 +24,14 @@ def test_loss_decreases_on_demo_corpus(tmp_path):
     """The built-in corpus (stdlib sources, prepared on first use) is learnable: eval loss falls
     well below the uniform-guess loss ln(257) and below the first evaluation."""
     cfg = tiny_config(
-        None, tmp_path, **{"data.path": None, "train.steps": 40, "train.eval_interval": 10, "optim.warmup_steps": 5}
+        None,
+        tmp_path,
+        **{
+            "data.path": None,
+            "train.steps": 40,
+            "train.eval_interval": 10,
+            "optim.warmup_steps": 5,
+        },
     )
     result = run(cfg, start())
     evals = [result.eval_losses[s] for s in sorted(result.eval_losses)]
@@ -37,8 +44,12 @@ def test_loss_decreases_on_demo_corpus(tmp_path):
 
 def test_grad_accumulation_matches_one_big_batch(small_data_dir, tmp_path):
     """4 micro-batches of 2 = 1 micro-batch of 8 (same global batch), up to fp32 summation order."""
-    accum = run(tiny_config(small_data_dir, tmp_path / "a", **{"train.micro_batch_size": 2}), start())
-    whole = run(tiny_config(small_data_dir, tmp_path / "b", **{"train.micro_batch_size": 8}), start())
+    accum = run(
+        tiny_config(small_data_dir, tmp_path / "a", **{"train.micro_batch_size": 2}), start()
+    )
+    whole = run(
+        tiny_config(small_data_dir, tmp_path / "b", **{"train.micro_batch_size": 8}), start()
+    )
     for step in accum.losses:
         assert accum.losses[step] == pytest.approx(whole.losses[step], rel=1e-5)
 
@@ -63,7 +74,9 @@ def test_warmup_longer_than_the_run_warms_up_over_all_steps():
 def test_short_trial_of_a_long_warmup_trains_and_warns(small_data_dir, tmp_path, capsys):
     """The newcomer's first try, `strata train configs/tiny.yaml train.steps=4`, in small: it trains
     all its steps, at a rising learning rate, and says the warm-up was cut short."""
-    cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 4, "optim.warmup_steps": 50, "log.interval": 1})
+    cfg = tiny_config(
+        small_data_dir, tmp_path, **{"train.steps": 4, "optim.warmup_steps": 50, "log.interval": 1}
+    )
     result = run(cfg, start())
     assert result.final_step == 4 and all(math.isfinite(v) for v in result.losses.values())
     out = capsys.readouterr().out
@@ -94,7 +107,9 @@ def test_resume_reproduces_losses_bit_for_bit(small_data_dir, tmp_path):
 
 def test_resume_picks_latest_committed_and_ignores_partial(small_data_dir, tmp_path):
     cfg = tiny_config(
-        small_data_dir, tmp_path, **{"train.steps": 4, "checkpoint.interval": 2, "checkpoint.keep_last": 0}
+        small_data_dir,
+        tmp_path,
+        **{"train.steps": 4, "checkpoint.interval": 2, "checkpoint.keep_last": 0},
     )
     run(cfg, start())
     root = cfg.checkpoint_dir()
@@ -108,7 +123,9 @@ def test_resume_picks_latest_committed_and_ignores_partial(small_data_dir, tmp_p
 
 def test_resume_into_other_model_is_a_clear_error(small_data_dir, tmp_path):
     cfg = tiny_config(small_data_dir, tmp_path / "a", **{"train.steps": 2})
-    cfg_saved = tiny_config(small_data_dir, tmp_path / "a", **{"train.steps": 2, "checkpoint.save_final": True})
+    cfg_saved = tiny_config(
+        small_data_dir, tmp_path / "a", **{"train.steps": 2, "checkpoint.save_final": True}
+    )
     run(cfg_saved, start())
     other = tiny_config(small_data_dir, tmp_path / "b", **{"model.d_model": 64})
     with pytest.raises(CheckpointError, match="does not fit"):
@@ -130,16 +147,24 @@ def test_new_run_refuses_a_checkpoint_dir_holding_committed_checkpoints(small_da
     with pytest.raises(CheckpointError, match="holds 2 committed checkpoint") as info:
         run(again, start())
     assert f"--resume {root}" in str(info.value) and "checkpoint.overwrite=true" in str(info.value)
-    assert {p.name: (p / store.MARKER).read_bytes() for p in store.committed(root)} == before  # untouched
+    assert {
+        p.name: (p / store.MARKER).read_bytes() for p in store.committed(root)
+    } == before  # untouched
     assert (tmp_path / "t" / "metrics.jsonl").read_text() == metrics  # no step was taken
     resumed = run(again, start(), resume=root)  # what the message says: continue it
     assert sorted(resumed.losses) == [5, 6]
-    fresh = run(tiny_config(small_data_dir, tmp_path, **{**extra, "checkpoint.overwrite": True}), start())
+    fresh = run(
+        tiny_config(small_data_dir, tmp_path, **{**extra, "checkpoint.overwrite": True}), start()
+    )
     assert sorted(fresh.losses) == [1, 2, 3, 4]
-    assert (store.step_dir(root, 4) / store.MARKER).read_bytes() != before["step_00000004"]  # replaced
+    assert (store.step_dir(root, 4) / store.MARKER).read_bytes() != before[
+        "step_00000004"
+    ]  # replaced
 
 
-def test_restarted_workers_continue_from_their_newest_checkpoint(small_data_dir, tmp_path, monkeypatch):
+def test_restarted_workers_continue_from_their_newest_checkpoint(
+    small_data_dir, tmp_path, monkeypatch
+):
     """Workers torchrun restarts after a failure get the job's first arguments (no --resume): they
     continue from the newest committed checkpoint of checkpoint.dir instead of being refused."""
     extra = {"train.steps": 4, "checkpoint.interval": 2, "checkpoint.keep_last": 0}
@@ -151,10 +176,15 @@ def test_restarted_workers_continue_from_their_newest_checkpoint(small_data_dir,
 
 def test_keep_last_prunes_old_checkpoints(small_data_dir, tmp_path):
     cfg = tiny_config(
-        small_data_dir, tmp_path, **{"train.steps": 6, "checkpoint.interval": 1, "checkpoint.keep_last": 2}
+        small_data_dir,
+        tmp_path,
+        **{"train.steps": 6, "checkpoint.interval": 1, "checkpoint.keep_last": 2},
     )
     run(cfg, start())
-    assert [p.name for p in store.committed(cfg.checkpoint_dir())] == ["step_00000005", "step_00000006"]
+    assert [p.name for p in store.committed(cfg.checkpoint_dir())] == [
+        "step_00000005",
+        "step_00000006",
+    ]
     assert not list(cfg.checkpoint_dir().glob(".*tmp*"))
 
 

@@ -34,11 +34,17 @@ def records(run_dir) -> list[dict]:
 def test_aux_loss_gradient_equals_the_loss_added_by_hand(small_data_dir, tmp_path):
     """One step's gradient with model.moe.aux_loss_coef over 4 micro-batches equals autograd on
     mean over micro-batches of (lm loss + coef · E·Σ f·P) written out on the plain model."""
-    cfg = tiny_config(small_data_dir, tmp_path, **MOE, **{"model.moe.aux_loss_coef": 0.5, "log.interval": 1})
+    cfg = tiny_config(
+        small_data_dir, tmp_path, **MOE, **{"model.moe.aux_loss_coef": 0.5, "log.interval": 1}
+    )
     trainer = Trainer(cfg, start())
     micro = trainer.loader.next_step()
-    plain = dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, aux_loss_coef=0.0))
-    reference = build_model(plain, trainer.train_set.vocab_size, cfg.train.seed)  # no loss of its own
+    plain = dataclasses.replace(
+        cfg.model, moe=dataclasses.replace(cfg.model.moe, aux_loss_coef=0.0)
+    )
+    reference = build_model(
+        plain, trainer.train_set.vocab_size, cfg.train.seed
+    )  # no loss of its own
     reference.load_state_dict(trainer.model.parts[0].state_dict())
     routings = []
     for block in reference.layers:
@@ -60,8 +66,12 @@ def test_aux_loss_gradient_equals_the_loss_added_by_hand(small_data_dir, tmp_pat
         for slot, piece, _, _ in g.segments:
             name = slot.aliases[0]
             expected = want[name].grad.flatten()
-            assert piece.grad is not None and piece.numel() == expected.numel()  # one process: whole tensors
-            torch.testing.assert_close(piece.grad, expected, rtol=1e-4, atol=1e-7, msg=lambda s: f"{name}: {s}")
+            assert (
+                piece.grad is not None and piece.numel() == expected.numel()
+            )  # one process: whole tensors
+            torch.testing.assert_close(
+                piece.grad, expected, rtol=1e-4, atol=1e-7, msg=lambda s: f"{name}: {s}"
+            )
             checked += "router" in name
     assert checked == 2
 
@@ -127,5 +137,7 @@ def test_bias_update_balances_the_load(small_data_dir, tmp_path):
         return float(load.max() / load.mean())
 
     balanced, free = window_imbalance(0.05, "bias"), window_imbalance(0.0, "none")
-    print(f"max/mean load over steps 21-30: {balanced:.2f} with the bias update, {free:.2f} without")
+    print(
+        f"max/mean load over steps 21-30: {balanced:.2f} with the bias update, {free:.2f} without"
+    )
     assert balanced < 0.75 * free

@@ -41,13 +41,19 @@ def poison_steps(monkeypatch, steps: set[int] | None = None, from_step: int | No
 
 def state_tensors(root, step: int) -> dict[str, torch.Tensor]:
     """Parameters and optimizer states of a checkpoint (not the RNG)."""
-    return {k: v for k, v in Checkpoint(store.step_dir(root, step)).tensors("").items() if "rng" not in k}
+    return {
+        k: v
+        for k, v in Checkpoint(store.step_dir(root, step)).tensors("").items()
+        if "rng" not in k
+    }
 
 
 def test_a_nan_step_is_skipped_and_training_goes_on(small_data_dir, tmp_path, monkeypatch, capsys):
     poison_steps(monkeypatch, {3})
     cfg = tiny_config(
-        small_data_dir, tmp_path, **{"checkpoint.interval": 1, "checkpoint.keep_last": 0, "log.interval": 1}
+        small_data_dir,
+        tmp_path,
+        **{"checkpoint.interval": 1, "checkpoint.keep_last": 0, "log.interval": 1},
     )
     result = run(cfg, start())
     assert result.final_step == 6 and math.isnan(result.losses[3])
@@ -57,7 +63,9 @@ def test_a_nan_step_is_skipped_and_training_goes_on(small_data_dir, tmp_path, mo
     # The skipped step updated nothing: the state after it is the state before it, bit for bit.
     before, after = state_tensors(root, 2), state_tensors(root, 3)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert not all(torch.equal(after[k], state_tensors(root, 4)[k]) for k in after)  # the next one did
+    assert not all(
+        torch.equal(after[k], state_tensors(root, 4)[k]) for k in after
+    )  # the next one did
     assert "warning: step 3: loss nan" in capsys.readouterr().out
     lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in lines if "loss" in r}
@@ -70,11 +78,15 @@ def test_a_nan_step_is_skipped_and_training_goes_on(small_data_dir, tmp_path, mo
 def test_stop_policy_ends_the_run_at_the_first_nan_step(small_data_dir, tmp_path, monkeypatch):
     poison_steps(monkeypatch, {2})
     cfg = tiny_config(
-        small_data_dir, tmp_path, **{"train.nonfinite": "stop", "checkpoint.interval": 1, "checkpoint.keep_last": 1}
+        small_data_dir,
+        tmp_path,
+        **{"train.nonfinite": "stop", "checkpoint.interval": 1, "checkpoint.keep_last": 1},
     )
     with pytest.raises(NonFiniteError) as info:
         run(cfg, start())
-    assert str(info.value).startswith("step 2: loss nan, gradient norm nan: not finite (train.nonfinite=stop)")
+    assert str(info.value).startswith(
+        "step 2: loss nan, gradient norm nan: not finite (train.nonfinite=stop)"
+    )
     assert [p.name for p in store.committed(cfg.checkpoint_dir())] == ["step_00000001"]
 
 
@@ -89,12 +101,16 @@ def test_too_many_nan_steps_in_a_row_stop_the_run_keeping_the_last_good_checkpoi
     )
     with pytest.raises(NonFiniteError) as info:
         run(cfg, start())
-    assert str(info.value).startswith("step 4: loss nan, gradient norm nan: not finite (2 steps in a row")
+    assert str(info.value).startswith(
+        "step 4: loss nan, gradient norm nan: not finite (2 steps in a row"
+    )
     assert f"--resume {cfg.checkpoint_dir()}" in str(info.value)
     assert [p.name for p in store.committed(cfg.checkpoint_dir())] == ["step_00000002"]
 
 
-def test_a_save_of_non_finite_state_is_refused_and_retention_keeps_the_good_one(small_data_dir, tmp_path):
+def test_a_save_of_non_finite_state_is_refused_and_retention_keeps_the_good_one(
+    small_data_dir, tmp_path
+):
     """Parameters that became NaN while the loss was still finite (an overflowing update): the save
     commits nothing, so keep_last=1 never removes the finite checkpoint before it."""
     cfg = tiny_config(small_data_dir, tmp_path, **{"checkpoint.keep_last": 1})
@@ -108,7 +124,11 @@ def test_a_save_of_non_finite_state_is_refused_and_retention_keeps_the_good_one(
     assert not trainer.save()
     trainer.checkpoints.close()
     assert [p.name for p in store.committed(cfg.checkpoint_dir())] == ["step_00000001"]
-    leftovers = [p.name for p in cfg.checkpoint_dir().iterdir() if p.name.startswith(".") and p.name != LOCK_NAME]
+    leftovers = [
+        p.name
+        for p in cfg.checkpoint_dir().iterdir()
+        if p.name.startswith(".") and p.name != LOCK_NAME
+    ]
     assert not leftovers  # no partial save either (the run's lock file stays, by design)
 
 
@@ -118,7 +138,9 @@ def _dp_worker(rank: int, size: int, port: int, out_dir: str, cfg) -> None:
 
     from strata.parallel.runtime import stop
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size)
+    )
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size))
     torch.set_num_threads(1)
     real, calls = parallelize_mod.lm_loss, [0]
@@ -140,7 +162,12 @@ def _dp_worker(rank: int, size: int, port: int, out_dir: str, cfg) -> None:
 def test_one_ranks_nan_makes_every_rank_skip_the_same_step(small_data_dir, tmp_path):
     from worlds import run_world
 
-    cfg = tiny_config(small_data_dir, tmp_path, world_size=2, **{"checkpoint.interval": 1, "checkpoint.keep_last": 0})
+    cfg = tiny_config(
+        small_data_dir,
+        tmp_path,
+        world_size=2,
+        **{"checkpoint.interval": 1, "checkpoint.keep_last": 0},
+    )
     ranks = run_world(_dp_worker, 2, tmp_path, cfg)
     for r in ranks:
         assert sorted(r["losses"]) == [1, 2, 3, 4, 5, 6] and math.isnan(r["losses"][3])

@@ -16,13 +16,27 @@ from strata.trainer.metrics import MetricsLogger, flat_scalars, mfu_peak, peak_t
 from strata.trainer.profiling import StepProfiler
 
 RECORDS = [
-    {"loss": 5.5, "lr": 1e-4, "grad_norm": 2.0, "tokens_per_s": 1000.0, "tflops_per_rank": 3.0, "mfu": 0.25},
-    {"loss": 4.25, "lr": 2e-4, "grad_norm": 1.5, "wire_bytes_per_step": {"node": 64.0, "global": 8}},
+    {
+        "loss": 5.5,
+        "lr": 1e-4,
+        "grad_norm": 2.0,
+        "tokens_per_s": 1000.0,
+        "tflops_per_rank": 3.0,
+        "mfu": 0.25,
+    },
+    {
+        "loss": 4.25,
+        "lr": 2e-4,
+        "grad_norm": 1.5,
+        "wire_bytes_per_step": {"node": 64.0, "global": 8},
+    },
 ]
 
 
 def _logger(tmp_path, **kwargs) -> MetricsLogger:
-    return MetricsLogger(tmp_path, total_steps=10, start_step=0, enabled=True, progress=False, **kwargs)
+    return MetricsLogger(
+        tmp_path, total_steps=10, start_step=0, enabled=True, progress=False, **kwargs
+    )
 
 
 def _strict_json(line: str) -> dict:
@@ -49,7 +63,11 @@ def test_tensorboard_scalars_equal_the_records(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     got = {(tag, e.step): e.value for tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
-    want = {(tag, step): value for step, r in enumerate(RECORDS, start=1) for tag, value in flat_scalars(r)}
+    want = {
+        (tag, step): value
+        for step, r in enumerate(RECORDS, start=1)
+        for tag, value in flat_scalars(r)
+    }
     want[("eval_loss", 2)] = 4.5
     assert got.keys() == want.keys()
     for key, value in want.items():
@@ -58,12 +76,21 @@ def test_tensorboard_scalars_equal_the_records(tmp_path):
 
 
 def test_flat_scalars_joins_nested_keys_and_drops_axes_and_text():
-    record = {"step": 3, "time": 1.0, "loss": 2.0, "skipped": "why", "ok": True, "offload": {"host": {"gb": 1}}}
+    record = {
+        "step": 3,
+        "time": 1.0,
+        "loss": 2.0,
+        "skipped": "why",
+        "ok": True,
+        "offload": {"host": {"gb": 1}},
+    }
     assert dict(flat_scalars(record)) == {"loss": 2.0, "offload/host/gb": 1.0}
 
 
 def test_tensorboard_missing_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    monkeypatch.setitem(
+        sys.modules, "torch.utils.tensorboard", None
+    )  # import fails as if not installed
     with pytest.raises(StrataError, match=r"pip install strata-train\[tensorboard\]"):
         _logger(tmp_path, tensorboard=True)
     assert not (tmp_path / "metrics.jsonl").exists()
@@ -79,12 +106,18 @@ def test_tensorboard_writes_on_rank_zero_only(tmp_path):
 
 def test_non_finite_numbers_are_written_as_null(tmp_path):
     log = _logger(tmp_path)
-    log.step(1, {"loss": float("nan"), "grad_norm": float("inf"), "offload": {"x": [1.0, float("-inf")]}})
+    log.step(
+        1, {"loss": float("nan"), "grad_norm": float("inf"), "offload": {"x": [1.0, float("-inf")]}}
+    )
     log.step(2, {"loss": 3.0})
     log.close()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     first, second = (_strict_json(line) for line in lines)
-    assert first["loss"] is None and first["grad_norm"] is None and first["offload"] == {"x": [1.0, None]}
+    assert (
+        first["loss"] is None
+        and first["grad_norm"] is None
+        and first["offload"] == {"x": [1.0, None]}
+    )
     assert second["loss"] == 3.0
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
 
@@ -110,7 +143,9 @@ def test_a_runs_nan_step_is_null_in_metrics_jsonl(small_data_dir, tmp_path, monk
     monkeypatch.setattr(parallelize_mod, "lm_loss", loss)
     cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 3, "log.interval": 1})
     run(cfg, start())
-    records = [_strict_json(line) for line in (cfg.run_dir() / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        _strict_json(line) for line in (cfg.run_dir() / "metrics.jsonl").read_text().splitlines()
+    ]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert losses[2] is None and losses[1] is not None and losses[3] is not None
 
@@ -198,7 +233,9 @@ def test_profiler_traces_only_the_window(tmp_path):
 
 
 def test_profiler_off_writes_nothing(tmp_path):
-    prof = StepProfiler.from_config(config.LogConfig(), tmp_path, rank=0, device=torch.device("cpu"))
+    prof = StepProfiler.from_config(
+        config.LogConfig(), tmp_path, rank=0, device=torch.device("cpu")
+    )
     with prof.step(1):
         _work(torch.randn(4, 4))
     prof.close()
@@ -242,7 +279,9 @@ def test_profile_steps_is_the_inclusive_window(tmp_path):
     prof = StepProfiler.from_config(log, tmp_path, rank=0, device=torch.device("cpu"))
     assert (prof.first, prof.last) == (3, 5)
     assert [s for s in range(1, 8) if prof.in_window(s)] == [3, 4, 5]
-    one = StepProfiler.from_config(config.load(None, ["log.profile_steps=[2,2]"]).log, tmp_path, 0, torch.device("cpu"))
+    one = StepProfiler.from_config(
+        config.load(None, ["log.profile_steps=[2,2]"]).log, tmp_path, 0, torch.device("cpu")
+    )
     assert [s for s in range(1, 5) if one.in_window(s)] == [2]
 
 
@@ -250,10 +289,16 @@ def test_profile_steps_is_the_inclusive_window(tmp_path):
     ("value", "message"),
     [
         (0, "log.profile_steps: expected list of int or null, got 0 (use a list, e.g. [a, b])"),
-        ("2-4", "log.profile_steps: expected list of int or null, got '2-4' (use a list, e.g. [a, b])"),
+        (
+            "2-4",
+            "log.profile_steps: expected list of int or null, got '2-4' (use a list, e.g. [a, b])",
+        ),
         ([3], "log.profile_steps: [3] has 1 item; give exactly 2"),
         ([1, 2, 3], "log.profile_steps: [1, 2, 3] has 3 items; give exactly 2"),
-        ([5, 3], "log.profile_steps: [5, 3] is reversed; give [first, last] with first <= last, e.g. [3, 5]"),
+        (
+            [5, 3],
+            "log.profile_steps: [5, 3] is reversed; give [first, last] with first <= last, e.g. [3, 5]",
+        ),
         ([1, "x"], "log.profile_steps: item 2 is 'x', not a whole number"),
         ([1.5, 2], "log.profile_steps: item 1 is 1.5, not a whole number"),
         ([0, 2], "log.profile_steps: item 1 is 0, which must be >= 1"),
@@ -300,7 +345,9 @@ def test_cpu_profiler_attaches_no_out_of_memory_observer(tmp_path, oom_hook):
     assert not prof.oom_path.exists() and not prof.oom_observed
 
 
-def test_cuda_out_of_memory_observer_snapshots_for_the_newest_profiler(tmp_path, oom_hook, monkeypatch):
+def test_cuda_out_of_memory_observer_snapshots_for_the_newest_profiler(
+    tmp_path, oom_hook, monkeypatch
+):
     """The wiring, on CPU: one observer per process, writing the newest CUDA profiler's oom_path."""
     dumped: list[str] = []
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dumped.append)
@@ -314,7 +361,9 @@ def test_cuda_out_of_memory_observer_snapshots_for_the_newest_profiler(tmp_path,
     assert len(dumped) == 1, "the observer's snapshot (taken before unwinding) is not overwritten"
     assert not second.oom_observed
     with pytest.raises(torch.cuda.OutOfMemoryError), second.step(2):
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory")  # no observer call: snapshot as it leaves
+        raise torch.cuda.OutOfMemoryError(
+            "CUDA out of memory"
+        )  # no observer call: snapshot as it leaves
     assert len(dumped) == 2
 
 
@@ -353,5 +402,8 @@ def test_progress_is_a_bar_on_a_terminal_and_a_line_per_logged_step_in_a_log(tmp
         in_a_log.step(step, record)
     in_a_log.close()
     out = capsys.readouterr()
-    assert out.out.splitlines() == ["step 2/10  loss 5.5000  1,000 tokens/s", "step 3/10  loss 4.2500  0 tokens/s"]
+    assert out.out.splitlines() == [
+        "step 2/10  loss 5.5000  1,000 tokens/s",
+        "step 3/10  loss 4.2500  0 tokens/s",
+    ]
     assert "\r" not in out.err + out.out  # no bar redraws in a log file

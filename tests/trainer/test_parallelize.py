@@ -19,7 +19,12 @@ from worlds import COMMON, ZERO3, assert_same_params, final_params, losses_from,
 pytestmark = pytest.mark.slow  # each case is a world of 2-8 processes
 
 # Layouts whose step-3 checkpoint is also resumed by one process (a different layout) for steps 4–6.
-RESUMED_ELSEWHERE = {"tp2-pp2-sp-tied", "pp2-zbv-tied", "zero3-dp2-accumulate", "zero3-pp2-v2-dp2-tied"}
+RESUMED_ELSEWHERE = {
+    "tp2-pp2-sp-tied",
+    "pp2-zbv-tied",
+    "zero3-dp2-accumulate",
+    "zero3-pp2-v2-dp2-tied",
+}
 
 # name: (processes, parallel settings, model/batch settings shared with the reference)
 LAYOUTS = {
@@ -29,7 +34,11 @@ LAYOUTS = {
     "tp2-dp2": (4, {"parallel.tp": 2}, {}),
     "pp2-v2": (2, {"parallel.pp": 2, "parallel.virtual_stages": 2}, {"model.n_layers": 4}),
     "pp4-v2": (4, {"parallel.pp": 4, "parallel.virtual_stages": 2}, {"model.n_layers": 8}),
-    "pp2-gpipe-tied": (2, {"parallel.pp": 2, "parallel.schedule": "gpipe"}, {"model.tie_embeddings": True}),
+    "pp2-gpipe-tied": (
+        2,
+        {"parallel.pp": 2, "parallel.schedule": "gpipe"},
+        {"model.tie_embeddings": True},
+    ),
     "pp2-zbv-tied": (
         2,
         {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "zbv_zero_bubble"},
@@ -42,7 +51,11 @@ LAYOUTS = {
     ),
     "pp2-v2-zero-bubble": (
         2,
-        {"parallel.pp": 2, "parallel.virtual_stages": 2, "parallel.schedule": "interleaved_zero_bubble"},
+        {
+            "parallel.pp": 2,
+            "parallel.virtual_stages": 2,
+            "parallel.schedule": "interleaved_zero_bubble",
+        },
         {"model.n_layers": 4},
     ),
     "pp2-dualpipev": (
@@ -70,7 +83,11 @@ LAYOUTS = {
         {**ZERO3, "parallel.pp": 2, "parallel.virtual_stages": 2, "zero.prefetch_blocks": 2},
         {"model.n_layers": 4, "model.tie_embeddings": True},
     ),
-    "zero3-tp2-pp2-dp2": (8, {**ZERO3, "parallel.tp": 2, "parallel.pp": 2, "parallel.sequence_parallel": True}, {}),
+    "zero3-tp2-pp2-dp2": (
+        8,
+        {**ZERO3, "parallel.tp": 2, "parallel.pp": 2, "parallel.sequence_parallel": True},
+        {},
+    ),
 }
 
 
@@ -93,7 +110,9 @@ def test_parallel_layout_matches_single_process(small_data_dir, tmp_path, name):
 
     if name in RESUMED_ELSEWHERE:  # the global-layout checkpoint of step 3 continues on 1 process
         resumed_cfg = tiny_config(small_data_dir, tmp_path / "resumed", **COMMON, **shared)
-        resumed = run(resumed_cfg, start(), resume=store.step_dir(tmp_path / "par" / "t" / "checkpoints", 3))
+        resumed = run(
+            resumed_cfg, start(), resume=store.step_dir(tmp_path / "par" / "t" / "checkpoints", 3)
+        )
         assert sorted(resumed.losses) == [4, 5, 6]
         for step, loss in resumed.losses.items():
             assert loss == pytest.approx(reference.losses[step], rel=1e-5, abs=1e-6), step

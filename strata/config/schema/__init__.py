@@ -30,7 +30,13 @@ from strata.config.schema.memory import (
 )
 from strata.config.schema.model import ModelConfig, MoEConfig
 from strata.config.schema.parallel import ParallelConfig
-from strata.config.schema.run import CheckpointConfig, DataConfig, DataSource, LogConfig, SnapshotConfig
+from strata.config.schema.run import (
+    CheckpointConfig,
+    DataConfig,
+    DataSource,
+    LogConfig,
+    SnapshotConfig,
+)
 from strata.config.schema.train import OptimConfig, TrainConfig
 
 __all__ = [

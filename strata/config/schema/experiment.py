@@ -42,7 +42,9 @@ class Config:
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-batches one data-parallel replica runs per optimizer step."""
-        return self.train.global_batch_size // (self.train.micro_batch_size * self.dp_size(world_size))
+        return self.train.global_batch_size // (
+            self.train.micro_batch_size * self.dp_size(world_size)
+        )
 
     def run_name(self) -> str:
         """The run's name: log.name, or "run"."""
@@ -57,4 +59,6 @@ class Config:
         return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir() / "checkpoints"
 
 
-GROUPS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+GROUPS: dict[str, type] = {
+    f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)
+}

@@ -98,7 +98,9 @@ def replace(cfg: Any, key: str, value: Any) -> Any:
     """A copy of cfg with one dotted key (`optim.lr`, `zero.params.shard_over`) changed (no validation)."""
     name, _, rest = key.partition(".")
     name = next((f.name for f in dataclasses.fields(cfg) if key_of(f) == name), name)
-    return dataclasses.replace(cfg, **{name: replace(getattr(cfg, name), rest, value) if rest else value})
+    return dataclasses.replace(
+        cfg, **{name: replace(getattr(cfg, name), rest, value) if rest else value}
+    )
 
 
 def unknown(key: str) -> str:

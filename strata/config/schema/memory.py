@@ -16,7 +16,9 @@ class ShardSpec:
     """Where one kind of training state is partitioned."""
 
     shard_over: str = opt(
-        "none", "hierarchy level whose data-parallel ranks split it (none: not split; gcd = none)", choices=LEVELS
+        "none",
+        "hierarchy level whose data-parallel ranks split it (none: not split; gcd = none)",
+        choices=LEVELS,
     )
 
 
@@ -31,16 +33,21 @@ class ZeroConfig:
     )
     grads: ShardSpec = nested(
         ShardSpec,
-        "where gradients are partitioned (reduce-scattered per micro-batch as backward produces them): ZeRO-2",
+        "where gradients are partitioned (reduce-scattered per micro-batch as backward produces "
+        "them): ZeRO-2",
     )
-    optim: ShardSpec = nested(ShardSpec, "where optimizer states (and the fp32 update) are partitioned: ZeRO-1")
+    optim: ShardSpec = nested(
+        ShardSpec, "where optimizer states (and the fp32 update) are partitioned: ZeRO-1"
+    )
     secondary_params: ShardSpec = nested(
         ShardSpec,
         "hpZ (ZeRO++): a second copy of the parameters partitioned at "
         "this finer level, gathered for backward and later micro-batches instead "
         "of the primary one; none = off",
     )
-    prefetch_blocks: int = opt(1, "flat groups gathered ahead of the one running (forward and backward)", min=0)
+    prefetch_blocks: int = opt(
+        1, "flat groups gathered ahead of the one running (forward and backward)", min=0
+    )
     bucket_mb: float = opt(
         0.0,
         "merge consecutive transformer blocks into one flat group (one gather, one "
@@ -57,21 +64,30 @@ class ZeroConfig:
     @property
     def enabled(self) -> bool:
         """Whether any state is partitioned at all (gcd partitions nothing: one rank per GCD)."""
-        return any(coarseness(s.shard_over) > coarseness("none") for s in (self.params, self.grads, self.optim))
+        return any(
+            coarseness(s.shard_over) > coarseness("none")
+            for s in (self.params, self.grads, self.optim)
+        )
 
 
 @dataclass(frozen=True)
 class CO2Config:
     """CO2: nodes train as independent replicas, averaged by an outer all-reduce every round."""
 
-    enabled: bool = opt(False, "use CO2 across nodes (inside a node: ordinary data parallelism); needs >= 2 nodes")
+    enabled: bool = opt(
+        False, "use CO2 across nodes (inside a node: ordinary data parallelism); needs >= 2 nodes"
+    )
     outer_every: int = opt(2, "H: local optimizer steps per round", min=1)
     outer_lr: float = opt(0.8, "outer learning rate applied to the averaged round delta", min=0.0)
     outer_momentum: float = opt(0.0, "outer momentum", min=0.0, max=1.0, max_exclusive=True)
     staleness_penalty: float = opt(
-        0.0, "staleness gap penalty on a replica's not-yet-averaged progress (0: keep it whole)", min=0.0
+        0.0,
+        "staleness gap penalty on a replica's not-yet-averaged progress (0: keep it whole)",
+        min=0.0,
     )
-    clip: float = opt(0.0, "clip the outer momentum's L2 norm to this (0 = no outer-momentum clipping)", min=0.0)
+    clip: float = opt(
+        0.0, "clip the outer momentum's L2 norm to this (0 = no outer-momentum clipping)", min=0.0
+    )
     overlap: bool = opt(
         True,
         "apply each round's average one round late, overlapping its all-reduce with the next "
@@ -90,7 +106,9 @@ class ParamOffloadConfig:
         "offload.nvme_path (read ahead of use, written back after the step)",
         choices=OFFLOAD_DEVICES,
     )
-    read_ahead: int = opt(1, "flat groups whose shards are read ahead of the gather prefetch", min=0)
+    read_ahead: int = opt(
+        1, "flat groups whose shards are read ahead of the gather prefetch", min=0
+    )
     keep_groups: int = opt(
         2,
         "shards kept in memory after their last use, most recent first, so the turns "
@@ -100,7 +118,8 @@ class ParamOffloadConfig:
     )
     resident_mb: float | None = opt(
         0.0,
-        "device memory for shards that stay in memory for good once read (never re-read nor written "
+        "device memory for shards that stay in memory for good once read (never re-read nor "
+        "written "
         "back; DeepSpeed's max_reuse_distance taken to its end); null: what the device had free at "
         "the first step's peak, less 10% of its memory, shared by the ranks on it (0: none)",
         min=0.0,
@@ -131,7 +150,8 @@ class OffloadConfig:
 
     nvme_path: str | None = opt(
         None,
-        "directory for swap files on a local SSD (needed when a device is nvme); checked and preallocated at start-up",
+        "directory for swap files on a local SSD (needed when a device is nvme); checked and "
+        "preallocated at start-up",
     )
     host_buffer_mb: float = opt(
         64.0,
@@ -141,11 +161,16 @@ class OffloadConfig:
         min_exclusive=True,
     )
     slab_mb: float = opt(
-        4.0, "slab size (a multiple of 4 KiB); also the optimizer sub-group size", min=0.0, min_exclusive=True
+        4.0,
+        "slab size (a multiple of 4 KiB); also the optimizer sub-group size",
+        min=0.0,
+        min_exclusive=True,
     )
     io_threads: int = opt(4, "I/O threads per rank for swap files", min=1)
     direct_io: bool = opt(
-        True, "O_DIRECT swap I/O, bypassing the page cache (falls back to buffered I/O on file systems that refuse it)"
+        True,
+        "O_DIRECT swap I/O, bypassing the page cache (falls back to buffered I/O on file "
+        "systems that refuse it)",
     )
     params: ParamOffloadConfig = nested(ParamOffloadConfig)
     optim: OptimOffloadConfig = nested(OptimOffloadConfig)
@@ -168,7 +193,9 @@ class ActivationsConfig:
         choices=OFFLOAD_DEVICES,
     )
     min_bytes: int = opt(
-        1 << 20, "never offload a saved tensor whose storage is smaller than this (parameters never are)", min=0
+        1 << 20,
+        "never offload a saved tensor whose storage is smaller than this (parameters never are)",
+        min=0,
     )
     max_inflight_mb: float | None = opt(
         None,
@@ -181,7 +208,8 @@ class ActivationsConfig:
     recompute: str = opt(
         "none",
         "full: recompute each transformer block's forward in backward instead of saving "
-        "its activations (torch.utils.checkpoint); selective: keep the matmul and attention outputs "
+        "its activations (torch.utils.checkpoint); selective: keep the matmul and attention "
+        "outputs "
         "and recompute only the cheap, memory-heavy ops between them (norms, RoPE, SiLU, products)",
         choices=("none", "selective", "full"),
     )

@@ -16,7 +16,10 @@ class DataSource:
 
     path: str = field(metadata={"doc": "directory made by `strata data prepare`"})
     weight: float = opt(
-        1.0, "its share of the training samples, relative to the other sources' weights", min=0.0, min_exclusive=True
+        1.0,
+        "its share of the training samples, relative to the other sources' weights",
+        min=0.0,
+        min_exclusive=True,
     )
 
 
@@ -25,29 +28,43 @@ class DataConfig:
     """Token data: a prepared directory (train.bin/val.bin + meta.json), a mixture, or the built-in corpus."""
 
     path: str | None = opt(
-        None, "directory made by `strata data prepare` (null: the Python stdlib corpus, prepared on first use)"
+        None,
+        "directory made by `strata data prepare` (null: the Python stdlib corpus, prepared "
+        "on first use)",
     )
     sources: tuple[DataSource, ...] | None = opt(
         None,
-        "a mixture instead of data.path (null: none): a list of {path, weight} (e.g. [{path: data/web, weight: 3}, "
-        "{path: data/code, weight: 1}]); each step's samples go to the source furthest behind its share "
-        "(weights normalised; Megatron's blended dataset), each source in its own seeded order, evaluation "
+        "a mixture instead of data.path (null: none): a list of {path, weight} (e.g. [{path: "
+        "data/web, weight: 3}, "
+        "{path: data/code, weight: 1}]); each step's samples go to the source furthest behind its "
+        "share "
+        "(weights normalised; Megatron's blended dataset), each source in its own seeded order, "
+        "evaluation "
         "blends the val splits alike. All sources need the same tokenizer",
     )
     document_mask: bool = opt(
         False,
-        "attend only inside each document packed into a sequence: the end-of-document token the data's meta.json "
+        "attend only inside each document packed into a sequence: the end-of-document token the "
+        "data's meta.json "
         "records (`strata data prepare` writes it) ends one; the loss still counts every token",
     )
     reset_positions: bool = opt(
-        False, "restart the rotary positions at every document packed into a sequence (with or without document_mask)"
+        False,
+        "restart the rotary positions at every document packed into a sequence (with or "
+        "without document_mask)",
     )
-    cache_dir: str | None = opt(None, "where the built-in corpus is prepared (null: $STRATA_CACHE or ~/.cache/strata)")
-    val_fraction: float = opt(0.05, "share of built-in corpus files held out for evaluation", min=0.0, max=0.5)
+    cache_dir: str | None = opt(
+        None, "where the built-in corpus is prepared (null: $STRATA_CACHE or ~/.cache/strata)"
+    )
+    val_fraction: float = opt(
+        0.05, "share of built-in corpus files held out for evaluation", min=0.0, max=0.5
+    )
     tokenizer: str | None = opt(
         None,
-        "the tokenizer data.path was prepared with (`strata data prepare --tokenizer`): bytes, bpe:N, or the path "
-        "of a tokenizer.json or a model directory holding one; checked against the data's meta.json at start-up "
+        "the tokenizer data.path was prepared with (`strata data prepare --tokenizer`): bytes, "
+        "bpe:N, or the path "
+        "of a tokenizer.json or a model directory holding one; checked against the data's "
+        "meta.json at start-up "
         "(a path by its content). null: whatever the data says. The built-in corpus is bytes",
     )
 
@@ -66,13 +83,16 @@ class CheckpointConfig:
     save_final: bool = opt(True, "save a checkpoint after the last step")
     keep_last: int = opt(
         2,
-        "committed checkpoints to keep (0: keep all); the newest one saved before the loss-spike guard last "
-        "fired is kept besides, so retention never leaves only checkpoints of a run that was diverging",
+        "committed checkpoints to keep (0: keep all); the newest one saved before the loss-spike "
+        "guard last "
+        "fired is kept besides, so retention never leaves only checkpoints of a run that was "
+        "diverging",
         min=0,
     )
     max_abs_weight: float = opt(
         1.0e4,
-        "a save whose largest parameter magnitude exceeds this is refused and the run stops: finite weights that "
+        "a save whose largest parameter magnitude exceeds this is refused and the run stops: "
+        "finite weights that "
         "large mean the run diverged (trained transformers stay below ~1e3); 0: no check",
         min=0.0,
     )
@@ -85,13 +105,16 @@ class CheckpointConfig:
     verify_on_load: bool = opt(True, "check the CRC-32C of every block a resume reads")
     overwrite: bool = opt(
         False,
-        "start a new run in a checkpoint.dir that holds committed checkpoints, replacing them as new ones are "
+        "start a new run in a checkpoint.dir that holds committed checkpoints, replacing them as "
+        "new ones are "
         "saved (false: such a start is refused; continue that run with --resume DIR)",
     )
     on_disk_full: str = opt(
         "stop",
-        "what a save that finds no room (ENOSPC, EDQUOT, EFBIG) does: stop (every rank raises an error naming "
-        "the file and the bytes missing) or retry (warn, train on, and try again at the next checkpoint); "
+        "what a save that finds no room (ENOSPC, EDQUOT, EFBIG) does: stop (every rank raises an "
+        "error naming "
+        "the file and the bytes missing) or retry (warn, train on, and try again at the next "
+        "checkpoint); "
         "either way the partial save is removed and the committed checkpoints stay as they were",
         choices=("stop", "retry"),
     )
@@ -116,7 +139,10 @@ class SnapshotConfig:
         min=0,
     )
     agent_timeout_s: float = opt(
-        60.0, "how long a worker waits for its agent's reply before giving up", min=0.0, min_exclusive=True
+        60.0,
+        "how long a worker waits for its agent's reply before giving up",
+        min=0.0,
+        min_exclusive=True,
     )
 
 
@@ -128,20 +154,27 @@ class LogConfig:
     name: str | None = opt(None, "run name (null: the config file's stem)")
     interval: int = opt(10, "write a metrics line every N steps", min=1)
     progress: bool = opt(True, "show a progress bar on rank 0")
-    wandb: bool = opt(False, "also log to Weights & Biases (offline unless WANDB_MODE says otherwise)")
+    wandb: bool = opt(
+        False, "also log to Weights & Biases (offline unless WANDB_MODE says otherwise)"
+    )
     wandb_project: str = opt("strata", "wandb project name")
     peak_tflops: float | None = opt(
         None,
-        "per-device peak TFLOP/s for MFU (null: looked up from the GPU's name for bf16; on a CPU or an unknown "
+        "per-device peak TFLOP/s for MFU (null: looked up from the GPU's name for bf16; on a CPU "
+        "or an unknown "
         "GPU, MFU is not reported)",
         min=0.0,
         min_exclusive=True,
     )
-    tensorboard: bool = opt(False, "also write the metrics as TensorBoard scalars to <run dir>/tensorboard (rank 0)")
+    tensorboard: bool = opt(
+        False, "also write the metrics as TensorBoard scalars to <run dir>/tensorboard (rank 0)"
+    )
     profile_steps: tuple[int, ...] | None = opt(
         None,
-        "[first, last]: record steps first..last (inclusive, 1 <= first <= last) with torch.profiler, a "
-        "Chrome/Perfetto trace per rank in <run dir>/profile/rank<r>.json and, on CUDA, a memory snapshot "
+        "[first, last]: record steps first..last (inclusive, 1 <= first <= last) with "
+        "torch.profiler, a "
+        "Chrome/Perfetto trace per rank in <run dir>/profile/rank<r>.json and, on CUDA, a memory "
+        "snapshot "
         "(null: no profiling; on CUDA an out-of-memory error leaves a memory snapshot either way)",
         min=1,
         min_items=2,

@@ -15,72 +15,98 @@ class TrainConfig:
     """The optimisation loop: batch sizes, steps, precision, evaluation."""
 
     steps: int = opt(300, "optimizer steps to train for", min=1)
-    global_batch_size: int = opt(16, "sequences per optimizer step, over all data-parallel ranks", min=1)
+    global_batch_size: int = opt(
+        16, "sequences per optimizer step, over all data-parallel ranks", min=1
+    )
     micro_batch_size: int = opt(
         8, "sequences per forward/backward on one rank; accumulation = global/(micro·dp)", min=1
     )
     seed: int = opt(1234, "seed for init and data order (runs with equal seeds are identical)")
     precision: str = opt(
         "fp32",
-        "compute precision: fp32; bf16 autocast; or fp8: the transformer blocks' linear layers in float8 "
-        "(torchao's float8 training, scaled per train.fp8_recipe) and bf16 autocast elsewhere. Weights and "
+        "compute precision: fp32; bf16 autocast; or fp8: the transformer blocks' linear layers in "
+        "float8 "
+        "(torchao's float8 training, scaled per train.fp8_recipe) and bf16 autocast elsewhere. "
+        "Weights and "
         "optimizer state stay fp32 in every mode, so a checkpoint resumes under any precision",
         choices=PRECISIONS,
     )
     fp8_recipe: str = opt(
         "tensorwise",
-        "with precision=fp8, how float8 scales are chosen: tensorwise (one scale per tensor, the fastest) or "
+        "with precision=fp8, how float8 scales are chosen: tensorwise (one scale per tensor, the "
+        "fastest) or "
         "rowwise (one per row, more accurate; torchao's recipes)",
         choices=("tensorwise", "rowwise"),
     )
     fp8_emulate: bool = opt(
         False,
-        "with precision=fp8, run float8's casts and scaling with the matmuls in higher precision (torchao's "
+        "with precision=fp8, run float8's casts and scaling with the matmuls in higher precision "
+        "(torchao's "
         "emulation): fp8 numerics on any device, CPUs included, for tests; slow, never for training",
     )
-    eval_interval: int = opt(100, "evaluate every N steps and at the end (0: only at the end)", min=0)
+    eval_interval: int = opt(
+        100, "evaluate every N steps and at the end (0: only at the end)", min=0
+    )
     eval_at_start: bool = opt(
-        False, "also evaluate before the first step (step 0) of a run that starts from scratch, as a baseline"
+        False,
+        "also evaluate before the first step (step 0) of a run that starts from scratch, "
+        "as a baseline",
     )
     eval_batches: int = opt(
         8,
-        "validation micro-batches per evaluation on each rank: every evaluation reads the same first "
-        "eval_batches × micro_batch_size × dp sequences of the validation split, not all of it (0: every "
+        "validation micro-batches per evaluation on each rank: every evaluation reads the same "
+        "first "
+        "eval_batches × micro_batch_size × dp sequences of the validation split, not all of it "
+        "(0: every "
         "sequence of the split, once)",
         min=0,
     )
-    threads: int | None = opt(None, "torch intra-op CPU threads (null: torch's default; torchrun sets 1)", min=1)
+    threads: int | None = opt(
+        None, "torch intra-op CPU threads (null: torch's default; torchrun sets 1)", min=1
+    )
     nonfinite: str = opt(
         "skip",
-        "a step whose loss or gradient norm is NaN/inf: skip (no update, gradients dropped; it still counts as a "
-        "step of the lr schedule and of the data) or stop (end the run with an error); no checkpoint of "
+        "a step whose loss or gradient norm is NaN/inf: skip (no update, gradients dropped; it "
+        "still counts as a "
+        "step of the lr schedule and of the data) or stop (end the run with an error); no "
+        "checkpoint of "
         "non-finite state is ever saved",
         choices=("skip", "stop"),
     )
     max_nonfinite_steps: int = opt(
-        5, "with nonfinite=skip: end the run with an error once this many steps in a row were not finite", min=1
+        5,
+        "with nonfinite=skip: end the run with an error once this many steps in a row were not "
+        "finite",
+        min=1,
     )
     spike_sigma: float = opt(
         6.0,
-        "loss-spike guard: a step whose loss or gradient norm exceeds the mean of the last train.spike_window "
-        "accepted steps by this many standard deviations updates nothing (as OLMo-core's skip-step optimizer); "
+        "loss-spike guard: a step whose loss or gradient norm exceeds the mean of the last "
+        "train.spike_window "
+        "accepted steps by this many standard deviations updates nothing (as OLMo-core's "
+        "skip-step optimizer); "
         "0: off",
         min=0.0,
     )
-    spike_window: int = opt(128, "accepted steps the spike guard's running mean and deviation cover", min=2)
+    spike_window: int = opt(
+        128, "accepted steps the spike guard's running mean and deviation cover", min=2
+    )
     spike_min_steps: int = opt(
         20, "steps the spike guard watches before it judges (its statistics need a history)", min=2
     )
     max_spike_steps: int = opt(
         10,
-        "end the run with an error, saving nothing, once this many steps in a row were spikes: the run diverged "
+        "end the run with an error, saving nothing, once this many steps in a row were spikes: "
+        "the run diverged "
         "(resume its newest checkpoint with a lower optim.lr)",
         min=1,
     )
     compile: bool = opt(
         False,
-        "compile each transformer block with torch.compile (regional compilation: every block shares one "
-        "compiled graph, so compile time is one block's; hooks, collectives and the loss stay eager); the "
+        "compile each transformer block with torch.compile (regional compilation: every block "
+        "shares one "
+        "compiled graph, so compile time is one block's; hooks, collectives and the loss stay "
+        "eager); the "
         "first step pays the compile time",
     )
 
@@ -97,7 +123,10 @@ class OptimConfig:
     lr: float = opt(3e-3, "peak learning rate", min=0.0)
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of lr", min=0.0, max=1.0)
     warmup_steps: int = opt(
-        30, "linear warmup steps from 0 to lr (more than train.steps: warm up over all steps, with a warning)", min=0
+        30,
+        "linear warmup steps from 0 to lr (more than train.steps: warm up over all steps, "
+        "with a warning)",
+        min=0,
     )
     schedule: str = opt("cosine", "decay after warmup", choices=("cosine", "linear", "constant"))
     weight_decay: float = opt(0.1, "decoupled weight decay (matrices only; not norms)", min=0.0)
@@ -106,5 +135,7 @@ class OptimConfig:
     eps: float = opt(1e-8, "AdamW epsilon", min=0.0, min_exclusive=True)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: off)", min=0.0)
     impl: str = opt(
-        "auto", "AdamW kernel: fused, foreach, or auto (fused where available)", choices=("auto", "fused", "foreach")
+        "auto",
+        "AdamW kernel: fused, foreach, or auto (fused where available)",
+        choices=("auto", "fused", "foreach"),
     )

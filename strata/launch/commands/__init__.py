@@ -14,7 +14,18 @@ the config and the trainer are imported inside `run`, so that `strata launch` ch
 importing torch before torchrun starts.
 """
 
-from strata.launch.commands import ckpt, config, data, eval, generate, launch, plan, plot, store, train
+from strata.launch.commands import (
+    ckpt,
+    config,
+    data,
+    eval,
+    generate,
+    launch,
+    plan,
+    plot,
+    store,
+    train,
+)
 
 # The commands in the order `strata --help` lists them.
 COMMANDS = (train, launch, store, config, plan, data, ckpt, eval, generate, plot)

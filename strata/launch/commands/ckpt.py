@@ -32,13 +32,21 @@ def add_parser(subparsers: Subparsers) -> None:
             "strata ckpt verify runs/tiny/checkpoints/step_00000500   # exit 1 if damaged",
             "strata ckpt reshard runs/tiny/checkpoints resharded --to tp=2,pp=1,dp=1",
             "strata ckpt export runs/tiny/checkpoints tiny.safetensors",
-            "strata ckpt export runs/qwen-ft/checkpoints qwen-ft-hf --format hf   # carries Qwen's own config",
+            "strata ckpt export runs/qwen-ft/checkpoints qwen-ft-hf --format hf   # carries "
+            "Qwen's own config",
             "strata ckpt import-deepspeed ds_ckpt/ imported/ --config configs/tiny.yaml",
             extra=EXIT_CODES,
         ),
     )
-    ck.add_argument("action", choices=["inspect", "verify", "reshard", "export", "import-deepspeed", "import-hf"])
-    ck.add_argument("path", metavar="DIR", help="a step_* directory, or a checkpoints directory (latest committed)")
+    ck.add_argument(
+        "action",
+        choices=["inspect", "verify", "reshard", "export", "import-deepspeed", "import-hf"],
+    )
+    ck.add_argument(
+        "path",
+        metavar="DIR",
+        help="a step_* directory, or a checkpoints directory (latest committed)",
+    )
     ck.add_argument(
         "out",
         nargs="?",
@@ -51,30 +59,39 @@ def add_parser(subparsers: Subparsers) -> None:
         nargs="*",
         default=[],
         metavar="key=value",
-        help="reshard: overrides of the saved config (e.g. zero settings); import-deepspeed, import-hf: "
+        help="reshard: overrides of the saved config (e.g. zero settings); import-deepspeed, "
+        "import-hf: "
         "overrides of --config",
     )
-    ck.add_argument("--to", help="reshard: the target layout, tp=..,pp=..,dp=.. (and vs=.. for virtual stages)")
+    ck.add_argument(
+        "--to", help="reshard: the target layout, tp=..,pp=..,dp=.. (and vs=.. for virtual stages)"
+    )
     ck.add_argument(
         "--format",
         default="safetensors",
         choices=["safetensors", "hf"],
-        help="export format: one safetensors file of Strata's names, or hf: a Hugging Face model directory "
-        "(config.json, sharded safetensors, the tokenizer and its config, generation_config.json, carried from "
+        help="export format: one safetensors file of Strata's names, or hf: a Hugging Face model "
+        "directory "
+        "(config.json, sharded safetensors, the tokenizer and its config, generation_config.json, "
+        "carried from "
         "the model the run started from) for transformers' from_pretrained",
     )
     ck.add_argument(
         "--overwrite",
         action="store_true",
-        help="export: replace the weights and config files OUT names if they exist; reshard, import-deepspeed, "
-        "import-hf: write into an OUT that already holds committed checkpoints (only the step written is "
+        help="export: replace the weights and config files OUT names if they exist; reshard, "
+        "import-deepspeed, "
+        "import-hf: write into an OUT that already holds committed checkpoints (only the step "
+        "written is "
         "replaced; nothing is removed)",
     )
     ck.add_argument(
         "--force",
         action="store_true",
-        help="export --format hf: export even where fields would be lost (the model the run started from, "
-        "model.init_from, is gone, or the run's tokenizer cannot be read); the notes say what was set instead",
+        help="export --format hf: export even where fields would be lost (the model the run "
+        "started from, "
+        "model.init_from, is gone, or the run's tokenizer cannot be read); the notes say what was "
+        "set instead",
     )
     ck.add_argument(
         "--config",
@@ -92,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
             f"unexpected: {' '.join(filter(None, [args.out, *args.overrides]))}"
         )
     if args.out and "=" in args.out and not Path(args.out).exists():
-        raise StrataError(f"strata ckpt {args.action}: OUT comes before the overrides; {args.out!r} looks like one")
+        raise StrataError(
+            f"strata ckpt {args.action}: OUT comes before the overrides; "
+            f"{args.out!r} looks like one"
+        )
     return ACTIONS[args.action](args)
 
 
@@ -118,7 +138,8 @@ def _reshard(args: argparse.Namespace) -> int:
 
     if not args.out or not args.to:
         raise StrataError(
-            "strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..: give OUT (a checkpoints directory) "
+            "strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..: give OUT (a checkpoints "
+            "directory) "
             "and the target layout"
         )
     return reshard.reshard(Path(args.path), Path(args.out), args.to, args.overrides, args.overwrite)
@@ -129,7 +150,9 @@ def _export(args: argparse.Namespace) -> int:
     from strata.config.loading import from_yaml
 
     if not args.out:
-        raise StrataError("strata ckpt export DIR OUT: give OUT, a .safetensors file or a directory")
+        raise StrataError(
+            "strata ckpt export DIR OUT: give OUT, a .safetensors file or a directory"
+        )
     with file_errors("strata ckpt export"):
         weights, config_file = export.export(
             Path(args.path), Path(args.out), args.format, args.overwrite, from_yaml, args.force
@@ -161,12 +184,17 @@ def _import_hf(args: argparse.Namespace) -> int:
     from strata.checkpoint import hf_weights
 
     if not args.out:
-        raise StrataError("strata ckpt import-hf HF_DIR OUT [--config CFG]: give OUT (a checkpoints directory)")
+        raise StrataError(
+            "strata ckpt import-hf HF_DIR OUT [--config CFG]: give OUT (a checkpoints directory)"
+        )
     cfg = config.load(args.config, [*args.overrides, f"model.init_from={args.path}"])
     with file_errors("strata ckpt import-hf"):
-        path = hf_weights.import_hf(Path(args.path), Path(args.out), config.dump(cfg), cfg.model, args.overwrite)
+        path = hf_weights.import_hf(
+            Path(args.path), Path(args.out), config.dump(cfg), cfg.model, args.overwrite
+        )
     print(
-        f"wrote {path} (step 0, weights only); train from it with --resume {path} (the optimizer starts fresh) "
+        f"wrote {path} (step 0, weights only); train from it with --resume {path} (the optimizer "
+        "starts fresh) "
         f"or model.init_from={path}"
     )
     return 0

@@ -86,7 +86,8 @@ def file_errors(command: str) -> Iterator[None]:
     except OSError as e:
         where = f" {e.filename}" if e.filename else ""
         raise StrataError(
-            f"{command}: cannot write or read{where}: {e.strerror or e}; check that the path exists and is writable"
+            f"{command}: cannot write or read{where}: {e.strerror or e}; check that the path "
+            "exists and is writable"
         ) from e
 
 

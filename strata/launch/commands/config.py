@@ -18,7 +18,8 @@ def add_parser(subparsers: Subparsers) -> None:
         "config",
         help="show a resolved config or explain a key",
         formatter_class=FORMATTER,
-        usage="strata config show CFG [key=value ...] [--world-size N]\n       strata config explain KEY",
+        usage="strata config show CFG [key=value ...] [--world-size N]\n       strata config "
+        "explain KEY",
         description="Show a resolved, validated config, or explain a key or group.",
         epilog=epilog(
             "strata config show configs/tiny.yaml optim.lr=1e-4",
@@ -29,8 +30,12 @@ def add_parser(subparsers: Subparsers) -> None:
     )
     c.add_argument("action", choices=["show", "explain"])
     c.add_argument("target", help="config file (show) or key such as optim.lr (explain)")
-    c.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="show: " + OVERRIDES)
-    c.add_argument("--world-size", type=whole(1), help="also check the layout against this many processes")
+    c.add_argument(
+        "overrides", nargs="*", default=[], metavar="key=value", help="show: " + OVERRIDES
+    )
+    c.add_argument(
+        "--world-size", type=whole(1), help="also check the layout against this many processes"
+    )
     c.set_defaults(func=run)
 
 

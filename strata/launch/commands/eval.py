@@ -23,43 +23,79 @@ def add_parser(subparsers: Subparsers) -> None:
     """Add `strata eval` to the `strata` parser."""
     e = subparsers.add_parser(
         "eval",
-        help="a checkpoint's loss, perplexity and bits per byte on held-out data, or its lm-eval task scores",
+        help="a checkpoint's loss, perplexity and bits per byte on held-out data, or its lm-eval "
+        "task scores",
         formatter_class=FORMATTER,
         usage="strata eval CFG --resume CKPT [--data DIR ...] [--out JSON] [key=value ...]\n"
-        "       strata eval CFG --resume CKPT --tasks T1,T2 [--include-path DIR] [--limit N] [--num-fewshot N]",
-        description="Evaluate a checkpoint on the validation split of each prepared directory (--data), or\n"
-        "of each of the config's data sources apart: every sequence once, in the config's layout (for a\n"
-        "parallel one, every rank runs it: strata launch CFG --nproc N --eval --resume CKPT). Prints a\n"
-        "table, writes JSON (--out, default RUN_DIR/eval.json) and an `eval` record into the run's\n"
+        "       strata eval CFG --resume CKPT --tasks T1,T2 [--include-path DIR] [--limit N] "
+        "[--num-fewshot N]",
+        description="Evaluate a checkpoint on the validation split of each prepared directory "
+        "(--data), or\n"
+        "of each of the config's data sources apart: every sequence once, in the config's layout "
+        "(for a\n"
+        "parallel one, every rank runs it: strata launch CFG --nproc N --eval --resume CKPT). "
+        "Prints a\n"
+        "table, writes JSON (--out, default RUN_DIR/eval.json) and an `eval` record into the "
+        "run's\n"
         "metrics.jsonl.\n\n"
         "With --tasks, the checkpoint runs lm-evaluation-harness tasks instead (the eval extra:\n"
-        "pip install 'strata-train[eval]'), in this one process on the whole model (the first GPU if\n"
-        "there is one): lm-eval's table, its results as JSON (--out, default RUN_DIR/eval_tasks.json)\n"
-        "and an `eval` record of each task's metrics in metrics.jsonl. lm-eval's own command line with\n"
-        "the same model: python -m strata.inference.harness --model strata --model_args checkpoint=CKPT ...",
+        "pip install 'strata-train[eval]'), in this one process on the whole model (the first GPU "
+        "if\n"
+        "there is one): lm-eval's table, its results as JSON (--out, default "
+        "RUN_DIR/eval_tasks.json)\n"
+        "and an `eval` record of each task's metrics in metrics.jsonl. lm-eval's own command line "
+        "with\n"
+        "the same model: python -m strata.inference.harness --model strata --model_args "
+        "checkpoint=CKPT ...",
         epilog=epilog(
             "strata eval configs/tiny.yaml --resume runs/tiny/checkpoints",
-            "strata eval configs/tiny.yaml --resume runs/tiny/checkpoints --data data/books --data data/code",
-            "strata launch cfg.yaml --resume CKPT parallel.tp=2 parallel.dp=2 --nproc 4 --eval   # 4 workers",
-            "strata eval cfg.yaml --resume runs/x/checkpoints --tasks hellaswag,arc_easy --limit 200",
-            "strata eval cfg.yaml --resume CKPT --tasks my_task --include-path tasks/ --num-fewshot 5",
+            "strata eval configs/tiny.yaml --resume runs/tiny/checkpoints --data data/books "
+            "--data data/code",
+            "strata launch cfg.yaml --resume CKPT parallel.tp=2 parallel.dp=2 --nproc 4 --eval   "
+            "# 4 workers",
+            "strata eval cfg.yaml --resume runs/x/checkpoints --tasks hellaswag,arc_easy --limit "
+            "200",
+            "strata eval cfg.yaml --resume CKPT --tasks my_task --include-path tasks/ "
+            "--num-fewshot 5",
         ),
     )
     e.add_argument("config", help="the YAML experiment the checkpoint was trained with")
     e.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
-    e.add_argument("--resume", required=True, help="the checkpoint (a step_* dir, or a checkpoints dir: latest)")
-    e.add_argument("--data", action="append", default=[], help="a prepared directory to evaluate on (repeatable)")
     e.add_argument(
-        "--out", help="where the JSON goes (default: RUN_DIR/eval.json, with --tasks RUN_DIR/eval_tasks.json)"
+        "--resume",
+        required=True,
+        help="the checkpoint (a step_* dir, or a checkpoints dir: latest)",
+    )
+    e.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        help="a prepared directory to evaluate on (repeatable)",
+    )
+    e.add_argument(
+        "--out",
+        help="where the JSON goes (default: RUN_DIR/eval.json, with --tasks "
+        "RUN_DIR/eval_tasks.json)",
     )
     t = e.add_argument_group("lm-evaluation-harness tasks (in place of the held-out loss)")
     t.add_argument(
-        "--tasks", action="append", default=[], metavar="T1,T2", help="lm-eval task names (comma-separated, repeatable)"
+        "--tasks",
+        action="append",
+        default=[],
+        metavar="T1,T2",
+        help="lm-eval task names (comma-separated, repeatable)",
     )
-    t.add_argument("--include-path", metavar="DIR", help="a directory of task YAML files: local tasks for --tasks")
+    t.add_argument(
+        "--include-path",
+        metavar="DIR",
+        help="a directory of task YAML files: local tasks for --tasks",
+    )
     t.add_argument("--limit", type=whole(1), metavar="N", help="at most N examples of each task")
     t.add_argument(
-        "--num-fewshot", type=whole(0), metavar="N", help="examples in each prompt (default: each task's own)"
+        "--num-fewshot",
+        type=whole(0),
+        metavar="N",
+        help="examples in each prompt (default: each task's own)",
     )
     e.set_defaults(func=run)
 
@@ -110,7 +146,9 @@ def task_names(args: argparse.Namespace) -> list[str]:
     """--tasks' names, in order: each flag's comma-separated list; the flags that go with it checked."""
     names = [name.strip() for flag in args.tasks for name in flag.split(",") if name.strip()]
     if not names:
-        raise StrataError("--include-path, --limit and --num-fewshot go with lm-eval tasks: give --tasks T1,T2")
+        raise StrataError(
+            "--include-path, --limit and --num-fewshot go with lm-eval tasks: give --tasks T1,T2"
+        )
     if args.data:
         raise StrataError(
             "--data is the held-out evaluation's and --tasks runs lm-eval's tasks in its place: "
@@ -119,7 +157,10 @@ def task_names(args: argparse.Namespace) -> list[str]:
     from strata.parallel import runtime
 
     if runtime.world_size_from_env() > 1:
-        raise StrataError("--tasks runs in one process on the whole model: start `strata eval` itself, not torchrun")
+        raise StrataError(
+            "--tasks runs in one process on the whole model: start `strata eval` "
+            "itself, not torchrun"
+        )
     return names
 
 

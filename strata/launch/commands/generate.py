@@ -23,16 +23,22 @@ def add_parser(subparsers: Subparsers) -> None:
     """Add `strata generate` to the `strata` parser."""
     g = subparsers.add_parser(
         "generate",
-        help="continue prompts with a trained model (a checkpoint of any layout, a Hugging Face directory)",
+        help="continue prompts with a trained model (a checkpoint of any layout, a Hugging Face "
+        "directory)",
         formatter_class=FORMATTER,
-        usage="strata generate CKPT_OR_HF_DIR [--prompt TEXT ... | --prompts FILE] [--max-new-tokens N]\n"
-        "                       [--temperature T --top-k K --top-p P --seed S] [--stream] [key=value ...]",
-        description="Continue each prompt with up to --max-new-tokens tokens, decoded with the model's own\n"
+        usage="strata generate CKPT_OR_HF_DIR [--prompt TEXT ... | --prompts FILE] "
+        "[--max-new-tokens N]\n"
+        "                       [--temperature T --top-k K --top-p P --seed S] [--stream] "
+        "[key=value ...]",
+        description="Continue each prompt with up to --max-new-tokens tokens, decoded with the "
+        "model's own\n"
         "tokenizer (the run's prepared data's, or the Hugging Face directory's), stopping at its\n"
-        "end-of-text id. Greedy unless --temperature > 0. Prompts of different lengths run as one batch.",
+        "end-of-text id. Greedy unless --temperature > 0. Prompts of different lengths run as one "
+        "batch.",
         epilog=epilog(
             "strata generate runs/tiny/checkpoints --prompt 'def main(' --max-new-tokens 64",
-            "strata generate ./Qwen2-0.5B --prompts prompts.txt --temperature 0.8 --top-p 0.95 --seed 1",
+            "strata generate ./Qwen2-0.5B --prompts prompts.txt --temperature 0.8 --top-p 0.95 "
+            "--seed 1",
             "strata generate runs/tiny/checkpoints/step_000100 --prompt 'import ' --stream",
             "strata generate dcp_ckpt/ --config configs/tiny.yaml --prompt 'x = '",
         ),
@@ -45,15 +51,35 @@ def add_parser(subparsers: Subparsers) -> None:
     )
     g.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
     g.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
-    g.add_argument("--prompts", help='a file of prompts: one per line, or JSON lines with a "prompt" field')
-    g.add_argument("--max-new-tokens", type=whole(1), default=128, help="tokens to add to each prompt (default 128)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
-    g.add_argument("--top-k", type=whole(0), default=0, help="sample from the k most likely tokens (0: all)")
-    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
+    g.add_argument(
+        "--prompts", help='a file of prompts: one per line, or JSON lines with a "prompt" field'
+    )
+    g.add_argument(
+        "--max-new-tokens",
+        type=whole(1),
+        default=128,
+        help="tokens to add to each prompt (default 128)",
+    )
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample"
+    )
+    g.add_argument(
+        "--top-k", type=whole(0), default=0, help="sample from the k most likely tokens (0: all)"
+    )
+    g.add_argument(
+        "--top-p", type=float, default=1.0, help="sample from the smallest set of this probability"
+    )
     g.add_argument("--seed", type=int, default=0, help="the sampling seed (one seed, one output)")
-    g.add_argument("--stream", action="store_true", help="print the tokens as they come (one prompt)")
-    g.add_argument("--config", help="a YAML experiment in place of the one the checkpoint carries (needed for DCP)")
-    g.add_argument("--dtype", choices=DTYPES, default="fp32", help="the weights' and activations' type")
+    g.add_argument(
+        "--stream", action="store_true", help="print the tokens as they come (one prompt)"
+    )
+    g.add_argument(
+        "--config",
+        help="a YAML experiment in place of the one the checkpoint carries (needed for DCP)",
+    )
+    g.add_argument(
+        "--dtype", choices=DTYPES, default="fp32", help="the weights' and activations' type"
+    )
     g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     g.set_defaults(func=run)
 
@@ -74,13 +100,19 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
                 try:
                     prompts.append(str(json.loads(line)["prompt"]))
                 except (ValueError, KeyError, TypeError) as e:
-                    raise StrataError(f'--prompts {path}:{n}: expected a JSON object with a "prompt" ({e})') from e
+                    raise StrataError(
+                        f'--prompts {path}:{n}: expected a JSON object with a "prompt" ({e})'
+                    ) from e
             else:
                 prompts.append(line)
     if not prompts:
-        raise StrataError("strata generate: no prompt; give --prompt TEXT (repeatable) or --prompts FILE")
+        raise StrataError(
+            "strata generate: no prompt; give --prompt TEXT (repeatable) or --prompts FILE"
+        )
     if args.stream and len(prompts) > 1:
-        raise StrataError(f"--stream prints one prompt's tokens as they come; got {len(prompts)} prompts")
+        raise StrataError(
+            f"--stream prints one prompt's tokens as they come; got {len(prompts)} prompts"
+        )
     return prompts
 
 
@@ -110,7 +142,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {opened.what}", file=sys.stderr)
     if longest > opened.cfg.model.seq_len:
         print(
-            f"note: {longest} tokens run past the {opened.cfg.model.seq_len} the model was trained on", file=sys.stderr
+            f"note: {longest} tokens run past the {opened.cfg.model.seq_len} the model was "
+            "trained on",
+            file=sys.stderr,
         )
     stream = _Stream(opened.tokenizer) if args.stream else None
     if stream:
@@ -124,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
             print("-" * 40)
     rate = result.new_tokens / result.decode_s if result.decode_s > 0 else float("inf")
     print(
-        f"{result.new_tokens} new tokens over {len(prompts)} prompt(s); prefill {result.prefill_s:.3f} s, "
+        f"{result.new_tokens} new tokens over {len(prompts)} prompt(s); prefill "
+        f"{result.prefill_s:.3f} s, "
         f"decoding {result.decode_s:.3f} s ({rate:.1f} tokens/s)",
         file=sys.stderr,
     )

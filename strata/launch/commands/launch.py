@@ -36,11 +36,15 @@ def add_parser(subparsers: Subparsers) -> None:
         epilog=epilog(
             "strata launch configs/tiny.yaml --nproc 2",
             "strata launch configs/tiny.yaml parallel.tp=2 parallel.pp=2 --nproc 4",
-            "strata launch configs/tiny.yaml --nproc 2 --max-restarts 3 snapshot.every_steps=1 snapshot.m=0",
-            "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --rdzv-endpoint node0:29400 --net-ifname eth0",
+            "strata launch configs/tiny.yaml --nproc 2 --max-restarts 3 snapshot.every_steps=1 "
+            "snapshot.m=0",
+            "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --rdzv-endpoint node0:29400 "
+            "--net-ifname eth0",
             "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --node-rank 1 --master-addr node0",
-            "strata launch configs/llama-1b.yaml --slurm --nodes 4 --gpus-per-node 8 --partition gpu",
-            "strata launch configs/tiny.yaml --nproc 4 parallel.tp=2 --eval --resume runs/tiny/checkpoints",
+            "strata launch configs/llama-1b.yaml --slurm --nodes 4 --gpus-per-node 8 --partition "
+            "gpu",
+            "strata launch configs/tiny.yaml --nproc 4 parallel.tp=2 --eval --resume "
+            "runs/tiny/checkpoints",
             extra=EXIT_CODES,
         ),
     )
@@ -50,10 +54,13 @@ def add_parser(subparsers: Subparsers) -> None:
     la.add_argument(
         "--eval",
         action="store_true",
-        help="the workers evaluate the --resume checkpoint on held-out data (`strata eval` on every rank) instead "
+        help="the workers evaluate the --resume checkpoint on held-out data (`strata eval` on "
+        "every rank) instead "
         "of training",
     )
-    la.add_argument("--data", action="append", default=[], help="with --eval: a prepared directory (repeatable)")
+    la.add_argument(
+        "--data", action="append", default=[], help="with --eval: a prepared directory (repeatable)"
+    )
     la.add_argument("--out", help="with --eval: where the JSON goes (default: RUN_DIR/eval.json)")
     _add_torchrun_options(la)
     _add_slurm_options(la)
@@ -63,14 +70,23 @@ def add_parser(subparsers: Subparsers) -> None:
 def _add_torchrun_options(la: argparse.ArgumentParser) -> None:
     """The options of a launch on this node under torchrun: processes, rendezvous, restarts."""
     la.add_argument("--nproc", type=whole(1), default=1, help="processes per node (local torchrun)")
-    la.add_argument("--nnodes", type=whole(1), default=1, help="nodes taking part in the local rendezvous")
-    la.add_argument("--rdzv-endpoint", default="", help="host:port of the c10d rendezvous (default: a free local port)")
-    la.add_argument("--rdzv-id", default="strata", help="rendezvous id: the same on every node of one job")
+    la.add_argument(
+        "--nnodes", type=whole(1), default=1, help="nodes taking part in the local rendezvous"
+    )
+    la.add_argument(
+        "--rdzv-endpoint",
+        default="",
+        help="host:port of the c10d rendezvous (default: a free local port)",
+    )
+    la.add_argument(
+        "--rdzv-id", default="strata", help="rendezvous id: the same on every node of one job"
+    )
     la.add_argument(
         "--rdzv-store",
         choices=["torchrun", "external"],
         default="torchrun",
-        help="who hosts the rendezvous store: the first torchrun (losing that node ends the job), or "
+        help="who hosts the rendezvous store: the first torchrun (losing that node ends the job), "
+        "or "
         "`strata store` at --rdzv-endpoint (any node can be lost and replaced)",
     )
     la.add_argument(
@@ -89,45 +105,65 @@ def _add_torchrun_options(la: argparse.ArgumentParser) -> None:
     la.add_argument(
         "--node-rank",
         type=whole(0),
-        help="static rendezvous: this node's rank, 0..nnodes-1 (with --master-addr; no --rdzv-endpoint)",
+        help="static rendezvous: this node's rank, 0..nnodes-1 (with --master-addr; no "
+        "--rdzv-endpoint)",
     )
-    la.add_argument("--master-addr", default="", help="static rendezvous: the address of the node with --node-rank 0")
     la.add_argument(
-        "--master-port", type=port, help="static rendezvous: the port node 0's store listens on (default 29500)"
+        "--master-addr",
+        default="",
+        help="static rendezvous: the address of the node with --node-rank 0",
+    )
+    la.add_argument(
+        "--master-port",
+        type=port,
+        help="static rendezvous: the port node 0's store listens on (default 29500)",
     )
     la.add_argument(
         "--net-ifname",
         default="",
         metavar="IF",
-        help="the network interface the workers talk over (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME; "
+        help="the network interface the workers talk over (sets GLOO_SOCKET_IFNAME and "
+        "NCCL_SOCKET_IFNAME; "
         "its address is the one other nodes reach this node at)",
     )
     la.add_argument(
         "--worker-start",
         choices=["forkserver", "fresh"],
         default="forkserver",
-        help="how torchrun starts each worker, the first ones and every restart: forked from a per-node process "
-        "that has imported torch and Strata once (a restart takes milliseconds, not seconds of imports), or a "
+        help="how torchrun starts each worker, the first ones and every restart: forked from a "
+        "per-node process "
+        "that has imported torch and Strata once (a restart takes milliseconds, not seconds of "
+        "imports), or a "
         "fresh Python each (plain torchrun); see docs/FAULT_TOLERANCE.md",
     )
 
 
 def _add_slurm_options(la: argparse.ArgumentParser) -> None:
     """The options of a Slurm job: its script, nodes and queue."""
-    la.add_argument("--slurm", action="store_true", help="write an sbatch script (and submit it if sbatch exists)")
+    la.add_argument(
+        "--slurm",
+        action="store_true",
+        help="write an sbatch script (and submit it if sbatch exists)",
+    )
     la.add_argument("--nodes", type=whole(1), default=1, help="Slurm nodes")
-    la.add_argument("--gpus-per-node", type=whole(1), default=8, help="Slurm GPUs (= processes) per node")
+    la.add_argument(
+        "--gpus-per-node", type=whole(1), default=8, help="Slurm GPUs (= processes) per node"
+    )
     la.add_argument("--partition", default="", help="Slurm partition")
     la.add_argument("--account", default="", help="Slurm account")
     la.add_argument("--time", default="01:00:00", help="Slurm time limit")
-    la.add_argument("--script", help="where to write the sbatch script (default: <run dir>/job.sbatch)")
+    la.add_argument(
+        "--script", help="where to write the sbatch script (default: <run dir>/job.sbatch)"
+    )
     la.add_argument("--no-submit", action="store_true", help="only write the script")
 
 
 def run(args: argparse.Namespace) -> int:
     """Launch the job: torchrun's exit code (or 128 + a signal), or sbatch's."""
     if (args.data or args.out) and not args.eval:
-        raise StrataError("--data and --out belong to an evaluation: add --eval (and --resume CKPT)")
+        raise StrataError(
+            "--data and --out belong to an evaluation: add --eval (and --resume CKPT)"
+        )
     if args.eval and not args.resume:
         raise StrataError("--eval evaluates a checkpoint: give it with --resume CKPT")
     return _run_slurm(args) if args.slurm else _run_torchrun(args)
@@ -163,7 +199,9 @@ def _run_slurm(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         snapshots=cfg.snapshot.every_steps > 0 and not args.eval,
     )
-    script = slurm.sbatch_script(job, _worker(args, str(Path(args.config).resolve())), workdir=str(Path.cwd()))
+    script = slurm.sbatch_script(
+        job, _worker(args, str(Path(args.config).resolve())), workdir=str(Path.cwd())
+    )
     path = Path(args.script or cfg.run_dir() / "job.sbatch")
     with file_errors("strata launch --slurm"):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,14 +215,15 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     from strata import config
     from strata.launch import torchrun
 
-    cfg = config.load(args.config, args.overrides, world_size=args.nproc * args.nnodes)  # fail before starting workers
+    # fail before starting workers
+    cfg = config.load(args.config, args.overrides, world_size=args.nproc * args.nnodes)
     config.check_trainable(cfg)
     problem = config.snapshot_nodes_problem(cfg.snapshot, args.nnodes)
     if problem:
         raise StrataError(problem)
     _check_data(cfg, [Path(d) for d in args.data])
-    # A node that joins a running job of several nodes (a replacement) finds that job's own lock held:
-    # there, only the workers' own lock refuses a second job.
+    # A node that joins a running job of several nodes (a replacement) finds that job's own lock
+    # held: there, only the workers' own lock refuses a second job.
     _check_checkpoints(cfg, args.resume, locks=not args.eval and args.nnodes == 1)
     warn_memory(cfg, args.nnodes, args.nproc)
     plan = torchrun.LaunchPlan(
@@ -230,10 +269,12 @@ def _check_checkpoints(cfg: Config, resume: str | None, locks: bool = True) -> N
     from strata.checkpoint import store
     from strata.runlock import check_free
 
-    if locks:  # a job writing this run already: refused now, rather than by every worker once started
+    # a job writing this run already: refused now, rather than by every worker once started
+    if locks:
         check_free([(cfg.run_dir(), "run directory"), (cfg.checkpoint_dir(), "checkpoint.dir")])
     if resume and not store.is_dcp_only(Path(resume)):
-        store.marker(store.resolve(Path(resume)))  # a damaged commit marker: one error, before any worker
+        # a damaged commit marker: one error, before any worker
+        store.marker(store.resolve(Path(resume)))
         return
     root = cfg.checkpoint_dir()
     found = [p.name for p in store.committed(root)]

@@ -30,34 +30,55 @@ def add_parser(subparsers: Subparsers) -> None:
         "plan",
         help="predict memory and step time of a layout, or search the layouts that fit",
         formatter_class=FORMATTER,
-        usage="strata plan CFG [key=value ...] --nodes N --gpus-per-node G (--gpu NAME | --gpu-mem-gb M "
+        usage="strata plan CFG [key=value ...] --nodes N --gpus-per-node G (--gpu NAME | "
+        "--gpu-mem-gb M "
         "--tflops T | --system NAME | --calibrate) [--search]",
-        description="Predict each rank's memory (parameters, gradients, optimizer states, activations, buffers; "
-        "device, host and NVMe) and the step time of the config's layout on a cluster, from the config and "
-        "the cluster alone; with --search, rank every layout that fits. Exits 1 when the config's own layout "
+        description="Predict each rank's memory (parameters, gradients, optimizer states, "
+        "activations, buffers; "
+        "device, host and NVMe) and the step time of the config's layout on a cluster, from the "
+        "config and "
+        "the cluster alone; with --search, rank every layout that fits. Exits 1 when the config's "
+        "own layout "
         "does not fit (without --search).",
         epilog=epilog(
             *EXAMPLES,
-            extra="Bandwidths are Gbit/s one way; --inter-node-gbps is a node's whole network. Without --system the "
+            extra="Bandwidths are Gbit/s one way; --inter-node-gbps is a node's whole network. "
+            "Without --system the "
             "links are a DGX A100's unless given.",
         ),
     )
     pl.add_argument("config", help="YAML experiment")
-    pl.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="config overrides")
+    pl.add_argument(
+        "overrides", nargs="*", default=[], metavar="key=value", help="config overrides"
+    )
     pl.add_argument("--nodes", type=whole(1), default=1, help="nodes (default 1)")
-    pl.add_argument("--gpus-per-node", type=whole(1), help="GPUs per node (default: the system's, else 8)")
-    pl.add_argument("--ranks-per-gpu", type=whole(1), help="ranks per GPU: 2 for the GCDs of an MI250X")
+    pl.add_argument(
+        "--gpus-per-node", type=whole(1), help="GPUs per node (default: the system's, else 8)"
+    )
+    pl.add_argument(
+        "--ranks-per-gpu", type=whole(1), help="ranks per GPU: 2 for the GCDs of an MI250X"
+    )
     pl.add_argument("--system", help=f"a known system: {', '.join(PRESETS)} (its GPUs and links)")
     pl.add_argument("--gpu", help=f"a known device: {', '.join(DEVICES)}")
-    pl.add_argument("--gpu-mem-gb", type=float, help="device memory per rank in GiB (an unknown device)")
-    pl.add_argument("--tflops", type=float, help="sustained dense TFLOP/s per rank (an unknown device)")
+    pl.add_argument(
+        "--gpu-mem-gb", type=float, help="device memory per rank in GiB (an unknown device)"
+    )
+    pl.add_argument(
+        "--tflops", type=float, help="sustained dense TFLOP/s per rank (an unknown device)"
+    )
     pl.add_argument("--intra-gpu-gbps", type=float, help="between the two GCDs of one GPU")
     pl.add_argument("--intra-node-gbps", type=float, help="each GPU's link inside the node")
     pl.add_argument("--inter-node-gbps", type=float, help="each node's network, all NICs together")
     pl.add_argument("--host-mem-gb", type=float, help="host memory per node in GiB")
     pl.add_argument("--nvme-gbps", type=float, help="NVMe bandwidth per node")
-    pl.add_argument("--calibrate", action="store_true", help="measure this machine (CPU: compute, AdamW, loopback)")
-    pl.add_argument("--search", action="store_true", help="rank every layout that fits, fastest first")
+    pl.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine (CPU: compute, AdamW, loopback)",
+    )
+    pl.add_argument(
+        "--search", action="store_true", help="rank every layout that fits, fastest first"
+    )
     pl.add_argument("--top", type=whole(1), default=10, help="layouts --search prints (default 10)")
     pl.add_argument("--json", action="store_true", help="print the figures as JSON")
     pl.set_defaults(func=run)
@@ -80,19 +101,25 @@ def _cluster(args: argparse.Namespace, cfg, vocab: int):
     given = {k: v for k, v in given.items() if v is not None}
     if not (args.system or args.gpu or args.tflops is not None or args.calibrate):
         raise StrataError(
-            f"strata plan needs the device: --gpu NAME (known: {', '.join(DEVICES)}), --system NAME "
+            f"strata plan needs the device: --gpu NAME (known: {', '.join(DEVICES)}), --system "
+            "NAME "
             f"({', '.join(PRESETS)}), --gpu-mem-gb M --tflops T, or --calibrate"
         )
     if args.gpu and args.tflops is not None:
         raise StrataError("give either --gpu NAME or --tflops T (with --gpu-mem-gb), not both")
     if args.tflops is not None and args.gpu_mem_gb is None:
-        raise StrataError("--tflops describes an unknown device: give its memory too with --gpu-mem-gb M")
+        raise StrataError(
+            "--tflops describes an unknown device: give its memory too with --gpu-mem-gb M"
+        )
     numbers = {"tflops": args.tflops, "gpu_mem_gb": args.gpu_mem_gb, **given}
     for key, value in numbers.items():
         if isinstance(value, float) and not (value > 0 and math.isfinite(value)):
             raise StrataError(f"--{key.replace('_', '-')} must be > 0 and finite, got {value:g}")
     if args.calibrate and args.nodes > 1 and args.inter_node_gbps is None:
-        raise StrataError("--calibrate measures one machine: give the network with --inter-node-gbps for --nodes > 1")
+        raise StrataError(
+            "--calibrate measures one machine: give the network with "
+            "--inter-node-gbps for --nodes > 1"
+        )
     if args.gpu:
         device = device_named(args.gpu)
     elif args.tflops is not None:
@@ -103,7 +130,9 @@ def _cluster(args: argparse.Namespace, cfg, vocab: int):
         cluster = preset(args.system, args.nodes, **given)
         cluster = replace(cluster, device=device) if device else cluster
     else:
-        cluster = Cluster(nodes=args.nodes, gpus_per_node=8, device=device or Device("to measure", 1, 1, 1, 1))
+        cluster = Cluster(
+            nodes=args.nodes, gpus_per_node=8, device=device or Device("to measure", 1, 1, 1, 1)
+        )
         cluster = replace(cluster, **given)
     if args.gpu_mem_gb is not None:
         cluster = replace(cluster, device=replace(cluster.device, mem_gib=args.gpu_mem_gb))
@@ -148,7 +177,12 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             best = result.fitting[: args.top]
             rows = [
-                {**vars(p.candidate), "step_s": p.time.step_s, "device_bytes": p.memory.peak("device")} for p in best
+                {
+                    **vars(p.candidate),
+                    "step_s": p.time.step_s,
+                    "device_bytes": p.memory.peak("device"),
+                }
+                for p in best
             ]
             print(json.dumps(rows, indent=1))
         else:
@@ -176,5 +210,8 @@ def run(args: argparse.Namespace) -> int:
         print("layout: " + report.layout_line(cfg, cluster))
         print("\n".join(report.memory_table(memory) + report.time_table(est, tokens)))
         if not memory.fits():
-            print("does not fit: " + "; ".join(memory.problems()) + "\n  `--search` lists layouts that fit")
+            print(
+                "does not fit: " + "; ".join(memory.problems()) + "\n  `--search` lists layouts "
+                "that fit"
+            )
     return 0 if memory.fits() else 1

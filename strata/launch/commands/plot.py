@@ -28,7 +28,9 @@ def add_parser(subparsers: Subparsers) -> None:
         ),
     )
     pl.add_argument(
-        "run_dir", metavar="RUN_DIR | schedule", help="run directory (writes curves.png there), or the word `schedule`"
+        "run_dir",
+        metavar="RUN_DIR | schedule",
+        help="run directory (writes curves.png there), or the word `schedule`",
     )
     pl.add_argument(
         "record",

@@ -30,11 +30,15 @@ def add_parser(subparsers: Subparsers) -> None:
     )
     t.add_argument("config", help="YAML experiment, e.g. configs/tiny.yaml")
     t.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
-    t.add_argument("--resume", help="checkpoint directory (a step_* dir, or a checkpoints dir: latest committed)")
+    t.add_argument(
+        "--resume",
+        help="checkpoint directory (a step_* dir, or a checkpoints dir: latest committed)",
+    )
     t.add_argument(
         "--save-to",
         metavar="OUT",
-        help="do not train: load --resume into this layout and save it under OUT (what `strata ckpt reshard` runs)",
+        help="do not train: load --resume into this layout and save it under OUT (what `strata "
+        "ckpt reshard` runs)",
     )
     t.set_defaults(func=run)
 
@@ -55,13 +59,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.save_to:
             if not args.resume:
-                raise StrataError("strata train --save-to OUT needs --resume DIR (the checkpoint to rewrite)")
+                raise StrataError(
+                    "strata train --save-to OUT needs --resume DIR (the checkpoint to rewrite)"
+                )
             rewrite_checkpoint(cfg, rt, Path(args.resume), Path(args.save_to))
         else:
             train(cfg, rt, Path(args.resume) if args.resume else None)
     except BaseException as e:
-        runtime.stop(wait_for_peers=False)  # they may never arrive: fail fast, torchrun stops the rest
-        if isinstance(e, Preempted):  # saved and stopped: tell `strata launch`, which torchrun does not
+        # they may never arrive: fail fast, torchrun stops the rest
+        runtime.stop(wait_for_peers=False)
+        # saved and stopped: tell `strata launch`, which torchrun does not
+        if isinstance(e, Preempted):
             note_worker_status(str(e.code))
         raise
     runtime.stop()
