@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from strata import hf
 from strata.atomic import atomic_directory, write_file_atomic
 from strata.checkpoint import integrity, store
 from strata.checkpoint.blob import torch_dtype
@@ -30,6 +29,7 @@ from strata.checkpoint.pieces import Piece, whole_piece
 from strata.checkpoint.reader import Checkpoint
 from strata.config.schema import Config
 from strata.errors import CheckpointError
+from strata.hf import config_json, tensor_names
 from strata.parallel.flat import Box
 
 FORMATS = ("safetensors", "hf")
@@ -174,14 +174,16 @@ def export_hf(
             for k in ckpt.index["tensors"]
             if k.startswith("model.")
         }
-        names = hf.hf_targets(cfg.model)  # Strata name -> HF name (a tied output is the embedding)
-        experts = hf.expert_names(cfg.model)  # a stacked expert weight -> the HF name of each row
+        # Strata name -> HF name (a tied output is the embedding)
+        names = tensor_names.hf_targets(cfg.model)
+        # a stacked expert weight -> the HF name of each row
+        experts = tensor_names.expert_names(cfg.model)
         problems = [f"no tensor model.{n}" for n in [*names, *experts] if n not in shapes]
         if problems:
             raise CheckpointError(
                 f"{ckpt.path}: does not hold the model its config.yaml describes: {problems[:5]}"
             )
-        hf_cfg = hf.hf_config(cfg.model, shapes["tok_embeddings.weight"][0])
+        hf_cfg = config_json.hf_config(cfg.model, shapes["tok_embeddings.weight"][0])
         hf_cfg["torch_dtype"] = dtypes["model.tok_embeddings.weight"]
         metadata = hf_metadata(cfg, hf_cfg, force)
         outputs = [_Output(hf_name, n, None) for n, hf_name in names.items()]
