@@ -261,8 +261,8 @@ def model_settings(hf_config: Mapping[str, Any], seq_len: int) -> dict[str, obje
     """The `model.*` values (YAML names, without `model.`) this config.json implies: n_layers,
     d_model, n_heads, n_kv_heads, head_dim, ffn_hidden, vocab_size, rope_theta, rope_scaling (and
     the rope_* keys its scaling reads), norm_eps, tie_embeddings, qkv_bias, qk_norm. Every size
-    is explicit (no nulls). seq_len is the user's (`model.seq_len`), needed to judge a sliding window.
-    Raises ConfigError listing `unsupported(hf_config, seq_len)` when that is not empty."""
+    is explicit (no nulls). seq_len is the user's (`model.seq_len`), needed to judge a sliding
+    window. Raises ConfigError listing `unsupported(hf_config, seq_len)` when that is not empty."""
     problems = unsupported(hf_config, seq_len)
     if problems:
         raise ConfigError(problems)
@@ -332,7 +332,8 @@ def conflicts(explicit: Mapping[str, object], derived: Mapping[str, object]) -> 
     """One message per `model.*` key the user set explicitly (`explicit`: YAML names without
     `model.`, with their values) that disagrees with `derived` (`model_settings(...)`). Keys the
     Hugging Face config does not decide (seq_len, init_std, ...) never conflict, nor does an
-    explicit null: null means "derive it", and the Hugging Face config is where it is derived from."""
+    explicit null: null means "derive it", and the Hugging Face config is where it is derived
+    from."""
     out = []
     for key, value in explicit.items():
         # the model.moe group
@@ -351,7 +352,7 @@ def conflicts(explicit: Mapping[str, object], derived: Mapping[str, object]) -> 
     return out
 
 
-# --- model.* -> config.json ------------------------------------------------------------------------
+# --- model.* -> config.json ----------------------------------------------------------------------
 
 
 def hf_config(model_cfg: ModelShape, vocab_size: int | None = None) -> dict[str, Any]:
@@ -485,8 +486,8 @@ def _moe_problems(m: ModelShape) -> list[str]:
 
 
 def _moe_config(m: ModelShape, dense: dict[str, Any]) -> dict[str, Any]:
-    """config.json of the Mixture-of-Experts family computing what Strata's MoE model does: Qwen3-MoE
-    with qk_norm, else Mixtral; what neither has is refused, naming the key."""
+    """config.json of the Mixture-of-Experts family computing what Strata's MoE model does:
+    Qwen3-MoE with qk_norm, else Mixtral; what neither has is refused, naming the key."""
     problems = _moe_problems(m)
     if problems:
         raise ConfigError(problems)

@@ -56,8 +56,8 @@ def to_hf(strata_name: str) -> str:
 
 def to_strata(hf_name: str) -> str | None:
     """Strata's name of a tensor in a HF checkpoint, or None when Strata's GPT has no such tensor
-    (RoPE buffers of old checkpoints, which Strata recomputes, but also weights of features it lacks:
-    see `unused` to catch those)."""
+    (RoPE buffers of old checkpoints, which Strata recomputes, but also weights of features it
+    lacks: see `unused` to catch those)."""
     if hf_name in _TOP_BACK:
         return _TOP_BACK[hf_name]
     match = _HF_LAYER.fullmatch(hf_name)
