@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from strata import hf
 from strata.checkpoint import dcp_meta, store
 from strata.checkpoint.layout import listed
 from strata.checkpoint.pieces import Piece
 from strata.errors import CheckpointError
+from strata.hf import tensor_names
+from strata.hf.shape import ModelShape
 from strata.parallel.flat import Box
 
 METADATA = store.DCP_METADATA
@@ -67,7 +68,7 @@ class DcpCheckpoint:
     read, close, path, step, problems) over a DCP-only directory, for `TrainState.load` and
     `TrainState.load_weights`. `notes` says what was taken and what starts fresh."""
 
-    def __init__(self, path: Path, model_cfg: hf.ModelShape):
+    def __init__(self, path: Path, model_cfg: ModelShape):
         self.path = Path(path)
         try:
             self.meta: Metadata = dcp_meta.read_safely(self.path / METADATA)
@@ -83,14 +84,14 @@ class DcpCheckpoint:
 
     step = 0  # a foreign checkpoint's step and data position are not read: the run counts from 0
 
-    def _map(self, model_cfg: hf.ModelShape) -> None:
+    def _map(self, model_cfg: ModelShape) -> None:
         tensors = {
             k: v
             for k, v in self.meta.state_dict_metadata.items()
             if isinstance(v, TensorStorageMetadata)
         }
         model_keys, optim_keys, unmatched = {}, {}, []
-        known = set(hf.strata_names(model_cfg))
+        known = set(tensor_names.strata_names(model_cfg))
         for key, md in tensors.items():
             for prefix in ("optimizer.state.", "optim.state."):
                 if key.startswith(prefix):
@@ -116,7 +117,7 @@ class DcpCheckpoint:
             )
         by_name = {v[0]: v for v in model_keys.values()}
         # a tied output is the embedding
-        missing = [n for n in hf.hf_targets(model_cfg) if n not in by_name]
+        missing = [n for n in tensor_names.hf_targets(model_cfg) if n not in by_name]
         if missing:
             self.problems.append(
                 f"{self.path}: no weights for {listed(missing)} "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,50 @@ def _tag_dir(path: Path) -> Path:
     return path
 
 
+def _zero3_spans(
+    rank: int, world: int, shapes: list[tuple[str, tuple]], group_of: dict[str, int], groups: int
+) -> Iterator[tuple[str, int, int, int, int]]:
+    """(name, group, offset, a, b) of each parameter in rank `rank`'s ZeRO-3 partition: [a, b) of
+    the flattened parameter, at `offset` in the rank's flat group. Every parameter is partitioned on
+    its own (rank r holds [r·⌈n/W⌉, (r+1)·⌈n/W⌉)), in group order."""
+    offsets = [0] * groups
+    for name, shape in shapes:
+        gi, n = group_of[name], math.prod(shape)
+        part = math.ceil(n / world)
+        yield name, gi, offsets[gi], min(rank * part, n), min((rank + 1) * part, n)
+        offsets[gi] += part
+
+
+def _zero12_spans(
+    rank: int, param_shapes: list[dict], flat: list[torch.Tensor], padding: list | None
+) -> Iterator[tuple[str, int, int, int, int]]:
+    """(name, group, offset, a, b) of each parameter rank `rank`'s ZeRO-1/2 partition overlaps:
+    [a, b) of the flattened parameter, at `offset` in the rank's flat group. Each group's
+    concatenation is partitioned (rank r holds [r·P, (r+1)·P)), with alignment padding after each
+    parameter."""
+    for gi, group in enumerate(param_shapes):
+        size, start = flat[gi].numel(), 0
+        lo = rank * size
+        for pi, (name, shape) in enumerate(group.items()):
+            n = math.prod(shape)
+            a, b = max(lo, start), min(lo + size, start + n)
+            if a < b:
+                yield name, gi, a - lo, a - start, b - start
+            start += n + (padding[gi][pi] if padding else 0)
+
+
+def _slice(
+    flat: torch.Tensor, inner: dict, offset: int, length: int
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """A parameter's piece of a rank's flat fp32 group (`param`) and of each optimizer moment of
+    that group, and the group's scalar optimizer state (Adam's step)."""
+    pieces = {"param": flat[offset : offset + length]}
+    pieces.update(
+        {k: v[offset : offset + length] for k, v in inner.items() if torch.is_tensor(v) and v.ndim}
+    )
+    return pieces, {k: v for k, v in inner.items() if not (torch.is_tensor(v) and v.ndim)}
+
+
 def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict]:
     """(weights by name, Adam state by name, meta: stage, dp, global_steps, global_samples,
     param_groups) of a DeepSpeed ZeRO checkpoint."""
@@ -85,68 +129,20 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict], dict]:
     stage, world = int(ranks[0]["zero_stage"]), len(ranks)
     weights = {name: torch.full(shape, float("nan")) for name, shape in shapes}
     states: dict[str, dict] = {name: {} for name, _ in shapes}
-
-    def put(name: str, a: int, b: int, pieces: dict[str, torch.Tensor], scalars: dict) -> None:
-        weights[name].view(-1)[a:b] = pieces.pop("param")
-        for key, piece in pieces.items():
-            states[name].setdefault(key, torch.zeros(weights[name].shape)).view(-1)[a:b] = piece
-        states[name].update(scalars)
-
     for r, o in enumerate(ranks):
         if stage == 3:
             flat, inner = o["fp32_flat_groups"], o["optimizer_state_dict"]["state"]
-            offsets = [0] * len(flat)
-            for name, shape in shapes:  # every parameter partitioned on its own, in group order
-                gi, n = group_of[name], math.prod(shape)
-                part = math.ceil(n / world)
-                a, b, off = min(r * part, n), min((r + 1) * part, n), offsets[gi]
-                pieces = {"param": flat[gi][off : off + b - a]}
-                pieces.update(
-                    {
-                        k: v[off : off + b - a]
-                        for k, v in inner[gi].items()
-                        if torch.is_tensor(v) and v.ndim
-                    }
-                )
-                put(
-                    name,
-                    a,
-                    b,
-                    pieces,
-                    {k: v for k, v in inner[gi].items() if not (torch.is_tensor(v) and v.ndim)},
-                )
-                offsets[gi] += part
+            spans = _zero3_spans(r, world, shapes, group_of, len(flat))
         else:
             flat, inner = o["single_partition_of_fp32_groups"], o["base_optimizer_state"]["state"]
             padding = o.get("param_alignment_paddings")
-            for gi, group in enumerate(model_states["param_shapes"]):
-                size, start = flat[gi].numel(), 0
-                lo = r * size
-                for pi, (name, shape) in enumerate(group.items()):
-                    n = math.prod(shape)
-                    a, b = max(lo, start), min(lo + size, start + n)
-                    if a < b:
-                        s = a - lo
-                        pieces = {"param": flat[gi][s : s + b - a]}
-                        pieces.update(
-                            {
-                                k: v[s : s + b - a]
-                                for k, v in inner[gi].items()
-                                if torch.is_tensor(v) and v.ndim
-                            }
-                        )
-                        put(
-                            name,
-                            a - start,
-                            b - start,
-                            pieces,
-                            {
-                                k: v
-                                for k, v in inner[gi].items()
-                                if not (torch.is_tensor(v) and v.ndim)
-                            },
-                        )
-                    start += n + (padding[gi][pi] if padding else 0)
+            spans = _zero12_spans(r, model_states["param_shapes"], flat, padding)
+        for name, gi, offset, a, b in spans:
+            pieces, scalars = _slice(flat[gi], inner[gi], offset, b - a)
+            weights[name].view(-1)[a:b] = pieces.pop("param")
+            for key, piece in pieces.items():
+                states[name].setdefault(key, torch.zeros(weights[name].shape)).view(-1)[a:b] = piece
+            states[name].update(scalars)
     unfilled = [name for name, t in weights.items() if torch.isnan(t).any()]
     if unfilled:
         raise CheckpointError(

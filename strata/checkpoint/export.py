@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from strata import hf
 from strata.atomic import atomic_directory, write_file_atomic
 from strata.checkpoint import integrity, store
 from strata.checkpoint.blob import torch_dtype
@@ -30,6 +29,7 @@ from strata.checkpoint.pieces import Piece, whole_piece
 from strata.checkpoint.reader import Checkpoint
 from strata.config.schema import Config
 from strata.errors import CheckpointError
+from strata.hf import config_json, tensor_names
 from strata.parallel.flat import Box
 
 FORMATS = ("safetensors", "hf")
@@ -174,14 +174,16 @@ def export_hf(
             for k in ckpt.index["tensors"]
             if k.startswith("model.")
         }
-        names = hf.hf_targets(cfg.model)  # Strata name -> HF name (a tied output is the embedding)
-        experts = hf.expert_names(cfg.model)  # a stacked expert weight -> the HF name of each row
+        # Strata name -> HF name (a tied output is the embedding)
+        names = tensor_names.hf_targets(cfg.model)
+        # a stacked expert weight -> the HF name of each row
+        experts = tensor_names.expert_names(cfg.model)
         problems = [f"no tensor model.{n}" for n in [*names, *experts] if n not in shapes]
         if problems:
             raise CheckpointError(
                 f"{ckpt.path}: does not hold the model its config.yaml describes: {problems[:5]}"
             )
-        hf_cfg = hf.hf_config(cfg.model, shapes["tok_embeddings.weight"][0])
+        hf_cfg = config_json.hf_config(cfg.model, shapes["tok_embeddings.weight"][0])
         hf_cfg["torch_dtype"] = dtypes["model.tok_embeddings.weight"]
         metadata = hf_metadata(cfg, hf_cfg, force)
         outputs = [_Output(hf_name, n, None) for n, hf_name in names.items()]
@@ -194,34 +196,7 @@ def export_hf(
         shards = _shards(outputs, shapes, dtype_of)
         _refuse_what_this_export_does_not_write(out, _hf_outputs(len(shards), metadata.files))
         with atomic_directory(out) as tmp:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                file = (
-                    "model.safetensors"
-                    if len(shards) == 1
-                    else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                )
-                pieces = [o.piece(shapes[o.strata], dtype_of[o.strata]) for o in shard]
-                problems = ckpt.read(pieces)
-                if problems:
-                    raise CheckpointError(
-                        f"{ckpt.path} is damaged; nothing was exported:\n  " + "\n  ".join(problems)
-                    )
-                tensors = {
-                    o.hf: p.tensor if o.row is None else p.tensor[0] for o, p in zip(shard, pieces)
-                }
-                (tmp / file).write_bytes(safetensors_bytes(tensors, metadata={"format": "pt"}))
-                weight_map.update(dict.fromkeys(tensors, file))
-                del pieces, tensors
-            if len(shards) > 1:
-                total = sum(o.nbytes(shapes[o.strata], dtype_of[o.strata]) for o in outputs)
-                index = {
-                    "metadata": {"total_size": total},
-                    "weight_map": dict(sorted(weight_map.items())),
-                }
-                (tmp / "model.safetensors.index.json").write_text(
-                    json.dumps(index, indent=2) + "\n"
-                )
+            _write_weights(ckpt, tmp, shards, shapes, dtype_of)
             (tmp / "config.json").write_text(json.dumps(metadata.config, indent=2) + "\n")
             for name, data in metadata.files.items():
                 (tmp / name).write_bytes(data)
@@ -232,12 +207,43 @@ def export_hf(
     return out, out / "config.json"
 
 
+def _write_weights(
+    ckpt: Checkpoint,
+    tmp: Path,
+    shards: list[list[_Output]],
+    shapes: dict[str, tuple[int, ...]],
+    dtype_of: dict[str, torch.dtype],
+) -> None:
+    """Each shard's tensors, read from `ckpt` one shard at a time, as its safetensors file in `tmp`,
+    with model.safetensors.index.json where there is more than one."""
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = _weights_file(i, len(shards))
+        pieces = [o.piece(shapes[o.strata], dtype_of[o.strata]) for o in shard]
+        problems = ckpt.read(pieces)
+        if problems:
+            raise CheckpointError(
+                f"{ckpt.path} is damaged; nothing was exported:\n  " + "\n  ".join(problems)
+            )
+        tensors = {o.hf: p.tensor if o.row is None else p.tensor[0] for o, p in zip(shard, pieces)}
+        (tmp / file).write_bytes(safetensors_bytes(tensors, metadata={"format": "pt"}))
+        weight_map.update(dict.fromkeys(tensors, file))
+        del pieces, tensors
+    if len(shards) > 1:
+        total = sum(o.nbytes(shapes[o.strata], dtype_of[o.strata]) for s in shards for o in s)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _weights_file(i: int, shards: int) -> str:
+    """The name of weight file `i` of `shards`, as transformers' save_pretrained names them."""
+    return "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+
+
 def _hf_outputs(shards: int, other_files: dict[str, bytes]) -> set[str]:
     """The names of the files a Hugging Face export of `shards` weight files writes."""
-    if shards == 1:
-        weights = {"model.safetensors"}
-    else:
-        weights = {f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)}
+    weights = {_weights_file(i, shards) for i in range(shards)}
+    if shards > 1:
         weights.add("model.safetensors.index.json")
     return {"config.json", *weights, *other_files}
 

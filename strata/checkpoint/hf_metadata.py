@@ -19,10 +19,10 @@ from typing import Any
 
 import yaml
 
-from strata import hf
 from strata.checkpoint import store
 from strata.config.schema import Config
 from strata.errors import CheckpointError, ConfigError
+from strata.hf import config_json
 
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # The tokenizer's files besides tokenizer.json that a source model directory may hold
@@ -63,8 +63,8 @@ class _RunTokenizer:
 
 def hf_metadata(cfg: Config, computed: dict[str, Any], force: bool = False) -> Metadata:
     """The export's config.json and other files for the run of `cfg`, whose model's own config.json
-    (`strata.hf.hf_config`, with the checkpoint's dtype) is `computed`. Raises CheckpointError where
-    fields would be lost, unless `force`."""
+    (`strata.hf.config_json.hf_config`, with the checkpoint's dtype) is `computed`. Raises
+    CheckpointError where fields would be lost, unless `force`."""
     source = _source(cfg, force)
     run_tok = _run_tokenizer(cfg, force)
     same = source is not None and _same_model(source.config, cfg, computed)
@@ -163,7 +163,7 @@ def _same_model(source: dict[str, Any], cfg: Config, computed: dict[str, Any]) -
     """Whether the run's model is still the source's: every model.* value the source's config.json
     implies equals the run's, and the vocabulary has its size."""
     try:
-        settings = hf.model_settings(source, cfg.model.seq_len)
+        settings = config_json.model_settings(source, cfg.model.seq_len)
     except ConfigError:
         return False
     for key, value in settings.items():
@@ -185,7 +185,7 @@ def _carry_config(out: Metadata, source: _Source, cfg: Config, computed: dict[st
     out.config = {**source.config}
     keys = [k for k in ("torch_dtype", "dtype") if k in source.config] or ["torch_dtype"]
     out.config.update(dict.fromkeys(keys, computed["torch_dtype"]))
-    rope = hf.rope_parameters(source.config)
+    rope = config_json.rope_parameters(source.config)
     longest = source.config.get("max_position_embeddings")
     if isinstance(longest, int) and cfg.model.seq_len > longest and rope["rope_type"] != "dynamic":
         out.config["max_position_embeddings"] = cfg.model.seq_len

@@ -13,11 +13,12 @@ import json
 import struct
 from pathlib import Path
 
-from strata import hf
 from strata.checkpoint.layout import listed
 from strata.checkpoint.manager import write_whole
 from strata.checkpoint.reader import Checkpoint
 from strata.errors import CheckpointError
+from strata.hf import tensor_names
+from strata.hf.shape import ModelShape
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -83,7 +84,7 @@ def header(path: Path) -> tuple[dict, int]:
     return entries, 8 + n
 
 
-def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
+def open_weights(directory: Path, model_cfg: ModelShape) -> Checkpoint:
     """The model directory's weights as a checkpoint at step 0 whose tensors are `model.<Strata
     name>` for Strata's model of `model_cfg`. A tensor the model needs that the directory lacks, or
     a weight of a feature the model does not have (an output bias, more layers), is an error listing
@@ -97,10 +98,10 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
         sizes[name] = path.stat().st_size
         found.update((hf_name, (name, entry, start)) for hf_name, entry in entries.items())
     problems = []
-    missing = hf.missing(found, model_cfg)
+    missing = tensor_names.missing(found, model_cfg)
     if missing:
         problems.append(f"missing tensors: {listed(missing)}")
-    unused = hf.unused(found, model_cfg)
+    unused = tensor_names.unused(found, model_cfg)
     if unused:
         problems.append(
             "tensors this model has no place for (a feature Strata lacks, or other layers): "
@@ -117,14 +118,14 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
     tensors = {}
     expected = _model_shapes(model_cfg, found)
     mismatched = []
-    for strata_name, hf_name in hf.hf_sources(model_cfg).items():
+    for strata_name, hf_name in tensor_names.hf_sources(model_cfg).items():
         dtype, shape, chunk = _chunk(directory, hf_name, found, sizes)
         want = expected.get(strata_name)
         if want is not None and tuple(shape) != want:
             mismatched.append(f"{hf_name} is {tuple(shape)}, config.json makes it {want}")
         tensors[f"model.{strata_name}"] = {"shape": shape, "dtype": dtype, "chunks": [chunk]}
     # one HF tensor per expert: rows of one
-    for strata_name, rows in hf.expert_names(model_cfg).items():
+    for strata_name, rows in tensor_names.expert_names(model_cfg).items():
         tensors[f"model.{strata_name}"] = _stacked(
             directory, rows, found, sizes, expected.get(strata_name), mismatched
         )
@@ -139,12 +140,12 @@ def open_weights(directory: Path, model_cfg: hf.ModelShape) -> Checkpoint:
 
 
 def _untied_head(
-    directory: Path, found: dict[str, tuple[str, dict, int]], model_cfg: hf.ModelShape
+    directory: Path, found: dict[str, tuple[str, dict, int]], model_cfg: ModelShape
 ) -> str | None:
     """Why a tied model's files cannot load as tied: they hold an output projection that is not the
     embedding (transformers would untie the two and warn; Strata refuses, so that the trained model
     is the one the files describe). None when untied, or when the head is absent or equal."""
-    embed_name = hf.hf_sources(model_cfg)["tok_embeddings.weight"]
+    embed_name = tensor_names.hf_sources(model_cfg)["tok_embeddings.weight"]
     if not model_cfg.tie_embeddings or "lm_head.weight" not in found or embed_name not in found:
         return None
     (head_file, head, head_start), (embed_file, embed, embed_start) = (
@@ -232,7 +233,7 @@ def _stacked(
 
 
 def _model_shapes(
-    model_cfg: hf.ModelShape, found: dict[str, tuple[str, dict, int]]
+    model_cfg: ModelShape, found: dict[str, tuple[str, dict, int]]
 ) -> dict[str, tuple[int, ...]]:
     """Every parameter's shape in the model `model_cfg` describes (built on the meta device, so no
     memory), by Strata name; the vocabulary is config.json's, else the embedding's rows."""
@@ -242,7 +243,7 @@ def _model_shapes(
 
     vocab = model_cfg.vocab_size
     if vocab is None:
-        embedding = found.get(hf.hf_sources(model_cfg)["tok_embeddings.weight"])
+        embedding = found.get(tensor_names.hf_sources(model_cfg)["tok_embeddings.weight"])
         vocab = int(embedding[1]["shape"][0]) if embedding else 1
     with torch.device("meta"):
         model = GPT(model_cfg, vocab)  # type: ignore[arg-type]  # a ModelConfig; hf reads it as a ModelShape
@@ -253,7 +254,7 @@ def import_hf(
     directory: Path,
     out_root: Path,
     config_yaml: str,
-    model_cfg: hf.ModelShape,
+    model_cfg: ModelShape,
     overwrite: bool = False,
 ) -> Path:
     """Write the model directory's weights, as saved (same dtype), as the Strata checkpoint of step 0

@@ -18,7 +18,6 @@ from typing import Any
 
 import yaml
 
-from strata import hf
 from strata.config.checks import cross_problems, path_problem
 from strata.config.schema import GROUPS, Config, ModelConfig
 from strata.config.schema.fields import key_of
@@ -34,6 +33,7 @@ from strata.config.schema.keys import (
     unknown,
 )
 from strata.errors import ConfigError
+from strata.hf import config_json
 
 
 def load(
@@ -90,11 +90,11 @@ def _derive_from_hf(raw: dict[str, Any], problems: list[str]) -> None:
         return
     seq_len = model.get("seq_len", ModelConfig().seq_len)
     try:
-        derived = hf.model_settings(hf_config, seq_len if isinstance(seq_len, int) else 0)
+        derived = config_json.model_settings(hf_config, seq_len if isinstance(seq_len, int) else 0)
     except ConfigError as e:  # the features Strata lacks, each naming its config.json field
         problems += [f"model.init_from: {path}: {p}" for p in e.problems]
         return
-    clashes = hf.conflicts(model, derived)
+    clashes = config_json.conflicts(model, derived)
     problems += [f"model.init_from: {c}" for c in clashes]
     if not clashes:
         raw["model"] = merge_groups(derived, model)

@@ -330,6 +330,43 @@ def _progress(enabled: bool):
     )
 
 
+def _tokenizer_source(
+    tokenizer: str, eot_token: str | None
+) -> tuple[int | None, TokenizerInfo, Path | None]:
+    """What `--tokenizer` and `--eot-token` name: (the vocabulary of a BPE to train, or None; the
+    tokenizer's info, the bytes' until a BPE is trained; the tokenizer.json to copy, or None)."""
+    bpe = tokenize.bpe_vocab(tokenizer)
+    if tokenizer != "bytes" and bpe is None:
+        info, tok_src = tokenize.file_info(tokenizer, eot_token)
+        return bpe, info, tok_src
+    if eot_token is not None:
+        raise DataError(
+            f"--eot-token names a token of a tokenizer.json; --tokenizer {tokenizer} has its own "
+            "end-of-document token"
+        )
+    return bpe, BYTES_INFO, None
+
+
+def _write_splits(
+    tmp: Path, tasks: list[Task], args: tuple, workers: int, tok_path: str | None, progress: bool
+) -> tuple[dict[str, int], int]:
+    """Tokenize the tasks (by `workers` processes) into tmp/train.bin and tmp/val.bin, in task
+    order; returns the tokens written to each split and the documents read."""
+    n_docs = 0
+    counts = {"train": 0, "val": 0}
+    bar = _progress(progress)
+    with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f, bar:
+        for train, val, n in _results(tasks, args, workers, tok_path):
+            train.tofile(train_f)
+            val.tofile(val_f)
+            counts["train"] += len(train)
+            counts["val"] += len(val)
+            n_docs += n
+            bar.update(len(train) + len(val))
+            bar.set_postfix_str(f"{n_docs:,} documents", refresh=False)
+    return counts, n_docs
+
+
 def prepare(
     files: list[Path],
     out_dir: Path,
@@ -358,20 +395,9 @@ def prepare(
             "holding them"
         )
     check_output(Path(out_dir), files)
-    bpe = tokenize.bpe_vocab(tokenizer)
-    tok_src: Path | None = None
-    info: TokenizerInfo = BYTES_INFO
-    if tokenizer != "bytes" and bpe is None:
-        info, tok_src = tokenize.file_info(tokenizer, eot_token)
-    elif eot_token is not None:
-        raise DataError(
-            f"--eot-token names a token of a tokenizer.json; --tokenizer {tokenizer} has its own "
-            "end-of-document token"
-        )
+    bpe, info, tok_src = _tokenizer_source(tokenizer, eot_token)
     tasks = plan(list(files), root, text_field, chunk_bytes)
     workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
-    n_docs = 0
-    counts = {"train": 0, "val": 0}
     with atomic_directory(Path(out_dir)) as tmp:
         tok_file = tmp / tokenize.TOKENIZER_FILE
         if bpe is not None:
@@ -383,18 +409,8 @@ def prepare(
             shutil.copyfile(tok_src, tok_file)
         dtype = info.dtype
         args = (text_field, val_fraction, info.eot, dtype)
-        bar = _progress(progress)
-        with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f, bar:
-            for train, val, n in _results(
-                tasks, args, workers, None if info.kind == "bytes" else str(tok_file)
-            ):
-                train.tofile(train_f)
-                val.tofile(val_f)
-                counts["train"] += len(train)
-                counts["val"] += len(val)
-                n_docs += n
-                bar.update(len(train) + len(val))
-                bar.set_postfix_str(f"{n_docs:,} documents", refresh=False)
+        tok_path = None if info.kind == "bytes" else str(tok_file)
+        counts, n_docs = _write_splits(tmp, tasks, args, workers, tok_path, progress)
         itemsize = np.dtype(dtype).itemsize
         n_train, n_val = _ensure_val_split(
             tmp, itemsize, counts["train"], counts["val"], val_fraction

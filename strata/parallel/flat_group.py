@@ -77,6 +77,26 @@ class _Slot:
         return self.segment.offset, self.segment.offset + self.segment.numel
 
 
+def _slots(
+    named_params: list[tuple[str, nn.Parameter]], aliases: dict[int, list[str]]
+) -> tuple[list[_Slot], int]:
+    """The parameters laid out one after another (their slots), and the elements they fill; a
+    ValueError where one differs from the first in dtype or device."""
+    first = named_params[0][1]
+    slots, offset = [], 0
+    for pname, p in named_params:
+        if p.dtype != first.dtype or p.device != first.device:
+            raise ValueError(
+                f"{pname}: {p.dtype} on {p.device}, but {named_params[0][0]} is {first.dtype} "
+                f"on {first.device}; a flat group holds one dtype on one device"
+            )
+        slots.append(
+            _Slot(Segment(pname, tuple(p.shape), offset), p, tuple(dict.fromkeys(aliases[id(p)])))
+        )
+        offset += p.numel()
+    return slots, offset
+
+
 class FlatGroup:
     """The parameters of one or more blocks packed into one padded flat buffer, with this rank's
     chunks of it at every level of the plan."""
@@ -94,39 +114,10 @@ class FlatGroup:
         self.name, self.plan, self.routes, self.tied_copy = name, plan, routes, tied_copy
         # how far gradients are summed: every dp rank, or the node's (CO2)
         self.sync_level = sync_level
-        first = named_params[0][1]
-        self.slots, offset = [], 0
-        for pname, p in named_params:
-            if p.dtype != first.dtype or p.device != first.device:
-                raise ValueError(
-                    f"{pname}: {p.dtype} on {p.device}, but {named_params[0][0]} is {first.dtype} "
-                    f"on {first.device}; a flat group holds one dtype on one device"
-                )
-            self.slots.append(
-                _Slot(
-                    Segment(pname, tuple(p.shape), offset), p, tuple(dict.fromkeys(aliases[id(p)]))
-                )
-            )
-            offset += p.numel()
+        self.slots, numel = _slots(named_params, aliases)
         unit = routes.count("global")
-        self.padded = math.ceil(offset / unit) * unit
-        # Parameters with nothing in them yet (`unfilled`: they are loaded before the first step,
-        # model.init_from) are not copied in, and the buffer is not cleared but for its padding:
-        # for a big model that is seconds of start-up and a second copy of it being touched.
-        unfilled = all(getattr(p, "unfilled", False) for _, p in named_params)
-        if unfilled:
-            self.full = torch.empty(self.padded, dtype=first.dtype, device=first.device)
-            self.full[offset:].zero_()
-        else:
-            self.full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
-        with torch.no_grad():
-            for slot in self.slots:
-                a, b = slot.range
-                view = self.full[a:b].view(slot.segment.shape)
-                if not unfilled:
-                    view.copy_(slot.param)
-                slot.param.data = view
-                slot.param.__dict__.pop("unfilled", None)
+        self.padded = math.ceil(numel / unit) * unit
+        self.full = self._adopt(numel)
         self.param_start, size = routes.span(plan.params, self.padded)
         self.shard = (
             self.full[self.param_start : self.param_start + size].clone()
@@ -165,6 +156,29 @@ class FlatGroup:
             self.free()
 
     # --- parameters ------------------------------------------------------------------------
+    def _adopt(self, numel: int) -> torch.Tensor:
+        """The padded flat buffer of the slots' `numel` elements, each slot's parameter made a view
+        of its piece (holding the parameter's values)."""
+        first = self.slots[0].param
+        # Parameters with nothing in them yet (`unfilled`: they are loaded before the first step,
+        # model.init_from) are not copied in, and the buffer is not cleared but for its padding:
+        # for a big model that is seconds of start-up and a second copy of it being touched.
+        unfilled = all(getattr(slot.param, "unfilled", False) for slot in self.slots)
+        if unfilled:
+            full = torch.empty(self.padded, dtype=first.dtype, device=first.device)
+            full[numel:].zero_()
+        else:
+            full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for slot in self.slots:
+                a, b = slot.range
+                view = full[a:b].view(slot.segment.shape)
+                if not unfilled:
+                    view.copy_(slot.param)
+                slot.param.data = view
+                slot.param.__dict__.pop("unfilled", None)
+        return full
+
     def _optimizer_segments(self) -> list[tuple[_Slot, nn.Parameter, int, int]]:
         """(slot, parameter aliasing the slot's piece of the optimizer chunk, start, end within
         the slot's flat range) for every slot the chunk touches."""

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from strata.errors import StrataError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -94,19 +97,19 @@ SCHEDULE_COLORS = {
 }
 
 
-def plot_schedule(record_path: Path, out: Path | None = None) -> Path:
-    """Write a per-rank timeline PNG of one recorded pipeline step (a JSON record written by
-    bench/pipeline_schedule.py: {"schedule", "pp", "virtual_stages", "microbatches", "ranks":
-    [[{"kind", "stage", "mb", "start", "end"}, ...] per rank], "step_time"}); returns its path.
-    One row per rank; F/B/W boxes labelled stage.micro-batch, darker for a rank's first chunk
-    (stage < pp) and lighter for later chunks."""
-    import matplotlib
+class _Schedule(NamedTuple):
+    """One recorded pipeline step: the record, and what the timeline reads of it."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    record: dict[str, Any]
+    ranks: int
+    step_time: float  # seconds
+    pp: int
+    actions: list[tuple[int, str, int, int, float, float]]  # (rank, kind, stage, mb, start, end)
 
-    record_path = Path(record_path)
+
+def _read_schedule(record_path: Path) -> _Schedule:
+    """The schedule record at `record_path`; a StrataError naming the file where it is not one or
+    has an action kind other than F, B and W."""
     try:
         record = json.loads(record_path.read_text())
         ranks, step_time, pp = record["ranks"], float(record["step_time"]), int(record["pp"])
@@ -125,9 +128,14 @@ def plot_schedule(record_path: Path, out: Path | None = None) -> Path:
         raise StrataError(
             f"strata plot schedule: {record_path} has action kinds {unknown}; valid: F, B, W"
         )
+    return _Schedule(record, len(ranks), step_time, pp, actions)
 
-    fig, ax = plt.subplots(figsize=(14, 0.7 * len(ranks) + 1.6))
-    for rank, kind, stage, mb, start, end in actions:
+
+def _draw_actions(ax: Axes, schedule: _Schedule) -> None:
+    """One box per action in its rank's row, coloured by kind (darker for a rank's first chunk,
+    stage < pp), labelled stage.micro-batch where it is wide enough to hold the label."""
+    pp, step_time = schedule.pp, schedule.step_time
+    for rank, kind, stage, mb, start, end in schedule.actions:
         color = SCHEDULE_COLORS[kind][0 if stage < pp else 1]
         ax.broken_barh(
             [(start * 1e3, (end - start) * 1e3)],
@@ -147,12 +155,12 @@ def plot_schedule(record_path: Path, out: Path | None = None) -> Path:
                 color="white" if stage < pp else "black",
                 clip_on=True,
             )
-    for rank, idle in enumerate(record.get("idle_fraction", [])):
-        ax.text(step_time * 1e3, rank, f" idle {idle:.0%}", ha="left", va="center", fontsize=8)
-    ax.set_ylim(len(ranks) - 0.5, -0.5)
-    ax.set_xlim(0, step_time * 1e3 * 1.07)
-    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
-    ax.set_xlabel("time in step (ms)   —   box label: stage.micro-batch")
+
+
+def _schedule_legend(ax: Axes, ranks: int) -> None:
+    """The F/B/W legend, below the axes."""
+    from matplotlib.patches import Patch
+
     ax.legend(
         handles=[
             Patch(color=SCHEDULE_COLORS[k][0], label=label)
@@ -163,12 +171,37 @@ def plot_schedule(record_path: Path, out: Path | None = None) -> Path:
             )
         ],
         loc="upper center",
-        bbox_to_anchor=(0.5, -0.25 if len(ranks) < 4 else -0.12),
+        bbox_to_anchor=(0.5, -0.25 if ranks < 4 else -0.12),
         ncol=3,
         fontsize=8,
     )
+
+
+def plot_schedule(record_path: Path, out: Path | None = None) -> Path:
+    """Write a per-rank timeline PNG of one recorded pipeline step (a JSON record written by
+    bench/pipeline_schedule.py: {"schedule", "pp", "virtual_stages", "microbatches", "ranks":
+    [[{"kind", "stage", "mb", "start", "end"}, ...] per rank], "step_time"}); returns its path.
+    One row per rank; F/B/W boxes labelled stage.micro-batch, darker for a rank's first chunk
+    (stage < pp) and lighter for later chunks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    record_path = Path(record_path)
+    schedule = _read_schedule(record_path)
+    record, ranks, step_time = schedule.record, schedule.ranks, schedule.step_time
+    fig, ax = plt.subplots(figsize=(14, 0.7 * ranks + 1.6))
+    _draw_actions(ax, schedule)
+    for rank, idle in enumerate(record.get("idle_fraction", [])):
+        ax.text(step_time * 1e3, rank, f" idle {idle:.0%}", ha="left", va="center", fontsize=8)
+    ax.set_ylim(ranks - 0.5, -0.5)
+    ax.set_xlim(0, step_time * 1e3 * 1.07)
+    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    ax.set_xlabel("time in step (ms)   —   box label: stage.micro-batch")
+    _schedule_legend(ax, ranks)
     ax.set_title(
-        f"{record.get('schedule', '?')}: P={pp}, V={record.get('virtual_stages', '?')}, "
+        f"{record.get('schedule', '?')}: P={schedule.pp}, V={record.get('virtual_stages', '?')}, "
         f"M={record.get('microbatches', '?')}, step {step_time * 1e3:.0f} ms"
     )
     fig.tight_layout()

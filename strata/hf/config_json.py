@@ -1,21 +1,20 @@
-"""Hugging Face <-> Strata mapping: the `model.*` settings a transformers config.json implies (and
-the features in it Strata does not implement), the config.json for a Strata model, and the names
-of the tensors on both sides. Pure functions over dicts and names (no torch, no files), below the
-config layer so that config loading can derive model settings from a Hugging Face directory.
+"""config.json <-> `model:` settings: the `model.*` values a transformers config.json implies (and
+the features in it Strata does not implement, each refusal naming its field), the conflicts with
+what a user set explicitly, and the config.json of the Hugging Face model computing what a Strata
+model does. Pure functions over dicts (no torch, no files), below the config layer so that config
+loading can derive model settings from a Hugging Face directory.
 
 Supported families: llama, mistral, qwen2, qwen3, and the Mixture-of-Experts families qwen3_moe and
-mixtral. Strata's attention uses the rotate-half RoPE layout of these families, so q/k weights map
-one to one, without permutation. Their experts are separate tensors per expert in a Hugging Face
-checkpoint and rows of one stacked tensor in Strata's (`expert_names` pairs them).
+mixtral; RoPE default, llama3, linear, dynamic and yarn.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any
 
 from strata.errors import ConfigError
+from strata.hf.shape import ModelShape, moe_family
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
@@ -132,92 +131,6 @@ _SOURCE = {
     "qk_norm": "model_type",
 }
 
-
-class MoEShape(Protocol):
-    """What these functions read of a `strata.config.MoEConfig`."""
-
-    @property
-    def enabled(self) -> bool: ...
-    @property
-    def num_experts(self) -> int: ...
-    @property
-    def top_k(self) -> int: ...
-    @property
-    def norm_topk(self) -> bool: ...
-    @property
-    def router(self) -> str: ...
-    @property
-    def shared_experts(self) -> int: ...
-    @property
-    def first_dense_layers(self) -> int: ...
-    @property
-    def bias_update_rate(self) -> float: ...
-    @property
-    def routed_scale(self) -> float: ...
-    @property
-    def expert_ffn(self) -> int | None: ...
-    @property
-    def route_groups(self) -> int: ...
-
-
-class ModelShape(Protocol):
-    """What these functions read of a `strata.config.ModelConfig` (which this module cannot import:
-    it sits below the config layer)."""
-
-    @property
-    def n_layers(self) -> int: ...
-    @property
-    def d_model(self) -> int: ...
-    @property
-    def n_heads(self) -> int: ...
-    @property
-    def kv_heads(self) -> int: ...
-    @property
-    def head_size(self) -> int: ...
-    @property
-    def ffn_size(self) -> int: ...
-    @property
-    def vocab_size(self) -> int | None: ...
-    @property
-    def seq_len(self) -> int: ...
-    @property
-    def qkv_bias(self) -> bool: ...
-    @property
-    def qk_norm(self) -> bool: ...
-    @property
-    def rope_theta(self) -> float: ...
-    @property
-    def rope_scaling(self) -> str: ...
-    @property
-    def rope_factor(self) -> float: ...
-    @property
-    def rope_low_freq_factor(self) -> float: ...
-    @property
-    def rope_high_freq_factor(self) -> float: ...
-    @property
-    def rope_original_max_position_embeddings(self) -> int: ...
-    @property
-    def rope_beta_fast(self) -> float: ...
-    @property
-    def rope_beta_slow(self) -> float: ...
-    @property
-    def rope_attention_factor(self) -> float | None: ...
-    @property
-    def rope_mscale(self) -> float | None: ...
-    @property
-    def rope_mscale_all_dim(self) -> float | None: ...
-    @property
-    def rope_truncate(self) -> bool: ...
-    @property
-    def norm_eps(self) -> float: ...
-    @property
-    def tie_embeddings(self) -> bool: ...
-    @property
-    def init_std(self) -> float: ...
-    @property
-    def moe(self) -> MoEShape: ...
-
-
 # --- config.json -> model.* ----------------------------------------------------------------------
 
 
@@ -251,7 +164,7 @@ def _sliding_window(hf: Mapping[str, Any]) -> int | None:
     """The attention window of the layers that slide, or None when none does (transformers' rules:
     Mistral slides every layer whenever sliding_window is set; Qwen2/3 only with use_sliding_window,
     in the layers layer_types marks, by default those from max_window_layers on)."""
-    window = _get(hf, "sliding_window")
+    window: int | None = _get(hf, "sliding_window")
     if window is None:
         return None
     if hf.get("model_type") in ("qwen2", "qwen3", "qwen3_moe"):
@@ -348,8 +261,8 @@ def model_settings(hf_config: Mapping[str, Any], seq_len: int) -> dict[str, obje
     """The `model.*` values (YAML names, without `model.`) this config.json implies: n_layers,
     d_model, n_heads, n_kv_heads, head_dim, ffn_hidden, vocab_size, rope_theta, rope_scaling (and
     the rope_* keys its scaling reads), norm_eps, tie_embeddings, qkv_bias, qk_norm. Every size
-    is explicit (no nulls). seq_len is the user's (`model.seq_len`), needed to judge a sliding window.
-    Raises ConfigError listing `unsupported(hf_config, seq_len)` when that is not empty."""
+    is explicit (no nulls). seq_len is the user's (`model.seq_len`), needed to judge a sliding
+    window. Raises ConfigError listing `unsupported(hf_config, seq_len)` when that is not empty."""
     problems = unsupported(hf_config, seq_len)
     if problems:
         raise ConfigError(problems)
@@ -419,7 +332,8 @@ def conflicts(explicit: Mapping[str, object], derived: Mapping[str, object]) -> 
     """One message per `model.*` key the user set explicitly (`explicit`: YAML names without
     `model.`, with their values) that disagrees with `derived` (`model_settings(...)`). Keys the
     Hugging Face config does not decide (seq_len, init_std, ...) never conflict, nor does an
-    explicit null: null means "derive it", and the Hugging Face config is where it is derived from."""
+    explicit null: null means "derive it", and the Hugging Face config is where it is derived
+    from."""
     out = []
     for key, value in explicit.items():
         # the model.moe group
@@ -438,7 +352,7 @@ def conflicts(explicit: Mapping[str, object], derived: Mapping[str, object]) -> 
     return out
 
 
-# --- model.* -> config.json ------------------------------------------------------------------------
+# --- model.* -> config.json ----------------------------------------------------------------------
 
 
 def hf_config(model_cfg: ModelShape, vocab_size: int | None = None) -> dict[str, Any]:
@@ -516,9 +430,9 @@ def hf_config(model_cfg: ModelShape, vocab_size: int | None = None) -> dict[str,
     return out
 
 
-def _moe_config(m: ModelShape, dense: dict[str, Any]) -> dict[str, Any]:
-    """config.json of the Mixture-of-Experts family computing what Strata's MoE model does: Qwen3-MoE
-    with qk_norm, else Mixtral; what neither has is refused, naming the key."""
+def _moe_problems(m: ModelShape) -> list[str]:
+    """One message per `model.moe.*` setting (and q/k bias) that the MoE model's Hugging Face family
+    (`moe_family`) has no place for, naming the key."""
     moe = m.moe
     problems = [
         f"model.moe.{key}={value}: {why}"
@@ -563,14 +477,21 @@ def _moe_config(m: ModelShape, dense: dict[str, Any]) -> dict[str, Any]:
         )
         if bad
     ]
-    family = moe_family(m)
-    if family == "mixtral" and not moe.norm_topk:
+    if moe_family(m) == "mixtral" and not moe.norm_topk:
         problems.append(
             "model.moe.norm_topk=false: Mixtral renormalises the top-k weights (set model.qk_norm "
             "for Qwen3-MoE)"
         )
+    return problems
+
+
+def _moe_config(m: ModelShape, dense: dict[str, Any]) -> dict[str, Any]:
+    """config.json of the Mixture-of-Experts family computing what Strata's MoE model does:
+    Qwen3-MoE with qk_norm, else Mixtral; what neither has is refused, naming the key."""
+    problems = _moe_problems(m)
     if problems:
         raise ConfigError(problems)
+    moe, family = m.moe, moe_family(m)
     out = {k: v for k, v in dense.items() if k not in ("architectures", "model_type")}
     experts = {
         "num_local_experts": moe.num_experts,
@@ -602,164 +523,3 @@ def _moe_config(m: ModelShape, dense: dict[str, Any]) -> dict[str, Any]:
         **experts,
         "sliding_window": None,
     }
-
-
-def moe_family(model_cfg: ModelShape) -> str:
-    """The Hugging Face family of an MoE model: qwen3_moe (per-head q/k norms), else mixtral."""
-    return "qwen3_moe" if model_cfg.qk_norm else "mixtral"
-
-
-# --- tensor names ------------------------------------------------------------------------------------
-
-_TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER = {  # Strata's name inside block N (`layers.N.`) -> HF's inside `model.layers.N.`
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wq.bias": "self_attn.q_proj.bias",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wk.bias": "self_attn.k_proj.bias",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wv.bias": "self_attn.v_proj.bias",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "attn.q_norm.weight": "self_attn.q_norm.weight",
-    "attn.k_norm.weight": "self_attn.k_norm.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.w1.weight": "mlp.gate_proj.weight",
-    "mlp.w3.weight": "mlp.up_proj.weight",
-    "mlp.w2.weight": "mlp.down_proj.weight",
-}
-_TOP_BACK = {v: k for k, v in _TOP.items()}
-_LAYER_BACK = {v: k for k, v in _LAYER.items()}
-_STRATA_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-# older checkpoints saved RoPE's buffer: recomputed
-_HF_BUFFERS = re.compile(r".*\.rotary_emb\.inv_freq")
-
-
-def to_hf(strata_name: str) -> str:
-    """HF's name of a parameter of Strata's GPT state_dict (`layers.3.attn.wq.bias` ->
-    `model.layers.3.self_attn.q_proj.bias`). Raises ValueError for a name Strata's GPT has no
-    counterpart of."""
-    if strata_name in _TOP:
-        return _TOP[strata_name]
-    match = _STRATA_LAYER.fullmatch(strata_name)
-    if match and match[2] in _LAYER:
-        return f"model.layers.{match[1]}.{_LAYER[match[2]]}"
-    raise ValueError(f"{strata_name!r} is not a parameter name of Strata's GPT")
-
-
-def to_strata(hf_name: str) -> str | None:
-    """Strata's name of a tensor in a HF checkpoint, or None when Strata's GPT has no such tensor
-    (RoPE buffers of old checkpoints, which Strata recomputes, but also weights of features it lacks:
-    see `unused` to catch those)."""
-    if hf_name in _TOP_BACK:
-        return _TOP_BACK[hf_name]
-    match = _HF_LAYER.fullmatch(hf_name)
-    if match and match[2] in _LAYER_BACK:
-        return f"layers.{match[1]}.{_LAYER_BACK[match[2]]}"
-    return None
-
-
-# An MoE layer's tensors: the router (one to one) and each stacked expert weight (one HF tensor per
-# expert, named with the expert's index), per family.
-_MOE_ROUTER = {"qwen3_moe": "mlp.gate.weight", "mixtral": "block_sparse_moe.gate.weight"}
-_MOE_EXPERT = {
-    "qwen3_moe": {
-        "w1": "mlp.experts.{e}.gate_proj.weight",
-        "w3": "mlp.experts.{e}.up_proj.weight",
-        "w2": "mlp.experts.{e}.down_proj.weight",
-    },
-    "mixtral": {
-        "w1": "block_sparse_moe.experts.{e}.w1.weight",
-        "w3": "block_sparse_moe.experts.{e}.w3.weight",
-        "w2": "block_sparse_moe.experts.{e}.w2.weight",
-    },
-}
-
-
-def expert_names(model_cfg: ModelShape) -> dict[str, list[str]]:
-    """Each stacked expert weight of Strata's MoE model (`layers.N.mlp.experts.w1`, shape (E, ...))
-    -> the HF names of its E rows, in order. Empty for a dense model."""
-    if not model_cfg.moe.enabled:
-        return {}
-    family, E = moe_family(model_cfg), model_cfg.moe.num_experts
-    return {
-        f"layers.{i}.mlp.experts.{w}": [f"model.layers.{i}.{pattern.format(e=e)}" for e in range(E)]
-        for i in range(model_cfg.n_layers)
-        for w, pattern in _MOE_EXPERT[family].items()
-    }
-
-
-def strata_names(model_cfg: ModelShape) -> list[str]:
-    """The keys of Strata's GPT state_dict for this config, in its order (with tie_embeddings both
-    tok_embeddings.weight and output.weight, as state_dict lists both names of the one tensor)."""
-    per_layer = ["attn_norm.weight"]
-    for proj in ("wq", "wk", "wv"):
-        per_layer += [f"attn.{proj}.weight"] + ([f"attn.{proj}.bias"] if model_cfg.qkv_bias else [])
-    per_layer.append("attn.wo.weight")
-    if model_cfg.qk_norm:
-        per_layer += ["attn.q_norm.weight", "attn.k_norm.weight"]
-    per_layer.append("mlp_norm.weight")
-    ffn = (
-        ["mlp.router.weight"]
-        if model_cfg.moe.enabled
-        else ["mlp.w1.weight", "mlp.w3.weight", "mlp.w2.weight"]
-    )
-    layers = [f"layers.{i}.{name}" for i in range(model_cfg.n_layers) for name in per_layer + ffn]
-    return ["tok_embeddings.weight", *layers, "norm.weight", "output.weight"]
-
-
-def _to_hf(model_cfg: ModelShape, strata_name: str) -> str:
-    """`to_hf`, with an MoE layer's router named as its family names it."""
-    match = _STRATA_LAYER.fullmatch(strata_name)
-    if match and match[2] == "mlp.router.weight":
-        return f"model.layers.{match[1]}.{_MOE_ROUTER[moe_family(model_cfg)]}"
-    return to_hf(strata_name)
-
-
-def hf_sources(model_cfg: ModelShape) -> dict[str, str]:
-    """For import: each Strata state_dict name -> the HF tensor to read its value from (an MoE
-    model's stacked experts: `expert_names`). With tie_embeddings, output.weight reads
-    model.embed_tokens.weight: HF checkpoints of tied models usually have no lm_head.weight (and
-    transformers ignores one if present)."""
-    out = {name: _to_hf(model_cfg, name) for name in strata_names(model_cfg)}
-    if model_cfg.tie_embeddings:
-        out["output.weight"] = _TOP["tok_embeddings.weight"]
-    return out
-
-
-def hf_targets(model_cfg: ModelShape) -> dict[str, str]:
-    """For export: each Strata state_dict name -> the HF name to write it under. With
-    tie_embeddings, output.weight is left out (it is the embedding; config.json's
-    tie_word_embeddings says so), as transformers' save_pretrained does."""
-    out = {name: _to_hf(model_cfg, name) for name in strata_names(model_cfg)}
-    if model_cfg.tie_embeddings:
-        del out["output.weight"]
-    return out
-
-
-def unused(hf_names: Iterable[str], model_cfg: ModelShape) -> list[str]:
-    """The tensors of a HF checkpoint that an import by `hf_sources` would not read, apart from
-    those safe to drop (RoPE buffers; lm_head.weight of a tied model): weights of a feature Strata
-    lacks (an output-projection bias, say), or of more layers than model.n_layers. An importer
-    should refuse a checkpoint for which this is not empty."""
-    read = set(hf_sources(model_cfg).values()) | {
-        n for rows in expert_names(model_cfg).values() for n in rows
-    }
-    if model_cfg.tie_embeddings:
-        read.add(_TOP["output.weight"])
-    return [name for name in hf_names if name not in read and not _HF_BUFFERS.fullmatch(name)]
-
-
-def missing(hf_names: Iterable[str], model_cfg: ModelShape) -> list[str]:
-    """The tensors `hf_sources` needs that a HF checkpoint lacks (an importer refuses it then)."""
-    have = set(hf_names)
-    needed = [
-        *hf_sources(model_cfg).values(),
-        *(n for rows in expert_names(model_cfg).values() for n in rows),
-    ]
-    return sorted({name for name in needed if name not in have})
