@@ -29,6 +29,7 @@ from strata.config.vocabulary import (
     V_SHAPED_SCHEDULES,
     bpe_problem,
     coarseness,
+    expert_layout_problems,
     layout_problems,
     offload_devices,
     pool_streams,
@@ -36,8 +37,11 @@ from strata.config.vocabulary import (
 from strata.errors import ConfigError
 
 
-def cross_problems(cfg: Config, world_size: int | None = None) -> list[str]:
-    """What is wrong between the keys of an already built config (and against `world_size`): the
+def cross_problems(
+    cfg: Config, world_size: int | None = None, local_world_size: int | None = None
+) -> list[str]:
+    """What is wrong between the keys of an already built config (and against `world_size`, of which
+    a launcher runs `local_world_size` per node: what parallel.ranks_per_node null stands for): the
     checks `load` runs after each key's own, for configs made with `replace` (the planner's)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     return [
@@ -52,8 +56,8 @@ def cross_problems(cfg: Config, world_size: int | None = None) -> list[str]:
         *_snapshot_checks(cfg),
         *_tp_size_checks(m, par),
         *_context_checks(cfg),
-        *_moe_checks(cfg, world_size),
-        *_batch_checks(cfg, world_size),
+        *_moe_checks(cfg, world_size, local_world_size),
+        *_batch_checks(cfg, world_size, local_world_size),
     ]
 
 
@@ -321,7 +325,7 @@ def _context_checks(cfg: Config) -> list[str]:
     return p
 
 
-def _moe_checks(cfg: Config, world_size: int | None) -> list[str]:
+def _moe_checks(cfg: Config, world_size: int | None, local_world_size: int | None) -> list[str]:
     """The MoE layers' shape, and expert parallelism against it and the layout."""
     m, par, moe = cfg.model, cfg.parallel, cfg.model.moe
     p: list[str] = []
@@ -354,14 +358,8 @@ def _moe_checks(cfg: Config, world_size: int | None) -> list[str]:
                 "parallel.ep > 1 with co2.enabled: CO2's outer update needs every parameter "
                 "replicated over dp"
             )
-        if world_size is not None and not layout_problems(par, world_size):
-            replicas = cfg.dp_size(world_size) * par.cp
-            pool = par.tp * replicas
-            if pool % par.ep:
-                p.append(
-                    f"parallel.ep={par.ep} must divide a pipeline stage's tp·dp·cp = "
-                    f"{par.tp}·{replicas} = {pool} ranks"
-                )
+        if world_size is None or not layout_problems(par, world_size, local_world_size):
+            p += expert_layout_problems(par, world_size, local_world_size)
     return p
 
 
@@ -385,7 +383,9 @@ def _route_group_checks(moe: MoEConfig) -> list[str]:
     return p
 
 
-def _batch_checks(cfg: Config, world_size: int | None) -> list[str]:
+def _batch_checks(
+    cfg: Config, world_size: int | None, local_world_size: int | None = None
+) -> list[str]:
     """Batch sizes against each other and, with a world size, the layout and the micro-batches it gives."""
     par, tr = cfg.parallel, cfg.train
     p: list[str] = []
@@ -395,7 +395,7 @@ def _batch_checks(cfg: Config, world_size: int | None) -> list[str]:
             f"train.global_batch_size={tr.global_batch_size}"
         )
     if world_size is not None:
-        layout_issues = layout_problems(par, world_size)
+        layout_issues = layout_problems(par, world_size, local_world_size)
         p += layout_issues
         if not layout_issues:
             dp = cfg.dp_size(world_size)

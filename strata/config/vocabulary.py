@@ -1,7 +1,9 @@
 """The vocabulary the config shares with the layers above it: hierarchy levels, pipeline schedule
 names, precisions, offload devices and streams, and the arithmetic on them that the schema's checks
-and the code that acts on a config must agree on (the layout a world size allows, the padded
-vocabulary, which streams use the host pool, where snapshot fragments fit).
+and the code that acts on a config must agree on (the layout a world size allows, how a group of
+ranks falls on the nodes, the padded vocabulary, which streams use the host pool, where snapshot
+fragments fit). A rule the parallel layers must hold too is stated here once, with its message, and
+both call it.
 
 This module is the bottom of `strata.config`: it imports nothing of the schema. What its functions
 read of a config is stated as protocols (`ParallelShape`, ...), which the schema's dataclasses satisfy.
@@ -9,7 +11,9 @@ read of a config is stated as protocols (`ParallelShape`, ...), which the schema
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from strata.errors import ConfigError
@@ -65,6 +69,18 @@ class ParallelShape(Protocol):
     @property
     def ranks_per_gpu(self) -> int: ...
     def dp_size(self, world_size: int) -> int: ...
+
+
+class ExpertShape(ParallelShape, Protocol):
+    """What the expert-parallel layout functions read of a `strata.config.schema.ParallelConfig`."""
+
+    @property
+    def ep(self) -> int:
+        """parallel.ep: the ranks each MoE layer's experts are split over."""
+
+    @property
+    def ep_dispatch(self) -> str:
+        """parallel.ep_dispatch: flat, hierarchical or auto."""
 
 
 class VocabShape(Protocol):
@@ -176,6 +192,80 @@ def layout_problems(
             f"stays inside one node (as Megatron does) or spans whole nodes"
         )
     return problems
+
+
+def unit_pieces(ranks: Iterable[int], unit: int) -> list[list[int]]:
+    """`ranks` in their order, cut where they pass from one unit of `unit` consecutive ranks into
+    the next (the launchers fill node n with ranks [n·R, (n+1)·R), and a node's GPUs likewise):
+    a group's pieces on each node, or on each GPU."""
+    return [list(p) for _, p in itertools.groupby(ranks, key=lambda r: r // unit)]
+
+
+def uneven_sizes(pieces: Sequence[Sequence[int]]) -> list[int]:
+    """The sizes of `pieces`, ascending, where they differ; [] where all are equally large, as
+    partitioning or exchanging inside each unit needs."""
+    sizes = sorted({len(p) for p in pieces})
+    return sizes if len(sizes) > 1 else []
+
+
+def span_problem(ranks: Sequence[int], per_node: int) -> str | None:
+    """Why `ranks` do not span several nodes of `per_node` ranks in pieces of one size (what an
+    exchange in two hops, across the nodes and then inside each, needs), or None."""
+    pieces = unit_pieces(ranks, per_node)
+    if sizes := uneven_sizes(pieces):
+        return f"are cut by the nodes into pieces of {sizes} ranks"
+    return "lie on one node" if len(pieces) == 1 else None
+
+
+def expert_pool_problem(ep: int, tp: int, replicas: int) -> str | None:
+    """Why expert-parallel groups of `ep` consecutive ranks do not fold into a pipeline stage's
+    tp · `replicas` (dp·cp) ranks (Megatron-core's MoE parallel folding), or None."""
+    pool = tp * replicas
+    if pool % ep == 0:
+        return None
+    return (
+        f"parallel.ep={ep} must divide a pipeline stage's tp·dp·cp = {tp}·{replicas} = {pool} ranks"
+    )
+
+
+def ep_dispatch_problem(ep: int, dispatch: str, per_node: int, source: str) -> str | None:
+    """Why parallel.ep_dispatch=`dispatch` cannot exchange tokens inside the expert-parallel groups
+    of `ep` ranks on nodes of `per_node` ranks (`source` says where that number came from), or None.
+    The hierarchical dispatch sends across the nodes a group spans and then inside each node, so
+    every group must span several nodes in pieces of one size. The groups are the world's runs of
+    `ep` consecutive ranks (`parallel.topology.ExpertLayout`'s "ep" groups) and the nodes its runs
+    of `per_node`, so the first group decides for all: they do where ep is a multiple of per_node."""
+    if ep == 1 or dispatch != "hierarchical":
+        return None
+    why = span_problem(range(ep), per_node)
+    if not why:
+        return None
+    return (
+        f"parallel.ep_dispatch=hierarchical needs each expert-parallel group of {ep} ranks to span "
+        f"several nodes in pieces of one size, but with {source}, ranks 0..{ep - 1} {why}; use "
+        f"ep_dispatch=flat or auto, or a parallel.ep that is a multiple of {per_node} (at least "
+        f"{2 * per_node})"
+    )
+
+
+def expert_layout_problems(
+    par: ExpertShape, world_size: int | None, local_world_size: int | None = None
+) -> list[str]:
+    """Why the experts' layout of `par` (`parallel.topology.expert_layout`) cannot be made in a
+    world of `world_size` ranks whose dense layout passes `layout_problems`: the expert-parallel
+    groups must fold into each stage's ranks, and the dispatch must fit how they lie on the nodes.
+    Without a world size, only what a set parallel.ranks_per_node decides alone: the dispatch."""
+    if world_size is not None:
+        pool = expert_pool_problem(par.ep, par.tp, par.dp_size(world_size) * par.cp)
+        if pool:
+            return [pool]
+        per_node, source = ranks_per_node(par, world_size, local_world_size)
+    elif par.ranks_per_node is not None:
+        per_node, source = par.ranks_per_node, f"parallel.ranks_per_node={par.ranks_per_node}"
+    else:
+        return []
+    dispatch = ep_dispatch_problem(par.ep, par.ep_dispatch, per_node, source)
+    return [dispatch] if dispatch else []
 
 
 # --- the vocabulary and tokenizers ---------------------------------------------------------------
