@@ -35,7 +35,7 @@ from strata.model import (
 from strata.parallel.co2 import CO2
 from strata.parallel.runtime import available_bytes
 from strata.parallel.tensor import apply_tensor_parallel, placement_of
-from strata.parallel.topology import Topology
+from strata.parallel.topology import ExpertTopology, Topology
 from strata.parallel.zero import ZeroEngine, ZeroPlan
 
 if TYPE_CHECKING:
@@ -404,7 +404,7 @@ def _zero_engine(
     pipeline: Pipeline | None,
     device: torch.device,
     sync_level: str,
-    domains: dict[str, Topology] | None = None,
+    domains: dict[str, ExpertTopology] | None = None,
 ) -> ZeroEngine:
     """The engine over this rank's parts (after tp and pp). Without `zero:` nothing is partitioned
     and consecutive blocks share a flat group up to parallel.bucket_mb (data parallel's buckets)."""
@@ -429,7 +429,7 @@ def _zero_engine(
     )
 
 
-def _expert_parallel(cfg: Config, topo: Topology, model: GPT) -> dict[str, Topology]:
+def _expert_parallel(cfg: Config, topo: Topology, model: GPT) -> dict[str, ExpertTopology]:
     """parallel.ep: the experts' own layout (`expert_layout`: expert-parallel × expert-data-parallel
     groups over each stage's tp·dp ranks), this rank's slice of every MoE layer's experts and the
     all-to-all dispatch; under tensor parallelism also the routers' layout (every tp·dp rank of the
