@@ -30,9 +30,15 @@ from strata.config.vocabulary import (
     bpe_problem,
     coarseness,
     expert_layout_problems,
+    experts_split_problem,
+    ffn_split_problem,
+    heads_split_problem,
     layout_problems,
+    moe_tensor_parallel_problem,
     offload_devices,
     pool_streams,
+    sequence_split_problem,
+    vocab_split_problem,
 )
 from strata.errors import ConfigError
 
@@ -238,10 +244,8 @@ def _model_checks(m: ModelConfig) -> list[str]:
 def _split_checks(m: ModelConfig, par: ParallelConfig) -> list[str]:
     """The heads split over tp ranks, the layers over pipeline stages."""
     p: list[str] = []
-    if m.n_heads % par.tp:
-        p.append(f"parallel.tp={par.tp} must divide model.n_heads={m.n_heads}")
-    elif m.kv_heads % par.tp:
-        p.append(f"parallel.tp={par.tp} must divide model.n_kv_heads={m.kv_heads}")
+    if heads := heads_split_problem(m, par.tp):
+        p.append(heads)
     stages = par.pp * par.virtual_stages
     if m.n_layers % stages:
         p.append(
@@ -274,27 +278,12 @@ def _switch_checks(par: ParallelConfig, tr: TrainConfig) -> list[str]:
 
 def _tp_size_checks(m: ModelConfig, par: ParallelConfig) -> list[str]:
     """The sizes split over tp ranks: the sequence (sequence parallel), the SwiGLU width, the vocabulary."""
-    p: list[str] = []
-    if par.sequence_parallel and par.tp > 1 and m.seq_len % par.tp:
-        p.append(
-            f"parallel.sequence_parallel splits the sequence over tp={par.tp} ranks: "
-            f"model.seq_len={m.seq_len} "
-            "must be a multiple of tp"
-        )
-    if m.ffn_hidden and m.ffn_hidden % par.tp:
-        p.append(f"parallel.tp={par.tp} must divide model.ffn_hidden={m.ffn_hidden}")
-    # The vocabulary never depends on the layout (unlike Megatron, which pads to a multiple of
-    # 128·tp), so a checkpoint loads into any tp degree: the padding multiple must suit every tp.
-    if m.vocab_size and m.vocab_size % par.tp:
-        p.append(f"parallel.tp={par.tp} must divide model.vocab_size={m.vocab_size}")
-    if not m.vocab_size and m.pad_vocab_multiple % par.tp:
-        p.append(
-            f"parallel.tp={par.tp} must divide model.pad_vocab_multiple={m.pad_vocab_multiple} "
-            "(the vocabulary "
-            "is padded to a multiple of it and split over tp ranks); use a multiple of tp such as "
-            "128"
-        )
-    return p
+    problems = [
+        sequence_split_problem(m.seq_len, par.tp, par.sequence_parallel),
+        ffn_split_problem(m, par.tp),
+        vocab_split_problem(m, par.tp),
+    ]
+    return [p for p in problems if p]
 
 
 def _context_checks(cfg: Config) -> list[str]:
@@ -339,20 +328,16 @@ def _moe_checks(cfg: Config, world_size: int | None, local_world_size: int | Non
                 f"{m.n_layers}; lower it, or set model.moe.num_experts=0 for a dense model"
             )
         p += _route_group_checks(moe)
-        if par.tp > 1 and not par.sequence_parallel:
-            p.append(
-                f"MoE layers with parallel.tp={par.tp} need parallel.sequence_parallel=true (each "
-                "tensor-parallel rank "
-                "routes its own part of the sequence, as Megatron-core requires)"
-            )
+        if tensor := moe_tensor_parallel_problem(par.tp, par.sequence_parallel):
+            p.append(tensor)
     if par.ep > 1:
         if not moe.enabled:
             p.append(
                 f"parallel.ep={par.ep} needs an MoE model (model.moe.num_experts > 0); set "
                 "parallel.ep=1"
             )
-        elif moe.num_experts % par.ep:
-            p.append(f"parallel.ep={par.ep} must divide model.moe.num_experts={moe.num_experts}")
+        elif split := experts_split_problem(moe.num_experts, par.ep):
+            p.append(split)
         if cfg.co2.enabled:
             p.append(
                 "parallel.ep > 1 with co2.enabled: CO2's outer update needs every parameter "

@@ -1,9 +1,9 @@
 """The vocabulary the config shares with the layers above it: hierarchy levels, pipeline schedule
 names, precisions, offload devices and streams, and the arithmetic on them that the schema's checks
 and the code that acts on a config must agree on (the layout a world size allows, how a group of
-ranks falls on the nodes, the padded vocabulary, which streams use the host pool, where snapshot
-fragments fit). A rule the parallel layers must hold too is stated here once, with its message, and
-both call it.
+ranks falls on the nodes, what the model's sizes allow tensor and expert parallelism to split, the
+padded vocabulary, which streams use the host pool, where snapshot fragments fit). A rule the
+parallel layers must hold too is stated here once, with its message, and both call it.
 
 This module is the bottom of `strata.config`: it imports nothing of the schema. What its functions
 read of a config is stated as protocols (`ParallelShape`, ...), which the schema's dataclasses satisfy.
@@ -90,6 +90,32 @@ class VocabShape(Protocol):
     def vocab_size(self) -> int | None: ...
     @property
     def pad_vocab_multiple(self) -> int: ...
+
+
+class MoEShape(Protocol):
+    """What the split rules read of a `strata.config.schema.MoEConfig`."""
+
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def first_dense_layers(self) -> int: ...
+
+
+class ModelShape(VocabShape, Protocol):
+    """What the tensor-parallel split rules read of a `strata.config.schema.ModelConfig`."""
+
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def ffn_hidden(self) -> int | None: ...
+    @property
+    def ffn_size(self) -> int: ...
+    @property
+    def moe(self) -> MoEShape: ...
 
 
 class SnapshotShape(Protocol):
@@ -266,6 +292,94 @@ def expert_layout_problems(
         return []
     dispatch = ep_dispatch_problem(par.ep, par.ep_dispatch, per_node, source)
     return [dispatch] if dispatch else []
+
+
+# --- what the model's sizes allow the parallel layers to split -----------------------------------
+def heads_split_problem(m: ModelShape, tp: int) -> str | None:
+    """Why tensor parallelism cannot give each of `tp` ranks whole attention heads, or None."""
+    if m.n_heads % tp:
+        return f"parallel.tp={tp} must divide model.n_heads={m.n_heads}"
+    if m.kv_heads % tp:
+        return f"parallel.tp={tp} must divide model.n_kv_heads={m.kv_heads}"
+    return None
+
+
+def sequence_split_problem(seq_len: int, tp: int, sequence_parallel: bool) -> str | None:
+    """Why sequence parallelism cannot split `seq_len` positions over `tp` ranks, or None."""
+    if not sequence_parallel or tp == 1 or seq_len % tp == 0:
+        return None
+    return (
+        f"parallel.sequence_parallel splits the sequence over tp={tp} ranks: "
+        f"model.seq_len={seq_len} must be a multiple of tp"
+    )
+
+
+def ffn_split_problem(m: ModelShape, tp: int) -> str | None:
+    """Why tensor parallelism cannot split the SwiGLU width over `tp` ranks, or None. A width left
+    to its default matters only where some layer is dense (MoE experts are not split over tp)."""
+    if m.ffn_hidden:
+        return (
+            None
+            if m.ffn_hidden % tp == 0
+            else (f"parallel.tp={tp} must divide model.ffn_hidden={m.ffn_hidden}")
+        )
+    dense = m.moe.num_experts == 0 or m.moe.first_dense_layers > 0
+    if not dense or m.ffn_size % tp == 0:
+        return None
+    return (
+        f"parallel.tp={tp} must divide the dense layers' SwiGLU width {m.ffn_size} (model.ffn_hidden "
+        "null: 2/3·4·d_model rounded up to a multiple of 32); set model.ffn_hidden to a multiple "
+        "of tp"
+    )
+
+
+def vocab_split_problem(m: VocabShape, tp: int) -> str | None:
+    """Why the vocabulary cannot be split over `tp` ranks, or None. It never depends on the layout
+    (unlike Megatron, which pads to a multiple of 128·tp), so that a checkpoint loads into any tp
+    degree: the padding multiple must suit every tp."""
+    if m.vocab_size:
+        return (
+            None
+            if m.vocab_size % tp == 0
+            else (f"parallel.tp={tp} must divide model.vocab_size={m.vocab_size}")
+        )
+    if m.pad_vocab_multiple % tp == 0:
+        return None
+    return (
+        f"parallel.tp={tp} must divide model.pad_vocab_multiple={m.pad_vocab_multiple} (the "
+        "vocabulary is padded to a multiple of it and split over tp ranks); use a multiple of tp "
+        "such as 128"
+    )
+
+
+def moe_tensor_parallel_problem(tp: int, sequence_parallel: bool) -> str | None:
+    """Why MoE layers cannot run under tensor parallelism of `tp` ranks, or None."""
+    if tp == 1 or sequence_parallel:
+        return None
+    return (
+        f"MoE layers with parallel.tp={tp} need parallel.sequence_parallel=true (each "
+        "tensor-parallel rank routes its own part of the sequence, as Megatron-core requires)"
+    )
+
+
+def tensor_split_problems(m: ModelShape, tp: int, sequence_parallel: bool) -> list[str]:
+    """Every rule above that tensor parallelism over `tp` ranks needs of the model `m`: what
+    `parallel.tensor.apply_tensor_parallel` refuses (the config's checks report each in its place)."""
+    problems = [
+        heads_split_problem(m, tp),
+        sequence_split_problem(m.seq_len, tp, sequence_parallel),
+        ffn_split_problem(m, tp),
+        vocab_split_problem(m, tp),
+        moe_tensor_parallel_problem(tp, sequence_parallel) if m.moe.num_experts else None,
+    ]
+    return [p for p in problems if p]
+
+
+def experts_split_problem(num_experts: int, ep: int) -> str | None:
+    """Why `num_experts` experts cannot be split evenly over `ep` ranks, or None."""
+    if num_experts % ep == 0:
+        return None
+    return f"parallel.ep={ep} must divide model.moe.num_experts={num_experts}"
 
 
 # --- the vocabulary and tokenizers ---------------------------------------------------------------

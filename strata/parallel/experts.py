@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from strata.config.vocabulary import ep_dispatch_problem
+from strata.config.vocabulary import ep_dispatch_problem, experts_split_problem
 from strata.errors import ConfigError
 from strata.model import GPT, named_blocks
 from strata.moe import Dispatch, MoE, Routing, sort_by_expert
@@ -180,6 +180,8 @@ def apply_expert_parallel(
         moe = block.mlp
         if not isinstance(moe, MoE):
             continue
+        if problem := experts_split_problem(moe.router.num_experts, size):
+            raise ConfigError([problem])
         for name, full in list(moe.experts.named_parameters(recurse=False)):
             p = full
             if size > 1:

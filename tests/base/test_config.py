@@ -378,6 +378,20 @@ def test_the_expert_dispatch_is_refused_with_the_other_layout_errors():
     assert err.problems[1].startswith("train.global_batch_size=20 must be a multiple")
 
 
+def test_tensor_parallel_must_divide_the_dense_layers_default_swiglu_width():
+    """d_model=96 gives the default SwiGLU width 256, which tp=3 cannot split; an all-MoE model has
+    no dense feed-forward to split."""
+    dense = ["parallel.tp=3", "model.n_heads=6", "model.d_model=96", "model.pad_vocab_multiple=96"]
+    err = load_error(None, dense)
+    assert err.problems == [
+        "parallel.tp=3 must divide the dense layers' SwiGLU width 256 (model.ffn_hidden null: "
+        "2/3·4·d_model rounded up to a multiple of 32); set model.ffn_hidden to a multiple of tp"
+    ]
+    assert config.load(None, [*dense, "model.ffn_hidden=384"]).model.ffn_size == 384
+    moe = ["model.moe.num_experts=3", "parallel.sequence_parallel=true", "model.seq_len=96"]
+    assert config.load(None, [*dense, *moe]).model.ffn_size == 256
+
+
 def test_valid_layouts_pass():
     cfg = config.load(None, [], world_size=2)
     assert cfg.dp_size(2) == 2 and cfg.grad_accum_steps(2) == 1
