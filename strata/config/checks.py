@@ -29,15 +29,25 @@ from strata.config.vocabulary import (
     V_SHAPED_SCHEDULES,
     bpe_problem,
     coarseness,
+    expert_layout_problems,
+    experts_split_problem,
+    ffn_split_problem,
+    heads_split_problem,
     layout_problems,
+    moe_tensor_parallel_problem,
     offload_devices,
     pool_streams,
+    sequence_split_problem,
+    vocab_split_problem,
 )
 from strata.errors import ConfigError
 
 
-def cross_problems(cfg: Config, world_size: int | None = None) -> list[str]:
-    """What is wrong between the keys of an already built config (and against `world_size`): the
+def cross_problems(
+    cfg: Config, world_size: int | None = None, local_world_size: int | None = None
+) -> list[str]:
+    """What is wrong between the keys of an already built config (and against `world_size`, of which
+    a launcher runs `local_world_size` per node: what parallel.ranks_per_node null stands for): the
     checks `load` runs after each key's own, for configs made with `replace` (the planner's)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     return [
@@ -52,8 +62,8 @@ def cross_problems(cfg: Config, world_size: int | None = None) -> list[str]:
         *_snapshot_checks(cfg),
         *_tp_size_checks(m, par),
         *_context_checks(cfg),
-        *_moe_checks(cfg, world_size),
-        *_batch_checks(cfg, world_size),
+        *_moe_checks(cfg, world_size, local_world_size),
+        *_batch_checks(cfg, world_size, local_world_size),
     ]
 
 
@@ -234,10 +244,8 @@ def _model_checks(m: ModelConfig) -> list[str]:
 def _split_checks(m: ModelConfig, par: ParallelConfig) -> list[str]:
     """The heads split over tp ranks, the layers over pipeline stages."""
     p: list[str] = []
-    if m.n_heads % par.tp:
-        p.append(f"parallel.tp={par.tp} must divide model.n_heads={m.n_heads}")
-    elif m.kv_heads % par.tp:
-        p.append(f"parallel.tp={par.tp} must divide model.n_kv_heads={m.kv_heads}")
+    if heads := heads_split_problem(m, par.tp):
+        p.append(heads)
     stages = par.pp * par.virtual_stages
     if m.n_layers % stages:
         p.append(
@@ -270,27 +278,12 @@ def _switch_checks(par: ParallelConfig, tr: TrainConfig) -> list[str]:
 
 def _tp_size_checks(m: ModelConfig, par: ParallelConfig) -> list[str]:
     """The sizes split over tp ranks: the sequence (sequence parallel), the SwiGLU width, the vocabulary."""
-    p: list[str] = []
-    if par.sequence_parallel and par.tp > 1 and m.seq_len % par.tp:
-        p.append(
-            f"parallel.sequence_parallel splits the sequence over tp={par.tp} ranks: "
-            f"model.seq_len={m.seq_len} "
-            "must be a multiple of tp"
-        )
-    if m.ffn_hidden and m.ffn_hidden % par.tp:
-        p.append(f"parallel.tp={par.tp} must divide model.ffn_hidden={m.ffn_hidden}")
-    # The vocabulary never depends on the layout (unlike Megatron, which pads to a multiple of
-    # 128·tp), so a checkpoint loads into any tp degree: the padding multiple must suit every tp.
-    if m.vocab_size and m.vocab_size % par.tp:
-        p.append(f"parallel.tp={par.tp} must divide model.vocab_size={m.vocab_size}")
-    if not m.vocab_size and m.pad_vocab_multiple % par.tp:
-        p.append(
-            f"parallel.tp={par.tp} must divide model.pad_vocab_multiple={m.pad_vocab_multiple} "
-            "(the vocabulary "
-            "is padded to a multiple of it and split over tp ranks); use a multiple of tp such as "
-            "128"
-        )
-    return p
+    problems = [
+        sequence_split_problem(m.seq_len, par.tp, par.sequence_parallel),
+        ffn_split_problem(m, par.tp),
+        vocab_split_problem(m, par.tp),
+    ]
+    return [p for p in problems if p]
 
 
 def _context_checks(cfg: Config) -> list[str]:
@@ -321,7 +314,7 @@ def _context_checks(cfg: Config) -> list[str]:
     return p
 
 
-def _moe_checks(cfg: Config, world_size: int | None) -> list[str]:
+def _moe_checks(cfg: Config, world_size: int | None, local_world_size: int | None) -> list[str]:
     """The MoE layers' shape, and expert parallelism against it and the layout."""
     m, par, moe = cfg.model, cfg.parallel, cfg.model.moe
     p: list[str] = []
@@ -335,33 +328,23 @@ def _moe_checks(cfg: Config, world_size: int | None) -> list[str]:
                 f"{m.n_layers}; lower it, or set model.moe.num_experts=0 for a dense model"
             )
         p += _route_group_checks(moe)
-        if par.tp > 1 and not par.sequence_parallel:
-            p.append(
-                f"MoE layers with parallel.tp={par.tp} need parallel.sequence_parallel=true (each "
-                "tensor-parallel rank "
-                "routes its own part of the sequence, as Megatron-core requires)"
-            )
+        if tensor := moe_tensor_parallel_problem(par.tp, par.sequence_parallel):
+            p.append(tensor)
     if par.ep > 1:
         if not moe.enabled:
             p.append(
                 f"parallel.ep={par.ep} needs an MoE model (model.moe.num_experts > 0); set "
                 "parallel.ep=1"
             )
-        elif moe.num_experts % par.ep:
-            p.append(f"parallel.ep={par.ep} must divide model.moe.num_experts={moe.num_experts}")
+        elif split := experts_split_problem(moe.num_experts, par.ep):
+            p.append(split)
         if cfg.co2.enabled:
             p.append(
                 "parallel.ep > 1 with co2.enabled: CO2's outer update needs every parameter "
                 "replicated over dp"
             )
-        if world_size is not None and not layout_problems(par, world_size):
-            replicas = cfg.dp_size(world_size) * par.cp
-            pool = par.tp * replicas
-            if pool % par.ep:
-                p.append(
-                    f"parallel.ep={par.ep} must divide a pipeline stage's tp·dp·cp = "
-                    f"{par.tp}·{replicas} = {pool} ranks"
-                )
+        if world_size is None or not layout_problems(par, world_size, local_world_size):
+            p += expert_layout_problems(par, world_size, local_world_size)
     return p
 
 
@@ -385,7 +368,9 @@ def _route_group_checks(moe: MoEConfig) -> list[str]:
     return p
 
 
-def _batch_checks(cfg: Config, world_size: int | None) -> list[str]:
+def _batch_checks(
+    cfg: Config, world_size: int | None, local_world_size: int | None = None
+) -> list[str]:
     """Batch sizes against each other and, with a world size, the layout and the micro-batches it gives."""
     par, tr = cfg.parallel, cfg.train
     p: list[str] = []
@@ -395,7 +380,7 @@ def _batch_checks(cfg: Config, world_size: int | None) -> list[str]:
             f"train.global_batch_size={tr.global_batch_size}"
         )
     if world_size is not None:
-        layout_issues = layout_problems(par, world_size)
+        layout_issues = layout_problems(par, world_size, local_world_size)
         p += layout_issues
         if not layout_issues:
             dp = cfg.dp_size(world_size)

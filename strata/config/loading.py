@@ -40,11 +40,13 @@ def load(
     path: str | Path | None = None,
     overrides: list[str] | tuple[str, ...] = (),
     world_size: int | None = None,
+    local_world_size: int | None = None,
 ) -> Config:
     """Read a YAML experiment, apply `key.sub=value` overrides and validate everything.
 
-    With `world_size`, also checks that the parallel layout and batch sizes fit it.
-    Raises ConfigError listing every problem found.
+    With `world_size`, also checks that the parallel layout and batch sizes fit it; where a launcher
+    says how many of its ranks run on each node (`local_world_size`), with that as the node size
+    parallel.ranks_per_node null stands for. Raises ConfigError listing every problem found.
     """
     problems: list[str] = []
     raw: dict[str, Any] = {}
@@ -56,7 +58,7 @@ def load(
     cfg = _build(raw, problems)
     if cfg.log.name is None and path is not None:
         cfg = replace(cfg, "log.name", Path(path).stem)
-    _check_and_raise(cfg, problems, world_size)
+    _check_and_raise(cfg, problems, world_size, local_world_size)
     return cfg
 
 
@@ -132,14 +134,16 @@ def from_dict(raw: dict[str, Any], world_size: int | None = None) -> Config:
     return cfg
 
 
-def _check_and_raise(cfg: Config, problems: list[str], world_size: int | None) -> None:
+def _check_and_raise(
+    cfg: Config, problems: list[str], world_size: int | None, local_world_size: int | None = None
+) -> None:
     """Add the cross-key problems to the per-key ones and raise if there are any. A key that was
     already rejected holds its default, so cross-checks that name it would mislead: drop those."""
     bad_keys = [re.escape(p.split(":", 1)[0]) for p in problems]
     names_bad_key = re.compile(rf"\b({'|'.join(bad_keys)})\b(?!\.)(?=\W|$)") if bad_keys else None
     problems.extend(
         p
-        for p in cross_problems(cfg, world_size)
+        for p in cross_problems(cfg, world_size, local_world_size)
         if not (names_bad_key and names_bad_key.search(p))
     )
     if problems:

@@ -1,7 +1,9 @@
 """The vocabulary the config shares with the layers above it: hierarchy levels, pipeline schedule
 names, precisions, offload devices and streams, and the arithmetic on them that the schema's checks
-and the code that acts on a config must agree on (the layout a world size allows, the padded
-vocabulary, which streams use the host pool, where snapshot fragments fit).
+and the code that acts on a config must agree on (the layout a world size allows, how a group of
+ranks falls on the nodes, what the model's sizes allow tensor and expert parallelism to split, the
+padded vocabulary, which streams use the host pool, where snapshot fragments fit). A rule the
+parallel layers must hold too is stated here once, with its message, and both call it.
 
 This module is the bottom of `strata.config`: it imports nothing of the schema. What its functions
 read of a config is stated as protocols (`ParallelShape`, ...), which the schema's dataclasses satisfy.
@@ -9,7 +11,9 @@ read of a config is stated as protocols (`ParallelShape`, ...), which the schema
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from strata.errors import ConfigError
@@ -67,6 +71,18 @@ class ParallelShape(Protocol):
     def dp_size(self, world_size: int) -> int: ...
 
 
+class ExpertShape(ParallelShape, Protocol):
+    """What the expert-parallel layout functions read of a `strata.config.schema.ParallelConfig`."""
+
+    @property
+    def ep(self) -> int:
+        """parallel.ep: the ranks each MoE layer's experts are split over."""
+
+    @property
+    def ep_dispatch(self) -> str:
+        """parallel.ep_dispatch: flat, hierarchical or auto."""
+
+
 class VocabShape(Protocol):
     """What `padded_vocab_size` reads of a `strata.config.schema.ModelConfig`."""
 
@@ -74,6 +90,32 @@ class VocabShape(Protocol):
     def vocab_size(self) -> int | None: ...
     @property
     def pad_vocab_multiple(self) -> int: ...
+
+
+class MoEShape(Protocol):
+    """What the split rules read of a `strata.config.schema.MoEConfig`."""
+
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def first_dense_layers(self) -> int: ...
+
+
+class ModelShape(VocabShape, Protocol):
+    """What the tensor-parallel split rules read of a `strata.config.schema.ModelConfig`."""
+
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def ffn_hidden(self) -> int | None: ...
+    @property
+    def ffn_size(self) -> int: ...
+    @property
+    def moe(self) -> MoEShape: ...
 
 
 class SnapshotShape(Protocol):
@@ -176,6 +218,168 @@ def layout_problems(
             f"stays inside one node (as Megatron does) or spans whole nodes"
         )
     return problems
+
+
+def unit_pieces(ranks: Iterable[int], unit: int) -> list[list[int]]:
+    """`ranks` in their order, cut where they pass from one unit of `unit` consecutive ranks into
+    the next (the launchers fill node n with ranks [n·R, (n+1)·R), and a node's GPUs likewise):
+    a group's pieces on each node, or on each GPU."""
+    return [list(p) for _, p in itertools.groupby(ranks, key=lambda r: r // unit)]
+
+
+def uneven_sizes(pieces: Sequence[Sequence[int]]) -> list[int]:
+    """The sizes of `pieces`, ascending, where they differ; [] where all are equally large, as
+    partitioning or exchanging inside each unit needs."""
+    sizes = sorted({len(p) for p in pieces})
+    return sizes if len(sizes) > 1 else []
+
+
+def span_problem(ranks: Sequence[int], per_node: int) -> str | None:
+    """Why `ranks` do not span several nodes of `per_node` ranks in pieces of one size (what an
+    exchange in two hops, across the nodes and then inside each, needs), or None."""
+    pieces = unit_pieces(ranks, per_node)
+    if sizes := uneven_sizes(pieces):
+        return f"are cut by the nodes into pieces of {sizes} ranks"
+    return "lie on one node" if len(pieces) == 1 else None
+
+
+def expert_pool_problem(ep: int, tp: int, replicas: int) -> str | None:
+    """Why expert-parallel groups of `ep` consecutive ranks do not fold into a pipeline stage's
+    tp · `replicas` (dp·cp) ranks (Megatron-core's MoE parallel folding), or None."""
+    pool = tp * replicas
+    if pool % ep == 0:
+        return None
+    return (
+        f"parallel.ep={ep} must divide a pipeline stage's tp·dp·cp = {tp}·{replicas} = {pool} ranks"
+    )
+
+
+def ep_dispatch_problem(ep: int, dispatch: str, per_node: int, source: str) -> str | None:
+    """Why parallel.ep_dispatch=`dispatch` cannot exchange tokens inside the expert-parallel groups
+    of `ep` ranks on nodes of `per_node` ranks (`source` says where that number came from), or None.
+    The hierarchical dispatch sends across the nodes a group spans and then inside each node, so
+    every group must span several nodes in pieces of one size. The groups are the world's runs of
+    `ep` consecutive ranks (`parallel.topology.ExpertLayout`'s "ep" groups) and the nodes its runs
+    of `per_node`, so the first group decides for all: they do where ep is a multiple of per_node."""
+    if ep == 1 or dispatch != "hierarchical":
+        return None
+    why = span_problem(range(ep), per_node)
+    if not why:
+        return None
+    return (
+        f"parallel.ep_dispatch=hierarchical needs each expert-parallel group of {ep} ranks to span "
+        f"several nodes in pieces of one size, but with {source}, ranks 0..{ep - 1} {why}; use "
+        f"ep_dispatch=flat or auto, or a parallel.ep that is a multiple of {per_node} (at least "
+        f"{2 * per_node})"
+    )
+
+
+def expert_layout_problems(
+    par: ExpertShape, world_size: int | None, local_world_size: int | None = None
+) -> list[str]:
+    """Why the experts' layout of `par` (`parallel.topology.expert_layout`) cannot be made in a
+    world of `world_size` ranks whose dense layout passes `layout_problems`: the expert-parallel
+    groups must fold into each stage's ranks, and the dispatch must fit how they lie on the nodes.
+    Without a world size, only what a set parallel.ranks_per_node decides alone: the dispatch."""
+    if world_size is not None:
+        pool = expert_pool_problem(par.ep, par.tp, par.dp_size(world_size) * par.cp)
+        if pool:
+            return [pool]
+        per_node, source = ranks_per_node(par, world_size, local_world_size)
+    elif par.ranks_per_node is not None:
+        per_node, source = par.ranks_per_node, f"parallel.ranks_per_node={par.ranks_per_node}"
+    else:
+        return []
+    dispatch = ep_dispatch_problem(par.ep, par.ep_dispatch, per_node, source)
+    return [dispatch] if dispatch else []
+
+
+# --- what the model's sizes allow the parallel layers to split -----------------------------------
+def heads_split_problem(m: ModelShape, tp: int) -> str | None:
+    """Why tensor parallelism cannot give each of `tp` ranks whole attention heads, or None."""
+    if m.n_heads % tp:
+        return f"parallel.tp={tp} must divide model.n_heads={m.n_heads}"
+    if m.kv_heads % tp:
+        return f"parallel.tp={tp} must divide model.n_kv_heads={m.kv_heads}"
+    return None
+
+
+def sequence_split_problem(seq_len: int, tp: int, sequence_parallel: bool) -> str | None:
+    """Why sequence parallelism cannot split `seq_len` positions over `tp` ranks, or None."""
+    if not sequence_parallel or tp == 1 or seq_len % tp == 0:
+        return None
+    return (
+        f"parallel.sequence_parallel splits the sequence over tp={tp} ranks: "
+        f"model.seq_len={seq_len} must be a multiple of tp"
+    )
+
+
+def ffn_split_problem(m: ModelShape, tp: int) -> str | None:
+    """Why tensor parallelism cannot split the SwiGLU width over `tp` ranks, or None. A width left
+    to its default matters only where some layer is dense (MoE experts are not split over tp)."""
+    if m.ffn_hidden:
+        return (
+            None
+            if m.ffn_hidden % tp == 0
+            else (f"parallel.tp={tp} must divide model.ffn_hidden={m.ffn_hidden}")
+        )
+    dense = m.moe.num_experts == 0 or m.moe.first_dense_layers > 0
+    if not dense or m.ffn_size % tp == 0:
+        return None
+    return (
+        f"parallel.tp={tp} must divide the dense layers' SwiGLU width {m.ffn_size} (model.ffn_hidden "
+        "null: 2/3·4·d_model rounded up to a multiple of 32); set model.ffn_hidden to a multiple "
+        "of tp"
+    )
+
+
+def vocab_split_problem(m: VocabShape, tp: int) -> str | None:
+    """Why the vocabulary cannot be split over `tp` ranks, or None. It never depends on the layout
+    (unlike Megatron, which pads to a multiple of 128·tp), so that a checkpoint loads into any tp
+    degree: the padding multiple must suit every tp."""
+    if m.vocab_size:
+        return (
+            None
+            if m.vocab_size % tp == 0
+            else (f"parallel.tp={tp} must divide model.vocab_size={m.vocab_size}")
+        )
+    if m.pad_vocab_multiple % tp == 0:
+        return None
+    return (
+        f"parallel.tp={tp} must divide model.pad_vocab_multiple={m.pad_vocab_multiple} (the "
+        "vocabulary is padded to a multiple of it and split over tp ranks); use a multiple of tp "
+        "such as 128"
+    )
+
+
+def moe_tensor_parallel_problem(tp: int, sequence_parallel: bool) -> str | None:
+    """Why MoE layers cannot run under tensor parallelism of `tp` ranks, or None."""
+    if tp == 1 or sequence_parallel:
+        return None
+    return (
+        f"MoE layers with parallel.tp={tp} need parallel.sequence_parallel=true (each "
+        "tensor-parallel rank routes its own part of the sequence, as Megatron-core requires)"
+    )
+
+
+def tensor_split_problems(m: ModelShape, tp: int, sequence_parallel: bool) -> list[str]:
+    """Every rule above that tensor parallelism over `tp` ranks needs of the model `m`: what
+    `parallel.tensor.apply_tensor_parallel` refuses (the config's checks report each in its place)."""
+    problems = [
+        heads_split_problem(m, tp),
+        sequence_split_problem(m.seq_len, tp, sequence_parallel),
+        ffn_split_problem(m, tp),
+        vocab_split_problem(m, tp),
+        moe_tensor_parallel_problem(tp, sequence_parallel) if m.moe.num_experts else None,
+    ]
+    return [p for p in problems if p]
+
+
+def experts_split_problem(num_experts: int, ep: int) -> str | None:
+    """Why `num_experts` experts cannot be split evenly over `ep` ranks, or None."""
+    if num_experts % ep == 0:
+        return None
+    return f"parallel.ep={ep} must divide model.moe.num_experts={num_experts}"
 
 
 # --- the vocabulary and tokenizers ---------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Expert parallelism (`parallel.ep`): each MoE layer's experts split over the expert-parallel group
-(`parallel.topology.expert_layout`'s "tp" groups), and tokens exchanged with all-to-all so that each
-rank runs only its own experts.
+(the "ep" groups of `parallel.topology.ExpertLayout`), and tokens exchanged with all-to-all so that
+each rank runs only its own experts.
 
 `apply_expert_parallel` keeps this rank's slice of every MoE layer's stacked expert weights (rows
 [rank·E/ep, (rank+1)·E/ep) along dimension 0, with a `Placement`, so checkpoints hold and reshard
@@ -23,17 +23,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from strata.config.vocabulary import ep_dispatch_problem, experts_split_problem
 from strata.errors import ConfigError
 from strata.model import GPT, named_blocks
 from strata.moe import Dispatch, MoE, Routing, sort_by_expert
 from strata.parallel import comm
 from strata.parallel.tensor import Placement, set_placement
-from strata.parallel.topology import Topology
+from strata.parallel.topology import ExpertTopology
 
 # The ZeRO engine reduces and partitions a parameter over its *domain*'s data-parallel ranks: ""
-# (the default) the dp group; EXPERTS the expert-data-parallel ranks of `expert_layout(layout, ep)`;
-# ROUTING (the router and shared experts of MoE layers under tensor parallelism, which each tp rank
-# trains on its own part of the sequence) all tp·dp ranks of the stage, `expert_layout(layout, 1)`.
+# (the default) the dp group; EXPERTS the edp groups of `expert_layout(layout, ep)`; ROUTING (the
+# router and shared experts of MoE layers under tensor parallelism, which each tp rank trains on its
+# own part of the sequence) all tp·dp ranks of the stage, the edp groups of `expert_layout(layout, 1)`.
 EXPERTS, ROUTING = "experts", "routing"
 _DOMAIN = "reduce_domain"  # the attribute a parameter carries its domain in
 
@@ -49,11 +50,14 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:  # type: ignore[override]
+        """Rows of `x` to the ranks of `group`, `send[i]` of them to rank i, and `recv[j]` from
+        each rank j in their place."""
         ctx.send, ctx.recv, ctx.group = send, recv, group
         return comm.all_to_all(x, send, recv, group, dim="ep")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        """The rows' gradients back to the ranks they came from."""
         return comm.all_to_all(grad, ctx.recv, ctx.send, ctx.group, dim="ep"), None, None, None
 
 
@@ -143,39 +147,41 @@ class HierarchicalDispatch:
         return x.new_zeros(x.shape, dtype=back.dtype).index_add_(0, token, back)
 
 
-def make_dispatch(topo: Topology, size: int, num_experts: int, kind: str) -> Dispatch:
-    """The dispatch over the expert-parallel ("tp") groups of the experts' topology `topo`:
-    hierarchical (`kind` "hierarchical", or "auto" where the group spans nodes) or flat."""
-    split = topo.layout.node_split("tp")
-    if kind == "hierarchical" and split is None:
-        raise ConfigError(
-            [
-                f"parallel.ep_dispatch=hierarchical needs the expert-parallel group of {size} "
-                "ranks to span several "
-                f"nodes of {topo.layout.node_size} ranks each; use ep_dispatch=flat or auto"
-            ]
-        )
+def make_dispatch(topo: ExpertTopology, size: int, num_experts: int, kind: str) -> Dispatch:
+    """The dispatch over the expert-parallel ("ep") groups of the experts' topology `topo`:
+    hierarchical (`kind` "hierarchical", or "auto" where every group spans nodes in equal pieces)
+    or flat. The config's checks refuse a hierarchical dispatch the layout cannot run before
+    anything starts; the same rule refuses it here for a caller that skipped them."""
+    layout = topo.layout
+    problem = ep_dispatch_problem(
+        size, kind, layout.node_size, f"{layout.node_size} ranks per node"
+    )
+    if problem:
+        raise ConfigError([problem])
+    split = layout.node_split("ep")
     if kind == "flat" or split is None:
-        return AllToAllDispatch(topo.group("tp"), size, num_experts)
+        return AllToAllDispatch(topo.group("ep"), size, num_experts)
     pieces, columns = split
-    across = topo.group("tp_across_nodes")
+    across = topo.group("ep_across_nodes")
     return HierarchicalDispatch(
-        across, len(columns[0]), topo.group("tp_in_node"), len(pieces[0]), num_experts
+        across, len(columns[0]), topo.group("ep_in_node"), len(pieces[0]), num_experts
     )
 
 
 def apply_expert_parallel(
-    model: GPT, topo: Topology, size: int, tp: int, dispatch: str = "auto"
+    model: GPT, topo: ExpertTopology, size: int, tp: int, dispatch: str = "auto"
 ) -> None:
     """Keep this rank's slice of every MoE layer's experts (of the whole, initialised or meta,
     weights) and dispatch their tokens over the expert-parallel groups of the experts' topology
     `topo` (size > 1; `dispatch` is parallel.ep_dispatch); mark every expert weight EXPERTS, and
     with tensor parallelism (tp > 1) the routers and shared experts ROUTING."""
-    rank = topo.coords["tp"]
+    rank = topo.coords["ep"]
     for _, block in named_blocks(model):
         moe = block.mlp
         if not isinstance(moe, MoE):
             continue
+        if problem := experts_split_problem(moe.router.num_experts, size):
+            raise ConfigError([problem])
         for name, full in list(moe.experts.named_parameters(recurse=False)):
             p = full
             if size > 1:

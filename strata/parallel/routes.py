@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.parallel import comm
-from strata.parallel.topology import CHAIN, Topology
+from strata.parallel.topology import CHAIN, RankGroups
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,12 @@ class Hop:
 class Routes:
     """This rank's collectives between partition levels of a flat buffer of `numel` elements
     (a multiple of every level's chunk count). With `dedicated`, over process groups of their own
-    (`Topology.dedicated_digit_group`), which nothing else queues work on: for reductions run
+    (`RankGroups.dedicated_digit_group`), which nothing else queues work on: for reductions run
     beside the main thread's collectives. Those are made by `steps` on first use, so every rank
     must ask for the same steps in the same order before any runs."""
 
     def __init__(
-        self, topo: Topology, hierarchical: bool, dim: str = "dp", dedicated: bool = False
+        self, topo: RankGroups, hierarchical: bool, dim: str = "dp", dedicated: bool = False
     ):
         self.topo, self.hierarchical, self.dim, self.dedicated = topo, hierarchical, dim, dedicated
         self._chunks: dict[tuple[int, str], tuple[int, int]] = {}

@@ -38,6 +38,12 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def local_world_size_from_env() -> int | None:
+    """The ranks on this node that torchrun (or srun) put in LOCAL_WORLD_SIZE; None when not launched."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local else None
+
+
 def start(backend: str = "auto", timeout_s: int = 600) -> Runtime:
     """Initialise the default process group if the environment names a world of > 1 process."""
     world = world_size_from_env()
@@ -50,8 +56,7 @@ def start(backend: str = "auto", timeout_s: int = 600) -> Runtime:
     if world > 1 and not dist.is_initialized():
         chosen = ("nccl" if use_cuda else "gloo") if backend == "auto" else backend
         dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
-    local_world = os.environ.get("LOCAL_WORLD_SIZE")
-    return Runtime(rank, world, local_rank, device, int(local_world) if local_world else None)
+    return Runtime(rank, world, local_rank, device, local_world_size_from_env())
 
 
 def stop(wait_for_peers: bool = True) -> None:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from strata.config.vocabulary import tensor_split_problems
 from strata.errors import ConfigError
 from strata.model import GPT, Block, RMSNorm, SwiGLU
 from strata.moe import MoE
@@ -175,13 +176,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def _shard_parameter(full: torch.Tensor, dim: int, rank: int, size: int) -> nn.Parameter:
-    if full.shape[dim] % size:
-        raise ConfigError(
-            [
-                f"parallel.tp={size} must divide a weight's dimension {dim} of size "
-                f"{full.shape[dim]} "
-                f"(shape {tuple(full.shape)}); choose model sizes divisible by tp"
-            ]
+    if full.shape[dim] % size:  # the model's sizes passed `tensor_split_problems`: a caller's bug
+        raise ValueError(
+            f"cannot split dimension {dim} of a weight of shape {tuple(full.shape)} into {size}"
         )
     placement = Placement(tuple(full.shape), dim, rank, size)
     p = nn.Parameter(placement.local_slice(full.detach()).clone())
@@ -373,13 +370,9 @@ def apply_tensor_parallel(
     (embedding output, residual stream, norms) hold seq_len/size positions per rank; the logits
     are still (batch, seq, vocab/size) over the whole sequence, so the loss is unchanged."""
     sp = sequence_parallel and size > 1
-    if sp and model.cfg.seq_len % size:
-        raise ConfigError(
-            [
-                f"parallel.sequence_parallel splits the sequence over tp={size} ranks: "
-                f"model.seq_len={model.cfg.seq_len} must be divisible by {size}"
-            ]
-        )
+    problems = tensor_split_problems(model.cfg, size, sp)
+    if problems:  # the config's own rules, which its checks reported before anything started
+        raise ConfigError(problems)
     for block in model.layers:  # the norms enter each region once; the linears after them share it
         assert isinstance(block, Block)
         attn, mlp = block.attn, block.mlp
@@ -410,10 +403,6 @@ def apply_tensor_parallel(
                 k_norm=TensorParallelHeadNorm(attn.k_norm, group),
             )
         if isinstance(mlp, MoE):
-            if not sp:
-                raise ConfigError(
-                    ["MoE layers under tensor parallelism need parallel.sequence_parallel=true"]
-                )
             mlp.shards = SequenceShards(group, size)
             continue
         assert isinstance(mlp, SwiGLU)

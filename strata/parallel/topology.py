@@ -31,76 +31,110 @@ coordinates), so a level's *shard groups* are the dp groups cut by that unit
 same shard in different units (`replica_groups(level)`): reduce-scatter in the former, all-reduce
 across the latter, and together they span the dp group.
 
-A tp group that spans nodes (an MoE expert layout's expert-parallel group) is also cut by node
-(`node_split`): its pieces inside each node ("tp_in_node") and its columns across the nodes
-("tp_across_nodes"), over which the hierarchical expert dispatch sends.
+MoE experts have a layout of their own, `ExpertLayout` (Megatron-core's MoE parallel folding, made
+by `expert_layout`): each pipeline stage's tp·dp ranks again, as `ep` consecutive ranks (the
+expert-parallel group, which splits the experts) times `edp` (the expert-data-parallel group, over
+which an expert's gradient is reduced and its state partitioned),
+
+    rank = ep_rank + ep·(edp_rank + edp·pp_rank).
+
+Both layouts are a `Grid`: the same group, level and chunk arithmetic over their own dimension
+names, where the middle one (dp, edp) is the one ZeRO partitions over. Where an expert-parallel
+group spans nodes it is also cut by node (`node_split`): its pieces inside each node ("ep_in_node")
+and its columns across the nodes ("ep_across_nodes"), over which the hierarchical expert dispatch
+sends. `build_topology` gives a Layout's groups as a `Topology` and an ExpertLayout's as an
+`ExpertTopology`, reusing the dense layout's groups where the ranks coincide.
 
 Placement rule for tp (checked by `layout_from_config`): tp must divide ranks_per_node or be a
 multiple of it, so every tp group lies inside one node (Megatron's practice) or spans whole nodes;
 never straddles a node boundary partway. tp is not checked against ranks_per_gpu: a tp group
-that splits a GPU's GCDs is slower but correct.
+that splits a GPU's GCDs is slower but correct. Expert-parallel groups are not held to it (the flat
+dispatch works however they lie); the hierarchical one needs every group on several nodes in pieces
+of one size, which `strata.config.vocabulary.ep_dispatch_problem` states for the config's checks
+and `parallel.experts.make_dispatch` alike.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import ClassVar, overload
 
-from strata.config.vocabulary import CHAIN, LEVELS, chain_level, layout_problems, ranks_per_node
+from strata.config.vocabulary import (
+    CHAIN,
+    LEVELS,
+    chain_level,
+    expert_pool_problem,
+    layout_problems,
+    ranks_per_node,
+    span_problem,
+    uneven_sizes,
+    unit_pieces,
+)
 from strata.errors import ConfigError
 
 # torch.distributed and comm are imported where groups are made: the rank arithmetic alone serves
 # `strata launch`'s memory check, which should not spend seconds importing torch.
 
-DIMS = ("pp", "dp", "tp")  # parallel dimensions, outermost to innermost
+DIMS = ("pp", "dp", "tp")  # a Layout's parallel dimensions, outermost to innermost
+EXPERT_DIMS = ("pp", "edp", "ep")  # an ExpertLayout's
 HARDWARE = ("node", "gpu", "gcd")  # hardware coordinates, outermost to innermost
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Degrees of each parallel dimension (their product is the world size) and how ranks sit on
-    the hardware. `ranks_per_node=None` means one node holds every rank."""
+class Grid:
+    """Ranks as a grid of three parallel dimensions, `DIMS` outermost first (the pipeline stage,
+    the data dimension whose ranks reduce gradients and partition state, and an inner dimension of
+    consecutive ranks), and how they sit on the hardware. `Layout` and `ExpertLayout` name them;
+    everything here reads the degrees through `degree`. `ranks_per_node=None` means one node holds
+    every rank."""
 
-    tp: int = 1
-    pp: int = 1
-    # every rank of a pipeline stage's replica group: data parallel times context parallel
-    dp: int = 1
-    ranks_per_node: int | None = None
-    ranks_per_gpu: int = 1
-    # context parallel: consecutive runs of cp ranks of each dp group share their sequences
-    cp: int = 1
+    DIMS: ClassVar[tuple[str, str, str]]
+    # what messages call a data-dimension group, with its article
+    DATA_GROUP: ClassVar[str]
 
-    def __post_init__(self):
-        # Programmer errors only: layout_from_config reports user mistakes before we get here.
+    # declared by the dataclasses below
+    pp: int
+    ranks_per_node: int | None
+    ranks_per_gpu: int
+
+    def _check_degrees(self, **extra: int) -> None:
+        """Programmer errors only: the config's checks report user mistakes before we get here."""
         degrees = {
-            "tp": self.tp,
-            "pp": self.pp,
-            "dp": self.dp,
+            **{d: self.degree(d) for d in self.DIMS},
             "ranks_per_gpu": self.ranks_per_gpu,
             "ranks_per_node": self.node_size,
-            "cp": self.cp,
+            **extra,
         }
         bad = {k: v for k, v in degrees.items() if not isinstance(v, int) or v < 1}
         if bad:
-            raise ValueError(f"Layout: {bad} must be positive integers")
-        if self.dp % self.cp:
-            raise ValueError(
-                f"Layout: cp={self.cp} must divide dp={self.dp} (dp counts the "
-                "context-parallel ranks)"
-            )
+            raise ValueError(f"{type(self).__name__}: {bad} must be positive integers")
         if self.world_size % self.node_size or self.node_size % self.ranks_per_gpu:
             raise ValueError(
-                f"Layout: need ranks_per_gpu={self.ranks_per_gpu} | "
+                f"{type(self).__name__}: need ranks_per_gpu={self.ranks_per_gpu} | "
                 f"ranks_per_node={self.node_size} "
                 f"| world size {self.world_size}"
             )
 
+    def degree(self, dim: str) -> int:
+        """How many ranks a group along `dim` (one of DIMS) holds."""
+        if dim not in self.DIMS:
+            raise ValueError(f"{type(self).__name__} has no dimension {dim!r}; it has {self.DIMS}")
+        value: int = getattr(self, dim)
+        return value
+
+    @property
+    def data_dim(self) -> str:
+        """The dimension ZeRO partitions over and gradients are reduced over (dp, edp)."""
+        return self.DIMS[1]
+
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        """Every rank: the product of the three degrees."""
+        return self.degree(self.DIMS[0]) * self.degree(self.DIMS[1]) * self.degree(self.DIMS[2])
 
     @property
     def nodes(self) -> int:
+        """How many nodes the ranks fill."""
         return self.world_size // self.node_size
 
     @property
@@ -111,35 +145,26 @@ class Layout:
     # --- parallel dimensions -------------------------------------------------------------
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{'pp': i, 'dp': j, 'tp': k} of a global rank (the inverse of `rank_of`)."""
-        tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
-        return {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank}
+        """{outer: i, data: j, inner: k} of a global rank, e.g. {'pp': i, 'dp': j, 'tp': k} (the
+        inverse of `rank_of`)."""
+        outer, middle, inner = self.DIMS
+        size, data = self.degree(inner), self.degree(middle)
+        return {outer: rank // (size * data), middle: (rank // size) % data, inner: rank % size}
 
-    def rank_of(self, pp: int, dp: int, tp: int) -> int:
-        return tp + self.tp * (dp + self.dp * pp)
-
-    @property
-    def data_parallel(self) -> int:
-        """Replicas that read different data: dp without the context-parallel ranks."""
-        return self.dp // self.cp
-
-    def context_groups(self) -> list[list[int]]:
-        """Each dp group cut into runs of cp consecutive members: the ranks that split one sequence."""
-        return [
-            g[i : i + self.cp] for g in self.group_ranks("dp") for i in range(0, self.dp, self.cp)
-        ]
+    def rank_of(self, **coords: int) -> int:
+        """The global rank at coordinates given by dimension name (`rank_of(pp=0, dp=1, tp=0)`)."""
+        outer, middle, inner = self.DIMS
+        size, data = self.degree(inner), self.degree(middle)
+        return coords[inner] + size * (coords[middle] + data * coords[outer])
 
     def group_ranks(self, dim: str) -> list[list[int]]:
         """All groups along `dim`: each list holds the ranks that differ only in that coordinate,
         ordered by it."""
-        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
-        others = [d for d in DIMS if d != dim]
+        others = [d for d in self.DIMS if d != dim]
         groups = []
-        for fixed in itertools.product(*(range(sizes[d]) for d in others)):
+        for fixed in itertools.product(*(range(self.degree(d)) for d in others)):
             where = dict(zip(others, fixed))
-            groups.append([self.rank_of(**{**where, dim: i}) for i in range(sizes[dim])])
+            groups.append([self.rank_of(**{**where, dim: i}) for i in range(self.degree(dim))])
         return groups
 
     # --- hardware and hierarchy levels ---------------------------------------------------
@@ -187,56 +212,59 @@ class Layout:
 
     def level_groups(self, level: str, within_dp: bool = False) -> list[list[int]]:
         """The ranks that share one unit of `level`, a partition of the world into contiguous
-        blocks. With `within_dp`, each dp group (in `group_ranks('dp')` order) cut by those units
-        instead: the ranks that are data-parallel replicas of each other *and* share the unit,
-        ordered by dp rank. Those pieces need not be equally large (see `replica_groups`)."""
+        blocks. With `within_dp`, each data-dimension group (in `group_ranks(data_dim)` order) cut
+        by those units instead: the ranks that are data-parallel replicas of each other *and*
+        share the unit, ordered by their data rank. Those pieces need not be equally large (see
+        `replica_groups`)."""
         size = self.level_size(level)
         if not within_dp:
             return [list(range(start, start + size)) for start in range(0, self.world_size, size)]
-        return [piece for group in self.group_ranks("dp") for piece in self._pieces(group, level)]
-
-    def _pieces(self, group: list[int], level: str) -> list[list[int]]:
-        """A dp group cut by the units of `level`, in order."""
-        size = self.level_size(level)
-        return [list(p) for _, p in itertools.groupby(group, key=lambda r: r // size)]
+        return [
+            piece for group in self.group_ranks(self.data_dim) for piece in unit_pieces(group, size)
+        ]
 
     def _even_pieces(self, group: list[int], level: str) -> list[list[int]]:
-        """`_pieces`, which partitioning inside each unit of `level` needs equally large."""
-        pieces = self._pieces(group, level)
-        sizes = sorted({len(p) for p in pieces})
-        if len(sizes) > 1:
+        """A data-dimension group cut by the units of `level`, which partitioning inside each unit
+        needs equally large."""
+        pieces = unit_pieces(group, self.level_size(level))
+        sizes = uneven_sizes(pieces)
+        if sizes:
             raise ConfigError(
                 [
                     f"partitioning within each {level} needs every {level} to hold equally many "
-                    "ranks of a "
-                    f"data-parallel group, but with parallel.tp={self.tp}, pp={self.pp}, "
-                    f"dp={self.dp}, "
-                    f"ranks_per_node={self.node_size}, ranks_per_gpu={self.ranks_per_gpu} the dp "
-                    f"group {group} "
-                    f"is split into pieces of {sizes} ranks; make a pipeline stage's tp·dp = "
-                    f"{self.tp * self.dp} "
-                    f"ranks a multiple or a divisor of the {self.level_size(level)} ranks of a "
-                    f"{level}"
+                    f"ranks of {self.DATA_GROUP}, but with {self._described()}, "
+                    f"ranks_per_node={self.node_size}, ranks_per_gpu={self.ranks_per_gpu} the "
+                    f"{self.data_dim} group {group} is split into pieces of {sizes} ranks; "
+                    f"{self._even_fix(level)}"
                 ]
             )
         return pieces
 
+    def _described(self) -> str:
+        """The degrees as a message names them."""
+        raise NotImplementedError
+
+    def _even_fix(self, level: str) -> str:
+        """What makes a level's pieces of the data-dimension groups equally large."""
+        raise NotImplementedError
+
     def replica_groups(self, level: str) -> list[list[int]]:
-        """For each dp group, the ranks at the same position of their `within_dp` shard groups: the
-        copies of one shard when state is partitioned inside each unit of `level` and replicated
-        across units (`digit_groups(level, 'global')`). ConfigError when the pieces are uneven."""
+        """For each data-dimension group, the ranks at the same position of their `within_dp`
+        shard groups: the copies of one shard when state is partitioned inside each unit of
+        `level` and replicated across units (`digit_groups(level, 'global')`). ConfigError when
+        the pieces are uneven."""
         return self.digit_groups(level, "global")
 
     def digit_groups(self, inner: str, outer: str) -> list[list[int]]:
-        """For each dp group: the ranks that share one `outer` unit and the same position inside
-        their `inner` units (inner no coarser than outer), ordered by dp rank. A collective over
-        such a group moves state partitioned inside `inner` units to partitioning inside `outer`
-        units; (none, L) is L's dp shard group and (L, global) its replica group. Needs the dp
-        group's pieces at both levels equally large (then every `outer` piece holds equally many
-        `inner` pieces, units being nested); ConfigError otherwise."""
+        """For each data-dimension group: the ranks that share one `outer` unit and the same
+        position inside their `inner` units (inner no coarser than outer), ordered by data rank. A
+        collective over such a group moves state partitioned inside `inner` units to partitioning
+        inside `outer` units; (none, L) is L's shard group and (L, global) its replica group.
+        Needs the group's pieces at both levels equally large (then every `outer` piece holds
+        equally many `inner` pieces, units being nested); ConfigError otherwise."""
         outer_size = self.level_size(outer)
         out = []
-        for group in self.group_ranks("dp"):
+        for group in self.group_ranks(self.data_dim):
             self._even_pieces(group, outer)
             inners = self._even_pieces(group, inner)
             for _, same_outer in itertools.groupby(
@@ -256,20 +284,22 @@ class Layout:
     def node_split(self, dim: str) -> tuple[list[list[int]], list[list[int]]] | None:
         """The groups along `dim` cut by node: (pieces, columns). pieces: each group's ranks on one
         node; columns: each group's ranks at the same position of their pieces, one per node, by
-        node. None where a group lies inside one node or its pieces are uneven (nothing to split)."""
+        node. None where a group lies inside one node or its pieces are uneven (nothing to split:
+        `strata.config.vocabulary.span_problem`)."""
+        groups = self.group_ranks(dim)
+        if any(span_problem(group, self.node_size) for group in groups):
+            return None
         pieces, columns = [], []
-        for group in self.group_ranks(dim):
-            mine = [list(p) for _, p in itertools.groupby(group, key=lambda r: r // self.node_size)]
-            if len(mine) == 1 or len({len(p) for p in mine}) > 1:
-                return None
+        for group in groups:
+            mine = unit_pieces(group, self.node_size)
             pieces += mine
             columns += [[p[j] for p in mine] for j in range(len(mine[0]))]
         return pieces, columns
 
     def nested_chunk(self, rank: int, level: str) -> tuple[int, int]:
         """(index, count): state partitioned at `level` is cut into `count` equal chunks across a
-        dp group and `rank` owns chunk `index`. Chunks are numbered finest unit first (the
-        position inside the GPU is the most significant digit), the only numbering in which a
+        data-dimension group and `rank` owns chunk `index`. Chunks are numbered finest unit first
+        (the position inside the GPU is the most significant digit), the only numbering in which a
         rank's chunk at a coarser level lies inside its chunk at every finer one — so a ZeRO
         rank's optimizer shard sits inside the gradients and parameters it holds."""
         index, count = 0, 1
@@ -280,16 +310,98 @@ class Layout:
         return index, count
 
 
-def expert_layout(layout: Layout, ep: int) -> Layout:
-    """The layout MoE experts are partitioned by (Megatron-core's MoE parallel folding): each
-    pipeline stage's tp·dp ranks as `ep` consecutive ranks (its "tp" dimension: the expert-parallel
-    group, which splits the experts) times the rest (its "dp" dimension: the expert-data-parallel
-    group, over which an expert's gradient is reduced and its state partitioned). With tp = 1 the
-    expert-parallel groups are carved out of dp; ZeRO levels and link levels apply to it unchanged."""
-    pool = layout.tp * layout.dp
-    if pool % ep:
-        raise ValueError(f"expert_layout: ep={ep} must divide tp·dp={pool}")
-    return Layout(ep, layout.pp, pool // ep, layout.ranks_per_node, layout.ranks_per_gpu)
+@dataclass(frozen=True)
+class Layout(Grid):
+    """The dense model's layout: degrees of tensor, pipeline and data parallelism (their product
+    is the world size) and how ranks sit on the hardware. `ranks_per_node=None` means one node
+    holds every rank."""
+
+    DIMS: ClassVar[tuple[str, str, str]] = DIMS
+    DATA_GROUP: ClassVar[str] = "a data-parallel group"
+
+    tp: int = 1
+    pp: int = 1
+    # every rank of a pipeline stage's replica group: data parallel times context parallel
+    dp: int = 1
+    ranks_per_node: int | None = None
+    ranks_per_gpu: int = 1
+    # context parallel: consecutive runs of cp ranks of each dp group share their sequences
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        self._check_degrees(cp=self.cp)
+        if self.dp % self.cp:
+            raise ValueError(
+                f"Layout: cp={self.cp} must divide dp={self.dp} (dp counts the "
+                "context-parallel ranks)"
+            )
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas that read different data: dp without the context-parallel ranks."""
+        return self.dp // self.cp
+
+    def context_groups(self) -> list[list[int]]:
+        """Each dp group cut into runs of cp consecutive members: the ranks that split one sequence."""
+        return [
+            g[i : i + self.cp] for g in self.group_ranks("dp") for i in range(0, self.dp, self.cp)
+        ]
+
+    def _described(self) -> str:
+        return f"parallel.tp={self.tp}, pp={self.pp}, dp={self.dp}"
+
+    def _even_fix(self, level: str) -> str:
+        return (
+            f"make a pipeline stage's tp·dp = {self.tp * self.dp} ranks a multiple or a divisor "
+            f"of the {self.level_size(level)} ranks of a {level}"
+        )
+
+
+@dataclass(frozen=True)
+class ExpertLayout(Grid):
+    """The MoE experts' layout (Megatron-core's MoE parallel folding, made by `expert_layout`):
+    each pipeline stage's ranks as `ep` consecutive ranks (the expert-parallel group, which splits
+    the experts) times `edp` (the expert-data-parallel group, over which an expert's gradient is
+    reduced and its state partitioned), on the dense layout's hardware."""
+
+    DIMS: ClassVar[tuple[str, str, str]] = EXPERT_DIMS
+    DATA_GROUP: ClassVar[str] = "an expert-data-parallel group"
+
+    ep: int = 1
+    edp: int = 1
+    pp: int = 1
+    ranks_per_node: int | None = None
+    ranks_per_gpu: int = 1
+
+    def __post_init__(self) -> None:
+        self._check_degrees()
+
+    def _described(self) -> str:
+        return f"parallel.ep={self.ep}, pp={self.pp} (edp={self.edp})"
+
+    def _even_fix(self, level: str) -> str:
+        return (
+            f"make parallel.ep a multiple or a divisor of the {self.level_size(level)} ranks of a "
+            f"{level}"
+        )
+
+
+def expert_layout(layout: Layout, ep: int) -> ExpertLayout:
+    """The layout MoE experts are partitioned by: each pipeline stage's tp·dp ranks of `layout` as
+    `ep` consecutive ranks (the expert-parallel group) times the rest (the expert-data-parallel
+    group). With tp = 1 the expert-parallel groups are carved out of dp; ZeRO levels and link levels
+    apply to it unchanged. `expert_layout(layout, 1)` is every tp·dp rank of a stage as one
+    expert-data-parallel group (the routers' domain under tensor parallelism)."""
+    problem = expert_pool_problem(ep, layout.tp, layout.dp)
+    if problem:
+        raise ConfigError([problem])
+    return ExpertLayout(
+        ep=ep,
+        edp=layout.tp * layout.dp // ep,
+        pp=layout.pp,
+        ranks_per_node=layout.ranks_per_node,
+        ranks_per_gpu=layout.ranks_per_gpu,
+    )
 
 
 def layout_from_config(par, world_size: int, local_world_size: int | None = None) -> Layout:
@@ -312,29 +424,29 @@ def layout_from_config(par, world_size: int, local_world_size: int | None = None
     )
 
 
-def level_key(level: str, within_dp: bool = False, replica: bool = False) -> str:
-    """The `Topology.groups` key of a hierarchy level's group: 'node', 'dp_node' (within dp),
-    'dp_node_replica' (its replica group)."""
-    return f"dp_{level}_replica" if replica else f"dp_{level}" if within_dp else level
+def level_key(level: str, within_dp: bool = False, replica: bool = False, data: str = "dp") -> str:
+    """The `Topology.groups` key of a hierarchy level's group: 'node', 'dp_node' (within the data
+    dimension `data`: dp, or an ExpertTopology's edp), 'dp_node_replica' (its replica group)."""
+    return f"{data}_{level}_replica" if replica else f"{data}_{level}" if within_dp else level
 
 
-def digit_key(inner: str, outer: str) -> str:
-    """The `Topology.groups` key of a `Layout.digit_groups(inner, outer)` group."""
-    return f"dp_{inner}_{outer}"
+def digit_key(inner: str, outer: str, data: str = "dp") -> str:
+    """The `Topology.groups` key of a `Grid.digit_groups(inner, outer)` group."""
+    return f"{data}_{inner}_{outer}"
 
 
 @dataclass
-class Topology:
-    """This process's place in the layout, with the process groups it belongs to (empty when
-    the world is a single process).
+class RankGroups:
+    """This process's place in a grid (a `Topology`'s Layout or an `ExpertTopology`'s ExpertLayout),
+    with the process groups it belongs to (empty when the world is a single process).
 
-    groups['pp'|'dp'|'tp'] always exist in a distributed world. For every level of LEVELS there
-    are `level_key(level)` (the unit's ranks), `level_key(level, within_dp=True)` (its dp shard
-    group) and `level_key(level, replica=True)` (the replica group), but only where this rank's
-    group has more than one member: a missing key means collectives over it are no-ops (comm's
-    wrappers take None for that). `level_group` looks them up."""
+    groups[dim] exists for each of the grid's DIMS in a distributed world. For every level of LEVELS
+    there are `level_key(level)` (the unit's ranks), `level_key(level, within_dp=True)` (its shard
+    group in the data dimension) and `level_key(level, replica=True)` (the replica group), but only
+    where this rank's group has more than one member: a missing key means collectives over it are
+    no-ops (comm's wrappers take None for that). `level_group` looks them up."""
 
-    layout: Layout
+    layout: Grid
     rank: int
     groups: dict[str, object] = field(default_factory=dict)
     # every membership build_topology made a group for (this rank's or not; the same on every rank)
@@ -342,51 +454,27 @@ class Topology:
 
     @property
     def coords(self) -> dict[str, int]:
+        """This rank's parallel coordinates, by dimension name (`Grid.coords`)."""
         return self.layout.coords(self.rank)
 
     @property
     def hardware_coords(self) -> dict[str, int]:
+        """This rank's node, GPU and GCD (`Grid.hardware_coords`)."""
         return self.layout.hardware_coords(self.rank)
 
-    @property
-    def dp_rank(self) -> int:
-        return self.coords["dp"]
-
-    @property
-    def dp_size(self) -> int:
-        return self.layout.dp
-
-    @property
-    def cp_rank(self) -> int:
-        """This rank's place in its context-parallel group (which part of each sequence it holds)."""
-        return self.dp_rank % self.layout.cp
-
-    @property
-    def data_rank(self) -> int:
-        """Which replica's share of the data this rank reads (its context-parallel group's)."""
-        return self.dp_rank // self.layout.cp
-
-    @property
-    def data_size(self) -> int:
-        return self.layout.data_parallel
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
     def group(self, name: str):
-        """This rank's process group `name` ('tp', 'dp', 'pp', 'pp_ends', 'cp', a level key); None when
-        it would hold this rank alone, so collectives over it are no-ops."""
-        if name in DIMS and getattr(self.layout, name) == 1:
+        """This rank's process group `name` (a dimension, 'pp_ends', 'cp', 'ep_in_node', a level
+        key); None when it would hold this rank alone, so collectives over it are no-ops."""
+        if name in self.layout.DIMS and self.layout.degree(name) == 1:
             return None
         return self.groups.get(name)
 
     def digit_group(self, inner: str, outer: str) -> tuple[object, list[int]]:
-        """This rank's `Layout.digit_groups(inner, outer)` group (None for a single rank) and its
+        """This rank's `Grid.digit_groups(inner, outer)` group (None for a single rank) and its
         members' global ranks."""
         inner, outer = chain_level(inner), chain_level(outer)
         members = next(g for g in self.layout.digit_groups(inner, outer) if self.rank in g)
-        return self.groups.get(digit_key(inner, outer)), members
+        return self.groups.get(digit_key(inner, outer, self.layout.data_dim)), members
 
     def dedicated_digit_group(self, inner: str, outer: str):
         """A process group of this rank's `digit_group(inner, outer)` members that nothing else
@@ -412,51 +500,121 @@ class Topology:
     def level_group(self, level: str, within_dp: bool = False, replica: bool = False):
         """This rank's group at a hierarchy level (see the class doc); None for a single rank."""
         self.layout.level_size(level)  # rejects unknown levels
-        return self.groups.get(level_key(level, within_dp, replica))
+        return self.groups.get(level_key(level, within_dp, replica, self.layout.data_dim))
 
 
-def _named_group_ranks(layout: Layout) -> list[tuple[str, list[list[int]]]]:
+@dataclass
+class Topology(RankGroups):
+    """This process's place in the dense model's Layout and its process groups: 'pp', 'dp', 'tp',
+    'pp_ends', 'cp' and the levels' (see RankGroups)."""
+
+    layout: Layout
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place in its dp group (context-parallel ranks counted)."""
+        return self.coords["dp"]
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks in a dp group: data replicas × cp."""
+        return self.layout.dp
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in its context-parallel group (which part of each sequence it holds)."""
+        return self.dp_rank % self.layout.cp
+
+    @property
+    def data_rank(self) -> int:
+        """Which replica's share of the data this rank reads (its context-parallel group's)."""
+        return self.dp_rank // self.layout.cp
+
+    @property
+    def data_size(self) -> int:
+        """Replicas that read different data (dp without the context-parallel ranks)."""
+        return self.layout.data_parallel
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0."""
+        return self.rank == 0
+
+
+@dataclass
+class ExpertTopology(RankGroups):
+    """This process's place in the MoE experts' ExpertLayout and its process groups: 'pp', 'edp',
+    'ep', where the expert-parallel group spans nodes 'ep_in_node' and 'ep_across_nodes', and the
+    levels' within edp ('edp_node', ...; see RankGroups)."""
+
+    layout: ExpertLayout
+
+
+def _named_group_ranks(layout: Grid) -> list[tuple[str, list[list[int]]]]:
     """Every group build_topology creates, by name, in creation order: the parallel dimensions
-    (all of them, as before), then each hierarchy level's units, dp shard groups and replica
-    groups (for a single-rank level the replica groups are the dp groups: reused, not remade)."""
-    named = [(dim, layout.group_ranks(dim)) for dim in DIMS]
+    (all of them, as before), then each hierarchy level's units, shard groups in the data dimension
+    and replica groups (for a single-rank level the replica groups are the data groups: reused, not
+    remade), the pipelines' ends, and a Layout's context-parallel groups or an ExpertLayout's
+    expert-parallel groups cut by node."""
+    data = layout.data_dim
+    named = [(dim, layout.group_ranks(dim)) for dim in layout.DIMS]
     for level in LEVELS:
-        named.append((level_key(level), layout.level_groups(level)))
-        named.append((level_key(level, within_dp=True), layout.level_groups(level, within_dp=True)))
+        named.append((level_key(level, data=data), layout.level_groups(level)))
+        named.append(
+            (level_key(level, True, data=data), layout.level_groups(level, within_dp=True))
+        )
         try:
-            named.append((level_key(level, replica=True), layout.replica_groups(level)))
+            named.append((level_key(level, replica=True, data=data), layout.replica_groups(level)))
         except ConfigError:
             pass  # uneven shard groups: partitioning at this level is impossible, so no replicas
     for i, inner in enumerate(CHAIN):
         for outer in CHAIN[i + 1 :]:
             try:
-                named.append((digit_key(inner, outer), layout.digit_groups(inner, outer)))
+                named.append((digit_key(inner, outer, data), layout.digit_groups(inner, outer)))
             except ConfigError:
                 pass  # this partitioning is impossible in this layout; the ZeRO engine reports it
     named.append(("pp_ends", layout.pipeline_end_ranks()))
-    if layout.cp > 1:
+    if isinstance(layout, Layout) and layout.cp > 1:
         named.append(("cp", layout.context_groups()))
-    split = layout.node_split("tp")
-    if split is not None:  # tp groups spanning nodes (an expert layout's expert-parallel groups)
-        named += [("tp_in_node", split[0]), ("tp_across_nodes", split[1])]
+    if isinstance(layout, ExpertLayout):
+        split = layout.node_split("ep")
+        if split is not None:  # what the hierarchical expert dispatch sends over
+            named += [("ep_in_node", split[0]), ("ep_across_nodes", split[1])]
     return named
 
 
-def build_topology(layout: Layout, rank: int, reuse: Topology | None = None) -> Topology:
+@overload
+def build_topology(layout: Layout, rank: int, reuse: RankGroups | None = None) -> Topology: ...
+
+
+@overload
+def build_topology(
+    layout: ExpertLayout, rank: int, reuse: RankGroups | None = None
+) -> ExpertTopology: ...
+
+
+def build_topology(layout: Grid, rank: int, reuse: RankGroups | None = None) -> RankGroups:
     """Create every named group (all ranks must call this, in the same order, as
-    torch.distributed.new_group requires) and keep the ones this rank belongs to. A membership
-    that recurs (e.g. 'dp_node' equal to 'dp' when dp stays in a node) reuses the first group
-    made for it, and the whole world is WORLD, so layouts without a hierarchy create no extra
-    groups (and no extra NCCL communicators). Two names sharing one group share its queue: as
-    for any collective, every member must issue the operations on it in the same order. With
-    `reuse` (another layout of the same world, e.g. the MoE experts' `expert_layout`), the groups it
+    torch.distributed.new_group requires) and keep the ones this rank belongs to: a Layout's as a
+    Topology, an ExpertLayout's as an ExpertTopology. A membership that recurs (e.g. 'dp_node'
+    equal to 'dp' when dp stays in a node) reuses the first group made for it, and the whole world
+    is WORLD, so layouts without a hierarchy create no extra groups (and no extra NCCL
+    communicators). Two names sharing one group share its queue: as for any collective, every
+    member must issue the operations on it in the same order. With `reuse` (the groups of another
+    layout of the same world, e.g. the dense Topology when building the experts'), the groups it
     made are reused for the same memberships instead of made again (each would be one more NCCL
     communicator)."""
     import torch.distributed as dist
 
     from strata.parallel import comm
 
-    topo = Topology(layout, rank)
+    topo: RankGroups
+    if isinstance(layout, Layout):
+        topo = Topology(layout, rank)
+    elif isinstance(layout, ExpertLayout):
+        topo = ExpertTopology(layout, rank)
+    else:
+        raise TypeError(f"build_topology: no topology for a {type(layout).__name__}")
     if not dist.is_initialized() or layout.world_size == 1:
         return topo
     made: dict[tuple[int, ...], object] = (
@@ -466,7 +624,7 @@ def build_topology(layout: Layout, rank: int, reuse: Topology | None = None) -> 
     )
     for name, groups in _named_group_ranks(layout):
         for ranks in groups:
-            if len(ranks) == 1 and name not in DIMS:
+            if len(ranks) == 1 and name not in layout.DIMS:
                 continue  # a hierarchy group of one rank: no group, collectives over it are no-ops
             if tuple(ranks) not in made:
                 made[tuple(ranks)] = dist.new_group(ranks)

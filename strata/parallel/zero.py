@@ -47,7 +47,7 @@ from strata.parallel.flat_group import FlatGroup, ShardTier, storage_bytes
 from strata.parallel.overlap import Reducer
 from strata.parallel.routes import Routes
 from strata.parallel.tensor import placement_of
-from strata.parallel.topology import CHAIN, Topology, chain_level
+from strata.parallel.topology import CHAIN, ExpertTopology, Topology, chain_level
 
 if TYPE_CHECKING:
     from strata.config.schema import ZeroConfig
@@ -156,8 +156,8 @@ class ZeroEngine:
     are averaged: the whole dp group ("global"), or only inside each node ("node") when CO2
     synchronises the nodes itself. Parameters of another domain (`parallel.experts.domain_of`: MoE
     experts, and under tensor parallelism the routers) go into groups of their own, reduced and
-    partitioned over the dp dimension of `domains[domain]` (`parallel.topology.expert_layout`) at
-    the same levels as the rest."""
+    partitioned over the edp dimension of `domains[domain]` (an `ExpertTopology`, of
+    `parallel.topology.expert_layout`) at the same levels as the rest."""
 
     def __init__(
         self,
@@ -170,7 +170,7 @@ class ZeroEngine:
         count_tied: bool = True,
         sync_level: str = "global",
         overlap: bool = False,
-        domains: dict[str, Topology] | None = None,
+        domains: dict[str, ExpertTopology] | None = None,
     ):
         self.plan, self.topo, self.tied_group, self.count_tied = plan, topo, tied_group, count_tied
         self.routes, self.sync_level = Routes(topo, plan.hierarchical), sync_level
@@ -416,8 +416,8 @@ class ZeroEngine:
 
     def _domains_sq(self, groups: list[FlatGroup], device: torch.device) -> torch.Tensor | None:
         """The squared norm of this pipeline stage's gradients in other domains: each domain's
-        pieces summed over its partition, then over its "tp" dimension (the expert-parallel group,
-        whose ranks hold other experts)."""
+        pieces summed over its partition, then over its expert-parallel group (whose ranks hold
+        other experts)."""
         if not self.domains:
             return None
         total = torch.zeros((), dtype=torch.float32, device=device)
@@ -428,7 +428,7 @@ class ZeroEngine:
                     for _, piece, _, _ in g.segments:
                         sq += _grad(piece).float().pow(2).sum()
             comm.all_reduce(sq, topo.digit_group("none", self.plan.optim)[0], dim=name)
-            total += comm.all_reduce(sq, topo.group("tp"), dim=name)
+            total += comm.all_reduce(sq, topo.group("ep"), dim=name)
         return total
 
     def step(self, after_update: Callable[[], None] | None = None) -> None:

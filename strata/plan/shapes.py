@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from strata.config.schema import Config, ModelConfig
 from strata.parallel.stages import plan_stages, schedule_name, stage_indices
-from strata.parallel.topology import CHAIN, Layout
+from strata.parallel.topology import CHAIN, Grid
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,10 @@ def groups_of(
 
 
 @lru_cache(maxsize=256)
-def chunk_counts(layout: Layout, rank: int = 0) -> dict[str, int]:
-    """How many chunks state partitioned at each level is cut into across a dp group (the ZeRO
-    engine's `Routes.count`): 1 at none, the dp degree at global."""
+def chunk_counts(layout: Grid, rank: int = 0) -> dict[str, int]:
+    """How many chunks state partitioned at each level is cut into across a data-dimension group
+    (dp; edp for the experts' layout) (the ZeRO engine's `Routes.count`): 1 at none, its degree at
+    global."""
     return {level: layout.nested_chunk(rank, level)[1] for level in CHAIN}
 
 

@@ -250,7 +250,7 @@ def _nodes_per_token(cfg: Config, layout: Layout) -> float | None:
     spans nodes), the distinct nodes a token's experts are on, on average; None for the flat one.
     With as many route groups as nodes, route_group_limit; else top_k experts drawn uniformly."""
     par, moe = cfg.parallel, cfg.model.moe
-    _, nodes = expert_layout(layout, par.ep).node_span("tp")
+    _, nodes = expert_layout(layout, par.ep).node_span("ep")
     if par.ep_dispatch == "flat" or nodes == 1:
         return None
     if moe.route_groups == nodes:

@@ -189,7 +189,7 @@ def expert_exchange(
     own), each with its k expert ids and gates, then the node's fan-out over its own links."""
     out = Traffic()
     # the expert-parallel group per node, its nodes
-    local, nodes = expert_layout(layout, ep).node_span("tp")
+    local, nodes = expert_layout(layout, ep).node_span("ep")
     rows = tokens * top_k
     if nodes_per_token is None:
         inter = rows * (ep - local) / ep * row_bytes

@@ -35,7 +35,7 @@ from strata.model import (
 from strata.parallel.co2 import CO2
 from strata.parallel.runtime import available_bytes
 from strata.parallel.tensor import apply_tensor_parallel, placement_of
-from strata.parallel.topology import Topology
+from strata.parallel.topology import ExpertTopology, Topology
 from strata.parallel.zero import ZeroEngine, ZeroPlan
 
 if TYPE_CHECKING:
@@ -209,17 +209,15 @@ class ParallelModel:
     def forward_backward(
         self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
-        """Gradients of this replica's micro-batches into the engine's flat buffers; returns their
-        mean loss (a 0-d tensor on the device)."""
+        """Gradients of this replica's micro-batches (the step's train.global_batch_size /
+        (micro_batch_size·dp), which the MoE layers' auxiliary losses are weighted for) into the
+        engine's flat buffers; returns their mean loss (a 0-d tensor on the device)."""
         inputs = [i for i, _ in micro_batches]  # cut to this rank's tokens where they are run
         targets = [self.local(t) for _, t in micro_batches]
         offloader = self.tiers.activations if self.tiers else None
         self.engine.expect_backwards(
             self.pipeline.microbatches if self.pipeline else len(micro_batches)
         )
-        for part in self.parts:  # an auxiliary loss weighs as much as its micro-batch's loss
-            for _, layer in moe_layers(part):
-                layer.aux_grad_scale = 1.0 if self.pipeline else 1 / len(micro_batches)
         with self.autocast(), offloader.saving() if offloader else contextlib.nullcontext():
             if self.pipeline:
                 loss_sum = self.pipeline.forward_backward(
@@ -404,7 +402,7 @@ def _zero_engine(
     pipeline: Pipeline | None,
     device: torch.device,
     sync_level: str,
-    domains: dict[str, Topology] | None = None,
+    domains: dict[str, ExpertTopology] | None = None,
 ) -> ZeroEngine:
     """The engine over this rank's parts (after tp and pp). Without `zero:` nothing is partitioned
     and consecutive blocks share a flat group up to parallel.bucket_mb (data parallel's buckets)."""
@@ -429,13 +427,20 @@ def _zero_engine(
     )
 
 
-def _expert_parallel(cfg: Config, topo: Topology, model: GPT) -> dict[str, Topology]:
-    """parallel.ep: the experts' own layout (`expert_layout`: expert-parallel × expert-data-parallel
-    groups over each stage's tp·dp ranks), this rank's slice of every MoE layer's experts and the
-    all-to-all dispatch; under tensor parallelism also the routers' layout (every tp·dp rank of the
-    stage). Returns the parameter domains the ZeRO engine reduces over their own ranks (none where
+def _expert_parallel(cfg: Config, topo: Topology, model: GPT) -> dict[str, ExpertTopology]:
+    """The MoE layers: their auxiliary losses weighted once for the run, and parallel.ep: the
+    experts' own layout (`expert_layout`: expert-parallel × expert-data-parallel groups over each
+    stage's tp·dp ranks), this rank's slice of every MoE layer's experts and the all-to-all
+    dispatch; under tensor parallelism also the routers' layout (every tp·dp rank of the stage).
+    Returns the parameter domains the ZeRO engine reduces over their own ranks (none where
     everything is laid out as the dense model: ep = tp = 1)."""
     par = cfg.parallel
+    # An auxiliary loss weighs as much as its micro-batch's loss: 1/M of it, where M is the step's
+    # micro-batches (fixed for the run); a pipeline leaves the 1/M to the engine. It acts in
+    # backward only, so evaluation's forward passes (any number of micro-batches) are unaffected.
+    scale = 1.0 if par.pp > 1 else 1 / cfg.grad_accum_steps(topo.layout.world_size)
+    for _, layer in moe_layers(model):
+        layer.aux_grad_scale = scale
     if not cfg.model.moe.enabled or (par.ep == 1 and par.tp == 1):
         return {}
     from strata.parallel.experts import EXPERTS, ROUTING, apply_expert_parallel

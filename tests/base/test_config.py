@@ -306,6 +306,92 @@ def test_world_size_not_divisible_by_model_parallel():
     )
 
 
+# an MoE model with room in its batch for every world size below
+MOE = ["model.moe.num_experts=24", "train.global_batch_size=48", "train.micro_batch_size=1"]
+HIERARCHICAL = [*MOE, "parallel.ep_dispatch=hierarchical"]
+ONE_NODE = "ranks 0..3 lie on one node"
+UNEVEN = "ranks 0..5 are cut by the nodes into pieces of [2, 4] ranks"
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, local, expected",
+    [
+        # the expert-parallel group inside one node: a set ranks_per_node decides without a world
+        ([*HIERARCHICAL, "parallel.ep=4", "parallel.ranks_per_node=4"], None, None, ONE_NODE),
+        ([*HIERARCHICAL, "parallel.ep=4", "parallel.ranks_per_node=4"], 8, None, ONE_NODE),
+        ([*HIERARCHICAL, "parallel.ep=4"], 8, None, "world size 8), " + ONE_NODE),
+        ([*HIERARCHICAL, "parallel.ep=4"], 8, 4, "LOCAL_WORLD_SIZE=4), " + ONE_NODE),
+        # spanning nodes in pieces of different sizes
+        ([*HIERARCHICAL, "parallel.ep=6", "parallel.ranks_per_node=4"], None, None, UNEVEN),
+        ([*HIERARCHICAL, "parallel.ep=6", "parallel.ranks_per_node=4"], 12, None, UNEVEN),
+        ([*HIERARCHICAL, "parallel.ep=6"], 12, 4, UNEVEN),
+    ],
+    ids=[
+        "inside-no-world",
+        "inside",
+        "inside-one-node-world",
+        "inside-launcher-node",
+        "uneven-no-world",
+        "uneven",
+        "uneven-launcher-node",
+    ],
+)
+def test_a_hierarchical_expert_dispatch_the_nodes_cannot_carry_is_refused(
+    overrides, world_size, local, expected
+):
+    err = load_error(None, overrides, world_size=world_size, local_world_size=local)
+    (problem,) = err.problems
+    assert problem.startswith(
+        "parallel.ep_dispatch=hierarchical needs each expert-parallel group of "
+    )
+    assert expected in problem and "use ep_dispatch=flat or auto" in problem, problem
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, local",
+    [
+        ([*HIERARCHICAL, "parallel.ep=8", "parallel.ranks_per_node=4"], None, None),
+        ([*HIERARCHICAL, "parallel.ep=8", "parallel.ranks_per_node=4"], 8, None),
+        ([*HIERARCHICAL, "parallel.ep=4"], 8, 2),  # the launcher's nodes of 2
+        ([*HIERARCHICAL, "parallel.ep=4"], None, None),  # where nodes cut the world is not known
+        ([*MOE, "parallel.ep=4", "parallel.ranks_per_node=4"], 8, None),  # auto: flat here
+        (
+            [*MOE, "parallel.ep=6", "parallel.ranks_per_node=4", "parallel.ep_dispatch=flat"],
+            12,
+            None,
+        ),
+    ],
+    ids=["spans-no-world", "spans", "launcher-nodes", "no-world", "auto", "flat"],
+)
+def test_an_expert_dispatch_the_nodes_carry_passes(overrides, world_size, local):
+    config.load(None, overrides, world_size=world_size, local_world_size=local)
+
+
+def test_the_expert_dispatch_is_refused_with_the_other_layout_errors():
+    err = load_error(
+        None,
+        [*HIERARCHICAL, "parallel.ep=4", "parallel.ranks_per_node=4", "train.global_batch_size=20"],
+        world_size=8,
+    )
+    assert len(err.problems) == 2, err.problems
+    assert ONE_NODE in err.problems[0]
+    assert err.problems[1].startswith("train.global_batch_size=20 must be a multiple")
+
+
+def test_tensor_parallel_must_divide_the_dense_layers_default_swiglu_width():
+    """d_model=96 gives the default SwiGLU width 256, which tp=3 cannot split; an all-MoE model has
+    no dense feed-forward to split."""
+    dense = ["parallel.tp=3", "model.n_heads=6", "model.d_model=96", "model.pad_vocab_multiple=96"]
+    err = load_error(None, dense)
+    assert err.problems == [
+        "parallel.tp=3 must divide the dense layers' SwiGLU width 256 (model.ffn_hidden null: "
+        "2/3·4·d_model rounded up to a multiple of 32); set model.ffn_hidden to a multiple of tp"
+    ]
+    assert config.load(None, [*dense, "model.ffn_hidden=384"]).model.ffn_size == 384
+    moe = ["model.moe.num_experts=3", "parallel.sequence_parallel=true", "model.seq_len=96"]
+    assert config.load(None, [*dense, *moe]).model.ffn_size == 256
+
+
 def test_valid_layouts_pass():
     cfg = config.load(None, [], world_size=2)
     assert cfg.dp_size(2) == 2 and cfg.grad_accum_steps(2) == 1

@@ -213,6 +213,9 @@ class Case:
     slow: bool = False  # builds a real checkpoint or model first (seconds)
 
 
+# an MoE model whose experts are dispatched in two hops (parallel.ep_dispatch)
+HIERARCHICAL = ("model.moe.num_experts=12", "parallel.ep_dispatch=hierarchical")
+
 CASES = [
     # --- config files: YAML syntax and structure
     Case("yaml-unclosed-flow", show_yaml("train: [1\n"), ("not valid YAML",)),
@@ -442,6 +445,27 @@ CASES = [
         ("strata launch --slurm", "File name too long"),
     ),
     Case("launch-world-size", launch("parallel.tp=4", "--nproc", "2"), ("world size 2",)),
+    # --- the experts' layout, refused with the other layout errors before any worker starts
+    Case(
+        "launch-ep-dispatch-one-node",
+        launch(*HIERARCHICAL, "parallel.ep=2", "--nproc", "2"),
+        ("parallel.ep_dispatch=hierarchical", "LOCAL_WORLD_SIZE=2", "ranks 0..1 lie on one node"),
+    ),
+    Case(
+        "launch-ep-dispatch-uneven",
+        launch(*HIERARCHICAL, "parallel.ep=3", "parallel.ranks_per_node=2", "--nproc", "6"),
+        ("parallel.ep_dispatch=hierarchical", "pieces of [1, 2] ranks", "train.global_batch_size"),
+    ),
+    Case(
+        "config-ep-dispatch-world",
+        show(*HIERARCHICAL, "parallel.ep=4", "--world-size", "4"),
+        ("ranks 0..3 lie on one node", "(null, no launcher: the world size 4)"),
+    ),
+    Case(
+        "config-ep-dispatch-no-world",
+        show(*HIERARCHICAL, "parallel.ep=6", "parallel.ranks_per_node=4"),
+        ("parallel.ep_dispatch=hierarchical", "pieces of [2, 4] ranks", "multiple of 4"),
+    ),
     Case("launch-bad-config", launch("train.steps=0", "--nproc", "2"), ("train.steps",)),
     Case("launch-beta-one", launch("optim.beta1=1.0"), ("optim.beta1", "beta < 1")),
     Case("launch-long-name", launch(f"log.name={LONG}"), ("log.name", "255")),
@@ -711,6 +735,21 @@ def test_a_valid_launch_reaches_torchrun_and_data_at_the_vocabulary_edge_passes(
     assert [p.nproc_per_node for p in _no_torchrun] == [2]
     (d / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 70000}))
     assert run_cli(argv, capsys)[0] == 0
+
+
+def test_a_hierarchical_dispatch_across_nodes_launches(tmp_path, capsys, _no_torchrun):
+    """The node size the dispatch is checked against is the launcher's: 2 processes on each of 2
+    nodes put an expert-parallel group of 4 on both (while one node of 4 would hold it whole)."""
+    argv = [
+        *launch(*HIERARCHICAL, "parallel.ep=4", "train.micro_batch_size=4")(tmp_path),
+        "--nproc",
+        "2",
+    ]
+    code, out = run_cli([*argv, "--nnodes", "2", "--rdzv-endpoint", "node1:29400"], capsys)
+    assert code == 0, out
+    assert [(p.nproc_per_node, p.nnodes) for p in _no_torchrun] == [(2, 2)]
+    code, out = run_cli([*argv[:-1], "4"], capsys)
+    assert code == 2 and "ranks 0..3 lie on one node" in out
 
 
 def test_launch_over_an_earlier_run_starts_when_told_how(tmp_path, capsys, _no_torchrun):

@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 
 from strata.config import ModelConfig, MoEConfig
+from strata.errors import ConfigError
 from strata.moe import Experts, MoE
 from strata.parallel import comm
-from strata.parallel.experts import make_dispatch
-from strata.parallel.topology import Layout, build_topology
+from strata.parallel.experts import AllToAllDispatch, make_dispatch
+from strata.parallel.topology import ExpertLayout, ExpertTopology, build_topology
 
 from worlds import join_world, run_world
 
@@ -72,7 +73,7 @@ def run(
 def _worker(rank: int, size: int, port: int, out_dir: str) -> None:
     join_world(rank, size, port)
     try:
-        topo = build_topology(Layout(tp=WORLD, pp=1, dp=1, ranks_per_node=PER_NODE), rank)
+        topo = build_topology(ExpertLayout(ep=WORLD, ranks_per_node=PER_NODE), rank)
         x, grad_out = (t[rank * TOKENS : (rank + 1) * TOKENS] for t in inputs())
         per_rank = EXPERTS // WORLD
         results = {}
@@ -143,3 +144,18 @@ def test_hierarchical_sends_fewer_bytes_across_nodes(ranks):
     limited = sum(r[("node-limited", "hierarchical")]["inter_node_bytes"] for r in ranks)
     limited_flat = sum(r[("node-limited", "flat")]["inter_node_bytes"] for r in ranks)
     assert limited <= 0.6 * limited_flat
+
+
+def test_make_dispatch_refuses_what_the_config_refuses():
+    """A caller that skipped the config's checks meets the same rule, in the same words."""
+    inside, uneven = (
+        ExpertLayout(ep=4, ranks_per_node=4),
+        ExpertLayout(ep=6, edp=2, ranks_per_node=4),
+    )
+    with pytest.raises(ConfigError, match=r"4 ranks per node, ranks 0\.\.3 lie on one node"):
+        make_dispatch(ExpertTopology(inside, 0), 4, EXPERTS, "hierarchical")
+    with pytest.raises(ConfigError, match=r"pieces of \[2, 4\] ranks"):
+        make_dispatch(ExpertTopology(uneven, 0), 6, 12, "hierarchical")
+    for layout in (inside, uneven):  # auto falls back to the flat all-to-all
+        dispatch = make_dispatch(ExpertTopology(layout, 0), layout.ep, 12, "auto")
+        assert isinstance(dispatch, AllToAllDispatch)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from strata.config import ModelConfig
+from strata.config import ModelConfig, MoEConfig
 from strata.errors import ConfigError
 from strata.model import RMSNorm, build_model, lm_loss
 from strata.parallel import comm
@@ -314,3 +314,23 @@ def test_sequence_parallel_rejects_indivisible_sequence():
     model = build_model(model_config(seq_len=15), VOCAB, seed=SEED)
     with pytest.raises(ConfigError, match="seq_len=15"):
         apply_tensor_parallel(model, None, 0, 2, sequence_parallel=True)
+
+
+def test_tensor_parallel_refuses_with_the_configs_own_rules():
+    """The layers state no divisibility rule of their own: they refuse what the config's checks
+    refuse (`strata.config.vocabulary`), every problem at once, in the config's words."""
+    model = build_model(model_config(n_heads=4, ffn_hidden=100), VOCAB, seed=SEED)
+    with pytest.raises(ConfigError) as err:
+        apply_tensor_parallel(model, None, 0, 3)
+    assert err.value.problems == [
+        "parallel.tp=3 must divide model.n_heads=4",
+        "parallel.tp=3 must divide model.ffn_hidden=100",
+        "parallel.tp=3 must divide model.vocab_size=128",
+    ]
+    moe = build_model(
+        model_config(moe=MoEConfig(num_experts=4, top_k=2, expert_ffn=8)), VOCAB, seed=SEED
+    )
+    with pytest.raises(
+        ConfigError, match=r"MoE layers with parallel.tp=2 need .*sequence_parallel"
+    ):
+        apply_tensor_parallel(moe, None, 0, 2)

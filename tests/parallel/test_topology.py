@@ -23,16 +23,22 @@ import torch
 import torch.distributed as dist
 
 from strata.config import ParallelConfig
+from strata.config.vocabulary import ep_dispatch_problem
 from strata.errors import ConfigError
 from strata.parallel.topology import (
     CHAIN,
     DIMS,
+    EXPERT_DIMS,
     HARDWARE,
     LEVELS,
+    ExpertLayout,
+    ExpertTopology,
+    Grid,
     Layout,
     Topology,
     build_topology,
     digit_key,
+    expert_layout,
     layout_from_config,
     level_key,
 )
@@ -491,38 +497,44 @@ def test_build_topology_real_gloo_world(tmp_path):
     assert frontier[5]["gpu"] == [4, 5] and frontier[5]["node"] == [4, 5, 6, 7]
 
 
-def _expected_groups(layout: Layout) -> list[dict[str, list[int]]]:
-    """Per rank, the groups build_topology should keep, from Layout's public methods: every
-    parallel dimension's, each hierarchy level's unit / dp shard / replica group and each digit
-    group where it has more than one member (none for a level that cuts dp groups unevenly)."""
-    named = [(dim, layout.group_ranks(dim)) for dim in DIMS]
+def _expected_groups(layout: Grid) -> list[dict[str, list[int]]]:
+    """Per rank, the groups build_topology should keep, from the grid's public methods: every
+    parallel dimension's, each hierarchy level's unit / data-dimension shard / replica group and each
+    digit group where it has more than one member (none for a level that cuts the data groups
+    unevenly); an expert layout's expert-parallel groups cut by node where they span nodes."""
+    data = layout.data_dim
+    named = [(dim, layout.group_ranks(dim)) for dim in layout.DIMS]
     for level in LEVELS:
         named += [
-            (level_key(level), layout.level_groups(level)),
-            (level_key(level, within_dp=True), layout.level_groups(level, within_dp=True)),
+            (level_key(level, data=data), layout.level_groups(level)),
+            (
+                level_key(level, within_dp=True, data=data),
+                layout.level_groups(level, within_dp=True),
+            ),
         ]
         try:
-            named.append((level_key(level, replica=True), layout.replica_groups(level)))
+            named.append((level_key(level, replica=True, data=data), layout.replica_groups(level)))
         except ConfigError:
             pass
     for i, inner in enumerate(CHAIN):  # ZeRO's digit groups between any two partition levels
         for outer in CHAIN[i + 1 :]:
             try:
-                named.append((digit_key(inner, outer), layout.digit_groups(inner, outer)))
+                named.append((digit_key(inner, outer, data), layout.digit_groups(inner, outer)))
             except ConfigError:
                 pass
     named.append(
         ("pp_ends", layout.pipeline_end_ranks())
     )  # only the pipelines' end ranks are members
-    split = layout.node_split("tp")  # tp groups spanning nodes: their pieces and columns
-    if split is not None:
-        named += [("tp_in_node", split[0]), ("tp_across_nodes", split[1])]
+    if isinstance(layout, ExpertLayout):
+        split = layout.node_split("ep")  # ep groups spanning nodes: their pieces and columns
+        if split is not None:
+            named += [("ep_in_node", split[0]), ("ep_across_nodes", split[1])]
     out = []
     for r in range(layout.world_size):
         mine = {}
         for name, groups in named:
             g = next((g for g in groups if r in g), None)
-            if g is not None and (name in DIMS or len(g) > 1):
+            if g is not None and (name in layout.DIMS or len(g) > 1):
                 mine[name] = g
         out.append(mine)
     return out
@@ -683,16 +695,218 @@ def test_build_topology_hierarchy_groups(fake_world_builds, tp, pp, dp, rpn, rpg
         assert all("dp_node_replica" not in b for b in fake_world_builds["2,2,3,4,1"])
 
 
-def test_a_tp_group_spanning_nodes_is_cut_into_node_pieces_and_columns():
+def test_an_expert_parallel_group_spanning_nodes_is_cut_into_node_pieces_and_columns():
     """What the hierarchical expert dispatch sends over: 8 ranks on 2 nodes of 4, as pieces inside
-    each node and columns across them; none where a group stays inside a node."""
-    pieces, columns = Layout(tp=8, pp=1, dp=2, ranks_per_node=4).node_split("tp")
+    each node and columns across them; none where a group stays inside a node or is cut unevenly."""
+    spanning = expert_layout(Layout(dp=16, ranks_per_node=4), 8)
+    pieces, columns = spanning.node_split("ep")
     assert pieces == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     assert columns == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
-    assert Layout(tp=8, pp=1, dp=2, ranks_per_node=4).node_span("tp") == (4, 2)
-    assert Layout(tp=4, pp=1, dp=2, ranks_per_node=4).node_split("tp") is None
-    assert Layout(tp=4, pp=1, dp=2, ranks_per_node=4).node_span("tp") == (4, 1)
-    assert Layout(tp=6, pp=1, dp=2, ranks_per_node=4).node_split("tp") is None  # pieces of 4 and 2
+    assert spanning.node_span("ep") == (4, 2)
+    inside = ExpertLayout(ep=4, edp=2, ranks_per_node=4)
+    assert inside.node_split("ep") is None and inside.node_span("ep") == (4, 1)
+    assert ExpertLayout(ep=6, edp=2, ranks_per_node=4).node_split("ep") is None  # pieces of 4 and 2
+
+
+# (tp, pp, dp, ranks_per_node, ranks_per_gpu, ep)
+EXPERT_LAYOUTS = [
+    (1, 1, 8, 4, 1, 2),
+    (1, 1, 8, 2, 1, 4),
+    (2, 1, 4, 4, 2, 8),
+    (2, 2, 4, 8, 2, 4),
+    (1, 2, 6, 4, 1, 3),
+    (1, 1, 16, 4, 2, 8),
+    (1, 1, 24, 8, 1, 6),  # edp groups cut unevenly by the nodes: no node-level partitioning
+    (2, 1, 4, 8, 1, 1),  # the routers' domain under tensor parallelism
+]
+EXPERT_IDS = [f"tp{a}-pp{b}-dp{c}-rpn{d}-rpg{e}-ep{f}" for a, b, c, d, e, f in EXPERT_LAYOUTS]
+
+
+@pytest.mark.parametrize("tp,pp,dp,rpn,rpg,ep", EXPERT_LAYOUTS, ids=EXPERT_IDS)
+def test_the_expert_layout_folds_ep_and_edp_into_each_stage(tp, pp, dp, rpn, rpg, ep):
+    """Megatron-core's MoE parallel folding: a stage's tp·dp ranks as ep consecutive ranks (the
+    expert-parallel group) times edp, on the dense layout's hardware and pipeline."""
+    dense = hw_layout(tp, pp, dp, rpn, rpg)
+    layout = expert_layout(dense, ep)
+    assert layout.DIMS == EXPERT_DIMS and layout.data_dim == "edp"
+    assert (layout.ep, layout.edp, layout.pp) == (ep, tp * dp // ep, pp)
+    assert layout.world_size == dense.world_size and layout.node_size == dense.node_size
+    n = layout.world_size
+    assert layout.group_ranks("ep") == [list(range(s, s + ep)) for s in range(0, n, ep)]
+    assert layout.group_ranks("pp") == dense.group_ranks("pp")
+    for r in range(n):
+        c = layout.coords(r)
+        assert set(c) == set(EXPERT_DIMS) and layout.rank_of(**c) == r
+        assert c["pp"] == dense.coords(r)["pp"]
+        edp = next(g for g in layout.group_ranks("edp") if r in g)
+        assert edp == [q for q in range(n) if q % ep == r % ep and q // (tp * dp) == c["pp"]]
+    with pytest.raises(ValueError, match="no dimension 'tp'"):
+        layout.group_ranks("tp")
+    for r in range(n):  # ZeRO's chunks over edp nest as they do over dp
+        for fine, coarse in zip(CHAIN, CHAIN[1:]):
+            try:
+                (i, a), (j, b) = layout.nested_chunk(r, fine), layout.nested_chunk(r, coarse)
+            except ConfigError as e:
+                assert "expert-data-parallel group" in str(e) and "parallel.ep=" in str(e)
+                break
+            assert i * (b // a) <= j < (i + 1) * (b // a)
+
+
+def test_an_uneven_expert_data_parallel_cut_names_ep():
+    layout = expert_layout(Layout(dp=24, ranks_per_node=8), 6)
+    with pytest.raises(
+        ConfigError, match=r"parallel.ep=6, pp=1 \(edp=4\).*edp group \[0, 6, 12, 18\]"
+    ):
+        layout.replica_groups("node")
+
+
+@pytest.mark.parametrize("per_node", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("ep", [1, 2, 3, 4, 6, 8, 12, 16, 24])
+def test_the_config_refuses_a_hierarchical_dispatch_exactly_where_there_is_no_node_split(
+    ep, per_node
+):
+    """strata.config.vocabulary.ep_dispatch_problem, which the config's checks run before anything
+    starts, decides from the node size alone what the topology finds by cutting every group."""
+    world = 48
+    layout = ExpertLayout(ep=ep, edp=world // ep, ranks_per_node=per_node)
+    problem = ep_dispatch_problem(ep, "hierarchical", per_node, "the test's nodes")
+    spans = layout.node_split("ep") is not None
+    assert (problem is None) == (ep == 1 or spans), problem  # ep = 1: no dispatch to refuse
+    assert ep_dispatch_problem(ep, "flat", per_node, "") is None
+    assert ep_dispatch_problem(ep, "auto", per_node, "") is None
+
+
+def test_expert_topology_groups_are_named_ep_and_edp():
+    topo = ExpertTopology(
+        expert_layout(Layout(dp=8, ranks_per_node=4), 2), 5, {"edp_node": "shard", "ep": "ep"}
+    )
+    assert topo.coords == {"pp": 0, "edp": 2, "ep": 1}
+    assert topo.group("ep") == "ep" and topo.level_group("node", within_dp=True) == "shard"
+    assert ExpertTopology(ExpertLayout(ep=1, edp=4), 0, {"ep": "x"}).group("ep") is None
+
+
+def _expert_world_builds(layouts: list[tuple[int, int, int, int, int, int]]) -> dict:
+    """Child-process body: for each layout and rank, the groups the experts' topology keeps when
+    built after the dense one (reusing its groups), and how many groups it made anew."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    out = {}
+    for *key, ep in layouts:
+        dense = hw_layout(*key)
+        per_rank = []
+        for r in range(dense.world_size):
+            dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=dense.world_size)
+            try:
+                topo = build_topology(dense, r)
+                experts = build_topology(expert_layout(dense, ep), r, reuse=topo)
+                per_rank.append(
+                    {
+                        "groups": {
+                            name: dist.get_process_group_ranks(g)
+                            for name, g in experts.groups.items()
+                        },
+                        "new": len(experts.made) - len(topo.made),
+                        "reused": sorted(
+                            name
+                            for name, g in experts.groups.items()
+                            if any(g is h for h in topo.made.values())
+                        ),
+                    }
+                )
+            finally:
+                dist.destroy_process_group()
+        out[",".join(map(str, (*key, ep)))] = per_rank
+    return out
+
+
+def test_build_topology_expert_groups():
+    """The experts' topology keeps its groups under their own names, and makes a group only for a
+    membership the dense topology did not already make (each would be one more communicator)."""
+    builds = _run_child("experts", EXPERT_LAYOUTS)
+    for *key, ep in EXPERT_LAYOUTS:
+        dense = hw_layout(*key)
+        layout = expert_layout(dense, ep)
+        expected = _expected_groups(layout)
+        made_by_dense = {
+            tuple(g) for groups in _expected_groups(dense) for g in groups.values()
+        } | {tuple(range(dense.world_size))}
+        wanted = {tuple(g) for groups in expected for g in groups.values() if len(g) > 1}
+        for r, built in enumerate(builds[",".join(map(str, (*key, ep)))]):
+            assert built["groups"] == expected[r], (key, ep, r)
+            assert built["new"] == len(wanted - made_by_dense), (key, ep, r)
+            assert all(tuple(built["groups"][name]) in made_by_dense for name in built["reused"])
+        assert ("ep_in_node" in expected[0]) == (layout.node_split("ep") is not None)
+    assert "ep_across_nodes" in _expected_groups(expert_layout(hw_layout(1, 1, 8, 2, 1), 4))[0]
+
+
+EP_LAYOUTS = [(1, 1, 4, 2), (1, 1, 8, 4), (2, 1, 4, 4), (2, 2, 2, 2), (1, 2, 4, 4), (2, 1, 2, 1)]
+# tp, pp, dp, ep
+
+
+def _megatron_experts(layouts: list[tuple[int, int, int, int]]) -> dict:
+    """Child-process body: megatron's expert-model-parallel and expert-data-parallel groups and
+    ranks (experts not tensor-parallel: expert_tensor_parallel_size=1, the folding Strata runs)."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    members = dist.get_process_group_ranks
+    out = {}
+    for tp, pp, dp, ep in layouts:
+        n = tp * pp * dp
+        per_rank = []
+        for r in range(n):
+            dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=n)
+            try:
+                ps.initialize_model_parallel(
+                    tensor_model_parallel_size=tp,
+                    pipeline_model_parallel_size=pp,
+                    expert_model_parallel_size=ep,
+                    expert_tensor_parallel_size=1,
+                    create_gloo_process_groups=False,
+                )
+                per_rank.append(
+                    {
+                        "ep": members(ps.get_expert_model_parallel_group()),
+                        "edp": members(ps.get_expert_data_parallel_group()),
+                        "coords": {
+                            "ep": ps.get_expert_model_parallel_rank(),
+                            "edp": ps.get_expert_data_parallel_rank(),
+                        },
+                    }
+                )
+            finally:
+                ps.destroy_model_parallel()
+                dist.destroy_process_group()
+        out[",".join(map(str, (tp, pp, dp, ep)))] = per_rank
+    return out
+
+
+@pytest.mark.slow  # megatron-core's groups, built in a child process
+def test_expert_groups_match_megatron():
+    """ExpertLayout's ep and edp groups are megatron-core's expert-model-parallel and
+    expert-data-parallel groups (MoE parallel folding with untensor-parallel experts)."""
+    if (
+        importlib.util.find_spec("megatron") is None
+        or importlib.util.find_spec("megatron.core") is None
+    ):
+        pytest.skip(
+            "megatron-core not installed (pip install -e '.[test]' installs megatron-core==0.16.1)"
+        )
+    reference = _run_child("megatron-ep", EP_LAYOUTS)
+    for tp, pp, dp, ep in EP_LAYOUTS:
+        layout = expert_layout(Layout(tp=tp, pp=pp, dp=dp), ep)
+        for r, mg in enumerate(reference[f"{tp},{pp},{dp},{ep}"]):
+            for dim in ("ep", "edp"):
+                assert next(g for g in layout.group_ranks(dim) if r in g) == mg[dim], (
+                    (tp, pp, dp, ep),
+                    r,
+                    dim,
+                )
+                assert layout.coords(r)[dim] == mg["coords"][dim]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -785,5 +999,7 @@ if __name__ == "__main__":  # child process of the megatron_reference / fake_wor
         "megatron": _megatron_reference,
         "hardware": _fake_world_builds,
         "megatron-cp": _megatron_context,
+        "experts": _expert_world_builds,
+        "megatron-ep": _megatron_experts,
     }[mode]
     print(json.dumps(body(arg)))

@@ -13,7 +13,7 @@ import torch
 
 from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
-from strata.model import build_model, lm_loss
+from strata.model import build_model, lm_loss, moe_layers
 from strata.moe import load_balancing_loss
 from strata.parallel.runtime import start
 from strata.trainer.loop import Trainer, run
@@ -59,6 +59,11 @@ def test_aux_loss_gradient_equals_the_loss_added_by_hand(small_data_dir, tmp_pat
     want = dict(reference.named_parameters())
 
     model = trainer.model
+    # weighted once, when the model was built, for the step's micro-batches; an evaluation in
+    # between (forward only, another number of micro-batches) leaves the weight and the gradient
+    layers = [layer for part in model.parts for _, layer in moe_layers(part)]
+    assert layers and {layer.aux_grad_scale for layer in layers} == {1 / len(micro)}
+    model.eval_loss(*micro[0])
     model.forward_backward(micro)
     model.reduce_and_clip(float("inf"))
     checked = 0

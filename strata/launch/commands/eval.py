@@ -108,7 +108,12 @@ def run(args: argparse.Namespace) -> int:
     from strata.parallel import runtime
     from strata.trainer.evaluate import evaluate_checkpoint
 
-    cfg = config.load(args.config, args.overrides, world_size=runtime.world_size_from_env())
+    cfg = config.load(
+        args.config,
+        args.overrides,
+        world_size=runtime.world_size_from_env(),
+        local_world_size=runtime.local_world_size_from_env(),
+    )
     rt = runtime.start(cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
         result = evaluate_checkpoint(cfg, rt, Path(args.resume), [Path(d) for d in args.data])

@@ -186,7 +186,12 @@ def _run_slurm(args: argparse.Namespace) -> int:
     from strata import config
     from strata.launch import slurm
 
-    cfg = config.load(args.config, args.overrides, world_size=args.nodes * args.gpus_per_node)
+    cfg = config.load(
+        args.config,
+        args.overrides,
+        world_size=args.nodes * args.gpus_per_node,
+        local_world_size=args.gpus_per_node,
+    )
     config.check_trainable(cfg)
     warn_memory(cfg, args.nodes, args.gpus_per_node)
     job = slurm.SlurmJob(
@@ -216,7 +221,12 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     from strata.launch import torchrun
 
     # fail before starting workers
-    cfg = config.load(args.config, args.overrides, world_size=args.nproc * args.nnodes)
+    cfg = config.load(
+        args.config,
+        args.overrides,
+        world_size=args.nproc * args.nnodes,
+        local_world_size=args.nproc,
+    )
     config.check_trainable(cfg)
     problem = config.snapshot_nodes_problem(cfg.snapshot, args.nnodes)
     if problem:

@@ -52,7 +52,12 @@ def run(args: argparse.Namespace) -> int:
     from strata.trainer.loop import run as train
     from strata.trainer.signals import Preempted
 
-    cfg = config.load(args.config, args.overrides, world_size=runtime.world_size_from_env())
+    cfg = config.load(
+        args.config,
+        args.overrides,
+        world_size=runtime.world_size_from_env(),
+        local_world_size=runtime.local_world_size_from_env(),
+    )
     config.check_trainable(cfg)
     rt = runtime.start(cfg.parallel.backend, cfg.parallel.timeout_s)
     note_worker_status("running")  # under `strata launch`: this attempt's worker started
