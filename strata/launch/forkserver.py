@@ -49,7 +49,7 @@ from typing import Any
 # import it at their first call) and pipelining (a tenth of a second once _dynamo is loaded).
 PRELOAD = (
     "strata.launch.commands",
-    "strata.launch.torchrun",
+    "strata.launch.supervisor",
     "strata.parallel.runtime",
     "strata.trainer.loop",
     "strata.checkpoint.snapshot",

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     """Train (or rewrite --resume under --save-to); 0 when done, Preempted's code raised on a
     signal."""
     from strata import config
-    from strata.launch.torchrun import note_worker_status
+    from strata.launch.supervisor import note_worker_status
     from strata.parallel import runtime
     from strata.trainer.loop import rewrite_checkpoint
     from strata.trainer.loop import run as train
