@@ -39,12 +39,11 @@ from strata.checkpoint.reader import Checkpoint
 from strata.checkpoint.stage import (
     OBJECTS_FILE,
     Staging,
-    image_views,
     index_of,
     objects_blob,
+    prepare_image,
     replan,
     stage,
-    write_templates,
 )
 from strata.checkpoint.store import data_file
 from strata.config.schema import SnapshotConfig
@@ -279,8 +278,7 @@ class SnapshotManager:
         if lease is not None:
             slot = self._slots[lease]
             if slot.plan != self._plan:
-                write_templates(slot.tensor, staging.items)
-                slot.plan, slot.views = self._plan, image_views(slot.tensor, staging.items)
+                slot.plan, slot.views = self._plan, prepare_image(slot.tensor, staging.items)
             stage(slot.views, staging.sources)
             slot.map[staging.nbytes : nbytes] = trailer
         flags = torch.tensor([int(same), int(lease is not None), int(self.broken is None)])

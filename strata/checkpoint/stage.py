@@ -190,6 +190,13 @@ def image_views(image: torch.Tensor, items: list[Item]) -> list[torch.Tensor]:
     return out
 
 
+def prepare_image(image: torch.Tensor, items: list[Item]) -> list[torch.Tensor]:
+    """Ready `image` for a plan's saves: every blob's torch.save header and trailer written
+    (`write_templates`); returns the views `stage` copies each item's data into (`image_views`)."""
+    write_templates(image, items)
+    return image_views(image, items)
+
+
 def stage(dsts: list[torch.Tensor], sources: Sources, check_finite: bool = False) -> bool:
     """Copy every item's source view into its image view (the one per-save copy). With
     `check_finite`, also whether every floating-point element is finite, checked on each grain of
