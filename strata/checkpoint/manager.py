@@ -241,6 +241,7 @@ class CheckpointManager:
     # --- the writer process ----------------------------------------------------------------
     @property
     def writer_pid(self) -> int | None:
+        """The writer process's pid, or None before the first save starts one."""
         return self._proc.pid if self._proc is not None else None
 
     def _start_writer(self) -> Connection:

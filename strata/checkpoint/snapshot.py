@@ -91,10 +91,13 @@ class _Committer:
         threading.Thread(target=self._run, name="strata-snapshot-commit", daemon=True).start()
 
     def submit(self, pending: _Pending) -> None:
+        """Queue `pending` for the thread to finish."""
         self._idle.clear()
         self._jobs.put(pending)
 
     def wait(self) -> None:
+        """Block until the snapshot submitted last is finished (the manager has one in flight at a
+        time)."""
         self._idle.wait()
 
     def _run(self) -> None:

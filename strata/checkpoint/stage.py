@@ -55,6 +55,8 @@ class SharedImage:
         self._release.atexit = False
 
     def close(self) -> None:
+        """Unregister the image from CUDA, close its descriptor and unmap it (left to the process's
+        exit while a view of it is still alive)."""
         self._release()
         self.tensor = None  # type: ignore[assignment]  # no view of the mapping may outlive close()
         try:

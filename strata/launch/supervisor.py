@@ -136,6 +136,7 @@ class Supervisor:
     preempted: Callable[[], int | None] = lambda: None
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """The signal handler: queue the signal for `wait`, which acts on it within POLL_S."""
         self.pending.append(signum)  # no work in the handler: `wait` acts on it within POLL_S
 
     @contextlib.contextmanager

@@ -67,6 +67,8 @@ class LaunchPlan:
 
     @property
     def static(self) -> bool:
+        """Whether the rendezvous is static (a fixed node rank and master address) rather than
+        c10d."""
         return self.node_rank is not None or bool(self.master_addr) or self.master_port is not None
 
 
@@ -306,6 +308,8 @@ class WorkerCommand:
     command: str = "train"
 
     def args(self) -> list[str]:
+        """The Python arguments each worker runs: `-m strata.launch.cli COMMAND CONFIG overrides`,
+        then --resume and the extra flags."""
         args = ["-m", "strata.launch.cli", self.command, self.config_path, *self.overrides]
         return args + (["--resume", self.resume] if self.resume else []) + list(self.extra)
 
@@ -427,6 +431,8 @@ class AgentKeeper:
     given_up: bool = False
 
     def check(self) -> None:
+        """Restart the agent if it has died, unless it died more than MAX_RESTARTS times within
+        RESTART_WINDOW_S (then warn once and leave snapshots off)."""
         code = self.proc.poll()
         if code is None or self.given_up:
             return
@@ -453,6 +459,8 @@ class AgentKeeper:
         )
 
     def stop(self) -> None:
+        """Stop the agent (SIGTERM, then SIGKILL after KILL_MARGIN_S) and remove its socket and
+        directory."""
         _stop_agent(self.proc, self.path)
 
 

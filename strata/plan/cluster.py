@@ -36,6 +36,7 @@ class Device:
 
     @property
     def sustained_tflops(self) -> float:
+        """The dense bf16 TFLOP/s large matmuls reach: the peak times the matmul efficiency."""
         return self.peak_tflops * self.matmul_efficiency
 
     def rate_tflops(self, precision: str) -> float:
@@ -89,10 +90,12 @@ class Cluster:
 
     @property
     def ranks_per_node(self) -> int:
+        """Ranks on each node: GPUs per node times ranks (GCDs) per GPU."""
         return self.gpus_per_node * self.ranks_per_gpu
 
     @property
     def world_size(self) -> int:
+        """Ranks in the whole cluster."""
         return self.nodes * self.ranks_per_node
 
     def bandwidth_bytes_s(self, link: str) -> float:
@@ -105,6 +108,8 @@ class Cluster:
         return gbps[link] * 1e9 / 8
 
     def describe(self) -> str:
+        """One line for the planner's output: nodes, GPUs (and GCDs) of which device, and the links'
+        bandwidths."""
         gpus = f"{self.gpus_per_node} GPUs" + (
             f" × {self.ranks_per_gpu} GCDs" if self.ranks_per_gpu > 1 else ""
         )
