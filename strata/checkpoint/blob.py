@@ -27,9 +27,12 @@ class _DryRun(io.RawIOBase):
         self.ptr, self.nbytes = data_ptr, nbytes
 
     def writable(self) -> bool:
+        """Always True: torch.save only writes to a writable stream."""
         return True
 
     def write(self, b) -> int:
+        """Keep a copy of `b`, or a placeholder where it is the tensor's data itself; returns the
+        bytes taken."""
         view = memoryview(b)
         if self.nbytes and view.nbytes == self.nbytes and _address(view) == self.ptr:
             self.parts.append(None)

@@ -121,6 +121,8 @@ class _SafeUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str):
+        """The class a pickle names, only if it is one the metadata may hold (ALLOWED, or a torch
+        dtype); anything else is refused."""
         if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):

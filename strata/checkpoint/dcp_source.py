@@ -159,20 +159,29 @@ class DcpCheckpoint:
 
     # --- the reader's interface -------------------------------------------------------------------
     def shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        """The global shape of every tensor whose key starts with `prefix`, by the rest of its
+        key."""
         return {k[len(prefix) :]: s.shape for k, s in self.sources.items() if k.startswith(prefix)}
 
     def has(self, key: str) -> bool:
+        """Whether the checkpoint holds tensor `key`."""
         return key in self.sources
 
     def has_object(self, key: str) -> bool:
+        """Whether it holds object `key`: only the trainer's, which a DCP checkpoint stands in
+        for."""
         return key == "trainer"
 
     def object(self, key: str):
+        """The trainer's state, at step 0 with no data consumed (DCP keeps neither); any other
+        object is refused."""
         if key != "trainer":
             raise CheckpointError(f"{self.path}: a DCP checkpoint's {key!r} is not read")
         return {"step": 0, "data": {"consumed_samples": 0}}
 
     def read(self, targets: list[Piece], verify: bool = True) -> list[str]:
+        """Fill each target's box from the saved tensor of its key; returns the problems (a missing
+        key, another shape) instead of raising."""
         problems = []
         for t in sorted(targets, key=lambda t: t.key):
             src = self.sources.get(t.key)
@@ -238,6 +247,7 @@ class DcpCheckpoint:
             ) from e
 
     def close(self) -> None:
+        """Drop the last tensor assembled (no file stays open)."""
         self._cache = None
 
 

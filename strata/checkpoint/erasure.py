@@ -115,6 +115,8 @@ class _Pinned:
         self._views: list[_PyBuffer] = []
 
     def add(self, obj: Buffer, writable: bool, what: str) -> tuple[int, int]:
+        """Hold `obj`'s buffer exported until the call ends; returns its address and length, or
+        raises naming `what` if it is not a (writable) contiguous buffer."""
         view = _PyBuffer()
         try:
             _get_buffer(obj, ctypes.byref(view), _PyBUF_WRITABLE if writable else _PyBUF_SIMPLE)

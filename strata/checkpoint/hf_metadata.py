@@ -46,6 +46,7 @@ class _Source:
     config: dict[str, Any]
 
     def file(self, name: str) -> bytes | None:
+        """The bytes of file `name` in the model directory, or None when it cannot be read."""
         try:
             return (self.path / name).read_bytes()
         except OSError:

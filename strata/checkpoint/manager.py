@@ -33,12 +33,11 @@ from strata.checkpoint.stage import (
     OBJECTS_FILE,
     SharedImage,
     Staging,
-    image_views,
     index_of,
     objects_blob,
+    prepare_image,
     replan,
     stage,
-    write_templates,
 )
 from strata.errors import CheckpointError
 from strata.parallel import comm
@@ -200,8 +199,7 @@ class CheckpointManager:
         self._stop_writer()  # a writer maps the old image
         self._free_image()
         image = staging.image = SharedImage(staging.nbytes)
-        write_templates(image.tensor, staging.items)
-        self._dsts = image_views(image.tensor, staging.items)
+        self._dsts = prepare_image(image.tensor, staging.items)
         self._staging = staging
         return staging
 
@@ -243,6 +241,7 @@ class CheckpointManager:
     # --- the writer process ----------------------------------------------------------------
     @property
     def writer_pid(self) -> int | None:
+        """The writer process's pid, or None before the first save starts one."""
         return self._proc.pid if self._proc is not None else None
 
     def _start_writer(self) -> Connection:

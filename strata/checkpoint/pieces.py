@@ -35,6 +35,7 @@ class Piece:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The tensor's element type."""
         return self.tensor.dtype
 
 
@@ -223,7 +224,9 @@ class StateContents:
 class SavableState(Protocol):
     """The training state a `CheckpointManager` saves and a `SnapshotManager` snapshots."""
 
-    def contents(self, step: int) -> StateContents: ...
+    def contents(self, step: int) -> StateContents:
+        """What to save for `step`: this rank's pieces, its objects, the aliases of tied tensors and
+        the layout."""
 
 
 @dataclass
@@ -233,4 +236,5 @@ class FixedState:
     fixed: StateContents
 
     def contents(self, step: int) -> StateContents:
+        """The fixed contents, whatever the step."""
         return self.fixed

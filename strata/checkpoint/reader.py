@@ -71,6 +71,8 @@ class _ReadAhead:
         self.consumed = 0  # bytes of the reads before the current one
 
     def advise(self, i: int) -> None:
+        """Before read `i`: count the reads done, and advise the kernel of the next ones until
+        READ_AHEAD bytes are ahead."""
         if i:
             self.consumed += self.reads[i - 1].hi - self.reads[i - 1].lo
         while self.next < len(self.reads) and (
@@ -146,6 +148,7 @@ class Checkpoint:
 
     @property
     def step(self) -> int:
+        """The step the checkpoint was saved at (-1 when its marker has none)."""
         return int(self.marker.get("step", -1))
 
     def shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -159,9 +162,12 @@ class Checkpoint:
         }
 
     def has(self, key: str) -> bool:
+        """Whether the checkpoint holds tensor `key` (itself, or as an alias of a tied tensor)."""
         return self.index.get("aliases", {}).get(key, key) in self.index["tensors"]
 
     def has_object(self, key: str) -> bool:
+        """Whether the checkpoint holds object `key` (rank 0's: the trainer's state, the optimizer's
+        hyper-parameters)."""
         return key in self.index.get("objects", {})
 
     def object(self, key: str):
@@ -348,6 +354,7 @@ class Checkpoint:
                 done.add(i)
 
     def close(self) -> None:
+        """Close every data file the reads opened."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

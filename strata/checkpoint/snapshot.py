@@ -39,12 +39,11 @@ from strata.checkpoint.reader import Checkpoint
 from strata.checkpoint.stage import (
     OBJECTS_FILE,
     Staging,
-    image_views,
     index_of,
     objects_blob,
+    prepare_image,
     replan,
     stage,
-    write_templates,
 )
 from strata.checkpoint.store import data_file
 from strata.config.schema import SnapshotConfig
@@ -92,10 +91,13 @@ class _Committer:
         threading.Thread(target=self._run, name="strata-snapshot-commit", daemon=True).start()
 
     def submit(self, pending: _Pending) -> None:
+        """Queue `pending` for the thread to finish."""
         self._idle.clear()
         self._jobs.put(pending)
 
     def wait(self) -> None:
+        """Block until the snapshot submitted last is finished (the manager has one in flight at a
+        time)."""
         self._idle.wait()
 
     def _run(self) -> None:
@@ -279,8 +281,7 @@ class SnapshotManager:
         if lease is not None:
             slot = self._slots[lease]
             if slot.plan != self._plan:
-                write_templates(slot.tensor, staging.items)
-                slot.plan, slot.views = self._plan, image_views(slot.tensor, staging.items)
+                slot.plan, slot.views = self._plan, prepare_image(slot.tensor, staging.items)
             stage(slot.views, staging.sources)
             slot.map[staging.nbytes : nbytes] = trailer
         flags = torch.tensor([int(same), int(lease is not None), int(self.broken is None)])

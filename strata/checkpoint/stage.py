@@ -55,6 +55,8 @@ class SharedImage:
         self._release.atexit = False
 
     def close(self) -> None:
+        """Unregister the image from CUDA, close its descriptor and unmap it (left to the process's
+        exit while a view of it is still alive)."""
         self._release()
         self.tensor = None  # type: ignore[assignment]  # no view of the mapping may outlive close()
         try:
@@ -188,6 +190,13 @@ def image_views(image: torch.Tensor, items: list[Item]) -> list[torch.Tensor]:
             image[it.data_offset : it.data_offset + it.box.numel * dtype.itemsize].view(dtype)
         )
     return out
+
+
+def prepare_image(image: torch.Tensor, items: list[Item]) -> list[torch.Tensor]:
+    """Ready `image` for a plan's saves: every blob's torch.save header and trailer written
+    (`write_templates`); returns the views `stage` copies each item's data into (`image_views`)."""
+    write_templates(image, items)
+    return image_views(image, items)
 
 
 def stage(dsts: list[torch.Tensor], sources: Sources, check_finite: bool = False) -> bool:

@@ -17,6 +17,7 @@ The layers above import what they need from `strata.config.vocabulary` and `stra
 the names below are the package's own surface (the entry points and what code imports from it).
 """
 
+from strata.config import schema
 from strata.config.checks import check_trainable, cross_problems, start_up_warnings
 from strata.config.loading import (
     _build_group,
@@ -29,24 +30,7 @@ from strata.config.loading import (
     to_dict,
 )
 from strata.config.reference import all_keys, explain, reference_markdown
-from strata.config.schema import (
-    GROUPS,
-    CO2Config,
-    Config,
-    DataConfig,
-    LogConfig,
-    ModelConfig,
-    MoEConfig,
-    OptimConfig,
-    ParallelConfig,
-    ParamOffloadConfig,
-    ShardSpec,
-    SnapshotConfig,
-    TrainConfig,
-    ZeroConfig,
-    opt,
-    replace,
-)
+from strata.config.schema import *  # noqa: F403 (the whole schema: its __all__)
 from strata.config.schema.keys import type_name as _type_name
 from strata.config.vocabulary import (
     CHAIN,
@@ -66,23 +50,6 @@ from strata.config.vocabulary import (
 )
 
 __all__ = [
-    # the schema
-    "GROUPS",
-    "CO2Config",
-    "Config",
-    "DataConfig",
-    "LogConfig",
-    "ModelConfig",
-    "MoEConfig",
-    "OptimConfig",
-    "ParallelConfig",
-    "ParamOffloadConfig",
-    "ShardSpec",
-    "SnapshotConfig",
-    "TrainConfig",
-    "ZeroConfig",
-    "opt",
-    "replace",
     # the vocabulary
     "CHAIN",
     "LEVELS",
@@ -118,3 +85,4 @@ __all__ = [
     "_coerce",
     "_type_name",
 ]
+__all__ += schema.__all__  # the whole schema

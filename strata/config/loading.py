@@ -173,6 +173,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc, unused-ignore]
     last silently, so a typo'd copy of a group would quietly replace the first)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        """A YAML mapping as a dict, refusing a key given twice with both lines named."""
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call, unused-ignore]

@@ -59,16 +59,28 @@ class ParallelShape(Protocol):
     """What the layout functions read of a `strata.config.schema.ParallelConfig`."""
 
     @property
-    def tp(self) -> int: ...
+    def tp(self) -> int:
+        """The tensor-parallel degree (parallel.tp)."""
+
     @property
-    def pp(self) -> int: ...
+    def pp(self) -> int:
+        """The pipeline-parallel degree (parallel.pp)."""
+
     @property
-    def cp(self) -> int: ...
+    def cp(self) -> int:
+        """The context-parallel degree (parallel.cp)."""
+
     @property
-    def ranks_per_node(self) -> int | None: ...
+    def ranks_per_node(self) -> int | None:
+        """Ranks on one node (parallel.ranks_per_node; None: the launcher's LOCAL_WORLD_SIZE)."""
+
     @property
-    def ranks_per_gpu(self) -> int: ...
-    def dp_size(self, world_size: int) -> int: ...
+    def ranks_per_gpu(self) -> int:
+        """Ranks sharing one GPU (parallel.ranks_per_gpu: 2 for an MI250X's GCDs)."""
+
+    def dp_size(self, world_size: int) -> int:
+        """The data-parallel degree in a world of `world_size` ranks (parallel.dp, else what
+        tp·cp·pp leave)."""
 
 
 class ExpertShape(ParallelShape, Protocol):
@@ -87,9 +99,12 @@ class VocabShape(Protocol):
     """What `padded_vocab_size` reads of a `strata.config.schema.ModelConfig`."""
 
     @property
-    def vocab_size(self) -> int | None: ...
+    def vocab_size(self) -> int | None:
+        """The tokenizer's vocabulary (model.vocab_size; None: the data's)."""
+
     @property
-    def pad_vocab_multiple(self) -> int: ...
+    def pad_vocab_multiple(self) -> int:
+        """What the embedding's rows are padded to a multiple of (model.pad_vocab_multiple)."""
 
 
 class MoEShape(Protocol):
@@ -122,43 +137,57 @@ class SnapshotShape(Protocol):
     """What `snapshot_nodes_problem` reads of a `strata.config.schema.SnapshotConfig`."""
 
     @property
-    def every_steps(self) -> int: ...
+    def every_steps(self) -> int:
+        """Steps between in-memory snapshots (snapshot.every_steps; 0: off)."""
+
     @property
-    def k(self) -> int: ...
+    def k(self) -> int:
+        """Data fragments each rank's snapshot is cut into (snapshot.k)."""
+
     @property
-    def m(self) -> int: ...
+    def m(self) -> int:
+        """Parity fragments (snapshot.m): how many whole nodes may be lost; 0 keeps snapshots
+        local."""
 
 
 class DeviceShape(Protocol):
     """Where one kind of ZeRO state is offloaded (`offload.params`, `offload.optim`)."""
 
     @property
-    def device(self) -> str: ...
+    def device(self) -> str:
+        """Where the state lives: none (the training device), cpu (host memory) or nvme."""
 
 
 class OffloadShape(Protocol):
     """What `offload_devices` reads of a `strata.config.schema.OffloadConfig`."""
 
     @property
-    def params(self) -> DeviceShape: ...
+    def params(self) -> DeviceShape:
+        """Where the parameters are offloaded (offload.params)."""
+
     @property
-    def optim(self) -> DeviceShape: ...
+    def optim(self) -> DeviceShape:
+        """Where the optimizer states are offloaded (offload.optim)."""
 
 
 class ActivationsShape(Protocol):
     """What `offload_devices` reads of a `strata.config.schema.ActivationsConfig`."""
 
     @property
-    def offload(self) -> str: ...
+    def offload(self) -> str:
+        """Where saved activations are offloaded (activations.offload: none, cpu or nvme)."""
 
 
 class TiersShape(Protocol):
     """What `offload_devices` reads of a whole `strata.config.schema.Config`."""
 
     @property
-    def offload(self) -> OffloadShape: ...
+    def offload(self) -> OffloadShape:
+        """The parameters' and optimizer states' offload settings (offload:)."""
+
     @property
-    def activations(self) -> ActivationsShape: ...
+    def activations(self) -> ActivationsShape:
+        """The activations' settings (activations:)."""
 
 
 # --- the parallel layout -------------------------------------------------------------------------

@@ -29,6 +29,8 @@ class EpochOrder:
         self._perm: np.ndarray | None = None
 
     def at(self, position: int) -> int:
+        """The index of the sample at `position` of the stream (the permutation of its epoch made
+        once and kept)."""
         epoch, offset = divmod(position, self.n)
         if not self.shuffle:
             return offset
@@ -95,9 +97,13 @@ class BatchLoader(_StepSplit):
         return [indices[k : k + self.micro_batch] for k in range(0, per_rank, self.micro_batch)]
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of the next step, as (inputs, targets) pairs, the position
+        moved past them."""
         return [self.dataset.batch(mb) for mb in self.step_indices()]
 
     def state_dict(self) -> dict:
+        """What a checkpoint keeps of the loader: its position, its seed, and the dataset's size to
+        check on resume."""
         return {
             "consumed_samples": self.consumed_samples,
             "seed": self.seed,
@@ -173,6 +179,7 @@ class MixtureLoader(_StepSplit):
 
     @property
     def consumed_samples(self) -> int:
+        """Global samples consumed so far, over every data-parallel rank and source."""
         return self._consumed
 
     @consumed_samples.setter
@@ -204,6 +211,8 @@ class MixtureLoader(_StepSplit):
         return [pairs[k : k + self.micro_batch] for k in range(0, per_rank, self.micro_batch)]
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of the next step, each row read from the source the blend gave
+        it to, as (inputs, targets) pairs."""
         import torch
 
         steps = []
@@ -217,6 +226,8 @@ class MixtureLoader(_StepSplit):
         return dict(zip(self.dataset.names, self.source_samples))
 
     def state_dict(self) -> dict:
+        """What a checkpoint keeps of the loader: its position, seed and each source's count, and
+        the sources' signature to check on resume."""
         return {
             "consumed_samples": self._consumed,
             "seed": self.seed,

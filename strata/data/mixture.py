@@ -120,6 +120,7 @@ class Mixture:
         ]
 
     def window_of(self, source: int, position: int) -> np.ndarray:
+        """Window `position` (seq_len + 1 tokens) of source `source`."""
         return self.datasets[source].window(position)
 
     def batch(self, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,9 +37,11 @@ class ByteTokenizer:
     eot = 256
 
     def encode(self, data: bytes) -> np.ndarray:
+        """The UTF-8 bytes as ids 0..255 (uint16, the token files' type)."""
         return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
 
     def decode(self, tokens: Iterable[int]) -> str:
+        """The text of `tokens`, the end-of-document id (256) left out and bad UTF-8 replaced."""
         return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
 
 
@@ -120,9 +122,12 @@ class TokenizerInfo:
 
     @property
     def dtype(self) -> str:
+        """The token files' element type: uint16 while every id fits, else uint32."""
         return "uint16" if self.vocab_size <= 1 << 16 else "uint32"
 
     def meta(self) -> dict:
+        """What meta.json records of the tokenizer: its kind, source, file, checksum and
+        end-of-document token."""
         return {
             "kind": self.kind,
             "source": self.source,

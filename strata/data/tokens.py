@@ -176,6 +176,8 @@ class TokenDataset:
         return self.n_samples
 
     def window(self, i: int) -> np.ndarray:
+        """Window `i`: tokens i·seq_len to (i+1)·seq_len inclusive (inputs and the targets one token
+        on), as int64."""
         start = i * self.seq_len
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 

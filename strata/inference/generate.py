@@ -33,6 +33,7 @@ class Generation:
 
     @property
     def new_tokens(self) -> int:
+        """How many tokens were generated over every prompt, stop ids included."""
         return sum(len(t) for t in self.tokens)
 
 

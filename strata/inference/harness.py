@@ -215,18 +215,25 @@ class _Scoring:
 
     @property
     def prefix_token_id(self) -> int:
+        """The id put before a context that has no tokens of its own: prefix_token_id from
+        model_args, else the end-of-text id."""
         return self.eot_token_id if self._prefix is None else self._prefix
 
     @property
     def max_length(self) -> int:
+        """The longest context a request is cut to: max_length from model_args, else the model's
+        seq_len."""
         return self._max_length
 
     @property
     def max_gen_toks(self) -> int:
+        """The most tokens a generate-until request adds when its task names no limit."""
         return self._max_gen_toks
 
     @property
     def device(self) -> torch.device:
+        """Where the model runs: model_args' device, else the first GPU if there is one, else the
+        CPU."""
         return self._device
 
     def tok_encode(
@@ -248,9 +255,12 @@ class _Scoring:
         return bool(prefix) and string.startswith(prefix)
 
     def tok_decode(self, tokens: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of `tokens`, special tokens left out unless `skip_special_tokens` is False."""
         return self.codec.decode(tokens, skip_special_tokens)
 
     def get_model_info(self) -> dict[str, Any]:
+        """What lm-eval records of the model in its results: where it came from and its parameter
+        count."""
         return {
             "model_source": self.what,
             "model_num_parameters": sum(p.numel() for p in self.model.parameters()),

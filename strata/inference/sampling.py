@@ -21,6 +21,7 @@ class Sampling:
     seed: int = 0
 
     def problems(self) -> list[str]:
+        """What is wrong with the settings, one message per flag (empty when they can sample)."""
         p = []
         if self.temperature < 0:
             p.append(f"--temperature {self.temperature}: must be >= 0 (0 is greedy)")

@@ -1,9 +1,11 @@
-"""The `strata` command: train, launch (torchrun / Slurm), store (a standalone rendezvous store), config
-show/explain, plan (memory and step time of a layout; search), data prepare, ckpt (inspect, verify,
-reshard, export, import), plot (run curves or a pipeline schedule timeline).
+"""The `strata` command: train, launch (torchrun / Slurm), store (a standalone rendezvous store),
+config show/explain, plan (memory and step time of a layout; search), data prepare, ckpt (inspect,
+verify, reshard, export, import), eval (a checkpoint on held-out data or lm-eval tasks), generate
+(continue prompts), plot (run curves or a pipeline schedule timeline).
 
-This module is the dispatcher: it builds the top-level parser, lets each command module of
-`strata.launch.commands` add its own, and runs the command. A command's options and key=value
+This module is the dispatcher: it builds the top-level parser and, from each command module of
+`strata.launch.commands`, that command's parser (its help texts, then its arguments), and runs the
+command. A command's options and key=value
 overrides come in any order. Exit codes: 0 done; 2 a user error (StrataError, or argparse's usage
 error), printed as one message without a traceback; 75 stopped by a signal after saving a checkpoint
 (`train`, and `launch` when every worker did); anything else a failure (1 when `ckpt verify` or
@@ -20,7 +22,7 @@ import time
 from strata import __version__
 from strata.errors import StrataError
 from strata.launch.commands import COMMANDS
-from strata.launch.commands.common import EXIT_CODES, FORMATTER, epilog
+from strata.launch.commands.common import EXIT_CODES, FORMATTER, command_parser, epilog
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -43,7 +45,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     p.add_argument("--version", action="version", version=f"strata {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
-        command.add_parser(sub)
+        command.add_arguments(command_parser(sub, command.HELP, command.run))
     return p, dict(sub.choices)
 
 

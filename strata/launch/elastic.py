@@ -57,6 +57,7 @@ class AdoptedWorker:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
+        """The exit code once the worker has ended (reaped here without blocking), else None."""
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -69,6 +70,8 @@ class AdoptedWorker:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        """Block until the worker ends and return its exit code; subprocess.TimeoutExpired after
+        `timeout` seconds, as Popen.wait raises."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.0005
         while self.poll() is None:
@@ -80,13 +83,17 @@ class AdoptedWorker:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
+        """Send `sig` to the worker, unless it has already ended (its pid may be another process's
+        by now)."""
         if self.poll() is None:
             os.kill(self.pid, sig)
 
     def terminate(self) -> None:
+        """Ask the worker to stop: SIGTERM, as Popen.terminate sends."""
         self.send_signal(15)
 
     def kill(self) -> None:
+        """Kill the worker: SIGKILL, as Popen.kill sends."""
         self.send_signal(9)
 
 

@@ -49,7 +49,7 @@ from typing import Any
 # import it at their first call) and pipelining (a tenth of a second once _dynamo is loaded).
 PRELOAD = (
     "strata.launch.commands",
-    "strata.launch.torchrun",
+    "strata.launch.supervisor",
     "strata.parallel.runtime",
     "strata.trainer.loop",
     "strata.checkpoint.snapshot",
@@ -89,6 +89,8 @@ class Job:
     args: list[str]
 
     def run(self) -> None:
+        """Run the module as __main__ in this forked process, with sys.argv as `python -m` would set
+        it."""
         sys.argv = [self.module, *self.args]  # runpy puts the module's path in argv[0], as -m does
         runpy.run_module(self.module, run_name="__main__", alter_sys=True)
 

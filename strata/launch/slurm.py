@@ -12,7 +12,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from strata.launch.torchrun import FORWARDED_SIGNALS, WorkerCommand
+from strata.launch.supervisor import FORWARDED_SIGNALS
+from strata.launch.torchrun import WorkerCommand
 
 # Slurm warns the batch shell this many seconds before the time limit (`--signal=B:USR1@SECONDS`):
 # time for the step in progress, a checkpoint of it and the exit. A config key

@@ -108,6 +108,8 @@ class Agent:
 
     # --- serving ------------------------------------------------------------------------------
     def serve(self) -> None:
+        """Start the threads that accept workers and peer agents, place fragments and watch the
+        parent launcher; then serve until the process is killed."""
         for target in (
             self._accept_local,
             self._accept_peers,
@@ -164,6 +166,7 @@ class Agent:
 
     # --- worker operations: each returns (reply, descriptors to send) ----------------------------
     def op_hello(self, msg, conn, sent):
+        """A worker's first message: this agent's id and the address its peers reach it at."""
         return {"ok": True, "agent": self.id, "host": self.address[0], "port": self.address[1]}, []
 
     def op_peers(self, msg, conn, sent):
@@ -210,6 +213,8 @@ class Agent:
         return {"ok": True, "slot": slot.id, "size": slot.size}, fds
 
     def op_release(self, msg, conn, sent):
+        """Give back a slot the asking worker was writing but will not commit (a skipped
+        snapshot)."""
         with self.lock:
             slot = self.slots[int(msg["slot"])]
             if slot.owner is conn and slot.state == "writing":
@@ -255,6 +260,8 @@ class Agent:
         return {"ok": True, "agent": self.id, "full": full, "frags": frags}, []
 
     def op_stats(self, msg, conn, sent):
+        """The encoding rate so far, bytes encoded, and the newest step every rank's snapshot has
+        been placed up to (-1: none)."""
         with self.lock:
             newest: dict[int, int] = {}  # rank -> its newest placed step (-1: none placed yet)
             for slot in self.slots.values():

@@ -119,6 +119,8 @@ class _HostBuffers:
         self.reserved_bytes = 0
 
     def take(self, nbytes: int, for_cuda: bool) -> torch.Tensor:
+        """A page-aligned host buffer of at least `nbytes`: a kept one of that size, else a new one
+        (page-locked when it backs CUDA tensors)."""
         size = aligned(nbytes)
         self._used.add(size)
         free = self._free.get(size)
@@ -131,15 +133,19 @@ class _HostBuffers:
         return buf
 
     def give_back(self, buf: torch.Tensor) -> None:
+        """Keep `buf` for the next `take` of its size."""
         self._free.setdefault(buf.numel(), []).append((buf, self._pinned[buf.data_ptr()]))
 
     def trim(self) -> None:
+        """Free the kept buffers of every size not taken since the last trim (the step's sizes
+        stay)."""
         for size in [s for s in self._free if s not in self._used]:
             for buf, pinned in self._free.pop(size):
                 self._drop(buf, pinned)
         self._used.clear()
 
     def close(self) -> None:
+        """Free every kept buffer."""
         self._used.clear()
         self.trim()
 

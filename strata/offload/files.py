@@ -72,6 +72,7 @@ class SwapDir:
         self.files: dict[str, SwapFile] = {}
 
     def file(self, kind: str) -> SwapFile:
+        """The swap file of `kind` (params, optim, ...) in this directory, made at its first use."""
         if kind not in self.files:
             self.files[kind] = SwapFile(self.path / f"{kind}.swp")
         return self.files[kind]
@@ -85,4 +86,5 @@ class SwapDir:
             f.preallocate(keys.get(kind, "offload.nvme_path"))
 
     def close(self) -> None:
+        """Remove the directory and every swap file in it."""
         shutil.rmtree(self.path, ignore_errors=True)

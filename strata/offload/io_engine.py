@@ -46,9 +46,11 @@ class Handle:
         self._futures = futures
 
     def done(self) -> bool:
+        """Whether every piece of the request has finished (a failure counts as finished)."""
         return all(f.done() for f in self._futures)
 
     def wait(self) -> None:
+        """Block until every piece is done; raises the first failure."""
         for f in self._futures:
             f.result()
 
@@ -81,6 +83,7 @@ class IOEngine:
         return self._submit("read", Path(path), buffer, offset)
 
     def close(self) -> None:
+        """Finish the queued requests, stop the threads and close every file this engine opened."""
         self._pool.shutdown(wait=True)
         with self._lock:
             for fd in self._fds.values():

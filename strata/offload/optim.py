@@ -60,11 +60,13 @@ class SubGroup:
     on_gpu: bool = False
 
     def params(self) -> torch.Tensor:
+        """The view of the flat group's parameter shard this sub-group updates."""
         g = self.group
         lo = g.optim_start - g.param_start + self.start
         return g.shard[lo : lo + self.size]
 
     def grads(self) -> torch.Tensor:
+        """The view of the flat group's reduced gradient shard this sub-group updates with."""
         reduced = self.group.reduced
         assert reduced is not None, (
             "a sub-group's gradients exist after the engine's reduce-scatter"
@@ -162,6 +164,7 @@ class OptimTier:
         return moments + scratch
 
     def place(self, on_gpu: list[bool]) -> None:
+        """Set where each sub-group's update runs (`on_gpu`, in update order)."""
         for sg, gpu in zip(self.subgroups, on_gpu):
             sg.on_gpu = gpu
 
@@ -364,6 +367,8 @@ class _Pipeline:
         self.next_read = 0
 
     def take(self, i: int) -> Moments:
+        """Sub-group `i`'s moments to update: views of the resident ones, or (nvme) the slabs read
+        for it, reads `read_ahead` further issued."""
         tier, sg = self.tier, self.subgroups[i]
         if tier.kind != "nvme":
             return tuple(m[sg.start : sg.start + sg.size] for m in tier._moments[sg.group.name])
@@ -380,6 +385,8 @@ class _Pipeline:
         return tuple(s.tensor[: sg.size * 4].view(torch.float32) for s in slabs)
 
     def put_back(self, i: int, sg: SubGroup) -> None:
+        """After sub-group `i`'s update: (nvme) start writing its moments back, and return the slabs
+        of the writes that have finished."""
         if self.tier.kind != "nvme":
             return
         slabs = self.taken.pop(i)

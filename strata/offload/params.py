@@ -94,6 +94,7 @@ class ParamTier:
 
     @property
     def resident_bytes(self) -> int:
+        """Bytes of the parameter shards kept in memory (not swapped out)."""
         return sum(
             g.shard.numel() * g.shard.element_size() for g in self.groups if g.name in self.resident
         )
@@ -125,6 +126,7 @@ class ParamTier:
             _drop(self._kept.popitem(last=False)[1])
 
     def read_ahead(self, groups: list[FlatGroup]) -> None:
+        """Start reading each of `groups`' shards that is not in memory (`prefetch`)."""
         for g in groups:
             self.prefetch(g)
 

@@ -47,6 +47,7 @@ class Measured:
             raise ValueError(f"with CUDA every bandwidth and throughput must be positive: {self}")
 
     def as_record(self) -> dict:
+        """The measurements as plain JSON values for the metrics record."""
         return {
             k: (
                 v
@@ -72,6 +73,8 @@ class Placement:
     reason: str  # one line: why
 
     def as_record(self) -> dict:
+        """The placement for the metrics record: sub-groups, how many on the GPU, the plan as G/C
+        letters, the predicted and all-CPU times, and why."""
         return {
             "sub_groups": len(self.on_gpu),
             "on_gpu": sum(self.on_gpu),
@@ -109,6 +112,7 @@ class _Link:
         return pieces + [(t, t + left)]
 
     def take(self, pieces: list[tuple[float, float]]) -> None:
+        """Mark `pieces` (start, end) of link time busy, merged with what already was."""
         merged: list[tuple[float, float]] = []
         for start, end in sorted(self.busy + [p for p in pieces if p[1] > p[0]]):
             if merged and start <= merged[-1][1]:
@@ -119,6 +123,7 @@ class _Link:
 
     @property
     def clock(self) -> float:
+        """When the link's last busy piece ends (0 when it has none)."""
         return self.busy[-1][1] if self.busy else 0.0
 
 
@@ -134,6 +139,8 @@ class _Schedule:
         self.in_flight: list[tuple[float, int]] = []
 
     def cpu_path(self, n: int) -> dict[str, list[tuple[float, float]]]:
+        """The intervals of updating the next `n` elements on the CPU: gradient down, CPU Adam,
+        parameters up."""
         down, up = self.m.traffic[:2]
         grad = self.d2h.slot(0.0, down * n)
         start = max(self.cpu, grad[-1][1])
@@ -141,6 +148,8 @@ class _Schedule:
         return {"d2h": grad, "cpu": adam, "h2d": self.h2d.slot(adam[-1][1], up * n)}
 
     def gpu_path(self, n: int) -> dict[str, list[tuple[float, float]]]:
+        """The intervals of updating the next `n` elements on the GPU: state up (once device memory
+        is free), GPU Adam, state back down."""
         up_bytes, down_bytes = self.m.traffic[2:]
         up = self.h2d.slot(self._memory_free_at(up_bytes * n), up_bytes * n)
         start = max(self.gpu, up[-1][1])
@@ -148,6 +157,8 @@ class _Schedule:
         return {"h2d": up, "gpu": adam, "d2h": self.d2h.slot(adam[-1][1], down_bytes * n)}
 
     def take(self, path: dict[str, list[tuple[float, float]]], n: int) -> None:
+        """Commit `path` (from `cpu_path` or `gpu_path`) for `n` elements: its links' time, its
+        Adam's clock, and the device memory a GPU update holds until written back."""
         self.h2d.take(path["h2d"])
         self.d2h.take(path["d2h"])
         if "gpu" in path:
@@ -157,6 +168,7 @@ class _Schedule:
             self.cpu = path["cpu"][-1][1]
 
     def total(self) -> float:
+        """When the last resource is done: the schedule's update time."""
         return max(self.cpu, self.gpu, self.h2d.clock, self.d2h.clock)
 
     def _memory_free_at(self, need: int) -> float:

@@ -39,6 +39,7 @@ class Slab:
 
     @property
     def view(self) -> memoryview:
+        """The slab's bytes as a memoryview, for file reads and writes."""
         return self.tensor.numpy().data.cast("B")
 
 
@@ -130,6 +131,7 @@ class HostPool:
             return self._take(stream)
 
     def give_back(self, slab: Slab) -> None:
+        """Return a borrowed slab to the pool and wake any borrower waiting for one."""
         with self._cond:
             self._free.append(slab.index)
             self._held[slab.stream] -= 1
@@ -159,9 +161,11 @@ class HostPool:
 
     @property
     def peak_staging_bytes(self) -> int:
+        """The most staging memory borrowed at once so far, in bytes."""
         return self.peak_slabs * self.slab_bytes
 
     def close(self) -> None:
+        """Unlock the pool's page-locked memory; the memory itself is freed with the pool."""
         if self.pinned:
             unpin_host(self.arena)
             self.pinned = False

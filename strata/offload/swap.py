@@ -38,9 +38,12 @@ class Transfer:
         self._future, self._mover = future, mover
 
     def done(self) -> bool:
+        """Whether the transfer has finished (a failure counts as finished)."""
         return self._future.done()
 
     def wait(self) -> None:
+        """Block until the transfer is done, raising its error; the time blocked counts in the
+        mover's `stalled_s`."""
         if not self._future.done():
             start = time.perf_counter()
             try:
@@ -79,6 +82,7 @@ class Mover:
         return self._submit(self._read, dst, where)
 
     def close(self) -> None:
+        """Finish the queued transfers and stop the mover's thread."""
         self._worker.shutdown(wait=True)
 
     # --- internals -------------------------------------------------------------------------
@@ -161,6 +165,8 @@ class _InFlight:
             yield pos, min(step, nbytes - pos), self.borrow()
 
     def borrow(self) -> Slab:
+        """A slab for the next chunk, finishing the oldest chunks first while `depth` are in flight
+        or the pool has none free."""
         pool, stream = self.mover.pool, self.mover.stream
         while len(self.queue) >= self.mover.depth:
             self._finish_oldest()
@@ -171,6 +177,8 @@ class _InFlight:
         return slab or pool.borrow(stream, self.mover.timeout_s)
 
     def add(self, handle, slab: Slab, then=None) -> None:
+        """Track a chunk's I/O `handle` and its slab; `then` runs once the I/O is done, before the
+        slab goes back."""
         self.queue.append((handle, slab, then))
 
     def _finish_oldest(self) -> None:

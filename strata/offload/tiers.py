@@ -218,6 +218,8 @@ class Tiers:
         return record
 
     def close(self) -> None:
+        """Release everything the tiers hold: activation buffers, the movers, the I/O engine, the
+        swap files and the host pool."""
         if self.activations is not None:
             self.activations.close()
         for m in self.movers.values():

@@ -36,6 +36,7 @@ class Device:
 
     @property
     def sustained_tflops(self) -> float:
+        """The dense bf16 TFLOP/s large matmuls reach: the peak times the matmul efficiency."""
         return self.peak_tflops * self.matmul_efficiency
 
     def rate_tflops(self, precision: str) -> float:
@@ -89,10 +90,12 @@ class Cluster:
 
     @property
     def ranks_per_node(self) -> int:
+        """Ranks on each node: GPUs per node times ranks (GCDs) per GPU."""
         return self.gpus_per_node * self.ranks_per_gpu
 
     @property
     def world_size(self) -> int:
+        """Ranks in the whole cluster."""
         return self.nodes * self.ranks_per_node
 
     def bandwidth_bytes_s(self, link: str) -> float:
@@ -105,6 +108,8 @@ class Cluster:
         return gbps[link] * 1e9 / 8
 
     def describe(self) -> str:
+        """One line for the planner's output: nodes, GPUs (and GCDs) of which device, and the links'
+        bandwidths."""
         gpus = f"{self.gpus_per_node} GPUs" + (
             f" × {self.ranks_per_gpu} GCDs" if self.ranks_per_gpu > 1 else ""
         )
@@ -117,41 +122,34 @@ class Cluster:
         )
 
 
+# A system's figures, in this order: GPUs per node and ranks per GPU, the device, then Gbit/s one
+# way between a GPU's two GCDs, from each GPU into the node, of the node's network, between a GPU
+# and the host, and of the node's NVMe; and the node's host memory in GiB. (A one-die GPU keeps
+# Cluster's intra-GPU default, which nothing uses.)
+SYSTEM_FIELDS = (
+    "gpus_per_node",
+    "ranks_per_gpu",
+    "device",
+    "intra_gpu_gbps",
+    "intra_node_gbps",
+    "inter_node_gbps",
+    "host_link_gbps",
+    "nvme_gbps",
+    "host_mem_gib",
+)
+
 # Systems whose published runs the planner is checked against (docs/PLAN.md gives the sources):
 # DGX A100 (NVLink 3: 300 GB/s per GPU each way, 8 × 200 Gbit/s HDR InfiniBand per node, PCIe 4),
 # DGX H100 (NVLink 4: 450 GB/s, 8 × 400 Gbit/s NDR, PCIe 5) and an HPE Cray EX node of Frontier
 # (4 MI250X = 8 GCDs; 200 GB/s between a GPU's two GCDs, 50 GB/s between GPUs, 4 × 200 Gbit/s
 # Slingshot, 36 GB/s CPU-GCD links, 512 GiB DDR4, two NVMe drives).
 PRESETS: dict[str, dict] = {
-    "dgx-a100": dict(
-        gpus_per_node=8,
-        device="a100-80gb",
-        intra_node_gbps=2400.0,
-        inter_node_gbps=1600.0,
-        host_mem_gib=2048.0,
-        host_link_gbps=200.0,
-        nvme_gbps=200.0,
-    ),
-    "dgx-h100": dict(
-        gpus_per_node=8,
-        device="h100",
-        intra_node_gbps=3600.0,
-        inter_node_gbps=3200.0,
-        host_mem_gib=2048.0,
-        host_link_gbps=400.0,
-        nvme_gbps=200.0,
-    ),
-    "frontier": dict(
-        gpus_per_node=4,
-        ranks_per_gpu=2,
-        device="mi250x-gcd",
-        intra_gpu_gbps=1600.0,
-        intra_node_gbps=400.0,
-        inter_node_gbps=800.0,
-        host_mem_gib=512.0,
-        host_link_gbps=288.0,
-        nvme_gbps=64.0,
-    ),
+    name: dict(zip(SYSTEM_FIELDS, figures))
+    for name, *figures in (
+        ("dgx-a100", 8, 1, "a100-80gb", 1600.0, 2400.0, 1600.0, 200.0, 200.0, 2048.0),
+        ("dgx-h100", 8, 1, "h100", 1600.0, 3600.0, 3200.0, 400.0, 200.0, 2048.0),
+        ("frontier", 4, 2, "mi250x-gcd", 1600.0, 400.0, 800.0, 288.0, 64.0, 512.0),
+    )
 }
 
 

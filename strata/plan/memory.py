@@ -60,13 +60,17 @@ class RankMemory:
     bytes: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def add(self, kind: str, tier: str, nbytes: float) -> None:
+        """Count `nbytes` more of `kind` (parameters, gradients, ...) in `tier`; zero adds no
+        entry."""
         if nbytes:
             self.bytes[(kind, tier)] = self.bytes.get((kind, tier), 0) + int(nbytes)
 
     def total(self, tier: str) -> int:
+        """Bytes held in `tier`, every kind together."""
         return sum(v for (_, t), v in self.bytes.items() if t == tier)
 
     def kind(self, kind: str, tier: str | None = None) -> int:
+        """Bytes of `kind` held in `tier`, or in every tier when `tier` is None."""
         return sum(
             v for (k, t), v in self.bytes.items() if k == kind and (tier is None or t == tier)
         )
@@ -81,23 +85,29 @@ class MemoryEstimate:
     layout: Layout
 
     def stage(self, pp_rank: int) -> RankMemory:
+        """The figures of pipeline rank `pp_rank`'s ranks."""
         return self.stages[pp_rank]
 
     def worst(self, tier: str) -> RankMemory:
+        """The stage that holds the most in `tier`."""
         return max(self.stages, key=lambda r: r.total(tier))
 
     def peak(self, tier: str) -> int:
+        """The most any rank holds in `tier`, in bytes."""
         return self.worst(tier).total(tier)
 
     @property
     def device_budget(self) -> int:
+        """A rank's device memory in bytes."""
         return int(self.cluster.device.mem_gib * 2**30)
 
     @property
     def host_budget_per_rank(self) -> int:
+        """A rank's share of its node's host memory in bytes."""
         return int(self.cluster.host_mem_gib * 2**30 / self.cluster.ranks_per_node)
 
     def fits(self) -> bool:
+        """Whether every rank's device and host peaks fit within its budgets."""
         return (
             self.peak("device") <= self.device_budget
             and self.peak("host") <= self.host_budget_per_rank

@@ -38,9 +38,13 @@ class Candidate:
 
     @property
     def family(self) -> tuple[int, int, int, int, int]:
+        """The layout without its memory settings (tp, pp, V, ep, cp): the search says why each
+        family fails as one."""
         return (self.tp, self.pp, self.virtual_stages, self.ep, self.cp)
 
     def overrides(self) -> dict[str, object]:
+        """The config keys that put this layout into a config (dp left to follow from the world
+        size, the schedule to auto)."""
         out: dict[str, object] = {
             "parallel.tp": self.tp,
             "parallel.pp": self.pp,
@@ -63,6 +67,7 @@ class Candidate:
         return out
 
     def describe(self) -> str:
+        """The layout in one line of the search's table."""
         experts = f" ep={self.ep}" if self.ep > 1 else ""
         context = f" cp={self.cp}" if self.cp > 1 else ""
         return (

@@ -80,9 +80,11 @@ class TimeEstimate:
 
     @property
     def mfu(self) -> float:
+        """Model FLOP utilization: the model's TFLOP/s per rank over the device's peak."""
         return self.tflops_per_gpu / self.peak_tflops
 
     def tokens_per_s(self, tokens_per_step: int) -> float:
+        """Training throughput for `tokens_per_step` tokens per optimizer step."""
         return tokens_per_step / self.step_s
 
 
@@ -101,6 +103,8 @@ class _Stage:
 
     @property
     def micro_batch(self) -> float:
+        """Seconds one micro-batch keeps this rank busy: forward, backward, and the tensor-, expert-
+        and context-parallel communication they wait on."""
         return self.fwd + self.bwd + self.tp.seconds + self.ep.seconds + self.cp.seconds
 
     def sends(self, m: int, p: int) -> float:
@@ -288,6 +292,8 @@ class _Reductions:
         return max(0.0, busy_until - window)
 
     def per_step(self, m: int) -> traffic.Traffic:
+        """The data-parallel traffic of a step of `m` micro-batches: the per-micro-batch collectives
+        m times, the final reduction and the rebuild once."""
         out = traffic.Traffic()
         for t, times in (
             (self.fwd_gather, m),

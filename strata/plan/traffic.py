@@ -28,11 +28,13 @@ class Traffic:
     seconds: float = 0.0
 
     def add(self, other: Traffic, times: float = 1.0) -> None:
+        """Add `other`'s bytes and seconds, `times` over."""
         for k, v in other.bytes.items():
             self.bytes[k] += v * times
         self.seconds += other.seconds * times
 
     def scaled(self, times: float) -> Traffic:
+        """A copy with every byte count and the seconds multiplied by `times`."""
         out = Traffic()
         out.add(self, times)
         return out

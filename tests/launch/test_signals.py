@@ -72,9 +72,9 @@ def _stand_in_launch(
     launcher = textwrap.dedent(
         f"""
         import os, sys
-        from strata.launch import torchrun
-        torchrun.STOP_GRACE_S, torchrun.KILL_MARGIN_S = {grace_s}, {margin_s}
-        supervisor = torchrun.Supervisor()
+        from strata.launch import supervisor as launcher
+        launcher.STOP_GRACE_S, launcher.KILL_MARGIN_S = {grace_s}, {margin_s}
+        supervisor = launcher.Supervisor()
         with supervisor.handling():
             sys.exit(supervisor.run([sys.executable, {str(script)!r}, "torchrun", {kind!r}], dict(os.environ)))
         """
@@ -251,7 +251,7 @@ def _launch(tmp_path: Path, marker: str, data_dir: Path, extra: dict) -> subproc
 def test_the_launcher_reads_the_saved_and_stopped_code_of_the_latest_attempt(tmp_path):
     """`strata launch` exits with the workers' code only when every worker of this node's latest
     attempt noted the same saved-and-stopped code."""
-    from strata.launch.torchrun import STATUS_ENV, note_worker_status, workers_preempted
+    from strata.launch.supervisor import STATUS_ENV, note_worker_status, workers_preempted
 
     def note(attempt: int, local: int, status: str) -> None:
         env = {

@@ -1,13 +1,15 @@
-"""strata.launch.commands: one module per `strata` command, each with `add_parser(subparsers)` (its
-argparse parser: options, help text, examples) and `run(args)` (what it does; the exit code).
+"""strata.launch.commands: one module per `strata` command, each with `HELP` (its help texts: the
+summary, description, usage lines and examples, a `common.CommandHelp`), `add_arguments(parser)`
+(its positionals and options) and `run(args)` (what it does; the exit code).
 
 `train` (train in this process or as a torchrun worker), `launch` (torchrun or Slurm), `store` (a
 standalone rendezvous store), `config` (show, explain), `plan` (memory and step time of a layout;
-search), `data` (prepare token files), `ckpt` (inspect, verify, reshard, export, import), `eval` (a checkpoint's
-loss on held-out data), `generate` (continue prompts with a trained model) and `plot`
+search), `data` (prepare token files), `ckpt` (inspect, verify, reshard, export, import), `eval` (a
+checkpoint's loss on held-out data), `generate` (continue prompts with a trained model) and `plot`
 (run curves, pipeline schedules); `common` holds what several of them share. `COMMANDS` lists them
-in the order `strata --help` does; `strata.launch.cli` builds the top-level parser from them and
-dispatches. (The fork server preloads this package: everything the CLI imports but itself.)
+in the order `strata --help` does; `strata.launch.cli` builds the top-level parser and each
+command's parser from them, and dispatches. (The fork server preloads this package: everything the
+CLI imports but itself.)
 
 A command module imports only the standard library and light Strata modules at its top: torch,
 the config and the trainer are imported inside `run`, so that `strata launch` checks a job without

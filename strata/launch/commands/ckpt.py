@@ -6,42 +6,38 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from strata.errors import StrataError
-from strata.launch.commands.common import EXIT_CODES, FORMATTER, epilog, file_errors
+from strata.launch.commands.common import EXIT_CODES, CommandHelp, file_errors
 
-if TYPE_CHECKING:
-    from strata.launch.commands.common import Subparsers
+HELP = CommandHelp(
+    "ckpt",
+    summary="inspect, verify, reshard, export or import a checkpoint",
+    usage=(
+        "strata ckpt inspect DIR",
+        "strata ckpt verify DIR",
+        "strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..[,vs=..] [key=value ...]",
+        "strata ckpt export DIR OUT [--format safetensors|hf] [--overwrite] [--force]",
+        "strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG",
+        "strata ckpt import-hf HF_DIR OUT [key=value ...] [--config CFG]",
+    ),
+    description="Inspect, verify, reshard, export or import a checkpoint.",
+    examples=(
+        "strata ckpt inspect runs/tiny/checkpoints",
+        "strata ckpt verify runs/tiny/checkpoints/step_00000500   # exit 1 if damaged",
+        "strata ckpt reshard runs/tiny/checkpoints resharded --to tp=2,pp=1,dp=1",
+        "strata ckpt export runs/tiny/checkpoints tiny.safetensors",
+        "strata ckpt export runs/qwen-ft/checkpoints qwen-ft-hf --format hf   # carries "
+        "Qwen's own config",
+        "strata ckpt import-deepspeed ds_ckpt/ imported/ --config configs/tiny.yaml",
+    ),
+    extra=EXIT_CODES,
+)
 
 
-def add_parser(subparsers: Subparsers) -> None:
-    """Add `strata ckpt inspect|verify|reshard|export|import-deepspeed|import-hf` to the `strata` parser."""
-    ck = subparsers.add_parser(
-        "ckpt",
-        help="inspect, verify, reshard, export or import a checkpoint",
-        formatter_class=FORMATTER,
-        usage="strata ckpt inspect DIR\n       strata ckpt verify DIR\n"
-        "       strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..[,vs=..] [key=value ...]\n"
-        "       strata ckpt export DIR OUT [--format safetensors|hf] [--overwrite] [--force]\n"
-        "       strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG\n"
-        "       strata ckpt import-hf HF_DIR OUT [key=value ...] [--config CFG]",
-        description="Inspect, verify, reshard, export or import a checkpoint.",
-        epilog=epilog(
-            "strata ckpt inspect runs/tiny/checkpoints",
-            "strata ckpt verify runs/tiny/checkpoints/step_00000500   # exit 1 if damaged",
-            "strata ckpt reshard runs/tiny/checkpoints resharded --to tp=2,pp=1,dp=1",
-            "strata ckpt export runs/tiny/checkpoints tiny.safetensors",
-            "strata ckpt export runs/qwen-ft/checkpoints qwen-ft-hf --format hf   # carries "
-            "Qwen's own config",
-            "strata ckpt import-deepspeed ds_ckpt/ imported/ --config configs/tiny.yaml",
-            extra=EXIT_CODES,
-        ),
-    )
-    ck.add_argument(
-        "action",
-        choices=["inspect", "verify", "reshard", "export", "import-deepspeed", "import-hf"],
-    )
+def add_arguments(ck: argparse.ArgumentParser) -> None:
+    """The action, the checkpoint, OUT, the overrides, then each action's options."""
+    ck.add_argument("action", choices=list(ACTIONS))
     ck.add_argument(
         "path",
         metavar="DIR",
@@ -60,45 +56,45 @@ def add_parser(subparsers: Subparsers) -> None:
         default=[],
         metavar="key=value",
         help="reshard: overrides of the saved config (e.g. zero settings); import-deepspeed, "
-        "import-hf: "
-        "overrides of --config",
+        "import-hf: overrides of --config",
     )
     ck.add_argument(
         "--to", help="reshard: the target layout, tp=..,pp=..,dp=.. (and vs=.. for virtual stages)"
     )
-    ck.add_argument(
-        "--format",
-        default="safetensors",
-        choices=["safetensors", "hf"],
-        help="export format: one safetensors file of Strata's names, or hf: a Hugging Face model "
-        "directory "
-        "(config.json, sharded safetensors, the tokenizer and its config, generation_config.json, "
-        "carried from "
-        "the model the run started from) for transformers' from_pretrained",
-    )
-    ck.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="export: replace the weights and config files OUT names if they exist; reshard, "
-        "import-deepspeed, "
-        "import-hf: write into an OUT that already holds committed checkpoints (only the step "
-        "written is "
-        "replaced; nothing is removed)",
-    )
-    ck.add_argument(
-        "--force",
-        action="store_true",
-        help="export --format hf: export even where fields would be lost (the model the run "
-        "started from, "
-        "model.init_from, is gone, or the run's tokenizer cannot be read); the notes say what was "
-        "set instead",
-    )
+    _add_export_options(ck)
     ck.add_argument(
         "--config",
         help="import-deepspeed, import-hf: the Strata experiment the imported state continues in "
         "(import-hf: optional; the model block comes from HF_DIR's config.json)",
     )
-    ck.set_defaults(func=run)
+
+
+def _add_export_options(ck: argparse.ArgumentParser) -> None:
+    """`strata ckpt export`'s format and what it may replace or lose (--overwrite serves the
+    commands that write a checkpoint too)."""
+    ck.add_argument(
+        "--format",
+        default="safetensors",
+        choices=["safetensors", "hf"],
+        help="export format: one safetensors file of Strata's names, or hf: a Hugging Face model "
+        "directory (config.json, sharded safetensors, the tokenizer and its config, "
+        "generation_config.json, carried from the model the run started from) for transformers' "
+        "from_pretrained",
+    )
+    ck.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="export: replace the weights and config files OUT names if they exist; reshard, "
+        "import-deepspeed, import-hf: write into an OUT that already holds committed checkpoints "
+        "(only the step written is replaced; nothing is removed)",
+    )
+    ck.add_argument(
+        "--force",
+        action="store_true",
+        help="export --format hf: export even where fields would be lost (the model the run "
+        "started from, model.init_from, is gone, or the run's tokenizer cannot be read); the "
+        "notes say what was set instead",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,8 +135,7 @@ def _reshard(args: argparse.Namespace) -> int:
     if not args.out or not args.to:
         raise StrataError(
             "strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..: give OUT (a checkpoints "
-            "directory) "
-            "and the target layout"
+            "directory) and the target layout"
         )
     return reshard.reshard(Path(args.path), Path(args.out), args.to, args.overrides, args.overwrite)
 

@@ -1,6 +1,7 @@
-"""What several `strata` commands share: argparse value types, the help texts' pieces (examples,
-exit codes, overrides), turning an OSError on a user's path into a StrataError, and the planner's
-memory warning before a job starts."""
+"""What several `strata` commands share: the help texts each command declares (`CommandHelp`) and
+the parser made from them (`command_parser`), argparse value types, the help texts' pieces
+(examples, exit codes, overrides), turning an OSError on a user's path into a StrataError, and the
+planner's memory warning before a job starts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from strata.errors import StrataError
@@ -41,6 +43,36 @@ def epilog(*examples: str, extra: str = "") -> str:
     """The text under a command's options: examples, then what else it needs to say."""
     text = "examples:\n" + "\n".join(f"  {e}" for e in examples)
     return text + (f"\n\n{extra}" if extra else "")
+
+
+@dataclass(frozen=True)
+class CommandHelp:
+    """What `strata NAME --help` says besides the options: each command module's `HELP`."""
+
+    name: str
+    summary: str  # its line in `strata --help`
+    description: str  # above the options
+    examples: tuple[str, ...]  # below the options
+    usage: tuple[str, ...] = ()  # a line per form of the command; empty: argparse writes it
+    extra: str = ""  # below the examples
+
+
+def command_parser(
+    subparsers: Subparsers, command: CommandHelp, run: Callable[[argparse.Namespace], int]
+) -> argparse.ArgumentParser:
+    """The parser of `strata NAME` (`command.name`) under `subparsers`: the command's help texts,
+    and `run` as what it does; the command adds its own arguments to it."""
+    parser = subparsers.add_parser(
+        command.name,
+        help=command.summary,
+        formatter_class=FORMATTER,
+        # continuation lines align under "usage: "
+        usage="\n       ".join(command.usage) or None,
+        description=command.description,
+        epilog=epilog(*command.examples, extra=command.extra),
+    )
+    parser.set_defaults(func=run)
+    return parser
 
 
 def whole(minimum: int) -> Callable[[str], int]:
@@ -79,8 +111,8 @@ def fraction(text: str) -> float:
 
 @contextlib.contextmanager
 def file_errors(command: str) -> Iterator[None]:
-    """An OSError on a path the user named (a missing directory, a name too long, no permission) as a
-    StrataError naming the path."""
+    """An OSError on a path the user named (a missing directory, a name too long, no permission) as
+    a StrataError naming the path."""
     try:
         yield
     except OSError as e:

@@ -4,30 +4,28 @@ the planner's memory warning), or explain a key or group of the schema."""
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
-from strata.launch.commands.common import FORMATTER, OVERRIDES, epilog, warn_memory, whole
+from strata.launch.commands.common import OVERRIDES, CommandHelp, warn_memory, whole
 
-if TYPE_CHECKING:
-    from strata.launch.commands.common import Subparsers
+HELP = CommandHelp(
+    "config",
+    summary="show a resolved config or explain a key",
+    usage=(
+        "strata config show CFG [key=value ...] [--world-size N]",
+        "strata config explain KEY",
+    ),
+    description="Show a resolved, validated config, or explain a key or group.",
+    examples=(
+        "strata config show configs/tiny.yaml optim.lr=1e-4",
+        "strata config show configs/llama2-7b-3d.yaml --world-size 32",
+        "strata config explain optim.lr",
+        "strata config explain optim",
+    ),
+)
 
 
-def add_parser(subparsers: Subparsers) -> None:
-    """Add `strata config show|explain` to the `strata` parser."""
-    c = subparsers.add_parser(
-        "config",
-        help="show a resolved config or explain a key",
-        formatter_class=FORMATTER,
-        usage="strata config show CFG [key=value ...] [--world-size N]\n       strata config "
-        "explain KEY",
-        description="Show a resolved, validated config, or explain a key or group.",
-        epilog=epilog(
-            "strata config show configs/tiny.yaml optim.lr=1e-4",
-            "strata config show configs/llama2-7b-3d.yaml --world-size 32",
-            "strata config explain optim.lr",
-            "strata config explain optim",
-        ),
-    )
+def add_arguments(c: argparse.ArgumentParser) -> None:
+    """The action, its config file or key, the overrides and the world size to check against."""
     c.add_argument("action", choices=["show", "explain"])
     c.add_argument("target", help="config file (show) or key such as optim.lr (explain)")
     c.add_argument(
@@ -36,7 +34,6 @@ def add_parser(subparsers: Subparsers) -> None:
     c.add_argument(
         "--world-size", type=whole(1), help="also check the layout against this many processes"
     )
-    c.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

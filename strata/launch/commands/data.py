@@ -5,41 +5,37 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from strata.errors import StrataError
-from strata.launch.commands.common import FORMATTER, epilog, file_errors, fraction, whole
+from strata.launch.commands.common import CommandHelp, file_errors, fraction, whole
 
-if TYPE_CHECKING:
-    from strata.launch.commands.common import Subparsers
+HELP = CommandHelp(
+    "data",
+    summary="prepare token files",
+    description="Tokenize text files, JSON Lines (.jsonl, one object per line) and Parquet "
+    "(.parquet) into train.bin, val.bin and meta.json (plus tokenizer.json for a tokenizer other "
+    "than bytes), in parallel worker processes; each document is followed by the tokenizer's "
+    "end-of-document token. A text file is one document and goes wholly to train or val by a hash "
+    "of its path; a JSON Lines or Parquet document goes by a hash of (path, line or row number).",
+    examples=(
+        "strata data prepare ~/books --glob '*.txt' --out data/books",
+        "strata data prepare corpus.jsonl --text-field content --tokenizer bpe:32000 --out data/c",
+        "strata data prepare shards/ --glob '*.parquet' --tokenizer ~/models/Llama-3.2-1B "
+        "--out data/l",
+        "strata data prepare --stdlib --out data/stdlib",
+        "strata train configs/tiny.yaml data.path=data/books",
+    ),
+)
 
 
-def add_parser(subparsers: Subparsers) -> None:
-    """Add `strata data prepare` to the `strata` parser."""
-    d = subparsers.add_parser(
-        "data",
-        help="prepare token files",
-        formatter_class=FORMATTER,
-        description="Tokenize text files, JSON Lines (.jsonl, one object per line) and Parquet "
-        "(.parquet) into "
-        "train.bin, val.bin and meta.json (plus tokenizer.json for a tokenizer other than bytes), "
-        "in parallel worker "
-        "processes; each document is followed by the tokenizer's end-of-document token. A text "
-        "file is one "
-        "document and goes wholly to train or val by a hash of its path; a JSON Lines or Parquet "
-        "document goes by "
-        "a hash of (path, line or row number).",
-        epilog=epilog(
-            "strata data prepare ~/books --glob '*.txt' --out data/books",
-            "strata data prepare corpus.jsonl --text-field content --tokenizer bpe:32000 --out "
-            "data/c",
-            "strata data prepare shards/ --glob '*.parquet' --tokenizer ~/models/Llama-3.2-1B "
-            "--out data/l",
-            "strata data prepare --stdlib --out data/stdlib",
-            "strata train configs/tiny.yaml data.path=data/books",
-        ),
-    )
+def add_arguments(d: argparse.ArgumentParser) -> None:
+    """The action, then `strata data prepare`'s inputs, output, tokenizer and workers."""
     d.add_argument("action", choices=["prepare"])
+    _add_prepare_arguments(d)
+
+
+def _add_prepare_arguments(d: argparse.ArgumentParser) -> None:
+    """`strata data prepare`'s inputs, output, tokenizer and workers."""
     d.add_argument(
         "inputs", nargs="*", help="text, .jsonl/.ndjson or .parquet files, or directories"
     )
@@ -47,8 +43,7 @@ def add_parser(subparsers: Subparsers) -> None:
         "--out",
         required=True,
         help="output directory (train.bin, val.bin, meta.json, tokenizer.json): new, empty, or an "
-        "earlier output "
-        "(which is replaced); never inside an input directory",
+        "earlier output (which is replaced); never inside an input directory",
     )
     d.add_argument(
         "--glob", default="*", help="file pattern inside input directories (e.g. '*.txt')"
@@ -68,9 +63,8 @@ def add_parser(subparsers: Subparsers) -> None:
         "--tokenizer",
         default="bytes",
         help="bytes (UTF-8 bytes, 257 ids), the path of a tokenizer.json or of a Hugging Face "
-        "model directory "
-        "holding one, or bpe:N (train a byte-level BPE of N ids on the inputs, saved as "
-        "OUT/tokenizer.json)",
+        "model directory holding one, or bpe:N (train a byte-level BPE of N ids on the inputs, "
+        "saved as OUT/tokenizer.json)",
     )
     d.add_argument(
         "--text-field",
@@ -80,11 +74,9 @@ def add_parser(subparsers: Subparsers) -> None:
     d.add_argument(
         "--eot-token",
         help="the tokenizer.json's end-of-document token (default: the model directory's "
-        "eos_token, else the "
-        "first of <|endoftext|>, <|end_of_text|>, </s>, <eos> it has)",
+        "eos_token, else the first of <|endoftext|>, <|end_of_text|>, </s>, <eos> it has)",
     )
     d.add_argument("--workers", type=whole(1), help="tokenizing processes (default: one per CPU)")
-    d.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
-"""`strata eval`: a checkpoint's loss, perplexity and bits per byte on held-out data, in this process
-or as each rank of a world of any layout (`strata launch --eval`; `strata.trainer.evaluate.evaluate_checkpoint`);
-with --tasks, its scores on lm-evaluation-harness tasks instead, in this process
-(`strata.inference.harness.run_tasks`)."""
+"""`strata eval`: a checkpoint's loss, perplexity and bits per byte on held-out data, in this
+process or as each rank of a world of any layout (`strata launch --eval`;
+`strata.trainer.evaluate.evaluate_checkpoint`); with --tasks, its scores on lm-evaluation-harness
+tasks instead, in this process (`strata.inference.harness.run_tasks`)."""
 
 from __future__ import annotations
 
@@ -12,53 +12,47 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from strata.errors import StrataError
-from strata.launch.commands.common import FORMATTER, OVERRIDES, epilog, file_errors, whole
+from strata.launch.commands.common import OVERRIDES, CommandHelp, file_errors, whole
 
 if TYPE_CHECKING:
     from strata.config import Config
-    from strata.launch.commands.common import Subparsers
 
 
-def add_parser(subparsers: Subparsers) -> None:
-    """Add `strata eval` to the `strata` parser."""
-    e = subparsers.add_parser(
-        "eval",
-        help="a checkpoint's loss, perplexity and bits per byte on held-out data, or its lm-eval "
-        "task scores",
-        formatter_class=FORMATTER,
-        usage="strata eval CFG --resume CKPT [--data DIR ...] [--out JSON] [key=value ...]\n"
-        "       strata eval CFG --resume CKPT --tasks T1,T2 [--include-path DIR] [--limit N] "
+HELP = CommandHelp(
+    "eval",
+    summary="a checkpoint's loss, perplexity and bits per byte on held-out data, or its lm-eval "
+    "task scores",
+    usage=(
+        "strata eval CFG --resume CKPT [--data DIR ...] [--out JSON] [key=value ...]",
+        "strata eval CFG --resume CKPT --tasks T1,T2 [--include-path DIR] [--limit N] "
         "[--num-fewshot N]",
-        description="Evaluate a checkpoint on the validation split of each prepared directory "
-        "(--data), or\n"
-        "of each of the config's data sources apart: every sequence once, in the config's layout "
-        "(for a\n"
-        "parallel one, every rank runs it: strata launch CFG --nproc N --eval --resume CKPT). "
-        "Prints a\n"
-        "table, writes JSON (--out, default RUN_DIR/eval.json) and an `eval` record into the "
-        "run's\n"
-        "metrics.jsonl.\n\n"
-        "With --tasks, the checkpoint runs lm-evaluation-harness tasks instead (the eval extra:\n"
-        "pip install 'strata-train[eval]'), in this one process on the whole model (the first GPU "
-        "if\n"
-        "there is one): lm-eval's table, its results as JSON (--out, default "
-        "RUN_DIR/eval_tasks.json)\n"
-        "and an `eval` record of each task's metrics in metrics.jsonl. lm-eval's own command line "
-        "with\n"
-        "the same model: python -m strata.inference.harness --model strata --model_args "
-        "checkpoint=CKPT ...",
-        epilog=epilog(
-            "strata eval configs/tiny.yaml --resume runs/tiny/checkpoints",
-            "strata eval configs/tiny.yaml --resume runs/tiny/checkpoints --data data/books "
-            "--data data/code",
-            "strata launch cfg.yaml --resume CKPT parallel.tp=2 parallel.dp=2 --nproc 4 --eval   "
-            "# 4 workers",
-            "strata eval cfg.yaml --resume runs/x/checkpoints --tasks hellaswag,arc_easy --limit "
-            "200",
-            "strata eval cfg.yaml --resume CKPT --tasks my_task --include-path tasks/ "
-            "--num-fewshot 5",
-        ),
-    )
+    ),
+    description="""\
+Evaluate a checkpoint on the validation split of each prepared directory (--data), or
+of each of the config's data sources apart: every sequence once, in the config's layout (for a
+parallel one, every rank runs it: strata launch CFG --nproc N --eval --resume CKPT). Prints a
+table, writes JSON (--out, default RUN_DIR/eval.json) and an `eval` record into the run's
+metrics.jsonl.
+
+With --tasks, the checkpoint runs lm-evaluation-harness tasks instead (the eval extra:
+pip install 'strata-train[eval]'), in this one process on the whole model (the first GPU if
+there is one): lm-eval's table, its results as JSON (--out, default RUN_DIR/eval_tasks.json)
+and an `eval` record of each task's metrics in metrics.jsonl. lm-eval's own command line with
+the same model: python -m strata.inference.harness --model strata --model_args checkpoint=CKPT ...""",
+    examples=(
+        "strata eval configs/tiny.yaml --resume runs/tiny/checkpoints",
+        "strata eval configs/tiny.yaml --resume runs/tiny/checkpoints --data data/books "
+        "--data data/code",
+        "strata launch cfg.yaml --resume CKPT parallel.tp=2 parallel.dp=2 --nproc 4 --eval   "
+        "# 4 workers",
+        "strata eval cfg.yaml --resume runs/x/checkpoints --tasks hellaswag,arc_easy --limit 200",
+        "strata eval cfg.yaml --resume CKPT --tasks my_task --include-path tasks/ --num-fewshot 5",
+    ),
+)
+
+
+def add_arguments(e: argparse.ArgumentParser) -> None:
+    """The config, its overrides, the checkpoint and the held-out data, then lm-eval's options."""
     e.add_argument("config", help="the YAML experiment the checkpoint was trained with")
     e.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
     e.add_argument(
@@ -77,7 +71,12 @@ def add_parser(subparsers: Subparsers) -> None:
         help="where the JSON goes (default: RUN_DIR/eval.json, with --tasks "
         "RUN_DIR/eval_tasks.json)",
     )
-    t = e.add_argument_group("lm-evaluation-harness tasks (in place of the held-out loss)")
+    tasks = e.add_argument_group("lm-evaluation-harness tasks (in place of the held-out loss)")
+    _add_task_options(tasks)
+
+
+def _add_task_options(t: argparse._ArgumentGroup) -> None:
+    """The options of `strata eval --tasks`: which lm-eval tasks, and how many examples of each."""
     t.add_argument(
         "--tasks",
         action="append",
@@ -97,11 +96,11 @@ def add_parser(subparsers: Subparsers) -> None:
         metavar="N",
         help="examples in each prompt (default: each task's own)",
     )
-    e.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Evaluate on every rank; rank 0 prints the table and writes the JSON and the metrics record."""
+    """Evaluate on every rank; rank 0 prints the table and writes the JSON and the metrics
+    record."""
     if args.tasks or args.include_path or args.limit is not None or args.num_fewshot is not None:
         return run_tasks(args)
     from strata import config
@@ -148,7 +147,8 @@ def _write(cfg: Config, out: Path, document: dict, step: int | None, record: dic
 
 
 def task_names(args: argparse.Namespace) -> list[str]:
-    """--tasks' names, in order: each flag's comma-separated list; the flags that go with it checked."""
+    """--tasks' names, in order: each flag's comma-separated list; the flags that go with it
+    checked."""
     names = [name.strip() for flag in args.tasks for name in flag.split(",") if name.strip()]
     if not names:
         raise StrataError(
@@ -170,7 +170,8 @@ def task_names(args: argparse.Namespace) -> list[str]:
 
 
 def run_tasks(args: argparse.Namespace) -> int:
-    """lm-eval's tasks on the checkpoint, in this process: the table, the JSON and the metrics record."""
+    """lm-eval's tasks on the checkpoint, in this process: the table, the JSON and the metrics
+    record."""
     from strata import config
     from strata.inference import harness
 

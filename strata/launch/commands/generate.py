@@ -8,41 +8,38 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from strata.errors import StrataError
-from strata.launch.commands.common import FORMATTER, OVERRIDES, epilog, whole
-
-if TYPE_CHECKING:
-    from strata.launch.commands.common import Subparsers
+from strata.launch.commands.common import OVERRIDES, CommandHelp, whole
 
 DTYPES = ("fp32", "bf16")
 
 
-def add_parser(subparsers: Subparsers) -> None:
-    """Add `strata generate` to the `strata` parser."""
-    g = subparsers.add_parser(
-        "generate",
-        help="continue prompts with a trained model (a checkpoint of any layout, a Hugging Face "
-        "directory)",
-        formatter_class=FORMATTER,
-        usage="strata generate CKPT_OR_HF_DIR [--prompt TEXT ... | --prompts FILE] "
-        "[--max-new-tokens N]\n"
-        "                       [--temperature T --top-k K --top-p P --seed S] [--stream] "
+HELP = CommandHelp(
+    "generate",
+    summary="continue prompts with a trained model (a checkpoint of any layout, a Hugging Face "
+    "directory)",
+    usage=(
+        "strata generate CKPT_OR_HF_DIR [--prompt TEXT ... | --prompts FILE] [--max-new-tokens N]"
+        "\n                       [--temperature T --top-k K --top-p P --seed S] [--stream] "
         "[key=value ...]",
-        description="Continue each prompt with up to --max-new-tokens tokens, decoded with the "
-        "model's own\n"
-        "tokenizer (the run's prepared data's, or the Hugging Face directory's), stopping at its\n"
-        "end-of-text id. Greedy unless --temperature > 0. Prompts of different lengths run as one "
-        "batch.",
-        epilog=epilog(
-            "strata generate runs/tiny/checkpoints --prompt 'def main(' --max-new-tokens 64",
-            "strata generate ./Qwen2-0.5B --prompts prompts.txt --temperature 0.8 --top-p 0.95 "
-            "--seed 1",
-            "strata generate runs/tiny/checkpoints/step_000100 --prompt 'import ' --stream",
-            "strata generate dcp_ckpt/ --config configs/tiny.yaml --prompt 'x = '",
-        ),
-    )
+    ),
+    description="""\
+Continue each prompt with up to --max-new-tokens tokens, decoded with the model's own
+tokenizer (the run's prepared data's, or the Hugging Face directory's), stopping at its
+end-of-text id. Greedy unless --temperature > 0. Prompts of different lengths run as one batch.""",
+    examples=(
+        "strata generate runs/tiny/checkpoints --prompt 'def main(' --max-new-tokens 64",
+        "strata generate ./Qwen2-0.5B --prompts prompts.txt --temperature 0.8 --top-p 0.95 "
+        "--seed 1",
+        "strata generate runs/tiny/checkpoints/step_000100 --prompt 'import ' --stream",
+        "strata generate dcp_ckpt/ --config configs/tiny.yaml --prompt 'x = '",
+    ),
+)
+
+
+def add_arguments(g: argparse.ArgumentParser) -> None:
+    """The model, the overrides, the prompts, the sampling and where the model runs."""
     g.add_argument(
         "path",
         metavar="CKPT_OR_HF_DIR",
@@ -81,7 +78,6 @@ def add_parser(subparsers: Subparsers) -> None:
         "--dtype", choices=DTYPES, default="fp32", help="the weights' and activations' type"
     )
     g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    g.set_defaults(func=run)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:

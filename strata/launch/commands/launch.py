@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING
 from strata.errors import StrataError
 from strata.launch.commands.common import (
     EXIT_CODES,
-    FORMATTER,
     OVERRIDES,
-    epilog,
+    CommandHelp,
     file_errors,
     port,
     warn_memory,
@@ -22,32 +21,31 @@ from strata.launch.commands.common import (
 
 if TYPE_CHECKING:
     from strata.config import Config
-    from strata.launch.commands.common import Subparsers
     from strata.launch.torchrun import WorkerCommand
 
 
-def add_parser(subparsers: Subparsers) -> None:
-    """Add `strata launch` to the `strata` parser."""
-    la = subparsers.add_parser(
-        "launch",
-        help="start N processes with torchrun, or write/submit a Slurm job",
-        formatter_class=FORMATTER,
-        description="Start N processes with torchrun, or write (and submit) a Slurm job.",
-        epilog=epilog(
-            "strata launch configs/tiny.yaml --nproc 2",
-            "strata launch configs/tiny.yaml parallel.tp=2 parallel.pp=2 --nproc 4",
-            "strata launch configs/tiny.yaml --nproc 2 --max-restarts 3 snapshot.every_steps=1 "
-            "snapshot.m=0",
-            "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --rdzv-endpoint node0:29400 "
-            "--net-ifname eth0",
-            "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --node-rank 1 --master-addr node0",
-            "strata launch configs/llama-1b.yaml --slurm --nodes 4 --gpus-per-node 8 --partition "
-            "gpu",
-            "strata launch configs/tiny.yaml --nproc 4 parallel.tp=2 --eval --resume "
-            "runs/tiny/checkpoints",
-            extra=EXIT_CODES,
-        ),
-    )
+HELP = CommandHelp(
+    "launch",
+    summary="start N processes with torchrun, or write/submit a Slurm job",
+    description="Start N processes with torchrun, or write (and submit) a Slurm job.",
+    examples=(
+        "strata launch configs/tiny.yaml --nproc 2",
+        "strata launch configs/tiny.yaml parallel.tp=2 parallel.pp=2 --nproc 4",
+        "strata launch configs/tiny.yaml --nproc 2 --max-restarts 3 snapshot.every_steps=1 "
+        "snapshot.m=0",
+        "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --rdzv-endpoint node0:29400 "
+        "--net-ifname eth0",
+        "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --node-rank 1 --master-addr node0",
+        "strata launch configs/llama-1b.yaml --slurm --nodes 4 --gpus-per-node 8 --partition gpu",
+        "strata launch configs/tiny.yaml --nproc 4 parallel.tp=2 --eval --resume "
+        "runs/tiny/checkpoints",
+    ),
+    extra=EXIT_CODES,
+)
+
+
+def add_arguments(la: argparse.ArgumentParser) -> None:
+    """The config, its overrides, the evaluation's flags, then torchrun's and Slurm's."""
     la.add_argument("config", help="YAML experiment")
     la.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
     la.add_argument("--resume", help="checkpoint directory the workers resume from")
@@ -55,8 +53,7 @@ def add_parser(subparsers: Subparsers) -> None:
         "--eval",
         action="store_true",
         help="the workers evaluate the --resume checkpoint on held-out data (`strata eval` on "
-        "every rank) instead "
-        "of training",
+        "every rank) instead of training",
     )
     la.add_argument(
         "--data", action="append", default=[], help="with --eval: a prepared directory (repeatable)"
@@ -64,7 +61,6 @@ def add_parser(subparsers: Subparsers) -> None:
     la.add_argument("--out", help="with --eval: where the JSON goes (default: RUN_DIR/eval.json)")
     _add_torchrun_options(la)
     _add_slurm_options(la)
-    la.set_defaults(func=run)
 
 
 def _add_torchrun_options(la: argparse.ArgumentParser) -> None:
@@ -86,8 +82,7 @@ def _add_torchrun_options(la: argparse.ArgumentParser) -> None:
         choices=["torchrun", "external"],
         default="torchrun",
         help="who hosts the rendezvous store: the first torchrun (losing that node ends the job), "
-        "or "
-        "`strata store` at --rdzv-endpoint (any node can be lost and replaced)",
+        "or `strata store` at --rdzv-endpoint (any node can be lost and replaced)",
     )
     la.add_argument(
         "--max-restarts",
@@ -123,18 +118,16 @@ def _add_torchrun_options(la: argparse.ArgumentParser) -> None:
         default="",
         metavar="IF",
         help="the network interface the workers talk over (sets GLOO_SOCKET_IFNAME and "
-        "NCCL_SOCKET_IFNAME; "
-        "its address is the one other nodes reach this node at)",
+        "NCCL_SOCKET_IFNAME; its address is the one other nodes reach this node at)",
     )
     la.add_argument(
         "--worker-start",
         choices=["forkserver", "fresh"],
         default="forkserver",
         help="how torchrun starts each worker, the first ones and every restart: forked from a "
-        "per-node process "
-        "that has imported torch and Strata once (a restart takes milliseconds, not seconds of "
-        "imports), or a "
-        "fresh Python each (plain torchrun); see docs/FAULT_TOLERANCE.md",
+        "per-node process that has imported torch and Strata once (a restart takes milliseconds, "
+        "not seconds of imports), or a fresh Python each (plain torchrun); see "
+        "docs/FAULT_TOLERANCE.md",
     )
 
 
@@ -272,8 +265,8 @@ def _check_data(cfg: Config, eval_dirs: list[Path]) -> None:
 
 
 def _check_checkpoints(cfg: Config, resume: str | None, locks: bool = True) -> None:
-    """What the workers' start would refuse about checkpoints, before they start: the run directory or
-    checkpoint.dir locked by a job still writing it (with `locks`), a --resume without
+    """What the workers' start would refuse about checkpoints, before they start: the run directory
+    or checkpoint.dir locked by a job still writing it (with `locks`), a --resume without
     a committed checkpoint, or a new run (no --resume, no snapshots to recover) in a checkpoint.dir
     holding an earlier run's committed checkpoints without checkpoint.overwrite."""
     from strata.checkpoint import store

@@ -7,14 +7,10 @@ import argparse
 import json
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from strata.errors import ConfigError, StrataError
-from strata.launch.commands.common import FORMATTER, epilog, whole
+from strata.launch.commands.common import CommandHelp, whole
 from strata.plan.cluster import DEVICES, PRESETS
-
-if TYPE_CHECKING:
-    from strata.launch.commands.common import Subparsers
 
 EXAMPLES = (
     "strata plan configs/llama2-7b-3d.yaml --nodes 4 --gpus-per-node 8 --gpu h100",
@@ -24,29 +20,25 @@ EXAMPLES = (
 )
 
 
-def add_parser(subparsers: Subparsers) -> None:
-    """Add `strata plan` to the `strata` parser."""
-    pl = subparsers.add_parser(
-        "plan",
-        help="predict memory and step time of a layout, or search the layouts that fit",
-        formatter_class=FORMATTER,
-        usage="strata plan CFG [key=value ...] --nodes N --gpus-per-node G (--gpu NAME | "
-        "--gpu-mem-gb M "
-        "--tflops T | --system NAME | --calibrate) [--search]",
-        description="Predict each rank's memory (parameters, gradients, optimizer states, "
-        "activations, buffers; "
-        "device, host and NVMe) and the step time of the config's layout on a cluster, from the "
-        "config and "
-        "the cluster alone; with --search, rank every layout that fits. Exits 1 when the config's "
-        "own layout "
-        "does not fit (without --search).",
-        epilog=epilog(
-            *EXAMPLES,
-            extra="Bandwidths are Gbit/s one way; --inter-node-gbps is a node's whole network. "
-            "Without --system the "
-            "links are a DGX A100's unless given.",
-        ),
-    )
+HELP = CommandHelp(
+    "plan",
+    summary="predict memory and step time of a layout, or search the layouts that fit",
+    usage=(
+        "strata plan CFG [key=value ...] --nodes N --gpus-per-node G (--gpu NAME | "
+        "--gpu-mem-gb M --tflops T | --system NAME | --calibrate) [--search]",
+    ),
+    description="Predict each rank's memory (parameters, gradients, optimizer states, "
+    "activations, buffers; device, host and NVMe) and the step time of the config's layout "
+    "on a cluster, from the config and the cluster alone; with --search, rank every layout "
+    "that fits. Exits 1 when the config's own layout does not fit (without --search).",
+    examples=EXAMPLES,
+    extra="Bandwidths are Gbit/s one way; --inter-node-gbps is a node's whole network. "
+    "Without --system the links are a DGX A100's unless given.",
+)
+
+
+def add_arguments(pl: argparse.ArgumentParser) -> None:
+    """The config, its overrides, the cluster's description and what to print."""
     pl.add_argument("config", help="YAML experiment")
     pl.add_argument(
         "overrides", nargs="*", default=[], metavar="key=value", help="config overrides"
@@ -81,7 +73,6 @@ def add_parser(subparsers: Subparsers) -> None:
     )
     pl.add_argument("--top", type=whole(1), default=10, help="layouts --search prints (default 10)")
     pl.add_argument("--json", action="store_true", help="print the figures as JSON")
-    pl.set_defaults(func=run)
 
 
 def _cluster(args: argparse.Namespace, cfg, vocab: int):
@@ -158,7 +149,8 @@ def _calibrated(args: argparse.Namespace, cfg, vocab: int, cluster):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the prediction (or the search's table); 1 when the layout (or every layout) does not fit."""
+    """Print the prediction (or the search's table); 1 when the layout (or every layout) does not
+    fit."""
     from strata import config
     from strata.config.checks import cross_problems
     from strata.data.tokens import planned_vocab

@@ -5,28 +5,24 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from strata.errors import StrataError
-from strata.launch.commands.common import FORMATTER, epilog, file_errors
+from strata.launch.commands.common import CommandHelp, file_errors
 
-if TYPE_CHECKING:
-    from strata.launch.commands.common import Subparsers
+HELP = CommandHelp(
+    "plot",
+    summary="PNG of a run's loss and throughput curves, or of a pipeline schedule record",
+    usage=("strata plot RUN_DIR [--out PNG]", "strata plot schedule RECORD.json [--out PNG]"),
+    description="PNG of a run's loss and throughput curves, or of a pipeline schedule record.",
+    examples=(
+        "strata plot runs/tiny                      # runs/tiny/curves.png",
+        "strata plot schedule records/step.json     # records/step.png",
+    ),
+)
 
 
-def add_parser(subparsers: Subparsers) -> None:
-    """Add `strata plot` and `strata plot schedule` to the `strata` parser."""
-    pl = subparsers.add_parser(
-        "plot",
-        help="PNG of a run's loss and throughput curves, or of a pipeline schedule record",
-        formatter_class=FORMATTER,
-        usage="strata plot RUN_DIR [--out PNG]\n       strata plot schedule RECORD.json [--out PNG]",
-        description="PNG of a run's loss and throughput curves, or of a pipeline schedule record.",
-        epilog=epilog(
-            "strata plot runs/tiny                      # runs/tiny/curves.png",
-            "strata plot schedule records/step.json     # records/step.png",
-        ),
-    )
+def add_arguments(pl: argparse.ArgumentParser) -> None:
+    """The run directory (or `schedule` and a step record) and the PNG's path."""
     pl.add_argument(
         "run_dir",
         metavar="RUN_DIR | schedule",
@@ -40,7 +36,6 @@ def add_parser(subparsers: Subparsers) -> None:
         "(writes RECORD.png next to it)",
     )
     pl.add_argument("--out", help="PNG path (default: next to the input)")
-    pl.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

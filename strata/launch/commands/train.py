@@ -5,29 +5,25 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from strata.errors import StrataError
-from strata.launch.commands.common import EXIT_CODES, FORMATTER, OVERRIDES, epilog
+from strata.launch.commands.common import EXIT_CODES, OVERRIDES, CommandHelp
 
-if TYPE_CHECKING:
-    from strata.launch.commands.common import Subparsers
+HELP = CommandHelp(
+    "train",
+    summary="train in this process (or as one torchrun worker)",
+    description="Train in this process (or as one torchrun worker).",
+    examples=(
+        "strata train configs/tiny.yaml",
+        "strata train configs/tiny.yaml train.steps=100 log.name=short",
+        "strata train configs/tiny.yaml --resume runs/tiny/checkpoints train.steps=1000",
+    ),
+    extra=EXIT_CODES,
+)
 
 
-def add_parser(subparsers: Subparsers) -> None:
-    """Add `strata train` to the `strata` parser."""
-    t = subparsers.add_parser(
-        "train",
-        help="train in this process (or as one torchrun worker)",
-        formatter_class=FORMATTER,
-        description="Train in this process (or as one torchrun worker).",
-        epilog=epilog(
-            "strata train configs/tiny.yaml",
-            "strata train configs/tiny.yaml train.steps=100 log.name=short",
-            "strata train configs/tiny.yaml --resume runs/tiny/checkpoints train.steps=1000",
-            extra=EXIT_CODES,
-        ),
-    )
+def add_arguments(t: argparse.ArgumentParser) -> None:
+    """The config, its overrides, and the checkpoint to resume from or rewrite."""
     t.add_argument("config", help="YAML experiment, e.g. configs/tiny.yaml")
     t.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=OVERRIDES)
     t.add_argument(
@@ -40,13 +36,13 @@ def add_parser(subparsers: Subparsers) -> None:
         help="do not train: load --resume into this layout and save it under OUT (what `strata "
         "ckpt reshard` runs)",
     )
-    t.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train (or rewrite --resume under --save-to); 0 when done, Preempted's code raised on a signal."""
+    """Train (or rewrite --resume under --save-to); 0 when done, Preempted's code raised on a
+    signal."""
     from strata import config
-    from strata.launch.torchrun import note_worker_status
+    from strata.launch.supervisor import note_worker_status
     from strata.parallel import runtime
     from strata.trainer.loop import rewrite_checkpoint
     from strata.trainer.loop import run as train
