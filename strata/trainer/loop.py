@@ -250,7 +250,7 @@ class Trainer:
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
         if self.routing:
             self.routing.end_step(updated=not self.step_skipped)
-        self.held_bytes = model.engine.held_bytes()
+        self.held_bytes = model.held_bytes()
         self.state.step += 1
         watchdog.step_done(self.step)
         self.checkpoints.poll()  # a background save's failure surfaces here, on every rank
@@ -537,8 +537,9 @@ class Trainer:
             record["skipped_steps"] = self.skipped_steps
         if self.routing:
             record.update(self.routing.record())
-        if self.model.tiers:
-            record["offload"] = self.model.tiers.metrics()
+        offload = self.model.offload_metrics()
+        if offload is not None:
+            record["offload"] = offload
         if self.snapshots:
             record["snapshot"] = self.snapshots.stats()
         if isinstance(self.loader, MixtureLoader):
@@ -725,12 +726,11 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
                 "wall_time": time.time(),
             }
         )
-    if trainer.model.tiers:
-        log.write({"step": trainer.step, **trainer.model.tiers.startup_record()})
-        for note in trainer.model.tiers.notes:
-            log.print(f"offload: {note}")
-        if trainer.model.tiers.placement is not None:
-            log.print(f"offload: {trainer.model.tiers.placement.reason}")
+    offload = trainer.model.startup_record()
+    if offload is not None:
+        log.write({"step": trainer.step, **offload})
+    for note in trainer.model.startup_notes():
+        log.print(note)
     try:
         result = trainer.fit(log)
     except Preempted:
@@ -748,7 +748,7 @@ def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
             "comm_bytes": {f"{dim}/{op}": n for (dim, op), n in sorted(comm.bytes_moved.items())},
             "wire_bytes": dict(sorted(comm.bytes_by_link.items())),
             "held_bytes": trainer.held_bytes,
-            "offload": trainer.model.tiers.metrics() if trainer.model.tiers else None,
+            "offload": trainer.model.offload_metrics(),
         }
         (cfg.run_dir() / "summary.json").write_text(json.dumps(summary, indent=1))
         train_loss = f"{summary['train_loss']:.4f}" if summary["train_loss"] is not None else "n/a"
