@@ -4,13 +4,13 @@ calls the checkpoint and snapshot managers to save and resume.
 Everything about *how* the model is laid out and stepped lives behind `parallelize` (tensor,
 pipeline, data parallelism, ZeRO, memory tiers, activation policy, CO2): the loop asks the data
 loader for this rank's micro-batches, has the parallel model run forward/backward, reduce and clip,
-and step, under a warmup+cosine learning-rate schedule.
+and step, under a warmup+cosine learning-rate schedule. What a worker runs around the Trainer
+(`strata train`, `strata eval`, a checkpoint's rewrite) is `jobs`'.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import signal
@@ -33,17 +33,16 @@ from strata.data.loader import MixtureLoader, make_loader
 from strata.data.mixture import Mixture, open_mixture
 from strata.data.prepare import ensure_default_corpus
 from strata.data.tokens import TokenDataset, check_data_config, end_of_document, read_meta
-from strata.errors import CheckpointError, StrataError
-from strata.model import count_params, flops_per_token
+from strata.errors import StrataError
+from strata.model import flops_per_token
 from strata.parallel import comm, watchdog
-from strata.parallel import runtime as runtime_mod
 from strata.parallel.runtime import Runtime
 from strata.parallel.topology import Topology, build_topology, layout_from_config
 from strata.runlock import RunLocked, RunLocks
 from strata.trainer.divergence import DivergedError, SpikeGuard
 from strata.trainer.evaluate import Evaluation, evaluate
 from strata.trainer.lr_schedule import lr_at
-from strata.trainer.metrics import MetricsLogger, mfu_peak
+from strata.trainer.metrics import MetricsLogger
 from strata.trainer.parallelize import ParallelModel, parallelize
 from strata.trainer.profiling import StepProfiler
 from strata.trainer.routing import RoutingMonitor
@@ -645,19 +644,6 @@ class Trainer:
         }
 
 
-def rewrite_checkpoint(cfg: Config, runtime: Runtime, source: Path, out: Path) -> None:
-    """Load checkpoint `source` into this layout and save it under `out`, without training (the
-    workers of `strata ckpt reshard`)."""
-    # `strata ckpt reshard` holds out's lock for its workers; the source run is only read
-    trainer = Trainer(config_mod.replace(cfg, "checkpoint.dir", str(out)), runtime, writes=[])
-    trainer.resume(source)
-    if not trainer.save():
-        raise CheckpointError(
-            f"{source} holds parameters or optimizer states that are not finite; {out} not written"
-        )
-    trainer.checkpoints.close()
-
-
 def _restarted_attempt() -> bool:
     """Whether these workers continue this job's own earlier attempt: torchrun restarted them after a
     failure (`strata launch --max-restarts`), or Slurm requeued the job (after a preemption, or the
@@ -667,95 +653,3 @@ def _restarted_attempt() -> bool:
         os.environ.get("SLURM_RESTART_COUNT", "0"),
     )
     return any(int(count or "0") > 0 for count in counts)
-
-
-def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
-    """Train `cfg` in this process (one rank of the world `runtime` describes) and print a summary."""
-    trainer = Trainer(cfg, runtime)
-    main = runtime.rank == 0
-    start = time.time()
-    # a start without --resume deliberately continues from the newest checkpoint
-    if trainer.snapshots:
-        resumed_from, restore_note = None, trainer.restore_on_start(resume)
-    else:
-        source = trainer.start_from(resume)
-        resumed_from, restore_note = trainer.resume(source) if source else None, ""
-    fresh = trainer.step == 0 and resumed_from is None
-    weights_from = trainer.init_weights() if fresh and cfg.model.init_from else None
-    peak, peak_note = mfu_peak(cfg.log.peak_tflops, runtime.device, cfg.train.precision)
-    log = MetricsLogger(
-        cfg.run_dir(),
-        cfg.train.steps,
-        trainer.step,
-        enabled=main,
-        progress=cfg.log.progress,
-        wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
-        config=config_mod.to_dict(cfg),
-        tensorboard=cfg.log.tensorboard,
-        peak_tflops=peak,
-    )
-    n_params = count_params(cfg.model, trainer.model.vocab_size)
-    layout = trainer.topo.layout
-    log.print(
-        f"strata: {n_params / 1e6:.2f}M parameters, world {runtime.world_size} "
-        f"(tp {layout.tp}, pp {layout.pp}, dp {layout.data_parallel}"
-        + (f", cp {layout.cp}" if layout.cp > 1 else "")
-        + "), "
-        f"{cfg.train.global_batch_size}×{cfg.model.seq_len} tokens/step, run dir {cfg.run_dir()}"
-        + (f", resumed from {resumed_from}" if resumed_from else "")
-        + (f", weights from {weights_from}" if weights_from else "")
-    )
-    log.print(f"data: {trainer.data_description}")
-    for warning in config_mod.start_up_warnings(cfg):
-        log.print(f"warning: {warning}")
-    for note in trainer.start_notes:
-        log.print(note)
-    log.print(peak_note)
-    if log.set_aside is not None:
-        log.print(
-            f"note: an earlier run's metrics.jsonl was kept as {log.set_aside.name}; this "
-            "run's starts anew"
-        )
-    if restore_note:
-        log.print(restore_note)
-        log.write(
-            {
-                "step": trainer.step,
-                "resumed": restore_note,
-                "restore_s": time.time() - start,
-                "wall_time": time.time(),
-            }
-        )
-    offload = trainer.model.startup_record()
-    if offload is not None:
-        log.write({"step": trainer.step, **offload})
-    for note in trainer.model.startup_notes():
-        log.print(note)
-    try:
-        result = trainer.fit(log)
-    except Preempted:
-        # every rank is done with the world: leave it together, then exit PREEMPTED_EXIT
-        runtime_mod.stop()
-        raise
-    finally:
-        log.close()
-    if main:
-        summary = {
-            "final_step": result.final_step,
-            "train_loss": result.losses.get(result.final_step),
-            "eval_loss": result.eval_losses.get(result.final_step),
-            "tokens_per_s": result.tokens_per_s,
-            "comm_bytes": {f"{dim}/{op}": n for (dim, op), n in sorted(comm.bytes_moved.items())},
-            "wire_bytes": dict(sorted(comm.bytes_by_link.items())),
-            "held_bytes": trainer.held_bytes,
-            "offload": trainer.model.offload_metrics(),
-        }
-        (cfg.run_dir() / "summary.json").write_text(json.dumps(summary, indent=1))
-        train_loss = f"{summary['train_loss']:.4f}" if summary["train_loss"] is not None else "n/a"
-        print(
-            f"done: step {result.final_step}  train loss {train_loss}  eval loss "
-            f"{summary['eval_loss']:.4f}  "
-            f"throughput {result.tokens_per_s:,.0f} tokens/s"
-        )
-    trainer.release_locks()
-    return result

@@ -1,5 +1,5 @@
 """`strata eval`: a checkpoint's loss, perplexity and bits per byte on held-out data, in this process
-or as each rank of a world of any layout (`strata launch --eval`; `strata.trainer.evaluate.evaluate_checkpoint`);
+or as each rank of a world of any layout (`strata launch --eval`; `strata.trainer.jobs.evaluate_checkpoint`);
 with --tasks, its scores on lm-evaluation-harness tasks instead, in this process
 (`strata.inference.harness.run_tasks`)."""
 
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         return run_tasks(args)
     from strata import config
     from strata.parallel import runtime
-    from strata.trainer.evaluate import evaluate_checkpoint
+    from strata.trainer.jobs import evaluate_checkpoint
 
     cfg = config.load(args.config, args.overrides, world_size=runtime.world_size_from_env())
     rt = runtime.start(cfg.parallel.backend, cfg.parallel.timeout_s)
