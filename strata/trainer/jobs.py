@@ -20,6 +20,7 @@ from strata.model import count_params
 from strata.parallel import comm
 from strata.parallel import runtime as runtime_mod
 from strata.parallel.runtime import Runtime
+from strata.trainer import start
 from strata.trainer.evaluate import evaluate, target_bytes
 from strata.trainer.loop import RunResult, Trainer
 from strata.trainer.metrics import MetricsLogger, mfu_peak
@@ -30,7 +31,7 @@ def train(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResul
     """Train `cfg` in this process (one rank of the world `runtime` describes) and print a summary."""
     trainer = Trainer(cfg, runtime)
     began = time.time()
-    resumed_from, restore_note, weights_from = _start(trainer, resume)
+    origin = start.choose(trainer, resume)
     peak, peak_note = mfu_peak(cfg.log.peak_tflops, runtime.device, cfg.train.precision)
     log = MetricsLogger(
         cfg.run_dir(),
@@ -43,7 +44,7 @@ def train(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResul
         tensorboard=cfg.log.tensorboard,
         peak_tflops=peak,
     )
-    _print_start(log, trainer, resumed_from, restore_note, weights_from, peak_note, began)
+    _print_start(log, trainer, origin, peak_note, began)
     try:
         result = trainer.fit(log)
     except Preempted:
@@ -58,34 +59,13 @@ def train(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResul
     return result
 
 
-def _start(trainer: Trainer, resume: Path | None) -> tuple[Path | None, str, Path | None]:
-    """Put `trainer` where this run starts (collective): the checkpoint it resumed (None: none, or
-    a snapshot), the sentence saying how snapshots restored it ("" for none), and where its initial
-    weights came from."""
-    # a start without --resume deliberately continues from the newest checkpoint
-    if trainer.snapshots:
-        resumed_from, restore_note = None, trainer.restore_on_start(resume)
-    else:
-        source = trainer.start_from(resume)
-        resumed_from, restore_note = trainer.resume(source) if source else None, ""
-    fresh = trainer.step == 0 and resumed_from is None
-    weights_from = trainer.init_weights() if fresh and trainer.cfg.model.init_from else None
-    return resumed_from, restore_note, weights_from
-
-
 def _print_start(
-    log: MetricsLogger,
-    trainer: Trainer,
-    resumed_from: Path | None,
-    restore_note: str,
-    weights_from: Path | None,
-    peak_note: str,
-    began: float,
+    log: MetricsLogger, trainer: Trainer, origin: start.Origin, peak_note: str, began: float
 ) -> None:
     """The start-up banner, the data, the config's warnings, the notes of the set-up, and where the
     run started and how its memory tiers were set up (also into metrics.jsonl)."""
     cfg = trainer.cfg
-    log.print(_banner(trainer, resumed_from, weights_from))
+    log.print(_banner(trainer, origin))
     log.print(f"data: {trainer.data_description}")
     for warning in config_mod.start_up_warnings(cfg):
         log.print(f"warning: {warning}")
@@ -97,12 +77,12 @@ def _print_start(
             f"note: an earlier run's metrics.jsonl was kept as {log.set_aside.name}; this "
             "run's starts anew"
         )
-    if restore_note:
-        log.print(restore_note)
+    if origin.restore_note:
+        log.print(origin.restore_note)
         log.write(
             {
                 "step": trainer.step,
-                "resumed": restore_note,
+                "resumed": origin.restore_note,
                 "restore_s": time.time() - began,
                 "wall_time": time.time(),
             }
@@ -114,7 +94,7 @@ def _print_start(
         log.print(note)
 
 
-def _banner(trainer: Trainer, resumed_from: Path | None, weights_from: Path | None) -> str:
+def _banner(trainer: Trainer, origin: start.Origin) -> str:
     """The run's first line: the model's size, the layout, the batch, the run directory, and where
     its state came from."""
     cfg, layout = trainer.cfg, trainer.topo.layout
@@ -125,8 +105,8 @@ def _banner(trainer: Trainer, resumed_from: Path | None, weights_from: Path | No
         + (f", cp {layout.cp}" if layout.cp > 1 else "")
         + "), "
         f"{cfg.train.global_batch_size}×{cfg.model.seq_len} tokens/step, run dir {cfg.run_dir()}"
-        + (f", resumed from {resumed_from}" if resumed_from else "")
-        + (f", weights from {weights_from}" if weights_from else "")
+        + (f", resumed from {origin.resumed_from}" if origin.resumed_from else "")
+        + (f", weights from {origin.weights_from}" if origin.weights_from else "")
     )
 
 

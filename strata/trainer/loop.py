@@ -1,18 +1,17 @@
 """The training loop: one Trainer that sets a run up, then trains step by step, evaluates, logs, and
-calls the checkpoint and snapshot managers to save and resume.
+calls the checkpoint and snapshot managers to save.
 
 Everything about *how* the model is laid out and stepped lives behind `parallelize` (tensor,
 pipeline, data parallelism, ZeRO, memory tiers, activation policy, CO2): the loop asks the data
 loader for this rank's micro-batches, has the parallel model run forward/backward, reduce and clip,
-and step, under a warmup+cosine learning-rate schedule. What a worker runs around the Trainer
-(`strata train`, `strata eval`, a checkpoint's rewrite) is `jobs`'.
+and step, under a warmup+cosine learning-rate schedule. Where a run starts is `start`'s, and what a
+worker runs around the Trainer (`strata train`, `strata eval`, a checkpoint's rewrite) is `jobs`'.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
 import time
 import uuid
@@ -25,9 +24,8 @@ import torch
 import torch.distributed as dist
 
 from strata import config as config_mod
-from strata.checkpoint import hf_weights, store
+from strata.checkpoint import store
 from strata.checkpoint.manager import CheckpointManager
-from strata.checkpoint.reader import Checkpoint
 from strata.config import Config
 from strata.data.loader import MixtureLoader, make_loader
 from strata.data.mixture import Mixture, open_mixture
@@ -38,7 +36,7 @@ from strata.model import flops_per_token
 from strata.parallel import comm, watchdog
 from strata.parallel.runtime import Runtime
 from strata.parallel.topology import Topology, build_topology, layout_from_config
-from strata.runlock import RunLocked, RunLocks
+from strata.trainer import start
 from strata.trainer.divergence import DivergedError, SpikeGuard
 from strata.trainer.evaluate import Evaluation, evaluate
 from strata.trainer.lr_schedule import lr_at
@@ -50,7 +48,6 @@ from strata.trainer.signals import Preempted, StopRequest
 from strata.trainer.state import TrainState
 
 if TYPE_CHECKING:
-    from strata.checkpoint.dcp_source import DcpCheckpoint
     from strata.checkpoint.snapshot import SnapshotManager
 
 
@@ -78,7 +75,7 @@ class Trainer:
         # the run directory and checkpoint.dir unless a caller that holds them says otherwise)
         if writes is None:
             writes = [(cfg.run_dir(), "run directory"), (cfg.checkpoint_dir(), "checkpoint.dir")]
-        self.locks = self._lock_run(writes)
+        self.locks = start.lock_run(writes, runtime.rank, self.start_notes)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         layout = layout_from_config(cfg.parallel, runtime.world_size, runtime.local_world_size)
@@ -130,7 +127,11 @@ class Trainer:
             config_yaml=config_mod.dump(cfg),
             on_disk_full=cfg.checkpoint.on_disk_full,
         )
-        self.snapshots = self._snapshot_manager(control) if cfg.snapshot.every_steps else None
+        self.snapshots = (
+            start.snapshot_manager(cfg.snapshot, runtime, control, self.start_notes)
+            if cfg.snapshot.every_steps
+            else None
+        )
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.step_skipped = False  # the last step's loss or gradient norm was not finite
         self.skipped_steps = self.nonfinite_in_a_row = 0
@@ -150,45 +151,11 @@ class Trainer:
         """Optimizer steps taken (the training state's)."""
         return self.state.step
 
-    def _lock_run(self, writes: list[tuple[Path, str]]) -> RunLocks | None:
-        """Rank 0 takes the locks of the run directory and checkpoint.dir for the whole job (one job
-        holds them, not each rank); every rank learns whether it could (collective), so a second
-        writer of the same run ends on every rank with the one message naming the holder."""
-        locks, refusal = None, None
-        if self.rt.rank == 0:
-            try:
-                locks = RunLocks(writes).acquire()
-                self.start_notes += locks.warnings
-            except StrataError as e:
-                refusal = str(e)
-        refusal = comm.all_gather_objects(refusal, comm.world_group())[0]
-        if refusal is not None:
-            raise RunLocked(refusal)
-        return locks
-
     def release_locks(self) -> None:
         """Let the run's directories go (at the end of the run; a process's exit does it too)."""
         if self.locks is not None:
             self.locks.release()
             self.locks = None
-
-    def _snapshot_manager(self, group) -> SnapshotManager | None:
-        """The snapshot manager (collective). Workers restarted after a failure go on without
-        snapshots, from the newest disk checkpoint, when the agents are out of reach (the launcher
-        gave up restarting one that kept dying): a run that snapshots must not die of its agent."""
-        # the agent protocol loads only when snapshots are on
-        from strata.checkpoint.snapshot import AgentUnreachable, SnapshotManager
-
-        try:
-            return SnapshotManager(self.cfg.snapshot, self.rt.rank, self.rt.world_size, group)
-        except AgentUnreachable as e:
-            if not _restarted_attempt():
-                raise
-            self.start_notes.append(
-                f"warning: {e}: this attempt runs without in-memory snapshots, from the newest "
-                "disk checkpoint"
-            )
-            return None
 
     def _active_snapshots(self) -> SnapshotManager:
         if self.snapshots is None:
@@ -381,76 +348,12 @@ class Trainer:
             return self._active_snapshots().save(self.step, self.state)
 
     def resume(self, path: Path) -> Path:
-        """Load a checkpoint saved from any layout into this one (see `TrainState.load`)."""
-        return self._load(self._open(path))
-
-    def _load(self, ckpt: Checkpoint | DcpCheckpoint) -> Path:
-        return self.state.load(ckpt, self.cfg.checkpoint.verify_on_load, self.checkpoints.agree)
+        """Load a checkpoint saved from any layout into this one (`start.resume_from`)."""
+        return start.resume_from(self, path)
 
     def init_weights(self) -> Path:
-        """Load model.init_from's weights (collective): a Hugging Face model directory, read with
-        each rank taking only its own boxes of the safetensors, or a Strata or DCP checkpoint's."""
-        path = Path(self.cfg.model.init_from or "")
-        is_hf = (path / "config.json").is_file()
-        ckpt = hf_weights.open_weights(path, self.cfg.model) if is_hf else self._open(path)
-        self.state.load_weights(ckpt, self.checkpoints.agree)
-        return ckpt.path
-
-    def _open(self, path: Path) -> Checkpoint | DcpCheckpoint:
-        """A Strata checkpoint, or one torch.distributed.checkpoint wrote alone (its notes say what
-        is taken from it and what starts fresh)."""
-        if not store.is_dcp_only(path):
-            return Checkpoint(path)
-        # torch.distributed.checkpoint takes ~1.3 s to import (DTensor, sympy): only runs that read
-        # one pay
-        from strata.checkpoint.dcp_source import DcpCheckpoint
-
-        ckpt = DcpCheckpoint(path, self.cfg.model)
-        self.start_notes += [f"{path}: a checkpoint DCP wrote alone: {note}" for note in ckpt.notes]
-        return ckpt
-
-    def restore_on_start(self, resume: Path | None) -> str:
-        """With snapshots on, where this run starts from (collective): the newest in-memory snapshot
-        every rank can restore; else `resume`, or the newest committed checkpoint under
-        checkpoint.dir (a job whose every node was lost is simply launched again); else step 0.
-        Returns the sentence saying which, and why ("" for a first start)."""
-        found = self._active_snapshots().recover()
-        if found.checkpoint is not None:
-            self._load(found.checkpoint)
-            return f"snapshot: resumed from {found.message}"
-        own = self.cfg.checkpoint_dir() if store.committed(self.cfg.checkpoint_dir()) else None
-        disk = (own or resume) if _restarted_attempt() else (resume or own)
-        lead = f"snapshot: no in-memory snapshot every rank can restore ({found.message})"
-        if disk is None:
-            return (
-                ""
-                if not found.restarted
-                else f"{lead}; no committed checkpoint under {self.cfg.checkpoint_dir()} either: "
-                "starting from step 0"
-            )
-        return f"{lead}; resumed from disk checkpoint {self.resume(disk)}"
-
-    def start_from(self, resume: Path | None) -> Path | None:
-        """Without snapshots, the checkpoint this run starts from (collective): for workers torchrun
-        restarted after a failure or a job Slurm requeued, the newest committed checkpoint under
-        checkpoint.dir (this job's own, newer than the `--resume` it was submitted with); else
-        `resume`; else none, from step 0. Committed checkpoints in
-        checkpoint.dir at a first start belong to an earlier run, which a new one would replace as
-        `keep_last` prunes: refused unless checkpoint.overwrite. Only rank 0 looks, since only it
-        commits (its view is the one sure to hold the markers); every rank acts on its view."""
-        restarted = _restarted_attempt()
-        if resume is not None and not restarted:
-            return resume
-        root = self.cfg.checkpoint_dir()
-        found = [p.name for p in store.committed(root)] if self.rt.rank == 0 else []
-        found = comm.all_gather_objects(found, self.checkpoints.group)[0]
-        if not found:
-            return resume
-        if restarted:  # newer than `resume`: this job's own progress since it started from there
-            return root
-        if self.cfg.checkpoint.overwrite:
-            return None
-        raise store.earlier_run_error(root, found)
+        """Load model.init_from's weights (`start.init_weights`; collective)."""
+        return start.init_weights(self)
 
     # --- the run --------------------------------------------------------------------------
     def fit(self, log: MetricsLogger) -> RunResult:
@@ -642,14 +545,3 @@ class Trainer:
             "tflops_per_rank": tflops,
             "step_time_s": seconds / steps,
         }
-
-
-def _restarted_attempt() -> bool:
-    """Whether these workers continue this job's own earlier attempt: torchrun restarted them after a
-    failure (`strata launch --max-restarts`), or Slurm requeued the job (after a preemption, or the
-    script's own requeue on PREEMPTED_EXIT) and started it again."""
-    counts = (
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-        os.environ.get("SLURM_RESTART_COUNT", "0"),
-    )
-    return any(int(count or "0") > 0 for count in counts)
