@@ -1,6 +1,7 @@
 """strata.trainer: the training loop and what it needs around it.
 
-`loop` (the Trainer: set a run up, step, evaluate, log and save), `start` (where a run starts: a
+`loop` (the Trainer: set a run up, step, evaluate, log and save), `hooks` (what the loop calls around
+each step: `StepHook`, and the hang watchdog's part), `start` (where a run starts: a
 snapshot, a checkpoint of any layout, initial weights), `jobs` (what a worker runs: train, evaluate
 a checkpoint, rewrite a checkpoint), `signals` (stopping on a
 signal with a checkpoint, exit 75), `lr_schedule` (warm-up and decay), `parallelize` (one

@@ -4,17 +4,17 @@ calls the checkpoint and snapshot managers to save.
 Everything about *how* the model is laid out and stepped lives behind `parallelize` (tensor,
 pipeline, data parallelism, ZeRO, memory tiers, activation policy, CO2): the loop asks the data
 loader for this rank's micro-batches, has the parallel model run forward/backward, reduce and clip,
-and step, under a warmup+cosine learning-rate schedule. Where a run starts is `start`'s, and what a
-worker runs around the Trainer (`strata train`, `strata eval`, a checkpoint's rewrite) is `jobs`'.
+and step, under a warmup+cosine learning-rate schedule. What watches or steers a step (MoE routing,
+the loss-spike guard, the profiler, the hang watchdog) is one of its step hooks (`hooks`); where a
+run starts is `start`'s, and what a worker runs around the Trainer (`strata train`, `strata eval`,
+a checkpoint's rewrite) is `jobs`'.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import signal
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +37,9 @@ from strata.parallel import comm, watchdog
 from strata.parallel.runtime import Runtime
 from strata.parallel.topology import Topology, build_topology, layout_from_config
 from strata.trainer import start
-from strata.trainer.divergence import DivergedError, SpikeGuard
+from strata.trainer.divergence import SpikeGuard, implausible_weights, nonfinite_error
 from strata.trainer.evaluate import Evaluation, evaluate
+from strata.trainer.hooks import HangWatch, StepHook, all_of
 from strata.trainer.lr_schedule import lr_at
 from strata.trainer.metrics import MetricsLogger
 from strata.trainer.parallelize import ParallelModel, parallelize
@@ -49,10 +50,6 @@ from strata.trainer.state import TrainState
 
 if TYPE_CHECKING:
     from strata.checkpoint.snapshot import SnapshotManager
-
-
-class NonFiniteError(StrataError):
-    """Training diverged: the loss or gradient norm stayed NaN/inf (see `train.nonfinite`)."""
 
 
 @dataclass
@@ -112,9 +109,6 @@ class Trainer:
             self.topo.data_size,
         )
         self.state = TrainState(cfg, self.model, self.loader, runtime.rank)
-        self.profiler = StepProfiler.from_config(
-            cfg.log, cfg.run_dir(), runtime.rank, runtime.device
-        )
         # saves' and snapshots' collectives
         control = comm.new_gloo_group() if runtime.distributed else None
         self.checkpoints = CheckpointManager(
@@ -133,13 +127,13 @@ class Trainer:
             else None
         )
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
-        self.step_skipped = False  # the last step's loss or gradient norm was not finite
+        self.step_skipped = False  # the last step updated nothing: not finite, or a hook's veto
+        self.skip_reason: str | None = None  # the veto
         self.skipped_steps = self.nonfinite_in_a_row = 0
-        self.spikes = SpikeGuard.from_config(cfg.train)
         self.routing = (
             RoutingMonitor(cfg, self.model.parts, self.topo) if cfg.model.moe.enabled else None
         )
-        self.spike: str | None = None  # why the last step was a spike
+        self.hooks = self._step_hooks(control)
         self.stop_request = StopRequest()  # installed by `fit`
         # the signal every rank agreed to stop on after the last step (0: none)
         self.stop_signal = 0
@@ -150,6 +144,19 @@ class Trainer:
     def step(self) -> int:
         """Optimizer steps taken (the training state's)."""
         return self.state.step
+
+    def _step_hooks(self, control) -> list[StepHook]:
+        """What watches or steers each step, in the order the loop calls them: routing's statistics
+        are summed before the watchdog hears the step is done, and the profiler writes its trace
+        after the watchdog stops."""
+        cfg, rt = self.cfg, self.rt
+        hooks = [
+            self.routing,
+            SpikeGuard.from_config(cfg.train, cfg.checkpoint_dir()),
+            StepProfiler.from_config(cfg.log, cfg.run_dir(), rt.rank, rt.device),
+            HangWatch(cfg.parallel.hang_after_s(), rt, control),
+        ]
+        return [hook for hook in hooks if hook is not None]
 
     def release_locks(self) -> None:
         """Let the run's directories go (at the end of the run; a process's exit does it too)."""
@@ -190,12 +197,14 @@ class Trainer:
         A step whose loss or gradient norm is not finite updates nothing (`train.nonfinite`): its
         gradients are dropped, and it still counts as a step of the lr schedule and of the data (as
         Megatron counts its skipped iterations), so a resumed run and the schedule stay in step.
-        Deciding that costs one host sync per step; every rank makes the same decision."""
-        model = self.model
+        Deciding that costs one host sync per step; every rank makes the same decision. The step
+        hooks are called around it (`hooks`); a hook's veto skips the update as a non-finite step
+        does."""
+        model, step = self.model, self.step + 1
         for g in model.optimizer.param_groups:
             g["lr"] = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
-        if self.routing:
-            self.routing.start_step()
+        for hook in self.hooks:
+            hook.start_step(step)
         loss = model.forward_backward(self.loader.next_step())
         grad_norm = model.reduce_and_clip(
             self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
@@ -204,27 +213,40 @@ class Trainer:
         nonfinite, self.stop_signal, loss_value, norm_value = self._agree_after_step(
             loss, grad_norm
         )
-        self.spike = None
-        if not nonfinite and self.spikes is not None:
-            self.spike = self.spikes.judge(self.step + 1, loss_value, norm_value)
-        self.step_skipped = nonfinite or self.spike is not None
+        self.skip_reason = None if nonfinite else self._veto(step, loss_value, norm_value)
+        self.step_skipped = nonfinite or self.skip_reason is not None
         if self.step_skipped:
             model.skip_step()
             self.skipped_steps += 1
         else:
             model.step()
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
-        if self.routing:
-            self.routing.end_step(updated=not self.step_skipped)
         self.held_bytes = model.held_bytes()
         self.state.step += 1
-        watchdog.step_done(self.step)
+        for hook in self.hooks:
+            hook.end_step(step, updated=not self.step_skipped)
         self.checkpoints.poll()  # a background save's failure surfaces here, on every rank
         if nonfinite:
-            self._stop_if_diverged(loss, grad_norm)
-        if self.spike is not None:
-            self._stop_if_spiking()
+            error = nonfinite_error(
+                self.cfg.train,
+                self.nonfinite_in_a_row,
+                self.step,
+                loss.item(),
+                grad_norm.item(),
+                self.cfg.checkpoint_dir(),
+            )
+            self._stop_with(error)
+        for hook in self.hooks:
+            self._stop_with(hook.stop(step))
         return loss, grad_norm
+
+    def _veto(self, step: int, loss: float, grad_norm: float) -> str | None:
+        """The first hook's reason not to update the weights of finite step `step` (the hooks after
+        it are not asked), or None."""
+        for hook in self.hooks:
+            if (reason := hook.veto(step, loss, grad_norm)) is not None:
+                return reason
+        return None
 
     def _agree_after_step(
         self, loss: torch.Tensor, grad_norm: torch.Tensor
@@ -246,47 +268,13 @@ class Trainer:
         comm.all_reduce(flags, self.checkpoints.group, dim="nonfinite", op=dist.ReduceOp.MAX)
         return bool(flags[0].item()), int(flags[1].item()), float(flags[2]), float(flags[3])
 
-    def _stop_if_diverged(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Raise (on every rank: they count alike) once `train.nonfinite` says the run cannot go on;
-        a save in flight, of finite state, is committed first."""
-        tr = self.cfg.train
-        if tr.nonfinite == "skip" and self.nonfinite_in_a_row < tr.max_nonfinite_steps:
+    def _stop_with(self, error: StrataError | None) -> None:
+        """Raise `error`, if any (every rank alike), once a save in flight, of finite state, is
+        committed."""
+        if error is None:
             return
         self.checkpoints.close()
-        why = (
-            "train.nonfinite=stop"
-            if tr.nonfinite == "stop"
-            else f"{self.nonfinite_in_a_row} steps in a row, "
-            f"train.max_nonfinite_steps={tr.max_nonfinite_steps}"
-        )
-        raise NonFiniteError(
-            f"step {self.step}: loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}: not "
-            f"finite ({why}); "
-            "training stopped and this state was not saved. Resume from the newest committed "
-            "checkpoint with "
-            f"--resume {self.cfg.checkpoint_dir()} and a lower optim.lr (or a longer "
-            "optim.warmup_steps, or "
-            "optim.grad_clip > 0)"
-        )
-
-    def _stop_if_spiking(self) -> None:
-        """Raise (on every rank alike) once `train.max_spike_steps` steps in a row were spikes: the
-        run diverged, and none of the state those steps led to is saved (their updates were dropped)."""
-        assert self.spikes is not None
-        limit = self.cfg.train.max_spike_steps
-        if self.spikes.in_a_row < limit:
-            return
-        self.checkpoints.close()
-        raise DivergedError(
-            f"step {self.step}: {limit} steps in a row were loss spikes, the last one's "
-            f"{self.spike}: the run "
-            "diverged, and training stopped (their updates were dropped, nothing of them was "
-            "saved). Resume from "
-            f"the newest committed checkpoint with --resume {self.cfg.checkpoint_dir()} and a "
-            "lower optim.lr (or a "
-            "longer optim.warmup_steps); train.spike_sigma sets how far above its history a step "
-            "may go"
-        )
+        raise error
 
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
         """`value` summed over the data-parallel ranks (in place)."""
@@ -306,41 +294,17 @@ class Trainer:
         `checkpoint.async`. Returns False, saving nothing, if any rank's state is not finite: a NaN
         checkpoint would verify as sound and resume into garbage. Since such a save never commits,
         `keep_last` never counts it, and never prunes the newest finite checkpoint to make room."""
+        cfg = self.cfg
         with self.state.ready_to_save():
-            self._refuse_implausible_weights()
+            params, limit = self.model.params, cfg.checkpoint.max_abs_weight
+            group, where = self.checkpoints.group, cfg.checkpoint_dir()
+            self._stop_with(implausible_weights(params, limit, group, self.step, where))
             return self.checkpoints.save(
                 self.step,
                 self.state,
                 finite_only=True,  # checked as it is staged
-                suspect=self.spikes is not None and self.spikes.unstable_since(self.step),
+                suspect=any(hook.suspect(self.step) for hook in self.hooks),
             )
-
-    def _refuse_implausible_weights(self) -> None:
-        """Stop, saving nothing, when a parameter's magnitude exceeds checkpoint.max_abs_weight on any
-        rank (collective): finite weights of 1e29 verify as sound and resume into garbage."""
-        limit = self.cfg.checkpoint.max_abs_weight
-        if not limit:
-            return
-        params = [p.detach() for p in self.model.params if p.numel()]
-        local = (
-            max((float(n) for n in torch._foreach_norm(params, math.inf)), default=0.0)
-            if params
-            else 0.0
-        )
-        largest = torch.tensor([local if math.isfinite(local) else 0.0], dtype=torch.float64)
-        comm.all_reduce(largest, self.checkpoints.group, dim="checkpoint", op=dist.ReduceOp.MAX)
-        if largest.item() <= limit:
-            return
-        self.checkpoints.close()
-        raise DivergedError(
-            f"step {self.step}: a parameter reached magnitude {largest.item():.3g}, above "
-            "checkpoint.max_abs_weight="
-            f"{limit:g}: the run diverged, and this state was not saved. Resume from the newest "
-            "committed checkpoint "
-            f"with --resume {self.cfg.checkpoint_dir()} and a lower optim.lr (or raise "
-            "checkpoint.max_abs_weight if "
-            "such weights are intended)"
-        )
 
     def snapshot(self) -> bool:
         """An in-memory snapshot of this step through the node's agent (collective); False if skipped."""
@@ -360,29 +324,11 @@ class Trainer:
         """Train to `train.steps`. A stop signal (GRACEFUL_SIGNALS) ends the run after the step in
         progress instead, with a committed checkpoint of it: raises `Preempted` on every rank."""
         self.stop_request.install()
-        hangs = self._watch_for_hangs(log)
         try:
-            with hangs.guard() if hangs is not None else contextlib.nullcontext():
+            with all_of(hook.running(log.print) for hook in self.hooks):
                 return self._fit(log)
         finally:
-            if hangs is not None:
-                hangs.stop()
-            self.profiler.close()
             self.stop_request.restore()
-
-    def _watch_for_hangs(self, log: MetricsLogger) -> watchdog.Watchdog | None:
-        """Start this rank's hang watchdog (collective), if parallel.hang_after_s() is not 0."""
-        after = self.cfg.parallel.hang_after_s()
-        if not self.rt.distributed or not after:
-            return None
-        token = comm.all_gather_objects(uuid.uuid4().hex, self.checkpoints.group)[0]
-        store = watchdog.store_from_env(timeout_s=max(10.0, after))
-        if store is None:
-            log.print(
-                "warning: no MASTER_ADDR/MASTER_PORT in the environment: hangs are not watched for"
-            )
-            return None
-        return watchdog.start(store, token, self.rt.rank, self.rt.world_size, after)
 
     def _fit(self, log: MetricsLogger) -> RunResult:
         """The training loop of `fit`: step, log every `log.interval` steps, do what follows a step
@@ -395,7 +341,7 @@ class Trainer:
         if cfg.train.eval_at_start and self.step == 0:
             result.eval_losses[0] = self._eval_and_log(log)
         while self.step < cfg.train.steps:
-            with self.profiler.step(self.step + 1):
+            with all_of(hook.around(self.step + 1) for hook in self.hooks):
                 loss, grad_norm = self.train_step()
             losses[self.step] = loss
             interval_steps += 1
@@ -427,7 +373,8 @@ class Trainer:
     ) -> dict:
         """The metrics of the `steps` steps logged at once (`seconds` long, `moved` bytes per link
         level): throughput, bytes per step, this step's loss, gradient norm and learning rate, and
-        the skipped steps, memory tiers, snapshots and data mixture when there are any."""
+        the skipped steps, the hooks' figures, memory tiers, snapshots and data mixture when there
+        are any."""
         record = self._throughput(steps, seconds)
         record["wire_bytes_per_step"] = {link: n / steps for link, n in sorted(moved.items())}
         record.update(
@@ -437,8 +384,8 @@ class Trainer:
         )
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps
-        if self.routing:
-            record.update(self.routing.record())
+        for hook in self.hooks:
+            record.update(hook.record())
         offload = self.model.offload_metrics()
         if offload is not None:
             record["offload"] = offload
@@ -486,8 +433,8 @@ class Trainer:
         self.model.close()
 
     def _note_skipped(self, log: MetricsLogger, loss: torch.Tensor, grad_norm: torch.Tensor) -> str:
-        if self.spike is not None:
-            note = f"loss spike: {self.spike}; update skipped ({self.skipped_steps} skipped in all)"
+        if self.skip_reason is not None:
+            note = f"{self.skip_reason}; update skipped ({self.skipped_steps} skipped in all)"
         else:
             note = (
                 f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}: not finite, "
