@@ -15,10 +15,8 @@ from __future__ import annotations
 import math
 import signal
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,28 +26,24 @@ from strata.checkpoint import store
 from strata.checkpoint.manager import CheckpointManager
 from strata.config import Config
 from strata.data.loader import MixtureLoader, make_loader
-from strata.data.mixture import Mixture, open_mixture
-from strata.data.prepare import ensure_default_corpus
-from strata.data.tokens import TokenDataset, check_data_config, end_of_document, read_meta
+from strata.data.tokens import end_of_document
 from strata.errors import StrataError
 from strata.model import flops_per_token
 from strata.parallel import comm, watchdog
 from strata.parallel.runtime import Runtime
 from strata.parallel.topology import Topology, build_topology, layout_from_config
 from strata.trainer import start
+from strata.trainer.datasets import describe, open_data
 from strata.trainer.divergence import SpikeGuard, implausible_weights, nonfinite_error
 from strata.trainer.evaluate import Evaluation, evaluate
 from strata.trainer.hooks import HangWatch, StepHook, all_of
 from strata.trainer.lr_schedule import lr_at
-from strata.trainer.metrics import MetricsLogger
+from strata.trainer.metrics import Interval, MetricsLogger
 from strata.trainer.parallelize import ParallelModel, parallelize
 from strata.trainer.profiling import StepProfiler
 from strata.trainer.routing import RoutingMonitor
 from strata.trainer.signals import Preempted, StopRequest
 from strata.trainer.state import TrainState
-
-if TYPE_CHECKING:
-    from strata.checkpoint.snapshot import SnapshotManager
 
 
 @dataclass
@@ -77,27 +71,15 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         layout = layout_from_config(cfg.parallel, runtime.world_size, runtime.local_world_size)
         self.topo: Topology = build_topology(layout, runtime.rank)
-        self.train_set: TokenDataset | Mixture
-        self.val_set: TokenDataset | Mixture
-        if cfg.data.sources:
-            self.train_set, self.val_set = open_mixture(
-                cfg.data, cfg.model.seq_len, cfg.model.vocab_size
-            )
-            data_dir, key = Path(cfg.data.sources[0].path), "data.sources[0].path"
-        else:
-            data_dir = Path(cfg.data.path) if cfg.data.path else self._default_corpus()
-            key = "data.path"
-            # data.tokenizer and model.vocab_size against meta.json
-            check_data_config(data_dir, cfg)
-            self.train_set = TokenDataset(data_dir, "train", cfg.model.seq_len)
-            self.val_set = TokenDataset(data_dir, "val", cfg.model.seq_len)
-        self.data_dir = data_dir  # the (first) prepared directory
-        self.data_description = self._describe_data()
+        data = open_data(cfg, runtime.rank)
+        self.train_set, self.val_set = data.train, data.val
+        self.data_dir = data.path  # the (first) prepared directory
+        self.data_description = describe(cfg.data)
         self.model: ParallelModel = parallelize(
             cfg, self.topo, runtime.device, self.train_set.vocab_size
         )
         if cfg.data.document_mask or cfg.data.reset_positions:
-            eot = end_of_document(data_dir, key)
+            eot = end_of_document(data.path, data.key)
             self.model.documents = (eot, cfg.data.document_mask, cfg.data.reset_positions)
         self.held_bytes: dict[str, int] = {}
         self.loader = make_loader(
@@ -111,16 +93,7 @@ class Trainer:
         self.state = TrainState(cfg, self.model, self.loader, runtime.rank)
         # saves' and snapshots' collectives
         control = comm.new_gloo_group() if runtime.distributed else None
-        self.checkpoints = CheckpointManager(
-            cfg.checkpoint_dir(),
-            runtime.rank,
-            runtime.world_size,
-            cfg.checkpoint.keep_last,
-            cfg.checkpoint.async_save,
-            control,
-            config_yaml=config_mod.dump(cfg),
-            on_disk_full=cfg.checkpoint.on_disk_full,
-        )
+        self.checkpoints = self._checkpoint_manager(control)
         self.snapshots = (
             start.snapshot_manager(cfg.snapshot, runtime, control, self.start_notes)
             if cfg.snapshot.every_steps
@@ -145,6 +118,20 @@ class Trainer:
         """Optimizer steps taken (the training state's)."""
         return self.state.step
 
+    def _checkpoint_manager(self, control) -> CheckpointManager:
+        """The manager of this run's checkpoints, agreeing over the `control` group."""
+        cfg, rt = self.cfg, self.rt
+        return CheckpointManager(
+            cfg.checkpoint_dir(),
+            rt.rank,
+            rt.world_size,
+            cfg.checkpoint.keep_last,
+            cfg.checkpoint.async_save,
+            control,
+            config_yaml=config_mod.dump(cfg),
+            on_disk_full=cfg.checkpoint.on_disk_full,
+        )
+
     def _step_hooks(self, control) -> list[StepHook]:
         """What watches or steers each step, in the order the loop calls them: routing's statistics
         are summed before the watchdog hears the step is done, and the profiler writes its trace
@@ -163,31 +150,6 @@ class Trainer:
         if self.locks is not None:
             self.locks.release()
             self.locks = None
-
-    def _active_snapshots(self) -> SnapshotManager:
-        if self.snapshots is None:
-            raise RuntimeError("snapshot.every_steps is 0: this run takes no snapshots")
-        return self.snapshots
-
-    def _describe_data(self) -> str:
-        """What this run trains on and its tokenizer, for the start-up banner."""
-        data = self.cfg.data
-        if data.sources:
-            return f"a mixture of {len(data.sources)} sources ({', '.join(s.path for s in data.sources)})"
-        if data.path:
-            return f"{data.path} (tokenizer: {read_meta(Path(data.path)).tokenizer})"
-        return (
-            "the built-in corpus (Python's standard library sources, byte-level tokens, "
-            f"{data.val_fraction:g} held "
-            "out); set data.path to a directory `strata data prepare` made to train on your own"
-        )
-
-    def _default_corpus(self) -> Path:
-        """Rank 0 prepares the built-in corpus once; the others wait, then read it."""
-        if self.rt.rank == 0:
-            ensure_default_corpus(self.cfg.data.cache_dir, self.cfg.data.val_fraction)
-        comm.barrier()
-        return ensure_default_corpus(self.cfg.data.cache_dir, self.cfg.data.val_fraction)
 
     # --- one step -------------------------------------------------------------------------
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,8 +270,10 @@ class Trainer:
 
     def snapshot(self) -> bool:
         """An in-memory snapshot of this step through the node's agent (collective); False if skipped."""
+        if self.snapshots is None:
+            raise RuntimeError("snapshot.every_steps is 0: this run takes no snapshots")
         with watchdog.paused("snapshot"):
-            return self._active_snapshots().save(self.step, self.state)
+            return self.snapshots.save(self.step, self.state)
 
     def resume(self, path: Path) -> Path:
         """Load a checkpoint saved from any layout into this one (`start.resume_from`)."""
@@ -335,8 +299,7 @@ class Trainer:
         (`_after_step`), and at the end evaluate, save and close (`_end_of_training`)."""
         cfg, result = self.cfg, RunResult()
         losses: dict[int, torch.Tensor] = {}
-        interval_start, interval_steps = time.perf_counter(), 0
-        link_bytes_before = Counter(comm.bytes_by_link)
+        interval = Interval(self.tokens_per_step, self.flops_per_token, self.rt.world_size)
         train_start, start_step = time.perf_counter(), self.step
         if cfg.train.eval_at_start and self.step == 0:
             result.eval_losses[0] = self._eval_and_log(log)
@@ -344,14 +307,11 @@ class Trainer:
             with all_of(hook.around(self.step + 1) for hook in self.hooks):
                 loss, grad_norm = self.train_step()
             losses[self.step] = loss
-            interval_steps += 1
+            interval.steps += 1
             record: dict = {}
             if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
-                elapsed = time.perf_counter() - interval_start
-                moved = Counter(comm.bytes_by_link) - link_bytes_before
-                link_bytes_before = Counter(comm.bytes_by_link)
-                record = self._interval_record(interval_steps, elapsed, moved, loss, grad_norm)
-                interval_start, interval_steps = time.perf_counter(), 0
+                record = self._interval_record(interval.measure(), loss, grad_norm)
+                interval.restart()
             if self.step_skipped:
                 record["skipped"] = self._note_skipped(log, loss, grad_norm)
             log.step(self.step, record)
@@ -363,20 +323,10 @@ class Trainer:
         result.tokens_per_s = (self.step - start_step) * self.tokens_per_step / max(elapsed, 1e-9)
         return result
 
-    def _interval_record(
-        self,
-        steps: int,
-        seconds: float,
-        moved: Counter[str],
-        loss: torch.Tensor,
-        grad_norm: torch.Tensor,
-    ) -> dict:
-        """The metrics of the `steps` steps logged at once (`seconds` long, `moved` bytes per link
-        level): throughput, bytes per step, this step's loss, gradient norm and learning rate, and
-        the skipped steps, the hooks' figures, memory tiers, snapshots and data mixture when there
-        are any."""
-        record = self._throughput(steps, seconds)
-        record["wire_bytes_per_step"] = {link: n / steps for link, n in sorted(moved.items())}
+    def _interval_record(self, record: dict, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict:
+        """The metrics of the steps logged at once: `record` (their throughput and bytes per step)
+        with this step's loss, gradient norm and learning rate, and the skipped steps, the hooks'
+        figures, memory tiers, snapshots and data mixture when there are any."""
         record.update(
             loss=loss.item(),
             grad_norm=grad_norm.item(),
@@ -426,8 +376,13 @@ class Trainer:
             cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
         ):
             self._save_or_warn(log)
-        with watchdog.paused("the final checkpoint's commit"):
-            self.checkpoints.close()  # the last save is committed before the run reports done
+        self._close("the final checkpoint's commit")
+
+    def _close(self, phase: str) -> None:
+        """Commit the last save (and end the snapshots) before the run reports, under the watchdog's
+        pause for `phase`; then let the model's resources go."""
+        with watchdog.paused(phase):
+            self.checkpoints.close()
             if self.snapshots:
                 self.snapshots.close()
         self.model.close()
@@ -451,11 +406,7 @@ class Trainer:
         log.print(f"strata: {name}: stopping after step {self.step}; saving a checkpoint")
         if self.saved_step != self.step:
             self._save_or_warn(log)
-        with watchdog.paused("the stop checkpoint's commit"):
-            self.checkpoints.close()
-            if self.snapshots:
-                self.snapshots.close()
-        self.model.close()
+        self._close("the stop checkpoint's commit")
         root = self.cfg.checkpoint_dir()
         newest = store.committed(root)[-1:] if self.rt.rank == 0 else []
         where = f"checkpoint {newest[0]}" if newest else f"no committed checkpoint under {root}"
@@ -483,12 +434,3 @@ class Trainer:
         log.write({"step": self.step, "eval_loss": result.loss})
         log.print(result.line(self.step))
         return result.loss
-
-    def _throughput(self, steps: int, seconds: float) -> dict:
-        tokens_per_s = steps * self.tokens_per_step / max(seconds, 1e-9)
-        tflops = tokens_per_s * self.flops_per_token / 1e12 / self.rt.world_size
-        return {
-            "tokens_per_s": tokens_per_s,
-            "tflops_per_rank": tflops,
-            "step_time_s": seconds / steps,
-        }
