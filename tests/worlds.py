@@ -74,7 +74,7 @@ PRELOAD = [
     "torch._dynamo",
     "strata.parallel.runtime",
     "strata.trainer.parallelize",
-    "strata.trainer.loop",
+    "strata.trainer.jobs",
 ]
 
 # Settings of the runs compared across layouts (tests/trainer/test_parallelize.py and the features

@@ -51,7 +51,7 @@ PRELOAD = (
     "strata.launch.commands",
     "strata.launch.supervisor",
     "strata.parallel.runtime",
-    "strata.trainer.loop",
+    "strata.trainer.jobs",
     "strata.checkpoint.snapshot",
     "torch._dynamo",
     "torch.distributed.pipelining",

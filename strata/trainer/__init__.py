@@ -1,7 +1,10 @@
 """strata.trainer: the training loop and what it needs around it.
 
-`loop` (the Trainer: set a run up, step, evaluate, log, save and resume), `signals` (stopping on a
-signal with a checkpoint, exit 75), `lr_schedule` (warm-up and decay), `parallelize` (one
+`loop` (the Trainer: set a run up, step, evaluate, log and save), `hooks` (what the loop calls around
+each step: `StepHook`, and the hang watchdog's part), `start` (where a run starts: a snapshot, a
+checkpoint of any layout, initial weights), `jobs` (what a worker runs: train, evaluate a checkpoint,
+rewrite a checkpoint), `datasets` (the splits a run trains and evaluates on), `signals` (stopping on
+a signal with a checkpoint, exit 75), `lr_schedule` (warm-up and decay), `parallelize` (one
 function that lays the model out over the ranks and memory tiers and returns the one object the loop
 drives), `evaluate` (the validation loss over a split's evaluation batches), `state`
 (`TrainState`: what a checkpoint or an in-memory snapshot of a rank holds), `metrics`

@@ -1,8 +1,8 @@
 """Evaluation on held-out data: the mean loss over the evaluation batches of a validation split
 (`data.eval_batches`: its first eval_batches × micro_batch_size × dp sequences, or with 0 every
 sequence once), each sequence weighing the same, summed over the data-parallel ranks whatever the
-layout; and the line the console shows for it. `evaluate_checkpoint` is `strata eval`: a checkpoint's
-loss, perplexity and bits per byte on each held-out split, in any layout."""
+layout; the line the console shows for it; and the bytes a split's tokens spell, for the bits per
+byte of `strata eval` (`jobs.evaluate_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from strata.config import Config
 from strata.data.loader import eval_batches
 from strata.data.mixture import Mixture
 from strata.data.tokenize import ByteTokenizer, load_file_tokenizer
@@ -70,7 +69,7 @@ def evaluate(
     return Evaluation(total / sequences, round(sequences / topo.layout.cp), batches == 0)
 
 
-# --- `strata eval`: a checkpoint on held-out data ------------------------------------------------
+# --- bits per byte ---------------------------------------------------------------------------------
 
 
 def target_bytes(data_dir: Path, dataset: TokenDataset) -> int:
@@ -83,31 +82,3 @@ def target_bytes(data_dir: Path, dataset: TokenDataset) -> int:
         return sum(int((w < ByteTokenizer.eot).sum()) for w in windows)
     tok = load_file_tokenizer(file)
     return sum(len(tok.decode([int(t) for t in w if t != eot]).encode("utf-8")) for w in windows)
-
-
-def evaluate_checkpoint(cfg: Config, runtime, source: Path, data_dirs: list[Path]) -> dict:
-    """Every held-out split's loss, perplexity and bits per byte under the checkpoint `source`
-    (collective: every rank of any layout calls it): `data_dirs`' validation splits, else each of
-    the config's data sources apart. Whole splits, every sequence once."""
-    from strata.trainer.loop import Trainer
-
-    trainer = Trainer(cfg, runtime, writes=[])
-    trainer.resume(source)
-    if not data_dirs:
-        data_dirs = [Path(s.path) for s in cfg.data.sources or ()] or [trainer.data_dir]
-    results: dict[str, dict] = {}
-    for data_dir in data_dirs:
-        dataset = TokenDataset(data_dir, "val", cfg.model.seq_len, key="--data")
-        found = evaluate(trainer.model, dataset, 0, cfg.train.micro_batch_size, trainer.topo)
-        tokens = found.sequences * cfg.model.seq_len
-        nats = found.loss * tokens
-        spelt = target_bytes(data_dir, dataset) if runtime.rank == 0 else 0
-        results[str(data_dir)] = {
-            "loss": found.loss,
-            "perplexity": found.perplexity,
-            "bits_per_byte": nats / math.log(2) / spelt if spelt else None,
-            "sequences": found.sequences,
-            "tokens": tokens,
-            "bytes": spelt,
-        }
-    return {"step": trainer.step, "checkpoint": str(source), "splits": results}

@@ -1,62 +1,49 @@
 """The training loop: one Trainer that sets a run up, then trains step by step, evaluates, logs, and
-calls the checkpoint and snapshot managers to save and resume.
+calls the checkpoint and snapshot managers to save.
 
 Everything about *how* the model is laid out and stepped lives behind `parallelize` (tensor,
 pipeline, data parallelism, ZeRO, memory tiers, activation policy, CO2): the loop asks the data
 loader for this rank's micro-batches, has the parallel model run forward/backward, reduce and clip,
-and step, under a warmup+cosine learning-rate schedule.
+and step, under a warmup+cosine learning-rate schedule. What watches or steers a step (MoE routing,
+the loss-spike guard, the profiler, the hang watchdog) is one of its step hooks (`hooks`); where a
+run starts is `start`'s, and what a worker runs around the Trainer (`strata train`, `strata eval`,
+a checkpoint's rewrite) is `jobs`'.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import os
 import signal
 import time
-import uuid
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from strata import config as config_mod
-from strata.checkpoint import hf_weights, store
+from strata.checkpoint import store
 from strata.checkpoint.manager import CheckpointManager
-from strata.checkpoint.reader import Checkpoint
 from strata.config import Config
 from strata.data.loader import MixtureLoader, make_loader
-from strata.data.mixture import Mixture, open_mixture
-from strata.data.prepare import ensure_default_corpus
-from strata.data.tokens import TokenDataset, check_data_config, end_of_document, read_meta
-from strata.errors import CheckpointError, StrataError
-from strata.model import count_params, flops_per_token
+from strata.data.tokens import end_of_document
+from strata.errors import StrataError
+from strata.model import flops_per_token
 from strata.parallel import comm, watchdog
-from strata.parallel import runtime as runtime_mod
 from strata.parallel.runtime import Runtime
 from strata.parallel.topology import Topology, build_topology, layout_from_config
-from strata.runlock import RunLocked, RunLocks
-from strata.trainer.divergence import DivergedError, SpikeGuard
+from strata.trainer import start
+from strata.trainer.datasets import describe, open_data
+from strata.trainer.divergence import SpikeGuard, implausible_weights, nonfinite_error
 from strata.trainer.evaluate import Evaluation, evaluate
+from strata.trainer.hooks import HangWatch, StepHook, all_of
 from strata.trainer.lr_schedule import lr_at
-from strata.trainer.metrics import MetricsLogger, mfu_peak
+from strata.trainer.metrics import Interval, MetricsLogger
 from strata.trainer.parallelize import ParallelModel, parallelize
 from strata.trainer.profiling import StepProfiler
 from strata.trainer.routing import RoutingMonitor
 from strata.trainer.signals import Preempted, StopRequest
 from strata.trainer.state import TrainState
-
-if TYPE_CHECKING:
-    from strata.checkpoint.dcp_source import DcpCheckpoint
-    from strata.checkpoint.snapshot import SnapshotManager
-
-
-class NonFiniteError(StrataError):
-    """Training diverged: the loss or gradient norm stayed NaN/inf (see `train.nonfinite`)."""
 
 
 @dataclass
@@ -79,32 +66,20 @@ class Trainer:
         # the run directory and checkpoint.dir unless a caller that holds them says otherwise)
         if writes is None:
             writes = [(cfg.run_dir(), "run directory"), (cfg.checkpoint_dir(), "checkpoint.dir")]
-        self.locks = self._lock_run(writes)
+        self.locks = start.lock_run(writes, runtime.rank, self.start_notes)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         layout = layout_from_config(cfg.parallel, runtime.world_size, runtime.local_world_size)
         self.topo: Topology = build_topology(layout, runtime.rank)
-        self.train_set: TokenDataset | Mixture
-        self.val_set: TokenDataset | Mixture
-        if cfg.data.sources:
-            self.train_set, self.val_set = open_mixture(
-                cfg.data, cfg.model.seq_len, cfg.model.vocab_size
-            )
-            data_dir, key = Path(cfg.data.sources[0].path), "data.sources[0].path"
-        else:
-            data_dir = Path(cfg.data.path) if cfg.data.path else self._default_corpus()
-            key = "data.path"
-            # data.tokenizer and model.vocab_size against meta.json
-            check_data_config(data_dir, cfg)
-            self.train_set = TokenDataset(data_dir, "train", cfg.model.seq_len)
-            self.val_set = TokenDataset(data_dir, "val", cfg.model.seq_len)
-        self.data_dir = data_dir  # the (first) prepared directory
-        self.data_description = self._describe_data()
+        data = open_data(cfg, runtime.rank)
+        self.train_set, self.val_set = data.train, data.val
+        self.data_dir = data.path  # the (first) prepared directory
+        self.data_description = describe(cfg.data)
         self.model: ParallelModel = parallelize(
             cfg, self.topo, runtime.device, self.train_set.vocab_size
         )
         if cfg.data.document_mask or cfg.data.reset_positions:
-            eot = end_of_document(data_dir, key)
+            eot = end_of_document(data.path, data.key)
             self.model.documents = (eot, cfg.data.document_mask, cfg.data.reset_positions)
         self.held_bytes: dict[str, int] = {}
         self.loader = make_loader(
@@ -116,30 +91,22 @@ class Trainer:
             self.topo.data_size,
         )
         self.state = TrainState(cfg, self.model, self.loader, runtime.rank)
-        self.profiler = StepProfiler.from_config(
-            cfg.log, cfg.run_dir(), runtime.rank, runtime.device
-        )
         # saves' and snapshots' collectives
         control = comm.new_gloo_group() if runtime.distributed else None
-        self.checkpoints = CheckpointManager(
-            cfg.checkpoint_dir(),
-            runtime.rank,
-            runtime.world_size,
-            cfg.checkpoint.keep_last,
-            cfg.checkpoint.async_save,
-            control,
-            config_yaml=config_mod.dump(cfg),
-            on_disk_full=cfg.checkpoint.on_disk_full,
+        self.checkpoints = self._checkpoint_manager(control)
+        self.snapshots = (
+            start.snapshot_manager(cfg.snapshot, runtime, control, self.start_notes)
+            if cfg.snapshot.every_steps
+            else None
         )
-        self.snapshots = self._snapshot_manager(control) if cfg.snapshot.every_steps else None
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
-        self.step_skipped = False  # the last step's loss or gradient norm was not finite
+        self.step_skipped = False  # the last step updated nothing: not finite, or a hook's veto
+        self.skip_reason: str | None = None  # the veto
         self.skipped_steps = self.nonfinite_in_a_row = 0
-        self.spikes = SpikeGuard.from_config(cfg.train)
         self.routing = (
             RoutingMonitor(cfg, self.model.parts, self.topo) if cfg.model.moe.enabled else None
         )
-        self.spike: str | None = None  # why the last step was a spike
+        self.hooks = self._step_hooks(control)
         self.stop_request = StopRequest()  # installed by `fit`
         # the signal every rank agreed to stop on after the last step (0: none)
         self.stop_signal = 0
@@ -151,70 +118,38 @@ class Trainer:
         """Optimizer steps taken (the training state's)."""
         return self.state.step
 
-    def _lock_run(self, writes: list[tuple[Path, str]]) -> RunLocks | None:
-        """Rank 0 takes the locks of the run directory and checkpoint.dir for the whole job (one job
-        holds them, not each rank); every rank learns whether it could (collective), so a second
-        writer of the same run ends on every rank with the one message naming the holder."""
-        locks, refusal = None, None
-        if self.rt.rank == 0:
-            try:
-                locks = RunLocks(writes).acquire()
-                self.start_notes += locks.warnings
-            except StrataError as e:
-                refusal = str(e)
-        refusal = comm.all_gather_objects(refusal, comm.world_group())[0]
-        if refusal is not None:
-            raise RunLocked(refusal)
-        return locks
+    def _checkpoint_manager(self, control) -> CheckpointManager:
+        """The manager of this run's checkpoints, agreeing over the `control` group."""
+        cfg, rt = self.cfg, self.rt
+        return CheckpointManager(
+            cfg.checkpoint_dir(),
+            rt.rank,
+            rt.world_size,
+            cfg.checkpoint.keep_last,
+            cfg.checkpoint.async_save,
+            control,
+            config_yaml=config_mod.dump(cfg),
+            on_disk_full=cfg.checkpoint.on_disk_full,
+        )
+
+    def _step_hooks(self, control) -> list[StepHook]:
+        """What watches or steers each step, in the order the loop calls them: routing's statistics
+        are summed before the watchdog hears the step is done, and the profiler writes its trace
+        after the watchdog stops."""
+        cfg, rt = self.cfg, self.rt
+        hooks = [
+            self.routing,
+            SpikeGuard.from_config(cfg.train, cfg.checkpoint_dir()),
+            StepProfiler.from_config(cfg.log, cfg.run_dir(), rt.rank, rt.device),
+            HangWatch(cfg.parallel.hang_after_s(), rt, control),
+        ]
+        return [hook for hook in hooks if hook is not None]
 
     def release_locks(self) -> None:
         """Let the run's directories go (at the end of the run; a process's exit does it too)."""
         if self.locks is not None:
             self.locks.release()
             self.locks = None
-
-    def _snapshot_manager(self, group) -> SnapshotManager | None:
-        """The snapshot manager (collective). Workers restarted after a failure go on without
-        snapshots, from the newest disk checkpoint, when the agents are out of reach (the launcher
-        gave up restarting one that kept dying): a run that snapshots must not die of its agent."""
-        # the agent protocol loads only when snapshots are on
-        from strata.checkpoint.snapshot import AgentUnreachable, SnapshotManager
-
-        try:
-            return SnapshotManager(self.cfg.snapshot, self.rt.rank, self.rt.world_size, group)
-        except AgentUnreachable as e:
-            if not _restarted_attempt():
-                raise
-            self.start_notes.append(
-                f"warning: {e}: this attempt runs without in-memory snapshots, from the newest "
-                "disk checkpoint"
-            )
-            return None
-
-    def _active_snapshots(self) -> SnapshotManager:
-        if self.snapshots is None:
-            raise RuntimeError("snapshot.every_steps is 0: this run takes no snapshots")
-        return self.snapshots
-
-    def _describe_data(self) -> str:
-        """What this run trains on and its tokenizer, for the start-up banner."""
-        data = self.cfg.data
-        if data.sources:
-            return f"a mixture of {len(data.sources)} sources ({', '.join(s.path for s in data.sources)})"
-        if data.path:
-            return f"{data.path} (tokenizer: {read_meta(Path(data.path)).tokenizer})"
-        return (
-            "the built-in corpus (Python's standard library sources, byte-level tokens, "
-            f"{data.val_fraction:g} held "
-            "out); set data.path to a directory `strata data prepare` made to train on your own"
-        )
-
-    def _default_corpus(self) -> Path:
-        """Rank 0 prepares the built-in corpus once; the others wait, then read it."""
-        if self.rt.rank == 0:
-            ensure_default_corpus(self.cfg.data.cache_dir, self.cfg.data.val_fraction)
-        comm.barrier()
-        return ensure_default_corpus(self.cfg.data.cache_dir, self.cfg.data.val_fraction)
 
     # --- one step -------------------------------------------------------------------------
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,12 +159,14 @@ class Trainer:
         A step whose loss or gradient norm is not finite updates nothing (`train.nonfinite`): its
         gradients are dropped, and it still counts as a step of the lr schedule and of the data (as
         Megatron counts its skipped iterations), so a resumed run and the schedule stay in step.
-        Deciding that costs one host sync per step; every rank makes the same decision."""
-        model = self.model
+        Deciding that costs one host sync per step; every rank makes the same decision. The step
+        hooks are called around it (`hooks`); a hook's veto skips the update as a non-finite step
+        does."""
+        model, step = self.model, self.step + 1
         for g in model.optimizer.param_groups:
             g["lr"] = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
-        if self.routing:
-            self.routing.start_step()
+        for hook in self.hooks:
+            hook.start_step(step)
         loss = model.forward_backward(self.loader.next_step())
         grad_norm = model.reduce_and_clip(
             self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
@@ -238,27 +175,40 @@ class Trainer:
         nonfinite, self.stop_signal, loss_value, norm_value = self._agree_after_step(
             loss, grad_norm
         )
-        self.spike = None
-        if not nonfinite and self.spikes is not None:
-            self.spike = self.spikes.judge(self.step + 1, loss_value, norm_value)
-        self.step_skipped = nonfinite or self.spike is not None
+        self.skip_reason = None if nonfinite else self._veto(step, loss_value, norm_value)
+        self.step_skipped = nonfinite or self.skip_reason is not None
         if self.step_skipped:
             model.skip_step()
             self.skipped_steps += 1
         else:
             model.step()
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
-        if self.routing:
-            self.routing.end_step(updated=not self.step_skipped)
-        self.held_bytes = model.engine.held_bytes()
+        self.held_bytes = model.held_bytes()
         self.state.step += 1
-        watchdog.step_done(self.step)
+        for hook in self.hooks:
+            hook.end_step(step, updated=not self.step_skipped)
         self.checkpoints.poll()  # a background save's failure surfaces here, on every rank
         if nonfinite:
-            self._stop_if_diverged(loss, grad_norm)
-        if self.spike is not None:
-            self._stop_if_spiking()
+            error = nonfinite_error(
+                self.cfg.train,
+                self.nonfinite_in_a_row,
+                self.step,
+                loss.item(),
+                grad_norm.item(),
+                self.cfg.checkpoint_dir(),
+            )
+            self._stop_with(error)
+        for hook in self.hooks:
+            self._stop_with(hook.stop(step))
         return loss, grad_norm
+
+    def _veto(self, step: int, loss: float, grad_norm: float) -> str | None:
+        """The first hook's reason not to update the weights of finite step `step` (the hooks after
+        it are not asked), or None."""
+        for hook in self.hooks:
+            if (reason := hook.veto(step, loss, grad_norm)) is not None:
+                return reason
+        return None
 
     def _agree_after_step(
         self, loss: torch.Tensor, grad_norm: torch.Tensor
@@ -280,47 +230,13 @@ class Trainer:
         comm.all_reduce(flags, self.checkpoints.group, dim="nonfinite", op=dist.ReduceOp.MAX)
         return bool(flags[0].item()), int(flags[1].item()), float(flags[2]), float(flags[3])
 
-    def _stop_if_diverged(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Raise (on every rank: they count alike) once `train.nonfinite` says the run cannot go on;
-        a save in flight, of finite state, is committed first."""
-        tr = self.cfg.train
-        if tr.nonfinite == "skip" and self.nonfinite_in_a_row < tr.max_nonfinite_steps:
+    def _stop_with(self, error: StrataError | None) -> None:
+        """Raise `error`, if any (every rank alike), once a save in flight, of finite state, is
+        committed."""
+        if error is None:
             return
         self.checkpoints.close()
-        why = (
-            "train.nonfinite=stop"
-            if tr.nonfinite == "stop"
-            else f"{self.nonfinite_in_a_row} steps in a row, "
-            f"train.max_nonfinite_steps={tr.max_nonfinite_steps}"
-        )
-        raise NonFiniteError(
-            f"step {self.step}: loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}: not "
-            f"finite ({why}); "
-            "training stopped and this state was not saved. Resume from the newest committed "
-            "checkpoint with "
-            f"--resume {self.cfg.checkpoint_dir()} and a lower optim.lr (or a longer "
-            "optim.warmup_steps, or "
-            "optim.grad_clip > 0)"
-        )
-
-    def _stop_if_spiking(self) -> None:
-        """Raise (on every rank alike) once `train.max_spike_steps` steps in a row were spikes: the
-        run diverged, and none of the state those steps led to is saved (their updates were dropped)."""
-        assert self.spikes is not None
-        limit = self.cfg.train.max_spike_steps
-        if self.spikes.in_a_row < limit:
-            return
-        self.checkpoints.close()
-        raise DivergedError(
-            f"step {self.step}: {limit} steps in a row were loss spikes, the last one's "
-            f"{self.spike}: the run "
-            "diverged, and training stopped (their updates were dropped, nothing of them was "
-            "saved). Resume from "
-            f"the newest committed checkpoint with --resume {self.cfg.checkpoint_dir()} and a "
-            "lower optim.lr (or a "
-            "longer optim.warmup_steps); train.spike_sigma sets how far above its history a step "
-            "may go"
-        )
+        raise error
 
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
         """`value` summed over the data-parallel ranks (in place)."""
@@ -340,170 +256,62 @@ class Trainer:
         `checkpoint.async`. Returns False, saving nothing, if any rank's state is not finite: a NaN
         checkpoint would verify as sound and resume into garbage. Since such a save never commits,
         `keep_last` never counts it, and never prunes the newest finite checkpoint to make room."""
+        cfg = self.cfg
         with self.state.ready_to_save():
-            self._refuse_implausible_weights()
+            params, limit = self.model.params, cfg.checkpoint.max_abs_weight
+            group, where = self.checkpoints.group, cfg.checkpoint_dir()
+            self._stop_with(implausible_weights(params, limit, group, self.step, where))
             return self.checkpoints.save(
                 self.step,
                 self.state,
                 finite_only=True,  # checked as it is staged
-                suspect=self.spikes is not None and self.spikes.unstable_since(self.step),
+                suspect=any(hook.suspect(self.step) for hook in self.hooks),
             )
-
-    def _refuse_implausible_weights(self) -> None:
-        """Stop, saving nothing, when a parameter's magnitude exceeds checkpoint.max_abs_weight on any
-        rank (collective): finite weights of 1e29 verify as sound and resume into garbage."""
-        limit = self.cfg.checkpoint.max_abs_weight
-        if not limit:
-            return
-        params = [p.detach() for p in self.model.params if p.numel()]
-        local = (
-            max((float(n) for n in torch._foreach_norm(params, math.inf)), default=0.0)
-            if params
-            else 0.0
-        )
-        largest = torch.tensor([local if math.isfinite(local) else 0.0], dtype=torch.float64)
-        comm.all_reduce(largest, self.checkpoints.group, dim="checkpoint", op=dist.ReduceOp.MAX)
-        if largest.item() <= limit:
-            return
-        self.checkpoints.close()
-        raise DivergedError(
-            f"step {self.step}: a parameter reached magnitude {largest.item():.3g}, above "
-            "checkpoint.max_abs_weight="
-            f"{limit:g}: the run diverged, and this state was not saved. Resume from the newest "
-            "committed checkpoint "
-            f"with --resume {self.cfg.checkpoint_dir()} and a lower optim.lr (or raise "
-            "checkpoint.max_abs_weight if "
-            "such weights are intended)"
-        )
 
     def snapshot(self) -> bool:
         """An in-memory snapshot of this step through the node's agent (collective); False if skipped."""
+        if self.snapshots is None:
+            raise RuntimeError("snapshot.every_steps is 0: this run takes no snapshots")
         with watchdog.paused("snapshot"):
-            return self._active_snapshots().save(self.step, self.state)
+            return self.snapshots.save(self.step, self.state)
 
     def resume(self, path: Path) -> Path:
-        """Load a checkpoint saved from any layout into this one (see `TrainState.load`)."""
-        return self._load(self._open(path))
-
-    def _load(self, ckpt: Checkpoint | DcpCheckpoint) -> Path:
-        return self.state.load(ckpt, self.cfg.checkpoint.verify_on_load, self.checkpoints.agree)
+        """Load a checkpoint saved from any layout into this one (`start.resume_from`)."""
+        return start.resume_from(self, path)
 
     def init_weights(self) -> Path:
-        """Load model.init_from's weights (collective): a Hugging Face model directory, read with
-        each rank taking only its own boxes of the safetensors, or a Strata or DCP checkpoint's."""
-        path = Path(self.cfg.model.init_from or "")
-        is_hf = (path / "config.json").is_file()
-        ckpt = hf_weights.open_weights(path, self.cfg.model) if is_hf else self._open(path)
-        self.state.load_weights(ckpt, self.checkpoints.agree)
-        return ckpt.path
-
-    def _open(self, path: Path) -> Checkpoint | DcpCheckpoint:
-        """A Strata checkpoint, or one torch.distributed.checkpoint wrote alone (its notes say what
-        is taken from it and what starts fresh)."""
-        if not store.is_dcp_only(path):
-            return Checkpoint(path)
-        # torch.distributed.checkpoint takes ~1.3 s to import (DTensor, sympy): only runs that read
-        # one pay
-        from strata.checkpoint.dcp_source import DcpCheckpoint
-
-        ckpt = DcpCheckpoint(path, self.cfg.model)
-        self.start_notes += [f"{path}: a checkpoint DCP wrote alone: {note}" for note in ckpt.notes]
-        return ckpt
-
-    def restore_on_start(self, resume: Path | None) -> str:
-        """With snapshots on, where this run starts from (collective): the newest in-memory snapshot
-        every rank can restore; else `resume`, or the newest committed checkpoint under
-        checkpoint.dir (a job whose every node was lost is simply launched again); else step 0.
-        Returns the sentence saying which, and why ("" for a first start)."""
-        found = self._active_snapshots().recover()
-        if found.checkpoint is not None:
-            self._load(found.checkpoint)
-            return f"snapshot: resumed from {found.message}"
-        own = self.cfg.checkpoint_dir() if store.committed(self.cfg.checkpoint_dir()) else None
-        disk = (own or resume) if _restarted_attempt() else (resume or own)
-        lead = f"snapshot: no in-memory snapshot every rank can restore ({found.message})"
-        if disk is None:
-            return (
-                ""
-                if not found.restarted
-                else f"{lead}; no committed checkpoint under {self.cfg.checkpoint_dir()} either: "
-                "starting from step 0"
-            )
-        return f"{lead}; resumed from disk checkpoint {self.resume(disk)}"
-
-    def start_from(self, resume: Path | None) -> Path | None:
-        """Without snapshots, the checkpoint this run starts from (collective): for workers torchrun
-        restarted after a failure or a job Slurm requeued, the newest committed checkpoint under
-        checkpoint.dir (this job's own, newer than the `--resume` it was submitted with); else
-        `resume`; else none, from step 0. Committed checkpoints in
-        checkpoint.dir at a first start belong to an earlier run, which a new one would replace as
-        `keep_last` prunes: refused unless checkpoint.overwrite. Only rank 0 looks, since only it
-        commits (its view is the one sure to hold the markers); every rank acts on its view."""
-        restarted = _restarted_attempt()
-        if resume is not None and not restarted:
-            return resume
-        root = self.cfg.checkpoint_dir()
-        found = [p.name for p in store.committed(root)] if self.rt.rank == 0 else []
-        found = comm.all_gather_objects(found, self.checkpoints.group)[0]
-        if not found:
-            return resume
-        if restarted:  # newer than `resume`: this job's own progress since it started from there
-            return root
-        if self.cfg.checkpoint.overwrite:
-            return None
-        raise store.earlier_run_error(root, found)
+        """Load model.init_from's weights (`start.init_weights`; collective)."""
+        return start.init_weights(self)
 
     # --- the run --------------------------------------------------------------------------
     def fit(self, log: MetricsLogger) -> RunResult:
         """Train to `train.steps`. A stop signal (GRACEFUL_SIGNALS) ends the run after the step in
         progress instead, with a committed checkpoint of it: raises `Preempted` on every rank."""
         self.stop_request.install()
-        hangs = self._watch_for_hangs(log)
         try:
-            with hangs.guard() if hangs is not None else contextlib.nullcontext():
+            with all_of(hook.running(log.print) for hook in self.hooks):
                 return self._fit(log)
         finally:
-            if hangs is not None:
-                hangs.stop()
-            self.profiler.close()
             self.stop_request.restore()
-
-    def _watch_for_hangs(self, log: MetricsLogger) -> watchdog.Watchdog | None:
-        """Start this rank's hang watchdog (collective), if parallel.hang_after_s() is not 0."""
-        after = self.cfg.parallel.hang_after_s()
-        if not self.rt.distributed or not after:
-            return None
-        token = comm.all_gather_objects(uuid.uuid4().hex, self.checkpoints.group)[0]
-        store = watchdog.store_from_env(timeout_s=max(10.0, after))
-        if store is None:
-            log.print(
-                "warning: no MASTER_ADDR/MASTER_PORT in the environment: hangs are not watched for"
-            )
-            return None
-        return watchdog.start(store, token, self.rt.rank, self.rt.world_size, after)
 
     def _fit(self, log: MetricsLogger) -> RunResult:
         """The training loop of `fit`: step, log every `log.interval` steps, do what follows a step
         (`_after_step`), and at the end evaluate, save and close (`_end_of_training`)."""
         cfg, result = self.cfg, RunResult()
         losses: dict[int, torch.Tensor] = {}
-        interval_start, interval_steps = time.perf_counter(), 0
-        link_bytes_before = Counter(comm.bytes_by_link)
+        interval = Interval(self.tokens_per_step, self.flops_per_token, self.rt.world_size)
         train_start, start_step = time.perf_counter(), self.step
         if cfg.train.eval_at_start and self.step == 0:
             result.eval_losses[0] = self._eval_and_log(log)
         while self.step < cfg.train.steps:
-            with self.profiler.step(self.step + 1):
+            with all_of(hook.around(self.step + 1) for hook in self.hooks):
                 loss, grad_norm = self.train_step()
             losses[self.step] = loss
-            interval_steps += 1
+            interval.steps += 1
             record: dict = {}
             if self.step % cfg.log.interval == 0 or self.step == cfg.train.steps:
-                elapsed = time.perf_counter() - interval_start
-                moved = Counter(comm.bytes_by_link) - link_bytes_before
-                link_bytes_before = Counter(comm.bytes_by_link)
-                record = self._interval_record(interval_steps, elapsed, moved, loss, grad_norm)
-                interval_start, interval_steps = time.perf_counter(), 0
+                record = self._interval_record(interval.measure(), loss, grad_norm)
+                interval.restart()
             if self.step_skipped:
                 record["skipped"] = self._note_skipped(log, loss, grad_norm)
             log.step(self.step, record)
@@ -515,19 +323,10 @@ class Trainer:
         result.tokens_per_s = (self.step - start_step) * self.tokens_per_step / max(elapsed, 1e-9)
         return result
 
-    def _interval_record(
-        self,
-        steps: int,
-        seconds: float,
-        moved: Counter[str],
-        loss: torch.Tensor,
-        grad_norm: torch.Tensor,
-    ) -> dict:
-        """The metrics of the `steps` steps logged at once (`seconds` long, `moved` bytes per link
-        level): throughput, bytes per step, this step's loss, gradient norm and learning rate, and
-        the skipped steps, memory tiers, snapshots and data mixture when there are any."""
-        record = self._throughput(steps, seconds)
-        record["wire_bytes_per_step"] = {link: n / steps for link, n in sorted(moved.items())}
+    def _interval_record(self, record: dict, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict:
+        """The metrics of the steps logged at once: `record` (their throughput and bytes per step)
+        with this step's loss, gradient norm and learning rate, and the skipped steps, the hooks'
+        figures, memory tiers, snapshots and data mixture when there are any."""
         record.update(
             loss=loss.item(),
             grad_norm=grad_norm.item(),
@@ -535,10 +334,11 @@ class Trainer:
         )
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps
-        if self.routing:
-            record.update(self.routing.record())
-        if self.model.tiers:
-            record["offload"] = self.model.tiers.metrics()
+        for hook in self.hooks:
+            record.update(hook.record())
+        offload = self.model.offload_metrics()
+        if offload is not None:
+            record["offload"] = offload
         if self.snapshots:
             record["snapshot"] = self.snapshots.stats()
         if isinstance(self.loader, MixtureLoader):
@@ -576,15 +376,20 @@ class Trainer:
             cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
         ):
             self._save_or_warn(log)
-        with watchdog.paused("the final checkpoint's commit"):
-            self.checkpoints.close()  # the last save is committed before the run reports done
+        self._close("the final checkpoint's commit")
+
+    def _close(self, phase: str) -> None:
+        """Commit the last save (and end the snapshots) before the run reports, under the watchdog's
+        pause for `phase`; then let the model's resources go."""
+        with watchdog.paused(phase):
+            self.checkpoints.close()
             if self.snapshots:
                 self.snapshots.close()
         self.model.close()
 
     def _note_skipped(self, log: MetricsLogger, loss: torch.Tensor, grad_norm: torch.Tensor) -> str:
-        if self.spike is not None:
-            note = f"loss spike: {self.spike}; update skipped ({self.skipped_steps} skipped in all)"
+        if self.skip_reason is not None:
+            note = f"{self.skip_reason}; update skipped ({self.skipped_steps} skipped in all)"
         else:
             note = (
                 f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}: not finite, "
@@ -601,11 +406,7 @@ class Trainer:
         log.print(f"strata: {name}: stopping after step {self.step}; saving a checkpoint")
         if self.saved_step != self.step:
             self._save_or_warn(log)
-        with watchdog.paused("the stop checkpoint's commit"):
-            self.checkpoints.close()
-            if self.snapshots:
-                self.snapshots.close()
-        self.model.close()
+        self._close("the stop checkpoint's commit")
         root = self.cfg.checkpoint_dir()
         newest = store.committed(root)[-1:] if self.rt.rank == 0 else []
         where = f"checkpoint {newest[0]}" if newest else f"no committed checkpoint under {root}"
@@ -633,129 +434,3 @@ class Trainer:
         log.write({"step": self.step, "eval_loss": result.loss})
         log.print(result.line(self.step))
         return result.loss
-
-    def _throughput(self, steps: int, seconds: float) -> dict:
-        tokens_per_s = steps * self.tokens_per_step / max(seconds, 1e-9)
-        tflops = tokens_per_s * self.flops_per_token / 1e12 / self.rt.world_size
-        return {
-            "tokens_per_s": tokens_per_s,
-            "tflops_per_rank": tflops,
-            "step_time_s": seconds / steps,
-        }
-
-
-def rewrite_checkpoint(cfg: Config, runtime: Runtime, source: Path, out: Path) -> None:
-    """Load checkpoint `source` into this layout and save it under `out`, without training (the
-    workers of `strata ckpt reshard`)."""
-    # `strata ckpt reshard` holds out's lock for its workers; the source run is only read
-    trainer = Trainer(config_mod.replace(cfg, "checkpoint.dir", str(out)), runtime, writes=[])
-    trainer.resume(source)
-    if not trainer.save():
-        raise CheckpointError(
-            f"{source} holds parameters or optimizer states that are not finite; {out} not written"
-        )
-    trainer.checkpoints.close()
-
-
-def _restarted_attempt() -> bool:
-    """Whether these workers continue this job's own earlier attempt: torchrun restarted them after a
-    failure (`strata launch --max-restarts`), or Slurm requeued the job (after a preemption, or the
-    script's own requeue on PREEMPTED_EXIT) and started it again."""
-    counts = (
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-        os.environ.get("SLURM_RESTART_COUNT", "0"),
-    )
-    return any(int(count or "0") > 0 for count in counts)
-
-
-def run(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResult:
-    """Train `cfg` in this process (one rank of the world `runtime` describes) and print a summary."""
-    trainer = Trainer(cfg, runtime)
-    main = runtime.rank == 0
-    start = time.time()
-    # a start without --resume deliberately continues from the newest checkpoint
-    if trainer.snapshots:
-        resumed_from, restore_note = None, trainer.restore_on_start(resume)
-    else:
-        source = trainer.start_from(resume)
-        resumed_from, restore_note = trainer.resume(source) if source else None, ""
-    fresh = trainer.step == 0 and resumed_from is None
-    weights_from = trainer.init_weights() if fresh and cfg.model.init_from else None
-    peak, peak_note = mfu_peak(cfg.log.peak_tflops, runtime.device, cfg.train.precision)
-    log = MetricsLogger(
-        cfg.run_dir(),
-        cfg.train.steps,
-        trainer.step,
-        enabled=main,
-        progress=cfg.log.progress,
-        wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
-        config=config_mod.to_dict(cfg),
-        tensorboard=cfg.log.tensorboard,
-        peak_tflops=peak,
-    )
-    n_params = count_params(cfg.model, trainer.model.vocab_size)
-    layout = trainer.topo.layout
-    log.print(
-        f"strata: {n_params / 1e6:.2f}M parameters, world {runtime.world_size} "
-        f"(tp {layout.tp}, pp {layout.pp}, dp {layout.data_parallel}"
-        + (f", cp {layout.cp}" if layout.cp > 1 else "")
-        + "), "
-        f"{cfg.train.global_batch_size}×{cfg.model.seq_len} tokens/step, run dir {cfg.run_dir()}"
-        + (f", resumed from {resumed_from}" if resumed_from else "")
-        + (f", weights from {weights_from}" if weights_from else "")
-    )
-    log.print(f"data: {trainer.data_description}")
-    for warning in config_mod.start_up_warnings(cfg):
-        log.print(f"warning: {warning}")
-    for note in trainer.start_notes:
-        log.print(note)
-    log.print(peak_note)
-    if log.set_aside is not None:
-        log.print(
-            f"note: an earlier run's metrics.jsonl was kept as {log.set_aside.name}; this "
-            "run's starts anew"
-        )
-    if restore_note:
-        log.print(restore_note)
-        log.write(
-            {
-                "step": trainer.step,
-                "resumed": restore_note,
-                "restore_s": time.time() - start,
-                "wall_time": time.time(),
-            }
-        )
-    if trainer.model.tiers:
-        log.write({"step": trainer.step, **trainer.model.tiers.startup_record()})
-        for note in trainer.model.tiers.notes:
-            log.print(f"offload: {note}")
-        if trainer.model.tiers.placement is not None:
-            log.print(f"offload: {trainer.model.tiers.placement.reason}")
-    try:
-        result = trainer.fit(log)
-    except Preempted:
-        # every rank is done with the world: leave it together, then exit PREEMPTED_EXIT
-        runtime_mod.stop()
-        raise
-    finally:
-        log.close()
-    if main:
-        summary = {
-            "final_step": result.final_step,
-            "train_loss": result.losses.get(result.final_step),
-            "eval_loss": result.eval_losses.get(result.final_step),
-            "tokens_per_s": result.tokens_per_s,
-            "comm_bytes": {f"{dim}/{op}": n for (dim, op), n in sorted(comm.bytes_moved.items())},
-            "wire_bytes": dict(sorted(comm.bytes_by_link.items())),
-            "held_bytes": trainer.held_bytes,
-            "offload": trainer.model.tiers.metrics() if trainer.model.tiers else None,
-        }
-        (cfg.run_dir() / "summary.json").write_text(json.dumps(summary, indent=1))
-        train_loss = f"{summary['train_loss']:.4f}" if summary["train_loss"] is not None else "n/a"
-        print(
-            f"done: step {result.final_step}  train loss {train_loss}  eval loss "
-            f"{summary['eval_loss']:.4f}  "
-            f"throughput {result.tokens_per_s:,.0f} tokens/s"
-        )
-    trainer.release_locks()
-    return result

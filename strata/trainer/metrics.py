@@ -1,6 +1,7 @@
 """What a run reports: a progress bar on rank 0, metrics.jsonl in the run directory, optional
-TensorBoard scalars and optional wandb (offline by default; it can never block training), and the
-peak TFLOP/s that MFU is measured against."""
+TensorBoard scalars and optional wandb (offline by default; it can never block training), the
+throughput of the steps logged at once (`Interval`), and the peak TFLOP/s that MFU is measured
+against."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -17,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from strata.errors import StrataError
+from strata.parallel import comm
 
 # Dense (no structured sparsity) bf16/fp16 tensor-core peaks per device torch sees, in TFLOP/s, from
 # the vendors' datasheets: NVIDIA H100 and H200 (SXM 989.4, PCIe 756, NVL 835; the datasheets quote
@@ -147,6 +150,35 @@ class MetricsLogger:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class Interval:
+    """The steps logged at once (every log.interval): how many, since when, and the bytes each link
+    level carried since, for their throughput."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, world_size: int) -> None:
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.world_size = world_size
+        self.links = Counter(comm.bytes_by_link)
+        self.restart()
+
+    def restart(self) -> None:
+        """The next interval's clock and step count start now."""
+        self.start, self.steps = time.perf_counter(), 0
+
+    def measure(self) -> dict:
+        """The interval's tokens/s, TFLOP/s per rank, step time and bytes per step on each link
+        level; the bytes count afresh from here."""
+        seconds = time.perf_counter() - self.start
+        moved = Counter(comm.bytes_by_link) - self.links
+        self.links = Counter(comm.bytes_by_link)
+        tokens_per_s = self.steps * self.tokens_per_step / max(seconds, 1e-9)
+        return {
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_rank": tokens_per_s * self.flops_per_token / 1e12 / self.world_size,
+            "step_time_s": seconds / self.steps,
+            "wire_bytes_per_step": {link: n / self.steps for link, n in sorted(moved.items())},
+        }
 
 
 def flat_scalars(record: dict, prefix: str = "") -> Iterator[tuple[str, float]]:

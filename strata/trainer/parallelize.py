@@ -1,8 +1,8 @@
 """One function, `parallelize`, turns the plain model into this rank's trainable share of it, applying
 every parallelism and memory feature in one fixed order:
 
-    tensor parallel → pipeline split → materialise → float8 linears → ZeRO engine → memory tiers
-    → activation policy → compilation → CO2
+    tensor parallel → expert parallel → context parallel → pipeline split → materialise → float8
+    linears → ZeRO engine → memory tiers → activation policy → compilation → CO2
 
 It returns a `ParallelModel`, the one object the training loop drives: `forward_backward` over the
 step's micro-batches, `reduce_and_clip`, `step`. Plain data parallelism is the ZeRO engine with
@@ -291,6 +291,29 @@ class ParallelModel:
             self.tiers.close()
         self.engine.close()
 
+    # --- what a run reports ----------------------------------------------------------------
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of parameter, gradient and optimizer-state storage this rank holds now."""
+        return self.engine.held_bytes()
+
+    def offload_metrics(self) -> dict | None:
+        """The memory tiers' counters for metrics.jsonl (bytes moved, stalls, pool peaks), or None
+        without tiers."""
+        return self.tiers.metrics() if self.tiers else None
+
+    def startup_record(self) -> dict | None:
+        """What the memory tiers decided at start-up, logged once (None without tiers)."""
+        return self.tiers.startup_record() if self.tiers else None
+
+    def startup_notes(self) -> list[str]:
+        """The console's lines about the memory tiers' set-up and update placement ("offload: ...")."""
+        if not self.tiers:
+            return []
+        notes = [f"offload: {note}" for note in self.tiers.notes]
+        if self.tiers.placement is not None:
+            notes.append(f"offload: {self.tiers.placement.reason}")
+        return notes
+
 
 def parallelize(
     cfg: Config, topo: Topology, device: torch.device, data_vocab_size: int
@@ -299,58 +322,18 @@ def parallelize(
     in the order of the module docstring. Each rank allocates and initialises only its own slices,
     with the values one process would give them (`initial_value` depends on the parameter's name,
     not on the layout)."""
-    par = cfg.parallel
     with torch.device("meta"):
         model = GPT(cfg.model, padded_vocab_size(cfg.model, data_vocab_size))
     global_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     canonical = canonical_names(model)
 
-    loss_fn: Callable = lm_loss
-    if par.tp > 1:
-        loss_fn = apply_tensor_parallel(
-            model,
-            topo.group("tp"),
-            topo.coords["tp"],
-            par.tp,
-            sequence_parallel=par.sequence_parallel,
-        )
-
+    loss_fn = _tensor_parallel(cfg, topo, model)
     domains = _expert_parallel(cfg, topo, model)
     positions = _context_parallel(cfg, topo, model)
-
-    stages: list[Stage] = []
-    if par.pp > 1:
-        # torch's pipelining (and the torch._dynamo it pulls in, ~1 s) loads only for runs that use
-        # it
-        from strata.parallel.pipeline import Pipeline, split_stages
-
-        stages = split_stages(model, topo.coords["pp"], par.pp, par.virtual_stages, par.schedule)
+    stages = _pipeline_stages(cfg, topo, model)
     parts: list[nn.Module] = list(stages) if stages else [model]
-    if cfg.train.precision == "fp8":
-        from strata.trainer.float8 import check_float8
-
-        check_float8(cfg.train, device)  # before any memory is allocated
-    refuse_unallocatable(parts, device)
-    materialize(parts, cfg.model, cfg.train.seed, device, positions)
-    if cfg.train.precision == "fp8":
-        from strata.trainer.float8 import apply_float8
-
-        apply_float8(parts, cfg.train, compile_matmul=cfg.train.compile)
-    pipeline = None
-    if stages:
-        tied_group = topo.group("pp_ends") if cfg.model.tie_embeddings else None
-        pipeline = Pipeline(
-            stages,
-            loss_fn,
-            topo.group("pp"),
-            par.pp,
-            par.virtual_stages,
-            par.schedule,
-            cfg.grad_accum_steps(topo.layout.world_size),
-            device,
-            tied_group,
-            stage_shapes(cfg, model.vocab_size),
-        )
+    _materialize_parts(cfg, parts, device, positions)
+    pipeline = _pipeline(cfg, topo, stages, loss_fn, device, model.vocab_size) if stages else None
 
     # Under CO2 gradients are averaged inside the node only; CO2 joins the nodes every H steps.
     sync_level = "node" if cfg.co2.enabled else "global"
@@ -376,6 +359,77 @@ def parallelize(
         model.vocab_size,
         global_shapes,
         canonical,
+    )
+
+
+def _tensor_parallel(cfg: Config, topo: Topology, model: GPT) -> Callable:
+    """parallel.tp: Megatron's column and row parallel layers in place of the model's; returns the
+    loss over the logits each rank holds (the vocab-parallel loss under tp)."""
+    par = cfg.parallel
+    if par.tp == 1:
+        return lm_loss
+    return apply_tensor_parallel(
+        model,
+        topo.group("tp"),
+        topo.coords["tp"],
+        par.tp,
+        sequence_parallel=par.sequence_parallel,
+    )
+
+
+def _pipeline_stages(cfg: Config, topo: Topology, model: GPT) -> list[Stage]:
+    """parallel.pp: the stages of the model this pipeline rank holds (none without pp)."""
+    par = cfg.parallel
+    if par.pp == 1:
+        return []
+    # torch's pipelining (and the torch._dynamo it pulls in, ~1 s) loads only for runs that use it
+    from strata.parallel.pipeline import split_stages
+
+    return split_stages(model, topo.coords["pp"], par.pp, par.virtual_stages, par.schedule)
+
+
+def _materialize_parts(
+    cfg: Config, parts: list[nn.Module], device: torch.device, positions: torch.Tensor | None
+) -> None:
+    """This rank's parameters allocated and filled (after the checks that refuse a run before any
+    memory is allocated), then float8 linear layers (`train.precision: fp8`)."""
+    if cfg.train.precision == "fp8":
+        from strata.trainer.float8 import check_float8
+
+        check_float8(cfg.train, device)  # before any memory is allocated
+    refuse_unallocatable(parts, device)
+    materialize(parts, cfg.model, cfg.train.seed, device, positions)
+    if cfg.train.precision == "fp8":
+        from strata.trainer.float8 import apply_float8
+
+        apply_float8(parts, cfg.train, compile_matmul=cfg.train.compile)
+
+
+def _pipeline(
+    cfg: Config,
+    topo: Topology,
+    stages: list[Stage],
+    loss_fn: Callable,
+    device: torch.device,
+    vocab_size: int,
+) -> Pipeline:
+    """The schedule that runs this rank's stages (the tied embedding's copies kept equal over the
+    first and last stages' group)."""
+    from strata.parallel.pipeline import Pipeline
+
+    par = cfg.parallel
+    tied_group = topo.group("pp_ends") if cfg.model.tie_embeddings else None
+    return Pipeline(
+        stages,
+        loss_fn,
+        topo.group("pp"),
+        par.pp,
+        par.virtual_stages,
+        par.schedule,
+        cfg.grad_accum_steps(topo.layout.world_size),
+        device,
+        tied_group,
+        stage_shapes(cfg, vocab_size),
     )
 
 

@@ -1,7 +1,7 @@
 """Profiling a window of training steps: a torch.profiler trace per rank (Chrome/Perfetto JSON) and,
 on CUDA, a memory snapshot of the same steps, plus a memory snapshot when the GPU runs out of
-memory (`log.profile_steps`). The loop wraps each step in `StepProfiler.step(n)`; outside the window
-that costs nothing but a comparison.
+memory (`log.profile_steps`). The loop wraps each step in `StepProfiler.step(n)` (the profiler is one
+of its step hooks: `around`); outside the window that costs nothing but a comparison.
 
 The out-of-memory snapshot is taken by an observer the CUDA allocator calls at the failed
 allocation, before the error unwinds the step and frees its tensors; where torch has no such hook it
@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from strata.config import LogConfig
+from strata.trainer.hooks import Say, StepHook
 
 MEMORY_HISTORY_ENTRIES = 100_000  # allocation events kept: enough for a few steps of a large model
 
@@ -54,7 +55,7 @@ def _watch_out_of_memory(prof: StepProfiler) -> bool:
     return True
 
 
-class StepProfiler:
+class StepProfiler(StepHook):
     """Profiles steps `first`..`last` (inclusive, numbered as metrics.jsonl numbers them: the
     first step of a run is 1) of one rank into `out_dir`: `rank{r}.json` (the trace) and on CUDA
     `rank{r}_memory.pickle`; an out-of-memory error in any step leaves `rank{r}_oom.pickle`.
@@ -90,6 +91,18 @@ class StepProfiler:
     @property
     def oom_path(self) -> Path:
         return self.out_dir / f"rank{self.rank}_oom.pickle"
+
+    def around(self, step: int) -> contextlib.AbstractContextManager[None]:
+        """`self.step(step)`: the loop's step inside, profiled when in the window."""
+        return self.step(step)
+
+    @contextlib.contextmanager
+    def running(self, say: Say) -> Iterator[None]:
+        """The training loop inside; what was recorded is written when it ends, however it ends."""
+        try:
+            yield
+        finally:
+            self.close()
 
     def in_window(self, step: int) -> bool:
         return self.first is not None and self.last is not None and self.first <= step <= self.last

@@ -14,9 +14,10 @@ from strata.model import moe_layers
 from strata.moe import MoE, RoutingStats, update_expert_bias
 from strata.parallel import comm
 from strata.parallel.topology import Topology
+from strata.trainer.hooks import StepHook
 
 
-class RoutingMonitor:
+class RoutingMonitor(StepHook):
     """Collects the MoE layers' `RoutingStats` after every step (one small all-reduce over dp, tp
     and pp) and updates their expert biases; `record()` gives the metrics of the newest step."""
 
@@ -33,11 +34,12 @@ class RoutingMonitor:
         self.layers: list[tuple[int, MoE]] = [pair for part in parts for pair in moe_layers(part)]
         self.totals: torch.Tensor | None = None  # (MoE layers, E + fields) after the newest step
 
-    def start_step(self) -> None:
+    def start_step(self, step: int) -> None:
+        """Clear the layers' statistics for the step's micro-batches."""
         for _, layer in self.layers:
             layer.stats.reset()
 
-    def end_step(self, updated: bool) -> None:
+    def end_step(self, step: int, updated: bool) -> None:
         """Sum the step's statistics over every rank; with `updated` (the step changed the weights)
         move the expert biases toward balance."""
         width = self.num_experts + len(RoutingStats.FIELDS)

@@ -1118,7 +1118,7 @@ def test_a_list_key_survives_the_config_yaml_a_checkpoint_saves(small_data_dir, 
     """The resolved config every checkpoint commits as config.yaml loads back into the same config."""
     from strata.checkpoint import store
     from strata.parallel.runtime import start
-    from strata.trainer.loop import run
+    from strata.trainer.jobs import train as run
 
     from conftest import tiny_config
 

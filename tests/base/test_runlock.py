@@ -156,7 +156,7 @@ def test_a_multi_process_job_holds_one_lock(small_data_dir, tmp_path):
 @pytest.mark.slow
 def test_reshard_refuses_another_runs_checkpoints_and_prunes_nothing(small_data_dir, tmp_path):
     from strata.parallel.runtime import start
-    from strata.trainer.loop import run
+    from strata.trainer.jobs import train as run
 
     from conftest import tiny_config
 
@@ -210,7 +210,7 @@ def test_import_hf_refuses_a_directory_with_checkpoints(tmp_path):
 
 def test_a_fresh_start_keeps_an_earlier_runs_metrics_apart(small_data_dir, tmp_path):
     from strata.parallel.runtime import start
-    from strata.trainer.loop import run
+    from strata.trainer.jobs import train as run
 
     from conftest import tiny_config
 

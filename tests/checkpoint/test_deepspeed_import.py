@@ -13,7 +13,7 @@ import pytest
 
 from strata.launch.cli import main as strata_main
 from strata.parallel.runtime import start
-from strata.trainer.loop import run
+from strata.trainer.jobs import train as run
 
 from conftest import tiny_config, tiny_overrides
 from worlds import assert_same_params, final_params, torchrun

@@ -8,7 +8,7 @@ import pytest
 
 from strata.checkpoint import store
 from strata.parallel.runtime import start
-from strata.trainer.loop import run
+from strata.trainer.jobs import train as run
 
 from conftest import run_cli, tiny_config
 

@@ -21,7 +21,8 @@ from strata.checkpoint.reader import Checkpoint
 from strata.errors import ConfigError
 from strata.model import build_model
 from strata.parallel.runtime import start
-from strata.trainer.loop import Trainer, run
+from strata.trainer.jobs import train as run
+from strata.trainer.loop import Trainer
 
 from conftest import hf_run_overrides, run_cli
 from worlds import strata

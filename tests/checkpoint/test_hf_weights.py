@@ -23,7 +23,7 @@ from strata.data.loader import BatchLoader
 from strata.data.tokens import TokenDataset
 from strata.model import build_model
 from strata.parallel.runtime import start
-from strata.trainer.loop import run
+from strata.trainer.jobs import train as run
 
 from conftest import hf_run_overrides, prepare_readme, run_cli
 from worlds import strata, train_world

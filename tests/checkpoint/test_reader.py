@@ -20,7 +20,8 @@ from strata.checkpoint.reader import Checkpoint
 from strata.errors import CheckpointError
 from strata.launch.cli import main as strata_main
 from strata.parallel.runtime import start
-from strata.trainer.loop import Trainer, run
+from strata.trainer.jobs import train as run
+from strata.trainer.loop import Trainer
 
 from conftest import tiny_config
 

@@ -164,7 +164,7 @@ def test_two_rank_run_killed_mid_save_fails_on_every_rank_and_resumes_from_the_l
     and one process resumed from the checkpoints directory runs steps 3–6 as an uninterrupted run."""
     from strata.launch.cli import main as strata_main
     from strata.parallel.runtime import start
-    from strata.trainer.loop import run
+    from strata.trainer.jobs import train as run
 
     from conftest import tiny_config
     from worlds import ZERO3, losses_from, start_strata

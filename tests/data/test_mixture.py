@@ -18,7 +18,7 @@ from strata.data.prepare import prepare
 from strata.data.tokens import TokenDataset
 from strata.errors import CheckpointError, ConfigError, DataError
 from strata.parallel.runtime import start
-from strata.trainer.loop import run
+from strata.trainer.jobs import train as run
 
 from conftest import STDLIB, run_cli, tiny_overrides
 from worlds import REPO, strata

@@ -137,7 +137,7 @@ def truncated_checkpoint(tmp: Path) -> Path:
     """A real two-step checkpoint whose first data file lost its second half."""
     from strata.checkpoint import store
     from strata.parallel.runtime import start
-    from strata.trainer.loop import run
+    from strata.trainer.jobs import train as run
 
     from conftest import tiny_config
 
@@ -155,7 +155,7 @@ def good_checkpoint(tmp: Path) -> Path:
     """A real two-step checkpoint."""
     from strata.checkpoint import store
     from strata.parallel.runtime import start
-    from strata.trainer.loop import run
+    from strata.trainer.jobs import train as run
 
     from conftest import tiny_config
 

@@ -342,7 +342,7 @@ LAUNCH_WAIT_S = 150
 def reference_losses(tmp_path_factory, small_data_dir) -> dict[int, float]:
     """The same run in one process (the same global batch): where every layout must end."""
     from strata.parallel.runtime import start
-    from strata.trainer.loop import run
+    from strata.trainer.jobs import train as run
 
     from conftest import tiny_config
 

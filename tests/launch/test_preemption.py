@@ -317,7 +317,7 @@ def test_a_requeued_job_continues_from_its_own_newest_checkpoint(
     older one it was submitted with; a first start still takes `--resume` as given."""
     from strata.checkpoint import store
     from strata.parallel.runtime import start
-    from strata.trainer.loop import run
+    from strata.trainer.jobs import train as run
 
     extra = {"train.steps": 4, "checkpoint.interval": 2, "checkpoint.keep_last": 0}
     cfg = tiny_config(small_data_dir, tmp_path, **extra)

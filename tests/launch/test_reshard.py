@@ -16,7 +16,7 @@ from strata.checkpoint import store
 from strata.checkpoint.reader import Checkpoint
 from strata.model import GPT
 from strata.parallel.runtime import start
-from strata.trainer.loop import run
+from strata.trainer.jobs import train as run
 
 from conftest import tiny_config
 from worlds import assert_same_params, final_params, losses_from, train_run

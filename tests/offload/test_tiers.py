@@ -20,7 +20,8 @@ from strata.offload.io_engine import IOEngine
 from strata.offload.pool import HostPool
 from strata.offload.swap import FileRegion, Mover
 from strata.parallel.runtime import start
-from strata.trainer.loop import Trainer, run
+from strata.trainer.jobs import train as run
+from strata.trainer.loop import Trainer
 
 from conftest import tiny_config
 from worlds import (

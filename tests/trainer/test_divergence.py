@@ -15,7 +15,7 @@ from strata.checkpoint.manager import CheckpointManager, write_whole
 from strata.checkpoint.pieces import FixedState, StateContents, whole_piece
 from strata.parallel.runtime import start
 from strata.trainer.divergence import DivergedError, SpikeGuard
-from strata.trainer.loop import run
+from strata.trainer.jobs import train as run
 
 from conftest import run_cli, tiny_config
 

@@ -18,7 +18,8 @@ from strata.checkpoint.reader import Checkpoint
 from strata.errors import ConfigError
 from strata.parallel.runtime import start
 from strata.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from strata.trainer.loop import Trainer, run
+from strata.trainer.jobs import train as run
+from strata.trainer.loop import Trainer
 
 from conftest import run_cli, tiny_config, tiny_overrides
 from worlds import COMMON, ZERO3, final_params, losses_from, train_run

@@ -13,7 +13,8 @@ from strata.checkpoint.reader import Checkpoint
 from strata.config import OptimConfig
 from strata.errors import CheckpointError
 from strata.parallel.runtime import start
-from strata.trainer.loop import Trainer, run
+from strata.trainer.jobs import train as run
+from strata.trainer.loop import Trainer
 from strata.trainer.lr_schedule import lr_at
 
 from conftest import tiny_config

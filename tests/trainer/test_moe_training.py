@@ -16,7 +16,8 @@ from strata.checkpoint.reader import Checkpoint
 from strata.model import build_model, lm_loss, moe_layers
 from strata.moe import load_balancing_loss
 from strata.parallel.runtime import start
-from strata.trainer.loop import Trainer, run
+from strata.trainer.jobs import train as run
+from strata.trainer.loop import Trainer
 
 from conftest import tiny_config
 

@@ -14,7 +14,9 @@ from strata.checkpoint.reader import Checkpoint
 from strata.parallel.runtime import start
 from strata.runlock import LOCK_NAME
 from strata.trainer import parallelize as parallelize_mod
-from strata.trainer.loop import NonFiniteError, Trainer, run
+from strata.trainer.divergence import NonFiniteError
+from strata.trainer.jobs import train as run
+from strata.trainer.loop import Trainer
 from strata.trainer.lr_schedule import lr_at
 
 from conftest import tiny_config

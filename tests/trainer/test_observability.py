@@ -127,7 +127,7 @@ def test_a_runs_nan_step_is_null_in_metrics_jsonl(small_data_dir, tmp_path, monk
     strictly, and the skipped step's loss is null."""
     from strata.parallel.runtime import start
     from strata.trainer import parallelize as parallelize_mod
-    from strata.trainer.loop import run
+    from strata.trainer.jobs import train as run
 
     from conftest import tiny_config
 

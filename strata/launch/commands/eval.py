@@ -1,6 +1,6 @@
 """`strata eval`: a checkpoint's loss, perplexity and bits per byte on held-out data, in this
 process or as each rank of a world of any layout (`strata launch --eval`;
-`strata.trainer.evaluate.evaluate_checkpoint`); with --tasks, its scores on lm-evaluation-harness
+`strata.trainer.jobs.evaluate_checkpoint`); with --tasks, its scores on lm-evaluation-harness
 tasks instead, in this process (`strata.inference.harness.run_tasks`)."""
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         return run_tasks(args)
     from strata import config
     from strata.parallel import runtime
-    from strata.trainer.evaluate import evaluate_checkpoint
+    from strata.trainer.jobs import evaluate_checkpoint
 
     cfg = config.load(
         args.config,

@@ -44,8 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from strata import config
     from strata.launch.supervisor import note_worker_status
     from strata.parallel import runtime
-    from strata.trainer.loop import rewrite_checkpoint
-    from strata.trainer.loop import run as train
+    from strata.trainer.jobs import rewrite_checkpoint, train
     from strata.trainer.signals import Preempted
 
     cfg = config.load(
