@@ -71,10 +71,8 @@ def in_use(directory: Path, what: str) -> RunLocked:
     """The refusal of a second writer of `directory`, naming the holder."""
     return RunLocked(
         f"{what} {directory} is in use by {describe_holder(holder(directory))}: two writers would "
-        "mix their "
-        "logs and replace each other's checkpoints. Wait for it to end (or stop it), or choose "
-        "another "
-        "directory (log.name, checkpoint.dir)"
+        "mix their logs and replace each other's checkpoints. Wait for it to end (or stop it), or "
+        "choose another directory (log.name, checkpoint.dir)"
     )
 
 

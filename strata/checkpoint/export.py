@@ -78,15 +78,13 @@ def check_destination(weights: Path, config: Path, overwrite: bool) -> None:
     if inside is not None:
         raise CheckpointError(
             f"strata ckpt export: OUT {str(weights.parent)!r} is in the checkpoint directory "
-            f"{str(inside)!r}; "
-            "writing there would alter checkpoints, so give an OUT outside it"
+            f"{str(inside)!r}; writing there would alter checkpoints, so give an OUT outside it"
         )
     existing = [str(p) for p in (weights, config) if p.exists() or p.is_symlink()]
     if existing and not overwrite:
         raise CheckpointError(
             f"strata ckpt export: {' and '.join(existing)} already exist(s); give another OUT, or "
-            "pass "
-            "--overwrite to replace them"
+            "pass --overwrite to replace them"
         )
 
 
@@ -107,8 +105,7 @@ def verified_config(ckpt: Checkpoint) -> bytes:
     if len(data) != want.get("bytes") or crcs != integrity.checksums_of(want):
         raise CheckpointError(
             f"{path}: does not match the checksum in its commit marker (corrupted); nothing was "
-            "exported. "
-            "Export another checkpoint (`strata ckpt verify` checks one)"
+            "exported. Export another checkpoint (`strata ckpt verify` checks one)"
         )
     return data
 
@@ -256,10 +253,8 @@ def _refuse_what_this_export_does_not_write(out: Path, writes: set[str]) -> None
     if kept:
         raise CheckpointError(
             f"strata ckpt export: {str(out)!r} holds files this export does not write "
-            f"({', '.join(kept[:5])}), "
-            "which replacing the directory would delete; --overwrite replaces only what the "
-            "export writes: move "
-            "them, or give another OUT"
+            f"({', '.join(kept[:5])}), which replacing the directory would delete; --overwrite "
+            "replaces only what the export writes: move them, or give another OUT"
         )
 
 
@@ -273,16 +268,14 @@ def _check_hf_destination(out: Path, overwrite: bool) -> None:
     inside = checkpoint_destination(out if out.exists() else out.parent)
     if inside is not None:
         raise CheckpointError(
-            f"strata ckpt export: OUT {str(out)!r} is in the checkpoint directory "
-            f"{str(inside)!r}; writing there "
-            "would alter checkpoints, so give an OUT outside it"
+            f"strata ckpt export: OUT {str(out)!r} is in the checkpoint directory {str(inside)!r}; "
+            "writing there would alter checkpoints, so give an OUT outside it"
         )
     present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if present and not overwrite:
         raise CheckpointError(
             f"strata ckpt export: {str(out)!r} is not empty; give a new directory, or pass "
-            "--overwrite to replace "
-            "an earlier export there"
+            "--overwrite to replace an earlier export there"
         )
     foreign = [name for name in present if not HF_FILES.fullmatch(name)]
     if foreign:

@@ -73,8 +73,7 @@ def hf_metadata(cfg: Config, computed: dict[str, Any], force: bool = False) -> M
     if source is not None and not same:
         out.notes.append(
             f"the run's model is no longer that of {source.path} (its shape or RoPE changed): "
-            "config.json is set "
-            "from the run's config"
+            "config.json is set from the run's config"
         )
     kept = source if same else None
     if kept is not None:
@@ -105,12 +104,9 @@ def _source(cfg: Config, force: bool) -> _Source | None:
     if not force:
         raise CheckpointError(
             f"strata ckpt export: the run started from the Hugging Face model {str(path)!r} "
-            "(model.init_from), "
-            "which is gone or unreadable: its context length, special-token ids, tokenizer "
-            "config, chat template "
-            "and generation config cannot be carried into the export. Put it back, or pass "
-            "--force to set them "
-            "from the run's config"
+            "(model.init_from), which is gone or unreadable: its context length, special-token "
+            "ids, tokenizer config, chat template and generation config cannot be carried into the "
+            "export. Put it back, or pass --force to set them from the run's config"
         )
     return None
 

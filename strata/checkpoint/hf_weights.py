@@ -167,11 +167,9 @@ def _untied_head(
         return None
     return (
         f"config.json ties the word embeddings (tie_word_embeddings: true), but {head_file} holds "
-        "an lm_head.weight "
-        f"that differs from {embed_name} (transformers would untie them, with a warning). Set "
-        "tie_word_embeddings: "
-        "false in config.json to load both as they are, or delete lm_head.weight to tie the head "
-        "to the embedding"
+        f"an lm_head.weight that differs from {embed_name} (transformers would untie them, with a "
+        "warning). Set tie_word_embeddings: false in config.json to load both as they are, or "
+        "delete lm_head.weight to tie the head to the embedding"
     )
 
 

@@ -92,10 +92,8 @@ def verify_report(
     if largest is not None and largest[1] > IMPLAUSIBLE_WEIGHT:
         report += (
             f"\n  warning: the weights are finite but implausible: |{largest[0]}| reaches "
-            f"{largest[1]:.3g} (trained "
-            "transformers stay below ~1e3): the run that saved it had likely diverged; an "
-            "earlier checkpoint may "
-            "be the one to resume"
+            f"{largest[1]:.3g} (trained transformers stay below ~1e3): the run that saved it had "
+            "likely diverged; an earlier checkpoint may be the one to resume"
         )
     return True, report
 
@@ -199,8 +197,7 @@ def inspect_report(path: Path) -> tuple[bool, str]:
 
     lines.append(
         f"model: {len(model)} tensors, {sum(math.prod(e['shape']) for e in model.values()):,} "
-        "elements "
-        f"({_size(sum(nbytes(e) for e in model.values()))}), global shapes:"
+        f"elements ({_size(sum(nbytes(e) for e in model.values()))}), global shapes:"
     )
     lines += [
         f"  {key[6:]:40s} {str(tuple(e['shape'])):18s} {e['dtype']:9s} {_size(nbytes(e)):>10s}  "

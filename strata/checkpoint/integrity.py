@@ -112,8 +112,7 @@ def checkpoint_problems(directory: Path, record: dict, checksums: bool) -> tuple
     if not isinstance(files, dict) or "index.json" not in files:
         raise CheckpointError(
             f"{directory} is not in this version's checkpoint format (no index.json in its commit "
-            "marker); "
-            "it was written by an older Strata"
+            "marker); it was written by an older Strata"
         )
     out, plain = _marker_problems(directory, files)
     out += problems(directory, plain, checksums)

@@ -120,10 +120,9 @@ class CheckpointManager:
         disk_full = all(full for ps, full in every if ps)
         if disk_full and self.on_disk_full == "retry":
             note = (
-                f"checkpoint step {step} was not saved: no room under {self.root}; the "
-                "checkpoints committed "
-                f"before it are intact, training goes on and the next checkpoint tries again "
-                f"(checkpoint.on_disk_full: retry): {found[0]}"
+                f"checkpoint step {step} was not saved: no room under {self.root}; the checkpoints "
+                "committed before it are intact, training goes on and the next checkpoint tries "
+                f"again (checkpoint.on_disk_full: retry): {found[0]}"
             )
             self.skipped[step] = note
             if self.rank == 0:
@@ -234,8 +233,7 @@ class CheckpointManager:
     def _failed(self, step: int) -> str:
         return (
             f"checkpoint step {step} was not saved under {self.root}; the checkpoints committed "
-            "before it are "
-            "intact (`strata ckpt verify` checks one)"
+            "before it are intact (`strata ckpt verify` checks one)"
         )
 
     # --- the writer process ----------------------------------------------------------------
@@ -383,8 +381,7 @@ def _writable(root: Path, rank: int) -> list[str]:
         )
         return [
             f"cannot create a file in {root} ({name}: {e.strerror or e}); set checkpoint.dir to a "
-            "directory "
-            "every rank can write to"
+            "directory every rank can write to"
         ]
     return []
 

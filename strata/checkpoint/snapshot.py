@@ -135,8 +135,7 @@ class SnapshotManager:
         if not path:
             raise StrataError(
                 f"snapshot.every_steps={cfg.every_steps} needs the node's snapshot agent, which "
-                "`strata "
-                f"launch` starts; set {SOCKET_ENV} if you start torchrun yourself, or set "
+                f"`strata launch` starts; set {SOCKET_ENV} if you start torchrun yourself, or set "
                 "snapshot.every_steps=0"
             )
         self.path = path

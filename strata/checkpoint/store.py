@@ -211,10 +211,8 @@ def output_refusal(
         clash = f"; {step_dir(root, step).name} would be replaced"
     return CheckpointError(
         f"{command}: {root} already holds {len(found)} committed checkpoint(s) (newest: "
-        f"{found[-1]}){clash}. "
-        "Give an empty or new directory, or --overwrite to write beside them (only the step this "
-        "command "
-        "writes is replaced; nothing else is removed)"
+        f"{found[-1]}){clash}. Give an empty or new directory, or --overwrite to write beside them "
+        "(only the step this command writes is replaced; nothing else is removed)"
     )
 
 

@@ -72,8 +72,7 @@ def no_room(e: OSError, path: Path, nbytes: int, written: int = 0) -> DiskFullEr
     free = free_bytes(path)
     message = (
         f"no room for {path}: {errno.errorcode[e.errno]}, {NO_ROOM[e.errno]}: "
-        f"{_sized(nbytes - written)} of its "
-        f"{nbytes} could not be written; "
+        f"{_sized(nbytes - written)} of its {nbytes} could not be written; "
         + (f"{_sized(free)} free on its file system" if free is not None else "free space unknown")
     )
     return DiskFullError(e.errno, message)

@@ -87,10 +87,8 @@ def start_up_warnings(cfg: Config) -> list[str]:
     if cfg.optim.warmup_steps > cfg.train.steps:
         w.append(
             f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps={cfg.train.steps}: "
-            "the warm-up is cut "
-            f"short to the {cfg.train.steps} steps (the learning rate reaches optim.lr at the "
-            "last step and never "
-            "decays); lower optim.warmup_steps or train longer"
+            f"the warm-up is cut short to the {cfg.train.steps} steps (the learning rate reaches "
+            "optim.lr at the last step and never decays); lower optim.warmup_steps or train longer"
         )
     default_fraction = DataConfig().val_fraction
     if (cfg.data.path or cfg.data.sources) and cfg.data.val_fraction != default_fraction:
@@ -157,8 +155,7 @@ def _data_checks(d: DataConfig) -> list[str]:
     if d.path is not None and d.sources:
         p.append(
             f"data.path={d.path!r} and data.sources (of {len(d.sources)}) are both set: give one, "
-            "data.path "
-            "for one prepared directory or data.sources for a mixture of several"
+            "data.path for one prepared directory or data.sources for a mixture of several"
         )
     weights = [source.weight for source in d.sources or ()]
     # fsum raises on overflow; a plain sum gives inf
@@ -176,8 +173,7 @@ def _data_checks(d: DataConfig) -> list[str]:
         elif source.path in first:
             p.append(
                 f"{key}={source.path!r} is also data.sources[{first[source.path]}]: give each "
-                "directory once "
-                "(with the sum of the weights)"
+                "directory once (with the sum of the weights)"
             )
         else:
             first[source.path] = i
@@ -235,8 +231,7 @@ def _model_checks(m: ModelConfig) -> list[str]:
     if m.rope_scaling == "yarn" and m.rope_beta_fast <= m.rope_beta_slow:
         p.append(
             f"model.rope_beta_fast={m.rope_beta_fast:g} must exceed "
-            f"model.rope_beta_slow={m.rope_beta_slow:g} "
-            "(yarn RoPE scaling ramps between them)"
+            f"model.rope_beta_slow={m.rope_beta_slow:g} (yarn RoPE scaling ramps between them)"
         )
     return p
 
@@ -262,16 +257,14 @@ def _switch_checks(par: ParallelConfig, tr: TrainConfig) -> list[str]:
     if par.hang_timeout_s is not None and par.hang_timeout_s >= par.timeout_s:
         p.append(
             f"parallel.hang_timeout_s={par.hang_timeout_s:g} must be below "
-            f"parallel.timeout_s={par.timeout_s} (the "
-            "collective timeout would end the job first, without naming the stuck rank); lower "
-            "it, or 0 for off"
+            f"parallel.timeout_s={par.timeout_s} (the collective timeout would end the job first, "
+            "without naming the stuck rank); lower it, or 0 for off"
         )
     if tr.precision == "fp8" and not tr.compile and not tr.fp8_emulate:
         p.append(
             "train.precision=fp8 needs train.compile=true: uncompiled, float8's casts and scaling "
-            "run as separate "
-            "kernels and the step is slower than bf16 (torchao and torchtitan require compilation "
-            "too)"
+            "run as separate kernels and the step is slower than bf16 (torchao and torchtitan "
+            "require compilation too)"
         )
     return p
 
@@ -295,21 +288,18 @@ def _context_checks(cfg: Config) -> list[str]:
     if m.seq_len % (2 * par.cp):
         p.append(
             f"model.seq_len={m.seq_len} must be a multiple of 2·parallel.cp = {2 * par.cp} (each "
-            "sequence is cut "
-            "into 2·cp chunks, two per context-parallel rank)"
+            "sequence is cut into 2·cp chunks, two per context-parallel rank)"
         )
     elif par.sequence_parallel and par.tp > 1 and (m.seq_len // par.cp) % par.tp:
         p.append(
-            "parallel.sequence_parallel splits each context-parallel rank's "
-            f"{m.seq_len // par.cp} tokens over "
-            f"tp={par.tp} ranks: model.seq_len/cp must be a multiple of tp"
+            f"parallel.sequence_parallel splits each context-parallel rank's {m.seq_len // par.cp} "
+            f"tokens over tp={par.tp} ranks: model.seq_len/cp must be a multiple of tp"
         )
     heads = m.n_heads // par.tp if m.n_heads % par.tp == 0 else m.n_heads
     if par.cp_mode == "alltoall" and heads % par.cp:
         p.append(
-            f"parallel.cp_mode=alltoall needs parallel.cp={par.cp} to divide the {heads} "
-            "attention heads of a "
-            "tensor-parallel rank (model.n_heads/tp); use cp_mode=ring (or auto)"
+            f"parallel.cp_mode=alltoall needs parallel.cp={par.cp} to divide the {heads} attention "
+            "heads of a tensor-parallel rank (model.n_heads/tp); use cp_mode=ring (or auto)"
         )
     return p
 
@@ -405,8 +395,7 @@ def _schedule_checks(par: ParallelConfig) -> list[str]:
     if name in SINGLE_STAGE_SCHEDULES and v > 1:
         p.append(
             f"parallel.schedule={name} runs one stage per rank but virtual_stages={v}; use "
-            "interleaved_1f1b, "
-            "looped_bfs or interleaved_zero_bubble, or set virtual_stages=1"
+            "interleaved_1f1b, looped_bfs or interleaved_zero_bubble, or set virtual_stages=1"
         )
     if name in V_SHAPED_SCHEDULES and v != 2:
         p.append(
@@ -432,15 +421,13 @@ def _offload_checks(cfg: Config) -> list[str]:
         p.append(
             f"offload.host_buffer_mb={off.host_buffer_mb:g} holds fewer than the {needed} slabs of "
             f"offload.slab_mb={off.slab_mb:g} that {needed // SLABS_PER_STREAM} offload streams "
-            "need "
-            f"({SLABS_PER_STREAM} each); set it to at least {needed * off.slab_mb:g}"
+            f"need ({SLABS_PER_STREAM} each); set it to at least {needed * off.slab_mb:g}"
         )
     nvme = [OFFLOAD_STREAM_KEYS[s] for s, d in devices.items() if d == "nvme"]
     if nvme and not off.nvme_path:
         p.append(
             f"{' and '.join(nvme)}=nvme need{'s' if len(nvme) == 1 else ''} offload.nvme_path: a "
-            "directory on a "
-            "local SSD for the swap files"
+            "directory on a local SSD for the swap files"
         )
     if off.params.device != "none":
         if coarseness(z.params.shard_over) <= coarseness("none"):
@@ -451,9 +438,8 @@ def _offload_checks(cfg: Config) -> list[str]:
         elif z.params.shard_over != z.optim.shard_over:
             p.append(
                 f"offload.params.device={off.params.device} needs zero.optim.shard_over = "
-                "zero.params.shard_over "
-                f"(now {z.optim.shard_over} vs {z.params.shard_over}): each rank steps exactly "
-                "the shard it swaps"
+                f"zero.params.shard_over (now {z.optim.shard_over} vs {z.params.shard_over}): each "
+                "rank steps exactly the shard it swaps"
             )
     if off.optim.device != "none" and coarseness(z.optim.shard_over) <= coarseness("none"):
         p.append(
@@ -463,14 +449,12 @@ def _offload_checks(cfg: Config) -> list[str]:
     if off.enabled and cfg.optim.impl == "foreach":
         p.append(
             "offload steps sub-groups with torch's fused AdamW kernel (6.5x faster on CPU than "
-            "foreach): set "
-            "optim.impl=auto or fused"
+            "foreach): set optim.impl=auto or fused"
         )
     if off.enabled and cfg.co2.enabled:
         p.append(
             "co2.enabled with offload: CO2's outer update walks every optimizer chunk at once, "
-            "which offload "
-            "keeps on disk or host; turn one of them off"
+            "which offload keeps on disk or host; turn one of them off"
         )
     return p
 
@@ -489,10 +473,9 @@ def _zero_checks(cfg: Config, world_size: int | None) -> list[str]:
             what = {"params": "parameters", "grads": "gradients"}[name]
             p.append(
                 f"zero.{name}.shard_over={level[name]} is coarser than "
-                f"zero.optim.shard_over={level['optim']}: "
-                f"a rank steps only the optimizer state inside the {what} it holds; set "
-                "zero.optim.shard_over="
-                f"{level[name]} or zero.{name}.shard_over={level['optim']}"
+                f"zero.optim.shard_over={level['optim']}: a rank steps only the optimizer state "
+                f"inside the {what} it holds; set zero.optim.shard_over={level[name]} or "
+                f"zero.{name}.shard_over={level['optim']}"
             )
     sec = level["secondary_params"]
     if sec != "none" and coarseness(sec) >= coarseness(level["params"]):
@@ -513,11 +496,9 @@ def _zero_checks(cfg: Config, world_size: int | None) -> list[str]:
     if sharded and par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES:
         p.append(
             f"parallel.schedule={par.schedule} with {' and '.join(sharded)}: split-backward "
-            "schedules set "
-            "weight gradients directly in a later pass, past the hooks through which the ZeRO "
-            "engine collects "
-            "gradients; use parallel.schedule=interleaved_1f1b (or 1f1b/gpipe/looped_bfs), or no "
-            "zero block"
+            "schedules set weight gradients directly in a later pass, past the hooks through which "
+            "the ZeRO engine collects gradients; use parallel.schedule=interleaved_1f1b (or "
+            "1f1b/gpipe/looped_bfs), or no zero block"
         )
     if cfg.co2.enabled:
         for name, lv in level.items():
@@ -587,8 +568,7 @@ def _microbatch_checks(cfg: Config, derived: int, dp: int) -> list[str]:
     elif par.pp > 1 and par.virtual_stages > 1 and derived % max(1, derived // par.pp):
         p.append(
             f"interleaved schedules run micro-batches in rounds of about pp={par.pp}: {derived} "
-            "micro-batches "
-            f"must be a multiple of {derived // par.pp}; use a multiple of pp"
+            f"micro-batches must be a multiple of {derived // par.pp}; use a multiple of pp"
         )
     return p
 
@@ -600,16 +580,14 @@ def _snapshot_checks(cfg: Config) -> list[str]:
     p = []
     if cfg.co2.enabled:
         p.append(
-            "snapshot.every_steps with co2.enabled: a snapshot would have to close CO2's round "
-            "(as a "
-            "checkpoint does), which changes the training; use checkpoint.interval, or set "
+            "snapshot.every_steps with co2.enabled: a snapshot would have to close CO2's round (as "
+            "a checkpoint does), which changes the training; use checkpoint.interval, or set "
             "co2.enabled=false"
         )
     if cfg.offload.enabled:
         p.append(
             "snapshot.every_steps with offload.params.device or offload.optim.device: every "
-            "snapshot would read "
-            "the offloaded state back into memory; use checkpoint.interval, or set both devices "
-            "to none"
+            "snapshot would read the offloaded state back into memory; use checkpoint.interval, or "
+            "set both devices to none"
         )
     return p

@@ -75,8 +75,7 @@ def _derive_from_hf(raw: dict[str, Any], problems: list[str]) -> None:
     if not Path(source).is_dir():
         problems.append(
             f"model.init_from: {source!r} is not a directory; give a local Hugging Face model "
-            "directory "
-            "(config.json + model.safetensors) or a Strata checkpoint directory"
+            "directory (config.json + model.safetensors) or a Strata checkpoint directory"
         )
         return
     if not (Path(source) / "config.json").is_file():
@@ -267,8 +266,7 @@ def _apply_override(raw: dict[str, Any], item: str, problems: list[str]) -> None
         if not isinstance(target, dict):
             problems.append(
                 f"override {item!r}: {'.'.join(path[: depth + 1])} is not a mapping (it is "
-                f"{target!r}), "
-                "so it has no keys to set"
+                f"{target!r}), so it has no keys to set"
             )
             return
     target[path[-1]] = value
@@ -283,8 +281,7 @@ def _build(raw: dict[str, Any], problems: list[str]) -> Config:
         # an empty list would read as "no mixture" and train on data.path or the built-in corpus
         problems.append(
             "data.sources: an empty list names no data; list at least one prepared directory "
-            "([{path: DIR, "
-            "weight: 1}]), or remove the key to train on data.path"
+            "([{path: DIR, weight: 1}]), or remove the key to train on data.path"
         )
     cfg: Config = _build_group("", Config, raw, problems)
     return cfg

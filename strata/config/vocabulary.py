@@ -241,10 +241,8 @@ def layout_problems(
         fits = [d for d in range(1, per_node + 1) if per_node % d == 0]
         problems.append(
             f"parallel.tp={tp} would straddle node boundaries unevenly: with {source}, tp must "
-            "divide "
-            f"it ({', '.join(map(str, fits))}) or be a multiple of it, so each tensor-parallel "
-            "group "
-            f"stays inside one node (as Megatron does) or spans whole nodes"
+            f"divide it ({', '.join(map(str, fits))}) or be a multiple of it, so each "
+            "tensor-parallel group stays inside one node (as Megatron does) or spans whole nodes"
         )
     return problems
 

@@ -127,10 +127,8 @@ class BatchLoader(_StepSplit):
         ):
             return [
                 "cannot resume the data position: the checkpoint was taken with seed "
-                f"{state['seed']} over "
-                f"{state['n_samples']} samples, this run has seed {self.seed} over "
-                f"{len(self.dataset)}; "
-                "resume with the same data, model.seq_len and train.seed"
+                f"{state['seed']} over {state['n_samples']} samples, this run has seed {self.seed} "
+                f"over {len(self.dataset)}; resume with the same data, model.seq_len and train.seed"
             ]
         return []
 
@@ -250,8 +248,7 @@ class MixtureLoader(_StepSplit):
         if state.get("seed", self.seed) != self.seed:
             return [
                 "cannot resume the data position: the checkpoint was taken with seed "
-                f"{state['seed']}, "
-                f"this run has seed {self.seed}; {fix}"
+                f"{state['seed']}, this run has seed {self.seed}; {fix}"
             ]
         saved = state.get("sources")
         if saved is None:
@@ -262,8 +259,7 @@ class MixtureLoader(_StepSplit):
         ):
             return [
                 "cannot resume the data position: the checkpoint blends data.sources "
-                f"{describe_sources(saved)}, "
-                f"this run blends {describe_sources(mine)}; {fix}"
+                f"{describe_sources(saved)}, this run blends {describe_sources(mine)}; {fix}"
             ]
         counts = state.get("source_samples")
         consumed = int(state["consumed_samples"])

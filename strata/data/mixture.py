@@ -157,10 +157,9 @@ def open_mixture(
         if meta.vocab_size != first.vocab_size or (a != b and "unknown" not in (a, b)):
             raise DataError(
                 f"{keys[i]}={names[i]!r} was prepared with another vocabulary than "
-                f"{keys[0]}={names[0]!r}: "
-                f"{names[0]} has vocab_size={first.vocab_size}, tokenizer {a}; {names[i]} has "
-                f"vocab_size={meta.vocab_size}, tokenizer {b}; prepare every source with the same "
-                "--tokenizer (`strata data prepare`)"
+                f"{keys[0]}={names[0]!r}: {names[0]} has vocab_size={first.vocab_size}, tokenizer "
+                f"{a}; {names[i]} has vocab_size={meta.vocab_size}, tokenizer {b}; prepare every "
+                "source with the same --tokenizer (`strata data prepare`)"
             )
     problems = []
     if data.tokenizer is not None:

@@ -477,8 +477,7 @@ def check_output(out_dir: Path, files: list[Path]) -> None:
     if inside:
         raise DataError(
             f"data prepare: input {str(inside[0])!r} lies inside --out {str(out_dir)!r}, which is "
-            "replaced "
-            "by the output; name an --out directory outside the inputs"
+            "replaced by the output; name an --out directory outside the inputs"
         )
     if out_dir.is_dir() and any(out_dir.iterdir()) and not _is_earlier_output(out_dir):
         extra = sorted(p.name for p in out_dir.iterdir() if p.name not in OUTPUT_FILES)
@@ -490,8 +489,7 @@ def check_output(out_dir: Path, files: list[Path]) -> None:
             what = "its meta.json is not one `strata data prepare` wrote"
         raise DataError(
             f"data prepare: --out {str(out_dir)!r} is not empty and not an earlier `strata data "
-            "prepare` "
-            f"output ({what}); it would be replaced, so name a new or empty directory"
+            f"prepare` output ({what}); it would be replaced, so name a new or empty directory"
         )
 
 

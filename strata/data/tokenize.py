@@ -80,8 +80,7 @@ def tokenizer_file(spec: str) -> Path:
     elif not p.is_file():
         raise DataError(
             f"tokenizer {spec!r}: no such file or directory; give bytes, bpe:N, or the path of a "
-            "tokenizer.json "
-            "or of a Hugging Face model directory holding one"
+            "tokenizer.json or of a Hugging Face model directory holding one"
         )
     return p.resolve()
 

@@ -203,8 +203,7 @@ def check_data_config(data_dir: Path, cfg: Config) -> None:
         problems.append(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary: "
             f"{Path(data_dir) / 'meta.json'} says vocab_size={meta.vocab_size} (tokenizer "
-            f"{meta.tokenizer}); "
-            f"set model.vocab_size >= {meta.vocab_size} or leave it null"
+            f"{meta.tokenizer}); set model.vocab_size >= {meta.vocab_size} or leave it null"
         )
     if problems:
         raise ConfigError(problems)

@@ -227,8 +227,7 @@ def unsupported(hf_config: Mapping[str, Any], seq_len: int) -> list[str]:
     if hf.get("attention_bias"):
         out.append(
             "attention_bias=true: biases on the attention's output projection are not implemented "
-            "(Strata has "
-            "biases on q/k/v only, model.qkv_bias)"
+            "(Strata has biases on q/k/v only, model.qkv_bias)"
         )
     if hf.get("mlp_bias"):
         out.append("mlp_bias=true: biases in the MLP are not implemented")
@@ -346,8 +345,7 @@ def conflicts(explicit: Mapping[str, object], derived: Mapping[str, object]) -> 
         want = _show(derived[key])
         out.append(
             f"model.{key}={_show(value)} disagrees with the Hugging Face config "
-            f"({_SOURCE.get(key, key)} gives "
-            f"{want}); remove model.{key} or set it to {want}"
+            f"({_SOURCE.get(key, key)} gives {want}); remove model.{key} or set it to {want}"
         )
     return out
 
@@ -371,8 +369,7 @@ def hf_config(model_cfg: ModelShape, vocab_size: int | None = None) -> dict[str,
         raise ConfigError(
             [
                 "model.qkv_bias with model.qk_norm has no Hugging Face family (Qwen3's "
-                "attention_bias also puts "
-                "a bias on the output projection)"
+                "attention_bias also puts a bias on the output projection)"
             ]
         )
     model_type, arch = (

@@ -171,9 +171,8 @@ class _Scoring:
         if unknown:
             raise StrataError(
                 f"model_args {', '.join(sorted(unknown))}: not arguments of the strata model; it "
-                "takes checkpoint, "
-                "config, overrides, dtype, device, batch_size, max_length, max_gen_toks, "
-                "prefix_token_id"
+                "takes checkpoint, config, overrides, dtype, device, batch_size, max_length, "
+                "max_gen_toks, prefix_token_id"
             )
         from strata.inference.source import extend_positions, open_model
 
@@ -376,9 +375,8 @@ class _Scoring:
         if room <= 0:
             raise StrataError(
                 f"max_gen_toks {budget} leaves no room for a context in the model's "
-                f"{self.max_length} positions: "
-                "give the task fewer (generation_kwargs: max_gen_toks) or the model a larger "
-                "max_length"
+                f"{self.max_length} positions: give the task fewer (generation_kwargs: "
+                "max_gen_toks) or the model a larger max_length"
             )
         prompts = [self.tok_encode(c)[-room:] or [self.prefix_token_id] for c in contexts]
         watch = _StopWatch(self.codec, len(prompts), self.stop_ids, until)

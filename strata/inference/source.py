@@ -74,8 +74,7 @@ def open_model(
     if not path.exists():
         raise CheckpointError(
             f"{path}: no such file or directory; give a run's checkpoint directory, a step_* "
-            "directory, a "
-            "Hugging Face model directory or a DCP checkpoint"
+            "directory, a Hugging Face model directory or a DCP checkpoint"
         )
     if (path / "config.json").is_file():
         cfg = loading.load(config_path, [*overrides, f"model.init_from={path}"])
@@ -84,8 +83,7 @@ def open_model(
         if config_path is None:
             raise StrataError(
                 f"{path} is a checkpoint torch.distributed.checkpoint wrote alone: it holds no "
-                "model shape; "
-                "give the experiment's config with --config CFG"
+                "model shape; give the experiment's config with --config CFG"
             )
         from strata.checkpoint.dcp_source import DcpCheckpoint
 

@@ -222,8 +222,7 @@ class ForkServer:
             return
         say(
             f"fork server ready (pid {self.proc.pid}; torch and Strata imported in "
-            f"{reply['import_s']:.1f} s): "
-            "workers start as its forks"
+            f"{reply['import_s']:.1f} s): workers start as its forks"
         )
 
     def _break(self, why: str) -> None:

@@ -109,12 +109,10 @@ def check_plan(plan: LaunchPlan) -> None:
     if plan.nnodes > 1:
         raise StrataError(
             f"--nnodes {plan.nnodes} needs a rendezvous every node can reach: add --rdzv-endpoint "
-            "HOST:PORT "
-            "with the first node's address (the same on every node), or run `strata store --port "
-            "PORT` on a "
-            "host and give every node --rdzv-store external --rdzv-endpoint HOST:PORT, or give "
-            "every node "
-            "--node-rank R --master-addr HOST (static: node 0's address, R = 0..N-1)"
+            "HOST:PORT with the first node's address (the same on every node), or run `strata "
+            "store --port PORT` on a host and give every node --rdzv-store external "
+            "--rdzv-endpoint HOST:PORT, or give every node --node-rank R --master-addr HOST "
+            "(static: node 0's address, R = 0..N-1)"
         )
 
 
@@ -134,8 +132,7 @@ def _check_static(plan: LaunchPlan) -> None:
     if plan.node_rank is None:
         raise StrataError(
             "static rendezvous needs --node-rank R on every node: a different R in "
-            f"0..{plan.nnodes - 1}, node 0 "
-            "at --master-addr"
+            f"0..{plan.nnodes - 1}, node 0 at --master-addr"
         )
     if not 0 <= plan.node_rank < plan.nnodes:
         raise StrataError(
@@ -145,16 +142,14 @@ def _check_static(plan: LaunchPlan) -> None:
     if not plan.master_addr:
         raise StrataError(
             "static rendezvous needs --master-addr HOST: the address of the node with --node-rank "
-            "0, the same "
-            "on every node"
+            "0, the same on every node"
         )
     if plan.master_port is not None and not 1 <= plan.master_port <= 65535:
         raise StrataError(f"--master-port {plan.master_port}: must be 1..65535")
     if plan.max_restarts:
         raise StrataError(
-            f"--max-restarts {plan.max_restarts} needs a c10d rendezvous (--rdzv-endpoint): with "
-            "a static one a "
-            "node restarts only its own workers, which the other nodes never rejoin"
+            f"--max-restarts {plan.max_restarts} needs a c10d rendezvous (--rdzv-endpoint): with a "
+            "static one a node restarts only its own workers, which the other nodes never rejoin"
         )
 
 
@@ -247,10 +242,9 @@ def interface_problem(plan: LaunchPlan, env: dict[str, str]) -> str | None:
     if not addresses or not all(is_loopback(addr[0]) for _, addr in addresses):
         return None
     return (
-        f"this machine's hostname {name!r} resolves to {addresses[0][1][0]} (loopback), which "
-        "gloo binds: workers "
-        "on the other nodes will not reach these; add --net-ifname IF (the interface the nodes "
-        "share, e.g. eth0)"
+        f"this machine's hostname {name!r} resolves to {addresses[0][1][0]} (loopback), which gloo "
+        "binds: workers on the other nodes will not reach these; add --net-ifname IF (the "
+        "interface the nodes share, e.g. eth0)"
     )
 
 
@@ -443,10 +437,9 @@ class AgentKeeper:
             self.given_up = True
             print(
                 f"strata launch: warning: the snapshot agent exited ({how}), {len(self.deaths)} "
-                "times within "
-                f"{self.RESTART_WINDOW_S:.0f} s; not restarting it: in-memory snapshots are off "
-                "for the rest of "
-                "this run (training continues; disk checkpoints still protect it)",
+                f"times within {self.RESTART_WINDOW_S:.0f} s; not restarting it: in-memory "
+                "snapshots are off for the rest of this run (training continues; disk checkpoints "
+                "still protect it)",
                 file=sys.stderr,
                 flush=True,
             )

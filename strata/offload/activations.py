@@ -354,9 +354,8 @@ class ActivationOffloader:
         if origin is not None and origin._version != saved.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
-                "inplace "
-                f"operation: saved at version {saved.version}, now at version {origin._version} "
-                "(activation offload keeps autograd's check)"
+                f"inplace operation: saved at version {saved.version}, now at version "
+                f"{origin._version} (activation offload keeps autograd's check)"
             )
         entry = saved.entry
         if entry.kept:

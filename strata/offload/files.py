@@ -55,10 +55,8 @@ def _setup_message(key: str, path: Path, nbytes: int, err: OSError) -> str:
         free = "free space unknown"
     return (
         f"{key}: cannot reserve {nbytes / 2**20:.1f} MiB for swap file {path} "
-        f"({err.strerror or err}, errno "
-        f"{err.errno} {name}; {free}); point offload.nvme_path at a writable local SSD with room, "
-        "or offload "
-        "less"
+        f"({err.strerror or err}, errno {err.errno} {name}; {free}); point offload.nvme_path at a "
+        "writable local SSD with room, or offload less"
     )
 
 

@@ -151,9 +151,8 @@ def _aligned_bytes(buffer: torch.Tensor, offset: int) -> memoryview:
     if buffer.data_ptr() % ALIGN or nbytes % ALIGN or offset % ALIGN:
         raise ValueError(
             f"swap I/O needs {ALIGN}-byte alignment of the buffer address "
-            f"({buffer.data_ptr() % ALIGN} "
-            f"off), its size ({nbytes}) and the file offset ({offset}); take buffers from the "
-            "offload buffer pool"
+            f"({buffer.data_ptr() % ALIGN} off), its size ({nbytes}) and the file offset "
+            f"({offset}); take buffers from the offload buffer pool"
         )
     return buffer.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 

@@ -253,8 +253,7 @@ def plan(sizes: list[int], m: Measured, force: str = "auto") -> Placement:
     tail = (
         (
             f"; {too_big} {'need more than' if force == 'gpu' else 'too large for'} the "
-            f"{m.m_free / 2**30:.3g} GiB "
-            "of free GPU memory"
+            f"{m.m_free / 2**30:.3g} GiB of free GPU memory"
         )
         if too_big
         else ""

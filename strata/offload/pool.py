@@ -65,10 +65,8 @@ class HostPool:
             raise ConfigError(
                 [
                     f"offload.host_buffer_mb={staging_bytes / 2**20:g} holds {self.n_slabs} slabs "
-                    "of "
-                    f"{slab_bytes / 2**20:g} MiB, fewer than the {max(reserved, 1)} the streams "
-                    "need at "
-                    f"least ({self.min_slabs}); set it to at least {need:g}"
+                    f"of {slab_bytes / 2**20:g} MiB, fewer than the {max(reserved, 1)} the streams "
+                    f"need at least ({self.min_slabs}); set it to at least {need:g}"
                 ]
             )
         self.resident_bytes = aligned(resident_bytes)
@@ -152,11 +150,9 @@ class HostPool:
         held = " ".join(f"{s}:{n}" for s, n in sorted(self._held.items()) if n)
         return (
             f"offload.host_buffer_mb={self.n_slabs * self.slab_bytes / 2**20:g} ({self.n_slabs} "
-            "slabs of "
-            f"{self.slab_bytes / 2**20:g} MiB) stayed exhausted for {timeout_s:g} s while "
-            f"{stream!r} waited for a "
-            f"slab; held by {held or 'nobody'}. Raise offload.host_buffer_mb, or read fewer "
-            "blocks ahead"
+            f"slabs of {self.slab_bytes / 2**20:g} MiB) stayed exhausted for {timeout_s:g} s while "
+            f"{stream!r} waited for a slab; held by {held or 'nobody'}. Raise "
+            "offload.host_buffer_mb, or read fewer blocks ahead"
         )
 
     @property

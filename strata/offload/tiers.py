@@ -263,9 +263,7 @@ def _check_host_memory(nbytes: int) -> None:
         raise ConfigError(
             [
                 f"offload to cpu needs {nbytes / 2**30:.2f} GiB of host memory on this rank, but "
-                "only "
-                f"{available / 2**30:.2f} GiB is available; offload to nvme instead "
-                "(offload.nvme_path), "
-                "or use more ranks"
+                f"only {available / 2**30:.2f} GiB is available; offload to nvme instead "
+                "(offload.nvme_path), or use more ranks"
             ]
         )

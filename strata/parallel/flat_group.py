@@ -366,8 +366,7 @@ class FlatGroup:
         if stray and self.reduction is not None:
             raise RuntimeError(
                 f"{stray[0].segment.name}: a gradient arrived past the hooks after its group's "
-                "reduction "
-                "had started; set parallel.overlap_grad_reduce=false for this schedule"
+                "reduction had started; set parallel.overlap_grad_reduce=false for this schedule"
             )
         for slot in stray:
             self._take_grad(slot)

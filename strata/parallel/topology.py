@@ -111,8 +111,7 @@ class Grid:
         if self.world_size % self.node_size or self.node_size % self.ranks_per_gpu:
             raise ValueError(
                 f"{type(self).__name__}: need ranks_per_gpu={self.ranks_per_gpu} | "
-                f"ranks_per_node={self.node_size} "
-                f"| world size {self.world_size}"
+                f"ranks_per_node={self.node_size} | world size {self.world_size}"
             )
 
     def degree(self, dim: str) -> int:

@@ -154,10 +154,9 @@ class Watchdog:
             except Exception as e:  # noqa: BLE001 - the store's host is gone or unreachable: say so, stop
                 message = (
                     f"the job's store stopped answering the watchdog of rank {self.rank} "
-                    f"({type(e).__name__}: {e}): "
-                    "the node that hosts it (torchrun's on the first node, or `strata store`) is "
-                    "down, or "
-                    f"{socket.gethostname()} lost its link to it"
+                    f"({type(e).__name__}: {e}): the node that hosts it (torchrun's on the first "
+                    f"node, or `strata store`) is down, or {socket.gethostname()} lost its link to "
+                    "it"
                 )
                 verdict = json.dumps({"message": message, "stuck": [], "answering": 0})
             if verdict and not self._stop.is_set():
@@ -226,9 +225,8 @@ class Watchdog:
             )
         return self._verdict(
             sorted(records),
-            "waits, as every rank does, in the same collective: no rank is missing from it, so "
-            "the collective "
-            "itself (the network or the backend) hangs",
+            "waits, as every rank does, in the same collective: no rank is missing from it, so the "
+            "collective itself (the network or the backend) hangs",
             now,
         )
 

@@ -124,9 +124,8 @@ class MemoryEstimate:
                 )[:3]
                 parts = ", ".join(f"{k} {gib(v)}" for v, k in top)
                 out.append(
-                    f"{tier} memory: pipeline stage {worst.pp_rank} needs "
-                    f"{gib(worst.total(tier))} per rank "
-                    f"(largest: {parts}) but has {gib(budget)}"
+                    f"{tier} memory: pipeline stage {worst.pp_rank} needs {gib(worst.total(tier))} "
+                    f"per rank (largest: {parts}) but has {gib(budget)}"
                 )
         return out
 

@@ -58,8 +58,7 @@ def memory_warning(cfg: Config, nodes: int, ranks_per_node: int, vocab: int) -> 
         return None
     what = "GPU memory" if not cluster.device.host_memory else "its share of this machine's memory"
     return (
-        f"predicted memory per rank is {gib(need)} (pipeline stage {worst.pp_rank}) but a rank "
-        f"has {gib(budget)} of "
-        f"{what}; the job will likely run out of memory. `strata plan CONFIG --search` lists "
-        "layouts that fit"
+        f"predicted memory per rank is {gib(need)} (pipeline stage {worst.pp_rank}) but a rank has "
+        f"{gib(budget)} of {what}; the job will likely run out of memory. `strata plan CONFIG "
+        "--search` lists layouts that fit"
     )

@@ -33,12 +33,11 @@ def layout_line(cfg: Config, cluster: Cluster) -> str:
     )
     context = f" cp={par.cp}" if par.cp > 1 else ""
     return (
-        f"tp={par.tp} pp={par.pp} V={par.virtual_stages}{context} dp={dp}; "
-        f"micro-batch {cfg.train.micro_batch_size} × {m}; "
-        f"zero {zero}; offload params={cfg.offload.params.device} "
-        f"optim={cfg.offload.optim.device}; "
-        f"activations recompute={cfg.activations.recompute} offload={cfg.activations.offload}; "
-        f"precision {cfg.train.precision}"
+        f"tp={par.tp} pp={par.pp} V={par.virtual_stages}{context} dp={dp}; micro-batch "
+        f"{cfg.train.micro_batch_size} × {m}; zero {zero}; offload "
+        f"params={cfg.offload.params.device} optim={cfg.offload.optim.device}; activations "
+        f"recompute={cfg.activations.recompute} offload={cfg.activations.offload}; precision "
+        f"{cfg.train.precision}"
     )
 
 

@@ -72,9 +72,8 @@ class Candidate:
         context = f" cp={self.cp}" if self.cp > 1 else ""
         return (
             f"tp={self.tp} pp={self.pp} V={self.virtual_stages}{experts}{context} "
-            f"mbs={self.micro_batch_size} "
-            f"zero={self.zero} "
-            f"offload={self.offload} recompute={self.recompute}"
+            f"mbs={self.micro_batch_size} zero={self.zero} offload={self.offload} "
+            f"recompute={self.recompute}"
         )
 
 

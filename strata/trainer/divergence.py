@@ -109,14 +109,11 @@ class SpikeGuard(StepHook):
         if self.spike is None or not limit or self.in_a_row < limit:
             return None
         return DivergedError(
-            f"step {step}: {limit} steps in a row were loss spikes, the last one's "
-            f"{self.spike}: the run "
-            "diverged, and training stopped (their updates were dropped, nothing of them was "
-            "saved). Resume from "
-            f"the newest committed checkpoint with --resume {self.checkpoint_dir} and a "
-            "lower optim.lr (or a "
-            "longer optim.warmup_steps); train.spike_sigma sets how far above its history a step "
-            "may go"
+            f"step {step}: {limit} steps in a row were loss spikes, the last one's {self.spike}: "
+            "the run diverged, and training stopped (their updates were dropped, nothing of them "
+            "was saved). Resume from the newest committed checkpoint with --resume "
+            f"{self.checkpoint_dir} and a lower optim.lr (or a longer optim.warmup_steps); "
+            "train.spike_sigma sets how far above its history a step may go"
         )
 
     def suspect(self, step: int) -> bool:
@@ -180,10 +177,7 @@ def implausible_weights(
         return None
     return DivergedError(
         f"step {step}: a parameter reached magnitude {largest.item():.3g}, above "
-        "checkpoint.max_abs_weight="
-        f"{limit:g}: the run diverged, and this state was not saved. Resume from the newest "
-        "committed checkpoint "
-        f"with --resume {checkpoint_dir} and a lower optim.lr (or raise "
-        "checkpoint.max_abs_weight if "
-        "such weights are intended)"
+        f"checkpoint.max_abs_weight={limit:g}: the run diverged, and this state was not saved. "
+        f"Resume from the newest committed checkpoint with --resume {checkpoint_dir} and a lower "
+        "optim.lr (or raise checkpoint.max_abs_weight if such weights are intended)"
     )

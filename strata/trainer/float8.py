@@ -59,9 +59,8 @@ def float8_problems(train: TrainConfig, device: torch.device) -> list[str]:
     version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
     if version < MIN_TORCH:
         p.append(
-            f"train.precision=fp8 needs torch >= {'.'.join(map(str, MIN_TORCH))} (torchao's "
-            "float8 training); "
-            f"this is torch {torch.__version__}: upgrade torch, or use precision=bf16"
+            f"train.precision=fp8 needs torch >= {'.'.join(map(str, MIN_TORCH))} (torchao's float8 "
+            f"training); this is torch {torch.__version__}: upgrade torch, or use precision=bf16"
         )
     try:
         _import_torchao()
@@ -84,10 +83,9 @@ def float8_problems(train: TrainConfig, device: torch.device) -> list[str]:
         capability = torch.cuda.get_device_capability(device)
         if capability < MIN_CAPABILITY:
             p.append(
-                f"train.precision=fp8 needs FP8 tensor cores (compute capability "
+                "train.precision=fp8 needs FP8 tensor cores (compute capability "
                 f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+); {torch.cuda.get_device_name(device)} "
-                "has "
-                f"{capability[0]}.{capability[1]}: use precision=bf16"
+                f"has {capability[0]}.{capability[1]}: use precision=bf16"
             )
     return p
 

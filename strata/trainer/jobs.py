@@ -126,8 +126,7 @@ def _summarize(trainer: Trainer, result: RunResult) -> None:
     train_loss = f"{summary['train_loss']:.4f}" if summary["train_loss"] is not None else "n/a"
     print(
         f"done: step {result.final_step}  train loss {train_loss}  eval loss "
-        f"{summary['eval_loss']:.4f}  "
-        f"throughput {result.tokens_per_s:,.0f} tokens/s"
+        f"{summary['eval_loss']:.4f}  throughput {result.tokens_per_s:,.0f} tokens/s"
     )
 
 

@@ -392,9 +392,8 @@ class Trainer:
             note = f"{self.skip_reason}; update skipped ({self.skipped_steps} skipped in all)"
         else:
             note = (
-                f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}: not finite, "
-                "update skipped "
-                f"({self.nonfinite_in_a_row} in a row, {self.skipped_steps} in all)"
+                f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}: not finite, update "
+                f"skipped ({self.nonfinite_in_a_row} in a row, {self.skipped_steps} in all)"
             )
         log.print(f"warning: step {self.step}: {note}")
         return note

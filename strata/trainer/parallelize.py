@@ -128,12 +128,9 @@ def refuse_unallocatable(parts: list[nn.Module], device: torch.device) -> None:
     raise ConfigError(
         [
             f"the model's parameters on this rank need {need / 2**30:,.1f} GiB (fp32) before "
-            "gradients, optimizer "
-            f"state and activations, but the {where} is {free / 2**30:,.1f} GiB: make the model "
-            "smaller "
-            "(model.d_model, model.n_layers), split it over more ranks (parallel.tp, "
-            "parallel.pp), or see "
-            "`strata plan CONFIG --search` for layouts that fit"
+            f"gradients, optimizer state and activations, but the {where} is {free / 2**30:,.1f} "
+            "GiB: make the model smaller (model.d_model, model.n_layers), split it over more ranks "
+            "(parallel.tp, parallel.pp), or see `strata plan CONFIG --search` for layouts that fit"
         ]
     )
 
@@ -558,9 +555,8 @@ def _outer_updates(cfg: Config, topo: Topology, engine: ZeroEngine) -> CO2:
         raise ConfigError(
             [
                 f"co2.enabled needs at least 2 nodes, but the {layout.world_size} ranks are one "
-                "node of "
-                f"{layout.node_size}; run on more nodes, set parallel.ranks_per_node to simulate "
-                "them, or set co2.enabled=false"
+                f"node of {layout.node_size}; run on more nodes, set parallel.ranks_per_node to "
+                "simulate them, or set co2.enabled=false"
             ]
         )
     norm_group = topo.digit_group("none", cfg.zero.optim.shard_over)[0]

@@ -74,12 +74,10 @@ class MoEConfig:
     route_groups: int = opt(
         1,
         "experts split into this many equal groups, and each token's top_k chosen inside "
-        "route_group_limit of them "
-        "(DeepSeek-V3's n_group; a group's score is the sum of its two best experts'). With as "
-        "many groups as the "
-        "nodes an expert-parallel group spans this is node-limited routing: a token's experts on "
-        "at most "
-        "route_group_limit nodes (1: no group limit)",
+        "route_group_limit of them (DeepSeek-V3's n_group; a group's score is the sum of its two "
+        "best experts'). With as many groups as the nodes an expert-parallel group spans this is "
+        "node-limited routing: a token's experts on at most route_group_limit nodes (1: no group "
+        "limit)",
         min=1,
     )
     route_group_limit: int = opt(
@@ -177,8 +175,7 @@ class ModelConfig:
     rope_original_max_position_embeddings: int = opt(
         8192,
         "llama3, yarn and dynamic RoPE scaling: the context length the model was pretrained with "
-        "(dynamic: "
-        "transformers' max_position_embeddings)",
+        "(dynamic: transformers' max_position_embeddings)",
         min=1,
     )
     rope_beta_fast: float = opt(
@@ -195,9 +192,8 @@ class ModelConfig:
     )
     rope_attention_factor: float | None = opt(
         None,
-        "yarn RoPE scaling: the factor cos and sin are multiplied by (null: "
-        "0.1·ln(rope_factor)+1, or DeepSeek's "
-        "ratio when rope_mscale and rope_mscale_all_dim are set)",
+        "yarn RoPE scaling: the factor cos and sin are multiplied by (null: 0.1·ln(rope_factor)+1, "
+        "or DeepSeek's ratio when rope_mscale and rope_mscale_all_dim are set)",
         min=0.0,
         min_exclusive=True,
     )
@@ -214,12 +210,10 @@ class ModelConfig:
     tie_embeddings: bool = opt(False, "share the token embedding with the output projection")
     init_from: str | None = opt(
         None,
-        "start a new run from these weights (the optimizer, data position and step start fresh): "
-        "a local "
-        "Hugging Face model directory (config.json + model.safetensors or shards; the other model "
-        "keys are "
-        "derived from its config.json, and one set to a different value is an error), or a Strata "
-        "checkpoint",
+        "start a new run from these weights (the optimizer, data position and step start fresh): a "
+        "local Hugging Face model directory (config.json + model.safetensors or shards; the other "
+        "model keys are derived from its config.json, and one set to a different value is an "
+        "error), or a Strata checkpoint",
     )
     moe: MoEConfig = nested(MoEConfig)
     init_std: float = opt(

@@ -20,10 +20,9 @@ class ParallelConfig:
     cp: int = opt(
         1,
         "context-parallel degree: each sequence split over this many consecutive ranks after tp "
-        "(causal "
-        "load-balanced: rank i holds chunks i and 2·cp−1−i of 2·cp), attention computed across "
-        "the split; the "
-        "ranks hold the same weights, so gradients and ZeRO partitions span dp·cp ranks",
+        "(causal load-balanced: rank i holds chunks i and 2·cp−1−i of 2·cp), attention computed "
+        "across the split; the ranks hold the same weights, so gradients and ZeRO partitions span "
+        "dp·cp ranks",
         min=1,
     )
     cp_mode: str = opt(
@@ -38,22 +37,18 @@ class ParallelConfig:
     ep: int = opt(
         1,
         "expert-parallel degree (MoE models): each MoE layer's experts split over this many "
-        "consecutive ranks of a "
-        "pipeline stage's tp·dp ranks (tp first, Megatron's MoE parallel folding; with tp=1, "
-        "carved out of dp); "
-        "tokens reach their experts by all-to-all, expert gradients are averaged over the other "
-        "(tp·dp)/ep ranks",
+        "consecutive ranks of a pipeline stage's tp·dp ranks (tp first, Megatron's MoE parallel "
+        "folding; with tp=1, carved out of dp); tokens reach their experts by all-to-all, expert "
+        "gradients are averaged over the other (tp·dp)/ep ranks",
         min=1,
     )
     ep_dispatch: str = opt(
         "auto",
         "how tokens reach experts on other ranks: flat (one all-to-all over the expert-parallel "
-        "group, Megatron-core's "
-        "and torchtitan's) or hierarchical (each token sent once to every node holding its "
-        "experts, then to the "
-        "experts' ranks inside the node, so it crosses the inter-node link at most once per "
-        "destination node); "
-        "auto: hierarchical where the expert-parallel group spans several nodes",
+        "group, Megatron-core's and torchtitan's) or hierarchical (each token sent once to every "
+        "node holding its experts, then to the experts' ranks inside the node, so it crosses the "
+        "inter-node link at most once per destination node); auto: hierarchical where the "
+        "expert-parallel group spans several nodes",
         choices=("auto", "flat", "hierarchical"),
     )
     virtual_stages: int = opt(
@@ -102,19 +97,16 @@ class ParallelConfig:
     overlap_grad_reduce: bool = opt(
         True,
         "start each gradient bucket's data-parallel reduction (all-reduce, or ZeRO's "
-        "reduce-scatters) as soon as "
-        "backward has produced it, on process groups of its own, and wait only before clipping; "
-        "false = reduce "
-        "after backward (same numbers either way)",
+        "reduce-scatters) as soon as backward has produced it, on process groups of its own, and "
+        "wait only before clipping; false = reduce after backward (same numbers either way)",
     )
     timeout_s: int = opt(600, "process-group timeout in seconds", min=1)
     hang_timeout_s: float | None = opt(
         None,
         "when no rank makes progress for this many seconds (one is stopped, or stuck outside or "
-        "inside a "
-        "collective) the job stops with one error naming the stuck rank, its host and its last "
-        "collective, "
-        "long before timeout_s; armed after the first step; null = a fifth of timeout_s; 0 = off",
+        "inside a collective) the job stops with one error naming the stuck rank, its host and its "
+        "last collective, long before timeout_s; armed after the first step; null = a fifth of "
+        "timeout_s; 0 = off",
         min=0.0,
     )
 

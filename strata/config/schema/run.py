@@ -62,10 +62,9 @@ class DataConfig:
     tokenizer: str | None = opt(
         None,
         "the tokenizer data.path was prepared with (`strata data prepare --tokenizer`): bytes, "
-        "bpe:N, or the path "
-        "of a tokenizer.json or a model directory holding one; checked against the data's "
-        "meta.json at start-up "
-        "(a path by its content). null: whatever the data says. The built-in corpus is bytes",
+        "bpe:N, or the path of a tokenizer.json or a model directory holding one; checked against "
+        "the data's meta.json at start-up (a path by its content). null: whatever the data says. "
+        "The built-in corpus is bytes",
     )
 
     def prepared_dir(self) -> str | None:
@@ -106,8 +105,7 @@ class CheckpointConfig:
     overwrite: bool = opt(
         False,
         "start a new run in a checkpoint.dir that holds committed checkpoints, replacing them as "
-        "new ones are "
-        "saved (false: such a start is refused; continue that run with --resume DIR)",
+        "new ones are saved (false: such a start is refused; continue that run with --resume DIR)",
     )
     on_disk_full: str = opt(
         "stop",

@@ -25,17 +25,15 @@ class TrainConfig:
     precision: str = opt(
         "fp32",
         "compute precision: fp32; bf16 autocast; or fp8: the transformer blocks' linear layers in "
-        "float8 "
-        "(torchao's float8 training, scaled per train.fp8_recipe) and bf16 autocast elsewhere. "
-        "Weights and "
-        "optimizer state stay fp32 in every mode, so a checkpoint resumes under any precision",
+        "float8 (torchao's float8 training, scaled per train.fp8_recipe) and bf16 autocast "
+        "elsewhere. Weights and optimizer state stay fp32 in every mode, so a checkpoint resumes "
+        "under any precision",
         choices=PRECISIONS,
     )
     fp8_recipe: str = opt(
         "tensorwise",
         "with precision=fp8, how float8 scales are chosen: tensorwise (one scale per tensor, the "
-        "fastest) or "
-        "rowwise (one per row, more accurate; torchao's recipes)",
+        "fastest) or rowwise (one per row, more accurate; torchao's recipes)",
         choices=("tensorwise", "rowwise"),
     )
     fp8_emulate: bool = opt(
@@ -55,10 +53,8 @@ class TrainConfig:
     eval_batches: int = opt(
         8,
         "validation micro-batches per evaluation on each rank: every evaluation reads the same "
-        "first "
-        "eval_batches × micro_batch_size × dp sequences of the validation split, not all of it "
-        "(0: every "
-        "sequence of the split, once)",
+        "first eval_batches × micro_batch_size × dp sequences of the validation split, not all of "
+        "it (0: every sequence of the split, once)",
         min=0,
     )
     threads: int | None = opt(
@@ -67,10 +63,8 @@ class TrainConfig:
     nonfinite: str = opt(
         "skip",
         "a step whose loss or gradient norm is NaN/inf: skip (no update, gradients dropped; it "
-        "still counts as a "
-        "step of the lr schedule and of the data) or stop (end the run with an error); no "
-        "checkpoint of "
-        "non-finite state is ever saved",
+        "still counts as a step of the lr schedule and of the data) or stop (end the run with an "
+        "error); no checkpoint of non-finite state is ever saved",
         choices=("skip", "stop"),
     )
     max_nonfinite_steps: int = opt(
@@ -82,10 +76,8 @@ class TrainConfig:
     spike_sigma: float = opt(
         6.0,
         "loss-spike guard: a step whose loss or gradient norm exceeds the mean of the last "
-        "train.spike_window "
-        "accepted steps by this many standard deviations updates nothing (as OLMo-core's "
-        "skip-step optimizer); "
-        "0: off",
+        "train.spike_window accepted steps by this many standard deviations updates nothing (as "
+        "OLMo-core's skip-step optimizer); 0: off",
         min=0.0,
     )
     spike_window: int = opt(
@@ -96,9 +88,8 @@ class TrainConfig:
     )
     max_spike_steps: int = opt(
         10,
-        "end the run with an error, saving nothing, once this many steps in a row were spikes: "
-        "the run diverged "
-        "(resume its newest checkpoint with a lower optim.lr)",
+        "end the run with an error, saving nothing, once this many steps in a row were spikes: the "
+        "run diverged (resume its newest checkpoint with a lower optim.lr)",
         min=1,
     )
     compile: bool = opt(

@@ -189,8 +189,7 @@ def _import_hf(args: argparse.Namespace) -> int:
         )
     print(
         f"wrote {path} (step 0, weights only); train from it with --resume {path} (the optimizer "
-        "starts fresh) "
-        f"or model.init_from={path}"
+        f"starts fresh) or model.init_from={path}"
     )
     return 0
 

@@ -155,8 +155,7 @@ def run(args: argparse.Namespace) -> int:
     rate = result.new_tokens / result.decode_s if result.decode_s > 0 else float("inf")
     print(
         f"{result.new_tokens} new tokens over {len(prompts)} prompt(s); prefill "
-        f"{result.prefill_s:.3f} s, "
-        f"decoding {result.decode_s:.3f} s ({rate:.1f} tokens/s)",
+        f"{result.prefill_s:.3f} s, decoding {result.decode_s:.3f} s ({rate:.1f} tokens/s)",
         file=sys.stderr,
     )
     return 0
