@@ -111,34 +111,42 @@ class _ReduceFromGroup(torch.autograd.Function):
 SEQ_DIM = 1  # activations are batch-first: (batch, seq, d)
 
 
-class _GatherFromSequence(torch.autograd.Function):
-    """All-gather along the sequence forward; reduce-scatter of the gradient backward (each rank's
-    TP region computes a partial gradient of the whole sequence; the owner of a shard needs the
-    sum). Sequence-parallel counterpart of `_CopyToGroup`."""
+class _SequenceExchange(torch.autograd.Function):
+    """Sequence parallelism's two exchanges, each the other's transpose. With `gather`: all-gather
+    along the sequence forward, reduce-scatter of the gradient backward (each rank's TP region
+    computes a partial gradient of the whole sequence; the owner of a shard needs the sum), the
+    sequence-parallel counterpart of `_CopyToGroup`. Without: reduce-scatter forward (sum the
+    shards' partial outputs, keep this rank's positions), all-gather of the gradient backward, the
+    counterpart of `_ReduceFromGroup`."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return comm.all_gather_along(x, group, dim="tp", axis=SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.reduce_scatter_along(grad, ctx.group, dim="tp", axis=SEQ_DIM), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    """Reduce-scatter along the sequence forward (sum the shards' partial outputs, keep this rank's
-    positions); all-gather of the gradient backward. Sequence-parallel counterpart of
-    `_ReduceFromGroup`."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return comm.reduce_scatter_along(x, group, dim="tp", axis=SEQ_DIM)
+    def forward(ctx, x, group, gather: bool):
+        ctx.group, ctx.gather = group, gather
+        return _along_sequence(x, group, gather)
 
     @staticmethod
     def backward(ctx, grad):
-        return comm.all_gather_along(grad, ctx.group, dim="tp", axis=SEQ_DIM), None
+        return _along_sequence(grad, ctx.group, not ctx.gather), None, None
+
+
+def _along_sequence(x: torch.Tensor, group, gather: bool) -> torch.Tensor:
+    exchange = comm.all_gather_along if gather else comm.reduce_scatter_along
+    return exchange(x, group, dim="tp", axis=SEQ_DIM)
+
+
+class _SequenceDirection:
+    """One direction of `_SequenceExchange`, applied as the other autograd functions here are."""
+
+    def __init__(self, gather: bool):
+        self.gather = gather
+
+    def apply(self, x: torch.Tensor, group) -> torch.Tensor:
+        """The exchange of `x` over `group`, with autograd."""
+        return _SequenceExchange.apply(x, group, self.gather)
+
+
+_GatherFromSequence = _SequenceDirection(gather=True)
+_ReduceScatterToSequence = _SequenceDirection(gather=False)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
