@@ -71,6 +71,17 @@ Sources (every figure below is copied from one of these; none is fitted)
      (`num_floating_point_operations`) is the model's: 3 passes, no recomputation. Micro-batch size,
      recomputation, virtual stages and precision are NOT published: these rows use MBS 1, no
      recomputation, V = 1, bf16, and are shown as indicative, not asserted.
+[T1] pytorch/torchtitan `benchmarks/llama3_h100_202412_torchtitan.md` (torch 1963fc8, torchtitan
+     9dec370, 2024-12): Llama 3.1 8B, 70B, 405B on Grand Teton hosts (8 H100 SXM with 96 GB HBM2e
+     at a 500 W power limit, NVLink, 400 Gbit/s RDMA per GPU); tokens/s per GPU at the 90th
+     iteration. Table 1: 8B on 8 GPUs, FSDP, local batch 2 (global 16), selective activation
+     checkpointing: 5,762 (FSDP), 6,667 (+ torch.compile), 8,532 (+ Float8). Table 3: the same on
+     128 GPUs (global 256): 5,605, 6,514, 8,380. Table 4: 70B on 256 GPUs, FSDP 32 × TP 8,
+     compile + Float8, local batch 16 (global 512), full checkpointing: 829 (876 with async TP).
+     Table 5: 405B on 512 GPUs, FSDP 8 × TP 8 × PP 8, compile + Float8 + async TP, local batch 32
+     (global 256), full checkpointing: 100 (1F1B), 128 (interleaved 1F1B). The page: "the 1D
+     Llama 3.1 8B model training on 8 or 128 H100 GPUs without Float8 achieves 33% to 39% MFU".
+     Sequence length: torchtitan's llama3 training configs' 8192 (not on the page itself).
 
 What the Frontier percentages mean (the one figure here that is not certain)
 -----------------------------------------------------------------------------
@@ -326,6 +337,112 @@ MEGATRON_H100: list[Run] = [
 RUNS: list[Run] = MEGATRON_A100 + FRONTIER + MEGATRON_H100
 
 
+@dataclass(frozen=True)
+class TokensRun:
+    """A published run given as tokens/s per GPU (torchtitan's figure [T1]): the model and layout
+    as Strata overrides, the GPUs, the published rate."""
+
+    name: str
+    source: str
+    gpus: int
+    overrides: tuple[str, ...]
+    published_tps: float
+    asserted: bool = True
+    note: str = ""
+
+
+LLAMA31 = {
+    "8B": ("model.n_layers=32", "model.d_model=4096", "model.n_heads=32", "model.ffn_hidden=14336"),
+    "70B": ("model.n_layers=80", "model.d_model=8192", "model.n_heads=64", "model.ffn_hidden=28672"),
+    # 126 layers, which 8 stages of torchtitan's (uneven) pipeline split: 128 here, balanced
+    "405B": ("model.n_layers=128", "model.d_model=16384", "model.n_heads=128", "model.ffn_hidden=53248"),
+}  # fmt: skip
+LLAMA31_COMMON = (
+    "model.n_kv_heads=8",
+    "model.vocab_size=128256",
+    "model.seq_len=8192",
+    "train.precision=bf16",
+)
+FSDP = ("zero.params.shard_over=global", "zero.grads.shard_over=global", "zero.optim.shard_over=global")  # fmt: skip
+
+
+def _titan(
+    name: str, model: str, gpus: int, layout: tuple[str, ...], tps: float, asserted: bool = True,
+    note: str = "",
+) -> TokensRun:  # fmt: skip
+    return TokensRun(
+        name, "T1", gpus, LLAMA31[model] + LLAMA31_COMMON + FSDP + layout, tps, asserted, note
+    )
+
+
+EIGHT_B = ("train.micro_batch_size=2", "activations.recompute=selective")
+COMPILED = ("train.compile=true",)
+FP8 = ("train.precision=fp8", "train.compile=true")
+FP8_NOTE = "float8 modelled at the bf16 rate (a lower bound)"
+TP_NOTE = "TP's collectives modelled unoverlapped (torchtitan's async TP overlaps them)"
+TORCHTITAN_H100: list[TokensRun] = [
+    _titan("8B FSDP", "8B", 8, EIGHT_B + ("train.global_batch_size=16",), 5762),
+    _titan("8B FSDP+compile", "8B", 8, EIGHT_B + ("train.global_batch_size=16",) + COMPILED, 6667),
+    _titan("8B FSDP+compile+fp8", "8B", 8, EIGHT_B + ("train.global_batch_size=16",) + FP8, 8532, note=FP8_NOTE),
+    _titan("8B FSDP", "8B", 128, EIGHT_B + ("train.global_batch_size=256",), 5605),
+    _titan("8B FSDP+compile", "8B", 128, EIGHT_B + ("train.global_batch_size=256",) + COMPILED, 6514),
+    _titan(
+        "70B FSDP×TP8+compile+fp8", "70B", 256,
+        ("parallel.tp=8", "parallel.sequence_parallel=true", "train.global_batch_size=512",
+         "train.micro_batch_size=16", "activations.recompute=full") + FP8,
+        829, asserted=False, note=f"{FP8_NOTE}; {TP_NOTE}",
+    ),
+    _titan(
+        "405B FSDP×TP8×PP8 interleaved+fp8", "405B", 512,
+        ("parallel.tp=8", "parallel.pp=8", "parallel.virtual_stages=2",
+         "parallel.sequence_parallel=true", "train.global_batch_size=256",
+         "train.micro_batch_size=1", "activations.recompute=full") + FP8,
+        128, asserted=False, note=f"{FP8_NOTE}; {TP_NOTE}; 128 layers for 126",
+    ),
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TokensComparison:
+    run: TokensRun
+    estimate: TimeEstimate
+    predicted_tps: float
+
+    @property
+    def ratio(self) -> float:
+        """Predicted tokens/s / published tokens/s."""
+        return self.predicted_tps / self.run.published_tps
+
+    @property
+    def within(self) -> bool:
+        return abs(self.ratio - 1) <= TOLERANCE
+
+
+def compare_tokens(run: TokensRun) -> TokensComparison:
+    cfg = config_mod.load(overrides=list(run.overrides), world_size=run.gpus, local_world_size=8)
+    est = estimate_time(cfg, preset("dgx-h100", run.gpus // 8), cfg.model.vocab_size)
+    tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    return TokensComparison(run, est, tokens / est.step_s / run.gpus)
+
+
+def tokens_table(comparisons: list[TokensComparison]) -> str:
+    rows = [
+        "| model | source | GPUs | published tokens/s/GPU | predicted | predicted/published "
+        "| within 25%? | predicted MFU |",
+        "|" + " --- |" * 8,
+    ]
+    for c in comparisons:
+        verdict = "yes" if c.within else "**no**"
+        if not c.run.asserted:
+            verdict = ("(yes)" if c.within else "(no)") + " indicative"
+        rows.append(
+            f"| {c.run.name} (h100) | {c.run.source} | {c.run.gpus} | {c.run.published_tps:,.0f} "
+            f"| {c.predicted_tps:,.0f} | {c.ratio:.2f} | {verdict} | {100 * c.estimate.mfu:.1f} % |"
+        )
+    notes = [f"- {c.run.name}, {c.run.gpus} GPUs: {c.run.note}" for c in comparisons if c.run.note]
+    return "\n".join(rows) + ("\n\nNotes:\n" + "\n".join(notes) if notes else "")
+
+
 def ffn_hidden(hidden: int, tp: int) -> int:
     """SwiGLU inner size whose three matrices do the FLOPs of GPT's two d×4d ones (8d/3), rounded
     to a multiple of the tensor-parallel degree."""
@@ -463,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     comparisons = [compare(r) for r in RUNS]
     print(table(comparisons, args.parts))
-    asserted = [c for c in comparisons if c.run.asserted]
+    titan = [compare_tokens(r) for r in TORCHTITAN_H100]
+    print("\n" + tokens_table(titan))
+    asserted = [c for c in [*comparisons, *titan] if c.run.asserted]
     misses = [c for c in asserted if not c.within]
     print(
         f"\n{len(asserted) - len(misses)}/{len(asserted)} asserted rows within {TOLERANCE:.0%} of the published figure"

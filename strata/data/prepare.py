@@ -349,10 +349,12 @@ def _tokenizer_source(
 
 def _write_splits(
     tmp: Path, tasks: list[Task], args: tuple, workers: int, tok_path: str | None, progress: bool
-) -> tuple[dict[str, int], int]:
+) -> tuple[dict[str, int], int, int]:
     """Tokenize the tasks (by `workers` processes) into tmp/train.bin and tmp/val.bin, in task
-    order; returns the tokens written to each split and the documents read."""
+    order; returns the tokens written to each split, the documents read and the largest token id
+    written (-1 when none)."""
     n_docs = 0
+    max_id = -1
     counts = {"train": 0, "val": 0}
     bar = _progress(progress)
     with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f, bar:
@@ -362,9 +364,12 @@ def _write_splits(
             counts["train"] += len(train)
             counts["val"] += len(val)
             n_docs += n
+            for part in (train, val):
+                if len(part):
+                    max_id = max(max_id, int(part.max()))
             bar.update(len(train) + len(val))
             bar.set_postfix_str(f"{n_docs:,} documents", refresh=False)
-    return counts, n_docs
+    return counts, n_docs, max_id
 
 
 def prepare(
@@ -410,7 +415,7 @@ def prepare(
         dtype = info.dtype
         args = (text_field, val_fraction, info.eot, dtype)
         tok_path = None if info.kind == "bytes" else str(tok_file)
-        counts, n_docs = _write_splits(tmp, tasks, args, workers, tok_path, progress)
+        counts, n_docs, max_id = _write_splits(tmp, tasks, args, workers, tok_path, progress)
         itemsize = np.dtype(dtype).itemsize
         n_train, n_val = _ensure_val_split(
             tmp, itemsize, counts["train"], counts["val"], val_fraction
@@ -420,6 +425,9 @@ def prepare(
             "dtype": dtype,
             "vocab_size": info.vocab_size,
             "eot": info.eot,
+            # the largest id in either split: opening the data checks it against the vocabulary
+            # instead of reading every token
+            "max_id": max_id,
             "tokenizer": info.meta(),
             "train_tokens": n_train,
             "val_tokens": n_val,

@@ -4,7 +4,9 @@ run will build, known before its data loads.
 
 On disk (nanoGPT's layout plus a JSON header): DIR/train.bin and DIR/val.bin are flat arrays of
 token ids (uint16, or uint32 for vocabularies over 65536), DIR/meta.json says dtype, vocabulary
-and tokenizer. A training sample i is the window tokens[i·L : i·L + L + 1] (L = sequence length).
+and tokenizer (and, from `strata data prepare`, the largest id, "max_id"). Opening a directory
+reads only meta.json and the files' sizes, so a run starts in the same time on any amount of data.
+A training sample i is the window tokens[i·L : i·L + L + 1] (L = sequence length).
 """
 
 from __future__ import annotations
@@ -139,30 +141,35 @@ def _open_tokens(path: Path, dtype: str) -> np.ndarray:
     return np.memmap(path, dtype=np.dtype(dtype), mode="r")
 
 
-def _check_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
-    """Refuse token ids outside the vocabulary (the embedding lookup would fail mid-run): one pass
-    over the file, unless the dtype cannot hold an id that large."""
-    if len(tokens) == 0 or vocab_size > np.iinfo(tokens.dtype).max:
-        return
-    top = int(tokens.max())
-    if top >= vocab_size:
-        raise DataError(
-            f"{path}: holds token id {top}, but meta.json says vocab_size={vocab_size} (ids must "
-            "be below it); "
-            f"set vocab_size to at least {top + 1}, or prepare the data again"
-        )
+def _recorded_max_id(path: Path, meta: TokenMeta, vocab_size: int) -> bool:
+    """Refuse a directory whose meta.json records a largest token id ("max_id", written by `strata
+    data prepare`) outside the vocabulary. Returns whether the ids are known to be in range without
+    reading the tokens: recorded, or the dtype cannot hold an id that large."""
+    top = meta.raw.get("max_id")
+    if isinstance(top, int) and not isinstance(top, bool):
+        if top >= vocab_size:
+            raise DataError(
+                f"{path}: holds token id {top} (meta.json's max_id), but meta.json says "
+                f"vocab_size={vocab_size} (ids must be below it); set vocab_size to at least "
+                f"{top + 1}, or prepare the data again"
+            )
+        return True
+    return vocab_size > np.iinfo(np.dtype(meta.dtype)).max
 
 
 class TokenDataset:
-    """Non-overlapping (seq_len+1)-token windows of one split, read from a memory map."""
+    """Non-overlapping (seq_len+1)-token windows of one split, read from a memory map. Opening one
+    reads only meta.json and the file's size, never the tokens: a directory whose meta.json does
+    not record its largest id has each window checked against the vocabulary as it is read."""
 
     def __init__(self, data_dir: Path, split: str, seq_len: int, key: str = "data.path"):
         meta = read_meta(data_dir, key)
         path = Path(data_dir) / f"{split}.bin"
         if not path.is_file():
             raise DataError(f"{key}={str(data_dir)!r}: missing {split}.bin")
+        self.path = path
         self.tokens = _open_tokens(path, meta.dtype)
-        _check_ids(path, self.tokens, meta.vocab_size)
+        self._ids_in_range = _recorded_max_id(path, meta, meta.vocab_size)
         self.seq_len = seq_len
         self.vocab_size = meta.vocab_size
         self.n_samples = (len(self.tokens) - 1) // seq_len
@@ -179,7 +186,16 @@ class TokenDataset:
         """Window `i`: tokens i·seq_len to (i+1)·seq_len inclusive (inputs and the targets one token
         on), as int64."""
         start = i * self.seq_len
-        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        row = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        if not self._ids_in_range and len(row) and int(row.max()) >= self.vocab_size:
+            at = int(np.argmax(row >= self.vocab_size))
+            raise DataError(
+                f"{self.path}: token id {int(row[at])} at offset {start + at} (token index; byte "
+                f"{(start + at) * self.tokens.itemsize}), but meta.json says "
+                f"vocab_size={self.vocab_size} (ids must be below it); set vocab_size to at least "
+                f"{int(row.max()) + 1}, or prepare the data again with `strata data prepare`"
+            )
+        return row
 
     def batch(self, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both (len(indices), seq_len) int64."""
@@ -210,8 +226,9 @@ def check_data_config(data_dir: Path, cfg: Config) -> None:
 
 
 def check_data_dir(data_dir: Path, seq_len: int, cfg: Config | None = None) -> None:
-    """Everything `TokenDataset` refuses about a data directory (meta.json, both token files, their
-    ids), and with `cfg` what `check_data_config` refuses, checked before any worker starts."""
+    """Everything `TokenDataset` refuses about a data directory at opening (meta.json, both token
+    files, the largest id meta.json records), and with `cfg` what `check_data_config` refuses,
+    checked before any worker starts."""
     if cfg is not None:
         check_data_config(data_dir, cfg)
     for split in ("train", "val"):

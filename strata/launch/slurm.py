@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from strata.errors import StrataError
 from strata.launch.supervisor import FORWARDED_SIGNALS
 from strata.launch.torchrun import WorkerCommand
 
@@ -40,6 +41,55 @@ class SlurmJob:
     snapshots: bool = False  # start each node's snapshot agent beside its torchrun
     # SIGUSR1 this long before the time limit: save, exit, requeue
     stop_warning_s: int = STOP_WARNING_S
+    net_ifname: str = ""  # the interface the nodes talk over (and the head node is reached at)
+    # the user's own #SBATCH options, as `--sbatch-option` gives them ("KEY=VALUE" or "KEY")
+    sbatch_options: tuple[str, ...] = ()
+
+
+# #SBATCH options Strata writes itself, with what sets each instead; given again with
+# --sbatch-option they would contradict the script (one task per node, the output file a
+# requeued job appends to, the time-limit warning).
+OWN_OPTIONS = {
+    "job-name": "run.name",
+    "nodes": "--nodes",
+    "ntasks": "--nodes (one task per node)",
+    "ntasks-per-node": "--nodes (one task per node)",
+    "gpus-per-node": "--gpus-per-node",
+    "gpus": "--gpus-per-node",
+    "gpus-per-task": "--gpus-per-node",
+    "time": "--time",
+    "output": "nothing: the job writes NAME-JOBID.out, appended to by a requeued job",
+    "open-mode": "nothing: a requeued job appends to its output",
+    "signal": "nothing: Strata's time-limit warning saves a checkpoint and requeues",
+    "requeue": "nothing: Strata requeues after the time-limit warning",
+    "no-requeue": "nothing: Strata requeues after the time-limit warning",
+    "partition": "--partition",
+    "account": "--account",
+}
+
+
+def sbatch_options(options: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """`--sbatch-option` values checked: each KEY=VALUE or KEY (a flag) with KEY a long sbatch option
+    name (a leading `--` is dropped), none of them one Strata writes itself. A StrataError lists
+    every problem."""
+    checked, problems = [], []
+    for option in options:
+        key, eq, value = option.strip().removeprefix("--").partition("=")
+        if len(key) < 2 or not key.replace("-", "").isalnum() or (eq and not value):
+            problems.append(
+                f"--sbatch-option {option!r}: give KEY=VALUE or KEY with KEY a long sbatch "
+                "option name, e.g. cpus-per-task=16 or exclusive"
+            )
+        elif key in OWN_OPTIONS:
+            problems.append(
+                f"--sbatch-option {option!r}: Strata writes #SBATCH --{key} itself; set it "
+                f"with {OWN_OPTIONS[key]}"
+            )
+        else:
+            checked.append(f"{key}={value}" if eq else key)
+    if problems:
+        raise StrataError("\n".join(problems))
+    return tuple(checked)
 
 
 def job_python(interpreter: str) -> tuple[str, str]:
@@ -81,7 +131,7 @@ def sbatch_script(
         "#!/bin/bash",
         *[f"#SBATCH {d}" for d in _directives(job)],
         "",
-        *_environment(job, workdir, path_line),
+        *_environment(job, workdir, path_line, python),
     ]
     if job.snapshots:
         secret, step = _snapshot_step(python, torchrun)
@@ -93,7 +143,8 @@ def sbatch_script(
 
 def _directives(job: SlurmJob) -> list[str]:
     """The #SBATCH options: one task per node with its GPUs, the time limit and its warning,
-    requeueing, an appended output file, and the partition, account and CPUs when set."""
+    requeueing, an appended output file, the partition, account and CPUs when set, then the
+    user's own (`job.sbatch_options`, already checked by `sbatch_options`)."""
     directives = [
         f"--job-name={job.name}",
         f"--nodes={job.nodes}",
@@ -115,10 +166,13 @@ def _directives(job: SlurmJob) -> list[str]:
         directives.append(f"--account={job.account}")
     if job.cpus_per_task:
         directives.append(f"--cpus-per-task={job.cpus_per_task}")
-    return directives
+    own = [o.partition("=")[0] for o in job.sbatch_options]
+    if "exclusive" in own:  # the user's own --exclusive[=user|mcs|topo] replaces Strata's
+        directives.remove("--exclusive")
+    return directives + [f"--{o}" for o in job.sbatch_options]
 
 
-def _environment(job: SlurmJob, workdir: str, path_line: str) -> list[str]:
+def _environment(job: SlurmJob, workdir: str, path_line: str, python: str) -> list[str]:
     """The script's set-up before the job step: the working directory, the venv's Python on PATH
     (`path_line`, from `job_python`), the rendezvous endpoint on the allocation's first node, and
     the variables torchrun and NCCL read (signals passed on, the shutdown grace, the flight recorder)."""
@@ -135,8 +189,7 @@ def _environment(job: SlurmJob, workdir: str, path_line: str) -> list[str]:
         # an array, not `| head -n 1`: under pipefail head's early exit SIGPIPEs scontrol
         'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
         "head_node=${nodes[0]}",
-        'head_addr=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk '
-        "'{print $1}')",
+        *_head_address(job, python),
         f'export RDZV_ENDPOINT="$head_addr:{job.rdzv_port}"',
         "# torch <= 2.13 restarts only with a fresh store per attempt (pytorch/pytorch#135712)",
         "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
@@ -152,6 +205,47 @@ def _environment(job: SlurmJob, workdir: str, path_line: str) -> list[str]:
         'echo "strata: $SLURM_JOB_NUM_NODES nodes, rendezvous at $RDZV_ENDPOINT (restart '
         '${SLURM_RESTART_COUNT:-0})"',
         "",
+    ]
+
+
+def _head_address(job: SlurmJob, python: str) -> list[str]:
+    """Lines that set $head_addr to an address of $head_node the other nodes reach. With
+    `job.net_ifname`: that interface's IPv4 address on the head node, and gloo and NCCL told to use
+    the interface on every node. Otherwise the head node's name resolved (getent), then the head
+    node's own addresses (`hostname --all-ip-addresses`), each skipping loopback: Debian maps a
+    host's own name to 127.0.1.1, which no other node reaches; loopback only when nothing else
+    exists (every node on one machine)."""
+    on_head = 'srun --nodes=1 --ntasks=1 -w "$head_node"'
+    if job.net_ifname:
+        ifname = shlex.quote(job.net_ifname)
+        lookup = (
+            "import sys; from strata.net import interface_address; "
+            "print(interface_address(sys.argv[1]) or '')"
+        )
+        return [
+            f"# The address of --net-ifname {job.net_ifname} on the head node; gloo and NCCL use "
+            "that interface.",
+            f"head_addr=$({on_head} {python} -c {shlex.quote(lookup)} {ifname})",
+            'if [ -z "$head_addr" ]; then',
+            f'  echo "strata: node $head_node has no IPv4 address on --net-ifname {job.net_ifname}'
+            '" >&2',
+            "  exit 1",
+            "fi",
+            f"export GLOO_SOCKET_IFNAME={ifname} NCCL_SOCKET_IFNAME={ifname}",
+        ]
+    # awk keeps the first IPv4 address outside 127.0.0.0/8 and reads its input to the end (an early
+    # exit would SIGPIPE the command before it under pipefail)
+    routable = "awk '{for (i = 1; i <= NF; i++) if (!a && $i ~ /^[0-9.]+$/ && $i !~ /^127[.]/) a = $i} END {print a}'"
+    return [
+        "# The head node's address the other nodes reach: its name's (getent), else its own,",
+        "# skipping loopback (a hostname can map to 127.0.1.1); loopback only if nothing else.",
+        f'head_addr=$(getent ahostsv4 "$head_node" | {routable}) || head_addr=""',
+        'if [ -z "$head_addr" ]; then',
+        f'  head_addr=$({on_head} hostname --all-ip-addresses | {routable}) || head_addr=""',
+        "fi",
+        'if [ -z "$head_addr" ]; then',
+        f"  head_addr=$({on_head} hostname --ip-address | awk '{{print $1}}')",
+        "fi",
     ]
 
 

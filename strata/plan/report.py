@@ -3,6 +3,9 @@ a search's ranking, and the one-line warning `strata launch` and `strata config 
 
 from __future__ import annotations
 
+import functools
+import re
+
 from strata.config.schema import Config
 from strata.plan.cluster import LINKS, Cluster
 from strata.plan.memory import (
@@ -14,7 +17,7 @@ from strata.plan.memory import (
     micro_batches,
     zero_levels,
 )
-from strata.plan.search import SearchResult
+from strata.plan.search import Candidate, SearchResult
 from strata.plan.timing import TimeEstimate
 
 
@@ -83,24 +86,65 @@ def time_table(est: TimeEstimate, tokens_per_step: int) -> list[str]:
     return lines
 
 
-def search_table(result: SearchResult, cluster: Cluster, top: int) -> list[str]:
-    """The search's result as table lines: the `top` fitting layouts fastest first, then the layout
-    families none of whose layouts fit, and why."""
-    lines = [f"{len(result.fitting)} of {result.considered} layouts fit; fastest first:"]
-    lines.append(
-        f"  {'#':>3}  {'step s':>9}  {'MFU':>6}  {'device GiB':>10}  {'host GiB':>9}  layout"
-    )
-    for i, p in enumerate(result.fitting[:top], 1):
+def search_table(result: SearchResult, cluster: Cluster, top: int, cfg: Config) -> list[str]:
+    """The search's result as table lines: the `top` fitting layouts fastest first, each with the
+    `key=value` overrides that select it from `cfg` (the config the search started from), then the
+    layout families none of whose layouts fit, as one line per reason (how many families, and one
+    of them as the example)."""
+    best = result.fitting[:top]
+    if not best:
+        lines = [f"{len(result.fitting)} of {result.considered} layouts fit."]
+    else:
+        lines = [f"{len(result.fitting)} of {result.considered} layouts fit; fastest first:"]
+        lines.append(
+            f"  {'#':>3}  {'step s':>9}  {'MFU':>6}  {'device GiB':>10}  {'host GiB':>9}  layout"
+        )
+    for i, p in enumerate(best, 1):
         lines.append(
             f"  {i:>3}  {p.time.step_s:>9.4f}  {p.time.mfu:>6.1%}  "
             f"{p.memory.peak('device') / 2**30:>10.2f}  "
             f"{p.memory.peak('host') / 2**30:>9.2f}  {p.candidate.describe()}"
         )
+    if best:
+        lines.append("overrides that select each (after the config and its own overrides):")
+        lines += [f"  {i:>3}  {layout_overrides(cfg, p.candidate)}" for i, p in enumerate(best, 1)]
     if result.rejected:
-        lines.append("families with no layout that fits (tp, pp, V, ep, cp):")
-        lines += [
-            f"  tp={tp} pp={pp} "
-            f"V={v}{f' ep={ep}' if ep > 1 else ''}{f' cp={cp}' if cp > 1 else ''}: {why}"
-            for (tp, pp, v, ep, cp), why in result.rejected.items()
-        ]
+        groups: dict[str, list[tuple[tuple[int, int, int, int, int], str]]] = {}
+        for family, why in result.rejected.items():
+            # one line per kind of reason: every memory rejection, and each check's message
+            # whatever its numbers
+            kind = "memory" if why.startswith("memory:") else re.sub(r"\d+", "N", why)
+            groups.setdefault(kind, []).append((family, why))
+        lines.append(
+            f"{len(result.rejected)} families (tp, pp, V, ep, cp) with no layout that fits, by "
+            "reason:"
+        )
+        for same in sorted(groups.values(), key=len, reverse=True):
+            (tp, pp, v, ep, cp), why = same[0]
+            example = f"tp={tp} pp={pp} V={v}{f' ep={ep}' if ep > 1 else ''}"
+            example += f" cp={cp}" if cp > 1 else ""
+            lines.append(
+                f"  {len(same):>3} × {why.split(':')[0]}, e.g. {example}: {why.split(': ', 1)[-1]}"
+            )
     return lines
+
+
+def layout_overrides(cfg: Config, candidate: Candidate) -> str:
+    """The `key=value` overrides (YAML values, as `strata launch` and `strata plan` take them)
+    that turn `cfg` into `candidate`'s layout: those of its keys whose value `cfg` does not already
+    have."""
+    changed = []
+    for key, value in candidate.overrides().items():
+        current = functools.reduce(getattr, key.split("."), cfg)
+        if current != value:
+            changed.append(f"{key}={_yaml_scalar(value)}")
+    return " ".join(changed) or "(none: the config's own layout)"
+
+
+def _yaml_scalar(value: object) -> str:
+    """`value` as a YAML scalar on a command line."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

@@ -4,6 +4,7 @@ resumable batch loader (each sample once per epoch, same global stream for any d
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 from strata.data.loader import BatchLoader, eval_batches
 from strata.data.prepare import expand_inputs, prepare
 from strata.data.tokenize import ByteTokenizer
-from strata.data.tokens import TokenDataset, read_meta
+from strata.data.tokens import TokenDataset, check_data_dir, read_meta
 from strata.errors import DataError
 
 EOT = 256
@@ -288,6 +289,56 @@ def test_dataset_missing_split_and_bad_meta(tmp_path):
     (d / "meta.json").write_text(json.dumps({"dtype": "uint16"}))
     with pytest.raises(DataError, match="vocab_size"):
         TokenDataset(d, "train", 8)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_opening_a_huge_dataset_reads_no_tokens(tmp_path, dtype):
+    """A run starts in constant time: opening a data directory reads meta.json and file sizes,
+    never the tokens, for either dtype (a sparse file stands in for terabytes of data)."""
+    d = tmp_path / "huge"
+    d.mkdir()
+    size = 20 << 30
+    for split in ("train", "val"):
+        with open(d / f"{split}.bin", "wb") as f:
+            try:
+                f.truncate(size)
+            except OSError:
+                size = 4 << 30
+                f.truncate(size)
+    (d / "meta.json").write_text(json.dumps({"dtype": dtype, "vocab_size": 128256}))
+    start = time.perf_counter()
+    ds = TokenDataset(d, "train", 8192)
+    check_data_dir(d, 8192)
+    assert time.perf_counter() - start < 0.5
+    assert len(ds) == (size // np.dtype(dtype).itemsize - 1) // 8192
+    assert ds.window(len(ds) - 1).tolist() == [0] * 8193
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tmp_path):
+    """Without a recorded max_id, the window holding an id too large is refused with the file and
+    the offset; with one, opening the directory is."""
+    tokens = np.arange(1000) % 90
+    tokens[517] = 70000
+    d = write_token_dir(tmp_path / "bad", tokens, 100, dtype="uint32")
+    ds = TokenDataset(d, "train", 8)
+    assert ds.window(0).tolist() == tokens[:9].tolist()
+    with pytest.raises(DataError, match="token id 70000 at offset 517") as info:
+        ds.batch([64, 65])  # window 64 is tokens 512..520
+    assert str(d / "train.bin") in str(info.value) and "vocab_size=100" in str(info.value)
+    meta = json.loads((d / "meta.json").read_text())
+    (d / "meta.json").write_text(json.dumps({**meta, "max_id": 70000}))
+    with pytest.raises(DataError, match="token id 70000 .*vocab_size=100") as info:
+        TokenDataset(d, "train", 8)
+    assert "at least 70001" in str(info.value)
+
+
+def test_prepare_records_the_largest_id(tmp_path):
+    out = tmp_path / "out"
+    meta = prepare(write_docs(tmp_path / "docs", DOCS), out, 0.3, workers=1)
+    everything = np.concatenate(
+        [np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")]
+    )
+    assert meta["max_id"] == int(everything.max()) == EOT
 
 
 # --- the batch loader -------------------------------------------------------------------------

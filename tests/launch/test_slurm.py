@@ -220,3 +220,134 @@ def test_an_evaluation_job_runs_strata_eval_on_every_rank(tmp_path, capsys):
         and f"--out {Path('e.json').resolve()}" in worker
     )
     assert "snapshot_agent" not in text
+
+
+# --- the job script without a cluster: stand-ins for Slurm's tools ---------------------------
+
+
+def _stand_ins(bin_dir: Path, log: Path, getent: str, all_ips: str) -> dict[str, str]:
+    """scontrol, srun and getent stand-ins that log how srun was called (with the interface
+    variables it passed on); the environment that puts them first on PATH."""
+    bin_dir.mkdir()
+    tools = {
+        "scontrol": "echo node-a; echo node-b\n",
+        "srun": (
+            f'echo "srun $* gloo=${{GLOO_SOCKET_IFNAME:-}} nccl=${{NCCL_SOCKET_IFNAME:-}}" >> {log}\n'
+            'case "$*" in\n'
+            "  *interface_address*) echo 10.0.0.5 ;;\n"
+            f"  *--all-ip-addresses*) echo {all_ips} ;;\n"
+            "  *--ip-address*) echo 127.0.1.1 ;;\n"
+            "esac\n"
+        ),
+        "getent": f"printf '{getent}'\n",
+    }
+    for name, body in tools.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def _run_script(script: Path, env: dict[str, str], log: Path) -> str:
+    """Run the job script against the stand-ins; the torchrun line srun was given."""
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    done = subprocess.run(
+        ["bash", str(script)],
+        capture_output=True,
+        text=True,
+        cwd=script.parent,
+        env={
+            **os.environ,
+            **env,
+            "SLURM_JOB_NODELIST": "node-[a-b]",
+            "SLURM_JOB_ID": "42",
+            "SLURM_JOB_NUM_NODES": "2",
+        },
+    )
+    assert done.returncode == 0, done.stderr
+    return next(c for c in log.read_text().splitlines() if "torch.distributed.run" in c)
+
+
+def _write_job(tmp_path: Path, capsys, *flags: str) -> tuple[int, str, Path]:
+    script = tmp_path / "job.sbatch"
+    argv = ["launch", str(REPO / "configs" / "tiny.yaml"), f"log.dir={tmp_path}"]
+    argv += ["--slurm", "--nodes", "2", "--gpus-per-node", "1", "--no-submit"]
+    code, said = run_cli([*argv, "--script", str(script), *flags], capsys)
+    return code, said, script
+
+
+@pytest.mark.parametrize(
+    "getent, all_ips, endpoint",
+    [
+        # the name resolves to a routable address: that one, whatever the node says of itself
+        ("127.0.1.1 STREAM node-a\\n10.1.2.3 STREAM\\n", "10.9.9.9", "10.1.2.3"),
+        # the name resolves to loopback only (Debian's 127.0.1.1): the node's own address
+        ("127.0.1.1 STREAM node-a\\n", "10.9.9.9 fe80::1", "10.9.9.9"),
+        # nothing but loopback anywhere (every node on one machine): loopback it is
+        ("", "", "127.0.1.1"),
+    ],
+)
+def test_rendezvous_is_on_a_routable_address_of_the_head_node(
+    tmp_path, capsys, getent, all_ips, endpoint
+):
+    log = tmp_path / "calls.log"
+    env = _stand_ins(tmp_path / "bin", log, getent, all_ips)
+    code, said, script = _write_job(tmp_path, capsys)
+    assert code == 0, said
+    launch = _run_script(script, env, log)
+    assert f"--rdzv-endpoint={endpoint}:29500" in launch
+
+
+def test_job_carries_net_ifname_and_the_users_sbatch_options(tmp_path, capsys):
+    """--net-ifname: the head node is reached at that interface's address, and gloo and NCCL use
+    it on every node; each --sbatch-option becomes an #SBATCH line (exclusive=user replacing
+    Strata's --exclusive)."""
+    log = tmp_path / "calls.log"
+    env = _stand_ins(tmp_path / "bin", log, "127.0.1.1 STREAM node-a\\n", "10.9.9.9")
+    code, said, script = _write_job(
+        tmp_path,
+        capsys,
+        "--net-ifname",
+        "ib0",
+        "--sbatch-option",
+        "cpus-per-task=16",
+        "--sbatch-option=--constraint=h100",
+        "--sbatch-option",
+        "exclusive=user",
+        "--sbatch-option",
+        "hint=nomultithread",
+    )
+    assert code == 0, said
+    text = script.read_text()
+    directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    for line in (
+        "#SBATCH --cpus-per-task=16",
+        "#SBATCH --constraint=h100",
+        "#SBATCH --exclusive=user",
+        "#SBATCH --hint=nomultithread",
+        "#SBATCH --nodes=2",
+    ):
+        assert line in directives, line
+    assert "#SBATCH --exclusive" not in directives
+    launch = _run_script(script, env, log)
+    assert "--rdzv-endpoint=10.0.0.5:29500" in launch and "gloo=ib0 nccl=ib0" in launch
+    lookup = next(c for c in log.read_text().splitlines() if "interface_address" in c)
+    assert "-w node-a" in lookup and lookup.split(" gloo=")[0].endswith(" ib0")
+
+
+def test_sbatch_options_strata_writes_itself_are_refused(tmp_path, capsys):
+    code, said, script = _write_job(
+        tmp_path,
+        capsys,
+        "--sbatch-option",
+        "nodes=3",
+        "--sbatch-option",
+        "output=mine.out",
+        "--sbatch-option",
+        "N=3",
+        "--sbatch-option",
+        "mem=",
+    )
+    assert code == 2 and not script.exists()
+    assert "#SBATCH --nodes itself; set it with --nodes" in said
+    assert "#SBATCH --output itself" in said
+    assert "'N=3'" in said and "'mem='" in said and "KEY=VALUE" in said

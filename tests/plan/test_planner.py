@@ -6,6 +6,8 @@ ordering on cases whose answer can be reasoned out, and the CLI's errors and war
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -419,3 +421,57 @@ def test_calibration_measures_the_rate_this_machine_runs_the_model_at():
         lm_loss(model(tokens), tokens).backward()
     own = executed_flops(cfg, VOCAB, tokens.numel()) / ((time.perf_counter() - start) / 3) / 1e12
     assert 0.3 < cal.device.peak_tflops / own < 3, (cal.device.peak_tflops, own)
+
+
+def _get(cfg, key: str):
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+@pytest.mark.slow
+def test_search_prints_each_layouts_overrides_and_one_line_per_rejection_reason():
+    """configs/llama2-7b-3d.yaml --search on 8 H100s (24 layers, so that some pipeline depths do
+    not divide them): each ranked layout comes with the overrides that select it (loading the
+    config with them gives that layout), and the families that do not fit are counted by reason,
+    one example each, not listed one a line."""
+    from strata.plan.report import search_table
+
+    own = ["model.n_layers=24"]
+    cfg = config.load(REPO / "configs" / "llama2-7b-3d.yaml", own)
+    cluster = Cluster(1, 8, device_named("h100"))
+    result = search(cfg, cluster, 32000, config.cross_problems)
+    lines = search_table(result, cluster, 3, cfg)
+    at = lines.index("overrides that select each (after the config and its own overrides):")
+    for i, line in enumerate(lines[at + 1 : at + 4]):
+        number, *overrides = line.split()
+        assert int(number) == i + 1
+        chosen = config.load(REPO / "configs" / "llama2-7b-3d.yaml", own + overrides)
+        planned = result.fitting[i]
+        for key in planned.candidate.overrides():
+            assert _get(chosen, key) == _get(planned.cfg, key), key
+    summary = lines[at + 4 :]
+    assert len(result.rejected) > len(summary) - 1 >= 1
+    assert summary[0].startswith(f"{len(result.rejected)} families")
+    assert sum(int(line.split("×")[0]) for line in summary[1:]) == len(result.rejected)
+    assert all(", e.g. tp=" in line for line in summary[1:])
+
+
+def test_search_where_nothing_fits_says_why_in_one_line():
+    r = strata(
+        "plan",
+        "configs/llama2-7b-3d.yaml",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "2",
+        "--gpu-mem-gb",
+        "4",
+        "--tflops",
+        "100",
+        "--search",
+    )
+    assert r.returncode == 1, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1] == "0 of 540 layouts fit."
+    assert lines[2] == "6 families (tp, pp, V, ep, cp) with no layout that fits, by reason:"
+    assert lines[3].startswith("    6 × memory, e.g. tp=1 pp=1 V=1: even its leanest variant")
+    assert len(lines) == 4 and "overrides" not in r.stdout

@@ -37,6 +37,8 @@ HELP = CommandHelp(
         "--net-ifname eth0",
         "strata launch configs/tiny.yaml --nnodes 2 --nproc 8 --node-rank 1 --master-addr node0",
         "strata launch configs/llama-1b.yaml --slurm --nodes 4 --gpus-per-node 8 --partition gpu",
+        "strata launch configs/llama-1b.yaml --slurm --nodes 4 --net-ifname ib0 "
+        "--sbatch-option cpus-per-task=16 --sbatch-option constraint=h100",
         "strata launch configs/tiny.yaml --nproc 4 parallel.tp=2 --eval --resume "
         "runs/tiny/checkpoints",
     ),
@@ -146,6 +148,15 @@ def _add_slurm_options(la: argparse.ArgumentParser) -> None:
     la.add_argument("--account", default="", help="Slurm account")
     la.add_argument("--time", default="01:00:00", help="Slurm time limit")
     la.add_argument(
+        "--sbatch-option",
+        action="append",
+        default=[],
+        metavar="KEY[=VALUE]",
+        help="one more #SBATCH --KEY=VALUE line (--KEY for a flag) in the job script, "
+        "repeatable: e.g. cpus-per-task=16, exclusive, constraint=h100; refused for the options "
+        "Strata writes itself (nodes, gpus-per-node, output, ...)",
+    )
+    la.add_argument(
         "--script", help="where to write the sbatch script (default: <run dir>/job.sbatch)"
     )
     la.add_argument("--no-submit", action="store_true", help="only write the script")
@@ -179,6 +190,7 @@ def _run_slurm(args: argparse.Namespace) -> int:
     from strata import config
     from strata.launch import slurm
 
+    options = slurm.sbatch_options(args.sbatch_option)
     cfg = config.load(
         args.config,
         args.overrides,
@@ -196,6 +208,8 @@ def _run_slurm(args: argparse.Namespace) -> int:
         time=args.time,
         max_restarts=args.max_restarts,
         snapshots=cfg.snapshot.every_steps > 0 and not args.eval,
+        net_ifname=args.net_ifname,
+        sbatch_options=options,
     )
     script = slurm.sbatch_script(
         job, _worker(args, str(Path(args.config).resolve())), workdir=str(Path.cwd())

@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
             ]
             print(json.dumps(rows, indent=1))
         else:
-            print("\n".join(report.search_table(result, cluster, args.top)))
+            print("\n".join(report.search_table(result, cluster, args.top, cfg)))
         return 0 if result.fitting else 1
     cfg = with_layout(cfg, cluster, {})
     problems = config.cross_problems(cfg, cluster.world_size)
