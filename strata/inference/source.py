@@ -183,7 +183,8 @@ def _read_into_model(source, cfg: Config, dtype: torch.dtype, what: str) -> GPT:
 
 def extend_positions(model: GPT, length: int) -> None:
     """Rotary tables for `length` positions when the model's are shorter (generating past
-    model.seq_len: the frequencies stay those the model was trained with)."""
+    model.seq_len: the frequencies stay those the model was trained with, but for a dynamic NTK
+    scaling's, which the model recomputes for each length)."""
     have = cast(torch.Tensor, model.rope_cos)
     if length > have.shape[0]:
         cos, sin = rope_tables(model.cfg, length)

@@ -211,6 +211,46 @@ def test_strata_model_exports_to_transformers_with_equal_logits(tmp_path, kw):
     assert back == {k: resolved.get(k, getattr(cfg, k)) for k in back}
 
 
+def test_dynamic_rope_logits_equal_transformers_at_every_length(tmp_path):
+    # transformers recomputes dynamic NTK frequencies from each input's length (above its original
+    # context of 8); lengths in increasing order, as its cached frequencies only grow above it
+    reference = hf_model("llama-dynamic-rope")
+    reference.save_pretrained(tmp_path)
+    model = strata_from_hf_dir(tmp_path)
+    x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    for length in (5, 8, 12, SEQ, 40):
+        with torch.no_grad():
+            expected, actual = reference(x[:, :length]).logits, model(x[:, :length])
+        assert (actual - expected).abs().max().item() <= TOL, length
+
+
+def test_dynamic_rope_greedy_generation_equals_transformers(tmp_path):
+    from strata.inference.generate import generate
+
+    reference = hf_model("llama-dynamic-rope")
+    reference.save_pretrained(tmp_path)
+    model = strata_from_hf_dir(tmp_path)
+    prompts = [[5, 17, 3, 60, 21], [9, 33, 70]]  # shorter than the original context, then past it
+    for prompt in prompts:
+        [mine] = generate(model, [prompt], 30).tokens
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            fresh = hf_model("llama-dynamic-rope")
+            want = fresh.generate(
+                ids, max_new_tokens=30, do_sample=False, attention_mask=torch.ones_like(ids)
+            )
+        assert mine == want[0, len(prompt) :].tolist()
+    # a batch, left-padded: every row's frequencies are the longest row's, as in transformers
+    got = generate(model, prompts, 30).tokens
+    batch = torch.tensor([prompts[0], [0, 0, *prompts[1]]])
+    mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        want = hf_model("llama-dynamic-rope").generate(
+            batch, max_new_tokens=30, do_sample=False, attention_mask=mask, pad_token_id=0
+        )
+    assert got == want[:, 5:].tolist()
+
+
 def test_llama3_rope_frequencies_equal_transformers():
     config = transformers.LlamaConfig(**SHAPE, rope_parameters=dict(LLAMA3_ROPE))
     expected, _ = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](config)
