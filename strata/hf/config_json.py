@@ -453,7 +453,8 @@ def _moe_problems(m: ModelShape) -> list[str]:
                 "first_dense_layers",
                 moe.first_dense_layers,
                 moe.first_dense_layers > 0,
-                "every layer is MoE in both",
+                "Mixtral has no dense layers, and Qwen3-MoE's (mlp_only_layers) are not "
+                "implemented",
             ),
             (
                 "bias_update_rate",
