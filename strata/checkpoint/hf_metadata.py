@@ -170,7 +170,7 @@ def _same_model(source: dict[str, Any], cfg: Config, computed: dict[str, Any]) -
     for key, value in settings.items():
         if key == "moe":
             moe: dict = value  # type: ignore[assignment]
-            if any(getattr(cfg.model.moe, k) != v for k, v in moe.items()):
+            if any(getattr(cfg.model.moe, k) != v for k, v in moe.items() if k != "aux_loss_coef"):
                 return False
         elif key == "vocab_size":
             if value != computed["vocab_size"]:
@@ -186,6 +186,8 @@ def _carry_config(out: Metadata, source: _Source, cfg: Config, computed: dict[st
     out.config = {**source.config}
     keys = [k for k in ("torch_dtype", "dtype") if k in source.config] or ["torch_dtype"]
     out.config.update(dict.fromkeys(keys, computed["torch_dtype"]))
+    if "router_aux_loss_coef" in computed:  # the run's, which may differ from the source's
+        out.config["router_aux_loss_coef"] = computed["router_aux_loss_coef"]
     rope = config_json.rope_parameters(source.config)
     longest = source.config.get("max_position_embeddings")
     if isinstance(longest, int) and cfg.model.seq_len > longest and rope["rope_type"] != "dynamic":

@@ -407,3 +407,22 @@ def test_tensors_strata_cannot_hold_are_reported():
     assert hf.missing(present[1:], cfg) == [present[0]]
     with pytest.raises(ValueError, match="attn.wo.bias"):
         hf.to_hf("layers.0.attn.wo.bias")
+
+
+@pytest.mark.parametrize("family", ["Qwen3MoeConfig", "MixtralConfig"])
+def test_the_router_loss_coefficient_is_carried_by_import_and_export(family):
+    from strata.config.loading import from_dict
+
+    moe = dict(num_key_value_heads=2, num_experts_per_tok=2, router_aux_loss_coef=0.02)
+    experts = {"num_experts": 4} if family == "Qwen3MoeConfig" else {"num_local_experts": 4}
+    hf_cfg = getattr(transformers, family)(**SHAPE, **moe, **experts).to_dict()
+    settings = hf.model_settings(hf_cfg, SEQ)
+    assert settings["moe"]["aux_loss_coef"] == 0.02
+    cfg = from_dict({"model": {**settings, "seq_len": SEQ}}).model
+    assert cfg.moe.aux_loss_coef == 0.02
+    back = hf.hf_config(cfg)
+    assert back["router_aux_loss_coef"] == 0.02 and back["model_type"] == hf_cfg["model_type"]
+    # transformers' default where the config.json leaves it out; a run's own value is no conflict
+    del hf_cfg["router_aux_loss_coef"]
+    assert hf.model_settings(hf_cfg, SEQ)["moe"]["aux_loss_coef"] == 0.001
+    assert hf.conflicts({"moe": {"aux_loss_coef": 0.0}}, hf.model_settings(hf_cfg, SEQ)) == []
