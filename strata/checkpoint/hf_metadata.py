@@ -149,7 +149,7 @@ def _run_tokenizer(cfg: Config, force: bool) -> _RunTokenizer:
     eot_token = info.get("eot_token") if isinstance(info.get("eot_token"), str) else None
     eot = meta.get("eot") if isinstance(meta, dict) and isinstance(meta.get("eot"), int) else None
     try:
-        return _RunTokenizer((data / info["file"]).read_bytes(), eot_token, eot)
+        data_bytes = (data / info["file"]).read_bytes()
     except OSError as e:
         if not force:
             raise CheckpointError(
@@ -158,6 +158,18 @@ def _run_tokenizer(cfg: Config, force: bool) -> _RunTokenizer:
                 "would have none. Restore it, or pass --force to export without a tokenizer"
             ) from e
         return _RunTokenizer(None, eot_token, eot)
+    recorded = info.get("sha256")
+    actual = hashlib.sha256(data_bytes).hexdigest()
+    if isinstance(recorded, str) and actual != recorded:
+        if not force:
+            raise CheckpointError(
+                f"strata ckpt export: {data / info['file']} (sha256 {actual[:12]}) is not the "
+                f"tokenizer {data / 'meta.json'} records (sha256 {recorded[:12]}); the export would "
+                "ship a tokenizer the model was not trained with. Put back the tokenizer.json the "
+                "data was prepared with, or pass --force to export without a tokenizer"
+            )
+        return _RunTokenizer(None, eot_token, eot)
+    return _RunTokenizer(data_bytes, eot_token, eot)
 
 
 def _same_model(source: dict[str, Any], cfg: Config, computed: dict[str, Any]) -> bool:
