@@ -32,6 +32,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.pad = pad.to(device)
+        self._least_pad = int(pad.min()) if len(pad) else 0
         self.max_len, self.length = max_len, 0
         self._mask: torch.Tensor | None = None  # of the forward pass under way (`begin`)
 
@@ -52,6 +53,10 @@ class KVCache:
         itself = keys.unsqueeze(0) == at.unsqueeze(1)
         self._mask = ((real.unsqueeze(1) & causal) | itself).unsqueeze(1)
         return (at.unsqueeze(0) - self.pad.unsqueeze(1)).clamp(min=0)
+
+    def longest(self, n: int) -> int:
+        """How many real tokens the longest row holds once a pass adds `n` more to each."""
+        return self.length + n - self._least_pad
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor

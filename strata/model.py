@@ -22,7 +22,7 @@ from strata.config.schema import ModelConfig
 from strata.config.vocabulary import padded_vocab_size
 from strata.kv_cache import KVCache
 from strata.moe import MoE
-from strata.rope import apply_rope, rope_tables
+from strata.rope import apply_rope, dynamic_length, rope_tables
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
@@ -199,12 +199,15 @@ class GPT(nn.Module):
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope_rows_cut = (
+            False  # the tables hold a context-parallel rank's rows (set_rope_buffers)
+        )
 
     def forward(
         self, tokens: torch.Tensor, documents: Documents | None = None, cache: KVCache | None = None
     ) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
-        cos, sin = cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin)
+        cos, sin = self.rotary_tables(tokens.shape[1], cache)
         if cache is not None:
             documents = Documents(None, cache.begin(tokens.shape[1]))
         if documents is not None:
@@ -214,6 +217,24 @@ class GPT(nn.Module):
         if cache is not None:
             cache.end(tokens.shape[1])
         return self.output(self.norm(x))
+
+    def rotary_tables(
+        self, n: int, cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin tables of a pass over `n` tokens (after those `cache` holds): the buffers,
+        unless a dynamic NTK scaling's frequencies are those of another length than model.seq_len.
+        As transformers', that length is the sequence's so far: the pass's tokens, or in decoding
+        the real tokens of the longest row, cached ones included."""
+        cos, sin = cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin)
+        cfg = self.cfg
+        if cfg.rope_scaling != "dynamic" or self.rope_rows_cut:
+            return cos, sin
+        length = n if cache is None else cache.longest(n)
+        if dynamic_length(cfg, length) == dynamic_length(cfg, cfg.seq_len):
+            return cos, sin
+        device = cos.device
+        cos, sin = rope_tables(cfg, max(length, n), length)
+        return cos.to(device), sin.to(device)
 
     def init_weights(self, seed: int) -> None:
         """Deterministic init from `seed` (see `initial_value`)."""
@@ -250,6 +271,9 @@ def set_rope_buffers(
     if positions is not None:
         cos, sin = cos[positions], sin[positions]
     module.rope_cos, module.rope_sin = cos.to(device), sin.to(device)
+    # cut rows are no longer indexed by position: a dynamic NTK scaling keeps those of seq_len,
+    # the length of every training sequence
+    module.rope_rows_cut = positions is not None  # type: ignore[assignment]
 
 
 def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:

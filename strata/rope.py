@@ -33,15 +33,15 @@ def _llama3(cfg: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _dynamic_theta(cfg: ModelConfig) -> float:
-    """transformers' `_compute_dynamic_ntk_parameters` for a sequence of model.seq_len tokens: the
-    base grows once the sequence is longer than the original context."""
+def _dynamic_theta(cfg: ModelConfig, length: int) -> float:
+    """transformers' `_compute_dynamic_ntk_parameters` for a sequence of `length` tokens: the base
+    grows once the sequence is longer than the original context."""
     dim, factor, original = (
         cfg.head_size,
         cfg.rope_factor,
         cfg.rope_original_max_position_embeddings,
     )
-    length = max(cfg.seq_len, original)
+    length = max(length, original)
     return cfg.rope_theta * ((factor * length / original) - (factor - 1)) ** (dim / (dim - 2))
 
 
@@ -87,11 +87,21 @@ def attention_factor(cfg: ModelConfig) -> float:
     return mscale(cfg.rope_factor)
 
 
-def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+def dynamic_length(cfg: ModelConfig, length: int) -> int:
+    """The sequence length whose dynamic NTK frequencies a sequence of `length` tokens uses: never
+    less than the original context (below it the frequencies are the unscaled ones)."""
+    return max(length, cfg.rope_original_max_position_embeddings)
+
+
+def rope_frequencies(cfg: ModelConfig, length: int | None = None) -> torch.Tensor:
     """RoPE's inverse frequencies (head_size/2,), float64: theta^(-2i/head_size), scaled as
-    model.rope_scaling says."""
+    model.rope_scaling says; a dynamic NTK scaling's are those of a sequence of `length` tokens
+    (default model.seq_len), as transformers recomputes them for each input's length."""
     kind = cfg.rope_scaling
-    theta = _dynamic_theta(cfg) if kind == "dynamic" else cfg.rope_theta
+    if kind == "dynamic":
+        theta = _dynamic_theta(cfg, cfg.seq_len if length is None else length)
+    else:
+        theta = cfg.rope_theta
     inv_freq = _base_frequencies(theta, cfg.head_size)
     if kind == "llama3":
         return _llama3(cfg, inv_freq)
@@ -102,14 +112,17 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rope_tables(cfg: ModelConfig, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    cfg: ModelConfig, length: int | None = None, sequence: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (length, head_size/2) for rotary position embedding (YaRN's
     attention factor included): `length` positions (default model.seq_len) at the frequencies of
-    model.seq_len (a dynamic NTK scaling's are those of a sequence of seq_len tokens)."""
+    a sequence of `sequence` tokens (default model.seq_len; only dynamic NTK scaling depends on
+    it)."""
     positions = torch.arange(
         cfg.seq_len if length is None else length, dtype=torch.float64, device="cpu"
     )
-    angles = torch.outer(positions, rope_frequencies(cfg))
+    angles = torch.outer(positions, rope_frequencies(cfg, sequence))
     scale = attention_factor(cfg)
     return (angles.cos() * scale).float(), (angles.sin() * scale).float()
 

@@ -171,6 +171,10 @@ def export_hf(
             for k in ckpt.index["tensors"]
             if k.startswith("model.")
         }
+        # first what no Hugging Face family can express, by key: such a model's tensors are not
+        # those the names below expect
+        embedding = shapes.get("tok_embeddings.weight")
+        hf_cfg = config_json.hf_config(cfg.model, None if embedding is None else embedding[0])
         # Strata name -> HF name (a tied output is the embedding)
         names = tensor_names.hf_targets(cfg.model)
         # a stacked expert weight -> the HF name of each row
@@ -180,7 +184,6 @@ def export_hf(
             raise CheckpointError(
                 f"{ckpt.path}: does not hold the model its config.yaml describes: {problems[:5]}"
             )
-        hf_cfg = config_json.hf_config(cfg.model, shapes["tok_embeddings.weight"][0])
         hf_cfg["torch_dtype"] = dtypes["model.tok_embeddings.weight"]
         metadata = hf_metadata(cfg, hf_cfg, force)
         outputs = [_Output(hf_name, n, None) for n, hf_name in names.items()]

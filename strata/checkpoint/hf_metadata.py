@@ -145,7 +145,7 @@ def _run_tokenizer(cfg: Config, force: bool) -> _RunTokenizer:
     eot_token = info.get("eot_token") if isinstance(info.get("eot_token"), str) else None
     eot = meta.get("eot") if isinstance(meta, dict) and isinstance(meta.get("eot"), int) else None
     try:
-        return _RunTokenizer((data / info["file"]).read_bytes(), eot_token, eot)
+        data_bytes = (data / info["file"]).read_bytes()
     except OSError as e:
         if not force:
             raise CheckpointError(
@@ -154,6 +154,18 @@ def _run_tokenizer(cfg: Config, force: bool) -> _RunTokenizer:
                 "would have none. Restore it, or pass --force to export without a tokenizer"
             ) from e
         return _RunTokenizer(None, eot_token, eot)
+    recorded = info.get("sha256")
+    actual = hashlib.sha256(data_bytes).hexdigest()
+    if isinstance(recorded, str) and actual != recorded:
+        if not force:
+            raise CheckpointError(
+                f"strata ckpt export: {data / info['file']} (sha256 {actual[:12]}) is not the "
+                f"tokenizer {data / 'meta.json'} records (sha256 {recorded[:12]}); the export would "
+                "ship a tokenizer the model was not trained with. Put back the tokenizer.json the "
+                "data was prepared with, or pass --force to export without a tokenizer"
+            )
+        return _RunTokenizer(None, eot_token, eot)
+    return _RunTokenizer(data_bytes, eot_token, eot)
 
 
 def _same_model(source: dict[str, Any], cfg: Config, computed: dict[str, Any]) -> bool:
@@ -166,7 +178,7 @@ def _same_model(source: dict[str, Any], cfg: Config, computed: dict[str, Any]) -
     for key, value in settings.items():
         if key == "moe":
             moe: dict = value  # type: ignore[assignment]
-            if any(getattr(cfg.model.moe, k) != v for k, v in moe.items()):
+            if any(getattr(cfg.model.moe, k) != v for k, v in moe.items() if k != "aux_loss_coef"):
                 return False
         elif key == "vocab_size":
             if value != computed["vocab_size"]:
@@ -182,6 +194,8 @@ def _carry_config(out: Metadata, source: _Source, cfg: Config, computed: dict[st
     out.config = {**source.config}
     keys = [k for k in ("torch_dtype", "dtype") if k in source.config] or ["torch_dtype"]
     out.config.update(dict.fromkeys(keys, computed["torch_dtype"]))
+    if "router_aux_loss_coef" in computed:  # the run's, which may differ from the source's
+        out.config["router_aux_loss_coef"] = computed["router_aux_loss_coef"]
     rope = config_json.rope_parameters(source.config)
     longest = source.config.get("max_position_embeddings")
     if isinstance(longest, int) and cfg.model.seq_len > longest and rope["rope_type"] != "dynamic":

@@ -295,6 +295,10 @@ def model_settings(hf_config: Mapping[str, Any], seq_len: int) -> dict[str, obje
             else hf["intermediate_size"],
             "norm_topk": bool(_get(hf, "norm_topk_prob")) if model_type == "qwen3_moe" else True,
             "router": "softmax",
+            # the weight transformers gives the load-balancing loss when it trains with
+            # output_router_logits; Strata's training adds it always, so a continued pretraining
+            # keeps the source's balancing (model.moe.aux_loss_coef set explicitly overrides it)
+            "aux_loss_coef": float(hf.get("router_aux_loss_coef", _ROUTER_AUX_LOSS_COEF)),
         }
     out.update(_rope_settings(hf, rope))
     return out
@@ -327,6 +331,11 @@ def _show(value: object) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
+_ROUTER_AUX_LOSS_COEF = 0.001  # transformers' default in Mixtral's and Qwen3-MoE's configs
+# derived values that are a run's choice rather than the model's: an explicit value overrides them
+_CHOICES = {"aux_loss_coef"}
+
+
 def conflicts(explicit: Mapping[str, object], derived: Mapping[str, object]) -> list[str]:
     """One message per `model.*` key the user set explicitly (`explicit`: YAML names without
     `model.`, with their values) that disagrees with `derived` (`model_settings(...)`). Keys the
@@ -340,7 +349,7 @@ def conflicts(explicit: Mapping[str, object], derived: Mapping[str, object]) -> 
             nested = conflicts(value, derived[key])  # type: ignore[arg-type]
             out += [m.replace("model.", f"model.{key}.", 1) for m in nested]
             continue
-        if value is None or key not in derived or value == derived[key]:
+        if value is None or key not in derived or value == derived[key] or key in _CHOICES:
             continue
         want = _show(derived[key])
         out.append(
@@ -450,7 +459,8 @@ def _moe_problems(m: ModelShape) -> list[str]:
                 "first_dense_layers",
                 moe.first_dense_layers,
                 moe.first_dense_layers > 0,
-                "every layer is MoE in both",
+                "Mixtral has no dense layers, and Qwen3-MoE's (mlp_only_layers) are not "
+                "implemented",
             ),
             (
                 "bias_update_rate",
@@ -494,6 +504,7 @@ def _moe_config(m: ModelShape, dense: dict[str, Any]) -> dict[str, Any]:
         "num_local_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
         "output_router_logits": False,
+        "router_aux_loss_coef": moe.aux_loss_coef,
     }
     if family == "qwen3_moe":
         expert_ffn = moe.expert_ffn or m.ffn_size

@@ -273,6 +273,14 @@ class _Scoring:
         """Each continuation's log-probability after its context, and whether it is the greedy one."""
         from lm_eval.models.utils import Collator  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
+        for strings, _, continuation in requests:
+            if not continuation:
+                # lm-eval's hf model asserts the same: an empty answer would score as correct
+                raise StrataError(
+                    f"lm-eval request {strings}: the continuation encodes to no tokens, so there "
+                    "is nothing to score; lm-eval's hf model refuses it too (check the task's "
+                    "answers)"
+                )
         order = Collator(
             requests, sort_fn=_longest_first, group_by="contexts", group_fn=_same_but_last
         )

@@ -95,6 +95,10 @@ def open_model(
     from strata.checkpoint.reader import Checkpoint
 
     ckpt = Checkpoint(path)
+    if ckpt.problems:  # the structural and size check every resume makes
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} is damaged:\n  " + "\n  ".join(ckpt.problems)
+        )
     if config_path is None:
         cfg = loading.from_yaml(verified_config(ckpt), overrides)
     else:
@@ -148,7 +152,28 @@ def _run_tokenizer(cfg: Config) -> tuple[Tokenizer, set[int]]:
             f"{e}\n(the run's data names its tokenizer: give data.path=DIR for where the prepared "
             "data is now)"
         ) from e
+    if file is not None:
+        _check_recorded_tokenizer(Path(source), file)
     return Tokenizer(file), set() if eot is None else {eot}
+
+
+def _check_recorded_tokenizer(data_dir: Path, file: Path) -> None:
+    """Refuse a tokenizer.json that is not the one meta.json records (by its sha256): the ids would
+    mean other text than the model was trained on."""
+    from strata.data.tokenize import sha256_file
+    from strata.data.tokens import read_meta
+
+    info = read_meta(data_dir).raw.get("tokenizer")
+    recorded = info.get("sha256") if isinstance(info, dict) else None
+    if not isinstance(recorded, str) or not file.is_file():
+        return  # nothing recorded to check against; a missing file fails where it is read
+    actual = sha256_file(file)
+    if actual != recorded:
+        raise DataError(
+            f"{file} (sha256 {actual[:12]}) is not the tokenizer {data_dir / 'meta.json'} records "
+            f"(sha256 {recorded[:12]}): the model was trained on ids of another; put back the "
+            "tokenizer.json the data was prepared with"
+        )
 
 
 def _read_into_model(source, cfg: Config, dtype: torch.dtype, what: str) -> GPT:
@@ -181,7 +206,8 @@ def _read_into_model(source, cfg: Config, dtype: torch.dtype, what: str) -> GPT:
 
 def extend_positions(model: GPT, length: int) -> None:
     """Rotary tables for `length` positions when the model's are shorter (generating past
-    model.seq_len: the frequencies stay those the model was trained with)."""
+    model.seq_len: the frequencies stay those the model was trained with, but for a dynamic NTK
+    scaling's, which the model recomputes for each length)."""
     have = cast(torch.Tensor, model.rope_cos)
     if length > have.shape[0]:
         cos, sin = rope_tables(model.cfg, length)

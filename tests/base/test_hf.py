@@ -211,6 +211,46 @@ def test_strata_model_exports_to_transformers_with_equal_logits(tmp_path, kw):
     assert back == {k: resolved.get(k, getattr(cfg, k)) for k in back}
 
 
+def test_dynamic_rope_logits_equal_transformers_at_every_length(tmp_path):
+    # transformers recomputes dynamic NTK frequencies from each input's length (above its original
+    # context of 8); lengths in increasing order, as its cached frequencies only grow above it
+    reference = hf_model("llama-dynamic-rope")
+    reference.save_pretrained(tmp_path)
+    model = strata_from_hf_dir(tmp_path)
+    x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    for length in (5, 8, 12, SEQ, 40):
+        with torch.no_grad():
+            expected, actual = reference(x[:, :length]).logits, model(x[:, :length])
+        assert (actual - expected).abs().max().item() <= TOL, length
+
+
+def test_dynamic_rope_greedy_generation_equals_transformers(tmp_path):
+    from strata.inference.generate import generate
+
+    reference = hf_model("llama-dynamic-rope")
+    reference.save_pretrained(tmp_path)
+    model = strata_from_hf_dir(tmp_path)
+    prompts = [[5, 17, 3, 60, 21], [9, 33, 70]]  # shorter than the original context, then past it
+    for prompt in prompts:
+        [mine] = generate(model, [prompt], 30).tokens
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            fresh = hf_model("llama-dynamic-rope")
+            want = fresh.generate(
+                ids, max_new_tokens=30, do_sample=False, attention_mask=torch.ones_like(ids)
+            )
+        assert mine == want[0, len(prompt) :].tolist()
+    # a batch, left-padded: every row's frequencies are the longest row's, as in transformers
+    got = generate(model, prompts, 30).tokens
+    batch = torch.tensor([prompts[0], [0, 0, *prompts[1]]])
+    mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        want = hf_model("llama-dynamic-rope").generate(
+            batch, max_new_tokens=30, do_sample=False, attention_mask=mask, pad_token_id=0
+        )
+    assert got == want[:, 5:].tolist()
+
+
 def test_llama3_rope_frequencies_equal_transformers():
     config = transformers.LlamaConfig(**SHAPE, rope_parameters=dict(LLAMA3_ROPE))
     expected, _ = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](config)
@@ -367,3 +407,22 @@ def test_tensors_strata_cannot_hold_are_reported():
     assert hf.missing(present[1:], cfg) == [present[0]]
     with pytest.raises(ValueError, match="attn.wo.bias"):
         hf.to_hf("layers.0.attn.wo.bias")
+
+
+@pytest.mark.parametrize("family", ["Qwen3MoeConfig", "MixtralConfig"])
+def test_the_router_loss_coefficient_is_carried_by_import_and_export(family):
+    from strata.config.loading import from_dict
+
+    moe = dict(num_key_value_heads=2, num_experts_per_tok=2, router_aux_loss_coef=0.02)
+    experts = {"num_experts": 4} if family == "Qwen3MoeConfig" else {"num_local_experts": 4}
+    hf_cfg = getattr(transformers, family)(**SHAPE, **moe, **experts).to_dict()
+    settings = hf.model_settings(hf_cfg, SEQ)
+    assert settings["moe"]["aux_loss_coef"] == 0.02
+    cfg = from_dict({"model": {**settings, "seq_len": SEQ}}).model
+    assert cfg.moe.aux_loss_coef == 0.02
+    back = hf.hf_config(cfg)
+    assert back["router_aux_loss_coef"] == 0.02 and back["model_type"] == hf_cfg["model_type"]
+    # transformers' default where the config.json leaves it out; a run's own value is no conflict
+    del hf_cfg["router_aux_loss_coef"]
+    assert hf.model_settings(hf_cfg, SEQ)["moe"]["aux_loss_coef"] == 0.001
+    assert hf.conflicts({"moe": {"aux_loss_coef": 0.0}}, hf.model_settings(hf_cfg, SEQ)) == []

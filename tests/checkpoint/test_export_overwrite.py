@@ -1,6 +1,6 @@
 """`strata ckpt export --format hf --overwrite` replaces what the export writes and nothing else: a file
 in OUT that this export would not write (a user's tokenizer, when the run has none to export) is
-refused, and stays as it was."""
+refused, and stays as it was. A model no Hugging Face family expresses is refused by its key."""
 
 from __future__ import annotations
 
@@ -35,3 +35,27 @@ def test_overwrite_replaces_only_what_the_export_writes(small_data_dir, tmp_path
     assert "Traceback" not in text
     assert (out / "tokenizer.json").read_text() == '{"the user": "put this here"}'
     assert sorted(p.name for p in out.iterdir()) == sorted([*written, "tokenizer.json"])
+
+
+@pytest.mark.slow  # trains a tiny MoE run, exports it
+def test_an_moe_with_a_dense_first_layer_is_refused_naming_the_key(
+    small_data_dir, tmp_path, capsys
+):
+    cfg = tiny_config(
+        small_data_dir,
+        tmp_path,
+        **{
+            "train.steps": 1,
+            "checkpoint.save_final": True,
+            "model.moe.num_experts": 4,
+            "model.moe.top_k": 2,
+            "model.moe.first_dense_layers": 1,
+        },
+    )
+    run(cfg, start())
+    ckpt = store.committed(cfg.checkpoint_dir())[-1]
+    code, text = run_cli(
+        ["ckpt", "export", str(ckpt), str(tmp_path / "hf"), "--format", "hf"], capsys
+    )
+    assert code == 2 and "model.moe.first_dense_layers=1" in text, text
+    assert "does not hold" not in text and not (tmp_path / "hf").exists()

@@ -291,6 +291,38 @@ def test_loglikelihoods_of_requests_equal_the_hugging_face_backends(models):
     assert ours.max_length == hf.max_length == 32
 
 
+def test_a_continuation_of_no_tokens_is_refused_as_the_hugging_face_backend_does():
+    import tokenizers
+    import transformers
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from strata.inference.harness import lm_class
+    from strata.inference.source import Tokenizer
+
+    words = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]")
+    )
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    config = transformers.LlamaConfig(
+        vocab_size=3, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2,
+    )  # fmt: skip
+    hf = HFLM(
+        pretrained=transformers.LlamaForCausalLM(config).eval(),
+        tokenizer=transformers.PreTrainedTokenizerFast(tokenizer_object=words, eos_token="[UNK]"),
+        batch_size=1,
+        device="cpu",
+    )
+    ours = object.__new__(lm_class())  # the refusal comes before any model or checkpoint
+    ours.codec, ours.stop_ids, ours._prefix, ours.batch_size = Tokenizer(None), {0}, None, 1
+    request = [Instance("loglikelihood", {}, ("a b", ""), 0, ("t", 0, 1))]
+    with pytest.raises(AssertionError):
+        hf.loglikelihood(request, disable_tqdm=True)
+    with pytest.raises(StrataError, match="continuation encodes to no tokens"):
+        ours.loglikelihood(request, disable_tqdm=True)
+
+
 def test_strata_eval_tasks_writes_the_harness_results_and_a_metrics_record(
     both, trained, tasks, tmp_path, capsys
 ):
