@@ -190,6 +190,12 @@ def hf_model_contradicting_its_config(tmp: Path) -> Path:
     return tmp / "hf"
 
 
+def lock_dir_in(directory: Path) -> Path:
+    """A directory where `directory`'s lock file goes."""
+    (directory / ".strata.lock").mkdir(parents=True)
+    return directory / ".strata.lock"
+
+
 PLAN = ["plan", TINY, "--nodes", "1", "--gpus-per-node", "1"]
 
 
@@ -649,6 +655,55 @@ CASES = [
             + ["--resume", str(truncated_checkpoint(tmp))]
         ),
         ("__0_0.distcp", "truncated"),
+    ),
+    # --- lock files (.strata.lock) that cannot be taken: before anything is written
+    Case(
+        "train-log-dir-under-proc",
+        lambda tmp: ["train", TINY, "log.dir=/proc/strata-runs"],
+        ("/proc/strata-runs/tiny/.strata.lock", "cannot be used"),
+    ),
+    Case(
+        "train-checkpoint-dir-under-sys",
+        lambda tmp: ["train", TINY, f"log.dir={tmp / 'runs'}", "checkpoint.dir=/sys/strata-ck"],
+        ("/sys/strata-ck/.strata.lock", "cannot be used"),
+    ),
+    Case(
+        "train-lock-is-a-directory",
+        lambda tmp: ["train", TINY, f"log.dir={lock_dir_in(tmp / 'runs' / 'tiny').parent.parent}"],
+        (".strata.lock", "it is a directory"),
+    ),
+    Case(
+        "launch-log-dir-under-proc",
+        lambda tmp: ["launch", TINY, "log.dir=/proc/strata-runs", "--nproc", "1"],
+        ("/proc/strata-runs/tiny/.strata.lock", "kernel interface"),
+    ),
+    Case(
+        "launch-checkpoint-dir-under-sys",
+        launch("checkpoint.dir=/sys/strata-ck", "--nproc", "1"),
+        ("/sys/strata-ck/.strata.lock", "kernel interface"),
+    ),
+    Case(
+        "launch-lock-is-a-directory",
+        lambda tmp: [
+            "launch",
+            TINY,
+            f"log.dir={tmp / 'runs'}",
+            f"checkpoint.dir={lock_dir_in(tmp / 'ck').parent}",
+        ],
+        (".strata.lock", "it is a directory"),
+    ),
+    Case(
+        "reshard-out-under-proc",
+        lambda tmp: [
+            "ckpt",
+            "reshard",
+            str(good_checkpoint(tmp)),
+            "/proc/strata-ck",
+            "--to",
+            "dp=1",
+        ],
+        ("/proc/strata-ck/.strata.lock", "cannot be used"),
+        slow=True,
     ),
     # --- metrics and schedule records for `strata plot`
     Case("plot-no-metrics", lambda tmp: ["plot", str(tmp)], ("metrics.jsonl", "no metrics")),
