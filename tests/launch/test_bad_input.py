@@ -656,6 +656,17 @@ CASES = [
         ),
         ("__0_0.distcp", "truncated"),
     ),
+    Case(
+        "moe-capacity-factor-overflows",
+        lambda tmp: [
+            "train",
+            TINY,
+            f"log.dir={tmp / 'runs'}",
+            "model.moe.num_experts=4",
+            "model.moe.capacity_factor=1e300",
+        ],
+        ("model.moe.capacity_factor", "1e+300", "<= 1000000.0"),
+    ),
     # --- lock files (.strata.lock) that cannot be taken: before anything is written
     Case(
         "train-log-dir-under-proc",
