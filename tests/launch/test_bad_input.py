@@ -667,6 +667,45 @@ CASES = [
         ],
         ("model.moe.capacity_factor", "1e+300", "<= 1000000.0"),
     ),
+    # --- strata generate: refused before a model is opened or memory allocated
+    *[
+        Case(
+            f"generate-temperature-{value}",
+            lambda tmp, value=value: [
+                "generate",
+                str(tmp),
+                "--prompt",
+                "x",
+                "--temperature",
+                value,
+            ],
+            (f"--temperature {value}",),
+        )
+        for value in ("nan", "inf", "-1")
+    ],
+    Case(
+        "generate-device-tpu",
+        lambda tmp: ["generate", str(tmp), "--prompt", "x", "--device", "tpu"],
+        ("--device tpu", "usable: cpu"),
+    ),
+    Case(
+        "generate-device-bad-cuda-index",
+        lambda tmp: ["generate", str(tmp), "--prompt", "x", "--device", "cuda:99"],
+        ("--device cuda:99", "usable: cpu"),
+    ),
+    Case(
+        "generate-max-new-tokens-beyond-memory",
+        lambda tmp: [
+            "generate",
+            str(good_checkpoint(tmp)),
+            "--prompt",
+            "x",
+            "--max-new-tokens",
+            "1000000000000",
+        ],
+        ("--max-new-tokens 1000000000000", "GiB free", "new tokens fit"),
+        slow=True,
+    ),
     # --- lock files (.strata.lock) that cannot be taken: before anything is written
     Case(
         "train-log-dir-under-proc",
