@@ -190,6 +190,26 @@ def hf_model_contradicting_its_config(tmp: Path) -> Path:
     return tmp / "hf"
 
 
+class _CallsAFunction:
+    """Pickles as a call of os.getpid (harmless were it ever run): what a malicious file does."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.getpid, ())
+
+
+def malicious_deepspeed(tmp: Path) -> list[str]:
+    """A DeepSpeed-shaped directory whose files are pickles that call a function when loaded."""
+    import torch
+
+    d = tmp / "ds"
+    d.mkdir()
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        torch.save({"param_shapes": _CallsAFunction()}, d / name)
+    return ["ckpt", "import-deepspeed", str(d), str(tmp / "out"), "--config", TINY]
+
+
 def lock_dir_in(directory: Path) -> Path:
     """A directory where `directory`'s lock file goes."""
     (directory / ".strata.lock").mkdir(parents=True)
@@ -706,6 +726,11 @@ CASES = [
         ("--max-new-tokens 1000000000000", "GiB free", "new tokens fit"),
         slow=True,
     ),
+    Case(
+        "import-deepspeed-malicious-pickle",
+        malicious_deepspeed,
+        ("mp_rank_00_model_states.pt", "not a DeepSpeed checkpoint torch can load safely"),
+    ),
     # --- lock files (.strata.lock) that cannot be taken: before anything is written
     Case(
         "train-log-dir-under-proc",
@@ -788,6 +813,7 @@ def test_bad_input_is_one_message_and_exit_2(case, tmp_path, capsys, _no_torchru
     code, out = run_cli(case.argv(tmp_path), capsys)
     assert code == 2, out
     assert "Traceback" not in out
+    assert "weights_only=False" not in out  # never advise loading a file that can run code
     assert "error" in out
     for needle in case.needles:
         assert needle in out, f"{needle!r} not in:\n{out}"
