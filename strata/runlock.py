@@ -12,6 +12,11 @@ NLM for v3), so writers on different nodes exclude each other. Lustre does so on
 with `-o flock`; with `localflock` the lock excludes writers on the same node only, and with
 `noflock` it cannot be taken at all, in which case the writer goes on with a warning rather than
 refusing every run on that file system.
+
+The lock file is opened without following a symbolic link (`O_NOFOLLOW`): a `.strata.lock` that is
+a link (to a user's file, which taking the lock would truncate and overwrite) or a directory is
+refused, as is any other error of the file system (a directory under /proc, a read-only or full
+disk, an immutable file), each as one message naming the path, before anything is written.
 """
 
 from __future__ import annotations
@@ -40,6 +45,28 @@ _HELD: dict[Path, list[int]] = {}
 
 class RunLocked(StrataError):
     """Another live process holds the lock of a directory this command would write."""
+
+
+def _not_a_lock_file(path: Path) -> str | None:
+    """Why `path` cannot be a lock file (a symbolic link or a directory), or None."""
+    if path.is_symlink():
+        return "a symbolic link"
+    if path.is_dir():
+        return "a directory"
+    return None
+
+
+def unusable(path: Path, what: str, reason: str, misplaced: bool = False) -> StrataError:
+    """The refusal of a lock file the command cannot create, open or write, naming the path and the
+    fix (`misplaced`: something else is where the lock file goes)."""
+    fix = (
+        f"move it away if it is not a lock Strata made, or choose another {what}"
+        if misplaced
+        else f"choose a {what} on a file system this command can write"
+    )
+    return StrataError(
+        f"{path}: the lock file of the {what} cannot be used ({reason}); nothing was written: {fix}"
+    )
 
 
 def describe_holder(record: dict) -> str:
@@ -76,6 +103,14 @@ def in_use(directory: Path, what: str) -> RunLocked:
     )
 
 
+def _reason(e: OSError) -> str:
+    """An OSError as `ENAME: its text`, with the words a user needs where the text misleads."""
+    name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else type(e).__name__
+    if e.errno == errno.ELOOP:
+        return f"{name}: it is a symbolic link"
+    return f"{name}: {e.strerror or e}"
+
+
 class DirectoryLock:
     """The exclusive lock of one directory, taken with `acquire` and held until `release` or the
     process's exit."""
@@ -92,9 +127,16 @@ class DirectoryLock:
             _HELD[self.directory][0] += 1
             self.fd = _HELD[self.directory][1]
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        kind = _not_a_lock_file(path)
+        if kind is not None:
+            raise unusable(path, self.what, f"it is {kind}", misplaced=True)
+        existed = path.exists()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise unusable(path, self.what, _reason(e)) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -118,8 +160,15 @@ class DirectoryLock:
             "command": " ".join(["strata", *sys.argv[1:]])[:300],
         }
         # in place, not by rename: the lock belongs to this inode
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        except OSError as e:
+            os.close(fd)
+            if not existed:  # an empty file made just now (a full disk still takes an inode)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            raise unusable(path, self.what, _reason(e)) from e
         self.fd = fd
         _HELD[self.directory] = [1, fd]
 
@@ -183,17 +232,48 @@ def locked(directories: list[tuple[Path, str]]) -> Iterator[RunLocks]:
         locks.release()
 
 
+def _cannot_create(path: Path, what: str) -> StrataError | None:
+    """Why the lock file `path`, which does not exist yet, could not be created, as far as can be
+    told without creating anything: the nearest existing folder above it is a file, is on a kernel
+    interface (/proc, /sys: a file system of no blocks) or a read-only or full file system."""
+    above = path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        return unusable(path, what, f"{above} is not a directory")
+    try:
+        fs = os.statvfs(above)
+    except OSError as e:
+        return unusable(path, what, _reason(e))
+    if fs.f_blocks == 0:
+        return unusable(path, what, f"{above} is a kernel interface, not a file system for files")
+    if fs.f_flag & os.ST_RDONLY:
+        return unusable(path, what, f"{above} is on a read-only file system")
+    if (fs.f_bfree if os.geteuid() == 0 else fs.f_bavail) == 0:
+        return unusable(path, what, f"the file system of {above} is full")
+    return None
+
+
 def check_free(directories: list[tuple[Path, str]]) -> None:
-    """Raise RunLocked if any existing directory's lock is held now (a launcher's early look, before
-    it starts workers; the workers take the lock themselves). Creates nothing."""
+    """Raise RunLocked if any existing directory's lock is held now, or a StrataError if its lock
+    file could not be taken (a launcher's early look, before it starts workers; the workers take the
+    lock themselves). Creates and writes nothing."""
     for directory, what in directories:
         path = Path(directory) / LOCK_NAME
+        kind = _not_a_lock_file(path)
+        if kind is not None:
+            raise unusable(path, what, f"it is {kind}", misplaced=True)
         if not path.is_file():
+            refusal = _cannot_create(path, what)
+            if refusal is not None:
+                raise refusal
             continue
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue
+            # read-write, as the workers will open it (an immutable file or a read-only mount
+            # refuses here); without O_CREAT or O_TRUNC nothing changes
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as e:
+            raise unusable(path, what, _reason(e)) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as e:

@@ -14,6 +14,7 @@ moments follow the same ranges. Layout read from DeepSpeed 0.19.8 (docs/design/c
 from __future__ import annotations
 
 import math
+import pickle
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,8 +47,25 @@ _STANDINS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
 
 
 def _load(path: Path) -> dict:
-    with torch.serialization.safe_globals(_STANDINS):
-        return torch.load(path, map_location="cpu", weights_only=True)
+    """One of DeepSpeed's files, loaded safely; a file that needs anything else to load (a pickle
+    that would call a function or build another class) or is no torch file at all is refused."""
+    try:
+        with torch.serialization.safe_globals(_STANDINS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's own message advises weights_only=False, which would run whatever the file holds
+        named = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f" ({named.group(1)})" if named else ""
+        raise CheckpointError(
+            f"{path}: not a DeepSpeed checkpoint torch can load safely: it asks to load "
+            f"something{what} other than tensors and DeepSpeed's own state, and loading it could "
+            "run code; nothing was imported. Import only checkpoints DeepSpeed wrote"
+        ) from None
+    except (RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(
+            f"{path}: not a DeepSpeed checkpoint torch can read ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else 'damaged'}); nothing was imported"
+        ) from None
 
 
 def _natural(path: Path) -> list:

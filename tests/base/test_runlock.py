@@ -6,8 +6,10 @@ never pruning what they did not write."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -228,3 +230,124 @@ def test_a_fresh_start_keeps_an_earlier_runs_metrics_apart(small_data_dir, tmp_p
         for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()
     ]
     assert steps == sorted(steps) and max(steps) == 3 and steps.count(1) <= 1
+
+
+# --- a lock path that is not a lock file, or a file system that refuses one -----------------------
+
+TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+
+
+def linked_lock(directory: Path, target: Path) -> Path:
+    """`directory`'s lock path made a symbolic link to the user's file `target`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(b"the user's own file\n")
+    (directory / LOCK_NAME).symlink_to(target)
+    return target
+
+
+def test_a_lock_that_is_a_link_leaves_its_target_alone(tmp_path):
+    target = linked_lock(tmp_path / "run", tmp_path / "notes.txt")
+    with pytest.raises(Exception, match="it is a symbolic link") as raised:
+        RunLocks([(tmp_path / "run", "run directory")]).acquire()
+    assert not isinstance(raised.value, RunLocked)
+    with pytest.raises(Exception, match="it is a symbolic link"):
+        check_free([(tmp_path / "run", "run directory")])
+    assert target.read_bytes() == b"the user's own file\n"
+
+
+def test_train_and_launch_refuse_a_linked_lock_and_keep_the_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torchrun, "run_local", lambda *a, **k: pytest.fail("torchrun started"))
+    target = linked_lock(tmp_path / "runs" / "tiny", tmp_path / "notes.txt")
+    for command in ("train", "launch"):
+        code, out = run_cli([command, TINY, f"log.dir={tmp_path / 'runs'}"], capsys)
+        assert code == 2 and "it is a symbolic link" in out and "Traceback" not in out, out
+        assert str(tmp_path / "runs" / "tiny" / LOCK_NAME) in out
+        assert target.read_bytes() == b"the user's own file\n"
+    target = linked_lock(tmp_path / "ck", tmp_path / "more.txt")
+    code, out = run_cli(
+        ["launch", TINY, f"log.dir={tmp_path / 'other'}", f"checkpoint.dir={tmp_path / 'ck'}"],
+        capsys,
+    )
+    assert code == 2 and "it is a symbolic link" in out and "checkpoint.dir" in out, out
+    assert target.read_bytes() == b"the user's own file\n"
+
+
+@pytest.mark.slow
+def test_import_hf_refuses_a_linked_lock_in_out_and_keeps_the_file(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    target = linked_lock(tmp_path / "out", tmp_path / "notes.txt")
+    code, out = run_cli(["ckpt", "import-hf", str(tmp_path / "hf"), str(tmp_path / "out")], capsys)
+    assert code == 2 and "it is a symbolic link" in out and "Traceback" not in out, out
+    assert target.read_bytes() == b"the user's own file\n"
+    assert not store.committed(tmp_path / "out")
+
+
+def _root_or_skip() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: chattr +i and mounting a tmpfs")
+
+
+def _mount_tmpfs(where: Path, options: str) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+
+
+@pytest.fixture
+def mounts():
+    """Mount points to unmount after the test."""
+    made: list[Path] = []
+    yield made
+    for where in made:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+@pytest.mark.parametrize("problem", ["immutable", "read-only", "full"])
+def test_a_lock_the_file_system_refuses_is_one_message(
+    tmp_path, capsys, monkeypatch, mounts, problem, command
+):
+    """An immutable lock file (chattr +i), a read-only run directory, a full disk: exit 2, one
+    message naming the lock file, and nothing written."""
+    _root_or_skip()
+    monkeypatch.setattr(torchrun, "run_local", lambda *a, **k: pytest.fail("torchrun started"))
+    runs = tmp_path / "runs"
+    run_dir = runs / "tiny"
+    if problem == "immutable":
+        if shutil.which("chattr") is None:
+            pytest.skip("chattr is not installed")
+        run_dir.mkdir(parents=True)
+        (run_dir / LOCK_NAME).write_text("{}\n")
+        if subprocess.run(["chattr", "+i", str(run_dir / LOCK_NAME)]).returncode != 0:
+            pytest.skip("this file system has no immutable flag")
+    elif problem == "read-only":
+        _mount_tmpfs(runs, "ro,size=1m")
+        mounts.append(runs)
+    else:
+        _mount_tmpfs(runs, "size=64k")
+        mounts.append(runs)
+        run_dir.mkdir()
+        with open(runs / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+    before = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else None
+    try:
+        code, out = run_cli([command, TINY, f"log.dir={runs}"], capsys)
+        assert code == 2 and "Traceback" not in out, out
+        assert f"{run_dir / LOCK_NAME}: the lock file of the run directory cannot be used" in out
+        after = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else None
+        assert after == before
+    finally:
+        if problem == "immutable":
+            subprocess.run(["chattr", "-i", str(run_dir / LOCK_NAME)])

@@ -190,6 +190,32 @@ def hf_model_contradicting_its_config(tmp: Path) -> Path:
     return tmp / "hf"
 
 
+class _CallsAFunction:
+    """Pickles as a call of os.getpid (harmless were it ever run): what a malicious file does."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.getpid, ())
+
+
+def malicious_deepspeed(tmp: Path) -> list[str]:
+    """A DeepSpeed-shaped directory whose files are pickles that call a function when loaded."""
+    import torch
+
+    d = tmp / "ds"
+    d.mkdir()
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        torch.save({"param_shapes": _CallsAFunction()}, d / name)
+    return ["ckpt", "import-deepspeed", str(d), str(tmp / "out"), "--config", TINY]
+
+
+def lock_dir_in(directory: Path) -> Path:
+    """A directory where `directory`'s lock file goes."""
+    (directory / ".strata.lock").mkdir(parents=True)
+    return directory / ".strata.lock"
+
+
 PLAN = ["plan", TINY, "--nodes", "1", "--gpus-per-node", "1"]
 
 
@@ -650,6 +676,110 @@ CASES = [
         ),
         ("__0_0.distcp", "truncated"),
     ),
+    Case(
+        "moe-capacity-factor-overflows",
+        lambda tmp: [
+            "train",
+            TINY,
+            f"log.dir={tmp / 'runs'}",
+            "model.moe.num_experts=4",
+            "model.moe.capacity_factor=1e300",
+        ],
+        ("model.moe.capacity_factor", "1e+300", "<= 1000000.0"),
+    ),
+    # --- strata generate: refused before a model is opened or memory allocated
+    *[
+        Case(
+            f"generate-temperature-{value}",
+            lambda tmp, value=value: [
+                "generate",
+                str(tmp),
+                "--prompt",
+                "x",
+                "--temperature",
+                value,
+            ],
+            (f"--temperature {value}",),
+        )
+        for value in ("nan", "inf", "-1")
+    ],
+    Case(
+        "generate-device-tpu",
+        lambda tmp: ["generate", str(tmp), "--prompt", "x", "--device", "tpu"],
+        ("--device tpu", "usable: cpu"),
+    ),
+    Case(
+        "generate-device-bad-cuda-index",
+        lambda tmp: ["generate", str(tmp), "--prompt", "x", "--device", "cuda:99"],
+        ("--device cuda:99", "usable: cpu"),
+    ),
+    Case(
+        "generate-max-new-tokens-beyond-memory",
+        lambda tmp: [
+            "generate",
+            str(good_checkpoint(tmp)),
+            "--prompt",
+            "x",
+            "--max-new-tokens",
+            "1000000000000",
+        ],
+        ("--max-new-tokens 1000000000000", "GiB free", "new tokens fit"),
+        slow=True,
+    ),
+    Case(
+        "import-deepspeed-malicious-pickle",
+        malicious_deepspeed,
+        ("mp_rank_00_model_states.pt", "not a DeepSpeed checkpoint torch can load safely"),
+    ),
+    # --- lock files (.strata.lock) that cannot be taken: before anything is written
+    Case(
+        "train-log-dir-under-proc",
+        lambda tmp: ["train", TINY, "log.dir=/proc/strata-runs"],
+        ("/proc/strata-runs/tiny/.strata.lock", "cannot be used"),
+    ),
+    Case(
+        "train-checkpoint-dir-under-sys",
+        lambda tmp: ["train", TINY, f"log.dir={tmp / 'runs'}", "checkpoint.dir=/sys/strata-ck"],
+        ("/sys/strata-ck/.strata.lock", "cannot be used"),
+    ),
+    Case(
+        "train-lock-is-a-directory",
+        lambda tmp: ["train", TINY, f"log.dir={lock_dir_in(tmp / 'runs' / 'tiny').parent.parent}"],
+        (".strata.lock", "it is a directory"),
+    ),
+    Case(
+        "launch-log-dir-under-proc",
+        lambda tmp: ["launch", TINY, "log.dir=/proc/strata-runs", "--nproc", "1"],
+        ("/proc/strata-runs/tiny/.strata.lock", "kernel interface"),
+    ),
+    Case(
+        "launch-checkpoint-dir-under-sys",
+        launch("checkpoint.dir=/sys/strata-ck", "--nproc", "1"),
+        ("/sys/strata-ck/.strata.lock", "kernel interface"),
+    ),
+    Case(
+        "launch-lock-is-a-directory",
+        lambda tmp: [
+            "launch",
+            TINY,
+            f"log.dir={tmp / 'runs'}",
+            f"checkpoint.dir={lock_dir_in(tmp / 'ck').parent}",
+        ],
+        (".strata.lock", "it is a directory"),
+    ),
+    Case(
+        "reshard-out-under-proc",
+        lambda tmp: [
+            "ckpt",
+            "reshard",
+            str(good_checkpoint(tmp)),
+            "/proc/strata-ck",
+            "--to",
+            "dp=1",
+        ],
+        ("/proc/strata-ck/.strata.lock", "cannot be used"),
+        slow=True,
+    ),
     # --- metrics and schedule records for `strata plot`
     Case("plot-no-metrics", lambda tmp: ["plot", str(tmp)], ("metrics.jsonl", "no metrics")),
     Case(
@@ -683,6 +813,7 @@ def test_bad_input_is_one_message_and_exit_2(case, tmp_path, capsys, _no_torchru
     code, out = run_cli(case.argv(tmp_path), capsys)
     assert code == 2, out
     assert "Traceback" not in out
+    assert "weights_only=False" not in out  # never advise loading a file that can run code
     assert "error" in out
     for needle in case.needles:
         assert needle in out, f"{needle!r} not in:\n{out}"

@@ -276,3 +276,65 @@ def test_export_to_an_existing_file_without_the_suffix_is_refused(ckpt, tmp_path
     with pytest.raises(CheckpointError, match="is an existing file"):
         export(ckpt, precious)
     assert precious.read_text() == "mine"
+
+
+# --- eval --out ------------------------------------------------------------------------------
+
+EVAL_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+
+
+def eval_argv(tmp_path: Path, config: Path, out: Path) -> list[str]:
+    """`strata eval` writing to `out`: refused before the checkpoint (which need not exist) is read."""
+    resume = str(tmp_path / "nope")
+    return [
+        "eval",
+        str(config),
+        f"log.dir={tmp_path / 'runs'}",
+        "--resume",
+        resume,
+        "--out",
+        str(out),
+    ]
+
+
+@pytest.mark.parametrize(
+    "where", ["config", "val.bin", "file in step dir", "checkpoints root", "user file"]
+)
+def test_eval_out_never_replaces_what_eval_did_not_write(ckpt, tmp_path, capsys, where):
+    config = tmp_path / "exp.yaml"
+    config.write_text("train: {steps: 2}\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "val.bin").write_bytes(b"\1\0" * 100)
+    (data / "meta.json").write_text('{"dtype": "uint16", "vocab_size": 257}')
+    (tmp_path / "notes.json").write_text('{"mine": true}\n')
+    out = {
+        "config": config,
+        "val.bin": data / "val.bin",
+        "file in step dir": ckpt / "config.yaml",
+        "checkpoints root": ckpt.parent / "eval.json",
+        "user file": tmp_path / "notes.json",
+    }[where]
+    before = contents(tmp_path)
+    assert strata_main(eval_argv(tmp_path, config, out)) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}" in err and "nothing was evaluated or written" in err, err
+    assert "Traceback" not in err
+    assert contents(tmp_path) == before
+    assert store.verify(ckpt)[1] == []
+
+
+def test_eval_out_replaces_its_own_earlier_output(tmp_path):
+    from strata import config
+    from strata.launch.commands.eval import _write, check_out
+
+    cfg = config.load(EVAL_CONFIG, [f"log.dir={tmp_path / 'runs'}"])
+    out = tmp_path / "eval.json"
+    _write(cfg, out, {"step": 2, "checkpoint": "c", "splits": {}}, 2, {})
+    assert json.loads(out.read_text())["written_by"] == "strata eval"
+    check_out(out, EVAL_CONFIG)  # its own: fine
+    out.write_text(json.dumps({"step": 2, "checkpoint": "c", "splits": {}}))
+    check_out(out, EVAL_CONFIG)  # written before the marker: fine too
+    out.write_text(json.dumps({"step": 2, "checkpoint": "c", "splits": {}, "mine": 1}))
+    with pytest.raises(Exception, match="strata eval did not write"):
+        check_out(out, EVAL_CONFIG)

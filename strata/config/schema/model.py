@@ -90,6 +90,8 @@ class MoEConfig:
         "dropping the lowest-weighted beyond it (null: dropless)",
         min=0.0,
         min_exclusive=True,
+        # any factor from num_experts / top_k up drops nothing; far beyond, the count overflows
+        max=1e6,
     )
 
     @property

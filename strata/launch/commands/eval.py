@@ -1,7 +1,12 @@
 """`strata eval`: a checkpoint's loss, perplexity and bits per byte on held-out data, in this
 process or as each rank of a world of any layout (`strata launch --eval`;
 `strata.trainer.jobs.evaluate_checkpoint`); with --tasks, its scores on lm-evaluation-harness
-tasks instead, in this process (`strata.inference.harness.run_tasks`)."""
+tasks instead, in this process (`strata.inference.harness.run_tasks`).
+
+--out replaces only a JSON file `strata eval` wrote: one whose object has `"written_by": "strata
+eval"` (or, from before that key, exactly the keys an evaluation writes). Any other existing file,
+a path inside a checkpoint directory or a prepared data directory, and the config file itself are
+refused before anything is evaluated or written."""
 
 from __future__ import annotations
 
@@ -13,6 +18,9 @@ from typing import TYPE_CHECKING
 
 from strata.errors import StrataError
 from strata.launch.commands.common import OVERRIDES, CommandHelp, file_errors, whole
+
+# the key and value that mark a JSON file as `strata eval`'s own output, which --out may replace
+WRITTEN_BY = ("written_by", "strata eval")
 
 if TYPE_CHECKING:
     from strata.config import Config
@@ -113,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         world_size=runtime.world_size_from_env(),
         local_world_size=runtime.local_world_size_from_env(),
     )
+    out = Path(args.out) if args.out else cfg.run_dir() / "eval.json"
+    check_out(out, Path(args.config))
     rt = runtime.start(cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
         result = evaluate_checkpoint(cfg, rt, Path(args.resume), [Path(d) for d in args.data])
@@ -120,7 +130,6 @@ def run(args: argparse.Namespace) -> int:
         runtime.stop(wait_for_peers=False)
         raise
     if rt.rank == 0:
-        out = Path(args.out) if args.out else cfg.run_dir() / "eval.json"
         _write(cfg, out, result, result["step"], result["splits"])
         print(f"step {result['step']} of {result['checkpoint']}:")
         print(f"{'split':<40} {'loss':>8} {'perplexity':>11} {'bits/byte':>10} {'sequences':>10}")
@@ -138,6 +147,7 @@ def _write(cfg: Config, out: Path, document: dict, step: int | None, record: dic
     run's metrics.jsonl (the run's own records stay)."""
     from strata.atomic import write_file_atomic
 
+    document = dict([WRITTEN_BY, *document.items()])
     with file_errors("strata eval"):
         out.parent.mkdir(parents=True, exist_ok=True)
         write_file_atomic(out, (json.dumps(document, indent=1) + "\n").encode())
@@ -178,6 +188,8 @@ def run_tasks(args: argparse.Namespace) -> int:
     names = task_names(args)
     harness.require_lm_eval()
     cfg = config.load(args.config, args.overrides)
+    out = Path(args.out) if args.out else cfg.run_dir() / "eval_tasks.json"
+    check_out(out, Path(args.config))
     result = harness.run_tasks(
         Path(args.resume),
         names,
@@ -188,7 +200,6 @@ def run_tasks(args: argparse.Namespace) -> int:
         num_fewshot=args.num_fewshot,
     )
     step = checkpoint_step(Path(args.resume))
-    out = Path(args.out) if args.out else cfg.run_dir() / "eval_tasks.json"
     _write(cfg, out, {"step": step, "checkpoint": args.resume, **result}, step, result["results"])
     print(f"step {step} of {args.resume}:" if step is not None else f"{args.resume}:")
     print(harness.results_table(result))
@@ -204,3 +215,47 @@ def checkpoint_step(path: Path) -> int | None:
     if (path / "config.json").is_file() or store.is_dcp_only(path):
         return None
     return int(store.marker(store.resolve(path))["step"])
+
+
+def _own_output(path: Path) -> bool:
+    """Whether the existing file `path` is JSON `strata eval` wrote (see the module docstring)."""
+    try:
+        document = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(document, dict):
+        return False
+    if document.get(WRITTEN_BY[0]) == WRITTEN_BY[1]:
+        return True
+    keys = set(document)
+    # before the marker: the held-out evaluation's three keys, or lm-eval's results with ours
+    return (
+        keys == {"step", "checkpoint", "splits"}
+        or {"step", "checkpoint", "results", "configs"} <= keys
+    )
+
+
+def check_out(out: Path, config_path: Path) -> None:
+    """Refuse an --out that would replace or add to what `strata eval` did not write: the config
+    file, a path inside a checkpoint directory or a prepared data directory, or any existing file
+    that is not an earlier `strata eval` output. Writes nothing."""
+    from strata.checkpoint.export import checkpoint_destination
+
+    def refuse(what: str) -> StrataError:
+        return StrataError(
+            f"strata eval: --out {out} {what}; nothing was evaluated or written. Give --out a new "
+            "file outside checkpoints and data directories (or one an earlier strata eval wrote)"
+        )
+
+    if out.is_dir():
+        raise refuse("is a directory")
+    if out.exists() and config_path.exists() and out.samefile(config_path):
+        raise refuse("is the config file being evaluated")
+    inside = checkpoint_destination(out.parent)
+    if inside is not None:
+        raise refuse(f"is inside the checkpoint directory {inside}, which it would alter")
+    for d in [out.parent.absolute(), *out.parent.absolute().parents]:
+        if (d / "meta.json").is_file() and ((d / "train.bin").exists() or (d / "val.bin").exists()):
+            raise refuse(f"is inside the prepared data directory {d}")
+    if (out.exists() or out.is_symlink()) and not _own_output(out):
+        raise refuse("is an existing file that strata eval did not write")

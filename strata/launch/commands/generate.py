@@ -1,11 +1,20 @@
 """`strata generate`: text from a trained model, in this process: a Strata checkpoint (any layout),
 a Hugging Face model directory or a DCP checkpoint, its own tokenizer, a key/value cache, greedy or
-sampled decoding (`strata.inference`)."""
+sampled decoding (`strata.inference`).
+
+Refused before anything is allocated: a temperature that is not a finite number >= 0, a device
+torch cannot use here (the message lists those it can), and a --max-new-tokens whose key/value
+cache and rotary tables (prompt + new tokens, for every prompt) would not fit in the memory free on
+the device (the message names the most that fits). Generating past model.seq_len stays allowed,
+with a note: memory, not the trained length, is the limit.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -80,6 +89,84 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
 
 
+def usable_devices() -> list[str]:
+    """The devices torch can run on here: cpu, each CUDA device, mps."""
+    import torch
+
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found += ["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        found.append("mps")
+    return found
+
+
+def check_device(name: str) -> None:
+    """Refuse a --device torch cannot use here, listing those it can."""
+    import torch
+
+    usable = usable_devices()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is not None and (
+        device.type == "cpu"
+        or (
+            device.type == "cuda"
+            and torch.cuda.is_available()
+            and (device.index or 0) < torch.cuda.device_count()
+        )
+        or (device.type == "mps" and "mps" in usable)
+    ):
+        return
+    raise StrataError(f"--device {name}: torch cannot use it here; usable: {', '.join(usable)}")
+
+
+def free_bytes(device: str) -> int:
+    """Memory free for new allocations on `device`: the GPU's free memory, else the host's
+    MemAvailable."""
+    import torch
+
+    if device.startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_length(
+    model_cfg, prompts: int, longest_prompt: int, max_new: int, element: int, free: int
+) -> None:
+    """Refuse a --max-new-tokens whose key/value cache (every layer's keys and values of every
+    prompt's positions) and rotary tables would not fit in `free` bytes, naming the most that
+    fits."""
+    per_position = (
+        2 * model_cfg.n_layers * prompts * model_cfg.kv_heads * model_cfg.head_size * element
+        + 2 * model_cfg.head_size * 4  # the rotary cos and sin tables, fp32
+    )
+    need = (longest_prompt + max_new) * per_position
+    if need <= free:
+        return
+    most = free // per_position - longest_prompt
+    fits = (
+        f"at most {most} new tokens fit"
+        if most > 0
+        else "not even the prompt fits; use fewer or shorter prompts"
+    )
+    raise StrataError(
+        f"--max-new-tokens {max_new}: the key/value cache for {longest_prompt} + {max_new} "
+        f"positions of {prompts} prompt(s) needs {need / 2**30:.1f} GiB, more than the "
+        f"{free / 2**30:.1f} GiB free; {fits}"
+    )
+
+
 def read_prompts(args: argparse.Namespace) -> list[str]:
     """--prompt's and --prompts' prompts, in order."""
     prompts = list(args.prompt)
@@ -120,13 +207,14 @@ def run(args: argparse.Namespace) -> int:
     from strata.inference.sampling import Sampling
     from strata.inference.source import open_model
 
+    if not math.isfinite(args.temperature):
+        raise StrataError(f"--temperature {args.temperature}: must be a finite number >= 0")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     problems = sampling.problems()
     if problems:
         raise StrataError("; ".join(problems))
     prompts = read_prompts(args)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise StrataError(f"--device {args.device}: no CUDA device here; use --device cpu")
+    check_device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     config = Path(args.config) if args.config else None
     opened = open_model(Path(args.path), config, args.overrides, dtype)
@@ -134,6 +222,15 @@ def run(args: argparse.Namespace) -> int:
     ids = [opened.tokenizer.encode(p) for p in prompts]
     if any(not i for i in ids):
         raise StrataError("strata generate: a prompt encodes to no tokens; give it some text")
+    element = torch.finfo(dtype).bits // 8
+    check_length(
+        opened.cfg.model,
+        len(ids),
+        max(len(i) for i in ids),
+        args.max_new_tokens,
+        element,
+        free_bytes(args.device),
+    )
     longest = max(len(i) for i in ids) + args.max_new_tokens
     print(f"model: {opened.what}", file=sys.stderr)
     if longest > opened.cfg.model.seq_len:
