@@ -69,9 +69,9 @@ OWN_OPTIONS = {
 
 
 def sbatch_options(options: list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """`--sbatch-option` values checked: each KEY=VALUE or KEY (a flag) with KEY a long sbatch option
-    name (a leading `--` is dropped), none of them one Strata writes itself. A StrataError lists
-    every problem."""
+    """`--sbatch-option` values checked: each KEY=VALUE or KEY (a flag) with KEY a long sbatch
+    option name (a leading `--` is dropped), none of them one Strata writes itself. A StrataError
+    lists every problem."""
     checked, problems = [], []
     for option in options:
         key, eq, value = option.strip().removeprefix("--").partition("=")
@@ -235,7 +235,10 @@ def _head_address(job: SlurmJob, python: str) -> list[str]:
         ]
     # awk keeps the first IPv4 address outside 127.0.0.0/8 and reads its input to the end (an early
     # exit would SIGPIPE the command before it under pipefail)
-    routable = "awk '{for (i = 1; i <= NF; i++) if (!a && $i ~ /^[0-9.]+$/ && $i !~ /^127[.]/) a = $i} END {print a}'"
+    routable = (
+        "awk '{for (i = 1; i <= NF; i++) if (!a && $i ~ /^[0-9.]+$/ && $i !~ /^127[.]/) a = $i} "
+        "END {print a}'"
+    )
     return [
         "# The head node's address the other nodes reach: its name's (getent), else its own,",
         "# skipping loopback (a hostname can map to 127.0.1.1); loopback only if nothing else.",

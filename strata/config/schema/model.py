@@ -150,12 +150,10 @@ class ModelConfig:
     rope_scaling: str = opt(
         "none",
         "RoPE frequency scaling, as transformers defines each: none; llama3 (Llama 3.1's); linear "
-        "(positions "
-        "divided by rope_factor); dynamic (NTK: the base grows with the sequence beyond "
-        "rope_original_max_position_embeddings, recomputed for each input's length: in decoding, the "
-        "sequence so far); yarn (YaRN: interpolated "
-        "low frequencies, "
-        "kept high ones, cos/sin scaled by the attention factor)",
+        "(positions divided by rope_factor); dynamic (NTK: the base grows with the sequence beyond "
+        "rope_original_max_position_embeddings, recomputed for each input's length: in decoding, "
+        "the sequence so far); yarn (YaRN: interpolated low frequencies, kept high ones, cos/sin "
+        "scaled by the attention factor)",
         choices=ROPE_SCALINGS,
     )
     rope_factor: float = opt(
