@@ -161,8 +161,9 @@ def _run_tokenizer(cfg: Config, force: bool) -> _RunTokenizer:
             raise CheckpointError(
                 f"strata ckpt export: {data / info['file']} (sha256 {actual[:12]}) is not the "
                 f"tokenizer {data / 'meta.json'} records (sha256 {recorded[:12]}); the export "
-                "would ship a tokenizer the model was not trained with. Put back the tokenizer.json "
-                "the data was prepared with, or pass --force to export without a tokenizer"
+                "would ship a tokenizer the model was not trained with. Put back the "
+                "tokenizer.json the data was prepared with, or pass --force to export without a "
+                "tokenizer"
             )
         return _RunTokenizer(None, eot_token, eot)
     return _RunTokenizer(data_bytes, eot_token, eot)
