@@ -11,7 +11,7 @@ import pytest
 
 from strata.checkpoint import store
 from strata.parallel.runtime import start
-from strata.trainer.loop import run
+from strata.trainer.jobs import train as run
 
 from conftest import prepare_readme, run_cli, tiny_config
 
