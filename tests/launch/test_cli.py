@@ -578,3 +578,21 @@ def test_the_strata_command_puts_torchs_large_host_allocations_on_huge_pages():
         flag, huge_kib = proc.stdout.split()
         assert flag == want_flag
         assert (int(huge_kib) > 0) == (want_flag == "1"), proc.stdout
+
+
+@pytest.mark.parametrize(
+    "key,suggestion",
+    [
+        ("optim.learning_rate", "optim.lr"),
+        ("learning_rate", "optim.lr"),
+        ("optim.warmup", "optim.warmup_steps"),
+        ("train.max_steps", "train.steps"),
+        ("model.hidden_size", "model.d_model"),
+        ("model.n_head", "model.n_heads"),
+    ],
+)
+def test_explain_suggests_the_key_another_frameworks_name_means(key, suggestion, capsys):
+    from strata.launch.cli import main
+
+    assert main(["config", "explain", key]) == 2
+    assert f"did you mean {suggestion!r}?" in capsys.readouterr().err
