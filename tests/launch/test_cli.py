@@ -580,6 +580,39 @@ def test_the_strata_command_puts_torchs_large_host_allocations_on_huge_pages():
         assert (int(huge_kib) > 0) == (want_flag == "1"), proc.stdout
 
 
+def test_config_show_and_explain_have_their_own_help_and_explain_alone_lists_the_groups(capsys):
+    from strata.config.schema import GROUPS
+    from strata.launch.cli import main
+
+    for action, usage in (
+        ("show", "usage: strata config show CFG [key=value ...] [--world-size N]\n"),
+        ("explain", "usage: strata config explain [KEY | GROUP]\n"),
+    ):
+        with pytest.raises(SystemExit) as done:
+            main(["config", action, "--help"])
+        assert done.value.code == 0
+        assert capsys.readouterr().out.startswith(usage)
+    with pytest.raises(SystemExit):
+        main(["config", "--help"])
+    parent = capsys.readouterr().out
+    assert "    show " in parent and "    explain " in parent
+
+    assert main(["config", "explain"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"\n  {group} " in listed for group in GROUPS), listed
+    assert "strata config explain GROUP" in listed and "strata config explain KEY" in listed
+    assert max(map(len, listed.splitlines())) <= 100
+
+
+def test_config_show_still_says_what_is_missing(capsys):
+    from strata.launch.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["config", "show"])
+    assert done.value.code == 2
+    assert "required: CFG" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "key,suggestion",
     [
