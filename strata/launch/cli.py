@@ -79,9 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not argv or argv[0] not in commands:
         return top.parse_args(argv)  # --help, --version, or an error naming the commands
     command, rest = argv[0], argv[1:]
-    # A sub-command's word may follow options (`strata config --world-size 8 show CFG`); the
-    # command's own parser answers --help before it and input with no word.
-    at = next((i for i, a in enumerate(rest) if a in words.get(command, {})), None)
+    # A sub-command's word is the command's first positional; options and their values may come
+    # before it (`strata config --world-size 8 show CFG`). The command's own parser answers
+    # --help before it and input with no word.
+    at = _word_at(rest, words.get(command, {}))
     if at is None or any(a in ("-h", "--help") for a in rest[:at]):
         parser = commands[command]
         listed = any(isinstance(a, argparse._SubParsersAction) for a in parser._actions)
@@ -91,6 +92,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.action = rest[at]
     args.command = command
     return args
+
+
+def _word_at(rest: list[str], words: dict[str, argparse.ArgumentParser]) -> int | None:
+    """Where in `rest` (a command's arguments) its sub-command's word is: the first of `words`
+    with only options, or what may be their values, before it; None if there is none."""
+    for i, arg in enumerate(rest):
+        if arg in words:
+            return i
+        follows_option = i > 0 and rest[i - 1].startswith("-") and "=" not in rest[i - 1]
+        if not arg.startswith("-") and not follows_option:
+            return None
+    return None
 
 
 # Environment for torch that must be set before torch is imported, in this process and so in every

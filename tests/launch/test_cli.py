@@ -629,3 +629,53 @@ def test_explain_suggests_the_key_another_frameworks_name_means(key, suggestion,
 
     assert main(["config", "explain", key]) == 2
     assert f"did you mean {suggestion!r}?" in capsys.readouterr().err
+
+
+def test_every_subcommand_has_its_own_help_with_examples_that_parse(capsys):
+    """`strata config show --help`, `strata ckpt inspect --help`, `strata data prepare --help`,
+    `strata plot schedule --help`, ...: each its own usage and examples, not its command's."""
+    import shlex
+
+    from strata.launch import cli
+
+    words = cli._parsers()[2]
+    assert {c: set(w) for c, w in words.items()} == {
+        "config": {"show", "explain"},
+        "ckpt": {"inspect", "verify", "reshard", "export", "import-deepspeed", "import-hf"},
+        "data": {"prepare"},
+        "plot": {"schedule"},
+    }
+    for command, parsers in words.items():
+        for word in parsers:
+            with pytest.raises(SystemExit) as done:
+                cli.main([command, word, "--help"])
+            assert done.value.code == 0
+            text = capsys.readouterr().out
+            forms = [
+                line.split("strata ", 1)[1]
+                for line in text.split("\n\n", 1)[0].splitlines()
+                if line.startswith(("usage: strata ", "       strata "))
+            ]
+            assert forms and all(f.startswith(f"{command} {word} ") for f in forms), text
+            examples = text.split("examples:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+            for line in examples:
+                argv = shlex.split(line, comments=True)[1:]
+                if argv[:2] == [command, word]:
+                    assert cli.parse_args(argv).action == word, line
+
+
+def test_a_subcommands_word_may_follow_options_but_not_another_positional(tmp_path, capsys):
+    from strata.launch.cli import main, parse_args
+
+    assert parse_args(["config", "--world-size", "2", "show", "c.yaml"]).world_size == 2
+    assert parse_args(["ckpt", "--format", "hf", "export", "a", "b"]).format == "hf"
+    assert parse_args(["plot", "--out", "x.png", "schedule", "r.json"]).record == "r.json"
+    # `strata plot RUN_DIR schedule` is a run directory and a stray word, as before
+    assert main(["plot", str(tmp_path), "schedule"]) == 2
+    assert "unexpected second argument 'schedule'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["plot", "schedule"])
+    assert done.value.code == 2
+    assert "strata plot schedule: error: the following arguments are required: RECORD.json" in (
+        capsys.readouterr().err
+    )
