@@ -679,3 +679,21 @@ def test_a_subcommands_word_may_follow_options_but_not_another_positional(tmp_pa
     assert "strata plot schedule: error: the following arguments are required: RECORD.json" in (
         capsys.readouterr().err
     )
+
+
+def test_help_texts_name_step_directories_with_8_digits_and_an_installable_eval_extra(capsys):
+    import re
+
+    from strata.launch import cli
+
+    _, commands, words = cli._parsers()
+    argvs = [[c, "--help"] for c in commands] + [[c, w, "--help"] for c in words for w in words[c]]
+    for argv in argvs:
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        text = capsys.readouterr().out
+        assert all(len(d) == 8 for d in re.findall(r"step_(\d+)", text)), (argv, text)
+        assert "strata-train[eval]" not in text, argv
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--help"])
+    assert "pip install -e '.[eval]'" in capsys.readouterr().out
