@@ -1,4 +1,5 @@
-"""The reference a user reads: `explain` (what `strata config explain KEY` prints), `all_keys`, and
+"""The reference a user reads: `explain` (what `strata config explain KEY` prints), `overview` (what
+`strata config explain` prints: the groups), `all_keys`, and
 `reference_markdown`, the page docs/CONFIG.md (`python -m strata.config > docs/CONFIG.md`),
 all generated from the schema's doc strings so they cannot drift from it.
 """
@@ -6,6 +7,7 @@ all generated from the schema's doc strings so they cannot drift from it.
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 import typing
 from typing import Any
 
@@ -49,6 +51,25 @@ def explain(key: str) -> str:
     if f.metadata.get("choices"):
         text += f"\n  choices: {', '.join(map(str, f.metadata['choices']))}"
     return text
+
+
+def overview() -> str:
+    """Every group with the first line of its doc, and how to see a group's or a key's."""
+    known = entries()
+    width = max(map(len, GROUPS))
+    lines = ["groups of keys:"]
+    for group in GROUPS:
+        doc = " ".join(known[group][0].metadata["doc"].split())
+        summary = doc.split(". ")[0].split("; ")[0].removesuffix(".")
+        for i, part in enumerate(textwrap.wrap(summary, 96 - width)):
+            lines.append(f"  {group if i == 0 else '':<{width}}  {part}")
+    lines += [
+        "",
+        "strata config explain GROUP lists a group's keys (strata config explain optim),",
+        "strata config explain KEY gives a key's doc, type and default (strata config explain "
+        "optim.lr).",
+    ]
+    return "\n".join(lines)
 
 
 def all_keys() -> list[str]:

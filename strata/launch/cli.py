@@ -22,11 +22,22 @@ import time
 from strata import __version__
 from strata.errors import StrataError
 from strata.launch.commands import COMMANDS
-from strata.launch.commands.common import EXIT_CODES, FORMATTER, command_parser, epilog
+from strata.launch.commands.common import (
+    EXIT_CODES,
+    FORMATTER,
+    command_parser,
+    epilog,
+    subcommand_parsers,
+)
 
 
-def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The `strata` parser and its commands' parsers, by name."""
+def _parsers() -> tuple[
+    argparse.ArgumentParser,
+    dict[str, argparse.ArgumentParser],
+    dict[str, dict[str, argparse.ArgumentParser]],
+]:
+    """The `strata` parser, its commands' parsers by name, and their sub-commands' parsers by
+    command and word (`strata config show`)."""
     p = argparse.ArgumentParser(
         prog="strata",
         formatter_class=FORMATTER,
@@ -44,9 +55,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     )
     p.add_argument("--version", action="version", version=f"strata {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    words = {}
     for command in COMMANDS:
-        command.add_arguments(command_parser(sub, command.HELP, command.run))
-    return p, dict(sub.choices)
+        parser = command_parser(sub, command.HELP, command.run)
+        command.add_arguments(parser)
+        subcommands = getattr(command, "SUBCOMMANDS", ())
+        if subcommands:
+            words[command.HELP.name] = subcommand_parsers(parser, command.HELP.name, subcommands)
+    return p, dict(sub.choices), words
 
 
 def parser() -> argparse.ArgumentParser:
@@ -58,13 +74,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """A command's positionals, options and key=value overrides, in any order after the command
     (argparse's intermixed parsing, which cannot go through subparsers: the command's own parser
     runs it). Usage errors exit 2, --help and --version 0."""
-    top, commands = _parsers()
+    top, commands, words = _parsers()
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in commands:
         return top.parse_args(argv)  # --help, --version, or an error naming the commands
-    args = commands[argv[0]].parse_intermixed_args(argv[1:])
-    args.command = argv[0]
+    command, rest = argv[0], argv[1:]
+    # A sub-command's word is the command's first positional; options and their values may come
+    # before it (`strata config --world-size 8 show CFG`). The command's own parser answers
+    # --help before it and input with no word.
+    at = _word_at(rest, words.get(command, {}))
+    if at is None or any(a in ("-h", "--help") for a in rest[:at]):
+        parser = commands[command]
+        listed = any(isinstance(a, argparse._SubParsersAction) for a in parser._actions)
+        args = parser.parse_args(rest) if listed else parser.parse_intermixed_args(rest)
+    else:
+        args = words[command][rest[at]].parse_intermixed_args(rest[:at] + rest[at + 1 :])
+        args.action = rest[at]
+    args.command = command
     return args
+
+
+def _word_at(rest: list[str], words: dict[str, argparse.ArgumentParser]) -> int | None:
+    """Where in `rest` (a command's arguments) its sub-command's word is: the first of `words`
+    with only options, or what may be their values, before it; None if there is none."""
+    for i, arg in enumerate(rest):
+        if arg in words:
+            return i
+        follows_option = i > 0 and rest[i - 1].startswith("-") and "=" not in rest[i - 1]
+        if not arg.startswith("-") and not follows_option:
+            return None
+    return None
 
 
 # Environment for torch that must be set before torch is imported, in this process and so in every

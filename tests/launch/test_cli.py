@@ -578,3 +578,122 @@ def test_the_strata_command_puts_torchs_large_host_allocations_on_huge_pages():
         flag, huge_kib = proc.stdout.split()
         assert flag == want_flag
         assert (int(huge_kib) > 0) == (want_flag == "1"), proc.stdout
+
+
+def test_config_show_and_explain_have_their_own_help_and_explain_alone_lists_the_groups(capsys):
+    from strata.config.schema import GROUPS
+    from strata.launch.cli import main
+
+    for action, usage in (
+        ("show", "usage: strata config show CFG [key=value ...] [--world-size N]\n"),
+        ("explain", "usage: strata config explain [KEY | GROUP]\n"),
+    ):
+        with pytest.raises(SystemExit) as done:
+            main(["config", action, "--help"])
+        assert done.value.code == 0
+        assert capsys.readouterr().out.startswith(usage)
+    with pytest.raises(SystemExit):
+        main(["config", "--help"])
+    parent = capsys.readouterr().out
+    assert "    show " in parent and "    explain " in parent
+
+    assert main(["config", "explain"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"\n  {group} " in listed for group in GROUPS), listed
+    assert "strata config explain GROUP" in listed and "strata config explain KEY" in listed
+    assert max(map(len, listed.splitlines())) <= 100
+
+
+def test_config_show_still_says_what_is_missing(capsys):
+    from strata.launch.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["config", "show"])
+    assert done.value.code == 2
+    assert "required: CFG" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "key,suggestion",
+    [
+        ("optim.learning_rate", "optim.lr"),
+        ("learning_rate", "optim.lr"),
+        ("optim.warmup", "optim.warmup_steps"),
+        ("train.max_steps", "train.steps"),
+        ("model.hidden_size", "model.d_model"),
+        ("model.n_head", "model.n_heads"),
+    ],
+)
+def test_explain_suggests_the_key_another_frameworks_name_means(key, suggestion, capsys):
+    from strata.launch.cli import main
+
+    assert main(["config", "explain", key]) == 2
+    assert f"did you mean {suggestion!r}?" in capsys.readouterr().err
+
+
+def test_every_subcommand_has_its_own_help_with_examples_that_parse(capsys):
+    """`strata config show --help`, `strata ckpt inspect --help`, `strata data prepare --help`,
+    `strata plot schedule --help`, ...: each its own usage and examples, not its command's."""
+    import shlex
+
+    from strata.launch import cli
+
+    words = cli._parsers()[2]
+    assert {c: set(w) for c, w in words.items()} == {
+        "config": {"show", "explain"},
+        "ckpt": {"inspect", "verify", "reshard", "export", "import-deepspeed", "import-hf"},
+        "data": {"prepare"},
+        "plot": {"schedule"},
+    }
+    for command, parsers in words.items():
+        for word in parsers:
+            with pytest.raises(SystemExit) as done:
+                cli.main([command, word, "--help"])
+            assert done.value.code == 0
+            text = capsys.readouterr().out
+            forms = [
+                line.split("strata ", 1)[1]
+                for line in text.split("\n\n", 1)[0].splitlines()
+                if line.startswith(("usage: strata ", "       strata "))
+            ]
+            assert forms and all(f.startswith(f"{command} {word} ") for f in forms), text
+            examples = text.split("examples:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+            for line in examples:
+                argv = shlex.split(line, comments=True)[1:]
+                if argv[:2] == [command, word]:
+                    assert cli.parse_args(argv).action == word, line
+
+
+def test_a_subcommands_word_may_follow_options_but_not_another_positional(tmp_path, capsys):
+    from strata.launch.cli import main, parse_args
+
+    assert parse_args(["config", "--world-size", "2", "show", "c.yaml"]).world_size == 2
+    assert parse_args(["ckpt", "--format", "hf", "export", "a", "b"]).format == "hf"
+    assert parse_args(["plot", "--out", "x.png", "schedule", "r.json"]).record == "r.json"
+    # `strata plot RUN_DIR schedule` is a run directory and a stray word, as before
+    assert main(["plot", str(tmp_path), "schedule"]) == 2
+    assert "unexpected second argument 'schedule'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["plot", "schedule"])
+    assert done.value.code == 2
+    assert "strata plot schedule: error: the following arguments are required: RECORD.json" in (
+        capsys.readouterr().err
+    )
+
+
+def test_help_texts_name_step_directories_with_8_digits_and_an_installable_eval_extra(capsys):
+    import re
+
+    from strata.launch import cli
+
+    _, commands, words = cli._parsers()
+    argvs = [[c, "--help"] for c in commands] + [[c, w, "--help"] for c in words for w in words[c]]
+    for argv in argvs:
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        text = capsys.readouterr().out
+        assert all(len(d) == 8 for d in re.findall(r"step_(\d+)", text)), (argv, text)
+        assert "strata-train[eval]" not in text, argv
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--help"])
+    assert "pip install -e '.[eval]'" in capsys.readouterr().out

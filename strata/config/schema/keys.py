@@ -103,14 +103,65 @@ def replace(cfg: Any, key: str, value: Any) -> Any:
     )
 
 
+# Other frameworks' names for keys Strata spells differently (transformers' TrainingArguments and
+# config.json, Megatron, nanoGPT): spelling alone would suggest a wrong key (learning_rate is
+# nearer min_lr_ratio than lr).
+ALIASES = {
+    "learning_rate": "lr",
+    "max_lr": "lr",
+    "min_lr": "min_lr_ratio",
+    "warmup": "warmup_steps",
+    "warmup_iters": "warmup_steps",
+    "lr_warmup_iters": "warmup_steps",
+    "lr_scheduler_type": "schedule",
+    "lr_decay_style": "schedule",
+    "wd": "weight_decay",
+    "max_grad_norm": "grad_clip",
+    "clip_grad": "grad_clip",
+    "adam_beta1": "beta1",
+    "adam_beta2": "beta2",
+    "adam_epsilon": "eps",
+    "adam_eps": "eps",
+    "max_steps": "steps",
+    "train_iters": "steps",
+    "max_iters": "steps",
+    "batch_size": "global_batch_size",
+    "global_batch": "global_batch_size",
+    "micro_batch": "micro_batch_size",
+    "num_layers": "n_layers",
+    "num_hidden_layers": "n_layers",
+    "n_layer": "n_layers",
+    "hidden_size": "d_model",
+    "n_embd": "d_model",
+    "num_attention_heads": "n_heads",
+    "n_head": "n_heads",
+    "num_key_value_heads": "n_kv_heads",
+    "intermediate_size": "ffn_hidden",
+    "ffn_hidden_size": "ffn_hidden",
+    "max_position_embeddings": "seq_len",
+    "seq_length": "seq_len",
+    "block_size": "seq_len",
+    "rms_norm_eps": "norm_eps",
+    "tie_word_embeddings": "tie_embeddings",
+    "tensor_model_parallel_size": "tp",
+    "pipeline_model_parallel_size": "pp",
+}
+
+
 def unknown(key: str) -> str:
-    """`key` is not in the schema: name the closest dotted key that is (in any group), else the
-    valid keys beside it."""
+    """`key` is not in the schema: name the key another framework's name for it means (`ALIASES`),
+    else the closest dotted key that is (in any group), else the valid keys beside it."""
     known = list(entries())
+    parent, _, last = key.rpartition(".")
+    alias = ALIASES.get(last)
+    if alias:
+        candidates = [k for k in known if k == f"{parent}.{alias}".lstrip(".")]
+        candidates += [k for k in known if k.rpartition(".")[2] == alias]
+        if candidates:
+            return f"{key}: unknown key; did you mean {candidates[0]!r}?"
     beside = [k for k in known if not key.startswith(k + ".")]  # its own groups are no suggestion
     match = difflib.get_close_matches(key, beside, n=1, cutoff=0.6)
     if match:
         return f"{key}: unknown key; did you mean {match[0]!r}?"
-    parent = key.rpartition(".")[0]
     siblings = [k for k in known if k.rpartition(".")[0] == parent] or list(GROUPS)
     return f"{key}: unknown key; valid: {', '.join(sorted(siblings)[:12])}"

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from strata.errors import StrataError
-from strata.launch.commands.common import EXIT_CODES, CommandHelp, file_errors
+from strata.launch.commands.common import EXIT_CODES, CommandHelp, Subcommand, file_errors
 
 HELP = CommandHelp(
     "ckpt",
@@ -35,43 +35,155 @@ HELP = CommandHelp(
 )
 
 
+INSPECT = CommandHelp(
+    "inspect",
+    summary="a checkpoint's step, layout, files and tensors",
+    usage=("strata ckpt inspect DIR",),
+    description="A checkpoint's step, saved layout, files with sizes and CRC-32Cs, and tensors "
+    "with their\nglobal shapes and saved boxes.",
+    examples=(
+        "strata ckpt inspect runs/tiny/checkpoints",
+        "strata ckpt inspect runs/tiny/checkpoints/step_00000500",
+    ),
+    extra=EXIT_CODES,
+)
+
+VERIFY = CommandHelp(
+    "verify",
+    summary="check every block checksum and DCP's .metadata (exit 1 on damage)",
+    usage=("strata ckpt verify DIR",),
+    description="Check every block checksum of a checkpoint and DCP's .metadata; exit 1 naming "
+    "every missing,\ntruncated or corrupted file.",
+    examples=("strata ckpt verify runs/tiny/checkpoints/step_00000500   # exit 1 if damaged",),
+    extra=EXIT_CODES,
+)
+
+RESHARD = CommandHelp(
+    "reshard",
+    summary="rewrite a checkpoint for another layout offline",
+    usage=("strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..[,vs=..] [key=value ...]",),
+    description="Rewrite a checkpoint for another layout offline: starts that world with torchrun "
+    "on this\nmachine, one file per target rank. --resume reshards at load anyway; a resharded "
+    "checkpoint\nmakes later loads one sequential read per rank.",
+    examples=(
+        "strata ckpt reshard runs/tiny/checkpoints resharded --to tp=2,pp=1,dp=1",
+        "strata ckpt reshard runs/tiny/checkpoints r --to tp=1,pp=2,dp=1,vs=2",
+    ),
+)
+
+EXPORT = CommandHelp(
+    "export",
+    summary="the model as one safetensors file, or as a Hugging Face directory",
+    usage=("strata ckpt export DIR OUT [--format safetensors|hf] [--overwrite] [--force]",),
+    description="Write the whole model's weights (global names, a plain strata.model.GPT "
+    "state_dict) in one\nsafetensors file with the checkpoint's config beside it, or (--format hf) "
+    "a Hugging Face model\ndirectory that transformers' from_pretrained loads.",
+    examples=(
+        "strata ckpt export runs/tiny/checkpoints tiny.safetensors",
+        "strata ckpt export runs/qwen-ft/checkpoints qwen-ft-hf --format hf   # carries "
+        "Qwen's own config",
+    ),
+)
+
+IMPORT_DEEPSPEED = CommandHelp(
+    "import-deepspeed",
+    summary="a DeepSpeed ZeRO-1/2/3 checkpoint as a Strata checkpoint",
+    usage=("strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG",),
+    description="A DeepSpeed ZeRO-1/2/3 checkpoint (read with weights_only=True, no deepspeed "
+    "needed) as a\nStrata checkpoint under OUT: weights and Adam moments by name, step, samples "
+    "consumed.",
+    examples=("strata ckpt import-deepspeed ds_ckpt/ imported/ --config configs/tiny.yaml",),
+)
+
+IMPORT_HF = CommandHelp(
+    "import-hf",
+    summary="a Hugging Face model directory's weights as the Strata checkpoint of step 0",
+    usage=("strata ckpt import-hf HF_DIR OUT [key=value ...] [--config CFG]",),
+    description="A Hugging Face model directory's weights as the Strata checkpoint of step 0 (no "
+    "optimizer\nstate); the model block comes from HF_DIR's config.json.",
+    examples=("strata ckpt import-hf models/tiny imported/",),
+)
+
+DIR_HELP = "a step_* directory, or a checkpoints directory (latest committed)"
+
+
 def add_arguments(ck: argparse.ArgumentParser) -> None:
-    """The action, the checkpoint, OUT, the overrides, then each action's options."""
-    ck.add_argument("action", choices=list(ACTIONS))
-    ck.add_argument(
-        "path",
-        metavar="DIR",
-        help="a step_* directory, or a checkpoints directory (latest committed)",
-    )
-    ck.add_argument(
-        "out",
-        nargs="?",
-        metavar="OUT",
-        help="reshard: a checkpoints directory; export: a .safetensors file (its config goes to "
-        "NAME.config.yaml beside it), or a directory for model.safetensors and config.yaml",
-    )
+    """Nothing of its own: each action (SUBCOMMANDS) has its arguments."""
+
+
+def _add_read_arguments(ck: argparse.ArgumentParser) -> None:
+    """inspect, verify: the checkpoint (anything more is refused by `run`, naming it)."""
+    ck.add_argument("path", metavar="DIR", help=DIR_HELP)
+    ck.add_argument("out", nargs="?", help=argparse.SUPPRESS)
+    ck.add_argument("overrides", nargs="*", default=[], help=argparse.SUPPRESS)
+
+
+def _add_reshard_arguments(ck: argparse.ArgumentParser) -> None:
+    """The checkpoint, OUT, the overrides, the target layout, --overwrite."""
+    ck.add_argument("path", metavar="DIR", help=DIR_HELP)
+    ck.add_argument("out", nargs="?", metavar="OUT", help="a checkpoints directory")
     ck.add_argument(
         "overrides",
         nargs="*",
         default=[],
         metavar="key=value",
-        help="reshard: overrides of the saved config (e.g. zero settings); import-deepspeed, "
-        "import-hf: overrides of --config",
+        help="overrides of the saved config (e.g. zero settings)",
     )
     ck.add_argument(
-        "--to", help="reshard: the target layout, tp=..,pp=..,dp=.. (and vs=.. for virtual stages)"
+        "--to", help="the target layout, tp=..,pp=..,dp=.. (and vs=.. for virtual stages)"
     )
+    _add_overwrite(ck)
+
+
+def _add_export_arguments(ck: argparse.ArgumentParser) -> None:
+    """The checkpoint, OUT, the format, and what the export may replace or lose."""
+    ck.add_argument("path", metavar="DIR", help=DIR_HELP)
+    ck.add_argument(
+        "out",
+        nargs="?",
+        metavar="OUT",
+        help="a .safetensors file (its config goes to NAME.config.yaml beside it), or a directory "
+        "for model.safetensors and config.yaml (--format hf: the Hugging Face directory)",
+    )
+    ck.add_argument("overrides", nargs="*", default=[], help=argparse.SUPPRESS)
     _add_export_options(ck)
+
+
+def _add_import_arguments(source: str) -> Callable[[argparse.ArgumentParser], None]:
+    """import-deepspeed, import-hf: the source directory, OUT, the overrides, --config."""
+
+    def add(ck: argparse.ArgumentParser) -> None:
+        ck.add_argument("path", metavar=source, help=f"the {source} to import")
+        ck.add_argument("out", nargs="?", metavar="OUT", help="a checkpoints directory")
+        ck.add_argument(
+            "overrides", nargs="*", default=[], metavar="key=value", help="overrides of --config"
+        )
+        ck.add_argument(
+            "--config",
+            help="the Strata experiment the imported state continues in"
+            + (
+                " (optional; the model block comes from HF_DIR's config.json)"
+                if source == "HF_DIR"
+                else ""
+            ),
+        )
+        _add_overwrite(ck)
+
+    return add
+
+
+def _add_overwrite(ck: argparse.ArgumentParser) -> None:
+    """--overwrite of the actions that write a checkpoint."""
     ck.add_argument(
-        "--config",
-        help="import-deepspeed, import-hf: the Strata experiment the imported state continues in "
-        "(import-hf: optional; the model block comes from HF_DIR's config.json)",
+        "--overwrite",
+        action="store_true",
+        help="write into an OUT that already holds committed checkpoints (only the step written "
+        "is replaced; nothing is removed)",
     )
 
 
 def _add_export_options(ck: argparse.ArgumentParser) -> None:
-    """`strata ckpt export`'s format and what it may replace or lose (--overwrite serves the
-    commands that write a checkpoint too)."""
+    """`strata ckpt export`'s format and what it may replace or lose."""
     ck.add_argument(
         "--format",
         default="safetensors",
@@ -84,14 +196,12 @@ def _add_export_options(ck: argparse.ArgumentParser) -> None:
     ck.add_argument(
         "--overwrite",
         action="store_true",
-        help="export: replace the weights and config files OUT names if they exist; reshard, "
-        "import-deepspeed, import-hf: write into an OUT that already holds committed checkpoints "
-        "(only the step written is replaced; nothing is removed)",
+        help="replace the weights and config files OUT names if they exist",
     )
     ck.add_argument(
         "--force",
         action="store_true",
-        help="export --format hf: export even where fields would be lost (the model the run "
+        help="--format hf: export even where fields would be lost (the model the run "
         "started from, model.init_from, is gone, or the run's tokenizer cannot be read); the "
         "notes say what was set instead",
     )
@@ -202,3 +312,13 @@ ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "import-deepspeed": _import_deepspeed,
     "import-hf": _import_hf,
 }
+
+
+SUBCOMMANDS = (
+    Subcommand(INSPECT, _add_read_arguments, run),
+    Subcommand(VERIFY, _add_read_arguments, run),
+    Subcommand(RESHARD, _add_reshard_arguments, run),
+    Subcommand(EXPORT, _add_export_arguments, run),
+    Subcommand(IMPORT_DEEPSPEED, _add_import_arguments("DS_DIR"), run),
+    Subcommand(IMPORT_HF, _add_import_arguments("HF_DIR"), run),
+)

@@ -1,7 +1,8 @@
 """What several `strata` commands share: the help texts each command declares (`CommandHelp`) and
-the parser made from them (`command_parser`), argparse value types, the help texts' pieces
-(examples, exit codes, overrides), turning an OSError on a user's path into a StrataError, and the
-planner's memory warning before a job starts."""
+the parser made from them (`command_parser`), a command's sub-commands (`Subcommand`,
+`subcommand_parsers`: `strata config show`, `strata ckpt inspect`, ...), argparse value types, the
+help texts' pieces (examples, exit codes, overrides), turning an OSError on a user's path into a
+StrataError, and the planner's memory warning before a job starts."""
 
 from __future__ import annotations
 
@@ -73,6 +74,34 @@ def command_parser(
     )
     parser.set_defaults(func=run)
     return parser
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One form of a command with its own parser (`strata config show`): its help texts (`help.name`
+    is the word after the command), its arguments, and what it does."""
+
+    help: CommandHelp
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def subcommand_parsers(
+    parser: argparse.ArgumentParser, command: str, subcommands: tuple[Subcommand, ...]
+) -> dict[str, argparse.ArgumentParser]:
+    """The parsers of `strata COMMAND WORD ...`, by WORD. A command with no positionals of its own
+    lists them in its help (argparse's sub-commands); one that has them (`strata plot RUN_DIR`)
+    keeps its help, and the dispatcher picks the sub-command by the word."""
+    if any(not a.option_strings for a in parser._actions):
+        holder = argparse.ArgumentParser(prog=f"strata {command}")
+        subparsers = holder.add_subparsers(prog=f"strata {command}")
+    else:
+        subparsers = parser.add_subparsers(
+            dest="action", required=True, metavar="action", prog=f"strata {command}"
+        )
+    for sub in subcommands:
+        sub.add_arguments(command_parser(subparsers, sub.help, sub.run))
+    return dict(subparsers.choices)
 
 
 def whole(minimum: int) -> Callable[[str], int]:

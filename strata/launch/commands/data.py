@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from strata.errors import StrataError
-from strata.launch.commands.common import CommandHelp, file_errors, fraction, whole
+from strata.launch.commands.common import CommandHelp, Subcommand, file_errors, fraction, whole
 
 HELP = CommandHelp(
     "data",
@@ -28,10 +28,23 @@ HELP = CommandHelp(
 )
 
 
+PREPARE = CommandHelp(
+    "prepare",
+    summary="tokenize text, JSON Lines or Parquet into train.bin, val.bin and meta.json",
+    usage=(
+        "strata data prepare FILES_OR_DIRS --out DIR "
+        "[--tokenizer bytes|tokenizer.json|HF_DIR|bpe:N]"
+        "\n                           [--text-field F] [--workers N] [--glob '*.txt'] "
+        "[--val-fraction 0.05]",
+        "strata data prepare --stdlib --out DIR [--tokenizer ...]",
+    ),
+    description=HELP.description,
+    examples=HELP.examples,
+)
+
+
 def add_arguments(d: argparse.ArgumentParser) -> None:
-    """The action, then `strata data prepare`'s inputs, output, tokenizer and workers."""
-    d.add_argument("action", choices=["prepare"])
-    _add_prepare_arguments(d)
+    """Nothing of its own: `prepare` (SUBCOMMANDS) has the arguments."""
 
 
 def _add_prepare_arguments(d: argparse.ArgumentParser) -> None:
@@ -116,3 +129,6 @@ def run(args: argparse.Namespace) -> int:
         f"{tok['eot_token']} = {meta['eot']})"
     )
     return 0
+
+
+SUBCOMMANDS = (Subcommand(PREPARE, _add_prepare_arguments, run),)

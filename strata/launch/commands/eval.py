@@ -42,8 +42,8 @@ parallel one, every rank runs it: strata launch CFG --nproc N --eval --resume CK
 table, writes JSON (--out, default RUN_DIR/eval.json) and an `eval` record into the run's
 metrics.jsonl.
 
-With --tasks, the checkpoint runs lm-evaluation-harness tasks instead (the eval extra:
-pip install 'strata-train[eval]'), in this one process on the whole model (the first GPU if
+With --tasks, the checkpoint runs lm-evaluation-harness tasks instead (the eval extra, from
+the checkout: pip install -e '.[eval]'), in this one process on the whole model (the first GPU if
 there is one): lm-eval's table, its results as JSON (--out, default RUN_DIR/eval_tasks.json)
 and an `eval` record of each task's metrics in metrics.jsonl. lm-eval's own command line with
 the same model: python -m strata.inference.harness --model strata --model_args checkpoint=CKPT ...""",
@@ -54,7 +54,7 @@ the same model: python -m strata.inference.harness --model strata --model_args c
         "strata launch cfg.yaml --resume CKPT parallel.tp=2 parallel.dp=2 --nproc 4 --eval   "
         "# 4 workers",
         "strata eval cfg.yaml --resume runs/x/checkpoints --tasks hellaswag,arc_easy --limit 200",
-        "strata eval cfg.yaml --resume CKPT --tasks my_task --include-path tasks/ --num-fewshot 5",
+        "strata eval cfg.yaml --resume CKPT --tasks python_choice --include-path examples/tasks/",
     ),
 )
 

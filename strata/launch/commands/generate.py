@@ -41,7 +41,7 @@ end-of-text id. Greedy unless --temperature > 0. Prompts of different lengths ru
         "strata generate runs/tiny/checkpoints --prompt 'def main(' --max-new-tokens 64",
         "strata generate ./Qwen2-0.5B --prompts prompts.txt --temperature 0.8 --top-p 0.95 "
         "--seed 1",
-        "strata generate runs/tiny/checkpoints/step_000100 --prompt 'import ' --stream",
+        "strata generate runs/tiny/checkpoints/step_00000100 --prompt 'import ' --stream",
         "strata generate dcp_ckpt/ --config configs/tiny.yaml --prompt 'x = '",
     ),
 )

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from strata.errors import StrataError
-from strata.launch.commands.common import CommandHelp, file_errors
+from strata.launch.commands.common import CommandHelp, Subcommand, file_errors
 
 HELP = CommandHelp(
     "plot",
@@ -18,6 +18,16 @@ HELP = CommandHelp(
         "strata plot runs/tiny                      # runs/tiny/curves.png",
         "strata plot schedule records/step.json     # records/step.png",
     ),
+)
+
+
+SCHEDULE = CommandHelp(
+    "schedule",
+    summary="PNG of a pipeline schedule's step record",
+    usage=("strata plot schedule RECORD.json [--out PNG]",),
+    description="PNG of the per-rank timeline of a pipeline step recorded by\n"
+    "bench/pipeline_schedule.py --record-dir.",
+    examples=("strata plot schedule records/step.json     # records/step.png",),
 )
 
 
@@ -38,20 +48,34 @@ def add_arguments(pl: argparse.ArgumentParser) -> None:
     pl.add_argument("--out", help="PNG path (default: next to the input)")
 
 
+def _add_schedule_arguments(pl: argparse.ArgumentParser) -> None:
+    """The step record and the PNG's path."""
+    pl.add_argument(
+        "record",
+        metavar="RECORD.json",
+        help="a step record from bench/pipeline_schedule.py --record-dir (writes RECORD.png next "
+        "to it)",
+    )
+    pl.add_argument("--out", help="PNG path (default: next to the input)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Write the PNG and print its path."""
     from strata.trainer.plots import plot_run, plot_schedule
 
     out = Path(args.out) if args.out else None
-    if args.record is None:  # strata plot RUN_DIR
-        with file_errors("strata plot"):
-            print(f"wrote {plot_run(Path(args.run_dir), out)}")
-    elif args.run_dir == "schedule":  # strata plot schedule RECORD.json
+    if getattr(args, "action", None) == "schedule":  # strata plot schedule RECORD.json
         with file_errors("strata plot schedule"):
             print(f"wrote {plot_schedule(Path(args.record), out)}")
+    elif args.record is None:  # strata plot RUN_DIR
+        with file_errors("strata plot"):
+            print(f"wrote {plot_run(Path(args.run_dir), out)}")
     else:
         raise StrataError(
             f"strata plot: unexpected second argument {args.record!r}; use `strata plot RUN_DIR` "
             "or `strata plot schedule RECORD.json`"
         )
     return 0
+
+
+SUBCOMMANDS = (Subcommand(SCHEDULE, _add_schedule_arguments, run),)
