@@ -143,7 +143,7 @@ class SpikeGuard(StepHook):
         return DivergedError(
             f"step {step}: {limit} steps in a row were loss spikes, the last one's {self.spike}: "
             "the run diverged, and training stopped (their updates were dropped, nothing of them "
-            f"was saved). {self._resume_hint(first)} with a lower optim.lr (or a longer "
+            f"was saved). {self._resume_hint(first)}, with a lower optim.lr (or a longer "
             "optim.warmup_steps); train.spike_sigma sets how far above its history a step may go"
         )
 
