@@ -64,6 +64,7 @@ def cross_problems(
         *_context_checks(cfg),
         *_moe_checks(cfg, world_size, local_world_size),
         *_batch_checks(cfg, world_size, local_world_size),
+        *_spike_checks(tr),
     ]
 
 
@@ -146,6 +147,18 @@ def _value_checks(cfg: Config) -> list[str]:
             f"e.g. [{steps[1]}, {steps[0]}]"
         )
     return p
+
+
+def _spike_checks(tr: TrainConfig) -> list[str]:
+    """The spike guard judges once its window holds train.spike_min_steps steps: a smaller window
+    never does, and the guard would be off without a word."""
+    if tr.spike_sigma and tr.spike_window < tr.spike_min_steps:
+        return [
+            f"train.spike_window: {tr.spike_window} is smaller than train.spike_min_steps="
+            f"{tr.spike_min_steps}, so the spike guard would never judge a step; make the window "
+            f"at least {tr.spike_min_steps} (or train.spike_sigma: 0 to turn the guard off)"
+        ]
+    return []
 
 
 def _data_checks(d: DataConfig) -> list[str]:

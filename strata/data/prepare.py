@@ -275,7 +275,7 @@ def _results(tasks: list[Task], args: tuple, workers: int, tok_path: str | None)
         return
     ctx = get_context("spawn")  # fork after the tokenizers library has started its threads can hang
     pool = ProcessPoolExecutor(
-        workers, mp_context=ctx, initializer=tokenize.start_worker, initargs=(tok_path, False)
+        workers, mp_context=ctx, initializer=_start_worker, initargs=(tok_path, os.getpid())
     )
     try:
         pending: deque[Future] = deque()
@@ -292,6 +292,62 @@ def _results(tasks: list[Task], args: tuple, workers: int, tok_path: str | None)
             yield result
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _start_worker(tok_path: str | None, parent: int) -> None:
+    """A pool worker's start: it dies with `parent` (`die_with_parent`), then loads the
+    tokenizer."""
+    die_with_parent(parent)
+    tokenize.start_worker(tok_path, False)
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process when process `parent` dies, however it dies: a pool's workers otherwise
+    outlive a `kill -9` of their parent, each tokenizing on, for as long as their tasks last. On
+    Linux the kernel sends SIGKILL (prctl PR_SET_PDEATHSIG); elsewhere a thread watches the parent
+    id. A parent already gone (before the prctl took effect) ends the process at once."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) == 0:
+            if os.getppid() != parent:
+                os._exit(1)
+            return
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    if os.getppid() != parent:
+        os._exit(1)
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
+def remove_stale_temporaries(out_dir: Path) -> None:
+    """Remove the temporary directories earlier writes of out_dir left when they were killed
+    (`atomic_directory` names them .NAME.tmp-PID): those of processes no longer running on this
+    host, so a killed run costs no disk once the next one starts."""
+    for tmp in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _copy_range(src: Path, dst: Path, start: int) -> None:
@@ -403,6 +459,7 @@ def prepare(
     bpe, info, tok_src = _tokenizer_source(tokenizer, eot_token)
     tasks = plan(list(files), root, text_field, chunk_bytes)
     workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
+    remove_stale_temporaries(Path(out_dir))
     with atomic_directory(Path(out_dir)) as tmp:
         tok_file = tmp / tokenize.TOKENIZER_FILE
         if bpe is not None:

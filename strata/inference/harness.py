@@ -1,5 +1,5 @@
 """A trained model in EleutherAI's lm-evaluation-harness (the `lm-eval` package, 0.4.13: the `eval`
-extra, pip install 'strata-train[eval]'): the model `strata`, for loglikelihood (multiple choice),
+extra, pip install -e '.[eval]'): the model `strata`, for loglikelihood (multiple choice),
 loglikelihood_rolling (perplexity) and generate_until tasks, read by `source.open_model` from anything
 it opens (a Strata checkpoint of any layout, a Hugging Face model directory, a DCP checkpoint with
 config=CFG).
@@ -44,7 +44,7 @@ from strata.inference.sampling import Sampling
 from strata.inference.source import Tokenizer
 
 LM_EVAL = "0.4.13"
-INSTALL = f"pip install 'strata-train[eval]' (lm-eval {LM_EVAL})"
+INSTALL = f"pip install -e '.[eval]' from the checkout (lm-eval {LM_EVAL})"
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,

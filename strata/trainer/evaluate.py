@@ -7,6 +7,7 @@ byte of `strata eval` (`jobs.evaluate_checkpoint`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,8 @@ class Evaluation:
         return math.exp(self.loss) if self.loss < 50 else None
 
     def line(self, step: int) -> str:
+        """The console line for this evaluation after step `step`: loss, perplexity, what it
+        read."""
         perplexity = f"{self.perplexity:.2f}" if self.perplexity is not None else "overflow"
         read = (
             f"all {self.sequences} sequences of the validation split"
@@ -55,18 +58,36 @@ def evaluate(
 ) -> Evaluation:
     """`model`'s loss on `dataset`'s evaluation batches (`eval_batches`), in eval mode (collective
     over the data-parallel group). A shorter last micro-batch of the whole split counts for its
-    sequences; a replica the split's end leaves without one adds nothing."""
+    sequences; a replica the split's end leaves with fewer micro-batches than the others runs
+    padding ones that count nothing (`_padding`), so every rank makes the same collectives (an
+    expert-parallel all-to-all spans the replicas)."""
     model.train(False)
     sums = torch.zeros(2, dtype=torch.float64, device=model.device)  # loss × sequences, sequences
+    ran = 0
     for inputs, targets in eval_batches(
         dataset, batches, micro_batch, topo.data_rank, topo.data_size
     ):
         sums[0] += model.eval_loss(inputs, targets).double() * len(inputs)
         sums[1] += len(inputs)
+        ran += 1
+    for inputs, targets in _padding(dataset, batches, micro_batch, topo.data_size, ran):
+        model.eval_loss(inputs, targets)
     model.train(True)
     total, sequences = comm.all_reduce(sums, topo.group("dp"), dim="dp").tolist()
     # the dp group holds each replica's cp ranks, which read the same sequences
     return Evaluation(total / sequences, round(sequences / topo.layout.cp), batches == 0)
+
+
+def _padding(
+    dataset: TokenDataset | Mixture, batches: int, micro_batch: int, dp_size: int, ran: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The micro-batches a replica that ran `ran` of the whole split's runs besides, to make as many
+    as the replica with the most: the split's first windows, whose loss is not counted."""
+    if batches:
+        return
+    most = -(-len(dataset) // (dp_size * micro_batch))  # rank 0's: it never runs short
+    for _ in range(most - ran):
+        yield dataset.batch(list(range(min(micro_batch, len(dataset)))))
 
 
 # --- bits per byte ---------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ the order of its list of hooks:
     record()                             merged into each logged interval's metrics record
 
 and `running(say)` encloses the whole training loop of `Trainer.fit`; `suspect(n)` marks a
-checkpoint saved after step n as possibly on its way to diverging.
+checkpoint saved after step n as possibly on its way to diverging, and `refuse_save(n)` skips
+that checkpoint.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ class StepHook:
     def suspect(self, step: int) -> bool:
         """Whether a checkpoint saved after step `step` may hold a run on its way to diverging."""
         return False
+
+    def refuse_save(self, step: int) -> str | None:
+        """Why the state after step `step` must not be saved (the checkpoint is skipped), or
+        None."""
+        return None
 
 
 def all_of(contexts: Iterable[contextlib.AbstractContextManager[None]]) -> contextlib.ExitStack:

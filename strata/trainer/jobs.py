@@ -21,7 +21,8 @@ from strata.parallel import comm
 from strata.parallel import runtime as runtime_mod
 from strata.parallel.runtime import Runtime
 from strata.trainer import start
-from strata.trainer.evaluate import evaluate, target_bytes
+from strata.trainer.evaluate import Evaluation, evaluate, target_bytes
+from strata.trainer.hooks import HangWatch
 from strata.trainer.loop import RunResult, Trainer
 from strata.trainer.metrics import MetricsLogger, mfu_peak
 from strata.trainer.signals import Preempted
@@ -139,9 +140,11 @@ def evaluate_checkpoint(cfg: Config, runtime: Runtime, source: Path, data_dirs: 
     if not data_dirs:
         data_dirs = [Path(s.path) for s in cfg.data.sources or ()] or [trainer.data_dir]
     results: dict[str, dict] = {}
-    for data_dir in data_dirs:
-        dataset = TokenDataset(data_dir, "val", cfg.model.seq_len, key="--data")
-        found = evaluate(trainer.model, dataset, 0, cfg.train.micro_batch_size, trainer.topo)
+    # the hang watchdog over the evaluation, as over the training loop (a collective to start)
+    watch = next(hook for hook in trainer.hooks if isinstance(hook, HangWatch))
+    with watch.running(print if runtime.rank == 0 else lambda line: None):
+        splits = [_evaluate_split(trainer, data_dir) for data_dir in data_dirs]
+    for data_dir, (dataset, found) in zip(data_dirs, splits):
         tokens = found.sequences * cfg.model.seq_len
         nats = found.loss * tokens
         spelt = target_bytes(data_dir, dataset) if runtime.rank == 0 else 0
@@ -154,6 +157,14 @@ def evaluate_checkpoint(cfg: Config, runtime: Runtime, source: Path, data_dirs: 
             "bytes": spelt,
         }
     return {"step": trainer.step, "checkpoint": str(source), "splits": results}
+
+
+def _evaluate_split(trainer: Trainer, data_dir: Path) -> tuple[TokenDataset, Evaluation]:
+    """The validation split of `data_dir` and the loss of the trainer's model over all of it."""
+    cfg = trainer.cfg
+    dataset = TokenDataset(data_dir, "val", cfg.model.seq_len, key="--data")
+    found = evaluate(trainer.model, dataset, 0, cfg.train.micro_batch_size, trainer.topo)
+    return dataset, found
 
 
 def rewrite_checkpoint(cfg: Config, runtime: Runtime, source: Path, out: Path) -> None:

@@ -137,9 +137,12 @@ class Trainer:
         are summed before the watchdog hears the step is done, and the profiler writes its trace
         after the watchdog stops."""
         cfg, rt = self.cfg, self.rt
+        guard = SpikeGuard.from_config(cfg.train, cfg.optim.warmup_steps, cfg.checkpoint_dir())
+        if guard is not None:
+            self.state.parts["spike_guard"] = guard  # a resumed run judges as the whole one
         hooks = [
             self.routing,
-            SpikeGuard.from_config(cfg.train, cfg.checkpoint_dir()),
+            guard,
             StepProfiler.from_config(cfg.log, cfg.run_dir(), rt.rank, rt.device),
             HangWatch(cfg.parallel.hang_after_s(), rt, control),
         ]
@@ -416,13 +419,14 @@ class Trainer:
 
     def _save_or_warn(self, log: MetricsLogger) -> None:
         self.saved_step = self.step
-        with watchdog.paused("checkpoint save"):
-            saved = self.save()
-        if saved:
-            return
+        refused = next((r for hook in self.hooks if (r := hook.refuse_save(self.step))), None)
+        if refused is None:
+            with watchdog.paused("checkpoint save"):
+                if self.save():
+                    return
         note = (
-            f"the training state is not finite: checkpoint step {self.step} not saved, so the "
-            "newest committed "
+            f"{refused or 'the training state is not finite'}: checkpoint step {self.step} not "
+            "saved, so the newest committed "
             f"checkpoint under {self.cfg.checkpoint_dir()} stays the newest (and is kept)"
         )
         log.print(f"warning: step {self.step}: {note}")

@@ -138,10 +138,12 @@ class MetricsLogger:
             self.wandb.log(scalars, step=step)
 
     def print(self, text: str) -> None:
+        """Show `text` on rank 0's console, above the progress bar when there is one."""
         if self.enabled:
             (self.bar.write if self.bar is not None else print)(text)
 
     def close(self) -> None:
+        """Close the progress bar, metrics.jsonl and the TensorBoard and wandb writers."""
         if self.bar is not None:
             self.bar.close()
         if self.file is not None:

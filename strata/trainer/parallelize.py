@@ -266,6 +266,7 @@ class ParallelModel:
             return self.loss_fn(self.run(self.parts[0], inputs), targets)
 
     def train(self, mode: bool = True) -> None:
+        """Put every model part of this rank in training (or, with `mode` False, eval) mode."""
         for part in self.parts:
             part.train(mode)
 
@@ -284,6 +285,7 @@ class ParallelModel:
             self.engine.rebuild()
 
     def close(self) -> None:
+        """Let the memory tiers and the ZeRO engine go (their files, threads and buffers)."""
         if self.tiers:
             self.tiers.close()
         self.engine.close()

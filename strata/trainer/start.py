@@ -185,7 +185,10 @@ def init_weights(trainer: Starting) -> Path:
 
 def _load(trainer: Starting, ckpt: Checkpoint | DcpCheckpoint) -> Path:
     verify = trainer.cfg.checkpoint.verify_on_load
-    return trainer.state.load(ckpt, verify, trainer.checkpoints.agree)
+    path = trainer.state.load(ckpt, verify, trainer.checkpoints.agree)
+    trainer.start_notes += trainer.state.notes
+    trainer.state.notes.clear()
+    return path
 
 
 def _open(trainer: Starting, path: Path) -> Checkpoint | DcpCheckpoint:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -39,6 +39,18 @@ if TYPE_CHECKING:
     from strata.checkpoint.dcp_source import DcpCheckpoint
 
 
+class Stateful(Protocol):
+    """A part of the trainer whose state a checkpoint keeps beside the step (the spike guard)."""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this part (plain values)."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put back what `state_dict` gave."""
+        ...
+
+
 class TrainState:
     """This rank's training state: the parallel model (parameters and optimizer state, wherever the
     engine and tiers keep them), the data position, the RNG and the step."""
@@ -48,6 +60,9 @@ class TrainState:
     ):
         self.model, self.loader, self.rank = model, loader, rank
         self.step = 0
+        # rank 0's trainer state keeps these (`trainer.parts` in a checkpoint), each by its name
+        self.parts: dict[str, Stateful] = {}
+        self.notes: list[str] = []  # what a load could not put back, for the run to print
         self._pieces = CachedPieces()  # made again only when a tensor they view is replaced
         layout, zero = model.topo.layout, cfg.zero
         self.layout = {
@@ -77,7 +92,11 @@ class TrainState:
         )
         objects = (
             {
-                "trainer": {"step": step, "data": self.loader.state_dict()},
+                "trainer": {
+                    "step": step,
+                    "data": self.loader.state_dict(),
+                    "parts": {name: part.state_dict() for name, part in self.parts.items()},
+                },
                 "optim.param_groups": self._param_groups(),
             }
             if self.rank == 0
@@ -196,10 +215,22 @@ class TrainState:
         for piece in rng:
             torch.set_rng_state(piece.tensor)
         self.step = int(state["step"])
+        self._load_parts(state.get("parts", {}), ckpt.path)
         momentum = [m.optimizer.state[p].pop("co2_momentum", None) for p in m.params]
         if m.co2:
             m.co2.restart(self.step, None if any(x is None for x in momentum) else momentum)
         return ckpt.path
+
+    def _load_parts(self, saved: dict, path: Path) -> None:
+        """Put back each part's saved state; a part a checkpoint lacks (saved before it was kept)
+        starts afresh, with a note."""
+        for name, part in self.parts.items():
+            if name in saved:
+                part.load_state_dict(saved[name])
+            else:
+                self.notes.append(
+                    f"{path} holds no {name} state (an older checkpoint): it starts afresh"
+                )
 
     def load_weights(
         self, ckpt: Checkpoint | DcpCheckpoint, agree: Callable[[list[str], str], None]

@@ -408,7 +408,7 @@ def test_without_lm_eval_the_error_names_the_extra(monkeypatch, tmp_path, capsys
     code, out = run_cli(
         ["eval", str(tmp_path / "e.yaml"), "--resume", str(tmp_path), "--tasks", "x"], capsys
     )
-    assert code == 2 and "pip install 'strata-train[eval]'" in out, out
+    assert code == 2 and "pip install -e '.[eval]'" in out, out
     from strata.inference.harness import (
         main,
     )  # lm-eval's command line: the same message, exit status 2
@@ -416,7 +416,7 @@ def test_without_lm_eval_the_error_names_the_extra(monkeypatch, tmp_path, capsys
     monkeypatch.setattr(sys, "argv", ["harness", "--model", "strata", "--tasks", "x"])
     with pytest.raises(SystemExit) as done:
         main()
-    assert done.value.code == 2 and "pip install 'strata-train[eval]'" in capsys.readouterr().err
+    assert done.value.code == 2 and "pip install -e '.[eval]'" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # lm-eval's command line indexes its own tasks (13 s)

@@ -13,7 +13,7 @@ PRODUCT = ROOT / "strata"
 WIDTH = 100
 LONG_LINES_CEILING = 283  # lines over WIDTH in strata/ today
 LONG_LINES_SHARE = 0.03
-UNDOCUMENTED_METHODS_CEILING = 126  # public methods of strata/'s classes without a docstring today
+UNDOCUMENTED_METHODS_CEILING = 120  # public methods of strata/'s classes without a docstring today
 
 
 def product_files() -> list[Path]:

@@ -17,7 +17,7 @@ from strata.data.tokens import TokenDataset
 from strata.model import build_model, lm_loss
 
 from conftest import tiny_overrides
-from worlds import _train_rank, final_params, run_world, strata, train_run
+from worlds import REPO, _train_rank, final_params, run_world, strata, train_run, train_world
 
 
 class Windows:
@@ -159,3 +159,34 @@ def test_whole_split_evaluation_is_a_plain_pass_over_every_window_in_any_layout(
     assert record["step"] == 6 and record["eval"][str(small_data_dir)]["loss"] == pytest.approx(
         one[6], rel=1e-5
     )
+
+
+@pytest.mark.slow  # a 1-process run and a world of 2
+def test_whole_split_evaluation_under_expert_parallelism_does_not_hang(small_data_dir, tmp_path):
+    # a split whose end leaves the second replica one micro-batch short: without padding its
+    # experts' all-to-all would wait for a peer that never comes
+    micro, dp = 8, 2
+    seq = next(
+        s for s in range(64, 129, 8) if 0 < len(TokenDataset(small_data_dir, "val", s)) % 16 <= 8
+    )
+    experiment = REPO / "configs" / "moe-tiny.yaml"
+    settings = [
+        f"data.path={small_data_dir}",
+        f"model.seq_len={seq}",
+        "train.steps=2",
+        "train.eval_batches=0",
+        "train.eval_at_start=true",
+        f"train.micro_batch_size={micro}",
+        "checkpoint.interval=0",
+        "checkpoint.save_final=false",
+        "log.progress=false",
+        "log.name=t",
+    ]
+    runs = {}
+    for name, nproc, extra in (("one", 1, []), ("ep2", dp, ["parallel.ep=2"])):
+        root = tmp_path / name
+        train_world([str(experiment), *settings, f"log.dir={root}", *extra], nproc, root)
+        runs[name] = eval_losses(root / "t")
+    assert runs["one"].keys() == runs["ep2"].keys() == {0, 2}
+    for step, loss in runs["one"].items():
+        assert runs["ep2"][step] == pytest.approx(loss, rel=1e-5), step

@@ -75,16 +75,32 @@ class TrainConfig:
     )
     spike_sigma: float = opt(
         6.0,
-        "loss-spike guard: a step whose loss or gradient norm exceeds the mean of the last "
-        "train.spike_window accepted steps by this many standard deviations updates nothing (as "
-        "OLMo-core's skip-step optimizer); 0: off",
+        "loss-spike guard: a step whose loss exceeds the median of the last train.spike_window "
+        "judged steps by this many robust deviations (1.4826 x their median absolute deviation, at "
+        "least 1% of the median) updates nothing, and neither does one whose gradient norm exceeds "
+        "train.spike_grad_ratio x its median; the guard watches once optim.warmup_steps have ended "
+        "and judges once train.spike_min_steps steps after them are known; its state is "
+        "checkpointed (docs/OPERATIONS.md). 0: off",
         min=0.0,
     )
     spike_window: int = opt(
-        128, "accepted steps the spike guard's running mean and deviation cover", min=2
+        128,
+        "judged steps (spikes included) the spike guard's medians cover: a lasting level shift "
+        "stops being a spike once it fills half of them",
+        min=2,
     )
     spike_min_steps: int = opt(
-        20, "steps the spike guard watches before it judges (its statistics need a history)", min=2
+        20,
+        "steps after optim.warmup_steps the spike guard watches before it judges (at most "
+        "train.spike_window)",
+        min=2,
+    )
+    spike_grad_ratio: float = opt(
+        10.0,
+        "spike guard: a gradient norm above this many times the median of the window's is a spike "
+        "(clipping already bounds an update, and fine-tuning's norm rises for a while; 0: the "
+        "gradient norm is not judged)",
+        min=0.0,
     )
     max_spike_steps: int = opt(
         10,
