@@ -403,7 +403,7 @@ def test_without_lm_eval_the_error_names_the_extra(monkeypatch, tmp_path, capsys
     from strata.inference.harness import run_tasks
 
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
-    with pytest.raises(StrataError, match=r"needs lm-eval: pip install 'strata-train\[eval\]'"):
+    with pytest.raises(StrataError, match=r"needs lm-eval: pip install -e '\.\[eval\]'"):
         run_tasks(tmp_path, ["x"])
     code, out = run_cli(
         ["eval", str(tmp_path / "e.yaml"), "--resume", str(tmp_path), "--tasks", "x"], capsys

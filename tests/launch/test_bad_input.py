@@ -625,14 +625,18 @@ CASES = [
     ),
     Case("data-val-missing", launch_data(val="absent"), ("val.bin",)),
     Case(
+        # meta.json records the largest id (as `strata data prepare` writes it): refused before
+        # any worker starts, without reading the tokens
         "data-vocab-below-ids",
-        launch_data(meta={"dtype": "uint16", "vocab_size": 100}),
-        ("train.bin", "token id 199", "vocab_size=100"),
+        launch_data(meta={"dtype": "uint16", "vocab_size": 100, "max_id": 199}),
+        ("token id 199", "max_id", "vocab_size=100"),
     ),
     Case(
         "data-vocab-below-val-ids",
-        launch_data(val=np.full(100, 300), meta={"dtype": "uint16", "vocab_size": 257}),
-        ("val.bin", "token id 300"),
+        launch_data(
+            val=np.full(100, 300), meta={"dtype": "uint16", "vocab_size": 257, "max_id": 300}
+        ),
+        ("token id 300", "vocab_size=257"),
     ),
     # --- checkpoints
     Case(
@@ -918,7 +922,7 @@ def test_in_a_subprocess_bad_input_is_one_message_and_exit_2(tmp_path):
     count, a data directory whose ids exceed its vocabulary (under launch: before torchrun starts)."""
     dup = config_file(tmp_path, "train:\n  steps: 5\n  steps: 6\n")
     latin1 = str(write(tmp_path / "latin1.yaml", b"log:\n  name: caf\xe9\n"))
-    data = token_dir(tmp_path, meta={"dtype": "uint16", "vocab_size": 100})
+    data = token_dir(tmp_path, meta={"dtype": "uint16", "vocab_size": 100, "max_id": 199})
     runs = [
         (["config", "show", dup], "duplicate key 'steps'"),
         (["train", latin1], "not UTF-8"),
