@@ -125,6 +125,7 @@ def sbatch_script(
         f"{python} -m torch.distributed.run --nnodes={job.nodes} "
         f"--nproc-per-node={job.gpus_per_node} "
         '--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$SLURM_JOB_ID" '
+        '--rdzv-conf=is_host="$is_host" '
         f"--max-restarts={job.max_restarts} {worker_line}"
     )
     lines = [
@@ -137,8 +138,14 @@ def sbatch_script(
         secret, step = _snapshot_step(python, torchrun)
         lines.append(secret)
     else:
-        step = f"srun --kill-on-bad-exit=1 {torchrun}"
+        step = f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(IS_HOST + f'exec {torchrun}')}"
     return "\n".join(lines + _stop_and_requeue(step))
+
+
+# Each node's torchrun is told whether it hosts the rendezvous store (the allocation's first node
+# does): torchrun would guess it by matching the endpoint against its host's name and addresses,
+# and a routable address of a host whose name resolves to loopback matches none of them.
+IS_HOST = 'is_host=0; if [ "$SLURM_NODEID" = 0 ]; then is_host=1; fi; '
 
 
 def _directives(job: SlurmJob) -> list[str]:
@@ -265,7 +272,7 @@ def _snapshot_step(python: str, torchrun: str) -> tuple[str, str]:
         f"{python} -m strata.launch.snapshot_agent"
         ' --socket "$sock" --advertise "$(hostname)" --parent $$ & '
         'while [ ! -S "$sock" ]; do sleep 0.1; done; export STRATA_SNAPSHOT_SOCKET="$sock"; '
-        f"exec {torchrun}"
+        f"{IS_HOST}exec {torchrun}"
     )
     secret = f"export STRATA_SNAPSHOT_SECRET=$({python} -c 'import secrets; print(secrets.token_hex(32))')"
     return secret, f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(node)}"

@@ -232,6 +232,10 @@ def _stand_ins(bin_dir: Path, log: Path, getent: str, all_ips: str) -> dict[str,
     tools = {
         "scontrol": "echo node-a; echo node-b\n",
         "srun": (
+            # the job step (srun ... bash -c CMD): CMD as the first node expands it, exec echoed
+            'if [ "${2:-}" = bash ] && [ "${3:-}" = -c ]; then\n'
+            '  set -- "$1" "$(SLURM_NODEID=0 bash -c "${4//exec /echo }")"\n'
+            "fi\n"
             f'echo "srun $* gloo=${{GLOO_SOCKET_IFNAME:-}} nccl=${{NCCL_SOCKET_IFNAME:-}}" >> {log}\n'
             'case "$*" in\n'
             "  *interface_address*) echo 10.0.0.5 ;;\n"
@@ -295,6 +299,9 @@ def test_rendezvous_is_on_a_routable_address_of_the_head_node(
     assert code == 0, said
     launch = _run_script(script, env, log)
     assert f"--rdzv-endpoint={endpoint}:29500" in launch
+    # the first node hosts the store, told so: torchrun's own guess fails where the host's name
+    # resolves to loopback and the endpoint is its routable address
+    assert "--rdzv-conf=is_host=1" in launch
 
 
 def test_job_carries_net_ifname_and_the_users_sbatch_options(tmp_path, capsys):
