@@ -103,7 +103,13 @@ def _fake_slurm_tools(bin_dir, log):
     bin_dir.mkdir()
     tools = {
         "scontrol": "echo node-a; echo node-b; echo node-c; echo node-d\n",
-        "srun": f'echo "srun $*" >> {log}\ncase "$*" in *hostname*) echo 127.0.0.1 ;; esac\n',
+        # the job step (srun ... bash -c CMD) logged as the first node expands it, exec echoed
+        "srun": (
+            'if [ "${2:-}" = bash ] && [ "${3:-}" = -c ] && [ "${4#is_host=}" != "${4:-}" ]; then\n'
+            '  set -- "$1" "$(SLURM_NODEID=0 bash -c "${4//exec /echo }")"\n'
+            "fi\n"
+            f'echo "srun $*" >> {log}\ncase "$*" in *hostname*) echo 127.0.0.1 ;; esac\n'
+        ),
         "sbatch": f'echo "sbatch $*" >> {log}\necho "Submitted batch job 42"\n',
     }
     for name, body in tools.items():

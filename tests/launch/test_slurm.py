@@ -233,7 +233,7 @@ def _stand_ins(bin_dir: Path, log: Path, getent: str, all_ips: str) -> dict[str,
         "scontrol": "echo node-a; echo node-b\n",
         "srun": (
             # the job step (srun ... bash -c CMD): CMD as the first node expands it, exec echoed
-            'if [ "${2:-}" = bash ] && [ "${3:-}" = -c ]; then\n'
+            'if [ "${2:-}" = bash ] && [ "${3:-}" = -c ] && [ "${4#is_host=}" != "${4:-}" ]; then\n'
             '  set -- "$1" "$(SLURM_NODEID=0 bash -c "${4//exec /echo }")"\n'
             "fi\n"
             f'echo "srun $* gloo=${{GLOO_SOCKET_IFNAME:-}} nccl=${{NCCL_SOCKET_IFNAME:-}}" >> {log}\n'

@@ -125,19 +125,15 @@ def check_device(name: str) -> None:
 
 
 def free_bytes(device: str) -> int:
-    """Memory free for new allocations on `device`: the GPU's free memory, else the host's
-    MemAvailable."""
+    """Memory free for new allocations on `device` (`runtime.available_bytes`: the GPU's free
+    memory, else the host's MemAvailable), or the host's free pages where that cannot be read."""
     import torch
 
-    if device.startswith("cuda"):
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    from strata.parallel.runtime import available_bytes
+
+    free = available_bytes(torch.device(device))
+    if free is not None:
+        return free
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

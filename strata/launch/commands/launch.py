@@ -187,17 +187,10 @@ def _worker(args: argparse.Namespace, config_path: str) -> WorkerCommand:
 
 def _run_slurm(args: argparse.Namespace) -> int:
     """Write the sbatch script, and submit it unless --no-submit."""
-    from strata import config
     from strata.launch import slurm
 
     options = slurm.sbatch_options(args.sbatch_option)
-    cfg = config.load(
-        args.config,
-        args.overrides,
-        world_size=args.nodes * args.gpus_per_node,
-        local_world_size=args.gpus_per_node,
-    )
-    config.check_trainable(cfg)
+    cfg = _checked_config(args, args.nodes, args.gpus_per_node)
     warn_memory(cfg, args.nodes, args.gpus_per_node)
     job = slurm.SlurmJob(
         name=cfg.run_name(),
@@ -228,13 +221,7 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     from strata.launch import torchrun
 
     # fail before starting workers
-    cfg = config.load(
-        args.config,
-        args.overrides,
-        world_size=args.nproc * args.nnodes,
-        local_world_size=args.nproc,
-    )
-    config.check_trainable(cfg)
+    cfg = _checked_config(args, args.nnodes, args.nproc)
     problem = config.snapshot_nodes_problem(cfg.snapshot, args.nnodes)
     if problem:
         raise StrataError(problem)
@@ -297,3 +284,15 @@ def _check_checkpoints(cfg: Config, resume: str | None, locks: bool = True) -> N
     found = [p.name for p in store.committed(root)]
     if found and not cfg.checkpoint.overwrite and not cfg.snapshot.every_steps:
         raise store.earlier_run_error(root, found)
+
+
+def _checked_config(args: argparse.Namespace, nodes: int, per_node: int):
+    """The config loaded and checked for `nodes` nodes of `per_node` ranks, and trainable: every
+    problem refused here, before a worker or a job starts."""
+    from strata import config
+
+    cfg = config.load(
+        args.config, args.overrides, world_size=nodes * per_node, local_world_size=per_node
+    )
+    config.check_trainable(cfg)
+    return cfg
