@@ -56,6 +56,7 @@ and `parallel.experts.make_dispatch` alike.
 
 from __future__ import annotations
 
+import abc
 import itertools
 from dataclasses import dataclass, field
 from typing import ClassVar, overload
@@ -81,7 +82,7 @@ EXPERT_DIMS = ("pp", "edp", "ep")  # an ExpertLayout's
 HARDWARE = ("node", "gpu", "gcd")  # hardware coordinates, outermost to innermost
 
 
-class Grid:
+class Grid(abc.ABC):
     """Ranks as a grid of three parallel dimensions, `DIMS` outermost first (the pipeline stage,
     the data dimension whose ranks reduce gradients and partition state, and an inner dimension of
     consecutive ranks), and how they sit on the hardware. `Layout` and `ExpertLayout` name them;
@@ -239,13 +240,13 @@ class Grid:
             )
         return pieces
 
+    @abc.abstractmethod
     def _described(self) -> str:
         """The degrees as a message names them."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _even_fix(self, level: str) -> str:
         """What makes a level's pieces of the data-dimension groups equally large."""
-        raise NotImplementedError
 
     def replica_groups(self, level: str) -> list[list[int]]:
         """For each data-dimension group, the ranks at the same position of their `within_dp`
