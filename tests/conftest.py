@@ -100,6 +100,21 @@ def prepare_readme(out: Path, tokenizer: str) -> Path:
     return out
 
 
+def tiny_hf_llama(directory: Path) -> Path:
+    """A tiny random Hugging Face Llama (vocabulary 64, width 32, one layer) saved to `directory`
+    by transformers itself, offline; skips the test where transformers is missing."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(directory)
+    return directory
+
+
 def hf_run_overrides(
     hf_dir: Path | str, data_dir: Path, run_root: Path, seq_len: int, **extra
 ) -> list[str]:

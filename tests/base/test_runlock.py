@@ -22,7 +22,7 @@ from strata.checkpoint import store
 from strata.launch import torchrun
 from strata.runlock import LOCK_NAME, RunLocked, RunLocks, check_free, holder
 
-from conftest import run_cli, tiny_overrides
+from conftest import run_cli, tiny_hf_llama, tiny_overrides
 from worlds import start_strata, strata
 
 
@@ -186,16 +186,7 @@ def test_reshard_refuses_another_runs_checkpoints_and_prunes_nothing(small_data_
 
 @pytest.mark.slow
 def test_import_hf_refuses_a_directory_with_checkpoints(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    hf_dir = tmp_path / "hf"
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-    )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(hf_dir)
+    hf_dir = tiny_hf_llama(tmp_path / "hf")
     out = tmp_path / "out"
     first = strata("ckpt", "import-hf", str(hf_dir), str(out))
     assert first.returncode == 0, first.stderr[-4000:]
@@ -274,15 +265,7 @@ def test_train_and_launch_refuse_a_linked_lock_and_keep_the_file(tmp_path, capsy
 
 @pytest.mark.slow
 def test_import_hf_refuses_a_linked_lock_in_out_and_keeps_the_file(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-    )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    tiny_hf_llama(tmp_path / "hf")
     target = linked_lock(tmp_path / "out", tmp_path / "notes.txt")
     code, out = run_cli(["ckpt", "import-hf", str(tmp_path / "hf"), str(tmp_path / "out")], capsys)
     assert code == 2 and "it is a symbolic link" in out and "Traceback" not in out, out

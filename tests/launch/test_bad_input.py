@@ -15,7 +15,7 @@ import pytest
 
 from strata.launch import torchrun
 
-from conftest import run_cli
+from conftest import run_cli, tiny_hf_llama
 from worlds import REPO, strata
 
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -176,15 +176,7 @@ def symlink_loop_checkpoint(tmp: Path) -> Path:
 
 def hf_model_contradicting_its_config(tmp: Path) -> Path:
     """A tiny Hugging Face Llama whose config.json says a narrower MLP than its weights hold."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-    )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp / "hf")
+    tiny_hf_llama(tmp / "hf")
     config = json.loads((tmp / "hf" / "config.json").read_text())
     write(tmp / "hf" / "config.json", json.dumps({**config, "intermediate_size": 48}))
     return tmp / "hf"

@@ -286,7 +286,7 @@ def _check_checkpoints(cfg: Config, resume: str | None, locks: bool = True) -> N
         raise store.earlier_run_error(root, found)
 
 
-def _checked_config(args: argparse.Namespace, nodes: int, per_node: int):
+def _checked_config(args: argparse.Namespace, nodes: int, per_node: int) -> Config:
     """The config loaded and checked for `nodes` nodes of `per_node` ranks, and trainable: every
     problem refused here, before a worker or a job starts."""
     from strata import config
