@@ -3,7 +3,8 @@ the background and load into any layout, and the worker's side of in-memory snap
 
 Saving: `pieces` (each rank's boxes of the globally named state), `write_plan` and `blob` (who
 writes which bytes, as torch.save blobs), `stage` (the rank's file image in shared memory),
-`writer` (persisting it, inline or in a writer process; the commit), `manager` (the training job's
+`image_check` (a background save's writer checking the image before it writes), `writer`
+(persisting it, inline or in a writer process; the commit), `manager` (the training job's
 side), `store` (committed step directories), `integrity` (CRC-32C per block), `dcp_meta` (DCP's
 `.metadata`). Loading: `reader` (box intersection, reading only the bytes needed) and `layout`
 (matching keys and shapes); foreign sources read through the reader's interface: `hf_weights` (a

@@ -22,7 +22,7 @@ import yaml
 from strata.checkpoint import store
 from strata.config.schema import Config
 from strata.errors import CheckpointError, ConfigError
-from strata.hf import config_json
+from strata.hf import byte_tokenizer, config_json
 
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # The tokenizer's files besides tokenizer.json that a source model directory may hold
@@ -60,6 +60,7 @@ class _RunTokenizer:
     data: bytes | None
     eot_token: str | None
     eot: int | None
+    byte_level: bool = False  # Strata's byte tokens, spelled as a tokenizer.json (`byte_tokenizer`)
 
 
 def hf_metadata(cfg: Config, computed: dict[str, Any], force: bool = False) -> Metadata:
@@ -132,7 +133,8 @@ def _origin(init_from: str | None) -> Path | None:
 
 def _run_tokenizer(cfg: Config, force: bool) -> _RunTokenizer:
     """The tokenizer.json the run's prepared data names (data.path, or the first source's: one
-    tokenizer), with its end-of-document token."""
+    tokenizer), with its end-of-document token; for byte-level tokens (`strata data prepare
+    --tokenizer bytes`, the built-in corpus) the one `byte_tokenizer` spells."""
     prepared = cfg.data.prepared_dir()
     data = Path(prepared) if prepared else None
     try:
@@ -140,6 +142,15 @@ def _run_tokenizer(cfg: Config, force: bool) -> _RunTokenizer:
     except (OSError, ValueError):
         meta = None
     info = meta.get("tokenizer") if isinstance(meta, dict) else None
+    byte_level = info == "byte" or isinstance(info, dict) and info.get("kind") == "bytes"
+    # the built-in corpus is byte-level too, but a model that started elsewhere (an import) has
+    # its source's tokenizer, not the corpus's
+    builtin = data is None and not cfg.model.init_from
+    if builtin or byte_level:  # "byte": meta.json's first format, byte-level only
+        spelled = json.dumps(byte_tokenizer.byte_level_tokenizer(), ensure_ascii=False)
+        return _RunTokenizer(
+            spelled.encode(), byte_tokenizer.EOT_TOKEN, byte_tokenizer.EOT_ID, byte_level=True
+        )
     if data is None or not isinstance(info, dict) or not info.get("file"):
         return _RunTokenizer(None, None, None)
     eot_token = info.get("eot_token") if isinstance(info.get("eot_token"), str) else None
@@ -236,7 +247,7 @@ def _tokenizer(out: Metadata, run_tok: _RunTokenizer, source: _Source | None) ->
         out.files.update((n, d) for n in TOKENIZER_EXTRAS if (d := source.file(n)) is not None)
     if tokenizer is None:
         out.notes.append(
-            "no tokenizer exported: the run's data is byte-level (or its tokenizer was not found)"
+            "no tokenizer exported: the run's data records none (or its tokenizer was not found)"
         )
         return
     out.files["tokenizer.json"] = tokenizer
@@ -249,6 +260,11 @@ def _tokenizer(out: Metadata, run_tok: _RunTokenizer, source: _Source | None) ->
     if run_tok.eot_token is not None:
         settings["eos_token"] = run_tok.eot_token
     out.files["tokenizer_config.json"] = (json.dumps(settings, indent=2) + "\n").encode()
+    if run_tok.byte_level:
+        out.notes.append(
+            "tokenizer.json for the run's byte-level tokens: ids 0..255 are UTF-8 bytes, "
+            f"{run_tok.eot} is {run_tok.eot_token}"
+        )
     out.notes.append(
         "tokenizer_config.json from the run's config: model_max_length "
         f"{settings['model_max_length']}, "

@@ -27,11 +27,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from strata.checkpoint import store, writer
+from strata.checkpoint import image_check, store, writer
+from strata.checkpoint.blob import torch_dtype
 from strata.checkpoint.pieces import FixedState, Piece, SavableState, StateContents, whole_piece
 from strata.checkpoint.stage import (
     OBJECTS_FILE,
     SharedImage,
+    StageCheck,
     Staging,
     index_of,
     objects_blob,
@@ -47,6 +49,40 @@ WRITING, WRITTEN, DONE = 0, 1, 2
 ON_DISK_FULL = ("stop", "retry")
 
 
+@dataclass(frozen=True)
+class MagnitudeBound:
+    """A limit on the magnitude of the saved tensors whose keys start with `prefix`."""
+
+    prefix: str
+    limit: float
+
+
+@dataclass(frozen=True)
+class _PlanChecks:
+    """A plan's checks: which items a magnitude bound measures, as flags per item (checked while
+    staging) and as the writer's spans of floating-point boxes (`image_check`), and whether the
+    writer can read every such box's dtype."""
+
+    staging: Staging
+    bounded: list[bool]
+    spans: tuple[image_check.Span, ...]
+    checkable: bool
+
+    @classmethod
+    def of(cls, staging: Staging, bound: MagnitudeBound | None) -> _PlanChecks:
+        """The checks of `staging`'s items under `bound`."""
+        bounded = [bound is not None and it.key.startswith(bound.prefix) for it in staging.items]
+        floats = [
+            (it, b)
+            for it, b in zip(staging.items, bounded)
+            if torch_dtype(it.dtype).is_floating_point
+        ]
+        spans = tuple(
+            image_check.Span(it.data_offset, it.box.numel, it.dtype, b) for it, b in floats
+        )
+        return cls(staging, bounded, spans, image_check.checkable([it.dtype for it, _ in floats]))
+
+
 @dataclass
 class _Save:
     """A save in flight."""
@@ -57,6 +93,7 @@ class _Save:
     commit_sent: bool = False
     error: str | None = None
     no_room: bool = False  # the error is a writer's DiskFullError
+    verdict: image_check.Verdict | None = None  # the writer refused the image (`image_check`)
 
 
 class CheckpointManager:
@@ -84,6 +121,10 @@ class CheckpointManager:
         self.skipped: dict[int, str] = {}
         self._staging: Staging | None = None
         self._dsts: list[torch.Tensor] = []  # the staging image's view for each item of the plan
+        self._checks: _PlanChecks | None = None  # what a save of the current plan checks
+        self._screen: image_check.Screen | None = None  # the writer's checks of the save staged
+        self.largest = 0.0  # the largest magnitude a bound measured at the last save, every rank's
+        self._refused: tuple[int, image_check.Verdict] | None = None  # see take_refused
         self._inflight: _Save | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
@@ -138,7 +179,12 @@ class CheckpointManager:
 
     # --- saving ----------------------------------------------------------------------------
     def save(
-        self, step: int, state: SavableState, finite_only: bool = False, suspect: bool = False
+        self,
+        step: int,
+        state: SavableState,
+        finite_only: bool = False,
+        suspect: bool = False,
+        bound: MagnitudeBound | None = None,
     ) -> bool:
         """Save this rank's `state` as checkpoint `step`: its pieces, and rank 0's objects (trainer
         state, optimizer hyper-parameters) as DCP byte entries. Returns once the data is staged
@@ -149,7 +195,15 @@ class CheckpointManager:
         One small all-reduce agrees that every rank's plan still holds (copied optimistically into
         the image first) and, with `finite_only`, that every rank's state is finite. A `suspect`
         save (the run's spike guard fired lately) is marked so: retention keeps the newest checkpoint
-        that is not, besides the last `keep_last`."""
+        that is not, besides the last `keep_last`.
+
+        With `bound` (and `finite_only`), the largest magnitude of the tensors it names is measured
+        as they are staged and agreed in the same all-reduce (`largest` after the call): above the
+        bound's limit, nothing is written and the save returns False on every rank.
+
+        An asynchronous save staged on the CPU leaves both checks to the writers instead, so that
+        the call stalls for the copy alone: it returns True, and a refused image is discarded at a
+        later `poll` on every rank (`take_refused`)."""
         self.wait()
         contents = state.contents(step)
         pieces = contents.pieces
@@ -159,14 +213,24 @@ class CheckpointManager:
             shutil.rmtree(step_dir, ignore_errors=True)
         staging = self._staging
         same = staging is not None and staging.sources.take(pieces)
-        finite = same and stage(self._dsts, staging.sources, finite_only)  # type: ignore[union-attr]
-        flags = torch.tensor([int(same), int(finite)])
+        check = StageCheck(finite=False)
+        if same:
+            assert staging is not None
+            check = self._stage(staging, finite_only, bound)
+        # one MIN over (plan still holds, finite, -largest magnitude)
+        flags = torch.tensor(
+            [float(same), float(check.finite), -check.largest], dtype=torch.float64
+        )
         comm.all_reduce(flags, self.group, dim="checkpoint", op=dist.ReduceOp.MIN)
         if not flags[0]:  # a first save, or some rank's pieces changed: plan again, copy again
             staging = self._new_plan(pieces)
-            finite = stage(self._dsts, staging.sources, finite_only)
-            flags[1] = comm.all_true(finite, self.group, dim="checkpoint") if finite_only else 1
-        if not flags[1]:
+            check = self._stage(staging, finite_only, bound)
+            found = torch.tensor([float(check.finite), -check.largest], dtype=torch.float64)
+            if finite_only:
+                comm.all_reduce(found, self.group, dim="checkpoint", op=dist.ReduceOp.MIN)
+            flags[1:] = found
+        self.largest = -float(flags[2])
+        if not flags[1] or (bound is not None and self.largest > bound.limit):
             return False
         assert staging is not None  # kept or planned above
         extra: dict[str, bytes] = {}
@@ -186,11 +250,29 @@ class CheckpointManager:
             )
         if self.async_save:
             conn = self._start_writer()
-            conn.send(("write", step_dir, self.rank, staging.nbytes, extra))
+            conn.send(("write", step_dir, self.rank, staging.nbytes, extra, self._screen))
             self._inflight = _Save(step, commit_args)
             return True
         self._write_inline(step, step_dir, staging, extra, commit_args)
         return True
+
+    def _stage(
+        self, staging: Staging, finite_only: bool, bound: MagnitudeBound | None
+    ) -> StageCheck:
+        """Copy the state into the image (`stage`). The checks `finite_only` and `bound` ask for are
+        made as it copies, or, for an asynchronous save staged on the CPU, left to the writer
+        (`image_check`, after save() returns): then `self._screen` says what it checks."""
+        checks = self._checks
+        if checks is None or checks.staging is not staging:  # once per plan
+            checks = self._checks = _PlanChecks.of(staging, bound)
+        self._screen = None
+        if not finite_only:
+            return stage(self._dsts, staging.sources)
+        on_cpu = not any(v is not None and v.is_cuda for v in staging.sources.views)
+        if self.async_save and checks.checkable and on_cpu:
+            self._screen = image_check.Screen(checks.spans, bound.limit if bound else 0.0)
+            return stage(self._dsts, staging.sources)
+        return stage(self._dsts, staging.sources, True, checks.bounded)
 
     def _new_plan(self, pieces: list[Piece]) -> Staging:
         """A plan for these pieces (collective) and a staging image for it, templates written."""
@@ -297,6 +379,8 @@ class CheckpointManager:
                 if status == "error":
                     save.error = f"{kind} failed: {text[0]}"
                     save.no_room = bool(text[1:] and text[1])
+                elif status == "refused":
+                    save.verdict, save.state = text[0], DONE
                 elif kind == "write":
                     save.state = WRITTEN if self.rank == 0 else DONE
                 else:
@@ -315,13 +399,33 @@ class CheckpointManager:
         if save is None:
             return
         self._check_writer(save)
-        flags = torch.tensor([int(save.error is not None), -save.state])
+        verdict = save.verdict
+        flags = torch.tensor(
+            [
+                float(save.error is not None),
+                -save.state,
+                float(verdict is not None),
+                float(verdict is not None and not verdict.finite),
+                verdict.largest if verdict is not None else 0.0,
+            ],
+            dtype=torch.float64,
+        )
         comm.all_reduce(flags, self.group, dim="checkpoint", op=dist.ReduceOp.MAX)
         if flags[0]:
             self._inflight = None
             # it may still be writing this save: a new one starts for the next
             self._stop_writer(kill=True)
             self._agree_saved([save.error] if save.error else [], save.step, save.no_room)
+            return
+        if flags[2]:  # some rank's image failed its checks: nobody's part of it is kept
+            self._inflight = None
+            if save.state != DONE:
+                self._stop_writer(kill=True)
+            comm.barrier(self.group)  # every writer has stopped writing into the directory
+            if self.rank == 0:
+                store.discard_partial(store.partial_dir(self.root, save.step))
+            agreed = image_check.Verdict(finite=not flags[3], largest=float(flags[4]))
+            self._refused = (save.step, agreed)
             return
         lowest = -int(flags[1])
         if self.rank == 0 and lowest >= WRITTEN and not save.commit_sent:
@@ -330,6 +434,13 @@ class CheckpointManager:
             save.commit_sent = True
         if lowest == DONE:
             self._inflight = None
+
+    def take_refused(self) -> tuple[int, image_check.Verdict] | None:
+        """The step and verdict of an asynchronous save whose image the writers refused (some
+        element not finite, or a bounded magnitude above its limit), once; nothing of it was kept,
+        so the checkpoints committed before it stay the newest."""
+        refused, self._refused = self._refused, None
+        return refused
 
     def wait(self) -> None:
         """Until no save is in flight (collective: every rank leaves at the same poll)."""

@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from strata.atomic import write_file_atomic
-from strata.checkpoint import integrity, store
+from strata.checkpoint import image_check, integrity, store
 
 CHUNK = 16 * integrity.BLOCK  # a whole number of checksum blocks, so chunks' block CRCs line up
 DELAY_ENV = "STRATA_CKPT_TEST_WRITE_DELAY_S"  # tests: a slow writer, to kill it mid-save
@@ -208,9 +208,11 @@ def commit(
 
 
 def serve(image: memoryview, conn: Connection) -> None:
-    """The writer loop: ("write", step_dir, rank, nbytes, extra) and ("commit", step_dir, step,
-    world, index, config_yaml, keep_last) jobs from the trainer, answered ("ok", kind) or
-    ("error", kind, message, no_room: bool); None or a closed connection stops it."""
+    """The writer loop: ("write", step_dir, rank, nbytes, extra, screen) and ("commit", step_dir,
+    step, world, index, config_yaml, keep_last) jobs from the trainer, answered ("ok", kind),
+    ("error", kind, message, no_room: bool), or for a write whose image fails its screen
+    (`image_check`; None: no checks) ("refused", kind, verdict) with nothing written; None or a
+    closed connection stops it."""
     while True:
         try:
             job = conn.recv()
@@ -221,7 +223,12 @@ def serve(image: memoryview, conn: Connection) -> None:
         kind, args = job[0], job[1:]
         try:
             if kind == "write":
-                step_dir, rank, nbytes, extra = args
+                step_dir, rank, nbytes, extra, screen = args
+                if screen is not None:
+                    verdict = image_check.check(image, screen.spans)
+                    if not verdict.passes(screen.limit):
+                        conn.send(("refused", kind, verdict))
+                        continue
                 write_rank(step_dir, rank, image, nbytes, extra)
             else:
                 commit(*args)

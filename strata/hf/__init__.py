@@ -10,7 +10,8 @@ The package, from the bottom up (each module imports only those below it):
   (`unsupported`, `model_settings`, `conflicts`, `rope_parameters`), and the config.json for
   export (`hf_config`);
 - `tensor_names`: state_dict names both ways (`to_hf`, `to_strata`, `hf_sources`, `hf_targets`,
-  `expert_names`, `unused`, `missing`).
+  `expert_names`, `unused`, `missing`);
+- `byte_tokenizer`: the tokenizer.json that spells Strata's byte-level tokens, for an export.
 
 Code imports the module it needs; the names below are re-exported for `from strata.hf import X`.
 """

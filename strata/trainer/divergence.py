@@ -36,19 +36,13 @@ rank makes the same decision.
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 from strata.checkpoint import store
 from strata.config import TrainConfig
 from strata.errors import StrataError
-from strata.parallel import comm
 from strata.trainer.hooks import StepHook
 
 
@@ -258,23 +252,15 @@ def _median(values: list[float]) -> float:
 
 
 def implausible_weights(
-    params: Sequence[torch.Tensor], limit: float, group, step: int, checkpoint_dir: Path
+    largest: float, limit: float, step: int, checkpoint_dir: Path
 ) -> DivergedError | None:
-    """The error that stops a run, saving nothing, when a parameter's magnitude exceeds `limit`
-    (checkpoint.max_abs_weight; 0: no limit) on any rank (collective over `group`), else None:
-    finite weights of 1e29 verify as sound and resume into garbage."""
-    if not limit:
-        return None
-    held = [p.detach() for p in params if p.numel()]
-    local = (
-        max((float(n) for n in torch._foreach_norm(held, math.inf)), default=0.0) if held else 0.0
-    )
-    largest = torch.tensor([local if math.isfinite(local) else 0.0], dtype=torch.float64)
-    comm.all_reduce(largest, group, dim="checkpoint", op=dist.ReduceOp.MAX)
-    if largest.item() <= limit:
+    """The error that stops a run, saving nothing, when the largest parameter magnitude every
+    rank's save measured (`largest`) exceeds `limit` (checkpoint.max_abs_weight; 0: no limit), else
+    None: finite weights of 1e29 verify as sound and resume into garbage."""
+    if not limit or largest <= limit:
         return None
     return DivergedError(
-        f"step {step}: a parameter reached magnitude {largest.item():.3g}, above "
+        f"step {step}: a parameter reached magnitude {largest:.3g}, above "
         f"checkpoint.max_abs_weight={limit:g}: the run diverged, and this state was not saved. "
         f"Resume from the newest committed checkpoint with --resume {checkpoint_dir} and a lower "
         "optim.lr (or raise checkpoint.max_abs_weight if such weights are intended)"

@@ -173,8 +173,17 @@ def rewrite_checkpoint(cfg: Config, runtime: Runtime, source: Path, out: Path) -
     # `strata ckpt reshard` holds out's lock for its workers; the source run is only read
     trainer = Trainer(config_mod.replace(cfg, "checkpoint.dir", str(out)), runtime, writes=[])
     trainer.resume(source)
-    if not trainer.save():
+    saved = trainer.save()  # large weights raise DivergedError here, or at close below
+    trainer.checkpoints.close()
+    refused = trainer.checkpoints.take_refused()
+    if refused is not None and refused[1].finite:
+        limit = cfg.checkpoint.max_abs_weight
+        raise CheckpointError(
+            f"{source} holds a parameter of magnitude {refused[1].largest:.3g}, above "
+            f"checkpoint.max_abs_weight={limit:g}; {out} not written (raise the limit if such "
+            "weights are intended)"
+        )
+    if not saved or refused is not None:
         raise CheckpointError(
             f"{source} holds parameters or optimizer states that are not finite; {out} not written"
         )
-    trainer.checkpoints.close()

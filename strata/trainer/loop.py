@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from strata import config as config_mod
 from strata.checkpoint import store
-from strata.checkpoint.manager import CheckpointManager
+from strata.checkpoint.manager import CheckpointManager, MagnitudeBound
 from strata.config import Config
 from strata.data.loader import MixtureLoader, make_loader
 from strata.data.tokens import end_of_document
@@ -258,18 +258,23 @@ class Trainer:
         tensors (a box several ranks hold is split among them), in the background with
         `checkpoint.async`. Returns False, saving nothing, if any rank's state is not finite: a NaN
         checkpoint would verify as sound and resume into garbage. Since such a save never commits,
-        `keep_last` never counts it, and never prunes the newest finite checkpoint to make room."""
+        `keep_last` never counts it, and never prunes the newest finite checkpoint to make room.
+        Weights above checkpoint.max_abs_weight (measured as they are staged) stop the run, saving
+        nothing (`implausible_weights`)."""
         cfg = self.cfg
+        limit = cfg.checkpoint.max_abs_weight
         with self.state.ready_to_save():
-            params, limit = self.model.params, cfg.checkpoint.max_abs_weight
-            group, where = self.checkpoints.group, cfg.checkpoint_dir()
-            self._stop_with(implausible_weights(params, limit, group, self.step, where))
-            return self.checkpoints.save(
+            saved = self.checkpoints.save(
                 self.step,
                 self.state,
-                finite_only=True,  # checked as it is staged
+                finite_only=True,  # checked as it is staged, with the weights' magnitude
                 suspect=any(hook.suspect(self.step) for hook in self.hooks),
+                bound=MagnitudeBound("model.", limit) if limit else None,
             )
+        if not saved:
+            largest = self.checkpoints.largest
+            self._stop_with(implausible_weights(largest, limit, self.step, cfg.checkpoint_dir()))
+        return saved
 
     def snapshot(self) -> bool:
         """An in-memory snapshot of this step through the node's agent (collective); False if skipped."""
@@ -352,6 +357,7 @@ class Trainer:
         """What follows a logged step: the interval checkpoint, and before the last step evaluation,
         a snapshot, and stopping with a committed checkpoint when a stop signal came."""
         cfg = self.cfg
+        self._report_refused(log)
         if (
             cfg.train.eval_interval
             and self.step % cfg.train.eval_interval == 0
@@ -380,6 +386,7 @@ class Trainer:
         ):
             self._save_or_warn(log)
         self._close("the final checkpoint's commit")
+        self._report_refused(log)
 
     def _close(self, phase: str) -> None:
         """Commit the last save (and end the snapshots) before the run reports, under the watchdog's
@@ -409,6 +416,7 @@ class Trainer:
         if self.saved_step != self.step:
             self._save_or_warn(log)
         self._close("the stop checkpoint's commit")
+        self._report_refused(log)
         root = self.cfg.checkpoint_dir()
         newest = store.committed(root)[-1:] if self.rt.rank == 0 else []
         where = f"checkpoint {newest[0]}" if newest else f"no committed checkpoint under {root}"
@@ -422,12 +430,29 @@ class Trainer:
         refused = next((r for hook in self.hooks if (r := hook.refuse_save(self.step))), None)
         if refused is None:
             with watchdog.paused("checkpoint save"):
-                if self.save():
-                    return
+                saved = self.save()
+            self._report_refused(log)  # the save before, which this one waited for
+            if saved:
+                return
+        self._warn_not_saved(log, self.step, refused or "the training state is not finite")
+
+    def _report_refused(self, log: MetricsLogger) -> None:
+        """A background save whose image the writers refused (`CheckpointManager.take_refused`):
+        weights above checkpoint.max_abs_weight stop the run, a state that is not finite is warned
+        of as a save refused at once is."""
+        refused = self.checkpoints.take_refused()
+        if refused is None:
+            return
+        step, verdict = refused
+        if verdict.finite:
+            limit, where = self.cfg.checkpoint.max_abs_weight, self.cfg.checkpoint_dir()
+            self._stop_with(implausible_weights(verdict.largest, limit, step, where))
+        self._warn_not_saved(log, step, "the training state is not finite")
+
+    def _warn_not_saved(self, log: MetricsLogger, step: int, why: str) -> None:
         note = (
-            f"{refused or 'the training state is not finite'}: checkpoint step {self.step} not "
-            "saved, so the newest committed "
-            f"checkpoint under {self.cfg.checkpoint_dir()} stays the newest (and is kept)"
+            f"{why}: checkpoint step {step} not saved, so the newest committed checkpoint under "
+            f"{self.cfg.checkpoint_dir()} stays the newest (and is kept)"
         )
         log.print(f"warning: step {self.step}: {note}")
         log.write({"step": self.step, "checkpoint_refused": note})

@@ -1,6 +1,6 @@
-"""`strata ckpt export --format hf --overwrite` replaces what the export writes and nothing else: a file
-in OUT that this export would not write (a user's tokenizer, when the run has none to export) is
-refused, and stays as it was. A model no Hugging Face family expresses is refused by its key."""
+"""`strata ckpt export --format hf --overwrite` replaces what the export writes and nothing else: a
+file in OUT that this export would not write (a user's notes) is refused, and stays as it was. A
+model no Hugging Face family expresses is refused by its key."""
 
 from __future__ import annotations
 
@@ -22,19 +22,19 @@ def test_overwrite_replaces_only_what_the_export_writes(small_data_dir, tmp_path
     code, text = run_cli(["ckpt", "export", str(ckpt), str(out), "--format", "hf"], capsys)
     assert code == 0, text
     written = sorted(p.name for p in out.iterdir())
-    assert "tokenizer.json" not in written  # byte-level data: no tokenizer to export
+    assert "tokenizer.json" in written  # byte-level data: their tokenizer is spelled out
     code, text = run_cli(
         ["ckpt", "export", str(ckpt), str(out), "--format", "hf", "--overwrite"], capsys
     )
     assert code == 0, text  # an earlier export of the same files is replaced
-    (out / "tokenizer.json").write_text('{"the user": "put this here"}')
+    (out / "notes.md").write_text("the user put this here")
     code, text = run_cli(
         ["ckpt", "export", str(ckpt), str(out), "--format", "hf", "--overwrite"], capsys
     )
-    assert code == 2 and "holds files this export does not write (tokenizer.json)" in text, text
+    assert code == 2 and "does not write (notes.md)" in text, text
     assert "Traceback" not in text
-    assert (out / "tokenizer.json").read_text() == '{"the user": "put this here"}'
-    assert sorted(p.name for p in out.iterdir()) == sorted([*written, "tokenizer.json"])
+    assert (out / "notes.md").read_text() == "the user put this here"
+    assert sorted(p.name for p in out.iterdir()) == sorted([*written, "notes.md"])
 
 
 @pytest.mark.slow  # trains a tiny MoE run, exports it

@@ -27,6 +27,7 @@ from strata.checkpoint.pieces import (
 from strata.checkpoint.reader import Checkpoint
 from strata.checkpoint.stage import (
     CHECK_GRAIN,
+    StageCheck,
     copy_pieces,
     descriptors,
     image_views,
@@ -71,8 +72,12 @@ class Staged:
         self.views = image_views(self.image, self.plan.items)
 
     def stage(self, pieces: list[Piece], check_finite: bool = False) -> bool:
+        return self.check(pieces, check_finite).finite
+
+    def check(self, pieces: list[Piece], check_finite: bool = True, prefix: str = "") -> StageCheck:
         assert self.plan.sources.take(pieces)
-        return stage(self.views, self.plan.sources, check_finite)
+        bounded = [bool(prefix) and it.key.startswith(prefix) for it in self.plan.items]
+        return stage(self.views, self.plan.sources, check_finite, bounded)
 
     def reference(self, pieces: list[Piece]) -> torch.Tensor:
         out = torch.zeros_like(self.image)
@@ -146,6 +151,27 @@ def test_the_finiteness_check_finds_any_non_finite_element_and_still_copies(bad)
     pieces[2].tensor[0] = bad  # a small piece after the big one
     assert not staged.stage(pieces, check_finite=True)
     assert staged.stage(pieces, check_finite=False)  # no check asked: nothing is judged
+
+
+def test_the_largest_magnitude_is_measured_over_the_bounded_items_only():
+    n = 2 * CHECK_GRAIN + 5
+    big = torch.randn(n)
+    pieces = [whole_piece("model.big", big), whole_piece("optim.m", torch.randn(n)), *state(3)]
+    staged = Staged(pieces)
+    model_items = [
+        p.tensor for p in pieces if p.key.startswith("model.") and p.tensor.is_floating_point()
+    ]
+    expected = max(float(t.abs().max()) for t in model_items)
+    assert staged.check(pieces, prefix="model.") == StageCheck(True, expected)
+    big[-1] = -1e9  # in the last grain, negative
+    assert staged.check(pieces, prefix="model.") == StageCheck(True, 1e9)
+    pieces[1].tensor[0] = 5e9  # not bounded: not measured
+    assert staged.check(pieces, prefix="model.").largest == 1e9
+    assert staged.check(pieces, prefix="optim.").largest == 5e9
+    assert staged.check(pieces, check_finite=False, prefix="model.") == StageCheck()
+    big[3] = float("nan")  # not finite: no magnitude
+    assert staged.check(pieces, prefix="model.") == StageCheck(False, 0.0)
+    assert torch.equal(staged.image, staged.reference(pieces))
 
 
 def test_finite_values_whose_sum_overflows_are_finite():

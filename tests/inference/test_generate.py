@@ -291,3 +291,41 @@ def test_strata_generate_reads_a_checkpoint_dcp_wrote_alone_with_its_config(tmp_
     assert prompt + ByteTokenizer().decode(want) + "\n" + "-" * 40 in out, out
     code, out = run_cli(["generate", str(tmp_path / "dcp"), "--prompt", prompt], capsys)
     assert code == 2 and "give the experiment's config with --config CFG" in out, out
+
+
+@pytest.mark.slow  # trains a tiny byte-level run (3 steps) and exports it
+def test_a_byte_level_run_exports_a_tokenizer_that_transformers_and_strata_generate_read(
+    small_data_dir, tmp_path, capsys
+):
+    from strata.inference.source import open_model
+    from strata.parallel.runtime import start
+    from strata.trainer.jobs import train
+
+    from conftest import tiny_config
+
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny_config(small_data_dir, tmp_path, **{"train.steps": 3, "checkpoint.save_final": True})
+    train(cfg, start())
+    ckpt = store.committed(cfg.checkpoint_dir())[-1]
+    hf_dir = tmp_path / "hf"
+    code, said = run_cli(["ckpt", "export", str(ckpt), str(hf_dir), "--format", "hf"], capsys)
+    assert code == 0, said
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    text = "def héllo(wörld):\n\treturn '🙂'  "
+    assert tok(text)["input_ids"] == list(text.encode("utf-8"))  # a byte a token, nothing added
+    assert tok.decode(list(text.encode("utf-8")) + [256], skip_special_tokens=True) == text
+    assert (
+        tok.eos_token_id == 256 == json.loads((hf_dir / "config.json").read_text())["eos_token_id"]
+    )
+    # strata's greedy decoding of the checkpoint is transformers' of the export
+    opened = open_model(ckpt)
+    got = generate(opened.model, [opened.tokenizer.encode(t) for t in TEXTS], 12).tokens
+    assert got == transformers_greedy(hf_dir, TEXTS, 12)
+    outputs = []
+    for source in (ckpt, hf_dir):
+        code, out = run_cli(
+            ["generate", str(source), "--prompt", "def ", "--max-new-tokens", "8"], capsys
+        )
+        assert code == 0, out
+        outputs.append(_texts(out))
+    assert outputs[0] == outputs[1]

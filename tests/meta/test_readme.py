@@ -51,7 +51,8 @@ EXPECTED = {
     "train.steps=100 log.name=short": "done: step 100",
     "--resume runs/tiny/checkpoints     #": "done: step 500",
     "strata plot runs/tiny": "wrote runs/tiny/curves.png",
-    "--prompt 'def main('": "model: Strata checkpoint runs/tiny/checkpoints/step_00000500",
+    "checkpoints --prompt 'def main('": "model: Strata checkpoint runs/tiny/checkpoints/step_00000500",
+    "generate tiny-hf --prompt": "model: Hugging Face model tiny-hf",
     "--stream": "new tokens over 1 prompt(s)",
     "strata eval configs/tiny.yaml --resume runs/tiny/checkpoints    #": "bits/byte",
     "--nproc 2 --eval": "bits/byte",
@@ -141,5 +142,5 @@ def test_the_readme_commands_run_in_order_in_a_fresh_directory(tmp_path):
     tasks = work / "runs" / "tiny" / "eval_tasks.json"
     if tasks.exists():  # the sample task: the demo model beats chance, as the README says
         assert json.loads(tasks.read_text())["results"]["python_choice"]["acc,none"] > 0.5
-    assert (work / "tiny-hf" / "config.json").is_file()
+    assert (work / "tiny-hf" / "tokenizer.json").is_file()
     assert (work / "finetuned" / "tokenizer.json").is_file()

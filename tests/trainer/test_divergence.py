@@ -18,7 +18,8 @@ from strata.parallel.runtime import start
 from strata.trainer.divergence import DivergedError, SpikeGuard
 from strata.trainer.jobs import train as run
 
-from conftest import run_cli, tiny_config
+from conftest import run_cli, tiny_config, tiny_overrides
+from worlds import train_world
 
 
 def noisy(n: int, level: float = 3.0, seed: int = 0) -> list[float]:
@@ -126,6 +127,44 @@ def test_a_resumed_run_judges_spikes_as_the_uninterrupted_run_did(small_data_dir
     assert skipped_steps(resumed_cfg.run_dir()) == after
 
 
+def logged(run_dir) -> dict[int, dict]:
+    """metrics.jsonl's training records by step."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in lines if "loss" in r and "eval_loss" not in r}
+
+
+@pytest.mark.slow  # four 2-process runs of 24 steps: ~50 s on 2 cores
+@pytest.mark.parametrize("layout", [{"parallel.tp": 2}, {"parallel.pp": 2, "model.n_layers": 4}])
+def test_a_resume_in_a_multi_process_layout_judges_spikes_and_loses_nothing(
+    small_data_dir, tmp_path, layout
+):
+    extra = {
+        **layout,
+        "train.steps": 24,
+        "checkpoint.interval": 12,
+        "log.interval": 1,
+        "train.spike_sigma": 1.0,
+        "train.spike_window": 8,
+        "train.spike_min_steps": 4,
+        "train.max_spike_steps": 24,
+    }
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text("{}\n")
+    full_args = tiny_overrides(small_data_dir, tmp_path / "full", **extra)
+    train_world([str(experiment), *full_args], 2, tmp_path / "full")
+    full = logged(tmp_path / "full" / "t")
+    assert [s for s in full if s > 12 and "skipped" in full[s]], "the guard skips after the resume"
+    middle = store.step_dir(tmp_path / "full" / "t" / "checkpoints", 12)
+    resumed_args = tiny_overrides(small_data_dir, tmp_path / "resumed", **extra)
+    train_world([str(experiment), *resumed_args, "--resume", str(middle)], 2, tmp_path / "resumed")
+    resumed = logged(tmp_path / "resumed" / "t")
+    assert sorted(resumed) == list(range(13, 25))
+    assert [resumed[s]["loss"] for s in resumed] == [full[s]["loss"] for s in resumed]  # exact
+    assert [s for s in resumed if "skipped" in resumed[s]] == [
+        s for s in full if s > 12 and "skipped" in full[s]
+    ]
+
+
 def test_a_checkpoint_without_the_guard_state_resumes_with_a_fresh_guard(
     small_data_dir, tmp_path, capsys
 ):
@@ -162,13 +201,17 @@ def test_a_resume_at_a_diverging_learning_rate_stops_and_keeps_the_good_checkpoi
     assert "checkpoint step" in capsys.readouterr().out  # a save after a spike was refused
 
 
-def test_a_save_of_implausible_weights_is_refused_and_stops_the_run(small_data_dir, tmp_path):
-    cfg = tiny_config(
-        small_data_dir, tmp_path, **{"checkpoint.interval": 2, "checkpoint.max_abs_weight": 1e-3}
-    )
-    with pytest.raises(DivergedError, match=r"above checkpoint.max_abs_weight=0.001"):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_save_of_implausible_weights_is_refused_and_stops_the_run(
+    small_data_dir, tmp_path, background
+):
+    # a background save's writer checks the image: the run stops at the step after the save
+    extra = {"checkpoint.interval": 2, "checkpoint.max_abs_weight": 1e-3}
+    cfg = tiny_config(small_data_dir, tmp_path, **extra, **{"checkpoint.async": background})
+    with pytest.raises(DivergedError, match=r"step 2: .* above checkpoint.max_abs_weight=0.001"):
         run(cfg, start())
     assert store.committed(cfg.checkpoint_dir()) == []
+    assert not store.partial_dir(cfg.checkpoint_dir(), 2).exists()
 
 
 def save(mgr: CheckpointManager, step: int, suspect: bool) -> None:

@@ -134,6 +134,28 @@ def test_a_save_of_non_finite_state_is_refused_and_retention_keeps_the_good_one(
     assert not leftovers  # no partial save either (the run's lock file stays, by design)
 
 
+def test_a_background_save_of_non_finite_state_is_discarded_and_warned_of(small_data_dir, tmp_path):
+    """With checkpoint.async the writer checks the staged image, after save() returned: the run
+    warns at the next step, and the finite checkpoint before stays."""
+    cfg = tiny_config(
+        small_data_dir,
+        tmp_path,
+        **{"checkpoint.keep_last": 1, "checkpoint.async": True, "train.steps": 4},
+    )
+    trainer = Trainer(cfg, start())
+    trainer.train_step()
+    assert trainer.save()
+    trainer.train_step()
+    with torch.no_grad():
+        trainer.model.params[0].view(-1)[0] = math.nan
+    assert trainer.save()  # staged: the writer judges it
+    trainer.checkpoints.close()
+    step, verdict = trainer.checkpoints.take_refused()
+    assert step == 2 and not verdict.finite
+    assert [p.name for p in store.committed(cfg.checkpoint_dir())] == ["step_00000001"]
+    assert not store.partial_dir(cfg.checkpoint_dir(), 2).exists()
+
+
 def _dp_worker(rank: int, size: int, port: int, out_dir: str, cfg) -> None:
     """One rank of a dp=2 run in which only rank 1's loss turns NaN, at step 3."""
     import os
