@@ -165,7 +165,14 @@ def _evaluate_split(trainer: Trainer, data_dir: Path) -> tuple[TokenDataset, Eva
     """The validation split of `data_dir` and the loss of the trainer's model over all of it."""
     cfg = trainer.cfg
     dataset = TokenDataset(data_dir, "val", cfg.model.seq_len, key="--data")
-    found = evaluate(trainer.model, dataset, 0, cfg.train.micro_batch_size, trainer.topo)
+    found = evaluate(
+        trainer.model,
+        dataset,
+        0,
+        cfg.train.global_batch_size,
+        cfg.train.micro_batch_size,
+        trainer.topo,
+    )
     return dataset, found
 
 

@@ -256,10 +256,16 @@ class Trainer:
         return comm.all_reduce(value, self.topo.group("dp"), dim="dp")
 
     def evaluate(self) -> Evaluation:
-        """The validation loss over the evaluation batches of all dp ranks (`trainer.evaluate`)."""
+        """The validation loss over the first train.eval_batches global batches of the validation
+        split, the same at every world size (`trainer.evaluate`; collective)."""
         train = self.cfg.train
         return evaluate(
-            self.model, self.val_set, train.eval_batches, train.micro_batch_size, self.topo
+            self.model,
+            self.val_set,
+            train.eval_batches,
+            train.global_batch_size,
+            train.micro_batch_size,
+            self.topo,
         )
 
     # --- saving and resuming ----------------------------------------------------------------
