@@ -99,7 +99,9 @@ class _Save:
 class CheckpointManager:
     """Checkpoints under `root` for one rank of a `world` (collective calls over `group`, None in a
     world of one: every rank makes them); `config_yaml` is the run's config, saved with each.
-    `on_disk_full` ("stop" or "retry") is what a save that finds no room does."""
+    `on_disk_full` ("stop" or "retry") is what a save that finds no room does. Without `prepare`
+    (a job that only loads, as `strata eval`, whose checkpoint.dir a live run may be writing) it
+    leaves `root` alone: no probe file, no unfinished saves removed."""
 
     def __init__(
         self,
@@ -111,6 +113,7 @@ class CheckpointManager:
         group=None,
         config_yaml: str = "",
         on_disk_full: str = "stop",
+        prepare: bool = True,
     ):
         if on_disk_full not in ON_DISK_FULL:
             raise ValueError(f"on_disk_full must be one of {ON_DISK_FULL}, not {on_disk_full!r}")
@@ -128,6 +131,8 @@ class CheckpointManager:
         self._inflight: _Save | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
+        if not prepare:
+            return
         self.agree(
             _writable(self.root, rank), f"checkpoint.dir {self.root} cannot hold checkpoints"
         )

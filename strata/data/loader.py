@@ -140,21 +140,23 @@ class BatchLoader(_StepSplit):
         self.consumed_samples = int(state["consumed_samples"])
 
 
+def eval_windows(split: int, n_batches: int, global_batch: int) -> int:
+    """How many of a split of `split` windows an evaluation reads: the first n_batches ×
+    global_batch (`train.eval_batches` global batches, as Megatron's eval_iters ×
+    global_batch_size), the whole split where that is more or n_batches is 0. A count of the
+    global batch, so the same at every data-parallel size."""
+    return split if n_batches == 0 else min(split, n_batches * global_batch)
+
+
 def eval_batches(
-    dataset: TokenDataset | Mixture, n_batches: int, micro_batch: int, dp_rank: int, dp_size: int
+    dataset: TokenDataset | Mixture, windows: int, micro_batch: int, dp_rank: int, dp_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The same validation micro-batches at every evaluation: the first n_batches·micro_batch·dp
-    windows in order (wrapping if the split is small), rank r taking every dp-th micro-batch. With
-    n_batches 0, every window of the split once: the last micro-batches shorter, or none for a rank
-    the split's end leaves out."""
-    n = len(dataset)
-    if n_batches == 0:
-        for first in range(dp_rank * micro_batch, n, dp_size * micro_batch):
-            yield dataset.batch(list(range(first, min(first + micro_batch, n))))
-        return
-    for b in range(n_batches):
-        first = (b * dp_size + dp_rank) * micro_batch
-        yield dataset.batch([(first + k) % n for k in range(micro_batch)])
+    """The same validation micro-batches at every evaluation and every dp size: the split's first
+    `windows` windows in order (`eval_windows`), cut into micro-batches (the last one shorter where
+    micro_batch does not divide them), rank r taking every dp-th from the r-th; a rank the end
+    leaves out gets one micro-batch fewer, or none."""
+    for first in range(dp_rank * micro_batch, windows, dp_size * micro_batch):
+        yield dataset.batch(list(range(first, min(first + micro_batch, windows))))
 
 
 class MixtureLoader(_StepSplit):

@@ -37,6 +37,7 @@ class Progress:
     doing: str = "start-up"  # the collective or phase it is in, or the last it left
     inside: bool = False  # in `doing` now (waiting on peers), rather than busy on its own
     step: int = 0
+    evaluated: int = 0  # evaluation micro-batches finished: progress between (or without) steps
     paused: str = ""  # a long phase (a checkpoint save) in which no collective progress is expected
 
 
@@ -96,6 +97,12 @@ def step_done(step: int) -> None:
     progress.step, progress.seq = step, progress.seq + 1
 
 
+def batch_done() -> None:
+    """Record that this rank finished an evaluation micro-batch: progress, and, like a step, what
+    arms the watchdog (`strata eval` takes no step; an evaluation before the first step neither)."""
+    progress.evaluated, progress.seq = progress.evaluated + 1, progress.seq + 1
+
+
 @dataclass
 class _Seen:
     """What a watcher knows of one rank: its last record and when (here, monotonic) it changed."""
@@ -114,7 +121,7 @@ class Watchdog:
         self.hang_after_s = hang_after_s
         self.interval_s = min(5.0, max(0.1, hang_after_s / 10))
         self.host, self.pid, self.beat = socket.gethostname(), os.getpid(), 0
-        self.start_step = progress.step
+        self.start_step, self.start_evaluated = progress.step, progress.evaluated
         self.seen: dict[int, _Seen] = {}
         self._stop = threading.Event()
         self._exiting = threading.Lock()
@@ -193,8 +200,8 @@ class Watchdog:
         seen.record = record
 
     def _find_hang(self, now: float) -> str | None:
-        if len(self.seen) < self.world or progress.step <= self.start_step:
-            return None  # armed once every rank has reported and this rank has finished a step
+        if len(self.seen) < self.world or not self._armed():
+            return None
         limit = self.hang_after_s
         silent = [
             r for r, s in self.seen.items() if now - s.beat_at > limit and not s.record["done"]
@@ -229,6 +236,12 @@ class Watchdog:
             "collective itself (the network or the backend) hangs",
             now,
         )
+
+    def _armed(self) -> bool:
+        """Whether this rank is past its start-up (compilation, loading, the first collectives'
+        set-up, which may take long without a hang): it has finished a step or an evaluation
+        micro-batch since the watchdog started."""
+        return progress.step > self.start_step or progress.evaluated > self.start_evaluated
 
     def _verdict(self, stuck: list[int], why: str, now: float, answering: bool = True) -> str:
         since = now - max(self.seen[r].progress_at for r in stuck)

@@ -81,9 +81,10 @@ def all_of(contexts: Iterable[contextlib.AbstractContextManager[None]]) -> conte
 
 
 class HangWatch(StepHook):
-    """The hang watchdog in the loop: started (collective) around the training loop in a
-    distributed run when `hang_after_s` is not 0, each step's end recorded as this rank's progress
-    (whether or not a watchdog runs), stopped with the loop."""
+    """The hang watchdog in the loop: started (collective) around the training loop (and around
+    `strata eval`'s evaluation) in a distributed run when `hang_after_s` is not 0, each step's end
+    recorded as this rank's progress (whether or not a watchdog runs; each evaluation micro-batch
+    is recorded by `evaluate`), stopped with the loop."""
 
     def __init__(self, hang_after_s: float, rt: Runtime, group) -> None:
         self.hang_after_s, self.rt, self.group = hang_after_s, rt, group

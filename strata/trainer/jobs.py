@@ -134,8 +134,10 @@ def _summarize(trainer: Trainer, result: RunResult) -> None:
 def evaluate_checkpoint(cfg: Config, runtime: Runtime, source: Path, data_dirs: list[Path]) -> dict:
     """Every held-out split's loss, perplexity and bits per byte under the checkpoint `source`
     (collective: every rank of any layout calls it): `data_dirs`' validation splits, else each of
-    the config's data sources apart. Whole splits, every sequence once."""
-    trainer = Trainer(cfg, runtime, writes=[])
+    the config's data sources apart. Whole splits, every sequence once. Writes nothing: the caller
+    holds the lock of the run directory it writes the results into, and checkpoint.dir, which a
+    live run may be writing, is left alone."""
+    trainer = Trainer(cfg, runtime, writes=[], saves=False)
     trainer.resume(source)
     if not data_dirs:
         data_dirs = [Path(s.path) for s in cfg.data.sources or ()] or [trainer.data_dir]
@@ -163,7 +165,14 @@ def _evaluate_split(trainer: Trainer, data_dir: Path) -> tuple[TokenDataset, Eva
     """The validation split of `data_dir` and the loss of the trainer's model over all of it."""
     cfg = trainer.cfg
     dataset = TokenDataset(data_dir, "val", cfg.model.seq_len, key="--data")
-    found = evaluate(trainer.model, dataset, 0, cfg.train.micro_batch_size, trainer.topo)
+    found = evaluate(
+        trainer.model,
+        dataset,
+        0,
+        cfg.train.global_batch_size,
+        cfg.train.micro_batch_size,
+        trainer.topo,
+    )
     return dataset, found
 
 

@@ -59,7 +59,15 @@ class RunResult:
 class Trainer:
     """One rank's run: the data, the parallel model, the training state and its managers."""
 
-    def __init__(self, cfg: Config, runtime: Runtime, writes: list[tuple[Path, str]] | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        runtime: Runtime,
+        writes: list[tuple[Path, str]] | None = None,
+        saves: bool = True,
+    ):
+        """`saves` False: a job that only loads (`strata eval`) and leaves checkpoint.dir, which a
+        live run may be writing, and the snapshot agents alone."""
         self.cfg, self.rt = cfg, runtime
         self.start_notes: list[str] = []  # for rank 0 to print once the log is open
         # first: nothing of the run is written before the directories it writes are held (`writes`:
@@ -93,10 +101,10 @@ class Trainer:
         self.state = TrainState(cfg, self.model, self.loader, runtime.rank)
         # saves' and snapshots' collectives
         control = comm.new_gloo_group() if runtime.distributed else None
-        self.checkpoints = self._checkpoint_manager(control)
+        self.checkpoints = self._checkpoint_manager(control, saves)
         self.snapshots = (
             start.snapshot_manager(cfg.snapshot, runtime, control, self.start_notes)
-            if cfg.snapshot.every_steps
+            if cfg.snapshot.every_steps and saves
             else None
         )
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
@@ -118,8 +126,9 @@ class Trainer:
         """Optimizer steps taken (the training state's)."""
         return self.state.step
 
-    def _checkpoint_manager(self, control) -> CheckpointManager:
-        """The manager of this run's checkpoints, agreeing over the `control` group."""
+    def _checkpoint_manager(self, control, saves: bool) -> CheckpointManager:
+        """The manager of this run's checkpoints, agreeing over the `control` group (with `saves`
+        False, one that leaves checkpoint.dir untouched)."""
         cfg, rt = self.cfg, self.rt
         return CheckpointManager(
             cfg.checkpoint_dir(),
@@ -130,6 +139,7 @@ class Trainer:
             control,
             config_yaml=config_mod.dump(cfg),
             on_disk_full=cfg.checkpoint.on_disk_full,
+            prepare=saves,
         )
 
     def _step_hooks(self, control) -> list[StepHook]:
@@ -246,10 +256,16 @@ class Trainer:
         return comm.all_reduce(value, self.topo.group("dp"), dim="dp")
 
     def evaluate(self) -> Evaluation:
-        """The validation loss over the evaluation batches of all dp ranks (`trainer.evaluate`)."""
+        """The validation loss over the first train.eval_batches global batches of the validation
+        split, the same at every world size (`trainer.evaluate`; collective)."""
         train = self.cfg.train
         return evaluate(
-            self.model, self.val_set, train.eval_batches, train.micro_batch_size, self.topo
+            self.model,
+            self.val_set,
+            train.eval_batches,
+            train.global_batch_size,
+            train.micro_batch_size,
+            self.topo,
         )
 
     # --- saving and resuming ----------------------------------------------------------------

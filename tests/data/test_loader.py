@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata.data.loader import BatchLoader, eval_batches
+from strata.data.loader import BatchLoader, eval_batches, eval_windows
 from strata.data.prepare import expand_inputs, prepare
 from strata.data.tokenize import ByteTokenizer
 from strata.data.tokens import TokenDataset, check_data_dir, read_meta
@@ -505,29 +505,31 @@ def test_loader_over_prepared_corpus_covers_each_window_once(small_data_dir):
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
-def test_eval_batches_are_fixed_and_ranks_partition_them(tmp_path, dp):
+def test_eval_batches_are_fixed_and_the_same_windows_at_every_dp_size(tmp_path, dp):
     ds = indexed_dataset(tmp_path, 50)
-    n_batches, mb = 3, 2
+    n_batches, global_batch, mb = 3, 8, 2
+    windows = eval_windows(len(ds), n_batches, global_batch)
+    assert windows == n_batches * global_batch  # global batches: no dp in it
 
-    def ids(rank, size, nb=n_batches):
-        return [sample_ids(ds, x) for x, _ in eval_batches(ds, nb, mb, rank, size)]
+    def ids(rank):
+        return [sample_ids(ds, x) for x, _ in eval_batches(ds, windows, mb, rank, dp)]
 
-    per_rank = [ids(r, dp) for r in range(dp)]
-    assert per_rank == [ids(r, dp) for r in range(dp)]  # identical at every evaluation
+    per_rank = [ids(r) for r in range(dp)]
+    assert per_rank == [ids(r) for r in range(dp)]  # identical at every evaluation
     for r in range(dp):
-        batches = list(eval_batches(ds, n_batches, mb, r, dp))
-        assert len(batches) == n_batches
+        batches = list(eval_batches(ds, windows, mb, r, dp))
+        assert len(batches) == windows // (mb * dp)  # every rank as many: the same collectives
         for x, y in batches:
             assert x.shape == y.shape == (mb, ds.seq_len) and torch.equal(x[:, 1:], y[:, :-1])
-    # step b over all ranks (rank order) is the dp=1 stream's micro-batches b·dp .. b·dp+dp-1
-    single = ids(0, 1, n_batches * dp)
-    interleaved = [per_rank[r][b] for b in range(n_batches) for r in range(dp)]
-    assert interleaved == single
+    # micro-batch b of every rank in rank order is the dp=1 stream's micro-batches b·dp .. b·dp+dp-1
+    interleaved = [per_rank[r][b] for b in range(len(per_rank[0])) for r in range(dp)]
     flat = [i for batch in interleaved for i in batch]
-    assert flat == list(range(n_batches * mb * dp))  # the first windows in order, each once
+    assert flat == list(range(windows))  # the first windows in order, each once, at any dp
 
 
-def test_eval_batches_wrap_on_a_small_split(tmp_path):
+def test_a_split_shorter_than_the_eval_batches_is_read_whole_each_window_once(tmp_path):
     ds = indexed_dataset(tmp_path, 5)
-    got = [sample_ids(ds, x) for x, _ in eval_batches(ds, 4, 2, 0, 1)]
-    assert got == [[0, 1], [2, 3], [4, 0], [1, 2]]
+    assert eval_windows(5, 4, 2) == eval_windows(5, 0, 2) == 5
+    assert eval_windows(50, 0, 2) == 50 and eval_windows(50, 4, 2) == 8
+    got = [sample_ids(ds, x) for x, _ in eval_batches(ds, 5, 2, 0, 1)]
+    assert got == [[0, 1], [2, 3], [4]]

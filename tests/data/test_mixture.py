@@ -12,7 +12,7 @@ import pytest
 
 from strata import config
 from strata.checkpoint import store
-from strata.data.loader import BatchLoader, MixtureLoader, eval_batches
+from strata.data.loader import BatchLoader, MixtureLoader, eval_batches, eval_windows
 from strata.data.mixture import Mixture, blend, normalise, open_mixture
 from strata.data.prepare import prepare
 from strata.data.tokens import TokenDataset
@@ -257,16 +257,17 @@ def test_evaluation_blends_the_val_splits_by_weight(tmp_path):
     """The first windows of each val split in order, blended by the weights; a source wraps on its
     own, the blend at the splits' total (7 + 7 windows here)."""
     val = mixture(tmp_path, [20, 30], [1, 3], split="val")
-    pairs = [p for x, _ in eval_batches(val, 3, 4, 0, 1) for p in decode(x)]
+    assert eval_windows(len(val), 3, 4) == 12
+    pairs = [p for x, _ in eval_batches(val, 12, 4, 0, 1) for p in decode(x)]
     sources, positions, _ = blend(normalise([1, 3]), 12)
     assert [s for s, _ in pairs] == sources
     assert [i - 2500 for _, i in pairs] == [
         p % 7 for p in positions
     ]  # val window k starts at 10000 + k·L
     assert max(positions) >= 7  # source 1 wrapped
-    two = [p for r in range(2) for x, _ in eval_batches(val, 3, 2, r, 2) for p in decode(x)]
+    two = [p for r in range(2) for x, _ in eval_batches(val, 12, 2, r, 2) for p in decode(x)]
     assert sorted(two) == sorted(pairs)  # ranks partition the same samples
-    again = [p for x, _ in eval_batches(val, 3, 4, 0, 1) for p in decode(x)]
+    again = [p for x, _ in eval_batches(val, 12, 4, 0, 1) for p in decode(x)]
     assert again == pairs
 
 

@@ -36,7 +36,7 @@ def test_train_tiny_config_end_to_end(tmp_path):
     assert "step 40/40  loss " in proc.stdout and "\r" not in proc.stderr
     assert (
         "step 20: eval loss " in proc.stdout
-        and "(train.eval_batches × micro_batch_size × dp; 0 reads all of it)" in proc.stdout
+        and "(train.eval_batches × global_batch_size; 0 reads all of it)" in proc.stdout
     )
     run_dir = tmp_path / "tiny"
     summary = json.loads((run_dir / "summary.json").read_text())

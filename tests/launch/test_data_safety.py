@@ -1,11 +1,14 @@
 """Strata never destroys data it did not write: `strata data prepare` refuses an --out that would
 replace the user's files or inputs, `strata ckpt export` writes only the files OUT names, never
 into a checkpoint and never a config that fails its checksum, and checkpoint saves, retention and
-clean-up touch only checkpoints Strata committed and its own partial directories."""
+clean-up touch only checkpoints Strata committed and its own partial directories; `strata eval`
+into a run that is still training is refused (its lock), and beside it only reads its checkpoints."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,8 @@ from strata.data.prepare import expand_inputs, prepare
 from strata.errors import CheckpointError, DataError
 from strata.launch.cli import main as strata_main
 from strata.parallel.flat import Box
+
+from conftest import run_cli, tiny_overrides
 
 TEXT = {
     "a.txt": "first document\n" * 20,
@@ -338,3 +343,119 @@ def test_eval_out_replaces_its_own_earlier_output(tmp_path):
     out.write_text(json.dumps({"step": 2, "checkpoint": "c", "splits": {}, "mine": 1}))
     with pytest.raises(Exception, match="strata eval did not write"):
         check_out(out, EVAL_CONFIG)
+
+
+# --- eval into a live run ------------------------------------------------------------------------
+
+
+def hold_run_lock(directory: Path) -> subprocess.Popen:
+    """Another process holding `directory`'s run lock, as a run still training there does, until its
+    stdin closes."""
+    code = (
+        "import sys; from pathlib import Path; from strata.runlock import RunLocks\n"
+        "RunLocks([(Path(sys.argv[1]), 'run directory')]).acquire()\n"
+        "print('held', flush=True); sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(directory)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+    return proc
+
+
+def release(proc: subprocess.Popen) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    proc.wait(10)
+
+
+def live_run_files(run_dir: Path) -> None:
+    """What a run still training has written so far: metrics, an earlier evaluation, and a save in
+    progress (a partial directory a checkpoint manager's start-up would remove)."""
+    partial = run_dir / "checkpoints" / ".step_00000004.partial"
+    partial.mkdir(parents=True)
+    (partial / "__0_0.distcp").write_bytes(b"\1" * 4096)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "loss": 5.1}\n')
+    (run_dir / "eval.json").write_text(
+        json.dumps({"written_by": "strata eval", "step": 0, "checkpoint": "c", "splits": {}})
+    )
+
+
+def test_eval_into_a_run_that_is_still_training_is_refused_and_writes_nothing(
+    small_data_dir, tmp_path, capsys, monkeypatch
+):
+    from strata.launch import torchrun
+
+    run_dir = tmp_path / "t"
+    live_run_files(run_dir)
+    experiment = tmp_path / "e.yaml"
+    experiment.write_text("{}\n")
+    common = [
+        str(experiment),
+        *tiny_overrides(small_data_dir, tmp_path),
+        "--resume",
+        str(run_dir / "checkpoints"),
+    ]
+    monkeypatch.setattr(torchrun, "run_local", lambda *args: pytest.fail("workers started"))
+    holder = hold_run_lock(run_dir)
+    try:
+        before = contents(tmp_path)
+        for argv in (
+            ["eval", *common],
+            ["eval", *common, "--out", str(tmp_path / "elsewhere.json")],
+            ["launch", *common, "--eval", "--nproc", "2"],  # before any worker starts
+        ):
+            code, said = run_cli(argv, capsys)
+            assert code == 2, said
+            assert f"the run directory {run_dir} is in use by pid {holder.pid} on host" in said
+            assert "nothing was evaluated or written" in said and "log.name=t-eval" in said, said
+            assert "Traceback" not in said
+            assert contents(tmp_path) == before
+    finally:
+        release(holder)
+
+
+@pytest.mark.slow  # a tiny training run, then a whole-split evaluation
+def test_eval_beside_a_live_run_reads_its_checkpoint_and_leaves_its_files_alone(
+    small_data_dir, tmp_path, capsys
+):
+    from worlds import train_run
+
+    small = {"model.seq_len": 128, "train.micro_batch_size": 8}  # few windows, few micro-batches
+    train_run(
+        small_data_dir, tmp_path, 1, **small, **{"checkpoint.save_final": True, "train.steps": 2}
+    )
+    run_dir = tmp_path / "t"
+    ckpt = run_dir / "checkpoints"
+    (ckpt / ".step_00000004.partial").mkdir()  # the live run's save in progress
+    (ckpt / ".step_00000004.partial" / "__0_0.distcp").write_bytes(b"\1" * 4096)
+    experiment = tmp_path / "e.yaml"
+    experiment.write_text("{}\n")
+    holder = hold_run_lock(run_dir)
+    try:
+        before = contents(run_dir)
+        # the fix the refusal names: a run directory of its own; checkpoint.dir still the live
+        # run's (set in a shared config), which an evaluation only reads
+        code, said = run_cli(
+            [
+                "eval",
+                str(experiment),
+                *tiny_overrides(small_data_dir, tmp_path, **small),
+                f"checkpoint.dir={ckpt}",
+                "log.name=t-eval",
+                "--resume",
+                str(ckpt),
+                "--data",
+                str(small_data_dir),
+            ],
+            capsys,
+        )
+        assert code == 0, said
+        assert contents(run_dir) == before
+    finally:
+        release(holder)
+    document = json.loads((tmp_path / "t-eval" / "eval.json").read_text())
+    assert document["step"] == 2 and document["splits"][str(small_data_dir)]["sequences"] > 0

@@ -105,8 +105,8 @@ class ParallelConfig:
         None,
         "when no rank makes progress for this many seconds (one is stopped, or stuck outside or "
         "inside a collective) the job stops with one error naming the stuck rank, its host and its "
-        "last collective, long before timeout_s; armed after the first step; null = a fifth of "
-        "timeout_s; 0 = off",
+        "last collective, long before timeout_s; armed after the first step (or evaluation "
+        "micro-batch); null = a fifth of timeout_s; 0 = off",
         min=0.0,
     )
 

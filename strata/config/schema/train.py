@@ -52,9 +52,10 @@ class TrainConfig:
     )
     eval_batches: int = opt(
         8,
-        "validation micro-batches per evaluation on each rank: every evaluation reads the same "
-        "first eval_batches × micro_batch_size × dp sequences of the validation split, not all of "
-        "it (0: every sequence of the split, once)",
+        "validation global batches per evaluation (as Megatron's eval_iters): every evaluation "
+        "reads the same first eval_batches × global_batch_size sequences of the validation split, "
+        "at any world size (all of it, each sequence once, where the split is shorter), split "
+        "over the data-parallel ranks in micro-batches (0: every sequence of the split, once)",
         min=0,
     )
     threads: int | None = opt(

@@ -6,13 +6,20 @@ tasks instead, in this process (`strata.inference.harness.run_tasks`).
 --out replaces only a JSON file `strata eval` wrote: one whose object has `"written_by": "strata
 eval"` (or, from before that key, exactly the keys an evaluation writes). Any other existing file,
 a path inside a checkpoint directory or a prepared data directory, and the config file itself are
-refused before anything is evaluated or written."""
+refused before anything is evaluated or written.
+
+The results go into the run directory (eval.json by default, always an `eval` record in its
+metrics.jsonl), so the evaluation holds that directory's lock (`strata.runlock`) as a training job
+does: a run still training there refuses it, with the fix (a run directory of its own); the
+checkpoint it evaluates, maybe the live run's, is only read."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,7 +47,8 @@ Evaluate a checkpoint on the validation split of each prepared directory (--data
 of each of the config's data sources apart: every sequence once, in the config's layout (for a
 parallel one, every rank runs it: strata launch CFG --nproc N --eval --resume CKPT). Prints a
 table, writes JSON (--out, default RUN_DIR/eval.json) and an `eval` record into the run's
-metrics.jsonl.
+metrics.jsonl, holding the run directory's lock as training does: while a run still trains
+there, evaluate its checkpoints into a run directory of their own (log.name=NAME-eval).
 
 With --tasks, the checkpoint runs lm-evaluation-harness tasks instead (the eval extra, from
 the checkout: pip install -e '.[eval]'), in this one process on the whole model (the first GPU if
@@ -107,8 +115,8 @@ def _add_task_options(t: argparse._ArgumentGroup) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Evaluate on every rank; rank 0 prints the table and writes the JSON and the metrics
-    record."""
+    """Evaluate on every rank, holding the run directory it writes into (`_run_held`); rank 0
+    prints the table and writes the JSON and the metrics record."""
     if args.tasks or args.include_path or args.limit is not None or args.num_fewshot is not None:
         return run_tasks(args)
     from strata import config
@@ -123,14 +131,17 @@ def run(args: argparse.Namespace) -> int:
     )
     out = Path(args.out) if args.out else cfg.run_dir() / "eval.json"
     check_out(out, Path(args.config))
+    check_run_free(cfg)  # a live run refused before any process group starts
     rt = runtime.start(cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
-        result = evaluate_checkpoint(cfg, rt, Path(args.resume), [Path(d) for d in args.data])
+        with _run_held(cfg, rt.rank):
+            result = evaluate_checkpoint(cfg, rt, Path(args.resume), [Path(d) for d in args.data])
+            if rt.rank == 0:
+                _write(cfg, out, result, result["step"], result["splits"])
     except BaseException:
         runtime.stop(wait_for_peers=False)
         raise
     if rt.rank == 0:
-        _write(cfg, out, result, result["step"], result["splits"])
         print(f"step {result['step']} of {result['checkpoint']}:")
         print(f"{'split':<40} {'loss':>8} {'perplexity':>11} {'bits/byte':>10} {'sequences':>10}")
         for name, r in result["splits"].items():
@@ -140,6 +151,57 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {out}")
     runtime.stop()
     return 0
+
+
+# --- the run directory it writes into -------------------------------------------------------------
+
+
+def live_run(cfg: Config) -> StrataError:
+    """The refusal of an evaluation whose run directory a live run (or another evaluation) holds,
+    naming the holder and how to evaluate now."""
+    from strata.runlock import describe_holder, holder
+
+    run_dir = cfg.run_dir()
+    return StrataError(
+        f"strata eval: the run directory {run_dir} is in use by "
+        f"{describe_holder(holder(run_dir))}; nothing was evaluated or written. An evaluation "
+        "writes eval.json and an `eval` record into the run's metrics.jsonl, which a live run "
+        "writes too: wait for it to end, or evaluate into a run directory of its own now with "
+        f"log.name={cfg.run_name()}-eval (--out still sets where the JSON goes)"
+    )
+
+
+def check_run_free(cfg: Config) -> None:
+    """Refuse (`live_run`) when the run directory the evaluation writes into is held now; creates
+    and writes nothing (the launcher's and each command's early look; `_run_held` takes it)."""
+    from strata.runlock import RunLocked, check_free
+
+    try:
+        check_free([(cfg.run_dir(), "run directory")])
+    except RunLocked:
+        raise live_run(cfg) from None
+
+
+@contextlib.contextmanager
+def _run_held(cfg: Config, rank: int) -> Iterator[None]:
+    """The run directory's lock, held by rank 0 for the world (collective: every rank learns of a
+    refusal, `live_run`) while the evaluation runs and writes its results; its checkpoint.dir is
+    only read."""
+    from strata.runlock import RunLocked
+    from strata.trainer.start import lock_run
+
+    notes: list[str] = []
+    try:
+        locks = lock_run([(cfg.run_dir(), "run directory")], rank, notes)
+    except RunLocked:
+        raise live_run(cfg) from None
+    for note in notes:  # a file system that offers no locks
+        print(note)
+    try:
+        yield
+    finally:
+        if locks is not None:
+            locks.release()
 
 
 def _write(cfg: Config, out: Path, document: dict, step: int | None, record: dict) -> None:
@@ -190,17 +252,19 @@ def run_tasks(args: argparse.Namespace) -> int:
     cfg = config.load(args.config, args.overrides)
     out = Path(args.out) if args.out else cfg.run_dir() / "eval_tasks.json"
     check_out(out, Path(args.config))
-    result = harness.run_tasks(
-        Path(args.resume),
-        names,
-        config_path=Path(args.config),
-        overrides=args.overrides,
-        include_path=Path(args.include_path) if args.include_path else None,
-        limit=args.limit,
-        num_fewshot=args.num_fewshot,
-    )
-    step = checkpoint_step(Path(args.resume))
-    _write(cfg, out, {"step": step, "checkpoint": args.resume, **result}, step, result["results"])
+    with _run_held(cfg, 0):
+        result = harness.run_tasks(
+            Path(args.resume),
+            names,
+            config_path=Path(args.config),
+            overrides=args.overrides,
+            include_path=Path(args.include_path) if args.include_path else None,
+            limit=args.limit,
+            num_fewshot=args.num_fewshot,
+        )
+        step = checkpoint_step(Path(args.resume))
+        document = {"step": step, "checkpoint": args.resume, **result}
+        _write(cfg, out, document, step, result["results"])
     print(f"step {step} of {args.resume}:" if step is not None else f"{args.resume}:")
     print(harness.results_table(result))
     print(f"wrote {out}")

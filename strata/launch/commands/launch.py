@@ -226,6 +226,10 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     if problem:
         raise StrataError(problem)
     _check_data(cfg, [Path(d) for d in args.data])
+    if args.eval:  # the run directory its results go into, held by a live run: refused now
+        from strata.launch.commands.eval import check_run_free
+
+        check_run_free(cfg)
     # A node that joins a running job of several nodes (a replacement) finds that job's own lock
     # held: there, only the workers' own lock refuses a second job.
     _check_checkpoints(cfg, args.resume, locks=not args.eval and args.nnodes == 1)
