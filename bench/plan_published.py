@@ -1,15 +1,18 @@
 """`strata plan`'s step-time model against published training throughputs: the weak-scaling table of
 Megatron-LM on DGX A100 (Narayanan et al., SC'21, Table 1), the Frontier runs of Dash et al. (arXiv
-2312.12705) and, as indicative rows only, Megatron-LM's H100 weak-scaling table. Each published run
-is written as a Strata config (`strata.config.load` with overrides) and a `Cluster` of the machine it
-ran on; `strata.plan.timing.estimate_time` predicts its step, and the table compares the
-predicted throughput with the published one in the publication's own FLOP counting.
+2312.12705), Megatron-LM's H100 weak-scaling table and torchtitan's Llama 3.1 runs on H100. Each
+published run is written as a Strata config (`strata.config.load` with overrides), a `Cluster` of
+the machine it ran on and the `Engine` of the framework that ran it (what a config cannot say: which
+collectives it overlaps, its attention and element-wise kernels, its selective recomputation);
+`strata.plan.timing.estimate_time` predicts its step, and the table compares the predicted
+throughput with the published one in the publication's own FLOP counting.
 
     python bench/plan_published.py              # the markdown table (pure arithmetic, under a second)
     python bench/plan_published.py --parts      # also each prediction's parts (seconds per step)
 
-`tests/plan/test_timing_published.py` asserts, for every row marked `asserted`, that the prediction is
-within 25 % of the published figure.
+`tests/plan/test_timing_published.py` asserts, for every row marked `asserted` (all of them; the two
+Frontier rows in its MISSES are expected to fail), that the prediction is within 25 % of the
+published figure.
 
 Sources (every figure below is copied from one of these; none is fitted)
 ------------------------------------------------------------------------
@@ -68,9 +71,16 @@ Sources (every figure below is copied from one of these; none is fitted)
      scaling figures on H100 GPUs"): GPT models 1.7B-462B, vocab 131,072, seq 4096, with the DP,
      TP and PP comm overlaps on; per row heads, hidden, layers, TP, PP, DP (48), GPUs, batch,
      per-GPU teraFLOP/s, MFU (= per-GPU TFLOP/s / 989). Megatron-core's count
-     (`num_floating_point_operations`) is the model's: 3 passes, no recomputation. Micro-batch size,
-     recomputation, virtual stages and precision are NOT published: these rows use MBS 1, no
-     recomputation, V = 1, bf16, and are shown as indicative, not asserted.
+     (`num_floating_point_operations`) is the model's: 3 passes, no recomputation. What the
+     overlaps imply, from Megatron-LM's own argument checks (megatron/training/arguments.py):
+     `--tp-comm-overlap` needs `--sequence-parallel`; `--overlap-param-gather` needs the
+     distributed optimizer (optimizer state sharded over DP) and `--overlap-grad-reduce`; PP
+     communication overlap runs only with the interleaved schedule (set off otherwise); bf16 runs
+     reduce gradients in fp32. Micro-batch size, recomputation, virtual stages and precision are
+     NOT published: these rows use no recomputation, bf16, one layer per virtual stage (the only
+     V > 1 the 119B's 23 and the 462B's 7 layers per stage allow), and MBS = a replica's whole
+     batch of 4 at pp 1 (which fits: Megatron's 34·s·b·h/t activation bytes per layer) and 1 at
+     pp > 1; each row's note says so.
 [T1] pytorch/torchtitan `benchmarks/llama3_h100_202412_torchtitan.md` (torch 1963fc8, torchtitan
      9dec370, 2024-12): Llama 3.1 8B, 70B, 405B on Grand Teton hosts (8 H100 SXM with 96 GB HBM2e
      at a 500 W power limit, NVLink, 400 Gbit/s RDMA per GPU); tokens/s per GPU at the 90th
@@ -82,6 +92,11 @@ Sources (every figure below is copied from one of these; none is fitted)
      (global 256), full checkpointing: 100 (1F1B), 128 (interleaved 1F1B). The page: "the 1D
      Llama 3.1 8B model training on 8 or 128 H100 GPUs without Float8 achieves 33% to 39% MFU".
      Sequence length: torchtitan's llama3 training configs' 8192 (not on the page itself).
+     From torchtitan's code of that time: its selective checkpointing ("op", the 8B configs')
+     saves every matmul's output but every second one; its pipeline splits a replica's batch into
+     as many micro-batches as there are stages; FSDP2 gathers bf16 parameters and reduces fp32
+     gradients, and under torch's pipeline schedules gathers once per step and reduces after the
+     last micro-batch.
 
 What the Frontier percentages mean (the one figure here that is not certain)
 -----------------------------------------------------------------------------
@@ -113,7 +128,11 @@ recomputation, over the device's peak): published F_model / (t_pub · GPUs · pe
 What a config cannot say: fp16 runs are modelled as bf16 (same peak); Megatron's `local` DDP (39B-1T)
 reduced gradients after the last backward, hence `parallel.overlap_grad_reduce=false` on those rows;
 Megatron 2021 had no sequence parallelism (`parallel.sequence_parallel=false`); flash attention
-([F2]) is not a setting (the model counts causal attention's executed FLOPs either way).
+([F2]) is not a setting (the model counts causal attention's executed FLOPs either way). The rest
+is the engine's (strata.plan.engines): Megatron's fused element-wise kernels, Megatron-core's
+chunked TP overlap and parameter-gather overlap with bf16 gathers, torchtitan's async TP and its
+selective checkpointing. The H100 rows' devices: DGX H100 at 700 W for Megatron-LM, Grand Teton's
+H100s held to 500 W for torchtitan (`strata.plan.cluster.power_capped`).
 """
 
 from __future__ import annotations
@@ -127,9 +146,39 @@ from strata import config as config_mod
 from strata.config import Config
 from strata.model import flops_per_token
 from strata.plan.cluster import PRESETS, Cluster, preset
+from strata.plan.engines import Engine
 from strata.plan.timing import TimeEstimate, estimate_time
 
 TOLERANCE = 0.25  # the test's bound on |predicted / published - 1|
+
+# The frameworks, as far as a Strata config cannot say how they ran ([M2], [H1], [F2], [T1]):
+# Megatron-LM of 2021 before flash attention, nothing of TP overlapped; Megatron-DeepSpeed on
+# Frontier (flash attention, no TP overlap); Megatron-core on H100 with its TP, DP and PP overlaps
+# on (--tp-comm-overlap, --overlap-grad-reduce, --overlap-param-gather); torchtitan's FSDP2, with
+# or without async TP.
+MEGATRON_2021 = Engine("megatron-lm 2021", attention="unfused", fused_elementwise=True)
+MEGATRON_DEEPSPEED = Engine("megatron-deepspeed", fused_elementwise=True)
+MEGATRON_CORE = Engine(
+    "megatron-core",
+    tp_comm_overlap=True,
+    param_gather_overlap=True,
+    param_bytes=2,
+    fused_elementwise=True,
+)
+# FSDP2 gathers the bf16 parameter dtype, each layer's just before its forward with the next one's
+# prefetched; the op-level selective checkpointing saves every matmul's output but every second
+# one of a block's (wq wk wv wo w1 w3 w2: wk, wo, w3)
+TITAN_SAC = ("wk", "wo", "w3")
+TORCHTITAN = Engine(
+    "torchtitan", param_gather_overlap=True, param_bytes=2, selective_recompute=TITAN_SAC
+)
+TORCHTITAN_ASYNC_TP = Engine(
+    "torchtitan async TP",
+    tp_comm_overlap=True,
+    param_gather_overlap=True,
+    param_bytes=2,
+    selective_recompute=TITAN_SAC,
+)
 
 
 # The machines are the planner's own systems (strata.plan.cluster.PRESETS), whose figures
@@ -164,7 +213,8 @@ class Run:
     )
     overlap_grad_reduce: bool = True
     zero1: bool = False
-    attention: str = "fused"  # "unfused": the score matrix goes through memory (Megatron-LM before flash attention)
+    sequence_parallel: bool = False
+    engine: Engine = MEGATRON_DEEPSPEED  # how the framework ran what a config cannot say
     asserted: bool = True
     note: str = ""
 
@@ -193,7 +243,7 @@ def _megatron_a100(
         published_pct=pct,
         counted_passes=4,
         overlap_grad_reduce=ddp == "torch",
-        attention="unfused",  # [M2]: Megatron-LM of 2021, before flash attention
+        engine=MEGATRON_2021,
     )
 
 
@@ -236,6 +286,7 @@ FRONTIER: list[Run] = [
         published_tflops=0.3838 * FRONTIER_PEAK,
         published_pct=38.38,
         counted_passes=4,
+        engine=MEGATRON_DEEPSPEED,
         note="GCD count of the paper's 22B figure unknown; [F2]'s 2 nodes",
     ),
     Run(
@@ -258,6 +309,7 @@ FRONTIER: list[Run] = [
         published_pct=36.14,
         counted_passes=4,
         zero1=True,
+        engine=MEGATRON_DEEPSPEED,
         note="global batch: [F2]'s 640 per replica × DP 16 (the paper's not stored)",
     ),
     Run(
@@ -280,23 +332,23 @@ FRONTIER: list[Run] = [
         published_pct=31.96,
         counted_passes=4,
         zero1=True,
+        engine=MEGATRON_DEEPSPEED,
         note="global batch: [F2]'s 512 per replica × DP 6 (the paper's not stored)",
     ),
 ]
 
 
 def _megatron_h100(
-    name: str,
-    heads: int,
-    hidden: int,
-    layers: int,
-    tp: int,
-    pp: int,
-    gpus: int,
-    batch: int,
-    tflops: float,
-    mfu: int,
-) -> Run:
+    name: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
+    tflops: float, mfu: int,
+) -> Run:  # fmt: skip
+    # Not published ([H1]): at pp 1 a replica's sequences as one micro-batch (with SP and flash
+    # attention Megatron's 34·s·b·h/t activation bytes per layer keep 4 sequences under 35 GB); at
+    # pp > 1 one sequence, the interleaved schedule keeping about pp in flight. PP communication
+    # overlap runs only interleaved: one layer per virtual stage, the only V > 1 that divides the
+    # 119B's 23 and the 462B's 7 layers per stage.
+    micro = batch // (gpus // (tp * pp)) if pp == 1 else 1
+    virtual = layers // pp if pp > 1 else 1
     return Run(
         name=name,
         source="H1",
@@ -309,15 +361,17 @@ def _megatron_h100(
         vocab=131072,
         tp=tp,
         pp=pp,
-        virtual=1,
-        micro=1,
+        virtual=virtual,
+        micro=micro,
         batch=batch,
         recompute=False,
         published_tflops=tflops,
         published_pct=mfu,
         counted_passes=3,
-        asserted=False,
-        note="MBS, recompute, V, precision not published: MBS 1, none, 1, bf16 assumed",
+        zero1=True,  # --overlap-param-gather runs only with the distributed optimizer
+        sequence_parallel=tp > 1,  # --tp-comm-overlap runs only with sequence parallelism
+        engine=MEGATRON_CORE,
+        note=f"not published, assumed: MBS {micro}, V {virtual}, no recomputation, bf16",
     )
 
 
@@ -347,6 +401,7 @@ class TokensRun:
     gpus: int
     overrides: tuple[str, ...]
     published_tps: float
+    engine: Engine = TORCHTITAN
     asserted: bool = True
     note: str = ""
 
@@ -367,37 +422,63 @@ FSDP = ("zero.params.shard_over=global", "zero.grads.shard_over=global", "zero.o
 
 
 def _titan(
-    name: str, model: str, gpus: int, layout: tuple[str, ...], tps: float, asserted: bool = True,
-    note: str = "",
+    name: str, model: str, gpus: int, layout: tuple[str, ...], tps: float,
+    engine: Engine = TORCHTITAN, note: str = "", shard: tuple[str, ...] = FSDP,
 ) -> TokensRun:  # fmt: skip
-    return TokensRun(
-        name, "T1", gpus, LLAMA31[model] + LLAMA31_COMMON + FSDP + layout, tps, asserted, note
-    )
+    overrides = LLAMA31[model] + LLAMA31_COMMON + shard + layout
+    return TokensRun(name, "T1", gpus, overrides, tps, engine=engine, note=note)
 
 
 EIGHT_B = ("train.micro_batch_size=2", "activations.recompute=selective")
 COMPILED = ("train.compile=true",)
 FP8 = ("train.precision=fp8", "train.compile=true")
-FP8_NOTE = "float8 modelled at the bf16 rate (a lower bound)"
-TP_NOTE = "TP's collectives modelled unoverlapped (torchtitan's async TP overlaps them)"
+FP8_NOTE = "float8: the blocks' linear layers at the float8 rate, tensor-wise casts"
+SEVENTY_B = (
+    "parallel.tp=8",
+    "parallel.sequence_parallel=true",
+    "train.global_batch_size=512",
+    "train.micro_batch_size=16",
+    "activations.recompute=full",
+) + FP8
+# Under torch's pipeline schedules FSDP gathers a stage's parameters once per step and reduces its
+# gradients once, after the last micro-batch: ZeRO-1's collectives (the memory is not modelled here)
+PIPELINED_FSDP = ("zero.optim.shard_over=global",)
+# torchtitan splits a replica's 32 sequences into as many micro-batches as the pipeline has stages
+# (its default): 8 of 4 sequences under 1F1B, 16 of 2 with two stages per rank
+FOUR_O_FIVE_B = (
+    "parallel.tp=8",
+    "parallel.pp=8",
+    "parallel.sequence_parallel=true",
+    "train.global_batch_size=256",
+    "activations.recompute=full",
+) + FP8
+ON_8 = EIGHT_B + ("train.global_batch_size=16",)
+ON_128 = EIGHT_B + ("train.global_batch_size=256",)
 TORCHTITAN_H100: list[TokensRun] = [
-    _titan("8B FSDP", "8B", 8, EIGHT_B + ("train.global_batch_size=16",), 5762),
-    _titan("8B FSDP+compile", "8B", 8, EIGHT_B + ("train.global_batch_size=16",) + COMPILED, 6667),
-    _titan("8B FSDP+compile+fp8", "8B", 8, EIGHT_B + ("train.global_batch_size=16",) + FP8, 8532, note=FP8_NOTE),
-    _titan("8B FSDP", "8B", 128, EIGHT_B + ("train.global_batch_size=256",), 5605),
-    _titan("8B FSDP+compile", "8B", 128, EIGHT_B + ("train.global_batch_size=256",) + COMPILED, 6514),
+    _titan("8B FSDP", "8B", 8, ON_8, 5762),
+    _titan("8B FSDP+compile", "8B", 8, ON_8 + COMPILED, 6667),
+    _titan("8B FSDP+compile+fp8", "8B", 8, ON_8 + FP8, 8532, note=FP8_NOTE),
+    _titan("8B FSDP", "8B", 128, ON_128, 5605),
+    _titan("8B FSDP+compile", "8B", 128, ON_128 + COMPILED, 6514),
+    _titan("8B FSDP+compile+fp8", "8B", 128, ON_128 + FP8, 8380, note=FP8_NOTE),
+    _titan("70B FSDP×TP8+compile+fp8", "70B", 256, SEVENTY_B, 829, note=FP8_NOTE),
     _titan(
-        "70B FSDP×TP8+compile+fp8", "70B", 256,
-        ("parallel.tp=8", "parallel.sequence_parallel=true", "train.global_batch_size=512",
-         "train.micro_batch_size=16", "activations.recompute=full") + FP8,
-        829, asserted=False, note=f"{FP8_NOTE}; {TP_NOTE}",
+        "70B FSDP×TP8+compile+fp8+async TP", "70B", 256, SEVENTY_B, 876, TORCHTITAN_ASYNC_TP,
+        FP8_NOTE,
     ),
     _titan(
-        "405B FSDP×TP8×PP8 interleaved+fp8", "405B", 512,
-        ("parallel.tp=8", "parallel.pp=8", "parallel.virtual_stages=2",
-         "parallel.sequence_parallel=true", "train.global_batch_size=256",
-         "train.micro_batch_size=1", "activations.recompute=full") + FP8,
-        128, asserted=False, note=f"{FP8_NOTE}; {TP_NOTE}; 128 layers for 126",
+        "405B FSDP×TP8×PP8 1F1B+fp8+async TP", "405B", 512,
+        FOUR_O_FIVE_B + ("train.micro_batch_size=4",), 100, TORCHTITAN_ASYNC_TP,
+        f"{FP8_NOTE}; 128 layers for 126; 8 micro-batches of 4 (torchtitan's default)",
+        PIPELINED_FSDP,
+    ),
+    _titan(
+        "405B FSDP×TP8×PP8 interleaved+fp8+async TP", "405B", 512,
+        FOUR_O_FIVE_B + ("parallel.virtual_stages=2", "train.micro_batch_size=2"), 128,
+        TORCHTITAN_ASYNC_TP,
+        f"{FP8_NOTE}; 128 layers for 126; V = 2 assumed (not on the page), so 16 micro-batches "
+        "of 2 (torchtitan's default)",
+        PIPELINED_FSDP,
     ),
 ]  # fmt: skip
 
@@ -420,7 +501,7 @@ class TokensComparison:
 
 def compare_tokens(run: TokensRun) -> TokensComparison:
     cfg = config_mod.load(overrides=list(run.overrides), world_size=run.gpus, local_world_size=8)
-    est = estimate_time(cfg, preset("dgx-h100", run.gpus // 8), cfg.model.vocab_size)
+    est = estimate_time(cfg, preset("grand-teton", run.gpus // 8), cfg.model.vocab_size, run.engine)
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     return TokensComparison(run, est, tokens / est.step_s / run.gpus)
 
@@ -436,8 +517,9 @@ def tokens_table(comparisons: list[TokensComparison]) -> str:
         if not c.run.asserted:
             verdict = ("(yes)" if c.within else "(no)") + " indicative"
         rows.append(
-            f"| {c.run.name} (h100) | {c.run.source} | {c.run.gpus} | {c.run.published_tps:,.0f} "
-            f"| {c.predicted_tps:,.0f} | {c.ratio:.2f} | {verdict} | {100 * c.estimate.mfu:.1f} % |"
+            f"| {c.run.name} (h100 at 500 W) | {c.run.source} | {c.run.gpus} "
+            f"| {c.run.published_tps:,.0f} | {c.predicted_tps:,.0f} | {c.ratio:.2f} | {verdict} "
+            f"| {100 * c.estimate.mfu:.1f} % |"
         )
     notes = [f"- {c.run.name}, {c.run.gpus} GPUs: {c.run.note}" for c in comparisons if c.run.note]
     return "\n".join(rows) + ("\n\nNotes:\n" + "\n".join(notes) if notes else "")
@@ -464,7 +546,7 @@ def overrides(run: Run) -> list[str]:
         "parallel.tp": run.tp,
         "parallel.pp": run.pp,
         "parallel.virtual_stages": run.virtual,
-        "parallel.sequence_parallel": False,
+        "parallel.sequence_parallel": run.sequence_parallel,
         "parallel.overlap_grad_reduce": run.overlap_grad_reduce,
         "parallel.ranks_per_gpu": PRESETS[run.system].get("ranks_per_gpu", 1),
         "activations.recompute": "full" if run.recompute else "none",
@@ -515,7 +597,7 @@ class Comparison:
 
 def compare(run: Run) -> Comparison:
     cfg = config_of(run)
-    est = estimate_time(cfg, cluster_of(run), run.vocab, attention=run.attention)
+    est = estimate_time(cfg, cluster_of(run), run.vocab, run.engine)
     f_pub = megatron_flops(run, run.counted_passes)
     published_step = f_pub / (run.published_tflops * 1e12 * run.ranks)
     f_model = flops_per_token(cfg.model, run.vocab) * run.batch * run.seq

@@ -33,6 +33,12 @@ class Device:
     measured: bool = False
     # a CPU rank: its "device" is host memory, so moving state to the host moves nothing
     host_memory: bool = False
+    # dense float8 peak (0: no float8 matmuls, float8 runs at the bf16 rate)
+    fp8_tflops: float = 0.0
+    # share of peak flash attention (SDPA's fused kernel) sustains, forward and backward
+    # together, counting the causal half of the score matrix (0: the matmul efficiency)
+    attention_efficiency: float = 0.0
+    tdp_w: float = 0.0  # the board power its sustained rates are quoted at (0: not known)
 
     @property
     def sustained_tflops(self) -> float:
@@ -40,32 +46,72 @@ class Device:
         return self.peak_tflops * self.matmul_efficiency
 
     def rate_tflops(self, precision: str) -> float:
-        """Sustained matmul TFLOP/s at the config's precision (fp8 at the bf16 rate: a lower bound, since
-        float8 speeds only the blocks' matmuls and its casts add element-wise work)."""
+        """Sustained matmul TFLOP/s at the config's precision: under fp8 the float8 rate, which only
+        the transformer blocks' linear layers run at (see `strata.plan.timing`)."""
         if precision == "fp32" and self.fp32_tflops:
             return self.fp32_tflops * self.matmul_efficiency
+        if precision == "fp8" and self.fp8_tflops:
+            return self.fp8_tflops * self.matmul_efficiency
         return self.sustained_tflops
+
+    def attention_tflops(self, precision: str) -> float:
+        """Sustained TFLOP/s of fused (flash) attention, which runs in bf16 under fp8 too."""
+        if precision == "fp32" or not self.attention_efficiency:
+            return self.rate_tflops("bf16" if precision == "fp8" else precision)
+        return self.peak_tflops * self.attention_efficiency
 
 
 # Peaks and memory bandwidths are the vendors' data-sheet figures. Matmul efficiencies are the
-# share of peak that large bf16 GEMMs reach in the vendors' own libraries (cuBLAS on A100 about 0.8
-# of peak for the shapes of a transformer layer; rocBLAS/hipBLASLt on an MI250X GCD about 0.6);
-# fp32_tflops is TF32 on NVIDIA parts, which torch uses for fp32 matmuls when allowed. H100 and
-# H200 are the exception: their share is fitted to published whole training steps instead
-# (torchtitan's Llama 3.1 8B on 8 and 128 H100s, 33-39 % MFU; bench/plan_published.py), since on
-# Hopper the step's attention, element-wise and launch work, which did not triple with the matmul
-# peak, and power limits keep a step near 40 % of peak where its GEMMs alone would reach 0.75.
+# share of peak large bf16 GEMMs sustain in a training step (cuBLAS on A100 about 0.8 for the shapes
+# of a transformer layer; rocBLAS/hipBLASLt on an MI250X GCD about 0.6); the time model adds each
+# GEMM's operand traffic at memory bandwidth, which keeps small GEMMs further below. fp32_tflops is
+# TF32 on NVIDIA parts, which torch uses for fp32 matmuls when allowed. H100 and H200 are fitted
+# instead, to published whole training steps on H100 (Megatron-LM's DGX-H100 table and
+# torchtitan's Llama 3.1 runs, bench/plan_published.py: 0.55 centres their predicted/published
+# ratios on 1): Hopper's GEMMs alone reach about 0.75 of its peak, but not at a full step's power
+# draw with communication kernels sharing the SMs. Their attention efficiency is
+# FlashAttention-2's (what SDPA runs on Hopper): about 350 TFLOP/s forward at head size 128 as the
+# FlashAttention-3 paper measures it, less backward; their float8 peak is dense, at 700 W (SXM).
+H100_MATMUL = 0.55
+HOPPER_ATTENTION = 0.30
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
         Device("a100-40gb", 40.0, 312.0, 0.80, 1555.0, 156.0),
         Device("a100-80gb", 80.0, 312.0, 0.80, 2039.0, 156.0),
-        Device("h100", 80.0, 989.0, 0.40, 3350.0, 495.0),
-        Device("h200", 141.0, 989.0, 0.40, 4800.0, 495.0),
+        Device(
+            "h100", 80.0, 989.0, H100_MATMUL, 3350.0, 495.0,
+            fp8_tflops=1979.0, attention_efficiency=HOPPER_ATTENTION, tdp_w=700.0,
+        ),
+        Device(
+            "h200", 141.0, 989.0, H100_MATMUL, 4800.0, 495.0,
+            fp8_tflops=1979.0, attention_efficiency=HOPPER_ATTENTION, tdp_w=700.0,
+        ),
         Device("mi250x-gcd", 64.0, 191.5, 0.60, 1638.0, 95.7),
-        Device("mi300x", 192.0, 1307.0, 0.60, 5300.0, 653.0),
+        Device("mi300x", 192.0, 1307.0, 0.60, 5300.0, 653.0, fp8_tflops=2615.0),
     )
-}
+}  # fmt: skip
+
+
+def power_capped(device: Device, watts: float) -> Device:
+    """`device` held to `watts` below its board power: dynamic power grows with clock × voltage²
+    and voltage with clock, so the clock, and with it every compute-bound rate (matmuls,
+    attention; not memory bandwidth), falls as the cube root of the power. The peak, MFU's
+    denominator, stays the data sheet's."""
+    if not device.tdp_w or watts >= device.tdp_w:
+        return device
+    scale = (watts / device.tdp_w) ** (1 / 3)
+    return replace(
+        device,
+        name=f"{device.name}-{watts:g}w",
+        matmul_efficiency=device.matmul_efficiency * scale,
+        attention_efficiency=device.attention_efficiency * scale,
+        tdp_w=watts,
+    )
+
+
+# torchtitan's published H100 runs: Meta's Grand Teton hosts hold each H100 to 500 W
+DEVICES["h100-500w"] = power_capped(DEVICES["h100"], 500.0)
 
 
 @dataclass(frozen=True)
@@ -144,7 +190,8 @@ SYSTEM_FIELDS = (
 
 # Systems whose published runs the planner is checked against (docs/PLAN.md gives the sources):
 # DGX A100 (NVLink 3: 300 GB/s per GPU each way, 8 × 200 Gbit/s HDR InfiniBand per node, PCIe 4),
-# DGX H100 (NVLink 4: 450 GB/s, 8 × 400 Gbit/s NDR, PCIe 5) and an HPE Cray EX node of Frontier
+# DGX H100 (NVLink 4: 450 GB/s, 8 × 400 Gbit/s NDR, PCIe 5), Grand Teton (the same links and
+# 400 Gbit/s RDMA per GPU, its H100s at 500 W) and an HPE Cray EX node of Frontier
 # (4 MI250X = 8 GCDs; 200 GB/s between a GPU's two GCDs, 50 GB/s between GPUs, 4 × 200 Gbit/s
 # Slingshot, 36 GB/s CPU-GCD links, 512 GiB DDR4, two NVMe drives).
 PRESETS: dict[str, dict] = {
@@ -152,6 +199,7 @@ PRESETS: dict[str, dict] = {
     for name, *figures in (
         ("dgx-a100", 8, 1, "a100-80gb", 1600.0, 2400.0, 1600.0, 200.0, 200.0, 2048.0),
         ("dgx-h100", 8, 1, "h100", 1600.0, 3600.0, 3200.0, 400.0, 200.0, 2048.0),
+        ("grand-teton", 8, 1, "h100-500w", 1600.0, 3600.0, 3200.0, 400.0, 200.0, 2048.0),
         ("frontier", 4, 2, "mi250x-gcd", 1600.0, 400.0, 800.0, 288.0, 64.0, 512.0),
     )
 }

@@ -151,8 +151,36 @@ def layer_flops(m: ModelConfig, tp: int, index: int = 0) -> float:
             + moe.top_k * d * moe.expert_ffn_size(m)
             + d * moe.shared_ffn_size(m)
         )
-        return 2 * (2 * d * q + 2 * d * kv + 3 * ffn) / tp + 0.5 * 4 * m.seq_len * q / tp
-    return 2 * (2 * d * q + 2 * d * kv + 3 * d * f) / tp + 0.5 * 4 * m.seq_len * q / tp
+        return 2 * (2 * d * q + 2 * d * kv + 3 * ffn) / tp + attention_flops(m, tp)
+    return 2 * (2 * d * q + 2 * d * kv + 3 * d * f) / tp + attention_flops(m, tp)
+
+
+def attention_flops(m: ModelConfig, tp: int) -> float:
+    """Forward FLOPs per token of one layer's causal attention (scores and their product with v,
+    half the score matrix computed) on one tensor-parallel rank: part of `layer_flops`."""
+    return 0.5 * 4 * m.seq_len * m.n_heads * m.head_size / tp
+
+
+def gemm_operands(m: ModelConfig, tp: int, ep: int, index: int = 0) -> tuple[float, float, float]:
+    """What one layer's forward GEMMs read and write on one tensor-parallel rank: elements per
+    token (each GEMM's input and output rows; an input that several GEMMs read one after another,
+    q/k/v's or w1/w3's, once), elements per micro-batch (its weights), and of the first the
+    GEMMs' inputs alone. An MoE layer's routed and shared experts count each token's top_k rows
+    (1/tp of the tokens per rank) and read the weights of the num_experts/ep experts the rank
+    holds."""
+    d, q, kv, f = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size, m.ffn_size
+    rows = 2 * d + (2 * q + 2 * kv) / tp
+    inputs = d + q / tp
+    weights = (2 * d * q + 2 * d * kv) / tp
+    if m.moe.is_moe_layer(index):
+        moe = m.moe
+        ef, sf = moe.expert_ffn_size(m), moe.shared_ffn_size(m)
+        shared = (2 * d + 3 * sf if sf else 0, d + sf if sf else 0)
+        rows += (moe.num_experts + d + moe.top_k * (2 * d + 3 * ef) + shared[0]) / tp
+        inputs += (d + moe.top_k * (d + ef) + shared[1]) / tp
+        weights += moe.num_experts * d + 3 * d * (ef * moe.num_experts / ep + sf)
+        return rows, weights, inputs
+    return rows + 2 * d + 3 * f / tp, weights + 3 * d * f / tp, inputs + d + f / tp
 
 
 def head_flops(m: ModelConfig, vocab: int, tp: int) -> float:

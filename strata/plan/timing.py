@@ -1,17 +1,22 @@
 """The time model: one optimizer step of a layout on a cluster, built from parts — compute from the
-FLOPs each pipeline stage runs per micro-batch at the device's sustained rate (plus element-wise
-work at its memory bandwidth), tensor-parallel all-reduces on the critical path, pipeline sends
-where the schedule cannot hide them, the pipeline schedule's bubble, data-parallel/ZeRO
-collectives hop by hop (`traffic`) with what overlapping hides of them, the optimizer update where
-offload puts it, offload I/O against host-link and NVMe bandwidth, and CO2's outer all-reduce
-amortised over its round.
+FLOPs each pipeline stage runs per micro-batch at the device's sustained rates (the blocks' linear
+layers at the matmul rate, float8's under fp8; attention at flash attention's; each GEMM's operands,
+float8's casts and element-wise work at memory bandwidth), tensor-parallel all-reduces on the
+critical path, pipeline sends where the schedule cannot hide them, the pipeline schedule's bubble,
+data-parallel/ZeRO collectives hop by hop (`traffic`) with what overlapping hides of them, the
+optimizer update where offload puts it, offload I/O against host-link and NVMe bandwidth, and CO2's
+outer all-reduce amortised over its round.
 
-What overlaps with what, as the engine runs it: a ZeRO-3 group's gather is prefetched behind the
-forward (backward) compute of the groups before it, so only what exceeds that compute shows,
+What overlaps with what, as Strata's trainer runs it: a ZeRO-3 group's gather is prefetched behind
+the forward (backward) compute of the groups before it, so only what exceeds that compute shows,
 and the step's first gather never hides; per-micro-batch reduce-scatters run behind backward;
 with `parallel.overlap_grad_reduce` the step's final reduction starts inside the last micro-batch's
 backward (without it, it follows); the rebuild gather after the update and the update itself
-are exposed; CO2's outer all-reduce hides behind the next round's steps when `co2.overlap`.
+are exposed; CO2's outer all-reduce hides behind the next round's steps when `co2.overlap`;
+tensor-parallel collectives hide behind nothing. Another framework's published runs are predicted
+as it runs them (`strata.plan.engines`): tensor-parallel collectives chunked behind the GEMMs, the
+rebuild gather inside the next step's first forward, fused element-wise work, its own selective
+recomputation.
 
 On a cluster whose ranks all share one machine's cores (`Cluster.shared_cores`), compute is the
 stages' mean and the bubble costs nothing: the machine, not the slowest stage, sets the pace.
@@ -28,6 +33,7 @@ from strata.parallel.stages import schedule_name
 from strata.parallel.topology import Layout, expert_layout
 from strata.plan import traffic
 from strata.plan.cluster import LINKS, Cluster
+from strata.plan.engines import STRATA, Engine
 from strata.plan.memory import (
     FP32,
     TIER_OF,
@@ -40,9 +46,11 @@ from strata.plan.memory import (
 )
 from strata.plan.shapes import (
     Group,
+    attention_flops,
     backward_flops,
     block_saved,
     chunk_counts,
+    gemm_operands,
     head_flops,
     layer_flops,
     parts_of,
@@ -58,6 +66,12 @@ ADAM_BYTES = 32  # per element of the optimizer chunk: parameter r/w, gradient r
 UNFUSED_SCORE_BYTES = {"forward": 13, "backward": 26}
 # saved activations written in forward, read in backward, their gradients too
 ELEMENTWISE_PASSES = 4
+# eager PyTorch runs each element-wise op of a block (norms in float32, rotary embedding, SiLU and
+# product, residual adds, casts) as its own kernel, each reading its inputs and writing its output
+EAGER_PASSES = 8
+# a float8 cast with a tensor-wise scale reads a bf16 tensor for its absolute maximum, then
+# again to write it in float8
+FP8_CAST_BYTES = 5
 
 
 @dataclass
@@ -135,41 +149,100 @@ def bubble_factor(cfg: Config) -> float:
     return (p - 1.0) / 6  # zbv_zero_bubble, dualpipev: V-shaped, two chunks per rank
 
 
+def _compute(
+    cfg: Config, cluster: Cluster, indices: list[int], has_head: bool, vocab: int, engine: Engine
+) -> tuple[float, float, float]:
+    """Seconds of one micro-batch's forward and backward (with any recomputed forward) on a rank
+    running the layers `indices` (and the output layer when `has_head`), and the seconds of them
+    the blocks' GEMMs take (what chunked tensor-parallel communication can hide behind). Under
+    fp8 only the blocks' linear layers run at the float8 rate; attention and the output layer
+    stay in bf16."""
+    m, par, dev, precision = cfg.model, cfg.parallel, cluster.device, cfg.train.precision
+    tp, recompute = par.tp, cfg.activations.recompute
+    tokens = cfg.train.micro_batch_size * m.seq_len // par.cp  # a context-parallel rank's share
+    attend = len(indices) * attention_flops(m, tp)
+    linear = sum(layer_flops(m, tp, i) for i in indices) - attend
+    mm_rate = dev.rate_tflops(precision) * 1e12
+    rate = dev.rate_tflops("bf16" if precision == "fp8" else precision) * 1e12
+    # an unfused attention's batched matmuls run at the matmul rate, a fused kernel at its own
+    fused_rate = dev.attention_tflops(precision) * 1e12
+    attend_s = tokens * attend / (rate if engine.attention == "unfused" else fused_rate)
+    again = 1.0 if recompute == "full" else 0.0  # full recomputation runs the blocks' forward again
+    redone = again * linear
+    if recompute == "selective":  # what the engine's selective checkpointing recomputes
+        redone = sum(engine.recomputed_flops(m, tp, i) for i in indices)
+    fwd = tokens * linear / mm_rate + attend_s
+    fwd += tokens * head_flops(m, vocab, tp) / rate if has_head else 0.0
+    bwd = 2 * fwd + tokens * redone / mm_rate + again * attend_s
+    gemm = tokens * (3 * linear + redone) / mm_rate
+    if not dev.measured:  # memory traffic at its bandwidth (a measured rate includes it)
+        memory = _memory_seconds(cfg, cluster, indices, has_head, vocab, engine)
+        fwd += memory["forward"]
+        bwd += memory["backward"]
+        gemm += memory["gemm"]
+    return fwd, bwd, gemm
+
+
+def _memory_seconds(
+    cfg: Config, cluster: Cluster, indices: list[int], has_head: bool, vocab: int, engine: Engine
+) -> dict[str, float]:
+    """The memory-bound seconds of a micro-batch on a rank (see `_compute`), forward and backward,
+    and the share of them in the blocks' GEMMs. Each GEMM reads its operands and writes its result
+    once, backward's two per forward one twice: what keeps a small GEMM further below peak than a
+    large one. Float8 casts each block GEMM's inputs (read in bf16, written in float8) in every
+    pass. Element-wise work moves what backward saves `ELEMENTWISE_PASSES` times fused (compiled,
+    or another framework's fused kernels), `EAGER_PASSES` times eagerly; the unfused attention of
+    other frameworks moves its score matrix."""
+    m, par, dev, recompute = cfg.model, cfg.parallel, cluster.device, cfg.activations.recompute
+    tp = par.tp
+    tokens = cfg.train.micro_batch_size * m.seq_len // par.cp
+    bw = dev.mem_bw_gbs * 1e9
+    act = 2 if cfg.train.bf16_compute else 4
+    again = 1.0 if recompute == "full" else 0.0
+    rows, weights, inputs = 0.0, 0.0, 0.0
+    for i in indices:
+        r, w, x = gemm_operands(m, tp, par.ep, i)
+        rows, weights, inputs = rows + r, weights + w, inputs + x
+    operands = act * (tokens * rows + weights) / bw
+    if cfg.train.precision == "fp8" and dev.fp8_tflops:
+        operands += FP8_CAST_BYTES * (tokens * inputs + weights) / bw
+    head = 0.0
+    if has_head:
+        head = act * (tokens * (m.d_model + vocab / tp) + m.d_model * vocab / tp) / bw
+    saved = sum(saved_bytes(block_saved(cfg, i), tokens) for i in indices)
+    passes = ELEMENTWISE_PASSES if engine.fused(cfg.train.compile) else EAGER_PASSES
+    moved = passes * saved / bw
+    out = {
+        "forward": operands + head + moved / 3,
+        # backward's share, and a recomputed forward's element-wise work again (selective
+        # recomputes only that; full's matmuls are counted with them)
+        "backward": 2 * (operands + head)
+        + again * operands
+        + 2 * moved / 3
+        + (moved / 3 if recompute != "none" else 0.0),
+        "gemm": (3 + again) * operands,
+    }
+    if engine.attention == "unfused":
+        scores = cfg.train.micro_batch_size * m.n_heads / tp * m.seq_len**2 * len(indices) / bw
+        out["forward"] += scores * UNFUSED_SCORE_BYTES["forward"]
+        out["backward"] += scores * (
+            UNFUSED_SCORE_BYTES["backward"] + again * UNFUSED_SCORE_BYTES["forward"]
+        )
+    return out
+
+
 def _stage_time(
-    cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_rank: int, attention: str
+    cfg: Config, cluster: Cluster, layout: Layout, vocab: int, pp_rank: int, engine: Engine
 ) -> _Stage:
-    m, par, dev = cfg.model, cfg.parallel, cluster.device
+    m, par = cfg.model, cfg.parallel
     tp = par.tp
     tokens = cfg.train.micro_batch_size * m.seq_len // par.cp  # a context-parallel rank's share
     parts = parts_of(cfg, pp_rank)
     indices = [p.first_layer + i for p in parts for i in range(p.n_layers)]
     layers = len(indices)
     has_head = any(p.last for p in parts)
-    blocks = sum(layer_flops(m, tp, i) for i in indices)
-    head = head_flops(m, vocab, tp) if has_head else 0.0
-    rate = dev.rate_tflops(cfg.train.precision) * 1e12
-    fwd = tokens * (blocks + head) / rate
+    fwd, bwd, gemm = _compute(cfg, cluster, indices, has_head, vocab, engine)
     recompute = cfg.activations.recompute
-    bwd = 2 * fwd + (tokens * blocks / rate if recompute == "full" else 0.0)
-    if not dev.measured:  # element-wise work at memory bandwidth (a measured rate includes it)
-        saved = sum(saved_bytes(block_saved(cfg, i), tokens) for i in indices)
-        moved = ELEMENTWISE_PASSES * saved / (dev.mem_bw_gbs * 1e9)
-        fwd += moved / 3
-        # backward's share, and a recomputed forward's element-wise work again (selective recomputes
-        # only that; full's matmuls are counted above)
-        bwd += 2 * moved / 3 + (moved / 3 if recompute != "none" else 0.0)
-    if attention == "unfused":
-        scores = (
-            cfg.train.micro_batch_size
-            * m.n_heads
-            / tp
-            * m.seq_len**2
-            * layers
-            / (dev.mem_bw_gbs * 1e9)
-        )
-        again = 1 if recompute == "full" else 0
-        fwd += scores * UNFUSED_SCORE_BYTES["forward"]
-        bwd += scores * (UNFUSED_SCORE_BYTES["backward"] + again * UNFUSED_SCORE_BYTES["forward"])
     act = 2 if cfg.train.bf16_compute else 4
     hidden = tokens * m.d_model * act
     # per layer two all-reduces forward and two backward (sequence parallel: all-gather plus
@@ -179,6 +252,10 @@ def _stage_time(
     reductions = layers * (4 + (2 if recompute != "none" else 0))
     reductions += sum(1 for p in parts if p.first) + (1 if has_head else 0)
     tp_traffic = traffic.dim_all_reduce(cluster, layout, "tp", hidden).scaled(reductions)
+    if engine.tp_comm_overlap and tp > 1:
+        # each collective in tp chunks, all but the first behind the GEMM it feeds or drains
+        whole = tp_traffic.seconds
+        tp_traffic.seconds = whole / tp + max(0.0, whole * (tp - 1) / tp - gemm)
     send = 0.0
     if par.pp > 1:
         local_seq = m.seq_len // par.cp // (tp if par.sequence_parallel and tp > 1 else 1)
@@ -186,8 +263,8 @@ def _stage_time(
             cluster, layout, cfg.train.micro_batch_size * local_seq * m.d_model * 4
         ).seconds
     ep = _expert_traffic(cfg, cluster, layout, indices)
-    # a layer's causal attention forward
-    attend_s = tokens * 2 * m.seq_len * m.n_heads * m.head_size / tp / rate
+    attention_rate = cluster.device.attention_tflops(cfg.train.precision) * 1e12
+    attend_s = tokens * attention_flops(m, tp) / attention_rate  # a layer's attention forward
     cp = _context_traffic(cfg, cluster, layout, layers, tokens, attend_s)
     return _Stage(fwd, bwd, tp_traffic, send, len(parts), ep, cp)
 
@@ -307,12 +384,19 @@ class _Reductions:
 
 
 def _reductions(
-    cfg: Config, cluster: Cluster, layout: Layout, groups: list[Group], m: int, vocab: int
+    cfg: Config,
+    cluster: Cluster,
+    layout: Layout,
+    groups: list[Group],
+    m: int,
+    vocab: int,
+    param_bytes: int = FP32,
 ) -> _Reductions:
     """The engine's collectives per flat group (see strata/parallel/zero.py): ZeRO-3 gathers per micro-batch
     (forward from the params level; backward and later micro-batches from the hpZ copy when there
     is one), reduce-scatters to the grads level per micro-batch, the final reduce-scatter to the
-    optimizer's chunk and all-reduce over its copies, and the rebuild gather after the update."""
+    optimizer's chunk and all-reduce over its copies, and the rebuild gather after the update.
+    Gradients move in float32; gathered parameters `param_bytes` each."""
     lv = zero_levels(cfg)
     hier = cfg.zero.hierarchical if cfg.zero.enabled else True
     sync = "node" if cfg.co2.enabled else "global"
@@ -320,13 +404,16 @@ def _reductions(
     for i, g in enumerate(groups):
         nbytes = g.padded * FP32
 
-        def rs(fine: str, coarse: str) -> traffic.Traffic:
-            return traffic.reduce_scatter(cluster, layout, nbytes, fine, coarse, hier)
+        def rs(fine: str, coarse: str, size: float = nbytes) -> traffic.Traffic:
+            return traffic.reduce_scatter(cluster, layout, size, fine, coarse, hier)
+
+        def ag(fine: str, coarse: str) -> traffic.Traffic:  # the same ring, the other way
+            return rs(fine, coarse, g.padded * param_bytes)
 
         if lv["params"] != "none":
-            primary = rs("none", lv["params"])
+            primary = ag("none", lv["params"])
             if lv["secondary"] != "none":
-                secondary = rs("none", lv["secondary"])
+                secondary = ag("none", lv["secondary"])
                 out.fwd_gather.add(primary, 1 / m)
                 out.fwd_gather.add(secondary, (m - 1) / m)
                 out.bwd_gather.add(secondary)
@@ -342,21 +429,19 @@ def _reductions(
         out.final.add(final)
         out.finals.append((backward_flops(cfg.model, g, vocab, cfg.parallel.tp), final.seconds))
         if lv["optim"] != lv["params"]:
-            out.rebuild.add(rs(lv["params"], lv["optim"]))
+            out.rebuild.add(ag(lv["params"], lv["optim"]))
     return out
 
 
 def estimate_time(
-    cfg: Config, cluster: Cluster, vocab: int, attention: str = "fused"
+    cfg: Config, cluster: Cluster, vocab: int, engine: Engine = STRATA
 ) -> TimeEstimate:
-    """Seconds per optimizer step of `cfg` on `cluster` (see the module docstring). `attention`:
-    "fused" (Strata's SDPA, flash attention) or "unfused" (another framework that materialises
-    the score matrix, for comparing with its published runs)."""
+    """Seconds per optimizer step of `cfg` on `cluster` (see the module docstring) as `engine`
+    runs it: Strata's trainer, or another framework whose published runs the planner is checked
+    against (strata.plan.engines)."""
     layout = layout_of(cfg, cluster)
     m = micro_batches(cfg, layout)
-    stages = [
-        _stage_time(cfg, cluster, layout, vocab, s, attention) for s in range(cfg.parallel.pp)
-    ]
+    stages = [_stage_time(cfg, cluster, layout, vocab, s, engine) for s in range(cfg.parallel.pp)]
     slow = max(stages, key=lambda s: s.micro_batch)
     bubble = bubble_factor(cfg) * slow.micro_batch
     compute = m * (slow.fwd + slow.bwd)
@@ -380,7 +465,7 @@ def estimate_time(
     step_compute = parts["compute"] + parts["tp"] + parts["ep"] + parts["cp"] + parts["pp"] + bubble
     for s, st in enumerate(stages):
         groups = flat_groups(cfg, layout, vocab, s)
-        red = _reductions(cfg, cluster, layout, groups, m, vocab)
+        red = _reductions(cfg, cluster, layout, groups, m, vocab, engine.param_bytes)
         window_f, window_b = st.fwd, st.bwd
         exposed = red.first_gather
         exposed += m * max(0.0, red.fwd_gather.seconds - window_f)
@@ -389,7 +474,10 @@ def estimate_time(
             exposed += red.final_exposed(window_b)
         else:
             exposed += red.final.seconds
-        exposed += red.rebuild.seconds
+        if engine.param_gather_overlap:  # gathered group by group in the next first forward
+            exposed += max(0.0, red.rebuild.seconds - window_f)
+        else:
+            exposed += red.rebuild.seconds
         total = red.per_step(m)
         if exposed >= dp_exposed:
             dp_exposed = exposed
