@@ -27,6 +27,7 @@ setup(
         "pyeclib==1.8.0",  # its wheel bundles ISA-L, which checkpoint/erasure.py calls for Reed–Solomon coding
         "tokenizers>=0.19",  # strata data prepare: Hugging Face tokenizers and BPE training
         "pyarrow>=14",  # strata data prepare: .parquet inputs
+        "jinja2>=3.1.6",  # strata data prepare: chat templates (sandboxed, as transformers runs them)
     ],
     extras_require={
         # deepspeed: tests/checkpoint/test_deepspeed_import.py has DeepSpeed write a ZeRO checkpoint (CPU, needs g++).

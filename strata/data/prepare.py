@@ -25,7 +25,7 @@ import shutil
 import sys
 import sysconfig
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -36,13 +36,19 @@ import numpy as np
 from strata.atomic import atomic_directory
 from strata.data import tokenize
 from strata.data.tokenize import BYTES_INFO, ByteTokenizer, TokenizerInfo
+from strata.data.tokens import docs_file, mask_file
 from strata.errors import DataError
 
 FORMAT_VERSION = 2  # 2: meta.json's tokenizer is an object, tokenizer.json may sit beside the data
 CHUNK_BYTES = 4 << 20
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_ROWS_PER_BATCH = 4096
-OUTPUT_FILES = frozenset({"meta.json", "train.bin", "val.bin", tokenize.TOKENIZER_FILE})
+# what prepare writes (conversations add their masks, boundaries and chat template): the only
+# files of a directory it may replace
+OUTPUT_FILES = frozenset(
+    {"meta.json", "train.bin", "val.bin", tokenize.TOKENIZER_FILE, "chat_template.jinja"}
+    | {name(split) for name in (mask_file, docs_file) for split in ("train", "val")}
+)
 
 __all__ = ["ByteTokenizer", "prepare", "check_output", "expand_inputs", "stdlib_corpus_files"]
 
@@ -56,7 +62,7 @@ def stdlib_corpus_files() -> list[Path]:
     return sorted(files, key=lambda p: str(p.relative_to(root)))
 
 
-def _is_val(name: str, val_fraction: float) -> bool:
+def is_val(name: str, val_fraction: float) -> bool:
     """Deterministic per-document split by a hash of its name (stable across machines)."""
     h = int.from_bytes(hashlib.sha1(name.encode()).digest()[:8], "little")
     return h / 2**64 < val_fraction
@@ -84,7 +90,9 @@ class Task:
     row_group: int = 0
 
 
-def _open_parquet(path: str, text_field: str):
+def open_parquet(path: str, text_field: str | None):
+    """The Parquet file at `path`, its `text_field` checked to be a text column (None: any
+    columns, as conversations are read)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -92,6 +100,8 @@ def _open_parquet(path: str, text_field: str):
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError, ValueError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from e
+    if text_field is None:
+        return pf
     schema = pf.schema_arrow
     if text_field not in schema.names:
         raise DataError(
@@ -125,10 +135,11 @@ def _jsonl_tasks(path: Path, name: str, chunk_bytes: int) -> Iterator[Task]:
 
 
 def plan(
-    files: list[Path], root: Path | None, text_field: str, chunk_bytes: int = CHUNK_BYTES
+    files: list[Path], root: Path | None, text_field: str | None, chunk_bytes: int = CHUNK_BYTES
 ) -> list[Task]:
     """The tasks for `files`, in output order. Parquet files are opened here, so a file that is not
-    Parquet or lacks the text column fails before any work starts."""
+    Parquet or lacks the text column (`text_field`; None for conversations) fails before any work
+    starts."""
     tasks: list[Task] = []
     group: list[tuple[str, str]] = []
     group_bytes = 0
@@ -149,7 +160,7 @@ def plan(
         if fmt == "jsonl":
             tasks += _jsonl_tasks(f, name, chunk_bytes)
         else:
-            meta = _open_parquet(str(f), text_field).metadata
+            meta = open_parquet(str(f), text_field).metadata
             first = 0
             for g in range(meta.num_row_groups):
                 tasks.append(Task("parquet", ((str(f), name),), first=first, row_group=g))
@@ -228,7 +239,7 @@ def _parquet_documents(
     import pyarrow as pa
 
     path, name = task.items[0]
-    pf = _open_parquet(path, text_field)
+    pf = open_parquet(path, text_field)
     row = task.first
     try:
         batches = pf.iter_batches(
@@ -253,7 +264,7 @@ def run_task(
     parts: dict[bool, list] = {False: [], True: []}
     n = 0
     for key, doc in read_documents(task, text_field, as_bytes):
-        parts[_is_val(key, val_fraction)].append(doc)
+        parts[is_val(key, val_fraction)].append(doc)
         n += 1
     return (
         tokenize.encode_documents(parts[False], eot, dtype),
@@ -265,13 +276,16 @@ def run_task(
 # --- preparing ------------------------------------------------------------------------------
 
 
-def _results(tasks: list[Task], args: tuple, workers: int, tok_path: str | None) -> Iterator[tuple]:
-    """run_task's results in task order: in this process for one worker, else from a pool with at
-    most 2 tasks per worker in flight (which bounds memory whatever the corpus size)."""
+def task_results(
+    tasks: list[Task], args: tuple, workers: int, tok_path: str | None, work: Callable = run_task
+) -> Iterator:
+    """`work`'s results (run_task's, or another top-level function of a task and `args`) in task
+    order: in this process for one worker, else from a pool with at most 2 tasks per worker in
+    flight (which bounds memory whatever the corpus size)."""
     if workers <= 1:
         tokenize.start_worker(tok_path, threads=True)
         for t in tasks:
-            yield run_task(t, *args)
+            yield work(t, *args)
         return
     ctx = get_context("spawn")  # fork after the tokenizers library has started its threads can hang
     pool = ProcessPoolExecutor(
@@ -281,14 +295,14 @@ def _results(tasks: list[Task], args: tuple, workers: int, tok_path: str | None)
         pending: deque[Future] = deque()
         todo = iter(tasks)
         for t in todo:
-            pending.append(pool.submit(run_task, t, *args))
+            pending.append(pool.submit(work, t, *args))
             if len(pending) >= 2 * workers:
                 break
         while pending:
             result = pending.popleft().result()
             following = next(todo, None)
             if following is not None:
-                pending.append(pool.submit(run_task, following, *args))
+                pending.append(pool.submit(work, following, *args))
             yield result
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -350,7 +364,7 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _copy_range(src: Path, dst: Path, start: int) -> None:
+def copy_range(src: Path, dst: Path, start: int) -> None:
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         fi.seek(start)
         shutil.copyfileobj(fi, fo, 1 << 20)
@@ -366,14 +380,14 @@ def _ensure_val_split(
         return n_train, n_val
     src = tmp / ("train.bin" if n_train else "val.bin")
     cut = int(total * (1 - val_fraction))
-    _copy_range(src, tmp / "val.tail", cut * itemsize)
+    copy_range(src, tmp / "val.tail", cut * itemsize)
     os.truncate(src, cut * itemsize)
     os.replace(src, tmp / "train.bin")
     os.replace(tmp / "val.tail", tmp / "val.bin")
     return cut, total - cut
 
 
-def _progress(enabled: bool):
+def progress_bar(enabled: bool):
     from tqdm import tqdm
 
     return tqdm(
@@ -412,9 +426,9 @@ def _write_splits(
     n_docs = 0
     max_id = -1
     counts = {"train": 0, "val": 0}
-    bar = _progress(progress)
+    bar = progress_bar(progress)
     with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f, bar:
-        for train, val, n in _results(tasks, args, workers, tok_path):
+        for train, val, n in task_results(tasks, args, workers, tok_path):
             train.tofile(train_f)
             val.tofile(val_f)
             counts["train"] += len(train)

@@ -7,6 +7,13 @@ token ids (uint16, or uint32 for vocabularies over 65536), DIR/meta.json says dt
 and tokenizer (and, from `strata data prepare`, the largest id, "max_id"). Opening a directory
 reads only meta.json and the files' sizes, so a run starts in the same time on any amount of data.
 A training sample i is the window tokens[i·L : i·L + L + 1] (L = sequence length).
+
+Conversations (`strata data prepare` on chat records, meta.json's "chat" block) are packed into
+windows of L + 1 tokens that never cut one: sample i is tokens[i·(L+1) : (i+1)·(L+1)], so such a
+directory opens only with the seq_len it was prepared for. Beside each split's tokens lie
+SPLIT.mask.bin (uint8, one per token: 1 where the token is trained as a target) and SPLIT.docs.bin
+(int64 pairs: each conversation's [start, end) in the split's tokens, its end-of-document token
+included; what lies between is padding).
 """
 
 from __future__ import annotations
@@ -111,7 +118,10 @@ def prepared_tokenizer(data_dir: Path, key: str = "data.path") -> tuple[Path | N
 
 def end_of_document(data_dir: Path, key: str = "data.path") -> int:
     """The end-of-document token id `strata data prepare` recorded in meta.json ("eot"), which
-    data.document_mask and data.reset_positions split packed sequences at; a DataError without one."""
+    data.document_mask and data.reset_positions split packed sequences at; a DataError without one.
+    In a conversation directory it ends each conversation and pads each window, and nowhere else
+    (`strata data prepare` refuses a conversation holding it), so the documents it gives are the
+    conversations SPLIT.docs.bin records, never the turns."""
     meta = read_meta(data_dir, key)
     eot = meta.raw.get("eot")
     if not isinstance(eot, int) or isinstance(eot, bool) or not 0 <= eot < meta.vocab_size:
@@ -157,10 +167,78 @@ def _recorded_max_id(path: Path, meta: TokenMeta, vocab_size: int) -> bool:
     return vocab_size > np.iinfo(np.dtype(meta.dtype)).max
 
 
+def mask_file(split: str) -> str:
+    """The name of a chat split's loss mask file."""
+    return f"{split}.mask.bin"
+
+
+def docs_file(split: str) -> str:
+    """The name of a chat split's conversation boundaries file."""
+    return f"{split}.docs.bin"
+
+
+@dataclass(frozen=True)
+class ChatSplit:
+    """What a conversation directory holds beside a split's tokens: the loss mask (uint8 per
+    token) and the conversations' [start, end) offsets, both memory-mapped."""
+
+    mask: np.ndarray
+    docs: np.ndarray  # (conversations, 2) int64
+
+
+def _chat_split(
+    data_dir: Path, meta: TokenMeta, split: str, seq_len: int, n_tokens: int, key: str
+) -> ChatSplit | None:
+    """A split's mask and boundaries when meta.json has a "chat" block (None without one), after
+    checking, from the files' sizes alone, that they belong to the tokens and to `seq_len`."""
+    chat = meta.raw.get("chat")
+    if not isinstance(chat, dict):
+        return None
+    data_dir = Path(data_dir)
+    packed = chat.get("seq_len")
+    if packed != seq_len:
+        raise DataError(
+            f"{key}={str(data_dir)!r} holds conversations packed for model.seq_len={packed} "
+            f"(windows of {packed}+1 tokens that never cut one), the run has model.seq_len="
+            f"{seq_len}; set model.seq_len={packed}, or prepare again with --seq-len {seq_len}"
+        )
+    again = "; the directory is damaged or incomplete: prepare it again with `strata data prepare`"
+    if n_tokens % (seq_len + 1):
+        raise DataError(
+            f"{data_dir / (split + '.bin')}: {n_tokens} tokens is not a whole number of "
+            f"windows of {seq_len + 1}{again}"
+        )
+    mask_path, docs_path = data_dir / mask_file(split), data_dir / docs_file(split)
+    for path in (mask_path, docs_path):
+        if not path.is_file():
+            raise DataError(f"{key}={str(data_dir)!r}: missing {path.name}{again}")
+    if mask_path.stat().st_size != n_tokens:
+        raise DataError(
+            f"{mask_path}: {mask_path.stat().st_size} bytes, but {split}.bin holds {n_tokens} "
+            f"tokens (one mask byte each){again}"
+        )
+    recorded = chat.get("conversations")
+    count = recorded.get(split) if isinstance(recorded, dict) else None
+    size = docs_path.stat().st_size
+    if size % 16 or (isinstance(count, int) and size // 16 != count):
+        raise DataError(
+            f"{docs_path}: {size} bytes is not the {count} conversations meta.json records "
+            f"(16 bytes each){again}"
+        )
+    mask = np.memmap(mask_path, np.uint8, mode="r") if n_tokens else np.zeros(0, np.uint8)
+    docs = (
+        np.memmap(docs_path, np.int64, mode="r").reshape(-1, 2)
+        if size
+        else np.zeros((0, 2), np.int64)
+    )
+    return ChatSplit(mask, docs)
+
+
 class TokenDataset:
     """Non-overlapping (seq_len+1)-token windows of one split, read from a memory map. Opening one
-    reads only meta.json and the file's size, never the tokens: a directory whose meta.json does
-    not record its largest id has each window checked against the vocabulary as it is read."""
+    reads only meta.json and the files' sizes, never the tokens: a directory whose meta.json does
+    not record its largest id has each window checked against the vocabulary as it is read. A
+    conversation directory (`chat`) has a loss mask and conversation boundaries per window."""
 
     def __init__(self, data_dir: Path, split: str, seq_len: int, key: str = "data.path"):
         meta = read_meta(data_dir, key)
@@ -172,7 +250,11 @@ class TokenDataset:
         self._ids_in_range = _recorded_max_id(path, meta, meta.vocab_size)
         self.seq_len = seq_len
         self.vocab_size = meta.vocab_size
-        self.n_samples = (len(self.tokens) - 1) // seq_len
+        self.chat = _chat_split(Path(data_dir), meta, split, seq_len, len(self.tokens), key)
+        # packed conversations: windows side by side; plain tokens: each window's last token is
+        # the next one's first
+        self.stride = seq_len + 1 if self.chat else seq_len
+        self.n_samples = (len(self.tokens) - (0 if self.chat else 1)) // self.stride
         if self.n_samples < 1:
             raise DataError(
                 f"{path}: {len(self.tokens)} tokens is too few for one sequence of "
@@ -185,7 +267,7 @@ class TokenDataset:
     def window(self, i: int) -> np.ndarray:
         """Window `i`: tokens i·seq_len to (i+1)·seq_len inclusive (inputs and the targets one token
         on), as int64."""
-        start = i * self.seq_len
+        start = i * self.stride
         row = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
         if not self._ids_in_range and len(row) and int(row.max()) >= self.vocab_size:
             at = int(np.argmax(row >= self.vocab_size))
@@ -203,6 +285,42 @@ class TokenDataset:
 
         rows = torch.from_numpy(np.stack([self.window(i) for i in indices]))
         return rows[:, :-1], rows[:, 1:]
+
+    def loss_mask(self, i: int) -> np.ndarray:
+        """Window `i`'s loss mask, aligned with `window(i)` (seq_len+1 bools, True where that token
+        is trained as a target: its [1:] goes with the targets): the stored mask of conversations
+        (padding, prompts and each conversation's first token False), all True for plain tokens."""
+        if self.chat is None:
+            return np.ones(self.seq_len + 1, dtype=bool)
+        start = i * self.stride
+        row = np.asarray(self.chat.mask[start : start + self.stride])
+        if len(row) and int(row.max()) > 1:
+            raise DataError(
+                f"{self.path.with_name(mask_file(self.path.stem))}: mask byte {int(row.max())} in "
+                f"window {i} (only 0 and 1 are written); prepare the data again"
+            )
+        return row.astype(bool)
+
+    def target_mask(self, indices: Iterable[int]) -> torch.Tensor:
+        """The loss mask of `batch(indices)`'s targets: (len(indices), seq_len) bool."""
+        import torch
+
+        return torch.from_numpy(np.stack([self.loss_mask(i)[1:] for i in indices]))
+
+    def document_ids(self, i: int) -> np.ndarray | None:
+        """Which stored conversation each token of window `i` belongs to (0, 1, ... in the window;
+        -1 for padding), from SPLIT.docs.bin: the boundaries data.document_mask must see. None for
+        plain tokens, whose documents are found by their end-of-document token."""
+        if self.chat is None:
+            return None
+        start, end = i * self.stride, (i + 1) * self.stride
+        docs = self.chat.docs
+        first = int(np.searchsorted(docs[:, 0], start, side="left"))
+        last = int(np.searchsorted(docs[:, 0], end, side="left"))
+        ids = np.full(self.stride, -1, dtype=np.int64)
+        for k, (a, b) in enumerate(np.asarray(docs[first:last])):
+            ids[a - start : b - start] = k
+        return ids
 
 
 def check_data_config(data_dir: Path, cfg: Config) -> None:

@@ -4,8 +4,10 @@ library's sources) into train.bin, val.bin and meta.json in parallel worker proc
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from strata.data.chat import BUILTIN, LONG_POLICIES, LOSS_ON
 from strata.errors import StrataError
 from strata.launch.commands.common import CommandHelp, Subcommand, file_errors, fraction, whole
 
@@ -16,12 +18,21 @@ HELP = CommandHelp(
     "(.parquet) into train.bin, val.bin and meta.json (plus tokenizer.json for a tokenizer other "
     "than bytes), in parallel worker processes; each document is followed by the tokenizer's "
     "end-of-document token. A text file is one document and goes wholly to train or val by a hash "
-    "of its path; a JSON Lines or Parquet document goes by a hash of (path, line or row number).",
+    "of its path; a JSON Lines or Parquet document goes by a hash of (path, line or row number). "
+    "Conversations (records with 'messages', 'prompt' and 'completion', or Alpaca's "
+    "'instruction', 'input' and 'output') are rendered with the tokenizer's chat template, "
+    "masked so that only the assistant's tokens are trained (--loss-on), and packed into windows "
+    "of --seq-len + 1 tokens that never cut a conversation; beside the tokens lie the loss mask "
+    "(SPLIT.mask.bin) and the conversations' boundaries (SPLIT.docs.bin).",
     examples=(
         "strata data prepare ~/books --glob '*.txt' --out data/books",
         "strata data prepare corpus.jsonl --text-field content --tokenizer bpe:32000 --out data/c",
         "strata data prepare shards/ --glob '*.parquet' --tokenizer ~/models/Llama-3.2-1B "
         "--out data/l",
+        "strata data prepare chats.jsonl --tokenizer ~/models/Qwen2.5-0.5B-Instruct --seq-len "
+        "4096 --out data/sft",
+        "strata data prepare pairs.parquet --tokenizer ~/models/base --chat-template chatml "
+        "--loss-on completion --seq-len 2048 --long drop --out data/pairs",
         "strata data prepare --stdlib --out data/stdlib",
         "strata train configs/tiny.yaml data.path=data/books",
     ),
@@ -36,6 +47,9 @@ PREPARE = CommandHelp(
         "[--tokenizer bytes|tokenizer.json|HF_DIR|bpe:N]"
         "\n                           [--text-field F] [--workers N] [--glob '*.txt'] "
         "[--val-fraction 0.05]",
+        "strata data prepare CONVERSATIONS --out DIR --tokenizer tokenizer.json|HF_DIR "
+        "--seq-len N\n                           [--chat-template chatml|FILE.jinja|NAME] "
+        "[--loss-on assistant|all|last_turn|completion] [--long truncate|drop]",
         "strata data prepare --stdlib --out DIR [--tokenizer ...]",
     ),
     description=HELP.description,
@@ -87,16 +101,111 @@ def _add_prepare_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--eot-token",
         help="the tokenizer.json's end-of-document token (default: the model directory's "
-        "eos_token, else the first of <|endoftext|>, <|end_of_text|>, </s>, <eos> it has)",
+        "eos_token, else the first of <|endoftext|>, <|end_of_text|>, </s>, <eos> it has; for "
+        "conversations, the first of those that the chat template does not write)",
     )
     d.add_argument("--workers", type=whole(1), help="tokenizing processes (default: one per CPU)")
+    _add_chat_arguments(d)
+
+
+def _add_chat_arguments(d: argparse.ArgumentParser) -> None:
+    """`strata data prepare`'s options for conversations."""
+    chat = d.add_argument_group(
+        "conversations",
+        "JSON Lines or Parquet records with 'messages' (a list of {role, content}, optional "
+        "'tools'), 'prompt' and 'completion', or 'instruction', 'input' and 'output' (Alpaca) are "
+        "conversations: rendered with the chat template, masked, packed (docs: README, Data)",
+    )
+    chat.add_argument(
+        "--seq-len",
+        type=whole(2),
+        help="the model.seq_len to train with (required for conversations): they are packed into "
+        "windows of seq-len + 1 tokens, several per window, none cut across two; the rest of a "
+        "window is padding without loss; the directory opens only with this model.seq_len",
+    )
+    chat.add_argument(
+        "--chat-template",
+        metavar="TEMPLATE",
+        help="default: the tokenizer's own (chat_template.jinja or tokenizer_config.json's "
+        f"chat_template, as transformers reads it); {', '.join(BUILTIN)} (built in, for a tokenizer "
+        "without one), a .jinja file, or the name of one of the tokenizer's named templates",
+    )
+    chat.add_argument(
+        "--loss-on",
+        choices=LOSS_ON,
+        default=None,
+        help="the tokens trained: assistant (every assistant turn, the default), all, last_turn "
+        "(the last assistant turn), completion (what follows the prompt of prompt/completion or "
+        "Alpaca records, as TRL's completion_only_loss)",
+    )
+    chat.add_argument(
+        "--long",
+        choices=LONG_POLICIES,
+        default=None,
+        help="a conversation longer than --seq-len tokens: truncate (keep its first seq-len "
+        "tokens, the default, as TRL and torchtune do) or drop; meta.json counts either",
+    )
+
+
+CHAT_FLAGS = ("seq_len", "chat_template", "loss_on", "long")
+
+
+def _run_chat(args: argparse.Namespace, files: list[Path], root: Path | None) -> int:
+    """Prepare conversations and print what the directory holds."""
+    from strata.data import sft
+
+    if args.seq_len is None:
+        raise StrataError(
+            "strata data prepare: the inputs are conversations, which are packed into windows of "
+            "model.seq_len + 1 tokens; give --seq-len (the model.seq_len you will train with)"
+        )
+    options = sft.ChatOptions(
+        args.seq_len, args.chat_template, args.loss_on or "assistant", args.long or "truncate"
+    )
+    with file_errors("strata data prepare"):
+        meta = sft.prepare_chat(
+            files,
+            Path(args.out),
+            options,
+            args.val_fraction,
+            root,
+            tokenizer=args.tokenizer,
+            workers=args.workers,
+            eot_token=args.eot_token,
+            progress=True,
+        )
+    chat, tok = meta["chat"], meta["tokenizer"]
+    print(
+        f"wrote {args.out}: {chat['conversations']['train']:,} train + "
+        f"{chat['conversations']['val']:,} val conversations in {chat['windows']['train']:,} + "
+        f"{chat['windows']['val']:,} windows of {chat['window']} tokens "
+        f"({chat['trained_tokens']['train']:,} train tokens with loss, --loss-on "
+        f"{chat['loss_on']}); {chat['truncated']:,} truncated, {chat['dropped_long']:,} dropped "
+        f"as longer than {chat['seq_len']}, {chat['dropped_untrained']:,} with nothing to train "
+        f"dropped; template {chat['template']['source']}, end of conversation "
+        f"{tok['eot_token']} = {meta['eot']}; train with model.seq_len={chat['seq_len']}"
+    )
+    return 0
+
+
+def _warn_end_of_turn(tokenizer: str, eot_token: str) -> None:
+    """Say when text was prepared with the tokenizer's chat end-of-turn as end-of-document."""
+    from strata.data import chat, tokenize
+
+    try:
+        template = chat.load_template(tokenize.tokenizer_file(tokenizer).parent, None)
+    except StrataError:
+        return  # no chat template: nothing to confuse
+    problem = chat.end_of_turn_problem(template, eot_token)
+    if problem:
+        print(f"strata: warning: {problem}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
     """Write the token files and print what they hold."""
     import sysconfig
 
-    from strata.data import prepare
+    from strata.data import prepare, sft
 
     root: Path | None
     if args.stdlib:
@@ -109,6 +218,10 @@ def run(args: argparse.Namespace) -> int:
                 "the built-in corpus"
             )
         files, root = prepare.expand_inputs(args.inputs, args.glob, out_dir=Path(args.out))
+        with file_errors("strata data prepare"):
+            conversations = sft.holds_conversations(files, args.text_field)
+        if conversations or any(getattr(args, f) is not None for f in CHAT_FLAGS):
+            return _run_chat(args, files, root)
     with file_errors("strata data prepare"):
         meta = prepare.prepare(
             files,
@@ -128,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
         f"vocab {meta['vocab_size']}, tokenizer {tok['source']}, end of document "
         f"{tok['eot_token']} = {meta['eot']})"
     )
+    if tok["kind"] == "file":
+        _warn_end_of_turn(args.tokenizer, tok["eot_token"])
     return 0
 
 
