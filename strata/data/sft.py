@@ -357,7 +357,8 @@ def chat_eot(tok, path: Path, eot_token: str | None, template: ChatTemplate) -> 
         name, eot = tokenize.find_eot(tok, path, eot_token)
         if eot in written:
             raise DataError(
-                f"--eot-token {eot_token}: the chat template ({template.source}) writes it in every "
+                f"--eot-token {eot_token}: the chat template ({template.source}) writes it in "
+                "every "
                 "conversation (an end of turn), so each turn would become its own document; name "
                 "a token it does not write, e.g. <|endoftext|> or <|end_of_text|>"
             )

@@ -127,7 +127,8 @@ def _add_chat_arguments(d: argparse.ArgumentParser) -> None:
         "--chat-template",
         metavar="TEMPLATE",
         help="default: the tokenizer's own (chat_template.jinja or tokenizer_config.json's "
-        f"chat_template, as transformers reads it); {', '.join(BUILTIN)} (built in, for a tokenizer "
+        f"chat_template, as transformers reads it); {', '.join(BUILTIN)} (built in, for a "
+        "tokenizer "
         "without one), a .jinja file, or the name of one of the tokenizer's named templates",
     )
     chat.add_argument(
