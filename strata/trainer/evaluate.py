@@ -33,7 +33,7 @@ class Evaluation:
     loss: float
     sequences: int
     whole: bool
-    targets: int = 0
+    targets: int
 
     @property
     def perplexity(self) -> float | None:

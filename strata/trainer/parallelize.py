@@ -146,10 +146,12 @@ class StepLoss:
 
     A step over masked targets sets `weight` to dp·M'/N (N the trained targets of the whole global
     batch, counted before any backward; M' the micro-batches where a pipeline leaves their 1/M to
-    the ZeRO engine, else 1): the engine's fixed 1/(sync·M') then makes the accumulated gradient
+    the ZeRO engine, else 1): the engine's fixed 1/(dp·M') then makes the accumulated gradient
     that of (sum over every trained target)/N, and the loss the loop averages over the dp ranks
     that sum over N, whatever the split of the targets over micro-batches, ranks or sequence
-    shards. The MoE auxiliary losses keep their per-micro-batch weights."""
+    shards. (Under CO2 the engine averages over a node's dp ranks: each node's gradient is its own
+    targets' sum over N/nodes, whose mean over the nodes is the global one.) The MoE auxiliary
+    losses keep their per-micro-batch weights."""
 
     def __init__(self, loss: Callable[..., torch.Tensor]):
         self.loss = loss

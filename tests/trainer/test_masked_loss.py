@@ -148,7 +148,9 @@ def reference_step(data_dir: Path, overrides: list[str]) -> tuple[float, dict[st
     model = build_model(cfg.model, TokenDataset(data_dir, "train", SEQ).vocab_size, cfg.train.seed)
     loss, _ = reference_loss(model, data_dir, _step_batch(data_dir, cfg))
     loss.backward()
-    return float(loss), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {
+        n: p.grad for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 class GradientCapture(StepHook):
