@@ -6,9 +6,10 @@ Strata's step loss and every rank's reduced gradient: gradient accumulation in o
 tp 2 with sequence parallelism, pp 2 and cp 2, on masks as uneven as micro-batches without a
 trained target (a whole dp rank without one), one with a single trained target (on one cp rank
 only) and one with over a hundred. Through `strata train` on conversations prepared by `strata
-data prepare`, the logged training and evaluation losses are those quotients at any dp size; a
-batch without trained targets is refused; conversations without data.document_mask are warned
-about."""
+data prepare`, the logged training and evaluation losses are those quotients at any dp size, and
+`strata eval` scores the trained targets (loss, count, bytes); a batch without trained targets
+is refused; conversations without data.document_mask are warned about; a mixture of
+conversations and plain text masks every row."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from strata import config
-from strata.data.loader import BatchLoader, eval_windows
+from strata.data.loader import BatchLoader, MixtureLoader, eval_windows
+from strata.data.mixture import Mixture
 from strata.data.tokens import Batch, TokenDataset, mask_file, read_meta
 from strata.errors import DataError
 from strata.model import IGNORE_INDEX, build_model, documents_of
@@ -34,7 +36,7 @@ from strata.parallel.tensor import placement_of
 from strata.trainer.hooks import StepHook
 
 from conftest import tiny_overrides
-from worlds import losses_from, run_world, train_run
+from worlds import final_params, losses_from, run_world, train_run
 
 SEQ = 128
 SETTINGS = {
@@ -248,13 +250,18 @@ def test_every_layout_gives_the_global_sum_over_the_count(uneven_dir, tmp_path, 
     assert_reference(results, loss, len(want))
 
 
-def _eval_reference(data_dir: Path, overrides: list[str]) -> float:
-    """The untrained model's loss over the trained targets of the validation windows an
-    evaluation reads."""
+def _eval_reference(
+    data_dir: Path, overrides: list[str], params: dict | None = None, windows: int | None = None
+) -> float:
+    """The loss over the trained targets of the validation windows an evaluation reads (or the
+    first `windows`), of the untrained model or one holding `params`."""
     cfg = config.load(None, overrides)
     val = TokenDataset(data_dir, "val", SEQ)
     model = build_model(cfg.model, val.vocab_size, cfg.train.seed)
-    windows = eval_windows(len(val), cfg.train.eval_batches, cfg.train.global_batch_size)
+    if params is not None:
+        model.load_state_dict(params)
+    if windows is None:
+        windows = eval_windows(len(val), cfg.train.eval_batches, cfg.train.global_batch_size)
     with torch.no_grad():
         return float(reference_loss(model, data_dir, val.batch(range(windows)))[0])
 
@@ -263,12 +270,18 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-RUN = {**SETTINGS, "train.steps": 2, "log.interval": 1, "train.eval_at_start": True}
+RUN = {
+    **SETTINGS,
+    "train.steps": 2,
+    "log.interval": 1,
+    "train.eval_at_start": True,
+    "checkpoint.save_final": True,
+}
 
 
-def test_strata_train_on_prepared_conversations_logs_the_masked_losses(chat_dir, tmp_path):
+def test_train_and_eval_on_prepared_conversations_score_the_trained_targets(chat_dir, tmp_path):
     from strata.parallel.runtime import start
-    from strata.trainer.jobs import train
+    from strata.trainer.jobs import evaluate_checkpoint, train
 
     overrides = tiny_overrides(chat_dir, tmp_path, **RUN)
     loss, want = reference_step(chat_dir, overrides)
@@ -281,6 +294,19 @@ def test_strata_train_on_prepared_conversations_logs_the_masked_losses(chat_dir,
     at_start = next(r for r in records if "eval_loss" in r)
     assert at_start["step"] == 0
     assert at_start["eval_loss"] == pytest.approx(_eval_reference(chat_dir, overrides), abs=1e-6)
+
+    # `strata eval` of the final checkpoint: the whole split, its trained targets and their bytes
+    ckpt = tmp_path / "t" / "checkpoints"
+    cfg = config.load(None, overrides)
+    split = evaluate_checkpoint(cfg, start(), ckpt, [chat_dir])["splits"][str(chat_dir)]
+    val = TokenDataset(chat_dir, "val", SEQ)
+    whole = _eval_reference(chat_dir, overrides, final_params(ckpt, 2), len(val))
+    assert split["loss"] == pytest.approx(whole, rel=1e-6, abs=1e-6)
+    rows = [(val.window(i)[1:], val.loss_mask(i)[1:]) for i in range(len(val))]
+    assert split["tokens"] == sum(int(trained.sum()) for _, trained in rows)
+    tok, eot = Tokenizer.from_file(str(chat_dir / "tokenizer.json")), read_meta(chat_dir).raw["eot"]
+    spelt = [tok.decode([int(t) for t in ids[trained] if t != eot]) for ids, trained in rows]
+    assert split["bytes"] == sum(len(text.encode()) for text in spelt) > 0  # ASCII: additive
 
 
 @pytest.mark.slow  # a world of 2 and one process
@@ -326,3 +352,20 @@ def test_conversations_without_the_document_mask_are_warned_about(chat_dir, tmp_
     cfg = config.load(None, tiny_overrides(chat_dir, tmp_path, **SETTINGS))
     assert document_mask_warning(cfg, open_data(cfg, 0)) is None
     assert IGNORE_INDEX == -100  # the index the reference's cross-entropy ignores
+
+
+def test_a_mixture_with_conversations_gives_every_row_a_mask(chat_dir, tmp_path):
+    """A plain source blended with conversations: its rows have every target trained, so every
+    step of the run takes the masked path on every rank."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 300}))
+    (np.arange(4 * SEQ + 1) % 300).astype(np.uint16).tofile(plain / "train.bin")
+    chat = TokenDataset(chat_dir, "train", SEQ)
+    mix = Mixture([chat, TokenDataset(plain, "train", SEQ)], [1, 1], ["chat", "plain"], ["a", "b"])
+    assert mix.has_mask and not mix.datasets[1].has_mask
+    batch = mix.rows([(0, 3), (1, 2)])
+    assert batch.mask is not None and batch.mask[1].all()
+    assert torch.equal(batch.mask[0], torch.from_numpy(chat.loss_mask(3)[1:]))
+    for step in MixtureLoader(mix, 0, 4, 2).next_step():
+        assert step.mask is not None and step.mask.shape == step.targets.shape
