@@ -2,14 +2,14 @@
 per-token cross-entropy over the global batch's trained targets divided by their count, and its
 gradient that quotient's, in every layout. The reference is one plain forward of the whole global
 batch written with torch (F.cross_entropy with ignore_index, summed, over the count), against
-Strata's step loss and every rank's reduced gradient: gradient accumulation in one process, dp 2,
-tp 2 with sequence parallelism, pp 2 and cp 2, on masks as uneven as micro-batches without a
-trained target (a whole dp rank without one), one with a single trained target (on one cp rank
-only) and one with over a hundred. Through `strata train` on conversations prepared by `strata
-data prepare`, the logged training and evaluation losses are those quotients at any dp size, and
-`strata eval` scores the trained targets (loss, count, bytes); a batch without trained targets
-is refused; conversations without data.document_mask are warned about; a mixture of
-conversations and plain text masks every row."""
+Strata's evaluation loss, step loss and every rank's reduced gradient: gradient accumulation in
+one process, dp 2, tp 2 with sequence parallelism, pp 2 and cp 2, on masks as uneven as
+micro-batches without a trained target (a whole dp rank without one), one with a single trained
+target (on one cp rank only) and one with over a hundred. Through `strata train` on
+conversations prepared by `strata data prepare`, the logged training and evaluation losses are
+those quotients at any dp size, and `strata eval` scores the trained targets (loss, count,
+bytes); a batch without trained targets is refused; conversations without data.document_mask
+are warned about; a mixture of conversations and plain text masks every row."""
 
 from __future__ import annotations
 
@@ -173,7 +173,8 @@ class GradientCapture(StepHook):
 
 
 def _first_step(overrides: list[str], want: dict[str, torch.Tensor], size: int) -> dict:
-    """Strata's first step on this rank of a world of `size`: its loss and gradient pieces."""
+    """Strata's evaluation before the first step and that step, on this rank of a world of `size`:
+    the evaluation loss, the step's loss and its gradient pieces."""
     from strata.parallel import runtime
     from strata.trainer.loop import Trainer
 
@@ -182,9 +183,10 @@ def _first_step(overrides: list[str], want: dict[str, torch.Tensor], size: int) 
     trainer = Trainer(cfg, rt, writes=[], saves=False)
     capture = GradientCapture(trainer.model, want)
     trainer.hooks.append(capture)
+    evaluation = trainer.evaluate()
     loss, _ = trainer.train_step()
     trainer.model.close()
-    return {"loss": float(loss), "pieces": capture.pieces}
+    return {"eval": evaluation.loss, "loss": float(loss), "pieces": capture.pieces}
 
 
 def _step_rank(
@@ -206,12 +208,14 @@ def _step_rank(
     runtime.stop()
 
 
-def assert_reference(results: list[dict], loss: float, n_params: int) -> None:
-    """Every rank's step loss is the reference's within 1e-6, and every gradient piece is the
-    reference gradient's (fp32 sums in another order: 1e-6 of the tensor's largest entry)."""
+def assert_reference(results: list[dict], want: tuple[float, float], n_params: int) -> None:
+    """Every rank's evaluation and step loss are the reference's (`want`) within 1e-6, and every
+    gradient piece is the reference gradient's (fp32 sums in another order: 1e-6 of the tensor's
+    largest entry)."""
     checked = set()
     for r, result in enumerate(results):
-        assert result["loss"] == pytest.approx(loss, rel=1e-6, abs=1e-6), r
+        assert result["eval"] == pytest.approx(want[0], rel=1e-6, abs=1e-6), r
+        assert result["loss"] == pytest.approx(want[1], rel=1e-6, abs=1e-6), r
         for name, got, want in result["pieces"]:
             atol = 1e-6 * float(want.abs().max()) + 1e-9
             torch.testing.assert_close(
@@ -230,7 +234,8 @@ def test_accumulated_micro_batches_give_the_global_sum_over_the_count(uneven_dir
     per_micro = batch.mask.view(4, -1).sum(1).tolist()
     assert per_micro[:3] == [0, 0, 1] and per_micro[3] > 128  # as uneven as the fixture says
     assert cfg.grad_accum_steps(1) == 4
-    assert_reference([_first_step(overrides, want, 1)], loss, len(want))
+    losses = (_eval_reference(uneven_dir, overrides), loss)
+    assert_reference([_first_step(overrides, want, 1)], losses, len(want))
 
 
 LAYOUTS = {
@@ -245,9 +250,10 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_gives_the_global_sum_over_the_count(uneven_dir, tmp_path, layout):
     overrides = tiny_overrides(uneven_dir, tmp_path, **SETTINGS, **LAYOUTS[layout])
-    loss, want = reference_step(uneven_dir, tiny_overrides(uneven_dir, tmp_path, **SETTINGS))
+    plain = tiny_overrides(uneven_dir, tmp_path, **SETTINGS)
+    loss, want = reference_step(uneven_dir, plain)
     results = run_world(_step_rank, 2, tmp_path, overrides, want)
-    assert_reference(results, loss, len(want))
+    assert_reference(results, (_eval_reference(uneven_dir, plain), loss), len(want))
 
 
 def _eval_reference(
