@@ -210,16 +210,19 @@ def _step_rank(
 
 def assert_reference(results: list[dict], want: tuple[float, float], n_params: int) -> None:
     """Every rank's evaluation and step loss are the reference's (`want`) within 1e-6, and every
-    gradient piece is the reference gradient's (fp32 sums in another order: 1e-6 of the tensor's
-    largest entry)."""
+    gradient piece is the reference gradient's within 1e-5 of each entry or 1e-6 of the tensor's
+    largest: fp32 sums in another order (measured: the losses within 5e-7; the gradients within
+    1e-6 of the largest entry, except under tp, whose vocab-parallel cross-entropy computes the
+    softmax over the shards as exp(x − max) / Σ exp rather than torch's fused log-softmax, and
+    whose sharded matmuls sum in another order: within 9e-6)."""
     checked = set()
     for r, result in enumerate(results):
         assert result["eval"] == pytest.approx(want[0], rel=1e-6, abs=1e-6), r
         assert result["loss"] == pytest.approx(want[1], rel=1e-6, abs=1e-6), r
-        for name, got, want in result["pieces"]:
-            atol = 1e-6 * float(want.abs().max()) + 1e-9
+        for name, got, expected in result["pieces"]:
+            atol = 1e-6 * float(expected.abs().max()) + 1e-9
             torch.testing.assert_close(
-                got, want, rtol=1e-5, atol=atol, msg=lambda m: f"rank {r}, {name}: {m}"
+                got, expected, rtol=1e-5, atol=atol, msg=lambda m: f"rank {r}, {name}: {m}"
             )
             checked.add(name)
     assert len(checked) == n_params  # every parameter, on some rank
