@@ -71,21 +71,20 @@ def evaluate(
     watchdog."""
     model.train(False)
     windows = eval_windows(len(dataset), batches, global_batch)
-    # the loss times its weight (the sequences, or the trained targets), the weight, the sequences
-    sums = torch.zeros(3, dtype=torch.float64, device=model.device)
+    # the loss times its weight (the sequences, or the trained targets), and the weight
+    sums = torch.zeros(2, dtype=torch.float64, device=model.device)
     ran = 0
     for batch in eval_batches(dataset, windows, micro_batch, topo.data_rank, topo.data_size):
         loss, weight = model.eval_loss(batch)
         sums[0] += loss
         sums[1] += weight
-        sums[2] += len(batch)
         ran += 1
         watchdog.batch_done()
     for batch in _padding(dataset, windows, micro_batch, topo.data_size, ran):
         model.eval_loss(batch)
         watchdog.batch_done()
     model.train(True)
-    total, weight, sequences = comm.all_reduce(sums, topo.group("dp"), dim="dp").tolist()
+    total, weight = comm.all_reduce(sums, topo.group("dp"), dim="dp").tolist()
     if weight == 0:
         raise DataError(
             f"the validation split's first {windows} sequences have no trained target (their loss "
@@ -93,10 +92,10 @@ def evaluate(
             "conversations without a trained token, so this data's val.mask.bin was written "
             "otherwise: prepare it again"
         )
-    # the dp group holds each replica's cp ranks, which read the same sequences
-    sequences = round(sequences / topo.layout.cp)
-    targets = round(weight) if dataset.has_mask else sequences * dataset.seq_len
-    return Evaluation(total / weight, sequences, windows == len(dataset), targets)
+    # the dp group holds each replica's cp ranks, which read the same sequences; every window is
+    # one replica's
+    targets = round(weight) if dataset.has_mask else windows * dataset.seq_len
+    return Evaluation(total / weight, windows, windows == len(dataset), targets)
 
 
 def _padding(
