@@ -16,10 +16,12 @@ SPLIT.mask.bin (uint8, one per token: 1 where the token is trained as a target) 
 included; what lies between is padding).
 
 A micro-batch is a `Batch`: inputs, targets and, from a conversation directory, the targets' loss
-mask. The mask travels beside the targets rather than as targets set to an ignore index: the targets
-stay the tokens the data holds, and a plain directory's batches carry no mask at all, so its runs
-keep the plain mean loss, and every rank knows from the data alone whether a step counts trained
-targets (`has_mask`).
+mask. The mask travels beside the targets rather than as targets set to an ignore index (-100, as
+Hugging Face and Megatron label them): the targets stay the tokens the data holds, a plain
+directory's batches carry no mask at all, so its runs keep the plain mean loss, and every rank
+knows from the data alone whether a step counts trained targets (`has_mask`). The trainer sets the
+untrained targets to the ignore index only where its loss reads them (one tensor for the pipeline
+schedule to cut and context parallelism to shard).
 """
 
 from __future__ import annotations

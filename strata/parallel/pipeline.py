@@ -191,9 +191,10 @@ class Pipeline:
     def evaluate(
         self, inputs: torch.Tensor, targets: torch.Tensor, documents: Documents | None = None
     ) -> torch.Tensor:
-        """The loss function's value on one micro-batch, forward only, on every pipeline rank. Runs the stages in
-        order with plain send/recv (every rank walks the same stage sequence, so it cannot
-        deadlock): evaluation needs no schedule, and its micro-batch count need not be M."""
+        """The loss function's value on one micro-batch, forward only, on every pipeline rank.
+        Runs the stages in order with plain send/recv (every rank walks the same stage sequence,
+        so it cannot deadlock): evaluation needs no schedule, and its micro-batch count need not
+        be M."""
         x, loss = inputs, torch.zeros((), device=inputs.device)
         for s in range(self._num_stages):
             me = self._stage_owner[s] == dist.get_rank()
