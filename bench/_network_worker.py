@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from strata import config as config_mod
+from strata.data.tokens import Batch
 from strata.model import build_model, lm_loss
 from strata.parallel import comm
 from strata.parallel.topology import build_topology, layout_from_config
@@ -89,16 +90,14 @@ def chain(vocab: int, seed: int = 7, successors: int = 4) -> torch.Tensor:
     return torch.randint(0, vocab, (vocab, successors), generator=gen)
 
 
-def markov_batch(
-    table: torch.Tensor, n: int, seq: int, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def markov_batch(table: torch.Tensor, n: int, seq: int, seed: int) -> Batch:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.empty(n, seq + 1, dtype=torch.long)
     tokens[:, 0] = torch.randint(0, table.shape[0], (n,), generator=gen)
     picks = torch.randint(0, table.shape[1], (n, seq), generator=gen)
     for t in range(seq):
         tokens[:, t + 1] = table[tokens[:, t], picks[:, t]]
-    return tokens[:, :-1], tokens[:, 1:]
+    return Batch(tokens[:, :-1], tokens[:, 1:])
 
 
 class Run:
@@ -152,7 +151,7 @@ class Run:
         }
         return config_mod.merge_groups(raw, SYSTEMS.get(system.removeprefix("strata-"), {}))
 
-    def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, step: int) -> list[Batch]:
         a = self.args
         return [
             markov_batch(self.table, a.micro, a.seq, 1_000_000 * step + 1000 * m + self.rank)
@@ -167,7 +166,7 @@ class Run:
             self.pm.step()
             return float(loss)
         total = 0.0
-        for i, (x, y) in enumerate(micro):
+        for i, batch in enumerate(micro):
             last = i == len(micro) - 1
             sync = (
                 self.model.no_sync()
@@ -177,7 +176,7 @@ class Run:
             if self.system in ("fsdp2", "hsdp"):
                 self.model.set_requires_gradient_sync(last)
             with sync:
-                loss = lm_loss(self.model(x), y) / len(micro)
+                loss = lm_loss(self.model(batch.inputs), batch.targets) / len(micro)
                 loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -194,8 +193,10 @@ class Run:
         with torch.no_grad():
             if self.pm is not None:
                 self.pm.close_co2_round()
-                return sum(float(self.pm.eval_loss(x, y)) for x, y in batches) / len(batches)
-            return sum(float(lm_loss(self.model(x), y)) for x, y in batches) / len(batches)
+                sums = [self.pm.eval_loss(b) for b in batches]  # (mean × rows, rows) each
+                return float(sum(s for s, _ in sums) / sum(n for _, n in sums))
+            losses = [float(lm_loss(self.model(b.inputs), b.targets)) for b in batches]
+            return sum(losses) / len(batches)
 
 
 def link_counters(ifname: str) -> dict[str, int]:

@@ -275,8 +275,8 @@ class DeepSpeedSide:
             g["lr"] = lr_at(self.step_index, self.cfg.optim, self.cfg.train.steps)
         micro_batches = self.loader.next_step()
         loss_sum = torch.zeros(())
-        for x, y in micro_batches:
-            loss = lm_loss(self.engine(x), y)
+        for batch in micro_batches:
+            loss = lm_loss(self.engine(batch.inputs), batch.targets)
             self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
             self.engine.step()  # steps the optimizer only at the accumulation boundary
             loss_sum += loss.detach()

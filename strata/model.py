@@ -306,9 +306,18 @@ def build_model(cfg: ModelConfig, data_vocab_size: int, seed: int) -> GPT:
     return model
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+IGNORE_INDEX = -100  # a target trained on nothing (torch's and transformers' ignore_index)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy in fp32: the mean over the targets, or their sum (`reduction`
+    "sum"); a target of IGNORE_INDEX counts for nothing."""
+    return F.cross_entropy(
+        logits.float().flatten(0, 1),
+        targets.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction=reduction,
+    )
 
 
 def count_params(cfg: ModelConfig, vocab_size: int, active: bool = False) -> int:

@@ -50,6 +50,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from strata import config
 from strata.config import Config
+from strata.data.tokens import Batch
 from strata.parallel.flat_group import FlatGroup
 from strata.parallel.topology import Layout, Topology, build_topology, layout_from_config
 from strata.parallel.zero import ZeroEngine
@@ -453,9 +454,7 @@ def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def micro_batches(
-    cfg: Config, rank: int, step: int, world: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def micro_batches(cfg: Config, rank: int, step: int, world: int) -> list[Batch]:
     """Random tokens for this rank's micro-batches of `step`."""
     gen = torch.Generator().manual_seed(1000 * step + rank)
     tr, m = cfg.train, cfg.model
@@ -463,7 +462,7 @@ def micro_batches(
     out = []
     for _ in range(cfg.grad_accum_steps(world)):
         tokens = torch.randint(0, VOCAB, shape, generator=gen)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
+        out.append(Batch(tokens[:, :-1], tokens[:, 1:]))
     return out
 
 

@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from strata.data.mixture import Mixture, blend, describe_sources
-from strata.data.tokens import TokenDataset
+from strata.data.tokens import Batch, TokenDataset
 from strata.errors import DataError
-
-if TYPE_CHECKING:
-    import torch
 
 
 class EpochOrder:
@@ -96,9 +92,9 @@ class BatchLoader(_StepSplit):
         self.consumed_samples += self.global_batch
         return [indices[k : k + self.micro_batch] for k in range(0, per_rank, self.micro_batch)]
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches of the next step, as (inputs, targets) pairs, the position
-        moved past them."""
+    def next_step(self) -> list[Batch]:
+        """This rank's micro-batches of the next step (with their loss masks where the data has
+        them), the position moved past them."""
         return [self.dataset.batch(mb) for mb in self.step_indices()]
 
     def state_dict(self) -> dict:
@@ -150,7 +146,7 @@ def eval_windows(split: int, n_batches: int, global_batch: int) -> int:
 
 def eval_batches(
     dataset: TokenDataset | Mixture, windows: int, micro_batch: int, dp_rank: int, dp_size: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+) -> Iterator[Batch]:
     """The same validation micro-batches at every evaluation and every dp size: the split's first
     `windows` windows in order (`eval_windows`), cut into micro-batches (the last one shorter where
     micro_batch does not divide them), rank r taking every dp-th from the r-th; a rank the end
@@ -210,16 +206,10 @@ class MixtureLoader(_StepSplit):
         self.source_samples = counts
         return [pairs[k : k + self.micro_batch] for k in range(0, per_rank, self.micro_batch)]
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_step(self) -> list[Batch]:
         """This rank's micro-batches of the next step, each row read from the source the blend gave
-        it to, as (inputs, targets) pairs."""
-        import torch
-
-        steps = []
-        for micro in self.step_indices():
-            rows = torch.from_numpy(np.stack([self.dataset.window_of(j, i) for j, i in micro]))
-            steps.append((rows[:, :-1], rows[:, 1:]))
-        return steps
+        it to (with its loss mask where the mixture has them)."""
+        return [self.dataset.rows(micro) for micro in self.step_indices()]
 
     def source_counts(self) -> dict[str, int]:
         """Samples read so far from each source, by its path (for metrics)."""

@@ -12,12 +12,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from strata.data.tokenize import tokenizer_problem
-from strata.data.tokens import TokenDataset, TokenMeta, read_meta
+from strata.data.tokens import Batch, TokenDataset, TokenMeta, read_meta
 from strata.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
-    import torch
-
     from strata.config.schema import DataConfig
 
 
@@ -119,26 +117,40 @@ class Mixture:
             for name, ident, share, d in zip(self.names, self.ids, self.shares, self.datasets)
         ]
 
+    @property
+    def has_mask(self) -> bool:
+        """Whether the batches carry a loss mask: when any source is conversations (the rows of
+        the others then have every target trained), so every step of a run takes one path."""
+        return any(d.has_mask for d in self.datasets)
+
     def window_of(self, source: int, position: int) -> np.ndarray:
         """Window `position` (seq_len + 1 tokens) of source `source`."""
         return self.datasets[source].window(position)
 
-    def batch(self, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of the blended samples `indices`."""
+    def rows(self, pairs: Sequence[tuple[int, int]]) -> Batch:
+        """The `Batch` of windows given as (source, position) pairs, with the loss mask of each
+        row's source where the mixture has one."""
         import torch
 
+        stacked = torch.from_numpy(np.stack([self.window_of(j, i) for j, i in pairs]))
+        mask = None
+        if self.has_mask:
+            masks = [self.datasets[j].loss_mask(i)[1:] for j, i in pairs]
+            mask = torch.from_numpy(np.stack(masks))
+        return Batch(stacked[:, :-1], stacked[:, 1:], mask)
+
+    def batch(self, indices: Iterable[int]) -> Batch:
+        """The `Batch` of the blended samples `indices`."""
         indices = list(indices)
         need = max(indices) + 1
         if need > len(self._sources):  # the blend of samples 0..need-1, kept for later evaluations
             self._sources, self._positions, _ = blend(self.shares, need)
-        rows = [
-            self.datasets[self._sources[i]].window(
-                self._positions[i] % len(self.datasets[self._sources[i]])
-            )
-            for i in indices
-        ]
-        stacked = torch.from_numpy(np.stack(rows))
-        return stacked[:, :-1], stacked[:, 1:]
+        return self.rows(
+            [
+                (self._sources[i], self._positions[i] % len(self.datasets[self._sources[i]]))
+                for i in indices
+            ]
+        )
 
 
 def open_mixture(

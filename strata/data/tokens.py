@@ -14,6 +14,14 @@ directory opens only with the seq_len it was prepared for. Beside each split's t
 SPLIT.mask.bin (uint8, one per token: 1 where the token is trained as a target) and SPLIT.docs.bin
 (int64 pairs: each conversation's [start, end) in the split's tokens, its end-of-document token
 included; what lies between is padding).
+
+A micro-batch is a `Batch`: inputs, targets and, from a conversation directory, the targets' loss
+mask. The mask travels beside the targets rather than as targets set to an ignore index (-100, as
+Hugging Face and Megatron label them): the targets stay the tokens the data holds, a plain
+directory's batches carry no mask at all, so its runs keep the plain mean loss, and every rank
+knows from the data alone whether a step counts trained targets (`has_mask`). The trainer sets the
+untrained targets to the ignore index only where its loss reads them (one tensor for the pipeline
+schedule to cut and context parallelism to shard).
 """
 
 from __future__ import annotations
@@ -33,6 +41,19 @@ if TYPE_CHECKING:
     import torch
 
     from strata.config.schema import Config
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch: `inputs` and `targets` (rows, seq_len) int64, and `mask` (rows, seq_len)
+    bool, True where a target is trained; None where every target is (plain token data)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.inputs)
 
 
 @dataclass(frozen=True)
@@ -279,12 +300,20 @@ class TokenDataset:
             )
         return row
 
-    def batch(self, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), both (len(indices), seq_len) int64."""
+    @property
+    def has_mask(self) -> bool:
+        """Whether the split's batches carry a loss mask (a conversation directory's do)."""
+        return self.chat is not None
+
+    def batch(self, indices: Iterable[int]) -> Batch:
+        """The windows `indices` as a `Batch` ((len(indices), seq_len) each), with their targets'
+        loss mask when the split has one."""
         import torch  # here, so the launcher checks a data directory without loading torch
 
+        indices = list(indices)
         rows = torch.from_numpy(np.stack([self.window(i) for i in indices]))
-        return rows[:, :-1], rows[:, 1:]
+        mask = self.target_mask(indices) if self.has_mask else None
+        return Batch(rows[:, :-1], rows[:, 1:], mask)
 
     def loss_mask(self, i: int) -> np.ndarray:
         """Window `i`'s loss mask, aligned with `window(i)` (seq_len+1 bools, True where that token

@@ -173,9 +173,10 @@ class Pipeline:
     def forward_backward(
         self, inputs: torch.Tensor, targets: torch.Tensor, documents: Documents | None = None
     ) -> torch.Tensor:
-        """One step over `microbatches` equal chunks of the batch (and of its `documents`); the
-        gradients of the summed micro-batch losses go to the ZeRO engine's hooks (which apply the
-        1/M and sum the tied copies). Returns the mean micro-batch loss, on every pipeline rank."""
+        """One step over `microbatches` equal chunks of the batch (and of its `documents`; targets
+        not trained are IGNORE_INDEX, which the loss skips); the gradients of the summed
+        micro-batch losses go to the ZeRO engine's hooks (which apply the 1/M and sum the tied
+        copies). Returns the mean micro-batch loss, on every pipeline rank."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
@@ -190,9 +191,10 @@ class Pipeline:
     def evaluate(
         self, inputs: torch.Tensor, targets: torch.Tensor, documents: Documents | None = None
     ) -> torch.Tensor:
-        """Loss of one micro-batch, forward only, on every pipeline rank. Runs the stages in
-        order with plain send/recv (every rank walks the same stage sequence, so it cannot
-        deadlock): evaluation needs no schedule, and its micro-batch count need not be M."""
+        """The loss function's value on one micro-batch, forward only, on every pipeline rank.
+        Runs the stages in order with plain send/recv (every rank walks the same stage sequence,
+        so it cannot deadlock): evaluation needs no schedule, and its micro-batch count need not
+        be M."""
         x, loss = inputs, torch.zeros((), device=inputs.device)
         for s in range(self._num_stages):
             me = self._stage_owner[s] == dist.get_rank()

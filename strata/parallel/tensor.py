@@ -36,7 +36,7 @@ from torch import nn
 
 from strata.config.vocabulary import tensor_split_problems
 from strata.errors import ConfigError
-from strata.model import GPT, Block, RMSNorm, SwiGLU
+from strata.model import GPT, IGNORE_INDEX, Block, RMSNorm, SwiGLU
 from strata.moe import MoE
 from strata.parallel import comm
 from strata.parallel.flat import Box
@@ -339,17 +339,25 @@ COMMUNICATING = (
 
 
 class VocabParallelLoss:
-    """Mean next-token cross-entropy over vocab-sharded logits (batch, seq, V/tp)."""
+    """Next-token cross-entropy over vocab-sharded logits (batch, seq, V/tp), as `lm_loss`: the
+    mean over the targets, or with `reduction` "sum" the sum over those not IGNORE_INDEX."""
 
     def __init__(self, group, rank: int):
         self.group, self.rank = group, rank
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
+    ) -> torch.Tensor:
         start = self.rank * logits.shape[-1]
+        targets = targets.flatten()
         per_token = _VocabParallelCrossEntropy.apply(
-            logits.flatten(0, 1), targets.flatten(), start, self.group
+            logits.flatten(0, 1), targets, start, self.group
         )
-        return per_token.mean()
+        if reduction == "mean":
+            return per_token.mean()
+        # an ignored target falls outside every rank's slice: its loss (the log-sum-exp) is dropped
+        # here, and with it its gradient
+        return torch.where(targets != IGNORE_INDEX, per_token, 0.0).sum()
 
 
 class SequenceShards:

@@ -1,6 +1,7 @@
 """The data a run trains and evaluates on, as its config names it: one prepared directory (checked
 against the config: its tokenizer and vocabulary), a mixture of sources, or the built-in corpus,
-which rank 0 prepares once; and the start-up banner's line about it."""
+which rank 0 prepares once; the start-up banner's line about it, and the warning for conversations
+trained without data.document_mask."""
 
 from __future__ import annotations
 
@@ -61,3 +62,26 @@ def _default_corpus(data: DataConfig, rank: int) -> Path:
         ensure_default_corpus(data.cache_dir, data.val_fraction)
     comm.barrier()
     return ensure_default_corpus(data.cache_dir, data.val_fraction)
+
+
+def document_mask_warning(cfg: Config, data: RunData) -> str | None:
+    """The start-up warning for conversations (loss masks) trained without data.document_mask: the
+    conversations packed into one window would attend to each other. A warning, not a default that
+    depends on the data: the config says what a run does, and a run may mean to attend across them
+    (as transformers' trainers do on packed data without padding-free attention)."""
+    train = data.train
+    if cfg.data.document_mask or not train.has_mask:
+        return None
+    where = f"{data.key}={str(data.path)!r}"
+    if isinstance(train, Mixture):
+        where = next(
+            f"data.sources[{i}].path={name!r}"
+            for i, (name, source) in enumerate(zip(train.names, train.datasets))
+            if source.has_mask
+        )
+    return (
+        f"{where} holds conversations packed several to a window, and "
+        "data.document_mask is off: each conversation attends to those before it in its window; "
+        "set data.document_mask=true (and data.reset_positions=true for positions counted from "
+        "each conversation's start) to train each as if alone"
+    )

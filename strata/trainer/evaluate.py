@@ -1,8 +1,9 @@
 """Evaluation on held-out data: the mean loss over the evaluation windows of a validation split
 (`train.eval_batches`: its first eval_batches × global_batch_size sequences, the same at every world
-size, or with 0 every sequence once), each sequence weighing the same, summed over the
-data-parallel ranks whatever the layout; the line the console shows for it; and the bytes a split's
-tokens spell, for the bits per byte of `strata eval` (`jobs.evaluate_checkpoint`)."""
+size, or with 0 every sequence once), each sequence weighing the same (with loss masks, each trained
+target), summed over the data-parallel ranks whatever the layout; the line the console shows for
+it; and the bytes a split's scored tokens spell, for the bits per byte of `strata eval`
+(`jobs.evaluate_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from strata.data.loader import eval_batches, eval_windows
 from strata.data.mixture import Mixture
 from strata.data.tokenize import ByteTokenizer, load_file_tokenizer
-from strata.data.tokens import TokenDataset, prepared_tokenizer
+from strata.data.tokens import Batch, TokenDataset, prepared_tokenizer
+from strata.errors import DataError
 from strata.parallel import comm, watchdog
 from strata.parallel.topology import Topology
 from strata.trainer.parallelize import ParallelModel
@@ -24,11 +27,13 @@ from strata.trainer.parallelize import ParallelModel
 
 @dataclass(frozen=True)
 class Evaluation:
-    """One evaluation's mean loss, over how many sequences, and whether they were the whole split."""
+    """One evaluation's mean loss, over how many sequences and scored targets (with loss masks the
+    trained ones, else every one), and whether they were the whole split."""
 
     loss: float
     sequences: int
     whole: bool
+    targets: int
 
     @property
     def perplexity(self) -> float | None:
@@ -59,33 +64,43 @@ def evaluate(
 ) -> Evaluation:
     """`model`'s loss on `dataset`'s first `batches` global batches of windows, or all of them with
     0 (`eval_windows`), in eval mode (collective over the data-parallel group). A shorter last
-    micro-batch counts for its sequences; a replica the windows' end leaves with fewer micro-batches
-    than the others runs padding ones that count nothing (`_padding`), so every rank makes the same
-    collectives (an expert-parallel all-to-all or a ZeRO-3 gather spans the replicas). Each
-    micro-batch done is progress for the hang watchdog."""
+    micro-batch counts for its sequences (with loss masks, its trained targets); a replica the
+    windows' end leaves with fewer micro-batches than the others runs padding ones that count
+    nothing (`_padding`), so every rank makes the same collectives (an expert-parallel all-to-all
+    or a ZeRO-3 gather spans the replicas). Each micro-batch done is progress for the hang
+    watchdog."""
     model.train(False)
     windows = eval_windows(len(dataset), batches, global_batch)
-    sums = torch.zeros(2, dtype=torch.float64, device=model.device)  # loss × sequences, sequences
+    # the loss times its weight (the sequences, or the trained targets), and the weight
+    sums = torch.zeros(2, dtype=torch.float64, device=model.device)
     ran = 0
-    for inputs, targets in eval_batches(
-        dataset, windows, micro_batch, topo.data_rank, topo.data_size
-    ):
-        sums[0] += model.eval_loss(inputs, targets).double() * len(inputs)
-        sums[1] += len(inputs)
+    for batch in eval_batches(dataset, windows, micro_batch, topo.data_rank, topo.data_size):
+        loss, weight = model.eval_loss(batch)
+        sums[0] += loss
+        sums[1] += weight
         ran += 1
         watchdog.batch_done()
-    for inputs, targets in _padding(dataset, windows, micro_batch, topo.data_size, ran):
-        model.eval_loss(inputs, targets)
+    for batch in _padding(dataset, windows, micro_batch, topo.data_size, ran):
+        model.eval_loss(batch)
         watchdog.batch_done()
     model.train(True)
-    total, sequences = comm.all_reduce(sums, topo.group("dp"), dim="dp").tolist()
-    # the dp group holds each replica's cp ranks, which read the same sequences
-    return Evaluation(total / sequences, round(sequences / topo.layout.cp), windows == len(dataset))
+    total, weight = comm.all_reduce(sums, topo.group("dp"), dim="dp").tolist()
+    if weight == 0:
+        raise DataError(
+            f"the validation split's first {windows} sequences have no trained target (their loss "
+            "mask is 0 everywhere), so their loss divides by zero; `strata data prepare` drops "
+            "conversations without a trained token, so this data's val.mask.bin was written "
+            "otherwise: prepare it again"
+        )
+    # the dp group holds each replica's cp ranks, which read the same sequences; every window is
+    # one replica's
+    targets = round(weight) if dataset.has_mask else windows * dataset.seq_len
+    return Evaluation(total / weight, windows, windows == len(dataset), targets)
 
 
 def _padding(
     dataset: TokenDataset | Mixture, windows: int, micro_batch: int, dp_size: int, ran: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+) -> Iterator[Batch]:
     """The micro-batches a replica that ran `ran` of the first `windows` windows' runs besides, to
     make as many as the replica with the most: the split's first windows, whose loss is not
     counted."""
@@ -98,12 +113,24 @@ def _padding(
 
 
 def target_bytes(data_dir: Path, dataset: TokenDataset) -> int:
-    """The UTF-8 bytes the whole split's scored tokens (every window's targets) spell, for bits per
-    byte: each end-of-document token spells none; a tokenizer.json's tokens are decoded window by
-    window; byte-level tokens are one byte each."""
+    """The UTF-8 bytes the whole split's scored tokens (every window's targets; with a loss mask,
+    the trained ones) spell, for bits per byte: each end-of-document token spells none; a
+    tokenizer.json's tokens are decoded run by run of consecutive scored targets; byte-level tokens
+    are one byte each."""
     file, eot = prepared_tokenizer(data_dir, "--data")
-    windows = (dataset.window(i)[1:] for i in range(len(dataset)))
+    runs = (run for i in range(len(dataset)) for run in _scored_runs(dataset, i))
     if file is None:
-        return sum(int((w < ByteTokenizer.eot).sum()) for w in windows)
+        return sum(int((run < ByteTokenizer.eot).sum()) for run in runs)
     tok = load_file_tokenizer(file)
-    return sum(len(tok.decode([int(t) for t in w if t != eot]).encode("utf-8")) for w in windows)
+    return sum(len(tok.decode([int(t) for t in run if t != eot]).encode("utf-8")) for run in runs)
+
+
+def _scored_runs(dataset: TokenDataset, i: int) -> list[np.ndarray]:
+    """Window `i`'s scored targets as runs of consecutive tokens: all of them, or with a loss
+    mask each stretch it trains."""
+    targets = dataset.window(i)[1:]
+    if not dataset.has_mask:
+        return [targets]
+    trained = dataset.loss_mask(i)[1:]
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], trained.astype(np.int8), [0]))))
+    return [targets[a:b] for a, b in zip(edges[::2], edges[1::2])]

@@ -147,7 +147,7 @@ def evaluate_checkpoint(cfg: Config, runtime: Runtime, source: Path, data_dirs: 
     with watch.running(print if runtime.rank == 0 else lambda line: None):
         splits = [_evaluate_split(trainer, data_dir) for data_dir in data_dirs]
     for data_dir, (dataset, found) in zip(data_dirs, splits):
-        tokens = found.sequences * cfg.model.seq_len
+        tokens = found.targets
         nats = found.loss * tokens
         spelt = target_bytes(data_dir, dataset) if runtime.rank == 0 else 0
         results[str(data_dir)] = {

@@ -33,7 +33,7 @@ from strata.parallel import comm, watchdog
 from strata.parallel.runtime import Runtime
 from strata.parallel.topology import Topology, build_topology, layout_from_config
 from strata.trainer import start
-from strata.trainer.datasets import describe, open_data
+from strata.trainer.datasets import describe, document_mask_warning, open_data
 from strata.trainer.divergence import SpikeGuard, implausible_weights, nonfinite_error
 from strata.trainer.evaluate import Evaluation, evaluate
 from strata.trainer.hooks import HangWatch, StepHook, all_of
@@ -80,6 +80,9 @@ class Trainer:
         layout = layout_from_config(cfg.parallel, runtime.world_size, runtime.local_world_size)
         self.topo: Topology = build_topology(layout, runtime.rank)
         data = open_data(cfg, runtime.rank)
+        warning = document_mask_warning(cfg, data)
+        if warning:
+            self.start_notes.append(f"warning: {warning}")
         self.train_set, self.val_set = data.train, data.val
         self.data_dir = data.path  # the (first) prepared directory
         self.data_description = describe(cfg.data)

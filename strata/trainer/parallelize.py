@@ -22,9 +22,11 @@ from torch import nn
 
 from strata.checkpoint.pieces import canonical_names
 from strata.config import Config, ModelConfig, OptimConfig, padded_vocab_size
-from strata.errors import ConfigError
+from strata.data.tokens import Batch
+from strata.errors import ConfigError, DataError
 from strata.model import (
     GPT,
+    IGNORE_INDEX,
     Documents,
     documents_of,
     initial_value,
@@ -32,6 +34,7 @@ from strata.model import (
     moe_layers,
     set_rope_buffers,
 )
+from strata.parallel import comm
 from strata.parallel.co2 import CO2
 from strata.parallel.runtime import available_bytes
 from strata.parallel.tensor import apply_tensor_parallel, placement_of
@@ -135,6 +138,31 @@ def refuse_unallocatable(parts: list[nn.Module], device: torch.device) -> None:
     )
 
 
+class StepLoss:
+    """The loss the step calls on each micro-batch's logits and targets (the pipeline schedule on
+    its last stage, or the plain loop): `loss` (`lm_loss`, or the vocab-parallel one under tp) as
+    its mean, or with `weight` set its sum over the trained targets (the others IGNORE_INDEX)
+    times `weight`.
+
+    A step over masked targets sets `weight` to dp·M'/N (N the trained targets of the whole global
+    batch, counted before any backward; M' the micro-batches where a pipeline leaves their 1/M to
+    the ZeRO engine, else 1): the engine's fixed 1/(dp·M') then makes the accumulated gradient
+    that of (sum over every trained target)/N, and the loss the loop averages over the dp ranks
+    that sum over N, whatever the split of the targets over micro-batches, ranks or sequence
+    shards. (Under CO2 the engine averages over a node's dp ranks: each node's gradient is its own
+    targets' sum over N/nodes, whose mean over the nodes is the global one.) The MoE auxiliary
+    losses keep their per-micro-batch weights."""
+
+    def __init__(self, loss: Callable[..., torch.Tensor]):
+        self.loss = loss
+        self.weight: float | None = None
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return self.loss(logits, targets)
+        return self.loss(logits, targets, reduction="sum") * self.weight
+
+
 @dataclass
 class ParallelModel:
     """This rank's share of the model after `parallelize`, and the one step path that trains it."""
@@ -145,7 +173,7 @@ class ParallelModel:
     engine: ZeroEngine  # flat parameter groups, gradient reduction and the optimizer step
     tiers: Tiers | None  # offloaded ZeRO state and activations
     co2: CO2 | None  # asynchronous outer updates across nodes
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_fn: StepLoss
     topo: Topology
     device: torch.device
     precision: str
@@ -203,14 +231,15 @@ class ParallelModel:
         return contextlib.nullcontext()
 
     # --- the step --------------------------------------------------------------------------
-    def forward_backward(
-        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Gradients of this replica's micro-batches (the step's train.global_batch_size /
         (micro_batch_size·dp), which the MoE layers' auxiliary losses are weighted for) into the
-        engine's flat buffers; returns their mean loss (a 0-d tensor on the device)."""
-        inputs = [i for i, _ in micro_batches]  # cut to this rank's tokens where they are run
-        targets = [self.local(t) for _, t in micro_batches]
+        engine's flat buffers; returns their loss, which averaged over the dp ranks is the step's:
+        the mean of the micro-batches' mean losses, or with loss masks the sum over the global
+        batch's trained targets divided by their count (`StepLoss`). A 0-d tensor on the device."""
+        inputs = [b.inputs for b in micro_batches]  # cut to this rank's tokens where they are run
+        targets = [self.local(self._trained(b)) for b in micro_batches]
+        self.loss_fn.weight = self._loss_weight(micro_batches)
         offloader = self.tiers.activations if self.tiers else None
         self.engine.expect_backwards(
             self.pipeline.microbatches if self.pipeline else len(micro_batches)
@@ -225,12 +254,40 @@ class ParallelModel:
             else:
                 model, loss_sum = self.parts[0], torch.zeros((), device=self.device)
                 for x, y in zip(inputs, targets):
-                    loss = self.loss_fn(self.run(model, x), y) / len(micro_batches)
+                    loss = self.loss_fn(self.run(model, x), y)
+                    if self.loss_fn.weight is None:
+                        loss = loss / len(micro_batches)
                     loss.backward()
                     loss_sum += loss.detach()
         if offloader:
             offloader.end_step()
         return loss_sum
+
+    @staticmethod
+    def _trained(batch: Batch) -> torch.Tensor:
+        """The batch's targets, IGNORE_INDEX where its mask leaves one untrained: the one tensor
+        the pipeline schedule cuts into micro-batches and context parallelism into shards."""
+        if batch.mask is None:
+            return batch.targets
+        return batch.targets.masked_fill(~batch.mask, IGNORE_INDEX)
+
+    def _loss_weight(self, micro_batches: list[Batch]) -> float | None:
+        """`StepLoss.weight` for the step (None without loss masks): the trained targets this rank
+        holds (its cp shard's) summed over the dp group, which holds the replicas' cp ranks."""
+        if micro_batches[0].mask is None:
+            return None
+        held = torch.zeros((), dtype=torch.int64, device=self.device)
+        for batch in micro_batches:
+            assert batch.mask is not None  # one dataset's batches all carry one, or none
+            held += self.local(batch.mask).sum()
+        count = int(comm.all_reduce(held, self.topo.group("dp"), dim="dp").item())
+        if count == 0:
+            raise DataError(
+                "a global batch has no trained target (its loss mask is 0 everywhere), so its loss "
+                "divides by zero; `strata data prepare` drops conversations without a trained "
+                "token, so this data's SPLIT.mask.bin was written otherwise: prepare it again"
+            )
+        return self.topo.dp_size * (self.pipeline.microbatches if self.pipeline else 1) / count
 
     def reduce_and_clip(self, max_norm: float) -> torch.Tensor:
         """Average the gradients over the data-parallel ranks (the pipeline leaves the 1/M of its
@@ -255,15 +312,26 @@ class ParallelModel:
             self.engine.rebuild()  # a round that ended moved the chunks
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Loss of one micro-batch, forward only (every pipeline rank gets it)."""
-        targets = self.local(targets)
+    def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch forward only, on every pipeline rank: (its loss times its weight, the
+        weight), float64 0-d tensors on the device; summed over micro-batches and ranks, the first
+        over the second is the mean. The weight is the rows without a loss mask (the mean loss of
+        this rank's tokens times the rows), else the trained targets this rank holds (the loss is
+        summed over them)."""
+        targets = self.local(self._trained(batch))
+        masked = batch.mask is not None
+        self.loss_fn.weight = 1.0 if masked else None
         with self.autocast():
             if self.pipeline:
-                return self.pipeline.evaluate(
-                    self.local(inputs), targets, self.documents_of(inputs)
+                loss = self.pipeline.evaluate(
+                    self.local(batch.inputs), targets, self.documents_of(batch.inputs)
                 )
-            return self.loss_fn(self.run(self.parts[0], inputs), targets)
+            else:
+                loss = self.loss_fn(self.run(self.parts[0], batch.inputs), targets)
+        if masked:
+            return loss.double(), (targets != IGNORE_INDEX).sum().double()
+        rows = torch.tensor(float(len(batch)), dtype=torch.float64, device=self.device)
+        return loss.double() * len(batch), rows
 
     def train(self, mode: bool = True) -> None:
         """Put every model part of this rank in training (or, with `mode` False, eval) mode."""
@@ -326,7 +394,7 @@ def parallelize(
     global_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     canonical = canonical_names(model)
 
-    loss_fn = _tensor_parallel(cfg, topo, model)
+    loss_fn = StepLoss(_tensor_parallel(cfg, topo, model))
     domains = _expert_parallel(cfg, topo, model)
     positions = _context_parallel(cfg, topo, model)
     stages = _pipeline_stages(cfg, topo, model)
@@ -408,7 +476,7 @@ def _pipeline(
     cfg: Config,
     topo: Topology,
     stages: list[Stage],
-    loss_fn: Callable,
+    loss_fn: StepLoss,
     device: torch.device,
     vocab_size: int,
 ) -> Pipeline:

@@ -109,14 +109,19 @@ def test_a_run_from_a_hugging_face_moe_computes_transformers_logits_and_loss(
     micro = trainer.loader.next_step()
     trainer.loader.load_state_dict(position)  # the step below trains on these micro-batches
     with torch.no_grad():
-        for inputs, _ in micro:
+        for batch in micro:
             torch.testing.assert_close(
-                trainer.model.parts[0](inputs), reference(inputs).logits, rtol=0, atol=1e-5
+                trainer.model.parts[0](batch.inputs),
+                reference(batch.inputs).logits,
+                rtol=0,
+                atol=1e-5,
             )
         want = torch.stack(
             [
-                torch.nn.functional.cross_entropy(reference(x).logits.flatten(0, 1), y.flatten())
-                for x, y in micro
+                torch.nn.functional.cross_entropy(
+                    reference(b.inputs).logits.flatten(0, 1), b.targets.flatten()
+                )
+                for b in micro
             ]
         ).mean()
     loss, _ = trainer.train_step()

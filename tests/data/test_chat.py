@@ -439,12 +439,14 @@ def test_the_dataset_returns_each_windows_mask_and_conversations(packed):
         assert (same_stored == same_found).all()
         assert len(np.unique(split[~inside])) == (~inside).sum()  # padding: no document of its own
         assert not np.isin(split[~inside], split[inside]).any()
-    _, targets = data.batch([0, 1])
-    assert data.target_mask([0, 1]).shape == targets.shape
+    batch = data.batch([0, 1])
+    assert batch.mask is not None and torch.equal(batch.mask, data.target_mask([0, 1]))
+    assert batch.mask.shape == batch.targets.shape
     assert (data.target_mask([1])[0].numpy() == data.loss_mask(1)[1:]).all()
     loader = make_loader(data, seed=0, global_batch=4, micro_batch=2, dp_rank=0, dp_size=1)
-    (inputs, _), _ = loader.next_step()
-    assert inputs.shape == (2, 96)
+    first, _ = loader.next_step()
+    assert first.inputs.shape == (2, 96) and first.mask is not None
+    assert first.mask.shape == (2, 96)
 
 
 def test_a_conversation_directory_opens_only_whole(packed, tmp_path):

@@ -230,7 +230,9 @@ def test_prepared_data_loads_as_windows(small_data_dir):
     assert len(ds) == (len(raw) - 1) // L and ds.vocab_size == 257
     for i in (0, 1, len(ds) // 2, len(ds) - 1):
         assert ds.window(i).tolist() == raw[i * L : i * L + L + 1].tolist()
-    inputs, targets = ds.batch([3, 0, len(ds) - 1])
+    batch = ds.batch([3, 0, len(ds) - 1])
+    inputs, targets = batch.inputs, batch.targets
+    assert batch.mask is None  # plain tokens: every target trained
     assert inputs.shape == targets.shape == (3, L) and inputs.dtype == targets.dtype == torch.int64
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
     assert (
@@ -398,10 +400,11 @@ def test_next_step_batches_hold_the_indexed_windows(tmp_path):
         indices = a.step_indices()
         batches = b.next_step()
         assert len(batches) == len(indices) == 2
-        for micro, (inputs, targets) in zip(indices, batches):
-            assert sample_ids(ds, inputs) == micro
+        for micro, batch in zip(indices, batches):
+            assert sample_ids(ds, batch.inputs) == micro
             expected = torch.stack([torch.from_numpy(ds.window(i)) for i in micro])
-            assert torch.equal(inputs, expected[:, :-1]) and torch.equal(targets, expected[:, 1:])
+            assert torch.equal(batch.inputs, expected[:, :-1])
+            assert torch.equal(batch.targets, expected[:, 1:])
 
 
 def test_unshuffled_order_is_sequential(tmp_path):
@@ -446,8 +449,8 @@ def test_resume_continues_the_same_stream(tmp_path, k):
         expected = straight.next_step()
         got = resumed.next_step()
         assert len(got) == len(expected)
-        for (xi, yi), (xe, ye) in zip(got, expected):
-            assert torch.equal(xi, xe) and torch.equal(yi, ye)
+        for g, e in zip(got, expected):
+            assert torch.equal(g.inputs, e.inputs) and torch.equal(g.targets, e.targets)
 
 
 @pytest.mark.parametrize("dp_before, dp_after", [(1, 2), (2, 4), (4, 1), (2, 2)])
@@ -512,15 +515,16 @@ def test_eval_batches_are_fixed_and_the_same_windows_at_every_dp_size(tmp_path, 
     assert windows == n_batches * global_batch  # global batches: no dp in it
 
     def ids(rank):
-        return [sample_ids(ds, x) for x, _ in eval_batches(ds, windows, mb, rank, dp)]
+        return [sample_ids(ds, b.inputs) for b in eval_batches(ds, windows, mb, rank, dp)]
 
     per_rank = [ids(r) for r in range(dp)]
     assert per_rank == [ids(r) for r in range(dp)]  # identical at every evaluation
     for r in range(dp):
         batches = list(eval_batches(ds, windows, mb, r, dp))
         assert len(batches) == windows // (mb * dp)  # every rank as many: the same collectives
-        for x, y in batches:
-            assert x.shape == y.shape == (mb, ds.seq_len) and torch.equal(x[:, 1:], y[:, :-1])
+        for b in batches:
+            assert b.inputs.shape == b.targets.shape == (mb, ds.seq_len)
+            assert torch.equal(b.inputs[:, 1:], b.targets[:, :-1])
     # micro-batch b of every rank in rank order is the dp=1 stream's micro-batches b·dp .. b·dp+dp-1
     interleaved = [per_rank[r][b] for b in range(len(per_rank[0])) for r in range(dp)]
     flat = [i for batch in interleaved for i in batch]
@@ -531,5 +535,5 @@ def test_a_split_shorter_than_the_eval_batches_is_read_whole_each_window_once(tm
     ds = indexed_dataset(tmp_path, 5)
     assert eval_windows(5, 4, 2) == eval_windows(5, 0, 2) == 5
     assert eval_windows(50, 0, 2) == 50 and eval_windows(50, 4, 2) == 8
-    got = [sample_ids(ds, x) for x, _ in eval_batches(ds, 5, 2, 0, 1)]
+    got = [sample_ids(ds, b.inputs) for b in eval_batches(ds, 5, 2, 0, 1)]
     assert got == [[0, 1], [2, 3], [4]]

@@ -162,9 +162,9 @@ def test_batches_hold_the_blended_windows(tmp_path):
     for _ in range(5):
         indices = a.step_indices()
         batches = b.next_step()
-        assert [decode(x) for x, _ in batches] == indices
-        for x, y in batches:
-            assert (y[:, :-1] == x[:, 1:]).all()
+        assert [decode(batch.inputs) for batch in batches] == indices
+        for batch in batches:
+            assert batch.mask is None and (batch.targets[:, :-1] == batch.inputs[:, 1:]).all()
 
 
 @pytest.mark.parametrize("k", [0, 3, 7, 11])
@@ -258,16 +258,16 @@ def test_evaluation_blends_the_val_splits_by_weight(tmp_path):
     own, the blend at the splits' total (7 + 7 windows here)."""
     val = mixture(tmp_path, [20, 30], [1, 3], split="val")
     assert eval_windows(len(val), 3, 4) == 12
-    pairs = [p for x, _ in eval_batches(val, 12, 4, 0, 1) for p in decode(x)]
+    pairs = [p for b in eval_batches(val, 12, 4, 0, 1) for p in decode(b.inputs)]
     sources, positions, _ = blend(normalise([1, 3]), 12)
     assert [s for s, _ in pairs] == sources
     assert [i - 2500 for _, i in pairs] == [
         p % 7 for p in positions
     ]  # val window k starts at 10000 + k·L
     assert max(positions) >= 7  # source 1 wrapped
-    two = [p for r in range(2) for x, _ in eval_batches(val, 12, 2, r, 2) for p in decode(x)]
+    two = [p for r in range(2) for b in eval_batches(val, 12, 2, r, 2) for p in decode(b.inputs)]
     assert sorted(two) == sorted(pairs)  # ranks partition the same samples
-    again = [p for x, _ in eval_batches(val, 12, 4, 0, 1) for p in decode(x)]
+    again = [p for b in eval_batches(val, 12, 4, 0, 1) for p in decode(b.inputs)]
     assert again == pairs
 
 

@@ -19,7 +19,7 @@ from torch.distributed import TCPStore
 
 from strata import config
 from strata.data.loader import eval_batches, eval_windows
-from strata.data.tokens import TokenDataset
+from strata.data.tokens import Batch, TokenDataset
 from strata.model import build_model, lm_loss
 from strata.net import free_port
 from strata.parallel import watchdog
@@ -37,9 +37,9 @@ class Windows:
     def __len__(self) -> int:
         return self.n
 
-    def batch(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, idx: list[int]) -> Batch:
         t = torch.tensor(idx)
-        return t, t
+        return Batch(t, t)
 
 
 @pytest.mark.parametrize("n, micro, dp", [(23, 2, 1), (23, 3, 2), (23, 2, 4), (5, 4, 4), (8, 2, 2)])
@@ -47,21 +47,23 @@ def test_the_whole_split_is_every_window_once_over_the_ranks(n, micro, dp):
     seen = [
         int(i)
         for r in range(dp)
-        for inputs, _ in eval_batches(Windows(n), n, micro, r, dp)
-        for i in inputs
+        for batch in eval_batches(Windows(n), n, micro, r, dp)
+        for i in batch.inputs
     ]
     assert sorted(seen) == list(range(n))
     for r in range(dp):
-        assert all(0 < len(b[0]) <= micro for b in eval_batches(Windows(n), n, micro, r, dp))
+        assert all(0 < len(b) <= micro for b in eval_batches(Windows(n), n, micro, r, dp))
 
 
 def test_the_default_reads_the_same_first_windows_at_every_dp_size():
     # 3 global batches of 8: the first 24 windows, whether 1, 2 or 4 ranks read them
     windows = eval_windows(100, 3, 8)
     for dp in (1, 2, 4):
-        read = [b[0].tolist() for r in range(dp) for b in eval_batches(Windows(100), 24, 2, r, dp)]
+        read = [
+            b.inputs.tolist() for r in range(dp) for b in eval_batches(Windows(100), 24, 2, r, dp)
+        ]
         assert sorted(i for batch in read for i in batch) == list(range(windows))
-    first = [b[0].tolist() for b in eval_batches(Windows(100), windows, 2, 1, 2)]
+    first = [b.inputs.tolist() for b in eval_batches(Windows(100), windows, 2, 1, 2)]
     assert first[:3] == [[2, 3], [6, 7], [10, 11]] and len(first) == 6
 
 
@@ -119,7 +121,8 @@ def test_whole_split_evaluation_is_a_plain_pass_over_every_window_in_any_layout(
     model.load_state_dict(params)
     with torch.no_grad():
         per_window = [
-            float(lm_loss(model(x), y)) for x, y in (val.batch([i]) for i in range(len(val)))
+            float(lm_loss(model(b.inputs), b.targets))
+            for b in (val.batch([i]) for i in range(len(val)))
         ]
     assert one[6] == pytest.approx(sum(per_window) / len(per_window), rel=1e-5)
     # the baseline before the first step: an untrained model's loss is that of guessing among its outputs
@@ -249,10 +252,10 @@ def _evaluate_rank(
     if stall and rank == 1:
         real, calls = ParallelModel.eval_loss, itertools.count()
 
-        def eval_loss(self, inputs, targets):
+        def eval_loss(self, batch):
             if next(calls) == 3:
                 time.sleep(600)
-            return real(self, inputs, targets)
+            return real(self, batch)
 
         ParallelModel.eval_loss = eval_loss  # type: ignore[method-assign]
     cfg = config.load(None, overrides, world_size=size, local_world_size=size)

@@ -51,11 +51,11 @@ def test_aux_loss_gradient_equals_the_loss_added_by_hand(small_data_dir, tmp_pat
     for block in reference.layers:
         block.mlp.router.register_forward_hook(lambda m, a, out: routings.append(out))
     total = torch.zeros(())
-    for x, y in micro:
+    for batch in micro:
         routings.clear()
-        logits = reference(x)
+        logits = reference(batch.inputs)
         aux = sum(load_balancing_loss(r, 4) for r in routings)
-        total = total + (lm_loss(logits, y) + 0.5 * aux) / len(micro)
+        total = total + (lm_loss(logits, batch.targets) + 0.5 * aux) / len(micro)
     total.backward()
     want = dict(reference.named_parameters())
 
@@ -64,7 +64,7 @@ def test_aux_loss_gradient_equals_the_loss_added_by_hand(small_data_dir, tmp_pat
     # between (forward only, another number of micro-batches) leaves the weight and the gradient
     layers = [layer for part in model.parts for _, layer in moe_layers(part)]
     assert layers and {layer.aux_grad_scale for layer in layers} == {1 / len(micro)}
-    model.eval_loss(*micro[0])
+    model.eval_loss(micro[0])
     model.forward_backward(micro)
     model.reduce_and_clip(float("inf"))
     checked = 0

@@ -46,7 +46,9 @@ class DataConfig:
         False,
         "attend only inside each document packed into a sequence: the end-of-document token the "
         "data's meta.json "
-        "records (`strata data prepare` writes it) ends one; the loss still counts every token",
+        "records (`strata data prepare` writes it) ends one; the loss still counts every token "
+        "(of conversations, every trained one). Conversations packed without it attend to each "
+        "other (a warning at start-up)",
     )
     reset_positions: bool = opt(
         False,
