@@ -6,6 +6,7 @@ In-process gloo worlds (the test's own worker function on N ranks):
                                               or with `exit_codes=True` (ranks expected to fail or be
                                               killed) their exit codes
     join_world(rank, size, port)              a worker's first line: one thread, the gloo world
+    worker_env(rank, size, port)              or torchrun's worker environment, for runtime.start()
 
 The `strata` command as a user runs it, to the end:
     strata(*args)                             `python -m strata.launch.cli ARGS`, CompletedProcess
@@ -314,9 +315,9 @@ def _empty_experiment(run_root: Path) -> Path:
     return experiment
 
 
-def _train_rank(rank: int, size: int, port: int, out_dir: str, argv: list[str]) -> None:
-    """One rank of `train_run`: torchrun's worker environment, output to out_dir/rank{rank}.out, the
-    strata command's exit code as the process's."""
+def worker_env(rank: int, size: int, port: int) -> None:
+    """In a `run_world` worker: the environment torchrun gives worker `rank` of a one-node world
+    of `size` whose store is at 127.0.0.1:port (what `runtime.start()` reads)."""
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -327,6 +328,12 @@ def _train_rank(rank: int, size: int, port: int, out_dir: str, argv: list[str]) 
         MASTER_PORT=str(port),
         PYTHONUNBUFFERED="1",
     )
+
+
+def _train_rank(rank: int, size: int, port: int, out_dir: str, argv: list[str]) -> None:
+    """One rank of `train_run`: torchrun's worker environment, output to out_dir/rank{rank}.out, the
+    strata command's exit code as the process's."""
+    worker_env(rank, size, port)
     if size > 1:  # torchrun's default for several workers on a node
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from strata.net import free_port
 from strata.parallel import watchdog
 
 from conftest import tiny_overrides
-from worlds import _train_rank, final_params, run_world, strata, train_run
+from worlds import _train_rank, final_params, run_world, strata, train_run, worker_env
 
 
 class Windows:
@@ -240,14 +239,7 @@ def _evaluate_rank(
     from strata.trainer.loop import Trainer
     from strata.trainer.parallelize import ParallelModel
 
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(size),
-        LOCAL_WORLD_SIZE=str(size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    worker_env(rank, size, port)
     torch.set_num_threads(1)
     if stall and rank == 1:
         real, calls = ParallelModel.eval_loss, itertools.count()

@@ -14,7 +14,6 @@ are warned about; a mixture of conversations and plain text masks every row."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -36,7 +35,7 @@ from strata.parallel.tensor import placement_of
 from strata.trainer.hooks import StepHook
 
 from conftest import tiny_overrides
-from worlds import final_params, losses_from, run_world, train_run
+from worlds import final_params, losses_from, run_world, train_run, worker_env
 
 SEQ = 128
 SETTINGS = {
@@ -192,14 +191,7 @@ def _first_step(overrides: list[str], want: dict[str, torch.Tensor], size: int) 
 def _step_rank(
     rank: int, size: int, port: int, out_dir: str, overrides: list[str], want: dict
 ) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(size),
-        LOCAL_WORLD_SIZE=str(size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    worker_env(rank, size, port)
     torch.set_num_threads(1)
     from strata.parallel import runtime
 
