@@ -32,6 +32,7 @@ from strata.config.vocabulary import (
     expert_layout_problems,
     experts_split_problem,
     ffn_split_problem,
+    freeze_pattern_problem,
     heads_split_problem,
     layout_problems,
     moe_tensor_parallel_problem,
@@ -54,6 +55,7 @@ def cross_problems(
         *_value_checks(cfg),
         *_data_checks(cfg.data),
         *_model_checks(m),
+        *_lora_checks(cfg),
         *_split_checks(m, par),
         *_switch_checks(par, tr),
         *_schedule_checks(par),
@@ -245,6 +247,18 @@ def _model_checks(m: ModelConfig) -> list[str]:
         p.append(
             f"model.rope_beta_fast={m.rope_beta_fast:g} must exceed "
             f"model.rope_beta_slow={m.rope_beta_slow:g} (yarn RoPE scaling ramps between them)"
+        )
+    return p
+
+
+def _lora_checks(cfg: Config) -> list[str]:
+    """train.freeze's items; what adapters (model.lora) do not run with yet."""
+    p = [problem for item in cfg.train.freeze if (problem := freeze_pattern_problem(item))]
+    if cfg.model.lora.enabled and cfg.train.precision == "fp8":
+        p.append(
+            "model.lora with train.precision=fp8: float8 training replaces the linear layers the "
+            "adapters sit on; use train.precision=bf16 (the frozen base weights gain nothing from "
+            "float8's master weights), or model.lora.rank: 0"
         )
     return p
 
