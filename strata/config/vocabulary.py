@@ -543,8 +543,8 @@ def frozen_by(pattern: str, name: str) -> bool:
     """Whether `train.freeze` item `pattern` names the parameter `name` (Strata's state_dict name,
     `layers.3.attn.wq.weight`): an alias (embeddings, output, norms), the name itself or a module
     above it (`layers.3`, `layers.3.attn`), a layer range (`layers.0-7`, `layers.0-7.mlp`) or a
-    glob (`layers.*.attn_norm.weight`)."""
+    glob of either (`layers.*.attn_norm.weight`, `layers.*.attn`)."""
     return any(
-        name == glob or name.startswith(glob + ".") or fnmatch.fnmatchcase(name, glob)
+        fnmatch.fnmatchcase(name, glob) or fnmatch.fnmatchcase(name, glob + ".*")
         for glob in _expand(pattern)
     )

@@ -180,6 +180,12 @@ class ZeroEngine:
             name: Routes(t, plan.hierarchical) for name, t in self.domains.items()
         }
         self.groups: list[FlatGroup] = []
+        # parameters that do not train (requires_grad False: LoRA's base, train.freeze), by their
+        # first name: no flat group, gradient or optimizer state, whole (after tp/pp) on every rank
+        self.frozen: list[tuple[str, nn.Parameter]] = []
+        self.device = next(
+            (p.device for part in parts for p in part.parameters()), torch.device("cpu")
+        )
         self._plan_groups(parts, {id(p) for p in tied_copies or []})
         self.reducer = self._overlap() if overlap else None
         self.params = [piece for g in self.groups for _, piece, _, _ in g.segments]
@@ -215,6 +221,9 @@ class ZeroEngine:
                 ids = []
                 for m in modules:
                     for p in m.parameters():
+                        if not p.requires_grad and id(p) not in owner:
+                            owner[id(p)] = ""
+                            self.frozen.append((names[id(p)][0], p))
                         if id(p) not in owner and p.requires_grad:
                             tied = id(p) in tied_ids or len(set(names[id(p)])) > 1
                             domain = domain_of(p) if domain_of(p) in self.domains else ""
@@ -398,7 +407,7 @@ class ZeroEngine:
         replicated = [
             _grad(piece) for slot, piece in counted if placement_of(slot.param).shard_dim is None
         ]
-        device = self.groups[0].full.device
+        device = self.groups[0].full.device if self.groups else self.device
         total = global_grad_norm(
             sharded,
             replicated,
@@ -456,7 +465,7 @@ class ZeroEngine:
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameter, gradient and optimizer-state storage this rank holds right now
         (measured from the tensors, not computed from the plan)."""
-        out = {"params": 0, "grads": 0}
+        out = {"params": storage_bytes([p for _, p in self.frozen]), "grads": 0}
         for g in self.groups:
             for k, v in g.held_bytes().items():
                 out[k] += v

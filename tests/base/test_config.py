@@ -248,6 +248,47 @@ def test_context_parallel_errors_name_the_fix(overrides, world_size, expected):
     assert any(p.startswith(expected) for p in err.problems), err.problems
 
 
+def test_lora_and_freeze_keys():
+    cfg = config.load(
+        None,
+        [
+            "model.lora.rank=8",
+            "model.lora.alpha=16",
+            "model.lora.target_modules=[all-linear]",
+            "train.freeze=[embeddings, layers.0-1, norms]",
+        ],
+    )
+    assert cfg.model.lora.enabled and cfg.model.lora.scale == 2.0
+    assert cfg.train.freeze == ("embeddings", "layers.0-1", "norms")
+    assert not config.load(None, []).model.lora.enabled
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["model.lora.target_modules=[qproj]"],
+            "model.lora.target_modules: item 1 is 'qproj', which is not one of: q_proj, k_proj",
+        ),
+        (["model.lora.rank=-1"], "model.lora.rank: -1 must be >= 0"),
+        (["model.lora.dropout=1"], "model.lora.dropout: 1.0 must be < 1"),
+        (["model.lora.target_modules=[]"], "model.lora.target_modules: [] has 0 items"),
+        (
+            ["train.freeze=[layers.5-2]"],
+            "train.freeze: 'layers.5-2' is a reversed layer range; give layers.FIRST-LAST",
+        ),
+        (["train.freeze=['']"], "train.freeze: an empty item names nothing"),
+        (
+            ["model.lora.rank=4", "train.precision=fp8", "train.compile=true"],
+            "model.lora with train.precision=fp8",
+        ),
+    ],
+)
+def test_lora_and_freeze_errors_name_the_fix(overrides, expected):
+    err = load_error(None, overrides)
+    assert len(err.problems) == 1 and err.problems[0].startswith(expected), err.problems
+
+
 def test_context_parallel_takes_its_ranks_out_of_data_parallel():
     cfg = config.load(
         None,

@@ -141,10 +141,18 @@ class LoraConfig:
         ("q_proj", "v_proj"),
         "the linear layers that get adapters, by the names PEFT uses for Llama: q_proj, k_proj, "
         "v_proj, o_proj (attention), gate_proj, up_proj, down_proj (the SwiGLU feed-forward, and "
-        "in an MoE layer its shared experts' and each routed expert's), or all-linear (all of "
-        "them; never the output layer)",
+        "in an MoE layer its shared experts'; the routed experts get none yet), or all-linear "
+        "(all of them; never the output layer)",
         choices=(*LORA_TARGETS, ALL_LINEAR),
         min_items=1,
+    )
+
+    init_from: str | None = opt(
+        None,
+        "start the adapters from a PEFT adapter directory (adapter_config.json and "
+        "adapter_model.safetensors: PEFT's save_pretrained, or `strata ckpt export --format "
+        "peft`) instead of their initial values, on the base model of model.init_from; its r, "
+        "lora_alpha and adapted layers must be this config's",
     )
 
     @property

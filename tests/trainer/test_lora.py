@@ -1,0 +1,324 @@
+"""LoRA (`model.lora`) and freezing (`train.freeze`) against PEFT, the independent reference: the
+adapted model's logits and one optimizer step equal a PEFT model's holding the same adapter
+values; a LoRA run from a Hugging Face model starts at transformers' loss, keeps its base weights
+and holds gradients and optimizer state for the adapters only (measured against full fine-tuning);
+it resumes bit-identically; its exports load in transformers and in PEFT with Strata's logits; and
+parallel layouts train what one process does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata import config
+from strata.checkpoint import store
+from strata.checkpoint.hf_weights import open_adapter
+from strata.checkpoint.reader import Checkpoint
+from strata.errors import CheckpointError, ConfigError
+from strata.hf.tensor_names import hf_sources, to_peft
+from strata.lora import apply_lora, freeze, is_adapter, merge_adapters, trainable_names
+from strata.model import GPT
+from strata.parallel.runtime import start
+from strata.trainer.jobs import train as run
+
+from conftest import hf_run_overrides, run_cli, tiny_config
+from worlds import train_world
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+SEQ = 32
+VOCAB = 320
+LORA = {
+    "model.lora.rank": 4,
+    "model.lora.alpha": 8,
+    "model.lora.target_modules": "[all-linear]",
+}
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory) -> Path:
+    """A tiny random Llama (2 layers, grouped-query attention) saved by transformers."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
+    )
+    directory = tmp_path_factory.mktemp("hf") / "llama"
+    model.save_pretrained(directory)
+    return directory
+
+
+def _lora_config(hf_dir: Path, data_dir: Path, run_root: Path, **extra) -> config.Config:
+    return config.load(None, hf_run_overrides(hf_dir, data_dir, run_root, SEQ, **LORA, **extra))
+
+
+def _adapted(cfg: config.Config, hf_dir: Path) -> GPT:
+    """Strata's GPT with the Hugging Face weights and adapters (B drawn non-zero, so they count)."""
+    model = GPT(cfg.model, VOCAB)
+    apply_lora(model, cfg.model.lora)
+    model.init_weights(cfg.train.seed)
+    weights = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    hf_state, state = weights.state_dict(), model.state_dict()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, hf_name in hf_sources(cfg.model).items():
+            state[name].copy_(hf_state[hf_name])
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+def _peft_model(hf_dir: Path, model: GPT, cfg: config.Config):
+    """PEFT's LoRA model on transformers' Llama with the same adapter values as `model`."""
+    lora = cfg.model.lora
+    base = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    ref = peft.get_peft_model(
+        base,
+        peft.LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+        ),
+    )
+    values = {to_peft(n): p.detach().clone() for n, p in model.named_parameters() if is_adapter(n)}
+    result = peft.set_peft_model_state_dict(ref, values)
+    assert not result.unexpected_keys
+    return ref
+
+
+def test_adapters_compute_and_train_as_peft(hf_llama, small_data_dir, tmp_path, one_thread):
+    cfg = _lora_config(hf_llama, small_data_dir, tmp_path)
+    model = _adapted(cfg, hf_llama)
+    ref = _peft_model(hf_llama, model, cfg)
+    trainable = trainable_names(model, cfg)
+    freeze([model], trainable)
+    # the same layers adapted: PEFT's all-linear is every linear but the output layer
+    peft_trainable = {
+        n.replace(".default", "") for n, p in ref.named_parameters() if p.requires_grad
+    }
+    assert {to_peft(n) for n in trainable} == peft_trainable
+    assert len(trainable) == 2 * 7 * cfg.model.n_layers
+
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(2))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    torch.testing.assert_close(model(x), ref(x).logits, rtol=0, atol=1e-5)
+
+    # one SGD step on the same batch: the adapters move alike, the base weights get no gradient
+    for net, logits in ((model, lambda: model(x)), (ref, lambda: ref(x).logits)):
+        opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.5)
+        F.cross_entropy(logits().float().flatten(0, 1), y.flatten()).backward()
+        opt.step()
+    assert all(p.grad is None for n, p in model.named_parameters() if not is_adapter(n))
+    assert all(p.grad is not None for n, p in model.named_parameters() if is_adapter(n))
+    after = peft.get_peft_model_state_dict(ref)
+    for name, p in model.named_parameters():
+        if is_adapter(name):
+            torch.testing.assert_close(p, after[to_peft(name)], rtol=0, atol=1e-6, msg=name)
+    torch.testing.assert_close(model(x), ref(x).logits, rtol=0, atol=1e-5)
+
+    # merged into the weights (an export's), the plain model computes the same
+    merged = ref.merge_and_unload()
+    merge_adapters(model)
+    assert not any(is_adapter(n) for n, _ in model.named_parameters())
+    torch.testing.assert_close(model(x), merged(x).logits, rtol=0, atol=1e-5)
+
+
+def test_freeze_items_name_parameters(small_data_dir, tmp_path):
+    cfg = tiny_config(
+        small_data_dir, tmp_path, **{"train.freeze": "[embeddings, layers.0-0.attn, norms]"}
+    )
+    model = GPT(cfg.model, 320)
+    trains = trainable_names(model, cfg)
+    assert "tok_embeddings.weight" not in trains and "norm.weight" not in trains
+    assert "layers.0.attn.wq.weight" not in trains and "layers.0.mlp.w1.weight" in trains
+    assert "layers.1.attn_norm.weight" not in trains and "layers.1.attn.wq.weight" in trains
+    nothing = tiny_config(small_data_dir, tmp_path, **{"train.freeze": "[layers.7]"})
+    with pytest.raises(ConfigError, match=r"'layers.7' names no parameter"):
+        trainable_names(model, nothing)
+    everything = tiny_config(small_data_dir, tmp_path, **{"train.freeze": "['*']"})
+    with pytest.raises(ConfigError, match="freezes every parameter"):
+        trainable_names(model, everything)
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_a_lora_run_trains_only_its_adapters(hf_llama, small_data_dir, tmp_path):
+    """From a Hugging Face model: step 1's loss is the base model's (B starts at zero), the base
+    weights come out unchanged, and gradients and optimizer state are the adapters' alone: the
+    measured bytes against a full fine-tuning run of the same model."""
+    lora_cfg = _lora_config(hf_llama, small_data_dir, tmp_path / "lora")
+    full_cfg = config.load(None, hf_run_overrides(hf_llama, small_data_dir, tmp_path / "full", SEQ))
+    lora, full = run(lora_cfg, start()), run(full_cfg, start())
+    assert lora.losses[1] == full.losses[1]  # bit-identical: the adapters add exactly zero
+    assert lora.losses[4] != full.losses[4]
+
+    final = Checkpoint(store.step_dir(lora_cfg.checkpoint_dir(), 4))
+    weights = final.tensors("model.")
+    base = transformers.LlamaForCausalLM.from_pretrained(hf_llama, dtype=torch.float32)
+    hf_state = base.state_dict()
+    for name, hf_name in hf_sources(lora_cfg.model).items():
+        assert torch.equal(weights[name], hf_state[hf_name]), name
+    adapters = [n for n in weights if is_adapter(n)]
+    assert adapters and all(weights[n].abs().sum() > 0 for n in adapters)
+    saved_state = {k.rsplit(".", 1)[0] for k in final.shapes("optim.state.")}
+    assert saved_state == set(adapters)
+
+    adapter_numel = sum(weights[n].numel() for n in adapters)
+    total_numel = sum(t.numel() for t in weights.values())
+    held_lora, held_full = (
+        _summary(lora_cfg.run_dir())["held_bytes"],
+        _summary(full_cfg.run_dir())["held_bytes"],
+    )
+    # AdamW's two fp32 moments, and an fp32 gradient, per trained element
+    assert held_lora["optim"] == 2 * 4 * adapter_numel
+    assert held_full["optim"] == 2 * 4 * (total_numel - adapter_numel)
+    assert held_lora["grads"] == 4 * adapter_numel
+    assert held_lora["params"] == 4 * total_numel == held_full["params"] + 4 * adapter_numel
+    print(
+        f"optimizer state: LoRA {held_lora['optim']} B, full fine-tuning {held_full['optim']} B "
+        f"({held_full['optim'] / held_lora['optim']:.1f}x)"
+    )
+
+
+def test_a_lora_run_resumes_bit_identically(hf_llama, small_data_dir, tmp_path):
+    settings = {"checkpoint.interval": 2, "model.lora.dropout": 0.1}
+    whole = _lora_config(hf_llama, small_data_dir, tmp_path / "whole", **settings)
+    reference = run(whole, start())
+    resumed_cfg = _lora_config(hf_llama, small_data_dir, tmp_path / "resumed", **settings)
+    resumed = run(resumed_cfg, start(), resume=store.step_dir(whole.checkpoint_dir(), 2))
+    assert sorted(resumed.losses) == [3, 4]
+    for step, loss in resumed.losses.items():
+        assert loss == reference.losses[step], step
+    got = Checkpoint(store.step_dir(resumed_cfg.checkpoint_dir(), 4)).tensors("model.")
+    want = Checkpoint(store.step_dir(whole.checkpoint_dir(), 4)).tensors("model.")
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+
+
+@pytest.mark.slow  # two runs of `strata ckpt export` in this process, transformers and PEFT loading
+def test_exports_load_in_transformers_and_peft(hf_llama, small_data_dir, tmp_path, capsys):
+    cfg = _lora_config(hf_llama, small_data_dir, tmp_path / "run")
+    run(cfg, start())
+    step = store.step_dir(cfg.checkpoint_dir(), 4)
+    code, out = run_cli(
+        ["ckpt", "export", str(step), str(tmp_path / "adapter"), "--format", "peft"], capsys
+    )
+    assert code == 0, out
+    code, out = run_cli(
+        ["ckpt", "export", str(step), str(tmp_path / "merged"), "--format", "hf"], capsys
+    )
+    assert code == 0, out
+
+    from strata.inference.source import open_model
+
+    strata_model = open_model(step).model  # the adapters merged into their weights
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = strata_model(tokens)
+        base = transformers.LlamaForCausalLM.from_pretrained(hf_llama, dtype=torch.float32)
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        torch.testing.assert_close(adapted(tokens).logits, want, rtol=0, atol=1e-5)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "merged", dtype=torch.float32
+        ).eval()
+        torch.testing.assert_close(merged(tokens).logits, want, rtol=0, atol=1e-5)
+
+
+def _first_batch_loss(model, cfg: config.Config) -> float:
+    """A transformers model's loss on the first step's batch Strata's loader gives."""
+    from strata.data.loader import BatchLoader
+    from strata.data.tokens import TokenDataset
+
+    loader = BatchLoader(
+        TokenDataset(Path(cfg.data.path), "train", SEQ),
+        cfg.train.seed,
+        cfg.train.global_batch_size,
+        cfg.train.micro_batch_size,
+        0,
+        1,
+    )
+    with torch.no_grad():
+        losses = [
+            F.cross_entropy(model(inputs).logits.flatten(0, 1).float(), targets.flatten())
+            for inputs, targets in loader.next_step()
+        ]
+    return torch.stack(losses).mean().item()
+
+
+def test_a_peft_adapter_continues_training(hf_llama, small_data_dir, tmp_path):
+    """model.lora.init_from: PEFT's own save_pretrained, loaded onto the base: the first step's loss
+    is PEFT's on that batch, and with lr 0 the adapters stay the file's, bit for bit."""
+    cfg = _lora_config(
+        hf_llama,
+        small_data_dir,
+        tmp_path,
+        **{"model.lora.init_from": tmp_path / "adapter", "optim.lr": 0.0, "train.steps": 1},
+    )
+    model = _adapted(cfg, hf_llama)
+    ref = _peft_model(hf_llama, model, cfg).eval()
+    ref.save_pretrained(tmp_path / "adapter")
+    result = run(cfg, start())
+    assert result.losses[1] == pytest.approx(_first_batch_loss(ref, cfg), abs=1e-5)
+    saved = Checkpoint(store.step_dir(cfg.checkpoint_dir(), 1)).tensors("model.")
+    state = peft.get_peft_model_state_dict(ref)
+    for name, value in saved.items():
+        if is_adapter(name):
+            assert torch.equal(value, state[to_peft(name)]), name
+
+    with pytest.raises(CheckpointError, match=r"lora_alpha: 8\.0 \(this run: 4\.0\)"):
+        open_adapter(tmp_path / "adapter", cfg.model.lora.rank, 4.0)
+
+
+@pytest.mark.slow  # worlds of 2 processes running `strata train`
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"parallel.tp": 2},
+        {"parallel.tp": 2, "parallel.sequence_parallel": True},
+        {
+            "zero.params.shard_over": "global",
+            "zero.grads.shard_over": "global",
+            "zero.optim.shard_over": "global",
+        },
+        {"parallel.pp": 2},
+    ],
+    ids=["tp2", "tp2-sp", "zero3-dp2", "pp2"],
+)
+def test_lora_in_parallel_matches_one_process(hf_llama, small_data_dir, tmp_path, layout):
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text("{}\n")
+
+    def overrides(root: Path, **extra) -> list[str]:
+        return [
+            str(experiment),
+            *hf_run_overrides(hf_llama, small_data_dir, root, SEQ, **LORA, **extra),
+        ]
+
+    train_world(overrides(tmp_path / "one"), 1, tmp_path / "one")
+    train_world(overrides(tmp_path / "par", **layout), 2, tmp_path / "par")
+    want = Checkpoint(store.step_dir(tmp_path / "one" / "t" / "checkpoints", 4))
+    got = Checkpoint(store.step_dir(tmp_path / "par" / "t" / "checkpoints", 4))
+    assert set(got.shapes("optim.state.")) == set(want.shapes("optim.state."))
+    ref, out = want.tensors("model."), got.tensors("model.")
+    assert out.keys() == ref.keys()
+    for key, value in ref.items():
+        if is_adapter(key):
+            torch.testing.assert_close(out[key], value, rtol=1e-4, atol=5e-5, msg=key)
+        else:  # frozen: loaded, never changed
+            assert torch.equal(out[key], value), key
