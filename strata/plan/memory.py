@@ -27,6 +27,7 @@ from strata.plan.shapes import (
     block_kept_selective,
     block_saved,
     chunk_counts,
+    frozen_elements,
     groups_of,
     head_constant_bytes,
     head_saved,
@@ -292,6 +293,9 @@ def _rank_memory(
         else TIER_OF[devices["params"]]
     )
     out.add("params", params_tier, shard)
+    # model.lora's frozen weights: whole on every rank, outside the flat groups
+    frozen = frozen_elements(cfg, vocab, pp_rank) * FP32
+    out.add("params", "device", frozen)
     resident_mb = cfg.offload.params.resident_mb
     # resident shards, those kept after use and read ahead
     if params_tier == "nvme" and resident_mb is not None:
@@ -309,7 +313,7 @@ def _rank_memory(
         # Each group's gradient lives until its reduce-scatter has run: the one being filled and the
         # one being reduced while the network keeps pace with backward. Where it does not (gloo on
         # a loaded CPU), reductions queue and hold more, up to every group's at once.
-        out.add("buckets", "device", 2 * max(g.padded for g in groups) * FP32)
+        out.add("buckets", "device", 2 * max((g.padded for g in groups), default=0) * FP32)
     finer = [
         g for g in groups if counts[g.domain][levels["optim"]] != counts[g.domain][levels["grads"]]
     ]
@@ -331,6 +335,7 @@ def _rank_memory(
             out.add("pool", "host", 2 * cfg.offload.slab_mb * 2**20)
 
     image = sum(g.padded * FP32 * (1 + ADAM_MOMENTS) / counts[g.domain]["global"] for g in groups)
+    image += frozen / counts[""]["global"]  # a replicated box is written by each holder in part
     if cfg.checkpoint.async_save:
         out.add("staging", "host", image)
     snap = cfg.snapshot
@@ -352,7 +357,7 @@ def _gathered_peak(groups: list[Group], window: int) -> int:
     for g in groups:
         units[g.name] = units.get(g.name, 0) + g.padded
     sizes = list(units.values())
-    return max(sum(sizes[i : i + window]) for i in range(len(sizes)))
+    return max((sum(sizes[i : i + window]) for i in range(len(sizes))), default=0)
 
 
 def _add_resident_shards(
