@@ -26,7 +26,7 @@ from strata.parallel.runtime import start
 from strata.trainer.jobs import train as run
 
 from conftest import hf_run_overrides, run_cli, tiny_config
-from worlds import train_world
+from worlds import COMMON, assert_same_params, final_params, losses_from, train_run, train_world
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -152,6 +152,50 @@ def test_freeze_items_name_parameters(small_data_dir, tmp_path):
     everything = tiny_config(small_data_dir, tmp_path, **{"train.freeze": "['*']"})
     with pytest.raises(ConfigError, match="freezes every parameter"):
         trainable_names(model, everything)
+
+
+def test_frozen_parameters_keep_their_values_and_resume(small_data_dir, tmp_path):
+    """train.freeze without adapters: what it names keeps its initial values, with no optimizer
+    state, while the rest trains; a resume from the middle is bit-identical."""
+    settings = {
+        "train.freeze": "[embeddings, layers.0, norms]",
+        "train.steps": 4,
+        "checkpoint.interval": 2,
+        "checkpoint.save_final": True,
+    }
+    cfg = tiny_config(small_data_dir, tmp_path / "whole", **settings)
+    whole = run(cfg, start())
+    middle = Checkpoint(store.step_dir(cfg.checkpoint_dir(), 2))
+    final = Checkpoint(store.step_dir(cfg.checkpoint_dir(), 4))
+    before, after = middle.tensors("model."), final.tensors("model.")
+    frozen = {
+        n
+        for n in after
+        if n == "tok_embeddings.weight" or n.startswith("layers.0.") or n.endswith("norm.weight")
+    }
+    assert "layers.1.attn.wq.weight" not in frozen and len(frozen) > 3
+    for name, value in after.items():
+        assert torch.equal(value, before[name]) == (name in frozen), name
+    trained = {k.rsplit(".", 1)[0] for k in final.shapes("optim.state.")}
+    assert trained == set(after) - frozen
+
+    resumed_cfg = tiny_config(small_data_dir, tmp_path / "resumed", **settings)
+    resumed = run(resumed_cfg, start(), resume=store.step_dir(cfg.checkpoint_dir(), 2))
+    assert {s: resumed.losses[s] for s in (3, 4)} == {s: whole.losses[s] for s in (3, 4)}
+
+
+def test_a_pipeline_whose_first_stage_is_all_frozen_is_refused(small_data_dir, tmp_path):
+    from strata.trainer.parallelize import _refuse_frozen_first_stage
+
+    cfg = tiny_config(
+        small_data_dir,
+        tmp_path,
+        world_size=2,
+        **{"parallel.pp": 2, "train.freeze": "[embeddings, layers.0]"},
+    )
+    with pytest.raises(ConfigError, match="freezes all of the first pipeline stage"):
+        _refuse_frozen_first_stage(cfg, {"layers.1.attn.wq.weight"})
+    _refuse_frozen_first_stage(cfg, {"layers.0.mlp.w1.weight"})
 
 
 def _summary(run_dir: Path) -> dict:
@@ -297,8 +341,9 @@ def test_a_peft_adapter_continues_training(hf_llama, small_data_dir, tmp_path):
             "zero.optim.shard_over": "global",
         },
         {"parallel.pp": 2},
+        {"parallel.cp": 2},
     ],
-    ids=["tp2", "tp2-sp", "zero3-dp2", "pp2"],
+    ids=["tp2", "tp2-sp", "zero3-dp2", "pp2", "cp2"],
 )
 def test_lora_in_parallel_matches_one_process(hf_llama, small_data_dir, tmp_path, layout):
     experiment = tmp_path / "experiment.yaml"
@@ -307,7 +352,9 @@ def test_lora_in_parallel_matches_one_process(hf_llama, small_data_dir, tmp_path
     def overrides(root: Path, **extra) -> list[str]:
         return [
             str(experiment),
-            *hf_run_overrides(hf_llama, small_data_dir, root, SEQ, **LORA, **extra),
+            *hf_run_overrides(
+                hf_llama, small_data_dir, root, SEQ, **LORA, **{"checkpoint.interval": 2}, **extra
+            ),
         ]
 
     train_world(overrides(tmp_path / "one"), 1, tmp_path / "one")
@@ -322,3 +369,42 @@ def test_lora_in_parallel_matches_one_process(hf_llama, small_data_dir, tmp_path
             torch.testing.assert_close(out[key], value, rtol=1e-4, atol=5e-5, msg=key)
         else:  # frozen: loaded, never changed
             assert torch.equal(out[key], value), key
+    if "parallel.tp" in layout:  # the tp checkpoint of step 2 continues in one process
+        resumed = tmp_path / "resumed"
+        train_world(
+            [
+                *overrides(resumed),
+                "--resume",
+                str(store.step_dir(tmp_path / "par" / "t" / "checkpoints", 2)),
+            ],
+            1,
+            resumed,
+        )
+        got_losses, want_losses = losses_from(resumed / "t"), losses_from(tmp_path / "one" / "t")
+        assert sorted(got_losses) == [3, 4]
+        for step, loss in got_losses.items():
+            assert loss == pytest.approx(want_losses[step], rel=1e-5, abs=1e-6), step
+
+
+@pytest.mark.slow  # a world of 2 processes running `strata train`
+def test_lora_on_an_moe_model_under_expert_parallelism_matches_one_process(
+    small_data_dir, tmp_path
+):
+    """Adapters on attention and the shared experts (the routed experts frozen), ep 2."""
+    shared = {
+        **COMMON,
+        "model.moe.num_experts": 4,
+        "model.moe.shared_experts": 1,
+        "model.lora.rank": 4,
+        "model.lora.target_modules": "[all-linear]",
+    }
+    reference_cfg = tiny_config(small_data_dir, tmp_path / "ref", **shared)
+    reference = run(reference_cfg, start())
+    train_run(small_data_dir, tmp_path / "par", 2, **shared, **{"parallel.ep": 2})
+    par_losses = losses_from(tmp_path / "par" / "t")
+    assert sorted(par_losses) == sorted(reference.losses)
+    for step, loss in reference.losses.items():
+        assert par_losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    want = final_params(reference_cfg.checkpoint_dir())
+    assert any(".mlp.shared.w1.lora_A." in n for n in want)
+    assert_same_params(final_params(tmp_path / "par" / "t" / "checkpoints"), want)
