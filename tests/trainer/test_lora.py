@@ -202,6 +202,7 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+@pytest.mark.slow  # two runs (LoRA, full fine-tuning): ~8 s on 2 cores
 def test_a_lora_run_trains_only_its_adapters(hf_llama, small_data_dir, tmp_path):
     """From a Hugging Face model: step 1's loss is the base model's (B starts at zero), the base
     weights come out unchanged, and gradients and optimizer state are the adapters' alone: the
@@ -240,6 +241,7 @@ def test_a_lora_run_trains_only_its_adapters(hf_llama, small_data_dir, tmp_path)
     )
 
 
+@pytest.mark.slow  # two runs: ~8-17 s on 2 cores
 def test_a_lora_run_resumes_bit_identically(hf_llama, small_data_dir, tmp_path):
     settings = {"checkpoint.interval": 2, "model.lora.dropout": 0.1}
     whole = _lora_config(hf_llama, small_data_dir, tmp_path / "whole", **settings)
@@ -342,8 +344,9 @@ def test_a_peft_adapter_continues_training(hf_llama, small_data_dir, tmp_path):
         },
         {"parallel.pp": 2},
         {"parallel.cp": 2},
+        {"zero.optim.shard_over": "global", "offload.optim.device": "cpu"},
     ],
-    ids=["tp2", "tp2-sp", "zero3-dp2", "pp2", "cp2"],
+    ids=["tp2", "tp2-sp", "zero3-dp2", "pp2", "cp2", "dp2-optim-offload"],
 )
 def test_lora_in_parallel_matches_one_process(hf_llama, small_data_dir, tmp_path, layout):
     experiment = tmp_path / "experiment.yaml"
