@@ -154,7 +154,7 @@ def test_freeze_items_name_parameters(small_data_dir, tmp_path):
         trainable_names(model, everything)
 
 
-def test_frozen_parameters_keep_their_values_and_resume(small_data_dir, tmp_path):
+def test_frozen_parameters_keep_their_values_and_resume(small_data_dir, tmp_path, capsys):
     """train.freeze without adapters: what it names keeps its initial values, with no optimizer
     state, while the rest trains; a resume from the middle is bit-identical."""
     settings = {
@@ -165,6 +165,8 @@ def test_frozen_parameters_keep_their_values_and_resume(small_data_dir, tmp_path
     }
     cfg = tiny_config(small_data_dir, tmp_path / "whole", **settings)
     whole = run(cfg, start())
+    banner = next(line for line in capsys.readouterr().out.splitlines() if "parameters" in line)
+    assert " parameters (" in banner and "M trained), world 1" in banner, banner
     middle = Checkpoint(store.step_dir(cfg.checkpoint_dir(), 2))
     final = Checkpoint(store.step_dir(cfg.checkpoint_dir(), 4))
     before, after = middle.tensors("model."), final.tensors("model.")
@@ -269,6 +271,8 @@ def test_exports_load_in_transformers_and_peft(hf_llama, small_data_dir, tmp_pat
     code, out = run_cli(
         ["ckpt", "export", str(step), str(tmp_path / "merged"), "--format", "hf"], capsys
     )
+    assert code == 0, out
+    code, out = run_cli(["ckpt", "verify", str(step)], capsys)  # holds adapters against config.yaml
     assert code == 0, out
 
     from strata.inference.source import open_model
