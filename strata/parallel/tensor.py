@@ -359,6 +359,7 @@ class AdapterLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x times this half's weight (transposed), summed over tp where `reduce` says."""
         weight = _CopyToGroup.apply(self.weight, self.group) if self.partial_grad else self.weight
         y = F.linear(x, weight)
         return y if self.reduce is None else self.reduce.apply(y, self.group)

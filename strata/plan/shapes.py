@@ -27,6 +27,7 @@ class Group:
     layers: int
     part: int  # which of the rank's model chunks (virtual stages) it belongs to
     domain: str = ""  # the ranks ZeRO reduces and partitions it over: "" dp, "experts", "routing"
+    frozen: bool = False  # model.lora's frozen weights under ZeRO-3: partitioned, never stepped
 
 
 @dataclass(frozen=True)
@@ -128,33 +129,46 @@ def lora_domains(cfg: Config, index: int) -> dict[str, int]:
     return {"": attention + ffn}
 
 
-def frozen_elements(cfg: Config, vocab: int, pp_rank: int) -> int:
-    """Parameters pipeline rank `pp_rank` holds whole and never trains: with model.lora every
-    weight of its share of the model (train.freeze's items are not modelled)."""
+def frozen_units(cfg: Config, vocab: int, pp_rank: int) -> list[tuple[str, int, int, str]]:
+    """(unit, elements, model chunk, domain) of what pipeline rank `pp_rank` holds and never
+    trains: with model.lora every weight of its share of the model, unit by unit and domain by
+    domain (train.freeze's items are not modelled)."""
     m, tp = cfg.model, cfg.parallel.tp
     if not m.lora.enabled:
-        return 0
+        return []
     embed, tied = vocab // tp * m.d_model, m.tie_embeddings
-    n = 0
-    for part in parts_of(cfg, pp_rank):
-        n += embed if part.first else 0
-        n += sum(
-            sum(block_domains(cfg, part.first_layer + i).values()) for i in range(part.n_layers)
-        )
-        if part.last:
-            n += m.d_model + (embed if not tied or not part.first else 0)
-    return n
+    out = []
+    for pi, part in enumerate(parts_of(cfg, pp_rank)):
+        if part.first:
+            out.append(("tok_embeddings", embed, pi, ""))
+        for i in range(part.n_layers):
+            index = part.first_layer + i
+            out += [(f"layers.{index}", n, pi, d) for d, n in block_domains(cfg, index).items()]
+        if part.last:  # a tied embedding's copy on the last stage is frozen with the head
+            out.append(("head", m.d_model + (embed if not tied or not part.first else 0), pi, ""))
+    return out
+
+
+def frozen_elements(cfg: Config, vocab: int, pp_rank: int) -> int:
+    """Parameters pipeline rank `pp_rank` holds and never trains (`frozen_units`)."""
+    return sum(n for _, n, _, _ in frozen_units(cfg, vocab, pp_rank))
 
 
 def groups_of(
-    cfg: Config, vocab: int, pp_rank: int, pad_to: dict[str, int], bucket_bytes: int
+    cfg: Config,
+    vocab: int,
+    pp_rank: int,
+    pad_to: dict[str, int],
+    bucket_bytes: int,
+    frozen_groups: bool = False,
 ) -> list[Group]:
     """The flat groups of pipeline rank `pp_rank`, as `ZeroEngine` plans them: one per unit
     (embedding, each block, final norm + output) and parameter domain, a tied embedding in a group
     of its own, consecutive blocks of one chunk and one domain merged while the group holds less
     than `bucket_bytes`, each padded to a multiple of `pad_to[domain]` (the chunks its state is cut
     into: the data-parallel degree of its domain). With model.lora the groups hold the adapters
-    alone (`lora_domains`; the frozen rest is `frozen_elements`)."""
+    alone (`lora_domains`), and the frozen rest (`frozen_elements`) is in none, or with
+    `frozen_groups` (ZeRO-3) in groups of its own, one per unit and domain, never merged."""
     m, tp = cfg.model, cfg.parallel.tp
     tied, lora = m.tie_embeddings, m.lora.enabled
     embed = vocab // tp * m.d_model
@@ -163,7 +177,8 @@ def groups_of(
         if part.first and not lora:
             out.append(["tied" if tied else "tok_embeddings", embed, 0, pi, ""])
         for i in range(part.n_layers):
-            domains = (lora_domains if lora else block_domains)(cfg, part.first_layer + i)
+            index = part.first_layer + i
+            domains = (lora_domains if lora else block_domains)(cfg, index)
             for domain, elements in domains.items():
                 if not elements:
                     continue
@@ -184,9 +199,16 @@ def groups_of(
             # the last stage's copy of a tied embedding: a group of its own
             if tied and not part.first:
                 out.append(["tied", embed, 0, pi, ""])
-    return [
+    groups = [
         Group(n, e, math.ceil(e / pad_to[dom]) * pad_to[dom], layers, pi, dom)
         for n, e, layers, pi, dom in out
+    ]
+    if not (frozen_groups and lora):
+        return groups
+    return groups + [
+        Group(n, e, math.ceil(e / pad_to[dom]) * pad_to[dom], 0, pi, dom, frozen=True)
+        for n, e, pi, dom in frozen_units(cfg, vocab, pp_rank)
+        if e
     ]
 
 

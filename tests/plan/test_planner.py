@@ -165,12 +165,21 @@ def test_moe_flat_groups_hold_each_domains_parameters(overrides, world):
             ),
             2,
         ),
+        (
+            (
+                "zero.params.shard_over=global",
+                "zero.grads.shard_over=global",
+                "zero.optim.shard_over=global",
+                "train.micro_batch_size=4",
+            ),
+            2,
+        ),
     ],
 )
 def test_lora_flat_groups_hold_the_adapters_and_the_rest_is_frozen(overrides, world):
     """With model.lora the groups are the adapters Strata builds (sharded as tensor parallelism
     shards them; an MoE layer's shared experts' in the routing domain) and the frozen elements the
-    rest of the rank's parameters."""
+    rest of the rank's parameters: under ZeRO-3 in frozen groups of their own, else in none."""
     lora = ("model.lora.rank=4", "model.lora.target_modules=[all-linear]")
     cfg = load(*lora, *overrides, "parallel.bucket_mb=1e-9", world=world)
     par = cfg.parallel
@@ -199,10 +208,14 @@ def test_lora_flat_groups_hold_the_adapters_and_the_rest_is_frozen(overrides, wo
                 domain = "routing" if ".mlp.shared." in name and par.tp > 1 else ""
                 adapters[domain] = adapters.get(domain, 0) + p.numel()
         got: dict[str, int] = {}
-        for g in flat_groups(cfg, layout, VOCAB, pp_rank):
-            got[g.domain] = got.get(g.domain, 0) + g.elements
+        groups = flat_groups(cfg, layout, VOCAB, pp_rank)
+        for g in groups:
+            if not g.frozen:
+                got[g.domain] = got.get(g.domain, 0) + g.elements
         assert got == adapters
         assert frozen_elements(cfg, VOCAB, pp_rank) == frozen
+        in_groups = sum(g.elements for g in groups if g.frozen)
+        assert in_groups == (frozen if cfg.zero.params.shard_over != "none" else 0)
 
 
 def test_zero_placements_hold_the_shares_zero_defines():

@@ -335,24 +335,28 @@ def test_a_peft_adapter_continues_training(hf_llama, small_data_dir, tmp_path):
         open_adapter(tmp_path / "adapter", cfg.model.lora.rank, 4.0)
 
 
-@pytest.mark.slow  # worlds of 2 processes running `strata train`
+ZERO3 = {
+    "zero.params.shard_over": "global",
+    "zero.grads.shard_over": "global",
+    "zero.optim.shard_over": "global",
+}
+
+
+@pytest.mark.slow  # worlds of 2 and 4 processes running `strata train`
 @pytest.mark.parametrize(
-    "layout",
+    ("nproc", "layout"),
     [
-        {"parallel.tp": 2},
-        {"parallel.tp": 2, "parallel.sequence_parallel": True},
-        {
-            "zero.params.shard_over": "global",
-            "zero.grads.shard_over": "global",
-            "zero.optim.shard_over": "global",
-        },
-        {"parallel.pp": 2},
-        {"parallel.cp": 2},
-        {"zero.optim.shard_over": "global", "offload.optim.device": "cpu"},
+        (2, {"parallel.tp": 2}),
+        (2, {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+        (2, ZERO3),
+        (4, {**ZERO3, "parallel.pp": 2, "zero.prefetch_blocks": 2}),
+        (2, {"parallel.pp": 2}),
+        (2, {"parallel.cp": 2}),
+        (2, {"zero.optim.shard_over": "global", "offload.optim.device": "cpu"}),
     ],
-    ids=["tp2", "tp2-sp", "zero3-dp2", "pp2", "cp2", "dp2-optim-offload"],
+    ids=["tp2", "tp2-sp", "zero3-dp2", "zero3-pp2-dp2", "pp2", "cp2", "dp2-optim-offload"],
 )
-def test_lora_in_parallel_matches_one_process(hf_llama, small_data_dir, tmp_path, layout):
+def test_lora_in_parallel_matches_one_process(hf_llama, small_data_dir, tmp_path, nproc, layout):
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("{}\n")
 
@@ -365,7 +369,7 @@ def test_lora_in_parallel_matches_one_process(hf_llama, small_data_dir, tmp_path
         ]
 
     train_world(overrides(tmp_path / "one"), 1, tmp_path / "one")
-    train_world(overrides(tmp_path / "par", **layout), 2, tmp_path / "par")
+    train_world(overrides(tmp_path / "par", **layout), nproc, tmp_path / "par")
     want = Checkpoint(store.step_dir(tmp_path / "one" / "t" / "checkpoints", 4))
     got = Checkpoint(store.step_dir(tmp_path / "par" / "t" / "checkpoints", 4))
     assert set(got.shapes("optim.state.")) == set(want.shapes("optim.state."))
