@@ -353,8 +353,23 @@ ZERO3 = {
         (2, {"parallel.pp": 2}),
         (2, {"parallel.cp": 2}),
         (2, {"zero.optim.shard_over": "global", "offload.optim.device": "cpu"}),
+        (2, {**ZERO3, "offload.params.device": "cpu", "offload.optim.device": "cpu"}),
+        (
+            4,
+            {**ZERO3, "zero.secondary_params.shard_over": "node", "parallel.ranks_per_node": 2},
+        ),
     ],
-    ids=["tp2", "tp2-sp", "zero3-dp2", "zero3-pp2-dp2", "pp2", "cp2", "dp2-optim-offload"],
+    ids=[
+        "tp2",
+        "tp2-sp",
+        "zero3-dp2",
+        "zero3-pp2-dp2",
+        "pp2",
+        "cp2",
+        "dp2-optim-offload",
+        "zero3-dp2-params-offload",
+        "hpz-dp4-two-nodes",
+    ],
 )
 def test_lora_in_parallel_matches_one_process(hf_llama, small_data_dir, tmp_path, nproc, layout):
     experiment = tmp_path / "experiment.yaml"
@@ -369,7 +384,8 @@ def test_lora_in_parallel_matches_one_process(hf_llama, small_data_dir, tmp_path
         ]
 
     train_world(overrides(tmp_path / "one"), 1, tmp_path / "one")
-    train_world(overrides(tmp_path / "par", **layout), nproc, tmp_path / "par")
+    output = train_world(overrides(tmp_path / "par", **layout), nproc, tmp_path / "par")
+    assert f"M trained), world {nproc} " in output
     want = Checkpoint(store.step_dir(tmp_path / "one" / "t" / "checkpoints", 4))
     got = Checkpoint(store.step_dir(tmp_path / "par" / "t" / "checkpoints", 4))
     assert set(got.shapes("optim.state.")) == set(want.shapes("optim.state."))
