@@ -14,6 +14,7 @@ groups, so every layout trains through the same step path.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -335,6 +336,10 @@ def parallelize(
     in the order of the module docstring. Each rank allocates and initialises only its own slices,
     with the values one process would give them (`initial_value` depends on the parameter's name,
     not on the layout)."""
+    # What draws from torch's own generator in training (LoRA's dropout) draws what train.seed and
+    # the rank say, so equal seeds give equal runs; a resume puts the saved state back.
+    digest = hashlib.sha256(f"{cfg.train.seed}/rank{topo.rank}".encode()).digest()
+    torch.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     with torch.device("meta"):
         model = GPT(cfg.model, padded_vocab_size(cfg.model, data_vocab_size))
         apply_lora(model, cfg.model.lora)

@@ -259,6 +259,26 @@ def test_a_lora_run_resumes_bit_identically(hf_llama, small_data_dir, tmp_path):
         assert torch.equal(got[key], value), key
 
 
+@pytest.mark.slow  # two runs
+def test_recomputed_blocks_draw_the_same_adapter_dropout(hf_llama, small_data_dir, tmp_path):
+    """activations.recompute=full runs each block's forward again in backward: the adapters'
+    dropout masks must be the ones of the first forward, so the run trains what it does without."""
+    settings = {"model.lora.dropout": 0.2}
+    plain = run(_lora_config(hf_llama, small_data_dir, tmp_path / "plain", **settings), start())
+    recomputed_cfg = _lora_config(
+        hf_llama,
+        small_data_dir,
+        tmp_path / "recomputed",
+        **settings,
+        **{"activations.recompute": "full"},
+    )
+    recomputed = run(recomputed_cfg, start())
+    assert recomputed.losses == plain.losses
+    # and equal seeds give equal runs, dropout included
+    again = run(_lora_config(hf_llama, small_data_dir, tmp_path / "again", **settings), start())
+    assert again.losses == plain.losses
+
+
 @pytest.mark.slow  # two runs of `strata ckpt export` in this process, transformers and PEFT loading
 def test_exports_load_in_transformers_and_peft(hf_llama, small_data_dir, tmp_path, capsys):
     cfg = _lora_config(hf_llama, small_data_dir, tmp_path / "run")
