@@ -3,7 +3,8 @@ parallelism, ZeRO partitioning, memory tiers and resharding checkpoints.
 
 This folder is the package `strata`; its own modules are the base every other layer stands on and
 that imports nothing of Strata's: `errors` (user errors), `config` (the experiment schema and its
-checks), `hf` (Hugging Face config.json and tensor names), `model` (the plain transformer), `moe`
+checks), `hf` (Hugging Face config.json and tensor names), `model` (the plain transformer), `lora`
+(low-rank adapters on it and which parameters train), `moe`
 (its Mixture-of-Experts feed-forward), `rope` (rotary positions and their scalings), `kv_cache`
 (the keys and values decoding keeps), `atomic` (atomic file writes), `net` (a free port) and
 `runlock` (one writer per run directory). The layers above are `strata.parallel`, then

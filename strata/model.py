@@ -280,10 +280,11 @@ def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int
     """The initial value of parameter `name` (its whole, unsharded tensor): normal(0, init_std)
     for matrices, with residual output projections (wo, w2) scaled by 1/sqrt(2·n_layers) as in
     GPT-2/Megatron; biases to zero; norms to one; an MoE layer's experts (stacked 3-D weights) like
-    the dense layer's. Each parameter draws from its own generator, seeded by the run
-    seed and its name, so any rank can build any parameter (or slice) without the others — the
-    value never depends on which parameters a rank holds."""
-    if name.endswith(".bias"):
+    the dense layer's; LoRA adapters as PEFT's (A uniform in ±1/√fan_in, B zero). Each parameter
+    draws from its own generator, seeded by the run seed and its name, so any rank can build any
+    parameter (or slice) without the others — the value never depends on which parameters a rank
+    holds."""
+    if name.endswith((".bias", ".lora_B.weight")):  # an adapter starts at zero: the base model
         return torch.zeros(shape)
     if len(shape) == 1:
         return torch.ones(shape)
@@ -291,6 +292,9 @@ def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int
         name = "tok_embeddings.weight"  # one tensor under two names
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    if name.endswith(".lora_A.weight"):  # PEFT's kaiming_uniform_(a=√5): U(±1/√fan_in)
+        bound = 1 / math.sqrt(shape[-1])
+        return torch.rand(shape, generator=gen, dtype=torch.float32).mul_(2 * bound).sub_(bound)
     scaled = name.endswith(
         ("attn.wo.weight", "mlp.w2.weight", "mlp.experts.w2", "mlp.shared.w2.weight")
     )

@@ -81,6 +81,7 @@ MOE = {
     "aux_loss_coef": 0.01,
     "capacity_factor": 1.0,
 }
+LORA = {"rank": 8, "alpha": 16, "target_modules": ["all-linear"]}
 NVME = "{nvme}"  # replaced by a scratch directory of the rank's run
 
 # name -> overrides of BASE (nested like the YAML file)
@@ -152,6 +153,12 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "parallel": {"cp": 2},
         "zero": {"params": G, "grads": G, "optim": G, "prefetch_blocks": 1},
     },
+    # LoRA: the frozen base whole on every rank, the adapters alone in the flat groups
+    "lora-zero3": {
+        "model": {"lora": LORA},
+        "zero": {"params": G, "grads": G, "optim": G, "prefetch_blocks": 1},
+    },
+    "lora-tp2-sp": {"model": {"lora": LORA}, "parallel": {"tp": 2, "sequence_parallel": True}},
 }
 
 KINDS = ("params", "grads", "optim", "gathered", "buckets", "activations", "pool", "staging")

@@ -2,7 +2,9 @@
 writes the whole model's weights (global names and shapes, as a plain `strata.model.GPT`'s
 state_dict) into one safetensors file, atomically, with the checkpoint's config beside it;
 `--format hf` writes a Hugging Face model directory (config.json, sharded safetensors with their
-index, the tokenizer) that transformers' `from_pretrained` loads with no Strata code.
+index, the tokenizer) that transformers' `from_pretrained` loads with no Strata code, a LoRA run's
+adapters merged into their weights; `--format peft` writes a LoRA run's adapters alone as a PEFT
+adapter directory, for `peft.PeftModel.from_pretrained` on the base model.
 
 Export writes only the two files its OUT names (OUT.safetensors and OUT.config.yaml, or
 OUT/model.safetensors and OUT/config.yaml), replaces them only when asked to, never writes into a
@@ -32,7 +34,7 @@ from strata.errors import CheckpointError
 from strata.hf import config_json, tensor_names
 from strata.parallel.flat import Box
 
-FORMATS = ("safetensors", "hf")
+FORMATS = ("safetensors", "hf", "peft")
 # per safetensors shard of an hf export (transformers' save_pretrained: 5 GB)
 SHARD_BYTES = 2 * 2**30
 # What an hf export writes: an --overwrite replaces a directory holding nothing else.
@@ -126,9 +128,11 @@ def export(
     the schema); `force` and `note` are the Hugging Face export's (`export_hf`)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; supported: {', '.join(FORMATS)}")
-    if fmt == "hf":
+    if fmt in ("hf", "peft"):
         if read_config is None:
-            raise ValueError("export to the hf format needs read_config")
+            raise ValueError(f"export to the {fmt} format needs read_config")
+        if fmt == "peft":
+            return export_peft(Path(path), Path(out), read_config, overwrite)
         return export_hf(Path(path), Path(out), read_config, overwrite, force, note)
     weights, config = outputs(Path(out))
     check_destination(weights, config, overwrite)
@@ -195,8 +199,9 @@ def export_hf(
         dtype_of = {o.strata: torch_dtype(dtypes[f"model.{o.strata}"]) for o in outputs}
         shards = _shards(outputs, shapes, dtype_of)
         _refuse_what_this_export_does_not_write(out, _hf_outputs(len(shards), metadata.files))
+        merge = Merge(adapters_of(shapes), cfg.model.lora.scale if cfg.model.lora.enabled else 0)
         with atomic_directory(out) as tmp:
-            _write_weights(ckpt, tmp, shards, shapes, dtype_of)
+            _write_weights(ckpt, tmp, shards, shapes, dtype_of, merge)
             (tmp / "config.json").write_text(json.dumps(metadata.config, indent=2) + "\n")
             for name, data in metadata.files.items():
                 (tmp / name).write_bytes(data)
@@ -207,15 +212,122 @@ def export_hf(
     return out, out / "config.json"
 
 
+@dataclass(frozen=True)
+class Merge:
+    """LoRA adapters to fold into the weights they sit on ({weight: (its A, its B)}), and
+    alpha/rank."""
+
+    adapters: dict[str, tuple[str, str]]
+    scale: float
+
+    def apply(self, ckpt: Checkpoint, name: str, weight: torch.Tensor) -> None:
+        """W + (B·A)·scale in place of the weight `name` (as PEFT's merge_and_unload computes it),
+        when an adapter sits on it."""
+        if name not in self.adapters:
+            return
+        tensors = ckpt.index["tensors"]
+        a, b = (
+            whole_piece(
+                f"model.{n}",
+                torch.empty(
+                    tensors[f"model.{n}"]["shape"],
+                    dtype=torch_dtype(tensors[f"model.{n}"]["dtype"]),
+                ),
+            )
+            for n in self.adapters[name]
+        )
+        problems = ckpt.read([a, b])
+        if problems:
+            raise CheckpointError(
+                f"{ckpt.path} is damaged; nothing was exported:\n  " + "\n  ".join(problems)
+            )
+        delta = (b.tensor.float() @ a.tensor.float()) * self.scale
+        weight.copy_((weight.float() + delta).to(weight.dtype))
+
+
+def adapters_of(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, str]]:
+    """{weight name: (its lora_A, its lora_B)} of every adapted layer among a checkpoint's
+    tensors."""
+    out = {}
+    for name in shapes:
+        if name.endswith(".lora_A.weight"):
+            stem = name.removesuffix(".lora_A.weight")
+            out[f"{stem}.weight"] = (name, f"{stem}.lora_B.weight")
+    return out
+
+
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def export_peft(
+    path: Path, out: Path, read_config: Callable[[bytes], Config], overwrite: bool = False
+) -> tuple[Path, Path]:
+    """Write the LoRA adapters of the checkpoint at `path` as a PEFT adapter directory `out`
+    (adapter_config.json, adapter_model.safetensors under PEFT's names), which
+    `peft.PeftModel.from_pretrained` loads onto the base model the run started from (the Hugging
+    Face model of model.init_from): the base weights do not change in a LoRA run, so base and
+    adapter compute what the run's model does. Returns (out, its adapter_config.json)."""
+    out = Path(out)
+    _check_hf_destination(out, overwrite, PEFT_FILES)
+    ckpt = Checkpoint(path)
+    try:
+        cfg = read_config(verified_config(ckpt))
+        shapes = ckpt.shapes("model.")
+        lora = cfg.model.lora
+        names = sorted(n for n in shapes if n.endswith((".lora_A.weight", ".lora_B.weight")))
+        if not lora.enabled or not names:
+            raise CheckpointError(
+                f"strata ckpt export --format peft: {ckpt.path} holds no LoRA adapters (its "
+                "model.lora.rank is 0); export the whole model with --format hf"
+            )
+        embedding = shapes["tok_embeddings.weight"]
+        config_json.hf_config(cfg.model, embedding[0])  # refuses what no family expresses
+        pieces = [
+            whole_piece(f"model.{n}", torch.empty(shapes[n], dtype=torch.float32)) for n in names
+        ]
+        problems = ckpt.read(pieces)
+        if problems:
+            raise CheckpointError(
+                f"{ckpt.path} is damaged; nothing was exported:\n  " + "\n  ".join(problems)
+            )
+    finally:
+        ckpt.close()
+    tensors = {tensor_names.to_peft(n): p.tensor for n, p in zip(names, pieces)}
+    kinds = {tensor_names.to_hf(n.rsplit(".", 2)[0] + ".weight").split(".")[-2] for n in names}
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": cfg.model.init_from,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(kinds),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    with atomic_directory(out) as tmp:
+        (tmp / "adapter_model.safetensors").write_bytes(
+            safetensors_bytes(tensors, metadata={"format": "pt"})
+        )
+        (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+    return out, out / "adapter_config.json"
+
+
 def _write_weights(
     ckpt: Checkpoint,
     tmp: Path,
     shards: list[list[_Output]],
     shapes: dict[str, tuple[int, ...]],
     dtype_of: dict[str, torch.dtype],
+    merge: Merge,
 ) -> None:
-    """Each shard's tensors, read from `ckpt` one shard at a time, as its safetensors file in `tmp`,
-    with model.safetensors.index.json where there is more than one."""
+    """Each shard's tensors, read from `ckpt` one shard at a time (LoRA adapters merged into their
+    weights), as its safetensors file in `tmp`, with model.safetensors.index.json where there is
+    more than one."""
     weight_map = {}
     for i, shard in enumerate(shards):
         file = _weights_file(i, len(shards))
@@ -225,6 +337,9 @@ def _write_weights(
             raise CheckpointError(
                 f"{ckpt.path} is damaged; nothing was exported:\n  " + "\n  ".join(problems)
             )
+        for o, p in zip(shard, pieces):
+            if o.row is None:
+                merge.apply(ckpt, o.strata, p.tensor)
         tensors = {o.hf: p.tensor if o.row is None else p.tensor[0] for o, p in zip(shard, pieces)}
         (tmp / file).write_bytes(safetensors_bytes(tensors, metadata={"format": "pt"}))
         weight_map.update(dict.fromkeys(tensors, file))
@@ -261,9 +376,10 @@ def _refuse_what_this_export_does_not_write(out: Path, writes: set[str]) -> None
         )
 
 
-def _check_hf_destination(out: Path, overwrite: bool) -> None:
+def _check_hf_destination(out: Path, overwrite: bool, files: tuple[str, ...] = ()) -> None:
     """OUT must be a new or empty directory outside any checkpoint, or, with --overwrite, an
-    earlier export holding only the files an export writes (nothing else of the user's is lost)."""
+    earlier export holding only the files an export writes (nothing else of the user's is lost):
+    `files`, a PEFT export's, else a Hugging Face export's."""
     if out.exists() and not out.is_dir():
         raise CheckpointError(
             f"strata ckpt export --format hf: OUT {str(out)!r} is a file; give a directory"
@@ -280,7 +396,9 @@ def _check_hf_destination(out: Path, overwrite: bool) -> None:
             f"strata ckpt export: {str(out)!r} is not empty; give a new directory, or pass "
             "--overwrite to replace an earlier export there"
         )
-    foreign = [name for name in present if not HF_FILES.fullmatch(name)]
+    foreign = [
+        name for name in present if not (name in files if files else HF_FILES.fullmatch(name))
+    ]
     if foreign:
         raise CheckpointError(
             f"strata ckpt export: {str(out)!r} holds files an export does not write "

@@ -139,6 +139,65 @@ def open_weights(directory: Path, model_cfg: ModelShape) -> Checkpoint:
     return Checkpoint.foreign(directory, {"tensors": tensors, "objects": {}}, sizes)
 
 
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+PATTERNS = ("rank_pattern", "alpha_pattern")  # PEFT's per-layer ranks and alphas
+
+
+def open_adapter(directory: Path, rank: int, alpha: float) -> Checkpoint:
+    """A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) as a
+    read-only checkpoint of `model.<Strata name>` adapter tensors (`tensor_names.from_peft`),
+    after checking that its adapters compute what this run's do: LoRA, rank `rank`, alpha `alpha`,
+    PEFT's plain scaling (no rsLoRA, no DoRA), no trained biases, and every tensor one Strata has
+    a place for. Which adapters it holds, and their shapes, the loader checks against the model."""
+    directory = Path(directory)
+    try:
+        adapter = json.loads((directory / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        assert isinstance(adapter, dict)
+    except (OSError, UnicodeDecodeError, ValueError, AssertionError) as e:
+        raise CheckpointError(
+            f"model.lora.init_from: {directory / ADAPTER_CONFIG} is not a PEFT adapter config ({e})"
+        ) from e
+    want = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "use_rslora": False,
+        "use_dora": False,
+        "bias": "none",
+        "fan_in_fan_out": False,
+    }
+    differ = [
+        f"{k}: {adapter.get(k)!r} (this run: {v!r})"
+        for k, v in want.items()
+        if adapter.get(k, v if k not in ("peft_type", "r", "lora_alpha") else None) != v
+    ]
+    differ += [f"{k}: {adapter[k]!r} (per-layer values)" for k in PATTERNS if adapter.get(k)]
+    if differ:
+        raise CheckpointError(
+            f"model.lora.init_from: {directory / ADAPTER_CONFIG} describes other adapters than "
+            f"model.lora's: {'; '.join(differ)}; set model.lora.rank and model.lora.alpha to the "
+            "adapter's r and lora_alpha (rsLoRA, DoRA, trained biases, fan_in_fan_out and "
+            "per-layer ranks are not Strata's LoRA)"
+        )
+    path = directory / ADAPTER_FILE
+    entries, start = header(path)
+    sizes = {ADAPTER_FILE: path.stat().st_size}
+    found = {name: (ADAPTER_FILE, entry, start) for name, entry in entries.items()}
+    foreign = [n for n in found if tensor_names.from_peft(n) is None]
+    if foreign:
+        raise CheckpointError(
+            f"model.lora.init_from: {path} holds tensors that are no LoRA adapter of a layer "
+            f"Strata's model has: {listed(foreign)}"
+        )
+    tensors = {}
+    for name in found:
+        dtype, shape, chunk = _chunk(directory, name, found, sizes)
+        strata_name = tensor_names.from_peft(name)
+        tensors[f"model.{strata_name}"] = {"shape": shape, "dtype": dtype, "chunks": [chunk]}
+    return Checkpoint.foreign(directory, {"tensors": tensors, "objects": {}}, sizes)
+
+
 def _untied_head(
     directory: Path, found: dict[str, tuple[str, dict, int]], model_cfg: ModelShape
 ) -> str | None:

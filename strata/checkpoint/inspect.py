@@ -103,6 +103,7 @@ def model_shape_problems(
 ) -> list[str]:
     """Each model tensor whose saved shape is not the one config.yaml's model gives it, and each the
     model has that the checkpoint lacks (the vocabulary is the saved embedding's)."""
+    from strata.lora import apply_lora
     from strata.model import GPT
 
     try:
@@ -120,6 +121,7 @@ def model_shape_problems(
         return []  # no model in it (an optimizer-only save): nothing to hold against the config
     with torch.device("meta"):
         model = GPT(cfg.model, embedding[0])
+        apply_lora(model, cfg.model.lora)
     problems = []
     for name, t in model.state_dict().items():
         have = saved.get(f"model.{name}")

@@ -95,8 +95,13 @@ def state_pieces(
 
 def model_pieces(engine: ZeroEngine, canonical: dict[str, str]) -> list[Piece]:
     """This rank's parameters: the slices of its flat parameter shards (never gathered; whole
-    tp-local tensors when parameters are not partitioned)."""
+    tp-local tensors when parameters are not partitioned), and its frozen parameters (whole
+    tp-local tensors)."""
     out = []
+    for name, p in engine.frozen:
+        placement = placement_of(p)
+        box = placement.box(tuple(p.shape))
+        out.append(Piece(f"model.{canonical[name]}", placement.global_shape, box, p.data))
     for g in engine.groups:
         lo, hi = g.param_start, g.param_start + g.shard.numel()
         for slot in g.slots:
@@ -195,6 +200,7 @@ class CachedPieces:
         rebuilding raises optimizer_pieces' error about it)."""
         kinds: list[tuple[str, ...]] = []
         tensors: list = [g.shard for g in self._groups]
+        tensors += [p for _, p in self._owners[0].frozen]
         state = optimizer.state
         for param, *_ in self._entries:
             entry = state.get(param)

@@ -32,8 +32,10 @@ from strata.config.vocabulary import (
     expert_layout_problems,
     experts_split_problem,
     ffn_split_problem,
+    freeze_pattern_problem,
     heads_split_problem,
     layout_problems,
+    lora_target_kinds,
     moe_tensor_parallel_problem,
     offload_devices,
     pool_streams,
@@ -54,6 +56,7 @@ def cross_problems(
         *_value_checks(cfg),
         *_data_checks(cfg.data),
         *_model_checks(m),
+        *_lora_checks(cfg),
         *_split_checks(m, par),
         *_switch_checks(par, tr),
         *_schedule_checks(par),
@@ -91,6 +94,16 @@ def start_up_warnings(cfg: Config) -> list[str]:
             f"the warm-up is cut short to the {cfg.train.steps} steps (the learning rate reaches "
             "optim.lr at the last step and never decays); lower optim.warmup_steps or train longer"
         )
+    lora, moe = cfg.model.lora, cfg.model.moe
+    feed_forward = {"gate_proj", "up_proj", "down_proj"} & set(
+        lora_target_kinds(lora.target_modules)
+    )
+    if lora.enabled and moe.enabled and feed_forward:
+        w.append(
+            f"model.lora.target_modules names {', '.join(sorted(feed_forward))}: in the MoE layers "
+            "only the shared experts get adapters, the routed experts none yet (they stay frozen); "
+            "the dense layers' feed-forward gets them as named"
+        )
     default_fraction = DataConfig().val_fraction
     if (cfg.data.path or cfg.data.sources) and cfg.data.val_fraction != default_fraction:
         w.append(
@@ -104,6 +117,7 @@ def start_up_warnings(cfg: Config) -> list[str]:
 
 PATH_KEYS = (
     "model.init_from",
+    "model.lora.init_from",
     "data.path",
     "data.cache_dir",
     "offload.nvme_path",
@@ -245,6 +259,24 @@ def _model_checks(m: ModelConfig) -> list[str]:
         p.append(
             f"model.rope_beta_fast={m.rope_beta_fast:g} must exceed "
             f"model.rope_beta_slow={m.rope_beta_slow:g} (yarn RoPE scaling ramps between them)"
+        )
+    return p
+
+
+def _lora_checks(cfg: Config) -> list[str]:
+    """train.freeze's items; what adapters (model.lora) do not run with yet."""
+    p = [problem for item in cfg.train.freeze if (problem := freeze_pattern_problem(item))]
+    lora = cfg.model.lora
+    if lora.init_from is not None and not (lora.enabled and cfg.model.init_from):
+        p.append(
+            "model.lora.init_from loads adapters onto a base model: set model.lora.rank (and the "
+            "adapter's alpha and target_modules) and model.init_from (the base model)"
+        )
+    if cfg.model.lora.enabled and cfg.train.precision == "fp8":
+        p.append(
+            "model.lora with train.precision=fp8: float8 training replaces the linear layers the "
+            "adapters sit on; use train.precision=bf16 (the frozen base weights gain nothing from "
+            "float8's master weights), or model.lora.rank: 0"
         )
     return p
 

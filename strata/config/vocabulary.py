@@ -11,8 +11,10 @@ read of a config is stated as protocols (`ParallelShape`, ...), which the schema
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import math
+import re
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -481,4 +483,68 @@ def snapshot_nodes_problem(snap: SnapshotShape, nodes: int) -> str | None:
         f"but this job has {nodes}; set snapshot.m={max(nodes - snap.k, 0)} (m=0: local "
         "snapshots, which survive "
         "worker crashes but not the loss of a node)"
+    )
+
+
+# --- LoRA targets and frozen parameters (model.lora, train.freeze) ------------------------------
+# PEFT's names of a Llama block's linear layers -> Strata's module inside block N (`layers.N.`). A
+# name also covers an MoE layer's shared experts' projection of that kind.
+LORA_TARGETS = {
+    "q_proj": "attn.wq",
+    "k_proj": "attn.wk",
+    "v_proj": "attn.wv",
+    "o_proj": "attn.wo",
+    "gate_proj": "mlp.w1",
+    "up_proj": "mlp.w3",
+    "down_proj": "mlp.w2",
+}
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output layer
+
+
+def lora_target_kinds(target_modules: Iterable[str]) -> list[str]:
+    """PEFT's module names a `model.lora.target_modules` list stands for, in LORA_TARGETS' order
+    (`all-linear`: all of them)."""
+    names = set(target_modules)
+    return [n for n in LORA_TARGETS if n in names or ALL_LINEAR in names]
+
+
+FREEZE_ALIASES = {
+    "embeddings": ("tok_embeddings.weight",),
+    "output": ("output.weight",),
+    "norms": ("*norm.weight",),
+}
+_LAYER_RANGE = re.compile(r"layers\.(\d+)-(\d+)((?:\..+)?)")
+
+
+def freeze_pattern_problem(pattern: str) -> str | None:
+    """Why a `train.freeze` item can name no parameter (empty, a reversed layer range), or None."""
+    if not pattern.strip():
+        return "train.freeze: an empty item names nothing; remove it"
+    rng = _LAYER_RANGE.fullmatch(pattern)
+    if rng and int(rng[1]) > int(rng[2]):
+        return (
+            f"train.freeze: {pattern!r} is a reversed layer range; give layers.FIRST-LAST with "
+            f"FIRST <= LAST, e.g. layers.{rng[2]}-{rng[1]}{rng[3]}"
+        )
+    return None
+
+
+def _expand(pattern: str) -> tuple[str, ...]:
+    """A `train.freeze` item as globs over parameter names: aliases and layer ranges expanded."""
+    if pattern in FREEZE_ALIASES:
+        return FREEZE_ALIASES[pattern]
+    rng = _LAYER_RANGE.fullmatch(pattern)
+    if rng:
+        return tuple(f"layers.{i}{rng[3]}" for i in range(int(rng[1]), int(rng[2]) + 1))
+    return (pattern,)
+
+
+def frozen_by(pattern: str, name: str) -> bool:
+    """Whether `train.freeze` item `pattern` names the parameter `name` (Strata's state_dict name,
+    `layers.3.attn.wq.weight`): an alias (embeddings, output, norms), the name itself or a module
+    above it (`layers.3`, `layers.3.attn`), a layer range (`layers.0-7`, `layers.0-7.mlp`) or a
+    glob of either (`layers.*.attn_norm.weight`, `layers.*.attn`)."""
+    return any(
+        fnmatch.fnmatchcase(name, glob) or fnmatch.fnmatchcase(name, glob + ".*")
+        for glob in _expand(pattern)
     )

@@ -10,7 +10,8 @@ The package, from the bottom up (each module imports only those below it):
   (`unsupported`, `model_settings`, `conflicts`, `rope_parameters`), and the config.json for
   export (`hf_config`);
 - `tensor_names`: state_dict names both ways (`to_hf`, `to_strata`, `hf_sources`, `hf_targets`,
-  `expert_names`, `unused`, `missing`);
+  `expert_names`, `unused`, `missing`; a LoRA adapter's tensors as PEFT names them: `to_peft`,
+  `from_peft`);
 - `byte_tokenizer`: the tokenizer.json that spells Strata's byte-level tokens, for an export.
 
 Code imports the module it needs; the names below are re-exported for `from strata.hf import X`.
@@ -28,11 +29,13 @@ from strata.hf.config_json import (
 from strata.hf.shape import ModelShape, MoEShape, moe_family
 from strata.hf.tensor_names import (
     expert_names,
+    from_peft,
     hf_sources,
     hf_targets,
     missing,
     strata_names,
     to_hf,
+    to_peft,
     to_strata,
     unused,
 )
@@ -44,6 +47,7 @@ __all__ = [
     "MoEShape",
     "conflicts",
     "expert_names",
+    "from_peft",
     "hf_config",
     "hf_sources",
     "hf_targets",
@@ -53,6 +57,7 @@ __all__ = [
     "rope_parameters",
     "strata_names",
     "to_hf",
+    "to_peft",
     "to_strata",
     "unsupported",
     "unused",

@@ -1,8 +1,9 @@
 """Tensor names both ways: Strata's GPT state_dict keys <-> a Hugging Face checkpoint's, for import
 (`hf_sources`, with `unused` and `missing` to refuse a checkpoint that does not fit) and export
 (`hf_targets`). An MoE model's experts are separate tensors per expert in a Hugging Face checkpoint
-and rows of one stacked tensor in Strata's (`expert_names` pairs them). Strata's attention uses the
-rotate-half RoPE layout of the supported families, so q/k weights map one to one, without
+and rows of one stacked tensor in Strata's (`expert_names` pairs them). A LoRA adapter's tensors
+are named as PEFT names them in an adapter directory (`to_peft`, `from_peft`). Strata's attention
+uses the rotate-half RoPE layout of the supported families, so q/k weights map one to one, without
 permutation.
 """
 
@@ -165,3 +166,32 @@ def missing(hf_names: Iterable[str], model_cfg: ModelShape) -> list[str]:
         *(n for rows in expert_names(model_cfg).values() for n in rows),
     ]
     return sorted({name for name in needed if name not in have})
+
+
+# PEFT's key of an adapter tensor: the base model's module path under `base_model.model.`, then the
+# adapter's part (lora_A, lora_B) and `.weight` (the adapter's own name, "default", left out).
+PEFT_PREFIX = "base_model.model."
+_ADAPTER = re.compile(r"(.+)\.(lora_[AB])\.weight")
+
+
+def to_peft(strata_name: str) -> str:
+    """PEFT's key of an adapter tensor of Strata's GPT (`layers.3.attn.wq.lora_A.weight` ->
+    `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`). Raises ValueError for a
+    name that is no adapter of a layer Hugging Face's model has."""
+    match = _ADAPTER.fullmatch(strata_name)
+    if not match:
+        raise ValueError(f"{strata_name!r} is not a LoRA adapter tensor of Strata's GPT")
+    base = to_hf(f"{match[1]}.weight").removesuffix(".weight")
+    return f"{PEFT_PREFIX}{base}.{match[2]}.weight"
+
+
+def from_peft(peft_name: str) -> str | None:
+    """Strata's name of a tensor in a PEFT adapter file, or None when Strata's GPT has no such
+    adapter (its module is not one of the GPT's, or it is not a LoRA A or B)."""
+    match = _ADAPTER.fullmatch(peft_name.removeprefix(PEFT_PREFIX))
+    if not match or not peft_name.startswith(PEFT_PREFIX):
+        return None
+    base = to_strata(f"{match[1]}.weight")
+    if base is None or not base.startswith("layers."):  # adapters sit in the blocks only
+        return None
+    return f"{base.removesuffix('.weight')}.{match[2]}.weight"

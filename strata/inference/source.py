@@ -4,7 +4,8 @@ wrote alone (its config given with --config); with the tokenizer it was trained 
 that end a generation.
 
 The weights are read straight into a plain `strata.model.GPT`'s tensors through the readers every
-resume uses (`Checkpoint`, `hf_weights.open_weights`, `DcpCheckpoint`), checked as they are read.
+resume uses (`Checkpoint`, `hf_weights.open_weights`, `DcpCheckpoint`), checked as they are read; a
+LoRA run's adapters are merged into their weights.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from strata.checkpoint.pieces import whole_piece
 from strata.config import Config
 from strata.data.tokenize import ByteTokenizer, load_file_tokenizer
 from strata.errors import CheckpointError, DataError, StrataError
+from strata.lora import apply_lora, is_adapter, merge_adapters
 from strata.model import GPT
 from strata.rope import rope_tables
 
@@ -186,6 +188,8 @@ def _read_into_model(source, cfg: Config, dtype: torch.dtype, what: str) -> GPT:
         )
     with torch.device("meta"):
         model = GPT(cfg.model, embedding[0])
+        if any(is_adapter(n) for n in shapes):  # a LoRA run's: merged once read
+            apply_lora(model, cfg.model.lora)
     model = model.to_empty(device="cpu")
     state = model.state_dict()
     missing = [f"model.{n}" for n in state if n not in shapes]
@@ -199,6 +203,7 @@ def _read_into_model(source, cfg: Config, dtype: torch.dtype, what: str) -> GPT:
         source.close()
     if problems:
         raise CheckpointError(f"{what} is damaged:\n  " + "\n  ".join(problems))
+    merge_adapters(model)
     cos, sin = rope_tables(cfg.model)
     model.rope_cos, model.rope_sin = cos, sin
     return model.to(dtype).eval()

@@ -110,8 +110,11 @@ class FlatGroup:
         aliases: dict[int, list[str]],
         tied_copy: bool = False,
         sync_level: str = "global",
+        frozen: bool = False,
     ):
         self.name, self.plan, self.routes, self.tied_copy = name, plan, routes, tied_copy
+        # parameters that do not train (ZeRO-3): partitioned, gathered and freed, nothing else
+        self.frozen = frozen
         # how far gradients are summed: every dp rank, or the node's (CO2)
         self.sync_level = sync_level
         self.slots, numel = _slots(named_params, aliases)
@@ -135,7 +138,7 @@ class FlatGroup:
         # zeroes what is left before anything reads the buffer.
         self._unwritten: set[int] = set()
         self.grad_shard: torch.Tensor | None = None
-        if plan.grads != "none":
+        if plan.grads != "none" and not frozen:
             self.grad_shard = self.full.new_zeros(routes.span(plan.grads, self.padded)[1])
         self.waiting = len(self.slots)  # gradients still to arrive in this micro-batch's backward
         # Overlapped reduction (`expect_backwards`): backward passes this group sees per step, those
@@ -148,6 +151,8 @@ class FlatGroup:
         self.partial: Reduction | None = None
         self.reduction: Reduction | None = None
         self.optim_start, self.optim_size = routes.span(plan.optim, self.padded)
+        if frozen:
+            self.optim_size = 0  # no optimizer segments, no optimizer state
         self.segments = self._optimizer_segments()
         self.reduced: torch.Tensor | None = None
         # offload.params.ParamTier when the shard lives in host memory or on NVMe
@@ -422,7 +427,7 @@ class FlatGroup:
     def rebuild(self) -> None:
         """All-gather the stepped optimizer chunks back into the `params` partition; the hpZ
         copy is stale from here until the next forward gathers."""
-        if self.plan.optim != self.plan.params:
+        if self.plan.optim != self.plan.params and not self.frozen:
             lo = self.optim_start - self.param_start
             self.routes.gather(
                 self.shard[lo : lo + self.optim_size],

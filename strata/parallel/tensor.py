@@ -36,6 +36,7 @@ from torch import nn
 
 from strata.config.vocabulary import tensor_split_problems
 from strata.errors import ConfigError
+from strata.lora import adapter_of, attach
 from strata.model import GPT, IGNORE_INDEX, Block, RMSNorm, SwiGLU
 from strata.moe import MoE
 from strata.parallel import comm
@@ -326,6 +327,62 @@ class TensorParallelHeadNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
 
+class AdapterLinear(nn.Module):
+    """One half of a LoRA adapter (`strata.lora`) on a tensor-parallel layer, keeping the plain
+    half's `weight` name. Of a column-parallel layer: A whole, and B split by output rows as the
+    layer's weight is (the product lands on this rank's outputs). Of a row-parallel layer: A split
+    by input columns as the layer's weight is, its partial products summed over tp (`reduce`: an
+    all-reduce of the rank-r activations, or with sequence parallelism a reduce-scatter along the
+    sequence, as the layer sums its own), and B whole.
+
+    A whole A of a column-parallel layer sees only this rank's share of its output's gradient, so
+    its gradient is a partial sum: the weight goes through `_CopyToGroup` (its backward all-reduces
+    that gradient over tp, as `TensorParallelHeadNorm`'s does); so does a whole B under sequence
+    parallelism, which sees only this rank's positions."""
+
+    def __init__(
+        self,
+        half: nn.Module,
+        group,
+        rank: int,
+        size: int,
+        shard_dim: int | None,
+        reduce: _SequenceDirection | type[_ReduceFromGroup] | None = None,
+        partial_grad: bool = False,
+    ):
+        super().__init__()
+        self.group, self.reduce, self.partial_grad = group, reduce, partial_grad
+        weight = half.weight
+        assert isinstance(weight, torch.Tensor)
+        self.weight = (
+            weight if shard_dim is None else _shard_parameter(weight, shard_dim, rank, size)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x times this half's weight (transposed), summed over tp where `reduce` says."""
+        weight = _CopyToGroup.apply(self.weight, self.group) if self.partial_grad else self.weight
+        y = F.linear(x, weight)
+        return y if self.reduce is None else self.reduce.apply(y, self.group)
+
+
+def _carry_adapter(
+    plain: nn.Module, sharded: nn.Module, group, rank: int, size: int, column: bool, sp: bool
+) -> None:
+    """The plain layer's adapter, if any, on its tensor-parallel counterpart (`AdapterLinear`)."""
+    adapter = adapter_of(plain)
+    if adapter is None:
+        return
+    a, b, dropout, scale = adapter
+    if column:
+        lora_A = AdapterLinear(a, group, rank, size, None, partial_grad=True)
+        lora_B = AdapterLinear(b, group, rank, size, 0)
+    else:
+        reduce = _ReduceScatterToSequence if sp else _ReduceFromGroup
+        lora_A = AdapterLinear(a, group, rank, size, 1, reduce=reduce)
+        lora_B = AdapterLinear(b, group, rank, size, None, partial_grad=sp)
+    attach(sharded, lora_A, lora_B, dropout, scale)
+
+
 # The layers above whose forward or backward talks to the other tensor-parallel ranks. Regional
 # compilation runs them eagerly: a collective traced into a graph would run its Python side (the
 # byte counters, the watchdog's bookkeeping) once at trace time instead of at every call.
@@ -335,6 +392,7 @@ COMMUNICATING = (
     VocabParallelEmbedding,
     TensorParallelRMSNorm,
     TensorParallelHeadNorm,
+    AdapterLinear,
 )
 
 
@@ -405,13 +463,10 @@ def apply_tensor_parallel(
             ColumnParallelLinear(m, group, rank, size, entry="ready")
             for m in (attn.wq, attn.wk, attn.wv)
         )
-        _swap(
-            attn,
-            wq=wq,
-            wk=wk,
-            wv=wv,
-            wo=RowParallelLinear(attn.wo, group, rank, size, sequence_parallel=sp),
-        )
+        wo = RowParallelLinear(attn.wo, group, rank, size, sequence_parallel=sp)
+        for plain, sharded in ((attn.wq, wq), (attn.wk, wk), (attn.wv, wv), (attn.wo, wo)):
+            _carry_adapter(plain, sharded, group, rank, size, sharded is not wo, sp)
+        _swap(attn, wq=wq, wk=wk, wv=wv, wo=wo)
         if attn.q_norm is not None and attn.k_norm is not None and size > 1:
             _swap(
                 attn,
@@ -425,9 +480,10 @@ def apply_tensor_parallel(
         w1, w3 = (
             ColumnParallelLinear(m, group, rank, size, entry="ready") for m in (mlp.w1, mlp.w3)
         )
-        _swap(
-            mlp, w1=w1, w3=w3, w2=RowParallelLinear(mlp.w2, group, rank, size, sequence_parallel=sp)
-        )
+        w2 = RowParallelLinear(mlp.w2, group, rank, size, sequence_parallel=sp)
+        for plain, sharded in ((mlp.w1, w1), (mlp.w3, w3), (mlp.w2, w2)):
+            _carry_adapter(plain, sharded, group, rank, size, sharded is not w2, sp)
+        _swap(mlp, w1=w1, w3=w3, w2=w2)
     if sp:
         _swap(model, norm=TensorParallelRMSNorm(model.norm, group, sp, enter=False))
     tied = model.output.weight is model.tok_embeddings.weight

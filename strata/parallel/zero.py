@@ -25,6 +25,12 @@ local chunk in place, and `step` all-gathers the updated chunk back to the `para
 group's buffers and what happens to them are `parallel.flat_group.FlatGroup`; this module plans
 the groups, installs the hooks that gather, prefetch and free them, and runs the step.
 
+Parameters that do not train (`requires_grad` False: LoRA's base, `train.freeze`) get no gradient
+buffer, hook, reduction or optimizer segment. Under ZeRO-3 they are partitioned in flat groups of
+their own (`FlatGroup.frozen`), gathered and freed with their unit like the others (a unit's frozen
+groups are freed when the unit before it starts its backward); otherwise they stay out of the flat
+groups (`frozen`), whole on every rank.
+
 Every collective goes through `parallel.comm`, so bytes per link level are counted.
 """
 
@@ -133,9 +139,12 @@ def units_of(part: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     return units
 
 
+FROZEN = "~frozen"  # the key of a flat group of frozen parameters ends with this
+
+
 def _domain(group_key: str) -> str:
     """The parameter domain of a flat group's key ("layers.3@experts": experts; "layers.3": "")."""
-    return group_key.partition("@")[2]
+    return group_key.partition("@")[2].removesuffix(FROZEN)
 
 
 def _grad(piece: nn.Parameter) -> torch.Tensor:
@@ -180,6 +189,12 @@ class ZeroEngine:
             name: Routes(t, plan.hierarchical) for name, t in self.domains.items()
         }
         self.groups: list[FlatGroup] = []
+        # parameters that do not train (requires_grad False: LoRA's base, train.freeze), by their
+        # first name: no flat group, gradient or optimizer state, whole (after tp/pp) on every rank
+        self.frozen: list[tuple[str, nn.Parameter]] = []
+        self.device = next(
+            (p.device for part in parts for p in part.parameters()), torch.device("cpu")
+        )
         self._plan_groups(parts, {id(p) for p in tied_copies or []})
         self.reducer = self._overlap() if overlap else None
         self.params = [piece for g in self.groups for _, piece, _, _ in g.segments]
@@ -215,14 +230,11 @@ class ZeroEngine:
                 ids = []
                 for m in modules:
                     for p in m.parameters():
-                        if id(p) not in owner and p.requires_grad:
-                            tied = id(p) in tied_ids or len(set(names[id(p)])) > 1
-                            domain = domain_of(p) if domain_of(p) in self.domains else ""
-                            owner[id(p)] = (
-                                "tied" if tied else f"{unit}@{domain}" if domain else unit
-                            )
-                            members.setdefault(owner[id(p)], []).append((names[id(p)][0], p))
-                            part_of.setdefault(owner[id(p)], pi)
+                        if id(p) not in owner:
+                            self._place(p, unit, tied_ids, names, owner)
+                            if owner[id(p)]:
+                                members.setdefault(owner[id(p)], []).append((names[id(p)][0], p))
+                                part_of.setdefault(owner[id(p)], pi)
                         ids.append(id(p))
                 used[(pi, ui)] = ids
         merged: list[tuple[str, list]] = []
@@ -235,6 +247,7 @@ class ZeroEngine:
                 and last[0].startswith("layers.")
                 and part_of[key] == part_of[last[0]]
                 and _domain(key) == _domain(last[0])
+                and key.endswith(FROZEN) == last[0].endswith(FROZEN)
                 and sum(p.numel() * p.element_size() for _, p in last[1]) < self.plan.bucket_bytes
             ):
                 merged[-1] = (last[0], last[1] + named)
@@ -249,6 +262,7 @@ class ZeroEngine:
                 names,
                 tied_copy=any(id(p) in tied_ids for _, p in named),
                 sync_level=self.sync_level,
+                frozen=key.endswith(FROZEN),
             )
             for key, named in merged
         ]
@@ -258,8 +272,31 @@ class ZeroEngine:
             for k, ids in used.items()
         }
 
+    def _place(
+        self,
+        p: nn.Parameter,
+        unit: str,
+        tied_ids: set[int],
+        names: dict[int, list[str]],
+        owner: dict[int, str],
+    ) -> None:
+        """The flat group parameter `p` goes into (`owner[id(p)]`): its unit's, of its domain, or
+        the tied weight's. A frozen parameter (no gradient) goes into a group of frozen ones under
+        ZeRO-3, which partitions it as any other but reduces and steps nothing; without ZeRO-3
+        into none (`self.frozen`: whole on every rank, no copy into a flat buffer)."""
+        domain = domain_of(p) if domain_of(p) in self.domains else ""
+        key = f"{unit}@{domain}" if domain else unit
+        if not p.requires_grad:
+            owner[id(p)] = key + FROZEN if self.plan.shards_params else ""
+            if not self.plan.shards_params:
+                self.frozen.append((names[id(p)][0], p))
+            return
+        tied = id(p) in tied_ids or len(set(names[id(p)])) > 1
+        owner[id(p)] = "tied" if tied else key
+
     def _install_hooks(self, parts: list[nn.Module]) -> None:
-        for slot_param, (group, slot) in ((s.param, (g, s)) for g in self.groups for s in g.slots):
+        trained = [g for g in self.groups if not g.frozen]
+        for slot_param, (group, slot) in ((s.param, (g, s)) for g in trained for s in g.slots):
             slot_param.register_post_accumulate_grad_hook(lambda p, g=group, s=slot: g.add_grad(s))
         if not self.plan.shards_params:
             return  # parameters stay whole: only gradients need hooks
@@ -302,7 +339,7 @@ class ZeroEngine:
         # Every chain a group can start, built once now: each makes its groups, in the same order on
         # every rank.
         for name in dedicated:
-            first = next((g for g in self.groups if _domain(g.name) == name), None)
+            first = next((g for g in self.groups if _domain(g.name) == name and not g.frozen), None)
             if first is None:
                 continue
             if plan.grads != "none":
@@ -352,6 +389,13 @@ class ZeroEngine:
     def _pre_backward(self, order: list[list[FlatGroup]], u: int) -> None:
         for g in order[u]:
             g.wait()
+        # The unit after this one has run its backward: its frozen groups, which no gradient hook
+        # frees, are done with for this micro-batch.
+        using = {id(g) for g in order[u]}
+        for g in order[u + 1] if u + 1 < len(order) else []:
+            if g.frozen and id(g) not in using:
+                g.backwards += 1
+                g.free()
         ahead = self.plan.prefetch_blocks
         self._prefetch(order, range(u - 1, max(-1, u - 1 - ahead), -1))
         if self.param_tier is not None:
@@ -372,6 +416,10 @@ class ZeroEngine:
     def finish_grads(self, scale: float) -> None:
         """After the last micro-batch: every segment's .grad is the data-parallel sum times `scale`."""
         for g in self.groups:
+            if g.frozen:  # nothing to reduce; nothing gathered outlives the step
+                g.free()
+                g.backwards = 0
+                continue
             reduced = g.finish_grads(scale)
             if g.tied_copy and self.tied_group is not None:
                 comm.all_reduce(reduced, self.tied_group, dim="pp")
@@ -398,7 +446,7 @@ class ZeroEngine:
         replicated = [
             _grad(piece) for slot, piece in counted if placement_of(slot.param).shard_dim is None
         ]
-        device = self.groups[0].full.device
+        device = self.groups[0].full.device if self.groups else self.device
         total = global_grad_norm(
             sharded,
             replicated,
@@ -456,7 +504,7 @@ class ZeroEngine:
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameter, gradient and optimizer-state storage this rank holds right now
         (measured from the tensors, not computed from the plan)."""
-        out = {"params": 0, "grads": 0}
+        out = {"params": storage_bytes([p for _, p in self.frozen]), "grads": 0}
         for g in self.groups:
             for k, v in g.held_bytes().items():
                 out[k] += v

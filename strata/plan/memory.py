@@ -27,6 +27,7 @@ from strata.plan.shapes import (
     block_kept_selective,
     block_saved,
     chunk_counts,
+    frozen_elements,
     groups_of,
     head_constant_bytes,
     head_saved,
@@ -176,7 +177,8 @@ def domain_counts(cfg: Config, layout: Layout) -> dict[str, dict[str, int]]:
 def flat_groups(cfg: Config, layout: Layout, vocab: int, pp_rank: int) -> list[Group]:
     """The flat groups of pipeline rank `pp_rank` under this layout, padded as the engine pads them."""
     pad_to = {domain: c["global"] for domain, c in domain_counts(cfg, layout).items()}
-    return groups_of(cfg, vocab, pp_rank, pad_to, bucket_bytes(cfg))
+    sharded = zero_levels(cfg)["params"] != "none"
+    return groups_of(cfg, vocab, pp_rank, pad_to, bucket_bytes(cfg), frozen_groups=sharded)
 
 
 def micro_batches(cfg: Config, layout: Layout) -> int:
@@ -275,14 +277,17 @@ def _rank_memory(
 ) -> RankMemory:
     out = RankMemory(pp_rank)
     levels, counts = zero_levels(cfg), domain_counts(cfg, layout)
-    groups = flat_groups(cfg, layout, vocab, pp_rank)
+    every = flat_groups(cfg, layout, vocab, pp_rank)
+    groups = [g for g in every if not g.frozen]  # those with gradients and optimizer state
     padded = sum(g.padded for g in groups)
     devices = offload_devices(cfg)
     sharded = levels["params"] != "none"
 
     def share(kind: str) -> float:
-        """Elements of this rank's chunk of every group partitioned at the level of `kind`."""
-        return sum(g.padded / counts[g.domain][levels[kind]] for g in groups)
+        """Elements of this rank's chunk of the groups (frozen ones: parameters only) at `kind`'s
+        level."""
+        held = every if kind in ("params", "secondary") else groups
+        return sum(g.padded / counts[g.domain][levels[kind]] for g in held)
 
     # parameters: the shard at the params level (+ the hpZ copy), or the whole flat buffer
     shard = share("params") * FP32
@@ -292,14 +297,17 @@ def _rank_memory(
         else TIER_OF[devices["params"]]
     )
     out.add("params", params_tier, shard)
+    # model.lora's frozen weights without ZeRO-3: whole on every rank, outside the flat groups
+    frozen = 0 if sharded else frozen_elements(cfg, vocab, pp_rank) * FP32
+    out.add("params", "device", frozen)
     resident_mb = cfg.offload.params.resident_mb
     # resident shards, those kept after use and read ahead
     if params_tier == "nvme" and resident_mb is not None:
-        _add_resident_shards(out, cfg, groups, resident_mb * 2**20, counts[""][levels["params"]])
+        _add_resident_shards(out, cfg, every, resident_mb * 2**20, counts[""][levels["params"]])
     if levels["secondary"] != "none" and sharded:
         out.add("params", "device", share("secondary") * FP32)
     if sharded:
-        out.add("gathered", "device", _gathered_peak(groups, cfg.zero.prefetch_blocks + 1) * FP32)
+        out.add("gathered", "device", _gathered_peak(every, cfg.zero.prefetch_blocks + 1) * FP32)
 
     # gradients: the whole buffer unless partitioned, plus the optimizer chunk when that is finer
     if levels["grads"] == "none":
@@ -309,7 +317,7 @@ def _rank_memory(
         # Each group's gradient lives until its reduce-scatter has run: the one being filled and the
         # one being reduced while the network keeps pace with backward. Where it does not (gloo on
         # a loaded CPU), reductions queue and hold more, up to every group's at once.
-        out.add("buckets", "device", 2 * max(g.padded for g in groups) * FP32)
+        out.add("buckets", "device", 2 * max((g.padded for g in groups), default=0) * FP32)
     finer = [
         g for g in groups if counts[g.domain][levels["optim"]] != counts[g.domain][levels["grads"]]
     ]
@@ -330,7 +338,7 @@ def _rank_memory(
         if not cluster.device.host_memory and devices["optim"] != "none":
             out.add("pool", "host", 2 * cfg.offload.slab_mb * 2**20)
 
-    image = sum(g.padded * FP32 * (1 + ADAM_MOMENTS) / counts[g.domain]["global"] for g in groups)
+    image = _image_bytes(every, counts, frozen)
     if cfg.checkpoint.async_save:
         out.add("staging", "host", image)
     snap = cfg.snapshot
@@ -341,8 +349,19 @@ def _rank_memory(
     # sized at run time from what the device has free, less 10%
     if params_tier == "nvme" and resident_mb is None:
         free = 0.9 * cluster.device.mem_gib * 2**30 - out.total("device")
-        _add_resident_shards(out, cfg, groups, free, counts[""][levels["params"]])
+        _add_resident_shards(out, cfg, every, free, counts[""][levels["params"]])
     return out
+
+
+def _image_bytes(groups: list[Group], counts: dict[str, dict[str, int]], frozen: int) -> float:
+    """Bytes of a rank's share of a checkpoint image: each group's parameters (and the moments of
+    those that train) over its domain's data-parallel ranks, and of `frozen` bytes held whole
+    (a replicated box is written by each holder in part)."""
+    moments = [0 if g.frozen else ADAM_MOMENTS for g in groups]
+    image = sum(
+        g.padded * FP32 * (1 + m) / counts[g.domain]["global"] for g, m in zip(groups, moments)
+    )
+    return image + frozen / counts[""]["global"]
 
 
 def _gathered_peak(groups: list[Group], window: int) -> int:
@@ -352,7 +371,7 @@ def _gathered_peak(groups: list[Group], window: int) -> int:
     for g in groups:
         units[g.name] = units.get(g.name, 0) + g.padded
     sizes = list(units.values())
-    return max(sum(sizes[i : i + window]) for i in range(len(sizes)))
+    return max((sum(sizes[i : i + window]) for i in range(len(sizes))), default=0)
 
 
 def _add_resident_shards(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from strata.config.schema import Config, ModelConfig
+from strata.config.vocabulary import lora_target_kinds
 from strata.parallel.stages import plan_stages, schedule_name, stage_indices
 from strata.parallel.topology import CHAIN, Grid
 
@@ -26,6 +27,7 @@ class Group:
     layers: int
     part: int  # which of the rank's model chunks (virtual stages) it belongs to
     domain: str = ""  # the ranks ZeRO reduces and partitions it over: "" dp, "experts", "routing"
+    frozen: bool = False  # model.lora's frozen weights under ZeRO-3: partitioned, never stepped
 
 
 @dataclass(frozen=True)
@@ -90,23 +92,96 @@ def block_domains(cfg: Config, index: int) -> dict[str, int]:
     return {"": attention, "routing": routing, "experts": experts}
 
 
+def lora_domains(cfg: Config, index: int) -> dict[str, int]:
+    """Block `index`'s LoRA adapters on one rank by ZeRO domain (`strata.lora`; sharded as
+    `parallel.tensor.AdapterLinear` shards them): of a column-parallel layer A whole and B split,
+    of a row-parallel one A split and B whole; an MoE layer's shared experts' whole, in "routing"
+    under tp."""
+    m, tp, r = cfg.model, cfg.parallel.tp, cfg.model.lora.rank
+    kinds = set(lora_target_kinds(m.lora.target_modules))
+    d, q, kv = m.d_model, m.n_heads * m.head_size, m.kv_heads * m.head_size
+    moe = m.moe.is_moe_layer(index)
+    f = m.moe.shared_ffn_size(m) if moe else m.ffn_size
+    # PEFT's name: (in, out, column-parallel)
+    shapes = {
+        "q_proj": (d, q, True),
+        "k_proj": (d, kv, True),
+        "v_proj": (d, kv, True),
+        "o_proj": (q, d, False),
+        "gate_proj": (d, f, True),
+        "up_proj": (d, f, True),
+        "down_proj": (f, d, False),
+    }
+
+    def elements(kind: str, split: bool) -> int:
+        i, o, column = shapes[kind]
+        if not split:
+            return r * (i + o)
+        return r * i + r * o // tp if column else r * i // tp + r * o
+
+    attention = sum(
+        elements(k, True) for k in ("q_proj", "k_proj", "v_proj", "o_proj") if k in kinds
+    )
+    ffn = sum(elements(k, not moe) for k in ("gate_proj", "up_proj", "down_proj") if k in kinds)
+    ffn = ffn if f else 0
+    if moe and tp > 1:
+        return {"": attention, "routing": ffn}
+    return {"": attention + ffn}
+
+
+def frozen_units(cfg: Config, vocab: int, pp_rank: int) -> list[tuple[str, int, int, str]]:
+    """(unit, elements, model chunk, domain) of what pipeline rank `pp_rank` holds and never
+    trains: with model.lora every weight of its share of the model, unit by unit and domain by
+    domain (train.freeze's items are not modelled)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    if not m.lora.enabled:
+        return []
+    embed, tied = vocab // tp * m.d_model, m.tie_embeddings
+    out = []
+    for pi, part in enumerate(parts_of(cfg, pp_rank)):
+        if part.first:
+            out.append(("tok_embeddings", embed, pi, ""))
+        for i in range(part.n_layers):
+            index = part.first_layer + i
+            out += [(f"layers.{index}", n, pi, d) for d, n in block_domains(cfg, index).items()]
+        if part.last:  # a tied embedding's copy on the last stage is frozen with the head
+            out.append(("head", m.d_model + (embed if not tied or not part.first else 0), pi, ""))
+    return out
+
+
+def frozen_elements(cfg: Config, vocab: int, pp_rank: int) -> int:
+    """Parameters pipeline rank `pp_rank` holds and never trains (`frozen_units`)."""
+    return sum(n for _, n, _, _ in frozen_units(cfg, vocab, pp_rank))
+
+
 def groups_of(
-    cfg: Config, vocab: int, pp_rank: int, pad_to: dict[str, int], bucket_bytes: int
+    cfg: Config,
+    vocab: int,
+    pp_rank: int,
+    pad_to: dict[str, int],
+    bucket_bytes: int,
+    frozen_groups: bool = False,
 ) -> list[Group]:
     """The flat groups of pipeline rank `pp_rank`, as `ZeroEngine` plans them: one per unit
     (embedding, each block, final norm + output) and parameter domain, a tied embedding in a group
     of its own, consecutive blocks of one chunk and one domain merged while the group holds less
     than `bucket_bytes`, each padded to a multiple of `pad_to[domain]` (the chunks its state is cut
-    into: the data-parallel degree of its domain)."""
+    into: the data-parallel degree of its domain). With model.lora the groups hold the adapters
+    alone (`lora_domains`), and the frozen rest (`frozen_elements`) is in none, or with
+    `frozen_groups` (ZeRO-3) in groups of its own, one per unit and domain, never merged."""
     m, tp = cfg.model, cfg.parallel.tp
-    tied = m.tie_embeddings
+    tied, lora = m.tie_embeddings, m.lora.enabled
     embed = vocab // tp * m.d_model
     out: list[list] = []  # name, elements, layers, part, domain
     for pi, part in enumerate(parts_of(cfg, pp_rank)):
-        if part.first:
+        if part.first and not lora:
             out.append(["tied" if tied else "tok_embeddings", embed, 0, pi, ""])
         for i in range(part.n_layers):
-            for domain, elements in block_domains(cfg, part.first_layer + i).items():
+            index = part.first_layer + i
+            domains = (lora_domains if lora else block_domains)(cfg, index)
+            for domain, elements in domains.items():
+                if not elements:
+                    continue
                 last = out[-1] if out else None
                 if (
                     last
@@ -119,14 +194,21 @@ def groups_of(
                     last[2] += 1
                 else:
                     out.append([f"layers.{part.first_layer + i}", elements, 1, pi, domain])
-        if part.last:
+        if part.last and not lora:
             out.append(["head", m.d_model + (0 if tied else embed), 0, pi, ""])
             # the last stage's copy of a tied embedding: a group of its own
             if tied and not part.first:
                 out.append(["tied", embed, 0, pi, ""])
-    return [
+    groups = [
         Group(n, e, math.ceil(e / pad_to[dom]) * pad_to[dom], layers, pi, dom)
         for n, e, layers, pi, dom in out
+    ]
+    if not (frozen_groups and lora):
+        return groups
+    return groups + [
+        Group(n, e, math.ceil(e / pad_to[dom]) * pad_to[dom], 0, pi, dom, frozen=True)
+        for n, e, pi, dom in frozen_units(cfg, vocab, pp_rank)
+        if e
     ]
 
 
@@ -256,7 +338,24 @@ def block_saved(cfg: Config, index: int = 0) -> list[Saved]:
             Saved("q/k norm x·rstd", (q + kv) / tp, 4),
             Saved("q/k norm rstd", (m.n_heads + m.kv_heads) / tp, 4),
         ]
+    if m.lora.enabled:
+        saved = [x for x in saved if not x.name.endswith("x·rstd")] + lora_saved(cfg, index)
     return saved
+
+
+def lora_saved(cfg: Config, index: int) -> list[Saved]:
+    """With model.lora, what the adapters save besides their layer's input: each adapter's rank-r
+    activation (B's input; of a row-parallel layer under sequence parallelism, this rank's
+    positions). A frozen norm keeps no x·rstd (`block_saved` drops them): it is for its weight's
+    gradient. The inputs of layers without an adapter are still counted (an overestimate)."""
+    m, tp, r = cfg.model, cfg.parallel.tp, cfg.model.lora.rank
+    act = 2 if cfg.train.bf16_compute else 4
+    sp = cfg.parallel.sequence_parallel and tp > 1
+    row = {"o_proj", "down_proj"}
+    kinds = lora_target_kinds(m.lora.target_modules)
+    if m.moe.is_moe_layer(index) and not m.moe.shared_ffn_size(m):
+        kinds = [k for k in kinds if k in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    return [Saved(f"{k} adapter A·x", r / tp if k in row and sp else r, act) for k in kinds]
 
 
 def moe_saved(cfg: Config) -> list[Saved]:
@@ -344,7 +443,7 @@ def head_saved(cfg: Config, vocab: int) -> list[Saved]:
     targets the loss keeps (int64)."""
     tp, d = cfg.parallel.tp, cfg.model.d_model
     act = 2 if cfg.train.bf16_compute else 4
-    return [
+    saved = [
         Saved("residual into norm", d, 4),
         Saved("norm x·rstd", d, 4),
         Saved("norm rstd", 1, 4),
@@ -352,6 +451,10 @@ def head_saved(cfg: Config, vocab: int) -> list[Saved]:
         Saved("log-softmax of the logits", vocab / tp, 4),
         Saved("targets", 1, 8),
     ]
+    # model.lora: the norm's and the output layer's weights are frozen, so what only their
+    # gradients need is not kept
+    frozen = ("norm x·rstd", "output input") if cfg.model.lora.enabled else ()
+    return [x for x in saved if x.name not in frozen]
 
 
 def head_constant_bytes(cfg: Config, vocab: int) -> int:

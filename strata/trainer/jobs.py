@@ -100,8 +100,12 @@ def _banner(trainer: Trainer, origin: start.Origin) -> str:
     its state came from."""
     cfg, layout = trainer.cfg, trainer.topo.layout
     n_params = count_params(cfg.model, trainer.model.vocab_size)
+    trained = ""
+    if trainer.model.frozen:  # model.lora, train.freeze
+        n_params, n_trained = trainer.model.parameter_counts()
+        trained = f" ({n_trained / 1e6:.2f}M trained)"
     return (
-        f"strata: {n_params / 1e6:.2f}M parameters, world {trainer.rt.world_size} "
+        f"strata: {n_params / 1e6:.2f}M parameters{trained}, world {trainer.rt.world_size} "
         f"(tp {layout.tp}, pp {layout.pp}, dp {layout.data_parallel}"
         + (f", cp {layout.cp}" if layout.cp > 1 else "")
         + "), "

@@ -1,8 +1,9 @@
 """One function, `parallelize`, turns the plain model into this rank's trainable share of it, applying
 every parallelism and memory feature in one fixed order:
 
-    tensor parallel → expert parallel → context parallel → pipeline split → materialise → float8
-    linears → ZeRO engine → memory tiers → activation policy → compilation → CO2
+    (LoRA adapters on the plain model →) tensor parallel → expert parallel → context parallel →
+    pipeline split → materialise → float8 linears → freezing → ZeRO engine → memory tiers →
+    activation policy → compilation → CO2
 
 It returns a `ParallelModel`, the one object the training loop drives: `forward_backward` over the
 step's micro-batches, `reduce_and_clip`, `step`. Plain data parallelism is the ZeRO engine with
@@ -13,6 +14,8 @@ groups, so every layout trains through the same step path.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,6 +27,7 @@ from strata.checkpoint.pieces import canonical_names
 from strata.config import Config, ModelConfig, OptimConfig, padded_vocab_size
 from strata.data.tokens import Batch
 from strata.errors import ConfigError, DataError
+from strata.lora import apply_lora, freeze, is_adapter, trainable_names
 from strata.model import (
     GPT,
     IGNORE_INDEX,
@@ -84,9 +88,9 @@ def materialize(
     With model.init_from the parameters are left unfilled: every run that has it loads all of
     them before its first step (`Trainer.init_weights`, or a resume, which overwrites them too;
     both check that every parameter is covered), so the random initialisation would be thrown away.
-    It is the costly part: every rank draws each whole tensor, not just its slice."""
+    It is the costly part: every rank draws each whole tensor, not just its slice. LoRA adapters,
+    which a base model's weights do not hold, are filled either way."""
     names = {id(p): n for part in parts for n, p in part.named_parameters()}
-    random_init = not cfg.init_from
     fresh: dict[int, nn.Parameter] = {}
     for part in parts:
         for module in part.modules():
@@ -94,6 +98,8 @@ def materialize(
                 if p is None or not p.is_meta:
                     continue
                 if id(p) not in fresh:
+                    # adapters start from their own values on a loaded base
+                    random_init = not cfg.init_from or is_adapter(names[id(p)])
                     value = torch.empty(p.shape, device=device)
                     if random_init:
                         pl = placement_of(p)
@@ -183,6 +189,8 @@ class ParallelModel:
     canonical: dict[str, str]  # every parameter name of the plain model -> its first name (tying)
     # (end-of-document token, attend inside documents, restart positions per document), or None
     documents: tuple[int, bool, bool] | None = None
+    # the parameters that do not train (model.lora, train.freeze), by canonical name
+    frozen: frozenset[str] = frozenset()
 
     def local(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a (micro-batch, seq_len) batch, on the device."""
@@ -359,6 +367,13 @@ class ParallelModel:
         self.engine.close()
 
     # --- what a run reports ----------------------------------------------------------------
+    def parameter_counts(self) -> tuple[int, int]:
+        """(parameters of the whole model, adapters included; those of them that train)."""
+        shapes = self.global_shapes
+        names = set(self.canonical.values())
+        total = sum(math.prod(shapes[n]) for n in names)
+        return total, total - sum(math.prod(shapes[n]) for n in names & self.frozen)
+
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameter, gradient and optimizer-state storage this rank holds now."""
         return self.engine.held_bytes()
@@ -389,10 +404,18 @@ def parallelize(
     in the order of the module docstring. Each rank allocates and initialises only its own slices,
     with the values one process would give them (`initial_value` depends on the parameter's name,
     not on the layout)."""
+    # What draws from torch's own generator in training (LoRA's dropout) draws what train.seed and
+    # the rank say, so equal seeds give equal runs; a resume puts the saved state back.
+    digest = hashlib.sha256(f"{cfg.train.seed}/rank{topo.rank}".encode()).digest()
+    torch.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     with torch.device("meta"):
         model = GPT(cfg.model, padded_vocab_size(cfg.model, data_vocab_size))
+        apply_lora(model, cfg.model.lora)
     global_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     canonical = canonical_names(model)
+    trainable = trainable_names(model, cfg) if cfg.model.lora.enabled or cfg.train.freeze else None
+    if trainable is not None and cfg.parallel.pp > 1:
+        _refuse_frozen_first_stage(cfg, trainable)
 
     loss_fn = StepLoss(_tensor_parallel(cfg, topo, model))
     domains = _expert_parallel(cfg, topo, model)
@@ -400,6 +423,8 @@ def parallelize(
     stages = _pipeline_stages(cfg, topo, model)
     parts: list[nn.Module] = list(stages) if stages else [model]
     _materialize_parts(cfg, parts, device, positions)
+    if trainable is not None:  # before the engine, which flattens only what trains
+        freeze(parts, trainable)
     pipeline = _pipeline(cfg, topo, stages, loss_fn, device, model.vocab_size) if stages else None
 
     # Under CO2 gradients are averaged inside the node only; CO2 joins the nodes every H steps.
@@ -426,7 +451,28 @@ def parallelize(
         model.vocab_size,
         global_shapes,
         canonical,
+        frozen=frozenset(
+            first
+            for name, first in canonical.items()
+            if trainable is not None and name not in trainable
+        ),
     )
+
+
+def _refuse_frozen_first_stage(cfg: Config, trainable: set[str]) -> None:
+    """A first pipeline stage with nothing to train sends activations that need no gradient, and
+    torch's pipelining cannot run its backward: refuse it by name (every rank alike)."""
+    par = cfg.parallel
+    per_stage = cfg.model.n_layers // (par.pp * par.virtual_stages)
+    first = [f"layers.{i}." for i in range(per_stage)]
+    if not any(n.startswith(("tok_embeddings.", *first)) for n in trainable):
+        raise ConfigError(
+            [
+                f"train.freeze: {list(cfg.train.freeze)} freezes all of the first pipeline stage "
+                f"(the embedding and layers 0-{per_stage - 1}), which pipeline parallelism cannot "
+                "run backward through; train a parameter there, or set parallel.pp=1"
+            ]
+        )
 
 
 def _tensor_parallel(cfg: Config, topo: Topology, model: GPT) -> Callable:

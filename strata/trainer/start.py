@@ -175,11 +175,16 @@ def resume_from(trainer: Starting, path: Path) -> Path:
 
 def init_weights(trainer: Starting) -> Path:
     """Load model.init_from's weights (collective): a Hugging Face model directory, read with
-    each rank taking only its own boxes of the safetensors, or a Strata or DCP checkpoint's."""
+    each rank taking only its own boxes of the safetensors, or a Strata or DCP checkpoint's; then
+    model.lora.init_from's adapters (a PEFT adapter directory) onto them."""
     path = Path(trainer.cfg.model.init_from or "")
     is_hf = (path / "config.json").is_file()
     ckpt = hf_weights.open_weights(path, trainer.cfg.model) if is_hf else _open(trainer, path)
     trainer.state.load_weights(ckpt, trainer.checkpoints.agree)
+    lora = trainer.cfg.model.lora
+    if lora.init_from:
+        adapter = hf_weights.open_adapter(Path(lora.init_from), lora.rank, lora.alpha)
+        trainer.state.load_adapters(adapter, trainer.checkpoints.agree)
     return ckpt.path
 
 

@@ -33,6 +33,7 @@ from strata.checkpoint.reader import Checkpoint
 from strata.config import Config
 from strata.data.loader import BatchLoader, MixtureLoader
 from strata.errors import CheckpointError
+from strata.lora import is_adapter
 from strata.trainer.parallelize import ParallelModel, decays
 
 if TYPE_CHECKING:
@@ -136,8 +137,10 @@ class TrainState:
     def _param_groups(self) -> list[dict]:
         """The optimizer's hyper-parameters with each group's parameters named as in the plain model,
         as torch.distributed.checkpoint.state_dict names them (build_optimizer's grouping: matrices
-        decay), so a plain torch AdamW can load the state with DCP alone."""
-        names = list(dict.fromkeys(self.model.canonical.values()))
+        decay; frozen parameters in neither), so a plain torch AdamW can load the state with DCP
+        alone."""
+        frozen = self.model.frozen
+        names = [n for n in dict.fromkeys(self.model.canonical.values()) if n not in frozen]
         shapes = self.model.global_shapes
         matrix = [n for n in names if decays(shapes[n])]
         other = [n for n in names if not decays(shapes[n])]
@@ -249,22 +252,50 @@ class TrainState:
                     k: v for k, v in ckpt.shapes("model.").items() if m.canonical.get(k, k) == k
                 }
                 # buffers a source lacks (an MoE router's expert bias in a Hugging Face model) start
-                # at zero
-                buffers = [
-                    b for b in self._buffer_pieces() if b.key.removeprefix("model.") in saved
-                ]
-                fresh = set(m.persistent_buffers()) - set(saved)
+                # at zero, adapters (a base model's) at their initial values
+                fresh = {
+                    k
+                    for k in [*m.persistent_buffers(), *filter(is_adapter, first)]
+                    if k not in saved
+                }
                 problems = model_state_problems(
                     {k: v for k, v in first.items() if k not in fresh}, saved
                 )
                 if not problems:
+                    wanted = model_pieces(m.engine, m.canonical) + self._buffer_pieces()
                     with torch.no_grad():
-                        problems = ckpt.read(model_pieces(m.engine, m.canonical) + buffers)
+                        problems = ckpt.read(
+                            [p for p in wanted if p.key.removeprefix("model.") not in fresh]
+                        )
             except CheckpointError as e:
                 problems = [str(e)]
             finally:
                 ckpt.close()
             agree(problems, f"the weights in {ckpt.path} do not fit this model; the run stops")
+            m.engine.invalidate_secondary()
+
+    def load_adapters(self, ckpt: Checkpoint, agree: Callable[[list[str], str], None]) -> None:
+        """The LoRA adapters of `ckpt` (a PEFT adapter directory, model.lora.init_from) into this
+        rank's adapter parameters, after the base weights: it must hold every adapter of the model,
+        of its shape, and nothing else. Every rank agrees on the verdict."""
+        with self.model.state_in_memory(changed=True):
+            m = self.model
+            try:
+                want = {k: v for k, v in m.global_shapes.items() if is_adapter(k)}
+                problems = model_state_problems(want, ckpt.shapes("model."))
+                if not problems:
+                    pieces = model_pieces(m.engine, m.canonical)
+                    with torch.no_grad():
+                        problems = ckpt.read([p for p in pieces if is_adapter(p.key)])
+            except CheckpointError as e:
+                problems = [str(e)]
+            finally:
+                ckpt.close()
+            agree(
+                problems,
+                f"the adapters in {ckpt.path} do not fit this model's (model.lora: rank, "
+                "target_modules); the run stops",
+            )
             m.engine.invalidate_secondary()
 
     def _rng_target(self, ckpt: Checkpoint | DcpCheckpoint) -> list[Piece]:

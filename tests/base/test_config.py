@@ -22,6 +22,7 @@ from strata.config import (
     ZeroConfig,
     opt,
 )
+from strata.config.schema.keys import plain
 from strata.errors import ConfigError, StrataError
 from strata.parallel.topology import LEVELS
 
@@ -246,6 +247,47 @@ def test_cross_key_constraints(overrides, world_size, expected):
 def test_context_parallel_errors_name_the_fix(overrides, world_size, expected):
     err = load_error(None, overrides, world_size=world_size)
     assert any(p.startswith(expected) for p in err.problems), err.problems
+
+
+def test_lora_and_freeze_keys():
+    cfg = config.load(
+        None,
+        [
+            "model.lora.rank=8",
+            "model.lora.alpha=16",
+            "model.lora.target_modules=[all-linear]",
+            "train.freeze=[embeddings, layers.0-1, norms]",
+        ],
+    )
+    assert cfg.model.lora.enabled and cfg.model.lora.scale == 2.0
+    assert cfg.train.freeze == ("embeddings", "layers.0-1", "norms")
+    assert not config.load(None, []).model.lora.enabled
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["model.lora.target_modules=[qproj]"],
+            "model.lora.target_modules: item 1 is 'qproj', which is not one of: q_proj, k_proj",
+        ),
+        (["model.lora.rank=-1"], "model.lora.rank: -1 must be >= 0"),
+        (["model.lora.dropout=1"], "model.lora.dropout: 1.0 must be < 1"),
+        (["model.lora.target_modules=[]"], "model.lora.target_modules: [] has 0 items"),
+        (
+            ["train.freeze=[layers.5-2]"],
+            "train.freeze: 'layers.5-2' is a reversed layer range; give layers.FIRST-LAST",
+        ),
+        (["train.freeze=['']"], "train.freeze: an empty item names nothing"),
+        (
+            ["model.lora.rank=4", "train.precision=fp8", "train.compile=true"],
+            "model.lora with train.precision=fp8",
+        ),
+    ],
+)
+def test_lora_and_freeze_errors_name_the_fix(overrides, expected):
+    err = load_error(None, overrides)
+    assert len(err.problems) == 1 and err.problems[0].startswith(expected), err.problems
 
 
 def test_context_parallel_takes_its_ranks_out_of_data_parallel():
@@ -652,12 +694,13 @@ def test_explain_every_key_and_group():
     for key in config.all_keys():
         text = config.explain(key)
         assert _field(key).metadata["doc"] in text
-        assert f"default: {_field(key).default!r}" in text
+        # a list key's default (a tuple, as frozen configs hold it) is shown as YAML writes it
+        assert f"default: {plain(_field(key).default)!r}" in text
     for group, cls in config.GROUPS.items():
         text = config.explain(group)
         assert text.startswith(f"{group}: {cls.__doc__}")
         for key in _leaves(cls, group):
-            assert f"{key} = {_field(key).default!r}" in text
+            assert f"{key} = {plain(_field(key).default)!r}" in text
 
 
 def test_explain_nested_key_and_groups():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from strata import config
+from strata.lora import apply_lora, is_adapter
 from strata.model import GPT
 from strata.parallel.pipeline import split_stages
 from strata.parallel.tensor import apply_tensor_parallel
@@ -20,6 +21,7 @@ from strata.plan import traffic
 from strata.plan.cluster import Cluster, Device, cpu_cluster, device_named, preset
 from strata.plan.memory import estimate_memory, flat_groups, in_flight, layout_of
 from strata.plan.search import search
+from strata.plan.shapes import frozen_elements
 from strata.plan.timing import estimate_time
 
 from conftest import run_cli
@@ -145,6 +147,75 @@ def test_moe_flat_groups_hold_each_domains_parameters(overrides, world):
         for g in groups:
             got[g.domain] = got.get(g.domain, 0) + g.elements
         assert got == want
+
+
+@pytest.mark.parametrize(
+    "overrides, world",
+    [
+        ((), 1),
+        (("parallel.tp=2", "parallel.sequence_parallel=true", "model.n_kv_heads=2"), 2),
+        (("parallel.pp=2", "model.tie_embeddings=true", "train.micro_batch_size=2"), 2),
+        (
+            (
+                "model.moe.num_experts=4",
+                "model.moe.first_dense_layers=1",
+                "model.moe.shared_experts=1",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+            ),
+            2,
+        ),
+        (
+            (
+                "zero.params.shard_over=global",
+                "zero.grads.shard_over=global",
+                "zero.optim.shard_over=global",
+                "train.micro_batch_size=4",
+            ),
+            2,
+        ),
+    ],
+)
+def test_lora_flat_groups_hold_the_adapters_and_the_rest_is_frozen(overrides, world):
+    """With model.lora the groups are the adapters Strata builds (sharded as tensor parallelism
+    shards them; an MoE layer's shared experts' in the routing domain) and the frozen elements the
+    rest of the rank's parameters: under ZeRO-3 in frozen groups of their own, else in none."""
+    lora = ("model.lora.rank=4", "model.lora.target_modules=[all-linear]")
+    cfg = load(*lora, *overrides, "parallel.bucket_mb=1e-9", world=world)
+    par = cfg.parallel
+    with torch.device("meta"):
+        model = GPT(cfg.model, VOCAB)
+        apply_lora(model, cfg.model.lora)
+        if par.tp > 1:
+            apply_tensor_parallel(model, None, 0, par.tp, sequence_parallel=par.sequence_parallel)
+        stages = (
+            [split_stages(model, r, par.pp, 1, par.schedule) for r in range(par.pp)]
+            if par.pp > 1
+            else [[model]]
+        )
+    layout = layout_of(cfg, cpu_cluster(1, world))
+    for pp_rank, parts in enumerate(stages):
+        adapters: dict[str, int] = {}
+        frozen, seen = 0, set()
+        for part in parts:
+            for name, p in part.named_parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if not is_adapter(name):
+                    frozen += p.numel()
+                    continue
+                domain = "routing" if ".mlp.shared." in name and par.tp > 1 else ""
+                adapters[domain] = adapters.get(domain, 0) + p.numel()
+        got: dict[str, int] = {}
+        groups = flat_groups(cfg, layout, VOCAB, pp_rank)
+        for g in groups:
+            if not g.frozen:
+                got[g.domain] = got.get(g.domain, 0) + g.elements
+        assert got == adapters
+        assert frozen_elements(cfg, VOCAB, pp_rank) == frozen
+        in_groups = sum(g.elements for g in groups if g.frozen)
+        assert in_groups == (frozen if cfg.zero.params.shard_over != "none" else 0)
 
 
 def test_zero_placements_hold_the_shares_zero_defines():

@@ -28,7 +28,7 @@ from strata.config.schema.memory import (
     ShardSpec,
     ZeroConfig,
 )
-from strata.config.schema.model import ModelConfig, MoEConfig
+from strata.config.schema.model import LoraConfig, ModelConfig, MoEConfig
 from strata.config.schema.parallel import ParallelConfig
 from strata.config.schema.run import (
     CheckpointConfig,
@@ -48,6 +48,7 @@ __all__ = [
     "DataConfig",
     "DataSource",
     "LogConfig",
+    "LoraConfig",
     "ModelConfig",
     "MoEConfig",
     "OffloadConfig",

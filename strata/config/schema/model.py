@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from strata.config.schema.fields import nested, opt
+from strata.config.vocabulary import ALL_LINEAR, LORA_TARGETS
 
 ROPE_SCALINGS = ("none", "llama3", "linear", "dynamic", "yarn")
 ROUTERS = ("softmax", "sigmoid")
@@ -115,6 +116,57 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA) on the blocks' linear layers: every weight of the model is frozen
+    and each targeted layer computes W x + (B A dropout(x))·alpha/rank, only A and B training
+    (rank 0: off, every weight trains)."""
+
+    rank: int = opt(
+        0, "the adapters' rank r (PEFT's r; 0: no adapters, every weight trains)", min=0
+    )
+    alpha: float = opt(
+        16.0,
+        "the adapters' output is scaled by alpha/rank (PEFT's lora_alpha)",
+        min=0.0,
+        min_exclusive=True,
+    )
+    dropout: float = opt(
+        0.0,
+        "dropout on an adapter's input in training (PEFT's lora_dropout)",
+        min=0.0,
+        max=1.0,
+        max_exclusive=True,
+    )
+    target_modules: tuple[str, ...] = opt(
+        ("q_proj", "v_proj"),
+        "the linear layers that get adapters, by the names PEFT uses for Llama: q_proj, k_proj, "
+        "v_proj, o_proj (attention), gate_proj, up_proj, down_proj (the SwiGLU feed-forward, and "
+        "in an MoE layer its shared experts'; the routed experts get none yet), or all-linear "
+        "(all of them; never the output layer)",
+        choices=(*LORA_TARGETS, ALL_LINEAR),
+        min_items=1,
+    )
+
+    init_from: str | None = opt(
+        None,
+        "start the adapters from a PEFT adapter directory (adapter_config.json and "
+        "adapter_model.safetensors: PEFT's save_pretrained, or `strata ckpt export --format "
+        "peft`) instead of their initial values, on the base model of model.init_from; its r, "
+        "lora_alpha and adapted layers must be this config's",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the model has adapters."""
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """What an adapter's output is multiplied by: alpha/rank."""
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer (Llama-style: RoPE, RMSNorm, SwiGLU)."""
 
@@ -217,6 +269,7 @@ class ModelConfig:
         "error), or a Strata checkpoint",
     )
     moe: MoEConfig = nested(MoEConfig)
+    lora: LoraConfig = nested(LoraConfig)
     init_std: float = opt(
         0.02,
         "std of the normal init of weights (output projections scaled by 1/sqrt(2·n_layers))",

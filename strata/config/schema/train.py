@@ -109,6 +109,15 @@ class TrainConfig:
         "run diverged (resume its newest checkpoint with a lower optim.lr)",
         min=1,
     )
+    freeze: tuple[str, ...] = opt(
+        (),
+        "parameters that do not train (no gradient, no optimizer state), by Strata's parameter "
+        "names: embeddings, output, norms (every RMSNorm weight), a name or the module above it "
+        "(layers.3, layers.3.attn, tok_embeddings.weight), a range of blocks (layers.0-7, "
+        "layers.0-7.mlp: first to last, inclusive) or a glob of either (layers.*.attn_norm.weight, "
+        "layers.*.attn); with "
+        "model.lora every base weight is frozen already, and an item here freezes adapters too",
+    )
     compile: bool = opt(
         False,
         "compile each transformer block with torch.compile (regional compilation: every block "

@@ -17,7 +17,7 @@ HELP = CommandHelp(
         "strata ckpt inspect DIR",
         "strata ckpt verify DIR",
         "strata ckpt reshard DIR OUT --to tp=..,pp=..,dp=..[,vs=..] [key=value ...]",
-        "strata ckpt export DIR OUT [--format safetensors|hf] [--overwrite] [--force]",
+        "strata ckpt export DIR OUT [--format safetensors|hf|peft] [--overwrite] [--force]",
         "strata ckpt import-deepspeed DS_DIR OUT [key=value ...] --config CFG",
         "strata ckpt import-hf HF_DIR OUT [key=value ...] [--config CFG]",
     ),
@@ -74,10 +74,11 @@ RESHARD = CommandHelp(
 EXPORT = CommandHelp(
     "export",
     summary="the model as one safetensors file, or as a Hugging Face directory",
-    usage=("strata ckpt export DIR OUT [--format safetensors|hf] [--overwrite] [--force]",),
+    usage=("strata ckpt export DIR OUT [--format safetensors|hf|peft] [--overwrite] [--force]",),
     description="Write the whole model's weights (global names, a plain strata.model.GPT "
     "state_dict) in one\nsafetensors file with the checkpoint's config beside it, or (--format hf) "
-    "a Hugging Face model\ndirectory that transformers' from_pretrained loads.",
+    "a Hugging Face model\ndirectory that transformers' from_pretrained loads (LoRA "
+    "adapters merged), or (--format peft)\na LoRA run's adapters as a PEFT adapter directory.",
     examples=(
         "strata ckpt export runs/tiny/checkpoints tiny.safetensors",
         "strata ckpt export runs/qwen-ft/checkpoints qwen-ft-hf --format hf   # carries "
@@ -187,11 +188,13 @@ def _add_export_options(ck: argparse.ArgumentParser) -> None:
     ck.add_argument(
         "--format",
         default="safetensors",
-        choices=["safetensors", "hf"],
-        help="export format: one safetensors file of Strata's names, or hf: a Hugging Face model "
+        choices=["safetensors", "hf", "peft"],
+        help="export format: one safetensors file of Strata's names; hf: a Hugging Face model "
         "directory (config.json, sharded safetensors, the tokenizer and its config, "
         "generation_config.json, carried from the model the run started from) for transformers' "
-        "from_pretrained",
+        "from_pretrained, LoRA adapters merged into their weights; or peft: a LoRA run's adapters "
+        "alone (adapter_config.json, adapter_model.safetensors) for peft's "
+        "PeftModel.from_pretrained on the base model",
     )
     ck.add_argument(
         "--overwrite",
