@@ -78,7 +78,8 @@ def _compute_worker(rank: int, cfg: Config, seconds: float, barrier, results) ->
     from strata.trainer.loop import Trainer
 
     torch.set_num_threads(1)  # as under torchrun (OMP_NUM_THREADS=1)
-    trainer = Trainer(cfg, runtime_mod.start("gloo"), writes=[])  # a measurement: it writes no run
+    # a measurement: it writes no run and leaves checkpoint.dir (perhaps a live run's) alone
+    trainer = Trainer(cfg, runtime_mod.start("gloo"), writes=[], saves=False)
     try:
         start = time.perf_counter()
         trainer.train_step()  # warm-up: buffers, the optimizer's state

@@ -471,16 +471,22 @@ def test_config_show_and_launch_warn_when_a_rank_will_not_fit(tmp_path):
 
 
 @pytest.mark.slow
-def test_calibration_measures_the_rate_this_machine_runs_the_model_at():
+def test_calibration_measures_the_rate_this_machine_runs_the_model_at(tmp_path, monkeypatch):
     """The calibrated rate (two ranks computing at once on this machine) against this process's
-    own timing of the same model's forward and backward, FLOPs counted as the model's matmuls."""
+    own timing of the same model's forward and backward, FLOPs counted as the model's matmuls.
+    The measurement writes nothing: no run directory, no checkpoint directory (where it would
+    remove the saves in progress of a live run of the same name)."""
+    import tempfile
     import time
 
     from strata.model import lm_loss
     from strata.trainer.calibrate import calibrate_local, executed_flops
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its run would be
     cfg = load("train.micro_batch_size=4", "train.global_batch_size=8", world=2)
     cal = calibrate_local(cfg, VOCAB, ranks=2, seconds=1.0)
+    # multiprocessing's own temporary directories (pymp-*) aside
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("pymp-")] == []
     assert cal.intra_node_gbps > 0 and 0 < cal.latency_s < 0.1 and cal.adam_gparams_s > 0
     torch.set_num_threads(1)
     model = GPT(cfg.model, VOCAB)

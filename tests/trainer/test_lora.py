@@ -325,8 +325,8 @@ def _first_batch_loss(model, cfg: config.Config) -> float:
     )
     with torch.no_grad():
         losses = [
-            F.cross_entropy(model(inputs).logits.flatten(0, 1).float(), targets.flatten())
-            for inputs, targets in loader.next_step()
+            F.cross_entropy(model(b.inputs).logits.flatten(0, 1).float(), b.targets.flatten())
+            for b in loader.next_step()
         ]
     return torch.stack(losses).mean().item()
 

@@ -238,6 +238,14 @@ LAYOUTS = {
     "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
     "pp2": {"parallel.pp": 2},
     "cp2": {"parallel.cp": 2},
+    # ZeRO-3 with the parameters and optimizer state in host memory
+    "zero3-offload": {
+        "zero.params.shard_over": "global",
+        "zero.grads.shard_over": "global",
+        "zero.optim.shard_over": "global",
+        "offload.params.device": "cpu",
+        "offload.optim.device": "cpu",
+    },
 }
 
 
