@@ -18,7 +18,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -169,6 +169,14 @@ class StepLoss:
         return self.loss(logits, targets, reduction="sum") * self.weight
 
 
+class Objective(Protocol):
+    """A train.objective other than lm, which runs the step (`strata.trainer.preference`'s DPO)."""
+
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor: ...
+    def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def record(self) -> dict[str, float]: ...
+
+
 @dataclass
 class ParallelModel:
     """This rank's share of the model after `parallelize`, and the one step path that trains it."""
@@ -191,6 +199,7 @@ class ParallelModel:
     documents: tuple[int, bool, bool] | None = None
     # the parameters that do not train (model.lora, train.freeze), by canonical name
     frozen: frozenset[str] = frozenset()
+    objective: Objective | None = None  # train.objective other than lm, which runs the step
 
     def local(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a (micro-batch, seq_len) batch, on the device."""
@@ -245,6 +254,8 @@ class ParallelModel:
         engine's flat buffers; returns their loss, which averaged over the dp ranks is the step's:
         the mean of the micro-batches' mean losses, or with loss masks the sum over the global
         batch's trained targets divided by their count (`StepLoss`). A 0-d tensor on the device."""
+        if self.objective is not None:
+            return self.objective.forward_backward(micro_batches)
         inputs = [b.inputs for b in micro_batches]  # cut to this rank's tokens where they are run
         targets = [self.local(self._trained(b)) for b in micro_batches]
         self.loss_fn.weight = self._loss_weight(micro_batches)
@@ -326,6 +337,8 @@ class ParallelModel:
         over the second is the mean. The weight is the rows without a loss mask (the mean loss of
         this rank's tokens times the rows), else the trained targets this rank holds (the loss is
         summed over them)."""
+        if self.objective is not None:
+            return self.objective.eval_loss(batch)
         targets = self.local(self._trained(batch))
         masked = batch.mask is not None
         self.loss_fn.weight = 1.0 if masked else None
@@ -451,11 +464,7 @@ def parallelize(
         model.vocab_size,
         global_shapes,
         canonical,
-        frozen=frozenset(
-            first
-            for name, first in canonical.items()
-            if trainable is not None and name not in trainable
-        ),
+        frozen=frozenset(f for n, f in canonical.items() if trainable and n not in trainable),
     )
 
 
