@@ -220,3 +220,250 @@ def test_mixed_pairs_and_conversations_are_refused(tok_dir, tmp_path, capsys):
     with pytest.raises(AssertionError):
         _prepare(records, tmp_path / "mixed", tok_dir)
     assert "pairs.jsonl:3: not a preference pair" in capsys.readouterr().err
+
+
+# --- training ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tok_dir, tmp_path_factory) -> Path:
+    """A tiny random Llama (2 layers, grouped-query attention) with the data's vocabulary."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=len(transformers.AutoTokenizer.from_pretrained(tok_dir)),
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
+    )
+    directory = tmp_path_factory.mktemp("hf") / "llama"
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(hf_llama, tmp_path_factory) -> Path:
+    """PEFT adapters on every linear layer with B drawn non-zero: the policy is not the reference."""
+    base = transformers.LlamaForCausalLM.from_pretrained(hf_llama, dtype=torch.float32)
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    )
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    directory = tmp_path_factory.mktemp("adapter") / "lora"
+    model.save_pretrained(directory)
+    return directory
+
+
+def _overrides(hf_llama, adapter_dir, data_dir, run_root, **extra) -> list[str]:
+    settings = {
+        **LORA,
+        "model.lora.init_from": adapter_dir,
+        "train.objective": "dpo",
+        "data.document_mask": "true",
+        "data.reset_positions": "true",
+        "optim.grad_clip": 0,  # the gradients compared as reduced, unclipped
+        "train.steps": 1,
+        **extra,
+    }
+    return hf_run_overrides(hf_llama, data_dir, run_root, SEQ, **settings)
+
+
+def step_pairs(data_dir: Path, cfg: config.Config) -> list[tuple]:
+    """The pairs of the first step's global batch: ((chosen ids, trained), (rejected ...)), each
+    side's tokens alone (without its end-of-document token) and which of them are trained."""
+    eot = read_meta(data_dir).raw["eot"]
+    data = TokenDataset(data_dir, "train", SEQ)
+    sides = []
+    for batch in BatchLoader(data, cfg.train.seed, cfg.train.global_batch_size, 2).next_step():
+        assert batch.mask is not None
+        for inputs, targets, mask in zip(batch.inputs, batch.targets, batch.mask):
+            window = torch.cat([inputs, targets[-1:]])
+            trained = torch.cat([torch.zeros(1, dtype=torch.bool), mask])
+            ends = (window == eot).nonzero().flatten().tolist()
+            start = 0
+            for end in ends:
+                if end > start:
+                    sides.append((window[start:end], trained[start:end]))
+                start = end + 1
+    return list(zip(sides[::2], sides[1::2]))
+
+
+def _peft(hf_llama: Path, adapter_dir: Path):
+    base = transformers.LlamaForCausalLM.from_pretrained(hf_llama, dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+
+
+def _sequence_logp(model, ids: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids[None]).logits[0].float()
+    logp = F.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
+    return (logp * trained[1:]).sum()
+
+
+def torch_reference(hf_llama, adapter_dir, pairs, beta: float, loss_type: str) -> tuple:
+    """Plain torch on transformers' PEFT model, each sequence alone: the mean DPO loss, TRL's
+    reward metrics, and the gradient of every adapter weight by Strata's name."""
+    model = _peft(hf_llama, adapter_dir)
+    losses, chosen, rejected = [], [], []
+    for (c, c_mask), (r, r_mask) in pairs:
+        logp = torch.stack([_sequence_logp(model, c, c_mask), _sequence_logp(model, r, r_mask)])
+        with torch.no_grad(), model.disable_adapter():
+            ref = torch.stack([_sequence_logp(model, c, c_mask), _sequence_logp(model, r, r_mask)])
+        ratio = logp - ref
+        if loss_type == "ipo":
+            n = torch.stack([c_mask.sum(), r_mask.sum()]).float()
+            losses.append((ratio[0] / n[0] - ratio[1] / n[1] - 1 / (2 * beta)) ** 2)
+        else:
+            losses.append(-F.logsigmoid(beta * (ratio[0] - ratio[1])))
+        chosen.append(float(beta * ratio[0].detach()))
+        rejected.append(float(beta * ratio[1].detach()))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    c, r = np.array(chosen), np.array(rejected)
+    metrics = {
+        "rewards/chosen": c.mean(),
+        "rewards/rejected": r.mean(),
+        "rewards/accuracies": (c > r).mean(),
+        "rewards/margins": (c - r).mean(),
+    }
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            peft_name = name.replace(".default", "")
+            grads[peft_name] = p.grad
+    return float(loss), metrics, grads
+
+
+def trl_reference(hf_llama, adapter_dir, tok_dir, pairs, beta, loss_type, tmp_path) -> tuple:
+    """TRL's DPOTrainer on the same pairs, as one batch (the reference: the adapters off): its
+    loss and its logged reward metrics."""
+    from datasets import Dataset
+
+    model = _peft(hf_llama, adapter_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        beta=beta,
+        loss_type=[loss_type],
+        report_to="none",
+        use_cpu=True,
+        max_length=None,
+        per_device_train_batch_size=len(pairs),
+    )
+    examples = []
+    for (c, c_mask), (r, r_mask) in pairs:
+        start = int(c_mask.float().argmax())
+        assert start == int(r_mask.float().argmax()) and torch.equal(c[:start], r[:start])
+        examples.append(
+            {
+                "prompt_ids": c[:start].tolist(),
+                "chosen_ids": c[start:].tolist(),
+                "rejected_ids": r[start:].tolist(),
+            }
+        )
+    dataset = Dataset.from_list(_records(2, 9))
+    trainer = trl.DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok)
+    # Handed a PEFT model, TRL keeps its adapter's first values as the reference ("ref"); its
+    # reference for adapters it adds itself (peft_config) is the base model, as Strata's always is:
+    # drop the copy so that the reference is the adapters off.
+    trainer.model.delete_adapter("ref")
+    assert "ref" not in trainer.model.peft_config and trainer.model.active_adapter == "default"
+    batch = trainer.data_collator(examples)
+    trainer.model.train()
+    loss = trainer.compute_loss(trainer.model, batch)
+    logged = trainer._metrics["train"]
+    metrics = {k: logged[k][-1] for k in ("rewards/chosen", "rewards/rejected",
+                                          "rewards/accuracies", "rewards/margins")}
+    return float(loss), metrics
+
+
+class GradientCapture(StepHook):
+    """At the veto, after the reduction and before the update: each of this rank's gradient
+    pieces, with the same piece of the reference gradient (its slice after tp)."""
+
+    def __init__(self, model, want: dict[str, torch.Tensor]):
+        self.model, self.want = model, want
+        self.pieces: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+
+    def veto(self, step: int, loss: float, grad_norm: float) -> str | None:
+        for g in self.model.engine.groups:
+            for slot, piece, a, b in g.segments:
+                name = slot.aliases[0]
+                want = self.want[to_peft(name)]
+                expected = placement_of(slot.param).local_slice(want).flatten()[a:b]
+                self.pieces.append((name, piece.grad.detach().clone(), expected))
+        return None
+
+
+def _first_step(overrides: list[str], want: dict, size: int) -> dict:
+    """Strata's evaluation and first step on this rank of a world of `size`."""
+    from strata.parallel import runtime
+    from strata.trainer.loop import Trainer
+
+    cfg = config.load(None, overrides, world_size=size, local_world_size=size)
+    rt = runtime.start("gloo", cfg.parallel.timeout_s)
+    trainer = Trainer(cfg, rt, writes=[], saves=False)
+    trainer.init_weights()  # model.init_from, and model.lora.init_from's adapters
+    capture = GradientCapture(trainer.model, want)
+    trainer.hooks.append(capture)
+    evaluation = trainer.evaluate()
+    loss, _ = trainer.train_step()
+    assert trainer.model.objective is not None
+    record = trainer.model.objective.record()
+    trainer.model.close()
+    return {"eval": evaluation.loss, "loss": float(loss), "record": record, "pieces": capture.pieces}
+
+
+def _step_rank(rank: int, size: int, port: int, out_dir: str, overrides: list, want: dict) -> None:
+    worker_env(rank, size, port)
+    torch.set_num_threads(1)
+    from strata.parallel import runtime
+
+    result = _first_step(overrides, want, size)
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    runtime.stop()
+
+
+def assert_reference(results: list[dict], loss: float, metrics: dict, n_params: int) -> None:
+    checked = set()
+    for r, result in enumerate(results):
+        assert result["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6), r
+        for key, value in metrics.items():
+            assert result["record"][key] == pytest.approx(value, rel=1e-5, abs=1e-5), (r, key)
+        for name, got, expected in result["pieces"]:
+            atol = 1e-5 * float(expected.abs().max()) + 1e-9
+            torch.testing.assert_close(
+                got, expected, rtol=1e-4, atol=atol, msg=lambda m: f"rank {r}, {name}: {m}"
+            )
+            checked.add(name)
+    assert len(checked) == n_params  # every adapter weight, on some rank
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_the_first_step_is_trls_and_plain_torchs(
+    hf_llama, adapter_dir, tok_dir, pairs_dir, tmp_path, loss_type
+):
+    beta = 0.1 if loss_type == "sigmoid" else 0.5
+    extra = {"train.dpo.beta": beta, "train.dpo.loss_type": loss_type}
+    overrides = _overrides(hf_llama, adapter_dir, pairs_dir, tmp_path, **extra)
+    cfg = config.load(None, overrides)
+    assert cfg.grad_accum_steps(1) == 4  # micro-batches of 2 windows
+    pairs = step_pairs(pairs_dir, cfg)
+    assert len(pairs) > 8
+    loss, metrics, grads = torch_reference(hf_llama, adapter_dir, pairs, beta, loss_type)
+    assert 0 < metrics["rewards/accuracies"] < 1 and metrics["rewards/chosen"] != 0
+    trl_loss, trl_metrics = trl_reference(
+        hf_llama, adapter_dir, tok_dir, pairs, beta, loss_type, tmp_path
+    )
+    assert trl_loss == pytest.approx(loss, rel=1e-5, abs=1e-6)
+    for key, value in trl_metrics.items():
+        assert value == pytest.approx(metrics[key], rel=1e-5, abs=1e-5), key
+    result = _first_step(overrides, grads, 1)
+    assert_reference([result], trl_loss, trl_metrics, len(grads))
