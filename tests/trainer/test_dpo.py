@@ -338,7 +338,7 @@ def torch_reference(hf_llama, adapter_dir, pairs, beta: float, loss_type: str) -
         if p.grad is not None:
             peft_name = name.replace(".default", "")
             grads[peft_name] = p.grad
-    return float(loss), metrics, grads
+    return float(loss.detach()), metrics, grads
 
 
 def trl_reference(hf_llama, adapter_dir, tok_dir, pairs, beta, loss_type, tmp_path) -> tuple:
@@ -393,6 +393,8 @@ class GradientCapture(StepHook):
         self.pieces: list[tuple[str, torch.Tensor, torch.Tensor]] = []
 
     def veto(self, step: int, loss: float, grad_norm: float) -> str | None:
+        if not self.want:
+            return None
         for g in self.model.engine.groups:
             for slot, piece, a, b in g.segments:
                 name = slot.aliases[0]
@@ -467,3 +469,86 @@ def test_the_first_step_is_trls_and_plain_torchs(
         assert value == pytest.approx(metrics[key], rel=1e-5, abs=1e-5), key
     result = _first_step(overrides, grads, 1)
     assert_reference([result], trl_loss, trl_metrics, len(grads))
+
+
+LAYOUTS = {
+    "dp2": {},
+    "tp2": {"parallel.tp": 2},
+    "tp2-sp-dp1-zero2": {
+        "parallel.tp": 2,
+        "parallel.sequence_parallel": "true",
+        "zero.grads.shard_over": "global",
+    },
+}
+
+
+@pytest.mark.slow  # a world of 2 processes
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_gives_one_process_step(hf_llama, adapter_dir, pairs_dir, tmp_path, layout):
+    overrides = _overrides(hf_llama, adapter_dir, pairs_dir, tmp_path, **LAYOUTS[layout])
+    pairs = step_pairs(pairs_dir, config.load(None, overrides))
+    loss, metrics, grads = torch_reference(hf_llama, adapter_dir, pairs, 0.1, "sigmoid")
+    results = run_world(_step_rank, 2, tmp_path, overrides, grads)
+    assert_reference(results, loss, metrics, len(grads))
+    # the evaluation (the mean pair loss over the validation pairs) is the same on every rank
+    one = _first_step(_overrides(hf_llama, adapter_dir, pairs_dir, tmp_path / "one"), grads, 1)
+    for result in results:
+        assert result["eval"] == pytest.approx(one["eval"], rel=1e-5, abs=1e-6)
+
+
+def test_the_evaluation_is_the_mean_pair_loss_of_the_validation_pairs(
+    hf_llama, adapter_dir, pairs_dir, tmp_path
+):
+    overrides = _overrides(hf_llama, adapter_dir, pairs_dir, tmp_path)
+    val = unpack(pairs_dir, "val")
+    assert val
+    pairs = [
+        tuple((torch.from_numpy(ids), torch.from_numpy(mask.astype(bool))) for ids, mask in pair)
+        for pair in val
+    ]
+    loss, _, _ = torch_reference(hf_llama, adapter_dir, pairs, 0.1, "sigmoid")
+    assert _first_step(overrides, {}, 1)["eval"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+
+
+def test_a_dpo_run_logs_trls_metrics(hf_llama, adapter_dir, pairs_dir, tmp_path):
+    from strata.parallel.runtime import start
+    from strata.trainer.jobs import train
+
+    overrides = _overrides(hf_llama, adapter_dir, pairs_dir, tmp_path, **{"train.steps": 2})
+    pairs = step_pairs(pairs_dir, config.load(None, overrides))
+    loss, metrics, _ = torch_reference(hf_llama, adapter_dir, pairs, 0.1, "sigmoid")
+    train(config.load(None, overrides), start())
+    lines = (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    step1 = next(r for r in records if r.get("step") == 1 and "loss" in r)
+    assert step1["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+    for key, value in metrics.items():
+        assert step1[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+    assert {"logps/chosen", "logps/rejected"} <= step1.keys()
+    step2 = next(r for r in records if r.get("step") == 2 and "loss" in r)
+    assert step2["rewards/margins"] != step1["rewards/margins"]  # the adapters moved
+
+
+def test_what_dpo_does_not_run_with_is_refused(hf_llama, adapter_dir, pairs_dir, tmp_path):
+    def problems(**extra) -> str:
+        with pytest.raises(ConfigError) as e:
+            config.load(None, _overrides(hf_llama, adapter_dir, pairs_dir, tmp_path, **extra))
+        return str(e.value)
+
+    assert "needs model.lora" in problems(**{"model.lora.rank": 0, "model.lora.init_from": None})
+    assert "parallel.pp=2" in problems(**{"parallel.pp": 2})
+    assert "parallel.cp=2" in problems(**{"parallel.cp": 2})
+    assert "ZeRO-3" in problems(**{"zero.params.shard_over": "global"})
+    assert "data.document_mask=true" in problems(**{"data.document_mask": "false"})
+
+
+def test_pairs_train_with_dpo_only(hf_llama, adapter_dir, pairs_dir, small_data_dir, tmp_path):
+    from strata.parallel.runtime import start
+    from strata.trainer.loop import Trainer
+
+    lm = _overrides(hf_llama, adapter_dir, pairs_dir, tmp_path, **{"train.objective": "lm"})
+    with pytest.raises(DataError, match="set train.objective=dpo"):
+        Trainer(config.load(None, lm), start(), writes=[], saves=False)
+    dpo = _overrides(hf_llama, adapter_dir, small_data_dir, tmp_path)
+    with pytest.raises(DataError, match="holds none"):
+        Trainer(config.load(None, dpo), start(), writes=[], saves=False)
