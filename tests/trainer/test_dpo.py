@@ -474,11 +474,8 @@ def test_the_first_step_is_trls_and_plain_torchs(
 LAYOUTS = {
     "dp2": {},
     "tp2": {"parallel.tp": 2},
-    "tp2-sp-dp1-zero2": {
-        "parallel.tp": 2,
-        "parallel.sequence_parallel": "true",
-        "zero.grads.shard_over": "global",
-    },
+    "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
+    "dp2-zero2": {"zero.grads.shard_over": "global", "zero.optim.shard_over": "global"},
 }
 
 
