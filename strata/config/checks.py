@@ -297,7 +297,6 @@ def _dpo_checks(cfg: Config) -> list[str]:
     par = cfg.parallel
     refused = [
         (par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp=1"),
-        (par.cp > 1, f"parallel.cp={par.cp}", "parallel.cp=1"),
         (
             cfg.zero.params.shard_over != "none",
             f"zero.params.shard_over={cfg.zero.params.shard_over} (ZeRO-3)",

@@ -19,6 +19,9 @@ and the step's loss is their mean over every pair of the global batch: the pairs
 the dp group before any backward, and each micro-batch's summed pair losses are scaled by
 dp/count, so the engine's 1/dp leaves the exact mean whatever the split over micro-batches and
 ranks. Under tensor parallelism the log-probabilities come from the vocab-parallel cross-entropy.
+Under context parallelism each rank sums its shard of every completion, and the sums are added
+over the cp group (identity backward: each rank's shard gets the whole sum's gradient); the pairs
+are counted on the whole sequences, which the cp ranks of a replica share.
 The step also reports TRL's rewards/chosen, rewards/rejected, rewards/accuracies (chosen reward
 above the rejected one), rewards/margins and logps/chosen, logps/rejected, each the mean over the
 global batch's pairs.
@@ -78,6 +81,18 @@ def dpo_losses(
     return -F.logsigmoid(dpo.beta * (ratios[:, 0] - ratios[:, 1]))
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over the cp group forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        return comm.all_reduce(x.contiguous().clone(), group, dim="cp")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
 class Preference:
     """The DPO step and evaluation on a `ParallelModel` (set as its `objective`): see the module
     docstring. `eot` is the data's end-of-document token."""
@@ -87,22 +102,25 @@ class Preference:
         self.stats = torch.zeros(len(METRICS) + 1, dtype=torch.float64)  # sums, then the pairs
 
     def _pairs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The micro-batch's targets (IGNORE_INDEX where untrained) and slots on the device, and
-        which (row, pair) slots hold a pair (both sides trained)."""
+        """This rank's targets of the micro-batch (IGNORE_INDEX where untrained) and their slots,
+        on the device, and the trained targets of each (row, pair) slot on the whole sequences,
+        (slots/2, 2)."""
         model = self.model
-        targets = model.local(model._trained(batch))
-        slots = pair_slots(batch.inputs.to(model.device), targets, self.eot)
-        size = 2 * batch.inputs.numel()
+        whole = model._trained(batch).to(model.device)
+        slots = pair_slots(batch.inputs.to(model.device), whole, self.eot)
         ones = torch.ones(slots.shape, dtype=torch.float32, device=model.device)
-        tokens = pair_sums(ones, slots, size)
-        return targets, slots, tokens
+        tokens = pair_sums(ones, slots, 2 * batch.inputs.numel())
+        return model.local(whole), model.local(slots.view(whole.shape)).flatten(), tokens
 
     def _logps(self, batch: Batch, targets: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The model's per-slot sums of its targets' log-probabilities, (slots/2, 2)."""
         model = self.model
         logits = model.run(model.parts[0], batch.inputs)
         per_target = -model.loss_fn.loss(logits, targets, reduction="none").float()
-        return pair_sums(per_target, slots, 2 * batch.inputs.numel())
+        sums = pair_sums(per_target, slots, 2 * batch.inputs.numel())
+        if model.topo.layout.cp > 1:  # each rank holds a shard of every completion
+            sums = _SumOverGroup.apply(sums, model.topo.group("cp"))
+        return sums
 
     def _pair_losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's pair losses (with autograd through the policy) and the detached
@@ -129,12 +147,14 @@ class Preference:
         return losses, figures
 
     def _count(self, micro_batches: list[Batch]) -> int:
-        """The global batch's pairs, over the dp group (the same number on every rank)."""
+        """The global batch's pairs, over the dp group (the same number on every rank), whose cp
+        ranks count their replica's pairs alike."""
         held = torch.zeros((), dtype=torch.int64, device=self.model.device)
         for batch in micro_batches:
             _, _, tokens = self._pairs(batch)
             held += (tokens > 0).all(dim=1).sum()
         count = int(comm.all_reduce(held, self.model.topo.group("dp"), dim="dp").item())
+        count //= self.model.topo.layout.cp
         if count == 0:
             raise DataError(
                 "a global batch holds no preference pair with both completions trained, so its "
@@ -165,8 +185,9 @@ class Preference:
         if offloader:
             offloader.end_step()
         stats = torch.cat([sums, torch.tensor([float(pairs)], device=model.device).double()])
+        # (the cp ranks of a replica count its pairs alike: the means are unchanged)
         self.stats = comm.all_reduce(stats, model.topo.group("dp"), dim="dp").cpu()
-        return loss_sum
+        return loss_sum / model.topo.layout.cp  # the loop sums it over the dp group, cp ranks too
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
