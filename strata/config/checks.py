@@ -296,7 +296,11 @@ def _dpo_checks(cfg: Config) -> list[str]:
         )
     par = cfg.parallel
     refused = [
-        (par.pp > 1, f"parallel.pp={par.pp}", "parallel.pp=1"),
+        (
+            par.pp > 1 and par.cp > 1,
+            f"parallel.pp={par.pp} with parallel.cp={par.cp}",
+            "one of them",
+        ),
         (
             cfg.zero.params.shard_over != "none",
             f"zero.params.shard_over={cfg.zero.params.shard_over} (ZeRO-3)",

@@ -30,6 +30,7 @@ global batch's pairs.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +100,7 @@ class Preference:
 
     def __init__(self, model: ParallelModel, dpo: DpoConfig, eot: int):
         self.model, self.dpo, self.eot = model, dpo, eot
+        self.raw = model.loss_fn.loss  # each target's cross-entropy (vocab-parallel under tp)
         self.stats = torch.zeros(len(METRICS) + 1, dtype=torch.float64)  # sums, then the pairs
 
     def _pairs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,7 +118,7 @@ class Preference:
         """The model's per-slot sums of its targets' log-probabilities, (slots/2, 2)."""
         model = self.model
         logits = model.run(model.parts[0], batch.inputs)
-        per_target = -model.loss_fn.loss(logits, targets, reduction="none").float()
+        per_target = -self.raw(logits, targets, reduction="none").float()
         sums = pair_sums(per_target, slots, 2 * batch.inputs.numel())
         if model.topo.layout.cp > 1:  # each rank holds a shard of every completion
             sums = _SumOverGroup.apply(sums, model.topo.group("cp"))
@@ -128,7 +130,13 @@ class Preference:
         targets, slots, tokens = self._pairs(batch)
         with torch.no_grad(), adapters_off(self.model.parts):
             ref = self._logps(batch, targets, slots)
-        logps = self._logps(batch, targets, slots)
+        return self._score(self._logps(batch, targets, slots), ref, tokens)
+
+    def _score(
+        self, logps: torch.Tensor, ref: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pair losses and figures (`_pair_losses`) from the per-slot sums (slots/2, 2) of
+        the policy, the reference and the trained targets."""
         held = (tokens > 0).all(dim=1)
         logps, ref, tokens = logps[held], ref[held], tokens[held]
         losses = dpo_losses(logps, ref, tokens, self.dpo)
@@ -168,6 +176,8 @@ class Preference:
         global batch into the engine's buffers; returns this rank's share of the loss (summed over
         the dp ranks, the step's). Also gathers the step's metrics (`record`)."""
         model = self.model
+        if model.pipeline is not None:
+            return self._pipeline_step(micro_batches)
         weight = model.topo.dp_size / self._count(micro_batches)
         offloader = model.tiers.activations if model.tiers else None
         model.engine.expect_backwards(len(micro_batches))
@@ -189,15 +199,125 @@ class Preference:
         self.stats = comm.all_reduce(stats, model.topo.group("dp"), dim="dp").cpu()
         return loss_sum / model.topo.layout.cp  # the loop sums it over the dp group, cp ranks too
 
+    # --- under pipeline parallelism ---------------------------------------------------------
+    @contextlib.contextmanager
+    def _stage_loss(self, loss: Callable[..., torch.Tensor], weight: float | None) -> Iterator:
+        """The pipeline's loss function (the model's `StepLoss`, which the schedule holds) computes
+        `loss` inside the block."""
+        step_loss = self.model.loss_fn
+        kept = step_loss.loss, step_loss.weight
+        step_loss.loss, step_loss.weight = loss, weight
+        try:
+            yield
+        finally:
+            step_loss.loss, step_loss.weight = kept
+
+    def _stage_logps(self, batch: Batch, targets: torch.Tensor) -> torch.Tensor:
+        """Each target's log-probability (rows, seq) by a forward-only pass through the pipeline,
+        on the last stage (zeros elsewhere)."""
+        model, pipeline = self.model, self.model.pipeline
+        assert pipeline is not None
+        out = torch.zeros(targets.shape, dtype=torch.float64, device=model.device)
+
+        def capture(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            per_target = -self.raw(logits, targets, reduction="none")
+            out.copy_(per_target.view(targets.shape))
+            return torch.zeros((), device=model.device)
+
+        inputs = model.local(batch.inputs)
+        with self._stage_loss(capture, None):
+            pipeline.evaluate(inputs, targets, model.documents_of(batch.inputs))
+        return out
+
+    def _packed(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        """The micro-batch's targets as the pipeline's last stage needs them, (rows, seq, 3)
+        float64: the target id (IGNORE_INDEX where untrained), its slot, the reference's
+        log-probability of it (computed here, adapters off); and its pairs."""
+        targets, slots, tokens = self._pairs(batch)
+        with torch.no_grad(), adapters_off(self.model.parts):
+            ref = self._stage_logps(batch, targets)
+        packed = torch.stack([targets.double(), slots.view(targets.shape).double(), ref], dim=-1)
+        return packed, int((tokens > 0).all(dim=1).sum())
+
+    def _packed_losses(self, logits: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """The last stage's pair losses of a micro-batch from its logits and `_packed` targets;
+        their figures are added to `self._sums`."""
+        targets, slots, ref = packed[..., 0].long(), packed[..., 1].long().flatten(), packed[..., 2]
+        size = 2 * targets.numel()
+        per_target = -self.raw(logits, targets, reduction="none").float()
+        ones = (slots >= 0).float()
+        losses, figures = self._score(
+            pair_sums(per_target, slots, size),
+            pair_sums(ref.flatten().float(), slots, size),
+            pair_sums(ones, slots, size),
+        )
+        self._sums += torch.cat([figures.double().sum(dim=0), figures.new_tensor([len(losses)])])
+        return losses
+
+    def _pipeline_step(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """`forward_backward` under pipeline parallelism: the reference's log-probabilities by a
+        forward pass per micro-batch, carried to the last stage inside the targets (the schedule
+        cuts them into micro-batches as it cuts the inputs), where the pair losses are computed,
+        each micro-batch's times dp·M/count (the engine applies 1/(dp·M))."""
+        model, pipeline = self.model, self.model.pipeline
+        assert pipeline is not None
+        with model.autocast():
+            packed = [self._packed(batch) for batch in micro_batches]
+        count = int(comm.all_reduce(
+            torch.tensor(sum(n for _, n in packed), device=model.device),
+            model.topo.group("dp"),
+            dim="dp",
+        ).item())  # fmt: skip
+        if count == 0:
+            self._count(micro_batches)  # raises its error
+        weight = model.topo.dp_size * pipeline.microbatches / count
+        self._sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=model.device)
+        model.engine.expect_backwards(pipeline.microbatches)
+        inputs = torch.cat([b.inputs for b in micro_batches])
+        with self._stage_loss(lambda x, y, reduction: self._packed_losses(x, y).sum(), weight):
+            with model.autocast():
+                loss = pipeline.forward_backward(
+                    model.local(inputs),
+                    torch.cat([p for p, _ in packed]),
+                    model.documents_of(inputs),
+                )
+        stats = comm.all_reduce(self._sums, model.topo.group("dp"), dim="dp")
+        self.stats = comm.all_reduce(stats, pipeline.group, dim="pp").cpu()  # the last stage's
+        return loss
+
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """`ParallelModel.eval_loss` for DPO: (the micro-batch's summed pair losses, its pairs),
         float64 0-d tensors on the device; summed over micro-batches and ranks, the first over
         the second is the mean pair loss."""
-        with self.model.autocast():
-            losses, _ = self._pair_losses(batch)
-        pairs = torch.tensor(float(len(losses)), dtype=torch.float64, device=self.model.device)
-        return losses.double().sum(), pairs
+        model = self.model
+        with model.autocast():
+            if model.pipeline is None:
+                losses, _ = self._pair_losses(batch)
+            else:
+                losses = self._stage_eval(batch)
+        loss, pairs = losses.double().sum(), torch.tensor(float(len(losses)), dtype=torch.float64)
+        pairs = pairs.to(model.device)
+        if model.pipeline is not None:  # the last stage's, on every pipeline rank
+            both = comm.all_reduce(torch.stack([loss, pairs]), model.pipeline.group, dim="pp")
+            loss, pairs = both[0], both[1]
+        return loss, pairs
+
+    def _stage_eval(self, batch: Batch) -> torch.Tensor:
+        """The micro-batch's pair losses by forward passes through the pipeline: on its last
+        stage (none elsewhere)."""
+        pipeline = self.model.pipeline
+        assert pipeline is not None
+        targets, slots, tokens = self._pairs(batch)
+        with adapters_off(self.model.parts):
+            ref = self._stage_logps(batch, targets)
+        logps = self._stage_logps(batch, targets)
+        if not pipeline.has_last:
+            return torch.zeros(0, device=self.model.device)
+        size = 2 * targets.numel()
+        sums = [pair_sums(x.flatten().float(), slots, size) for x in (logps, ref)]
+        losses, _ = self._score(sums[0], sums[1], tokens)
+        return losses
 
     def record(self) -> dict[str, float]:
         """The last step's metrics: each the mean over the global batch's pairs."""

@@ -483,6 +483,7 @@ LAYOUTS = {
     "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
     "dp2-zero2": {"zero.grads.shard_over": "global", "zero.optim.shard_over": "global"},
     "cp2": {"parallel.cp": 2},
+    "pp2": {"parallel.pp": 2},
 }
 
 
@@ -540,7 +541,7 @@ def test_what_dpo_does_not_run_with_is_refused(hf_llama, adapter_dir, pairs_dir,
         return str(e.value)
 
     assert "needs model.lora" in problems(**{"model.lora.rank": 0, "model.lora.init_from": None})
-    assert "parallel.pp=2" in problems(**{"parallel.pp": 2})
+    assert "parallel.pp=2 with parallel.cp=2" in problems(**{"parallel.pp": 2, "parallel.cp": 2})
     assert "ZeRO-3" in problems(**{"zero.params.shard_over": "global"})
     assert "data.document_mask=true" in problems(**{"data.document_mask": "false"})
 
