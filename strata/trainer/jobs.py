@@ -15,7 +15,7 @@ from pathlib import Path
 from strata import config as config_mod
 from strata.config import Config
 from strata.data.tokens import TokenDataset
-from strata.errors import CheckpointError
+from strata.errors import CheckpointError, ConfigError
 from strata.model import count_params
 from strata.parallel import comm
 from strata.parallel import runtime as runtime_mod
@@ -141,6 +141,15 @@ def evaluate_checkpoint(cfg: Config, runtime: Runtime, source: Path, data_dirs: 
     the config's data sources apart. Whole splits, every sequence once. Writes nothing: the caller
     holds the lock of the run directory it writes the results into, and checkpoint.dir, which a
     live run may be writing, is left alone."""
+    if cfg.train.objective != "lm":
+        raise ConfigError(
+            [
+                f"strata eval scores the next-token loss, perplexity and bits per byte, which "
+                f"train.objective={cfg.train.objective} does not train: the run's own evaluation "
+                "(train.eval_interval) reports its mean pair loss; or export the model (strata "
+                "ckpt export) and evaluate it on conversations with train.objective=lm"
+            ]
+        )
     trainer = Trainer(cfg, runtime, writes=[], saves=False)
     trainer.resume(source)
     if not data_dirs:

@@ -154,15 +154,13 @@ class Preference:
         )
         return losses, figures
 
-    def _count(self, micro_batches: list[Batch]) -> int:
-        """The global batch's pairs, over the dp group (the same number on every rank), whose cp
-        ranks count their replica's pairs alike."""
-        held = torch.zeros((), dtype=torch.int64, device=self.model.device)
-        for batch in micro_batches:
-            _, _, tokens = self._pairs(batch)
-            held += (tokens > 0).all(dim=1).sum()
-        count = int(comm.all_reduce(held, self.model.topo.group("dp"), dim="dp").item())
-        count //= self.model.topo.layout.cp
+    def _count(self, held: int) -> int:
+        """The global batch's pairs from this rank's `held`, over the dp group (the same number on
+        every rank), whose cp ranks count their replica's pairs alike."""
+        model = self.model
+        total = torch.tensor(held, dtype=torch.int64, device=model.device)
+        count = int(comm.all_reduce(total, model.topo.group("dp"), dim="dp").item())
+        count //= model.topo.layout.cp
         if count == 0:
             raise DataError(
                 "a global batch holds no preference pair with both completions trained, so its "
@@ -176,27 +174,33 @@ class Preference:
         global batch into the engine's buffers; returns this rank's share of the loss (summed over
         the dp ranks, the step's). Also gathers the step's metrics (`record`)."""
         model = self.model
-        if model.pipeline is not None:
-            return self._pipeline_step(micro_batches)
-        weight = model.topo.dp_size / self._count(micro_batches)
         offloader = model.tiers.activations if model.tiers else None
-        model.engine.expect_backwards(len(micro_batches))
-        loss_sum = torch.zeros((), device=model.device)
-        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=model.device)
-        pairs = 0
         with model.autocast(), offloader.saving() if offloader else contextlib.nullcontext():
-            for batch in micro_batches:
-                losses, figures = self._pair_losses(batch)
-                loss = losses.sum() * weight
-                loss.backward()
-                loss_sum += loss.detach()
-                sums += figures.double().sum(dim=0)
-                pairs += len(losses)
+            if model.pipeline is not None:
+                loss = self._pipeline_step(micro_batches)
+            else:
+                loss = self._plain_step(micro_batches)
         if offloader:
             offloader.end_step()
-        stats = torch.cat([sums, torch.tensor([float(pairs)], device=model.device).double()])
+        return loss
+
+    def _plain_step(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """`forward_backward` without pipeline parallelism: reference and policy per micro-batch,
+        each micro-batch's summed pair losses times dp/count."""
+        model = self.model
+        held = sum(int((self._pairs(b)[2] > 0).all(dim=1).sum()) for b in micro_batches)
+        weight = model.topo.dp_size / self._count(held)
+        model.engine.expect_backwards(len(micro_batches))
+        loss_sum = torch.zeros((), device=model.device)
+        sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=model.device)
+        for batch in micro_batches:
+            losses, figures = self._pair_losses(batch)
+            loss = losses.sum() * weight
+            loss.backward()
+            loss_sum += loss.detach()
+            sums += torch.cat([figures.double().sum(dim=0), sums.new_tensor([len(losses)])])
         # (the cp ranks of a replica count its pairs alike: the means are unchanged)
-        self.stats = comm.all_reduce(stats, model.topo.group("dp"), dim="dp").cpu()
+        self.stats = comm.all_reduce(sums, model.topo.group("dp"), dim="dp").cpu()
         return loss_sum / model.topo.layout.cp  # the loop sums it over the dp group, cp ranks too
 
     # --- under pipeline parallelism ---------------------------------------------------------
@@ -251,7 +255,7 @@ class Preference:
             pair_sums(ref.flatten().float(), slots, size),
             pair_sums(ones, slots, size),
         )
-        self._sums += torch.cat([figures.double().sum(dim=0), figures.new_tensor([len(losses)])])
+        self._sums += torch.cat([figures.double().sum(dim=0), self._sums.new_tensor([len(losses)])])
         return losses
 
     def _pipeline_step(self, micro_batches: list[Batch]) -> torch.Tensor:
@@ -261,26 +265,17 @@ class Preference:
         each micro-batch's times dp·M/count (the engine applies 1/(dp·M))."""
         model, pipeline = self.model, self.model.pipeline
         assert pipeline is not None
-        with model.autocast():
-            packed = [self._packed(batch) for batch in micro_batches]
-        count = int(comm.all_reduce(
-            torch.tensor(sum(n for _, n in packed), device=model.device),
-            model.topo.group("dp"),
-            dim="dp",
-        ).item())  # fmt: skip
-        if count == 0:
-            self._count(micro_batches)  # raises its error
-        weight = model.topo.dp_size * pipeline.microbatches / count
+        packed = [self._packed(batch) for batch in micro_batches]
+        weight = model.topo.dp_size * pipeline.microbatches / self._count(sum(n for _, n in packed))
         self._sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=model.device)
         model.engine.expect_backwards(pipeline.microbatches)
         inputs = torch.cat([b.inputs for b in micro_batches])
         with self._stage_loss(lambda x, y, reduction: self._packed_losses(x, y).sum(), weight):
-            with model.autocast():
-                loss = pipeline.forward_backward(
-                    model.local(inputs),
-                    torch.cat([p for p, _ in packed]),
-                    model.documents_of(inputs),
-                )
+            loss = pipeline.forward_backward(
+                model.local(inputs),
+                torch.cat([p for p, _ in packed]),
+                model.documents_of(inputs),
+            )
         stats = comm.all_reduce(self._sums, model.topo.group("dp"), dim="dp")
         self.stats = comm.all_reduce(stats, pipeline.group, dim="pp").cpu()  # the last stage's
         return loss

@@ -544,6 +544,12 @@ def test_what_dpo_does_not_run_with_is_refused(hf_llama, adapter_dir, pairs_dir,
     assert "parallel.pp=2 with parallel.cp=2" in problems(**{"parallel.pp": 2, "parallel.cp": 2})
     assert "ZeRO-3" in problems(**{"zero.params.shard_over": "global"})
     assert "data.document_mask=true" in problems(**{"data.document_mask": "false"})
+    from strata.parallel.runtime import start
+    from strata.trainer.jobs import evaluate_checkpoint
+
+    cfg = config.load(None, _overrides(hf_llama, adapter_dir, pairs_dir, tmp_path))
+    with pytest.raises(ConfigError, match="strata eval scores the next-token loss"):
+        evaluate_checkpoint(cfg, start(), tmp_path, [])
 
 
 def test_pairs_train_with_dpo_only(hf_llama, adapter_dir, pairs_dir, small_data_dir, tmp_path):
