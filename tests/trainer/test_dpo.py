@@ -168,7 +168,7 @@ def test_pairs_are_packed_side_by_side_with_trls_completions(pairs_dir, tok_dir,
     assert sorted(got) == sorted(want)
 
 
-def test_trls_three_shapes_of_a_pair_prepare_alike(tok_dir, tmp_path):
+def test_trls_three_shapes_of_a_pair_and_parquet_prepare_alike(tok_dir, tmp_path):
     conversational = _records(6, 1)
     single = [r for r in conversational if len(r["prompt"]) == 1]
     text = [
@@ -187,6 +187,17 @@ def test_trls_three_shapes_of_a_pair_prepare_alike(tok_dir, tmp_path):
         _prepare(records, tmp_path / name, tok_dir, "--val-fraction", "0")
         for name, records in (("conv", single), ("text", text), ("implicit", implicit))
     ]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from strata.launch.cli import main
+
+    (tmp_path / "parquet").mkdir()
+    pq.write_table(pa.Table.from_pylist(single), tmp_path / "parquet" / "pairs.parquet")
+    argv = ["data", "prepare", str(tmp_path / "parquet" / "pairs.parquet"), "--tokenizer"]
+    argv += [str(tok_dir), "--seq-len", str(SEQ), "--workers", "1", "--val-fraction", "0"]
+    assert main([*argv, "--out", str(tmp_path / "parquet" / "data")]) == 0
+    dirs.append(tmp_path / "parquet" / "data")
     first = unpack(dirs[0])
     assert len(first) == len(single) > 1
     for other in dirs[1:]:
