@@ -495,6 +495,7 @@ LAYOUTS = {
     "dp2-zero2": {"zero.grads.shard_over": "global", "zero.optim.shard_over": "global"},
     "cp2": {"parallel.cp": 2},
     "pp2": {"parallel.pp": 2},
+    "dp2-recompute": {"activations.recompute": "full"},
 }
 
 
