@@ -21,8 +21,8 @@ meta.json's chat block says `"pairs": true`. A pair longer than the window is tr
 `keep_start` truncates both sequences to one `max_length`, the largest that fits the pair in the
 window (or dropped with `--long drop`); one with a side left without a trained token is dropped.
 
-The split between train and val is per conversation (per pair), by the hash `strata data prepare` uses for
-any JSON Lines or Parquet document; the output does not depend on the number of workers.
+The split between train and val is per conversation (per pair), by the hash `strata data prepare`
+uses for any JSON Lines or Parquet document; the output does not depend on the number of workers.
 """
 
 from __future__ import annotations

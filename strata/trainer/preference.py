@@ -21,7 +21,13 @@ dp/count, so the engine's 1/dp leaves the exact mean whatever the split over mic
 ranks. Under tensor parallelism the log-probabilities come from the vocab-parallel cross-entropy.
 Under context parallelism each rank sums its shard of every completion, and the sums are added
 over the cp group (identity backward: each rank's shard gets the whole sum's gradient); the pairs
-are counted on the whole sequences, which the cp ranks of a replica share.
+are counted on the whole sequences, which the cp ranks of a replica share. Under pipeline
+parallelism the reference's per-target log-probabilities come from a forward pass through the
+stages per micro-batch (`Pipeline.evaluate`, adapters off) and travel to the last stage as a
+channel of the targets, (rows, seq, 3): target id, slot, reference log-probability (the schedule
+cuts the targets into micro-batches along dim 0, as the inputs); the last stage computes the pair
+losses there, each micro-batch's times dp·M/count (the engine applies 1/(dp·M)).
+
 The step also reports TRL's rewards/chosen, rewards/rejected, rewards/accuracies (chosen reward
 above the rejected one), rewards/margins and logps/chosen, logps/rejected, each the mean over the
 global batch's pairs.

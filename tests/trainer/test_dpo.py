@@ -7,8 +7,11 @@ that are not zero (so policy and reference differ), the first step's loss and TR
 rewards/chosen, rewards/rejected, rewards/accuracies and rewards/margins equal DPOTrainer's on the
 same pairs (the reference: the adapters off), for the sigmoid and the ipo loss; the step's
 gradient of every adapter equals a plain torch implementation's (each sequence alone, no
-packing), in one process with gradient accumulation and with dp 2 and tp 2 (the vocab-parallel
-log-probabilities). What DPO does not run with is refused by name."""
+packing), in one process with gradient accumulation and in worlds of 2: dp (with ZeRO-2, with
+recomputed blocks), tp (the vocab-parallel log-probabilities; with sequence parallelism), pp (the
+reference carried to the last stage in the targets) and cp (completion sums over the shards),
+whose evaluations (the mean pair loss of the validation pairs) are one process's. Training logs
+TRL's metrics; what DPO does not run with is refused by name."""
 
 from __future__ import annotations
 
@@ -257,7 +260,7 @@ def hf_llama(tok_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def adapter_dir(hf_llama, tmp_path_factory) -> Path:
-    """PEFT adapters on every linear layer with B drawn non-zero: the policy is not the reference."""
+    """PEFT adapters on every linear layer, B drawn non-zero: the policy is not the reference."""
     base = transformers.LlamaForCausalLM.from_pretrained(hf_llama, dtype=torch.float32)
     model = peft.get_peft_model(
         base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
