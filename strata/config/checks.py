@@ -283,17 +283,11 @@ def _lora_checks(cfg: Config) -> list[str]:
 
 
 def _dpo_checks(cfg: Config) -> list[str]:
-    """What train.objective=dpo does not run with: the reference is the model with its adapters
-    off, so it needs model.lora; the layouts and features it has not been made to work with."""
+    """What train.objective=dpo does not run with: the layouts and features it has not been made
+    to work with."""
     if cfg.train.objective != "dpo":
         return []
     p = []
-    if not cfg.model.lora.enabled:
-        p.append(
-            "train.objective=dpo needs model.lora: the reference model is the trained model with "
-            "its adapters off (a frozen copy of the whole model for full fine-tuning is not "
-            "implemented); set model.lora.rank (e.g. 16), or train.objective=lm"
-        )
     par = cfg.parallel
     refused = [
         (

@@ -25,6 +25,7 @@ from strata.trainer.evaluate import Evaluation, evaluate, target_bytes
 from strata.trainer.hooks import HangWatch
 from strata.trainer.loop import RunResult, Trainer
 from strata.trainer.metrics import MetricsLogger, mfu_peak
+from strata.trainer.preference import Preference
 from strata.trainer.signals import Preempted
 
 
@@ -32,6 +33,11 @@ def train(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResul
     """Train `cfg` in this process (one rank of the world `runtime` describes) and print a summary."""
     trainer = Trainer(cfg, runtime)
     began = time.time()
+    if isinstance(trainer.model.objective, Preference) and not cfg.model.lora.enabled:
+        # DPO's reference, full fine-tuning: the weights the run starts from, before any resume
+        if cfg.model.init_from:
+            start.init_weights(trainer)
+        trainer.model.objective.keep_reference()
     origin = start.choose(trainer, resume)
     peak, peak_note = mfu_peak(cfg.log.peak_tflops, runtime.device, cfg.train.precision)
     log = MetricsLogger(

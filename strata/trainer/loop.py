@@ -95,7 +95,8 @@ class Trainer:
             eot = end_of_document(data.path, data.key)
             self.model.documents = (eot, cfg.data.document_mask, cfg.data.reset_positions)
         if cfg.train.objective == "dpo":  # its config checks require data.document_mask
-            self.model.objective = Preference(self.model, cfg.train.dpo, eot)
+            lora = cfg.model.lora.enabled
+            self.model.objective = Preference(self.model, cfg.train.dpo, eot, lora)
         self.held_bytes: dict[str, int] = {}
         self.loader = make_loader(
             self.train_set,

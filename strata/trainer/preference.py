@@ -8,9 +8,12 @@ one, nor a conversation's first token), so the pairs are found from the batch al
 
 Per pair, the policy's log-probabilities of the completion's trained targets are summed for the
 chosen and the rejected side (logp_c, logp_r), and so are the reference's (ref_c, ref_r): the
-same model with its LoRA adapters off (`strata.lora.adapters_off`), run under no_grad on each
-micro-batch before the policy's pass. With rewards r = beta·(logp − ref) (TRL's rewards/chosen and
-rewards/rejected), the loss of a pair is TRL 1.16's
+same model with its LoRA adapters off (`strata.lora.adapters_off`), or without adapters (full
+fine-tuning) the model as the run started: a copy of this rank's trained parameters taken before
+any checkpoint is resumed (model.init_from's weights, or the initial values), swapped in for the
+reference's pass. Either runs under no_grad on each micro-batch before the policy's pass. With
+rewards r = beta·(logp − ref) (TRL's rewards/chosen and rewards/rejected), the loss of a pair is
+TRL 1.16's
 
     sigmoid: −log σ(beta·((logp_c − ref_c) − (logp_r − ref_r)))
     ipo:     ((logp_c − ref_c)/n_c − (logp_r − ref_r)/n_r − 1/(2·beta))²   (n: completion tokens)
@@ -40,6 +43,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from strata.config.schema import DpoConfig
 from strata.data.tokens import Batch
@@ -104,9 +108,48 @@ class Preference:
     """The DPO step and evaluation on a `ParallelModel` (set as its `objective`): see the module
     docstring. `eot` is the data's end-of-document token."""
 
-    def __init__(self, model: ParallelModel, dpo: DpoConfig, eot: int):
-        self.model, self.dpo, self.eot = model, dpo, eot
+    def __init__(self, model: ParallelModel, dpo: DpoConfig, eot: int, lora: bool):
+        self.model, self.dpo, self.eot, self.lora = model, dpo, eot, lora
         self.raw = model.loss_fn.loss  # each target's cross-entropy (vocab-parallel under tp)
+        # full fine-tuning: the trained parameters' values as the run started
+        self.reference: list[torch.Tensor] | None = None
+
+    def _trained_params(self) -> list[nn.Parameter]:
+        """This rank's parameters that train, each once."""
+        seen: dict[int, nn.Parameter] = {}
+        for part in self.model.parts:
+            for p in part.parameters():
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def keep_reference(self) -> None:
+        """Full fine-tuning: copy this rank's trained parameters as the reference model (called
+        with the weights the run starts from, before any checkpoint is resumed)."""
+        if not self.lora:
+            self.reference = [p.detach().clone() for p in self._trained_params()]
+
+    @contextlib.contextmanager
+    def _reference_model(self) -> Iterator[None]:
+        """Inside the block, the model computes as the reference (no gradient): its adapters off,
+        or its trained parameters holding the values the run started from."""
+        if self.lora:
+            with torch.no_grad(), adapters_off(self.model.parts):
+                yield
+            return
+        if self.reference is None:  # a run that resumed nothing: the weights are its first
+            self.keep_reference()
+        assert self.reference is not None
+        params = self._trained_params()
+        swap = list(zip(params, self.reference))
+        for p, ref in swap:
+            p.data, ref.data = ref.data, p.data
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for p, ref in swap:
+                p.data, ref.data = ref.data, p.data
         self.stats = torch.zeros(len(METRICS) + 1, dtype=torch.float64)  # sums, then the pairs
 
     def _pairs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,7 +177,7 @@ class Preference:
         """The micro-batch's pair losses (with autograd through the policy) and the detached
         per-pair figures behind the metrics (pairs, len(METRICS))."""
         targets, slots, tokens = self._pairs(batch)
-        with torch.no_grad(), adapters_off(self.model.parts):
+        with self._reference_model():
             ref = self._logps(batch, targets, slots)
         return self._score(self._logps(batch, targets, slots), ref, tokens)
 
@@ -244,7 +287,7 @@ class Preference:
         float64: the target id (IGNORE_INDEX where untrained), its slot, the reference's
         log-probability of it (computed here, adapters off); and its pairs."""
         targets, slots, tokens = self._pairs(batch)
-        with torch.no_grad(), adapters_off(self.model.parts):
+        with self._reference_model():
             ref = self._stage_logps(batch, targets)
         packed = torch.stack([targets.double(), slots.view(targets.shape).double(), ref], dim=-1)
         return packed, int((tokens > 0).all(dim=1).sum())
@@ -310,7 +353,7 @@ class Preference:
         pipeline = self.model.pipeline
         assert pipeline is not None
         targets, slots, tokens = self._pairs(batch)
-        with adapters_off(self.model.parts):
+        with self._reference_model():
             ref = self._stage_logps(batch, targets)
         logps = self._stage_logps(batch, targets)
         if not pipeline.has_last:

@@ -15,6 +15,7 @@ TRL's metrics; what DPO does not run with is refused by name."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -34,7 +35,7 @@ from strata.parallel.tensor import placement_of
 from strata.trainer.hooks import StepHook
 
 from conftest import hf_run_overrides
-from worlds import run_world, worker_env
+from worlds import run_world, train_world, worker_env
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -289,13 +290,16 @@ def _overrides(hf_llama, adapter_dir, data_dir, run_root, **extra) -> list[str]:
     return hf_run_overrides(hf_llama, data_dir, run_root, SEQ, **settings)
 
 
-def step_pairs(data_dir: Path, cfg: config.Config) -> list[tuple]:
-    """The pairs of the first step's global batch: ((chosen ids, trained), (rejected ...)), each
-    side's tokens alone (without its end-of-document token) and which of them are trained."""
+def step_pairs(data_dir: Path, cfg: config.Config, step: int = 1) -> list[tuple]:
+    """The pairs of a step's global batch: ((chosen ids, trained), (rejected ...)), each side's
+    tokens alone (without its end-of-document token) and which of them are trained."""
     eot = read_meta(data_dir).raw["eot"]
     data = TokenDataset(data_dir, "train", SEQ)
+    loader = BatchLoader(data, cfg.train.seed, cfg.train.global_batch_size, 2)
+    for _ in range(step):
+        batches = loader.next_step()
     sides = []
-    for batch in BatchLoader(data, cfg.train.seed, cfg.train.global_batch_size, 2).next_step():
+    for batch in batches:
         assert batch.mask is not None
         for inputs, targets, mask in zip(batch.inputs, batch.targets, batch.mask):
             window = torch.cat([inputs, targets[-1:]])
@@ -322,13 +326,21 @@ def _sequence_logp(model, ids: torch.Tensor, trained: torch.Tensor) -> torch.Ten
 
 def torch_reference(hf_llama, adapter_dir, pairs, beta: float, loss_type: str) -> tuple:
     """Plain torch on transformers' PEFT model, each sequence alone: the mean DPO loss, TRL's
-    reward metrics, and the gradient of every adapter weight by Strata's name."""
-    model = _peft(hf_llama, adapter_dir)
+    reward metrics, and the gradient of every adapter weight by PEFT's name."""
+    return dpo_reference(_peft(hf_llama, adapter_dir), None, pairs, beta, loss_type)
+
+
+def dpo_reference(model, ref_model, pairs, beta: float, loss_type: str) -> tuple:
+    """`torch_reference` of a policy and a reference model (None: the policy's adapters off)."""
     losses, chosen, rejected = [], [], []
     for (c, c_mask), (r, r_mask) in pairs:
         logp = torch.stack([_sequence_logp(model, c, c_mask), _sequence_logp(model, r, r_mask)])
-        with torch.no_grad(), model.disable_adapter():
-            ref = torch.stack([_sequence_logp(model, c, c_mask), _sequence_logp(model, r, r_mask)])
+        with torch.no_grad():
+            with model.disable_adapter() if ref_model is None else contextlib.nullcontext():
+                frozen = model if ref_model is None else ref_model
+                ref = torch.stack(
+                    [_sequence_logp(frozen, c, c_mask), _sequence_logp(frozen, r, r_mask)]
+                )
         ratio = logp - ref
         if loss_type == "ipo":
             n = torch.stack([c_mask.sum(), r_mask.sum()]).float()
@@ -357,9 +369,13 @@ def torch_reference(hf_llama, adapter_dir, pairs, beta: float, loss_type: str) -
 def trl_reference(hf_llama, adapter_dir, tok_dir, pairs, beta, loss_type, tmp_path) -> tuple:
     """TRL's DPOTrainer on the same pairs, as one batch (the reference: the adapters off): its
     loss and its logged reward metrics."""
+    return trl_dpo(_peft(hf_llama, adapter_dir), None, tok_dir, pairs, beta, loss_type, tmp_path)
+
+
+def trl_dpo(model, ref_model, tok_dir, pairs, beta, loss_type, tmp_path) -> tuple:
+    """`trl_reference` of a policy and a reference model (None: the PEFT policy's adapters off)."""
     from datasets import Dataset
 
-    model = _peft(hf_llama, adapter_dir)
     tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
     args = trl.DPOConfig(
         output_dir=str(tmp_path / "trl"),
@@ -367,6 +383,7 @@ def trl_reference(hf_llama, adapter_dir, tok_dir, pairs, beta, loss_type, tmp_pa
         loss_type=[loss_type],
         report_to="none",
         use_cpu=True,
+        bf16=False,
         max_length=None,
         per_device_train_batch_size=len(pairs),
     )
@@ -382,12 +399,15 @@ def trl_reference(hf_llama, adapter_dir, tok_dir, pairs, beta, loss_type, tmp_pa
             }
         )
     dataset = Dataset.from_list(_records(2, 9))
-    trainer = trl.DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok)
-    # Handed a PEFT model, TRL keeps its adapter's first values as the reference ("ref"); its
-    # reference for adapters it adds itself (peft_config) is the base model, as Strata's always is:
-    # drop the copy so that the reference is the adapters off.
-    trainer.model.delete_adapter("ref")
-    assert "ref" not in trainer.model.peft_config and trainer.model.active_adapter == "default"
+    trainer = trl.DPOTrainer(
+        model=model, ref_model=ref_model, args=args, train_dataset=dataset, processing_class=tok
+    )
+    if ref_model is None:
+        # Handed a PEFT model, TRL keeps its adapter's first values as the reference ("ref"); its
+        # reference for adapters it adds itself (peft_config) is the base model, as Strata's is:
+        # drop the copy so that the reference is the adapters off.
+        trainer.model.delete_adapter("ref")
+        assert "ref" not in trainer.model.peft_config and trainer.model.active_adapter == "default"
     batch = trainer.data_collator(examples)
     trainer.model.train()
     loss = trainer.compute_loss(trainer.model, batch)
@@ -555,7 +575,6 @@ def test_what_dpo_does_not_run_with_is_refused(hf_llama, adapter_dir, pairs_dir,
             config.load(None, _overrides(hf_llama, adapter_dir, pairs_dir, tmp_path, **extra))
         return str(e.value)
 
-    assert "needs model.lora" in problems(**{"model.lora.rank": 0, "model.lora.init_from": None})
     assert "parallel.pp=2 with parallel.cp=2" in problems(**{"parallel.pp": 2, "parallel.cp": 2})
     assert "ZeRO-3" in problems(**{"zero.params.shard_over": "global"})
     assert "data.document_mask=true" in problems(**{"data.document_mask": "false"})
@@ -577,3 +596,81 @@ def test_pairs_train_with_dpo_only(hf_llama, adapter_dir, pairs_dir, small_data_
     dpo = _overrides(hf_llama, adapter_dir, small_data_dir, tmp_path)
     with pytest.raises(DataError, match="holds none"):
         Trainer(config.load(None, dpo), start(), writes=[], saves=False)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_the_second_step_keeps_the_first_reference(
+    hf_llama, adapter_dir, tok_dir, pairs_dir, tmp_path, lora
+):
+    """After an update the reference is still the model the run started from: the adapters off,
+    or (full fine-tuning) model.init_from's weights. Step 2's loss and rewards from the step-1
+    checkpoint's weights as the policy equal plain torch's and TRL's (its ref_model)."""
+    from strata.hf.tensor_names import hf_sources
+    from strata.parallel.runtime import start
+    from strata.trainer.jobs import train
+
+    from worlds import final_params
+
+    extra: dict = {"train.steps": 2, "checkpoint.interval": 1}
+    if not lora:
+        extra.update({"model.lora.rank": 0, "model.lora.init_from": "null"})
+    overrides = _overrides(hf_llama, adapter_dir, pairs_dir, tmp_path, **extra)
+    cfg = config.load(None, overrides)
+    train(cfg, start())
+    records = [
+        json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()
+    ]
+    step2 = next(r for r in records if r.get("step") == 2 and "loss" in r)
+    after = final_params(tmp_path / "t" / "checkpoints", 1)
+    after = {k.removeprefix("model."): v for k, v in after.items()}
+    if lora:
+        policy, ref_model = _peft(hf_llama, adapter_dir), None
+        values = {to_peft(n): v for n, v in after.items() if ".lora_" in n}
+        assert not peft.set_peft_model_state_dict(policy, values).unexpected_keys
+    else:
+        policy = transformers.LlamaForCausalLM.from_pretrained(hf_llama, dtype=torch.float32)
+        ref_model = transformers.LlamaForCausalLM.from_pretrained(hf_llama, dtype=torch.float32)
+        state = {hf: after[name] for name, hf in hf_sources(cfg.model).items()}
+        policy.load_state_dict(state)
+        assert not torch.equal(policy.lm_head.weight, ref_model.lm_head.weight)  # it trained
+    pairs = step_pairs(pairs_dir, cfg, step=2)
+    loss, metrics, _ = dpo_reference(policy, ref_model, pairs, 0.1, "sigmoid")
+    assert metrics["rewards/margins"] != 0
+    assert step2["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+    for key, value in metrics.items():
+        assert step2[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+    if not lora:  # TRL's full fine-tuning: a frozen copy of the model it started from
+        trl_loss, trl_metrics = trl_dpo(policy, ref_model, tok_dir, pairs, 0.1, "sigmoid", tmp_path)
+        assert trl_loss == pytest.approx(loss, rel=1e-5, abs=1e-6)
+        for key, value in trl_metrics.items():
+            assert value == pytest.approx(metrics[key], rel=1e-5, abs=1e-5), key
+
+
+@pytest.mark.slow  # `strata train` in one process and in a world of 2
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+def test_full_fine_tuning_in_parallel_logs_what_one_process_does(
+    hf_llama, adapter_dir, pairs_dir, tmp_path, layout
+):
+    """Without adapters each rank keeps its slice of the starting weights as the reference: three
+    steps' losses and rewards are one process's."""
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text("{}\n")
+    full = {"model.lora.rank": 0, "model.lora.init_from": "null", "train.steps": 3}
+
+    def overrides(root: Path, **extra) -> list[str]:
+        settings = {**full, **extra}
+        return [str(experiment), *_overrides(hf_llama, adapter_dir, pairs_dir, root, **settings)]
+
+    train_world(overrides(tmp_path / "one"), 1, tmp_path / "one")
+    train_world(overrides(tmp_path / "par", **LAYOUTS[layout]), 2, tmp_path / "par")
+    logged = []
+    for root in (tmp_path / "one", tmp_path / "par"):
+        lines = (root / "t" / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        logged.append({r["step"]: r for r in records if "loss" in r and "step" in r})
+    one, par = logged
+    assert sorted(one) == sorted(par) == [1, 2, 3]
+    assert one[3]["rewards/margins"] != 0  # the policy left the reference
+    for step in one:
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert par[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-5), (step, key)
