@@ -550,7 +550,7 @@ def test_the_evaluation_is_the_mean_pair_loss_of_the_validation_pairs(
     assert _first_step(overrides, {}, 1)["eval"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
 
 
-def test_a_dpo_run_logs_trls_metrics(hf_llama, adapter_dir, pairs_dir, tmp_path):
+def test_a_dpo_run_logs_trls_metrics(hf_llama, adapter_dir, pairs_dir, tmp_path, capsys):
     from strata.parallel.runtime import start
     from strata.trainer.jobs import train
 
@@ -567,6 +567,8 @@ def test_a_dpo_run_logs_trls_metrics(hf_llama, adapter_dir, pairs_dir, tmp_path)
     assert {"logps/chosen", "logps/rejected"} <= step1.keys()
     step2 = next(r for r in records if r.get("step") == 2 and "loss" in r)
     assert step2["rewards/margins"] != step1["rewards/margins"]  # the adapters moved
+    final = next(r for r in records if "eval_loss" in r)
+    assert f"eval DPO loss {final['eval_loss']:.4f} over 1 pairs" in capsys.readouterr().out
 
 
 def test_what_dpo_does_not_run_with_is_refused(hf_llama, adapter_dir, pairs_dir, tmp_path):
