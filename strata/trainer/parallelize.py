@@ -18,7 +18,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ from strata.parallel.runtime import available_bytes
 from strata.parallel.tensor import apply_tensor_parallel, placement_of
 from strata.parallel.topology import ExpertTopology, Topology
 from strata.parallel.zero import ZeroEngine, ZeroPlan
+from strata.trainer.objective import Objective
 
 if TYPE_CHECKING:
     from strata.offload.tiers import Tiers
@@ -167,14 +168,6 @@ class StepLoss:
         if self.weight is None:
             return self.loss(logits, targets)
         return self.loss(logits, targets, reduction="sum") * self.weight
-
-
-class Objective(Protocol):
-    """A train.objective other than lm, which runs the step (`strata.trainer.preference`'s DPO)."""
-
-    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor: ...
-    def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def record(self) -> dict[str, float]: ...
 
 
 @dataclass

@@ -97,10 +97,12 @@ class _SumOverGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        """The shards' partial sums added."""
         return comm.all_reduce(x.contiguous().clone(), group, dim="cp")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        """Each shard's partial sum gets the whole sum's gradient."""
         return grad, None
 
 
