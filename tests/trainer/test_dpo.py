@@ -676,3 +676,28 @@ def test_full_fine_tuning_in_parallel_logs_what_one_process_does(
     for step in one:
         for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
             assert par[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-5), (step, key)
+
+
+def test_a_resumed_full_fine_tuning_run_keeps_its_first_reference(
+    hf_llama, adapter_dir, pairs_dir, tmp_path
+):
+    """A full fine-tuning run resumed from its step-2 checkpoint rebuilds the reference from
+    model.init_from, not from the weights it resumes: its step 3 is the uninterrupted run's."""
+    from strata.checkpoint import store
+    from strata.parallel.runtime import start
+    from strata.trainer.jobs import train
+
+    full = {"model.lora.rank": 0, "model.lora.init_from": "null", "train.steps": 3}
+    whole = _overrides(hf_llama, adapter_dir, pairs_dir, tmp_path / "whole", **full)
+    train(config.load(None, [*whole, "checkpoint.interval=1"]), start())
+    resumed = _overrides(hf_llama, adapter_dir, pairs_dir, tmp_path / "resumed", **full)
+    step2 = store.step_dir(tmp_path / "whole" / "t" / "checkpoints", 2)
+    train(config.load(None, resumed), start(), resume=step2)
+    logged = []
+    for root in (tmp_path / "whole", tmp_path / "resumed"):
+        lines = (root / "t" / "metrics.jsonl").read_text().splitlines()
+        logged.append({r["step"]: r for r in map(json.loads, lines) if "loss" in r and "step" in r})
+    want, got = logged
+    assert sorted(got) == [3] and abs(want[3]["rewards/margins"]) > 1e-4
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert got[3][key] == pytest.approx(want[3][key], rel=1e-5, abs=1e-6), key
