@@ -42,6 +42,7 @@ setup(
             "deepspeed==0.19.8",
             "transformers>=4.56",  # the reference for Hugging Face import and export (tiny models built offline)
             "peft==0.21.2",  # tests/trainer/test_lora.py: the LoRA reference (logits, a step, exports, import)
+            "trl==1.16.0",  # tests/trainer/test_dpo.py: the DPO reference (DPOTrainer's loss and rewards)
             "torchao==0.18.0",  # tests/trainer/test_float8.py: float8 training, emulated on CPU
             # tests/inference/test_harness.py: the strata model of lm-eval against lm-eval's own hf backend
             "lm-eval==0.4.13",

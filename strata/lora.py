@@ -13,12 +13,13 @@ parallelism swaps `lora_A`/`lora_B` for sharded ones (`strata.parallel.tensor`).
 PEFT's inside each module (`layers.3.attn.wq.lora_A.weight` is PEFT's
 `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`), and the initial values are
 PEFT's: A kaiming-uniform, B zero (`strata.model.initial_value`), so step 0 computes exactly what
-the base model does.
+the base model does. `adapters_off` turns them off for a block (the reference model of DPO).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import cast
 
 import torch
@@ -38,8 +39,24 @@ def _add_low_rank(
     module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor
 ) -> torch.Tensor:
     """The forward hook of an adapted layer: its output plus the adapter's."""
+    if module.__dict__.get("lora_off"):
+        return out
     a, b, dropout, scale = cast(tuple[nn.Module, nn.Module, nn.Module, float], adapter_of(module))
     return out + b(a(dropout(args[0]))) * scale
+
+
+@contextlib.contextmanager
+def adapters_off(parts: Iterable[nn.Module]) -> Iterator[None]:
+    """Every adapter of `parts` adds nothing inside the block: the base model computes (PEFT's
+    `disable_adapter`), the reference of preference training."""
+    layers = [m for part in parts for m in part.modules() if adapter_of(m) is not None]
+    for m in layers:
+        m.__dict__["lora_off"] = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.__dict__.pop("lora_off", None)
 
 
 def attach(

@@ -315,7 +315,8 @@ IGNORE_INDEX = -100  # a target trained on nothing (torch's and transformers' ig
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Next-token cross-entropy in fp32: the mean over the targets, or their sum (`reduction`
-    "sum"); a target of IGNORE_INDEX counts for nothing."""
+    "sum"), or each target's (`reduction` "none": flat, 0 at IGNORE_INDEX); a target of
+    IGNORE_INDEX counts for nothing."""
     return F.cross_entropy(
         logits.float().flatten(0, 1),
         targets.flatten(),

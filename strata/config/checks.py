@@ -57,6 +57,7 @@ def cross_problems(
         *_data_checks(cfg.data),
         *_model_checks(m),
         *_lora_checks(cfg),
+        *_dpo_checks(cfg),
         *_split_checks(m, par),
         *_switch_checks(par, tr),
         *_schedule_checks(par),
@@ -277,6 +278,41 @@ def _lora_checks(cfg: Config) -> list[str]:
             "model.lora with train.precision=fp8: float8 training replaces the linear layers the "
             "adapters sit on; use train.precision=bf16 (the frozen base weights gain nothing from "
             "float8's master weights), or model.lora.rank: 0"
+        )
+    return p
+
+
+def _dpo_checks(cfg: Config) -> list[str]:
+    """What train.objective=dpo does not run with: the layouts and features it has not been made
+    to work with."""
+    if cfg.train.objective != "dpo":
+        return []
+    p = []
+    par = cfg.parallel
+    refused = [
+        (
+            par.pp > 1 and par.cp > 1,
+            f"parallel.pp={par.pp} with parallel.cp={par.cp}",
+            "one of them",
+        ),
+        (
+            cfg.zero.params.shard_over != "none",
+            f"zero.params.shard_over={cfg.zero.params.shard_over} (ZeRO-3)",
+            "zero.params.shard_over=none (ZeRO-1/2 work)",
+        ),
+        (cfg.model.moe.enabled, "model.moe", "a dense model"),
+        (cfg.co2.enabled, "co2.enabled", "co2.enabled=false"),
+        (cfg.data.sources is not None, "data.sources (a mixture)", "one data.path of pairs"),
+    ]
+    p += [
+        f"train.objective=dpo does not run with {what} yet; use {fix}"
+        for bad, what, fix in refused
+        if bad
+    ]
+    if not cfg.data.document_mask:
+        p.append(
+            "train.objective=dpo needs data.document_mask=true: a pair's rejected completion must "
+            "not attend to its chosen one packed before it in the window"
         )
     return p
 

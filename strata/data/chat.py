@@ -16,6 +16,9 @@ or a `.jinja` file. Which characters are trained (`LOSS_ON`, `--loss-on`):
 - `completion` (prompt/completion and Alpaca records): everything after the prompt rendered with
   the generation prompt, TRL's completion mask.
 
+A preference record (`chosen` and `rejected`, with or without a `prompt`: TRL's preference formats,
+`preference`) is two conversations sharing a prompt, each trained on its completion alone.
+
 A token is trained when its characters overlap a trained span (`token_mask`, transformers' rule).
 """
 
@@ -339,9 +342,10 @@ SHAPES = (
 
 
 def is_chat_record(record: dict) -> bool:
-    """Whether a record has one of the conversation shapes (`SHAPES`)."""
+    """Whether a record has one of the conversation shapes (`SHAPES`) or is a preference pair."""
     return (
-        "messages" in record
+        is_preference_record(record)
+        or "messages" in record
         or {"prompt", "completion"} <= record.keys()
         or {"instruction", "output"} <= record.keys()
     )
@@ -380,6 +384,52 @@ def conversation(record: dict, where: str) -> Conversation:
     raise DataError(
         f"{where}: not a conversation (fields: {', '.join(list(record)[:10])}); a record needs "
         f"{SHAPES}"
+    )
+
+
+def is_preference_record(record: dict) -> bool:
+    """Whether a record is a preference pair (`chosen` and `rejected`, TRL's preference formats)."""
+    return {"chosen", "rejected"} <= record.keys()
+
+
+def _shared_prompt(chosen: object, rejected: object, where: str) -> tuple[list, list, list]:
+    """(prompt, chosen, rejected) of a pair given as two whole conversations: the prompt is their
+    longest common prefix of messages (TRL's `extract_prompt`)."""
+    c, r = _messages(chosen, where, "chosen"), _messages(rejected, where, "rejected")
+    n = 0
+    while n < min(len(c), len(r)) and c[n] == r[n]:
+        n += 1
+    if n == 0 or n == len(c) or n == len(r):
+        raise DataError(
+            f"{where}: without a 'prompt', 'chosen' and 'rejected' must be whole conversations "
+            "that share their first messages (the prompt) and then differ; these "
+            + ("share no first message" if n == 0 else "do not differ after a shared prompt")
+            + ": give the prompt apart as 'prompt'"
+        )
+    return c[:n], c[n:], r[n:]
+
+
+def preference(record: dict, where: str) -> tuple[Conversation, Conversation]:
+    """The (chosen, rejected) conversations of a preference record, each with its prompt's message
+    count (trained on the completion after it): `prompt`, `chosen` and `rejected` as text (a user
+    and an assistant message, as a prompt/completion record) or as lists of messages (TRL's
+    conversational format), or `chosen` and `rejected` alone as whole conversations sharing a
+    prompt. A DataError at `where` for anything else."""
+    tools = _tools(record, where)
+    chosen, rejected = record["chosen"], record["rejected"]
+    if "prompt" not in record:
+        prompt, chosen, rejected = _shared_prompt(chosen, rejected, where)
+    elif all(isinstance(v, str) for v in (record["prompt"], chosen, rejected)):
+        prompt = [{"role": "user", "content": record["prompt"]}]
+        chosen = [{"role": "assistant", "content": chosen}]
+        rejected = [{"role": "assistant", "content": rejected}]
+    else:
+        prompt = _messages(record["prompt"], where, "prompt")
+        chosen = _messages(chosen, where, "chosen")
+        rejected = _messages(rejected, where, "rejected")
+    return (
+        Conversation(prompt + chosen, tools, len(prompt), "preference"),
+        Conversation(prompt + rejected, tools, len(prompt), "preference"),
     )
 
 

@@ -13,12 +13,21 @@ one with no trained token left is dropped; meta.json counts both. A conversation
 never carries loss (nothing before it in its window may predict it, as transformers'
 DataCollatorWithFlattening labels it), nor does its end-of-document token or padding.
 
-The split between train and val is per conversation, by the hash `strata data prepare` uses for
-any JSON Lines or Parquet document; the output does not depend on the number of workers.
+Preference pairs (records with `chosen` and `rejected`; all records of an input, or none) become
+two conversations, prompt + chosen then prompt + rejected, each trained on its completion only
+(TRL's completion mask), packed side by side in one window that never cuts the pair: a window's
+conversations alternate chosen, rejected, so its conversations 2k and 2k+1 are pair k, and
+meta.json's chat block says `"pairs": true`. A pair longer than the window is truncated as TRL's
+`keep_start` truncates both sequences to one `max_length`, the largest that fits the pair in the
+window (or dropped with `--long drop`); one with a side left without a trained token is dropped.
+
+The split between train and val is per conversation (per pair), by the hash `strata data prepare`
+uses for any JSON Lines or Parquet document; the output does not depend on the number of workers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -38,8 +47,10 @@ from strata.data.chat import (
     ChatTemplate,
     conversation,
     is_chat_record,
+    is_preference_record,
     load_template,
     loss_spans,
+    preference,
     render,
     token_mask,
 )
@@ -62,7 +73,17 @@ from strata.data.tokens import docs_file, mask_file
 from strata.errors import DataError
 
 FORMAT_VERSION = 3  # 3: conversations, with meta.json's "chat" block, masks and boundaries
-CHAT_COLUMNS = ("messages", "prompt", "completion", "instruction", "input", "output", "tools")
+CHAT_COLUMNS = (
+    "messages",
+    "prompt",
+    "completion",
+    "instruction",
+    "input",
+    "output",
+    "tools",
+    "chosen",
+    "rejected",
+)
 SPLITS = ("train", "val")
 
 
@@ -135,6 +156,26 @@ def holds_conversations(files: list[Path], text_field: str) -> bool:
     return False
 
 
+def holds_pairs(files: list[Path]) -> bool:
+    """Whether the inputs are preference pairs: the first record of the first JSON Lines or Parquet
+    file has `chosen` and `rejected`."""
+    first = next((f for f in files if input_format(Path(f)) != "text"), None)
+    if first is None:
+        return False
+    if input_format(Path(first)) == "parquet":
+        names = set(open_parquet(str(first), None).schema_arrow.names)
+        return is_preference_record(dict.fromkeys(names))
+    with open(first, "rb") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    return False
+                return isinstance(record, dict) and is_preference_record(record)
+    return False
+
+
 # --- encoding in a worker -----------------------------------------------------------------------
 
 
@@ -150,6 +191,7 @@ class ChatJob:
     eot_token: str
     dtype: str
     val_fraction: float
+    pairs: bool = False  # preference pairs: every record a (chosen, rejected) pair
 
 
 @dataclass
@@ -189,23 +231,80 @@ def _fit(ids: np.ndarray, mask: np.ndarray, job: ChatJob, counts: Counter) -> tu
     return ids, mask
 
 
+def _pair_cut(a: int, b: int, window: int) -> int | None:
+    """The `max_length` both sides of a pair of `a` and `b` tokens are cut to so that both, each
+    with its end-of-document token, fill at most `window` (TRL's keep_start truncation with the
+    largest max_length that fits), or None when the pair fits whole."""
+    short, long = sorted((a, b))
+    if a + b + 2 <= window:
+        return None
+    if 2 * short + 2 <= window:
+        return window - 2 - short
+    return (window - 2) // 2
+
+
+def _fit_pair(
+    chosen: tuple[np.ndarray, np.ndarray],
+    rejected: tuple[np.ndarray, np.ndarray],
+    job: ChatJob,
+    counts: Counter,
+) -> list[tuple] | None:
+    """A pair's two conversations as stored (`_fit`'s), cut to fit one window together, or None
+    when dropped; counts what happened (once per pair)."""
+    cut = _pair_cut(len(chosen[0]), len(rejected[0]), job.seq_len + 1)
+    if cut is not None:
+        if job.long == "drop":
+            counts["dropped_long"] += 1
+            return None
+        counts["truncated"] += 1
+    sides = []
+    for ids, mask in (chosen, rejected):
+        ids, mask = ids[:cut], mask[:cut]  # [:None] keeps all
+        mask = np.append(mask, 0).astype(np.uint8)
+        mask[0] = 0
+        sides.append((np.append(ids, job.eot).astype(job.dtype), mask))
+    if not all(mask.any() for _, mask in sides):
+        counts["dropped_untrained"] += 1
+        return None
+    return sides
+
+
+def _conversations(records: list, job: ChatJob, counts: Counter) -> list[tuple]:
+    """(key, where, text, spans) of each conversation of the records (a pair's two in a row)."""
+    rendered = []
+    for key, where, record in records:
+        if is_preference_record(record) != job.pairs:
+            raise DataError(
+                f"{where}: "
+                + (
+                    "not a preference pair ('chosen' and 'rejected'), but the first record is"
+                    if job.pairs
+                    else "a preference pair ('chosen' and 'rejected'), but the first record is not"
+                )
+                + "; prepare preference pairs and other conversations into directories of their own"
+            )
+        convs = preference(record, where) if job.pairs else (conversation(record, where),)
+        counts[convs[0].kind] += 1
+        for conv in convs:
+            loss_on = "completion" if job.pairs else job.loss_on
+            text, spans = loss_spans(job.template, conv, loss_on, where)
+            rendered.append((key, where, text, spans))
+    return rendered
+
+
 def encode_task(task: Task, job: ChatJob) -> tuple[dict[str, Encoded], Counter]:
     """A task's conversations rendered, tokenized and masked, by split; and the counts of records
-    read (by kind), truncated and dropped."""
+    read (by kind), truncated and dropped. A pair's two conversations stay side by side."""
     tok = tokenize._worker_tok
     assert tok is not None and not isinstance(tok, tokenize.ByteTokenizer)
     tok.no_truncation()  # transformers ignores a tokenizer.json's own truncation and padding
     tok.no_padding()
     records = _jsonl_records(task) if task.fmt == "jsonl" else _parquet_records(task)
     counts: Counter = Counter()
-    rendered = []
-    for key, where, record in records:
-        conv = conversation(record, where)
-        counts[conv.kind] += 1
-        text, spans = loss_spans(job.template, conv, job.loss_on, where)
-        rendered.append((key, where, text, spans))
+    rendered = _conversations(records, job, counts)
     encodings = tok.encode_batch([text for _, _, text, _ in rendered], add_special_tokens=False)
     kept: dict[str, list] = {split: [] for split in SPLITS}
+    masked = []
     for (key, where, _, spans), enc in zip(rendered, encodings):
         ids = np.asarray(enc.ids, np.int64)
         if (ids == job.eot).any():
@@ -215,9 +314,17 @@ def encode_task(task: Task, job: ChatJob) -> tuple[dict[str, Encoded], Counter]:
                 "writes it as its end of turn or the text contains it; name a token the template "
                 "does not write with --eot-token (e.g. <|endoftext|> or <|end_of_text|>)"
             )
-        fitted = _fit(ids, token_mask(enc.offsets, spans), job, counts)
-        if fitted is not None:
-            kept["val" if is_val(key, job.val_fraction) else "train"].append(fitted)
+        masked.append((key, ids, token_mask(enc.offsets, spans)))
+    if job.pairs:
+        for (key, *chosen), (_, *rejected) in zip(masked[::2], masked[1::2]):
+            sides = _fit_pair(tuple(chosen), tuple(rejected), job, counts)  # type: ignore[arg-type]
+            if sides is not None:
+                kept["val" if is_val(key, job.val_fraction) else "train"].extend(sides)
+    else:
+        for key, ids, mask in masked:
+            fitted = _fit(ids, mask, job, counts)
+            if fitted is not None:
+                kept["val" if is_val(key, job.val_fraction) else "train"].append(fitted)
     return {split: Encoded.of(kept[split], job.dtype) for split in SPLITS}, counts
 
 
@@ -227,10 +334,13 @@ def encode_task(task: Task, job: ChatJob) -> tuple[dict[str, Encoded], Counter]:
 class Packer:
     """Next-fit packing of one split's conversations into windows of `window` tokens, written as
     they fill: tokens to SPLIT.bin, the mask to SPLIT.mask.bin, each conversation's [start, end) to
-    SPLIT.docs.bin. A window's unused tail is `pad` with mask 0."""
+    SPLIT.docs.bin. A window's unused tail is `pad` with mask 0. With `pairs`, conversations come
+    two by two (chosen, rejected) and a pair is placed whole in one window."""
 
-    def __init__(self, files: tuple[IO, IO, IO], window: int, pad: int, dtype: str):
-        self.files, self.window, self.pad = files, window, pad
+    def __init__(
+        self, files: tuple[IO, IO, IO], window: int, pad: int, dtype: str, pairs: bool = False
+    ):
+        self.files, self.window, self.pad, self.group = files, window, pad, 2 if pairs else 1
         self.tokens = np.full(window, pad, dtype)
         self.mask = np.zeros(window, np.uint8)
         self.fill = self.windows = self.conversations = self.trained = 0
@@ -239,8 +349,9 @@ class Packer:
         """Place a task's conversations (each at most `window` tokens) in order."""
         spans = []
         at = 0
-        for n in part.lengths:
-            if self.fill + n > self.window:
+        for k, n in enumerate(part.lengths):
+            together = sum(part.lengths[k : k + self.group]) if k % self.group == 0 else n
+            if self.fill + together > self.window:
                 self._flush()
             start = self.windows * self.window + self.fill
             self.tokens[self.fill : self.fill + n] = part.tokens[at : at + n]
@@ -284,6 +395,7 @@ def _write_packed(
                 job.seq_len + 1,
                 job.eot,
                 job.dtype,
+                job.pairs,
             )
             for split in SPLITS
         }
@@ -300,7 +412,7 @@ def _write_packed(
     return packers, counts, max_id
 
 
-KINDS = ("messages", "prompt_completion", "alpaca")
+KINDS = ("messages", "prompt_completion", "alpaca", "preference")
 
 
 def _ensure_val_windows(tmp: Path, window: int, itemsize: int, windows: dict, docs: dict,
@@ -386,6 +498,7 @@ class ChatOptions:
     template: str | None = None
     loss_on: str = "assistant"
     long: str = "truncate"
+    pairs: bool = False  # the records are preference pairs (set by `prepare_chat`)
 
     def problems(self) -> list[str]:
         """What is wrong with the settings (nothing: they are fine)."""
@@ -394,6 +507,11 @@ class ChatOptions:
             out.append(f"--seq-len {self.seq_len}: must be a whole number >= 2 (model.seq_len)")
         if self.loss_on not in LOSS_ON:
             out.append(f"--loss-on {self.loss_on!r}: must be one of {', '.join(LOSS_ON)}")
+        if self.loss_on not in ("assistant", "completion") and self.pairs:
+            out.append(
+                f"--loss-on {self.loss_on}: preference pairs train each completion (TRL's "
+                "completion mask); leave --loss-on out"
+            )
         if self.long not in LONG_POLICIES:
             out.append(f"--long {self.long!r}: must be one of {', '.join(LONG_POLICIES)}")
         return out
@@ -430,7 +548,7 @@ def _chat_meta(job: ChatJob, options: ChatOptions, packers: dict, counts: Counte
         "seq_len": options.seq_len,
         "window": window,
         "pad": job.eot,
-        "loss_on": options.loss_on,
+        "loss_on": "completion" if job.pairs else options.loss_on,
         "long": options.long,
         "template": {
             "source": job.template.source,
@@ -439,6 +557,7 @@ def _chat_meta(job: ChatJob, options: ChatOptions, packers: dict, counts: Counte
             "generation_markers": job.template.marked,
         },
         "records": {kind: counts[kind] for kind in KINDS},
+        "pairs": job.pairs,
         "conversations": {split: packers[split].conversations for split in SPLITS},
         "truncated": counts["truncated"],
         "dropped_long": counts["dropped_long"],
@@ -465,11 +584,12 @@ def prepare_chat(
     train.bin/val.bin packed windows, their .mask.bin and .docs.bin, tokenizer.json,
     chat_template.jinja and meta.json (with its "chat" block), written atomically as `prepare`
     writes; returns meta.json's content."""
+    if not files:
+        raise DataError("data prepare: no input files; give .jsonl or .parquet conversations")
+    options = dataclasses.replace(options, pairs=holds_pairs(list(files)))
     problems = options.problems()
     if problems:
         raise DataError("; ".join(problems))
-    if not files:
-        raise DataError("data prepare: no input files; give .jsonl or .parquet conversations")
     text = [f for f in files if input_format(Path(f)) == "text"]
     if text:
         raise DataError(
@@ -487,6 +607,7 @@ def prepare_chat(
         info.eot_token,
         info.dtype,
         val_fraction,
+        options.pairs,
     )
     tasks = plan(list(files), root, None, chunk_bytes)
     workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))

@@ -398,7 +398,8 @@ COMMUNICATING = (
 
 class VocabParallelLoss:
     """Next-token cross-entropy over vocab-sharded logits (batch, seq, V/tp), as `lm_loss`: the
-    mean over the targets, or with `reduction` "sum" the sum over those not IGNORE_INDEX."""
+    mean over the targets, or with `reduction` "sum" the sum over those not IGNORE_INDEX, or with
+    "none" each target's (flat, 0 at IGNORE_INDEX)."""
 
     def __init__(self, group, rank: int):
         self.group, self.rank = group, rank
@@ -415,7 +416,8 @@ class VocabParallelLoss:
             return per_token.mean()
         # an ignored target falls outside every rank's slice: its loss (the log-sum-exp) is dropped
         # here, and with it its gradient
-        return torch.where(targets != IGNORE_INDEX, per_token, 0.0).sum()
+        kept = torch.where(targets != IGNORE_INDEX, per_token, 0.0)
+        return kept if reduction == "none" else kept.sum()
 
 
 class SequenceShards:

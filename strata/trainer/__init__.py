@@ -6,7 +6,8 @@ checkpoint of any layout, initial weights), `jobs` (what a worker runs: train, e
 rewrite a checkpoint), `datasets` (the splits a run trains and evaluates on), `signals` (stopping on
 a signal with a checkpoint, exit 75), `lr_schedule` (warm-up and decay), `parallelize` (one
 function that lays the model out over the ranks and memory tiers and returns the one object the loop
-drives), `evaluate` (the validation loss over a split's evaluation batches), `state`
+drives), `objective` (what a step's objective other than the next-token loss provides),
+`preference` (DPO on preference pairs), `evaluate` (the validation loss over a split's evaluation batches), `state`
 (`TrainState`: what a checkpoint or an in-memory snapshot of a rank holds), `metrics`
 (progress bar, metrics.jsonl, TensorBoard, wandb), `plots` (run curves, pipeline schedule
 timelines), `divergence` (the loss-spike guard), `routing` (MoE routing statistics

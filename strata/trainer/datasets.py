@@ -1,7 +1,7 @@
 """The data a run trains and evaluates on, as its config names it: one prepared directory (checked
 against the config: its tokenizer and vocabulary), a mixture of sources, or the built-in corpus,
-which rank 0 prepares once; the start-up banner's line about it, and the warning for conversations
-trained without data.document_mask."""
+which rank 0 prepares once; the start-up banner's line about it, the warning for conversations
+trained without data.document_mask, and the check that preference pairs meet train.objective=dpo."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from strata.config import Config, DataConfig
 from strata.data.mixture import Mixture, open_mixture
 from strata.data.prepare import ensure_default_corpus
 from strata.data.tokens import TokenDataset, check_data_config, read_meta
+from strata.errors import DataError
 from strata.parallel import comm
 
 
@@ -85,3 +86,22 @@ def document_mask_warning(cfg: Config, data: RunData) -> str | None:
         "set data.document_mask=true (and data.reset_positions=true for positions counted from "
         "each conversation's start) to train each as if alone"
     )
+
+
+def check_objective(cfg: Config, data: RunData) -> None:
+    """Preference pairs (meta.json's chat block says "pairs") train with train.objective=dpo
+    only, and dpo trains on nothing else: a DataError naming the fix otherwise."""
+    chat = read_meta(data.path, data.key).raw.get("chat")
+    pairs = isinstance(chat, dict) and chat.get("pairs") is True
+    where = f"{data.key}={str(data.path)!r}"
+    if cfg.train.objective == "dpo" and not pairs:
+        raise DataError(
+            f"train.objective=dpo trains on preference pairs, but {where} holds none; prepare "
+            "records with 'chosen' and 'rejected' (and 'prompt') with `strata data prepare "
+            "--chat-template ...`, or set train.objective=lm"
+        )
+    if pairs and cfg.train.objective != "dpo":
+        raise DataError(
+            f"{where} holds preference pairs, which train.objective=lm would train on both the "
+            "chosen and the rejected completion; set train.objective=dpo"
+        )

@@ -28,17 +28,19 @@ from strata.trainer.parallelize import ParallelModel
 @dataclass(frozen=True)
 class Evaluation:
     """One evaluation's mean loss, over how many sequences and scored targets (with loss masks the
-    trained ones, else every one), and whether they were the whole split."""
+    trained ones, else every one; with `pairs`, DPO's mean pair loss over that many preference
+    pairs), and whether they were the whole split."""
 
     loss: float
     sequences: int
     whole: bool
     targets: int
+    pairs: bool = False
 
     @property
     def perplexity(self) -> float | None:
-        """exp(loss); None where that overflows what is worth printing (loss >= 50)."""
-        return math.exp(self.loss) if self.loss < 50 else None
+        """exp(loss); None where that overflows what is worth printing (loss >= 50) or for pairs."""
+        return math.exp(self.loss) if self.loss < 50 and not self.pairs else None
 
     def line(self, step: int) -> str:
         """The console line for this evaluation after step `step`: loss, perplexity, what it
@@ -50,6 +52,8 @@ class Evaluation:
             else f"the validation split's first {self.sequences} sequences (train.eval_batches × "
             "global_batch_size; 0 reads all of it)"
         )
+        if self.pairs:
+            return f"step {step}: eval DPO loss {self.loss:.4f} over {self.targets} pairs of {read}"
         return f"step {step}: eval loss {self.loss:.4f} (perplexity {perplexity}) on {read}"
 
 
@@ -95,7 +99,8 @@ def evaluate(
     # the dp group holds each replica's cp ranks, which read the same sequences; every window is
     # one replica's
     targets = round(weight) if dataset.has_mask else windows * dataset.seq_len
-    return Evaluation(total / weight, windows, windows == len(dataset), targets)
+    pairs = model.objective is not None  # DPO: the weights are preference pairs
+    return Evaluation(total / weight, windows, windows == len(dataset), targets, pairs)
 
 
 def _padding(

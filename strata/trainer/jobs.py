@@ -15,7 +15,7 @@ from pathlib import Path
 from strata import config as config_mod
 from strata.config import Config
 from strata.data.tokens import TokenDataset
-from strata.errors import CheckpointError
+from strata.errors import CheckpointError, ConfigError
 from strata.model import count_params
 from strata.parallel import comm
 from strata.parallel import runtime as runtime_mod
@@ -25,6 +25,7 @@ from strata.trainer.evaluate import Evaluation, evaluate, target_bytes
 from strata.trainer.hooks import HangWatch
 from strata.trainer.loop import RunResult, Trainer
 from strata.trainer.metrics import MetricsLogger, mfu_peak
+from strata.trainer.preference import Preference
 from strata.trainer.signals import Preempted
 
 
@@ -32,6 +33,11 @@ def train(cfg: Config, runtime: Runtime, resume: Path | None = None) -> RunResul
     """Train `cfg` in this process (one rank of the world `runtime` describes) and print a summary."""
     trainer = Trainer(cfg, runtime)
     began = time.time()
+    if isinstance(trainer.model.objective, Preference) and not cfg.model.lora.enabled:
+        # DPO's reference, full fine-tuning: the weights the run starts from, before any resume
+        if cfg.model.init_from:
+            start.init_weights(trainer)
+        trainer.model.objective.keep_reference()
     origin = start.choose(trainer, resume)
     peak, peak_note = mfu_peak(cfg.log.peak_tflops, runtime.device, cfg.train.precision)
     log = MetricsLogger(
@@ -141,6 +147,15 @@ def evaluate_checkpoint(cfg: Config, runtime: Runtime, source: Path, data_dirs: 
     the config's data sources apart. Whole splits, every sequence once. Writes nothing: the caller
     holds the lock of the run directory it writes the results into, and checkpoint.dir, which a
     live run may be writing, is left alone."""
+    if cfg.train.objective != "lm":
+        raise ConfigError(
+            [
+                f"strata eval scores the next-token loss, perplexity and bits per byte, which "
+                f"train.objective={cfg.train.objective} does not train: the run's own evaluation "
+                "(train.eval_interval) reports its mean pair loss; or export the model (strata "
+                "ckpt export) and evaluate it on conversations with train.objective=lm"
+            ]
+        )
     trainer = Trainer(cfg, runtime, writes=[], saves=False)
     trainer.resume(source)
     if not data_dirs:

@@ -33,13 +33,14 @@ from strata.parallel import comm, watchdog
 from strata.parallel.runtime import Runtime
 from strata.parallel.topology import Topology, build_topology, layout_from_config
 from strata.trainer import start
-from strata.trainer.datasets import describe, document_mask_warning, open_data
+from strata.trainer.datasets import check_objective, describe, document_mask_warning, open_data
 from strata.trainer.divergence import SpikeGuard, implausible_weights, nonfinite_error
 from strata.trainer.evaluate import Evaluation, evaluate
 from strata.trainer.hooks import HangWatch, StepHook, all_of
 from strata.trainer.lr_schedule import lr_at
 from strata.trainer.metrics import Interval, MetricsLogger
 from strata.trainer.parallelize import ParallelModel, parallelize
+from strata.trainer.preference import Preference
 from strata.trainer.profiling import StepProfiler
 from strata.trainer.routing import RoutingMonitor
 from strata.trainer.signals import Preempted, StopRequest
@@ -80,6 +81,7 @@ class Trainer:
         layout = layout_from_config(cfg.parallel, runtime.world_size, runtime.local_world_size)
         self.topo: Topology = build_topology(layout, runtime.rank)
         data = open_data(cfg, runtime.rank)
+        check_objective(cfg, data)
         warning = document_mask_warning(cfg, data)
         if warning:
             self.start_notes.append(f"warning: {warning}")
@@ -92,6 +94,9 @@ class Trainer:
         if cfg.data.document_mask or cfg.data.reset_positions:
             eot = end_of_document(data.path, data.key)
             self.model.documents = (eot, cfg.data.document_mask, cfg.data.reset_positions)
+        if cfg.train.objective == "dpo":  # its config checks require data.document_mask
+            lora = cfg.model.lora.enabled
+            self.model.objective = Preference(self.model, cfg.train.dpo, eot, lora)
         self.held_bytes: dict[str, int] = {}
         self.loader = make_loader(
             self.train_set,
@@ -359,6 +364,8 @@ class Trainer:
             grad_norm=grad_norm.item(),
             lr=self.model.optimizer.param_groups[0]["lr"],
         )
+        if self.model.objective is not None:
+            record.update(self.model.objective.record())
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps
         for hook in self.hooks:

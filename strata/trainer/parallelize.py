@@ -44,6 +44,7 @@ from strata.parallel.runtime import available_bytes
 from strata.parallel.tensor import apply_tensor_parallel, placement_of
 from strata.parallel.topology import ExpertTopology, Topology
 from strata.parallel.zero import ZeroEngine, ZeroPlan
+from strata.trainer.objective import Objective
 
 if TYPE_CHECKING:
     from strata.offload.tiers import Tiers
@@ -191,6 +192,7 @@ class ParallelModel:
     documents: tuple[int, bool, bool] | None = None
     # the parameters that do not train (model.lora, train.freeze), by canonical name
     frozen: frozenset[str] = frozenset()
+    objective: Objective | None = None  # train.objective other than lm, which runs the step
 
     def local(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a (micro-batch, seq_len) batch, on the device."""
@@ -245,6 +247,8 @@ class ParallelModel:
         engine's flat buffers; returns their loss, which averaged over the dp ranks is the step's:
         the mean of the micro-batches' mean losses, or with loss masks the sum over the global
         batch's trained targets divided by their count (`StepLoss`). A 0-d tensor on the device."""
+        if self.objective is not None:
+            return self.objective.forward_backward(micro_batches)
         inputs = [b.inputs for b in micro_batches]  # cut to this rank's tokens where they are run
         targets = [self.local(self._trained(b)) for b in micro_batches]
         self.loss_fn.weight = self._loss_weight(micro_batches)
@@ -326,6 +330,8 @@ class ParallelModel:
         over the second is the mean. The weight is the rows without a loss mask (the mean loss of
         this rank's tokens times the rows), else the trained targets this rank holds (the loss is
         summed over them)."""
+        if self.objective is not None:
+            return self.objective.eval_loss(batch)
         targets = self.local(self._trained(batch))
         masked = batch.mask is not None
         self.loss_fn.weight = 1.0 if masked else None
@@ -451,11 +457,7 @@ def parallelize(
         model.vocab_size,
         global_shapes,
         canonical,
-        frozen=frozenset(
-            first
-            for name, first in canonical.items()
-            if trainable is not None and name not in trainable
-        ),
+        frozen=frozenset(f for n, f in canonical.items() if trainable and n not in trainable),
     )
 
 

@@ -291,7 +291,7 @@ def test_loss_on_choices_match_trl(tmp_path, tokenizers_dir, loss_on, capsys):
     kinds = read_meta(out).raw["chat"]["records"]
     assert sum(kinds.values()) == 9
     if loss_on == "completion":
-        assert kinds == {"messages": 0, "prompt_completion": 6, "alpaca": 3}
+        assert kinds == {"messages": 0, "prompt_completion": 6, "alpaca": 3, "preference": 0}
 
 
 @pytest.mark.parametrize("policy", ["truncate", "drop"])

@@ -37,7 +37,7 @@ from strata.config.schema.run import (
     LogConfig,
     SnapshotConfig,
 )
-from strata.config.schema.train import OptimConfig, TrainConfig
+from strata.config.schema.train import DpoConfig, OptimConfig, TrainConfig
 
 __all__ = [
     "GROUPS",
@@ -47,6 +47,7 @@ __all__ = [
     "Config",
     "DataConfig",
     "DataSource",
+    "DpoConfig",
     "LogConfig",
     "LoraConfig",
     "ModelConfig",

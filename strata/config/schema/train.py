@@ -6,8 +6,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from strata.config.schema.fields import opt
+from strata.config.schema.fields import nested, opt
 from strata.config.vocabulary import PRECISIONS
+
+
+@dataclass(frozen=True)
+class DpoConfig:
+    """Direct Preference Optimization (with train.objective=dpo), as TRL's DPOTrainer computes it."""
+
+    beta: float = opt(
+        0.1,
+        "how far the policy may move from the reference: the rewards are beta x (the policy's "
+        "minus the reference's log-probability of a completion), TRL's beta",
+        min=0.0,
+        min_exclusive=True,
+    )
+    loss_type: str = opt(
+        "sigmoid",
+        "sigmoid: -log sigmoid(beta x the chosen minus the rejected log-ratio), DPO's loss; ipo: "
+        "(the chosen minus the rejected log-ratio, each averaged over its completion's tokens, "
+        "minus 1/(2 beta)) squared, as TRL's ipo",
+        choices=("sigmoid", "ipo"),
+    )
 
 
 @dataclass(frozen=True)
@@ -15,6 +35,14 @@ class TrainConfig:
     """The optimisation loop: batch sizes, steps, precision, evaluation."""
 
     steps: int = opt(300, "optimizer steps to train for", min=1)
+    objective: str = opt(
+        "lm",
+        "what a step minimises: lm, the next-token cross-entropy (over the trained targets of "
+        "conversations); dpo, Direct Preference Optimization on preference pairs prepared by "
+        "`strata data prepare` (train.dpo; docs/FINETUNING.md)",
+        choices=("lm", "dpo"),
+    )
+    dpo: DpoConfig = nested(DpoConfig)
     global_batch_size: int = opt(
         16, "sequences per optimizer step, over all data-parallel ranks", min=1
     )

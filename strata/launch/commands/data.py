@@ -23,7 +23,10 @@ HELP = CommandHelp(
     "'instruction', 'input' and 'output') are rendered with the tokenizer's chat template, "
     "masked so that only the assistant's tokens are trained (--loss-on), and packed into windows "
     "of --seq-len + 1 tokens that never cut a conversation; beside the tokens lie the loss mask "
-    "(SPLIT.mask.bin) and the conversations' boundaries (SPLIT.docs.bin).",
+    "(SPLIT.mask.bin) and the conversations' boundaries (SPLIT.docs.bin). Preference pairs "
+    "(records with 'chosen' and 'rejected', and 'prompt' or a shared first turn: TRL's formats) "
+    "become two conversations side by side in one window, each trained on its completion, for "
+    "train.objective=dpo.",
     examples=(
         "strata data prepare ~/books --glob '*.txt' --out data/books",
         "strata data prepare corpus.jsonl --text-field content --tokenizer bpe:32000 --out data/c",
@@ -176,9 +179,11 @@ def _run_chat(args: argparse.Namespace, files: list[Path], root: Path | None) ->
             progress=True,
         )
     chat, tok = meta["chat"], meta["tokenizer"]
+    # a pair is two conversations
+    per, what = (2, "preference pairs") if chat.get("pairs") else (1, "conversations")
     print(
-        f"wrote {args.out}: {chat['conversations']['train']:,} train + "
-        f"{chat['conversations']['val']:,} val conversations in {chat['windows']['train']:,} + "
+        f"wrote {args.out}: {chat['conversations']['train'] // per:,} train + "
+        f"{chat['conversations']['val'] // per:,} val {what} in {chat['windows']['train']:,} + "
         f"{chat['windows']['val']:,} windows of {chat['window']} tokens "
         f"({chat['trained_tokens']['train']:,} train tokens with loss, --loss-on "
         f"{chat['loss_on']}); {chat['truncated']:,} truncated, {chat['dropped_long']:,} dropped "
