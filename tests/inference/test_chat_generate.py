@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from strata.data.chat import BUILTIN, ChatTemplate, end_of_turn, load_template
 from strata.data.tokenize import load_file_tokenizer
 
-from conftest import run_cli
+from conftest import hf_run_overrides, run_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -178,3 +178,86 @@ def test_a_model_without_a_chat_template_is_one_error(tmp_path, capsys):
     code, out = run_cli(["generate", str(directory), "--chat-template", "x", "--prompt", "hi"],
                         capsys)  # fmt: skip
     assert code == 2 and "add --chat" in out, out
+
+
+def conversations(n: int) -> list[dict]:
+    rng = random.Random(1)
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": _sentence(rng, rng.randint(2, 6))},
+                {"role": "assistant", "content": _sentence(rng, rng.randint(2, 8))},
+            ]
+        }
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.slow  # prepares conversations, trains LoRA for 4 steps, exports, generates
+@pytest.mark.parametrize(
+    "family, choice, turn_token",
+    [("llama3", None, "<|eot_id|>"), ("none", "chatml", "<|im_end|>")],
+)
+def test_a_chat_runs_export_carries_its_template_and_end_of_turn(
+    tmp_path, capsys, family, choice, turn_token
+):
+    """The tokenizer's own template (Llama 3's), and one the data was prepared with in place of
+    a tokenizer that has none (chatml): the export's is the data's either way."""
+    from worlds import strata
+
+    source = chat_model(tmp_path / "m", family)
+    template = BUILTIN[choice] if choice else (TEMPLATES / "llama3.jinja").read_text()
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in conversations(64)))
+    data = tmp_path / "sft"
+    prep = strata(
+        "data", "prepare", str(chats), "--tokenizer", str(source), "--seq-len", "64",
+        "--out", str(data), "--workers", "1", *(["--chat-template", choice] if choice else []),
+    )  # fmt: skip
+    assert prep.returncode == 0, prep.stderr[-3000:]
+    overrides = hf_run_overrides(
+        source, data, tmp_path / "runs", 64, **{"model.lora.rank": 4, "data.document_mask": "true"}
+    )
+    (tmp_path / "sft.yaml").write_text("{}\n")
+    done = strata("train", str(tmp_path / "sft.yaml"), *overrides)
+    assert done.returncode == 0, done.stderr[-3000:]
+    step = tmp_path / "runs" / "t" / "checkpoints" / "step_00000004"
+    out = tmp_path / "export"
+    code, said = run_cli(["ckpt", "export", str(step), str(out), "--format", "hf"], capsys)
+    assert code == 0, said
+
+    # the export's tokenizer renders conversations as the source's does, and stops at the turn
+    ours = transformers.AutoTokenizer.from_pretrained(out)
+    theirs = transformers.AutoTokenizer.from_pretrained(source)
+    for record in conversations(3):
+        messages = record["messages"][:1]
+        assert ours.apply_chat_template(messages, add_generation_prompt=True) == (
+            theirs.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
+        )
+    assert (out / "chat_template.jinja").read_text() == template
+    turn = theirs.convert_tokens_to_ids(turn_token)
+    config = transformers.GenerationConfig.from_pretrained(out)
+    assert turn in (
+        [config.eos_token_id] if isinstance(config.eos_token_id, int) else config.eos_token_id
+    )
+
+    # generate --chat on the checkpoint: the export's greedy reply under transformers
+    code, said = run_cli(
+        ["generate", str(step), "--chat", "--max-new-tokens", "10", "--prompt", PROMPTS[0]],
+        capsys,
+    )
+    assert code == 0, said
+    ids = ours.apply_chat_template(
+        [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[
+            0, len(ids) :
+        ]
+    stops = set(
+        config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    )
+    text = ours.decode([t for t in want.tolist() if t not in stops], skip_special_tokens=True)
+    assert replies(said) == [text + "\n"]
+    assert f"chat template: {data / 'chat_template.jinja'}" in said
