@@ -102,7 +102,7 @@ def hf_metadata(cfg: Config, computed: dict[str, Any], force: bool = False) -> M
     _tokenizer(out, run_tok, kept)
     _generation_config(out, kept)
     if run_tok.chat is not None and "tokenizer.json" in out.files:
-        _chat_template(out, run_tok.chat)
+        _chat_template(out, run_tok.chat, run_tok.eot)
     return out
 
 
@@ -324,10 +324,11 @@ def _generation_config(out: Metadata, source: _Source | None) -> None:
     out.files["generation_config.json"] = data
 
 
-def _chat_template(out: Metadata, chat: _RunChat) -> None:
+def _chat_template(out: Metadata, chat: _RunChat, eot: int | None) -> None:
     """The chat template the run's conversations were rendered with, as transformers saves one
     (chat_template.jinja, and tokenizer_config.json's chat_template for older readers) with the
-    special tokens it saw; generation_config.json's eos_token_id extended by the end of turn."""
+    special tokens it saw; generation_config.json's eos_token_id extended by the end of turn and
+    the data's end-of-document id `eot` (where `strata generate` stops on the checkpoint)."""
     out.files[CHAT_TEMPLATE] = chat.template.encode()
     settings = json.loads(out.files["tokenizer_config.json"])
     settings.update(chat.special)
@@ -343,11 +344,14 @@ def _chat_template(out: Metadata, chat: _RunChat) -> None:
     generation = json.loads(out.files["generation_config.json"])
     eos = generation.get("eos_token_id")
     before = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    ids = before + [i for i in chat.end_of_turn if i not in before]
+    ends = [*chat.end_of_turn, *([] if eot is None else [eot])]
+    ids = before + [i for i in dict.fromkeys(ends) if i not in before]
     if ids != before:
         generation["eos_token_id"] = ids
         out.files["generation_config.json"] = (json.dumps(generation, indent=2) + "\n").encode()
-        out.notes.append(f"generation_config.json: eos_token_id {ids} (the end of turn added)")
+        out.notes.append(
+            f"generation_config.json: eos_token_id {ids} (with the end of turn and of a document)"
+        )
 
 
 def _digest(data: bytes) -> str:
