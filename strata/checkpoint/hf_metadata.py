@@ -192,7 +192,8 @@ def _run_tokenizer(cfg: Config, force: bool) -> _RunTokenizer:
                 "tokenizer"
             )
         return _RunTokenizer(None, eot_token, eot)
-    return _RunTokenizer(data_bytes, eot_token, eot, chat=_run_chat(data, meta))
+    chat = _run_chat(data, meta) if isinstance(meta, dict) else None
+    return _RunTokenizer(data_bytes, eot_token, eot, chat=chat)
 
 
 def _run_chat(data: Path, meta: dict) -> _RunChat | None:
@@ -205,8 +206,10 @@ def _run_chat(data: Path, meta: dict) -> _RunChat | None:
         text = (data / CHAT_TEMPLATE).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return None
-    template = chat.get("template") if isinstance(chat.get("template"), dict) else {}
-    special = template.get("special") if isinstance(template.get("special"), dict) else {}
+    found = chat.get("template")
+    template: dict = found if isinstance(found, dict) else {}
+    found = template.get("special")
+    special: dict = found if isinstance(found, dict) else {}
     turns = chat.get("end_of_turn")
     ids = None
     if isinstance(turns, list):

@@ -61,8 +61,9 @@ def _recorded(data_dir: Path) -> tuple[str | None, dict[str, str], Path | None]:
         meta = {}
     meta = meta if isinstance(meta, dict) else {}
     chat = meta.get("chat") if isinstance(meta.get("chat"), dict) else None
-    tokenizer = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
-    source = tokenizer.get("source") if isinstance(tokenizer, dict) else None
+    found = meta.get("tokenizer")
+    tokenizer: dict = found if isinstance(found, dict) else {}
+    source = tokenizer.get("source")
     origin = Path(source) if isinstance(source, str) and tokenizer.get("kind") == "file" else None
     if origin is not None and origin.is_file():
         origin = origin.parent
@@ -71,7 +72,8 @@ def _recorded(data_dir: Path) -> tuple[str | None, dict[str, str], Path | None]:
     template = None
     if chat is not None and (data_dir / TEMPLATE_FILE).is_file():
         template = (data_dir / TEMPLATE_FILE).read_text(encoding="utf-8")
-    recorded = chat.get("template", {}).get("special") if chat is not None else None
+    block = chat.get("template") if chat is not None else None
+    recorded = block.get("special") if isinstance(block, dict) else None
     if isinstance(recorded, dict):
         special = {k: v for k, v in recorded.items() if isinstance(v, str)}
     else:  # data prepared before the special tokens were recorded: the tokenizer's own
