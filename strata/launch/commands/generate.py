@@ -226,6 +226,10 @@ def run(args: argparse.Namespace) -> int:
     problems = sampling.problems()
     if problems:
         raise StrataError("; ".join(problems))
+    if args.chat_template is not None and not args.chat:
+        raise StrataError(
+            f"--chat-template {args.chat_template} applies to chat prompts: add --chat"
+        )
     prompts = read_prompts(args)
     check_device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -276,8 +280,6 @@ def _encode(args: argparse.Namespace, opened, prompts: list[str]) -> tuple[list[
     """Each prompt's ids and the ids that end a generation: the prompt as it is, or with --chat as a
     user message rendered with the chat template (no special tokens added, as transformers'
     apply_chat_template tokenizes) and the template's end of turn among the stop ids."""
-    if args.chat_template is not None and not args.chat:
-        raise StrataError("--chat-template NAME applies to chat prompts: add --chat")
     if not args.chat:
         return [opened.tokenizer.encode(p) for p in prompts], set(opened.stop_ids)
     from strata.inference.chat import open_chat
