@@ -27,6 +27,7 @@ from strata.hf import byte_tokenizer, config_json
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # The tokenizer's files besides tokenizer.json that a source model directory may hold
 TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+CHAT_TEMPLATE = "chat_template.jinja"  # as transformers saves a tokenizer's template
 
 
 @dataclass
@@ -61,6 +62,18 @@ class _RunTokenizer:
     eot_token: str | None
     eot: int | None
     byte_level: bool = False  # Strata's byte tokens, spelled as a tokenizer.json (`byte_tokenizer`)
+    chat: _RunChat | None = None  # conversations' template, when the data holds conversations
+
+
+@dataclass
+class _RunChat:
+    """What a conversation directory records of its chat template: the text, the special tokens it
+    was rendered with, and the ids that end an assistant turn (None: not recorded)."""
+
+    template: str
+    source: str
+    special: dict[str, str]
+    end_of_turn: list[int] | None
 
 
 def hf_metadata(cfg: Config, computed: dict[str, Any], force: bool = False) -> Metadata:
@@ -88,6 +101,8 @@ def hf_metadata(cfg: Config, computed: dict[str, Any], force: bool = False) -> M
         _set_token_ids(out, cfg, run_tok, carried=same)
     _tokenizer(out, run_tok, kept)
     _generation_config(out, kept)
+    if run_tok.chat is not None and "tokenizer.json" in out.files:
+        _chat_template(out, run_tok.chat, run_tok.eot)
     return out
 
 
@@ -177,7 +192,34 @@ def _run_tokenizer(cfg: Config, force: bool) -> _RunTokenizer:
                 "tokenizer"
             )
         return _RunTokenizer(None, eot_token, eot)
-    return _RunTokenizer(data_bytes, eot_token, eot)
+    chat = _run_chat(data, meta) if isinstance(meta, dict) else None
+    return _RunTokenizer(data_bytes, eot_token, eot, chat=chat)
+
+
+def _run_chat(data: Path, meta: dict) -> _RunChat | None:
+    """The chat template of a conversation directory (meta.json's "chat" block and the
+    chat_template.jinja beside it); None for text data."""
+    chat = meta.get("chat")
+    if not isinstance(chat, dict):
+        return None
+    try:
+        text = (data / CHAT_TEMPLATE).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    found = chat.get("template")
+    template: dict = found if isinstance(found, dict) else {}
+    found = template.get("special")
+    special: dict = found if isinstance(found, dict) else {}
+    turns = chat.get("end_of_turn")
+    ids = None
+    if isinstance(turns, list):
+        ids = [t["id"] for t in turns if isinstance(t, dict) and isinstance(t.get("id"), int)]
+    return _RunChat(
+        text,
+        str(template.get("source", data / CHAT_TEMPLATE)),
+        {k: v for k, v in special.items() if isinstance(v, str)},
+        ids,
+    )
 
 
 def _same_model(source: dict[str, Any], cfg: Config, computed: dict[str, Any]) -> bool:
@@ -268,7 +310,8 @@ def _tokenizer(out: Metadata, run_tok: _RunTokenizer, source: _Source | None) ->
     out.notes.append(
         "tokenizer_config.json from the run's config: model_max_length "
         f"{settings['model_max_length']}, "
-        f"eos_token {settings.get('eos_token', 'none')}, no chat template"
+        f"eos_token {settings.get('eos_token', 'none')}"
+        + ("" if run_tok.chat is not None else ", no chat template")
     )
 
 
@@ -282,6 +325,36 @@ def _generation_config(out: Metadata, source: _Source | None) -> None:
             "generation_config.json from config.json's token ids (greedy decoding by default)"
         )
     out.files["generation_config.json"] = data
+
+
+def _chat_template(out: Metadata, chat: _RunChat, eot: int | None) -> None:
+    """The chat template the run's conversations were rendered with, as transformers saves one
+    (chat_template.jinja, and tokenizer_config.json's chat_template for older readers) with the
+    special tokens it saw; generation_config.json's eos_token_id extended by the end of turn and
+    the data's end-of-document id `eot` (where `strata generate` stops on the checkpoint)."""
+    out.files[CHAT_TEMPLATE] = chat.template.encode()
+    settings = json.loads(out.files["tokenizer_config.json"])
+    settings.update(chat.special)
+    settings["chat_template"] = chat.template
+    out.files["tokenizer_config.json"] = (json.dumps(settings, indent=2) + "\n").encode()
+    out.notes.append(f"chat template: the run's data's ({chat.source})")
+    if chat.end_of_turn is None:
+        out.notes.append(
+            "the run's data records no end-of-turn token: generation_config.json keeps its "
+            "eos_token_id (prepare the data again with this version to record it)"
+        )
+        return
+    generation = json.loads(out.files["generation_config.json"])
+    eos = generation.get("eos_token_id")
+    before = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    ends = [*chat.end_of_turn, *([] if eot is None else [eot])]
+    ids = before + [i for i in dict.fromkeys(ends) if i not in before]
+    if ids != before:
+        generation["eos_token_id"] = ids
+        out.files["generation_config.json"] = (json.dumps(generation, indent=2) + "\n").encode()
+        out.notes.append(
+            f"generation_config.json: eos_token_id {ids} (with the end of turn and of a document)"
+        )
 
 
 def _digest(data: bytes) -> str:

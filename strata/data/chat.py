@@ -511,3 +511,34 @@ def end_of_turn_problem(template: ChatTemplate, eot_token: str) -> str | None:
         "give conversations as records (messages, prompt/completion) so prepare packs and masks "
         "them, or name another end-of-document token with --eot-token"
     )
+
+
+def end_of_turn(template: ChatTemplate, tok: Any) -> list[tuple[str, int]]:
+    """The tokens that end an assistant turn: the first added (special) token the template writes
+    after an assistant message's content (`<|eot_id|>`, `<|im_end|>`), and the template's
+    eos_token where the tokenizer has it, as (token, id) pairs in that order. `tok` is a
+    `tokenizers.Tokenizer`. A template whose assistant turn cannot be found gives its eos_token
+    alone (or nothing)."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    added = {t.content for t in tok.get_added_tokens_decoder().values()}
+    found: list[tuple[str, int]] = []
+    user = [{"role": "user", "content": "hi"}]
+    marker = "MARKER"  # plain text no template adds to
+    try:
+        prompt, _ = render(template, user, None, True, "a probe conversation")
+        full, _ = render(
+            template, [*user, {"role": "assistant", "content": marker}], None, False, ""
+        )
+    except DataError:
+        prompt = full = ""
+    at = full.find(marker, len(prompt) if full.startswith(prompt) else 0)
+    if at >= 0:
+        tail = full[at + len(marker) :]
+        for piece in tok.encode(tail, add_special_tokens=False).tokens:
+            if piece in added:
+                found.append((piece, vocab[piece]))
+                break
+    eos = template.special.get("eos_token")
+    if eos is not None and eos in vocab and all(eos != t for t, _ in found):
+        found.append((eos, vocab[eos]))
+    return found

@@ -46,6 +46,7 @@ from strata.data.chat import (
     LOSS_ON,
     ChatTemplate,
     conversation,
+    end_of_turn,
     is_chat_record,
     is_preference_record,
     load_template,
@@ -598,6 +599,7 @@ def prepare_chat(
         )
     check_output(Path(out_dir), files)
     path, template, info = _chat_tokenizer(tokenizer, eot_token, options)
+    turn_end = end_of_turn(template, tokenize.load_file_tokenizer(path))
     job = ChatJob(
         template,
         options.loss_on,
@@ -625,6 +627,8 @@ def prepare_chat(
         for split in SPLITS:  # the counts as they lie after any move to val
             packers[split].windows, packers[split].conversations = windows[split], docs[split]
         chat = _chat_meta(job, options, packers, counts)
+        chat["template"]["special"] = template.special
+        chat["end_of_turn"] = [{"token": t, "id": i} for t, i in turn_end]
         if moved:
             chat["trained_tokens"] = _trained(tmp)
         meta = {

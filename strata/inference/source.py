@@ -36,6 +36,11 @@ class Tokenizer:
         self.path = path
         self._tok = load_file_tokenizer(path) if path is not None else None
 
+    @property
+    def library_tokenizer(self):
+        """The `tokenizers.Tokenizer` under it (None for bytes)."""
+        return self._tok
+
     def encode(self, text: str, special: bool = True) -> list[int]:
         """The ids of `text`, with the tokenizer's special tokens added unless not `special` (bytes
         have none to add)."""

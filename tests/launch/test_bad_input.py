@@ -723,6 +723,17 @@ CASES = [
         slow=True,
     ),
     Case(
+        "generate-chat-on-text-data",
+        lambda tmp: ["generate", str(good_checkpoint(tmp)), "--chat", "--prompt", "x"],
+        ("has no chat template", "holds text, not conversations", "--chat-template"),
+        slow=True,
+    ),
+    Case(
+        "generate-chat-template-without-chat",
+        lambda tmp: ["generate", str(tmp), "--prompt", "x", "--chat-template", "chatml"],
+        ("--chat-template chatml", "add --chat"),
+    ),
+    Case(
         "import-deepspeed-malicious-pickle",
         malicious_deepspeed,
         ("mp_rank_00_model_states.pt", "not a DeepSpeed checkpoint torch can load safely"),

@@ -270,7 +270,7 @@ def test_shipped_configs_validate_and_docs_match_schema(tmp_path):
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=8,  # as many as the 70B LoRA's pipeline stages (pp 2 × 4 chunks)
         num_attention_heads=4,
     )
     transformers.LlamaForCausalLM(tiny).save_pretrained(tmp_path / "hf")
@@ -285,12 +285,16 @@ def test_shipped_configs_validate_and_docs_match_schema(tmp_path):
         ("llama-1b.yaml", 32, (1, 1, 1, 32)),
         ("llama2-7b-3d.yaml", 32, (8, 4, 2, 1)),
         ("llama2-70b-3d.yaml", 128, (8, 8, 5, 2)),
+        ("sft-llama3.1-8b.yaml", 8, (1, 1, 1, 8)),
+        ("lora-llama3-70b.yaml", 4, (2, 2, 4, 1)),
     ]:
-        cfg = config.load(Path(REPO, "configs", name), world_size=world)
+        named = (yaml.safe_load(Path(REPO, "configs", name).read_text())["model"]).get("init_from")
+        hf = [f"model.init_from={tmp_path / 'hf'}"] if named else []
+        cfg = config.load(Path(REPO, "configs", name), hf, world_size=world)
         par = cfg.parallel
         assert (par.tp, par.pp, par.virtual_stages, cfg.dp_size(world)) == (tp, pp, v, dp), name
         with pytest.raises(ConfigError):  # a world it does not fit is refused
-            config.load(Path(REPO, "configs", name), world_size=world + 1)
+            config.load(Path(REPO, "configs", name), hf, world_size=world + 1)
     assert Path(REPO, "docs/CONFIG.md").read_text() == config.reference_markdown()
 
 

@@ -3,7 +3,8 @@ fresh directory as a user runs them (`strata` from this checkout, caches in the 
 no network), each line exiting 0 and printing what the README promises.
 
 Run: the Quick start's `strata train configs/tiny.yaml` (its `pip install`s are what this checkout
-already did), the command line's examples, *Look at the model* and *Bring your own model*.
+already did), the command line's examples, *Look at the model*, *Bring your own model* and
+*Fine-tune a chat model* (about 45 s: a tiny chat model's LoRA fine-tune, export and replies).
 Skipped, each with its reason in `SKIPPED`: `pip install` lines (the packages are installed
 already; the `--tasks` line is skipped too where lm-eval is not), the test suite, the 2- and 4-process 500-step
 launches (minutes each on 2 cores; their layouts are tested in tests/parallel and tests/launch),
@@ -31,7 +32,14 @@ pytestmark = pytest.mark.slow
 README = (REPO / "README.md").read_text()
 
 # The sections whose bash blocks run, in README order (the install and test blocks come before).
-SECTIONS = ("Quick start", "The command line", "Look at the model", "Bring your own model", "Data")
+SECTIONS = (
+    "Quick start",
+    "The command line",
+    "Look at the model",
+    "Bring your own model",
+    "Fine-tune a chat model",
+    "Data",
+)
 
 # Lines not run, by a piece of their text, and why.
 SKIPPED = {
@@ -64,6 +72,14 @@ EXPECTED = {
     "strata train ft.yaml": "done: step 50",
     "finetuned --format hf": "wrote finetuned",
     "from_pretrained('finetuned')": "LlamaForCausalLM {'input_ids'",
+    "save_pretrained('models/chat')": "",
+    "open('chats.jsonl', 'w')": "",
+    "--out data/chat": "wrote data/chat",
+    "> chat.yaml": "",
+    "strata train chat.yaml": "done: step 30",
+    "chat-hf --format hf": "wrote chat-hf",
+    "generate chat-hf --chat": "chat template: chat-hf/chat_template.jinja",
+    "same as strata generate": "same as strata generate: True",
 }
 
 
@@ -144,3 +160,4 @@ def test_the_readme_commands_run_in_order_in_a_fresh_directory(tmp_path):
         assert json.loads(tasks.read_text())["results"]["python_choice"]["acc,none"] > 0.5
     assert (work / "tiny-hf" / "tokenizer.json").is_file()
     assert (work / "finetuned" / "tokenizer.json").is_file()
+    assert (work / "chat-hf" / "chat_template.jinja").is_file()

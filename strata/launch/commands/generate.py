@@ -36,13 +36,18 @@ HELP = CommandHelp(
     description="""\
 Continue each prompt with up to --max-new-tokens tokens, decoded with the model's own
 tokenizer (the run's prepared data's, or the Hugging Face directory's), stopping at its
-end-of-text id. Greedy unless --temperature > 0. Prompts of different lengths run as one batch.""",
+end-of-text id. Greedy unless --temperature > 0. Prompts of different lengths run as one batch.
+With --chat each prompt is a user message, rendered with the chat template (the run's data's,
+the directory's, or --chat-template) and the assistant's generation prompt, as transformers'
+apply_chat_template renders it; the reply stops at the template's end of turn (and
+generation_config.json's eos ids) and is printed alone.""",
     examples=(
         "strata generate runs/tiny/checkpoints --prompt 'def main(' --max-new-tokens 64",
         "strata generate ./Qwen2-0.5B --prompts prompts.txt --temperature 0.8 --top-p 0.95 "
         "--seed 1",
         "strata generate runs/tiny/checkpoints/step_00000100 --prompt 'import ' --stream",
         "strata generate dcp_ckpt/ --config configs/tiny.yaml --prompt 'x = '",
+        "strata generate runs/sft/checkpoints --chat --prompt 'What is RoPE?'",
     ),
 )
 
@@ -87,6 +92,18 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
         "--dtype", choices=DTYPES, default="fp32", help="the weights' and activations' type"
     )
     g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user message: rendered with the chat template and the generation "
+        "prompt, stopped at the end of the turn; prints the reply alone",
+    )
+    g.add_argument(
+        "--chat-template",
+        metavar="NAME_OR_FILE",
+        help="with --chat: a built-in template (chatml), a .jinja file or a named template of the "
+        "tokenizer, in place of the one the run's data was prepared with or the directory carries",
+    )
 
 
 def usable_devices() -> list[str]:
@@ -209,13 +226,17 @@ def run(args: argparse.Namespace) -> int:
     problems = sampling.problems()
     if problems:
         raise StrataError("; ".join(problems))
+    if args.chat_template is not None and not args.chat:
+        raise StrataError(
+            f"--chat-template {args.chat_template} applies to chat prompts: add --chat"
+        )
     prompts = read_prompts(args)
     check_device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     config = Path(args.config) if args.config else None
     opened = open_model(Path(args.path), config, args.overrides, dtype)
     model = opened.model.to(args.device)
-    ids = [opened.tokenizer.encode(p) for p in prompts]
+    ids, stop_ids = _encode(args, opened, prompts)
     if any(not i for i in ids):
         raise StrataError("strata generate: a prompt encodes to no tokens; give it some text")
     element = torch.finfo(dtype).bits // 8
@@ -236,14 +257,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     stream = _Stream(opened.tokenizer) if args.stream else None
-    if stream:
+    if stream and not args.chat:
         print(prompts[0], end="", flush=True)
-    result = generate(model, ids, args.max_new_tokens, sampling, opened.stop_ids, stream)
+    result = generate(model, ids, args.max_new_tokens, sampling, stop_ids, stream)
     if stream:
         print()
     else:
         for prompt, new in zip(prompts, result.tokens):
-            print(prompt + opened.tokenizer.decode([t for t in new if t not in opened.stop_ids]))
+            reply = opened.tokenizer.decode([t for t in new if t not in stop_ids])
+            print(reply if args.chat else prompt + reply)
             print("-" * 40)
     rate = result.new_tokens / result.decode_s if result.decode_s > 0 else float("inf")
     print(
@@ -252,6 +274,21 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _encode(args: argparse.Namespace, opened, prompts: list[str]) -> tuple[list[list[int]], set]:
+    """Each prompt's ids and the ids that end a generation: the prompt as it is, or with --chat as a
+    user message rendered with the chat template (no special tokens added, as transformers'
+    apply_chat_template tokenizes) and the template's end of turn among the stop ids."""
+    if not args.chat:
+        return [opened.tokenizer.encode(p) for p in prompts], set(opened.stop_ids)
+    from strata.inference.chat import open_chat
+
+    chat = open_chat(Path(args.path), opened, args.chat_template)
+    turn = ", ".join(chat.end_of_turn) or "none found"
+    print(f"chat template: {chat.template.source} (end of turn: {turn})", file=sys.stderr)
+    ids = [opened.tokenizer.encode(chat.prompt(p), special=False) for p in prompts]
+    return ids, set(chat.stop_ids)
 
 
 class _Stream:
