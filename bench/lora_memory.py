@@ -6,7 +6,8 @@ predicts for each.
     python bench/lora_memory.py --tiny          # a smoke run: a tiny model, seconds
 
 The model is a Llama shape (d_model 384, 6 layers, 6 heads with 2 key/value heads, SwiGLU 1024,
-untied, vocab 256: the probe's random tokens), sequences of 256 tokens, micro-batch 2 per rank, fp32.
+untied, vocab 256: the probe's random tokens), sequences of 256 tokens, micro-batch 2 per rank,
+fp32.
 LoRA is `model.lora` rank 16, alpha 32, on all-linear (every attention and feed-forward projection,
 as PEFT's "all-linear"). Layouts:
 
@@ -71,7 +72,8 @@ def layouts(tiny: bool) -> dict[str, tuple[int, dict[str, Any]]]:
                 raw["zero"] = ZERO3
             if lora:
                 raw["model"]["lora"] = LORA
-            name = f"{'LoRA r16' if lora else 'full FT'}, {'1 process' if world == 1 else 'ZeRO-3 dp2'}"
+            kind = "LoRA r16" if lora else "full FT"
+            name = f"{kind}, {'1 process' if world == 1 else 'ZeRO-3 dp2'}"
             out[name] = (world, raw)
     return out
 

@@ -81,7 +81,8 @@ def trl_side(
     records: list[dict], tok_dir: Path, model_dir: Path, work: Path, seq_len: int, batch: int,
     packing: bool, strategy: str = "bfd", sampling: str = "random",
 ) -> dict[str, int]:  # fmt: skip
-    """One epoch of SFTTrainer's own train dataloader for these settings: rows, computed, trained."""
+    """One epoch of SFTTrainer's own train dataloader with these settings: rows, computed and
+    trained tokens."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer

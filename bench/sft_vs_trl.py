@@ -125,7 +125,7 @@ def quiet() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# --- the sides, each in a process of its own --------------------------------------------------------
+# --- the sides, each in a process of its own ------------------------------------------------------
 
 
 def strata_worker(args: argparse.Namespace, paths: dict[str, Path]) -> dict:
@@ -187,9 +187,9 @@ def strata_worker(args: argparse.Namespace, paths: dict[str, Path]) -> dict:
         return batches
 
     trainer.loader.next_step = counted  # type: ignore[method-assign]
-    losses, ends = [], []
+    losses, ends, cpu = [], [], []
     profiler = None
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for i in range(total):
         if i == args.warmup and args.profile:
             import cProfile
@@ -199,12 +199,13 @@ def strata_worker(args: argparse.Namespace, paths: dict[str, Path]) -> dict:
         loss, _ = trainer.train_step()
         losses.append(float(loss))
         ends.append(time.perf_counter())
+        cpu.append(time.process_time())
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.profile)
     trainer.release_locks()
     trained = sum(p.numel() for p in trainer.model.params if p.requires_grad)
-    return result(args, counts, losses, [start, *ends], trained)
+    return result(args, counts, losses, [start, *ends], [cpu_start, *cpu], trained)
 
 
 def trl_worker(args: argparse.Namespace, paths: dict[str, Path], mode: str) -> dict:
@@ -222,6 +223,7 @@ def trl_worker(args: argparse.Namespace, paths: dict[str, Path], mode: str) -> d
     counts: list[tuple[int, int]] = []
     losses: list[float] = []
     ends: list[float] = []
+    cpu: list[float] = []
 
     class Counting(SFTTrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):  # type: ignore[override]
@@ -235,9 +237,11 @@ def trl_worker(args: argparse.Namespace, paths: dict[str, Path], mode: str) -> d
     class Clock(TrainerCallback):
         def on_train_begin(self, *a, **k):  # type: ignore[no-untyped-def]
             ends.append(time.perf_counter())
+            cpu.append(time.process_time())
 
         def on_step_end(self, *a, **k):  # type: ignore[no-untyped-def]
             ends.append(time.perf_counter())
+            cpu.append(time.process_time())
 
     cfg = SFTConfig(
         output_dir=str(paths["work"] / f"trl-{mode}"),
@@ -287,16 +291,18 @@ def trl_worker(args: argparse.Namespace, paths: dict[str, Path], mode: str) -> d
     torch.set_num_threads(args.threads)
     trainer.train()
     trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    return result(args, counts, losses, ends, trained)
+    return result(args, counts, losses, ends, cpu, trained)
 
 
 def result(
     args: argparse.Namespace, counts: list[tuple[int, int]], losses: list[float],
-    ends: list[float], trained_params: int,
+    ends: list[float], cpu: list[float], trained_params: int,
 ) -> dict:  # fmt: skip
-    """Figures of the timed steps (after the warm-up ones)."""
+    """Figures of the timed steps (after the warm-up ones); `ends` and `cpu` are the wall clock and
+    the process's CPU time at the start and at the end of every step."""
     w = args.warmup
     seconds = ends[-1] - ends[w]
+    cpu_seconds = cpu[-1] - cpu[w]
     timed = counts[w:]
     tokens, trained = sum(c[0] for c in timed), sum(c[1] for c in timed)
     return {
@@ -307,12 +313,13 @@ def result(
         "trained": trained,
         "tokens_per_s": tokens / seconds,
         "trained_per_s": trained / seconds,
+        "trained_per_cpu_s": trained / cpu_seconds,
         "losses": losses,
         "trained_params": trained_params,
     }
 
 
-# --- the driver ------------------------------------------------------------------------------------
+# --- the driver -----------------------------------------------------------------------------------
 
 
 def run_side(argv: list[str], side: str) -> dict:
@@ -348,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         f"bench/sft_vs_trl: Llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
         f"({args.kv_heads} kv), ffn {args.ffn}, vocab 4096, "
         f"{'LoRA rank ' + str(args.lora) + ' all-linear' if args.lora else 'full fine-tuning'}; "
-        f"B {args.batch} x S {args.seq_len}, fp32, {args.threads} threads, torch {torch.__version__}"
+        f"B {args.batch} x S {args.seq_len}, fp32, {args.threads} threads, "
+        f"torch {torch.__version__}"
     )
     print(
         f"  {args.n} conversations ({trained_in_windows} trained "
@@ -364,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  round {r + 1} {side:12s} {out['step_s'] * 1e3:8.1f} ms/step "
                 f"{out['trained_per_s']:9.0f} trained tok/s {out['tokens_per_s']:9.0f} tok/s "
+                f"{out['trained_per_cpu_s']:9.0f} trained tok/CPU-s "
                 f"(loss {out['losses'][0]:.3f} -> {out['losses'][-1]:.3f})",
                 flush=True,
             )
@@ -373,15 +382,19 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print("| side | trained params | step (median) | trained tokens/s | all tokens/s | "
-          "trained share | **strata / side (trained tok/s)** |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "trained share | **strata / side (trained tok/s)** | trained tok/CPU-s | "
+          "strata / side (CPU) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    cpu_base = med("strata", "trained_per_cpu_s")
     base = med("strata", "trained_per_s")
     for side in sides:
         share = sum(o["trained"] for o in runs[side]) / sum(o["tokens"] for o in runs[side])
         print(
             f"| {side} | {runs[side][0]['trained_params']:,} | {med(side, 'step_s') * 1e3:.1f} ms "
             f"| {med(side, 'trained_per_s'):,.0f} | {med(side, 'tokens_per_s'):,.0f} | "
-            f"{share:.3f} | {base / med(side, 'trained_per_s'):.2f}x |"
+            f"{share:.3f} | **{base / med(side, 'trained_per_s'):.2f}x** | "
+            f"{med(side, 'trained_per_cpu_s'):,.0f} | "
+            f"{cpu_base / med(side, 'trained_per_cpu_s'):.2f}x |"
         )
     best = max(sides[1:], key=lambda s: med(s, "trained_per_s")) if len(sides) > 1 else None
     if best:
