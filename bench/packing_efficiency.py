@@ -74,7 +74,23 @@ def strata_side(src: Path, out: Path, tok: Path, seq_len: int) -> dict[str, int]
         "p90_len": int(np.percentile(lengths, 90)),
         "max_len": int(lengths[-1]),
         "truncated": int(meta.get("chat", {}).get("truncated", 0)),
+        "bfd_rows": best_fit_decreasing(lengths.tolist(), window),
     }
+
+
+def best_fit_decreasing(lengths: list[int], window: int) -> int:
+    """How many windows best-fit decreasing would fill with these conversations (a what-if for
+    Strata's windows: `strata data prepare` packs next-fit, in input order)."""
+    import bisect
+
+    free: list[int] = []  # the open windows' free space, sorted
+    for n in sorted(lengths, reverse=True):
+        i = bisect.bisect_left(free, n)
+        if i == len(free):
+            bisect.insort(free, window - n)
+        else:
+            bisect.insort(free, free.pop(i) - n)
+    return len(free)
 
 
 def trl_side(
@@ -180,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
             f"| {frac / base:.2f}x |"
         )
     st, pb = sides["strata windows (next-fit)"], sides["trl packed bfd (padding-free)"]
+    bfd = st["trained"] / (st["bfd_rows"] * args.seq_len)
+    print(
+        f"what-if: Strata's windows packed best-fit decreasing: {st['bfd_rows']:,} windows, "
+        f"useful fraction {bfd:.3f} ({bfd / st['useful_fraction']:.2f}x next-fit's)"
+    )
     print(
         f"conversation lengths in tokens (end-of-document token included): median "
         f"{st['median_len']}, p10 {st['p10_len']}, p90 {st['p90_len']}, max {st['max_len']}; "
