@@ -22,6 +22,8 @@ threads. TRL runs with `assistant_only_loss=True`, `bf16=False` and `activation_
 modes of --trl (each a side of its own):
 
 - `padded`: TRL's default (`packing=False`): B conversations a step, padded to the longest;
+- `grouped`: the same with `train_sampling_strategy="group_by_length"` (transformers'
+  LengthGroupedSampler: each batch's conversations of similar lengths, less padding);
 - `packed`: `packing=True` (best-fit decreasing, which turns padding-free on: B packed rows of up
   to S tokens flattened into one row, attention kept inside each conversation by transformers'
   packed-sequence mask from the restarted position_ids).
@@ -77,7 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--trl", default="padded,packed", help="TRL modes: padded, packed")
+    p.add_argument(
+        "--trl", default="padded,grouped,packed", help="TRL modes: padded, grouped, packed"
+    )
     p.add_argument("--tiny", action="store_true", help="smoke run: tiny model, 2+1 steps, 1 round")
     p.add_argument("--profile", help="(strata worker) write a cProfile of the timed steps here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -249,6 +253,7 @@ def trl_worker(args: argparse.Namespace, paths: dict[str, Path], mode: str) -> d
         gradient_accumulation_steps=1,
         max_length=args.seq_len,
         packing=mode == "packed",
+        train_sampling_strategy="group_by_length" if mode == "grouped" else "random",
         assistant_only_loss=True,
         learning_rate=LR,
         lr_scheduler_type="constant",
