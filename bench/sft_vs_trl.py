@@ -1,10 +1,12 @@
 """Supervised fine-tuning throughput, Strata against TRL's `SFTTrainer`: trained tokens/s (targets
 that carry loss) and all tokens/s (positions computed, padding included), on the same model, the
-same conversations, batch size, sequence length and optimizer, on the CPU in one process.
+same conversations, batch size, sequence length and optimizer, on the CPU in one process (or --dp
+processes a side under torchrun: Strata's data parallelism against TRL's DDP, both over gloo).
 
     python bench/sft_vs_trl.py                          # full fine-tuning, ~3 min on 2 cores
     python bench/sft_vs_trl.py --lora 16                # LoRA rank 16 on all-linear vs PEFT
-    python bench/sft_vs_trl.py --tiny                   # a smoke run: tiny model, 2 steps, seconds
+    python bench/sft_vs_trl.py --dp 2 --threads 1       # 2 processes (torchrun, gloo) a side
+    python bench/sft_vs_trl.py --tiny                   # a smoke run: tiny model, 2 steps
 
 Setup (bench/_sft_common.py; kept under --work and reused): a BPE tokenizer of 4096 ids saved by
 transformers with LFM2.5's chat template (its `{% generation %}` markers give both sides the
@@ -78,7 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per side and round")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="threads per process")
+    p.add_argument(
+        "--dp", type=int, default=1, help="processes under torchrun (data parallel, gloo)"
+    )
     p.add_argument(
         "--trl", default="padded,grouped,packed", help="TRL modes: padded, grouped, packed"
     )
@@ -147,7 +152,7 @@ def strata_worker(args: argparse.Namespace, paths: dict[str, Path]) -> dict:
         "data.document_mask=true",
         "data.reset_positions=true",
         f"train.micro_batch_size={args.batch}",
-        f"train.global_batch_size={args.batch}",
+        f"train.global_batch_size={args.batch * args.dp}",
         f"train.steps={total}",
         "train.precision=fp32",
         f"train.threads={args.threads}",
@@ -209,7 +214,8 @@ def strata_worker(args: argparse.Namespace, paths: dict[str, Path]) -> dict:
         profiler.dump_stats(args.profile)
     trainer.release_locks()
     trained = sum(p.numel() for p in trainer.model.params if p.requires_grad)
-    return result(args, counts, losses, [start, *ends], [cpu_start, *cpu], trained)
+    out = result(args, counts, losses, [start, *ends], [cpu_start, *cpu], trained)
+    return {**out, "world": rt.world_size}
 
 
 def trl_worker(args: argparse.Namespace, paths: dict[str, Path], mode: str) -> dict:
@@ -296,7 +302,8 @@ def trl_worker(args: argparse.Namespace, paths: dict[str, Path], mode: str) -> d
     torch.set_num_threads(args.threads)
     trainer.train()
     trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    return result(args, counts, losses, ends, cpu, trained)
+    out = result(args, counts, losses, ends, cpu, trained)
+    return {**out, "world": trainer.args.world_size}
 
 
 def result(
@@ -327,14 +334,33 @@ def result(
 # --- the driver -----------------------------------------------------------------------------------
 
 
-def run_side(argv: list[str], side: str) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", side]
+def run_side(argv: list[str], side: str, dp: int) -> dict:
+    """One side in a fresh process (dp > 1: dp processes under torchrun, whose tokens are summed
+    over the ranks and whose time is the slowest rank's)."""
+    script = [str(Path(__file__).resolve()), *argv, "--worker", side]
+    if dp > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={dp}", *script]  # fmt: skip
+    else:
+        cmd = [sys.executable, *script]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not lines:
+    if proc.returncode or len(lines) < dp:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         raise SystemExit(f"bench/sft_vs_trl: the {side} side failed ({proc.returncode})")
-    return json.loads(lines[-1][len("RESULT ") :])
+    ranks = [json.loads(x[len("RESULT ") :]) for x in lines[-dp:]]
+    if any(r["world"] != dp for r in ranks):
+        raise SystemExit(f"bench/sft_vs_trl: the {side} side ran in worlds of {ranks[0]['world']}")
+    out = dict(ranks[0])
+    out["seconds"] = max(r["seconds"] for r in ranks)
+    out["step_s"] = out["seconds"] / out["steps"]
+    cpu = sum(r["trained"] / r["trained_per_cpu_s"] for r in ranks)
+    for key in ("tokens", "trained"):
+        out[key] = sum(r[key] for r in ranks)
+    out["tokens_per_s"] = out["tokens"] / out["seconds"]
+    out["trained_per_s"] = out["trained"] / out["seconds"]
+    out["trained_per_cpu_s"] = out["trained"] / cpu
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         f"bench/sft_vs_trl: Llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
         f"({args.kv_heads} kv), ffn {args.ffn}, vocab 4096, "
         f"{'LoRA rank ' + str(args.lora) + ' all-linear' if args.lora else 'full fine-tuning'}; "
-        f"B {args.batch} x S {args.seq_len}, fp32, {args.threads} threads, "
+        f"B {args.batch} x S {args.seq_len} per process, {args.dp} process(es) of "
+        f"{args.threads} threads, fp32, "
         f"torch {torch.__version__}"
     )
     print(
@@ -372,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         order = sides if r % 2 == 0 else sides[::-1]
         for side in order:
-            out = run_side([a for a in argv if a != "--profile"], side)
+            out = run_side([a for a in argv if a != "--profile"], side, args.dp)
             runs[side].append(out)
             print(
                 f"  round {r + 1} {side:12s} {out['step_s'] * 1e3:8.1f} ms/step "
