@@ -11,7 +11,7 @@ template, whose `{% generation %}` markers say which tokens are the assistant's.
 batches are what its trainer would feed the model over one epoch:
 
 - strata: `prepare_chat` (what `strata data prepare --seq-len S --loss-on assistant` runs), windows
-  of S tokens (next-fit in input order, a conversation never cut, the tail of a window padding);
+  of S tokens (best-fit decreasing, a conversation never cut, the tail of a window padding);
   every window is one row of S computed tokens.
 - trl padded: `SFTTrainer(packing=False, max_length=S, assistant_only_loss=True)`, its own
   prepared data set and train dataloader (random order, per_device_train_batch_size B): each batch
@@ -79,8 +79,8 @@ def strata_side(src: Path, out: Path, tok: Path, seq_len: int) -> dict[str, int]
 
 
 def best_fit_decreasing(lengths: list[int], window: int) -> int:
-    """How many windows best-fit decreasing would fill with these conversations (a what-if for
-    Strata's windows: `strata data prepare` packs next-fit, in input order)."""
+    """How many windows best-fit decreasing fills with these conversations, computed here over the
+    whole set (a check of `strata data prepare`'s windows, packed per worker task)."""
     import bisect
 
     free: list[int] = []  # the open windows' free space, sorted
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         tok = make_tokenizer(work / "tok")
         model = make_model(work / "model", 4096, 32, 1, 2, 2, 64, args.seq_len)
         src = write_jsonl(work / "conversations.jsonl", records)
-        sides = {"strata windows (next-fit)": strata_side(src, work / "strata", tok, args.seq_len)}
+        sides = {"strata windows (bfd)": strata_side(src, work / "strata", tok, args.seq_len)}
         for i, (name, packing, strategy, sampling) in enumerate(
             (
                 ("trl padded (default)", False, "bfd", "random"),
@@ -195,11 +195,10 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {s['rows']:,} | {s['computed']:,} | {s['trained']:,} | **{frac:.3f}** "
             f"| {frac / base:.2f}x |"
         )
-    st, pb = sides["strata windows (next-fit)"], sides["trl packed bfd (padding-free)"]
-    bfd = st["trained"] / (st["bfd_rows"] * args.seq_len)
+    st, pb = sides["strata windows (bfd)"], sides["trl packed bfd (padding-free)"]
     print(
-        f"what-if: Strata's windows packed best-fit decreasing: {st['bfd_rows']:,} windows, "
-        f"useful fraction {bfd:.3f} ({bfd / st['useful_fraction']:.2f}x next-fit's)"
+        f"check: best-fit decreasing of the same lengths, computed here over the whole set: "
+        f"{st['bfd_rows']:,} windows (Strata wrote {st['rows']:,})"
     )
     print(
         f"conversation lengths in tokens (end-of-document token included): median "

@@ -4,7 +4,7 @@ no network), each line exiting 0 and printing what the README promises.
 
 Run: the Quick start's `strata train configs/tiny.yaml` (its `pip install`s are what this checkout
 already did), the command line's examples, *Look at the model*, *Bring your own model* and
-*Fine-tune a chat model* (about 45 s: a tiny chat model's LoRA fine-tune, export and replies).
+*Fine-tune a chat model* (a tiny chat model's LoRA fine-tune, its DPO, export and replies).
 Skipped, each with its reason in `SKIPPED`: `pip install` lines (the packages are installed
 already; the `--tasks` line is skipped too where lm-eval is not), the test suite, the 2- and 4-process 500-step
 launches (minutes each on 2 cores; their layouts are tested in tests/parallel and tests/launch),
@@ -77,6 +77,11 @@ EXPECTED = {
     "--out data/chat": "wrote data/chat",
     "> chat.yaml": "",
     "strata train chat.yaml": "done: step 30",
+    "chat-sft --format hf": "wrote chat-sft",
+    "open('pairs.jsonl', 'w')": "",
+    "--out data/pairs": "wrote data/pairs",
+    "> dpo.yaml": "",
+    "strata train dpo.yaml": "done: step 20",
     "chat-hf --format hf": "wrote chat-hf",
     "generate chat-hf --chat": "chat template: chat-hf/chat_template.jinja",
     "same as strata generate": "same as strata generate: True",
