@@ -6,8 +6,8 @@ blended dataset), `loader` (the deterministic, resumable data-parallel batch loa
 evaluation batches), `tokenize` (bytes, a `tokenizer.json` or model directory, a BPE trained on the
 corpus), `prepare` (`strata data prepare`: txt, JSON Lines or Parquet read and tokenized by
 worker processes, written streaming), `chat` (chat templates rendered as transformers renders them,
-and the loss mask of a conversation) and `sft` (`strata data prepare` for conversations: masked and
-packed into windows that never cut one).
+and the loss mask of a conversation), `sft` (`strata data prepare` for conversations: masked and
+packed into windows that never cut one) and `packing` (those windows, best-fit decreasing).
 
 It imports only the base, the package `strata`; the trainer, the inference and the launcher read
 tokenizers, vocabularies and data directories from here.
