@@ -139,43 +139,35 @@ def _parquet_records(task: Task) -> list[tuple[str, str, dict]]:
 def holds_conversations(files: list[Path], text_field: str) -> bool:
     """Whether the inputs are conversations: the first record of the first JSON Lines or Parquet
     file has no `text_field` but has a conversation's fields."""
-    first = next((f for f in files if input_format(Path(f)) != "text"), None)
-    if first is None:
-        return False
-    if input_format(Path(first)) == "parquet":
-        names = set(open_parquet(str(first), None).schema_arrow.names)
-        return text_field not in names and is_chat_record(dict.fromkeys(names))
-    with open(first, "rb") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    return False  # the text reader says what is wrong with it
-                return (
-                    isinstance(record, dict) and text_field not in record and is_chat_record(record)
-                )
-    return False
+    record = _first_record(files)
+    return record is not None and text_field not in record and is_chat_record(record)
 
 
 def holds_pairs(files: list[Path]) -> bool:
     """Whether the inputs are preference pairs: the first record of the first JSON Lines or Parquet
     file has `chosen` and `rejected`."""
+    record = _first_record(files)
+    return record is not None and is_preference_record(record)
+
+
+def _first_record(files: list[Path]) -> dict | None:
+    """The first record of the first JSON Lines or Parquet file (a Parquet file's column names, as
+    keys), or None: no such file, or a first line that is not a JSON object (the text reader says
+    what is wrong with it)."""
     first = next((f for f in files if input_format(Path(f)) != "text"), None)
     if first is None:
-        return False
+        return None
     if input_format(Path(first)) == "parquet":
-        names = set(open_parquet(str(first), None).schema_arrow.names)
-        return is_preference_record(dict.fromkeys(names))
+        return dict.fromkeys(open_parquet(str(first), None).schema_arrow.names)
     with open(first, "rb") as f:
         for line in f:
             if line.strip():
                 try:
                     record = json.loads(line)
                 except ValueError:
-                    return False
-                return isinstance(record, dict) and is_preference_record(record)
-    return False
+                    return None
+                return record if isinstance(record, dict) else None
+    return None
 
 
 # --- encoding in a worker -----------------------------------------------------------------------
