@@ -115,6 +115,24 @@ def tiny_hf_llama(directory: Path) -> Path:
     return directory
 
 
+def save_gqa_llama(directory: Path, vocab_size: int) -> Path:
+    """A tiny random Llama (2 layers, grouped-query attention, untied) saved by transformers, seeded
+    so that each test module gets the same weights."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(directory)
+    return directory
+
+
 def hf_run_overrides(
     hf_dir: Path | str, data_dir: Path, run_root: Path, seq_len: int, **extra
 ) -> list[str]:

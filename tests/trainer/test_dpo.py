@@ -33,7 +33,7 @@ from strata.hf.tensor_names import to_peft
 from strata.parallel.tensor import placement_of
 from strata.trainer.hooks import StepHook
 
-from conftest import hf_run_overrides
+from conftest import hf_run_overrides, save_gqa_llama
 from preference_pairs import SEQ, pair_records, prepare_pairs, save_tokenizer, unpack
 from worlds import run_world, train_world, worker_env
 
@@ -64,21 +64,10 @@ def pairs_dir(tok_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def hf_llama(tok_dir, tmp_path_factory) -> Path:
     """A tiny random Llama (2 layers, grouped-query attention) with the data's vocabulary."""
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=len(transformers.AutoTokenizer.from_pretrained(tok_dir)),
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        )
+    return save_gqa_llama(
+        tmp_path_factory.mktemp("hf") / "llama",
+        len(transformers.AutoTokenizer.from_pretrained(tok_dir)),
     )
-    directory = tmp_path_factory.mktemp("hf") / "llama"
-    model.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from strata.model import GPT
 from strata.parallel.runtime import start
 from strata.trainer.jobs import train as run
 
-from conftest import hf_run_overrides, run_cli, tiny_config
+from conftest import hf_run_overrides, run_cli, save_gqa_llama, tiny_config
 from worlds import COMMON, assert_same_params, final_params, losses_from, train_run, train_world
 
 transformers = pytest.importorskip("transformers")
@@ -43,21 +43,7 @@ LORA = {
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory) -> Path:
     """A tiny random Llama (2 layers, grouped-query attention) saved by transformers."""
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        )
-    )
-    directory = tmp_path_factory.mktemp("hf") / "llama"
-    model.save_pretrained(directory)
-    return directory
+    return save_gqa_llama(tmp_path_factory.mktemp("hf") / "llama", VOCAB)
 
 
 def _lora_config(hf_dir: Path, data_dir: Path, run_root: Path, **extra) -> config.Config:
