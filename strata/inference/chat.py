@@ -17,7 +17,6 @@ eos_token).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from strata.data.chat import (
     render,
     special_tokens,
 )
+from strata.data.tokens import read_meta
 from strata.errors import DataError
 from strata.inference.source import Opened
 
@@ -56,10 +56,9 @@ def _recorded(data_dir: Path) -> tuple[str | None, dict[str, str], Path | None]:
     (None for text data), the special tokens the template saw, and the directory of the tokenizer
     it named (None when unknown or gone)."""
     try:
-        meta = json.loads((data_dir / "meta.json").read_text())
-    except (OSError, ValueError):
+        meta = read_meta(data_dir).raw
+    except DataError:  # gone or not prepared data: nothing recorded
         meta = {}
-    meta = meta if isinstance(meta, dict) else {}
     chat = meta.get("chat") if isinstance(meta.get("chat"), dict) else None
     found = meta.get("tokenizer")
     tokenizer: dict = found if isinstance(found, dict) else {}
